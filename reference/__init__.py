@@ -1,0 +1,1 @@
+"""Independent pure-NumPy reference (placeholder)."""
