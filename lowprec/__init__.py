@@ -19,20 +19,41 @@ from ._format import (
     element_format,
     mx_format,
 )
+from ._mx import (
+    DEFAULT_SCALE_RULE,
+    SCALE_RULES,
+    MXArray,
+    dequantize,
+    fake_quantize_mx,
+    from_gpt_oss,
+    quantize_mx,
+    to_gpt_oss,
+)
+from ._pack import pack_fp4, unpack_fp4
 from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_SCALE_RULE",
     "ELEMENT_FORMAT_NAMES",
     "MX_FORMAT_NAMES",
     "OVERFLOW_POLICIES",
     "ROUNDING_MODES",
+    "SCALE_RULES",
     "ElementFormat",
+    "MXArray",
     "MXFormat",
     "decode",
+    "dequantize",
     "element_format",
     "encode",
+    "fake_quantize_mx",
+    "from_gpt_oss",
     "mx_format",
+    "pack_fp4",
     "quantize",
+    "quantize_mx",
+    "to_gpt_oss",
+    "unpack_fp4",
 ]

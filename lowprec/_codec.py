@@ -54,8 +54,12 @@ def _as_float_input(x, what: str = "x"):
     )
 
 
-def _encode_bits(fmt: ElementFormat, x, rounding: str, overflow: str, random_bits):
-    """Core encoder on the bit pattern of a float32/float64 array; returns int32 codes."""
+def _encode_bits(fmt: ElementFormat, x, rounding: str, overflow: str, random_bits, scale_exp=None):
+    """Core encoder on the bit pattern of a float32/float64 array; returns int32 codes.
+
+    With ``scale_exp`` (an int32 array broadcastable to ``x``), encodes ``x * 2^-scale_exp``
+    exactly, by moving the exponent rather than multiplying (MX block scaling).
+    """
     udt, in_mant, in_bias = _FLOAT_LAYOUTS[np.dtype(x.dtype)]
     width = jnp.iinfo(udt).bits
     assert fmt.mantissa_bits < in_mant
@@ -71,6 +75,8 @@ def _encode_bits(fmt: ElementFormat, x, rounding: str, overflow: str, random_bit
     sig = jnp.where(efield > 0, mfield | jnp.asarray(1 << in_mant, udt), mfield)
     # |x| = sig * 2^lsb_exp exactly; e_x = floor(log2 |x|) from the leading bit of sig.
     lsb_exp = jnp.maximum(efield, 1) - (in_bias + in_mant)
+    if scale_exp is not None:
+        lsb_exp = lsb_exp - scale_exp
     e_x = lsb_exp + (width - 1) - lax.clz(sig).astype(jnp.int32)
 
     # The target quantum: 2^(t - M) with t the binade, or emin in the subnormal range.

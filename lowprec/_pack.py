@@ -1,0 +1,63 @@
+"""Packing of 4-bit codes two per byte: element 2k in the low nibble, 2k+1 in the high one.
+
+This is the OCP MX / gpt-oss / Hugging Face MXFP4 byte layout.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def _normalize_axis(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for an array of rank {ndim}")
+    return axis % ndim
+
+
+def pack_fp4(codes, axis: int = -1) -> jnp.ndarray:
+    """Packs 4-bit codes (uint8 values 0..15) two per byte along ``axis``.
+
+    Args:
+      codes: integer array; only the low 4 bits of each entry are kept.
+      axis: axis to pack along; its length must be even.
+
+    Returns:
+      uint8 array with ``axis`` halved: byte k = codes[2k] | codes[2k+1] << 4.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> pack_fp4(jnp.array([0x1, 0x2, 0xF, 0x8], jnp.uint8)).tolist()
+        [33, 143]
+    """
+    codes = jnp.asarray(codes)
+    if not jnp.issubdtype(codes.dtype, jnp.integer):
+        raise TypeError(f"pack_fp4 takes integer codes, got dtype {codes.dtype}")
+    axis = _normalize_axis(axis, codes.ndim)
+    n = codes.shape[axis]
+    if n % 2:
+        raise ValueError(
+            f"pack_fp4 needs an even length along axis {axis}, got {n}; pad the codes first"
+        )
+    c = jnp.moveaxis(codes.astype(jnp.uint8) & 0xF, axis, -1)
+    c = c.reshape(*c.shape[:-1], n // 2, 2)
+    packed = c[..., 0] | lax.shift_left(c[..., 1], jnp.uint8(4))
+    return jnp.moveaxis(packed, -1, axis)
+
+
+def unpack_fp4(packed, axis: int = -1) -> jnp.ndarray:
+    """Inverse of :func:`pack_fp4`: uint8 bytes → uint8 codes 0..15, ``axis`` doubled.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> unpack_fp4(jnp.array([0x21, 0x8F], jnp.uint8)).tolist()
+        [1, 2, 15, 8]
+    """
+    packed = jnp.asarray(packed)
+    if packed.dtype != jnp.uint8:
+        raise TypeError(f"unpack_fp4 takes uint8 bytes, got dtype {packed.dtype}")
+    axis = _normalize_axis(axis, packed.ndim)
+    p = jnp.moveaxis(packed, axis, -1)
+    both = jnp.stack([p & 0xF, lax.shift_right_logical(p, jnp.uint8(4))], axis=-1)
+    both = both.reshape(*p.shape[:-1], p.shape[-1] * 2)
+    return jnp.moveaxis(both, -1, axis)
