@@ -1,0 +1,35 @@
+"""Runs the docstring examples of every public module (they are documentation that must not rot)."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import lowprec
+import lowprec_formats
+
+
+def _modules():
+    names = [lowprec_formats.__name__]
+    for info in pkgutil.walk_packages(lowprec.__path__, prefix="lowprec."):
+        names.append(info.name)
+    return sorted(set(names))
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_docstring_examples(name):
+    if name.endswith("__main__"):
+        pytest.skip("entry point module")
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} doctest failure(s) in {name}"
+
+
+def test_there_are_docstring_examples():
+    # Guards the parametrization above: a walk that found nothing would pass vacuously.
+    total = sum(
+        len(doctest.DocTestFinder().find(importlib.import_module(n)))
+        for n in ("lowprec._codec", "lowprec._mx", "lowprec._format")
+    )
+    assert total >= 10
