@@ -85,7 +85,9 @@ def _encode_bits(fmt: ElementFormat, x, rounding: str, overflow: str, random_bit
     mag_q = round_shift(sig, shift, sign, rounding, random_bits)
     # The code of a magnitude: (t - emin + field(emin)) << M plus the significand of the
     # rounded value, whose implicit bit (mag_q >= 2^M) adds one to the exponent field.
-    code = lax.shift_left(t - fmt.emin + fmt.min_exponent_field - 1, fmt.mantissa_bits) + mag_q
+    code = lax.shift_left(
+        t - fmt.emin + fmt.min_exponent_field - 1, jnp.int32(fmt.mantissa_bits)
+    ) + mag_q
 
     if not fmt.zero and overflow == "ieee" and rounding.startswith("nearest"):
         # ml_dtypes quirk, reproduced under the default policy: in the lowest binade
@@ -106,8 +108,8 @@ def _encode_bits(fmt: ElementFormat, x, rounding: str, overflow: str, random_bit
     code = jnp.where(is_inf, inf_result, code)
 
     if fmt.signed:
-        code = code | lax.shift_left(sign.astype(jnp.int32), fmt.magnitude_bits)
-        signed_bit = lax.shift_left(sign.astype(jnp.int32), fmt.magnitude_bits)
+        signed_bit = lax.shift_left(sign.astype(jnp.int32), jnp.int32(fmt.magnitude_bits))
+        code = code | signed_bit
         if fmt.nan_code is not None:
             nan_result = fmt.nan_code | signed_bit
         else:
