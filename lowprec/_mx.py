@@ -22,7 +22,7 @@ import lowprec_formats as _data
 
 from ._codec import _decode_bits, _encode_bits
 from ._format import MXFormat, mx_format
-from ._pack import _normalize_axis, pack_fp4, unpack_fp4
+from ._pack import _normalize_axis, _pack_last, _unpack_last
 from ._rounding import check_key, check_rounding
 
 SCALE_RULES: tuple[str, ...] = _data.SCALE_RULES
@@ -173,10 +173,9 @@ def _quantize_mx_core(x, fmt: MXFormat, axis: int, scale_rule: str, rounding: st
     )
     codes = jnp.where(special[..., None], 0, codes).astype(jnp.uint8)
     scales = jnp.where(special, _E8M0_NAN, shared + _E8M0_BIAS).astype(jnp.uint8)
-    codes = _unblocked(codes, axis)
     if fmt.packed:
-        codes = pack_fp4(codes, axis)
-    return codes, jnp.moveaxis(scales, -1, axis)
+        codes = _pack_last(codes)  # pairs never straddle blocks, so pack while blocked
+    return _unblocked(codes, axis), jnp.moveaxis(scales, -1, axis)
 
 
 def _prepare(x, fmt, axis, scale_rule, rounding, pad, key):
@@ -275,8 +274,11 @@ def _scale_bits(value_bits, scale_codes):
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
 def _dequantize_core(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
-    codes = unpack_fp4(elements, axis) if fmt.packed else elements
-    vb = _blocked(_decode_bits(fmt.element, codes), axis, fmt.block_size)
+    block = fmt.block_size // 2 if fmt.packed else fmt.block_size
+    codes = _blocked(elements, axis, block)
+    if fmt.packed:
+        codes = _unpack_last(codes)
+    vb = _decode_bits(fmt.element, codes)
     sb = jnp.moveaxis(scales, axis, -1)[..., None]
     values = lax.bitcast_convert_type(_unblocked(_scale_bits(vb, sb), axis), jnp.float32)
     values = lax.slice_in_dim(values, 0, n, axis=axis)
