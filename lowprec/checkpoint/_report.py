@@ -1,0 +1,242 @@
+"""Per-tensor reports of a checkpoint conversion: a text table and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Optional
+
+
+def _finite_or_none(v):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return None
+    return v
+
+
+@dataclasses.dataclass
+class TensorReport:
+    """One tensor of a conversion.
+
+    ``format`` is the stored format, or ``"kept"`` (copied unchanged; ``reason`` says why).
+    ``sqnr_db`` = 10·log10(Σx² / Σ(x − q)²) over finite elements (``inf``: no error at all);
+    ``max_rel_err`` is over nonzero x (an element flushed to zero counts 1.0);
+    ``clipped_fraction``: MX: fraction of blocks whose max magnitude exceeded
+    max_elem × scale (saturated, as the ``floor`` rule does by design); FP8/BF16/FP16:
+    fraction of elements saturated to the format's max. ``nonfinite``: elements left out of
+    the statistics because the input or its quantized value was NaN/±inf.
+    """
+
+    name: str
+    shape: tuple
+    dtype: str
+    format: str
+    bytes_before: int
+    bytes_after: int
+    reason: str = ""
+    scale_rule: Optional[str] = None
+    sqnr_db: Optional[float] = None
+    max_abs_err: Optional[float] = None
+    max_rel_err: Optional[float] = None
+    clipped_fraction: Optional[float] = None
+    nonfinite: int = 0
+    stored_as: tuple = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def quantized(self) -> bool:
+        return self.format != "kept"
+
+    @property
+    def bits_per_param(self) -> Optional[float]:
+        return 8 * self.bytes_after / self.numel if self.numel else None
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        d["stored_as"] = list(self.stored_as)
+        d["numel"] = self.numel
+        d["bits_per_param"] = self.bits_per_param
+        d["sqnr_db"] = _finite_or_none(self.sqnr_db)
+        d["exact"] = self.quantized and self.sqnr_db == math.inf
+        return d
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """The result of :func:`quantize_checkpoint` / :func:`dequantize_checkpoint`."""
+
+    source: str
+    destination: Optional[str]
+    operation: str
+    options: dict
+    tensors: list
+    seconds: float = 0.0
+
+    @property
+    def quantized(self) -> list:
+        return [t for t in self.tensors if t.quantized]
+
+    def totals(self) -> dict:
+        q = self.quantized
+        params = sum(t.numel for t in self.tensors)
+        qparams = sum(t.numel for t in q)
+        before = sum(t.bytes_before for t in self.tensors)
+        after = sum(t.bytes_after for t in self.tensors)
+        out = {
+            "tensors": len(self.tensors),
+            "tensors_quantized": len(q),
+            "params": params,
+            "params_quantized": qparams,
+            "bytes_before": before,
+            "bytes_after": after,
+            "compression": before / after if after else None,
+            "bits_per_param": 8 * after / params if params else None,
+            "bits_per_param_quantized": (
+                8 * sum(t.bytes_after for t in q) / qparams if qparams else None
+            ),
+            "seconds": round(self.seconds, 3),
+        }
+        stats = [t for t in q if t.sqnr_db is not None]
+        if stats:
+            worst = min(stats, key=lambda t: t.sqnr_db)
+            out["min_sqnr_db"] = _finite_or_none(worst.sqnr_db)
+            out["min_sqnr_tensor"] = worst.name
+            # parameter-weighted mean of the per-tensor SQNRs (dB)
+            finite = [t for t in stats if math.isfinite(t.sqnr_db)]
+            if finite:
+                w = sum(t.numel for t in finite)
+                out["mean_sqnr_db"] = sum(t.sqnr_db * t.numel for t in finite) / w
+            out["max_abs_err"] = max(t.max_abs_err or 0.0 for t in stats)
+            out["clipped_fraction_max"] = max(t.clipped_fraction or 0.0 for t in stats)
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "operation": self.operation,
+            "source": self.source,
+            "destination": self.destination,
+            "options": self.options,
+            "totals": self.totals(),
+            "tensors": [t.to_dict() for t in self.tensors],
+        }
+
+    def to_json(self, indent: int = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def table(self, show_kept: bool = True) -> str:
+        """A fixed-width text table, one line per tensor, then totals."""
+        if self.operation == "inspect":
+            return self._inspect_table()
+        rows = [t for t in self.tensors if show_kept or t.quantized]
+        header = ["tensor", "shape", "dtype", "format", "MiB in", "MiB out", "bits/p",
+                  "SQNR dB", "max abs err", "max rel err", "clipped", "note"]
+        lines = []
+        for t in rows:
+            lines.append([
+                t.name,
+                "x".join(map(str, t.shape)) or "scalar",
+                t.dtype,
+                t.format,
+                f"{t.bytes_before / 2**20:.3f}",
+                f"{t.bytes_after / 2**20:.3f}",
+                "" if t.bits_per_param is None else f"{t.bits_per_param:.2f}",
+                _num(t.sqnr_db, "{:.2f}", exact="exact"),
+                _num(t.max_abs_err, "{:.3g}"),
+                _num(t.max_rel_err, "{:.3g}"),
+                _num(t.clipped_fraction, "{:.2%}"),
+                f"kept: {t.reason}" if not t.quantized and t.reason else "",
+            ])
+        widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h)
+                  for i, h in enumerate(header)]
+
+        def fmt(cells):
+            out = []
+            for i, (c, w) in enumerate(zip(cells, widths)):
+                out.append(c.ljust(w) if i < 4 or i == len(cells) - 1 else c.rjust(w))
+            return "  ".join(out).rstrip()
+
+        text = [fmt(header), fmt(["-" * w for w in widths])]
+        text += [fmt(r) for r in lines]
+        tot = self.totals()
+        text.append("")
+        text.append(
+            f"{tot['tensors_quantized']} of {tot['tensors']} tensors quantized "
+            f"({tot['params_quantized']:,} of {tot['params']:,} params); "
+            f"{tot['bytes_before'] / 2**20:.2f} MiB -> {tot['bytes_after'] / 2**20:.2f} MiB"
+            + (f" ({tot['compression']:.2f}x)" if tot["compression"] else "")
+            + (f"; {tot['bits_per_param']:.2f} bits/param overall" if tot["bits_per_param"] else "")
+            + (
+                f", {tot['bits_per_param_quantized']:.2f} in quantized tensors"
+                if tot["bits_per_param_quantized"]
+                else ""
+            )
+        )
+        if "min_sqnr_tensor" in tot:
+            worst = tot["min_sqnr_db"]
+            text.append(
+                "SQNR: "
+                + (f"mean {tot['mean_sqnr_db']:.2f} dB (param-weighted), " if "mean_sqnr_db" in tot else "")
+                + f"min {'exact' if worst is None else f'{worst:.2f} dB'} ({tot['min_sqnr_tensor']}); "
+                f"max clipped fraction {tot['clipped_fraction_max']:.2%}"
+            )
+        return "\n".join(text)
+
+
+    def _inspect_table(self) -> str:
+        header = ["tensor", "shape", "dtype", "format", "MiB", "bits/param", "stored as"]
+        lines = [
+            [
+                t.name,
+                "x".join(map(str, t.shape)) or "scalar",
+                t.dtype,
+                (t.format + (f" {t.scale_rule}" if t.scale_rule else "")) if t.quantized else t.dtype,
+                f"{t.bytes_after / 2**20:.3f}",
+                "" if t.bits_per_param is None else f"{t.bits_per_param:.2f}",
+                ", ".join(t.stored_as),
+            ]
+            for t in self.tensors
+        ]
+        widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h)
+                  for i, h in enumerate(header)]
+        just = [str.ljust, str.ljust, str.ljust, str.ljust, str.rjust, str.rjust, str.ljust]
+
+        def fmt(cells):
+            return "  ".join(j(c, w) for j, c, w in zip(just, cells, widths)).rstrip()
+
+        text = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines]
+        tot = self.totals()
+        by_format: dict = {}
+        for t in self.tensors:
+            key = t.format if t.quantized else t.dtype
+            n, b = by_format.get(key, (0, 0))
+            by_format[key] = (n + t.numel, b + t.bytes_after)
+        text.append("")
+        text.append(
+            f"{tot['tensors']} tensors, {tot['params']:,} params, "
+            f"{tot['bytes_after'] / 2**20:.2f} MiB"
+            + (f", {tot['bits_per_param']:.2f} bits/param" if tot["bits_per_param"] else "")
+            + f" ({tot['bytes_before'] / 2**20:.2f} MiB in the original dtypes)"
+        )
+        text.append(
+            "by format: "
+            + "; ".join(
+                f"{k}: {n:,} params, {8 * b / n if n else 0:.2f} bits/param"
+                for k, (n, b) in by_format.items()
+            )
+        )
+        meta = self.options.get("metadata")
+        if meta:
+            text.append("metadata: " + json.dumps(meta)[:500])
+        return "\n".join(text)
+
+
+def _num(v, spec, exact=""):
+    if v is None:
+        return ""
+    if isinstance(v, float) and math.isinf(v):
+        return exact if v > 0 else "-inf"
+    return spec.format(v)

@@ -1,0 +1,687 @@
+"""Checkpoint quantization (lowprec.checkpoint) on small synthetic safetensors files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import pickle
+import struct
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import lowprec
+import lowprec.checkpoint._convert as convert_mod
+from lowprec.checkpoint import (
+    CheckpointError,
+    SafetensorsReader,
+    SafetensorsWriter,
+    dequantize_checkpoint,
+    inspect_checkpoint,
+    load_checkpoint,
+    quantize_checkpoint,
+)
+
+try:
+    import safetensors.numpy as st_numpy
+    from safetensors import safe_open
+except ImportError:  # the independent implementation is optional
+    st_numpy = None
+
+needs_safetensors = pytest.mark.skipif(st_numpy is None, reason="safetensors not installed")
+
+# The published gpt-oss / Hugging Face MXFP4 decoder's table (gpt_oss/torch/weights.py,
+# transformers integrations/mxfp4.py): nibble → value, scale byte → 2^(byte − 127).
+FP4_VALUES = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def decode_gpt_oss_by_hand(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The published decoder, transcribed to NumPy (float32 instead of bf16, no chunks)."""
+    assert blocks.shape[:-1] == scales.shape
+    lut = np.array(FP4_VALUES, np.float32)
+    *prefix, G, B = blocks.shape
+    blocks = blocks.reshape(-1, B)
+    exp = scales.reshape(-1, 1).astype(np.int32) - 127
+    out = np.empty((blocks.shape[0], B * 2), np.float32)
+    out[:, 0::2] = lut[blocks & 0x0F]  # low nibble first
+    out[:, 1::2] = lut[blocks >> 4]
+    out = np.ldexp(out, exp)
+    return out.reshape(*prefix, G * B * 2)
+
+
+def weights(rng, shape, dtype=np.float32):
+    """Weights with magnitudes varying by block and row, some zero blocks, tiny values."""
+    x = rng.standard_normal(shape) * np.exp(rng.uniform(-8, 3, size=shape[:-1] + (1,)))
+    x = x.astype(np.float32)
+    flat = x.reshape(-1, 32) if x.size % 32 == 0 else None
+    if flat is not None and flat.shape[0] > 3:
+        flat[1] = 0.0  # an all-zero block
+        flat[2] *= np.float32(2.0**-120)  # float32 subnormals
+    return x.astype(dtype)
+
+
+def save(path, tensors: dict, metadata=None):
+    """Writes a checkpoint with the safetensors package when present (an independent writer)."""
+    if st_numpy is not None:
+        st_numpy.save_file(tensors, str(path), metadata=metadata)
+    else:
+        entries = [(k, lowprec.checkpoint._safetensors.dtype_name(v.dtype), v.shape)
+                   for k, v in tensors.items()]
+        with SafetensorsWriter(path, entries, metadata) as w:
+            for k, v in tensors.items():
+                w.write(k, v)
+
+
+def raw_tensors(path) -> dict:
+    with SafetensorsReader(path) as r:
+        return {name: r.read(name) for name in r.tensors}
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture
+def model(tmp_path):
+    """A small transformer-like checkpoint with the usual tensor kinds."""
+    rng = np.random.default_rng(1)
+    t = {
+        "embed_tokens.weight": weights(rng, (50, 64)),
+        "layers.0.attn.q_proj.weight": weights(rng, (64, 64)),
+        "layers.0.attn.q_proj.bias": weights(rng, (64,)),
+        "layers.0.input_layernorm.weight": np.ones(64, np.float32),
+        "layers.0.mlp.up.weight": weights(rng, (96, 64), ml_dtypes.bfloat16),
+        "layers.0.mlp.down.weight": weights(rng, (64, 96), np.float16),
+        "layers.0.odd.weight": weights(rng, (8, 40)),  # 40 is not a multiple of 32
+        "experts.w": weights(rng, (2, 16, 64)),
+        "position_ids": np.arange(16, dtype=np.int64).reshape(1, 16),
+        "lm_head.weight": weights(rng, (50, 64)),
+    }
+    path = tmp_path / "model.safetensors"
+    save(path, t, metadata={"format": "pt"})
+    return path, t
+
+
+# -- reading and writing the container ------------------------------------------------
+@needs_safetensors
+def test_reader_reads_files_written_by_safetensors(tmp_path):
+    t = {
+        "f32": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "bf16": np.array([1.5, -2.0, 3e38], ml_dtypes.bfloat16),
+        "f16": np.array([[65504.0]], np.float16),
+        "i64": np.array([-1, 2**40], np.int64),
+        "u8": np.arange(5, dtype=np.uint8),
+        "e4m3": np.array([448, -0.001953125], ml_dtypes.float8_e4m3fn),
+        "scalar": np.array(7.0, np.float64),
+        "empty": np.zeros((0, 4), np.float32),
+    }
+    path = tmp_path / "x.safetensors"
+    st_numpy.save_file(t, str(path), metadata={"a": "b"})
+    with SafetensorsReader(path) as r:
+        assert r.metadata == {"a": "b"}
+        assert set(r.tensors) == set(t)
+        for k, v in t.items():
+            got = r.read(k)
+            assert got.dtype == v.dtype and got.shape == v.shape, k
+            np.testing.assert_array_equal(bits(got), bits(v), err_msg=k)
+        np.testing.assert_array_equal(r.read_rows("f32", 1, 2), t["f32"][1:2])
+
+
+@needs_safetensors
+def test_writer_output_is_read_by_safetensors(tmp_path):
+    path = tmp_path / "w.safetensors"
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    u = np.arange(7, dtype=np.uint8)
+    with SafetensorsWriter(path, [("a", "F32", a.shape), ("u", "U8", u.shape)], {"k": "v"}) as w:
+        w.write("a", a[:1])  # pieces in C order
+        w.write("a", a[1:])
+        w.write("u", u.tobytes())
+    (n,) = struct.unpack("<Q", open(path, "rb").read(8))
+    assert n % 8 == 0
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata() == {"k": "v"}
+        np.testing.assert_array_equal(f.get_tensor("a"), a)
+        np.testing.assert_array_equal(f.get_tensor("u"), u)
+
+
+def test_writer_refuses_wrong_order_and_incomplete(tmp_path):
+    path = tmp_path / "w.safetensors"
+    with pytest.raises(CheckpointError, match="out of order"):
+        with SafetensorsWriter(path, [("a", "U8", (2,)), ("b", "U8", (2,))]) as w:
+            w.write("b", b"xx")
+    with pytest.raises(CheckpointError, match="'b' was not"):
+        with SafetensorsWriter(path, [("a", "U8", (2,)), ("b", "U8", (2,))]) as w:
+            w.write("a", b"xx")
+    assert not path.exists()
+    assert os.listdir(tmp_path) == []  # no temp files left behind
+
+
+# -- round trips: bit-exact with the in-memory API -------------------------------------
+@pytest.mark.parametrize(
+    "fmt,rule",
+    [("mxfp4", "floor"), ("mxfp4", "rceil"), ("mxfp4", "even"), ("mxfp4", "ceil"),
+     ("mxfp8_e4m3", "floor"), ("mxfp8_e4m3", "rceil"), ("mxfp8_e5m2", "floor")],
+)
+def test_mx_round_trip_is_bit_exact(tmp_path, model, fmt, rule):
+    path, t = model
+    out, back = tmp_path / "q.safetensors", tmp_path / "d.safetensors"
+    report = quantize_checkpoint(path, out, fmt, scale_rule=rule)
+    stored = raw_tensors(out)
+    decoded_f32 = load_checkpoint(out, dtype="float32")
+    dequantize_checkpoint(out, back)
+    decoded = raw_tensors(back)
+    quantized = {r.name for r in report.tensors if r.quantized}
+    assert quantized == {"layers.0.attn.q_proj.weight", "layers.0.mlp.up.weight",
+                         "layers.0.mlp.down.weight", "experts.w"}
+    for name in quantized:
+        x = t[name]
+        mx = lowprec.quantize_mx(jnp.asarray(x), fmt, scale_rule=rule)
+        np.testing.assert_array_equal(stored[f"{name}_elements"], np.asarray(mx.elements))
+        np.testing.assert_array_equal(stored[f"{name}_scales"], np.asarray(mx.scales))
+        want32 = np.asarray(lowprec.dequantize(mx))
+        np.testing.assert_array_equal(bits(decoded_f32[name]), bits(want32), err_msg=name)
+        # dequantize's default dtype: the original one (bf16 / f16 / f32)
+        want = np.asarray(lowprec.dequantize(mx, x.dtype))
+        assert decoded[name].dtype == x.dtype
+        np.testing.assert_array_equal(bits(decoded[name]), bits(want), err_msg=name)
+    for name in set(t) - quantized:  # kept tensors are byte-identical
+        np.testing.assert_array_equal(bits(decoded[name]), bits(t[name]))
+        np.testing.assert_array_equal(bits(stored[name]), bits(t[name]))
+    assert set(decoded) == set(t)
+    if st_numpy is not None:  # the output is a valid safetensors file for the reference reader
+        with safe_open(str(out), framework="numpy") as f:
+            assert set(f.keys()) == set(stored)
+            assert json.loads(f.metadata()["lowprec.tensors"])["experts.w"]["scale_rule"] == rule
+            np.testing.assert_array_equal(f.get_tensor("experts.w_scales"),
+                                          stored["experts.w_scales"])
+
+
+def test_pieces_along_axis0_equal_whole_tensor(tmp_path, monkeypatch):
+    rng = np.random.default_rng(2)
+    t = {"a.weight": weights(rng, (37, 3, 64)), "b.weight": weights(rng, (64, 5, 32))}
+    path = tmp_path / "m.safetensors"
+    save(path, t)
+    monkeypatch.setattr(convert_mod, "CHUNK_ELEMENTS", 200)  # many uneven pieces
+    for axis in (-1, 1):
+        out = tmp_path / f"q{axis}.safetensors"
+        rep = quantize_checkpoint(path, out, "mxfp4", axis=axis, include="weight")
+        got = load_checkpoint(out)
+        for name, x in t.items():
+            if x.shape[axis] % 32:
+                assert not next(r for r in rep.tensors if r.name == name).quantized
+                continue
+            mx = lowprec.quantize_mx(jnp.asarray(x), "mxfp4", axis=axis)
+            np.testing.assert_array_equal(bits(got[name]), bits(lowprec.dequantize(mx)))
+        back = tmp_path / f"d{axis}.safetensors"
+        dequantize_checkpoint(out, back)
+        for name, v in raw_tensors(back).items():
+            np.testing.assert_array_equal(bits(v), bits(got[name]))
+
+
+def test_gpt_oss_layout_decodes_with_the_published_decoder(tmp_path, model):
+    path, t = model
+    out = tmp_path / "g.safetensors"
+    report = quantize_checkpoint(path, out, "mxfp4", layout="gpt-oss")
+    stored = raw_tensors(out)
+    for r in report.tensors:
+        if not r.quantized:
+            continue
+        blocks, scales = stored[f"{r.name}_blocks"], stored[f"{r.name}_scales"]
+        k = r.shape[-1]
+        assert blocks.dtype == np.uint8 and blocks.shape == r.shape[:-1] + (k // 32, 16)
+        assert scales.dtype == np.uint8 and scales.shape == r.shape[:-1] + (k // 32,)
+        mx = lowprec.quantize_mx(jnp.asarray(t[r.name]), "mxfp4")
+        want = np.asarray(lowprec.dequantize(mx))
+        np.testing.assert_array_equal(bits(decode_gpt_oss_by_hand(blocks, scales)), bits(want))
+        wb, ws = lowprec.to_gpt_oss(mx)
+        np.testing.assert_array_equal(blocks, np.asarray(wb))
+        np.testing.assert_array_equal(scales, np.asarray(ws))
+
+
+def _reference_decoder():
+    import lowprec_reference
+
+    fn = getattr(lowprec_reference, "decode_gpt_oss", None)
+    if fn is None:
+        try:
+            from lowprec_reference.mx import decode_gpt_oss as fn
+        except ImportError:
+            fn = None
+    if fn is None:
+        pytest.skip("lowprec_reference.decode_gpt_oss is not available (yet)")
+    return fn
+
+
+def test_gpt_oss_layout_matches_reference_decoder(tmp_path, model):
+    decode_gpt_oss = _reference_decoder()
+    path, t = model
+    out = tmp_path / "g.safetensors"
+    report = quantize_checkpoint(path, out, "mxfp4", layout="gpt-oss", scale_rule="rceil")
+    stored = raw_tensors(out)
+    for r in report.tensors:
+        if r.quantized:
+            ref = np.asarray(decode_gpt_oss(stored[f"{r.name}_blocks"], stored[f"{r.name}_scales"]))
+            mx = lowprec.quantize_mx(jnp.asarray(t[r.name]), "mxfp4", scale_rule="rceil")
+            want = np.asarray(lowprec.dequantize(mx), np.float64)
+            np.testing.assert_array_equal(ref.astype(np.float64).reshape(want.shape), want)
+
+
+def test_float64_tensors(tmp_path):
+    x = weights(np.random.default_rng(5), (4, 64), np.float64)
+    path = tmp_path / "m.safetensors"
+    save(path, {"w": x})
+    out, back = tmp_path / "q.safetensors", tmp_path / "d.safetensors"
+    rep = quantize_checkpoint(path, out, "mxfp8_e5m2")
+    assert rep.tensors[0].bytes_before == x.size * 8
+    dequantize_checkpoint(out, back)
+    got = raw_tensors(back)["w"]
+    mx = lowprec.quantize_mx(jnp.asarray(x.astype(np.float32)), "mxfp8_e5m2")
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, np.asarray(lowprec.dequantize(mx)).astype(np.float64))
+
+
+def test_hand_decoder_on_known_bytes():
+    # byte 0x72: low nibble 2 (+1.0) first, high nibble 7 (+6.0); 0x9F: -6.0, then -0.5
+    blocks = np.zeros((1, 16), np.uint8)
+    blocks[0, 0], blocks[0, 1] = 0x72, 0x9F
+    got = decode_gpt_oss_by_hand(blocks, np.array([128], np.uint8))
+    assert got[:4].tolist() == [2.0, 12.0, -12.0, -1.0]
+
+
+@needs_safetensors
+def test_dequantize_reads_plain_gpt_oss_pairs(tmp_path):
+    """A file with only <name>_blocks/<name>_scales (as published gpt-oss checkpoints)."""
+    rng = np.random.default_rng(3)
+    x = weights(rng, (2, 3, 64))
+    mx = lowprec.quantize_mx(jnp.asarray(x), "mxfp4")
+    blocks, scales = (np.asarray(a) for a in lowprec.to_gpt_oss(mx))
+    path = tmp_path / "oss.safetensors"
+    st_numpy.save_file({"mlp1_weight_blocks": blocks, "mlp1_weight_scales": scales,
+                        "norm.scale": np.ones(4, np.float32)}, str(path))
+    formats = {r.name: r.format for r in inspect_checkpoint(path).tensors}
+    assert formats == {"mlp1_weight": "mxfp4 (gpt-oss)", "norm.scale": "kept"}
+    out = tmp_path / "plain.safetensors"
+    dequantize_checkpoint(path, out)
+    got = raw_tensors(out)
+    assert got["mlp1_weight"].dtype == ml_dtypes.bfloat16  # gpt-oss/HF decode to bf16
+    want = np.asarray(lowprec.dequantize(mx, jnp.bfloat16))
+    np.testing.assert_array_equal(bits(got["mlp1_weight"]), bits(want))
+    np.testing.assert_array_equal(got["norm.scale"], np.ones(4, np.float32))
+
+
+def test_fp8_per_tensor_scale_matches_ml_dtypes(tmp_path, model):
+    path, t = model
+    out = tmp_path / "f.safetensors"
+    report = quantize_checkpoint(path, out, "fp8_e4m3")
+    stored = raw_tensors(out)
+    got = load_checkpoint(out, dtype="float32")
+    for r in report.tensors:
+        if not r.quantized:
+            continue
+        x = t[r.name].astype(np.float32)
+        scale = np.float32(np.abs(x).max()) / np.float32(448)
+        q = np.clip(x / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        assert stored[r.name].dtype == ml_dtypes.float8_e4m3fn
+        np.testing.assert_array_equal(bits(stored[r.name]), bits(q), err_msg=r.name)
+        assert stored[f"{r.name}_scale"].shape == () and stored[f"{r.name}_scale"] == scale
+        np.testing.assert_array_equal(got[r.name], q.astype(np.float32) * scale)
+        assert r.bytes_after == x.size + 4
+
+
+def test_fp8_without_scale_saturates(tmp_path):
+    x = np.array([[1.0, 500.0, -1e6, 0.3] * 8] * 2, np.float32)
+    path = tmp_path / "m.safetensors"
+    save(path, {"w": x})
+    out = tmp_path / "f.safetensors"
+    report = quantize_checkpoint(path, out, "fp8_e4m3", fp8_scale="none")
+    want = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(bits(raw_tensors(out)["w"]), bits(want))
+    assert report.tensors[0].clipped_fraction == pytest.approx(0.5)
+
+
+def test_bf16_matches_ml_dtypes(tmp_path, model):
+    path, t = model
+    out = tmp_path / "b.safetensors"
+    report = quantize_checkpoint(path, out, "bf16")
+    stored = raw_tensors(out)
+    formats = {r.name: (r.format, r.reason) for r in report.tensors}
+    assert formats["layers.0.mlp.up.weight"] == ("kept", "already BF16")
+    assert formats["layers.0.odd.weight"][0] == "bf16"  # no block constraint for casts
+    for name in ("layers.0.attn.q_proj.weight", "layers.0.mlp.down.weight", "experts.w"):
+        want = t[name].astype(np.float32).astype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(bits(stored[name]), bits(want))
+    back = tmp_path / "d.safetensors"
+    dequantize_checkpoint(out, back)
+    assert raw_tensors(back)["layers.0.attn.q_proj.weight"].dtype == np.float32
+
+
+# -- selection -------------------------------------------------------------------------
+def test_default_selection_and_reasons(tmp_path, model):
+    path, _ = model
+    rep = quantize_checkpoint(path, tmp_path / "q.safetensors", "mxfp8")
+    got = {r.name: (r.format, r.reason) for r in rep.tensors}
+    assert got == {
+        "embed_tokens.weight": ("kept", "embedding/norm/bias/head"),
+        "layers.0.attn.q_proj.weight": ("mxfp8_e4m3", "default"),
+        "layers.0.attn.q_proj.bias": ("kept", "1-D"),
+        "layers.0.input_layernorm.weight": ("kept", "1-D"),
+        "layers.0.mlp.up.weight": ("mxfp8_e4m3", "default"),
+        "layers.0.mlp.down.weight": ("mxfp8_e4m3", "default"),
+        "layers.0.odd.weight": ("kept", "axis len 40 % 32 != 0"),
+        "experts.w": ("mxfp8_e4m3", "default"),
+        "position_ids": ("kept", "I64, not float"),
+        "lm_head.weight": ("kept", "embedding/norm/bias/head"),
+    }
+
+
+def test_include_and_exclude(tmp_path, model):
+    path, _ = model
+    rep = quantize_checkpoint(path, tmp_path / "q.safetensors", "mxfp4",
+                              include=r"embed|q_proj|norm|position", exclude=r"bias")
+    got = {r.name: r.format for r in rep.tensors if r.quantized}
+    # include overrides the default keep rule and allows 1-D tensors; ints never quantize
+    assert got == {"embed_tokens.weight": "mxfp4", "layers.0.attn.q_proj.weight": "mxfp4",
+                   "layers.0.input_layernorm.weight": "mxfp4"}
+    reasons = {r.name: r.reason for r in rep.tensors}
+    assert reasons["layers.0.attn.q_proj.bias"] == "--exclude"
+    assert reasons["position_ids"] == "I64, not float"
+    assert reasons["layers.0.mlp.up.weight"] == "not in --include"
+
+
+# -- report ----------------------------------------------------------------------------
+def test_report_numbers(tmp_path, model):
+    path, t = model
+    out = tmp_path / "q.safetensors"
+    rep = quantize_checkpoint(path, out, "mxfp4")
+    r = next(r for r in rep.tensors if r.name == "experts.w")
+    x = t["experts.w"].astype(np.float64)
+    mx = lowprec.quantize_mx(jnp.asarray(t["experts.w"]), "mxfp4")
+    q = np.asarray(lowprec.dequantize(mx), np.float64)
+    e = np.abs(x - q)
+    assert r.sqnr_db == pytest.approx(10 * math.log10((x**2).sum() / (e**2).sum()), rel=1e-9)
+    assert r.max_abs_err == e.max()
+    nz = x != 0
+    assert r.max_rel_err == pytest.approx((e[nz] / np.abs(x[nz])).max(), rel=1e-12)
+    assert (r.bytes_before, r.bytes_after) == (x.size * 4, x.size // 2 + x.size // 32)
+    assert r.bits_per_param == 4.25
+    up = next(r for r in rep.tensors if r.name == "layers.0.mlp.up.weight")
+    assert up.bytes_before == 96 * 64 * 2  # bf16 input
+    tot = rep.totals()
+    assert tot["bits_per_param_quantized"] == 4.25
+    assert tot["bytes_before"] == os.path.getsize(path) - 8 - struct.unpack(
+        "<Q", open(path, "rb").read(8))[0]
+    d = json.loads(rep.to_json())  # strict JSON (no NaN/Infinity)
+    assert {e["name"] for e in d["tensors"]} == set(t)
+    assert d["options"]["scale_rule"] == "floor"
+    table = rep.table()
+    assert "experts.w" in table and "4.25" in table and "kept: 1-D" in table
+
+
+def test_clipped_block_maxima_floor_vs_rceil(tmp_path):
+    # Block 0's max is 7.5 = 1.875 * 4: FLOOR gives scale 2^0, max elem 6 → clipped.
+    # Block 1's max is 5.0: not clipped. An exactly representable tensor has SQNR inf.
+    x = np.zeros((2, 64), np.float32)
+    x[:, 0], x[:, 1] = 7.5, 1.0
+    x[:, 32], x[:, 33] = 5.0, 0.5
+    path = tmp_path / "m.safetensors"
+    save(path, {"w": x, "exact": np.full((2, 32), 1.5, np.float32)})
+    rep = quantize_checkpoint(path, tmp_path / "f.safetensors", "mxfp4", include=".")
+    by = {r.name: r for r in rep.tensors}
+    w, exact = by["w"], by["exact"]
+    assert w.clipped_fraction == 0.5 and w.max_abs_err == 1.5
+    assert exact.sqnr_db == math.inf and exact.max_abs_err == 0 and exact.clipped_fraction == 0
+    js = {e["name"]: e for e in json.loads(rep.to_json())["tensors"]}
+    assert js["exact"]["sqnr_db"] is None and js["exact"]["exact"] is True
+    rep = quantize_checkpoint(path, tmp_path / "r.safetensors", "mxfp4", include=".",
+                              scale_rule="rceil")
+    assert {r.name: r.clipped_fraction for r in rep.tensors}["w"] == 0.0
+
+
+def test_nonfinite_inputs_are_counted_not_averaged(tmp_path):
+    x = np.ones((2, 64), np.float32)
+    x[0, 3] = np.nan
+    path = tmp_path / "m.safetensors"
+    save(path, {"w": x})
+    rep = quantize_checkpoint(path, tmp_path / "q.safetensors", "mxfp8", include="w")
+    r = rep.tensors[0]
+    assert r.nonfinite == 32  # the NaN's whole block decodes to NaN
+    assert r.sqnr_db == math.inf  # the other elements are exact
+    got = load_checkpoint(tmp_path / "q.safetensors")["w"]
+    assert np.isnan(got[0, :32]).all() and (got[0, 32:] == 1).all()
+
+
+# -- inspect ---------------------------------------------------------------------------
+def test_inspect(tmp_path, model):
+    path, t = model
+    plain = inspect_checkpoint(path)
+    assert [r.name for r in plain.tensors] == list(raw_tensors(path))
+    assert plain.options["metadata"] == {"format": "pt"}
+    out = tmp_path / "q.safetensors"
+    quantize_checkpoint(path, out, "mxfp4", scale_rule="rceil")
+    rep = inspect_checkpoint(out)
+    by = {r.name: r for r in rep.tensors}
+    assert set(by) == set(t)  # parts grouped under the original names
+    e = by["experts.w"]
+    assert (e.format, e.scale_rule, e.dtype, e.shape) == ("mxfp4", "rceil", "F32", (2, 16, 64))
+    assert e.bits_per_param == 4.25 and e.stored_as == ("experts.w_elements", "experts.w_scales")
+    assert by["position_ids"].bits_per_param == 64
+    table = rep.table()
+    assert "mxfp4 rceil" in table and "bits/param" in table
+
+
+# -- safety ----------------------------------------------------------------------------
+def test_input_untouched_overwrite_refused_and_force(tmp_path, model):
+    path, _ = model
+    before = sha(path)
+    out = tmp_path / "q.safetensors"
+    quantize_checkpoint(path, out, "mxfp4")
+    assert sha(path) == before
+    first = sha(out)
+    with pytest.raises(CheckpointError, match="already exists.*--force"):
+        quantize_checkpoint(path, out, "mxfp8")
+    assert sha(out) == first
+    quantize_checkpoint(path, out, "mxfp8", force=True)
+    assert sha(out) != first
+    with pytest.raises(CheckpointError, match="is the input file"):
+        quantize_checkpoint(path, path, "mxfp4", force=True)
+    os.link(path, tmp_path / "hardlink.safetensors")
+    with pytest.raises(CheckpointError, match="is the input file"):
+        quantize_checkpoint(path, tmp_path / "hardlink.safetensors", "mxfp4", force=True)
+    assert sha(path) == before
+    assert sorted(os.listdir(tmp_path)) == ["hardlink.safetensors", "model.safetensors",
+                                            "q.safetensors"]
+    with pytest.raises(CheckpointError, match="already quantized"):
+        quantize_checkpoint(out, tmp_path / "qq.safetensors", "mxfp4")
+
+
+def test_failure_midway_leaves_no_output(tmp_path, model, monkeypatch):
+    path, _ = model
+    calls = []
+
+    def boom(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated failure")
+        return real(*args, **kwargs)
+
+    real = convert_mod.quantize_chunk
+    monkeypatch.setattr(convert_mod, "quantize_chunk", boom)
+    out = tmp_path / "q.safetensors"
+    with pytest.raises(RuntimeError, match="simulated"):
+        quantize_checkpoint(path, out, "mxfp4")
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+
+
+def test_streaming_peak_memory_does_not_grow_with_checkpoint(tmp_path, monkeypatch):
+    """Peak (NumPy) memory stays near one piece, not the checkpoint: 2 vs 12 tensors."""
+    import tracemalloc
+
+    monkeypatch.setattr(convert_mod, "CHUNK_ELEMENTS", 1 << 14)
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((256, 256)).astype(np.float32)  # 256 KiB each
+    peaks = {}
+    for n in (2, 12):
+        path = tmp_path / f"m{n}.safetensors"
+        entries = [(f"l{i}.weight", "F32", w.shape) for i in range(n)]
+        with SafetensorsWriter(path, entries) as f:
+            for name, _, _ in entries:
+                f.write(name, w)
+        quantize_checkpoint(path, tmp_path / "warm.safetensors", "mxfp4", force=True)
+        tracemalloc.start()
+        quantize_checkpoint(path, tmp_path / f"q{n}.safetensors", "mxfp4")
+        dequantize_checkpoint(tmp_path / f"q{n}.safetensors", tmp_path / f"d{n}.safetensors")
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks[12] < 1.3 * peaks[2]
+    assert peaks[12] < 12 * w.nbytes / 2
+
+
+# -- malformed files ---------------------------------------------------------------------
+def _file(header: dict, data: bytes = b"", raw_header: bytes | None = None) -> bytes:
+    h = raw_header if raw_header is not None else json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + data
+
+
+GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+
+MALFORMED = {
+    "empty": (b"", "8-byte header length"),
+    "short": (b"\x10\x00\x00", "8-byte header length"),
+    "header_past_end": (struct.pack("<Q", 1000) + b"{}", "truncated"),
+    "huge_header": (struct.pack("<Q", 2**40) + b"{", "header length field"),
+    "not_json": (_file({}, raw_header=b"{not json}"), "not valid JSON"),
+    "not_object": (_file({}, raw_header=b"[1, 2]   "), "does not start with"),
+    "truncated_data": (_file(GOOD, b"\x00" * 5), "truncated"),
+    "unknown_dtype": (_file({"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}},
+                            b"\x00" * 16), "unknown dtype 'F128'"),
+    "size_mismatch": (_file({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+                            b"\x00" * 8), "needs 12 bytes"),
+    "negative_shape": (_file({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}},
+                             b"\x00" * 8), "shape"),
+    "overlap": (_file({**GOOD, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}},
+                      b"\x00" * 8), "overlaps"),
+    "gap": (_file({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\x00" * 8),
+            "gap"),
+    "trailing": (_file(GOOD, b"\x00" * 12), "4 bytes after the last tensor"),
+    "duplicate": (_file({}, raw_header=b'{"a": {"dtype": "U8", "shape": [0], "data_offsets": '
+                                       b'[0, 0]}, "a": {}}'), "duplicate key 'a'"),
+    "bad_metadata": (_file({"__metadata__": {"k": 1}}), "__metadata__"),
+    "missing_field": (_file({"a": {"dtype": "F32", "shape": [2]}}), "data_offsets"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_files_give_clear_errors(tmp_path, case):
+    content, phrase = MALFORMED[case]
+    path = tmp_path / f"{case}.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as info:
+        quantize_checkpoint(path, tmp_path / "out.safetensors", "mxfp4")
+    assert str(path) in str(info.value) and phrase in str(info.value)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_truncated_real_file(tmp_path, model):
+    path, _ = model
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        inspect_checkpoint(cut)
+
+
+class _Payload:
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):  # unpickling this would create a file
+        return (open, (self.target, "w"))
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "weights.safetensors"])
+def test_pickles_are_refused_never_loaded(tmp_path, name):
+    sentinel = tmp_path / "pwned"
+    path = tmp_path / name
+    path.write_bytes(pickle.dumps({"w": _Payload(str(sentinel))}, protocol=4))
+    with pytest.raises(CheckpointError, match="pickle") as info:
+        quantize_checkpoint(path, tmp_path / "out.safetensors", "mxfp4")
+    assert "safetensors" in str(info.value) and str(path) in str(info.value)
+    assert not sentinel.exists()
+
+
+def test_zip_torch_checkpoint_refused(tmp_path):
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"PK\x03\x04" + b"\x00" * 60)
+    with pytest.raises(CheckpointError, match="pickle"):
+        inspect_checkpoint(path)
+
+
+def test_header_length_with_pickle_like_first_byte_is_fine(tmp_path):
+    """A header of 0x280 bytes starts with bytes 80 02: not a pickle."""
+    path = tmp_path / "p.safetensors"
+    for pad in range(0x280):
+        with SafetensorsWriter(path, [("t", "F32", ())], {"pad": "x" * pad}, force=True) as w:
+            w.write("t", np.float32(1))
+        if path.read_bytes()[:2] == b"\x80\x02":
+            break
+    else:
+        pytest.fail("no header of length 0x280 produced")
+    assert [r.name for r in inspect_checkpoint(path).tensors] == ["t"]
+
+
+def test_option_errors(tmp_path, model):
+    path, _ = model
+    out = tmp_path / "o.safetensors"
+    with pytest.raises(CheckpointError, match="choose one of: mxfp4"):
+        quantize_checkpoint(path, out, "int4")
+    with pytest.raises(CheckpointError, match="gpt-oss layout holds MXFP4 only"):
+        quantize_checkpoint(path, out, "mxfp8_e4m3", layout="gpt-oss")
+    with pytest.raises(CheckpointError, match="last axis"):
+        quantize_checkpoint(path, out, "mxfp4", layout="gpt-oss", axis=0)
+    with pytest.raises(CheckpointError, match="scale rules apply to MX formats only"):
+        quantize_checkpoint(path, out, "bf16", scale_rule="floor")
+    with pytest.raises(CheckpointError, match="unknown scale rule"):
+        quantize_checkpoint(path, out, "mxfp4", scale_rule="round")
+    with pytest.raises(CheckpointError, match="not a valid regular expression"):
+        quantize_checkpoint(path, out, "mxfp4", include="(")
+    with pytest.raises(CheckpointError, match="no such file"):
+        quantize_checkpoint(tmp_path / "nope.safetensors", out, "mxfp4")
+    assert not out.exists()
+
+
+def test_name_collision_is_refused(tmp_path):
+    x = np.ones((2, 32), np.float32)
+    path = tmp_path / "m.safetensors"
+    save(path, {"w": x, "w_scales": x})
+    with pytest.raises(CheckpointError, match="'w_scales' would be used twice"):
+        quantize_checkpoint(path, tmp_path / "o.safetensors", "mxfp4", include="^w$")
+
+
+def test_tampered_metadata_is_reported(tmp_path, model):
+    path, _ = model
+    out = tmp_path / "q.safetensors"
+    quantize_checkpoint(path, out, "mxfp4")
+    tensors = raw_tensors(out)
+    with SafetensorsReader(out) as r:
+        meta = dict(r.metadata)
+    table = json.loads(meta["lowprec.tensors"])
+    table["experts.w"]["shape"] = [2, 16, 128]
+    meta["lowprec.tensors"] = json.dumps(table)
+    bad = tmp_path / "bad.safetensors"
+    entries = [(k, lowprec.checkpoint._safetensors.dtype_name(v.dtype), v.shape)
+               for k, v in tensors.items()]
+    with SafetensorsWriter(bad, entries, meta) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+    with pytest.raises(CheckpointError, match="experts.w_elements.*needs U8"):
+        load_checkpoint(bad)
