@@ -1,1 +1,56 @@
-"""Independent pure-NumPy reference (placeholder)."""
+"""Independent reference implementation of lowprec's formats (pure NumPy + exact rationals).
+
+``lowprec_reference`` recomputes, slowly and exactly, everything lowprec promises bit for bit:
+element encode/decode for every format in :data:`lowprec_formats.ELEMENT_FORMATS` (IEEE 754
+binary16, bfloat16, TF32, OCP FP8 E4M3/E5M2, MX FP4 E2M1, E8M0 scales) and OCP MX v1.0 block
+quantization, plus the published gpt-oss MXFP4 decoder. It uses no JAX, no ml_dtypes
+arithmetic and no lowprec code: every format is derived from the raw fields of the format table
+and every value is rounded as a :class:`fractions.Fraction`.
+
+Example:
+    >>> import numpy as np
+    >>> from lowprec_reference import encode, decode
+    >>> codes = encode("e5m2", np.array([1.0, 61440.0, -1e-9], np.float32))
+    >>> codes.tolist(), decode("e5m2", codes).tolist()
+    ([60, 124, 128], [1.0, inf, -0.0])
+"""
+
+from .element import (
+    all_codes,
+    code_dtype,
+    decode,
+    encode,
+    encode_value,
+    format_names,
+    is_negative_code,
+    max_finite,
+    rounding_modes,
+    value_of_code,
+)
+from .mx import (
+    FP4_VALUES,
+    decode_gpt_oss,
+    dequantize_mx,
+    mx_element_format,
+    quantize_mx,
+    shared_exponent,
+)
+
+__all__ = [
+    "FP4_VALUES",
+    "all_codes",
+    "code_dtype",
+    "decode",
+    "decode_gpt_oss",
+    "dequantize_mx",
+    "encode",
+    "encode_value",
+    "format_names",
+    "is_negative_code",
+    "max_finite",
+    "mx_element_format",
+    "quantize_mx",
+    "rounding_modes",
+    "shared_exponent",
+    "value_of_code",
+]
