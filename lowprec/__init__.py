@@ -19,6 +19,7 @@ from ._format import (
     element_format,
     mx_format,
 )
+from ._matmul import BACKWARD_MODES, OPERAND_FORMAT_NAMES, dot_general, matmul, mxfp4_gemv
 from ._mx import (
     DEFAULT_SCALE_RULE,
     SCALE_RULES,
@@ -35,6 +36,8 @@ from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES
 __version__ = "0.1.0"
 
 __all__ = [
+    "BACKWARD_MODES",
+    "OPERAND_FORMAT_NAMES",
     "DEFAULT_SCALE_RULE",
     "ELEMENT_FORMAT_NAMES",
     "MX_FORMAT_NAMES",
@@ -46,11 +49,14 @@ __all__ = [
     "MXFormat",
     "decode",
     "dequantize",
+    "dot_general",
     "element_format",
     "encode",
     "fake_quantize_mx",
+    "matmul",
     "from_gpt_oss",
     "mx_format",
+    "mxfp4_gemv",
     "pack_fp4",
     "quantize",
     "quantize_mx",
