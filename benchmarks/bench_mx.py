@@ -1,0 +1,343 @@
+"""MX block quantize/dequantize throughput: lowprec vs JAX's own MXFP8 quantizer and NumPy.
+
+Run: ``python benchmarks/bench_mx.py`` (CPU: a (4096, 4096) float32 array, about a minute
+on a 2-core CPU; GPU: (16384, 16384)), ``--quick`` ((1024, 1024), fewer rounds),
+``--shape 2048 8192``, ``--reps R``, ``--formats mxfp8_e4m3``, ``--json PATH``.
+
+For each MX format (mxfp8_e4m3, mxfp8_e5m2, mxfp4) one interleaved timing group (see
+``_timing.py``) holds:
+
+* ``lowprec``: ``jax.jit(lambda x: lowprec.quantize_mx(x, fmt, scale_rule=rule))`` for every
+  scale rule (floor, ceil, even, rceil), blocks of 32 along the last axis, and
+  ``jax.jit(lowprec.dequantize)`` (→ float32).
+* ``JAX``: ``jax._src.cudnn.scaled_matmul_stablehlo.quantize(x, BlockScaleConfig(mode=
+  "mxfp8", block_size=32, data_type=<element dtype>, scale_type=float8_e8m0fnu,
+  global_scale=None, infer_only=False))``, jitted: amax / max_elem rounded up to a power of
+  two (the ``rceil`` rule), a float division, clip, ``astype``. For mxfp4 the same function
+  with ``data_type=float4_e2m1fn`` (JAX has no MXFP4 quantizer; its output is one float4 per
+  byte, unpacked, while lowprec packs two per byte). Its dequantize peer is
+  ``q.astype(f32) * e8m0_to_dtype(scales)`` per block, jitted.
+* ``NumPy``: a vectorized NumPy + ml_dtypes baseline written here (blocks → amax →
+  exponent via ``np.frexp`` → multiply by the block's power of two → clip → ``astype``; FP4 packed two per
+  byte like lowprec), one implementation per scale rule, and its dequantize. Finite
+  inputs only (no NaN/Inf block handling). Skipped on GPU runs.
+
+Columns: elements/s (input elements / median seconds) and effective bandwidth = (bytes read
++ bytes written) / seconds, counted from each method's own inputs and outputs (float32 in;
+uint8 or float8 codes, packed FP4 bytes for lowprec and NumPy, one byte per FP4 for JAX,
+and one scale byte per 32 elements). Ratios divide throughputs measured in the same rounds
+(median over rounds of the per-round ratio). The ceil/even rows have no JAX peer (JAX only
+implements rceil); their JAX ratio is against JAX's rceil quantizer, marked ``*``.
+
+Targets (from the issue): on CPU, lowprec quantize ≥ 1.5x JAX's quantizer for the rceil
+rule (the like-for-like comparison; floor is reported too); on a GPU (H100) ≥ 2.0 TB/s
+effective bandwidth for lowprec's quantize. Rows that miss are flagged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import (  # noqa: E402
+    Timing,
+    environment,
+    json_safe,
+    fmt_num,
+    fmt_ratio,
+    render_table,
+    speed_ratio,
+    time_interleaved,
+)
+
+import lowprec  # noqa: E402
+
+FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
+RULES = ("floor", "ceil", "even", "rceil")
+BLOCK = 32
+CPU_TARGET_VS_JAX = 1.5  # lowprec rceil quantize / JAX quantize, CPU
+GPU_TARGET_TBPS = 2.0  # lowprec quantize effective bandwidth, H100
+
+ELEMENT_DTYPE = {
+    "mxfp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "mxfp8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "mxfp4": np.dtype(ml_dtypes.float4_e2m1fn),
+}
+
+
+# --------------------------------------------------------------------------- JAX's quantizer
+def jax_peer(fmt_name: str):
+    """(quantize, dequantize) jitted from JAX's own MX helpers, or (None, reason)."""
+    try:
+        from jax._src.cudnn import scaled_matmul_stablehlo as sm
+    except Exception as e:  # noqa: BLE001
+        return None, f"n/a: {type(e).__name__}"
+    config = sm.BlockScaleConfig(
+        mode="mxfp8",
+        block_size=BLOCK,
+        data_type=jnp.dtype(ELEMENT_DTYPE[fmt_name]),
+        scale_type=jnp.float8_e8m0fnu,
+        global_scale=None,
+        infer_only=False,
+    )
+    quantize = jax.jit(lambda x: sm.quantize(x, config))
+
+    @jax.jit
+    def dequantize(q, s):
+        v = q.astype(jnp.float32).reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK)
+        scale = sm.e8m0_to_dtype(s.view(jnp.uint8), jnp.float32)
+        return (v * scale[..., None]).reshape(q.shape)
+
+    return quantize, dequantize
+
+
+# --------------------------------------------------------------------------- NumPy baseline
+def _pow2_floor_exp(v: np.ndarray) -> np.ndarray:
+    """floor(log2 v) for v > 0 via frexp (v = m·2^e, m ∈ [0.5, 1))."""
+    _, e = np.frexp(v)
+    return e.astype(np.int32) - 1
+
+
+def _pow2_ceil_exp(v: np.ndarray) -> np.ndarray:
+    m, e = np.frexp(v)
+    return np.where(m == 0.5, e - 1, e).astype(np.int32)
+
+
+def numpy_quantize(x: np.ndarray, fmt_name: str, rule: str):
+    """Vectorized NumPy MX quantize (finite input), same layout as lowprec's MXArray."""
+    fmt = lowprec.mx_format(fmt_name)
+    dt = ELEMENT_DTYPE[fmt_name]
+    max_elem = np.float32(fmt.element.max_finite)
+    emax = fmt.emax_elem
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    amax = np.abs(xb).max(axis=-1)
+    if rule == "floor":
+        shared = _pow2_floor_exp(amax) - emax
+    elif rule == "ceil":
+        shared = _pow2_ceil_exp(amax) - emax
+    elif rule == "even":  # round amax's mantissa to the element's width, half up, then floor
+        drop = 23 - fmt.element.mantissa_bits
+        bits = (amax.view(np.uint32) + np.uint32(1 << (drop - 1))) & np.uint32(~((1 << drop) - 1) & 0xFFFFFFFF)
+        shared = _pow2_floor_exp(bits.view(np.float32)) - emax
+    elif rule == "rceil":  # NVIDIA: amax / max_elem in float32, rounded up to a power of two
+        shared = _pow2_ceil_exp(amax / max_elem)
+    else:
+        raise ValueError(rule)
+    shared = np.where(amax == 0, -127, np.clip(shared, -127, 127)).astype(np.int32)
+    # Multiplying by 2^-shared (a float32 power of two per block) is exact here: the scaled
+    # values are at most a few times max_elem and far above float32's subnormal range.
+    scaled = xb * np.ldexp(np.float32(1), -shared)[..., None]
+    codes = np.clip(scaled, -max_elem, max_elem).astype(dt).view(np.uint8)
+    if fmt.packed:
+        codes = (codes[..., 0::2] & 0xF) | (codes[..., 1::2] << 4)
+    elements = codes.reshape(*x.shape[:-1], -1)
+    return elements, (shared + 127).astype(np.uint8)
+
+
+def numpy_dequantize(elements: np.ndarray, scales: np.ndarray, fmt_name: str) -> np.ndarray:
+    fmt = lowprec.mx_format(fmt_name)
+    codes = elements
+    if fmt.packed:
+        codes = np.stack((elements & 0xF, elements >> 4), axis=-1).reshape(*elements.shape[:-1], -1)
+    v = codes.view(ELEMENT_DTYPE[fmt_name]).astype(np.float32)
+    vb = v.reshape(*v.shape[:-1], v.shape[-1] // BLOCK, BLOCK)
+    scale = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
+    return (vb * scale[..., None]).reshape(v.shape)
+
+
+# --------------------------------------------------------------------------- benchmark
+def _nbytes(tree) -> int:
+    return sum(int(a.size) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
+
+
+def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
+    x = jax.device_put(x_np)
+    n = x_np.size
+    in_bytes = x_np.nbytes
+    cases, io_bytes = {}, {}
+
+    lp_q = {r: jax.jit(lambda x, r=r: lowprec.quantize_mx(x, fmt_name, scale_rule=r)) for r in RULES}
+    for r in RULES:
+        cases[f"lowprec q {r}"] = lambda f=lp_q[r]: f(x)
+    mx_rceil = jax.block_until_ready(lp_q["rceil"](x))
+    for r in RULES:
+        io_bytes[f"lowprec q {r}"] = in_bytes + _nbytes(mx_rceil)
+    lp_dq = jax.jit(lowprec.dequantize)
+    cases["lowprec dq"] = lambda: lp_dq(mx_rceil)
+    io_bytes["lowprec dq"] = _nbytes(mx_rceil) + n * 4
+
+    jq, jdq = jax_peer(fmt_name)
+    checks = {}
+    if jq is not None:
+        try:
+            jout = jax.block_until_ready(jq(x))
+            cases["jax q rceil"] = lambda: jq(x)
+            io_bytes["jax q rceil"] = in_bytes + _nbytes(jout)
+            cases["jax dq"] = lambda: jdq(*jout)
+            io_bytes["jax dq"] = _nbytes(jout) + n * 4
+            checks.update(_compare_jax(fmt_name, mx_rceil, jout))
+        except Exception as e:  # noqa: BLE001 - e.g. a dtype XLA cannot convert to here
+            checks["jax"] = f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+    if not on_gpu:
+        for r in RULES:
+            cases[f"numpy q {r}"] = lambda r=r: numpy_quantize(x_np, fmt_name, r)
+            io_bytes[f"numpy q {r}"] = io_bytes[f"lowprec q {r}"]
+        el_np, sc_np = np.asarray(mx_rceil.elements), np.asarray(mx_rceil.scales)
+        cases["numpy dq"] = lambda: numpy_dequantize(el_np, sc_np, fmt_name)
+        io_bytes["numpy dq"] = io_bytes["lowprec dq"]
+        checks.update(_compare_numpy(fmt_name, x_np, x, lp_q, mx_rceil))
+
+    timings = time_interleaved(cases, reps=reps)
+
+    def thr(name):
+        t = timings.get(name)
+        if not isinstance(t, Timing):
+            return float("nan"), float("nan")
+        return n / t.median, io_bytes[name] / t.median
+
+    rows = []
+    for r in RULES + ("dequantize",):
+        op = "dequantize" if r == "dequantize" else "quantize"
+        lp = "lowprec dq" if op == "dequantize" else f"lowprec q {r}"
+        jx = "jax dq" if op == "dequantize" else "jax q rceil"
+        npn = "numpy dq" if op == "dequantize" else f"numpy q {r}"
+        lp_e, lp_b = thr(lp)
+        jx_e, jx_b = thr(jx)
+        np_e, _ = thr(npn)
+        r_jax = speed_ratio(timings.get(lp), timings.get(jx))
+        r_np = speed_ratio(timings.get(lp), timings.get(npn))
+        flags = []
+        if on_gpu:
+            if op == "quantize" and lp_b == lp_b and lp_b / 1e12 < GPU_TARGET_TBPS:
+                flags.append(f"MISS <{GPU_TARGET_TBPS} TB/s")
+        elif r == "rceil" and r_jax == r_jax and r_jax < CPU_TARGET_VS_JAX:
+            flags.append(f"MISS <{CPU_TARGET_VS_JAX}x JAX")
+        rows.append({
+            "format": fmt_name,
+            "op": op,
+            "rule": "-" if op == "dequantize" else r,
+            "lowprec_melem_s": lp_e / 1e6,
+            "lowprec_gb_s": lp_b / 1e9,
+            "jax_melem_s": jx_e / 1e6,
+            "jax_gb_s": jx_b / 1e9,
+            "numpy_melem_s": np_e / 1e6,
+            "ratio_lowprec_jax": r_jax,
+            "ratio_vs_jax_rceil_only": op == "quantize" and r != "rceil",
+            "ratio_lowprec_numpy": r_np,
+            "flags": flags,
+        })
+    raw = {k: (t.as_dict() if isinstance(t, Timing) else t) for k, t in timings.items()}
+    return rows, {"timings": raw, "io_bytes": io_bytes, "checks": checks}
+
+
+def _compare_jax(fmt_name, mx, jout) -> dict:
+    """lowprec rceil vs JAX's quantizer, bit for bit (JAX's FP4 is unpacked)."""
+    q, s = (np.asarray(a) for a in jout)
+    jcodes = q.view(np.uint8)
+    codes = np.asarray(mx.elements)
+    if lowprec.mx_format(fmt_name).packed:
+        codes = np.stack((codes & 0xF, codes >> 4), axis=-1).reshape(jcodes.shape)
+    return {
+        "jax_vs_lowprec_rceil_element_mismatches": int((jcodes != codes).sum()),
+        "jax_vs_lowprec_rceil_scale_mismatches": int((s.view(np.uint8) != np.asarray(mx.scales)).sum()),
+    }
+
+
+def _compare_numpy(fmt_name, x_np, x, lp_q, mx_rceil) -> dict:
+    out = {}
+    for r in RULES:
+        mx = mx_rceil if r == "rceil" else lp_q[r](x)
+        e, s = numpy_quantize(x_np, fmt_name, r)
+        out[f"numpy_vs_lowprec_{r}_mismatches"] = int((e != np.asarray(mx.elements)).sum()
+                                                      + (s != np.asarray(mx.scales)).sum())
+    d_np = numpy_dequantize(np.asarray(mx_rceil.elements), np.asarray(mx_rceil.scales), fmt_name)
+    d_lp = np.asarray(lowprec.dequantize(mx_rceil))
+    out["numpy_vs_lowprec_dequantize_mismatches"] = int((d_np.view(np.uint32) != d_lp.view(np.uint32)).sum())
+    return out
+
+
+HEADERS = ["format", "op", "rule", "lowprec Melem/s", "lowprec GB/s", "JAX Melem/s", "JAX GB/s",
+           "NumPy Melem/s", "lowprec/JAX", "lowprec/NumPy", "flag"]
+
+
+def table(rows, on_gpu: bool) -> str:
+    unit, div = ("TB/s", 1e3) if on_gpu else ("GB/s", 1.0)
+    headers = [h.replace("GB/s", unit) for h in HEADERS]
+    body = [
+        [
+            r["format"], r["op"], r["rule"],
+            fmt_num(r["lowprec_melem_s"], 0), fmt_num(r["lowprec_gb_s"] / div, 2 if on_gpu else 1),
+            fmt_num(r["jax_melem_s"], 0), fmt_num(r["jax_gb_s"] / div, 2 if on_gpu else 1),
+            fmt_num(r["numpy_melem_s"], 0),
+            fmt_ratio(r["ratio_lowprec_jax"]) + ("*" if r["ratio_vs_jax_rceil_only"] else ""),
+            fmt_ratio(r["ratio_lowprec_numpy"]),
+            "; ".join(r["flags"]) or "ok",
+        ]
+        for r in rows
+    ]
+    return render_table(headers, body, right=tuple(range(3, 10)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", type=int, nargs="+", default=None,
+                   help="input shape; last axis a multiple of 32 (default 4096 4096 on CPU, "
+                        "16384 16384 on GPU; 1024 1024 / 4096 4096 with --quick)")
+    p.add_argument("--quick", action="store_true", help="smaller shape, 5 rounds")
+    p.add_argument("--reps", type=int, default=None, help="interleaved rounds (default 7; 5 with --quick)")
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--json", metavar="PATH", help="write every timing and the table rows here")
+    args = p.parse_args(argv)
+    on_gpu = jax.devices()[0].platform == "gpu"
+    if args.shape:
+        shape = tuple(args.shape)
+    elif on_gpu:
+        shape = (4096, 4096) if args.quick else (16384, 16384)
+    else:
+        shape = (1024, 1024) if args.quick else (4096, 4096)
+    if shape[-1] % BLOCK:
+        p.error(f"the last axis ({shape[-1]}) must be a multiple of {BLOCK}")
+    reps = args.reps or (5 if args.quick else 7)
+    env = environment()
+    print(f"lowprec MX benchmark: float32 {shape} (standard normal), blocks of {BLOCK} along the "
+          f"last axis, {reps} interleaved rounds, median; jax {env['jax']} on {env['platform']} "
+          f"({env['device']}, {env['cpu_count']} CPUs)" + ("; NumPy baseline skipped on GPU" if on_gpu else ""),
+          flush=True)
+    x_np = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    rows, details = [], {}
+    for fmt_name in args.formats:
+        r, d = bench_format(fmt_name, x_np, reps, on_gpu)
+        rows += r
+        details[fmt_name] = d
+        bad = {k: v for k, v in d["checks"].items() if v}
+        print(f"  {fmt_name}: done; agreement checks: "
+              + ("all bit-identical" if not bad else ", ".join(f"{k}={v}" for k, v in bad.items())),
+              flush=True)
+    print()
+    print(table(rows, on_gpu))
+    print("\nRatios: median over rounds of per-round throughput ratios. * = vs JAX's rceil "
+          "quantizer (JAX has no floor/ceil/even rule). " + (
+              f"Target: lowprec quantize ≥ {GPU_TARGET_TBPS} TB/s effective." if on_gpu else
+              f"Target: lowprec rceil quantize ≥ {CPU_TARGET_VS_JAX}x JAX's quantizer."))
+    misses = [r for r in rows if r["flags"]]
+    print(f"{len(misses)} of {len(rows)} rows miss a target.")
+    if args.json:
+        with open(args.json, "w") as f:
+            payload = {"benchmark": "mx", "shape": shape, "reps": reps, "env": env,
+                       "rows": rows, "details": details}
+            json.dump(json_safe(payload), f, indent=1)
+        print(f"saved {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
