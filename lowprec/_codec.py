@@ -54,11 +54,15 @@ def _as_float_input(x, what: str = "x"):
     )
 
 
-def _encode_bits(fmt: ElementFormat, x, rounding: str, overflow: str, random_bits, scale_exp=None):
+def _encode_bits(
+    fmt: ElementFormat, x, rounding: str, overflow: str, random_bits, scale_exp=None,
+    assume_finite: bool = False,
+):
     """Core encoder on the bit pattern of a float32/float64 array; returns int32 codes.
 
     With ``scale_exp`` (an int32 array broadcastable to ``x``), encodes ``x * 2^-scale_exp``
     exactly, by moving the exponent rather than multiplying (MX block scaling).
+    ``assume_finite``: skip the NaN/Inf handling (the caller overwrites those results).
     """
     udt, in_mant, in_bias = _FLOAT_LAYOUTS[np.dtype(x.dtype)]
     width = jnp.iinfo(udt).bits
@@ -69,6 +73,20 @@ def _encode_bits(fmt: ElementFormat, x, rounding: str, overflow: str, random_bit
     inf_bits = ((1 << (width - 1 - in_mant)) - 1) << in_mant
     is_nan = mag > inf_bits
     is_inf = mag == inf_bits
+    in_emin = 1 - in_bias
+
+    if (scale_exp is None and fmt.emin == in_emin and fmt.signed and fmt.zero and fmt.inf
+            and rounding != "stochastic"):
+        # Same exponent range as the input (bf16, tf32 from float32): the code is the top
+        # bits of the magnitude. Rounding them carries into the exponent field by itself
+        # (subnormals included) and, past the largest finite value, onto the infinity
+        # pattern exactly when IEEE 754 §7.4 overflows to infinity for the mode.
+        shift = jnp.full(mag.shape, in_mant - fmt.mantissa_bits, jnp.int32)
+        code = round_shift(mag, shift, sign, rounding)
+        if overflow == "saturate":
+            code = jnp.minimum(code, fmt.max_magnitude_code)  # ±inf → ±max too
+        signed_bit = lax.shift_left(sign.astype(jnp.int32), jnp.int32(fmt.magnitude_bits))
+        return jnp.where(is_nan, fmt.nan_code | signed_bit, code | signed_bit)
 
     efield = lax.shift_right_logical(mag, jnp.asarray(in_mant, udt)).astype(jnp.int32)
     mfield = mag & jnp.asarray((1 << in_mant) - 1, udt)
@@ -77,7 +95,12 @@ def _encode_bits(fmt: ElementFormat, x, rounding: str, overflow: str, random_bit
     lsb_exp = jnp.maximum(efield, 1) - (in_bias + in_mant)
     if scale_exp is not None:
         lsb_exp = lsb_exp - scale_exp
-    e_x = lsb_exp + (width - 1) - lax.clz(sig).astype(jnp.int32)
+    if scale_exp is None and fmt.emin >= in_emin:
+        # Subnormal inputs lie below the format's lowest binade, so t = emin for them
+        # whatever their exact binade: the exponent field suffices (no count-leading-zeros).
+        e_x = jnp.maximum(efield, 1) - in_bias
+    else:
+        e_x = lsb_exp + (width - 1) - lax.clz(sig).astype(jnp.int32)
 
     # The target quantum: 2^(t - M) with t the binade, or emin in the subnormal range.
     t = jnp.maximum(e_x, fmt.emin)
@@ -105,6 +128,8 @@ def _encode_bits(fmt: ElementFormat, x, rounding: str, overflow: str, random_bit
         to_inf = rounds_away_on_overflow(rounding, sign)
     code = jnp.where(code > max_code, jnp.where(to_inf, overflow_code, max_code), code)
     inf_result = overflow_code if overflow == "ieee" else max_code
+    if assume_finite and fmt.signed:
+        return code | lax.shift_left(sign.astype(jnp.int32), jnp.int32(fmt.magnitude_bits))
     code = jnp.where(is_inf, inf_result, code)
 
     if fmt.signed:

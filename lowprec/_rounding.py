@@ -104,29 +104,30 @@ def round_shift(sig, shift, sign, rounding: str, random_bits=None):
     # Clamping keeps every shift in range; at width-1 the whole significand (< 2^(width-1))
     # lies below the half point, so the classification of what was dropped is unchanged.
     s = jnp.minimum(shift, width - 1).astype(udt)
+    if rounding != "stochastic":
+        # Round by adding a bias below the cut, then shifting: the carry does the rest.
+        # sig < 2^(width-1) (a magnitude) and bias <= 2^s - 1 < 2^(width-1): no wrap-around.
+        if rounding == "nearest_even":  # half - 1, plus 1 when the kept lsb is odd
+            bias = lax.shift_left(one, s - one) - one + (lax.shift_right_logical(sig, s) & one)
+        elif rounding == "nearest_away":
+            bias = lax.shift_left(one, s - one)
+        elif rounding == "toward_zero":
+            bias = jnp.zeros((), udt)
+        elif rounding in ("up", "down"):
+            away = (sign == 0) if rounding == "up" else (sign != 0)
+            bias = jnp.where(away, lax.shift_left(one, s) - one, jnp.zeros((), udt))
+        else:
+            raise AssertionError(rounding)
+        return lax.shift_right_logical(sig + bias, s).astype(jnp.int32)
+    # Stochastic: round up iff r < (rem / 2^shift) * 2^32, compared exactly as integers.
     q = lax.shift_right_logical(sig, s)
     rem = sig & (lax.shift_left(one, s) - one)
-    half = lax.shift_left(one, s - one)
-    if rounding == "nearest_even":
-        up = (rem > half) | ((rem == half) & ((q & one) == one))
-    elif rounding == "nearest_away":
-        up = rem >= half
-    elif rounding == "toward_zero":
-        up = jnp.zeros(sig.shape, bool)
-    elif rounding == "up":
-        up = (rem != 0) & (sign == 0)
-    elif rounding == "down":
-        up = (rem != 0) & (sign != 0)
-    elif rounding == "stochastic":
-        # Round up iff r < (rem / 2^shift) * 2^32, compared exactly as integers.
-        r = random_bits.astype(udt)
-        small = shift <= 32
-        lsh = jnp.clip(32 - shift, 0, 31).astype(udt)
-        thr_small = lax.shift_left(rem, lsh)  # rem < 2^shift, so this is < 2^32
-        k = jnp.clip(shift - 32, 0, width - 1).astype(udt)
-        # ceil(rem / 2^k) without overflow: r < x (real) <=> r < ceil(x).
-        thr_big = jnp.where(rem == 0, 0, lax.shift_right_logical(rem - one, k) + one).astype(udt)
-        up = r < jnp.where(small, thr_small, thr_big)
-    else:
-        raise AssertionError(rounding)
+    r = random_bits.astype(udt)
+    small = shift <= 32
+    lsh = jnp.clip(32 - shift, 0, 31).astype(udt)
+    thr_small = lax.shift_left(rem, lsh)  # rem < 2^shift, so this is < 2^32
+    k = jnp.clip(shift - 32, 0, width - 1).astype(udt)
+    # ceil(rem / 2^k) without overflow: r < x (real) <=> r < ceil(x).
+    thr_big = jnp.where(rem == 0, 0, lax.shift_right_logical(rem - one, k) + one).astype(udt)
+    up = r < jnp.where(small, thr_small, thr_big)
     return q.astype(jnp.int32) + up.astype(jnp.int32)
