@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowprec
+import lowprec.analysis
 
 
 def main() -> None:
@@ -37,8 +38,7 @@ def main() -> None:
     for fmt in lowprec.MX_FORMAT_NAMES:
         for rule in lowprec.SCALE_RULES:
             mx = lowprec.quantize_mx(w, fmt, scale_rule=rule)
-            err = lowprec.dequantize(mx) - w
-            sqnr = 10 * np.log10(float(jnp.sum(w**2) / jnp.sum(err**2)))
+            sqnr = float(lowprec.analysis.sqnr_db(w, lowprec.dequantize(mx)))
             print(
                 f"  {fmt:11} {rule:5}: {mx.nbytes:>7} bytes ({mx.fmt.bits_per_element} bits/elem), "
                 f"SQNR {sqnr:5.1f} dB"
