@@ -7,7 +7,6 @@ products are exact and only float32 accumulation errs,
 |result − exact| ≤ K·2^-23·Σ|a_i b_i| (+ one output rounding for bfloat16/float16 outputs).
 
 Magnitudes are kept inside float32's normal range: XLA on CPU flushes subnormals.
-The import is from ``lowprec._matmul`` until ``dot_general``/``matmul`` are re-exported.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from hypothesis import strategies as st
 
 import lowprec
 import lowprec_formats
-from lowprec._matmul import BACKWARD_MODES, OPERAND_FORMAT_NAMES, dot_general, matmul
+from lowprec import BACKWARD_MODES, OPERAND_FORMAT_NAMES, dot_general, matmul
 
 MX = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
 ELEMENTS = ("e4m3", "e5m2", "bf16", "fp16", "tf32")
@@ -556,7 +555,7 @@ def test_train_mlp_example_tracks_fp32():
 def test_mxfp4_gemv_kernel(n, k, block_rows):
     """Runs the kernel in the Pallas interpreter on CPU (compiled on a GPU, untested there)."""
     pytest.importorskip("jax.experimental.pallas")
-    from lowprec._matmul import mxfp4_gemv
+    from lowprec import mxfp4_gemv
 
     w = lowprec.quantize_mx(random_operand(80, (n, k), 0), "mxfp4", axis=1)
     x = random_operand(81, (k,), 3).astype(jnp.bfloat16)
@@ -570,7 +569,7 @@ def test_mxfp4_gemv_kernel(n, k, block_rows):
 
 def test_mxfp4_gemv_errors():
     pytest.importorskip("jax.experimental.pallas")
-    from lowprec._matmul import mxfp4_gemv
+    from lowprec import mxfp4_gemv
 
     w = lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp4")
     with pytest.raises(TypeError, match="bfloat16 vector of shape \\(64,\\)"):

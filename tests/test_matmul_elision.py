@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import lowprec
-from lowprec._matmul import matmul
+from lowprec import matmul
 
 ON_GPU = jax.default_backend() == "gpu"
 ELEMENTS = ("e4m3", "e5m2", "e2m1", "bf16", "fp16", "tf32")
