@@ -39,7 +39,7 @@ def check_rounding(fmt: ElementFormat, rounding: str) -> str:
             )
         return _E8M0_ALIASES[rounding]
     if rounding not in ROUNDING_MODES:
-        extra = " (and 'floor'/'ceil' for e8m0)" if not fmt.signed else ", 'floor', 'ceil'"
+        extra = " (and 'floor'/'ceil' for e8m0)" if fmt.signed or fmt.mantissa_bits else ", 'floor', 'ceil'"
         raise ValueError(f"unknown rounding mode {rounding!r}; valid modes: {ROUNDING_MODES}{extra}")
     return rounding
 
