@@ -33,7 +33,6 @@ _FLOAT_LAYOUTS = {
 }
 _F32_INF = 0x7F80_0000
 _F32_QNAN = 0x7FC0_0000
-_F32_MIN_SUBNORMAL_2POW = -149  # 2^-149 = smallest positive float32
 
 
 def _as_float_input(x, what: str = "x"):

@@ -20,7 +20,7 @@ from jax import lax
 
 import lowprec_formats as _data
 
-from ._codec import _decode_bits, _encode_bits
+from ._codec import _F32_INF, _F32_QNAN, _decode_bits, _encode_bits
 from ._format import MXFormat, mx_format
 from ._pack import _normalize_axis, _pack_last, _unpack_last
 from ._rounding import check_key, check_rounding
@@ -30,7 +30,6 @@ DEFAULT_SCALE_RULE = "floor"  # the OCP MX v1.0 rule; "rceil" is what NVIDIA har
 
 _E8M0_NAN = 0xFF
 _E8M0_BIAS = 127
-_F32_EXP_MASK = 0x7F80_0000
 
 
 @functools.partial(
@@ -165,7 +164,7 @@ def _quantize_mx_core(x, fmt: MXFormat, axis: int, scale_rule: str, rounding: st
     quads = xb.reshape(*xb.shape[:-1], block // 4, 4)
     mag_bits = lax.bitcast_convert_type(quads, jnp.uint32) & 0x7FFF_FFFF
     amax_bits = jnp.max(jnp.max(mag_bits, axis=-1), axis=-1)
-    special = amax_bits >= _F32_EXP_MASK
+    special = amax_bits >= _F32_INF
     shared = jnp.clip(_shared_exponent(amax_bits, fmt, scale_rule), -_E8M0_BIAS, _E8M0_BIAS)
     random_bits = None
     if rounding == "stochastic":
@@ -269,13 +268,13 @@ def _scale_bits(value_bits, scale_codes):
     # Results below 2^-126: shift the significand (at most 4 bits wide) into the subnormal
     # field; nothing is lost because element values sit far above float32's last bit.
     sub = lax.shift_right_logical(mant | 0x80_0000, jnp.clip(1 - nf, 0, 31).astype(jnp.uint32))
-    out = jnp.where(nf >= 1, jnp.where(nf >= 255, jnp.uint32(_F32_EXP_MASK), normal), sub)
+    out = jnp.where(nf >= 1, jnp.where(nf >= 255, jnp.uint32(_F32_INF), normal), sub)
     out = jnp.where(mag == 0, jnp.uint32(0), out)
     # An infinite element (E5M2) stays ±inf under any finite scale; NaN elements and
     # NaN scales (0xFF: the block held a NaN/Inf) give NaN.
-    out = jnp.where(mag == _F32_EXP_MASK, jnp.uint32(_F32_EXP_MASK), out)
-    nan = (mag > _F32_EXP_MASK) | (scale_codes == _E8M0_NAN)
-    return jnp.where(nan, jnp.uint32(0x7FC0_0000), out | sign)
+    out = jnp.where(mag == _F32_INF, jnp.uint32(_F32_INF), out)
+    nan = (mag > _F32_INF) | (scale_codes == _E8M0_NAN)
+    return jnp.where(nan, jnp.uint32(_F32_QNAN), out | sign)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
