@@ -124,9 +124,9 @@ def native_encode_fn(fmt_name: str):
 def lowprec_encode_fn(fmt_name: str, rounding: str, overflow: str):
     if rounding == "stochastic":
         return jax.jit(
-            lambda x, k: lowprec.encode(fmt_name, x, rounding=rounding, overflow=overflow, key=k)
+            lambda x, k: lowprec.encode(x, fmt_name, rounding=rounding, overflow=overflow, key=k)
         )
-    return jax.jit(lambda x: lowprec.encode(fmt_name, x, rounding=rounding, overflow=overflow))
+    return jax.jit(lambda x: lowprec.encode(x, fmt_name, rounding=rounding, overflow=overflow))
 
 
 def bit_check(fmt_name: str, x_np: np.ndarray, codes: np.ndarray, native_out) -> dict:
@@ -134,7 +134,7 @@ def bit_check(fmt_name: str, x_np: np.ndarray, codes: np.ndarray, native_out) ->
     dt = NATIVE_DTYPE[fmt_name]
     if dt is None and native_out is None:
         return {"reference": "none", "mismatches": 0}
-    if dt is None:  # tf32: lax.reduce_precision is the reference (DESIGN.md §2)
+    if dt is None:  # tf32: lax.reduce_precision is the reference (docs/design.md §2)
         ref = np.asarray(native_out).astype(np.uint32) >> 13
         ref_nan = np.isnan(np.asarray(native_out).view(np.float32))
         ours_nan = np.isnan((codes.astype(np.uint32) << 13).view(np.float32))
@@ -173,7 +173,7 @@ def bench_format(fmt_name: str, n: int, reps: int, key, dist: str = "normal") ->
     # Decode: codes from lowprec's default encode.
     codes = jax.block_until_ready(encoders[DEFAULT_MODE](x))
     codes_np = np.asarray(codes)
-    dec = jax.jit(lambda c: lowprec.decode(fmt_name, c))
+    dec = jax.jit(lambda c: lowprec.decode(c, fmt_name))
     cases["lowprec decode"] = lambda: dec(codes)
     if dt is not None:
         typed_np = codes_np.astype(_UINT[dt.itemsize]).view(dt)

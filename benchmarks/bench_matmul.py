@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import lowprec
-from lowprec._matmul import dot_general
+from lowprec import dot_general
 
 from _timing import Timing, environment, fmt_num, fmt_ratio, rate, render_table, speed_ratio
 from _timing import time_interleaved

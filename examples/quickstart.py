@@ -27,10 +27,10 @@ def main() -> None:
     print(f"\nx = {np.asarray(x).tolist()}")
     for rounding in ("nearest_even", "toward_zero", "up", "down"):
         for overflow in ("ieee", "saturate"):
-            q = lowprec.quantize("e4m3", x, rounding=rounding, overflow=overflow)
+            q = lowprec.quantize(x, "e4m3", rounding=rounding, overflow=overflow)
             print(f"  e4m3 {rounding:>12} {overflow:>8}: {np.asarray(q).tolist()}")
     key = jax.random.key(0)
-    q = lowprec.quantize("e4m3", jnp.full((100_000,), 0.1), rounding="stochastic", key=key)
+    q = lowprec.quantize(jnp.full((100_000,), 0.1), "e4m3", rounding="stochastic", key=key)
     print(f"  e4m3 stochastic mean of 100000 copies of 0.1: {float(q.mean()):.6f}")
 
     w = jax.random.normal(jax.random.key(1), (256, 1024), jnp.float32)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowprec._matmul import matmul
+from lowprec import matmul
 
 D_IN, HIDDEN, CLASSES, BATCH = 64, 256, 16, 128
 

@@ -26,15 +26,16 @@ from jax import lax
 
 from ._codec import decode, quantize
 from ._format import ELEMENT_FORMAT_NAMES, ElementFormat, MXFormat, element_format, mx_format
-from ._mx import DEFAULT_SCALE_RULE, quantize_mx
-from ._rounding import check_key, check_rounding
+from ._bits import E8M0_BIAS as _E8M0_BIAS
+from ._mx import quantize_mx
+from ._options import ElementCast
+from ._rounding import check_rounding
+from ._scale_rules import DEFAULT_SCALE_RULE
 
 FormatLike = Union[str, ElementFormat]
 MXFormatLike = Union[str, MXFormat]
 
 _NEAREST = ("nearest_even", "nearest_away")
-_E8M0_BIAS = 127
-_E8M0_NAN = 0xFF
 
 __all__ = [
     "clipping_rate",
@@ -268,7 +269,7 @@ def underflow_rate(reference, approx) -> jax.Array:
         >>> import jax.numpy as jnp
         >>> import lowprec
         >>> x = jnp.array([0.0, 0.1, 0.2, 1.0])
-        >>> float(underflow_rate(x, lowprec.quantize("e2m1", x)))  # 0.1, 0.2 flush to 0
+        >>> float(underflow_rate(x, lowprec.quantize(x, "e2m1")))  # 0.1, 0.2 flush to 0
         0.5
     """
     r, a = _pair(reference, approx)
@@ -370,7 +371,7 @@ def ulp_error(fmt: FormatLike, x, q, *, scale_exp=None) -> jax.Array:
     Args:
       fmt: element format or name.
       x: exact values (float32).
-      q: their approximations, e.g. ``lowprec.quantize(fmt, x)``.
+      q: their approximations, e.g. ``lowprec.quantize(x, fmt)``.
       scale_exp: optional per-element shared exponent (MX), as for :func:`ulp`.
 
     Example:
@@ -550,8 +551,8 @@ def rounding_neighbors(fmt: FormatLike, x) -> tuple[jax.Array, jax.Array]:
         >>> lo.tolist(), hi.tolist()
         ([1.0, 2.0], [1.125, 2.0])
     """
-    lo = quantize(fmt, x, rounding="down", overflow="saturate", dtype=jnp.float32)
-    hi = quantize(fmt, x, rounding="up", overflow="saturate", dtype=jnp.float32)
+    lo = quantize(x, fmt, rounding="down", overflow="saturate", dtype=jnp.float32)
+    hi = quantize(x, fmt, rounding="up", overflow="saturate", dtype=jnp.float32)
     return lo, hi
 
 
@@ -559,7 +560,7 @@ def rounding_neighbors(fmt: FormatLike, x) -> tuple[jax.Array, jax.Array]:
 def _sr_stats(fmt, x, key, num_samples):
     keys = jax.random.split(key, num_samples)
     draw = jax.vmap(
-        lambda k: quantize(fmt, x, rounding="stochastic", overflow="saturate", key=k,
+        lambda k: quantize(x, fmt, rounding="stochastic", overflow="saturate", key=k,
                            dtype=jnp.float32)
     )
     samples = draw(keys)
@@ -615,14 +616,14 @@ def _cumsum_jit(fmt, increments, rounding, key, init):
 
         def step(s, xs):
             inc, k = xs
-            s = quantize(fmt, s + inc, rounding="stochastic", overflow="saturate", key=k)
+            s = quantize(s + inc, fmt, rounding="stochastic", overflow="saturate", key=k)
             return s, s
 
         _, sums = lax.scan(step, init, (increments, keys))
     else:
 
         def step(s, inc):
-            s = quantize(fmt, s + inc, rounding=rounding, overflow="saturate")
+            s = quantize(s + inc, fmt, rounding=rounding, overflow="saturate")
             return s, s
 
         _, sums = lax.scan(step, init, increments)
@@ -660,9 +661,9 @@ def quantized_cumsum(
         >>> quantized_cumsum("e2m1", inc, init=2.0).tolist()   # 2.25 rounds back to 2
         [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
     """
-    fmt = element_format(fmt)
-    rounding = check_rounding(fmt, rounding)
-    check_key(rounding, key)
+    cast = ElementCast(fmt, rounding)
+    cast.check_key(key)
+    fmt, rounding = cast.fmt, cast.rounding
     increments = _as_f32(increments)
     if increments.ndim == 0:
         raise ValueError("increments needs at least one axis (the summation axis 0)")
@@ -676,7 +677,7 @@ def quantized_cumsum(
 def _all_finite_values(name: str) -> np.ndarray:
     fmt = element_format(name)
     codes = np.arange(1 << fmt.code_bits, dtype=np.uint32)
-    values = np.asarray(decode(fmt, codes.astype(fmt.code_dtype)))  # float32, exact
+    values = np.asarray(decode(codes.astype(fmt.code_dtype), fmt))  # float32, exact
     # Drop NaN/inf before widening (signalling-NaN patterns would raise FP 'invalid').
     values = values[np.isfinite(values)].astype(np.float64)
     values = np.unique(values + 0.0)  # + 0.0 turns -0 into +0

@@ -8,65 +8,123 @@ and XLA cannot fold an encode/decode pair away under ``jit`` on GPU (openxla/xla
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._format import ElementFormat, element_format
-from ._rounding import (
-    check_key,
-    check_overflow,
-    check_rounding,
-    round_shift,
-    rounds_away_on_overflow,
-)
+from ._bits import F32_INF, F32_QNAN, bits_to_f32
+from ._format import ElementFormat, ElementFormatLike, array_then_format, element_format
+from ._options import ElementCast
+from ._rounding import round_shift, rounds_away_on_overflow
 
-FormatLike = Union[str, ElementFormat]
-
-# (unsigned dtype, mantissa bits, exponent bias) of the float inputs handled bit-wise.
+# (mantissa bits, exponent bias) of the float layouts encoded bit-wise, by the unsigned
+# dtype holding their patterns: binary32 and binary64.
 _FLOAT_LAYOUTS = {
-    np.dtype(np.float32): (jnp.uint32, 23, 127),
-    np.dtype(np.float64): (jnp.uint64, 52, 1023),
+    np.dtype(np.uint32): (23, 127),
+    np.dtype(np.uint64): (52, 1023),
 }
-_F32_INF = 0x7F80_0000
-_F32_QNAN = 0x7FC0_0000
+# Half-precision inputs are widened to float32 patterns by decoding them as the element
+# format with their layout: integer arithmetic only, so NaN sign and subnormals survive on
+# every backend (XLA on GPU turns any float16 NaN into 0x7fffffff when it converts).
+_WIDENED_AS = {np.dtype(jnp.float16): "fp16", np.dtype(jnp.bfloat16): "bf16"}
+_ACCEPTED = "float16, bfloat16, float32 or float64"
 
 
-def _as_float_input(x, what: str = "x"):
-    """Returns ``x`` as a float32/float64 JAX array, or raises a clear TypeError."""
-    x = jnp.asarray(x)
-    if x.dtype in (jnp.float16, jnp.bfloat16):
-        return x.astype(jnp.float32)  # exact widening
-    if x.dtype in _FLOAT_LAYOUTS:
-        return x
-    if jnp.issubdtype(x.dtype, jnp.floating):
+def check_input_dtype(dtype, what: str = "x") -> np.dtype:
+    """``dtype`` if lowprec encodes from it ({float16, bfloat16, float32, float64}); else TypeError."""
+    dt = np.dtype(dtype)
+    if dt in (np.dtype(np.float32), np.dtype(np.float64)) or dt in _WIDENED_AS:
+        return dt
+    if jnp.issubdtype(dt, jnp.floating):
         raise TypeError(
-            f"{what} has dtype {x.dtype}, which lowprec does not encode from; convert it with "
-            f"{what}.astype(jnp.float32) (float16, bfloat16, float32, float64 are accepted)"
+            f"{what} has dtype {dt}, which lowprec does not encode from; convert it with "
+            f"{what}.astype(jnp.float32) ({_ACCEPTED} are accepted)"
         )
     raise TypeError(
-        f"{what} must be a floating-point array (float16, bfloat16, float32 or float64), got "
-        f"dtype {x.dtype}; for codes use decode(), for numbers cast with .astype(jnp.float32)"
+        f"{what} must be a floating-point array ({_ACCEPTED}), got dtype {dt}; for "
+        "codes use decode(), for numbers cast with .astype(jnp.float32)"
     )
 
 
-def _encode_bits(
-    fmt: ElementFormat, x, rounding: str, overflow: str, random_bits, scale_exp=None,
+def input_bits(x, what: str = "x"):
+    """Bit patterns of a float input: uint32 (float32 layout) or uint64 (float64 layout).
+
+    float16 / bfloat16 are widened exactly to float32 patterns with integer operations.
+    """
+    x = jnp.asarray(x)
+    dt = check_input_dtype(x.dtype, what)
+    if dt == np.dtype(np.float32):
+        return lax.bitcast_convert_type(x, jnp.uint32)
+    if dt == np.dtype(np.float64):
+        return lax.bitcast_convert_type(x, jnp.uint64)
+    return decode_bits(element_format(_WIDENED_AS[dt]), lax.bitcast_convert_type(x, jnp.uint16))
+
+
+def check_float_dtype(dtype, what: str = "dtype") -> np.dtype:
+    """``dtype`` as a NumPy dtype if it is a float dtype lowprec can produce; else TypeError."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{what} must be a float dtype such as jnp.float32, got {dtype!r}") from None
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)) and dt not in _WIDENED_AS:
+        raise TypeError(
+            f"{what} must be float32, float64, bfloat16 or float16, got {dt}; integer or other "
+            "dtypes would silently truncate the values (for codes use encode())"
+        )
+    return dt
+
+
+def bits_to_dtype(bits, dtype):
+    """Float32 patterns ``bits`` as an array of ``dtype``, rounding to nearest even.
+
+    Narrowing to float16/bfloat16 goes through the element encoder, not a float convert,
+    so NaN keeps its sign on every backend; widening to float64 is exact.
+    """
+    dtype = np.dtype(dtype)
+    if dtype == np.dtype(np.float32):
+        return bits_to_f32(bits)
+    name = _WIDENED_AS.get(dtype)
+    if name is not None:
+        code = encode_bits(element_format(name), bits, "nearest_even", "ieee", None)
+        return lax.bitcast_convert_type(code.astype(jnp.uint16), dtype)
+    return _f32_bits_to_f64(bits)
+
+
+def _f32_bits_to_f64(bits):
+    """Exact float32 → float64 from the bits (needs ``jax_enable_x64``)."""
+    b = bits.astype(jnp.uint64)
+    sign = lax.shift_left(lax.shift_right_logical(b, jnp.uint64(31)), jnp.uint64(63))
+    e = lax.shift_right_logical(b, jnp.uint64(23)) & 0xFF
+    m = b & 0x7F_FFFF
+    # Rebias 127 → 1023 (+896); the top exponent (inf/NaN) maps to 0x7FF with its payload.
+    normal = lax.shift_left(e + 896, jnp.uint64(52)) | lax.shift_left(m, jnp.uint64(29))
+    special = lax.shift_left(jnp.uint64(0x7FF), jnp.uint64(52)) | lax.shift_left(m, jnp.uint64(29))
+    # A float32 subnormal m * 2^-149 is a float64 normal: convert the integer m (exact) and
+    # lower its exponent field by 149.
+    sub = lax.bitcast_convert_type(m.astype(jnp.float64), jnp.uint64)
+    sub = jnp.where(m == 0, jnp.uint64(0), sub - lax.shift_left(jnp.uint64(149), jnp.uint64(52)))
+    out = jnp.where(e == 0, sub, jnp.where(e == 0xFF, special, normal))
+    return lax.bitcast_convert_type(out | sign, jnp.float64)
+
+
+def encode_bits(
+    fmt: ElementFormat, u, rounding: str, overflow: str, random_bits, scale_exp=None,
     assume_finite: bool = False,
 ):
-    """Core encoder on the bit pattern of a float32/float64 array; returns int32 codes.
+    """Core encoder on float bit patterns (uint32: float32, uint64: float64); int32 codes.
 
-    With ``scale_exp`` (an int32 array broadcastable to ``x``), encodes ``x * 2^-scale_exp``
-    exactly, by moving the exponent rather than multiplying (MX block scaling).
-    ``assume_finite``: skip the NaN/Inf handling (the caller overwrites those results).
+    Options are canonical (validated by the caller). With ``scale_exp`` (an int32 array
+    broadcastable to ``u``), encodes ``value * 2^-scale_exp`` exactly, by moving the
+    exponent rather than multiplying (MX block scaling). ``assume_finite``: skip the
+    NaN/Inf handling (the caller overwrites those results).
     """
-    udt, in_mant, in_bias = _FLOAT_LAYOUTS[np.dtype(x.dtype)]
+    udt = u.dtype
+    in_mant, in_bias = _FLOAT_LAYOUTS[np.dtype(udt)]
     width = jnp.iinfo(udt).bits
     assert fmt.mantissa_bits < in_mant
-    u = lax.bitcast_convert_type(x, udt)
     sign = lax.shift_right_logical(u, jnp.asarray(width - 1, udt))
     mag = u & jnp.asarray((1 << (width - 1)) - 1, udt)
     inf_bits = ((1 << (width - 1 - in_mant)) - 1) << in_mant
@@ -150,18 +208,21 @@ def _encode_bits(
     return code
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def _encode_jit(fmt, x, rounding, overflow, key):
-    random_bits = None
-    if rounding == "stochastic":
-        random_bits = jax.random.bits(key, x.shape, jnp.uint32)
-    code = _encode_bits(fmt, x, rounding, overflow, random_bits)
-    return code.astype(fmt.code_dtype)
+def _random_bits(cast: ElementCast, key, shape):
+    return jax.random.bits(key, shape, jnp.uint32) if cast.stochastic else None
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _encode_jit(cast: ElementCast, x, key):
+    code = encode_bits(
+        cast.fmt, input_bits(x), cast.rounding, cast.overflow, _random_bits(cast, key, x.shape)
+    )
+    return code.astype(cast.fmt.code_dtype)
 
 
 def encode(
-    fmt: FormatLike,
     x,
+    fmt: ElementFormatLike,
     *,
     rounding: str = "nearest_even",
     overflow: str = "ieee",
@@ -170,11 +231,12 @@ def encode(
     """Rounds ``x`` to ``fmt`` and returns the codes (bit patterns).
 
     Args:
-      fmt: element format or its name (``"fp16"``, ``"bf16"``, ``"tf32"``, ``"e4m3"``,
-        ``"e5m2"``, ``"e2m1"``, ``"e8m0"`` or an alias such as ``"fp8_e4m3fn"``).
       x: float16, bfloat16, float32 or float64 array. float64 is rounded directly from its
         53-bit value when ``jax_enable_x64`` is on (ml_dtypes rounds through float32 first);
-        with x64 off JAX itself turns float64 into float32 on entry.
+        with x64 off JAX itself turns float64 into float32 on entry. Half-precision input
+        is widened with integer operations, so a NaN keeps its sign on every backend.
+      fmt: element format or its name (``"fp16"``, ``"bf16"``, ``"tf32"``, ``"e4m3"``,
+        ``"e5m2"``, ``"e2m1"``, ``"e8m0"`` or an alias such as ``"float8_e4m3fn"``).
       rounding: ``"nearest_even"`` (default), ``"nearest_away"``, ``"toward_zero"``,
         ``"up"``, ``"down"``, ``"stochastic"`` (needs ``key``); for e8m0 also ``"floor"``
         and ``"ceil"`` (= down / up to a power of two).
@@ -187,23 +249,24 @@ def encode(
     Returns:
       Unsigned integer codes of ``x``'s shape: uint8 (8-bit formats and unpacked FP4
       codes 0..15), uint16 (fp16, bf16) or uint32 (tf32: the 19-bit code, which is the
-      top 19 bits of the float32 pattern).
+      top 19 bits of the float32 pattern). A NaN input gives the format's NaN code with the
+      input's sign (payloads are not kept).
 
     Example:
         >>> import jax.numpy as jnp
-        >>> [hex(int(c)) for c in encode("e4m3", jnp.array([1.0, 448.0, 464.0, 465.0]))]
+        >>> [hex(int(c)) for c in encode(jnp.array([1.0, 448.0, 464.0, 465.0]), "e4m3")]
         ['0x38', '0x7e', '0x7e', '0x7f']
     """
-    fmt = element_format(fmt)
-    rounding = check_rounding(fmt, rounding)
-    overflow = check_overflow(overflow)
-    check_key(rounding, key)
-    x = _as_float_input(x)
-    return _encode_jit(fmt, x, rounding, overflow, key)
+    x, fmt = array_then_format(x, fmt, "encode")
+    cast = ElementCast(fmt, rounding, overflow)
+    cast.check_key(key)
+    x = jnp.asarray(x)
+    check_input_dtype(x.dtype)
+    return _encode_jit(cast, x, key)
 
 
-def _decode_bits(fmt: ElementFormat, codes):
-    """Codes (any unsigned/signed int array) → float32 bit pattern as uint32."""
+def decode_bits(fmt: ElementFormat, codes):
+    """Codes (any unsigned/signed int array) → exact float32 bit patterns (uint32)."""
     c = codes.astype(jnp.uint32)
     m_bits = fmt.mantissa_bits
     mag = c & ((1 << fmt.magnitude_bits) - 1)
@@ -235,35 +298,36 @@ def _decode_bits(fmt: ElementFormat, codes):
         bits = jnp.where(efield == 0, sub, normal)
         if fmt.inf:
             top = efield == (1 << fmt.exponent_bits) - 1
-            bits = jnp.where(top, jnp.where(mfield == 0, jnp.uint32(_F32_INF), jnp.uint32(_F32_QNAN)), bits)
+            bits = jnp.where(top, jnp.where(mfield == 0, jnp.uint32(F32_INF), jnp.uint32(F32_QNAN)), bits)
     if fmt.nan == "all_ones":
-        bits = jnp.where(mag == (1 << fmt.magnitude_bits) - 1, jnp.uint32(_F32_QNAN), bits)
+        bits = jnp.where(mag == (1 << fmt.magnitude_bits) - 1, jnp.uint32(F32_QNAN), bits)
     return bits | lax.shift_left(sign, jnp.uint32(31))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
-def _decode_jit(fmt, codes, dtype):
-    values = lax.bitcast_convert_type(_decode_bits(fmt, codes), jnp.float32)
-    return values if dtype == np.dtype(np.float32) else values.astype(dtype)
+def _decode_jit(fmt: ElementFormat, codes, dtype):
+    return bits_to_dtype(decode_bits(fmt, codes), dtype)
 
 
-def decode(fmt: FormatLike, codes, dtype=jnp.float32) -> jax.Array:
+def decode(codes, fmt: ElementFormatLike, dtype=jnp.float32) -> jax.Array:
     """Returns the values of ``codes`` in ``fmt``, exactly, as ``dtype`` (default float32).
 
     Every value of every element format is exactly representable in float32.
 
     Args:
-      fmt: element format or its name.
       codes: integer array of codes (as returned by :func:`encode`). Bits above the
         format's width are ignored.
-      dtype: float dtype of the result; values are rounded to it if it is narrower than
-        the format (e.g. fp16 codes decoded to bfloat16).
+      fmt: element format or its name.
+      dtype: float dtype of the result (float32, float64, bfloat16, float16); values are
+        rounded to nearest even if it is narrower than the format (e.g. fp16 codes decoded
+        to bfloat16).
 
     Example:
         >>> import jax.numpy as jnp
-        >>> decode("e2m1", jnp.arange(16, dtype=jnp.uint8)).tolist()
+        >>> decode(jnp.arange(16, dtype=jnp.uint8), "e2m1").tolist()
         [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
     """
+    codes, fmt = array_then_format(codes, fmt, "decode")
     fmt = element_format(fmt)
     codes = jnp.asarray(codes)
     if not jnp.issubdtype(codes.dtype, jnp.integer):
@@ -271,13 +335,10 @@ def decode(fmt: FormatLike, codes, dtype=jnp.float32) -> jax.Array:
             f"codes must be an integer array (as returned by encode), got dtype {codes.dtype}; "
             "to round numbers use quantize() or encode()"
         )
-    dtype = np.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
-    return _decode_jit(fmt, codes, dtype)
+    return _decode_jit(fmt, codes, check_float_dtype(dtype))
 
 
-def _exactly_representable(fmt: ElementFormat, dtype) -> bool:
+def exactly_representable(fmt: ElementFormat, dtype) -> bool:
     """Whether every finite value of ``fmt`` is a value of the float ``dtype``."""
     info = jnp.finfo(dtype)
     return (
@@ -287,28 +348,28 @@ def _exactly_representable(fmt: ElementFormat, dtype) -> bool:
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 2, 3, 5))
-def _quantize_ste(fmt, x, rounding, overflow, key, dtype):
-    bits = None if rounding != "stochastic" else jax.random.bits(key, x.shape, jnp.uint32)
-    xin = _as_float_input(x)
-    code = _encode_bits(fmt, xin, rounding, overflow, bits)
-    return lax.bitcast_convert_type(_decode_bits(fmt, code), jnp.float32).astype(dtype)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3))
+def _quantize_ste(cast: ElementCast, x, key, dtype):
+    code = encode_bits(
+        cast.fmt, input_bits(x), cast.rounding, cast.overflow, _random_bits(cast, key, x.shape)
+    )
+    return bits_to_dtype(decode_bits(cast.fmt, code), dtype)
 
 
 @_quantize_ste.defjvp
-def _quantize_ste_jvp(fmt, rounding, overflow, dtype, primals, tangents):
+def _quantize_ste_jvp(cast, dtype, primals, tangents):
     x, key = primals
     tx, _ = tangents
-    y = _quantize_ste(fmt, x, rounding, overflow, key, dtype)
+    y = _quantize_ste(cast, x, key, dtype)
     return y, tx.astype(dtype)  # straight-through: d quantize(x) / dx := 1
 
 
-_quantize_jit = jax.jit(_quantize_ste, static_argnums=(0, 2, 3, 5))
+_quantize_jit = jax.jit(_quantize_ste, static_argnums=(0, 3))
 
 
 def quantize(
-    fmt: FormatLike,
     x,
+    fmt: ElementFormatLike,
     *,
     rounding: str = "nearest_even",
     overflow: str = "ieee",
@@ -317,33 +378,33 @@ def quantize(
 ) -> jax.Array:
     """Rounds ``x`` to the values of ``fmt`` ("fake quantization"), keeping a float array.
 
-    Equal to ``decode(fmt, encode(fmt, x, ...))``; immune to XLA's cast-pair elision on
+    Equal to ``decode(encode(x, fmt, ...), fmt)``; immune to XLA's cast-pair elision on
     GPU because it never round-trips through a float8 dtype. The gradient is the
     straight-through estimator (identity), so it can sit inside a training step.
 
     Args:
-      fmt, x, rounding, overflow, key: as for :func:`encode`.
-      dtype: result dtype. Default: ``x``'s dtype when every value of ``fmt`` is exactly
-        representable in it (float32/float64 always; bfloat16 for the FP8/FP4 formats),
-        otherwise an error asks you to choose (e.g. ``quantize("fp16", bf16_array)``).
+      x, fmt, rounding, overflow, key: as for :func:`encode`.
+      dtype: result dtype (float32, float64, bfloat16 or float16). Default: ``x``'s dtype
+        when every value of ``fmt`` is exactly representable in it (float32/float64 always;
+        bfloat16 for the FP8/FP4 formats), otherwise an error asks you to choose (e.g.
+        ``quantize(bf16_array, "fp16")``).
 
     Example:
         >>> import jax.numpy as jnp
-        >>> quantize("e2m1", jnp.array([0.3, 2.5, 5.0, 7.0, -100.0])).tolist()
+        >>> quantize(jnp.array([0.3, 2.5, 5.0, 7.0, -100.0]), "e2m1").tolist()
         [0.5, 2.0, 4.0, 6.0, -6.0]
     """
-    fmt = element_format(fmt)
-    rounding = check_rounding(fmt, rounding)
-    overflow = check_overflow(overflow)
-    check_key(rounding, key)
+    x, fmt = array_then_format(x, fmt, "quantize")
+    cast = ElementCast(fmt, rounding, overflow)
+    cast.check_key(key)
     x = jnp.asarray(x)
-    _as_float_input(x)  # type check only: the STE keeps x's own dtype for tangents
+    check_input_dtype(x.dtype)
     if dtype is None:
         dtype = x.dtype
-        if not _exactly_representable(fmt, x.dtype):
+        if not exactly_representable(cast.fmt, x.dtype):
             raise ValueError(
-                f"values of {fmt.name!r} are not all representable in the input dtype "
+                f"values of {cast.fmt.name!r} are not all representable in the input dtype "
                 f"{x.dtype}; pass dtype=jnp.float32 (exact) or dtype={x.dtype.name!s} "
                 "explicitly to accept a second rounding"
             )
-    return _quantize_jit(fmt, x, rounding, overflow, key, np.dtype(dtype))
+    return _quantize_jit(cast, x, key, check_float_dtype(dtype))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from fractions import Fraction
 from typing import Optional, Union
 
@@ -281,3 +282,61 @@ def mx_format(fmt: Union[str, MXFormat]) -> MXFormat:
 
 ELEMENT_FORMAT_NAMES: tuple[str, ...] = tuple(_data.ELEMENT_FORMATS)
 MX_FORMAT_NAMES: tuple[str, ...] = tuple(_data.MX_FORMATS)
+
+#: An element format or its name (``"e4m3"``, ``"float8_e4m3fn"``, ``"bf16"``, ...).
+ElementFormatLike = Union[str, ElementFormat]
+#: A block format or its name (``"mxfp8_e4m3"``, ``"mxfp4"``, ...).
+MXFormatLike = Union[str, MXFormat]
+#: Any format or its name.
+FormatLike = Union[str, ElementFormat, MXFormat]
+
+
+def resolve_format(fmt: FormatLike) -> Union[ElementFormat, MXFormat]:
+    """Returns the element or block format named ``fmt``; the one lookup of every name.
+
+    Args:
+      fmt: a format object (returned as is) or any name or alias of an element format
+        (``"e4m3"``, ``"float8_e4m3fn"``, ``"bfloat16"``) or a block format (``"mxfp8"``).
+
+    Raises:
+      ValueError: for an unknown name; the message lists the valid ones.
+
+    Example:
+        >>> resolve_format("float8_e4m3fn"), resolve_format("MXFP8")
+        (ElementFormat('e4m3'), MXFormat('mxfp8_e4m3'))
+    """
+    if isinstance(fmt, (ElementFormat, MXFormat)):
+        return fmt
+    if not isinstance(fmt, str):
+        raise TypeError(f"a format must be a name or a format object, got {fmt!r}")
+    canonical = _data.ALIASES.get(fmt.lower())
+    if canonical in _data.ELEMENT_FORMATS:
+        return _element_by_name(canonical)
+    if canonical in _data.MX_FORMATS:
+        return _mx_by_name(canonical)
+    raise ValueError(
+        f"unknown format {fmt!r}; valid element formats: {', '.join(ELEMENT_FORMAT_NAMES)}; "
+        f"block formats: {', '.join(MX_FORMAT_NAMES)} (aliases: {', '.join(sorted(_data.ALIASES))})"
+    )
+
+
+def _is_format_like(v) -> bool:
+    return isinstance(v, (str, ElementFormat, MXFormat))
+
+
+def array_then_format(first, second, func: str):
+    """Returns ``(array, format)`` from a call's first two positional arguments.
+
+    lowprec's argument order is array first, format second. The order of lowprec 0.1
+    (format first, as in ``encode("e4m3", x)``) is recognised by type — an array is never a
+    string or a format object — and still works, with a DeprecationWarning.
+    """
+    if _is_format_like(first) and not _is_format_like(second):
+        warnings.warn(
+            f"lowprec.{func}(fmt, x) is the old argument order; write lowprec.{func}(x, fmt) "
+            "(array first, format second). The old order will be removed.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return second, first
+    return first, second

@@ -8,11 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-
-def _normalize_axis(axis: int, ndim: int) -> int:
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of range for an array of rank {ndim}")
-    return axis % ndim
+from ._blocks import normalize_axis
 
 
 def pack_fp4(codes, axis: int = -1) -> jnp.ndarray:
@@ -33,17 +29,17 @@ def pack_fp4(codes, axis: int = -1) -> jnp.ndarray:
     codes = jnp.asarray(codes)
     if not jnp.issubdtype(codes.dtype, jnp.integer):
         raise TypeError(f"pack_fp4 takes integer codes, got dtype {codes.dtype}")
-    axis = _normalize_axis(axis, codes.ndim)
+    axis = normalize_axis(axis, codes.ndim)
     n = codes.shape[axis]
     if n % 2:
         raise ValueError(
             f"pack_fp4 needs an even length along axis {axis}, got {n}; pad the codes first"
         )
     c = jnp.moveaxis(codes.astype(jnp.uint8), axis, -1)
-    return jnp.moveaxis(_pack_last(c), -1, axis)
+    return jnp.moveaxis(pack_last(c), -1, axis)
 
 
-def _pack_last(c):
+def pack_last(c):
     """Packs uint8 codes along the last axis (even length)."""
     # View each (even, odd) pair as one little-endian uint16 and fold the odd code's nibble
     # down next to the even one's: one fused elementwise pass instead of strided slices.
@@ -52,8 +48,8 @@ def _pack_last(c):
     return folded.astype(jnp.uint8)
 
 
-def _unpack_last(p):
-    """Inverse of :func:`_pack_last`."""
+def unpack_last(p):
+    """Inverse of :func:`pack_last`."""
     wide = p.astype(jnp.uint16)
     pairs = (wide & 0xF) | lax.shift_left(wide & 0xF0, jnp.uint16(4))
     both = lax.bitcast_convert_type(pairs, jnp.uint8)
@@ -71,5 +67,5 @@ def unpack_fp4(packed, axis: int = -1) -> jnp.ndarray:
     packed = jnp.asarray(packed)
     if packed.dtype != jnp.uint8:
         raise TypeError(f"unpack_fp4 takes uint8 bytes, got dtype {packed.dtype}")
-    axis = _normalize_axis(axis, packed.ndim)
-    return jnp.moveaxis(_unpack_last(jnp.moveaxis(packed, axis, -1)), -1, axis)
+    axis = normalize_axis(axis, packed.ndim)
+    return jnp.moveaxis(unpack_last(jnp.moveaxis(packed, axis, -1)), -1, axis)

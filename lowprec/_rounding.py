@@ -1,7 +1,8 @@
 """Rounding modes and overflow policies: names, validation, and the integer rounding step.
 
 Every mode is a named string; :func:`round_shift` is the one place that decides, from the
-bits shifted out of an integer significand, whether to round the magnitude up.
+bits shifted out of an integer significand, whether to round the magnitude up. The checks
+here are called only by the option objects of ``_options.py``.
 """
 
 from __future__ import annotations
@@ -51,20 +52,6 @@ def check_overflow(overflow: str) -> str:
             f"unknown overflow policy {overflow!r}; valid policies: {OVERFLOW_POLICIES}"
         )
     return overflow
-
-
-def check_key(rounding: str, key):
-    """Stochastic rounding needs a PRNG key; other modes must not be given one."""
-    if rounding == "stochastic" and key is None:
-        raise ValueError(
-            "rounding='stochastic' needs a PRNG key: pass key=jax.random.key(seed) "
-            "(or a split of your training key)"
-        )
-    if rounding != "stochastic" and key is not None:
-        raise ValueError(
-            f"key is only used by rounding='stochastic', but rounding={rounding!r}; "
-            "drop the key or choose rounding='stochastic'"
-        )
 
 
 def rounds_away_on_overflow(rounding: str, sign):

@@ -37,7 +37,7 @@ from .checkpoint import (
 
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
-    from ._mx import DEFAULT_SCALE_RULE, SCALE_RULES
+    from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES
 
     p = argparse.ArgumentParser(
         prog="lowprec",

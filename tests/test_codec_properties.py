@@ -21,6 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowprec_formats
+from helpers.asserts import assert_codes_equal, assert_same_values
+from helpers.codecs import REFERENCE as reference
+from helpers.inputs import float_arrays
 
 element_cases = pytest.mark.element_cases
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -43,9 +46,7 @@ def _all_modes(fmt):
 
 @element_cases(impls="lowprec")
 @given(data=st.data())
-def test_float32_encode_matches_reference(
-    fmt, rounding, overflow, codec, reference, float_arrays, assert_codes_equal, data
-):
+def test_float32_encode_matches_reference(fmt, rounding, overflow, codec, data):
     x = data.draw(float_arrays(fmt, np.float32, salt=f"{rounding}{overflow}{codec}"), label="x")
     key = _key(rounding, data.draw(seeds, label="seed"))
     want = reference.encode(fmt, x, rounding, overflow, key)
@@ -56,9 +57,7 @@ def test_float32_encode_matches_reference(
 
 @element_cases(impls="alternate")
 @given(data=st.data())
-def test_float64_encode_matches_reference_with_x64(
-    fmt, rounding, overflow, codec, reference, float_arrays, assert_codes_equal, data
-):
+def test_float64_encode_matches_reference_with_x64(fmt, rounding, overflow, codec, data):
     # With jax_enable_x64 on, float64 is rounded once from its 53-bit value (the near-grid
     # values carry bits below float32 precision, e.g. just past a tie). Every (format,
     # rounding, overflow), eager or jit alternately (each combination costs a compilation).
@@ -75,9 +74,7 @@ def test_float64_encode_matches_reference_with_x64(
 @element_cases(impls="lowprec")
 @settings(max_examples=FEW)
 @given(data=st.data())
-def test_half_precision_encode_matches_reference(
-    fmt, in_dtype, codec, reference, float_arrays, assert_codes_equal, data
-):
+def test_half_precision_encode_matches_reference(fmt, in_dtype, codec, data):
     # Rounding mode and policy are drawn (under jit each one drawn is another compiled
     # program); every float16 / bfloat16 value is covered exhaustively in the default mode by
     # test_codec.py, and the rounding logic after the exact widening is the float32 path.
@@ -98,9 +95,7 @@ QUANTIZE_MODES = [("nearest_even", "ieee"), ("toward_zero", "saturate"), ("stoch
 
 @element_cases(impls="lowprec")
 @given(data=st.data())
-def test_quantize_matches_reference_decode_of_encode(
-    fmt, codec, reference, float_arrays, assert_same_values, data
-):
+def test_quantize_matches_reference_decode_of_encode(fmt, codec, data):
     rounding, overflow = data.draw(st.sampled_from(QUANTIZE_MODES), label="modes")
     x = data.draw(float_arrays(fmt, np.float32, salt=str(codec)), label="x")
     key = _key(rounding, data.draw(seeds, label="seed"))
@@ -115,11 +110,11 @@ def _max_finite(reference_module, fmt):
 
 @element_cases(impls="lowprec")
 @given(data=st.data())
-def test_monotonic_and_bracketed(fmt, codec, reference, float_arrays, data):
+def test_monotonic_and_bracketed(fmt, codec, data):
     # For every deterministic mode: x <= y => q(x) <= q(y) (NaN results skipped), and on
     # in-range finite inputs down(x) <= x <= up(x), |toward_zero(x)| <= |x|, and each nearest
     # mode returns down(x) or up(x), whichever is nearer (E8M0's default-mode quirk in
-    # (2^-127, 2^-126) excepted, DESIGN §2). Values are decoded with the reference.
+    # (2^-127, 2^-126) excepted, docs/design.md §2). Values are decoded with the reference.
     import lowprec_reference
 
     overflow = data.draw(st.sampled_from(lowprec_formats.OVERFLOW_POLICIES), label="overflow")
@@ -150,7 +145,7 @@ def test_monotonic_and_bracketed(fmt, codec, reference, float_arrays, data):
 @element_cases(impls="lowprec")
 @settings(max_examples=FEW)
 @given(data=st.data())
-def test_stochastic_result_is_a_neighbour(fmt, overflow, codec, reference, float_arrays, data):
+def test_stochastic_result_is_a_neighbour(fmt, overflow, codec, data):
     # q(x) is the reference's toward-zero or away-from-zero rounding of x; exact values stay.
     x = data.draw(float_arrays(fmt, np.float32, salt=f"{overflow}{codec}"), label="x")
     key = jax.random.key(data.draw(seeds, label="seed"))

@@ -55,13 +55,13 @@ def _naive(x):
 @pytest.mark.parametrize("fmt", ELEMENTS)
 def test_jit_quantize_is_not_a_no_op(fmt):
     x = _x()
-    eager = lowprec.quantize(fmt, x)
-    jitted = jax.jit(lambda v: lowprec.quantize(fmt, v))(x)
+    eager = lowprec.quantize(x, fmt)
+    jitted = jax.jit(lambda v: lowprec.quantize(v, fmt))(x)
     # Inside a larger fused graph too (scaling by 2 is exact, so the reference is easy).
-    fused = jax.jit(lambda v: lowprec.quantize(fmt, v * 2.0) * 0.5)(x)
+    fused = jax.jit(lambda v: lowprec.quantize(v * 2.0, fmt) * 0.5)(x)
     assert np.any(_bits(jitted) != _bits(x)), "fake quantization under jit returned its input"
     np.testing.assert_array_equal(_bits(jitted), _bits(eager))
-    np.testing.assert_array_equal(_bits(fused), _bits(lowprec.quantize(fmt, x * 2.0) * 0.5))
+    np.testing.assert_array_equal(_bits(fused), _bits(lowprec.quantize(x * 2.0, fmt) * 0.5))
     if fmt in HOST_DTYPES:  # host-side NumPy round trip: no XLA involved at all
         host = np.asarray(x).astype(HOST_DTYPES[fmt]).astype(np.float32)
         np.testing.assert_array_equal(_bits(jitted), _bits(host))
@@ -97,7 +97,7 @@ def test_jit_quantized_matmul_is_not_a_no_op():
 @pytest.mark.parametrize(
     "name,fn",
     [
-        ("quantize", lambda v: lowprec.quantize("e4m3", v)),
+        ("quantize", lambda v: lowprec.quantize(v, "e4m3")),
         ("fake_quantize_mx", lambda v: lowprec.fake_quantize_mx(v, "mxfp4")),
         ("matmul", lambda v: matmul(v, v.T, lhs_format="mxfp8", rhs_format="e5m2")),
     ],
@@ -117,7 +117,7 @@ def test_compiled_hlo_has_no_narrow_float_type(name, fn):
 def test_gpu_naive_cast_pair_is_elided_but_lowprec_is_not():
     x = _x(5)
     host = np.asarray(x).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    ours = jax.jit(lambda v: lowprec.quantize("e4m3", v))(x)
+    ours = jax.jit(lambda v: lowprec.quantize(v, "e4m3"))(x)
     np.testing.assert_array_equal(_bits(ours), _bits(host))  # the must-hold half
     ours_mx = jax.jit(lambda v: lowprec.fake_quantize_mx(v, "mxfp8"))(x)
     assert np.any(_bits(ours_mx) != _bits(x))

@@ -1,6 +1,6 @@
 """MX block quantization: hand-derived vectors, padding, dequantize, fake-quant, gpt-oss, errors.
 
-Expected codes below are derived by hand in the comments from OCP MX v1.0 and DESIGN.md §3:
+Expected codes below are derived by hand in the comments from OCP MX v1.0 and docs/design.md §3:
 value = 2^(scale − 127) × element; floor: shared = floor(log2 amax) − emax_elem with
 emax_elem = 8 (E4M3), 15 (E5M2), 2 (E2M1); elements saturate to ± the element maximum.
 Each hand vector is checked against lowprec and, separately, against the independent
@@ -22,13 +22,13 @@ import pytest
 
 import lowprec
 import lowprec_reference as R
-from _mx_helpers import (
+from helpers.asserts import assert_same_floats
+from helpers.mx import (
     BLOCK,
     MODES,
     MX_FORMATS,
     ROUNDINGS,
     SCALE_RULES,
-    assert_same_floats,
     element_codes,
     f64_to_f32_exact,
     random_bits,
@@ -212,7 +212,7 @@ def test_inf_and_nan_blocks_get_scale_ff_and_leave_other_blocks_alone(fmt, rule)
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 @pytest.mark.parametrize("rule", SCALE_RULES)
 def test_all_zero_block(fmt, rule):
-    # amax = 0: scale code 0 (2^-127) by definition (DESIGN §3), elements zero.
+    # amax = 0: scale code 0 (2^-127) by definition (docs/design.md §3), elements zero.
     # lowprec documents that -0.0 keeps its sign: code 0x80 (FP8) / 0x8 (FP4).
     x = np.zeros((2, BLOCK), np.float32)
     x[1] = -0.0
@@ -432,7 +432,7 @@ def test_dequantize_to_bfloat16_rounds_the_exact_value(fmt):
 
 def test_dequantize_keeps_e5m2_infinite_elements():
     # OCP MX v1.0: value = X × P_i; with X = 2^(scale − 127) a finite power of two and P_i =
-    # ±inf (E5M2 0x7C / 0xFC), the value is ±inf (as lowprec.decode("e5m2", 0x7C) is); only
+    # ±inf (E5M2 0x7C / 0xFC), the value is ±inf (as lowprec.decode(0x7C, "e5m2") is); only
     # X = NaN (scale 0xFF) or P_i = NaN (0x7D..0x7F) makes NaN. quantize_mx never emits these
     # codes, but MXArrays can be built from stored codes.
     codes = np.zeros(32, np.uint8)
@@ -512,7 +512,7 @@ def test_fake_quantize_bfloat16_in_bfloat16_out(fmt):
 
 # -- gpt-oss / Hugging Face MXFP4 layout ----------------------------------------------------------
 
-# The published decoder (DESIGN §4): value = FP4_VALUES[nibble] * 2^(scale - 127), low
+# The published decoder (docs/design.md §4): value = FP4_VALUES[nibble] * 2^(scale - 127), low
 # nibble first.
 FP4_VALUES = [+0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]

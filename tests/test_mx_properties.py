@@ -32,15 +32,14 @@ from hypothesis import strategies as st
 
 import lowprec
 import lowprec_reference as R
-from _mx_helpers import (
+from helpers.asserts import assert_codes_equal, assert_same_floats
+from helpers.mx import (
     BLOCK,
     MODES,
     MX_FORMATS,
     ROUNDINGS,
     SCALE_RULES,
     as_float32,
-    assert_codes_equal,
-    assert_same_floats,
     block_bits,
     element_codes,
     f32,
@@ -91,8 +90,9 @@ def _check_against_reference(x, fmt, rule, rounding, axis, key, context):
         assert isinstance(mx, lowprec.MXArray)
         assert mx.shape == shape and mx.axis == axis % len(shape) and mx.scale_rule == rule
         assert mx.elements.dtype == jnp.uint8 and mx.scales.dtype == jnp.uint8
-        assert_codes_equal(mx.scales, want_scales, x, axis % len(shape), "scales", ctx)
-        assert_codes_equal(element_codes(mx), want_codes, x, axis % len(shape), "elements", ctx)
+        ax = axis % len(shape)
+        assert_codes_equal(mx.scales, want_scales, x, f"{ctx} scales", axis=ax, per_block=True)
+        assert_codes_equal(element_codes(mx), want_codes, x, f"{ctx} elements", axis=ax)
         if mode == "eager":
             # dequantize(quantize_mx(x)) == the reference's values of its own codes.
             want = f64_to_f32_exact(R.dequantize_mx(want_codes, want_scales, fmt, axis=axis))
@@ -219,7 +219,7 @@ def _compare_with_jax(x, fmt):
 
     Excluded, each a documented difference, not a lowprec error:
       * blocks holding a NaN: JAX's e8m0 cast turns the NaN quotient (exponent 0xFF,
-        mantissa > 0) into 0xFF + 1 = 0x00; lowprec gives 0xFF (DESIGN §3: NaN block → 0xFF).
+        mantissa > 0) into 0xFF + 1 = 0x00; lowprec gives 0xFF (docs/design.md §3: NaN block → 0xFF).
       * blocks holding ±inf: both give scale 0xFF, but JAX then divides by 2^128 = inf
         (elements 0 / NaN) while lowprec stores zero codes: scales compared, elements not.
       * XLA's CPU backend flushes float32 subnormals to zero: JAX's quotient amax / max_elem

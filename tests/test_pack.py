@@ -1,6 +1,6 @@
 """FP4 packing: two 4-bit codes per byte, element 2k in the LOW nibble, 2k+1 in the HIGH one.
 
-This is the OCP MX / gpt-oss / Hugging Face MXFP4 byte layout (DESIGN.md §4). Expected
+This is the OCP MX / gpt-oss / Hugging Face MXFP4 byte layout (docs/design.md §4). Expected
 bytes are computed here from that rule with Python integers, never with lowprec.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import lowprec
-from _mx_helpers import unpack_nibbles
+from helpers.mx import unpack_nibbles
 
 ALL_BYTES = np.arange(256, dtype=np.uint8)
 

@@ -20,15 +20,9 @@ import lowprec_formats
 import lowprec_reference as ref
 import lowprec_reference.element
 import lowprec_reference.mx
+from helpers.asserts import assert_codes_equal
+from helpers.oracles import ml_dtype, ml_dtypes_codes
 
-ML_DTYPES = {
-    "fp16": np.dtype(np.float16),
-    "bf16": np.dtype(ml_dtypes.bfloat16),
-    "e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "e5m2": np.dtype(ml_dtypes.float8_e5m2),
-    "e2m1": np.dtype(ml_dtypes.float4_e2m1fn),
-    "e8m0": np.dtype(ml_dtypes.float8_e8m0fnu),
-}
 WITH_ML = lowprec_formats.COLLECTIONS["with_ml_dtypes"]
 ALL = lowprec_formats.COLLECTIONS["all_elements"]
 F32 = np.float32
@@ -38,25 +32,10 @@ def f32(*values) -> np.ndarray:
     return np.array(values, np.float64).astype(np.float32)
 
 
-def ml_codes(fmt: str, x: np.ndarray) -> np.ndarray:
-    """ml_dtypes ``astype`` codes (float16: numpy's own cast, which ml_dtypes matches)."""
-    dt = ML_DTYPES[fmt]
-    with np.errstate(all="ignore"):
-        y = x.astype(dt)
-    return y.view(np.uint8 if dt.itemsize == 1 else np.uint16)
-
-
 def assert_same_codes(fmt: str, got: np.ndarray, want: np.ndarray, x: np.ndarray) -> None:
     """Bits equal, except that NaN outputs only need to be NaN on both sides."""
-    got_nan = np.isnan(ref.decode(fmt, got))
-    want_nan = np.isnan(ref.decode(fmt, want))
-    bad = (got_nan != want_nan) | (~want_nan & (got.astype(np.int64) != want.astype(np.int64)))
-    if bad.any():
-        i = np.flatnonzero(bad)[:8]
-        pytest.fail(
-            f"{fmt}: {bad.sum()} mismatches, e.g. x={x.ravel()[i].tolist()} "
-            f"got={[hex(int(c)) for c in got.ravel()[i]]} want={[hex(int(c)) for c in want.ravel()[i]]}"
-        )
+    nan = (np.isnan(ref.decode(fmt, got)), np.isnan(ref.decode(fmt, want)))
+    assert_codes_equal(got, want, x, fmt, nan=nan)
 
 
 def neighbours(x: np.ndarray, steps: int = 2) -> np.ndarray:
@@ -150,7 +129,7 @@ def test_decode_all_codes_matches_ml_dtypes(fmt):
     codes = ref.all_codes(fmt)
     got = ref.decode(fmt, codes)
     with np.errstate(invalid="ignore"):
-        want = codes.view(ML_DTYPES[fmt]).astype(np.float64)
+        want = codes.view(ml_dtype(fmt)).astype(np.float64)
     assert got.dtype == np.float64
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), nan)
@@ -189,7 +168,7 @@ def test_encode_default_matches_ml_dtypes_adversarial(fmt):
     x = adversarial_f32(fmt, rng, max_codes=500)
     got = ref.encode(fmt, x)
     assert got.dtype == ref.code_dtype(fmt) and got.shape == x.shape
-    assert_same_codes(fmt, got, ml_codes(fmt, x), x)
+    assert_same_codes(fmt, got, ml_dtypes_codes(fmt, x), x)
 
 
 @pytest.mark.parametrize("fmt", WITH_ML)
@@ -200,7 +179,7 @@ def test_encode_default_matches_ml_dtypes_random(fmt):
     log_lo, log_hi = math.log2(tiny) - 3, min(math.log2(top) + 2, 127.9)
     in_range = (2.0 ** rng.uniform(log_lo, log_hi, 2000)) * rng.choice([-1, 1], 2000)
     x = np.concatenate([random_f32(rng, 1500), in_range.astype(np.float32)]).reshape(50, -1)
-    assert_same_codes(fmt, ref.encode(fmt, x), ml_codes(fmt, x), x)
+    assert_same_codes(fmt, ref.encode(fmt, x), ml_dtypes_codes(fmt, x), x)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1", "fp16"])
@@ -211,14 +190,14 @@ def test_encode_from_bfloat16_and_float16_inputs(fmt):
         x = x32.astype(dt)
         x_exact = x.astype(np.float32)  # exact widening
         np.testing.assert_array_equal(ref.encode(fmt, x), ref.encode(fmt, x_exact))
-        assert_same_codes(fmt, ref.encode(fmt, x), ml_codes(fmt, x_exact), x_exact)
+        assert_same_codes(fmt, ref.encode(fmt, x), ml_dtypes_codes(fmt, x_exact), x_exact)
 
 
 def test_e8m0_lowest_binade_follows_ml_dtypes_quirk():
     # ml_dtypes (and XLA) send every float32 strictly inside (2^-127, 2^-126) to 2^-126.
     bits = np.arange((1 << 22) + 1, 1 << 23, 997, dtype=np.uint32)
     x = bits.view(np.float32)
-    assert (ml_codes("e8m0", x) == 1).all()
+    assert (ml_dtypes_codes("e8m0", x) == 1).all()
     assert (ref.encode("e8m0", x) == 1).all()
     assert (ref.encode("e8m0", x, rounding="nearest_away") == 1).all()
     # Correct rounding elsewhere: 1.1 * 2^-127 is nearer to 2^-127 (code 0).

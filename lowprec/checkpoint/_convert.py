@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from .._mx import DEFAULT_SCALE_RULE
+from .._scale_rules import DEFAULT_SCALE_RULE
 from ._report import ConversionReport, TensorReport
 from ._safetensors import (
     FLOAT_DTYPES,

@@ -31,7 +31,8 @@ import numpy as np
 
 from .._codec import decode, encode
 from .._format import element_format, mx_format
-from .._mx import DEFAULT_SCALE_RULE, SCALE_RULES, MXArray, dequantize, quantize_mx
+from .._mx import MXArray, dequantize, quantize_mx
+from .._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES
 from ._safetensors import CheckpointError, numpy_dtype
 
 MX_FORMATS = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2")
@@ -323,7 +324,7 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None, stats: Optional[
             y = x32 / scale
     else:
         y = x32
-    codes = np.asarray(encode(elem, jnp.asarray(y), overflow="saturate"))
+    codes = np.asarray(encode(jnp.asarray(y), elem, overflow="saturate"))
     if stats is not None:
         stats.update(x, _decode_values(codes, spec, scale))
         with np.errstate(invalid="ignore"):
@@ -333,7 +334,7 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None, stats: Optional[
 
 def _decode_values(codes: np.ndarray, spec: TensorSpec, scale) -> np.ndarray:
     elem = element_format(CAST_FORMATS[spec.format][0])
-    values = np.asarray(decode(elem, jnp.asarray(codes.view(elem.code_dtype))))
+    values = np.asarray(decode(jnp.asarray(codes.view(elem.code_dtype)), elem))
     if spec.fp8_scale == "tensor":
         with np.errstate(over="ignore"):
             values = values * np.float32(scale)

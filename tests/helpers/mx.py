@@ -90,39 +90,6 @@ def random_bits(key, padded_shape) -> np.ndarray:
     return np.asarray(jax.random.bits(key, tuple(padded_shape), jnp.uint32))
 
 
-# -- diagnostics -----------------------------------------------------------------------------
-
-
-def _describe_block(x, axis, index, block=BLOCK):
-    """Text of the input block holding ``index`` (values and float32/bf16 bits)."""
-    xm = np.moveaxis(np.asarray(x), axis, -1)
-    idx = list(index)
-    moved = idx[:axis] + idx[axis + 1:] + [idx[axis]]
-    start = moved[-1] // block * block
-    row = xm[tuple(moved[:-1])][start:start + block]
-    return ", ".join(f"{float(v)!r}[0x{int(b):x}]" for v, b in zip(row, bits_of(row)))
-
-
-def assert_codes_equal(got, want, x, axis, what, context=""):
-    """Bit-for-bit equality of two uint8 code arrays, with a readable first difference."""
-    got = np.asarray(got)
-    want = np.asarray(want)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != reference {want.shape}"
-    bad = np.argwhere(got.astype(np.int64) != want.astype(np.int64))
-    if bad.size:
-        i = tuple(int(v) for v in bad[0])
-        if what == "scales":
-            xi = list(i)
-            xi[axis] *= BLOCK
-            i_x = tuple(xi)
-        else:
-            i_x = i
-        raise AssertionError(
-            f"{context}: {len(bad)} {what} differ; first at {i}: lowprec 0x{int(got[i]):02x}, "
-            f"reference 0x{int(want[i]):02x}; input block: [{_describe_block(x, axis, i_x)}]"
-        )
-
-
 # -- input strategies ------------------------------------------------------------------------
 
 # Values that must show up: zeros of both signs, float32 subnormals (2^-130, the smallest),
@@ -239,18 +206,3 @@ def f64_to_f32_exact(v) -> np.ndarray:
     finite = np.isfinite(v) & np.isfinite(out)
     assert np.array_equal(out[finite].astype(np.float64), v[finite]), "value not a float32"
     return out
-
-
-def assert_same_floats(got, want, what=""):
-    """Equal as float32 bit patterns, except that any NaN equals any NaN."""
-    got = np.asarray(got, np.float32)
-    want = np.asarray(want, np.float32)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    gn, wn = np.isnan(got), np.isnan(want)
-    assert np.array_equal(gn, wn), f"{what}: NaN positions differ at {np.argwhere(gn != wn)[:5]}"
-    gb, wb = got.view(np.uint32)[~gn], want.view(np.uint32)[~wn]
-    bad = np.flatnonzero(gb != wb)
-    assert bad.size == 0, (
-        f"{what}: {bad.size} values differ, first lowprec {got[~gn][bad[0]]!r} "
-        f"vs expected {want[~wn][bad[0]]!r}"
-    )

@@ -1,0 +1,113 @@
+"""Bit-level constants and helpers shared by the codec, MX, matmul and analysis code.
+
+Everything that reads or builds a float32 from its bits lives here, so that each constant
+has one definition. Values are written as bit patterns with their derivation alongside.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+# -- binary32 layout: 1 sign bit, 8 exponent bits (bias 127), 23 mantissa bits -------------
+F32_MANT_BITS = 23
+F32_BIAS = 127
+F32_SIGN = 0x8000_0000  # 1 << 31
+F32_ABS = 0x7FFF_FFFF  # every bit below the sign
+F32_MANT = 0x007F_FFFF  # (1 << 23) - 1
+F32_IMPLICIT = 0x0080_0000  # 1 << 23: the implicit leading bit of a normal significand
+F32_INF = 0x7F80_0000  # exponent field all ones (0xFF << 23), mantissa 0
+F32_QNAN = 0x7FC0_0000  # F32_INF | 1 << 22: the canonical quiet NaN
+F32_MAX = 0x7F7F_FFFF  # (2 - 2^-23) * 2^127
+# Unbiased exponent of the last bit of a float32 subnormal: 2^-149 = 2^(1 - 127 - 23).
+F32_MIN_LSB_EXP = 1 - F32_BIAS - F32_MANT_BITS
+
+# -- E8M0, the MX scale format: code k is 2^(k - 127); 0xFF is NaN ---------------------------
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+E8M0_MAX_EXP = 127  # code 0xFE
+E8M0_MIN_EXP = -127  # code 0x00
+
+
+def f32_bits(x):
+    """uint32 bit patterns of a float32 array (other float dtypes are converted first)."""
+    return lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float32), jnp.uint32)
+
+
+def bits_to_f32(bits):
+    """float32 values of uint32 bit patterns."""
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def floor_log2_bits(bits):
+    """floor(log2 v) for the float32 pattern ``bits`` of v ≥ 0 (int32; v = 0 gives -150).
+
+    Exact for subnormals: the leading bit of the significand gives the binade.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> floor_log2_bits(f32_bits(jnp.array([1.0, 3.0, 2.0**-140]))).tolist()
+        [0, 1, -140]
+    """
+    efield = lax.shift_right_logical(bits, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32)
+    sig = jnp.where(efield > 0, (bits & F32_MANT) | F32_IMPLICIT, bits & F32_MANT)
+    # For a normal v the leading bit of sig is bit 23 (clz = 8); each step lower is one binade.
+    lsb_exp = jnp.maximum(efield, 1) - (F32_BIAS + F32_MANT_BITS)
+    return lsb_exp + 31 - lax.clz(sig).astype(jnp.int32)
+
+
+def pow2_f32(n):
+    """float32 2^n built from bits: exact for n in [-149, 127]; 0 below, inf above.
+
+    Example:
+        >>> pow2_f32(jnp.array([-149, 0, 127, 128])).tolist()[1:]
+        [1.0, 1.7014118346046923e+38, inf]
+    """
+    n = jnp.asarray(n, jnp.int32)
+    normal = lax.shift_left(jnp.clip(n + F32_BIAS, 1, 254).astype(jnp.uint32), jnp.uint32(23))
+    sub = lax.shift_left(jnp.uint32(1), jnp.clip(n - F32_MIN_LSB_EXP, 0, 22).astype(jnp.uint32))
+    bits = jnp.where(n >= 1 - F32_BIAS, normal, jnp.where(n >= F32_MIN_LSB_EXP, sub, jnp.uint32(0)))
+    bits = jnp.where(n > 127, jnp.uint32(F32_INF), bits)
+    return bits_to_f32(bits)
+
+
+def times_pow2(v, n):
+    """``v * 2^n`` for float32 ``v`` and integer ``n``: exact whenever the result is normal.
+
+    The factor is applied in two halves, each a normal float32, so 2^n itself never has to
+    be representable (n is clipped to [-252, 252], beyond any float32 result).
+    """
+    n = jnp.clip(jnp.asarray(n, jnp.int32), -252, 252)
+    a = jnp.floor_divide(n, 2)
+    return (jnp.asarray(v, jnp.float32) * pow2_f32(a)) * pow2_f32(n - a)
+
+
+def scale_bits_by_e8m0(value_bits, scale_codes):
+    """float32 bits of value × 2^(scale − 127), exactly, subnormal results included.
+
+    ``value_bits`` are float32 patterns of element values (at most 4 significant bits, as
+    every MX element has); ``scale_codes`` are E8M0 codes broadcastable to them. An
+    infinite element stays ±inf under any finite scale; NaN elements and the NaN scale
+    0xFF give NaN.
+    """
+    sign = value_bits & jnp.uint32(F32_SIGN)
+    mag = value_bits & F32_ABS
+    ef = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32)
+    nf = ef + scale_codes.astype(jnp.int32) - E8M0_BIAS
+    mant = mag & F32_MANT
+    normal = lax.shift_left(jnp.clip(nf, 0, 255).astype(jnp.uint32), jnp.uint32(23)) | mant
+    # Results below 2^-126: shift the significand into the subnormal field; nothing is lost
+    # because element values sit far above float32's last bit.
+    sub = lax.shift_right_logical(mant | F32_IMPLICIT, jnp.clip(1 - nf, 0, 31).astype(jnp.uint32))
+    out = jnp.where(nf >= 1, jnp.where(nf >= 255, jnp.uint32(F32_INF), normal), sub)
+    out = jnp.where(mag == 0, jnp.uint32(0), out)
+    out = jnp.where(mag == F32_INF, jnp.uint32(F32_INF), out)
+    nan = (mag > F32_INF) | (scale_codes == E8M0_NAN)
+    return jnp.where(nan, jnp.uint32(F32_QNAN), out | sign)
+
+
+def bits_to_bf16_truncating(bits):
+    """bfloat16 whose bits are the top half of float32 ``bits`` (exact iff the low 16 are 0)."""
+    return lax.bitcast_convert_type(
+        lax.shift_right_logical(bits, jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16
+    )

@@ -1,0 +1,396 @@
+"""The quantized dot product behind :func:`lowprec.dot_general`, and its training path.
+
+Each operand is a float array (quantized here, along the contraction axis), an
+:class:`~lowprec.MXArray` already blocked along its contraction axis, or left alone.
+The product is computed in three steps, each chosen so that the result is the exact
+dot product of the quantized values up to float32 accumulation error only:
+
+1. Decode the operands bit-exactly (integer arithmetic on codes and scales, never a
+   ``float8`` dtype), which is why this runs on CPU, where XLA has no FP8 GEMM and
+   ``jax.nn.scaled_dot_general`` has no lowering, and why XLA cannot elide the
+   quantization under ``jit`` on GPU (openxla/xla#41605: ``convert(convert(x, f8), f32)``
+   folds to ``x``; there is no such pair here).
+2. Feed the values to the dot in **bfloat16** when that is exact: an E4M3/E5M2/E2M1 value
+   has at most 3 mantissa bits (bfloat16 has 7) and 2^s × value keeps that significand, so it
+   is a bfloat16 value unless it lands below bfloat16's normal range (2^-126) with bits
+   below 2^-133. That is ruled out at run time, per operand, in one pass over the codes:
+   every block either has a scale code keeping even its smallest nonzero element at or
+   above 2^-126, or holds only zeros (scale codes alone would not do: an all-zero block
+   carries code 0 = 2^-127). ``lax.cond`` then picks the bfloat16 dot, or the float32
+   dot if any block fails. FP16/TF32 operands, which bfloat16 cannot hold, use float32
+   statically.
+3. ``lax.dot_general(..., preferred_element_type=float32)``: products of bfloat16 values
+   are exact in float32, so the only error is float32 accumulation,
+   |result − exact| ≤ K·2^-23·Σ|a_i b_i| (plus one rounding if the output is bfloat16).
+   Float32 dots use ``precision=HIGHEST`` so no backend rounds operands to TF32/bf16.
+
+Subnormal caveat: XLA on CPU flushes float32 subnormals in arithmetic, so values or
+products below 2^-126 become zero there on either path; GPUs keep them, which is where
+the float32 fallback matters.
+
+Training: a custom VJP. ``backward="ste"`` differentiates the float dot of the quantized
+values (straight-through the quantizers). ``backward="quantized"`` makes both backward
+dots quantized dots as in MX training recipes (microxcaling's linear layer): for
+y = x·w with x [T, K], w [K, N] and cotangent g [T, N], grad_x = Q(g)·Q(w)ᵀ with g and
+w blocked along N (grad_x reduces over output features) and grad_w = Q(x)ᵀ·Q(g) with x
+and g blocked along T (grad_w reduces over tokens). Operands are re-quantized from their
+float values along these new axes (a pre-quantized operand is dequantized first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import lowprec_formats as _data
+
+from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
+from ._blocks import blocked, padded_bits
+from ._codec import decode_bits, encode_bits, exactly_representable, input_bits
+from ._format import ElementFormat, FormatLike, MXFormat, resolve_format
+from ._mx import MXArray, mx_value_bits, quantize_blocks
+from ._options import ElementCast, MXCast
+from ._rounding import check_overflow
+from ._scale_rules import ScaleRule, check_scale_rule
+
+#: Element formats an operand can be rounded to (E8M0 is a scale format, not an operand).
+OPERAND_ELEMENT_FORMATS: tuple[str, ...] = tuple(n for n in _data.ELEMENT_FORMATS if n != "e8m0")
+#: Every accepted operand format name (``None`` = leave the operand as it is).
+OPERAND_FORMAT_NAMES: tuple[str, ...] = tuple(_data.MX_FORMATS) + OPERAND_ELEMENT_FORMATS
+#: ``backward=`` choices of :func:`lowprec.dot_general`.
+BACKWARD_MODES: tuple[str, ...] = ("ste", "quantized")
+OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+INPUT_DTYPES = OUTPUT_DTYPES
+
+OperandCast = Union[None, MXCast, ElementCast]
+_CANON_DN = (((2,), (2,)), ((0,), (0,)))  # (B, M, K) x (B, N, K) -> (B, M, N)
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def _valid_formats() -> str:
+    return "valid formats: None, " + ", ".join(repr(n) for n in OPERAND_FORMAT_NAMES)
+
+
+def _operand_cast(fmt: FormatLike, role: str, scale_rule: ScaleRule, rounding: str, overflow: str):
+    """An operand's format (name or object) → its MXCast / ElementCast, or None."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, (str, ElementFormat, MXFormat)):
+        raise TypeError(f"{role} must be a format name, a format object or None, got {fmt!r}")
+    try:
+        resolved = resolve_format(fmt)
+    except ValueError:
+        raise ValueError(f"unknown {role} {fmt!r}; {_valid_formats()}") from None
+    if isinstance(resolved, MXFormat):
+        return MXCast(resolved, scale_rule, rounding)
+    if resolved.name not in OPERAND_ELEMENT_FORMATS:
+        raise ValueError(
+            f"{role}: {resolved.name} is a scale format, not an operand format; {_valid_formats()}"
+        )
+    return ElementCast(resolved, rounding, overflow)
+
+
+@dataclasses.dataclass(frozen=True)
+class DotSpec:
+    """Static, validated description of one quantized dot (dot_general's keyword arguments).
+
+    ``lhs``/``rhs``/``grad`` are the operand casts (None: the operand is used as it is),
+    built from the formats with ``scale_rule``/``rounding``/``overflow``; those three are
+    kept for MXArray operands, whose casts are filled in from their own format.
+    """
+
+    lhs: OperandCast
+    rhs: OperandCast
+    grad: OperandCast
+    scale_rule: ScaleRule
+    rounding: str
+    overflow: str
+    pad: bool
+    backward: str
+    out_dtype: np.dtype
+
+    @classmethod
+    def create(
+        cls, lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad,
+        backward, preferred_element_type,
+    ) -> "DotSpec":
+        """Validates every keyword of :func:`lowprec.dot_general`, once."""
+        rule = check_scale_rule(scale_rule)
+        overflow = check_overflow(overflow)
+        if rounding == "stochastic":
+            raise ValueError(
+                "dot_general rounds deterministically; for stochastic rounding quantize the "
+                "operand with quantize_mx(x, fmt, rounding='stochastic', key=...) and pass the "
+                "MXArray"
+            )
+        if rounding not in _data.ROUNDING_MODES:
+            raise ValueError(
+                f"unknown rounding mode {rounding!r}; valid modes: {_data.ROUNDING_MODES}"
+            )
+        if backward not in BACKWARD_MODES:
+            raise ValueError(f"unknown backward mode {backward!r}; valid modes: {BACKWARD_MODES}")
+        if grad_format is not None and backward != "quantized":
+            raise ValueError("grad_format is only used with backward='quantized'")
+        out_dtype = np.dtype(preferred_element_type)
+        if out_dtype not in OUTPUT_DTYPES:
+            raise TypeError(
+                f"preferred_element_type must be float32, bfloat16 or float16, got {out_dtype}"
+            )
+        lhs, rhs, grad = (
+            _operand_cast(f, role, rule, rounding, overflow)
+            for f, role in ((lhs_format, "lhs_format"), (rhs_format, "rhs_format"),
+                            (grad_format, "grad_format"))
+        )
+        return cls(lhs, rhs, grad, rule, rounding, overflow, bool(pad), backward, out_dtype)
+
+    def with_mx_operand(self, side: str, fmt: MXFormat) -> "DotSpec":
+        """The spec with a pre-quantized operand's own format as ``side``'s cast."""
+        return dataclasses.replace(self, **{side: MXCast(fmt, self.scale_rule, self.rounding)})
+
+
+# -- dimension numbers and canonical (B, M, K) layout ------------------------------------------
+
+
+def shape_of(x) -> tuple:
+    return tuple(x.shape)
+
+
+def normalize_dn(dimension_numbers, lhs_shape, rhs_shape):
+    """Validates ``((lc, rc), (lb, rb))`` against the shapes; returns it as tuples of ints."""
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
+    except (TypeError, ValueError):
+        raise ValueError(
+            "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
+            f"rhs_batch)) as in lax.dot_general, got {dimension_numbers!r}"
+        ) from None
+    for side, shape, contract, batch in (("lhs", lhs_shape, lc, lb), ("rhs", rhs_shape, rc, rb)):
+        nd = len(shape)
+        dims = contract + batch
+        if any(not 0 <= d < nd for d in dims):
+            raise ValueError(
+                f"{side} dimension numbers {dims} out of range for {side} of shape {shape} "
+                "(use non-negative axes)"
+            )
+        if len(set(dims)) != len(dims):
+            raise ValueError(
+                f"{side} contracting {contract} and batch {batch} dims must be distinct"
+            )
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(
+            f"lhs and rhs need as many contracting ({len(lc)} vs {len(rc)}) and batch "
+            f"({len(lb)} vs {len(rb)}) dimensions"
+        )
+    for kind, ld, rd in (("contracting", lc, rc), ("batch", lb, rb)):
+        for a, b in zip(ld, rd):
+            if lhs_shape[a] != rhs_shape[b]:
+                raise ValueError(
+                    f"mismatched shapes: lhs {kind} axis {a} has length {lhs_shape[a]} but rhs "
+                    f"{kind} axis {b} has length {rhs_shape[b]} (lhs {lhs_shape}, rhs {rhs_shape})"
+                )
+    return (lc, rc), (lb, rb)
+
+
+def _canon_perm(nd: int, contract, batch):
+    free = [d for d in range(nd) if d not in contract and d not in batch]
+    return list(batch) + free + list(contract), free
+
+
+def _canonicalize(x, contract, batch):
+    """Transposes/reshapes an operand to (B, M, K) like ``jax.nn.scaled_dot_general`` does.
+
+    Contracting dimensions are flattened in the order given, so MX blocks of a float operand
+    run along that flattened axis. An MXArray must have exactly one contracting dimension,
+    its block axis (checked before), and keeps its codes: only uint8 arrays are moved.
+    """
+    shape = shape_of(x)
+    perm, free = _canon_perm(len(shape), contract, batch)
+    b = math.prod(shape[d] for d in batch)
+    m = math.prod(shape[d] for d in free)
+    k = math.prod(shape[d] for d in contract)
+    if not isinstance(x, MXArray):
+        return jnp.transpose(x, perm).reshape(b, m, k)
+    el = jnp.transpose(x.elements, perm)
+    sc = jnp.transpose(x.scales, perm)
+    el = el.reshape(b, m, el.shape[-1])
+    sc = sc.reshape(b, m, sc.shape[-1])
+    return MXArray(el, sc, x.fmt, 2, (b, m, k), x.scale_rule)
+
+
+# -- operand decoding ---------------------------------------------------------------------------
+
+
+def _mx_bits(mx: MXArray):
+    """Exact float32 bit patterns (uint32) of an MXArray's values, padding dropped."""
+    return mx_value_bits(mx.elements, mx.scales, mx.fmt, mx.axis, mx.shape[mx.axis])
+
+
+def mx_bf16_exact(mx: MXArray):
+    """Whether bfloat16 holds every value of ``mx`` exactly (a sufficient test, scalar bool).
+
+    A scale code of at least ``1 - log2(min_subnormal)`` (10 for E4M3, 17 for E5M2, 2 for
+    E2M1) keeps even the smallest nonzero element at or above 2^-126, in bfloat16's normal
+    range, where a ≤ 3-bit significand is exact. Blocks holding only zeros are exact at any
+    scale; they matter because an all-zero block carries scale code 0 (2^-127) and would
+    otherwise force the float32 path for nothing. One fused pass over the uint8 codes and
+    scales decides; blocks with tiny scales and nonzero elements go to float32 even when
+    bfloat16 would happen to hold them (rare, and still exact).
+    """
+    elem = mx.fmt.element
+    threshold = 1 - (elem.emin - elem.mantissa_bits)
+    mag_mask = 0x77 if mx.fmt.packed else (1 << elem.magnitude_bits) - 1  # drop sign bits
+    per_block = mx.fmt.block_size // 2 if mx.fmt.packed else mx.fmt.block_size
+    nonzero = blocked((mx.elements & mag_mask) != 0, mx.axis, per_block).any(axis=-1)
+    scales = jnp.moveaxis(mx.scales, mx.axis, -1)
+    return jnp.all((scales >= threshold) | ~nonzero)
+
+
+def _quantize_operand(x, cast: OperandCast, spec: DotSpec, what: str):
+    """Quantizes a canonical (B, M, K) float operand along K.
+
+    Returns ``(operand, kind)``: an MXArray with kind ``"dynamic"`` (bfloat16 unless a value
+    falls out of its range), or float32 bits (uint32) with kind ``"bf16"``/``"f32"`` (the
+    narrowest dtype holding every value exactly, known from the format alone).
+    """
+    if isinstance(x, MXArray):
+        return x, "dynamic"
+    if cast is None:
+        return f32_bits(x), "bf16" if x.dtype == jnp.bfloat16 else "f32"
+    if isinstance(cast, MXCast):
+        block = cast.fmt.block_size
+        k = x.shape[-1]
+        if k % block and not spec.pad:
+            raise ValueError(
+                f"{what}: contraction length {k} is not a multiple of the MX block size "
+                f"{block}; pass pad=True to zero-pad the blocks (zeros add nothing to the dot), "
+                "or use a multiple of 32"
+            )
+        padded = -(-k // block) * block
+        elements, scales = quantize_blocks(padded_bits(x, 2, padded), cast, 2, None)
+        return MXArray(elements, scales, cast.fmt, 2, tuple(x.shape), cast.scale_rule), "dynamic"
+    codes = encode_bits(cast.fmt, input_bits(x), cast.rounding, cast.overflow, None)
+    bits = decode_bits(cast.fmt, codes)
+    return bits, "bf16" if exactly_representable(cast.fmt, jnp.bfloat16) else "f32"
+
+
+def _operand_bits(op):
+    return _mx_bits(op) if isinstance(op, MXArray) else op
+
+
+def _dot(a, b, **kwargs):
+    """(B, M, K) x (B, N, K) -> (B, M, N) float32; a plain 2-D dot when B == 1 (XLA:CPU runs
+    2-D dots through a faster kernel than batched ones)."""
+    if a.shape[0] == 1:
+        dn = (((1,), (1,)), ((), ()))
+        return lax.dot_general(a[0], b[0], dn, preferred_element_type=jnp.float32, **kwargs)[None]
+    return lax.dot_general(a, b, _CANON_DN, preferred_element_type=jnp.float32, **kwargs)
+
+
+def _dot_bf16(lop, rop):
+    # Truncation to bfloat16 is exact here: this branch runs only when every value fits.
+    a = bits_to_bf16_truncating(_operand_bits(lop))
+    return _dot(a, bits_to_bf16_truncating(_operand_bits(rop)))
+
+
+def _dot_f32(lop, rop):
+    a, b = bits_to_f32(_operand_bits(lop)), bits_to_f32(_operand_bits(rop))
+    return _dot(a, b, precision=lax.Precision.HIGHEST)
+
+
+def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, spec: DotSpec, what: str):
+    """Quantized (B, M, K) x (B, N, K) -> (B, M, N) float32, no autodiff rule of its own."""
+    lop, lkind = _quantize_operand(lhs, lcast, spec, f"{what} lhs")
+    rop, rkind = _quantize_operand(rhs, rcast, spec, f"{what} rhs")
+    if "f32" in (lkind, rkind):
+        return _dot_f32(lop, rop)
+    if lkind == rkind == "bf16":
+        return _dot_bf16(lop, rop)
+    ok = jnp.bool_(True)
+    for op, kind in ((lop, lkind), (rop, rkind)):
+        if kind == "dynamic":
+            ok = ok & mx_bf16_exact(op)
+    # Both branches take the codes, so each decodes inside its own fusion.
+    return lax.cond(ok, _dot_bf16, _dot_f32, lop, rop)
+
+
+def _float_values(x):
+    """Exact float32 values of a canonical operand (an MXArray is dequantized)."""
+    if isinstance(x, MXArray):
+        return bits_to_f32(_mx_bits(x))
+    return x.astype(jnp.float32)
+
+
+def _quantized_values(x, cast: OperandCast, spec: DotSpec):
+    """float32 values of the operand as the forward dot saw them."""
+    op, _ = _quantize_operand(x, cast, spec, "forward")
+    return bits_to_f32(_operand_bits(op))
+
+
+def _swap(x):
+    return jnp.swapaxes(x, 1, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _qdot(lhs, rhs, spec: DotSpec):
+    out = _qdot_canonical(lhs, rhs, spec.lhs, spec.rhs, spec, "forward")
+    return out.astype(spec.out_dtype)
+
+
+def _qdot_fwd(lhs, rhs, spec: DotSpec):
+    # Residuals are the inputs themselves (float or codes); quantized values are recomputed
+    # in the backward pass, which costs O(size) next to the O(size * N) dots.
+    return _qdot(lhs, rhs, spec), (lhs, rhs)
+
+
+def _cotangent(primal, grad):
+    if isinstance(primal, MXArray):
+        return None  # integer codes: no gradient
+    return grad.astype(primal.dtype)
+
+
+def _qdot_bwd(spec: DotSpec, residuals, g):
+    lhs, rhs = residuals
+    g = g.astype(jnp.float32)  # (B, M, N)
+    if spec.backward == "ste":
+        ql = _quantized_values(lhs, spec.lhs, spec)  # (B, M, K)
+        qr = _quantized_values(rhs, spec.rhs, spec)  # (B, N, K)
+        f32 = dict(precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        grad_l = lax.dot_general(g, qr, (((2,), (1,)), ((0,), (0,))), **f32)
+        grad_r = lax.dot_general(g, ql, (((1,), (1,)), ((0,), (0,))), **f32)
+    else:
+        fl, fr = _float_values(lhs), _float_values(rhs)
+        # grad_lhs[b,m,k] = sum_n g[b,m,n] rhs[b,n,k]: g and rhs both blocked along N.
+        what = "backward grad_lhs (reduces over rhs's free dims)"
+        grad_l = _qdot_canonical(g, _swap(fr), spec.grad, spec.rhs, spec, what)
+        # grad_rhs[b,n,k] = sum_m g[b,m,n] lhs[b,m,k]: g and lhs both blocked along M.
+        what = "backward grad_rhs (reduces over lhs's free dims)"
+        grad_r = _qdot_canonical(_swap(g), _swap(fl), spec.grad, spec.lhs, spec, what)
+    return _cotangent(lhs, grad_l), _cotangent(rhs, grad_r)
+
+
+_qdot.defvjp(_qdot_fwd, _qdot_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def dot_general_jit(lhs, rhs, dn, spec: DotSpec):
+    """The quantized dot of validated operands in ``lax.dot_general``'s output layout."""
+    (lc, rc), (lb, rb) = dn
+    lshape, rshape = shape_of(lhs), shape_of(rhs)
+    out = _qdot(_canonicalize(lhs, lc, lb), _canonicalize(rhs, rc, rb), spec)
+    _, lfree = _canon_perm(len(lshape), lc, lb)
+    _, rfree = _canon_perm(len(rshape), rc, rb)
+    # lax.dot_general's layout: batch dims, then lhs free dims, then rhs free dims.
+    out_shape = [lshape[d] for d in lb] + [lshape[d] for d in lfree] + [rshape[d] for d in rfree]
+    return out.reshape(out_shape)
+
+

@@ -1,0 +1,171 @@
+"""MX scale rules: how a block's shared exponent follows from its largest magnitude.
+
+A block's largest magnitude ``amax`` is read from exact float32 bits (never
+``floor(log2(x))`` in floating point), and one of the :class:`ScaleRule` members turns it
+into the shared exponent, clamped to E8M0's range [−127, 127]. The functions here work on
+bit patterns; ``lowprec.shared_exponents`` and the MX quantizer call them.
+"""
+
+from __future__ import annotations
+
+import enum
+from fractions import Fraction
+from typing import Union
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import lowprec_formats as _data
+
+from ._bits import (
+    E8M0_BIAS,
+    E8M0_MAX_EXP,
+    E8M0_MIN_EXP,
+    E8M0_NAN,
+    F32_ABS,
+    F32_INF,
+    F32_MANT,
+    F32_MANT_BITS,
+    floor_log2_bits,
+)
+from ._format import MXFormat
+
+
+class ScaleRule(str, enum.Enum):
+    """The rule choosing an MX block's shared exponent from its largest magnitude ``amax``.
+
+    ``emax_elem`` is the exponent of the element format's largest binade (8 for E4M3, 15 for
+    E5M2, 2 for E2M1). Members are strings, so ``"floor"`` and ``ScaleRule.FLOOR`` are
+    interchangeable everywhere. Each member's own docstring says who uses it.
+
+    Example:
+        >>> ScaleRule("rceil") is ScaleRule.RCEIL, ScaleRule.FLOOR == "floor"
+        (True, True)
+    """
+
+    def __new__(cls, value: str, doc: str):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.__doc__ = doc
+        return member
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+    FLOOR = (
+        "floor",
+        "floor(log2 amax) − emax_elem: OCP MX v1.0 §6.3, microxcaling, gfloat, torchao FLOOR. "
+        "Block maxima above the element's largest value times 2^shared_exp (1.75·2^emax for "
+        "FP8, 1.5·2^emax for FP4) saturate.",
+    )
+    CEIL = (
+        "ceil",
+        "ceil(log2 amax) − emax_elem: torchao CEIL. Never clips; uses less of the element range.",
+    )
+    EVEN = (
+        "even",
+        "amax's significand rounded (half up) to the element's mantissa width, then floor: "
+        "torchao EVEN.",
+    )
+    RCEIL = (
+        "rceil",
+        "amax / max_elem in float32, rounded up to a power of two: NVIDIA cuBLAS/cuDNN, "
+        "Transformer Engine, jax.nn's MXFP8 quantizer (bit-exact). Never clips.",
+    )
+
+
+assert tuple(r.value for r in ScaleRule) == _data.SCALE_RULES, "formats/ lists other rules"
+
+#: The default: the OCP MX v1.0 rule. ``ScaleRule.RCEIL`` is what NVIDIA hardware uses.
+DEFAULT_SCALE_RULE = ScaleRule.FLOOR
+SCALE_RULES: tuple[str, ...] = tuple(r.value for r in ScaleRule)
+
+
+def check_scale_rule(scale_rule: Union[str, ScaleRule]) -> ScaleRule:
+    """Returns the :class:`ScaleRule` named ``scale_rule``; a clear error otherwise."""
+    try:
+        return ScaleRule(scale_rule)
+    except ValueError:
+        raise ValueError(
+            f"unknown scale_rule {scale_rule!r}; valid rules: "
+            + ", ".join(repr(r.value) for r in ScaleRule)
+            + " (see lowprec.ScaleRule)"
+        ) from None
+
+
+def _floor_f32(v: Fraction) -> np.float32:
+    """The largest float32 not above the positive rational ``v``."""
+    f = np.float32(float(v))
+    if Fraction(float(f)) > v:
+        f = np.nextafter(f, np.float32(0))
+    return f
+
+
+def _rceil_code(amax_bits, max_elem: Fraction):
+    """E8M0 code of float32(amax / max_elem) rounded up to a power of two.
+
+    Bit for bit the rule of ``jax._src.cudnn.scaled_matmul_stablehlo
+    .cast_to_e8m0_with_rounding_up`` applied to the IEEE float32 quotient: mantissa > 0 →
+    exponent + 1 (except at exponent 0xFE); a subnormal quotient rounds up to 2^-126 only
+    when above 2^-127. Integer-only (checked against the IEEE division for every finite
+    float32 amax): with max_elem = 1.f × 2^k, a normal quotient is an exact power of two
+    only when amax's mantissa field equals f's, and otherwise lies in amax's binade shifted
+    by k when amax's mantissa is above f, just below it otherwise. A subnormal quotient
+    (amax < max_elem × 2^-126) exceeds 2^-127 iff amax > max_elem × (2^-127 + 2^-150);
+    float32 patterns of non-negative values order like the values, so compare the bits.
+    """
+    mf = int(np.float32(float(max_elem)).view(np.uint32))
+    k = (mf >> F32_MANT_BITS) - 127
+    max_mant = mf & F32_MANT
+    small_bits = int(np.float32(float(max_elem * Fraction(1, 2**126))).view(np.uint32))  # exact
+    thr = _floor_f32(max_elem * (Fraction(1, 2**127) + Fraction(1, 2**150)))
+    efield = lax.shift_right_logical(amax_bits, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32)
+    above = ((amax_bits & F32_MANT) > max_mant).astype(jnp.int32)
+    normal_code = jnp.minimum(efield - k + above, 0xFE)
+    sub_code = (amax_bits > int(thr.view(np.uint32))).astype(jnp.int32)
+    return jnp.where(amax_bits < small_bits, sub_code, normal_code)
+
+
+def shared_exponent_of_amax(amax_bits, fmt: MXFormat, scale_rule: ScaleRule):
+    """Unclamped shared exponent (int32) of blocks whose largest magnitude has bits ``amax_bits``."""
+    elem = fmt.element
+    emax = fmt.emax_elem
+    if scale_rule is ScaleRule.FLOOR:
+        return floor_log2_bits(amax_bits) - emax
+    if scale_rule is ScaleRule.CEIL:
+        sig = amax_bits & F32_MANT
+        not_pow2 = jnp.where((amax_bits >> F32_MANT_BITS) > 0, sig != 0, (sig & (sig - 1)) != 0)
+        return floor_log2_bits(amax_bits) + not_pow2.astype(jnp.int32) - emax
+    if scale_rule is ScaleRule.EVEN:
+        # Round amax's significand to the element's mantissa width, half up, on the bits.
+        drop = F32_MANT_BITS - elem.mantissa_bits
+        keep = ~((1 << drop) - 1) & 0xFFFF_FFFF
+        rounded = (amax_bits + jnp.uint32(1 << (drop - 1))) & jnp.uint32(keep)
+        return floor_log2_bits(rounded) - emax
+    if scale_rule is ScaleRule.RCEIL:
+        return _rceil_code(amax_bits, elem.max_finite_exact) - E8M0_BIAS
+    raise AssertionError(scale_rule)
+
+
+def block_amax_bits(xb_bits):
+    """Largest magnitude bits of each block of float32 patterns ``[..., n_blocks, block]``.
+
+    An integer max: exact for subnormals, and NaN/Inf patterns sort above every finite one.
+    Taken over a (block/4, 4) split of each block, last dim first: XLA:CPU then emits one
+    vectorized reduce over two dims, several times faster than its reduce over a single
+    trailing dim of 32 (splitting after the bitcast gets folded back into that form).
+    """
+    block = xb_bits.shape[-1]
+    quads = (xb_bits & F32_ABS).reshape(*xb_bits.shape[:-1], block // 4, 4)
+    return jnp.max(jnp.max(quads, axis=-1), axis=-1)
+
+
+def scale_codes_of_amax(amax_bits, fmt: MXFormat, scale_rule: ScaleRule):
+    """E8M0 scale codes (int32) of blocks: the clamped shared exponent + 127, or 0xFF for a
+    block holding a NaN or an infinity. Returns ``(codes, special)``."""
+    special = amax_bits >= F32_INF
+    shared = jnp.clip(shared_exponent_of_amax(amax_bits, fmt, scale_rule), E8M0_MIN_EXP, E8M0_MAX_EXP)
+    return jnp.where(special, E8M0_NAN, shared + E8M0_BIAS), special

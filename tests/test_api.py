@@ -1,0 +1,319 @@
+"""The public surface: argument order, ScaleRule, finfo, resolve_format, shared_exponents,
+MXArray validation, dtype checks, and integer-only widening of half-precision input.
+
+Expected values come from ml_dtypes (finfo, half-precision bit patterns), the independent
+reference (shared exponents), or a derivation written beside the assertion.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import lowprec
+import lowprec_formats
+import lowprec_reference as R
+
+MX_NAMES = lowprec_formats.COLLECTIONS["all_mx"]
+RULES = tuple(lowprec.ScaleRule)
+
+
+# -- argument order ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("func", ["encode", "quantize"])
+def test_old_argument_order_still_works_with_a_deprecation_warning(func):
+    x = jnp.array([0.1, 300.0, 500.0])
+    f = getattr(lowprec, func)
+    with pytest.warns(DeprecationWarning, match=rf"lowprec.{func}\(x, fmt\)"):
+        old = f("e4m3", x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = f(x, "e4m3")
+    np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
+
+
+def test_old_argument_order_of_decode_and_quantize_mx():
+    codes = jnp.arange(16, dtype=jnp.uint8)
+    with pytest.warns(DeprecationWarning):
+        old = lowprec.decode("e2m1", codes)
+    np.testing.assert_array_equal(np.asarray(old), np.asarray(lowprec.decode(codes, "e2m1")))
+    x = jnp.linspace(-1, 1, 64)
+    with pytest.warns(DeprecationWarning):
+        mx = lowprec.quantize_mx("mxfp4", x)
+    np.testing.assert_array_equal(np.asarray(mx.scales), np.asarray(lowprec.quantize_mx(x, "mxfp4").scales))
+
+
+# -- ScaleRule ----------------------------------------------------------------------------------
+
+
+def test_scale_rule_members_are_the_data_table_rules_and_documented():
+    assert tuple(r.value for r in lowprec.ScaleRule) == lowprec_formats.SCALE_RULES
+    for rule in lowprec.ScaleRule:
+        assert rule == rule.value and str(rule) == rule.value and f"{rule}" == rule.value
+        assert lowprec.ScaleRule(rule.value) is rule
+        assert rule.__doc__ and rule.__doc__ != lowprec.ScaleRule.__doc__
+    assert lowprec.DEFAULT_SCALE_RULE is lowprec.ScaleRule.FLOOR
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_enum_and_string_scale_rules_give_the_same_bits(rule):
+    x = jax.random.normal(jax.random.key(1), (4, 64)) * 30
+    a = lowprec.quantize_mx(x, "mxfp8_e4m3", scale_rule=rule)
+    b = lowprec.quantize_mx(x, "mxfp8_e4m3", scale_rule=rule.value)
+    np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
+    np.testing.assert_array_equal(np.asarray(a.elements), np.asarray(b.elements))
+    assert a.scale_rule is rule
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: lowprec.quantize_mx(x, "mxfp4", scale_rule="nearest"),
+        lambda x: lowprec.fake_quantize_mx(x, "mxfp4", scale_rule="nearest"),
+        lambda x: lowprec.shared_exponents(x, "mxfp4", scale_rule="nearest"),
+        lambda x: lowprec.dot_general(
+            x[None], x[:, None], (((1,), (0,)), ((), ())), lhs_format="mxfp4", scale_rule="nearest"
+        ),
+    ],
+)
+def test_every_entry_point_rejects_an_unknown_scale_rule_with_one_message(call):
+    with pytest.raises(ValueError, match=r"unknown scale_rule 'nearest'; valid rules: 'floor', 'ceil', 'even', 'rceil'"):
+        call(jnp.ones(32))
+
+
+# -- finfo -----------------------------------------------------------------------------------
+
+_FINFO_FIELDS = (
+    "bits", "eps", "epsneg", "machep", "negep", "max", "min", "maxexp", "minexp", "nexp",
+    "nmant", "iexp", "tiny", "smallest_normal", "smallest_subnormal",
+)
+
+
+@pytest.mark.parametrize("name", lowprec_formats.COLLECTIONS["with_ml_dtypes"])
+def test_finfo_equals_ml_dtypes_finfo(name):
+    info = lowprec.finfo(name)
+    dtype = lowprec.element_format(name).storage_dtype
+    peer = ml_dtypes.finfo(dtype)
+    for field in _FINFO_FIELDS:
+        assert getattr(info, field) == float(getattr(peer, field)), field
+    assert info.dtype == dtype
+
+
+def test_finfo_of_tf32_from_its_layout():
+    info = lowprec.finfo("tf32")
+    # 1/8/10, bias 127: float32's exponent range with a 10-bit mantissa.
+    assert (info.bits, info.nexp, info.nmant) == (19, 8, 10)
+    assert info.eps == 2.0**-10 and info.epsneg == 2.0**-11
+    assert info.max == (2 - 2.0**-10) * 2.0**127
+    assert info.smallest_normal == 2.0**-126 and info.smallest_subnormal == 2.0**-136
+    assert (info.maxexp, info.minexp, info.precision) == (128, -126, 3)
+    assert info.dtype is None
+
+
+def test_finfo_precision_follows_numpy_definition():
+    for name in lowprec.ELEMENT_FORMAT_NAMES:
+        info = lowprec.finfo(name)
+        assert info.precision == int(-math.log10(info.eps))
+        assert info.resolution == 10.0**-info.precision
+    assert lowprec.finfo("fp16").precision == np.finfo(np.float16).precision
+
+
+def test_finfo_refuses_block_formats_with_the_fix():
+    with pytest.raises(TypeError, match=r"finfo\('e2m1'\)"):
+        lowprec.finfo(lowprec.mx_format("mxfp4"))
+    with pytest.raises(ValueError, match="block"):
+        lowprec.finfo("mxfp4")
+
+
+# -- resolve_format ----------------------------------------------------------------------------
+
+
+def test_resolve_format_accepts_every_alias_of_the_data_table():
+    for alias, canonical in lowprec_formats.ALIASES.items():
+        fmt = lowprec.resolve_format(alias)
+        assert fmt.name == canonical
+        assert lowprec.resolve_format(alias.upper()) is fmt
+        assert lowprec.resolve_format(fmt) is fmt
+
+
+def test_resolve_format_error_lists_the_names():
+    with pytest.raises(ValueError, match=r"unknown format 'fp7'.*e4m3.*mxfp4"):
+        lowprec.resolve_format("fp7")
+    with pytest.raises(TypeError):
+        lowprec.resolve_format(8)
+
+
+# -- shared_exponents ------------------------------------------------------------------------
+
+
+def _reference_shared(x: np.ndarray, fmt: str, rule: str) -> np.ndarray:
+    """Per-block shared exponents from the reference, 128 for NaN/Inf blocks."""
+    elem = R.mx_element_format(fmt)
+    blocks = x.reshape(-1, 32)
+    out = []
+    for b in blocks:
+        if not np.isfinite(b).all():
+            out.append(128)
+        else:
+            out.append(R.shared_exponent(float(np.abs(b).max()), elem, rule))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("fmt", MX_NAMES)
+@pytest.mark.parametrize("rule", RULES, ids=str)
+@given(
+    x=hnp.arrays(
+        np.float32, (4 * 32,),
+        elements=st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    )
+)
+def test_shared_exponents_equal_the_reference(fmt, rule, x):
+    got = np.asarray(lowprec.shared_exponents(jnp.asarray(x), fmt, scale_rule=rule))
+    np.testing.assert_array_equal(got, _reference_shared(x, fmt, rule.value))
+
+
+def test_shared_exponents_along_an_axis_with_padding():
+    x = jnp.ones((40, 3)).at[33, 1].set(1000.0)
+    got = lowprec.shared_exponents(x, "mxfp4", axis=0, pad=True)
+    assert got.shape == (2, 3)
+    # floor(log2 1) - 2 = -2 everywhere, floor(log2 1000) - 2 = 7 in the padded second block.
+    assert got.tolist() == [[-2, -2, -2], [-2, 7, -2]]
+    with pytest.raises(ValueError, match="pad=True"):
+        lowprec.shared_exponents(x, "mxfp4", axis=0)
+
+
+# -- MXArray validation -------------------------------------------------------------------------
+
+
+def _good():
+    return lowprec.quantize_mx(jnp.ones((2, 64)), "mxfp4")
+
+
+def test_mxarray_accepts_a_format_name_and_a_negative_axis():
+    mx = _good()
+    built = lowprec.MXArray(mx.elements, mx.scales, "mxfp4", -1, (2, 64), "floor")
+    assert built.fmt is lowprec.mx_format("mxfp4") and built.axis == 1
+    assert built.scale_rule is lowprec.ScaleRule.FLOOR
+    np.testing.assert_array_equal(np.asarray(lowprec.dequantize(built)), np.ones((2, 64)))
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(scales=jnp.zeros((2, 3), jnp.uint8)), ValueError, r"scales have shape \(2, 3\)"),
+        (dict(shape=(2, 96)), ValueError, "needs"),
+        (dict(fmt="mxfp8_e4m3"), ValueError, r"elements have shape \(2, 32\).*needs \(2, 64\)"),
+        (dict(scales=jnp.full((2, 2), 300, jnp.int32)), TypeError, "uint8"),
+        (dict(elements=jnp.zeros((2, 32), jnp.float32)), TypeError, "uint8"),
+        (dict(axis=2), ValueError, "axis 2 is out of range"),
+        (dict(axis=1.0), TypeError, "axis must be an integer"),
+        (dict(fmt="e4m3"), ValueError, "unknown MX format"),
+        (dict(fmt=3), TypeError, "MXFormat"),
+        (dict(scale_rule="round"), ValueError, "unknown scale_rule"),
+        (dict(shape=(2, "64")), TypeError, "tuple of ints"),
+    ],
+)
+def test_mxarray_rejects_inconsistent_parts(change, error, match):
+    mx = _good()
+    fields = dict(elements=mx.elements, scales=mx.scales, fmt=mx.fmt, axis=1, shape=(2, 64),
+                  scale_rule=None)
+    fields.update(change)
+    with pytest.raises(error, match=match):
+        lowprec.MXArray(**fields)
+
+
+def test_mxarray_checks_shapes_under_jit_and_allows_vmap_batches():
+    mx = _good()
+
+    @jax.jit
+    def bad(el, sc):
+        return lowprec.MXArray(el, sc[:, :1], mx.fmt, 1, (2, 64))
+
+    with pytest.raises(ValueError, match="scales have shape"):
+        bad(mx.elements, mx.scales)
+    x = jnp.ones((5, 2, 64))
+    batched = jax.vmap(lambda r: lowprec.quantize_mx(r, "mxfp4"))(x)
+    assert batched.elements.shape == (5, 2, 32) and batched.shape == (2, 64)
+    back = jax.vmap(lowprec.dequantize)(batched)
+    np.testing.assert_array_equal(np.asarray(back), np.ones((5, 2, 64)))
+
+
+# -- dtype checks ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_])
+def test_quantize_and_decode_refuse_non_float_result_dtypes(dtype):
+    x = jnp.array([1.5, jnp.nan])
+    with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16"):
+        lowprec.quantize(x, "e4m3", dtype=dtype)
+    with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16"):
+        lowprec.decode(jnp.array([1, 2], jnp.uint8), "e4m3", dtype=dtype)
+    with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16"):
+        lowprec.dequantize(_good(), dtype)
+
+
+# -- half-precision input is widened with integer operations --------------------------------------
+
+
+def _all_half(dtype) -> np.ndarray:
+    return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["f16", "bf16"])
+def test_widening_every_half_precision_value_matches_numpy(dtype):
+    from lowprec._codec import input_bits
+
+    h = _all_half(dtype)
+    got = np.asarray(jax.jit(input_bits)(jnp.asarray(h)))
+    want = h.astype(np.float32).view(np.uint32)
+    nan = np.isnan(h.astype(np.float32))
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    # NaN: a float32 NaN with the input's sign (payloads are not kept).
+    assert (got[nan] & 0x7FFF_FFFF > 0x7F80_0000).all()
+    np.testing.assert_array_equal(got[nan] >> 31, want[nan] >> 31)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: lowprec.encode(x, "e4m3"),
+        lambda x: lowprec.quantize(x, "fp16", dtype=x.dtype),
+        lambda x: lowprec.quantize_mx(x, "mxfp8_e4m3").scales,
+        lambda x: lowprec.fake_quantize_mx(x, "mxfp4"),
+    ],
+    ids=["encode", "quantize", "quantize_mx", "fake_quantize_mx"],
+)
+def test_half_precision_paths_hold_no_float_convert(dtype, call):
+    """XLA on GPU turns any half NaN into 0x7fffffff when it converts (sign lost), so the
+    compiled program must not convert half-precision floats at all: widening and narrowing
+    are bitcasts and integer arithmetic."""
+    x = jnp.zeros((64,), dtype)
+    hlo = jax.jit(call).lower(x).as_text()
+    half = "f16" if dtype == jnp.float16 else "bf16"
+    converts = [
+        line for line in hlo.splitlines()
+        if re.search(r"\bstablehlo\.convert\b", line) and re.search(rf"\b{half}\b|x{half}>", line)
+    ]
+    assert not converts, "\n".join(converts)
+
+
+def test_negative_half_nan_keeps_its_sign_through_encode():
+    h = np.array([0xFC01, 0x7C01, 0xFE00], np.uint16).view(np.float16)
+    # ml_dtypes: every NaN of either sign maps to e4m3's NaN code with that sign.
+    with np.errstate(invalid="ignore"):
+        want = h.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    got = np.asarray(lowprec.encode(jnp.asarray(h), "e4m3"))
+    np.testing.assert_array_equal(got, want)
+    assert got.tolist() == [0xFF, 0x7F, 0xFF]
