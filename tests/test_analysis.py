@@ -1,4 +1,6 @@
-"""Tests of lowprec.analysis: metrics against hand-computed cases, bounds as properties."""
+"""Tests of lowprec.analysis: metrics against hand-computed cases, bounds as properties,
+comparisons against direct computations, intervals against published t tables, plots drawn
+with awkward data (inf, NaN, zeros)."""
 
 import math
 import subprocess
@@ -79,7 +81,7 @@ def test_relative_errors_conventions():
 def test_error_stats_matches_individual_metrics():
     key = jax.random.key(0)
     x = jax.random.normal(key, (256,))
-    q = lowprec.quantize(x, "e4m3")
+    q = lowprec.quantize("e4m3", x)
     stats = analysis.error_stats(x, q)
     for name in ("sqnr_db", "max_abs_error", "mean_abs_error", "rms_error", "mean_error",
                  "max_rel_error", "mean_rel_error", "underflow_rate"):
@@ -98,13 +100,13 @@ def test_metrics_reject_bad_input():
 
 def test_metrics_are_jittable_and_vmappable():
     x = jnp.linspace(-2.0, 2.0, 64)
-    q = lowprec.quantize(x, "bf16")
+    q = lowprec.quantize("bf16", x)
     eager = _f(analysis.sqnr_db(x, q))
     assert _f(jax.jit(analysis.sqnr_db)(x, q)) == pytest.approx(eager)
     batched = jax.vmap(analysis.sqnr_db)(jnp.stack([x, x]), jnp.stack([q, q]))
     assert batched.shape == (2,)
     assert np.allclose(np.asarray(batched), eager)
-    f = jax.jit(lambda v: analysis.ulp_error("e4m3", v, lowprec.quantize(v, "e4m3")).max())
+    f = jax.jit(lambda v: analysis.ulp_error(v, lowprec.quantize("e4m3", v), "e4m3").max())
     assert _f(f(x)) <= 0.5
 
 
@@ -115,43 +117,43 @@ def test_ulp_e4m3_by_hand():
     # e4m3: 3 mantissa bits, emin = -6, emax = 8. Spacing 2^(e - 3) in binade 2^e.
     x = jnp.array([1.0, 1.9, 448.0, 300.0, 1000.0, 2.0**-6, 0.001, 0.0, -3.0])
     expected = [2**-3, 2**-3, 2**5, 2**5, 2**5, 2**-9, 2**-9, 2**-9, 2**-2]
-    assert analysis.ulp("e4m3", x).tolist() == expected
+    assert analysis.ulp(x, "e4m3").tolist() == expected
 
 
 def test_ulp_other_formats_by_hand():
-    assert analysis.ulp("e2m1", jnp.array([0.3, 1.0, 5.0, 6.0])).tolist() == [0.5, 0.5, 2.0, 2.0]
-    assert analysis.ulp("bf16", jnp.array([1.0, 2.0**100])).tolist() == [2.0**-7, 2.0**93]
-    assert analysis.ulp("fp16", jnp.array([1.0, 65504.0, 1e-7])).tolist() == [2.0**-10, 32.0, 2.0**-24]
+    assert analysis.ulp(jnp.array([0.3, 1.0, 5.0, 6.0]), "e2m1").tolist() == [0.5, 0.5, 2.0, 2.0]
+    assert analysis.ulp(jnp.array([1.0, 2.0**100]), "bf16").tolist() == [2.0**-7, 2.0**93]
+    assert analysis.ulp(jnp.array([1.0, 65504.0, 1e-7]), "fp16").tolist() == [2.0**-10, 32.0, 2.0**-24]
     # bf16's subnormal spacing 2^-133 is itself a float32 subnormal, built from bits
-    assert analysis.ulp("bf16", jnp.array([0.0])).tolist() == [2.0**-133]
-    assert analysis.ulp("e8m0", jnp.array([1.0, 3.0, 2.0**-127])).tolist() == [1.0, 2.0, 2.0**-127]
+    assert analysis.ulp(jnp.array([0.0]), "bf16").tolist() == [2.0**-133]
+    assert analysis.ulp(jnp.array([1.0, 3.0, 2.0**-127]), "e8m0").tolist() == [1.0, 2.0, 2.0**-127]
 
 
 def test_ulp_with_scale_exponent():
     # Grid of e4m3 scaled by 2^-8: 2^-20 / 2^-8 = 2^-12 is below e4m3's normal range, so the
     # spacing is the subnormal one, 2^-9, times 2^-8.
-    assert analysis.ulp("e4m3", jnp.array([2.0**-20]), scale_exp=-8).tolist() == [2.0**-17]
-    assert analysis.ulp("e4m3", jnp.array([1.0]), scale_exp=-8).tolist() == [2.0**-3]
+    assert analysis.ulp(jnp.array([2.0**-20]), "e4m3", scale_exp=-8).tolist() == [2.0**-17]
+    assert analysis.ulp(jnp.array([1.0]), "e4m3", scale_exp=-8).tolist() == [2.0**-3]
 
 
 def test_ulp_error_e4m3_by_hand():
     x = jnp.array([1.0625, 300.0, 0.005, 1.0, 1000.0])
-    q = lowprec.quantize(x, "e4m3", overflow="saturate")
+    q = lowprec.quantize("e4m3", x, overflow="saturate")
     # 1.0625 is the tie between 1 and 1.125 -> 1 (even): half an ULP (0.125).
     # 300 -> 288: 12 / 32. 0.005 -> 3 * 2^-9: (0.005859375 - f32(0.005)) / 2^-9 = 0.44.
     # 1000 saturates to 448: 552 / 32 ULPs of the top binade.
-    err = analysis.ulp_error("e4m3", x, q).tolist()
+    err = analysis.ulp_error(x, q, "e4m3").tolist()
     assert err[:2] == [0.5, 0.375]
     assert err[2] == pytest.approx((0.005859375 - float(np.float32(0.005))) / 2**-9, rel=1e-6)
     assert err[3:] == [0.0, 552 / 32]
 
 
 def test_ulp_error_e2m1_tie_and_directed():
-    assert analysis.ulp_error("e2m1", jnp.array([5.0]), jnp.array([4.0])).tolist() == [0.5]
+    assert analysis.ulp_error(jnp.array([5.0]), jnp.array([4.0]), "e2m1").tolist() == [0.5]
     x = jnp.array([1.1])
-    q = lowprec.quantize(x, "e4m3", rounding="toward_zero")
+    q = lowprec.quantize("e4m3", x, rounding="toward_zero")
     assert q.tolist() == [1.0]
-    assert _f(analysis.ulp_error("e4m3", x, q)[0]) == pytest.approx(0.8, rel=1e-5)
+    assert _f(analysis.ulp_error(x, q, "e4m3")[0]) == pytest.approx(0.8, rel=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ELEMENTS)
@@ -162,18 +164,18 @@ def test_ulp_error_bounds_hold(fmt):
     lo, hi = max(lo, -60), min(hi, 60)
     x = jnp.exp2(jax.random.uniform(key, (4096,), minval=lo, maxval=hi))
     x = x * jnp.where(jnp.arange(4096) % 2 == 0, 1.0, -1.0)
-    nearest = analysis.ulp_error(fmt, x, lowprec.quantize(x, fmt))
+    nearest = analysis.ulp_error(x, lowprec.quantize(fmt, x), fmt)
     assert _f(nearest.max()) <= 0.5
     for mode in ("toward_zero", "up", "down"):
-        assert _f(analysis.ulp_error(fmt, x, lowprec.quantize(x, fmt, rounding=mode)).max()) < 1
-    sr = lowprec.quantize(x, fmt, rounding="stochastic", key=jax.random.key(2))
-    assert _f(analysis.ulp_error(fmt, x, sr).max()) < 1
+        assert _f(analysis.ulp_error(x, lowprec.quantize(fmt, x, rounding=mode), fmt).max()) < 1
+    sr = lowprec.quantize(fmt, x, rounding="stochastic", key=jax.random.key(2))
+    assert _f(analysis.ulp_error(x, sr, fmt).max()) < 1
 
 
 def test_ulp_error_at_the_top_of_bf16():
     x = jnp.array([3.0e38, -1.0e38])
-    q = lowprec.quantize(x, "bf16")
-    err = analysis.ulp_error("bf16", x, q)
+    q = lowprec.quantize("bf16", x)
+    err = analysis.ulp_error(x, q, "bf16")
     assert bool(jnp.all(err <= 0.5)) and bool(jnp.all(jnp.isfinite(err)))
 
 
@@ -181,9 +183,9 @@ def test_ulp_error_at_the_top_of_bf16():
 # a-priori bounds
 # --------------------------------------------------------------------------------------
 def test_quantization_error_bound_by_hand():
-    b = analysis.quantization_error_bound("e4m3", jnp.array([1.0, 300.0, 1000.0, 0.0]))
+    b = analysis.quantization_error_bound(jnp.array([1.0, 300.0, 1000.0, 0.0]), "e4m3")
     assert b.tolist() == [2.0**-4, 16.0, 552.0, 2.0**-10]
-    b = analysis.quantization_error_bound("e4m3", jnp.array([1.0]), rounding="toward_zero")
+    b = analysis.quantization_error_bound(jnp.array([1.0]), "e4m3", rounding="toward_zero")
     assert b.tolist() == [0.125]
 
 
@@ -197,18 +199,18 @@ def test_quantization_error_bound_holds(fmt, rounding):
     x = jax.random.normal(key, (2048,)) * jnp.exp2(jax.random.uniform(key, (2048,), minval=-30, maxval=2))
     x = jnp.concatenate([x, jnp.array([0.0, 2 * scale, -3 * scale, f.min_subnormal / 3])])
     kw = {"key": jax.random.key(4)} if rounding == "stochastic" else {}
-    q = lowprec.quantize(x, fmt, rounding=rounding, overflow="saturate", **kw)
-    bound = analysis.quantization_error_bound(fmt, x, rounding=rounding)
+    q = lowprec.quantize(fmt, x, rounding=rounding, overflow="saturate", **kw)
+    bound = analysis.quantization_error_bound(x, fmt, rounding=rounding)
     assert bool(jnp.all(jnp.abs(q - x) <= bound))
 
 
 @pytest.mark.parametrize("fmt", lowprec.MX_FORMAT_NAMES)
 @pytest.mark.parametrize("rule", lowprec.SCALE_RULES)
-def test_mx_error_bound_holds(fmt, rule):
+def test_mx_quantization_error_bound_holds(fmt, rule):
     key = jax.random.key(5)
     x = jax.random.t(key, 2.0, (16, 128))
     q = lowprec.fake_quantize_mx(x, fmt, scale_rule=rule)
-    bound = analysis.mx_error_bound(x, fmt, scale_rule=rule)
+    bound = analysis.quantization_error_bound(x, fmt, scale_rule=rule)
     assert bool(jnp.all(jnp.abs(q - x) <= bound))
     # and it is not vacuous: within a factor of a few of the worst actual error per block
     assert _f(jnp.max(bound)) < 10 * _f(jnp.max(jnp.abs(q - x))) + 1e-30
@@ -262,7 +264,7 @@ def test_clipping_rate_scalar_limit_and_mxfp4():
 
 def test_underflow_rate():
     x = jnp.array([0.0, 0.1, 0.2, 0.3, 1.0, -0.2, 6.0, 0.0])
-    q = lowprec.quantize(x, "e2m1")                    # below 0.25 -> 0
+    q = lowprec.quantize("e2m1", x)                    # below 0.25 -> 0
     assert _f(analysis.underflow_rate(x, q)) == 3 / 8
     # MXFP4: block max 6 -> scale 2^0 -> 0.1 flushes to zero
     xb = jnp.concatenate([jnp.array([6.0]), jnp.full(31, 0.1)])
@@ -290,10 +292,10 @@ def test_dot_error_bound_holds(fmt):
     b = jax.random.normal(kb, (256, 8))
     if fmt in lowprec.MX_FORMAT_NAMES:
         qa, qb = lowprec.fake_quantize_mx(a, fmt, axis=1), lowprec.fake_quantize_mx(b, fmt, axis=0)
-        ea, eb = analysis.mx_error_bound(a, fmt, axis=1), analysis.mx_error_bound(b, fmt, axis=0)
+        ea, eb = analysis.quantization_error_bound(a, fmt, axis=1), analysis.quantization_error_bound(b, fmt, axis=0)
     else:
-        qa, qb = lowprec.quantize(a, fmt), lowprec.quantize(b, fmt)
-        ea, eb = analysis.quantization_error_bound(fmt, a), analysis.quantization_error_bound(fmt, b)
+        qa, qb = lowprec.quantize(fmt, a), lowprec.quantize(fmt, b)
+        ea, eb = analysis.quantization_error_bound(a, fmt), analysis.quantization_error_bound(b, fmt)
     exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
     approx = np.asarray(jnp.dot(qa, qb, precision="highest"), np.float64)
     bound = np.asarray(analysis.dot_error_bound(a, b, ea, eb), np.float64)
@@ -304,7 +306,7 @@ def test_dot_error_bound_holds(fmt):
 # stochastic rounding and accumulation
 # --------------------------------------------------------------------------------------
 def test_rounding_neighbors():
-    lo, hi = analysis.rounding_neighbors("e4m3", jnp.array([1.03125, 2.0, -1.03125, 1000.0]))
+    lo, hi = analysis.rounding_neighbors(jnp.array([1.03125, 2.0, -1.03125, 1000.0]), "e4m3")
     assert lo.tolist() == [1.0, 2.0, -1.125, 448.0]
     assert hi.tolist() == [1.125, 2.0, -1.0, 448.0]
 
@@ -312,7 +314,7 @@ def test_rounding_neighbors():
 def test_stochastic_rounding_is_unbiased_with_the_right_variance():
     x = jnp.array([1.03125, 1.0625, 3.3, -100.0, 2.0])
     n = 4096
-    s = analysis.stochastic_rounding_stats("e4m3", x, key=jax.random.key(7), num_samples=n)
+    s = analysis.stochastic_rounding_stats(x, "e4m3", key=jax.random.key(7), num_samples=n)
     # hand: 1.03125 lies 1/32 above 1 and 3/32 below 1.125: variance 3/1024
     expected_var = np.asarray(s["expected_variance"], np.float64)
     assert expected_var[0] == 3 / 1024 and expected_var[1] == 1 / 256 and expected_var[4] == 0
@@ -325,10 +327,10 @@ def test_stochastic_rounding_is_unbiased_with_the_right_variance():
 
 def test_quantized_cumsum_nearest_matches_a_python_loop():
     inc = jnp.array([0.3, 0.7, 0.01, 5.0, -2.2, 0.04], jnp.float32)
-    sums = analysis.quantized_cumsum("e4m3", inc, init=1.0)
+    sums = analysis.quantized_cumsum(inc, "e4m3", init=1.0)
     s, expected = jnp.float32(1.0), []
     for v in inc:
-        s = lowprec.quantize(s + v, "e4m3", overflow="saturate")
+        s = lowprec.quantize("e4m3", s + v, overflow="saturate")
         expected.append(float(s))
     assert sums.tolist() == expected
 
@@ -336,17 +338,17 @@ def test_quantized_cumsum_nearest_matches_a_python_loop():
 def test_quantized_cumsum_stalls_with_nearest_and_tracks_with_stochastic():
     # bf16 spacing at 1 is 2^-7; adding 2^-9 < half of it never moves the sum.
     inc = jnp.full((512, 256), 2.0**-9)
-    near = analysis.quantized_cumsum("bf16", inc[:, :1], init=1.0)
+    near = analysis.quantized_cumsum(inc[:, :1], "bf16", init=1.0)
     assert bool(jnp.all(near == 1.0))
-    sr = analysis.quantized_cumsum("bf16", inc, rounding="stochastic", key=jax.random.key(8), init=1.0)
+    sr = analysis.quantized_cumsum(inc, "bf16", rounding="stochastic", key=jax.random.key(8), init=1.0)
     assert sr.shape == (512, 256)
     final = np.asarray(sr[-1], np.float64)
     exact = 1.0 + 512 * 2.0**-9                        # 2.0
     assert abs(final.mean() - exact) < 4 * final.std() / np.sqrt(256)
     with pytest.raises(ValueError, match="key"):
-        analysis.quantized_cumsum("bf16", inc, rounding="stochastic")
+        analysis.quantized_cumsum(inc, "bf16", rounding="stochastic")
     with pytest.raises(ValueError, match="axis"):
-        analysis.quantized_cumsum("bf16", jnp.float32(1.0))
+        analysis.quantized_cumsum(jnp.float32(1.0), "bf16")
 
 
 # --------------------------------------------------------------------------------------
@@ -404,34 +406,382 @@ def test_markdown_table():
 # --------------------------------------------------------------------------------------
 # plots and import hygiene
 # --------------------------------------------------------------------------------------
-def test_importing_does_not_import_matplotlib():
-    code = "import sys, lowprec, lowprec.analysis; print('matplotlib' in sys.modules)"
+def test_importing_imports_neither_matplotlib_nor_pandas():
+    code = ("import sys, lowprec, lowprec.analysis; "
+            "print('matplotlib' in sys.modules, 'pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
+
+
+
+
+def test_public_namespace():
+    import lowprec.analysis as mod
+
+    assert mod.__all__ == sorted(mod.__all__, key=str.lower) or len(set(mod.__all__)) == len(mod.__all__)
+    for name in mod.__all__:
+        obj = getattr(mod, name)
+        if name == "DISTRIBUTIONS":
+            assert isinstance(obj, tuple) and "gaussian" in obj
+            continue
+        assert callable(obj) and obj.__doc__, name
+    # the submodules are private; the package __init__ holds the one export list
+    for sub in ("_metrics", "_ulp", "_bounds", "_blocks", "_stochastic", "_values", "_compare", "_plots"):
+        assert not hasattr(getattr(mod, sub), "__all__"), sub
+
+
+# --------------------------------------------------------------------------------------
+# one argument order; Python floats
+# --------------------------------------------------------------------------------------
+def test_array_first_everywhere_and_the_old_order_warns():
+    x = jnp.array([1.0625, 300.0, 0.005])
+    q = lowprec.quantize("e4m3", x)
+    new = {
+        "ulp": analysis.ulp(x, "e4m3"),
+        "ulp_error": analysis.ulp_error(x, q, "e4m3"),
+        "bound": analysis.quantization_error_bound(x, "e4m3"),
+        "neighbors": analysis.rounding_neighbors(x, "e4m3")[0],
+        "cumsum": analysis.quantized_cumsum(x, "e4m3"),
+    }
+    with pytest.warns(DeprecationWarning, match=r"ulp\(x, 'e4m3'\)"):
+        old = analysis.ulp("e4m3", x)
+    assert old.tolist() == new["ulp"].tolist()
+    with pytest.warns(DeprecationWarning, match="array first"):
+        assert analysis.ulp_error("e4m3", x, q).tolist() == new["ulp_error"].tolist()
+    with pytest.warns(DeprecationWarning):
+        assert analysis.quantization_error_bound("e4m3", x).tolist() == new["bound"].tolist()
+    with pytest.warns(DeprecationWarning):
+        assert analysis.rounding_neighbors("e4m3", x)[0].tolist() == new["neighbors"].tolist()
+    with pytest.warns(DeprecationWarning):
+        assert analysis.quantized_cumsum("e4m3", x).tolist() == new["cumsum"].tolist()
+
+
+def test_scalar_metrics_are_python_floats_eagerly_and_arrays_when_traced():
+    x = jnp.linspace(-2.0, 2.0, 64)
+    q = lowprec.quantize("bf16", x)
+    for name in ("sqnr_db", "max_abs_error", "mean_abs_error", "rms_error", "mean_error",
+                 "max_rel_error", "mean_rel_error", "underflow_rate", "overflow_rate", "nan_rate"):
+        assert type(getattr(analysis, name)(x, q)) is float, name
+    assert type(analysis.clipping_rate(x, 1.0)) is float
+    assert type(analysis.mx_clipping_rate(jnp.ones(32), "mxfp4")) is float
+    assert all(type(v) is float for v in analysis.error_stats(x, q).values())
+    traced = jax.jit(analysis.sqnr_db)(x, q)
+    assert isinstance(traced, jax.Array) and traced.shape == ()
+
+
+def test_where_mask_selects_elements():
+    r = jnp.array([1.0, 2.0, 4.0, 8.0])
+    a = jnp.array([1.5, 2.0, 5.0, 8.0])               # errors 0.5, 0, 1, 0
+    keep = jnp.array([True, True, False, False])
+    assert analysis.max_abs_error(r, a, where=keep) == 0.5
+    assert analysis.mean_abs_error(r, a, where=keep) == 0.25
+    assert analysis.mean_rel_error(r, a, where=~keep) == pytest.approx(0.125)
+    # SQNR over the first two: signal 1 + 4, noise 0.25 -> 10 log10(20)
+    assert analysis.sqnr_db(r, a, where=keep) == pytest.approx(10 * math.log10(20), rel=1e-6)
+    with pytest.raises(TypeError, match="boolean"):
+        analysis.sqnr_db(r, a, where=jnp.ones(4))
+
+
+def test_overflow_and_nan_are_counted_not_hidden():
+    # e4m3 under the default policy: |x| > 464 becomes NaN (ml_dtypes' behaviour; 464, the
+    # tie between 448 and the next binade step 480, rounds to even: 448).
+    x = jnp.array([1.0, 2.0, 464.0, 465.0, 1000.0, -3.0, 0.001, 0.0])
+    q = lowprec.quantize("e4m3", x)
+    assert np.isnan(np.asarray(q)).sum() == 2
+    assert analysis.overflow_rate(x, q) == 2 / 8
+    assert analysis.nan_rate(x, q) == 2 / 8
+    assert math.isnan(analysis.sqnr_db(x, q))              # the plain metric does not hide it
+    s = analysis.error_stats(x, q)
+    finite = np.isfinite(np.asarray(q))
+    assert s["sqnr_db"] == pytest.approx(analysis.sqnr_db(x[finite], q[finite]), rel=1e-6)
+    assert s["overflow_rate"] == s["nan_rate"] == 0.25 and math.isfinite(s["sqnr_db"])
+    # e5m2: overflow to inf is an overflow but not a NaN
+    q5 = lowprec.quantize("e5m2", jnp.array([1.0, 1e6]))
+    assert analysis.overflow_rate(jnp.array([1.0, 1e6]), q5) == 0.5
+    assert analysis.nan_rate(jnp.array([1.0, 1e6]), q5) == 0.0
+    # NaN in the reference is not counted as a NaN produced by quantization
+    assert analysis.nan_rate(jnp.array([jnp.nan, 1.0]), jnp.array([jnp.nan, 1.0])) == 0.0
+
+
+# --------------------------------------------------------------------------------------
+# MX on its own grid
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", lowprec.MX_FORMAT_NAMES)
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+def test_mx_ulp_error_is_one_call_and_equals_the_scaled_element_grid(fmt, rule):
+    x = jax.random.t(jax.random.key(11), 3.0, (8, 96))
+    q = lowprec.fake_quantize_mx(x, fmt, scale_rule=rule)
+    s = analysis.mx_scale_exponents(x, fmt, scale_rule=rule)
+    elem = lowprec.mx_format(fmt).element.name
+    one_call = analysis.ulp_error(x, q, fmt, scale_rule=rule)
+    assert one_call.tolist() == analysis.ulp_error(x, q, elem, scale_exp=s).tolist()
+    assert analysis.ulp(x, fmt, scale_rule=rule).tolist() == analysis.ulp(x, elem, scale_exp=s).tolist()
+    # round to nearest on the scaled grid: at most half an ULP except for clipped elements
+    clipped = np.abs(np.asarray(x)) > lowprec.mx_format(fmt).element.max_finite * np.exp2(np.asarray(s, np.float64))
+    err = np.asarray(one_call)
+    assert np.all(err[~clipped] <= 0.5)
+    if rule == "rceil":
+        assert not clipped.any()
+    with pytest.raises(ValueError, match="scale_exp"):
+        analysis.ulp(x, fmt, scale_exp=s)
+
+
+def test_mx_ulp_by_hand():
+    # MXFP4 block with max 6 -> floor scale 2^(2-2) = 1: FP4's own grid
+    x = jnp.concatenate([jnp.array([6.0, 1.0, 0.3]), jnp.zeros(29)])
+    assert analysis.ulp(x, "mxfp4")[:3].tolist() == [2.0, 0.5, 0.5]
+    # max 100 under MXFP8 E4M3 floor: scale 2^(6-8): 100 sits in binade 2^6 -> ulp 2^3
+    y = jnp.concatenate([jnp.array([100.0, 1.0]), jnp.zeros(30)])
+    assert analysis.ulp(y, "mxfp8_e4m3")[:2].tolist() == [8.0, 2.0**-3]
+
+
+# --------------------------------------------------------------------------------------
+# compare: one call, element and MX alike, over seeds
+# --------------------------------------------------------------------------------------
+pd = pytest.importorskip("pandas")
+
+
+def test_compare_matches_direct_computations_on_an_array():
+    x = np.asarray(jax.random.t(jax.random.key(12), 3.0, (32, 128)))
+    df = analysis.compare(x, ["e4m3", "bf16", "mxfp4"], scale_rules=["floor", "rceil"])
+    assert df[["format", "scale_rule", "block_size"]].values.tolist() == [
+        ["e4m3", None, None], ["bf16", None, None], ["mxfp4", "floor", 32], ["mxfp4", "rceil", 32]]
+    assert df["bits_per_element"].tolist() == [8.0, 16.0, 4.25, 4.25]
+    assert df["n_seeds"].tolist() == [1, 1, 1, 1]
+    assert "sqnr_db_lo" not in df                         # one evaluation: no interval
+    for _, row in df.iterrows():
+        if row["scale_rule"] is None:
+            q = lowprec.quantize(row["format"], jnp.asarray(x))
+            u = analysis.ulp_error(x, q, row["format"])
+            limit = lowprec.element_format(row["format"]).max_finite
+            clip = float(np.mean(np.abs(x) > limit))
+        else:
+            q = lowprec.fake_quantize_mx(jnp.asarray(x), row["format"], scale_rule=row["scale_rule"])
+            u = analysis.ulp_error(x, q, row["format"], scale_rule=row["scale_rule"])
+            clip = analysis.mx_clipping_rate(x, row["format"], scale_rule=row["scale_rule"])
+        assert row["sqnr_db"] == pytest.approx(analysis.sqnr_db(x, q), rel=1e-6)
+        assert row["max_abs_error"] == pytest.approx(analysis.max_abs_error(x, q), rel=1e-6)
+        assert row["mean_rel_error"] == pytest.approx(analysis.mean_rel_error(x, q), rel=1e-5)
+        assert row["underflow_rate"] == analysis.underflow_rate(x, q)
+        assert row["clip_rate"] == pytest.approx(clip)
+        u = np.asarray(u, np.float64)
+        assert row["ulp_max"] == pytest.approx(u.max(), rel=1e-6)
+        assert row["ulp_p50"] == pytest.approx(np.quantile(u, 0.5), rel=1e-4)
+        assert row["ulp_p99"] == pytest.approx(np.quantile(u, 0.99), rel=1e-4)
+    # MXFP4: floor clips, rceil never does; FP4 underflows a lot on heavy tails
+    mx = df[df["format"] == "mxfp4"].set_index("scale_rule")
+    assert mx.loc["floor", "clip_rate"] > 0 and mx.loc["rceil", "clip_rate"] == 0
+    assert mx.loc["rceil", "underflow_rate"] > 0.1
+
+
+def test_compare_counts_e4m3_overflow_and_mx_nan_blocks():
+    x = np.ones((2, 32), np.float32)
+    x[0, 0] = 1000.0     # e4m3: NaN (overflow); MX: fine
+    x[1, 3] = np.inf     # MX: the whole block becomes NaN; e4m3: inf input -> NaN (not counted)
+    df = analysis.compare(x, ["e4m3", "mxfp8_e4m3"], scale_rules="rceil").set_index("format")
+    assert df.loc["e4m3", "overflow_rate"] == 1 / 64
+    assert df.loc["e4m3", "nan_rate"] == 2 / 64
+    assert df.loc["mxfp8_e4m3", "overflow_rate"] == 31 / 64   # finite inputs of the inf block
+    assert df.loc["mxfp8_e4m3", "nan_rate"] == 32 / 64         # ... and the inf itself
+    assert not df["sqnr_db"].isna().any()                     # measured over the finite pairs
+
+
+def test_compare_over_seeds_gives_means_and_t_intervals():
+    runs = analysis.compare("laplace", ["e5m2", "mxfp8_e4m3"], scale_rules=["floor", "rceil"],
+                            seeds=[3, 4, 5, 6], shape=(16, 256), per_seed=True)
+    assert len(runs) == 12 and sorted(set(runs["seed"])) == [3, 4, 5, 6]
+    # each per-seed row is the array comparison of that seed's sample
+    one = analysis.compare(analysis.sample("laplace", (16, 256), seed=5), "e5m2")
+    assert runs[(runs["seed"] == 5) & (runs["format"] == "e5m2")]["sqnr_db"].item() == one["sqnr_db"].item()
+    summary = analysis.summarize(runs)
+    assert summary.equals(analysis.compare("laplace", ["e5m2", "mxfp8_e4m3"], scale_rules=["floor", "rceil"],
+                                           seeds=[3, 4, 5, 6], shape=(16, 256)))
+    row = summary[summary["format"] == "e5m2"].iloc[0]
+    v = runs[runs["format"] == "e5m2"]["sqnr_db"].to_numpy()
+    half = 3.182 * v.std(ddof=1) / 2                      # t(0.975, 3) = 3.182 (tables)
+    assert row["sqnr_db"] == pytest.approx(v.mean())
+    assert row["sqnr_db_hi"] - row["sqnr_db"] == pytest.approx(half, rel=1e-3)
+    assert row["n_seeds"] == 4
+    # rates stay inside [0, 1]
+    assert (summary["clip_rate_lo"] >= 0).all() and (summary["underflow_rate_hi"] <= 1).all()
+
+
+def test_paired_delta_by_hand():
+    runs = analysis.compare("gaussian", "mxfp8_e4m3", scale_rules=["floor", "even", "rceil"],
+                            seeds=5, shape=(8, 256), per_seed=True)
+    d = analysis.paired_delta(runs, metric="sqnr_db", within="scale_rule", baseline="rceil")
+    assert d["scale_rule"].tolist() == ["floor", "even"] and (d["baseline"] == "rceil").all()
+    fl = runs[runs.scale_rule == "floor"].sort_values("seed")["sqnr_db"].to_numpy()
+    rc = runs[runs.scale_rule == "rceil"].sort_values("seed")["sqnr_db"].to_numpy()
+    m, lo, hi = analysis.confidence_interval(fl - rc)
+    row = d[d.scale_rule == "floor"].iloc[0]
+    assert (row["delta"], row["delta_lo"], row["delta_hi"]) == pytest.approx((m, lo, hi))
+    assert row["delta_hi"] < 0                            # floor clips: worse than rceil
+    by_format = analysis.paired_delta(
+        analysis.compare("gaussian", ["e4m3", "e5m2"], seeds=3, shape=(4, 256), per_seed=True),
+        within="format", baseline="e4m3")
+    assert by_format["format"].tolist() == ["e5m2"] and 5 < -by_format["delta"].item() < 7
+
+
+def test_compare_inputs_and_errors():
+    calls = []
+
+    def make(seed):
+        calls.append(seed)
+        return np.full((2, 64), 0.3 + seed, np.float32)
+
+    df = analysis.compare({"fn": make, "arr": np.ones((2, 64), np.float32)}, "e2m1", seeds=None)
+    assert df["input"].tolist() == ["fn", "arr"] and calls == list(range(10))
+    assert df["n_seeds"].tolist() == [10, 1]
+    with pytest.raises(ValueError, match="fixed array"):
+        analysis.compare(np.ones(64, np.float32), "e4m3", seeds=3)
+    with pytest.raises(ValueError, match="block_size=16"):
+        analysis.compare(np.ones(64, np.float32), "mxfp4", block_sizes=[32, 16])
+    with pytest.raises(ValueError, match="unknown distribution"):
+        analysis.compare("cauchy", "e4m3")
+    with pytest.raises(ValueError, match="scale rule"):
+        analysis.compare("gaussian", "mxfp4", scale_rules=["round"])
+    with pytest.raises(ValueError, match="unknown element format"):
+        analysis.compare("gaussian", "fp5")
+    # stochastic rounding: seeds seed the rounding of a fixed array
+    sr = analysis.compare(np.full((1, 64), 1.1, np.float32), "e4m3", rounding="stochastic", seeds=4)
+    assert sr["n_seeds"].item() == 4 and sr["sqnr_db_lo"].item() < sr["sqnr_db_hi"].item()
+
+
+def test_sample_distributions():
+    for name in analysis.DISTRIBUTIONS:
+        x = analysis.sample(name, (64, 1024), seed=0)
+        assert x.dtype == np.float32 and x.shape == (64, 1024), name
+        assert np.array_equal(x, analysis.sample(name, (64, 1024), seed=0)), name
+        assert not np.array_equal(x, analysis.sample(name, (64, 1024), seed=1)), name
+    var = lambda n: float(analysis.sample(n, (256, 1024)).astype(np.float64).var())
+    assert var("gaussian") == pytest.approx(1.0, rel=0.02)
+    assert var("laplace") == pytest.approx(2.0, rel=0.03)      # Laplace(1): variance 2
+    assert var("uniform") == pytest.approx(1 / 3, rel=0.02)
+    assert var("student-t(5)") == pytest.approx(5 / 3, rel=0.1)  # nu / (nu - 2)
+    out = analysis.sample("gauss+outliers", (256, 1024))
+    assert 0.0007 < np.mean(np.abs(out) > 10) < 0.0013        # 0.1 % scaled by 100
+
+
+def test_row_subsets_cover_the_rows_once():
+    x = np.arange(40.0).reshape(20, 2)
+    parts = analysis.row_subsets(x, 4, seed=1)
+    rows = np.concatenate([parts(i)[:, 0] for i in range(4)])
+    assert sorted(rows.tolist()) == x[:, 0].tolist()
+    with pytest.raises(ValueError, match="range"):
+        parts(4)
+    with pytest.raises(ValueError, match="2-D"):
+        analysis.row_subsets(np.ones(5), 2)
+
+
+@pytest.mark.parametrize("level, dof, t", [
+    # two-sided Student-t quantiles from the standard tables
+    (0.95, 1, 12.706), (0.95, 2, 4.303), (0.95, 4, 2.776), (0.95, 9, 2.262),
+    (0.95, 19, 2.093), (0.95, 29, 2.045), (0.99, 9, 3.250), (0.90, 5, 2.015),
+])
+def test_confidence_interval_uses_student_t(level, dof, t):
+    values = np.arange(dof + 1, dtype=np.float64)
+    m, lo, hi = analysis.confidence_interval(values, level)
+    assert m == pytest.approx(values.mean())
+    assert (hi - m) / (values.std(ddof=1) / math.sqrt(dof + 1)) == pytest.approx(t, abs=6e-4)
+    assert m - lo == pytest.approx(hi - m)
+
+
+def test_confidence_interval_edge_cases():
+    assert analysis.confidence_interval([2.0])[0] == 2.0
+    assert all(math.isnan(v) for v in analysis.confidence_interval([2.0])[1:])
+    m, lo, hi = analysis.confidence_interval([1.0, math.inf])
+    assert m == math.inf and math.isnan(lo) and math.isnan(hi)
+    with pytest.raises(ValueError, match="level"):
+        analysis.confidence_interval([1.0, 2.0], 1.5)
+
+
+def test_markdown_table_formats_dataframes_and_0d_arrays():
+    rows = [{"name": "e4m3", "sqnr": jnp.float32(31.52223), "rate": np.float64(0.00863), "rule": None}]
+    text = analysis.markdown_table(rows, floatfmt={"sqnr": ".2f", "rate": ".2%"})
+    assert text.splitlines()[-1] == "| e4m3 | 31.52 | 0.86% | — |"
+    frame = pd.DataFrame([{"a": 1.23456, "b": "x"}])
+    assert analysis.markdown_table(frame, floatfmt=".2f").splitlines()[-1] == "| 1.23 | x |"
+
+
+def test_value_tables_reject_block_formats_clearly():
+    with pytest.raises(ValueError, match="element format 'e2m1'"):
+        analysis.format_info(lowprec.mx_format("mxfp4"))
+    with pytest.raises(ValueError, match="block"):
+        analysis.representable_values("mxfp4")
+
+
+# --------------------------------------------------------------------------------------
+# plots: drawn, robust to inf / NaN / zero, annotated
+# --------------------------------------------------------------------------------------
+def _render(fig):
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=40)   # draws every artist
+    assert buf.tell() > 1000
 
 
 def test_plot_helpers_draw():
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    fig = Figure()
-    axes = fig.subplots(2, 3)
+    fig = Figure(figsize=(14, 8), layout="constrained")
+    axes = fig.subplots(3, 3)
     analysis.plot_value_grid(["e2m1", "e4m3", "bf16"], ax=axes[0, 0])
     analysis.plot_spacing(["fp16", "tf32", "e8m0"], relative=True, ax=axes[0, 1])
-    analysis.plot_histograms({"a": np.linspace(-1, 1, 50)}, bins=10, ax=axes[0, 2], logy=True)
-    ax = analysis.plot_curves([1, 2, 4], {"x": [1, 2, 3]}, bounds={"x": [2, 3, 4], "other": [0, 1, 1]},
-                              bands={"x": ([0, 1, 2], [2, 3, 4])}, ax=axes[1, 0], logx=True,
-                              legend_bounds=False)
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["x"]
-    analysis.plot_grouped_bars({"g1": {"s1": 1.0, "s2": 2.0}, "g2": {"s1": 3.0}}, ax=axes[1, 1])
-    import io
+    ax = analysis.plot_spacing(["tf32", "fp16"], relative=True, envelope=True, ax=axes[0, 2])
+    widths = [line.get_linewidth() for line in ax.get_lines()]
+    assert widths[0] > widths[1]                          # coinciding curves both visible
+    ax = analysis.plot_curves([1, 2, 4], {"x": [1, 2, 3], "y": [1, 2, 3]},
+                              bounds={"x": [2, 3, 4], "other": [0, 1, 1]},
+                              bands={"x": ([0, 1, 2], [2, 3, 4])},
+                              errors={"y": ([0.5, 1.5, 2.5], [1.5, 2.5, 3.5])},
+                              ax=axes[1, 0], logx=True, legend_bounds=False)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["x", "y"]
+    markers = [line.get_marker() for line in ax.get_lines()[:2]]
+    assert markers[0] != markers[1]                       # distinct markers
+    analysis.plot_grouped_bars({"g1": {"s1": 1.0, "s2": (2.0, 1.5, 2.5)}, "g2": {"s1": 3.0}},
+                               ax=axes[1, 1])
+    analysis.plot_estimates({"g": {"a": (18.8, 18.7, 18.9), "b": 31.5}}, ax=axes[1, 2])
+    _render(fig)
 
-    fig.savefig(io.BytesIO(), format="png")   # renders every artist
+
+def test_histograms_survive_inf_nan_and_zero_and_say_so():
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    fig = Figure(layout="constrained")
+    a, b = fig.subplots(1, 2)
+    data = {"rel": np.array([0.0, 0.0, 1e-3, 0.01, 0.1, np.inf, np.nan, -np.inf, 0.2])}
+    analysis.plot_histograms(data, bins=10, ax=a)
+    assert a.get_legend().get_texts()[0].get_text() == "rel\n  (1 NaN, 1 +inf, 1 −inf not shown)"
+    analysis.plot_histograms(data, bins=10, log_x=True, ax=b)
+    label = b.get_legend().get_texts()[0].get_text()
+    assert "2 zero (22.2%)" in label and "1 NaN" in label
+    assert b.get_xscale() == "log"
+    _render(fig)
 
 
-def test_public_namespace():
-    import lowprec.analysis as mod
+def test_error_vs_magnitude_and_delta_bars():
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
 
-    for name in mod.__all__:
-        assert callable(getattr(mod, name)), name
-        assert getattr(mod, name).__doc__, name
+    x = np.asarray(analysis.sample("student-t(3)", (16, 256)))
+    x[0, :3] = [0.0, 1000.0, np.nan]
+    q4 = np.asarray(lowprec.fake_quantize_mx(jnp.asarray(np.nan_to_num(x)), "mxfp4"))
+    q8 = np.asarray(lowprec.quantize("e4m3", jnp.asarray(x)))
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    a, b = fig.subplots(1, 2)
+    analysis.plot_error_vs_magnitude(x, {"mxfp4": q4, "e4m3": q8}, ax=a)
+    labels = [t.get_text() for t in a.get_legend().get_texts()]
+    assert "% → 0" in labels[0] and "NaN not shown" in labels[1]
+    assert "1 zeros of x not shown" in a.get_xlabel()
+    runs = analysis.compare({"t3": "student-t(3)", "gauss": "gaussian"}, ["mxfp4", "mxfp8_e4m3"],
+                            scale_rules=["floor", "rceil"], seeds=3, shape=(8, 256), per_seed=True)
+    d = analysis.paired_delta(runs, baseline="rceil")
+    ax = analysis.plot_delta_bars(d, group="input", series="format", ax=b)
+    lo, hi = ax.get_xlim()
+    assert lo < min(0, d["delta_lo"].min()) and hi > max(0, d["delta_hi"].max())
+    assert ax.get_xlabel() == "Δ vs rceil"
+    _render(fig)
