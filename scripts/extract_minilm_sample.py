@@ -228,6 +228,9 @@ def main(argv=None) -> int:
     try:
         with open(tmp, "wb") as f:
             np.savez_compressed(f, **arrays)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o644 & ~umask)   # mkstemp makes 0600
         os.replace(tmp, args.out)
     finally:
         if os.path.exists(tmp):

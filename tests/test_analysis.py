@@ -672,6 +672,12 @@ def test_row_subsets_cover_the_rows_once():
         parts(4)
     with pytest.raises(ValueError, match="2-D"):
         analysis.row_subsets(np.ones(5), 2)
+    equal = analysis.row_subsets(x, 3, size=6, seed=2)
+    chunks = [equal(i)[:, 0] for i in range(3)]
+    assert all(c.shape == (6,) for c in chunks)
+    assert len(set(np.concatenate(chunks).tolist())) == 18             # disjoint
+    with pytest.raises(ValueError, match="need 21 rows"):
+        analysis.row_subsets(x, 3, size=7)
 
 
 @pytest.mark.parametrize("level, dof, t", [

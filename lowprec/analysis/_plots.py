@@ -148,9 +148,9 @@ def plot_spacing(
     2^-(mantissa_bits+1) in the normal range, rising in the subnormal range. Runs of equal
     gaps are reduced to their end points, which is exact on log-log axes. Over hundreds of
     binades the sawtooth fills the plot; ``envelope=True`` draws instead the largest value
-    per binade as a staircase. Formats are drawn in decreasing line widths and different
-    dash patterns, so a format whose curve coincides with another's (FP16 and TF32 share
-    their 10-bit spacing) stays visible.
+    per binade as a staircase, in decreasing line widths and different dash patterns, so a
+    format whose staircase coincides with another's (FP16 and TF32 share their 10-bit
+    spacing) stays visible: list the format with the wider range first.
 
     Example:
         >>> from matplotlib.figure import Figure
@@ -163,9 +163,11 @@ def plot_spacing(
     for i, fmt in enumerate(fmts):
         values, gaps = value_spacing(fmt)
         y = gaps / values if relative else gaps
-        style = dict(label=fmt.name, color=_FORMAT_COLORS.get(fmt.name, f"C{i % 10}"),
-                     linewidth=max(3.6 - 0.7 * i, 1.0), linestyle=_DASHES[i % len(_DASHES)],
-                     zorder=2 + i)
+        style = dict(label=fmt.name, color=_FORMAT_COLORS.get(fmt.name, f"C{i % 10}"), zorder=2 + i)
+        if envelope:  # staircases coincide over long stretches: widths and dashes tell them apart
+            style.update(linewidth=max(3.6 - 0.8 * i, 1.2), linestyle=_DASHES[i % len(_DASHES)])
+        else:
+            style.update(linewidth=1.3)
         if envelope:
             ex, ey = _binade_envelope(values, y)
             ax.step(ex, ey, where="post", **style)
@@ -293,7 +295,9 @@ def plot_error_vs_magnitude(
         note = _count_note(int(np.isnan(q).sum()), int(np.isposinf(q).sum()),
                            int(np.isneginf(q).sum()))
         if under:
-            note = f"{100 * under / x.size:.1f}% → 0" + (f"; {note}" if note else "")
+            share = 100 * under / x.size
+            share = f"{share:.1f}%" if share >= 0.1 else "<0.1%"
+            note = f"{share} → 0" + (f"; {note}" if note else "")
         series[label] = (ok, err, note)
     zeros = int(np.sum(x == 0))
     valid = np.isfinite(mag) & (mag > 0)
@@ -343,6 +347,8 @@ def plot_curves(
     ylabel: Optional[str] = None,
     title: Optional[str] = None,
     marker: Optional[str] = "auto",
+    markevery=None,
+    styles: Optional[Mapping[str, Mapping]] = None,
     bound_suffix: str = " bound",
     legend_bounds: bool = True,
 ):
@@ -351,9 +357,14 @@ def plot_curves(
     Args:
       x: shared abscissa.
       curves: label → y values. Each curve gets its own hollow marker (``marker="auto"``;
-        a marker string for all, or None for plain lines), so coinciding curves stay visible.
-      bounds: label → y values drawn dashed in the colour of the curve with the same label
-        (labels not in ``curves`` get their own colour), labelled ``label + bound_suffix``.
+        a marker string for all, or None for plain lines), so coinciding curves stay visible;
+        ``markevery`` thins the markers of long curves (as matplotlib's).
+      styles: label → matplotlib line properties overriding the defaults for that curve
+        (e.g. ``{"color": "C0", "linestyle": "--"}`` to group curves by colour); its error
+        bars, band and bound follow its colour.
+      bounds: label → y values drawn dashed, on top of the curves, in the colour of the curve
+        with the same label (labels not in ``curves`` get their own colour), labelled
+        ``label + bound_suffix``.
       bands: label → (low, high), shaded in the colour of the curve with that label.
       errors: label → (low, high) drawn as error bars (e.g. confidence intervals).
       legend_bounds: list the dashed lines in the legend too (off: say what they are in
@@ -376,9 +387,11 @@ def plot_curves(
         y = np.asarray(y, np.float64)
         note = _count_note(int(np.isnan(y).sum()), int(np.isposinf(y).sum()), int(np.isneginf(y).sum()))
         m = _MARKERS[i % len(_MARKERS)] if marker == "auto" else marker
-        (line,) = ax.plot(x, y, marker=m, markersize=5, markerfacecolor="none",
-                          markeredgewidth=1.2, linewidth=max(2.2 - 0.15 * i, 1.0),
-                          label=_with_note(label, note), color=f"C{i % 10}", zorder=3 + i)
+        kw = dict(marker=m, markersize=5, markerfacecolor="none", markeredgewidth=1.2,
+                  linewidth=max(2.2 - 0.15 * i, 1.0), markevery=markevery, color=f"C{i % 10}",
+                  zorder=3 + i)
+        kw.update((styles or {}).get(label, {}))
+        (line,) = ax.plot(x, y, label=_with_note(label, note), **kw)
         colors[label] = line.get_color()
         handles.append(line)
         if errors and label in errors:
@@ -390,8 +403,8 @@ def plot_curves(
         color = colors.get(label)
         if color is None:
             color, extra = f"C{extra % 10}", extra + 1
-        (line,) = ax.plot(x, np.asarray(y), linestyle="--", color=color, linewidth=1.1,
-                          label=f"{label}{bound_suffix}")
+        (line,) = ax.plot(x, np.asarray(y), linestyle="--", color=color, linewidth=1.3,
+                          label=f"{label}{bound_suffix}", zorder=50 + extra)
         if legend_bounds:
             handles.append(line)
     for label, (lo, hi) in (bands or {}).items():

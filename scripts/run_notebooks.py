@@ -1,0 +1,200 @@
+"""Executes the error-study notebooks and stores them with their outputs (figures included).
+
+Usage::
+
+    python scripts/run_notebooks.py                 # every notebooks/*.ipynb, in place
+    python scripts/run_notebooks.py notebooks/03_mx_block_scaling.ipynb
+    python scripts/run_notebooks.py --check         # execute, compare nothing, write nothing
+
+Each notebook runs top to bottom in a fresh kernel of *this* interpreter (a kernel spec written
+to a temporary directory, so no ``ipykernel install`` is needed and no other Python is picked
+up), with ``JAX_PLATFORMS=cpu`` and matplotlib's inline backend, so every figure is rendered
+as a PNG output that GitHub shows. Figures use a modest dpi (set in each notebook's first cell)
+to keep the files small. A failing cell (each notebook asserts its findings) aborts with the
+traceback and leaves the stored notebook untouched; a successful run replaces it atomically.
+Volatile metadata (execution timings) is dropped, so a rerun with the same library versions
+changes only what the computation changed.
+
+The test suite (``tests/test_notebooks.py``) imports :func:`execute` and :func:`check_figures`
+from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import pathlib
+import struct
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = ROOT / "notebooks"
+KERNEL_NAME = "lowprec-notebooks-python"
+CELL_TIMEOUT_S = 600
+
+# A rendered figure must be a real PNG of a sensible size: not a blank placeholder, not a
+# 300-dpi poster that bloats the repository.
+MIN_SIDE_PX, MAX_SIDE_PX = 150, 1600
+MIN_PNG_BYTES, MAX_PNG_BYTES = 3_000, 400_000
+
+
+def _kernel_manager(tmpdir: pathlib.Path):
+    from ipykernel.kernelspec import write_kernel_spec
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+
+    env = {
+        "JAX_PLATFORMS": "cpu",
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+        "PYTHONHASHSEED": "0",
+    }
+    write_kernel_spec(
+        tmpdir / KERNEL_NAME,
+        overrides={"display_name": f"lowprec notebooks ({sys.executable})", "env": env},
+    )
+    ksm = KernelSpecManager(kernel_dirs=[str(tmpdir)], ensure_native_kernel=False)
+    return KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm)
+
+
+def execute(path: pathlib.Path):
+    """Runs the notebook at ``path`` in a fresh kernel; returns (notebook node, seconds)."""
+    import nbclient
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    with tempfile.TemporaryDirectory() as tmp:
+        client = nbclient.NotebookClient(
+            nb,
+            km=_kernel_manager(pathlib.Path(tmp)),
+            timeout=CELL_TIMEOUT_S,
+            allow_errors=False,
+            record_timing=False,
+            resources={"metadata": {"path": str(path.parent)}},
+        )
+        start = time.perf_counter()
+        client.execute()  # raises CellExecutionError (with the traceback) on a failing cell
+        elapsed = time.perf_counter() - start
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+    nb.metadata.pop("widgets", None)
+    return nb, elapsed
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk; raises ValueError if it is not a PNG."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        raise ValueError("not a PNG image")
+    return struct.unpack(">II", data[16:24])
+
+
+def figures(nb) -> list[tuple[int, bytes]]:
+    """(cell index, PNG bytes) of every image output of the notebook."""
+    out = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        for o in cell.get("outputs", []):
+            data = o.get("data", {})
+            if "image/png" in data:
+                out.append((i, base64.b64decode(data["image/png"])))
+    return out
+
+
+def check_figures(nb, name: str = "notebook") -> list[str]:
+    """Problems with the notebook's figures (empty list: every figure rendered and sane).
+
+    Every code cell that draws (calls ``plt.`` / ``analysis.plot_``) must have produced a
+    PNG; every PNG must decode, be between 150 and 1600 px a side and 3 KB to 400 KB, and
+    not be a single flat colour.
+    """
+    problems = []
+    drawn = {i for i, _ in figures(nb)}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and ("plt." in cell.source or "analysis.plot_" in cell.source):
+            if "plt.rcParams" in cell.source and "subplots" not in cell.source and "plot_" not in cell.source:
+                continue  # the set-up cell only configures matplotlib
+            if i not in drawn:
+                problems.append(f"{name}: cell {i} draws but produced no image")
+    for i, png in figures(nb):
+        try:
+            w, h = png_size(png)
+        except ValueError as e:
+            problems.append(f"{name}: cell {i}: {e}")
+            continue
+        if not (MIN_SIDE_PX <= w <= MAX_SIDE_PX and MIN_SIDE_PX <= h <= MAX_SIDE_PX):
+            problems.append(f"{name}: cell {i}: figure is {w}x{h} px")
+        if not MIN_PNG_BYTES <= len(png) <= MAX_PNG_BYTES:
+            problems.append(f"{name}: cell {i}: PNG of {len(png)} bytes")
+        if _flat(png):
+            problems.append(f"{name}: cell {i}: figure is a single flat colour")
+    return problems
+
+
+def _flat(png: bytes) -> bool:
+    try:
+        import io
+
+        import matplotlib.image as mpimg
+
+        pixels = mpimg.imread(io.BytesIO(png), format="png")
+    except Exception:  # pragma: no cover - decoding problems are reported by png_size
+        return False
+    return float(pixels.std()) == 0.0
+
+
+def _file_mode(path: pathlib.Path) -> int:
+    """The file's current permission bits, or 0644 less the umask for a new file."""
+    if path.exists():
+        return path.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o644 & ~umask
+
+
+def _write_atomically(nb, path: pathlib.Path) -> None:
+    import nbformat
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".ipynb.tmp")
+    os.close(fd)
+    try:
+        nbformat.write(nb, tmp)
+        os.chmod(tmp, _file_mode(path))   # mkstemp makes 0600; keep the notebook's own mode
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", type=pathlib.Path,
+                        help="notebooks to run (default: every notebooks/*.ipynb)")
+    parser.add_argument("--check", action="store_true",
+                        help="execute and check the figures, but write nothing")
+    args = parser.parse_args(argv)
+    paths = args.notebooks or sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+    total, failed = 0.0, False
+    for path in paths:
+        print(f"{path.name}: running ...", flush=True)
+        nb, seconds = execute(path)
+        total += seconds
+        problems = check_figures(nb, path.name)
+        for p in problems:
+            print("  " + p)
+        failed |= bool(problems)
+        n_fig = len(figures(nb))
+        if not args.check and not problems:
+            _write_atomically(nb, path)
+        size = path.stat().st_size / 1e3
+        print(f"{path.name}: {seconds:.1f} s, {n_fig} figures"
+              + ("" if args.check else f", stored ({size:.0f} KB)"), flush=True)
+    print(f"total {total:.1f} s for {len(paths)} notebooks")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
