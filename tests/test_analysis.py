@@ -426,7 +426,7 @@ def test_public_namespace():
             continue
         assert callable(obj) and obj.__doc__, name
     # the submodules are private; the package __init__ holds the one export list
-    for sub in ("_metrics", "_ulp", "_bounds", "_blocks", "_stochastic", "_values", "_compare", "_plots"):
+    for sub in ("_metrics", "_ulp", "_bounds", "_mx_stats", "_stochastic", "_values", "_compare", "_plots"):
         assert not hasattr(getattr(mod, sub), "__all__"), sub
 
 

@@ -13,7 +13,7 @@ it makes sense (ULPs, bounds, :func:`compare`).
   :func:`clipping_rate`, :func:`error_stats`.
 * ULPs (``_ulp``): :func:`ulp`, :func:`ulp_error`.
 * Bounds (``_bounds``): :func:`quantization_error_bound`, :func:`dot_error_bound`.
-* MX blocks (``_blocks``): :func:`mx_scale_exponents`, :func:`mx_clipping_rate`.
+* MX blocks (``_mx_stats``): :func:`mx_scale_exponents`, :func:`mx_clipping_rate`.
 * Stochastic rounding (``_stochastic``): :func:`rounding_neighbors`,
   :func:`stochastic_rounding_stats`, :func:`quantized_cumsum`.
 * Value tables (``_values``): :func:`representable_values`, :func:`value_spacing`,
@@ -35,7 +35,7 @@ Example:
     32.0
 """
 
-from ._blocks import mx_clipping_rate, mx_scale_exponents
+from ._mx_stats import mx_clipping_rate, mx_scale_exponents
 from ._bounds import dot_error_bound, quantization_error_bound
 from ._compare import (
     DISTRIBUTIONS,

@@ -25,7 +25,7 @@ import numpy as np
 from .._codec import quantize
 from .._format import ElementFormat, MXFormat
 from .._mx import DEFAULT_SCALE_RULE, SCALE_RULES
-from ._blocks import roundtrip, with_block_size
+from ._mx_stats import roundtrip, with_block_size
 from ._common import _E8M0_BIAS, as_f32, resolve, times_pow2
 from ._metrics import _stats
 from ._ulp import ulp_exponent

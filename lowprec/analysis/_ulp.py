@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .._format import ElementFormat, MXFormat
 from .._mx import DEFAULT_SCALE_RULE
-from ._blocks import roundtrip
+from ._mx_stats import roundtrip
 from ._common import array_first, as_f32, floor_log2, pow2, resolve, times_pow2
 
 
