@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._mx import DEFAULT_SCALE_RULE
-from .._rounding import check_rounding
-from ._common import array_first, as_f32, pow2, times_pow2
+from .._bits import pow2_f32 as pow2
+from .._bits import times_pow2
+from .._options import ElementCast
+from .._scale_rules import DEFAULT_SCALE_RULE
+from ._common import array_first, as_f32
 from ._ulp import grid, ulp_exponent
 
 _NEAREST = ("nearest_even", "nearest_away")
@@ -61,7 +63,7 @@ def quantization_error_bound(
     x, fmt = array_first("quantization_error_bound", *args)
     x = as_f32(x)
     elem, s = grid(x, fmt, scale_exp, axis, scale_rule)
-    rounding = check_rounding(elem, rounding)
+    rounding = ElementCast(elem, rounding).rounding
     return _bound_jit(x, elem, rounding, s)
 
 

@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._bits import E8M0_BIAS, times_pow2
 from .._codec import quantize
-from .._format import ElementFormat, MXFormat
-from .._mx import DEFAULT_SCALE_RULE, SCALE_RULES
-from ._mx_stats import roundtrip, with_block_size
-from ._common import _E8M0_BIAS, as_f32, resolve, times_pow2
+from .._format import ElementFormat, MXFormat, resolve_format
+from .._options import ElementCast
+from .._scale_rules import DEFAULT_SCALE_RULE, check_scale_rule
+from ._common import as_f32
 from ._metrics import _stats
+from ._mx_stats import roundtrip, with_block_size
 from ._ulp import ulp_exponent
 
 
@@ -224,7 +226,7 @@ def _ulps_and_clip(x, q, s, elem):
     if s is None:
         limit = jnp.float32(elem.max_finite)
     else:
-        limit = jnp.where(s > _E8M0_BIAS, jnp.inf, times_pow2(jnp.float32(elem.max_finite), s))
+        limit = jnp.where(s > E8M0_BIAS, jnp.inf, times_pow2(jnp.float32(elem.max_finite), s))
     finite = jnp.isfinite(x) & jnp.isfinite(q)
     ulps = jnp.where(finite, times_pow2(jnp.abs(q - x), -ulp_exponent(elem, x, s)), jnp.nan)
     clip = jnp.mean((jnp.isfinite(x) & (jnp.abs(x) > limit)).astype(jnp.float32))
@@ -239,7 +241,7 @@ def _evaluate(x, fmt, scale_rule, axis, rounding, overflow, key):
         q, s = roundtrip(x, fmt, axis, scale_rule, rounding, key)
         elem = fmt.element
     else:
-        q = quantize(fmt, x, rounding=rounding, overflow=overflow, key=key, dtype=jnp.float32)
+        q = quantize(x, fmt, rounding=rounding, overflow=overflow, key=key, dtype=jnp.float32)
         elem, s = fmt, None
     stats = dict(_stats(x, q))
     ulps, stats["clip_rate"] = _ulps_and_clip(x, q, s, elem)
@@ -300,12 +302,10 @@ def _configs(formats, scale_rules, block_sizes):
         scale_rules = [scale_rules]
     if isinstance(block_sizes, int):
         block_sizes = [block_sizes]
-    for rule in scale_rules:
-        if rule not in SCALE_RULES:
-            raise ValueError(f"unknown scale rule {rule!r}; valid rules: {SCALE_RULES}")
+    scale_rules = [check_scale_rule(rule).value for rule in scale_rules]
     out = []
     for f in formats:
-        fmt = resolve(f)
+        fmt = resolve_format(f)
         if isinstance(fmt, ElementFormat):
             out.append((fmt, None, None, fmt.code_bits))
             continue
@@ -322,7 +322,7 @@ def compare(
     x,
     formats,
     *,
-    scale_rules: Union[str, Iterable[str]] = (DEFAULT_SCALE_RULE, "rceil"),
+    scale_rules: Union[str, Iterable[str]] = (DEFAULT_SCALE_RULE.value, "rceil"),
     block_sizes: Union[int, Iterable[int]] = (32,),
     seeds: Union[None, int, Iterable[int]] = None,
     shape: Sequence[int] = (128, 1024),
@@ -382,6 +382,8 @@ def compare(
     """
     inputs = _inputs(x)
     configs = _configs(formats, scale_rules, block_sizes)
+    for fmt, *_ in configs:   # validate the options once, before any work
+        ElementCast(fmt.element if isinstance(fmt, MXFormat) else fmt, rounding, overflow)
     rows = []
     for label, source in inputs.items():
         is_array = not isinstance(source, str) and not callable(source)

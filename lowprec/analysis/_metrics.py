@@ -226,7 +226,7 @@ def underflow_rate(reference, approx, *, where=None):
         >>> import jax.numpy as jnp
         >>> import lowprec
         >>> x = jnp.array([0.0, 0.1, 0.2, 1.0])
-        >>> underflow_rate(x, lowprec.quantize("e2m1", x))   # 0.1, 0.2 flush to 0
+        >>> underflow_rate(x, lowprec.quantize(x, "e2m1"))   # 0.1, 0.2 flush to 0
         0.5
     """
     r, a, m = _pair(reference, approx, where)
@@ -243,7 +243,7 @@ def overflow_rate(reference, approx, *, where=None):
         >>> import jax.numpy as jnp
         >>> import lowprec
         >>> x = jnp.array([1.0, 300.0, 500.0, 1000.0])
-        >>> overflow_rate(x, lowprec.quantize("e4m3", x))   # 500 and 1000 become NaN
+        >>> overflow_rate(x, lowprec.quantize(x, "e4m3"))   # 500 and 1000 become NaN
         0.5
     """
     r, a, m = _pair(reference, approx, where)

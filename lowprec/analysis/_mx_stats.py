@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._format import MXFormat, mx_format
-from .._mx import DEFAULT_SCALE_RULE, dequantize, quantize_mx
-from ._common import _E8M0_BIAS, as_f32, scalar, times_pow2
-
-MXFormatLike = Union[str, MXFormat]
+from .._bits import E8M0_BIAS, times_pow2
+from .._blocks import normalize_axis
+from .._format import MXFormat, MXFormatLike, mx_format
+from .._mx import dequantize, quantize_mx, shared_exponents
+from .._scale_rules import DEFAULT_SCALE_RULE
+from ._common import as_f32, scalar
 
 
 def with_block_size(fmt: MXFormat, block_size) -> MXFormat:
@@ -33,14 +34,13 @@ def with_block_size(fmt: MXFormat, block_size) -> MXFormat:
         ) from None
 
 
-def _expand(scales, fmt: MXFormat, axis: int, n: int):
-    """Per-block scale codes -> per-element shared exponents (0xFF -> 128), unpadded."""
-    exps = scales.astype(jnp.int32) - _E8M0_BIAS
+def _per_element(exps, fmt: MXFormat, axis: int, n: int):
+    """Per-block shared exponents -> one per element along ``axis``, padding dropped."""
     exps = jnp.repeat(exps, fmt.block_size, axis=axis)
     return lax.slice_in_dim(exps, 0, n, axis=axis)
 
 
-def roundtrip(x, fmt: MXFormat, axis: int, scale_rule: str, rounding: str = "nearest_even", key=None):
+def roundtrip(x, fmt: MXFormat, axis: int, scale_rule, rounding: str = "nearest_even", key=None):
     """``(fake-quantized x, per-element shared exponent)`` from one ``quantize_mx`` call.
 
     ``x`` is zero-padded to whole blocks (zeros change no block maximum) and the padding is
@@ -48,15 +48,17 @@ def roundtrip(x, fmt: MXFormat, axis: int, scale_rule: str, rounding: str = "nea
     """
     x = as_f32(x)
     mx = quantize_mx(x, fmt, axis=axis, scale_rule=scale_rule, rounding=rounding, pad=True, key=key)
-    return dequantize(mx), _expand(mx.scales, mx.fmt, mx.axis, x.shape[mx.axis])
+    exps = mx.scales.astype(jnp.int32) - E8M0_BIAS  # 0xFF (a NaN/inf block) gives 128
+    return dequantize(mx), _per_element(exps, mx.fmt, mx.axis, x.shape[mx.axis])
 
 
 def mx_scale_exponents(
-    x, fmt: MXFormatLike, *, axis: int = -1, scale_rule: str = DEFAULT_SCALE_RULE
+    x, fmt: MXFormatLike, *, axis: int = -1, scale_rule=DEFAULT_SCALE_RULE
 ) -> jax.Array:
     """Per-element shared exponent (scale code − 127) that :func:`lowprec.quantize_mx` picks.
 
-    Same shape as ``x``; a block holding NaN/inf (scale code 0xFF) gets 128. The axis is
+    :func:`lowprec.shared_exponents` (one per block) repeated over each block's elements:
+    same shape as ``x``; a block holding NaN/inf (scale code 0xFF) gets 128. The axis is
     zero-padded to a multiple of the block size if needed (zeros do not change a block max).
 
     Example:
@@ -67,18 +69,23 @@ def mx_scale_exponents(
         (-8, -2)
     """
     fmt = mx_format(fmt)
-    return roundtrip(x, fmt, axis, scale_rule)[1]
+    x = as_f32(x)
+    if x.ndim == 0:
+        raise ValueError("mx_scale_exponents needs at least a 1-D array (blocks run along an axis)")
+    axis = normalize_axis(axis, x.ndim)
+    exps = shared_exponents(x, fmt, axis=axis, scale_rule=scale_rule, pad=True)
+    return _per_element(exps, fmt, axis, x.shape[axis])
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _mx_clip(x, fmt, axis, scale_rule):
-    s = roundtrip(x, fmt, axis, scale_rule)[1]
-    limit = jnp.where(s > _E8M0_BIAS, jnp.inf, times_pow2(jnp.float32(fmt.element.max_finite), s))
+    s = mx_scale_exponents(x, fmt, axis=axis, scale_rule=scale_rule)
+    limit = jnp.where(s > E8M0_BIAS, jnp.inf, times_pow2(jnp.float32(fmt.element.max_finite), s))
     return jnp.mean((jnp.abs(x) > limit).astype(jnp.float32))
 
 
 def mx_clipping_rate(
-    x, fmt: MXFormatLike, *, axis: int = -1, scale_rule: str = DEFAULT_SCALE_RULE
+    x, fmt: MXFormatLike, *, axis: int = -1, scale_rule=DEFAULT_SCALE_RULE
 ):
     """Fraction of elements whose magnitude exceeds their block's range ``max_elem·2^scale``.
 
@@ -101,5 +108,4 @@ def mx_clipping_rate(
     x = as_f32(x)
     if x.ndim == 0:
         raise ValueError("mx_clipping_rate needs at least a 1-D array (blocks run along an axis)")
-    axis = axis % x.ndim
-    return scalar(_mx_clip(x, fmt, axis, scale_rule))
+    return scalar(_mx_clip(x, fmt, normalize_axis(axis, x.ndim), scale_rule))

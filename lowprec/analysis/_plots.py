@@ -22,7 +22,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .._format import ELEMENT_FORMAT_NAMES, element_format
-from ._common import FormatLike
+from .._format import ElementFormatLike as FormatLike
 from ._values import representable_values, value_spacing
 
 # One colour per element format, the same in every plot.
@@ -269,7 +269,7 @@ def plot_error_vs_magnitude(
         >>> from matplotlib.figure import Figure
         >>> import lowprec
         >>> x = np.geomspace(1e-3, 10, 200).astype(np.float32)
-        >>> q = np.asarray(lowprec.quantize("e2m1", x))
+        >>> q = np.asarray(lowprec.quantize(x, "e2m1"))
         >>> ax = plot_error_vs_magnitude(x, {"e2m1": q}, bins=8, ax=Figure().subplots())
         >>> ax.get_legend_handles_labels()[1][0].startswith("e2m1")
         True

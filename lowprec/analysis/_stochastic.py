@@ -12,13 +12,13 @@ from jax import lax
 
 from .._codec import quantize
 from .._format import element_format
-from .._rounding import check_key, check_rounding
+from .._options import ElementCast
 from ._common import array_first, as_f32
 
 
 def _neighbors(x, fmt):
-    lo = quantize(fmt, x, rounding="down", overflow="saturate", dtype=jnp.float32)
-    hi = quantize(fmt, x, rounding="up", overflow="saturate", dtype=jnp.float32)
+    lo = quantize(x, fmt, rounding="down", overflow="saturate", dtype=jnp.float32)
+    hi = quantize(x, fmt, rounding="up", overflow="saturate", dtype=jnp.float32)
     return lo, hi
 
 
@@ -41,7 +41,7 @@ def rounding_neighbors(*args) -> tuple[jax.Array, jax.Array]:
 def _sr_stats(x, fmt, key, num_samples):
     keys = jax.random.split(key, num_samples)
     draw = jax.vmap(
-        lambda k: quantize(fmt, x, rounding="stochastic", overflow="saturate", key=k,
+        lambda k: quantize(x, fmt, rounding="stochastic", overflow="saturate", key=k,
                            dtype=jnp.float32)
     )
     samples = draw(keys)
@@ -99,14 +99,14 @@ def _cumsum_jit(increments, fmt, rounding, key, init):
 
         def step(s, xs):
             inc, k = xs
-            s = quantize(fmt, s + inc, rounding="stochastic", overflow="saturate", key=k)
+            s = quantize(s + inc, fmt, rounding="stochastic", overflow="saturate", key=k)
             return s, s
 
         _, sums = lax.scan(step, init, (increments, keys))
     else:
 
         def step(s, inc):
-            s = quantize(fmt, s + inc, rounding=rounding, overflow="saturate")
+            s = quantize(s + inc, fmt, rounding=rounding, overflow="saturate")
             return s, s
 
         _, sums = lax.scan(step, init, increments)
@@ -143,10 +143,9 @@ def quantized_cumsum(
         [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
     """
     increments, fmt = array_first("quantized_cumsum", *args)
-    fmt = element_format(fmt)
-    rounding = check_rounding(fmt, rounding)
-    check_key(rounding, key)
+    cast = ElementCast(fmt, rounding)
+    cast.check_key(key)
     increments = as_f32(increments, "increments")
     if increments.ndim == 0:
         raise ValueError("increments needs at least one axis (the summation axis 0)")
-    return _cumsum_jit(increments, fmt, rounding, key, jnp.asarray(init, jnp.float32))
+    return _cumsum_jit(increments, cast.fmt, cast.rounding, key, jnp.asarray(init, jnp.float32))

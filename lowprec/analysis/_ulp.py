@@ -11,10 +11,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .._format import ElementFormat, MXFormat
-from .._mx import DEFAULT_SCALE_RULE
+from .._bits import pow2_f32 as pow2
+from .._bits import times_pow2
+from .._format import ElementFormat, MXFormat, resolve_format
+from .._scale_rules import DEFAULT_SCALE_RULE
+from ._common import array_first, as_f32, floor_log2
 from ._mx_stats import roundtrip
-from ._common import array_first, as_f32, floor_log2, pow2, resolve, times_pow2
 
 
 def ulp_exponent(fmt: ElementFormat, x, scale_exp=None):
@@ -26,7 +28,7 @@ def ulp_exponent(fmt: ElementFormat, x, scale_exp=None):
 
 def grid(x, fmt, scale_exp, axis: int, scale_rule: str):
     """(element format, per-element scale exponent or None) for ``fmt`` at ``x``."""
-    fmt = resolve(fmt)
+    fmt = resolve_format(fmt)
     if isinstance(fmt, MXFormat):
         if scale_exp is not None:
             raise ValueError(

@@ -10,15 +10,16 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from .._codec import decode
+from .._finfo import finfo
 from .._format import ELEMENT_FORMAT_NAMES, MXFormat, element_format
-from ._common import FormatLike
+from .._format import ElementFormatLike as FormatLike
 
 
 @functools.lru_cache(maxsize=None)
 def _all_finite_values(name: str) -> np.ndarray:
     fmt = element_format(name)
     codes = np.arange(1 << fmt.code_bits, dtype=np.uint32)
-    values = np.asarray(decode(fmt, codes.astype(fmt.code_dtype)))  # float32, exact
+    values = np.asarray(decode(codes.astype(fmt.code_dtype), fmt))  # float32, exact
     # Drop NaN/inf before widening (signalling-NaN patterns would raise FP 'invalid').
     values = values[np.isfinite(values)].astype(np.float64)
     values = np.unique(values + 0.0)  # + 0.0 turns -0 into +0
@@ -72,7 +73,8 @@ def value_spacing(fmt: FormatLike) -> tuple[np.ndarray, np.ndarray]:
 def format_info(fmt: FormatLike) -> dict:
     """Range and precision of an element format, as a dict of Python numbers.
 
-    Keys: ``name``, ``bits``, ``exponent_bits``, ``mantissa_bits``, ``max_finite``,
+    A flat, table-friendly view of :func:`lowprec.finfo` (use that for the ml_dtypes-style
+    object), with the quantities error studies quote. Keys: ``name``, ``bits``, ``exponent_bits``, ``mantissa_bits``, ``max_finite``,
     ``min_normal``, ``min_subnormal`` (smallest positive value), ``eps`` (gap above 1),
     ``unit_roundoff`` (eps/2: max relative error of round-to-nearest in the normal range),
     ``decimal_digits`` (log10 2^(mantissa_bits+1)), ``dynamic_range_binades``
@@ -87,19 +89,20 @@ def format_info(fmt: FormatLike) -> dict:
         17.81
     """
     fmt = _element(fmt, "format_info")
+    fi = finfo(fmt)
     return {
-        "name": fmt.name,
-        "bits": fmt.code_bits,
-        "exponent_bits": fmt.exponent_bits,
-        "mantissa_bits": fmt.mantissa_bits,
-        "max_finite": fmt.max_finite,
-        "min_normal": fmt.min_normal,
-        "min_subnormal": fmt.min_subnormal,
-        "eps": fmt.eps,
-        "unit_roundoff": fmt.eps / 2,
-        "decimal_digits": (fmt.mantissa_bits + 1) * math.log10(2),
-        "dynamic_range_binades": math.log2(fmt.max_finite) - math.log2(fmt.min_subnormal),
-        "normal_binades": fmt.emax - fmt.emin + 1,
+        "name": fi.name,
+        "bits": fi.bits,
+        "exponent_bits": fi.nexp,
+        "mantissa_bits": fi.nmant,
+        "max_finite": fi.max,
+        "min_normal": fi.smallest_normal,
+        "min_subnormal": fi.smallest_subnormal,
+        "eps": fi.eps,
+        "unit_roundoff": fi.eps / 2,
+        "decimal_digits": (fi.nmant + 1) * math.log10(2),
+        "dynamic_range_binades": math.log2(fi.max) - math.log2(fi.smallest_subnormal),
+        "normal_binades": fi.maxexp - fi.minexp,   # emax - emin + 1
         "finite_values": int(len(_all_finite_values(fmt.name))),
         "inf": fmt.inf,
         "nan": fmt.nan != "none",
