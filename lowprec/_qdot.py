@@ -55,6 +55,7 @@ from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
 from ._blocks import blocked, padded_bits
 from ._codec import decode_bits, encode_bits, exactly_representable, input_bits
 from ._format import ElementFormat, FormatLike, MXFormat, resolve_format
+from ._gemv import decode_time_route, on_cuda
 from ._mx import MXArray, mx_value_bits, quantize_blocks
 from ._options import ElementCast, MXCast
 from ._rounding import check_overflow
@@ -342,7 +343,12 @@ def _swap(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _qdot(lhs, rhs, spec: DotSpec):
-    out = _qdot_canonical(lhs, rhs, spec.lhs, spec.rhs, spec, "forward")
+    def generic(a, b):
+        return _qdot_canonical(a, b, spec.lhs, spec.rhs, spec, "forward")
+
+    # Decode-time MXFP4 weight x bfloat16 tokens: a kernel on CUDA GPUs (_gemv.py).
+    fast = decode_time_route(lhs, rhs, spec.lhs, spec.rhs)
+    out = generic(lhs, rhs) if fast is None else on_cuda(fast, generic, lhs, rhs)
     return out.astype(spec.out_dtype)
 
 
