@@ -135,6 +135,12 @@ def _fp4_bf16(c):
     return lax.bitcast_convert_type(lax.shift_right_logical(bits, 16).astype(jnp.uint16), jnp.bfloat16)
 
 
+def _bf16_f32(v):
+    """bfloat16 → float32 by moving the bits (exact; NaN keeps its sign, docs/design.md §8)."""
+    wide = lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32)
+    return lax.bitcast_convert_type(lax.shift_left(wide, jnp.uint32(16)), jnp.float32)
+
+
 def _e8m0_f32(s):
     """E8M0 codes (int32, 0..255) → float32 2^(s − 127); 0 → 2^-127, 255 → NaN."""
     bits = jnp.where(s == 0, 0x0040_0000, lax.shift_left(s, 23))
@@ -163,7 +169,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, m, n, k, steps, cfg: KernelConfig):
         mask = tok_ok[:, None] & (cols < k)[None, :]
         return plt.load(
             x_ref.at[pl.ds(t * bm, bm), pl.ds(g0 * MX_BLOCK, nblocks * MX_BLOCK)],
-            mask=mask, other=0,
+            mask=mask, other=jnp.zeros((), x_ref.dtype),
         )
 
     def fma_step(step, acc):
@@ -176,7 +182,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, m, n, k, steps, cfg: KernelConfig):
         lo, hi = _fp4_f32(w & 0xF), _fp4_f32(lax.shift_right_logical(w, 4))  # [bn, gb, 16]
         # Element 2b of a block sits in the low nibble of byte b, element 2b+1 in the high one.
         xe, xo = jnp.unstack(load_x(g0, gb).reshape(bm, gb, _BYTES_PER_BLOCK, 2), axis=-1)
-        xe, xo = xe.astype(jnp.float32), xo.astype(jnp.float32)  # exact, [bm, gb, 16]
+        xe, xo = _bf16_f32(xe), _bf16_f32(xo)  # [bm, gb, 16]
         prod = lo[None] * xe[:, None] + hi[None] * xo[:, None]  # [bm, bn, gb, 16], exact
         block_sums = jnp.sum(prod, axis=-1)  # [bm, bn, gb]
         return acc + jnp.sum(block_sums * _e8m0_f32(s.astype(jnp.int32))[None], axis=-1)
