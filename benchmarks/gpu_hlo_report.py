@@ -16,7 +16,11 @@ Columns: ``kernels`` (that count), ``kinds``, ``traffic/ideal``: the bytes every
 reads and writes (each operand and result counted once per kernel) over the bytes a
 single pass needs (the entry's parameters and result) — 1.0 is one fused pass; 2.0 means
 the data went through memory twice (e.g. a block-max reduction that the encode reads
-back). ``notes`` names materialized transposes/copies and separate reductions.
+back). ``fused ops``: arithmetic instructions inside the kernels' fused computations
+(broadcasts, reshapes and other layout-only instructions not counted), a proxy for the
+work per element: a memory-bound kernel on an H100 has room for roughly 30 integer
+operations per float32 element before the ALUs, not HBM, set its speed. ``notes`` names
+materialized transposes/copies and separate reductions.
 
 This is the measurement behind the issue's "find out why XLA does not fuse the current
 graph into one pass": run it on the GPU and compare with the CPU listing in
@@ -109,8 +113,32 @@ def entry_kernels(hlo: str):
     return instrs, sizes, param_bytes, root_bytes
 
 
+# Instructions that cost (next to) nothing per element inside a fusion.
+_LAYOUT_ONLY = FREE | {"broadcast", "reshape", "slice", "iota", "transpose", "concatenate"}
+
+
+def fused_op_counts(hlo: str) -> dict:
+    """Computation name -> number of arithmetic instructions in it (a per-element cost proxy)."""
+    counts, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^\s*%?([\w.\-]+)\s*\(.*\{\s*$", line)
+        if head and not line.lstrip().startswith("ENTRY"):
+            name, counts[head.group(1)] = head.group(1), 0
+            continue
+        if line.startswith("}"):
+            name = None
+            continue
+        m = _INSTR.match(line)
+        if name and m:
+            _, opcode, _, _ = _split_shape(m.group(2).strip())
+            counts[name] += opcode not in _LAYOUT_ONLY
+    return counts
+
+
 def summarize(hlo: str) -> dict:
     instrs, sizes, params, root = entry_kernels(hlo)
+    ops = fused_op_counts(hlo)
+    calls = re.findall(r"calls=%([\w.\-]+)", hlo[hlo.index("\nENTRY"):])
     traffic = sum(out + sum(sizes.get(o, 0) for o in set(ops)) for _, _, _, out, ops in instrs)
     kinds = Counter(f"{op}:{label}" if label else op for _, op, label, _, _ in instrs)
     notes = [f"{op} {name}" for name, op, _, _, _ in instrs if op in ("copy", "transpose")]
@@ -119,6 +147,7 @@ def summarize(hlo: str) -> dict:
         "kernels": len(instrs),
         "kinds": ", ".join(f"{k}×{v}" if v > 1 else k for k, v in sorted(kinds.items())),
         "traffic_over_ideal": traffic / max(1, params + root),
+        "fused_ops": sum(ops.get(c, 0) for c in calls),
         "notes": "; ".join(notes),
     }
 
@@ -136,6 +165,13 @@ def entry_points(shape):
         cases[f"dequantize {fmt} f32"] = (lambda m: lowprec.dequantize(m), mx)
         cases[f"dequantize {fmt} bf16"] = (lambda m: lowprec.dequantize(m, jnp.bfloat16), mx)
         cases[f"fake_quantize_mx {fmt}"] = (lambda v, f=fmt: lowprec.fake_quantize_mx(v, f), x)
+    if jax.default_backend() == "gpu":  # on CPU this would list the Pallas interpreter
+        from lowprec._options import MXCast
+        from lowprec._quantize_pallas import quantize_mx_pallas
+
+        for fmt in ("mxfp8_e4m3", "mxfp4"):
+            cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")
+            cases[f"quantize_mx {fmt} rceil, Pallas kernel"] = (lambda v, c=cast: quantize_mx_pallas(v, c), x)
     cases["shared_exponents mxfp8 floor"] = (lambda v: lowprec.shared_exponents(v, "mxfp8"), x)
     cases["encode e4m3"] = (lambda v: lowprec.encode(v, "e4m3"), x)
     n, k = shape
@@ -170,7 +206,7 @@ def main(argv=None) -> int:
         try:
             hlo = jax.jit(fn).lower(*specs).compile().as_text()
         except Exception as e:  # noqa: BLE001 - report and go on
-            rows.append([name, "n/a", f"{type(e).__name__}: {str(e)[:60]}", "", ""])
+            rows.append([name, "n/a", f"{type(e).__name__}: {str(e)[:60]}", "", "", ""])
             continue
         if args.dump:
             path = os.path.join(args.dump, re.sub(r"[^\w.=-]+", "_", name) + ".hlo.txt")
@@ -178,8 +214,10 @@ def main(argv=None) -> int:
                 f.write(hlo)
             os.replace(path + ".tmp", path)
         s = summarize(hlo)
-        rows.append([name, str(s["kernels"]), s["kinds"], f"{s['traffic_over_ideal']:.2f}", s["notes"]])
-    print(render_table(["entry point", "kernels", "kinds", "traffic/ideal", "notes"], rows, right=(1, 3)))
+        rows.append([name, str(s["kernels"]), s["kinds"], f"{s['traffic_over_ideal']:.2f}",
+                     str(s["fused_ops"]), s["notes"]])
+    headers = ["entry point", "kernels", "kinds", "traffic/ideal", "fused ops", "notes"]
+    print(render_table(headers, rows, right=(1, 3, 4)))
     return 0
 
 

@@ -443,3 +443,71 @@ def test_gpu_dot_general_runs_the_kernel():
     f = jax.jit(lambda a, b: lowprec.dot_general(a, b, DN))
     assert TRITON_CALL in f.lower(x, w.mx).as_text() or _gemv.GPU_ROUTE != "pallas"
     assert_within_bound(f(x, w.mx), f64(x), w.values)
+
+
+# -- the one-pass Pallas quantize kernel (a GPU candidate beside XLA's two passes) -----------------
+
+from lowprec._options import MXCast  # noqa: E402
+from lowprec._quantize_pallas import quantize_mx_pallas  # noqa: E402
+
+QUANT_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
+
+
+def _specials(shape, seed, spread=30):
+    """Normal values over 2^±spread with a NaN, an inf, an all-zero block, a tiny value, a
+    −0 and a block maximum past E4M3's under FLOOR."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) * np.exp2(rng.integers(-spread, spread, shape)).astype(np.float32)
+    x[0, 3] = np.nan
+    x[1, 70] = -np.inf
+    x[2, 64:96] = 0.0
+    x[2, 65] = -0.0
+    x[3, 100] = 2.0**-140
+    x[4, 32:64] = 448.0 * 1.0625  # above E4M3's max under FLOOR: saturates
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, dtype):
+    """Same integer core, other schedule: every rule gives quantize_mx's codes and scales
+    bit for bit, on a shape whose rows and columns leave partial tiles."""
+    x = jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float16 else 30), dtype)
+    for rule in lowprec.ScaleRule:
+        cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+        elements, scales = quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
+        want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
+        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements), err_msg=str(rule))
+        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales), err_msg=str(rule))
+
+
+def test_pallas_quantize_keeps_leading_dims_and_nearest_away():
+    x = jnp.asarray(_specials((6, 128), 2).reshape(2, 3, 128))
+    cast = MXCast(lowprec.mx_format("mxfp4"), "rceil", "nearest_away")
+    elements, scales = quantize_mx_pallas(x, cast, interpret=not ON_GPU)
+    want = lowprec.quantize_mx(x, "mxfp4", scale_rule="rceil", rounding="nearest_away")
+    assert elements.shape == (2, 3, 64) and scales.shape == (2, 3, 4)
+    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+
+
+@needs_triton_lowering
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_pallas_quantize_lowers_to_triton(fmt, dtype):
+    cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")
+    spec = jax.ShapeDtypeStruct((16384, 16384), dtype)
+    assert _lower_for_cuda(lambda v: quantize_mx_pallas(v, cast), spec).count(TRITON_CALL) == 1
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_gpu_compiled_quantize_kernel_is_bit_identical(fmt):
+    x = jnp.asarray(_specials((1000, 4096), 3))
+    for rule in lowprec.ScaleRule:
+        cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+        elements, scales = quantize_mx_pallas(x, cast)
+        want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
+        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
