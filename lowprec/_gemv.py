@@ -78,14 +78,15 @@ def mxfp4_matmul(x, w: MXArray, route: str, *, cfg: Optional[KernelConfig] = Non
     raise ValueError(f"unknown route {route!r}; valid routes: {ROUTES}")
 
 
-def _is_weight(op, cast) -> bool:
-    return isinstance(op, MXArray) and op.fmt.name == "mxfp4" and op.shape[0] == 1
+def _is_weight(op) -> bool:
+    return (isinstance(op, MXArray) and op.fmt.name == "mxfp4" and op.shape[0] == 1
+            and min(op.shape) > 0)
 
 
 def _is_activation(op, cast) -> bool:
     return (
         not isinstance(op, MXArray) and cast is None and op.dtype == jnp.bfloat16
-        and op.shape[0] == 1 and op.shape[1] <= MAX_TOKENS
+        and op.shape[0] == 1 and 1 <= op.shape[1] <= MAX_TOKENS
     )
 
 
@@ -100,11 +101,11 @@ def decode_time_route(lhs, rhs, lcast, rcast):
     """
     if GPU_ROUTE == "pallas" and not pallas_available():
         return None
-    if _is_activation(lhs, lcast) and _is_weight(rhs, rcast):
+    if _is_activation(lhs, lcast) and _is_weight(rhs):
         def fast(a, w):
             return mxfp4_matmul(a[0], _as_2d(w), GPU_ROUTE)[None]
         return fast
-    if _is_weight(lhs, lcast) and _is_activation(rhs, rcast):
+    if _is_weight(lhs) and _is_activation(rhs, rcast):
         def fast_t(w, a):
             return mxfp4_matmul(a[0], _as_2d(w), GPU_ROUTE).T[None]
         return fast_t

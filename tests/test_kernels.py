@@ -281,7 +281,7 @@ def test_dot_general_picks_the_kernel_for_decode_shapes_on_cuda(call):
     x, w = _decode_case()
     assert TRITON_CALL in _lower_for_cuda(call, x, w)
     # The same program lowered for the CPU holds no kernel (the generic quantized dot).
-    assert TRITON_CALL not in jax.jit(call).trace(x, w).lower().as_text()
+    assert TRITON_CALL not in jax.jit(call).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
 
 
 @needs_triton_lowering
@@ -301,6 +301,7 @@ def test_other_shapes_keep_the_generic_path_on_cuda(case, kwargs):
     assert TRITON_CALL not in text
 
 
+@pytest.mark.skipif(ON_GPU, reason="on a GPU dot_general runs the kernel (other summation order)")
 def test_dispatch_on_cpu_is_the_generic_path_itself():
     """On CPU dot_general of a decode shape is the generic quantized dot: the same values
     as with the route check switched off (bit for bit), and within the bound."""
