@@ -468,18 +468,24 @@ def _specials(shape, seed, spread=30):
     return x
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16], ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
-def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, dtype):
-    """Same integer core, other schedule: every rule gives quantize_mx's codes and scales
-    bit for bit, on a shape whose rows and columns leave partial tiles."""
+# Every rule from float32; half-precision input (widened by the same integer code) with one.
+QUANT_CASES = [(f, r, np.float32) for f in QUANT_FORMATS for r in lowprec.ScaleRule] + [
+    (f, "rceil", d) for f in QUANT_FORMATS for d in (jnp.bfloat16, np.float16)
+]
+
+
+@pytest.mark.parametrize(
+    "fmt,rule,dtype", QUANT_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in QUANT_CASES]
+)
+def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, rule, dtype):
+    """Same integer core, other schedule: quantize_mx's codes and scales bit for bit, on a
+    shape whose rows and columns leave partial tiles."""
     x = jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float16 else 30), dtype)
-    for rule in lowprec.ScaleRule:
-        cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
-        elements, scales = quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
-        want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
-        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements), err_msg=str(rule))
-        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales), err_msg=str(rule))
+    cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+    elements, scales = quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
+    want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
+    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
 
 
 def test_pallas_quantize_keeps_leading_dims_and_nearest_away():
