@@ -78,6 +78,8 @@ BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
 TARGET = {"quantize mxfp8": 2.0, "quantize mxfp4": 1.8, "dequantize": 2.0, "dequantize_vs_jax": 0.95,
           "weight_only": 3.0, "mxfp8 pre-q": 0.95, "mxfp8 +quant": 0.85}
 L2_FLUSH_BYTES = 256 << 20  # distinct weight copies until their total exceeds this
+# --tune sweeps block_n x block_groups x num_warps x num_stages (x both inner products).
+TUNE_SPACE = ((16, 32, 64, 128), (1, 2, 4, 8), (2, 4, 8), (2, 3, 4))
 
 
 @dataclasses.dataclass
@@ -313,7 +315,7 @@ def tune(shapes, tokens, reps: int, inner: int) -> None:
     for (n, k), m in itertools.product(shapes, tokens):
         base = default_config(m, n, k)
         configs = {base}
-        for bn, gb, warps, stages in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (2, 4, 8), (2, 3, 4)):
+        for bn, gb, warps, stages in itertools.product(*TUNE_SPACE):
             for inner_kind in ("fma", "dot"):
                 if inner_kind == "dot" and bn < 16:
                     continue
