@@ -1,67 +1,245 @@
-"""A Pallas kernel for the MXFP4-weight × bfloat16-vector product (decode-time GEMV).
+"""A split-K Pallas kernel for MXFP4 weight × bfloat16 activations with few tokens.
 
-The weight stays packed (4.25 bits per element) all the way into the kernel, which decodes
-nibbles and scales in registers. :func:`lowprec.mxfp4_gemv` validates and calls it.
+y[m, n] = Σ_k x[m, k] · W[n, k] for W an MXFP4 weight [N, K] in the gpt-oss layout (codes
+packed two per byte along K, one E8M0 scale per 32 elements) and x [M, K] bfloat16: the
+memory-bound matmul of decoding, where the weight is read once and should stay packed
+(4.25 bits per element) on its way from memory into registers.
+
+Grid: (N tiles, K splits, M tiles). A program owns ``block_n`` rows of W and a contiguous
+run of K; it walks that run ``block_groups`` MX blocks (of 32) at a time, decodes the
+nibbles and scales of a [block_n, block_groups, 16]-byte tile in registers and adds its
+products into float32 sums. The K splits give the GPU enough programs when N is small;
+their partial sums [splits, M, N] are added by XLA.
+
+Arithmetic (the accuracy claim of :func:`lowprec.mxfp4_gemv`): an E2M1 value has at most
+2 significant bits and a bfloat16 value 8, so each product v·x is exact in float32; each
+block's 32 products are summed in float32 and the sum is multiplied by the block's
+2^(scale − 127), exact unless the result falls below 2^-126; blocks and splits are then
+summed in float32. Only the additions round, in an order that differs from the generic
+dot's, so both are within K·2^-23·Σ|w_i x_i| of the exact product (plus K·2^-149 when
+scales near 2^-127 push a block sum into float32's subnormal range).
+
+Triton's tensors must have power-of-two sizes, so any K (a multiple of 32 or not) and any
+N are handled with masked loads: out-of-range bytes, scales and activations read as zero
+(scale: 1) and out-of-range outputs are not stored. Nothing is padded in memory.
+
+Two inner products, chosen by the number of tokens: ``"fma"`` multiplies on the CUDA cores
+(every token reuses the decoded tile from registers), ``"dot"`` feeds 16-token tiles and
+the decoded block (bfloat16, exact: values are 0, ±0.5 … ±6) to the tensor cores, one MX
+block per dot, and scales the [16, block_n] result.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._bits import E8M0_BIAS, E8M0_NAN, F32_QNAN
 
-def _fp4_values(c):
-    """E2M1 codes (int32 0..15) -> float32 values, with float arithmetic only (no tables,
-    no bitcasts, so it lowers anywhere): e = 0 is the subnormal 0.5*m, else (1 + m/2) 2^(e-1)."""
-    e = (c >> 1) & 3
-    m = (c & 1).astype(jnp.float32)
-    pow2 = jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0)).astype(jnp.float32)
-    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
-    return jnp.where(c >= 8, -mag, mag)
-
-
-def _e8m0_values(s):
-    """E8M0 codes (int32 0..255) -> float32 2^(s - 127); 0 -> 2^-127, 255 -> NaN."""
-    normal = lax.bitcast_convert_type(s << 23, jnp.float32)
-    tiny = jnp.float32(2.0**-127)
-    return jnp.where(s == 0, tiny, jnp.where(s == 255, jnp.float32(jnp.nan), normal))
+MX_BLOCK = 32  # elements per E8M0 scale
+_BYTES_PER_BLOCK = MX_BLOCK // 2  # packed E2M1: two elements per byte
+INNER_PRODUCTS = ("fma", "dot")
+# Programs to aim for when choosing the K splits: a few waves over an H100's 132 SMs.
+_TARGET_PROGRAMS = 512
+# Largest product tile the "fma" path keeps in registers (elements of block_m·block_n·bk).
+_FMA_TILE = 8192
 
 
-def _mxfp4_gemv_kernel(w_ref, s_ref, xe_ref, xo_ref, o_ref):
-    # w_ref: (bn, G, 16) packed bytes; byte j of block g holds elements 32g+2j (low nibble)
-    # and 32g+2j+1 (high nibble), which meet x's even/odd halves xe/xo: (G, 16) float32.
-    p = w_ref[...].astype(jnp.int32)
-    lo, hi = _fp4_values(p & 0xF), _fp4_values(p >> 4)
-    # Products of an FP4 value (2 significant bits) and a bfloat16 value (8) are exact in
-    # float32; the per-block partial sums are float32 sums, then scaled by 2^(s-127) (exact).
-    partial = jnp.sum(lo * xe_ref[...][None] + hi * xo_ref[...][None], axis=-1)  # (bn, G)
-    scales = _e8m0_values(s_ref[...].astype(jnp.int32))
-    o_ref[...] = jnp.sum(partial * scales, axis=-1)
+def _is_pow2(v: int) -> bool:
+    return v >= 1 and (v & (v - 1)) == 0
 
 
-def mxfp4_gemv_pallas(elements, scales, x, n: int, k: int, block_rows: int, interpret: bool):
-    """y[N] = W x for packed MXFP4 codes ``elements`` [N, K/2] and ``scales`` [N, K/32] (float32)."""
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (int(v) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch parameters of the kernel (static, hashable).
+
+    Attributes:
+      block_n: weight rows per program (power of two; ≥ 16 for ``"dot"``).
+      block_groups: MX blocks (of 32 elements) per step along K (power of two).
+      splits: programs along K; each walks ``ceil(K/32 / (block_groups · splits))`` steps.
+      inner: ``"fma"`` (CUDA cores) or ``"dot"`` (tensor cores, 16 tokens per tile).
+      block_m: tokens per program (power of two; 16 for ``"dot"``).
+      num_warps, num_stages: Triton launch parameters (GPU only).
+    """
+
+    block_n: int
+    block_groups: int
+    splits: int
+    inner: str
+    block_m: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_n", "block_groups", "block_m"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and _is_pow2(v)):
+                raise ValueError(f"KernelConfig.{name} must be a power of two, got {v!r}")
+        if not (isinstance(self.splits, int) and self.splits >= 1):
+            raise ValueError(f"KernelConfig.splits must be a positive int, got {self.splits!r}")
+        if self.inner not in INNER_PRODUCTS:
+            raise ValueError(f"KernelConfig.inner must be one of {INNER_PRODUCTS}, got {self.inner!r}")
+        if self.inner == "dot" and (self.block_m != 16 or self.block_n < 16):
+            raise ValueError(
+                "KernelConfig: inner='dot' needs block_m == 16 and block_n >= 16 (the smallest "
+                f"tensor-core tile), got block_m={self.block_m}, block_n={self.block_n}"
+            )
+
+
+def default_config(m: int, n: int, k: int) -> KernelConfig:
+    """A starting point for M tokens × an [N, K] weight (tune with benchmarks/bench_gpu.py)."""
+    groups = -(-k // MX_BLOCK)
+    if m <= 4:
+        block_m = _next_pow2(m)
+        block_groups = 4 if block_m == 1 else 2
+        block_n = max(16, min(64, _FMA_TILE // (block_m * block_groups * MX_BLOCK)))
+        inner = "fma"
+    else:
+        block_m, block_groups, block_n, inner = 16, 4, 64, "dot"
+    block_n = min(block_n, max(16, _next_pow2(n)))
+    block_groups = min(block_groups, _next_pow2(groups))
+    tiles = -(-n // block_n) * -(-m // block_m)
+    steps = -(-groups // block_groups)
+    splits = max(1, min(steps, -(-_TARGET_PROGRAMS // tiles)))
+    return KernelConfig(block_n, block_groups, splits, inner, block_m)
+
+
+# -- decoding, on values the kernel holds in registers -------------------------------------------
+
+
+def _fp4_f32(c):
+    """E2M1 codes (int32, 0..15) → float32 values, built from bits.
+
+    For a magnitude code 2..7 (e ≥ 1) the value (1 + m/2)·2^(e−1) has the float32 pattern
+    ((e + 126) << 23) | (m << 22) = (mag << 22) + (126 << 23); code 1 is 0.5 and 0 is 0.
+    """
+    mag = c & 7
+    normal = lax.shift_left(mag, 22) + (126 << 23)
+    bits = jnp.where(mag > 1, normal, jnp.where(mag == 1, 0x3F00_0000, 0))
+    bits = bits | lax.shift_left(c & 8, 28)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _fp4_bf16(c):
+    """E2M1 codes (int32) → bfloat16 values (exact: the low 16 bits of each float32 are 0)."""
+    bits = lax.bitcast_convert_type(_fp4_f32(c), jnp.int32)
+    return lax.bitcast_convert_type(lax.shift_right_logical(bits, 16).astype(jnp.uint16), jnp.bfloat16)
+
+
+def _bf16_f32(v):
+    """bfloat16 → float32 by moving the bits (exact; NaN keeps its sign, docs/design.md §8)."""
+    wide = lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32)
+    return lax.bitcast_convert_type(lax.shift_left(wide, jnp.uint32(16)), jnp.float32)
+
+
+def _e8m0_f32(s):
+    """E8M0 codes (int32, 0..255) → float32 2^(s − 127); 0 → 2^-127, 255 → NaN."""
+    bits = jnp.where(s == 0, 0x0040_0000, lax.shift_left(s, 23))
+    bits = jnp.where(s == E8M0_NAN, F32_QNAN, bits)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+# -- the kernel ----------------------------------------------------------------------------------
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, m, n, k, steps, cfg: KernelConfig):
+    from jax.experimental.pallas import triton as plt
     from jax.experimental import pallas as pl
 
-    groups = scales.shape[1]
-    kp = groups * 32
-    xf = jnp.pad(x.astype(jnp.float32), (0, kp - k))  # exact; padded elements are code 0
-    xe, xo = xf[0::2].reshape(groups, 16), xf[1::2].reshape(groups, 16)
-    rows = -(-n // block_rows) * block_rows
-    w3 = jnp.pad(elements, ((0, rows - n), (0, 0))).reshape(rows, groups, 16)
-    sc = jnp.pad(scales, ((0, rows - n), (0, 0)))
-    y = pl.pallas_call(
-        _mxfp4_gemv_kernel,
-        out_shape=jax.ShapeDtypeStruct((rows,), jnp.float32),
-        grid=(rows // block_rows,),
-        in_specs=[
-            pl.BlockSpec((block_rows, groups, 16), lambda i: (i, 0, 0)),
-            pl.BlockSpec((block_rows, groups), lambda i: (i, 0)),
-            pl.BlockSpec((groups, 16), lambda i: (0, 0)),
-            pl.BlockSpec((groups, 16), lambda i: (0, 0)),
-        ],
-        out_specs=pl.BlockSpec((block_rows,), lambda i: (i,)),
+    bn, gb, bm = cfg.block_n, cfg.block_groups, cfg.block_m
+    groups = -(-k // MX_BLOCK)
+    i, j, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = i * bn + lax.iota(jnp.int32, bn)
+    row_ok = rows < n
+    toks = t * bm + lax.iota(jnp.int32, bm)
+    tok_ok = toks < m
+
+    def load_x(g0, nblocks):
+        """Activations [bm, nblocks·32] from column g0·32, zero outside [M, K]."""
+        cols = g0 * MX_BLOCK + lax.iota(jnp.int32, nblocks * MX_BLOCK)
+        mask = tok_ok[:, None] & (cols < k)[None, :]
+        return plt.load(
+            x_ref.at[pl.ds(t * bm, bm), pl.ds(g0 * MX_BLOCK, nblocks * MX_BLOCK)],
+            mask=mask, other=jnp.zeros((), x_ref.dtype),
+        )
+
+    def fma_step(step, acc):
+        g0 = (j * steps + step) * gb
+        g_ok = (g0 + lax.iota(jnp.int32, gb)) < groups
+        ok = row_ok[:, None] & g_ok[None, :]
+        w = plt.load(w_ref.at[pl.ds(i * bn, bn), pl.ds(g0, gb), :], mask=ok[:, :, None], other=0)
+        s = plt.load(s_ref.at[pl.ds(i * bn, bn), pl.ds(g0, gb)], mask=ok, other=E8M0_BIAS)
+        w = w.astype(jnp.int32)
+        lo, hi = _fp4_f32(w & 0xF), _fp4_f32(lax.shift_right_logical(w, 4))  # [bn, gb, 16]
+        # Element 2b of a block sits in the low nibble of byte b, element 2b+1 in the high one.
+        xe, xo = jnp.unstack(load_x(g0, gb).reshape(bm, gb, _BYTES_PER_BLOCK, 2), axis=-1)
+        xe, xo = _bf16_f32(xe), _bf16_f32(xo)  # [bm, gb, 16]
+        prod = lo[None] * xe[:, None] + hi[None] * xo[:, None]  # [bm, bn, gb, 16], exact
+        block_sums = jnp.sum(prod, axis=-1)  # [bm, bn, gb]
+        return acc + jnp.sum(block_sums * _e8m0_f32(s.astype(jnp.int32))[None], axis=-1)
+
+    def dot_step(step, acc):
+        g0 = (j * steps + step) * gb
+        for b in range(gb):  # one tensor-core dot per MX block, then its scale
+            g = g0 + b
+            ok = row_ok & (g < groups)
+            w = plt.load(w_ref.at[pl.ds(i * bn, bn), g, :], mask=ok[:, None], other=0)
+            s = plt.load(s_ref.at[pl.ds(i * bn, bn), g], mask=ok, other=E8M0_BIAS)
+            w = w.astype(jnp.int32)
+            lo, hi = _fp4_bf16(w & 0xF), _fp4_bf16(lax.shift_right_logical(w, 4))  # [bn, 16]
+            xe, xo = jnp.unstack(load_x(g, 1).reshape(bm, _BYTES_PER_BLOCK, 2), axis=-1)
+            dn = (((1,), (1,)), ((), ()))
+            part = lax.dot_general(xe, lo, dn, preferred_element_type=jnp.float32)
+            part = part + lax.dot_general(xo, hi, dn, preferred_element_type=jnp.float32)
+            acc = acc + part * _e8m0_f32(s.astype(jnp.int32))[None, :]  # [bm, bn]
+        return acc
+
+    step_fn = fma_step if cfg.inner == "fma" else dot_step
+    acc = lax.fori_loop(0, steps, step_fn, jnp.zeros((bm, bn), jnp.float32))
+    plt.store(
+        o_ref.at[j, pl.ds(t * bm, bm), pl.ds(i * bn, bn)], acc,
+        mask=tok_ok[:, None] & row_ok[None, :],
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("k", "cfg", "interpret"))
+def mxfp4_matmul_pallas(x, elements, scales, *, k: int, cfg: KernelConfig, interpret: bool):
+    """x [M, K] bfloat16 times the MXFP4 weight (``elements`` uint8 [N, G·16], ``scales``
+    uint8 [N, G], G = ceil(K/32)) transposed: float32 [M, N]."""
+    from jax.experimental import pallas as pl
+
+    m = x.shape[0]
+    n, groups = scales.shape
+    w3 = elements.reshape(n, groups, _BYTES_PER_BLOCK)  # a view: same bytes, blocks explicit
+    steps = -(-groups // (cfg.block_groups * cfg.splits))
+    grid = (-(-n // cfg.block_n), cfg.splits, -(-m // cfg.block_m))
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+
+        params["compiler_params"] = plt.CompilerParams(
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        )
+    partial = pl.pallas_call(
+        functools.partial(_kernel, m=m, n=n, k=k, steps=steps, cfg=cfg),
+        out_shape=jax.ShapeDtypeStruct((cfg.splits, m, n), jnp.float32),
+        grid=grid,
         interpret=interpret,
-    )(w3, sc, xe, xo)
-    return y[:n]
+        name="lowprec_mxfp4_matmul",
+        **params,
+    )(x, w3, scales)
+    return partial[0] if cfg.splits == 1 else jnp.sum(partial, axis=0)
+
+
+def tile_count(m: int, n: int, k: int, cfg: KernelConfig) -> int:
+    """Programs the kernel launches for this shape (for benchmarks and tests)."""
+    return math.prod((-(-n // cfg.block_n), cfg.splits, -(-m // cfg.block_m)))

@@ -156,9 +156,10 @@ def _check_leaves(elements, scales, fmt: MXFormat, axis: int, shape: tuple) -> N
 # -- quantization -------------------------------------------------------------------------
 
 
-def quantize_blocks(bits, cast: MXCast, axis: int, key):
+def quantize_blocks(bits, cast: MXCast, axis: int, key, pack=pack_last):
     """Element and scale codes (uint8) of float32 patterns ``bits`` whose ``axis`` length is
-    a multiple of the block size. Trace-time core of quantize_mx and the matmul path."""
+    a multiple of the block size. Trace-time core of quantize_mx, the matmul path and the
+    Pallas quantize kernel (which passes a ``pack`` that Triton can lower)."""
     fmt = cast.fmt
     xb = blocked(bits, axis, fmt.block_size)
     scale_codes, special = scale_codes_of_amax(block_amax_bits(xb), fmt, cast.scale_rule)
@@ -172,7 +173,7 @@ def quantize_blocks(bits, cast: MXCast, axis: int, key):
     )
     codes = jnp.where(special[..., None], 0, codes).astype(jnp.uint8)
     if fmt.packed:
-        codes = pack_last(codes)  # pairs never straddle blocks, so pack while blocked
+        codes = pack(codes)  # pairs never straddle blocks, so pack while blocked
     return unblocked(codes, axis), jnp.moveaxis(scale_codes.astype(jnp.uint8), -1, axis)
 
 

@@ -53,8 +53,9 @@ import lowprec_formats as _data
 
 from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
 from ._blocks import blocked, padded_bits
-from ._codec import decode_bits, encode_bits, exactly_representable, input_bits
+from ._codec import bits_to_dtype, decode_bits, encode_bits, exactly_representable, input_bits
 from ._format import ElementFormat, FormatLike, MXFormat, resolve_format
+from ._gemv import decode_time_route, on_cuda
 from ._mx import MXArray, mx_value_bits, quantize_blocks
 from ._options import ElementCast, MXCast
 from ._rounding import check_overflow
@@ -265,7 +266,7 @@ def _quantize_operand(x, cast: OperandCast, spec: DotSpec, what: str):
     if isinstance(x, MXArray):
         return x, "dynamic"
     if cast is None:
-        return f32_bits(x), "bf16" if x.dtype == jnp.bfloat16 else "f32"
+        return input_bits(x), "bf16" if x.dtype == jnp.bfloat16 else "f32"
     if isinstance(cast, MXCast):
         block = cast.fmt.block_size
         k = x.shape[-1]
@@ -327,7 +328,7 @@ def _float_values(x):
     """Exact float32 values of a canonical operand (an MXArray is dequantized)."""
     if isinstance(x, MXArray):
         return bits_to_f32(_mx_bits(x))
-    return x.astype(jnp.float32)
+    return bits_to_f32(input_bits(x))
 
 
 def _quantized_values(x, cast: OperandCast, spec: DotSpec):
@@ -342,8 +343,13 @@ def _swap(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _qdot(lhs, rhs, spec: DotSpec):
-    out = _qdot_canonical(lhs, rhs, spec.lhs, spec.rhs, spec, "forward")
-    return out.astype(spec.out_dtype)
+    def generic(a, b):
+        return _qdot_canonical(a, b, spec.lhs, spec.rhs, spec, "forward")
+
+    # Decode-time MXFP4 weight x bfloat16 tokens: a kernel on CUDA GPUs (_gemv.py).
+    fast = decode_time_route(lhs, rhs, spec.lhs, spec.rhs)
+    out = generic(lhs, rhs) if fast is None else on_cuda(fast, generic, lhs, rhs)
+    return bits_to_dtype(f32_bits(out), spec.out_dtype)
 
 
 def _qdot_fwd(lhs, rhs, spec: DotSpec):
@@ -355,12 +361,12 @@ def _qdot_fwd(lhs, rhs, spec: DotSpec):
 def _cotangent(primal, grad):
     if isinstance(primal, MXArray):
         return None  # integer codes: no gradient
-    return grad.astype(primal.dtype)
+    return bits_to_dtype(f32_bits(grad), primal.dtype)
 
 
 def _qdot_bwd(spec: DotSpec, residuals, g):
     lhs, rhs = residuals
-    g = g.astype(jnp.float32)  # (B, M, N)
+    g = bits_to_f32(input_bits(g))  # (B, M, N)
     if spec.backward == "ste":
         ql = _quantized_values(lhs, spec.lhs, spec)  # (B, M, K)
         qr = _quantized_values(rhs, spec.rhs, spec)  # (B, N, K)

@@ -284,28 +284,103 @@ def test_widening_every_half_precision_value_matches_numpy(dtype):
     np.testing.assert_array_equal(got[nan] >> 31, want[nan] >> 31)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda x: lowprec.encode(x, "e4m3"),
-        lambda x: lowprec.quantize(x, "fp16", dtype=x.dtype),
-        lambda x: lowprec.quantize_mx(x, "mxfp8_e4m3").scales,
-        lambda x: lowprec.fake_quantize_mx(x, "mxfp4"),
-    ],
-    ids=["encode", "quantize", "quantize_mx", "fake_quantize_mx"],
-)
-def test_half_precision_paths_hold_no_float_convert(dtype, call):
-    """XLA on GPU turns any half NaN into 0x7fffffff when it converts (sign lost), so the
-    compiled program must not convert half-precision floats at all: widening and narrowing
-    are bitcasts and integer arithmetic."""
-    x = jnp.zeros((64,), dtype)
-    hlo = jax.jit(call).lower(x).as_text()
+_DN = (((1,), (1,)), ((), ()))
+
+
+def _w4():
+    return lowprec.quantize_mx(jnp.ones((8, 64)), "mxfp4")
+
+
+def _vjp(f):
+    """x, ct -> f's vjp at x applied to ct (the cotangent is an input: no constant seed)."""
+    return lambda x, ct: jax.vjp(f, x)[1](ct)[0]
+
+
+# Every public function that reads or writes float arrays, called on a half-precision x[64]
+# ("function-variant" -> call; vjp calls also take a cotangent, shapes below). Dot products
+# go through each operand path, the decode-time MXFP4 route included.
+HALF_CALLS = {
+    "encode": lambda x: lowprec.encode(x, "e4m3"),
+    "decode": lambda x: lowprec.decode(lowprec.encode(x, "e5m2"), "e5m2", dtype=x.dtype),
+    "quantize": lambda x: lowprec.quantize(x, "fp16", dtype=x.dtype),
+    "quantize_mx": lambda x: lowprec.quantize_mx(x, "mxfp8_e4m3").scales,
+    "shared_exponents": lambda x: lowprec.shared_exponents(x, "mxfp4"),
+    "dequantize": lambda x: lowprec.dequantize(lowprec.quantize_mx(x, "mxfp8_e5m2"), x.dtype),
+    "fake_quantize_mx": lambda x: lowprec.fake_quantize_mx(x, "mxfp4"),
+    "dot_general-as-is": lambda x: lowprec.dot_general(
+        x.reshape(2, 32), x.reshape(2, 32), _DN, preferred_element_type=x.dtype),
+    "dot_general-mx": lambda x: lowprec.dot_general(
+        x.reshape(2, 32), x.reshape(2, 32), _DN, lhs_format="mxfp8", rhs_format="mxfp4",
+        preferred_element_type=x.dtype),
+    "dot_general-element": lambda x: lowprec.dot_general(
+        x.reshape(2, 32), x.reshape(2, 32), _DN, lhs_format="e4m3", rhs_format="bf16"),
+    "dot_general-mxfp4-weight": lambda x: lowprec.dot_general(
+        x.reshape(1, 64), _w4(), _DN, preferred_element_type=x.dtype),
+    "matmul-mxfp4-weight": lambda x: lowprec.matmul(
+        x.reshape(1, 64), lowprec.quantize_mx(jnp.ones((64, 8)), "mxfp4", axis=0),
+        preferred_element_type=x.dtype),
+    "dot_general-vjp-ste": _vjp(lambda a: lowprec.dot_general(
+        a.reshape(2, 32), a.reshape(2, 32), _DN, lhs_format="mxfp8", preferred_element_type=a.dtype)),
+    "dot_general-vjp-quantized": _vjp(lambda a: lowprec.dot_general(
+        a.reshape(2, 32), a.reshape(2, 32), _DN, lhs_format="mxfp8", rhs_format="mxfp8",
+        backward="quantized", pad=True, preferred_element_type=a.dtype)),
+    "fake_quantize_mx-vjp": _vjp(lambda a: lowprec.fake_quantize_mx(a, "mxfp8")),
+    "mxfp4_gemv": lambda x: lowprec.mxfp4_gemv(_w4(), x),
+}
+_COTANGENT_SHAPES = {
+    "dot_general-vjp-ste": (2, 2), "dot_general-vjp-quantized": (2, 2),
+    "fake_quantize_mx-vjp": (64,),
+}
+# Public names that never see a float array (formats, codes, layouts).
+_NO_FLOAT_IO = {
+    "finfo", "resolve_format", "element_format", "mx_format", "pack_fp4", "unpack_fp4",
+    "to_gpt_oss", "from_gpt_oss", "MXArray", "ScaleRule",
+}
+
+
+def test_half_precision_convert_test_covers_every_public_function():
+    public = {n for n in lowprec.__all__ if callable(getattr(lowprec, n)) and not n[0].isupper()}
+    public -= _NO_FLOAT_IO
+    covered = {name.split("-")[0] for name in HALF_CALLS}
+    assert public <= covered, f"add {sorted(public - covered)} to HALF_CALLS"
+
+
+def _half_converts(hlo: str, dtype) -> list:
     half = "f16" if dtype == jnp.float16 else "bf16"
-    converts = [
-        line for line in hlo.splitlines()
+    return [
+        line.strip() for line in hlo.splitlines()
         if re.search(r"\bstablehlo\.convert\b", line) and re.search(rf"\b{half}\b|x{half}>", line)
     ]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("name", list(HALF_CALLS))
+def test_half_precision_paths_hold_no_float_convert(dtype, name):
+    """XLA on GPU turns any half NaN into 0x7fffffff when it converts (sign lost), so no
+    compiled lowprec program converts half-precision floats at all: widening and narrowing
+    are bitcasts and integer arithmetic (docs/design.md §8), forward and backward."""
+    if name == "mxfp4_gemv" and dtype == jnp.float16:
+        pytest.skip("mxfp4_gemv takes bfloat16 activations only")
+    args = [jax.ShapeDtypeStruct((64,), dtype)]
+    if name in _COTANGENT_SHAPES:
+        args.append(jax.ShapeDtypeStruct(_COTANGENT_SHAPES[name], dtype))
+    hlo = jax.jit(HALF_CALLS[name]).lower(*args).as_text()
+    converts = _half_converts(hlo, dtype)
+    assert not converts, "\n".join(converts)
+
+
+@pytest.mark.parametrize("name", ["dot_general-mxfp4-weight", "matmul-mxfp4-weight", "mxfp4_gemv"])
+def test_half_precision_paths_lowered_for_cuda_hold_no_float_convert(name):
+    """The same for the program XLA gets on a CUDA GPU, where the decode-time MXFP4 product
+    is a Pallas kernel (its body is Triton code, in which bfloat16 is widened by shifts)."""
+    pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    fn = HALF_CALLS[name]
+    if name == "mxfp4_gemv":
+        fn = lambda x: lowprec.mxfp4_gemv(_w4(), x, interpret=False)  # noqa: E731
+    arg = jax.ShapeDtypeStruct((64,), jnp.bfloat16)
+    hlo = jax.jit(fn).trace(arg).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in hlo
+    converts = _half_converts(hlo, jnp.bfloat16)
     assert not converts, "\n".join(converts)
 
 

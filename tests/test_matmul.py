@@ -528,33 +528,3 @@ def test_public_constants():
     assert BACKWARD_MODES == ("ste", "quantized")
     assert set(MX) | set(ELEMENTS) <= set(OPERAND_FORMAT_NAMES)
     assert "e8m0" not in OPERAND_FORMAT_NAMES
-
-
-# -- Pallas MXFP4 GEMV (stretch) ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("n,k,block_rows", [(20, 96, 8)])
-def test_mxfp4_gemv_kernel(n, k, block_rows):
-    """Runs the kernel in the Pallas interpreter on CPU (compiled on a GPU, untested there)."""
-    pytest.importorskip("jax.experimental.pallas")
-    from lowprec import mxfp4_gemv
-
-    w = lowprec.quantize_mx(random_operand(80, (n, k), 0), "mxfp4", axis=1)
-    x = random_operand(81, (k,), 3).astype(jnp.bfloat16)
-    y = mxfp4_gemv(w, x, block_rows=block_rows)
-    assert y.shape == (n,) and y.dtype == jnp.float32
-    w64 = np.asarray(lowprec.dequantize(w), np.float64)
-    x64 = np.asarray(x.astype(jnp.float32), np.float64)
-    assert_within_bound(y, w64, x64)
-    assert_within_bound(dot_general(w, x, (((1,), (0,)), ((), ()))), w64, x64)
-
-
-def test_mxfp4_gemv_errors():
-    pytest.importorskip("jax.experimental.pallas")
-    from lowprec import mxfp4_gemv
-
-    w = lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp4")
-    with pytest.raises(TypeError, match="bfloat16 vector of shape \\(64,\\)"):
-        mxfp4_gemv(w, jnp.ones(64))
-    with pytest.raises(ValueError, match="MXFP4 MXArray of shape \\[N, K\\] blocked along axis 1"):
-        mxfp4_gemv(lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp8"), jnp.ones(64, jnp.bfloat16))

@@ -1,0 +1,488 @@
+"""Every row of the GPU issue's table in one run, side by side with its peers, with a roofline.
+
+Run on a GPU: ``python benchmarks/bench_gpu.py`` (about 10 minutes on an H100), or
+``scripts/gpu_check.sh``, which runs the test suite first and passes its summary in with
+``--pytest-log``. ``--quick`` uses small sizes and few rounds (a smoke test; it also runs
+on CPU, where the numbers mean nothing). ``--only quantize dequantize weight_only mxfp8
+encode`` picks sections, ``--json PATH`` keeps every timing, ``--tune`` sweeps tile
+configurations of the MXFP4 kernel instead (prints the best per decode shape).
+
+Sections and peers (all measured in this process, interleaved rounds, medians; see
+``_timing.py``):
+
+* **roofline**: copy bandwidth (``jit(lambda x: -x)`` on 16384² float32: 4 bytes read +
+  4 written per element) and bfloat16 peak (the datasheet figure for known devices, else
+  a measured 8192³ bf16 dot). "% roof" of a memory-bound row = its effective bandwidth /
+  copy bandwidth; of a matmul = (2·M·N·K / bf16 peak) / time, or the memory time if that
+  is larger.
+* **quantize**: ``quantize_mx`` (16384² float32, blocks along the last axis) per format and
+  scale rule — as XLA compiles it ("xla") and as the one-pass Pallas kernel of
+  ``lowprec/_quantize_pallas.py`` ("pallas", same bits) — vs JAX's own quantizer (``jax._src.cudnn.scaled_matmul_stablehlo.quantize``,
+  the rceil rule), XLA's float32 → float8/float4 ``astype`` and the copy. Effective bytes:
+  4 read + 1 written (½ for packed FP4) + 1/32 scale byte per element.
+* **dequantize**: ``dequantize`` (→ float32) vs JAX's ``q.astype(f32) * e8m0_to_dtype(s)``.
+* **weight_only**: x [M, K] bfloat16 times an MXFP4 weight [N, K] (gpt-oss layout), M ∈
+  {1, 4, 16}, N×K ∈ {2880², 4096², 8192², 16384×8192}: the Pallas kernel
+  (``mxfp4_gemv``), the XLA route (decode to bfloat16 fused into the dot), ``dot_general``
+  as a user calls it (its automatic choice), the generic quantized dot it used before, and
+  the bfloat16 ``jnp.dot`` with a bfloat16 weight (the baseline of "x bf16"). Each timed
+  call runs the product 32 times in one jitted program on distinct activations and enough
+  distinct weight copies to exceed the L2 cache, so the time is the device's, not Python
+  dispatch, and weights come from HBM as in a real decode step. "agree" checks every route
+  against the generic path within twice the float32 summation bound.
+* **mxfp8**: ``benchmarks/bench_matmul.py``'s cases (pre-quantized operands and in-call
+  quantization vs bf16 dot and ``jax.lax.scaled_dot``) at n = 4096, 8192, 16384.
+* **encode**: element ``encode`` (default and the other deterministic modes) vs XLA's
+  convert, per format, 2^26 elements.
+
+Flags repeat the issue's targets: quantize ≥ 2.0 TB/s (mxfp8) / 1.8 (mxfp4); dequantize ≥
+2.0 TB/s and ≥ 0.95x JAX; weight-only ≥ 3x bf16; MXFP8 pre-quantized ≥ 0.95x bf16,
+in-call quantization ≥ 0.85x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import Timing, environment, json_safe, render_table, speed_ratio  # noqa: E402
+from _timing import time_interleaved  # noqa: E402
+
+import lowprec  # noqa: E402
+from lowprec import _gemv, _qdot  # noqa: E402
+from lowprec._gemv_pallas import KernelConfig, default_config  # noqa: E402
+from lowprec._options import MXCast  # noqa: E402
+from lowprec._quantize_pallas import quantize_mx_pallas  # noqa: E402
+
+SECTIONS = ("quantize", "dequantize", "weight_only", "mxfp8", "encode")
+RULES = ("floor", "ceil", "even", "rceil")
+DN = (((1,), (1,)), ((), ()))
+# Dense bfloat16 tensor-core peak (TFLOP/s) from the datasheets, by jax device_kind.
+BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
+                    "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.4, "NVIDIA A100-SXM4-80GB": 312.0,
+                    "NVIDIA A100-SXM4-40GB": 312.0}
+TARGET = {"quantize mxfp8": 2.0, "quantize mxfp4": 1.8, "dequantize": 2.0, "dequantize_vs_jax": 0.95,
+          "weight_only": 3.0, "mxfp8 pre-q": 0.95, "mxfp8 +quant": 0.85}
+L2_FLUSH_BYTES = 256 << 20  # distinct weight copies until their total exceeds this
+# --tune sweeps block_n x block_groups x num_warps x num_stages (x both inner products).
+TUNE_SPACE = ((16, 32, 64, 128), (1, 2, 4, 8), (2, 4, 8), (2, 3, 4))
+
+
+@dataclasses.dataclass
+class Row:
+    what: str
+    value: str  # lowprec's figure
+    peers: str  # the peers' figures, same units
+    ratio: str  # lowprec / peer
+    roof: str  # % of roofline
+    flag: str = ""
+
+
+@dataclasses.dataclass
+class Roofline:
+    copy_bps: float  # bytes/s
+    bf16_flops: float  # FLOP/s
+    bf16_source: str
+
+    def pct_memory(self, nbytes, seconds):
+        return 100.0 * nbytes / seconds / self.copy_bps
+
+    def pct_matmul(self, flops, nbytes, seconds):
+        ideal = max(flops / self.bf16_flops, nbytes / self.copy_bps)
+        return 100.0 * ideal / seconds
+
+
+def _t(result):
+    return result.median if isinstance(result, Timing) else float("nan")
+
+
+def _tbps(nbytes, result):
+    return nbytes / _t(result) / 1e12
+
+
+def _f(v, digits=2):
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+# -- roofline -------------------------------------------------------------------------------------
+
+
+def measure_roofline(n: int, reps: int) -> Roofline:
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    neg = jax.jit(lambda v: -v)
+    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16) if n >= 8192 else x[:512, :512].astype(jnp.bfloat16)
+    dot = jax.jit(lambda u: jnp.dot(u, u, preferred_element_type=jnp.float32))
+    r = time_interleaved({"copy": lambda: neg(x), "dot": lambda: dot(a)}, reps=reps)
+    copy_bps = 8.0 * x.size / _t(r["copy"])
+    kind = jax.devices()[0].device_kind
+    measured = 2.0 * a.shape[0] ** 3 / _t(r["dot"])
+    if kind in BF16_PEAK_TFLOPS:
+        return Roofline(copy_bps, BF16_PEAK_TFLOPS[kind] * 1e12,
+                        f"datasheet for {kind} (measured bf16 dot: {measured / 1e12:.0f} TFLOP/s)")
+    return Roofline(copy_bps, measured, f"measured {a.shape[0]}³ bf16 dot ({kind})")
+
+
+# -- quantize / dequantize -----------------------------------------------------------------------
+
+
+def _xla_cast(dtype):
+    return jax.jit(lambda v: v.astype(dtype))
+
+
+def bench_quantize(x, roof: Roofline, reps: int, formats) -> list:
+    from bench_mx import jax_peer
+
+    n = x.size
+    rows = []
+    neg = jax.jit(lambda v: -v)
+    interpret = jax.default_backend() != "gpu"
+    for fmt in formats:
+        f = lowprec.mx_format(fmt)
+        out_bytes = n // 2 if f.packed else n
+        nbytes = 4 * n + out_bytes + n // 32
+        el_dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2,
+                    "e2m1": ml_dtypes.float4_e2m1fn}[f.element.name]
+        cases = {}
+        for r in RULES:
+            cases[f"xla {r}"] = functools.partial(jax.jit(functools.partial(
+                lambda v, r: lowprec.quantize_mx(v, fmt, scale_rule=r), r=r)), x)
+            cast = MXCast(f, r, "nearest_even")
+            cases[f"pallas {r}"] = functools.partial(jax.jit(functools.partial(
+                lambda v, c: quantize_mx_pallas(v, c, interpret=interpret), c=cast)), x)
+        jq, _ = jax_peer(fmt)
+        if jq is not None:
+            cases["JAX quantizer"] = functools.partial(jq, x)
+        cases["XLA cast"] = functools.partial(_xla_cast(el_dtype), x)
+        cases["XLA copy"] = functools.partial(neg, x)
+        t = time_interleaved(cases, reps=reps)
+        peer_bytes = {"JAX quantizer": 5 * n + n // 32, "XLA cast": 5 * n, "XLA copy": 8 * n}
+        peers = ", ".join(f"{k} {_f(_tbps(b, t.get(k)))}" for k, b in peer_bytes.items() if k in t)
+        target = TARGET["quantize mxfp4" if f.packed else "quantize mxfp8"]
+        for r in RULES:
+            best = min((f"xla {r}", f"pallas {r}"), key=lambda c: _t(t[c]) if isinstance(t[c], Timing) else math.inf)
+            tb = _tbps(nbytes, t[best])
+            rows.append(Row(
+                f"quantize_mx {fmt} {r} (TB/s)",
+                f"xla {_f(_tbps(nbytes, t[f'xla {r}']))} / pallas {_f(_tbps(nbytes, t[f'pallas {r}']))}",
+                peers,
+                f"{_f(speed_ratio(t[best], t.get('JAX quantizer')))}x JAX ({best.split()[0]})",
+                _f(roof.pct_memory(nbytes, _t(t[best])), 0),
+                "ok" if tb >= target else f"MISS <{target} TB/s",
+            ))
+        # The kernel must give quantize_mx's bits (the tests check it too; this is the GPU data).
+        mx = lowprec.quantize_mx(x, fmt, scale_rule="rceil")
+        e, sc = quantize_mx_pallas(x, MXCast(f, "rceil", "nearest_even"), interpret=interpret)
+        if not (bool((e == mx.elements).all()) and bool((sc == mx.scales).all())):
+            rows[-1].flag += "; PALLAS BITS DIFFER"
+    return rows
+
+
+def bench_dequantize(x, roof: Roofline, reps: int, formats) -> list:
+    from bench_mx import jax_peer
+
+    n = x.size
+    rows = []
+    for fmt in formats:
+        f = lowprec.mx_format(fmt)
+        mx = lowprec.quantize_mx(x, fmt, scale_rule="rceil")
+        nbytes = (n // 2 if f.packed else n) + n // 32 + 4 * n
+        deq = jax.jit(lowprec.dequantize)
+        deq16 = jax.jit(lambda m: lowprec.dequantize(m, jnp.bfloat16))
+        cases = {"lowprec f32": functools.partial(deq, mx), "lowprec bf16": functools.partial(deq16, mx)}
+        jq, jdq = jax_peer(fmt)
+        if jq is not None:
+            q, s = jq(x)
+            cases["JAX astype*scale"] = functools.partial(jdq, q, s)
+        t = time_interleaved(cases, reps=reps)
+        tb = _tbps(nbytes, t["lowprec f32"])
+        vs = speed_ratio(t["lowprec f32"], t.get("JAX astype*scale"))
+        jax_bytes = 5 * n + n // 32
+        ok = tb >= TARGET["dequantize"] and not vs < TARGET["dequantize_vs_jax"]
+        rows.append(Row(
+            f"dequantize {fmt} (TB/s)", _f(tb),
+            f"JAX astype*scale {_f(_tbps(jax_bytes, t.get('JAX astype*scale')))}; "
+            f"lowprec → bf16 {_f(_tbps(nbytes - 2 * n, t['lowprec bf16']))}",
+            f"{_f(vs)}x JAX", _f(roof.pct_memory(nbytes, _t(t['lowprec f32'])), 0),
+            "ok" if ok else "MISS <2.0 TB/s or <0.95x JAX",
+        ))
+    return rows
+
+
+# -- MXFP4 weight-only products for decode shapes ----------------------------------------------------
+
+
+def _repeated(fn, copies: int):
+    """A jitted program computing fn(x_i, w_{i mod copies}) for every activation x_i."""
+    def run(xs, ws):
+        return [fn(x, ws[i % copies]) for i, x in enumerate(xs)]
+
+    return jax.jit(run)
+
+
+def _weights(key, n, k, copies):
+    w = jax.random.normal(key, (n, k), jnp.float32)
+    mx = lowprec.quantize_mx(w, "mxfp4", axis=1, scale_rule="rceil")
+    # Distinct buffers with the same codes: enough to push each out of L2 before its reuse.
+    mxs = [jax.tree.map(lambda a: a + jnp.zeros_like(a), mx) for _ in range(copies)]
+    return w.astype(jnp.bfloat16), mxs
+
+
+def weight_only_cases(m, n, k, inner: int, interpret: bool, cfg=None):
+    """name -> (fn(x, w), operand kind 'mx' or 'bf16') for one decode shape."""
+    def pallas(x, w):
+        c = cfg or default_config(m, n, k)
+        return _gemv.mxfp4_matmul(x, w, "pallas", cfg=c, interpret=interpret)
+
+    def generic(x, w):
+        spec = _qdot.DotSpec.create(None, None, None, "floor", "nearest_even", "ieee", False,
+                                    "ste", jnp.float32).with_mx_operand("rhs", w.fmt)
+        w3 = lowprec.MXArray(w.elements[None], w.scales[None], w.fmt, 2, (1,) + w.shape)
+        return _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs, spec, "generic")[0]
+
+    return {
+        "bf16 dot": (lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32), "bf16"),
+        "pallas": (pallas, "mx"),
+        "xla route": (lambda x, w: _gemv.mxfp4_matmul(x, w, "xla"), "mx"),
+        "dot_general": (lambda x, w: lowprec.dot_general(x, w, DN), "mx"),
+        "generic": (generic, "mx"),
+    }
+
+
+def bench_weight_only(shapes, tokens, roof: Roofline, reps: int, inner: int, quick: bool) -> tuple:
+    rows, records = [], []
+    interpret = jax.default_backend() != "gpu"
+    for (n, k), m in itertools.product(shapes, tokens):
+        mx_bytes = n * k // 2 + n * k // 32
+        copies = max(1, min(inner, math.ceil(L2_FLUSH_BYTES / mx_bytes)))
+        copies16 = max(1, min(inner, math.ceil(L2_FLUSH_BYTES / (2 * n * k))))
+        key = jax.random.key(n + k + m)
+        w16, mxs = _weights(key, n, k, copies)
+        w16s = [w16 + jnp.zeros_like(w16) for _ in range(copies16)]
+        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16) for i in range(inner)]
+        cases, progs = {}, {}
+        for name, (fn, kind) in weight_only_cases(m, n, k, inner, interpret).items():
+            prog = _repeated(fn, copies if kind == "mx" else copies16)
+            ws = mxs if kind == "mx" else w16s
+            progs[name] = (fn, ws)
+            cases[name] = functools.partial(prog, xs, ws)
+        t = time_interleaved(cases, reps=reps, min_sample_s=0.0 if quick else 0.02)
+        per = {name: _t(v) / inner for name, v in t.items()}
+        # Agreement: each MXFP4 route vs the generic path, within twice the float32 sum bound.
+        x0, w0 = xs[0], mxs[0]
+        ref = np.asarray(progs["generic"][0](x0, w0), np.float64)
+        wv = np.abs(np.asarray(lowprec.dequantize(w0), np.float64))
+        bound = 2 * k * 2.0**-23 * (np.abs(np.asarray(x0, np.float64)) @ wv.T)
+        agree = []
+        for name in ("pallas", "xla route", "dot_general"):
+            if isinstance(t[name], Timing):
+                y = np.asarray(jax.jit(progs[name][0])(x0, w0), np.float64)
+                agree.append(bool(np.all(np.abs(y - ref) <= bound)))
+        nbytes = mx_bytes + 2 * m * k + 4 * m * n
+        best = min(("pallas", "xla route"), key=lambda s: per[s] if not math.isnan(per[s]) else math.inf)
+        ratio = speed_ratio(t[best], t["bf16 dot"])
+        rows.append(Row(
+            f"MXFP4 weight x bf16, M={m}, {n}x{k} (us)",
+            f"pallas {_f(per['pallas'] * 1e6, 1)} / xla {_f(per['xla route'] * 1e6, 1)} / "
+            f"dot_general {_f(per['dot_general'] * 1e6, 1)}",
+            f"bf16 dot {_f(per['bf16 dot'] * 1e6, 1)}; generic {_f(per['generic'] * 1e6, 1)}",
+            f"{_f(ratio)}x bf16 ({best})",
+            _f(roof.pct_memory(nbytes, per[best]), 0),
+            ("ok" if ratio >= TARGET["weight_only"] else "MISS <3x bf16")
+            + ("" if all(agree) else "; DISAGREE"),
+        ))
+        records.append({"m": m, "n": n, "k": k, "per_call_s": per, "agree": agree,
+                        "weight_copies": copies, "timings": {a: (b.as_dict() if isinstance(b, Timing) else b) for a, b in t.items()}})
+    return rows, records
+
+
+def tune(shapes, tokens, reps: int, inner: int) -> None:
+    """Sweeps kernel configurations per decode shape; prints the five best and the default."""
+    interpret = jax.default_backend() != "gpu"
+    for (n, k), m in itertools.product(shapes, tokens):
+        base = default_config(m, n, k)
+        configs = {base}
+        for bn, gb, warps, stages in itertools.product(*TUNE_SPACE):
+            for inner_kind in ("fma", "dot"):
+                if inner_kind == "dot" and bn < 16:
+                    continue
+                bm = 16 if inner_kind == "dot" else min(16, 1 << max(0, (m - 1).bit_length()))
+                if inner_kind == "fma" and bm * bn * gb * 32 > 16384:
+                    continue
+                tiles = -(-n // bn) * -(-m // bm)
+                steps = -(-(-(-k // 32)) // gb)
+                splits = max(1, min(steps, -(-512 // tiles)))
+                configs.add(KernelConfig(bn, gb, splits, inner_kind, bm, warps, stages))
+        mx_bytes = n * k // 2 + n * k // 32
+        copies = max(1, min(inner, math.ceil(L2_FLUSH_BYTES / mx_bytes)))
+        key = jax.random.key(n + k + m)
+        _, mxs = _weights(key, n, k, copies)
+        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16) for i in range(inner)]
+        results = []
+        print(f"tuning M={m} {n}x{k}: {len(configs)} configurations", flush=True)
+        for cfg in sorted(configs, key=repr):
+            fn = functools.partial(lambda x, w, c: _gemv.mxfp4_matmul(x, w, "pallas", cfg=c, interpret=interpret), c=cfg)
+            prog = _repeated(fn, copies)
+            r = time_interleaved({"k": functools.partial(prog, xs, mxs)}, reps=reps)["k"]
+            if isinstance(r, Timing):
+                results.append((r.median / inner, cfg))
+        results.sort(key=lambda p: p[0])
+        default_t = next((s for s, c in results if c == base), float("nan"))
+        for s, cfg in results[:5]:
+            print(f"  {s * 1e6:8.1f} us  {cfg}")
+        print(f"  {default_t * 1e6:8.1f} us  default {base}\n", flush=True)
+
+
+# -- MXFP8 matmul and element encode ------------------------------------------------------------------
+
+
+def bench_mxfp8(sizes, roof: Roofline, reps: int) -> list:
+    from bench_matmul import _cases
+
+    rows = []
+    for n in sizes:
+        ka, kb = jax.random.split(jax.random.key(n))
+        a = jax.random.normal(ka, (n, n), jnp.float32)
+        b = jax.random.normal(kb, (n, n), jnp.float32)
+        cases = {name: functools.partial(fn, *fargs) for name, (fn, fargs) in _cases(a, b).items()}
+        t = time_interleaved(cases, reps=reps)
+        flops = 2.0 * n**3
+        for name, target in (("lowprec mxfp8 pre-q", TARGET["mxfp8 pre-q"]),
+                             ("lowprec mxfp8 +quant", TARGET["mxfp8 +quant"])):
+            vs = speed_ratio(t[name], t["bf16 dot"])
+            peer = "jax.lax.scaled_dot pre-q"
+            nbytes = 2 * (n * n + n * n // 32) + 4 * n * n if "pre-q" in name else 8 * n * n + 4 * n * n
+            rows.append(Row(
+                f"{name.replace('lowprec ', 'MXFP8 matmul ')}, n={n} (x bf16)", f"{_f(vs)}x",
+                f"bf16 dot {_f(flops / _t(t['bf16 dot']) / 1e12, 0)} TFLOP/s; {peer} "
+                f"{_f(speed_ratio(t.get(peer), t['bf16 dot']))}x bf16",
+                f"{_f(speed_ratio(t[name], t.get(peer)))}x scaled_dot",
+                _f(roof.pct_matmul(flops, nbytes, _t(t[name])), 0),
+                "ok" if vs >= target else f"MISS <{target}x bf16",
+            ))
+    return rows
+
+
+ENCODE_DTYPES = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16, "e4m3": ml_dtypes.float8_e4m3fn,
+                 "e5m2": ml_dtypes.float8_e5m2, "e2m1": ml_dtypes.float4_e2m1fn,
+                 "e8m0": ml_dtypes.float8_e8m0fnu}
+
+
+def bench_encode(size: int, roof: Roofline, reps: int) -> list:
+    rows = []
+    x = jax.random.normal(jax.random.key(7), (size,), jnp.float32)
+    for fmt in ("fp16", "bf16", "tf32", "e4m3", "e5m2", "e2m1", "e8m0"):
+        xin = jnp.abs(x) if fmt == "e8m0" else x
+        modes = [r for r in lowprec.ROUNDING_MODES if r != "stochastic"]
+        if fmt == "e8m0":
+            modes += ["floor", "ceil"]
+        cases = {m: functools.partial(jax.jit(functools.partial(
+            lambda v, m: lowprec.encode(v, fmt, rounding=m), m=m)), xin) for m in modes}
+        if fmt == "tf32":
+            native = jax.jit(lambda v: lax.bitcast_convert_type(lax.reduce_precision(v, 8, 10), jnp.uint32))
+        else:
+            native = _xla_cast(ENCODE_DTYPES[fmt])
+        cases["XLA"] = functools.partial(native, xin)
+        t = time_interleaved(cases, reps=reps)
+        out_bytes = {"fp16": 2, "bf16": 2, "tf32": 4}.get(fmt, 1)
+        nbytes = (4 + out_bytes) * size
+        ratios = [speed_ratio(t[m], t["XLA"]) for m in cases if m != "XLA"]
+        rows.append(Row(
+            f"encode {fmt}, nearest_even (TB/s)", _f(_tbps(nbytes, t["nearest_even"])),
+            f"XLA convert {_f(_tbps(nbytes, t['XLA']))}",
+            f"{_f(speed_ratio(t['nearest_even'], t['XLA']))}x XLA; other modes "
+            f"{_f(min(ratios))}–{_f(max(ratios))}x",
+            _f(roof.pct_memory(nbytes, _t(t["nearest_even"])), 0),
+        ))
+    return rows
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+
+def pytest_row(path: str) -> Row:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except OSError as e:
+        return Row("pytest on this device", f"n/a ({e.strerror})", "", "", "")
+    summary = next((ln.strip("= ") for ln in reversed(lines) if " passed" in ln or " failed" in ln), "no summary")
+    failed = [ln for ln in lines if ln.startswith("FAILED ")]
+    return Row("pytest on this device", summary, "; ".join(f[7:] for f in failed[:5]), "", "",
+               "ok" if "failed" not in summary and "error" not in summary else "FAIL")
+
+
+def main(argv=None) -> int:
+    on_gpu = jax.default_backend() == "gpu"
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, few rounds (smoke test)")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--reps", type=int, default=None, help="interleaved rounds (default 9; quick 3)")
+    p.add_argument("--json", metavar="PATH", help="write every row and timing here")
+    p.add_argument("--pytest-log", metavar="PATH", help="pytest output to summarize as the first row")
+    p.add_argument("--tune", action="store_true", help="sweep MXFP4 kernel tiles instead")
+    args = p.parse_args(argv)
+    reps = args.reps or (3 if args.quick else 9)
+    if args.quick:
+        n, shapes, tokens, inner, sizes, enc = 1024, [(256, 288), (320, 256)], [1, 16], 4, [512], 1 << 18
+    else:
+        n, shapes, tokens, inner = 16384, [(2880, 2880), (4096, 4096), (8192, 8192), (16384, 8192)], [1, 4, 16], 32
+        sizes, enc = [4096, 8192, 16384], 1 << 26
+    env = environment()
+    print(f"lowprec {env['lowprec']}, jax {env['jax']}, {env['platform']}: {env['device']}"
+          + ("" if on_gpu else "  (NOT A GPU: figures are a smoke test only)"), flush=True)
+    if args.tune:
+        tune(shapes, tokens, reps, inner)
+        return 0
+    roof = measure_roofline(n, reps)
+    print(f"roofline: copy {roof.copy_bps / 1e12:.2f} TB/s; bf16 {roof.bf16_flops / 1e12:.0f} "
+          f"TFLOP/s ({roof.bf16_source}); {reps} interleaved rounds per group\n", flush=True)
+    rows, records = [], {}
+    if args.pytest_log:
+        rows.append(pytest_row(args.pytest_log))
+    x = jax.random.normal(jax.random.key(3), (n, n), jnp.float32)
+    started = time.time()
+    for section in args.only:
+        if section == "quantize":
+            rows += bench_quantize(x, roof, reps, ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"))
+        elif section == "dequantize":
+            rows += bench_dequantize(x, roof, reps, ("mxfp8_e4m3", "mxfp4"))
+        elif section == "weight_only":
+            new, records["weight_only"] = bench_weight_only(shapes, tokens, roof, reps, inner, args.quick)
+            rows += new
+        elif section == "mxfp8":
+            rows += bench_mxfp8(sizes, roof, reps)
+        elif section == "encode":
+            rows += bench_encode(enc, roof, reps)
+        print(f"[{section} done, {time.time() - started:.0f} s]", file=sys.stderr, flush=True)
+    headers = ["what", "lowprec", "peers (same run)", "ratio", "% roof", "flag"]
+    table = [[r.what, r.value, r.peers, r.ratio, r.roof, r.flag] for r in rows]
+    print(render_table(headers, table, right=(4,)))
+    misses = sum(1 for r in rows if r.flag and r.flag != "ok")
+    print(f"{misses} of {sum(1 for r in rows if r.flag)} flagged rows miss a target.")
+    if args.json:
+        record = {"benchmark": "gpu", "env": env, "reps": reps, "roofline": dataclasses.asdict(roof),
+                  "rows": [dataclasses.asdict(r) for r in rows], "records": records}
+        tmp = args.json + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(json_safe(record), f, indent=1)
+        os.replace(tmp, args.json)
+        print(f"saved {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""A one-pass Pallas kernel for MX block quantization along the last axis (GPU candidate).
+
+XLA compiles ``quantize_mx`` to a block-max reduction and an encode that reads the input
+again (benchmarks/gpu_hlo_report.py: two passes, ~1.9x the bytes of one). This kernel
+reads each [block_rows, block_cols] tile of the input once, and runs lowprec's own
+quantization core (``_mx.quantize_blocks``: the same integer operations, so the same
+bits) on it in registers, writing element and scale codes. benchmarks/bench_gpu.py times
+it beside the XLA formulation; ``quantize_mx`` keeps the XLA one until a GPU has shown
+which is faster. Deterministic rounding modes, blocks along the last axis, lengths that
+are multiples of 32 (no padding).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._codec import input_bits
+from ._mx import quantize_blocks
+from ._options import MXCast
+
+
+def _pack_pairs(codes):
+    """Packs uint8 codes two per byte along the last axis with operations Triton lowers
+    (the XLA path's uint16 view is a bitcast between widths, which Triton refuses)."""
+    lo, hi = jnp.unstack(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), axis=-1)
+    return lo | lax.shift_left(hi, jnp.uint8(4))
+
+
+def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, br: int, bc: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    i, j = pl.program_id(0), pl.program_id(1)
+    row_ok = (i * br + lax.iota(jnp.int32, br)) < rows
+
+    def cols_ok(width):  # columns of an output whose row holds `width` entries per tile
+        return (j * width + lax.iota(jnp.int32, width)) < cols * width // bc
+
+    x = plt.load(
+        x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)],
+        mask=row_ok[:, None] & cols_ok(bc)[None, :], other=jnp.zeros((), x_ref.dtype),
+    )
+    elements, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=_pack_pairs)
+    for ref, val in ((e_ref, elements), (s_ref, scales)):
+        width = val.shape[1]
+        plt.store(ref.at[pl.ds(i * br, br), pl.ds(j * width, width)], val,
+                  mask=row_ok[:, None] & cols_ok(width)[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("cast", "block_rows", "block_cols", "interpret"))
+def quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int = 256,
+                       interpret: bool = False):
+    """(elements, scales) of ``x`` (float32/bfloat16/float16, last axis a multiple of 32)
+    blocked along its last axis: the arrays ``quantize_mx(x, cast.fmt, ...)`` holds."""
+    from jax.experimental import pallas as pl
+
+    *lead, cols = x.shape
+    rows = math.prod(lead)
+    fmt = cast.fmt
+    per_block = fmt.block_size // 2 if fmt.packed else fmt.block_size
+    out_shape = (
+        jax.ShapeDtypeStruct((rows, cols // fmt.block_size * per_block), jnp.uint8),
+        jax.ShapeDtypeStruct((rows, cols // fmt.block_size), jnp.uint8),
+    )
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+
+        params["compiler_params"] = plt.CompilerParams(num_warps=4)
+    elements, scales = pl.pallas_call(
+        functools.partial(_kernel, cast=cast, rows=rows, cols=cols, br=block_rows, bc=block_cols),
+        out_shape=out_shape,
+        grid=(-(-rows // block_rows), -(-cols // block_cols)),
+        interpret=interpret,
+        name="lowprec_quantize_mx",
+        **params,
+    )(x.reshape(rows, cols))
+    return elements.reshape(*lead, -1), scales.reshape(*lead, -1)

@@ -1,0 +1,520 @@
+"""The decode-time MXFP4 weight-only product: Pallas kernel, XLA route and dispatch.
+
+On CPU the kernel runs in the Pallas interpreter, which pads out-of-range block reads
+with NaN (floats) / the integer minimum — so a missing mask shows up as a wrong or NaN
+result. The Triton lowering itself (power-of-two tiles, supported ops) is checked on CPU
+too, by lowering for the "cuda" platform, which JAX does without a GPU. Tests marked
+``gpu`` run the compiled kernel and need one.
+
+Expected values never come from lowprec's decoder: weights are built from random codes
+and decoded in the test with the gpt-oss / OCP table (docs/design.md §4),
+FP4_VALUES[nibble] × 2^(scale − 127), in float64. The claim (docs/design.md §5): products
+are exact, only float32 sums round, |y − exact| ≤ K·2^-23·Σ|w_i x_i|.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import lowprec
+from lowprec import _gemv
+from lowprec._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
+
+pytest.importorskip("jax.experimental.pallas")
+
+ON_GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the compiled Triton kernel)")
+# The spec's E2M1 table, low nibble = even element (docs/design.md §4).
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+DN = (((1,), (1,)), ((), ()))  # x [M, K] · W [N, K] over K
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _triton_lowering_available() -> bool:
+    try:
+        from jax._src.lib import triton  # noqa: F401  (the dialect bindings, in every jaxlib)
+        from jax._src.pallas.triton import pallas_call_registration  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_triton_lowering = pytest.mark.skipif(
+    not _triton_lowering_available(), reason="this jaxlib cannot lower Pallas to Triton"
+)
+
+
+# -- operands built from codes, decoded independently ---------------------------------------------
+
+
+@dataclasses.dataclass
+class Weight:
+    mx: lowprec.MXArray
+    values: np.ndarray  # float64 [N, K]
+
+
+def make_weight(rng, n, k, scale_lo=120, scale_hi=134, zero_blocks=0.0, nan_rows=()) -> Weight:
+    """Random MXFP4 codes and scales for an [N, K] weight; padding nibbles past K are 0."""
+    groups = -(-k // 32)
+    nibbles = rng.integers(0, 16, size=(n, groups * 32), dtype=np.uint8)
+    nibbles[:, k:] = 0
+    scales = rng.integers(scale_lo, scale_hi + 1, size=(n, groups), dtype=np.uint8)
+    zero = rng.random((n, groups)) < zero_blocks
+    nib3 = nibbles.reshape(n, groups, 32)
+    nib3[zero] = 0
+    scales[zero] = 0  # what quantize_mx writes for an all-zero block
+    for r in nan_rows:
+        scales[r, groups // 2] = 0xFF
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    values = FP4_VALUES[nibbles] * np.exp2(np.repeat(scales.astype(np.float64), 32, axis=1) - 127)
+    values[np.repeat(scales == 0xFF, 32, axis=1)] = np.nan
+    mx = lowprec.MXArray(jnp.asarray(packed), jnp.asarray(scales), "mxfp4", 1, (n, k))
+    return Weight(mx, values[:, :k])
+
+
+def make_tokens(rng, m, k, integers=False):
+    if integers:
+        x = rng.integers(-8, 9, size=(m, k)).astype(np.float32)
+    else:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def assert_within_bound(y, x64, w64, underflow=False):
+    """|y − x64 @ w64.T| ≤ K·2^-23·(|x64| @ |w64|.T) (+ K·2^-149 when ``underflow``);
+    NaN exactly where the exact product is NaN, the same infinity where it is infinite."""
+    with np.errstate(invalid="ignore"):
+        exact = x64 @ w64.T
+        k = x64.shape[-1]
+        bound = k * 2.0**-23 * (np.abs(x64) @ np.abs(w64).T) * (1 + 2.0**-20)
+        if underflow:
+            bound = bound + k * 2.0**-149
+        y = np.asarray(y, np.float64)
+        assert y.shape == exact.shape
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(exact))
+        inf = np.isinf(exact)
+        np.testing.assert_array_equal(y[inf], exact[inf])
+        finite = np.isfinite(exact)
+        err = np.abs(y - exact)[finite]
+        assert np.all(err <= bound[finite]), f"max excess {np.max(err - bound[finite])}"
+
+
+def pallas(x, w: Weight, cfg=None, interpret=not ON_GPU):
+    m, k = x.shape
+    cfg = cfg or default_config(m, w.mx.shape[0], k)
+    return mxfp4_matmul_pallas(x, w.mx.elements, w.mx.scales, k=k, cfg=cfg, interpret=interpret)
+
+
+# -- the kernel (interpreted on CPU) -------------------------------------------------------------
+
+# (M, N, K): M ∈ {1, 4, 16} and odd counts; gpt-oss K = 2880 = 90 blocks; K not a multiple
+# of 32 (a padded MXArray); N not a multiple of any tile.
+SHAPES = [
+    (1, 20, 96), (1, 37, 2880), (4, 64, 2880), (16, 50, 2880), (3, 33, 100), (20, 17, 160),
+    (1, 1, 32), (16, 130, 4096),
+]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
+def test_kernel_within_float32_sum_bound(m, n, k):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    w = make_weight(rng, n, k, zero_blocks=0.1)
+    x = make_tokens(rng, m, k)
+    y = pallas(x, w)
+    assert y.shape == (m, n) and y.dtype == jnp.float32
+    assert_within_bound(y, f64(x), w.values)
+
+
+CONFIGS = [
+    KernelConfig(16, 1, 1, "fma", 1),  # one block per step, no split
+    KernelConfig(16, 2, 3, "fma", 4),  # splits not dividing the steps: empty tail programs
+    KernelConfig(32, 8, 2, "fma", 2),  # a step wider than K/32 on small K
+    KernelConfig(16, 1, 4, "dot", 16),
+    KernelConfig(64, 4, 5, "dot", 16),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.inner}-n{c.block_n}-g{c.block_groups}-s{c.splits}-m{c.block_m}")
+@pytest.mark.parametrize("m,n,k", [(3, 45, 2880), (5, 19, 224)])
+def test_kernel_configs_mask_every_edge(cfg, m, n, k):
+    rng = np.random.default_rng(k + cfg.splits)
+    w = make_weight(rng, n, k)
+    x = make_tokens(rng, m, k)
+    assert_within_bound(pallas(x, w, cfg), f64(x), w.values)
+
+
+@pytest.mark.parametrize("inner", ["fma", "dot"])
+def test_kernel_exact_sums_are_bit_identical_to_exact_and_generic(inner):
+    """Integer tokens |x| ≤ 8 and scales 2^-2..2^2 make every product a multiple of 2^-3
+    below 192, so every partial sum of K = 2880 terms (< 2^20) is exact in float32 in any
+    order: kernel, generic dot_general and the float64 product must agree bit for bit."""
+    rng = np.random.default_rng(7)
+    m = 16 if inner == "dot" else 4
+    w = make_weight(rng, 72, 2880, scale_lo=125, scale_hi=129, zero_blocks=0.05)
+    x = make_tokens(rng, m, 2880, integers=True)
+    cfg = dataclasses.replace(default_config(m, 72, 2880), inner=inner, block_m=16 if inner == "dot" else 4)
+    got = np.asarray(pallas(x, w, cfg), np.float64)
+    exact = f64(x) @ w.values.T
+    np.testing.assert_array_equal(got, exact)
+    np.testing.assert_array_equal(np.asarray(lowprec.dot_general(x, w.mx, DN), np.float64), exact)
+
+
+def test_kernel_nan_scale_and_nonfinite_tokens_follow_the_generic_path():
+    """A 0xFF scale makes its row NaN (whatever the tokens); inf tokens give ±inf or NaN
+    exactly as the generic dot does (inf·0 = NaN)."""
+    rng = np.random.default_rng(3)
+    n, k = 24, 256
+    w = make_weight(rng, n, k, nan_rows=(5, 17))
+    x = np.asarray(make_tokens(rng, 4, k), np.float32)
+    x[1, 40] = np.inf
+    x[2, 100] = -np.inf
+    x[3, :] = 0.0
+    x = jnp.asarray(x, jnp.bfloat16)
+    got = np.asarray(pallas(x, w))
+    generic = np.asarray(lowprec.dot_general(x, w.mx, DN))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(generic))
+    assert np.isnan(got[:, [5, 17]]).all()
+    inf = np.isinf(generic)
+    assert inf.any()
+    np.testing.assert_array_equal(got[inf], generic[inf])
+    assert_within_bound(got, f64(x), w.values)
+
+
+def test_kernel_config_validation():
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        KernelConfig(24, 1, 1, "fma", 1)
+    with pytest.raises(ValueError, match="splits must be a positive int"):
+        KernelConfig(16, 1, 0, "fma", 1)
+    with pytest.raises(ValueError, match="inner='dot' needs block_m == 16"):
+        KernelConfig(16, 1, 1, "dot", 8)
+    with pytest.raises(ValueError, match="inner must be one of"):
+        KernelConfig(16, 1, 1, "wmma", 1)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 2880, 2880), (4, 4096, 4096), (16, 8192, 8192), (16, 16384, 8192), (7, 100, 100)])
+def test_default_config_is_a_valid_tiling(m, n, k):
+    cfg = default_config(m, n, k)
+    assert cfg.inner == ("fma" if m <= 4 else "dot")
+    assert cfg.block_m >= min(m, 16) or cfg.inner == "dot"
+    steps = -(-(-(-k // 32)) // cfg.block_groups)
+    assert 1 <= cfg.splits <= steps  # every split owns at least one step
+
+
+# -- the Triton lowering, checked without a GPU -------------------------------------------------
+
+
+def _lower_for_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+ISSUE_SHAPES = [(m, n, k) for m in (1, 4, 16) for n, k in ((2880, 2880), (4096, 4096), (8192, 8192), (16384, 8192))]
+
+
+@needs_triton_lowering
+@pytest.mark.parametrize("m,n,k", ISSUE_SHAPES + [(3, 33, 100), (20, 17, 160)])
+def test_kernel_lowers_to_triton_for_every_shape(m, n, k, monkeypatch):
+    """The Pallas → Triton lowering accepts the kernel (power-of-two tiles over any K;
+    K = 2880 is 90 blocks) and the Triton module verifies. The issue's first GPU failure,
+    a (8, 3, 16) block, is exactly what this catches."""
+    from jax._src.pallas.triton import lowering
+
+    verified = []
+    real = lowering.lower_jaxpr_to_triton_module
+
+    def checked(*a, **kw):
+        result = real(*a, **kw)
+        verified.append(result.module.operation.verify())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", checked)
+    groups = -(-k // 32)
+    specs = (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n, groups * 16), jnp.uint8),
+        jax.ShapeDtypeStruct((n, groups), jnp.uint8),
+    )
+    cfg = default_config(m, n, k)
+    text = _lower_for_cuda(
+        lambda x, e, s: mxfp4_matmul_pallas(x, e, s, k=k, cfg=cfg, interpret=False), *specs
+    )
+    assert text.count(TRITON_CALL) == 1
+    assert verified == [True]
+
+
+def _as_k_by_n(w):
+    """The same weight as a [K, N] MXArray blocked along axis 0 (codes transposed)."""
+    n, k = w.shape
+    return lowprec.MXArray(w.elements.T, w.scales.T, w.fmt, 0, (k, n))
+
+
+def _decode_case(m=4, n=64, k=2880, dtype=jnp.bfloat16, fmt="mxfp4"):
+    x = jax.ShapeDtypeStruct((m, k), dtype)
+    w = lowprec.quantize_mx(jnp.zeros((n, k)), fmt, axis=1)
+    return x, w
+
+
+@needs_triton_lowering
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, w: lowprec.dot_general(x, w, DN),
+        lambda x, w: lowprec.dot_general(x, w, DN, preferred_element_type=jnp.bfloat16),
+        lambda x, w: lowprec.matmul(x, _as_k_by_n(w)),  # b [K, N] blocked along axis 0
+        lambda x, w: lowprec.dot_general(w, x[0], (((1,), (0,)), ((), ()))),  # W x
+        lambda x, w: jax.vmap(lambda t: lowprec.dot_general(t, w, DN))(x[:, None]),
+    ],
+    ids=["x.WT", "bf16-out", "matmul-KN", "W.x", "vmap"],
+)
+def test_dot_general_picks_the_kernel_for_decode_shapes_on_cuda(call):
+    x, w = _decode_case()
+    assert TRITON_CALL in _lower_for_cuda(call, x, w)
+    # The same program lowered for the CPU holds no kernel (the generic quantized dot).
+    assert TRITON_CALL not in jax.jit(call).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+
+
+@needs_triton_lowering
+@pytest.mark.parametrize(
+    "case,kwargs",
+    [
+        (dict(m=17), {}),  # more tokens than MAX_TOKENS
+        (dict(dtype=jnp.float32), {}),  # float32 activations
+        (dict(fmt="mxfp8_e4m3"), {}),  # not MXFP4
+        (dict(), dict(lhs_format="mxfp8_e4m3")),  # activations quantized too
+    ],
+    ids=["17-tokens", "f32-tokens", "mxfp8-weight", "quantized-tokens"],
+)
+def test_other_shapes_keep_the_generic_path_on_cuda(case, kwargs):
+    x, w = _decode_case(**case)
+    text = _lower_for_cuda(lambda a, b: lowprec.dot_general(a, b, DN, **kwargs), x, w)
+    assert TRITON_CALL not in text
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU dot_general runs the kernel (other summation order)")
+def test_dispatch_on_cpu_is_the_generic_path_itself():
+    """On CPU dot_general of a decode shape is the generic quantized dot: the same values
+    as with the route check switched off (bit for bit), and within the bound."""
+    rng = np.random.default_rng(11)
+    w = make_weight(rng, 40, 2880)
+    x = make_tokens(rng, 4, 2880)
+    y = lowprec.dot_general(x, w.mx, DN)
+    assert_within_bound(y, f64(x), w.values)
+    from lowprec import _qdot
+
+    spec = _qdot.DotSpec.create(None, None, None, "floor", "nearest_even", "ieee", False, "ste", jnp.float32)
+    spec = spec.with_mx_operand("rhs", w.mx.fmt)
+    w3 = lowprec.MXArray(w.mx.elements[None], w.mx.scales[None], w.mx.fmt, 2, (1, 40, 2880))
+    generic = _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs, spec, "forward")[0]
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(generic))
+
+
+# -- the XLA route ---------------------------------------------------------------------------------
+
+
+def test_every_mxfp4_value_is_a_bfloat16_value():
+    """The XLA route's premise: FP4_VALUES[c] × 2^(s − 127) is exactly a bfloat16 (bfloat16
+    subnormals included) for every code and scale, or overflows both float32 and bfloat16."""
+    v = FP4_VALUES[:, None] * np.exp2(np.arange(255, dtype=np.float64)[None, :] - 127)
+    finite = np.abs(v) < 2.0**128  # float32's and bfloat16's shared limit
+    as_bf16 = v[finite].astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    np.testing.assert_array_equal(as_bf16, v[finite])
+    # |v| ≥ 2^128 only at scale 254 (v = 2, 3, 4, 6) and 253 (v = 4, 6), either sign.
+    assert (~finite).sum() == 2 * (4 + 2)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 37, 2880), (16, 50, 100)])
+def test_xla_route_within_bound(m, n, k):
+    rng = np.random.default_rng(n)
+    w = make_weight(rng, n, k, zero_blocks=0.1, nan_rows=(3,))
+    x = make_tokens(rng, m, k)
+    y = jax.jit(_gemv.mxfp4_matmul, static_argnums=2)(x, w.mx, "xla")
+    assert_within_bound(y, f64(x), w.values)
+
+
+def test_xla_route_exact_sums_bit_identical():
+    rng = np.random.default_rng(5)
+    w = make_weight(rng, 30, 2880, scale_lo=125, scale_hi=129)
+    x = make_tokens(rng, 16, 2880, integers=True)
+    got = np.asarray(_gemv.mxfp4_matmul(x, w.mx, "xla"), np.float64)
+    np.testing.assert_array_equal(got, f64(x) @ w.values.T)
+
+
+def test_unknown_route():
+    rng = np.random.default_rng(0)
+    w = make_weight(rng, 4, 32)
+    with pytest.raises(ValueError, match="unknown route 'cublas'"):
+        _gemv.mxfp4_matmul(make_tokens(rng, 1, 32), w.mx, "cublas")
+
+
+# -- mxfp4_gemv, the explicit entry point -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("x_shape", [(96,), (3, 96), (2, 2, 96)])
+def test_mxfp4_gemv_shapes(x_shape):
+    rng = np.random.default_rng(len(x_shape))
+    w = make_weight(rng, 20, 96)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.bfloat16)
+    y = lowprec.mxfp4_gemv(w.mx, x)
+    assert y.shape == x_shape[:-1] + (20,) and y.dtype == jnp.float32
+    assert_within_bound(np.asarray(y).reshape(-1, 20), f64(x).reshape(-1, 96), w.values)
+
+
+def test_mxfp4_gemv_block_rows():
+    rng = np.random.default_rng(1)
+    w = make_weight(rng, 20, 96)
+    x = make_tokens(rng, 1, 96)[0]
+    assert_within_bound(lowprec.mxfp4_gemv(w.mx, x, block_rows=16)[None], f64(x)[None], w.values)
+    with pytest.raises(ValueError, match="block_rows: KernelConfig.block_n must be a power of two"):
+        lowprec.mxfp4_gemv(w.mx, x, block_rows=24)
+
+
+def test_mxfp4_gemv_errors():
+    w = lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp4")
+    with pytest.raises(TypeError, match=r"bfloat16 array of shape \(64,\) or \(\.\.\., 64\)"):
+        lowprec.mxfp4_gemv(w, jnp.ones(64))
+    with pytest.raises(TypeError, match=r"got bfloat16\[63\]"):
+        lowprec.mxfp4_gemv(w, jnp.ones(63, jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"MXFP4 MXArray of shape \[N, K\] blocked along axis 1"):
+        lowprec.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp8"), jnp.ones(64, jnp.bfloat16))
+    with pytest.raises(ValueError, match="blocked along axis 1"):
+        lowprec.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((64, 4)), "mxfp4", axis=0), jnp.ones(64, jnp.bfloat16))
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("m,n,k", [(1, 2880, 2880), (4, 4096, 4096), (16, 1000, 2880), (3, 33, 100)])
+def test_gpu_compiled_kernel_within_bound_and_matches_interpreter(m, n, k):
+    rng = np.random.default_rng(m + n + k)
+    w = make_weight(rng, n, k, zero_blocks=0.05, nan_rows=(1,))
+    x = make_tokens(rng, m, k)
+    compiled = pallas(x, w, interpret=False)
+    assert_within_bound(compiled, f64(x), w.values)
+    interpreted = pallas(x, w, interpret=True)
+    # Same algorithm, possibly other summation orders inside a block: both within the bound,
+    # and within twice the bound of each other.
+    assert_within_bound(interpreted, f64(x), w.values)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("inner", ["fma", "dot"])
+def test_gpu_compiled_kernel_exact_sums(inner):
+    rng = np.random.default_rng(9)
+    m = 16 if inner == "dot" else 4
+    w = make_weight(rng, 300, 2880, scale_lo=125, scale_hi=129)
+    x = make_tokens(rng, m, 2880, integers=True)
+    cfg = dataclasses.replace(default_config(m, 300, 2880), inner=inner, block_m=16 if inner == "dot" else 4)
+    np.testing.assert_array_equal(np.asarray(pallas(x, w, cfg, interpret=False), np.float64), f64(x) @ w.values.T)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("route", _gemv.ROUTES)
+def test_gpu_routes_keep_tiny_scales_exact(route):
+    """Scale codes 0..3 (values down to 2^-128: bfloat16 subnormals) times tokens near
+    2^100: the XLA route relies on the GPU dot keeping bfloat16 subnormals, the kernel
+    scales block sums instead. Both must stay within the bound (+ the underflow term)."""
+    rng = np.random.default_rng(2)
+    w = make_weight(rng, 64, 256, scale_lo=0, scale_hi=3)
+    x = jnp.asarray(np.asarray(make_tokens(rng, 4, 256), np.float32) * 2.0**100, jnp.bfloat16)
+    y = _gemv.mxfp4_matmul(x, w.mx, route)
+    assert_within_bound(y, f64(x), w.values, underflow=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_dot_general_runs_the_kernel():
+    rng = np.random.default_rng(4)
+    w = make_weight(rng, 256, 2880)
+    x = make_tokens(rng, 4, 2880)
+    f = jax.jit(lambda a, b: lowprec.dot_general(a, b, DN))
+    assert TRITON_CALL in f.lower(x, w.mx).as_text() or _gemv.GPU_ROUTE != "pallas"
+    assert_within_bound(f(x, w.mx), f64(x), w.values)
+
+
+# -- the one-pass Pallas quantize kernel (a GPU candidate beside XLA's two passes) -----------------
+
+from lowprec._options import MXCast  # noqa: E402
+from lowprec._quantize_pallas import quantize_mx_pallas  # noqa: E402
+
+QUANT_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
+
+
+def _specials(shape, seed, spread=30):
+    """Normal values over 2^±spread with a NaN, an inf, an all-zero block, a tiny value, a
+    −0 and a block maximum past E4M3's under FLOOR."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) * np.exp2(rng.integers(-spread, spread, shape)).astype(np.float32)
+    x[0, 3] = np.nan
+    x[1, 70] = -np.inf
+    x[2, 64:96] = 0.0
+    x[2, 65] = -0.0
+    x[3, 100] = 2.0**-140
+    x[4, 32:64] = 448.0 * 1.0625  # above E4M3's max under FLOOR: saturates
+    return x
+
+
+# Every rule from float32; half-precision input (widened by the same integer code) with one.
+QUANT_CASES = [(f, r, np.float32) for f in QUANT_FORMATS for r in lowprec.ScaleRule] + [
+    (f, "rceil", d) for f in QUANT_FORMATS for d in (jnp.bfloat16, np.float16)
+]
+
+
+@pytest.mark.parametrize(
+    "fmt,rule,dtype", QUANT_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in QUANT_CASES]
+)
+def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, rule, dtype):
+    """Same integer core, other schedule: quantize_mx's codes and scales bit for bit, on a
+    shape whose rows and columns leave partial tiles."""
+    x = jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float16 else 30), dtype)
+    cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+    elements, scales = quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
+    want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
+    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+
+
+def test_pallas_quantize_keeps_leading_dims_and_nearest_away():
+    x = jnp.asarray(_specials((6, 128), 2).reshape(2, 3, 128))
+    cast = MXCast(lowprec.mx_format("mxfp4"), "rceil", "nearest_away")
+    elements, scales = quantize_mx_pallas(x, cast, interpret=not ON_GPU)
+    want = lowprec.quantize_mx(x, "mxfp4", scale_rule="rceil", rounding="nearest_away")
+    assert elements.shape == (2, 3, 64) and scales.shape == (2, 3, 4)
+    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+
+
+@needs_triton_lowering
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_pallas_quantize_lowers_to_triton(fmt, dtype):
+    cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")
+    spec = jax.ShapeDtypeStruct((16384, 16384), dtype)
+    assert _lower_for_cuda(lambda v: quantize_mx_pallas(v, cast), spec).count(TRITON_CALL) == 1
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_gpu_compiled_quantize_kernel_is_bit_identical(fmt):
+    x = jnp.asarray(_specials((1000, 4096), 3))
+    for rule in lowprec.ScaleRule:
+        cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+        elements, scales = quantize_mx_pallas(x, cast)
+        want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
+        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
