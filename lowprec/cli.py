@@ -2,14 +2,23 @@
 
 Usage::
 
-    lowprec quantize IN.safetensors OUT.safetensors --format mxfp4 \\
-        [--include REGEX] [--exclude REGEX] [--scale-rule floor|ceil|even|rceil] \\
-        [--layout lowprec|gpt-oss] [--axis -1] [--fp8-scale tensor|none] \\
+    lowprec quantize IN OUT --format FORMAT [--include REGEX] [--exclude REGEX]
+        [--scale-rule floor|ceil|even|rceil] [--layout lowprec|gpt-oss] [--axis N]
+        [--fp8-scale tensor|none] [--report REPORT.json] [--json] [--force] [--quiet]
+    lowprec dequantize IN OUT [--dtype original|float32|bfloat16|float16|float64]
         [--report REPORT.json] [--json] [--force] [--quiet]
-    lowprec dequantize IN.safetensors OUT.safetensors [--dtype original|float32|bfloat16|float16]
-    lowprec inspect FILE.safetensors [--json]
+    lowprec inspect IN [--json]
 
-Exit status: 0 on success, 1 for a checkpoint problem (message on stderr), 2 for bad usage.
+IN is a ``.safetensors`` file, a folder of shards, or its ``*.safetensors.index.json``;
+OUT is then a file, or a folder. FORMAT is a lowprec format name: mxfp4, mxfp8_e4m3,
+mxfp8_e5m2, e4m3, e5m2, bf16, fp16 (or an alias such as mxfp8, fp8_e4m3, bfloat16).
+
+Outputs (the checkpoint and the report) are never an input or a link to one, are checked
+before any work, and are written atomically; ``--force`` replaces regular files only.
+
+Exit status: 0 on success, 1 for a checkpoint problem (message on stderr), 2 for bad
+usage, 128 + N when stopped by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129: unfinished
+output is removed first), 141 when stdout is closed early (``lowprec inspect f | head``).
 
 Example:
     >>> main(["quantize", "--help"])  # doctest: +ELLIPSIS
@@ -21,7 +30,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+import threading
 from typing import Optional, Sequence
 
 from .checkpoint import (
@@ -29,10 +42,37 @@ from .checkpoint import (
     FORMATS,
     LAYOUTS,
     CheckpointError,
+    canonical_format,
     dequantize_checkpoint,
     inspect_checkpoint,
     quantize_checkpoint,
 )
+from .checkpoint._atomic import abort_all
+from .checkpoint._formats import FP8_SCALINGS, check_fp8_scale, check_layout, check_scale_rule
+
+_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+_EXIT_BROKEN_PIPE = 128 + 13  # as a process killed by SIGPIPE
+
+
+class Interrupted(BaseException):
+    """Raised in the main thread by a caught SIGINT/SIGTERM/SIGHUP."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _checked(fn):
+    """An argparse ``type=`` that reports the library's own validation message."""
+
+    def convert(value):
+        try:
+            return fn(value)
+        except CheckpointError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = fn.__name__
+    return convert
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,96 +89,151 @@ def _parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser(
         "quantize",
-        help="quantize a safetensors checkpoint",
+        help="quantize a safetensors checkpoint (file or sharded folder)",
         description=(
             "Quantize the weight matrices of a safetensors checkpoint and report the error. "
             "By default: float tensors with >= 2 dims whose name does not match "
             f"/{DEFAULT_KEEP_PATTERN}/ (embeddings, lm_head, norms, biases) and, for MX "
             "formats, whose block axis is a multiple of 32. The input is never modified; "
-            "the output is written to a temp file and renamed."
+            "outputs are checked before any work and written atomically."
         ),
     )
-    q.add_argument("input", help="input .safetensors file (pickle .bin/.pt files are refused)")
-    q.add_argument("output", help="output .safetensors file")
+    q.add_argument("input", help="a .safetensors file (pickle .bin/.pt files are refused), a "
+                                 "folder of shards, or its *.safetensors.index.json")
+    q.add_argument("output", help="output .safetensors file (a folder for a folder input)")
     q.add_argument("--format", "-f", required=True, metavar="FORMAT",
-                   help=f"one of: {', '.join(FORMATS)}")
+                   type=_checked(canonical_format),
+                   help=f"one of: {', '.join(FORMATS)} (library names; aliases accepted)")
     q.add_argument("--include", metavar="REGEX",
                    help="quantize exactly the float tensors whose name matches (re.search); "
                         "replaces the default selection")
     q.add_argument("--exclude", metavar="REGEX", help="never quantize names matching this")
-    q.add_argument("--scale-rule", choices=SCALE_RULES, default=None,
-                   help=f"MX scale rule (default {DEFAULT_SCALE_RULE}, the OCP MX v1.0 rule; "
-                        "rceil is NVIDIA's)")
-    q.add_argument("--layout", choices=LAYOUTS, default="lowprec",
-                   help="lowprec: <name>_elements + <name>_scales; gpt-oss (mxfp4 only): "
-                        "<name>_blocks [...,K/32,16] + <name>_scales [...,K/32]")
-    q.add_argument("--axis", type=int, default=-1,
+    q.add_argument("--scale-rule", type=_checked(check_scale_rule), default=None,
+                   metavar="RULE",
+                   help=f"MX scale rule: {', '.join(SCALE_RULES)} (default {DEFAULT_SCALE_RULE}, "
+                        "the OCP MX v1.0 rule; rceil is NVIDIA's)")
+    q.add_argument("--layout", type=_checked(check_layout), default="lowprec", metavar="LAYOUT",
+                   help=f"{' or '.join(LAYOUTS)}; lowprec: <name>_elements + <name>_scales; "
+                        "gpt-oss (mxfp4 only): <name>_blocks [...,K/32,16] + <name>_scales [...,K/32]")
+    q.add_argument("--axis", type=int, default=None,
                    help="MX block axis (default -1: the input features of a [out, in] weight)")
-    q.add_argument("--fp8-scale", choices=("tensor", "none"), default="tensor",
-                   help="fp8 formats: per-tensor scale amax/max_fp8 stored as <name>_scale "
-                        "(default), or none (plain saturating cast)")
-    q.add_argument("--report", metavar="FILE.json", help="also write the report as JSON here")
-    _common(q, table=True)
+    q.add_argument("--fp8-scale", type=_checked(check_fp8_scale), default="tensor",
+                   metavar="MODE",
+                   help=f"{' or '.join(FP8_SCALINGS)}; e4m3/e5m2: per-tensor scale amax/max_fp8 "
+                        "stored as <name>_scale (default), or none (plain saturating cast)")
+    _common(q)
 
     d = sub.add_parser(
         "dequantize",
         help="decode a quantized checkpoint back to floats",
         description="Decode the quantized tensors of a lowprec (or gpt-oss MXFP4) safetensors "
-                    "file into a plain safetensors file; other tensors are copied.",
+                    "file or folder into plain safetensors; other tensors and files are copied.",
     )
-    d.add_argument("input")
-    d.add_argument("output")
+    d.add_argument("input", help="a quantized .safetensors file, folder or index")
+    d.add_argument("output", help="output .safetensors file (a folder for a folder input)")
     d.add_argument("--dtype", default="original",
                    help="original (default: each tensor's dtype before quantization), "
                         "float32, bfloat16, float16 or float64")
-    _common(d, table=True)
+    _common(d)
 
     i = sub.add_parser("inspect", help="list tensors, formats, sizes and bits/param",
-                       description="List the tensors of a safetensors file (quantized ones "
-                                   "under their original name), sizes and bits/param.")
+                       description="List the tensors of a safetensors file or folder "
+                                   "(quantized ones under their original name), sizes and "
+                                   "bits/param.")
     i.add_argument("input")
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
 
-def _common(p, table: bool):
-    p.add_argument("--force", action="store_true", help="overwrite the output if it exists")
+def _common(p):
+    p.add_argument("--report", metavar="FILE.json",
+                   help="also write the report as JSON here (checked before any work)")
+    p.add_argument("--force", action="store_true",
+                   help="replace existing output files (regular files only)")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bar and no table (errors still go to stderr)")
     p.add_argument("--json", action="store_true", help="print the report as JSON, not a table")
 
 
+@contextlib.contextmanager
+def _signals_raise():
+    """While active, SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted` in the main thread
+    (once: further ones are ignored so that cleanup finishes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        for s in _SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {s: signal.getsignal(s) for s in _SIGNALS}
+    try:
+        for s in _SIGNALS:
+            signal.signal(s, handler)
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def _print(text: str) -> int:
+    """Prints to stdout; 0, or the broken-pipe status if the reader went away."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            # Stop the interpreter's own flush at exit from failing again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return _EXIT_BROKEN_PIPE
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the ``lowprec`` command line; returns the exit status."""
     args = _parser().parse_args(argv)
+    progress = False if getattr(args, "quiet", False) else None
     try:
-        if args.command == "quantize":
-            report = quantize_checkpoint(
-                args.input, args.output, args.format,
-                include=args.include, exclude=args.exclude, scale_rule=args.scale_rule,
-                layout=args.layout, axis=args.axis, fp8_scale=args.fp8_scale,
-                force=args.force, progress=False if args.quiet else None,
-            )
-            if args.report:
-                with open(args.report, "w", encoding="utf-8") as f:
-                    f.write(report.to_json() + "\n")
-        elif args.command == "dequantize":
-            report = dequantize_checkpoint(
-                args.input, args.output, dtype=args.dtype, force=args.force,
-                progress=False if args.quiet else None,
-            )
-        else:
-            report = inspect_checkpoint(args.input)
+        with _signals_raise():
+            try:
+                if args.command == "quantize":
+                    report = quantize_checkpoint(
+                        args.input, args.output, args.format,
+                        include=args.include, exclude=args.exclude, scale_rule=args.scale_rule,
+                        layout=args.layout, axis=args.axis, fp8_scale=args.fp8_scale,
+                        force=args.force, progress=progress, report=args.report,
+                    )
+                elif args.command == "dequantize":
+                    report = dequantize_checkpoint(
+                        args.input, args.output, dtype=args.dtype, force=args.force,
+                        progress=progress, report=args.report,
+                    )
+                else:
+                    report = inspect_checkpoint(args.input)
+            except Interrupted:
+                abort_all()
+                raise
+    except Interrupted as e:
+        name = signal.Signals(e.signum).name
+        print(f"lowprec {args.command}: interrupted by {name}; unfinished output removed",
+              file=sys.stderr)
+        return 128 + e.signum
     except CheckpointError as e:
         print(f"lowprec {args.command}: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"lowprec {args.command}: error: {e}", file=sys.stderr)
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"lowprec {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"lowprec {args.command}: error: out of memory", file=sys.stderr)
         return 1
     if args.json:
-        print(report.to_json())
-    elif not getattr(args, "quiet", False):
-        print(report.table())
+        return _print(report.to_json())
+    if not getattr(args, "quiet", False):
+        return _print(report.table())
     return 0
 
 

@@ -1,8 +1,16 @@
-"""Checkpoint quantization: safetensors files to MXFP4 / MXFP8 / FP8 / BF16 and back.
+"""Checkpoint quantization: safetensors files or sharded folders to MXFP4 / MXFP8 / FP8 /
+BF16 / FP16 and back.
 
-Streams tensor by tensor, never loads pickles, writes atomically, and reports per-tensor
-error (SQNR, max abs/rel error, clipped block maxima). The command line front end is
+Formats are named as everywhere in lowprec (``"mxfp4"``, ``"mxfp8_e4m3"``, ``"e4m3"``, ...).
+Streams every tensor in bounded pieces, never loads pickles, never writes to an input,
+writes atomically, and reports per-tensor error (SQNR, max abs/rel error, clipped block
+maxima, what happened to NaN/inf values). The command line front end is
 ``lowprec quantize | dequantize | inspect`` (:mod:`lowprec.cli`).
+
+Modules, one job each: ``_formats`` (which formats, under which names), ``_layout``
+(stored parts of a tensor, pieces), ``_chunk`` (encoding/decoding a piece), ``_stats``
+(error statistics), ``_safetensors`` (the container), ``_atomic`` (safe outputs),
+``_source`` (files, folders, index), ``_convert`` (the conversions), ``_report``.
 
 Example:
     >>> import tempfile, numpy as np
@@ -22,6 +30,8 @@ Example:
     ['fc.bias', 'fc.weight']
 """
 
+from ._atomic import AtomicFile, remove_stale_temps, temp_path
+from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
 from ._convert import (
     DEFAULT_KEEP_PATTERN,
     METADATA_KEY,
@@ -32,21 +42,12 @@ from ._convert import (
     quantized_specs,
     select_tensor,
 )
+from ._errors import CheckpointError
+from ._formats import CAST_FORMATS, FORMATS, LAYOUTS, MX_FORMATS, canonical_format
+from ._layout import TensorSpec, make_spec, pieces
 from ._report import ConversionReport, TensorReport
-from ._safetensors import CheckpointError, SafetensorsReader, SafetensorsWriter, TensorInfo
-from ._tensor import (
-    CAST_FORMATS,
-    FORMATS,
-    LAYOUTS,
-    MX_FORMATS,
-    TensorSpec,
-    canonical_format,
-    dequantize_chunk,
-    finite_amax,
-    make_spec,
-    quantize_chunk,
-    tensor_scale,
-)
+from ._safetensors import SafetensorsReader, SafetensorsWriter, TensorInfo
+from ._stats import ErrorStats
 
 __all__ = [
     "CAST_FORMATS",
@@ -55,8 +56,10 @@ __all__ = [
     "LAYOUTS",
     "METADATA_KEY",
     "MX_FORMATS",
+    "AtomicFile",
     "CheckpointError",
     "ConversionReport",
+    "ErrorStats",
     "SafetensorsReader",
     "SafetensorsWriter",
     "TensorInfo",
@@ -69,9 +72,12 @@ __all__ = [
     "inspect_checkpoint",
     "load_checkpoint",
     "make_spec",
+    "pieces",
     "quantize_checkpoint",
     "quantize_chunk",
     "quantized_specs",
+    "remove_stale_temps",
     "select_tensor",
+    "temp_path",
     "tensor_scale",
 ]

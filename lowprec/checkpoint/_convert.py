@@ -1,39 +1,50 @@
-"""Streaming conversion of safetensors checkpoints: quantize, dequantize, inspect."""
+"""Streaming conversion of safetensors checkpoints, files or sharded folders: quantize,
+dequantize, inspect, load.
+
+Every tensor is processed in pieces of about :data:`CHUNK_ELEMENTS` elements (whatever
+its shape and block axis, see :func:`lowprec.checkpoint._layout.pieces`), read with
+``pread`` and written with ``pwrite`` at their place in the output, so peak memory is one
+piece plus the import, not a tensor. Outputs follow the rules of
+:mod:`lowprec.checkpoint._atomic`: checked before any work, written atomically, never an input.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
 import re
+import shutil
 import sys
 import time
+from collections import Counter
 from typing import Optional, Union
 
 import numpy as np
 
-from .._scale_rules import DEFAULT_SCALE_RULE
+from ._atomic import AtomicFile, OutputSet, check_output
+from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
+from ._errors import CheckpointError
+from ._formats import (
+    DEFAULT_SCALE_RULE,
+    MX_FORMATS,
+    canonical_format,
+    check_fp8_scale,
+    check_layout,
+    check_scale_rule,
+)
+from ._layout import TensorSpec, check_options_for_cast, make_spec, pieces
 from ._report import ConversionReport, TensorReport
 from ._safetensors import (
     FLOAT_DTYPES,
-    CheckpointError,
     SafetensorsReader,
     SafetensorsWriter,
     dtype_name,
     nbytes_of,
     numpy_dtype,
 )
-from ._tensor import (
-    MX_FORMATS,
-    ErrorStats,
-    TensorSpec,
-    canonical_format,
-    dequantize_chunk,
-    make_spec,
-    quantize_chunk,
-    finite_amax,
-    tensor_scale,
-)
+from ._source import Source, open_source
+from ._stats import ErrorStats
 
 METADATA_KEY = "lowprec.tensors"
 METADATA_VERSION_KEY = "lowprec.format_version"
@@ -43,8 +54,9 @@ METADATA_VERSION = "1"
 #: default: embeddings and the output head, norms, biases. ``include=`` overrides it.
 DEFAULT_KEEP_PATTERN = r"embed|lm_head|norm|bias|(^|[._])(wte|wpe|ln_\w*)([._]|$)"
 
-# Elements per piece when a tensor is processed in pieces along axis 0.
+#: Elements per piece (about 4 MiB of float32): bounds the working memory of a conversion.
 CHUNK_ELEMENTS = 1 << 20
+_COPY_BYTES = 16 * 1024 * 1024
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -78,27 +90,11 @@ def _compile(pattern, what):
         return pattern
     try:
         return re.compile(pattern)
-    except re.error as e:
+    except (re.error, TypeError) as e:
         raise CheckpointError(f"{what} {pattern!r} is not a valid regular expression: {e}") from None
 
 
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _row_chunks(shape, axis: Optional[int]):
-    """Row ranges along axis 0 (which must not be the block axis) of ≈CHUNK_ELEMENTS each."""
-    if len(shape) < 2 or axis == 0 or shape[0] == 0:
-        return [None]  # whole tensor
-    row = max(1, math.prod(shape[1:]))
-    step = max(1, CHUNK_ELEMENTS // row)
-    return [(r, min(r + step, shape[0])) for r in range(0, shape[0], step)]
-
-
-def select_tensor(info, fmt: str, include, exclude, axis: int) -> tuple[bool, str]:
+def select_tensor(info, fmt: str, include, exclude, axis: Optional[int]) -> tuple:
     """Whether to quantize tensor ``info`` (a header entry) and why (or why not)."""
     name = info.name
     if exclude is not None and exclude.search(name):
@@ -122,16 +118,191 @@ def select_tensor(info, fmt: str, include, exclude, axis: int) -> tuple[bool, st
     if fmt in MX_FORMATS:
         if not info.shape:
             return False, "scalar"
-        ax = axis if -len(info.shape) <= axis < len(info.shape) else None
-        if ax is None:
+        axis = -1 if axis is None else axis
+        if not -len(info.shape) <= axis < len(info.shape):
             return False, f"no axis {axis}"
-        if info.shape[ax] % 32:
-            return False, f"axis len {info.shape[ax]} % 32 != 0"
+        if info.shape[axis] % 32:
+            return False, f"axis len {info.shape[axis]} % 32 != 0"
     elif info.dtype == {"bf16": "BF16", "fp16": "F16"}.get(fmt):
         return False, f"already {info.dtype}"
     return True, chosen
 
 
+# -- outputs -------------------------------------------------------------------------
+def _norm(path: str) -> str:
+    """``path`` with its directory resolved (the file itself need not exist)."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+class _Outputs:
+    """Where a conversion writes, checked up front (before any work)."""
+
+    def __init__(self, source: Source, dst, report, force: bool):
+        self.source = source
+        self.force = force
+        self.dst = os.fspath(dst)
+        self.report = None if report is None else os.fspath(report)
+        self.create_folder = False
+        inputs = source.inputs
+        if source.is_folder:
+            self._check_folder()
+            self.files = {rel: os.path.join(self.dst, rel)
+                          for rel in [*source.shards,
+                                      *([source.index_name] if source.index_name else []),
+                                      *source.others]}
+            if not self.create_folder:
+                for rel, path in self.files.items():
+                    if not os.path.isdir(os.path.dirname(path)):
+                        continue  # a subfolder created later; nothing there to clash with
+                    check_output(path, force=force, inputs=inputs)
+        else:
+            if os.path.isdir(self.dst):
+                raise CheckpointError(
+                    f"{self.dst}: is a folder; a single-file input gives a single-file output "
+                    "(give a file name)"
+                )
+            self.files = {source.shards[0]: self.dst}
+            check_output(self.dst, force=force, inputs=inputs)
+        if self.report is not None:
+            check_output(self.report, force=force, inputs=inputs, what="report")
+            clash = [p for p in self.files.values() if _norm(p) == _norm(self.report)]
+            if clash:
+                raise CheckpointError(
+                    f"{self.report}: the report would overwrite the checkpoint output {clash[0]}; "
+                    "choose another report path"
+                )
+
+    def _check_folder(self):
+        dst, src = self.dst, self.source.folder
+        if os.path.lexists(dst):
+            if not os.path.isdir(dst):
+                raise CheckpointError(
+                    f"{dst}: exists and is not a folder; a sharded input gives an output folder"
+                )
+            if os.path.samefile(dst, src):
+                raise CheckpointError(
+                    f"{dst}: is the input folder; lowprec never writes into its input, choose "
+                    "another output folder"
+                )
+        real_dst, real_src = os.path.realpath(dst), os.path.realpath(src)
+        if real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
+            raise CheckpointError(
+                f"{dst}: is inside the input folder {src}; choose an output folder outside it"
+            )
+        if not os.path.lexists(dst):
+            parent = os.path.dirname(os.path.abspath(dst))
+            if not os.path.isdir(parent):
+                raise CheckpointError(f"{dst}: directory {parent} does not exist")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise CheckpointError(f"{dst}: directory {parent} is not writable")
+            self.create_folder = True
+
+    def check_space(self, nbytes: int) -> None:
+        where = self.dst if os.path.isdir(self.dst) else os.path.dirname(os.path.abspath(self.dst))
+        try:
+            free = shutil.disk_usage(where).free
+        except OSError:
+            return
+        if nbytes > free:
+            raise CheckpointError(
+                f"{self.dst}: the output needs {nbytes / 2**20:,.1f} MiB but only "
+                f"{free / 2**20:,.1f} MiB are free there"
+            )
+
+    @contextlib.contextmanager
+    def folder(self):
+        """Creates the output folder (and subfolders) if needed; removes what it created
+        if the conversion fails."""
+        made = []
+        try:
+            if self.source.is_folder:
+                for path in [self.dst, *sorted({os.path.dirname(p) for p in self.files.values()})]:
+                    if not os.path.isdir(path):
+                        os.makedirs(path)
+                        made.append(path)
+            yield
+        except BaseException:
+            for path in reversed(made):
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)  # only if empty: never removes anything else
+            raise
+
+    def path(self, rel: str) -> str:
+        return self.files[rel]
+
+
+def _copy_file(src: str, dst: str, outs: OutputSet, o: _Outputs, bar) -> None:
+    size = os.stat(src).st_size
+    f = outs.add(AtomicFile(dst, force=o.force, inputs=o.source.inputs, size=size))
+    with open(src, "rb") as inp:
+        pos = 0
+        while True:
+            data = inp.read(_COPY_BYTES)
+            if not data:
+                break
+            f.pwrite(data, pos)
+            pos += len(data)
+            bar.update(len(data))
+    f.stage()
+
+
+def _write_text(path: str, text: str, outs: OutputSet, o: _Outputs, what="output") -> None:
+    data = text.encode("utf-8")
+    f = outs.add(AtomicFile(path, force=o.force, inputs=o.source.inputs, what=what))
+    f.pwrite(data, 0)
+    f.stage()
+
+
+def _index_text(source: Source, weight_map: dict, total_size: int) -> str:
+    index = dict(source.index or {})
+    meta = dict(index.get("metadata") or {})
+    meta["total_size"] = total_size
+    index["metadata"] = meta
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    return json.dumps(index, indent=2) + "\n"
+
+
+def _open_readers(stack, source: Source) -> dict:
+    readers = {}
+    for rel in source.shards:
+        readers[rel] = stack.enter_context(SafetensorsReader(source.path(rel)))
+    if source.index is not None:  # the index must agree with the shards
+        for name, shard in source.index["weight_map"].items():
+            if name not in readers[shard].tensors:
+                raise CheckpointError(
+                    f"{source.path(source.index_name)}: says tensor {name!r} is in {shard}, "
+                    "which has no such tensor"
+                )
+    seen = {}
+    for rel, reader in readers.items():
+        for name in reader.tensors:
+            if name in seen:
+                raise CheckpointError(
+                    f"{source.given}: tensor {name!r} is in both {seen[name]} and {rel}"
+                )
+            seen[name] = rel
+    return readers
+
+
+def _check_collisions(entries, src):
+    seen = set()
+    for name, _, _ in entries:
+        if name in seen:
+            raise CheckpointError(
+                f"{src}: the stored name {name!r} would be used twice (an input tensor already "
+                "has a name lowprec uses for a quantized part); --exclude one of them"
+            )
+        seen.add(name)
+
+
+def _copy_tensor(reader, writer, name: str, bar) -> None:
+    for piece in reader.iter_raw(name):
+        writer.write(name, piece)
+        bar.update(len(piece))
+
+
+# -- quantize --------------------------------------------------------------------------
 def quantize_checkpoint(
     src: PathLike,
     dst: PathLike,
@@ -141,22 +312,27 @@ def quantize_checkpoint(
     exclude: Optional[str] = None,
     scale_rule: Optional[str] = None,
     layout: str = "lowprec",
-    axis: int = -1,
+    axis: Optional[int] = None,
     fp8_scale: str = "tensor",
     force: bool = False,
     progress: Optional[bool] = None,
+    report: Optional[PathLike] = None,
 ) -> ConversionReport:
-    """Quantizes the weights of a safetensors checkpoint into a new safetensors file.
+    """Quantizes the weights of a safetensors checkpoint (a file or a sharded folder).
 
-    Streams tensor by tensor (large ones in pieces along axis 0), so peak memory stays near
-    the largest tensor. Writes to a temp file beside ``dst`` and renames it atomically;
-    ``src`` is only read.
+    Streams every tensor in pieces (any shape, any block axis), so peak memory stays
+    near one piece plus the import. Outputs are checked before any work and written
+    atomically; the input is only read (see :mod:`lowprec.checkpoint._atomic`).
 
     Args:
-      src: input ``.safetensors`` file (pickle checkpoints are refused).
-      dst: output file; must not exist unless ``force``; must not be ``src``.
-      format: ``"mxfp4"``, ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``,
-        ``"bf16"`` or ``"fp16"`` (see :mod:`lowprec.checkpoint._tensor` for the storage).
+      src: a ``.safetensors`` file (pickle checkpoints are refused), a folder of shards,
+        or a folder's ``*.safetensors.index.json``.
+      dst: output file for a file; output folder for a folder (created if missing):
+        quantized shards under the same names, a rewritten index, and every other file
+        (config, tokenizer, ...) copied. Must not exist unless ``force``; never an input.
+      format: a library format name: ``"mxfp4"``, ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``,
+        ``"e4m3"``, ``"e5m2"``, ``"bf16"`` or ``"fp16"``, or any alias of one (``"mxfp8"``,
+        ``"fp8_e4m3"``, ...). See :mod:`lowprec.checkpoint._layout` for the storage.
       include: regex (``re.search`` on the tensor name); when given, exactly the matching
         float tensors are quantized (as far as the format allows), replacing the default
         rule. Default rule: float tensors with ≥ 2 dims whose name does not match
@@ -166,14 +342,19 @@ def quantize_checkpoint(
       scale_rule: MX scale rule (``"floor"`` default, ``"ceil"``, ``"even"``, ``"rceil"``).
       layout: ``"lowprec"`` (``<name>_elements`` + ``<name>_scales``) or ``"gpt-oss"``
         (MXFP4 only: ``<name>_blocks`` [..., K/32, 16] + ``<name>_scales`` [..., K/32]).
-      axis: MX block axis (default last: the input-feature axis of a [out, in] weight).
-      fp8_scale: FP8 formats: ``"tensor"`` (default; ``<name>_scale`` = amax / max_fp8,
-        the vLLM/compressed-tensors convention) or ``"none"`` (plain saturating cast).
-      force: overwrite ``dst``.
+      axis: MX block axis (default -1: the input-feature axis of a [out, in] weight).
+      fp8_scale: ``e4m3``/``e5m2``: ``"tensor"`` (default; ``<name>_scale`` = amax /
+        max_fp8, the vLLM/compressed-tensors convention) or ``"none"`` (saturating cast).
+      force: replace existing output files (regular files only).
       progress: tqdm progress bar on stderr; default: when stderr is a terminal.
+      report: also write the report as JSON to this path (checked up front like ``dst``).
 
     Returns:
       A :class:`ConversionReport` (per-tensor shapes, formats, bytes, SQNR, errors).
+
+    Raises:
+      CheckpointError: bad input or options, an unsafe output, or nothing to quantize
+        (an ``include`` matching no tensor, an ``axis`` no tensor has, ...).
 
     Example:
         >>> import os, tempfile, numpy as np
@@ -188,113 +369,177 @@ def quantize_checkpoint(
         ('mxfp4', 16384, 2176, 4.25)
     """
     start = time.perf_counter()
-    src, dst = os.fspath(src), os.fspath(dst)
     fmt = canonical_format(format)
     include_re = _compile(include, "--include")
     exclude_re = _compile(exclude, "--exclude")
-    # Check the options once, on a dummy shape, so errors come before any work.
-    rank = max(2, axis + 1 if axis >= 0 else -axis)
-    make_spec(fmt, (32,) * rank, "F32", axis=axis, scale_rule=scale_rule, layout=layout,
-              fp8_scale=fp8_scale)
-    if fmt in MX_FORMATS and scale_rule is None:
-        scale_rule = DEFAULT_SCALE_RULE
-    if _same_file(src, dst):
-        raise CheckpointError(f"{dst}: is the input file; the input is never modified, choose another output")
-    with SafetensorsReader(src) as reader:
-        if METADATA_KEY in reader.metadata:
-            raise CheckpointError(
-                f"{src}: already quantized by lowprec; dequantize it first (lowprec dequantize)"
-            )
-        plan = []  # (info, spec or None, reason)
-        entries = []
-        for info in reader.tensors.values():
-            chosen, reason = select_tensor(info, fmt, include_re, exclude_re, axis)
-            spec = None
-            if chosen:
-                spec = make_spec(fmt, info.shape, info.dtype, axis=axis, scale_rule=scale_rule,
-                                 layout=layout, fp8_scale=fp8_scale)
-                entries += [(stored, dt, shp) for _, stored, dt, shp in spec.parts(info.name)]
-            else:
-                entries.append((info.name, info.dtype, info.shape))
-            plan.append((info, spec, reason))
-        _check_collisions(entries, src)
-        metadata = {k: v for k, v in reader.metadata.items() if not k.startswith("lowprec.")}
-        metadata[METADATA_VERSION_KEY] = METADATA_VERSION
-        metadata[METADATA_KEY] = json.dumps(
-            {info.name: spec.to_json(info.name) for info, spec, _ in plan if spec is not None},
-            separators=(",", ":"),
-        )
-        reports = []
-        bar = _progress(sum(i.nbytes for i in reader.tensors.values()), "quantize", progress)
-        try:
-            with SafetensorsWriter(dst, entries, metadata, force=force) as writer:
-                for info, spec, reason in plan:
-                    bar.set_postfix_str(info.name[-40:], refresh=False)
-                    if spec is None:
-                        for piece in reader.iter_raw(info.name):
-                            writer.write(info.name, piece)
-                        reports.append(TensorReport(info.name, info.shape, info.dtype, "kept",
-                                                    info.nbytes, info.nbytes, reason=reason))
-                    else:
-                        reports.append(_quantize_one(reader, writer, info, spec, reason))
-                    bar.update(info.nbytes)
-        finally:
-            bar.close()
-    options = dict(format=fmt, include=include, exclude=exclude, layout=layout, axis=axis)
+    check_layout(layout)
     if fmt in MX_FORMATS:
-        options["scale_rule"] = scale_rule
+        scale_rule = check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
+        if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
+            raise CheckpointError(f"axis must be an int, got {axis!r}")
+        if layout == "gpt-oss":
+            if fmt != "mxfp4":
+                raise CheckpointError(
+                    f"the gpt-oss layout holds MXFP4 only, not {fmt}; use --layout lowprec"
+                )
+            if axis not in (None, -1):
+                raise CheckpointError("the gpt-oss layout blocks the last axis; use axis=-1")
+        axis = -1 if axis is None else axis
+    else:
+        check_options_for_cast(fmt, axis=axis, scale_rule=scale_rule, layout=layout)
+        check_fp8_scale(fp8_scale)
+    source = open_source(src)
+    outputs = _Outputs(source, dst, report, force)
+    options = dict(format=fmt, include=include, exclude=exclude, layout=layout)
+    if fmt in MX_FORMATS:
+        options.update(axis=axis, scale_rule=scale_rule)
     else:
         options["fp8_scale"] = fp8_scale
-    return ConversionReport(src, dst, "quantize", options, reports, time.perf_counter() - start)
+    with contextlib.ExitStack() as stack:
+        readers = _open_readers(stack, source)
+        plans = {}
+        for rel, reader in readers.items():
+            if METADATA_KEY in reader.metadata:
+                raise CheckpointError(
+                    f"{reader.path}: already quantized by lowprec; dequantize it first "
+                    "(lowprec dequantize)"
+                )
+            plan, entries = [], []
+            for info in reader.tensors.values():
+                chosen, reason = select_tensor(info, fmt, include_re, exclude_re, axis)
+                spec = None
+                if chosen:
+                    spec = make_spec(fmt, info.shape, info.dtype,
+                                     axis=axis if fmt in MX_FORMATS else None,
+                                     scale_rule=scale_rule, layout=layout, fp8_scale=fp8_scale)
+                    entries += [(stored, dt, shp) for _, stored, dt, shp in spec.parts(info.name)]
+                else:
+                    entries.append((info.name, info.dtype, info.shape))
+                plan.append((info, spec, reason))
+            _check_collisions(entries, reader.path)
+            plans[rel] = (plan, entries)
+        _check_selection(source, plans, include, axis if fmt in MX_FORMATS else None, fmt)
+        out_bytes = sum(nbytes_of(dt, shp) for _, entries in plans.values()
+                        for _, dt, shp in entries) + source.other_bytes()
+        outputs.check_space(out_bytes)
+        in_bytes = sum(i.nbytes for r in readers.values() for i in r.tensors.values())
+        bar = _progress(in_bytes + source.other_bytes(), "quantize", progress)
+        reports, weight_map = [], {}
+        try:
+            with outputs.folder(), OutputSet() as outs:
+                for rel, reader in readers.items():
+                    plan, entries = plans[rel]
+                    metadata = {k: v for k, v in reader.metadata.items()
+                                if not k.startswith("lowprec.")}
+                    metadata[METADATA_VERSION_KEY] = METADATA_VERSION
+                    metadata[METADATA_KEY] = json.dumps(
+                        {info.name: spec.to_json(info.name) for info, spec, _ in plan
+                         if spec is not None},
+                        separators=(",", ":"),
+                    )
+                    writer = SafetensorsWriter(outputs.path(rel), entries, metadata, force=force,
+                                               inputs=source.inputs)
+                    outs.add(writer.atomic_file)
+                    for info, spec, reason in plan:
+                        bar.set_postfix_str(info.name[-40:], refresh=False)
+                        if spec is None:
+                            _copy_tensor(reader, writer, info.name, bar)
+                            rep = TensorReport(info.name, info.shape, info.dtype, "kept",
+                                               info.nbytes, info.nbytes, reason=reason)
+                        else:
+                            rep = _quantize_one(reader, writer, info, spec, reason, bar)
+                        if source.is_folder:
+                            rep.shard = rel
+                        reports.append(rep)
+                    for name, _, _ in entries:
+                        weight_map[name] = rel
+                    writer.stage()
+                _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar)
+                result = ConversionReport(source.given, outputs.dst, "quantize", options, reports,
+                                          time.perf_counter() - start, skipped=source.skipped)
+                if outputs.report is not None:
+                    _write_text(outputs.report, result.to_json() + "\n", outs, outputs, "report")
+        finally:
+            bar.close()
+    return result
 
 
-def _check_collisions(entries, src):
-    seen = {}
-    for name, _, _ in entries:
-        if name in seen:
+def _finish(source, outputs, outs, weight_map, total_size, bar) -> None:
+    """Copies the other files of a folder and writes its rewritten index (published last)."""
+    if not source.is_folder:
+        return
+    for rel in source.others:
+        _copy_file(source.path(rel), outputs.path(rel), outs, outputs, bar)
+    if source.index_name is not None:
+        text = _index_text(source, weight_map, total_size)
+        _write_text(outputs.path(source.index_name), text, outs, outputs)
+
+
+def _check_selection(source: Source, plans: dict, include, axis, fmt) -> None:
+    """Refuses a run that would quantize nothing, saying why."""
+    infos = [info for plan, _ in plans.values() for info, _, _ in plan]
+    if any(spec is not None for plan, _ in plans.values() for _, spec, _ in plan):
+        return
+    where = source.given
+    if not infos:
+        raise CheckpointError(f"{where}: holds no tensors; nothing to quantize")
+    if include is not None and not any(re.search(include, i.name) for i in infos):
+        sample = ", ".join(repr(i.name) for i in infos[:3])
+        raise CheckpointError(
+            f"--include {include!r} matches none of the {len(infos)} tensor names "
+            f"(e.g. {sample}); nothing to quantize"
+        )
+    if axis is not None:
+        ranks = [len(i.shape) for i in infos if i.dtype in FLOAT_DTYPES and i.shape]
+        if ranks and not any(-r <= axis < r for r in ranks):
             raise CheckpointError(
-                f"{src}: the stored name {name!r} would be used twice (an input tensor already "
-                "has a name lowprec uses for a quantized part); --exclude one of them"
+                f"axis {axis} is out of range for every float tensor (ranks {min(ranks)} to "
+                f"{max(ranks)}); nothing to quantize"
             )
-        seen[name] = True
+    reasons = Counter(reason for plan, _ in plans.values() for _, _, reason in plan)
+    summary = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(6))
+    raise CheckpointError(
+        f"{where}: no tensor can be quantized to {fmt} with these options (kept: {summary}); "
+        "choose tensors with --include"
+    )
 
 
-def _quantize_one(reader, writer, info, spec: TensorSpec, reason) -> TensorReport:
-    """Quantizes one tensor, reading and writing it in pieces of about CHUNK_ELEMENTS."""
+def _quantize_one(reader, writer, info, spec: TensorSpec, reason, bar) -> TensorReport:
+    """Quantizes one tensor piece by piece: read a region, encode it, write each part's
+    region of the output (the per-tensor FP8 scale needs a first pass for the amax)."""
+    view = spec.view
+    regions = list(pieces(view, spec.align, CHUNK_ELEMENTS))
     parts = spec.parts(info.name)
-    chunks = _row_chunks(info.shape, spec.axis)
-
-    def pieces():
-        if chunks == [None]:
-            yield reader.read(info.name)
-        else:
-            for r0, r1 in chunks:
-                yield reader.read_rows(info.name, r0, r1)
-
     scale = None
-    if spec.fp8_scale == "tensor":  # a first pass for the tensor's amax
-        scale = tensor_scale(max((finite_amax(p) for p in pieces()), default=0.0), spec)
+    if spec.fp8_scale == "tensor":
+        amax = 0.0
+        for rect in regions:
+            amax = max(amax, finite_amax(reader.read_region(info.name, view, rect)))
+        scale = tensor_scale(amax, spec)
     stats = ErrorStats()
-    held = {}  # the other parts wait until the first part is fully written
-    first_role, first_name = parts[0][0], parts[0][1]
-    for piece in pieces():
-        out = quantize_chunk(piece, spec, scale, stats)
-        del piece
-        writer.write(first_name, out.pop(first_role))
-        for role, arr in out.items():
-            held.setdefault(role, []).append(arr)
-    for role, stored, _, _ in parts[1:]:
+    itemsize = np.dtype(numpy_dtype(info.dtype)).itemsize
+    for rect in regions:
+        x = reader.read_region(info.name, view, rect)
+        out = quantize_chunk(x, spec, scale, stats)
+        del x
+        for role, stored, _, _ in parts:
+            if role in out:
+                part_view, part_rect = spec.part_region(role, rect)
+                writer.write_region(stored, part_view, part_rect, out[role])
+        p0, p1, a0, a1, s0, s1 = rect
+        bar.update((p1 - p0) * (a1 - a0) * (s1 - s0) * itemsize)
+    for role, stored, _, _ in parts:
         if role == "scale":
             writer.write(stored, np.asarray(scale, np.float32))
-        else:
-            for arr in held.pop(role):  # C order: pieces along axis 0 concatenate
-                writer.write(stored, arr)
     return TensorReport(
         info.name, info.shape, info.dtype, spec.format, info.nbytes, spec.nbytes(),
         reason=reason, scale_rule=spec.scale_rule, sqnr_db=stats.sqnr_db,
         max_abs_err=stats.max_abs, max_rel_err=stats.max_rel,
         clipped_fraction=stats.clipped_fraction, nonfinite=stats.nonfinite,
-        stored_as=tuple(p[1] for p in parts),
+        stored_as=tuple(p[1] for p in parts), exact=stats.exact,
+        nan_blocks=stats.nan_blocks, inf_saturated=stats.inf_saturated,
+        finite_to_nonfinite=stats.finite_to_nonfinite, nan_in=stats.nan_in,
+        inf_in=stats.inf_in, nonfinite_changed=stats.nonfinite_changed,
     )
 
 
@@ -303,10 +548,10 @@ _GPT_OSS_SUFFIXES = (("_blocks", "_scales"), (".blocks", ".scales"))
 
 
 def quantized_specs(reader: SafetensorsReader) -> dict:
-    """Logical tensors stored in quantized form: ``{name: TensorSpec}``, checked against
-    the file. Reads lowprec metadata, and also recognizes gpt-oss ``*_blocks``/``*_scales``
-    pairs in files without it (e.g. published gpt-oss checkpoints; original dtype taken
-    as BF16, as gpt-oss and Hugging Face decode them)."""
+    """Logical tensors stored in quantized form: ``{name: (TensorSpec, parts)}``, checked
+    against the file. Reads lowprec metadata, and also recognizes gpt-oss
+    ``*_blocks``/``*_scales`` pairs in files without it (e.g. published gpt-oss
+    checkpoints; original dtype taken as BF16, as gpt-oss and Hugging Face decode them)."""
     specs = {}
     raw = reader.metadata.get(METADATA_KEY)
     if raw is not None:
@@ -329,12 +574,14 @@ def quantized_specs(reader: SafetensorsReader) -> dict:
                     sc is not None and info.dtype == "U8" and sc.dtype == "U8"
                     and len(info.shape) >= 2 and info.shape[-1] == 16
                     and info.shape[:-1] == sc.shape and base not in reader.tensors
+                    and base not in specs
                 ):
                     shape = info.shape[:-2] + (info.shape[-2] * 32,)
                     spec = TensorSpec("mxfp4", shape, "BF16", axis=len(shape) - 1,
                                       scale_rule=None, layout="gpt-oss")
                     specs[base] = (spec, {"blocks": info.name, "scales": sc.name})
     out = {}
+    owner = {}
     for name, item in specs.items():
         spec, names = item if isinstance(item, tuple) else (item, None)
         parts = spec.parts(name)
@@ -352,80 +599,33 @@ def quantized_specs(reader: SafetensorsReader) -> dict:
                     f"{reader.path}: stored tensor {stored!r} is {info.dtype} {list(info.shape)}; "
                     f"{spec.format} of shape {list(spec.shape)} needs {dt} {list(shp)}"
                 )
+            if stored in owner:
+                raise CheckpointError(
+                    f"{reader.path}: stored tensor {stored!r} is claimed by both "
+                    f"{owner[stored]!r} and {name!r}"
+                )
+            owner[stored] = name
         out[name] = (spec, parts)
+    for name in out:
+        if name in reader.tensors and owner.get(name) != name:
+            raise CheckpointError(
+                f"{reader.path}: {name!r} is both a stored tensor and a quantized tensor's name"
+            )
     return out
 
 
-def dequantize_checkpoint(
-    src: PathLike,
-    dst: PathLike,
-    *,
-    dtype: Optional[str] = None,
-    force: bool = False,
-    progress: Optional[bool] = None,
-) -> ConversionReport:
-    """Writes a plain safetensors file with the quantized tensors of ``src`` decoded.
-
-    Decoding is exactly :func:`lowprec.dequantize` for MX tensors (bit for bit the in-memory
-    round trip), FP8 value × scale in float32 for FP8, and the value for BF16/FP16.
-    Tensors that were kept are copied unchanged; the input's own metadata is kept.
-
-    Args:
-      src: a file written by :func:`quantize_checkpoint`, or any safetensors file with
-        gpt-oss ``<name>_blocks``/``<name>_scales`` MXFP4 pairs.
-      dst: output file (refused if it exists, unless ``force``).
-      dtype: output dtype of decoded tensors: ``None`` (default) = each tensor's original
-        dtype (BF16 for gpt-oss pairs without lowprec metadata), or ``"float32"``,
-        ``"bfloat16"``, ``"float16"``, ``"float64"``.
-    """
-    start = time.perf_counter()
-    src, dst = os.fspath(src), os.fspath(dst)
-    out_dtype = None if dtype in (None, "original") else _dtype_arg(dtype)
-    if _same_file(src, dst):
-        raise CheckpointError(f"{dst}: is the input file; the input is never modified, choose another output")
-    with SafetensorsReader(src) as reader:
-        specs = quantized_specs(reader)
-        owner = {stored: name for name, (_, parts) in specs.items() for _, stored, _, _ in parts}
-        plan, entries, done = [], [], set()
-        for info in reader.tensors.values():
-            name = owner.get(info.name)
-            if name is None:
-                plan.append((info.name, None, None))
-                entries.append((info.name, info.dtype, info.shape))
-            elif name not in done:
-                done.add(name)
-                spec, parts = specs[name]
-                st = out_dtype or spec.dtype
-                plan.append((name, spec, parts))
-                entries.append((name, st, spec.shape))
-        _check_collisions(entries, src)
-        metadata = {k: v for k, v in reader.metadata.items() if not k.startswith("lowprec.")}
-        reports = []
-        bar = _progress(sum(i.nbytes for i in reader.tensors.values()), "dequantize", progress)
-        try:
-            with SafetensorsWriter(dst, entries, metadata, force=force) as writer:
-                for (name, spec, parts), (_, st, _) in zip(plan, entries):
-                    bar.set_postfix_str(name[-40:], refresh=False)
-                    if spec is None:
-                        info = reader.tensors[name]
-                        for piece in reader.iter_raw(name):
-                            writer.write(name, piece)
-                        reports.append(TensorReport(name, info.shape, info.dtype, "kept",
-                                                    info.nbytes, info.nbytes, reason="not quantized"))
-                        bar.update(info.nbytes)
-                        continue
-                    before = sum(reader.tensors[p[1]].nbytes for p in parts)
-                    for rows, values in _dequantize_pieces(reader, spec, parts, numpy_dtype(st)):
-                        writer.write(name, values)
-                    reports.append(TensorReport(
-                        name, spec.shape, st, spec.format, before, nbytes_of(st, spec.shape),
-                        reason=f"decoded from {', '.join(p[1] for p in parts)}",
-                        scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts)))
-                    bar.update(before)
-        finally:
-            bar.close()
-    options = {"dtype": dtype or "original"}
-    return ConversionReport(src, dst, "dequantize", options, reports, time.perf_counter() - start)
+def _logical(reader: SafetensorsReader):
+    """Yields ``(name, spec or None, parts or None)`` per logical tensor, in file order."""
+    specs = quantized_specs(reader)
+    owner = {stored: name for name, (_, parts) in specs.items() for _, stored, _, _ in parts}
+    done = set()
+    for info in reader.tensors.values():
+        name = owner.get(info.name)
+        if name is None:
+            yield info.name, None, None
+        elif name not in done:
+            done.add(name)
+            yield name, specs[name][0], specs[name][1]
 
 
 def _dtype_arg(dtype) -> str:
@@ -445,69 +645,184 @@ def _dtype_arg(dtype) -> str:
     )
 
 
-def _dequantize_pieces(reader, spec: TensorSpec, parts, dtype):
-    """Yields (rows, values) pieces of the decoded tensor in C order."""
-    for rows in _row_chunks(spec.shape, spec.axis):
-        if rows is None:
-            arrays = {role: reader.read(stored) for role, stored, _, _ in parts}
-            shape = spec.shape
-        else:
-            arrays = {}
-            for role, stored, _, shp in parts:
-                arrays[role] = reader.read(stored) if not shp else reader.read_rows(stored, *rows)
-            shape = (rows[1] - rows[0],) + tuple(spec.shape[1:])
-        yield rows, dequantize_chunk(arrays, spec, shape, dtype)
+def _decode_regions(reader, spec: TensorSpec, parts, dtype):
+    """Yields ``(rect, values)``: the decoded tensor, piece by piece, in its (P, A, S) view."""
+    view = spec.view
+    fixed = {role: reader.read(stored) for role, stored, _, shp in parts if role == "scale"}
+    for rect in pieces(view, spec.align, CHUNK_ELEMENTS):
+        arrays = dict(fixed)
+        for role, stored, _, _ in parts:
+            if role != "scale":
+                part_view, part_rect = spec.part_region(role, rect)
+                arrays[role] = reader.read_region(stored, part_view, part_rect)
+        p0, p1, a0, a1, s0, s1 = rect
+        shape = (p1 - p0, a1 - a0, s1 - s0)
+        try:
+            values = dequantize_chunk(arrays, spec, shape, dtype)
+        except CheckpointError as e:
+            raise CheckpointError(f"{reader.path}: {e}") from None
+        yield rect, values
+
+
+def dequantize_checkpoint(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    dtype: Optional[str] = None,
+    force: bool = False,
+    progress: Optional[bool] = None,
+    report: Optional[PathLike] = None,
+) -> ConversionReport:
+    """Writes plain safetensors with the quantized tensors of ``src`` decoded.
+
+    Decoding is exactly :func:`lowprec.dequantize` for MX tensors (bit for bit the
+    in-memory round trip), FP8 value × scale in float32 for FP8, and the value for
+    BF16/FP16. Tensors that were kept are copied unchanged; the input's own metadata is
+    kept. Streams piece by piece; outputs are safe as in :func:`quantize_checkpoint`.
+
+    Args:
+      src: a file written by :func:`quantize_checkpoint` (or any safetensors file with
+        gpt-oss ``<name>_blocks``/``<name>_scales`` MXFP4 pairs), or a folder of them.
+      dst: output file (folder for a folder input); refused if it exists, unless ``force``.
+      dtype: output dtype of decoded tensors: ``None`` (default) = each tensor's original
+        dtype (BF16 for gpt-oss pairs without lowprec metadata), or ``"float32"``,
+        ``"bfloat16"``, ``"float16"``, ``"float64"``.
+      report: also write the report as JSON to this path.
+    """
+    start = time.perf_counter()
+    out_dtype = None if dtype in (None, "original") else _dtype_arg(dtype)
+    source = open_source(src)
+    outputs = _Outputs(source, dst, report, force)
+    with contextlib.ExitStack() as stack:
+        readers = _open_readers(stack, source)
+        plans, any_quantized = {}, False
+        for rel, reader in readers.items():
+            plan, entries = [], []
+            for name, spec, parts in _logical(reader):
+                if spec is None:
+                    info = reader.tensors[name]
+                    entries.append((name, info.dtype, info.shape))
+                else:
+                    any_quantized = True
+                    entries.append((name, out_dtype or spec.dtype, spec.shape))
+                plan.append((name, spec, parts))
+            _check_collisions(entries, reader.path)
+            plans[rel] = (plan, entries)
+        if not any_quantized:
+            raise CheckpointError(
+                f"{source.given}: holds no quantized tensors (no {METADATA_KEY} metadata and "
+                "no gpt-oss *_blocks/*_scales pairs); nothing to decode"
+            )
+        out_bytes = sum(nbytes_of(dt, shp) for _, entries in plans.values()
+                        for _, dt, shp in entries) + source.other_bytes()
+        outputs.check_space(out_bytes)
+        in_bytes = sum(i.nbytes for r in readers.values() for i in r.tensors.values())
+        bar = _progress(in_bytes + source.other_bytes(), "dequantize", progress)
+        reports, weight_map = [], {}
+        try:
+            with outputs.folder(), OutputSet() as outs:
+                for rel, reader in readers.items():
+                    plan, entries = plans[rel]
+                    metadata = {k: v for k, v in reader.metadata.items()
+                                if not k.startswith("lowprec.")}
+                    writer = SafetensorsWriter(outputs.path(rel), entries, metadata, force=force,
+                                               inputs=source.inputs)
+                    outs.add(writer.atomic_file)
+                    for (name, spec, parts), (_, st, _) in zip(plan, entries):
+                        bar.set_postfix_str(name[-40:], refresh=False)
+                        if spec is None:
+                            info = reader.tensors[name]
+                            _copy_tensor(reader, writer, name, bar)
+                            rep = TensorReport(name, info.shape, info.dtype, "kept",
+                                               info.nbytes, info.nbytes, reason="not quantized")
+                        else:
+                            before = sum(reader.tensors[p[1]].nbytes for p in parts)
+                            np_dtype = numpy_dtype(st)
+                            for rect, values in _decode_regions(reader, spec, parts, np_dtype):
+                                writer.write_region(name, spec.view, rect, values)
+                            bar.update(before)
+                            rep = TensorReport(
+                                name, spec.shape, st, spec.format, before, nbytes_of(st, spec.shape),
+                                reason=f"decoded from {', '.join(p[1] for p in parts)}",
+                                scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts))
+                        if source.is_folder:
+                            rep.shard = rel
+                        reports.append(rep)
+                    for name, _, _ in entries:
+                        weight_map[name] = rel
+                    writer.stage()
+                _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar)
+                options = {"dtype": dtype or "original"}
+                result = ConversionReport(source.given, outputs.dst, "dequantize", options,
+                                          reports, time.perf_counter() - start,
+                                          skipped=source.skipped)
+                if outputs.report is not None:
+                    _write_text(outputs.report, result.to_json() + "\n", outs, outputs, "report")
+        finally:
+            bar.close()
+    return result
 
 
 def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None) -> dict:
-    """Reads a (possibly quantized) safetensors file into ``{name: np.ndarray}``, decoding
-    quantized tensors as :func:`dequantize_checkpoint` does (in memory; for small models,
-    tests and analysis).
+    """Reads a (possibly quantized) safetensors file or folder into ``{name: np.ndarray}``,
+    decoding quantized tensors as :func:`dequantize_checkpoint` does (in memory; for small
+    models, tests and analysis).
 
     Args:
       names: only these logical tensor names (default: all).
     """
     out_dtype = None if dtype in (None, "original") else _dtype_arg(dtype)
-    with SafetensorsReader(path) as reader:
-        specs = quantized_specs(reader)
-        stored = {s for _, parts in specs.values() for _, s, _, _ in parts}
-        result = {}
-        for name, (spec, parts) in specs.items():
-            if names is None or name in names:
-                arrays = {role: reader.read(s) for role, s, _, _ in parts}
-                st = out_dtype or spec.dtype
-                result[name] = dequantize_chunk(arrays, spec, spec.shape, numpy_dtype(st))
-        for info in reader.tensors.values():
-            if info.name not in stored and (names is None or info.name in names):
-                result[info.name] = reader.read(info.name)
-        return result
+    source = open_source(path)
+    result = {}
+    with contextlib.ExitStack() as stack:
+        for reader in _open_readers(stack, source).values():
+            for name, spec, parts in _logical(reader):
+                if names is not None and name not in names:
+                    continue
+                if spec is None:
+                    result[name] = reader.read(name)
+                    continue
+                np_dtype = numpy_dtype(out_dtype or spec.dtype)
+                out = np.empty(spec.view, np_dtype)
+                for (p0, p1, a0, a1, s0, s1), values in _decode_regions(reader, spec, parts,
+                                                                        np_dtype):
+                    out[p0:p1, a0:a1, s0:s1] = values
+                result[name] = out.reshape(spec.shape)
+    return result
 
 
 def inspect_checkpoint(path: PathLike) -> ConversionReport:
-    """Lists the logical tensors of a safetensors file: shape, dtype, format, bytes, bits/param.
+    """Lists the logical tensors of a safetensors file or folder: shape, dtype, format,
+    bytes, bits/param.
 
-    Quantized tensors (lowprec metadata, or gpt-oss ``*_blocks``/``*_scales`` pairs) are shown
-    once under their original name, with the bytes of all their stored parts; ``bytes_before``
-    is the size in the original dtype.
+    Quantized tensors (lowprec metadata, or gpt-oss ``*_blocks``/``*_scales`` pairs) are
+    shown once under their original name, with the bytes of all their stored parts;
+    ``bytes_before`` is the size in the original dtype.
     """
-    path = os.fspath(path)
-    with SafetensorsReader(path) as reader:
-        specs = quantized_specs(reader)
-        owner = {stored: name for name, (_, parts) in specs.items() for _, stored, _, _ in parts}
-        reports, done = [], set()
-        for info in reader.tensors.values():
-            name = owner.get(info.name)
-            if name is None:
-                reports.append(TensorReport(info.name, info.shape, info.dtype, "kept",
-                                            info.nbytes, info.nbytes))
-            elif name not in done:
-                done.add(name)
-                spec, parts = specs[name]
-                stored = sum(reader.tensors[p[1]].nbytes for p in parts)
-                reports.append(TensorReport(
-                    name, spec.shape, spec.dtype,
-                    spec.format + (" (gpt-oss)" if spec.layout == "gpt-oss" and spec.is_mx else ""),
-                    nbytes_of(spec.dtype, spec.shape), stored, scale_rule=spec.scale_rule,
-                    stored_as=tuple(p[1] for p in parts)))
-        options = {"metadata": {k: v for k, v in reader.metadata.items() if k != METADATA_KEY}}
-    return ConversionReport(path, None, "inspect", options, reports)
+    source = open_source(path)
+    reports = []
+    options: dict = {}
+    with contextlib.ExitStack() as stack:
+        readers = _open_readers(stack, source)
+        for rel, reader in readers.items():
+            for name, spec, parts in _logical(reader):
+                if spec is None:
+                    info = reader.tensors[name]
+                    rep = TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
+                                       info.nbytes)
+                else:
+                    stored = sum(reader.tensors[p[1]].nbytes for p in parts)
+                    label = spec.format + (" (gpt-oss)" if spec.layout == "gpt-oss" else "")
+                    rep = TensorReport(name, spec.shape, spec.dtype, label,
+                                       nbytes_of(spec.dtype, spec.shape), stored,
+                                       scale_rule=spec.scale_rule,
+                                       stored_as=tuple(p[1] for p in parts))
+                if source.is_folder:
+                    rep.shard = rel
+                reports.append(rep)
+        first = next(iter(readers.values()))
+        options["metadata"] = {k: v for k, v in first.metadata.items() if k != METADATA_KEY}
+        if source.is_folder:
+            options["shards"] = len(readers)
+    return ConversionReport(source.given, None, "inspect", options, reports,
+                            skipped=source.skipped)

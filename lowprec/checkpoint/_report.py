@@ -7,6 +7,8 @@ import json
 import math
 from typing import Optional
 
+from ._stats import describe_nonfinite
+
 
 def _finite_or_none(v):
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
@@ -19,12 +21,17 @@ class TensorReport:
     """One tensor of a conversion.
 
     ``format`` is the stored format, or ``"kept"`` (copied unchanged; ``reason`` says why).
-    ``sqnr_db`` = 10·log10(Σx² / Σ(x − q)²) over finite elements (``inf``: no error at all);
-    ``max_rel_err`` is over nonzero x (an element flushed to zero counts 1.0);
-    ``clipped_fraction``: MX: fraction of blocks whose max magnitude exceeded
-    max_elem × scale (saturated, as the ``floor`` rule does by design); FP8/BF16/FP16:
-    fraction of elements saturated to the format's max. ``nonfinite``: elements left out of
-    the statistics because the input or its quantized value was NaN/±inf.
+    ``sqnr_db`` = 10·log10(Σx² / Σ(x − q)²), ``max_abs_err`` and ``max_rel_err`` (over
+    nonzero x; an element flushed to zero counts 1.0) are over the elements finite before
+    and after quantization (``sqnr_db`` inf: no error there). ``exact``: every element
+    decodes to itself, non-finite ones included. ``clipped_fraction``: MX: fraction of
+    blocks whose max magnitude exceeded max_elem × scale (saturated, as the ``floor`` rule
+    does by design); casts: fraction of elements saturated to the format's max.
+    ``nonfinite``: elements left out of the statistics; of those, ``nan_in``/``inf_in``
+    were NaN/±inf inputs, ``inf_saturated`` ±inf inputs stored as ±max,
+    ``finite_to_nonfinite`` finite inputs that decode to NaN (MX blocks holding a NaN or
+    an inf: ``nan_blocks`` of them), ``nonfinite_changed`` NaN/±inf inputs not decoded as
+    themselves. ``shard``: the file of a sharded checkpoint holding the tensor.
     """
 
     name: str
@@ -41,6 +48,14 @@ class TensorReport:
     clipped_fraction: Optional[float] = None
     nonfinite: int = 0
     stored_as: tuple = ()
+    exact: Optional[bool] = None
+    nan_blocks: int = 0
+    inf_saturated: int = 0
+    finite_to_nonfinite: int = 0
+    nan_in: int = 0
+    inf_in: int = 0
+    nonfinite_changed: int = 0
+    shard: Optional[str] = None
 
     @property
     def numel(self) -> int:
@@ -61,8 +76,16 @@ class TensorReport:
         d["numel"] = self.numel
         d["bits_per_param"] = self.bits_per_param
         d["sqnr_db"] = _finite_or_none(self.sqnr_db)
-        d["exact"] = self.quantized and self.sqnr_db == math.inf
+        d["exact"] = bool(self.quantized and self.exact)
         return d
+
+    def nonfinite_text(self) -> str:
+        """What happened to non-finite values ('' if nothing), for the table."""
+        return describe_nonfinite(
+            nan_blocks=self.nan_blocks, inf_saturated=self.inf_saturated,
+            finite_to_nonfinite=self.finite_to_nonfinite, nan_in=self.nan_in,
+            inf_in=self.inf_in, nonfinite_changed=self.nonfinite_changed,
+        )
 
 
 @dataclasses.dataclass
@@ -75,6 +98,7 @@ class ConversionReport:
     options: dict
     tensors: list
     seconds: float = 0.0
+    skipped: list = dataclasses.field(default_factory=list)  # (file, reason) not copied
 
     @property
     def quantized(self) -> list:
@@ -110,8 +134,10 @@ class ConversionReport:
             if finite:
                 w = sum(t.numel for t in finite)
                 out["mean_sqnr_db"] = sum(t.sqnr_db * t.numel for t in finite) / w
+            out["min_sqnr_exact"] = bool(worst.exact)
             out["max_abs_err"] = max(t.max_abs_err or 0.0 for t in stats)
             out["clipped_fraction_max"] = max(t.clipped_fraction or 0.0 for t in stats)
+            out["tensors_with_nonfinite"] = sum(1 for t in stats if t.nonfinite)
         return out
 
     def to_dict(self) -> dict:
@@ -122,6 +148,7 @@ class ConversionReport:
             "options": self.options,
             "totals": self.totals(),
             "tensors": [t.to_dict() for t in self.tensors],
+            "not_copied": [{"file": f, "reason": r} for f, r in self.skipped],
         }
 
     def to_json(self, indent: int = 1) -> str:
@@ -133,9 +160,10 @@ class ConversionReport:
             return self._inspect_table()
         rows = [t for t in self.tensors if show_kept or t.quantized]
         header = ["tensor", "shape", "dtype", "format", "MiB in", "MiB out", "bits/p",
-                  "SQNR dB", "max abs err", "max rel err", "clipped", "note"]
+                  "SQNR dB", "max abs err", "max rel err", "clipped", "non-finite", "note"]
         lines = []
         for t in rows:
+            star = "*" if t.nonfinite else ""
             lines.append([
                 t.name,
                 "x".join(map(str, t.shape)) or "scalar",
@@ -144,10 +172,11 @@ class ConversionReport:
                 f"{t.bytes_before / 2**20:.3f}",
                 f"{t.bytes_after / 2**20:.3f}",
                 "" if t.bits_per_param is None else f"{t.bits_per_param:.2f}",
-                _num(t.sqnr_db, "{:.2f}", exact="exact"),
-                _num(t.max_abs_err, "{:.3g}"),
-                _num(t.max_rel_err, "{:.3g}"),
+                _num(t.sqnr_db, "{:.2f}", exact="exact" if t.exact else "inf", star=star),
+                _num(t.max_abs_err, "{:.3g}", star=star),
+                _num(t.max_rel_err, "{:.3g}", star=star),
                 _num(t.clipped_fraction, "{:.2%}"),
+                t.nonfinite_text(),
                 f"kept: {t.reason}" if not t.quantized and t.reason else "",
             ])
         widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h)
@@ -156,7 +185,7 @@ class ConversionReport:
         def fmt(cells):
             out = []
             for i, (c, w) in enumerate(zip(cells, widths)):
-                out.append(c.ljust(w) if i < 4 or i == len(cells) - 1 else c.rjust(w))
+                out.append(c.ljust(w) if i < 4 or i >= len(cells) - 2 else c.rjust(w))
             return "  ".join(out).rstrip()
 
         text = [fmt(header), fmt(["-" * w for w in widths])]
@@ -177,13 +206,24 @@ class ConversionReport:
         )
         if "min_sqnr_tensor" in tot:
             worst = tot["min_sqnr_db"]
+            worst_text = ("exact" if tot["min_sqnr_exact"] else "inf*") if worst is None else f"{worst:.2f} dB"
             text.append(
                 "SQNR: "
                 + (f"mean {tot['mean_sqnr_db']:.2f} dB (param-weighted), " if "mean_sqnr_db" in tot else "")
-                + f"min {'exact' if worst is None else f'{worst:.2f} dB'} ({tot['min_sqnr_tensor']}); "
+                + f"min {worst_text} ({tot['min_sqnr_tensor']}); "
                 f"max clipped fraction {tot['clipped_fraction_max']:.2%}"
             )
+            if tot["tensors_with_nonfinite"]:
+                text.append(
+                    f"* {tot['tensors_with_nonfinite']} tensor(s) hold NaN/inf values or gained "
+                    "them: their SQNR and errors are over the elements finite before and after; "
+                    "the non-finite column says what happened to the others"
+                )
+        text += self._skipped_lines()
         return "\n".join(text)
+
+    def _skipped_lines(self) -> list:
+        return [f"not copied: {f} ({r})" for f, r in self.skipped]
 
 
     def _inspect_table(self) -> str:
@@ -231,12 +271,16 @@ class ConversionReport:
         meta = self.options.get("metadata")
         if meta:
             text.append("metadata: " + json.dumps(meta)[:500])
+        if self.options.get("shards"):
+            text.append(f"{self.options['shards']} shard files")
+        text += self._skipped_lines()
         return "\n".join(text)
 
 
-def _num(v, spec, exact=""):
+def _num(v, spec, exact="", star=""):
     if v is None:
         return ""
     if isinstance(v, float) and math.isinf(v):
-        return exact if v > 0 else "-inf"
-    return spec.format(v)
+        text = exact if v > 0 else "-inf"
+        return text + (star if text != "exact" else "")
+    return spec.format(v) + star

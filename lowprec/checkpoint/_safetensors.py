@@ -17,11 +17,13 @@ import json
 import math
 import os
 import struct
-import tempfile
 from typing import Iterator, Optional
 
 import ml_dtypes
 import numpy as np
+
+from ._atomic import AtomicFile, Inputs
+from ._errors import CheckpointError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the reference (Rust) implementation enforces
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -55,8 +57,6 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".th")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, malformed, unsafe to load, or would be overwritten."""
 
 
 def dtype_name(dtype) -> str:
@@ -87,6 +87,37 @@ def numpy_dtype(name: str) -> np.dtype:
 def nbytes_of(dtype: str, shape) -> int:
     bits = DTYPES[dtype][1] * math.prod(shape)
     return -(-bits // 8)
+
+
+def region_runs(view, rect, itemsize: int) -> Iterator[tuple]:
+    """Contiguous byte runs ``(offset, length)`` of a region of a C-order tensor.
+
+    The tensor is seen as a 3-D array ``view`` = (P, A, S) and the region is
+    ``[p0:p1, a0:a1, s0:s1]``; the runs come in the region's own C order, so reading
+    them one after another fills a C-order array of the region.
+
+    Example:
+        >>> list(region_runs((2, 4, 3), (0, 2, 1, 3, 0, 3), 1))  # rows 1-2 of both planes
+        [(3, 6), (15, 6)]
+        >>> list(region_runs((1, 2, 4), (0, 1, 0, 2, 1, 3), 4))  # a column slab
+        [(4, 8), (20, 8)]
+    """
+    P, A, S = view
+    p0, p1, a0, a1, s0, s1 = rect
+    if not (0 <= p0 <= p1 <= P and 0 <= a0 <= a1 <= A and 0 <= s0 <= s1 <= S):
+        raise ValueError(f"region {rect} is outside the view {view}")
+    if p0 == p1 or a0 == a1 or s0 == s1:
+        return
+    if s0 == 0 and s1 == S:
+        if a0 == 0 and a1 == A:
+            yield p0 * A * S * itemsize, (p1 - p0) * A * S * itemsize
+            return
+        for p in range(p0, p1):
+            yield (p * A + a0) * S * itemsize, (a1 - a0) * S * itemsize
+        return
+    for p in range(p0, p1):
+        for a in range(a0, a1):
+            yield ((p * A + a) * S + s0) * itemsize, (s1 - s0) * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +351,27 @@ class SafetensorsReader:
             self._read_into(info.begin + start * row, out)
         return out
 
+    def read_region(self, name: str, view, rect) -> np.ndarray:
+        """Reads one rectangular region of tensor ``name`` seen as a 3-D array ``view``.
+
+        ``view`` = (P, A, S) with P·A·S elements (see :func:`region_runs`), ``rect`` =
+        (p0, p1, a0, a1, s0, s1). Returns a new array of shape (p1−p0, a1−a0, s1−s0),
+        read with one ``pread`` per contiguous run (nothing else of the tensor is read).
+        """
+        info = self._info(name)
+        dtype = numpy_dtype(info.dtype)
+        if math.prod(view) != info.numel:
+            raise CheckpointError(f"{self.path}: tensor {name!r} of shape {list(info.shape)} "
+                                  f"cannot be viewed as {list(view)}")
+        p0, p1, a0, a1, s0, s1 = rect
+        out = np.empty((p1 - p0, a1 - a0, s1 - s0), dtype)
+        flat = out.reshape(-1).view(np.uint8)
+        pos = 0
+        for offset, n in region_runs(view, rect, dtype.itemsize):
+            self._read_into(info.begin + offset, flat[pos:pos + n])
+            pos += n
+        return out
+
     def iter_raw(self, name: str, chunk: int = _COPY_CHUNK) -> Iterator[bytes]:
         """Yields the raw bytes of tensor ``name`` in chunks (any dtype, sub-byte included)."""
         info = self._info(name)
@@ -333,25 +385,28 @@ class SafetensorsReader:
 
 
 class SafetensorsWriter:
-    """Writes a safetensors file tensor by tensor into a temp file, then renames it atomically.
+    """Writes a safetensors file tensor by tensor (or region by region) atomically.
 
-    The header (names, dtypes, shapes, metadata) is fixed up front; then each tensor's data
-    is written in header order, whole or in consecutive C-order pieces. ``commit()`` (or
-    leaving the ``with`` block normally) checks every byte was written, fsyncs and
-    ``os.replace``s the temp file onto ``path``; an error removes the temp file and leaves
-    ``path`` untouched.
+    The header (names, dtypes, shapes, metadata) is fixed up front, so every tensor's place
+    in the file is known: :meth:`write` appends to a tensor (whole or
+    in consecutive C-order pieces), :meth:`write_region` writes any region of a tensor
+    (use one or the other for a given tensor).
+    The data goes to a temp file beside ``path`` (see :mod:`lowprec.checkpoint._atomic`);
+    ``commit()`` (or leaving the ``with`` block normally) checks that every byte was
+    written, fsyncs and renames it onto ``path``; an error removes it and leaves ``path``
+    as it was.
 
     Args:
       path: destination.
-      entries: ``(name, safetensors dtype, shape)`` in the order the data will be written.
+      entries: ``(name, safetensors dtype, shape)`` in file order.
       metadata: str → str ``__metadata__``.
-      force: overwrite an existing ``path`` (otherwise :class:`CheckpointError`).
+      force: replace an existing regular file at ``path`` (otherwise :class:`CheckpointError`).
+      inputs: the run's input files (:class:`Inputs`); ``path`` must not be or alias one.
     """
 
-    def __init__(self, path, entries, metadata: Optional[dict] = None, *, force: bool = False):
+    def __init__(self, path, entries, metadata: Optional[dict] = None, *, force: bool = False,
+                 inputs: Optional[Inputs] = None):
         self.path = os.fspath(path)
-        self._force = force
-        self._check_destination()
         header: dict = {}
         if metadata:
             bad = [k for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))]
@@ -360,9 +415,11 @@ class SafetensorsWriter:
             header["__metadata__"] = dict(metadata)
         self._order = []
         self._sizes = {}
+        self._begin = {}
+        self._filled = {}
         offset = 0
         for name, dtype, shape in entries:
-            if name in header or name in self._sizes:
+            if name == "__metadata__" or name in self._sizes:
                 raise CheckpointError(f"{self.path}: tensor name {name!r} used twice")
             if dtype not in DTYPES:
                 raise CheckpointError(f"unknown safetensors dtype {dtype!r}")
@@ -371,98 +428,90 @@ class SafetensorsWriter:
             header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
             self._order.append(name)
             self._sizes[name] = size
+            self._filled[name] = 0
             offset += size
+        self._dtypes = {name: header[name]["dtype"] for name in self._order}
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         text += b" " * (-len(text) % 8)  # 8-byte alignment of the data, as safetensors does
-        directory = os.path.dirname(os.path.abspath(self.path))
-        fd, self._tmp = tempfile.mkstemp(
-            prefix="." + os.path.basename(self.path) + ".", suffix=".tmp", dir=directory
-        )
-        self._file = os.fdopen(fd, "wb")
-        try:  # mkstemp makes the file 0600; give the output the usual umask permissions
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(self._tmp, 0o666 & ~umask)
-        except OSError:  # pragma: no cover
-            pass
-        self._file.write(struct.pack("<Q", len(text)))
-        self._file.write(text)
-        self._index = 0
-        self._written = 0
-        self._done = False
+        data_start = 8 + len(text)
+        for name in self._order:
+            self._begin[name] = data_start + header[name]["data_offsets"][0]
+        self.size = data_start + offset
+        self._file = AtomicFile(self.path, force=force, inputs=inputs, size=self.size)
+        self._file.pwrite(struct.pack("<Q", len(text)) + text, 0)
+        self._cursor = dict.fromkeys(self._order, 0)
 
-    def _check_destination(self):
-        if os.path.isdir(self.path):
-            raise CheckpointError(f"{self.path}: is a directory; give an output file name")
-        if os.path.exists(self.path) and not self._force:
+    @staticmethod
+    def _bytes(data) -> memoryview:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return memoryview(data).cast("B")
+        arr = np.ascontiguousarray(data)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        return memoryview(arr.reshape(-1).view(np.uint8))
+
+    def _put(self, name: str, offset: int, buf: memoryview) -> None:
+        if offset + len(buf) > self._sizes[name]:
             raise CheckpointError(
-                f"{self.path}: already exists; refusing to overwrite (pass --force / force=True)"
+                f"tensor {name!r}: write of bytes [{offset}, {offset + len(buf)}) past its "
+                f"{self._sizes[name]} bytes"
             )
-        directory = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"{self.path}: directory {directory} does not exist")
+        self._file.pwrite(buf, self._begin[name] + offset)
+        self._filled[name] += len(buf)
 
-    def _advance(self):
-        while self._index < len(self._order) and self._written == self._sizes[self._order[self._index]]:
-            self._index += 1
-            self._written = 0
+    def _check_name(self, name: str) -> None:
+        if name not in self._sizes:
+            raise CheckpointError(f"{self.path}: no tensor named {name!r} in the header")
 
     def write(self, name: str, data) -> None:
-        """Appends ``data`` (array or bytes) to tensor ``name``, which must be the current one."""
-        self._advance()
-        if self._index >= len(self._order):
-            raise CheckpointError(f"write of {name!r}: all tensors are already written")
-        current = self._order[self._index]
-        if name != current:
+        """Appends ``data`` (array or bytes, C order) to tensor ``name`` (whole or in pieces)."""
+        self._check_name(name)
+        buf = self._bytes(data)
+        self._put(name, self._cursor[name], buf)
+        self._cursor[name] += len(buf)
+
+    def write_region(self, name: str, view, rect, data) -> None:
+        """Writes ``data`` (shape (p1−p0, a1−a0, s1−s0), C order) into region ``rect`` of
+        tensor ``name`` seen as ``view`` = (P, A, S); see :func:`region_runs`. Each byte of
+        a tensor is to be written once."""
+        self._check_name(name)
+        dtype = numpy_dtype(self._dtypes[name])
+        data = np.asarray(data)
+        if data.dtype.itemsize != dtype.itemsize:  # bytes are written as they are
             raise CheckpointError(
-                f"write of {name!r} out of order: tensor {current!r} is next "
-                f"({self._written} of {self._sizes[current]} bytes written)"
+                f"tensor {name!r} is {self._dtypes[name]}; got {data.dtype} data"
             )
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            buf = memoryview(data).cast("B")
-        else:
-            arr = np.ascontiguousarray(data)
-            if arr.dtype.byteorder == ">":
-                arr = arr.astype(arr.dtype.newbyteorder("<"))
-            buf = memoryview(arr.reshape(-1).view(np.uint8))
-        if self._written + len(buf) > self._sizes[current]:
-            raise CheckpointError(
-                f"tensor {name!r}: {self._written + len(buf)} bytes written, header says "
-                f"{self._sizes[current]}"
-            )
-        self._file.write(buf)
-        self._written += len(buf)
+        buf = self._bytes(data)
+        pos = 0
+        for offset, n in region_runs(view, rect, dtype.itemsize):
+            self._put(name, offset, buf[pos:pos + n])
+            pos += n
+        if pos != len(buf):
+            raise CheckpointError(f"tensor {name!r}: region {rect} holds {pos} bytes, got {len(buf)}")
+
+    def _check_complete(self):
+        for name in self._order:
+            if self._filled[name] != self._sizes[name]:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} was not (fully) written "
+                    f"({self._filled[name]} of {self._sizes[name]} bytes)"
+                )
+
+    @property
+    def atomic_file(self) -> AtomicFile:
+        return self._file
+
+    def stage(self) -> None:
+        """Checks every byte was written and makes the file durable under its temp name."""
+        self._check_complete()
+        self._file.stage()
 
     def commit(self) -> None:
-        self._advance()
-        if self._index != len(self._order):
-            missing = self._order[self._index]
-            raise CheckpointError(f"{self.path}: tensor {missing!r} was not (fully) written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._check_destination()  # still refuse if someone created it meanwhile
-        os.replace(self._tmp, self.path)
-        self._done = True
-        try:  # make the rename durable
-            dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(dfd)
-        except OSError:
-            pass
-        finally:
-            os.close(dfd)
+        self.stage()
+        self._file.publish()
 
     def abort(self) -> None:
-        if not self._done:
-            self._file.close()
-            try:
-                os.unlink(self._tmp)
-            except FileNotFoundError:
-                pass
-            self._done = True
+        self._file.abort()
 
     def __enter__(self):
         return self

@@ -1,0 +1,403 @@
+"""Safe outputs: never an input, never a special file, written atomically, no temp file left.
+
+The rule every lowprec output follows (checkpoint files, index files, copied files, reports):
+
+* It is never a path that is, or aliases (same device and inode: a hard link or a symbolic
+  link), one of the run's inputs — not even with ``force``.
+* An existing path is replaced only with ``force``, and only if it is a regular file (or a
+  symbolic link to one, which is replaced by the new file): directories, FIFOs, devices,
+  sockets and dangling links are refused.
+* Every output is checked before any conversion work (:func:`check_output`), then written
+  to a temporary file in the destination directory, fsynced and renamed onto the
+  destination with ``os.replace`` (atomic), and the directory is fsynced.
+* The temporary file is anonymous where the file system allows it (``O_TMPFILE``: it has
+  no name until it is complete, so even ``SIGKILL`` leaves nothing behind); otherwise, and
+  for the instant between naming and renaming it, it is ``.<name>.lowprec-tmp-<pid>``. Any
+  error or caught signal removes it; one left by a killed process (its pid no longer runs)
+  is removed by the next run writing to the same destination.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import weakref
+from typing import Iterable, Optional
+
+from ._errors import CheckpointError
+
+TEMP_TAG = ".lowprec-tmp-"
+
+# Off switch for anonymous temp files (tests exercise the named fallback with it).
+USE_O_TMPFILE = os.environ.get("LOWPREC_NO_O_TMPFILE", "") in ("", "0")
+
+_LIVE: "weakref.WeakSet[AtomicFile]" = weakref.WeakSet()
+_TMPFILE_OK: dict = {}  # st_dev of a directory -> whether O_TMPFILE + linkat work there
+
+
+def temp_path(path: str, pid: Optional[int] = None) -> str:
+    """The recognisable temp-file name lowprec uses while writing ``path``.
+
+    Example:
+        >>> temp_path("/data/model.safetensors", pid=42)
+        '/data/.model.safetensors.lowprec-tmp-42'
+    """
+    directory, base = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{base}{TEMP_TAG}{os.getpid() if pid is None else pid}")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid != 0  # exists but belongs to someone else (or cannot be asked): keep
+    return True
+
+
+def remove_stale_temps(path: str) -> list:
+    """Removes temp files of ``path`` left by lowprec processes that no longer run.
+
+    Only regular files named exactly ``.<name>.lowprec-tmp-<pid>`` whose ``pid`` is not a
+    running process are removed. Returns the removed paths.
+    """
+    directory, base = os.path.split(os.path.abspath(path))
+    prefix = f".{base}{TEMP_TAG}"
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+            continue
+        pid = int(name[len(prefix):])
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        full = os.path.join(directory, name)
+        try:
+            if stat.S_ISREG(os.lstat(full).st_mode):
+                os.unlink(full)
+                removed.append(full)
+        except OSError:
+            pass
+    return removed
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+class Inputs:
+    """Identities (device, inode) of a run's input files, to refuse outputs aliasing them."""
+
+    def __init__(self, paths: Iterable[str] = ()):
+        self._ids: dict = {}
+        for p in paths:
+            self.add(p)
+
+    def add(self, path) -> None:
+        path = os.fspath(path)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        self._ids.setdefault((st.st_dev, st.st_ino), path)
+
+    def which(self, path) -> Optional[str]:
+        """The input that ``path`` is or aliases, or None."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return self._ids.get((st.st_dev, st.st_ino))
+
+
+def check_output(path, *, force: bool, inputs: Optional[Inputs] = None, what: str = "output"):
+    """Raises :class:`CheckpointError` unless lowprec may write ``path`` (see the module doc).
+
+    Also removes stale temp files of ``path`` (left by killed lowprec runs).
+    """
+    path = os.fspath(path)
+    if not path:
+        raise CheckpointError(f"the {what} path is empty")
+    source = inputs.which(path) if inputs is not None else None
+    if source is not None:
+        same = os.path.abspath(source) == os.path.abspath(path)
+        raise CheckpointError(
+            f"{path}: is {'the' if same else 'a link to the'} input file"
+            f"{'' if same else ' ' + source}; lowprec never writes to an input (not even "
+            f"with --force): choose another {what} path"
+        )
+    if os.path.lexists(path):
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode) and what != "output folder":
+            raise CheckpointError(f"{path}: is a directory; give the {what} a file name")
+        if not force:
+            raise CheckpointError(
+                f"{path}: already exists; refusing to overwrite it (pass --force / "
+                "force=True to replace it)"
+            )
+        if st is None:
+            raise CheckpointError(
+                f"{path}: is a dangling symbolic link; --force replaces regular files only"
+            )
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(
+                f"{path}: is {_kind(st.st_mode)}; --force replaces regular files only, "
+                "choose another path"
+            )
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{path}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{path}: directory {directory} is not writable")
+    remove_stale_temps(path)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _link_fd(fd: int, target: str) -> None:
+    """Gives the anonymous (O_TMPFILE) file ``fd`` the name ``target`` (linkat)."""
+    directory, base = os.path.split(target)
+    dfd = os.open(directory, os.O_RDONLY)
+    try:  # dst_dir_fd makes os.link call linkat(..., AT_SYMLINK_FOLLOW), which /proc needs
+        os.link(f"/proc/self/fd/{fd}", base, dst_dir_fd=dfd, follow_symlinks=True)
+    finally:
+        os.close(dfd)
+
+
+def _tmpfile_works(directory: str) -> bool:
+    """Whether O_TMPFILE and naming it later work in ``directory`` (probed once per device)."""
+    if not USE_O_TMPFILE or not hasattr(os, "O_TMPFILE") or not os.path.isdir("/proc/self/fd"):
+        return False
+    try:
+        dev = os.stat(directory).st_dev
+    except OSError:
+        return False
+    if dev not in _TMPFILE_OK:
+        ok = False
+        probe = os.path.join(directory, f".lowprec-probe{TEMP_TAG}{os.getpid()}")
+        try:
+            fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o600)
+        except OSError:
+            fd = None
+        if fd is not None:
+            try:
+                _link_fd(fd, probe)
+                ok = True
+                os.unlink(probe)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        _TMPFILE_OK[dev] = ok
+    return _TMPFILE_OK[dev]
+
+
+class AtomicFile:
+    """A new file at ``path``, invisible until :meth:`commit` renames it into place.
+
+    ``commit()`` = ``stage()`` (fsync, give the temp file its recognisable name) then
+    ``publish()`` (``os.replace`` onto ``path``, fsync the directory); a caller writing
+    several files stages each and publishes them all at the end. ``abort()`` (or an
+    exception in the ``with`` block) removes the temp file.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "out.txt")
+        >>> with AtomicFile(path) as f:
+        ...     _ = f.write(b"hello")
+        ...     os.path.exists(path)
+        False
+        >>> open(path).read(), sorted(os.listdir(os.path.dirname(path)))
+        ('hello', ['out.txt'])
+    """
+
+    def __init__(self, path, *, force: bool = False, inputs: Optional[Inputs] = None,
+                 what: str = "output", size: Optional[int] = None):
+        self.path = os.path.abspath(os.fspath(path))
+        self._force = force
+        self._inputs = inputs
+        self._what = what
+        check_output(self.path, force=force, inputs=inputs, what=what)
+        self._dir = os.path.dirname(self.path)
+        self._temp = temp_path(self.path)
+        self._named = False  # whether self._temp exists (is ours)
+        self._fd: Optional[int] = None
+        self._pos = 0
+        self.state = "open"
+        if _tmpfile_works(self._dir):
+            self._fd = os.open(self._dir, os.O_TMPFILE | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o666)
+        else:
+            if os.path.lexists(self._temp):  # ours from an earlier writer of this process
+                os.unlink(self._temp)
+            self._named = True
+            self._fd = os.open(
+                self._temp, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o666
+            )
+        _LIVE.add(self)
+        if size:
+            try:  # fail now, not halfway, when the disk is full
+                os.posix_fallocate(self._fd, 0, size)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    self.abort()
+                    raise CheckpointError(
+                        f"{self.path}: not enough disk space for {size:,} bytes"
+                    ) from None
+                # file systems without fallocate: fine, writes will tell
+
+    @property
+    def anonymous(self) -> bool:
+        """Whether the data so far lives in an unnamed (O_TMPFILE) file."""
+        return self._fd is not None and not self._named
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def pwrite(self, data, offset: int) -> None:
+        """Writes all of ``data`` (bytes-like) at byte ``offset``."""
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], offset + done)
+
+    def write(self, data) -> int:
+        """Appends ``data`` after the last :meth:`write` (independent of :meth:`pwrite`)."""
+        n = len(memoryview(data).cast("B"))
+        self.pwrite(data, self._pos)
+        self._pos += n
+        return n
+
+    def stage(self) -> None:
+        """Makes the data durable under the temp name (closes the file)."""
+        if self.state != "open":
+            raise CheckpointError(f"{self.path}: stage() after {self.state}")
+        os.fsync(self._fd)
+        if not self._named:
+            if os.path.lexists(self._temp):
+                os.unlink(self._temp)
+            self._named = True  # before linking: a signal in between still cleans up
+            _link_fd(self._fd, self._temp)
+        os.close(self._fd)
+        self._fd = None
+        self.state = "staged"
+
+    def publish(self) -> None:
+        """Renames the staged temp file onto the destination."""
+        if self.state != "staged":
+            raise CheckpointError(f"{self.path}: publish() before stage()")
+        # Check again: the destination may have been created or swapped meanwhile.
+        check_output(self.path, force=self._force, inputs=self._inputs, what=self._what)
+        os.replace(self._temp, self.path)
+        self._named = False
+        self.state = "done"
+        _fsync_dir(self._dir)
+
+    def commit(self) -> None:
+        self.stage()
+        self.publish()
+
+    def abort(self) -> None:
+        """Discards the data; the destination is left as it was."""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+        if self._named:
+            try:
+                os.unlink(self._temp)
+            except FileNotFoundError:
+                pass
+            self._named = False
+        if self.state != "done":
+            self.state = "aborted"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.abort()
+
+    def __del__(self):  # a writer dropped without commit leaves nothing behind
+        try:
+            if self.state in ("open", "staged"):
+                self.abort()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def abort_all() -> None:
+    """Aborts every unfinished output of this process (used on fatal signals)."""
+    for f in list(_LIVE):
+        if f.state in ("open", "staged"):
+            f.abort()
+
+
+class OutputSet:
+    """Several outputs published together: each is staged when complete, all are renamed
+    into place at the end (index files last), and all are removed if anything fails."""
+
+    def __init__(self):
+        self.files: list = []
+
+    def add(self, f):
+        self.files.append(f)
+        return f
+
+    def publish(self) -> None:
+        for f in self.files:
+            if f.state == "open":
+                f.stage()
+        for f in self.files:
+            f.publish()
+
+    def abort(self) -> None:
+        for f in self.files:
+            f.abort()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            try:
+                self.publish()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.abort()

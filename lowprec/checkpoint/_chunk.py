@@ -1,0 +1,167 @@
+"""Encoding and decoding one piece of a tensor (see :func:`lowprec.checkpoint._layout.pieces`).
+
+A piece of an MX tensor is a region of its (P, A, S) view, given as a 3-D array
+(p, a, s) — or 2-D (p, a) when s = 1 — with the blocks along axis 1; a piece of a cast
+tensor has any shape. The codecs are the library's: :func:`lowprec.quantize_mx`,
+:func:`lowprec.dequantize`, :func:`lowprec.to_gpt_oss` / :func:`lowprec.from_gpt_oss`,
+:func:`lowprec.encode` / :func:`lowprec.decode`. Decoded values are, bit for bit, those of
+the in-memory API on the whole tensor: MX blocks never straddle pieces, and the per-tensor
+FP8 scale is computed over the whole tensor first (:func:`finite_amax`, :func:`tensor_scale`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._codec import decode, encode
+from .._format import element_format, mx_format
+from .._gpt_oss import from_gpt_oss, to_gpt_oss
+from .._mx import MXArray, dequantize, quantize_mx
+from ._errors import CheckpointError
+from ._formats import CAST_FORMATS
+from ._layout import TensorSpec
+from ._stats import ErrorStats
+
+_NATIVE = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def finite_amax(x: np.ndarray) -> float:
+    """max |x| over the finite elements of ``x`` (0 if there are none).
+
+    Example:
+        >>> finite_amax(np.array([1.0, -3.0, np.inf, np.nan]))
+        3.0
+    """
+    a = np.abs(np.asarray(x, np.float32).reshape(-1))
+    a = a[np.isfinite(a)]
+    return float(a.max()) if a.size else 0.0
+
+
+def tensor_scale(amax, spec: TensorSpec) -> np.float32:
+    """The per-tensor FP8 scale float32(amax) / float32(max_fp8), from the tensor's finite
+    max magnitude ``amax`` (see :func:`finite_amax`); 1 if amax is 0.
+
+    Example:
+        >>> from lowprec.checkpoint._layout import make_spec
+        >>> float(tensor_scale(896.0, make_spec("e4m3", (4,), "F32")))
+        2.0
+    """
+    elem = element_format(CAST_FORMATS[spec.format][0])
+    amax = np.float32(amax)
+    if not amax > 0:
+        return np.float32(1)
+    s = amax / np.float32(elem.max_finite)
+    return s if np.isfinite(s) and s > 0 else np.float32(1)
+
+
+def _as_piece(x: np.ndarray) -> np.ndarray:
+    """(p, a, s) → (p, a) when s = 1, so that the block axis is the last one."""
+    return x.reshape(x.shape[:2]) if x.ndim == 3 and x.shape[2] == 1 else x
+
+
+def _mx_clipped(x, scales: np.ndarray, fmt) -> tuple:
+    """(blocks whose max magnitude exceeds max_elem × scale, i.e. got saturated; blocks)."""
+    a = np.abs(np.asarray(x, np.float32))  # |x| and the max are exact in float32
+    a = np.moveaxis(a.reshape(a.shape[0], -1, fmt.block_size, *a.shape[2:]), 2, -1)
+    amax = a.max(axis=-1).astype(np.float64)
+    codes = scales.astype(np.int64)
+    limit = np.ldexp(fmt.element.max_finite, codes - 127)
+    with np.errstate(invalid="ignore"):
+        clipped = (codes != 0xFF) & (amax > limit)
+    return int(np.count_nonzero(clipped)), int(codes.size)
+
+
+def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
+                   stats: Optional[ErrorStats] = None) -> dict:
+    """Quantizes one piece ``x`` of a tensor stored as ``spec``.
+
+    Returns ``{role: stored array}`` in the piece's shape (without the per-tensor scale,
+    which the caller passes as ``scale``); updates ``stats``.
+
+    Example:
+        >>> from lowprec.checkpoint._layout import make_spec
+        >>> parts = quantize_chunk(np.ones((2, 64), np.float32), make_spec("mxfp4", (2, 64), "F32"))
+        >>> {k: v.shape for k, v in parts.items()}
+        {'elements': (2, 32), 'scales': (2, 2)}
+    """
+    x = np.asarray(x)
+    if spec.is_mx:
+        x = _as_piece(x)
+        xin = x if x.dtype in _NATIVE else x.astype(np.float32)
+        mx = quantize_mx(jnp.asarray(xin), spec.format, axis=1, scale_rule=spec.scale_rule)
+        scales = np.asarray(mx.scales)
+        if stats is not None:
+            stats.update(x, np.asarray(dequantize(mx)))
+            stats.add_clipped(*_mx_clipped(xin, scales, mx.fmt))
+            stats.add_nan_blocks(scales)
+        if spec.layout == "gpt-oss":
+            blocks, scales = to_gpt_oss(mx)
+            return {"blocks": np.asarray(blocks), "scales": np.asarray(scales)}
+        return {"elements": np.asarray(mx.elements), "scales": scales}
+    elem = element_format(CAST_FORMATS[spec.format][0])
+    x32 = x.astype(np.float32)
+    if spec.fp8_scale == "tensor":
+        scale = np.float32(1) if scale is None else np.float32(scale)
+        with np.errstate(over="ignore", invalid="ignore"):
+            y = x32 / scale
+    else:
+        y = x32
+    codes = np.asarray(encode(jnp.asarray(y), elem, overflow="saturate"))
+    if stats is not None:
+        stats.update(x, _decode_values(codes, spec, scale))
+        with np.errstate(invalid="ignore"):
+            stats.add_clipped(np.count_nonzero(np.abs(y) > elem.max_finite), y.size)
+    return {"values": codes}
+
+
+def _decode_values(codes: np.ndarray, spec: TensorSpec, scale) -> np.ndarray:
+    elem = element_format(CAST_FORMATS[spec.format][0])
+    values = np.asarray(decode(jnp.asarray(codes.view(elem.code_dtype)), elem))
+    if spec.fp8_scale == "tensor":
+        with np.errstate(over="ignore"):
+            values = values * np.float32(scale)
+    return values
+
+
+def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
+    """Values of the stored ``parts`` of one piece, as NumPy ``dtype``, in shape ``shape``.
+
+    For MX, ``shape`` is the piece's (p, a, s) in the tensor's (P, A, S) view (the whole
+    tensor is the piece ``spec.view``); the parts may come in any shape holding the
+    piece's bytes in C order. For casts, ``shape`` is any shape of the values.
+
+    Example:
+        >>> from lowprec.checkpoint._layout import make_spec
+        >>> spec = make_spec("mxfp8", (1, 32), "F32")
+        >>> x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(1, 32)
+        >>> got = dequantize_chunk(quantize_chunk(x, spec), spec, (1, 32, 1), np.float32)
+        >>> got.shape, float(np.abs(got.reshape(1, 32) - x).max()) < 2**-4
+        ((1, 32, 1), True)
+    """
+    dtype = np.dtype(dtype)
+    if not spec.is_mx:
+        values = _decode_values(np.asarray(parts["values"]), spec, parts.get("scale"))
+        return values.astype(dtype).reshape(shape)
+    p, a, s = (int(d) for d in shape)
+    try:
+        scales = np.asarray(parts["scales"]).reshape(p, a // 32, s)
+        if spec.layout == "gpt-oss":
+            if s != 1:
+                raise ValueError("the gpt-oss layout blocks the last axis")
+            blocks = np.asarray(parts["blocks"]).reshape(p, a // 32, 16)
+            mx = from_gpt_oss(blocks, scales.reshape(p, a // 32), scale_rule=spec.scale_rule)
+        else:
+            fmt = mx_format(spec.format)
+            elements = np.asarray(parts["elements"]).reshape(p, a // 2 if fmt.packed else a, s)
+            piece = (p, a, s)
+            if s == 1:
+                elements, scales, piece = elements[..., 0], scales[..., 0], (p, a)
+            mx = MXArray(elements=jnp.asarray(elements), scales=jnp.asarray(scales), fmt=fmt,
+                         axis=1, shape=piece, scale_rule=spec.scale_rule)
+        values = dequantize(mx, dtype) if dtype in _NATIVE else np.asarray(dequantize(mx)).astype(dtype)
+    except (ValueError, TypeError) as e:  # wrong sizes; MXArray's own validation
+        raise CheckpointError(f"cannot decode {spec.format} data of shape {list(spec.shape)}: {e}") from None
+    return np.asarray(values).reshape(p, a, s)

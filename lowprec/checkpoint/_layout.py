@@ -1,0 +1,282 @@
+"""How one tensor is laid out in a quantized checkpoint, and how it is cut into pieces.
+
+A :class:`TensorSpec` says how a logical tensor is stored (format, scale rule, axis,
+layout, original shape and dtype) and names the stored parts:
+
+===============  =======================  ==========================================
+format / layout  stored parts             values
+===============  =======================  ==========================================
+MX, lowprec      ``<name>_elements`` U8   element codes, MXArray.elements (FP4 packed
+                                          two per byte along ``axis``, low nibble first)
+                 ``<name>_scales`` U8     E8M0 codes, MXArray.scales
+mxfp4, gpt-oss   ``<name>_blocks`` U8     [..., K/32, 16] packed FP4 codes
+                 ``<name>_scales`` U8     [..., K/32] E8M0 codes (:func:`lowprec.to_gpt_oss`)
+e4m3 / e5m2      ``<name>`` F8_E4M3/E5M2  FP8(x / s), saturating
+                 ``<name>_scale`` F32 []  s = amax / max_fp8 (``fp8_scale="tensor"``)
+bf16 / fp16      ``<name>`` BF16 / F16    x rounded to nearest even
+===============  =======================  ==========================================
+
+Pieces. A tensor is seen as a 3-D array (P, A, S): P = the product of the dims before the
+block axis, A = the block axis, S = the product of the dims after it (casts: (1, numel, 1)).
+Blocks run along A, so any region ``[p0:p1, a0:a1, s0:s1]`` with a0, a1 multiples of the
+block size holds whole blocks, and each stored part sees the same region with A divided
+by its own factor (packed FP4 elements: 2; scales: 32). :func:`pieces` cuts a tensor into
+such regions of a bounded number of elements: whole rows of P when they fit, else
+block-aligned ranges of A, else (a huge S) slabs of S one block high — for every axis and
+for 1-D tensors, reading only the bytes of the piece.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterator, Optional
+
+from ._errors import CheckpointError
+from ._formats import (
+    CAST_FORMATS,
+    DEFAULT_SCALE_RULE,
+    MX_FORMATS,
+    canonical_format,
+    check_fp8_scale,
+    check_layout,
+    check_scale_rule,
+)
+from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
+
+BLOCK = 32  # the MX block size of every MX format (OCP MX v1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """How one logical tensor is stored. ``shape``/``dtype`` are the original ones."""
+
+    format: str
+    shape: tuple
+    dtype: str
+    axis: Optional[int] = None
+    scale_rule: Optional[str] = None
+    layout: str = "lowprec"
+    fp8_scale: Optional[str] = None
+
+    @property
+    def is_mx(self) -> bool:
+        return self.format in MX_FORMATS
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def view(self) -> tuple:
+        """The tensor as (P, A, S): dims before the block axis, the axis, dims after."""
+        if not self.is_mx:
+            return (1, self.numel, 1)
+        shape = tuple(self.shape)
+        return (math.prod(shape[: self.axis]), shape[self.axis], math.prod(shape[self.axis + 1:]))
+
+    @property
+    def align(self) -> int:
+        """Piece boundaries along A are multiples of this (the block size for MX)."""
+        return BLOCK if self.is_mx else 1
+
+    def parts(self, name: str) -> list:
+        """``[(role, stored name, safetensors dtype, stored shape), ...]`` in file order."""
+        shape = tuple(self.shape)
+        if self.is_mx:
+            n = shape[self.axis]
+            groups = n // BLOCK
+            packed = self.format == "mxfp4"
+            if self.layout == "gpt-oss":
+                return [
+                    ("blocks", f"{name}_blocks", "U8", shape[:-1] + (groups, BLOCK // 2)),
+                    ("scales", f"{name}_scales", "U8", shape[:-1] + (groups,)),
+                ]
+            elem = list(shape)
+            elem[self.axis] = n // 2 if packed else n
+            scales = list(shape)
+            scales[self.axis] = groups
+            return [
+                ("elements", f"{name}_elements", "U8", tuple(elem)),
+                ("scales", f"{name}_scales", "U8", tuple(scales)),
+            ]
+        _, st_dtype, _ = CAST_FORMATS[self.format]
+        parts = [("values", name, st_dtype, shape)]
+        if self.fp8_scale == "tensor":
+            parts.append(("scale", f"{name}_scale", "F32", ()))
+        return parts
+
+    def divisor(self, role: str) -> Optional[int]:
+        """How many elements along A one stored entry of part ``role`` covers (None: the
+        part is not cut into pieces, e.g. the per-tensor scale)."""
+        if role == "scale":
+            return None
+        if role == "scales":
+            return BLOCK
+        if role in ("elements", "blocks"):
+            return 2 if self.format == "mxfp4" else 1
+        return 1
+
+    def part_region(self, role: str, rect) -> tuple:
+        """``(view, rect)`` of part ``role`` holding the tensor region ``rect``."""
+        k = self.divisor(role)
+        P, A, S = self.view
+        p0, p1, a0, a1, s0, s1 = rect
+        return (P, A // k, S), (p0, p1, a0 // k, a1 // k, s0, s1)
+
+    def nbytes(self) -> int:
+        """Stored bytes (all parts)."""
+        return sum(nbytes_of(dt, shp) for _, _, dt, shp in self.parts("x"))
+
+    def to_json(self, name: str) -> dict:
+        out = {"format": self.format, "shape": list(self.shape), "dtype": self.dtype}
+        if self.is_mx:
+            out.update(axis=self.axis, scale_rule=self.scale_rule, layout=self.layout)
+        elif self.fp8_scale is not None:
+            out.update(fp8_scale=self.fp8_scale)
+        out["parts"] = {role: stored for role, stored, _, _ in self.parts(name)}
+        return out
+
+    @classmethod
+    def from_json(cls, name: str, entry, where: str) -> "TensorSpec":
+        """Parses and checks one entry of the ``lowprec.tensors`` metadata."""
+        try:
+            if not isinstance(entry, dict):
+                raise ValueError(f"entry is a {type(entry).__name__}, not an object")
+            fmt = canonical_format(entry["format"])
+            shape = entry["shape"]
+            if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            ):
+                raise ValueError(f"shape {shape!r} is not a list of non-negative ints")
+            shape = tuple(shape)
+            dtype = entry["dtype"]
+            if dtype not in FLOAT_DTYPES:
+                raise ValueError(
+                    f"claims original dtype {dtype!r}; a quantized tensor was one of "
+                    f"{', '.join(FLOAT_DTYPES)}"
+                )
+            if fmt in MX_FORMATS:
+                axis = entry["axis"]
+                if not isinstance(axis, int) or isinstance(axis, bool):
+                    raise ValueError(f"axis {axis!r} is not an int")
+                rule = entry.get("scale_rule")
+                spec = cls(
+                    fmt,
+                    shape,
+                    dtype,
+                    axis=axis,
+                    scale_rule=None if rule is None else check_scale_rule(rule),
+                    layout=check_layout(entry.get("layout", "lowprec")),
+                )
+                if not 0 <= axis < len(shape) or shape[axis] % BLOCK:
+                    raise ValueError(f"axis {axis} does not fit shape {list(shape)}")
+                if spec.layout == "gpt-oss" and (fmt != "mxfp4" or axis != len(shape) - 1):
+                    raise ValueError("the gpt-oss layout holds MXFP4 along the last axis only")
+            else:
+                fp8_scale = entry.get("fp8_scale")
+                if fp8_scale is not None:
+                    check_fp8_scale(fp8_scale)
+                    if not CAST_FORMATS[fmt][2]:
+                        raise ValueError(f"fp8_scale does not apply to {fmt}")
+                spec = cls(fmt, shape, dtype, fp8_scale=fp8_scale)
+            if spec.to_json(name)["parts"] != entry.get("parts"):
+                raise ValueError(f"parts {entry.get('parts')} do not match the format")
+            return spec
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: tensor {name!r}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{where}: malformed lowprec metadata for tensor {name!r} ({type(e).__name__}: {e})"
+            ) from None
+
+
+def make_spec(
+    fmt: str,
+    shape,
+    dtype: str,
+    *,
+    axis: Optional[int] = None,
+    scale_rule: Optional[str] = None,
+    layout: str = "lowprec",
+    fp8_scale: str = "tensor",
+) -> TensorSpec:
+    """A :class:`TensorSpec` for quantizing a tensor of ``shape`` to ``fmt`` (checked).
+
+    Example:
+        >>> make_spec("mxfp4", (8, 64), "F32").parts("w")
+        [('elements', 'w_elements', 'U8', (8, 32)), ('scales', 'w_scales', 'U8', (8, 2))]
+    """
+    fmt = canonical_format(fmt)
+    shape = tuple(int(d) for d in shape)
+    check_layout(layout)
+    if fmt in MX_FORMATS:
+        scale_rule = check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
+        axis = -1 if axis is None else axis
+        if not shape:
+            raise CheckpointError("a scalar cannot be MX-quantized (blocks run along an axis)")
+        if not -len(shape) <= axis < len(shape):
+            raise CheckpointError(f"axis {axis} is out of range for shape {list(shape)}")
+        axis %= len(shape)
+        if shape[axis] % BLOCK:
+            raise CheckpointError(
+                f"axis {axis} has length {shape[axis]}, not a multiple of the MX block size {BLOCK}"
+            )
+        if layout == "gpt-oss":
+            if fmt != "mxfp4":
+                raise CheckpointError(
+                    f"the gpt-oss layout holds MXFP4 only, not {fmt}; use --layout lowprec"
+                )
+            if axis != len(shape) - 1:
+                raise CheckpointError("the gpt-oss layout blocks the last axis; use axis=-1")
+        return TensorSpec(fmt, shape, dtype, axis=axis, scale_rule=scale_rule, layout=layout)
+    check_options_for_cast(fmt, axis=axis, scale_rule=scale_rule, layout=layout)
+    check_fp8_scale(fp8_scale)
+    takes_scale = CAST_FORMATS[fmt][2]
+    return TensorSpec(fmt, shape, dtype, fp8_scale=fp8_scale if takes_scale else None)
+
+
+def check_options_for_cast(fmt: str, *, axis, scale_rule, layout) -> None:
+    """Refuses MX-only options given with an element (cast) format."""
+    if scale_rule is not None:
+        raise CheckpointError(f"scale rules apply to MX formats only, not {fmt}")
+    if axis is not None:
+        raise CheckpointError(f"a block axis applies to MX formats only, not {fmt}")
+    if layout != "lowprec":
+        raise CheckpointError(f"the {layout} layout holds MXFP4 only, not {fmt}")
+
+
+def pieces(view, align: int, budget: int) -> Iterator[tuple]:
+    """Regions ``(p0, p1, a0, a1, s0, s1)`` covering a (P, A, S) tensor in C order, each
+    of at most ``max(budget, align)`` elements, with a0 and a1 multiples of ``align``
+    (A must be a multiple of ``align``).
+
+    Example:
+        >>> list(pieces((4, 64, 1), 32, 128))   # whole rows, two at a time
+        [(0, 2, 0, 64, 0, 1), (2, 4, 0, 64, 0, 1)]
+        >>> list(pieces((1, 96, 1), 32, 64))    # a 1-D tensor, in whole blocks
+        [(0, 1, 0, 64, 0, 1), (0, 1, 64, 96, 0, 1)]
+        >>> list(pieces((1, 64, 8), 32, 128))   # axis 0 of a 64 x 8 matrix: column slabs
+        [(0, 1, 0, 32, 0, 4), (0, 1, 0, 32, 4, 8), (0, 1, 32, 64, 0, 4), (0, 1, 32, 64, 4, 8)]
+    """
+    P, A, S = view
+    if P * A * S == 0:
+        return
+    if A % align:
+        raise ValueError(f"axis length {A} is not a multiple of {align}")
+    budget = max(int(budget), 1)
+    if A * S <= budget:  # whole (A, S) planes, several at a time
+        step = budget // (A * S)
+        for p in range(0, P, step):
+            yield (p, min(p + step, P), 0, A, 0, S)
+    elif align * S <= budget:  # block-aligned ranges of A, full S (contiguous)
+        step = budget // S // align * align
+        for p in range(P):
+            for a in range(0, A, step):
+                yield (p, p + 1, a, min(a + step, A), 0, S)
+    else:  # one block high, slabs of S (strided reads, one run per row of the block)
+        width = max(1, budget // align)
+        for p in range(P):
+            for a in range(0, A, align):
+                for s in range(0, S, width):
+                    yield (p, p + 1, a, a + align, s, min(s + width, S))
