@@ -11,6 +11,7 @@ FP8 scale is computed over the whole tensor first (:func:`finite_amax`, :func:`t
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax.numpy as jnp
@@ -62,16 +63,29 @@ def _as_piece(x: np.ndarray) -> np.ndarray:
     return x.reshape(x.shape[:2]) if x.ndim == 3 and x.shape[2] == 1 else x
 
 
+@functools.lru_cache(maxsize=None)
+def _clip_limits(fmt) -> np.ndarray:
+    """float32 bit patterns of max_elem × 2^(code − 127) for each E8M0 code: a block is
+    clipped iff its max |x| exceeds this (patterns of non-negative floats order like the
+    values). Overflow → the inf pattern (nothing exceeds it); code 0xFF (NaN block) → above
+    every pattern."""
+    with np.errstate(over="ignore"):
+        limits = np.ldexp(np.float64(fmt.element.max_finite), np.arange(256) - 127).astype(np.float32)
+    bits = limits.view(np.uint32).copy()
+    bits[0xFF] = 0xFFFF_FFFF
+    return bits
+
+
 def _mx_clipped(x, scales: np.ndarray, fmt) -> tuple:
-    """(blocks whose max magnitude exceeds max_elem × scale, i.e. got saturated; blocks)."""
-    a = np.abs(np.asarray(x, np.float32))  # |x| and the max are exact in float32
-    a = np.moveaxis(a.reshape(a.shape[0], -1, fmt.block_size, *a.shape[2:]), 2, -1)
-    amax = a.max(axis=-1).astype(np.float64)
-    codes = scales.astype(np.int64)
-    limit = np.ldexp(fmt.element.max_finite, codes - 127)
-    with np.errstate(invalid="ignore"):
-        clipped = (codes != 0xFF) & (amax > limit)
-    return int(np.count_nonzero(clipped)), int(codes.size)
+    """(blocks whose max magnitude exceeds max_elem × scale, i.e. got saturated; blocks).
+    ``x``: a piece with the blocks along axis 1; ``scales`` its E8M0 codes."""
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
+    mag = x.view(np.uint32) & np.uint32(0x7FFF_FFFF)
+    amax = mag.reshape(x.shape[0], -1, fmt.block_size, *x.shape[2:]).max(axis=2)
+    clipped = amax > _clip_limits(fmt)[scales.reshape(amax.shape)]
+    return int(np.count_nonzero(clipped)), int(scales.size)
 
 
 def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,

@@ -42,16 +42,33 @@ class ErrorStats:
         self.nan_blocks = 0  # MX blocks with the NaN scale (0xFF)
         self.clipped = 0
         self.clip_total = 0
+        self._buf = None
+
+    def _scratch(self, n: int) -> tuple:
+        """Two float64 work arrays of ``n`` elements, reused across pieces (a fresh 8 MB
+        array costs page faults on every touch)."""
+        if self._buf is None or self._buf[0].size < n:
+            self._buf = (np.empty(n, np.float64), np.empty(n, np.float64), np.empty(n, np.float64))
+        return tuple(b[:n] for b in self._buf)
 
     def update(self, x, q) -> None:
         """Adds a piece: ``x`` the original values, ``q`` the decoded quantized ones."""
-        x = np.array(x, np.float64).reshape(-1)  # own copies, modified in place below
-        q = np.array(q, np.float64).reshape(-1)
-        fx, fq = np.isfinite(x), np.isfinite(q)
-        ok = fx & fq
-        if not ok.all():
-            bad = ~ok
-            xb, qb, fxb, fqb = x[bad], q[bad], fx[bad], fq[bad]
+        x, q = np.asarray(x).reshape(-1), np.asarray(q).reshape(-1)
+        if x.dtype not in (np.float32, np.float64):
+            x = x.astype(np.float32)
+        xd, ed, tmp = self._scratch(x.size)
+        np.copyto(xd, x)
+        np.copyto(ed, q)
+        np.subtract(xd, ed, out=ed)  # x − q, exact in float64 for float32 x and q
+        # Squares and pairwise sums (NumPy's reduce), not BLAS dot: as exact, and no
+        # thread pool to wake on a busy machine.
+        sum_x2 = float(np.add.reduce(np.square(xd, out=tmp)))
+        sum_e2 = float(np.add.reduce(np.square(ed, out=tmp)))
+        if not (math.isfinite(sum_x2) and math.isfinite(sum_e2)):  # some element is not
+            qd = np.asarray(q, np.float64)
+            fx, fq = np.isfinite(xd), np.isfinite(qd)
+            bad = ~(fx & fq)
+            xb, qb, fxb, fqb = xd[bad], qd[bad], fx[bad], fq[bad]
             inf_x = np.isinf(xb)
             self.nonfinite += int(xb.size)
             self.nan_in += int(np.count_nonzero(np.isnan(xb)))
@@ -60,18 +77,21 @@ class ErrorStats:
             self.finite_to_nonfinite += int(np.count_nonzero(fxb & ~fqb))
             same = (np.isnan(xb) & np.isnan(qb)) | (xb == qb)
             self.nonfinite_changed += int(np.count_nonzero(~fxb & ~same))
-            x, q = x[ok], q[ok]
-        del ok, fx, fq
-        err = np.subtract(x, q, out=q)
-        np.abs(err, out=err)
-        self.count += x.size
-        self.sum_x2 += float(np.dot(x, x))
-        self.sum_e2 += float(np.dot(err, err))
-        if err.size:
-            self.max_abs = max(self.max_abs, float(err.max()))
-            np.abs(x, out=x)
-            rel = np.divide(err, x, out=np.zeros_like(err), where=x != 0)
-            self.max_rel = max(self.max_rel, float(rel.max()))
+            xd, ed = xd[~bad], ed[~bad]
+            tmp = tmp[: xd.size]
+            sum_x2 = float(np.add.reduce(np.square(xd, out=tmp)))
+            sum_e2 = float(np.add.reduce(np.square(ed, out=tmp)))
+        self.count += xd.size
+        self.sum_x2 += sum_x2
+        self.sum_e2 += sum_e2
+        if ed.size and sum_e2 > 0:
+            np.abs(ed, out=ed)
+            self.max_abs = max(self.max_abs, float(ed.max()))
+            np.abs(xd, out=xd)
+            # |x| = 0 only where q = 0 too (e = 0): dividing by the smallest double keeps 0.
+            np.maximum(xd, 5e-324, out=xd)
+            np.divide(ed, xd, out=ed)
+            self.max_rel = max(self.max_rel, float(ed.max()))
 
     def add_clipped(self, clipped: int, total: int) -> None:
         self.clipped += int(clipped)
