@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 
 import lowprec
+import ml_dtypes
+
 from lowprec.checkpoint import SafetensorsReader, SafetensorsWriter
+from lowprec.checkpoint._safetensors import dtype_name
 from lowprec.cli import main
 
 
@@ -88,7 +91,12 @@ def test_dequantize_and_inspect(tmp_path, ckpt, capsys):
         (["quantize", "{in}", "{exists}", "-f", "mxfp4"], "already exists"),
         (["quantize", "{pt}", "{out}", "-f", "mxfp4"], "pickle"),
         (["quantize", "{in}", "{out}", "-f", "mxfp8", "--layout", "gpt-oss"], "MXFP4 only"),
-        (["quantize", "{in}", "{out}", "-f", "nf4"], "unknown checkpoint format"),
+        (["quantize", "{in}", "{out}", "-f", "mxfp4", "--axis", "5"], "axis 5 is out of range"),
+        (["quantize", "{in}", "{out}", "-f", "mxfp4", "--include", "nomatch"],
+         "--include 'nomatch' matches none of the 3 tensor names"),
+        (["quantize", "{in}", "{out}", "-f", "bf16", "--axis", "0"], "MX formats only"),
+        (["quantize", "{in}", "{out}", "-f", "mxfp4", "--report", "{in}"], "is the input file"),
+        (["dequantize", "{in}", "{out}"], "holds no quantized tensors"),
         (["inspect", "{junk}"], "not a safetensors file"),
         (["dequantize", "{in}", "{out}", "--dtype", "int8"], "not a supported output dtype"),
     ],
@@ -107,15 +115,132 @@ def test_errors_exit_1_with_message(tmp_path, ckpt, capsys, args, phrase):
     assert phrase in err and err.startswith(f"lowprec {args[0]}: error:")
     assert (tmp_path / "exists.safetensors").read_bytes() == b"keep me"
     assert not (tmp_path / "out.safetensors").exists()
+    assert "Traceback" not in err
 
 
-def test_usage_errors_exit_2(capsys):
+@pytest.mark.parametrize("args,phrase", [
+    (["quantize", "a.safetensors"], "required"),
+    (["quantize", "a", "b", "-f", "mxfp4", "--scale-rule", "nearest"],
+     "argument --scale-rule: unknown scale_rule 'nearest'"),
+    (["quantize", "a", "b", "-f", "nf4"], "argument --format/-f: unknown checkpoint format 'nf4'"),
+    (["quantize", "a", "b", "-f", "tf32"], "format 'tf32' is not a checkpoint storage format"),
+    (["quantize", "a", "b", "-f", "ue8m0"], "(e8m0) is not a checkpoint storage format"),
+    (["quantize", "a", "b", "-f", "mxfp4", "--layout", "hf"], "unknown layout 'hf'"),
+    (["quantize", "a", "b", "-f", "e4m3", "--fp8-scale", "row"], "unknown fp8_scale 'row'"),
+])
+def test_usage_errors_exit_2(capsys, args, phrase):
+    """Bad option values exit 2 with the library's own validation message."""
     with pytest.raises(SystemExit) as e:
-        main(["quantize", "a.safetensors"])
+        main(args)
     assert e.value.code == 2
-    with pytest.raises(SystemExit) as e:
-        main(["quantize", "a", "b", "-f", "mxfp4", "--scale-rule", "nearest"])
-    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    assert phrase in capsys.readouterr().err
+
+
+def test_library_format_names_and_old_names(tmp_path, ckpt, capsys):
+    """The CLI takes the library's names; old checkpoint names still read and mean the same."""
+    path, _ = ckpt
+    outs = {}
+    for name in ("e4m3", "fp8_e4m3", "float8_e4m3fn"):
+        outs[name] = tmp_path / f"{name}.safetensors"
+        assert main(["quantize", str(path), str(outs[name]), "-f", name, "-q"]) == 0
+    data = {n: p.read_bytes() for n, p in outs.items()}
+    assert data["e4m3"] == data["fp8_e4m3"] == data["float8_e4m3fn"]
+    with SafetensorsReader(outs["e4m3"]) as r:
+        meta = json.loads(r.metadata["lowprec.tensors"])
+        tensors = {k: r.read(k) for k in r.tensors}
+        metadata = dict(r.metadata)
+    assert {e["format"] for e in meta.values()} == {"e4m3"}
+    # A file written by an earlier lowprec says "fp8_e4m3": it still reads, as e4m3.
+    old = tmp_path / "old.safetensors"
+    for e in meta.values():
+        e["format"] = "fp8_e4m3"
+    metadata["lowprec.tensors"] = json.dumps(meta)
+    with SafetensorsWriter(old, [(k, dtype_name(v.dtype), v.shape) for k, v in tensors.items()],
+                           metadata) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+    assert main(["inspect", str(old), "--json"]) == 0
+    rows = {e["name"]: e for e in json.loads(capsys.readouterr().out)["tensors"]}
+    assert rows["model.layers.0.self_attn.o_proj.weight"]["format"] == "e4m3"
+    back_old, back_new = tmp_path / "b1.safetensors", tmp_path / "b2.safetensors"
+    assert main(["dequantize", str(old), str(back_old), "-q"]) == 0
+    assert main(["dequantize", str(outs["e4m3"]), str(back_new), "-q"]) == 0
+    assert back_old.read_bytes() == back_new.read_bytes()
+
+
+def test_inf_weights_are_not_reported_exact(tmp_path, capsys):
+    """+inf cast with saturation to bf16 max: not 'exact, max abs err 0'."""
+    x = np.ones((4, 32), np.float32)
+    x[0, 0], x[1, 1] = np.inf, -np.inf
+    path = tmp_path / "m.safetensors"
+    with SafetensorsWriter(path, [("w", "F32", x.shape)]) as w:
+        w.write("w", x)
+    out, rep = tmp_path / "q.safetensors", tmp_path / "r.json"
+    assert main(["quantize", str(path), str(out), "-f", "bf16", "--include", "w",
+                 "--report", str(rep)]) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("w "))
+    assert "exact" not in row and "2 inf->max" in row and "0*" in row
+    assert "their SQNR and errors are over the elements finite" in table
+    entry = json.loads(rep.read_text())["tensors"][0]
+    assert entry["exact"] is False and entry["inf_saturated"] == 2 and entry["nonfinite"] == 2
+    stored = SafetensorsReader(out).read("w").astype(np.float32)
+    assert stored[0, 0] == float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)  # what "->max" says
+
+
+def test_nan_blocks_show_in_the_table(tmp_path, capsys):
+    x = np.ones((2, 64), np.float32)
+    x[0, 3] = np.nan
+    x[1, 40] = np.inf
+    path = tmp_path / "m.safetensors"
+    with SafetensorsWriter(path, [("w", "F32", x.shape)]) as w:
+        w.write("w", x)
+    assert main(["quantize", str(path), str(tmp_path / "q.safetensors"), "-f", "mxfp8",
+                 "--include", "w"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("w "))
+    # two blocks got the NaN scale; their 62 finite elements now decode to NaN
+    assert "2 NaN blocks" in row and "62 finite->NaN" in row and "exact" not in row
+
+
+def test_metadata_claiming_a_non_float_dtype_is_a_clean_error(tmp_path, ckpt, capsys):
+    path, _ = ckpt
+    q = tmp_path / "q.safetensors"
+    assert main(["quantize", str(path), str(q), "-f", "mxfp4", "-q"]) == 0
+    with SafetensorsReader(q) as r:
+        tensors = {k: r.read(k) for k in r.tensors}
+        metadata = dict(r.metadata)
+    meta = json.loads(metadata["lowprec.tensors"])
+    meta["model.layers.0.self_attn.o_proj.weight"]["dtype"] = "I64"
+    metadata["lowprec.tensors"] = json.dumps(meta)
+    bad = tmp_path / "bad.safetensors"
+    with SafetensorsWriter(bad, [(k, dtype_name(v.dtype), v.shape) for k, v in tensors.items()],
+                           metadata) as w:
+        for k, v in tensors.items():
+            w.write(k, v)
+    for cmd in (["inspect", str(bad)], ["dequantize", str(bad), str(tmp_path / "d.safetensors")]):
+        assert main(cmd) == 1
+        err = capsys.readouterr().err
+        assert "claims original dtype 'I64'" in err and "Traceback" not in err
+    assert not (tmp_path / "d.safetensors").exists()
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`lowprec inspect f | head -1`: no BrokenPipeError traceback."""
+    path = tmp_path / "many.safetensors"
+    names = [f"model.layers.{i}.mlp.gate_proj.weight" for i in range(3000)]
+    with SafetensorsWriter(path, [(n, "F32", (1,)) for n in names]) as w:
+        for n in names:
+            w.write(n, np.ones(1, np.float32))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "lowprec", "inspect", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `head -1` does after its line
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert first.startswith(b"tensor")
+    assert proc.returncode == 141, err
+    assert err == ""
 
 
 def test_python_dash_m_entry_point(tmp_path, ckpt):

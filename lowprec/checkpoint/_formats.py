@@ -64,8 +64,9 @@ def canonical_format(name) -> str:
             f"unknown checkpoint format {name!r}; choose one of: {', '.join(FORMATS)}"
         ) from None
     if fmt.name not in FORMATS:
+        alias = f" ({fmt.name})" if name != fmt.name else ""
         raise CheckpointError(
-            f"format {name!r} ({fmt.name}) is not a checkpoint storage format; choose one "
+            f"format {name!r}{alias} is not a checkpoint storage format; choose one "
             f"of: {', '.join(FORMATS)}"
         )
     return fmt.name
