@@ -23,6 +23,8 @@ Usage::
     python benchmarks/bench_checkpoint.py                      # 1 GiB, mxfp8_e4m3 and mxfp4
     python benchmarks/bench_checkpoint.py --size-mib 64 --formats mxfp4   # a quick look
     python benchmarks/bench_checkpoint.py --json out/bench_checkpoint.json
+    git archive 766180e lowprec | tar -x -C /tmp/old &&     # against an older version
+        python benchmarks/bench_checkpoint.py --baseline /tmp/old --rounds 3
 """
 
 from __future__ import annotations
@@ -56,12 +58,16 @@ def make_checkpoint(path: str, name: str, shape, seed: int) -> None:
             w.write(name, rng.standard_normal(n, dtype=np.float32))
 
 
-def run(cmd) -> dict:
-    """Runs ``cmd``; returns wall seconds, peak RSS bytes and the load average."""
+def run(cmd, pythonpath=None, cwd=None) -> dict:
+    """Runs ``cmd`` in ``cwd`` (not the repository root, whose ``lowprec/`` would shadow
+    ``pythonpath`` under ``python -m``); returns wall seconds, peak RSS bytes and the load."""
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd or tempfile.gettempdir(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -70,6 +76,12 @@ def run(cmd) -> dict:
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err}")
     return {"seconds": seconds, "peak_rss": usage.ru_maxrss * 1024, "load": load}
+
+
+def median(values):
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
 
 
 def main(argv=None):
@@ -81,6 +93,13 @@ def main(argv=None):
     ap.add_argument("--dir", default=None, help="work folder (default: new folder in /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
     ap.add_argument("--json", default=None, help="also save the results here")
+    ap.add_argument("--rounds", type=int, default=1, help="runs per row (median reported)")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="a source tree holding another lowprec version (e.g. `git archive REV "
+                         "lowprec | tar -x -C DIR`), run interleaved with this one on "
+                         "--baseline-cases: the 'vs baseline' column is the median per-round "
+                         "speed ratio")
+    ap.add_argument("--baseline-cases", nargs="+", default=["axis-1"])
     args = ap.parse_args(argv)
 
     work = args.dir or tempfile.mkdtemp(prefix="lowprec-bench-ckpt-")
@@ -108,29 +127,48 @@ def main(argv=None):
               f"import-only peak RSS {floor['peak_rss'] / 1e6:.0f} MB; "
               f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
         header = ("case", "format", "op", "MB/s", "copy MB/s", "peak RSS MB", "bound MB", "ok",
-                  "load")
+                  "vs baseline", "baseline peak RSS MB", "load")
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
         for case in args.cases:
             src = files["1d" if case == "1d" else "2d"]
             tensor_bytes = os.path.getsize(src)  # header is tiny
             extra = {"axis-1": [], "axis0": ["--axis", "0"], "1d": ["--include", "weight"]}[case]
+            base = args.baseline if case in args.baseline_cases else None
             for fmt in args.formats:
                 q = os.path.join(work, f"{case}-{fmt}.safetensors")
                 d = os.path.join(work, f"{case}-{fmt}-back.safetensors")
                 ops = [("quantize", py + ["quantize", src, q, "-f", fmt, "-q", "--force", *extra]),
                        ("dequantize", py + ["dequantize", q, d, "-q", "--force"])]
                 for op, cmd in ops:
-                    r = run(cmd)
+                    ours, theirs = [], []
+                    for k in range(args.rounds):
+                        order = [("ours", None), ("base", base)] if base else [("ours", None)]
+                        for who, pp in (order if k % 2 == 0 else order[::-1]):
+                            (ours if who == "ours" else theirs).append(run(cmd, pp))
+                        if base:  # leave our own output for the next step
+                            run(cmd)
+                    r = {"seconds": median([x["seconds"] for x in ours]),
+                         "peak_rss": max(x["peak_rss"] for x in ours),
+                         "load": median([x["load"] for x in ours])}
                     bound = tensor_bytes + BOUND_EXTRA
                     row = {"case": case, "format": fmt, "op": op, "tensor_bytes": tensor_bytes,
                            "MBps": tensor_bytes / r["seconds"] / 1e6,
                            "copy_MBps": tensor_bytes / copy_s["1d" if case == "1d" else "2d"] / 1e6,
-                           "bound_bytes": bound, "ok": r["peak_rss"] <= bound, **r}
+                           "bound_bytes": bound, "ok": r["peak_rss"] <= bound, **r,
+                           "runs": ours, "baseline_runs": theirs}
+                    ratio = rss_base = ""
+                    if theirs:
+                        row["speed_vs_baseline"] = median(
+                            [b["seconds"] / a["seconds"] for a, b in zip(ours, theirs)])
+                        row["baseline_peak_rss"] = max(b["peak_rss"] for b in theirs)
+                        ratio = f"{row['speed_vs_baseline']:.2f}x"
+                        rss_base = f"{row['baseline_peak_rss'] / 1e6:.0f}"
                     rows.append(row)
                     print(f"| {case} | {fmt} | {op} | {row['MBps']:.0f} | {row['copy_MBps']:.0f} | "
                           f"{r['peak_rss'] / 1e6:.0f} | {bound / 1e6:.0f} | "
-                          f"{'yes' if row['ok'] else 'NO'} | {r['load']:.2f} |", flush=True)
+                          f"{'yes' if row['ok'] else 'NO'} | {ratio} | {rss_base} | "
+                          f"{r['load']:.2f} |", flush=True)
                 os.unlink(d)
                 os.unlink(q)
     finally:

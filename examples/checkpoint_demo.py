@@ -56,7 +56,7 @@ PAIRS = [
 # (label, format, options for quantize_checkpoint)
 CONFIGS = [
     ("bf16", "bf16", {}),
-    ("fp8_e4m3 (per-tensor scale)", "fp8_e4m3", {}),
+    ("e4m3 (per-tensor scale)", "e4m3", {}),
     ("mxfp8_e4m3 floor", "mxfp8_e4m3", {"scale_rule": "floor"}),
     ("mxfp8_e4m3 rceil", "mxfp8_e4m3", {"scale_rule": "rceil"}),
     ("mxfp8_e5m2 floor", "mxfp8_e5m2", {"scale_rule": "floor"}),

@@ -19,7 +19,6 @@ The rule every lowprec output follows (checkpoint files, index files, copied fil
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import weakref
@@ -238,7 +237,7 @@ class AtomicFile:
     """
 
     def __init__(self, path, *, force: bool = False, inputs: Optional[Inputs] = None,
-                 what: str = "output", size: Optional[int] = None):
+                 what: str = "output"):
         self.path = os.path.abspath(os.fspath(path))
         self._force = force
         self._inputs = inputs
@@ -260,16 +259,6 @@ class AtomicFile:
                 self._temp, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o666
             )
         _LIVE.add(self)
-        if size:
-            try:  # fail now, not halfway, when the disk is full
-                os.posix_fallocate(self._fd, 0, size)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    self.abort()
-                    raise CheckpointError(
-                        f"{self.path}: not enough disk space for {size:,} bytes"
-                    ) from None
-                # file systems without fallocate: fine, writes will tell
 
     @property
     def anonymous(self) -> bool:
@@ -284,7 +273,11 @@ class AtomicFile:
         view = memoryview(data).cast("B")
         done = 0
         while done < len(view):
-            done += os.pwrite(self._fd, view[done:], offset + done)
+            if hasattr(os, "pwrite"):
+                done += os.pwrite(self._fd, view[done:], offset + done)
+            else:  # pragma: no cover - Windows
+                os.lseek(self._fd, offset + done, os.SEEK_SET)
+                done += os.write(self._fd, view[done:])
 
     def write(self, data) -> int:
         """Appends ``data`` after the last :meth:`write` (independent of :meth:`pwrite`)."""

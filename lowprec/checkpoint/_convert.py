@@ -233,8 +233,7 @@ class _Outputs:
 
 
 def _copy_file(src: str, dst: str, outs: OutputSet, o: _Outputs, bar) -> None:
-    size = os.stat(src).st_size
-    f = outs.add(AtomicFile(dst, force=o.force, inputs=o.source.inputs, size=size))
+    f = outs.add(AtomicFile(dst, force=o.force, inputs=o.source.inputs))
     with open(src, "rb") as inp:
         pos = 0
         while True:

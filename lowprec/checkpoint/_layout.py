@@ -42,7 +42,7 @@ from ._formats import (
     check_layout,
     check_scale_rule,
 )
-from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
+from ._safetensors import FLOAT_DTYPES, nbytes_of
 
 BLOCK = 32  # the MX block size of every MX format (OCP MX v1.0)
 

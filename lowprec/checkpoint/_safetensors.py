@@ -437,7 +437,7 @@ class SafetensorsWriter:
         for name in self._order:
             self._begin[name] = data_start + header[name]["data_offsets"][0]
         self.size = data_start + offset
-        self._file = AtomicFile(self.path, force=force, inputs=inputs, size=self.size)
+        self._file = AtomicFile(self.path, force=force, inputs=inputs)
         self._file.pwrite(struct.pack("<Q", len(text)) + text, 0)
         self._cursor = dict.fromkeys(self._order, 0)
 
