@@ -711,3 +711,56 @@ def test_tampered_metadata_is_reported(tmp_path, model):
             w.write(k, v)
     with pytest.raises(CheckpointError, match="experts.w_elements.*needs U8"):
         load_checkpoint(bad)
+
+
+# -- what the library's own checks mean for files ---------------------------------------
+def test_half_precision_nan_blocks_match_the_in_memory_api(tmp_path):
+    """BF16/F16 tensors go to quantize_mx in their own dtype (widened with integer bit
+    operations there): NaNs of any sign and payload make exactly their block a NaN block,
+    and the report counts them; every other byte equals the in-memory API's."""
+    rng = np.random.default_rng(7)
+    t = {}
+    for dt, bits_dt, nans in ((ml_dtypes.bfloat16, np.uint16, [0x7FC0, 0xFFC1, 0x7F81]),
+                              (np.float16, np.uint16, [0x7E00, 0xFE01, 0x7C01])):
+        x = rng.standard_normal((4, 64)).astype(dt)
+        raw = x.view(bits_dt)
+        raw[1, 0], raw[1, 5], raw[3, 40] = nans  # blocks (1, 0) and (3, 1)
+        t[f"w_{np.dtype(dt).name}"] = x
+    path = tmp_path / "m.safetensors"
+    save(path, t)
+    rep = quantize_checkpoint(path, tmp_path / "q.safetensors", "mxfp8", include="w")
+    stored = raw_tensors(tmp_path / "q.safetensors")
+    for r in rep.tensors:
+        x = t[r.name]
+        mx = lowprec.quantize_mx(jnp.asarray(x), "mxfp8")
+        np.testing.assert_array_equal(stored[f"{r.name}_elements"], np.asarray(mx.elements))
+        np.testing.assert_array_equal(stored[f"{r.name}_scales"], np.asarray(mx.scales))
+        scales = stored[f"{r.name}_scales"]
+        assert sorted(zip(*np.nonzero(scales == 0xFF))) == [(1, 0), (3, 1)]
+        assert (r.nan_blocks, r.nan_in, r.finite_to_nonfinite) == (2, 3, 61)
+        assert not r.exact and "2 NaN blocks" in r.nonfinite_text()
+
+
+def test_f16_nan_and_inf_through_a_cast(tmp_path):
+    x = np.array([[1.0, np.nan, -np.inf, 65504.0] * 8], np.float16)
+    x.view(np.uint16)[0, 5] = 0xFE01  # a negative NaN with a payload
+    path = tmp_path / "m.safetensors"
+    save(path, {"w": x})
+    rep = quantize_checkpoint(path, tmp_path / "b.safetensors", "bf16", include="w")
+    got = raw_tensors(tmp_path / "b.safetensors")["w"].astype(np.float32)
+    assert np.isnan(got[0, 1::4]).all()  # NaN stays NaN
+    bf16_max = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    assert (got[0, 2::4] == -bf16_max).all()  # -inf saturates (the cast is saturating)
+    r = rep.tensors[0]
+    assert (r.nan_in, r.inf_in, r.inf_saturated, r.exact) == (8, 8, 8, False)
+    assert r.nonfinite_text() == "8 inf->max, 8 NaN in"
+
+
+def test_decoding_mismatched_parts_is_a_checkpoint_error():
+    """Whatever gets past the file checks, MXArray's own validation becomes a clean error."""
+    from lowprec.checkpoint import dequantize_chunk, make_spec
+
+    spec = make_spec("mxfp8", (2, 64), "F32")
+    parts = {"elements": np.zeros((2, 64), np.uint8), "scales": np.zeros((2, 3), np.uint8)}
+    with pytest.raises(CheckpointError, match="cannot decode mxfp8_e4m3"):
+        dequantize_chunk(parts, spec, (2, 64, 1), np.float32)

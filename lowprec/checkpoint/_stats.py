@@ -54,11 +54,10 @@ class ErrorStats:
     def update(self, x, q) -> None:
         """Adds a piece: ``x`` the original values, ``q`` the decoded quantized ones."""
         x, q = np.asarray(x).reshape(-1), np.asarray(q).reshape(-1)
-        if x.dtype not in (np.float32, np.float64):
-            x = x.astype(np.float32)
         xd, ed, tmp = self._scratch(x.size)
-        np.copyto(xd, x)
-        np.copyto(ed, q)
+        with np.errstate(invalid="ignore"):  # signaling NaNs raise "invalid" when converted
+            np.copyto(xd, x if x.dtype in (np.float32, np.float64) else x.astype(np.float32))
+            np.copyto(ed, q)
         np.subtract(xd, ed, out=ed)  # x − q, exact in float64 for float32 x and q
         # Squares and pairwise sums (NumPy's reduce), not BLAS dot: as exact, and no
         # thread pool to wake on a busy machine.
