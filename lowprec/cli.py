@@ -47,19 +47,12 @@ from .checkpoint import (
     inspect_checkpoint,
     quantize_checkpoint,
 )
-from .checkpoint._atomic import abort_all
+from .checkpoint import _atomic
+from .checkpoint._atomic import Interrupted, abort_all
 from .checkpoint._formats import FP8_SCALINGS, check_fp8_scale, check_layout, check_scale_rule
 
 _SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 _EXIT_BROKEN_PIPE = 128 + 13  # as a process killed by SIGPIPE
-
-
-class Interrupted(BaseException):
-    """Raised in the main thread by a caught SIGINT/SIGTERM/SIGHUP."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 def _checked(fn):
@@ -158,7 +151,9 @@ def _common(p):
 @contextlib.contextmanager
 def _signals_raise():
     """While active, SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted` in the main thread
-    (once: further ones are ignored so that cleanup finishes)."""
+    (once: further ones are ignored so that cleanup finishes). The signal is also recorded,
+    and every output write checks it: an exception raised while Python runs a gc callback
+    is dropped, not propagated."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -166,16 +161,26 @@ def _signals_raise():
     def handler(signum, frame):
         for s in _SIGNALS:
             signal.signal(s, signal.SIG_IGN)
+        _atomic.pending_signal = signum  # in case the exception below gets swallowed
         raise Interrupted(signum)
+
+    hook = sys.unraisablehook
+
+    def quiet_hook(unraisable):  # the dropped Interrupted is handled via the flag: no noise
+        if not isinstance(unraisable.exc_value, Interrupted):
+            hook(unraisable)
 
     previous = {s: signal.getsignal(s) for s in _SIGNALS}
     try:
+        sys.unraisablehook = quiet_hook
         for s in _SIGNALS:
             signal.signal(s, handler)
         yield
     finally:
+        _atomic.pending_signal = None
         for s, h in previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
+        sys.unraisablehook = hook
 
 
 def _print(text: str) -> int:
@@ -215,6 +220,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except Interrupted:
                 abort_all()
                 raise
+            late = _atomic.pending_signal  # caught, but its exception was dropped
+        if late is not None:
+            print(f"lowprec {args.command}: interrupted by {signal.Signals(late).name} after "
+                  "the output was complete", file=sys.stderr)
+            return 128 + late
     except Interrupted as e:
         name = signal.Signals(e.signum).name
         print(f"lowprec {args.command}: interrupted by {name}; unfinished output removed",

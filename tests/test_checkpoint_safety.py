@@ -353,6 +353,43 @@ def test_sigkill_mid_write_leaves_at_most_a_recognisable_temp_removed_by_the_nex
     assert listing(out_dir) == ["q.safetensors", "r.json"]
 
 
+def test_signal_whose_exception_python_drops_still_stops_the_run(tmp_path, model, monkeypatch,
+                                                               capsys):
+    """A signal handled while Python runs a gc callback: the exception raised by the
+    handler is dropped (JAX registers such a callback), so the run must notice the
+    recorded signal at its next write and stop cleanly all the same."""
+    import gc
+
+    calls = []
+    real = convert_mod.quantize_chunk
+
+    def callback(phase, info):
+        if phase == "start" and calls == [1, 1] and len(calls) == 2:
+            calls.append("signalled")
+            signal.raise_signal(signal.SIGTERM)  # its exception cannot leave a gc callback
+
+    def second_piece_triggers_gc(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            gc.callbacks.append(callback)
+            try:
+                gc.collect()
+            finally:
+                gc.callbacks.remove(callback)
+        return real(*a, **k)
+
+    monkeypatch.setattr(convert_mod, "quantize_chunk", second_piece_triggers_gc)
+    out = tmp_path / "out.safetensors"
+    status = main(["quantize", str(model), str(out), "-f", "mxfp4", "--report",
+                   str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert "signalled" in calls
+    assert status == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM; unfinished output removed" in err and "Traceback" not in err
+    assert listing(tmp_path) == ["model.safetensors"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+
 def test_dequantize_follows_the_same_rules(tmp_path, model):
     q = tmp_path / "q.safetensors"
     quantize_checkpoint(model, q, "mxfp4")

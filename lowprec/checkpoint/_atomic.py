@@ -35,6 +35,26 @@ _LIVE: "weakref.WeakSet[AtomicFile]" = weakref.WeakSet()
 _TMPFILE_OK: dict = {}  # st_dev of a directory -> whether O_TMPFILE + linkat work there
 
 
+class Interrupted(BaseException):
+    """A caught SIGINT/SIGTERM/SIGHUP (see :mod:`lowprec.cli`): unfinished outputs are
+    aborted on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# Set by the command line's signal handler. The handler also raises Interrupted, but Python
+# drops exceptions raised where it cannot propagate them (a gc callback, a __del__), so
+# every write, stage and publish checks the flag as well.
+pending_signal: Optional[int] = None
+
+
+def raise_if_interrupted() -> None:
+    if pending_signal is not None:
+        raise Interrupted(pending_signal)
+
+
 def temp_path(path: str, pid: Optional[int] = None) -> str:
     """The recognisable temp-file name lowprec uses while writing ``path``.
 
@@ -270,6 +290,7 @@ class AtomicFile:
 
     def pwrite(self, data, offset: int) -> None:
         """Writes all of ``data`` (bytes-like) at byte ``offset``."""
+        raise_if_interrupted()
         view = memoryview(data).cast("B")
         done = 0
         while done < len(view):
@@ -288,6 +309,7 @@ class AtomicFile:
 
     def stage(self) -> None:
         """Makes the data durable under the temp name (closes the file)."""
+        raise_if_interrupted()
         if self.state != "open":
             raise CheckpointError(f"{self.path}: stage() after {self.state}")
         os.fsync(self._fd)
@@ -302,6 +324,7 @@ class AtomicFile:
 
     def publish(self) -> None:
         """Renames the staged temp file onto the destination."""
+        raise_if_interrupted()
         if self.state != "staged":
             raise CheckpointError(f"{self.path}: publish() before stage()")
         # Check again: the destination may have been created or swapped meanwhile.
