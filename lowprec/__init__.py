@@ -30,14 +30,32 @@ from ._matmul import dot_general, matmul, mxfp4_gemv
 from ._mx import MXArray, dequantize, fake_quantize_mx, quantize_mx, shared_exponents
 from ._pack import pack_fp4, unpack_fp4
 from ._qdot import BACKWARD_MODES, OPERAND_FORMAT_NAMES
+from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, OCP_MXFP8, RECIPES, Recipe
 from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES
 from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
 
 __version__ = "0.1.0"
 
+_OPTIONAL_SUBMODULES = ("flax", "optim")  # need the `training` extra (flax, optax)
+
+
+def __getattr__(name):
+    # `lowprec.flax` / `lowprec.optim` import on first use, so `import lowprec` needs neither.
+    if name in _OPTIONAL_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "BACKWARD_MODES",
     "DEFAULT_SCALE_RULE",
+    "FP8_HYBRID",
+    "NVIDIA_MXFP8",
+    "OCP_MXFP8",
+    "RECIPES",
+    "Recipe",
     "ELEMENT_FORMAT_NAMES",
     "MX_FORMAT_NAMES",
     "OPERAND_FORMAT_NAMES",

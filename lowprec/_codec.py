@@ -138,7 +138,7 @@ def encode_bits(
         # bits of the magnitude. Rounding them carries into the exponent field by itself
         # (subnormals included) and, past the largest finite value, onto the infinity
         # pattern exactly when IEEE 754 §7.4 overflows to infinity for the mode.
-        shift = jnp.full(mag.shape, in_mant - fmt.mantissa_bits, jnp.int32)
+        shift = jnp.full_like(mag, in_mant - fmt.mantissa_bits, dtype=jnp.int32)
         code = round_shift(mag, shift, sign, rounding)
         if overflow == "saturate":
             code = jnp.minimum(code, fmt.max_magnitude_code)  # ±inf → ±max too
@@ -180,7 +180,7 @@ def encode_bits(
         fmt.inf_code if fmt.inf else fmt.nan_code if fmt.nan != "none" else max_code
     )
     if overflow == "saturate":
-        to_inf = jnp.zeros(code.shape, bool)
+        to_inf = jnp.zeros_like(code, dtype=bool)
     else:
         to_inf = rounds_away_on_overflow(rounding, sign)
     code = jnp.where(code > max_code, jnp.where(to_inf, overflow_code, max_code), code)

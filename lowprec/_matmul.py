@@ -30,6 +30,7 @@ from ._qdot import (
     shape_of,
 )
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule
+from ._sharding import check_dot_operand
 
 Operand = Union[jax.Array, MXArray]
 
@@ -143,6 +144,9 @@ def dot_general(
     (lc, rc), _ = dn
     lhs, spec = _check_operand(lhs, spec, "lhs", lc)
     rhs, spec = _check_operand(rhs, spec, "rhs", rc)
+    for role, x, contract in (("lhs", lhs, lc), ("rhs", rhs, rc)):
+        cast = getattr(spec, role)  # MX blocks must not straddle shard boundaries
+        check_dot_operand(x, None if cast is None else cast.fmt, contract, role)
     k = math.prod(lhs_shape[d] for d in lc)
     for role, x in (("lhs", lhs), ("rhs", rhs)):
         cast = getattr(spec, role)

@@ -31,6 +31,7 @@ from ._scale_rules import (
     check_scale_rule,
     scale_codes_of_amax,
 )
+from ._sharding import check_mx_input
 
 
 @functools.partial(
@@ -231,6 +232,7 @@ def quantize_mx(
     cast.check_key(key)
     x = jnp.asarray(x)
     axis, n, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "quantize_mx")
+    check_mx_input(x, cast.fmt, axis)  # MX blocks must not straddle shard boundaries
     elements, scales = _quantize_mx_jit(x, cast, axis, padded, key)
     return MXArray(elements, scales, cast.fmt, axis, tuple(x.shape), cast.scale_rule)
 

@@ -61,9 +61,9 @@ def rounds_away_on_overflow(rounding: str, sign):
     ``up`` does for positive values and ``down`` for negative ones.
     """
     if rounding in ("nearest_even", "nearest_away", "stochastic"):
-        return jnp.ones(jnp.shape(sign), bool)
+        return jnp.ones_like(sign, dtype=bool)  # *_like: keeps sign's sharding
     if rounding == "toward_zero":
-        return jnp.zeros(jnp.shape(sign), bool)
+        return jnp.zeros_like(sign, dtype=bool)
     if rounding == "up":
         return sign == 0
     if rounding == "down":

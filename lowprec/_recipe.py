@@ -1,0 +1,544 @@
+"""Training recipes: which formats a model's matmuls use, forward and backward.
+
+A :class:`Recipe` is a small frozen (hashable, jit-static) description of one low-precision
+matmul scheme, and the code that applies it to a ``lax.dot_general``-shaped call. It knows
+nothing of Flax; :mod:`lowprec.flax` plugs it into Flax layers.
+
+For ``y = dot(lhs, rhs)`` (activations x weights in a linear layer) a recipe fixes
+
+* the forward operand formats (``forward``: one format for both, or ``(lhs, rhs)``),
+* the backward pass: ``"ste"`` (exact float gradient of the quantized forward) or
+  ``"quantized"``: both backward dots quantized, the cotangent in ``grad`` and the operands
+  re-quantized in ``backward_operands`` (default: their forward formats), every operand
+  blocked along the reduction axis of its own backward dot (see :func:`lowprec.dot_general`),
+* the MX scale rule and element rounding of every quantization,
+* ``scaling``: MX formats carry their own block scales; element formats (``e4m3``, ...)
+  are either rounded as they are (``"none"``) or scaled per tensor by a power of two
+  (``"tensor"``: FP8 "current scaling"; the scale is the smallest power of two with
+  amax / scale <= max_elem, rounded up from the float32 quotient as the MX ``rceil`` rule does,
+  so multiplying by it is exact),
+* ``high_precision``: glob patterns of layer names (``"lm_head"``, ``"*/attn/*"``) that
+  :mod:`lowprec.flax` leaves in their own precision.
+
+Ready-made recipes:
+
+* :data:`OCP_MXFP8`: the OCP MX v1.0 scale rule (``floor``), MXFP8 E4M3 operands and MXFP8
+  E5M2 gradients (the usual FP8 split: precision forward, range backward).
+* :data:`NVIDIA_MXFP8`: NVIDIA's MXFP8 training recipe (Mishra et al., "Recipes for
+  Pre-training LLMs with MXFP8", 2025; Transformer Engine ``MXFP8BlockScaling``): ``rceil``
+  scales and E4M3 for every tensor, gradients included.
+* :data:`FP8_HYBRID`: FP8 without blocks (Micikevicius et al., "FP8 Formats for Deep
+  Learning", 2022; Transformer Engine ``Format.HYBRID``): E4M3 forward, E5M2 gradients,
+  each tensor scaled by one power of two computed from its current amax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import math
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._bits import E8M0_BIAS
+from ._format import ElementFormat, MXFormat
+from ._matmul import dot_general
+from ._qdot import _operand_cast
+from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, _rceil_code, check_scale_rule
+from ._sharding import check_contraction
+
+FormatLike = Union[None, str, ElementFormat, MXFormat]
+_Format = Union[None, ElementFormat, MXFormat]
+
+#: ``backward=`` choices of a :class:`Recipe` (as for :func:`lowprec.dot_general`).
+RECIPE_BACKWARD_MODES: tuple[str, ...] = ("ste", "quantized")
+#: ``scaling=`` choices: ``"none"`` or ``"tensor"`` (power-of-two per-tensor, element formats).
+SCALINGS: tuple[str, ...] = ("none", "tensor")
+#: Deterministic rounding modes a recipe accepts (matmul operands are rounded without a key).
+RECIPE_ROUNDINGS: tuple[str, ...] = ("nearest_even", "nearest_away", "toward_zero", "up", "down")
+_OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def _resolve_format(fmt, what: str) -> _Format:
+    """An operand format name/object → ElementFormat, MXFormat or None (dot_general's rules)."""
+    cast = _operand_cast(fmt, what, DEFAULT_SCALE_RULE, "nearest_even", "ieee")
+    return None if cast is None else cast.fmt
+
+
+def _pair(value, what: str) -> Tuple[_Format, _Format]:
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(
+                f"{what} takes one format for both operands or a pair (lhs, rhs), got {value!r}"
+            )
+        return (_resolve_format(value[0], f"{what}[0]"), _resolve_format(value[1], f"{what}[1]"))
+    fmt = _resolve_format(value, what)
+    return (fmt, fmt)
+
+
+def _name(fmt: _Format) -> str:
+    return "-" if fmt is None else fmt.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A low-precision matmul recipe (frozen and hashable: usable as a static jit argument).
+
+    Format arguments take a name (``"mxfp8_e4m3"``, ``"mxfp4"``, ``"e4m3"``, ``"bf16"`` ...),
+    a format object or ``None`` (leave the operand as it is); after construction they hold
+    format objects, so ``Recipe(forward="mxfp8") == Recipe(forward="mxfp8_e4m3")``.
+
+    Attributes:
+      forward: format of both forward operands, or a pair ``(lhs, rhs)``; stored as a pair.
+      grad: format of the cotangent in the backward dots (``backward="quantized"`` only).
+      backward: ``"quantized"`` or ``"ste"``; default ``"quantized"`` when ``grad`` or
+        ``backward_operands`` is given, else ``"ste"``.
+      backward_operands: formats the operands are re-quantized to in the backward dots (one
+        format or a pair); default: the forward formats.
+      scale_rule: MX scale rule of every block quantization (``"floor"``, ``"ceil"``,
+        ``"even"``, ``"rceil"``).
+      rounding: element rounding of every quantization (deterministic modes only).
+      scaling: ``"none"`` or ``"tensor"`` (per-tensor power-of-two scaling of element-format
+        operands; not allowed with MX formats, which carry block scales).
+      high_precision: glob patterns (:func:`fnmatch.fnmatchcase`, ``*`` also crosses ``/``)
+        of layer paths such as ``"block_0/mlp/up"`` that stay in their own precision.
+      pad: zero-pad contractions whose length is not a multiple of 32 (exact: zeros add
+        nothing). Default True, since a model's backward dots reduce over output features
+        and vocabulary sizes rarely are multiples of 32.
+      name: a label for tables and plots.
+
+    Example:
+        >>> r = Recipe(forward="mxfp8_e4m3", grad="mxfp8_e5m2", scale_rule="rceil")
+        >>> r.backward, r.forward[1].name, r.grad.name
+        ('quantized', 'mxfp8_e4m3', 'mxfp8_e5m2')
+        >>> r == Recipe(forward="mxfp8", grad="mxfp8_e5m2", scale_rule="rceil")
+        True
+    """
+
+    forward: Union[FormatLike, Tuple[FormatLike, FormatLike]] = None
+    grad: FormatLike = None
+    backward: Optional[str] = None
+    backward_operands: Union[str, FormatLike, Tuple[FormatLike, FormatLike]] = "forward"
+    scale_rule: Union[str, ScaleRule] = DEFAULT_SCALE_RULE
+    rounding: str = "nearest_even"
+    scaling: str = "none"
+    high_precision: Tuple[str, ...] = ()
+    pad: bool = True
+    name: str = ""
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        forward = _pair(self.forward, "forward")
+        set_("forward", forward)
+        set_("grad", _resolve_format(self.grad, "grad"))
+        explicit_bwd = not (isinstance(self.backward_operands, str) and self.backward_operands == "forward")
+        backward = self.backward
+        if backward is None:
+            backward = "quantized" if (self.grad is not None or explicit_bwd) else "ste"
+        if backward not in RECIPE_BACKWARD_MODES:
+            raise ValueError(
+                f"unknown backward mode {backward!r}; valid modes: {RECIPE_BACKWARD_MODES}"
+            )
+        if backward == "ste" and (self.grad is not None or explicit_bwd):
+            raise ValueError(
+                "grad and backward_operands describe quantized backward dots; they have no "
+                "effect with backward='ste' (drop them, or use backward='quantized')"
+            )
+        set_("backward", backward)
+        bwd = _pair(self.backward_operands, "backward_operands") if explicit_bwd else forward
+        set_("backward_operands", bwd)
+        set_("scale_rule", check_scale_rule(self.scale_rule))
+        if self.rounding not in RECIPE_ROUNDINGS:
+            hint = (
+                " (stochastic rounding needs a key per call, which a layer's dot_general does "
+                "not get; use it for weights through lowprec.optim)"
+                if self.rounding == "stochastic" else ""
+            )
+            raise ValueError(
+                f"unknown recipe rounding {self.rounding!r}; valid: {RECIPE_ROUNDINGS}{hint}"
+            )
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"unknown scaling {self.scaling!r}; valid: {SCALINGS}")
+        if self.scaling == "tensor":
+            used = (*forward, *(bwd if backward == "quantized" else ()), self.grad)
+            mx = sorted({f.name for f in used if isinstance(f, MXFormat)})
+            if mx:
+                raise ValueError(
+                    f"scaling='tensor' scales element-format operands; MX formats {mx} carry "
+                    "their own block scales. Use scaling='none' with MX formats"
+                )
+        patterns = self.high_precision
+        if isinstance(patterns, str):
+            patterns = (patterns,)
+        patterns = tuple(patterns)
+        if not all(isinstance(p, str) for p in patterns):
+            raise TypeError(f"high_precision takes glob pattern strings, got {self.high_precision!r}")
+        set_("high_precision", patterns)
+        set_("pad", bool(self.pad))
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a string, got {self.name!r}")
+
+    # -- description -------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """One line: forward lhs x rhs, backward operands and gradient, scale rule.
+
+        Example:
+            >>> NVIDIA_MXFP8.describe()
+            'fwd mxfp8_e4m3 x mxfp8_e4m3 | bwd mxfp8_e4m3 x mxfp8_e4m3, grad mxfp8_e4m3 | rceil'
+        """
+        fwd = f"fwd {_name(self.forward[0])} x {_name(self.forward[1])}"
+        if self.backward == "ste":
+            bwd = "bwd ste"
+        else:
+            l, r = self.backward_operands
+            bwd = f"bwd {_name(l)} x {_name(r)}, grad {_name(self.grad)}"
+        extra = [self.scale_rule.value]
+        if self.scaling != "none":
+            extra.append(f"{self.scaling} scaling")
+        if self.high_precision:
+            extra.append("high precision: " + ", ".join(self.high_precision))
+        return f"{fwd} | {bwd} | " + ", ".join(extra)
+
+    def keeps_high_precision(self, path: str) -> bool:
+        """Whether the layer at ``path`` (names joined by ``/``) matches ``high_precision``.
+
+        Example:
+            >>> Recipe(forward="mxfp8", high_precision=("lm_head", "*/attn/*")).keeps_high_precision(
+            ...     "block_0/attn/query")
+            True
+        """
+        return any(fnmatch.fnmatchcase(path, p) for p in self.high_precision)
+
+    # -- application -------------------------------------------------------------------------
+
+    def dot_general(
+        self,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+    ) -> jax.Array:
+        """``lax.dot_general`` with this recipe's formats; a drop-in for Flax's ``dot_general=``.
+
+        Args:
+          lhs, rhs: float32/bfloat16/float16 arrays.
+          dimension_numbers: as for :func:`jax.lax.dot_general`.
+          precision: accepted for compatibility and ignored: quantized operands are exact in
+            the dtype the dot runs in, with float32 accumulation (see :func:`lowprec.dot_general`).
+          preferred_element_type: output dtype; default: the operands' promoted dtype, as
+            ``lax.dot_general`` gives.
+          out_sharding: if given, the output is resharded to it (``jax.sharding.reshard``).
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> x, w = jnp.ones((2, 64)), jnp.full((64, 3), 0.1)
+            >>> NVIDIA_MXFP8.dot_general(x, w, (((1,), (0,)), ((), ()))).tolist()[0]
+            [6.5, 6.5, 6.5]
+        """
+        del precision
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        if preferred_element_type is None:
+            out_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+        else:
+            out_dtype = np.dtype(preferred_element_type)
+        if out_dtype not in _OUTPUT_DTYPES:
+            raise TypeError(
+                f"recipe dot output dtype must be float32, bfloat16 or float16, got {out_dtype} "
+                "(from preferred_element_type or the operands' dtypes)"
+            )
+        dn = _normalize(dimension_numbers)
+        _check_sharding(lhs, rhs, dn, self)
+        if self._needs_own_vjp():
+            out = _recipe_dot(lhs, rhs, dn, self, out_dtype)
+        else:
+            out = _forward_dot(lhs, rhs, dn, self, out_dtype, self.backward)
+        if out_sharding is not None:
+            out = jax.sharding.reshard(out, out_sharding)
+        return out
+
+    def einsum(
+        self,
+        subscripts: str,
+        lhs,
+        rhs,
+        *,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+    ) -> jax.Array:
+        """Two-operand ``jnp.einsum`` through :meth:`dot_general` (a drop-in ``einsum_op``).
+
+        Indices in both operands and the output are batch dims, in both operands only are
+        contracted (several are flattened in order, then blocked), in one operand and the
+        output are free; an index in one operand only and not in the output is summed first.
+        ``...`` is supported; repeated indices within one operand (diagonals) are not.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> x, w = jnp.ones((2, 5, 64)), jnp.full((64, 4, 3), 0.5)
+            >>> OCP_MXFP8.einsum("btd,dnh->btnh", x, w).shape
+            (2, 5, 4, 3)
+        """
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        plan = _einsum_plan(subscripts, lhs.shape, rhs.shape)
+        if plan.lhs_sum:
+            lhs = jnp.sum(lhs, axis=plan.lhs_sum)
+        if plan.rhs_sum:
+            rhs = jnp.sum(rhs, axis=plan.rhs_sum)
+        out = self.dot_general(
+            lhs, rhs, plan.dimension_numbers, precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
+        if plan.out_perm != tuple(range(out.ndim)):
+            out = jnp.transpose(out, plan.out_perm)
+        if out_sharding is not None:
+            out = jax.sharding.reshard(out, out_sharding)
+        return out
+
+    def _needs_own_vjp(self) -> bool:
+        """Whether lowprec.dot_general's own VJP cannot express the backward pass."""
+        if self.backward == "ste":
+            return False
+        return self.scaling == "tensor" or self.backward_operands != self.forward
+
+
+# -- the dot ------------------------------------------------------------------------------------
+
+
+def _normalize(dimension_numbers):
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        return tuple(tuple(tuple(int(d) for d in dims) for dims in pair) for pair in ((lc, rc), (lb, rb)))
+    except (TypeError, ValueError):
+        raise ValueError(
+            "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
+            f"rhs_batch)) as in lax.dot_general, got {dimension_numbers!r}"
+        ) from None
+
+
+def _check_sharding(lhs, rhs, dn, recipe: Recipe) -> None:
+    """MX blocks of every dot of the recipe, backward included, must not straddle shards
+    (see lowprec._sharding); checked here too so the error names the recipe's dot."""
+    (lc, rc), (lb, rb) = dn
+    name = recipe.name or "recipe"
+    for x, fmt, contract, role in ((lhs, recipe.forward[0], lc, "lhs"), (rhs, recipe.forward[1], rc, "rhs")):
+        if isinstance(fmt, MXFormat):
+            check_contraction(x, contract, fmt.block_size, f"{name} forward dot, {role} contraction")
+    if recipe.backward != "quantized":
+        return
+    for x, fmt, contract, batch, role, grad in (
+        (lhs, recipe.backward_operands[0], lc, lb, "lhs", "rhs"),
+        (rhs, recipe.backward_operands[1], rc, rb, "rhs", "lhs"),
+    ):
+        # grad_<grad> reduces over <role>'s free dims: <role> and the cotangent are blocked there.
+        free = tuple(d for d in range(x.ndim) if d not in contract and d not in batch)
+        blocks = [f.block_size for f in (fmt, recipe.grad) if isinstance(f, MXFormat)]
+        if blocks and free:
+            what = (f"{name} backward dot for grad_{grad}, which reduces over {role}'s free dims "
+                    f"{free} (e.g. tokens for the weight gradient)")
+            check_contraction(x, free, max(blocks), what)
+
+
+def _pow2(e):
+    """2^e as float32 for int32 e in [-126, 127], built from its bits (exact)."""
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, 23), jnp.float32)
+
+
+def _tensor_exponent(x, fmt: _Format):
+    """Per-tensor scale exponent e (int32 scalar, in [-126, 127]): the MX ``rceil`` rule applied
+    to the whole tensor, so that amax * 2^-e <= max_elem. 0 for unscaled formats."""
+    if not isinstance(fmt, ElementFormat):
+        return jnp.int32(0)
+    amax_bits = jnp.max(lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) & 0x7FFF_FFFF)
+    e = _rceil_code(amax_bits, fmt.max_finite_exact) - E8M0_BIAS
+    return jnp.clip(e, -126, 127).astype(jnp.int32)
+
+
+def _scaled(x, e):
+    """x * 2^-e in float32 (exact while the result stays a normal float)."""
+    return x.astype(jnp.float32) * _pow2(-e)
+
+
+def _dot_kwargs(recipe: Recipe, lfmt, rfmt, backward: str, grad):
+    kwargs = dict(
+        lhs_format=lfmt, rhs_format=rfmt, scale_rule=recipe.scale_rule,
+        rounding=recipe.rounding, pad=recipe.pad, backward=backward,
+    )
+    if backward == "quantized":
+        kwargs["grad_format"] = grad
+    if recipe.scaling == "tensor":
+        kwargs["overflow"] = "saturate"  # the scale keeps amax in range; saturate its edge
+    return kwargs
+
+
+def _forward_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, backward: str):
+    """The forward dot (differentiable by lowprec.dot_general's own rule ``backward``)."""
+    lfmt, rfmt = recipe.forward
+    grad = recipe.grad if backward == "quantized" else None
+    kwargs = _dot_kwargs(recipe, lfmt, rfmt, backward, grad)
+    if recipe.scaling != "tensor":
+        return dot_general(lhs, rhs, dn, preferred_element_type=out_dtype, **kwargs)
+    el, er = _tensor_exponent(lhs, lfmt), _tensor_exponent(rhs, rfmt)
+    out = dot_general(_scaled(lhs, el), _scaled(rhs, er), dn, preferred_element_type=jnp.float32, **kwargs)
+    return (out * _pow2(el) * _pow2(er)).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _recipe_dot(lhs, rhs, dn, recipe: Recipe, out_dtype):
+    return _forward_dot(lhs, rhs, dn, recipe, out_dtype, "ste")
+
+
+def _recipe_dot_fwd(lhs, rhs, dn, recipe, out_dtype):
+    return _recipe_dot(lhs, rhs, dn, recipe, out_dtype), (lhs, rhs)
+
+
+def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, residuals, g):
+    # The backward dots are the VJP of lowprec.dot_general(backward="quantized") called with
+    # the backward operand formats: its forward output is unused (XLA drops it), its VJP
+    # quantizes g and the operands along the backward reduction axes. With per-tensor scaling,
+    # each of lhs, rhs, g is divided by its own power of two first and the gradients are
+    # multiplied back: grad_lhs = g . rhs^T = 2^(eg + er) (g_s . rhs_s^T), likewise for rhs.
+    lhs, rhs = residuals
+    lfmt, rfmt = recipe.backward_operands
+    g = g.astype(jnp.float32)
+    kwargs = _dot_kwargs(recipe, lfmt, rfmt, "quantized", recipe.grad)
+    el, er, eg = (
+        _tensor_exponent(lhs, lfmt), _tensor_exponent(rhs, rfmt), _tensor_exponent(g, recipe.grad)
+    )
+    if recipe.scaling == "tensor":
+        lhs_s, rhs_s, g_s = _scaled(lhs, el), _scaled(rhs, er), _scaled(g, eg)
+    else:
+        lhs_s, rhs_s, g_s = lhs, rhs, g
+
+    def bdot(a, b):
+        return dot_general(a, b, dn, preferred_element_type=jnp.float32, **kwargs)
+
+    _, vjp = jax.vjp(bdot, lhs_s, rhs_s)
+    grad_l, grad_r = vjp(g_s)
+    if recipe.scaling == "tensor":
+        grad_l = grad_l.astype(jnp.float32) * _pow2(er) * _pow2(eg)
+        grad_r = grad_r.astype(jnp.float32) * _pow2(el) * _pow2(eg)
+    return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype)
+
+
+_recipe_dot.defvjp(_recipe_dot_fwd, _recipe_dot_bwd)
+
+
+# -- einsum -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _EinsumPlan:
+    dimension_numbers: tuple
+    lhs_sum: tuple
+    rhs_sum: tuple
+    out_perm: tuple
+
+
+def _expand_ellipsis(term: str, ndim: int, letters: str, what: str) -> str:
+    if "..." not in term:
+        if len(term) != ndim:
+            raise ValueError(f"einsum {what} {term!r} has {len(term)} indices for rank {ndim}")
+        return term
+    if term.count("...") > 1:
+        raise ValueError(f"einsum {what} {term!r} has more than one ellipsis")
+    n = ndim - (len(term) - 3)
+    if n < 0:
+        raise ValueError(f"einsum {what} {term!r} has more indices than rank {ndim}")
+    return term.replace("...", letters[len(letters) - n:] if n else "")
+
+
+@functools.lru_cache(maxsize=256)
+def _einsum_plan(subscripts: str, lhs_shape: tuple, rhs_shape: tuple) -> _EinsumPlan:
+    if not isinstance(subscripts, str):
+        raise TypeError(f"einsum subscripts must be a string, got {subscripts!r}")
+    spec = subscripts.replace(" ", "")
+    inputs, arrow, output = spec.partition("->")
+    terms = inputs.split(",")
+    if len(terms) != 2:
+        raise ValueError(
+            f"a recipe einsum takes exactly two operands (input, kernel), got {subscripts!r}"
+        )
+    used = set(spec) - set(".,->")
+    bad = sorted(c for c in used if not c.isalpha())
+    if bad:
+        raise ValueError(f"einsum {subscripts!r}: invalid index characters {bad}")
+    # Ellipsis dims get fresh letters, aligned from the right (NumPy's broadcasting order).
+    pool = "".join(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in used)
+    n_ell = max(
+        (len(shape) - (len(t) - 3)) if "..." in t else 0
+        for t, shape in zip(terms, (lhs_shape, rhs_shape))
+    )
+    ell = pool[:n_ell]
+    lt = _expand_ellipsis(terms[0], len(lhs_shape), ell, "lhs")
+    rt = _expand_ellipsis(terms[1], len(rhs_shape), ell, "rhs")
+    if not arrow:
+        once = sorted(c for c in set(lt + rt) if (lt + rt).count(c) == 1 and c not in ell)
+        output = ell + "".join(once)
+    else:
+        output = output.replace("...", ell)
+    for t, what in ((lt, "lhs"), (rt, "rhs"), (output, "output")):
+        if len(set(t)) != len(t):
+            raise ValueError(
+                f"einsum {subscripts!r}: repeated index in the {what} (diagonals/traces) is not "
+                "supported by a recipe einsum; use jnp.einsum for that"
+            )
+    extra = sorted(set(output) - set(lt) - set(rt))
+    if extra:
+        raise ValueError(f"einsum {subscripts!r}: output indices {extra} appear in no operand")
+    size = {}
+    for t, shape in ((lt, lhs_shape), (rt, rhs_shape)):
+        for c, n in zip(t, shape):
+            if size.setdefault(c, n) != n:
+                raise ValueError(
+                    f"einsum {subscripts!r}: index {c!r} has sizes {size[c]} and {n} "
+                    f"(shapes {tuple(lhs_shape)}, {tuple(rhs_shape)}); broadcasting is not supported"
+                )
+    lhs_sum = tuple(i for i, c in enumerate(lt) if c not in rt and c not in output)
+    rhs_sum = tuple(i for i, c in enumerate(rt) if c not in lt and c not in output)
+    lt2 = "".join(c for i, c in enumerate(lt) if i not in lhs_sum)
+    rt2 = "".join(c for i, c in enumerate(rt) if i not in rhs_sum)
+    batch = [c for c in lt2 if c in rt2 and c in output]
+    contract = [c for c in lt2 if c in rt2 and c not in output]
+    lfree = [c for c in lt2 if c not in rt2]
+    rfree = [c for c in rt2 if c not in lt2]
+    dn = (
+        (tuple(lt2.index(c) for c in contract), tuple(rt2.index(c) for c in contract)),
+        (tuple(lt2.index(c) for c in batch), tuple(rt2.index(c) for c in batch)),
+    )
+    produced = batch + lfree + rfree
+    out_perm = tuple(produced.index(c) for c in output)
+    return _EinsumPlan(dn, lhs_sum, rhs_sum, out_perm)
+
+
+# -- ready-made recipes -------------------------------------------------------------------------
+
+#: OCP MX v1.0: ``floor`` scales, MXFP8 E4M3 operands, MXFP8 E5M2 gradients.
+OCP_MXFP8 = Recipe(
+    forward="mxfp8_e4m3", grad="mxfp8_e5m2", scale_rule="floor", name="ocp_mxfp8"
+)
+#: NVIDIA MXFP8 (Mishra et al. 2025, Transformer Engine): ``rceil`` scales, E4M3 everywhere.
+NVIDIA_MXFP8 = Recipe(
+    forward="mxfp8_e4m3", grad="mxfp8_e4m3", scale_rule="rceil", name="nvidia_mxfp8"
+)
+#: FP8 E4M3 forward / E5M2 backward with power-of-two per-tensor current scaling.
+FP8_HYBRID = Recipe(forward="e4m3", grad="e5m2", scaling="tensor", name="fp8_hybrid")
+
+#: The ready-made recipes by name.
+RECIPES = {r.name: r for r in (OCP_MXFP8, NVIDIA_MXFP8, FP8_HYBRID)}
+
+__all__ = [
+    "FP8_HYBRID",
+    "NVIDIA_MXFP8",
+    "OCP_MXFP8",
+    "RECIPES",
+    "Recipe",
+]

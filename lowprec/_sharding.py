@@ -1,0 +1,116 @@
+"""Sharded arrays: MX blocks must not straddle shard boundaries.
+
+Under ``jax.jit`` a sharded computation means the same as the unsharded one, so
+``quantize_mx`` and the MX matmul give the same bits however their inputs are laid out
+(tests/test_sharding.py checks this on 4 CPU devices). What the layout decides is whether a
+device can quantize its shard *alone*: only if every 32-element block lies inside one shard.
+A block split across devices needs its amax gathered from several of them (GSPMD inserts
+that communication silently; a ``shard_map`` body quantizing its local shard would compute
+wrong scales; explicit-sharding mode cannot even express the reshape). So lowprec refuses such
+layouts with an error that says how to fix them.
+
+Where the check can see the layout:
+
+* concrete ``jax.Array`` inputs (eager calls): their ``.sharding`` gives every shard's shape;
+* traced inputs under ``jit`` whose mesh axes are ``Explicit`` (the default of
+  ``jax.make_mesh`` in current JAX): the sharding is part of the type (``jax.typeof(x)``);
+* traced inputs sharded over ``Auto`` axes carry no layout at trace time (the partitioner
+  chooses later): nothing to check. Results are still bit-identical; choose ``in_shardings``
+  with the block axis unsplit (or split into multiples of 32) to keep quantization local.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import jax
+
+
+def _axis_shards(x, axis: int) -> Optional[tuple[int, int, str]]:
+    """(number of shards, shard length, description) along ``axis``, or None if unknown."""
+    n = x.shape[axis]
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        sharding = x.sharding
+        shard_len = sharding.shard_shape(tuple(x.shape))[axis]
+        return (-(-n // shard_len) if shard_len else 1), shard_len, str(sharding)
+    try:
+        sharding = jax.typeof(x).sharding
+        spec, mesh = sharding.spec, sharding.mesh
+    except Exception:  # no sharding in the type (no mesh, or an older JAX)
+        return None
+    entry = spec[axis] if axis < len(spec) else None
+    if entry is None:
+        return None
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    count = math.prod(mesh.shape[a] for a in names)
+    return count, -(-n // count), f"PartitionSpec {spec} on mesh {dict(mesh.shape)}"
+
+
+def check_block_axis(x, axis: int, block: int, what: str, stride: int = 1) -> None:
+    """Raises if the sharding of ``x`` splits ``axis`` inside a block of ``block`` elements.
+
+    ``stride`` is the number of block-axis positions one step along ``axis`` covers (for a
+    dimension flattened with later ones into the block axis: the product of their lengths).
+    Silently returns when the layout is unknown (see the module docstring).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> check_block_axis(jnp.ones((4, 64)), 1, 32, "quantize_mx")  # one device: fine
+    """
+    info = _axis_shards(x, axis)
+    if info is None:
+        return
+    count, shard_len, where = info
+    if count <= 1 or (shard_len * stride) % block == 0:
+        return
+    n = x.shape[axis]
+    raise ValueError(
+        f"{what}: axis {axis} (length {n}) is split into {count} shards of {shard_len} elements "
+        f"by its sharding ({where}), so {block}-element MX blocks would straddle shard "
+        f"boundaries. Lay it out so each shard holds a multiple of {block} along axis {axis} "
+        f"(length a multiple of {block * count} for {count} shards, or fewer shards on that "
+        "axis), shard another axis instead, or block along an axis that is not sharded"
+    )
+
+
+def check_contraction(x, contract: Sequence[int], block: int, what: str) -> None:
+    """:func:`check_block_axis` for each contracting dimension of a matmul operand; several
+    contracting dims are flattened in the order given into the block axis.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> check_contraction(jnp.ones((4, 2, 32)), (1, 2), 32, "dot_general lhs")
+    """
+    shape = x.shape
+    for i, d in enumerate(contract):
+        stride = math.prod(shape[c] for c in contract[i + 1:])
+        check_block_axis(x, d, block, what, stride)
+
+
+def check_mx_input(x, fmt, axis: int, what: str = "quantize_mx") -> None:
+    """The check for ``quantize_mx(x, fmt, axis=axis)``; leaves argument errors to the caller."""
+    from ._format import mx_format  # local: _format imports nothing from here, keep it so
+
+    ndim = getattr(x, "ndim", None)
+    if not ndim or not -ndim <= axis < ndim:
+        return
+    try:
+        block = mx_format(fmt).block_size
+    except (TypeError, ValueError):
+        return
+    check_block_axis(x, axis % ndim, block, what)
+
+
+def check_dot_operand(x, fmt, contract: Sequence[int], role: str) -> None:
+    """The check for one operand of ``dot_general``: a float operand to be MX-quantized along
+    its contracting dims, or an MXArray (its codes blocked along its contracting axis)."""
+    from ._format import MXFormat
+    from ._mx import MXArray
+
+    what = f"dot_general {role}"
+    if isinstance(x, MXArray):
+        per_block = x.fmt.block_size // 2 if x.fmt.packed else x.fmt.block_size
+        check_block_axis(x.elements, x.axis, per_block, what)
+    elif isinstance(fmt, MXFormat):
+        check_contraction(x, contract, fmt.block_size, what)

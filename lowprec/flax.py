@@ -1,0 +1,303 @@
+"""Flax integration: run a Flax model's matmuls in a :class:`~lowprec.Recipe`.
+
+Two levels (flax is an optional extra: ``pip install 'lowprec[training]'``):
+
+* Per layer, the injection points Flax already has::
+
+      nn.Dense(64, dot_general=lowprec.flax.dot_general(recipe))          # linen
+      nn.DenseGeneral(..., dot_general=lowprec.flax.dot_general(recipe))
+      nnx.Linear(32, 64, dot_general=lowprec.flax.dot_general(recipe), rngs=rngs)
+      nnx.Einsum("btd,dnh->btnh", ..., einsum_op=lowprec.flax.einsum(recipe), rngs=rngs)
+
+* One call for an unmodified model, :func:`quantize_model`:
+
+  - **linen**: returns a wrapper whose ``init``/``apply`` run the model under
+    ``nn.intercept_methods``; every ``nn.Dense``/``nn.DenseGeneral`` call gets the recipe's
+    dot_general for that call, unless its path (``"Block_0/mlp/Dense_1"``) matches one of the
+    recipe's ``high_precision`` patterns or the layer already has its own ``dot_general``.
+    The wrapper is a different object from the model, so a function jitted around
+    ``wrapper.apply`` never shares a trace with one around ``model.apply``. (With
+    :func:`intercepting` directly, remember that interception happens at trace time: a
+    function traced outside the ``with`` block keeps its float matmuls.)
+  - **nnx**: sets ``dot_general`` of every ``nnx.Linear``/``nnx.LinearGeneral`` and
+    ``einsum_op`` of every ``nnx.Einsum`` still at Flax's default, in place (nnx modules are
+    mutable; ``nnx.clone`` first to keep a float copy). These attributes are static, so
+    ``nnx.jit`` retraces when the recipe changes. ``quantize_model(model, None)`` puts the
+    defaults back.
+
+What is covered: the weight matmuls of Flax's linear layers. Matmuls written in a model's own
+code (attention scores ``q @ k``, ``jnp.einsum`` calls), linen ``nn.Einsum`` (it has no
+injection point), convolutions and ``nn.Embed.attend`` stay in their own precision, as in
+Transformer Engine's and the MX papers' recipes, which quantize linear layers. linen calls to
+the uncovered layer types warn once per path, so nothing is silently left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import warnings
+from typing import Any, Optional
+
+import jax.numpy as jnp
+from jax import lax
+
+try:
+    import flax.linen as nn
+    from flax import nnx
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "lowprec.flax needs Flax: pip install 'lowprec[training]' (flax and optax)"
+    ) from exc
+
+from ._recipe import Recipe
+
+__all__ = [
+    "RecipeDotGeneral",
+    "RecipeEinsum",
+    "dot_general",
+    "einsum",
+    "intercepting",
+    "quantize_model",
+]
+
+
+def _check_recipe(recipe) -> Recipe:
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"expected a lowprec.Recipe (e.g. lowprec.NVIDIA_MXFP8), got {type(recipe).__name__}"
+        )
+    return recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeDotGeneral:
+    """A ``lax.dot_general`` replacement running in ``recipe`` (frozen, hashable).
+
+    Accepts everything Flax passes (``precision``, ``preferred_element_type``,
+    ``out_sharding``); see :meth:`lowprec.Recipe.dot_general`.
+    """
+
+    recipe: Recipe
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, out_sharding=None):
+        return self.recipe.dot_general(
+            lhs, rhs, dimension_numbers, precision=precision,
+            preferred_element_type=preferred_element_type, out_sharding=out_sharding,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeEinsum:
+    """A two-operand ``jnp.einsum`` replacement running in ``recipe`` (for ``einsum_op=``)."""
+
+    recipe: Recipe
+
+    def __call__(self, subscripts, lhs, rhs, *, precision=None, preferred_element_type=None,
+                 out_sharding=None, **kwargs):
+        if kwargs:
+            raise TypeError(f"recipe einsum got unsupported keyword arguments {sorted(kwargs)}")
+        return self.recipe.einsum(
+            subscripts, lhs, rhs, precision=precision,
+            preferred_element_type=preferred_element_type, out_sharding=out_sharding,
+        )
+
+
+def dot_general(recipe: Recipe) -> RecipeDotGeneral:
+    """A ``dot_general=`` argument for ``nn.Dense``, ``nn.DenseGeneral``, ``nnx.Linear``,
+    ``nnx.LinearGeneral``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, lowprec
+        >>> layer = nn.Dense(3, dot_general=lowprec.flax.dot_general(lowprec.NVIDIA_MXFP8))
+        >>> params = layer.init(jax.random.key(0), jnp.ones((2, 64)))
+        >>> layer.apply(params, jnp.ones((2, 64))).shape
+        (2, 3)
+    """
+    return RecipeDotGeneral(_check_recipe(recipe))
+
+
+def einsum(recipe: Recipe) -> RecipeEinsum:
+    """An ``einsum_op=`` argument for ``nnx.Einsum``.
+
+    Example:
+        >>> import jax.numpy as jnp, lowprec
+        >>> from flax import nnx
+        >>> layer = nnx.Einsum("btd,dnh->btnh", (64, 4, 8), (4, 8), rngs=nnx.Rngs(0),
+        ...                    einsum_op=lowprec.flax.einsum(lowprec.OCP_MXFP8))
+        >>> layer(jnp.ones((2, 5, 64))).shape
+        (2, 5, 4, 8)
+    """
+    return RecipeEinsum(_check_recipe(recipe))
+
+
+# -- linen: interception ------------------------------------------------------------------------
+
+_LINEN_COVERED = (nn.Dense, nn.DenseGeneral)
+_LINEN_UNCOVERED = {
+    nn.Einsum: ("__call__",),
+    nn.Conv: ("__call__",),
+    nn.ConvTranspose: ("__call__",),
+    nn.ConvLocal: ("__call__",),
+    nn.Embed: ("attend",),
+}
+_warned = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_uncovered(kind: str, path: str, recipe: Recipe) -> None:
+    key = (kind, path, recipe)
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(
+        f"lowprec.flax: {kind} at {path or '<root>'} has no dot_general hook and runs in its own "
+        f"precision, not in recipe {recipe.name or recipe.describe()!r} (add it to "
+        "high_precision to silence this)",
+        stacklevel=4,
+    )
+
+
+def _linen_interceptor(recipe: Recipe):
+    replacement = RecipeDotGeneral(recipe)
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if isinstance(module, _LINEN_COVERED) and context.method_name == "__call__":
+            if module.dot_general is not None or module.dot_general_cls is not None:
+                return next_fun(*args, **kwargs)  # the layer chose its own dot_general
+            path = "/".join(module.path)
+            if recipe.keeps_high_precision(path):
+                return next_fun(*args, **kwargs)
+            # A linen layer reads self.dot_general inside __call__; set it on this bound
+            # instance for the duration of this call only (frozen dataclass, hence
+            # object.__setattr__), and put Flax's default back afterwards.
+            object.__setattr__(module, "dot_general", replacement)
+            try:
+                return next_fun(*args, **kwargs)
+            finally:
+                object.__setattr__(module, "dot_general", None)
+        for cls, methods in _LINEN_UNCOVERED.items():
+            if isinstance(module, cls) and context.method_name in methods:
+                path = "/".join(module.path)
+                if not recipe.keeps_high_precision(path):
+                    _warn_uncovered(f"{cls.__name__}.{context.method_name}", path, recipe)
+                break
+        return next_fun(*args, **kwargs)
+
+    return interceptor
+
+
+@contextlib.contextmanager
+def intercepting(recipe: Recipe):
+    """Context manager: linen ``nn.Dense``/``nn.DenseGeneral`` calls traced inside it run in
+    ``recipe`` (what :func:`quantize_model` wraps around ``init``/``apply``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, lowprec
+        >>> model = nn.Dense(2)
+        >>> params = model.init(jax.random.key(0), jnp.ones((1, 64)))
+        >>> with lowprec.flax.intercepting(lowprec.Recipe(forward="mxfp4")):
+        ...     y = model.apply(params, jnp.full((1, 64), 0.3))
+        >>> y.shape
+        (1, 2)
+    """
+    with nn.intercept_methods(_linen_interceptor(_check_recipe(recipe))):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedLinen:
+    """A linen model whose ``init``/``apply`` run under :func:`intercepting` (from
+    :func:`quantize_model`). Parameters are the model's own: interchangeable with the float
+    model's. Other attributes are the model's."""
+
+    module: nn.Module
+    recipe: Recipe
+
+    def init(self, *args, **kwargs):
+        with intercepting(self.recipe):
+            return self.module.init(*args, **kwargs)
+
+    def init_with_output(self, *args, **kwargs):
+        with intercepting(self.recipe):
+            return self.module.init_with_output(*args, **kwargs)
+
+    def apply(self, *args, **kwargs):
+        with intercepting(self.recipe):
+            return self.module.apply(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("module", "recipe"):  # not yet set (copy/pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+
+# -- nnx: in-place replacement ----------------------------------------------------------------
+
+
+def _nnx_default(module) -> Optional[str]:
+    """Which attribute of ``module`` to replace, or None (not a covered type / user-chosen op)."""
+    if isinstance(module, nnx.Linear):
+        return "dot_general"
+    if isinstance(module, nnx.LinearGeneral):
+        return None if module.dot_general_cls is not None else "dot_general"
+    if isinstance(module, nnx.Einsum):
+        return "einsum_op"
+    return None
+
+
+def _quantize_nnx(model, recipe: Optional[Recipe]):
+    ours = (RecipeDotGeneral, RecipeEinsum)
+    for path, module in nnx.iter_modules(model):
+        attr = _nnx_default(module)
+        if attr is None:
+            continue
+        current = getattr(module, attr)
+        default = jnp.einsum if attr == "einsum_op" else lax.dot_general
+        # LinearGeneral's default is None (= lax.dot_general); anything else but one of
+        # ours is the user's choice and is kept.
+        if not (current is default or current is None or isinstance(current, ours)):
+            continue
+        name = "/".join(str(p) for p in path)
+        if recipe is None or recipe.keeps_high_precision(name):
+            new = None if isinstance(module, nnx.LinearGeneral) else default
+        else:
+            new = RecipeEinsum(recipe) if attr == "einsum_op" else RecipeDotGeneral(recipe)
+        setattr(module, attr, new)
+    return model
+
+
+def quantize_model(model, recipe: Optional[Recipe]):
+    """Runs an unmodified Flax model's linear-layer matmuls in ``recipe``.
+
+    Args:
+      model: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
+      recipe: a :class:`~lowprec.Recipe`; for nnx, ``None`` restores Flax's defaults.
+
+    Returns:
+      linen: a :class:`QuantizedLinen` (use its ``init``/``apply`` as the model's).
+      nnx: ``model`` itself, modified in place.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, lowprec
+        >>> class MLP(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         return nn.Dense(4, name="head")(nn.relu(nn.Dense(64, name="up")(x)))
+        >>> recipe = lowprec.Recipe(forward="mxfp4", high_precision=("head",))
+        >>> qmodel = lowprec.flax.quantize_model(MLP(), recipe)
+        >>> params = qmodel.init(jax.random.key(0), jnp.ones((2, 32)))
+        >>> qmodel.apply(params, jnp.ones((2, 32))).shape
+        (2, 4)
+    """
+    if isinstance(model, nn.Module):
+        return QuantizedLinen(model, _check_recipe(recipe))
+    if isinstance(model, nnx.Module):
+        return _quantize_nnx(model, None if recipe is None else _check_recipe(recipe))
+    raise TypeError(
+        f"quantize_model takes a flax.linen or flax.nnx Module, got {type(model).__name__}"
+    )
