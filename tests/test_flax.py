@@ -1,0 +1,233 @@
+"""Flax integration: the dot_general/einsum factories and quantize_model, linen and nnx.
+
+The expected value of a Flax layer running a recipe is the recipe's own dot on the layer's
+inputs and parameters (tests/test_recipe.py holds those dots to the reference), so these
+tests check the plumbing bit for bit: which layers get the recipe, with which arguments,
+under jit, grad, vmap and remat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import lowprec  # noqa: E402
+import lowprec.flax as lf  # noqa: E402
+from lowprec import NVIDIA_MXFP8, Recipe  # noqa: E402
+
+R4 = Recipe(forward="mxfp4", backward_operands="mxfp8", grad="mxfp8", scale_rule="rceil")
+DN = (((1,), (0,)), ((), ()))
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint32) if a.dtype == np.float32 else a.view(np.uint16)
+
+
+def _eq(a, b):
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def _x(shape=(8, 64), seed=0):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+# -- factories ------------------------------------------------------------------------------------
+
+
+def test_linen_dense_factory_is_the_recipe_dot():
+    layer = nn.Dense(48, dot_general=lf.dot_general(R4))
+    x = _x()
+    p = layer.init(jax.random.key(1), x)["params"]
+    _eq(layer.apply({"params": p}, x), R4.dot_general(x, p["kernel"], DN) + p["bias"])
+
+
+def test_linen_dense_general_several_contracting_axes():
+    layer = nn.DenseGeneral(16, axis=(-2, -1), dot_general=lf.dot_general(NVIDIA_MXFP8))
+    x = _x((4, 2, 32))
+    p = layer.init(jax.random.key(1), x)["params"]
+    want = NVIDIA_MXFP8.dot_general(x, p["kernel"], (((1, 2), (0, 1)), ((), ()))) + p["bias"]
+    _eq(layer.apply({"params": p}, x), want)
+    # Flattened contraction (2 x 32): the same as quantizing the reshaped operands.
+    _eq(want, NVIDIA_MXFP8.dot_general(x.reshape(4, 64), p["kernel"].reshape(64, 16), DN) + p["bias"])
+
+
+def test_bf16_layers_keep_lax_dtype_semantics():
+    layer = nn.Dense(32, dtype=jnp.bfloat16, dot_general=lf.dot_general(NVIDIA_MXFP8))
+    x = _x()
+    p = layer.init(jax.random.key(1), x)
+    assert layer.apply(p, x).dtype == jnp.bfloat16  # as with lax.dot_general
+
+
+def test_nnx_linear_and_einsum_factories():
+    rngs = nnx.Rngs(0)
+    lin = nnx.Linear(64, 32, dot_general=lf.dot_general(R4), rngs=rngs)
+    x = _x()
+    _eq(lin(x), R4.dot_general(x, lin.kernel[...], DN) + lin.bias[...])
+    ein = nnx.Einsum("btd,dnh->btnh", (64, 4, 8), (4, 8), einsum_op=lf.einsum(R4), rngs=rngs)
+    x3 = _x((2, 5, 64))
+    _eq(ein(x3), R4.einsum("btd,dnh->btnh", x3, ein.kernel[...]) + ein.bias[...])
+    # nnx passes preferred_element_type (and out_sharding) through: honoured.
+    lin16 = nnx.Linear(64, 32, dot_general=lf.dot_general(R4), use_bias=False,
+                       preferred_element_type=jnp.bfloat16, rngs=rngs)
+    assert lin16(x).dtype == jnp.bfloat16
+
+
+def test_factories_reject_non_recipes():
+    with pytest.raises(TypeError, match="expected a lowprec.Recipe"):
+        lf.dot_general("mxfp8")
+    with pytest.raises(TypeError, match="flax.linen or flax.nnx Module"):
+        lf.quantize_model(lambda x: x, NVIDIA_MXFP8)
+
+
+# -- quantize_model: linen ------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(64, name="up")(x))
+        h = nn.DenseGeneral((2, 32), name="gen")(h).reshape(*h.shape[:-1], 64)
+        h = nn.Dense(64, name="mine", dot_general=jax.lax.dot_general)(h)  # user's own choice
+        return nn.Dense(8, name="head")(h)
+
+
+class ExplicitMLP(nn.Module):
+    """MLP written with the recipe by hand, except for `head` (kept high precision)."""
+
+    recipe: Recipe
+
+    @nn.compact
+    def __call__(self, x):
+        dg = lf.dot_general(self.recipe)
+        h = nn.relu(nn.Dense(64, name="up", dot_general=dg)(x))
+        h = nn.DenseGeneral((2, 32), name="gen", dot_general=dg)(h).reshape(*h.shape[:-1], 64)
+        h = nn.Dense(64, name="mine")(h)
+        return nn.Dense(8, name="head")(h)
+
+
+def test_quantize_model_linen_equals_the_hand_written_model():
+    recipe = dataclasses.replace(NVIDIA_MXFP8, high_precision=("head",))
+    x = _x()
+    params = MLP().init(jax.random.key(1), x)
+    float_out = MLP().apply(params, x)
+    q = lf.quantize_model(MLP(), recipe)
+    assert jax.tree.structure(q.init(jax.random.key(1), x)) == jax.tree.structure(params)
+    want = ExplicitMLP(recipe).apply(params, x)
+    _eq(q.apply(params, x), want)  # eager
+    assert not np.array_equal(_bits(float_out), _bits(want))  # it did change
+    # Interception is scoped to the wrapper's calls: the model itself stays float.
+    _eq(MLP().apply(params, x), float_out)
+    # Under jit and grad (traced inside the wrapper's interception).
+    g = jax.jit(jax.value_and_grad(lambda p: jnp.sum(q.apply(p, x) ** 2)))(params)
+    gw = jax.jit(jax.value_and_grad(lambda p: jnp.sum(ExplicitMLP(recipe).apply(p, x) ** 2)))(params)
+    jax.tree.map(_eq, g, gw)
+
+
+def test_linen_uncovered_layers_warn_once_unless_excluded():
+    class WithEinsum(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Einsum((64, 8), "bd,df->bf", name="ein")(nn.Dense(64, name="d")(x))
+
+    x = _x()
+    params = WithEinsum().init(jax.random.key(0), x)
+    q = lf.quantize_model(WithEinsum(), Recipe(forward="mxfp8", name="warn_test"))
+    with pytest.warns(UserWarning, match=r"Einsum.__call__ at ein has no dot_general hook.*'warn_test'"):
+        q.apply(params, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q.apply(params, x)  # once per (layer, recipe)
+        lf.quantize_model(WithEinsum(), Recipe(forward="mxfp8", high_precision="ein")).apply(params, x)
+
+
+def test_linen_remat_module():
+    # nn.remat (a lifted transform) re-runs the layer in the backward pass: still intercepted.
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.remat(nn.Dense)(16, name="d")(x)
+
+    x = _x()
+    params = Net().init(jax.random.key(0), x)
+    q = lf.quantize_model(Net(), NVIDIA_MXFP8)
+    p = params["params"]["d"]
+    g = jax.jit(jax.grad(lambda pp: jnp.sum(q.apply(pp, x) ** 2)))(params)
+    want = jax.jit(jax.grad(
+        lambda k: jnp.sum((NVIDIA_MXFP8.dot_general(x, k, DN) + p["bias"]) ** 2)))(p["kernel"])
+    _eq(g["params"]["d"]["kernel"], want)
+
+
+# -- quantize_model: nnx --------------------------------------------------------------------------
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(64, 64, rngs=rngs)
+        self.b = nnx.LinearGeneral(64, (2, 32), rngs=rngs)
+        self.c = nnx.Einsum("bd,df->bf", (64, 16), (16,), rngs=rngs)
+        self.mine = nnx.Linear(16, 16, dot_general=jax.lax.dot_general, rngs=rngs)
+        self.mine.dot_general = lambda *a, **k: jax.lax.dot_general(*a, **k)  # user's own
+        self.head = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.b(jax.nn.relu(self.a(x))).reshape(x.shape[0], 64)
+        return self.head(self.mine(self.c(h)))
+
+
+def test_quantize_model_nnx_in_place_and_restore():
+    x = _x()
+    net = Net(nnx.Rngs(0))
+    float_out = net(x)
+    recipe = Recipe(forward="mxfp4", grad="mxfp8", high_precision="head")
+    assert lf.quantize_model(net, recipe) is net
+    assert net.a.dot_general == lf.dot_general(recipe) and net.b.dot_general == lf.dot_general(recipe)
+    assert net.c.einsum_op == lf.einsum(recipe)
+    assert net.head.dot_general is jax.lax.dot_general  # excluded by pattern
+    assert not isinstance(net.mine.dot_general, lf.RecipeDotGeneral)  # user's choice kept
+    h = recipe.dot_general(x, net.a.kernel[...], DN) + net.a.bias[...]
+    h = recipe.dot_general(jax.nn.relu(h), net.b.kernel[...], DN) + net.b.bias[...]
+    h = recipe.einsum("bd,df->bf", h.reshape(8, 64), net.c.kernel[...]) + net.c.bias[...]
+    _eq(net(x), net.head(net.mine(h)))
+
+    @nnx.jit
+    def f(m, v):
+        return m(v)
+
+    quant_out = f(net, x)
+    _eq(quant_out, net(x))
+    lf.quantize_model(net, None)
+    assert net.a.dot_general is jax.lax.dot_general and net.b.dot_general is None
+    _eq(f(net, x), float_out)  # nnx.jit retraced: the recipe is part of the graph's static data
+    lf.quantize_model(net, recipe)
+    _eq(f(net, x), quant_out)
+
+
+def test_nnx_grad_and_remat():
+    # (vmap and jax.checkpoint of recipe dots: tests/test_recipe.py.)
+    class Two(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(64, 32, rngs=rngs)
+            self.b = nnx.Linear(32, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+
+    x = _x()
+    net = lf.quantize_model(Two(nnx.Rngs(0)), NVIDIA_MXFP8)
+
+    def loss(m, v):
+        return jnp.sum(m(v) ** 2)
+
+    g1 = nnx.jit(nnx.grad(loss))(net, x)
+    g2 = nnx.jit(nnx.grad(nnx.remat(loss)))(net, x)
+    jax.tree.map(_eq, nnx.state(g1), nnx.state(g2))

@@ -1,0 +1,337 @@
+"""Recipes: validation, the ready-made recipes, and the dots they compute, forward and backward.
+
+Expected values come from the independent reference (``lowprec_reference``: exact rational
+MX and element quantizers) and float64 NumPy matmuls: a recipe dot must equal the exact dot of
+the reference-quantized operands up to float32 accumulation, |err| <= K 2^-23 sum|a_i b_i|
+(the bound of lowprec.dot_general), and each gradient likewise with the operands quantized
+along that backward dot's own reduction axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowprec
+import lowprec_reference as ref
+from lowprec import FP8_HYBRID, NVIDIA_MXFP8, OCP_MXFP8, Recipe
+
+DN = (((1,), (0,)), ((), ()))  # x [T, K] . w [K, N]
+
+
+def _ref_mx(x, fmt, axis, rule):
+    """Reference MX fake quantization (float64) along ``axis``, zero-padding to 32."""
+    x = np.asarray(x, np.float32)
+    n = x.shape[axis]
+    el, sc = ref.quantize_mx(x, fmt, axis=axis, scale_rule=rule, pad=True)
+    out = ref.dequantize_mx(el, sc, fmt, axis=axis).astype(np.float64)
+    return np.take(out, np.arange(n), axis=axis)
+
+
+def _ref_elem(x, fmt, overflow="ieee"):
+    return ref.decode(fmt, ref.encode(fmt, np.asarray(x, np.float32), overflow=overflow)).astype(np.float64)
+
+
+def _ref_q(x, fmt, axis, rule):
+    """Reference quantization in a lowprec format object (MX along ``axis``) or None."""
+    if fmt is None:
+        return np.asarray(x, np.float64)
+    if isinstance(fmt, lowprec.MXFormat):
+        return _ref_mx(x, fmt.name, axis, rule)
+    return _ref_elem(x, fmt.name)
+
+
+def _ref_pow2_scale(x, elem_name):
+    """Per-tensor power of two for scaling='tensor', derived independently: the E8M0 code of
+    float32(amax / max_elem) rounded up to a power of two (reference MX 'rceil' rule)."""
+    amax = float(np.max(np.abs(np.asarray(x, np.float32))))
+    e = ref.shared_exponent(amax, elem_name, "rceil")  # the MX rceil rule applied to the tensor
+    return 2.0 ** min(max(e, -126), 127)
+
+
+def _assert_close(got, want, a, b, contract_len):
+    """|got - want| <= K 2^-23 sum|a_i b_i| (+ a relative ulp of the output)."""
+    got = np.asarray(got, np.float64)
+    bound = contract_len * 2.0**-23 * (np.abs(a) @ np.abs(b)) + 2.0**-24 * np.abs(want)
+    bad = np.abs(got - want) > bound
+    assert not bad.any(), f"{bad.sum()} entries off; max err {np.max(np.abs(got - want))}"
+
+
+def _operands(t=48, k=64, n=40, seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k1, (t, k)) * jnp.exp2(jax.random.randint(k2, (t, k), -6, 6))
+    w = jax.random.normal(k3, (k, n)) * 0.1
+    return x, w
+
+
+# -- construction and validation ------------------------------------------------------------------
+
+
+def test_formats_are_normalized_and_recipes_hashable():
+    a = Recipe(forward="mxfp8", grad="mxfp8_e5m2", scale_rule="rceil")
+    b = Recipe(forward=("mxfp8_e4m3", lowprec.mx_format("mxfp8_e4m3")), grad="MXFP8_E5M2",
+               scale_rule="rceil")
+    assert a == b and hash(a) == hash(b)
+    assert a.forward == (lowprec.mx_format("mxfp8_e4m3"),) * 2
+    assert a.backward_operands == a.forward and a.backward == "quantized"
+    assert Recipe(forward="e4m3").backward == "ste"
+    assert Recipe(forward="mxfp4", backward_operands="mxfp8").backward == "quantized"
+    # Usable as a static argument: equal recipes share one trace.
+    traces = []
+    g = jax.jit(lambda x, r: (traces.append(r), r.dot_general(x, x.T, DN))[1], static_argnums=1)
+    g(jnp.ones((2, 32)), a)
+    g(jnp.ones((2, 32)), b)
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(forward="mxfp9"), "unknown forward 'mxfp9'; valid formats: None, 'mxfp8_e4m3'"),
+    (dict(forward=("e4m3",)), r"forward takes one format for both operands or a pair"),
+    (dict(forward="e8m0"), "e8m0.* scale format, not an operand format"),
+    (dict(forward="mxfp8", grad="e5m2", backward="ste"), "no effect with backward='ste'"),
+    (dict(forward="mxfp8", backward="exact"), "unknown backward mode 'exact'"),
+    (dict(forward="mxfp8", rounding="stochastic"), "needs a key per call.*lowprec.optim"),
+    (dict(forward="mxfp8", scaling="tensor"), r"MX formats \['mxfp8_e4m3'\] carry their own"),
+    (dict(forward="e4m3", scaling="block"), "unknown scaling 'block'"),
+    (dict(forward="mxfp8", scale_rule="round"), "unknown scale_rule 'round'"),
+])
+def test_bad_recipes_raise_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Recipe(**kwargs)
+
+
+def test_high_precision_patterns():
+    r = Recipe(forward="mxfp8", high_precision="lm_head")  # a lone string is one pattern
+    assert r.high_precision == ("lm_head",)
+    r = Recipe(forward="mxfp8", high_precision=("lm_head", "*/attn/*", "block_[01]/up"))
+    assert r.keeps_high_precision("lm_head")
+    assert r.keeps_high_precision("model/block_3/attn/query")  # * crosses '/'
+    assert r.keeps_high_precision("block_1/up")
+    assert not r.keeps_high_precision("block_2/up")
+    assert not r.keeps_high_precision("lm_head_2")  # globs match the whole path
+    with pytest.raises(TypeError, match="glob pattern strings"):
+        Recipe(forward="mxfp8", high_precision=(3,))
+
+
+def test_ready_made_recipes_are_the_published_ones():
+    e4m3, e5m2 = lowprec.mx_format("mxfp8_e4m3"), lowprec.mx_format("mxfp8_e5m2")
+    # NVIDIA (Mishra et al. 2025 / Transformer Engine MXFP8BlockScaling): E4M3 for every
+    # tensor, gradients included; scales rounded up (rceil).
+    assert NVIDIA_MXFP8.forward == (e4m3, e4m3) and NVIDIA_MXFP8.grad == e4m3
+    assert NVIDIA_MXFP8.backward_operands == (e4m3, e4m3)
+    assert (NVIDIA_MXFP8.scale_rule, NVIDIA_MXFP8.backward) == ("rceil", "quantized")
+    # OCP MX v1.0 scale rule (floor), E4M3 data, E5M2 gradients.
+    assert OCP_MXFP8.forward == (e4m3, e4m3) and OCP_MXFP8.grad == e5m2
+    assert OCP_MXFP8.scale_rule == "floor"
+    # FP8 hybrid (Micikevicius et al. 2022): E4M3 forward, E5M2 gradients, per-tensor scales.
+    assert FP8_HYBRID.forward == (lowprec.element_format("e4m3"),) * 2
+    assert FP8_HYBRID.grad == lowprec.element_format("e5m2") and FP8_HYBRID.scaling == "tensor"
+    assert lowprec.RECIPES == {"ocp_mxfp8": OCP_MXFP8, "nvidia_mxfp8": NVIDIA_MXFP8,
+                               "fp8_hybrid": FP8_HYBRID}
+
+
+# -- forward ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", [
+    NVIDIA_MXFP8, OCP_MXFP8,
+    Recipe(forward=("mxfp8_e4m3", "mxfp4"), scale_rule="even"),
+    Recipe(forward="e4m3"),  # no scaling: each value rounded on its own
+    Recipe(forward="bf16"),
+], ids=lambda r: r.describe())
+def test_forward_is_the_dot_of_reference_quantized_operands(recipe):
+    # Eager here; jit == eager bit for bit is checked below for every kind of recipe dot.
+    x, w = _operands()
+    got = recipe.dot_general(x, w, DN)
+    qx = _ref_q(x, recipe.forward[0], 1, recipe.scale_rule)
+    qw = _ref_q(w, recipe.forward[1], 0, recipe.scale_rule)
+    _assert_close(got, qx @ qw, qx, qw, x.shape[1])
+
+
+def test_tensor_scaling_forward():
+    x, w = _operands(seed=1)
+    x = x * 1e-5  # far below E4M3's range: without a scale most values would flush to zero
+    got = FP8_HYBRID.dot_general(x, w, DN)
+    sx, sw = _ref_pow2_scale(x, "e4m3"), _ref_pow2_scale(w, "e4m3")
+    qx = _ref_elem(np.asarray(x) / sx, "e4m3", "saturate") * sx
+    qw = _ref_elem(np.asarray(w) / sw, "e4m3", "saturate") * sw
+    _assert_close(got, qx @ qw, qx, qw, x.shape[1])
+    # The scale puts the tensor's amax at the top of E4M3: relative error ~ 2^-4, not ~1.
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.median(np.abs(np.asarray(got) - exact) / np.abs(exact)) < 0.1
+
+
+def test_output_dtype_follows_lax_dot_general():
+    x, w = _operands()
+    r = NVIDIA_MXFP8
+    assert r.dot_general(x, w, DN).dtype == jnp.float32
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    assert r.dot_general(xb, wb, DN).dtype == jnp.bfloat16
+    assert r.dot_general(xb, w, DN).dtype == jnp.float32  # promoted, as lax does
+    out = r.dot_general(xb, wb, DN, precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+    assert out.dtype == jnp.float32
+    # bf16 output = the float32 result rounded once.
+    np.testing.assert_array_equal(np.asarray(r.dot_general(xb, wb, DN)),
+                                  np.asarray(out.astype(jnp.bfloat16)))
+    with pytest.raises(TypeError, match="output dtype must be float32, bfloat16 or float16"):
+        r.dot_general(x, w, DN, preferred_element_type=jnp.int32)
+
+
+# -- backward ---------------------------------------------------------------------------------------
+
+
+def _grads(recipe, x, w, g):
+    _, vjp = jax.vjp(lambda a, b: recipe.dot_general(a, b, DN), x, w)
+    return vjp(g)
+
+
+@pytest.mark.parametrize("recipe", [
+    OCP_MXFP8,  # lowprec.dot_general's own quantized VJP
+    Recipe(forward="mxfp4", backward_operands="mxfp8_e4m3", grad="mxfp8_e4m3",
+           scale_rule="rceil"),  # the recipe's own VJP: backward formats differ
+    Recipe(forward="mxfp4", backward_operands=(None, "mxfp8_e5m2"), grad=None),
+], ids=lambda r: r.describe())
+def test_quantized_backward_blocks_along_each_reduction(recipe):
+    # grad_x [T,K] = Q(g)[T,N] . Q(w)^T: g and w blocked along N (axis 1 of g, 1 of w);
+    # grad_w [K,N] = Q(x)^T . Q(g): x and g blocked along T (axis 0 of both).
+    x, w = _operands(seed=2)
+    g = jax.random.normal(jax.random.key(9), (x.shape[0], w.shape[1]))
+    gx, gw = _grads(recipe, x, w, g)
+    bl, br = recipe.backward_operands
+    rule = recipe.scale_rule
+    qg_n, qw_n = _ref_q(g, recipe.grad, 1, rule), _ref_q(w, br, 1, rule)
+    qx_t, qg_t = _ref_q(x, bl, 0, rule), _ref_q(g, recipe.grad, 0, rule)
+    _assert_close(gx, qg_n @ qw_n.T, qg_n, qw_n.T, w.shape[1])
+    _assert_close(gw, qx_t.T @ qg_t, qx_t.T, qg_t, x.shape[0])
+
+
+def test_ste_backward_is_the_float_gradient_of_the_quantized_forward():
+    r = Recipe(forward="mxfp8_e4m3", scale_rule="rceil")
+    x, w = _operands(seed=3)
+    g = jax.random.normal(jax.random.key(4), (x.shape[0], w.shape[1]))
+    gx, gw = _grads(r, x, w, g)
+    qx, qw = _ref_mx(x, "mxfp8_e4m3", 1, "rceil"), _ref_mx(w, "mxfp8_e4m3", 0, "rceil")
+    g64 = np.asarray(g, np.float64)
+    _assert_close(gx, g64 @ qw.T, g64, qw.T, w.shape[1])
+    _assert_close(gw, qx.T @ g64, qx.T, g64, x.shape[0])
+
+
+def test_tensor_scaled_backward():
+    x, w = _operands(seed=5)
+    g = jax.random.normal(jax.random.key(6), (x.shape[0], w.shape[1])) * 1e-7  # tiny grads
+    gx, gw = _grads(FP8_HYBRID, x, w, g)
+    sx, sw, sg = (_ref_pow2_scale(a, e) for a, e in ((x, "e4m3"), (w, "e4m3"), (g, "e5m2")))
+    qx = _ref_elem(np.asarray(x) / sx, "e4m3", "saturate") * sx
+    qw = _ref_elem(np.asarray(w) / sw, "e4m3", "saturate") * sw
+    qg = _ref_elem(np.asarray(g) / sg, "e5m2", "saturate") * sg
+    assert np.count_nonzero(qg) > 0.99 * qg.size  # unscaled E5M2 would flush these to 0
+    _assert_close(gx, qg @ qw.T, qg, qw.T, w.shape[1])
+    _assert_close(gw, qx.T @ qg, qx.T, qg, x.shape[0])
+
+
+def test_gradient_dtypes_follow_the_operands():
+    x, w = _operands()
+    xb = x.astype(jnp.bfloat16)
+    for r in (FP8_HYBRID, Recipe(forward="mxfp4", backward_operands="mxfp8")):  # own VJP
+        gx, gw = jax.grad(lambda a, b: r.dot_general(a, b, DN).astype(jnp.float32).sum(),
+                          argnums=(0, 1))(xb, w)
+        assert (gx.dtype, gw.dtype) == (jnp.bfloat16, jnp.float32)
+
+
+# -- transformations ------------------------------------------------------------------------------
+
+# lowprec.dot_general's own VJP (NVIDIA) and the recipe's own VJP with per-tensor scales.
+TRANSFORM_RECIPES = [NVIDIA_MXFP8, FP8_HYBRID]
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint32)
+
+
+def _loss(recipe):
+    # Linear in the output, so the cotangent is the fixed array c in every mode (a nonlinearity
+    # could round differently eagerly and fused under jit, before the gradient is quantized).
+    def loss(x, w):
+        y = recipe.dot_general(x, w, DN)
+        c = jax.random.normal(jax.random.key(11), y.shape[-2:])
+        return jnp.sum(y * c)
+
+    return loss
+
+
+@pytest.mark.parametrize("recipe", TRANSFORM_RECIPES, ids=lambda r: r.describe())
+def test_jit_grad_and_checkpoint_agree_bitwise(recipe):
+    x, w = _operands(seed=7)
+    eager = jax.grad(_loss(recipe), argnums=(0, 1))(x, w)
+    jitted = jax.jit(jax.grad(_loss(recipe), argnums=(0, 1)))(x, w)
+    remat = jax.jit(jax.grad(jax.checkpoint(_loss(recipe)), argnums=(0, 1)))(x, w)
+    for a, b, c in zip(eager, jitted, remat):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(_bits(a), _bits(c))
+
+
+@pytest.mark.parametrize("recipe", TRANSFORM_RECIPES, ids=lambda r: r.describe())
+def test_vmap_is_the_per_example_map(recipe):
+    # vmap over a leading axis means "one recipe dot per example": per-tensor scales become
+    # per-example scales, MX blocks never mix examples. Loss and gradients, vs one at a time.
+    xs = jnp.stack([_operands(t=32, seed=s)[0] for s in range(2)])
+    w = _operands()[1]
+    one = jax.jit(jax.value_and_grad(_loss(recipe)))
+    ls, gs = jax.jit(jax.vmap(jax.value_and_grad(_loss(recipe)), in_axes=(0, None)))(xs, w)
+    for i in range(xs.shape[0]):
+        li, gi = one(xs[i], w)
+        np.testing.assert_array_equal(_bits(ls[i]), _bits(li))
+        np.testing.assert_array_equal(_bits(gs[i]), _bits(gi))
+
+
+# -- einsum -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,ls,rs", [
+    ("bqhd,bkhd->bhqk", (2, 4, 3, 8), (2, 6, 3, 8)),  # batch dims, transposed output
+    ("...d,df->...f", (2, 3, 8), (8, 5)),  # ellipsis
+    ("ijx,jk", (3, 8, 2), (8, 5)),  # implicit output; x is summed out first
+    ("btnh,nhd->btd", (2, 3, 4, 8), (4, 8, 6)),  # two contracting dims, flattened
+])
+def test_einsum_matches_jnp_einsum(spec, ls, rs):
+    # Integer-valued operands: every sum is exact, so any correct plan gives the same bits.
+    # (Quantization along the plan's contraction: test_einsum_quantizes_like_dot_general.)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    a = jax.random.randint(k1, ls, -4, 5).astype(jnp.float32)
+    b = jax.random.randint(k2, rs, -4, 5).astype(jnp.float32)
+    want = jnp.einsum(spec, a, b)
+    got = Recipe().einsum(spec, a, b)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_einsum_quantizes_like_dot_general():
+    x, w = _operands(t=10, k=64, n=12)
+    w3 = w.reshape(64, 3, 4)
+    got = NVIDIA_MXFP8.einsum("td,dnh->tnh", x, w3)
+    want = NVIDIA_MXFP8.dot_general(x, w3, (((1,), (0,)), ((), ())))
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("spec,lshape,match", [
+    ("ab,bc,cd->ad", (4, 32), "exactly two operands"),
+    ("aab,bc->ac", (4, 4, 32), "repeated index"),
+    ("ab,bc->az", (4, 32), r"output indices \['z'\] appear in no operand"),
+    ("a1,1c->ac", (4, 32), "invalid index characters"),
+    ("abc,cd->ad", (4, 32), "has 3 indices for rank 2"),
+    ("ab,bc->ac", (4, 16), "has sizes 16 and 32"),
+])
+def test_einsum_errors(spec, lshape, match):
+    with pytest.raises(ValueError, match=match):
+        Recipe().einsum(spec, jnp.ones(lshape), jnp.ones((32, 4)))
+
+
+def test_einsum_sums_indices_of_one_operand_only():
+    a, b = jnp.arange(8.0).reshape(2, 4), jnp.arange(6.0).reshape(3, 2)
+    np.testing.assert_array_equal(Recipe().einsum("ab,cd->a", a, b), jnp.einsum("ab,cd->a", a, b))
