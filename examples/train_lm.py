@@ -69,7 +69,7 @@ DEFAULT_CONFIGS = ("fp32", "bf16", "mxfp8_rceil", "mxfp8_floor", "mxfp4_fwd")
 class Settings:
     """Model and run size. The defaults are the README's full run."""
 
-    steps: int = 600
+    steps: int = 400
     batch: int = 32
     seq: int = 64
     d_model: int = 128

@@ -185,6 +185,10 @@ class Recipe:
 
     # -- description -------------------------------------------------------------------------
 
+    def __repr__(self) -> str:
+        label = f"{self.name!r}: " if self.name else ""
+        return f"Recipe({label}{self.describe()})"
+
     def describe(self) -> str:
         """One line: forward lhs x rhs, backward operands and gradient, scale rule.
 
@@ -198,12 +202,13 @@ class Recipe:
         else:
             l, r = self.backward_operands
             bwd = f"bwd {_name(l)} x {_name(r)}, grad {_name(self.grad)}"
-        extra = [self.scale_rule.value]
+        used = (*self.forward, *self.backward_operands, self.grad)
+        extra = [self.scale_rule.value] if any(isinstance(f, MXFormat) for f in used) else []
         if self.scaling != "none":
             extra.append(f"{self.scaling} scaling")
         if self.high_precision:
             extra.append("high precision: " + ", ".join(self.high_precision))
-        return f"{fwd} | {bwd} | " + ", ".join(extra)
+        return " | ".join([fwd, bwd] + ([", ".join(extra)] if extra else []))
 
     def keeps_high_precision(self, path: str) -> bool:
         """Whether the layer at ``path`` (names joined by ``/``) matches ``high_precision``.

@@ -17,6 +17,11 @@ Where the check can see the layout:
 * traced inputs sharded over ``Auto`` axes carry no layout at trace time (the partitioner
   chooses later): nothing to check. Results are still bit-identical; choose ``in_shardings``
   with the block axis unsplit (or split into multiples of 32) to keep quantization local.
+
+Known limit: with ``Explicit`` axes, a dot whose *contraction* is sharded (K split across
+devices, or the weight gradient of a data-parallel layer, which sums over sharded tokens)
+needs its output sharding named (JAX raises ``ShardingTypeError`` for ``jnp.dot`` alike);
+lowprec's dots do not take ``out_sharding`` yet. ``Auto`` axes have no such limit.
 """
 
 from __future__ import annotations

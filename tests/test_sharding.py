@@ -14,6 +14,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # ~20-30 s of XLA compiles; `pytest -m "not slow"` skips it
+
 CASES = pathlib.Path(__file__).with_name("sharded_cases.py")
 
 

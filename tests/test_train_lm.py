@@ -25,6 +25,8 @@ import pytest
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 
+pytestmark = pytest.mark.slow  # ~20-30 s of XLA compiles; `pytest -m "not slow"` skips it
+
 EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "train_lm.py"
 UNIGRAM_ENTROPY = 3.25  # nats/char of pydoc_data.topics, from its character counts
 
