@@ -260,11 +260,16 @@ class Recipe:
                 "(from preferred_element_type or the operands' dtypes)"
             )
         dn = _normalize(dimension_numbers)
-        _check_sharding(lhs, rhs, dn, self)
+        _check_forward_sharding(lhs, rhs, dn, self)
         if self._needs_own_vjp():
             out = _recipe_dot(lhs, rhs, dn, self, out_dtype)
         else:
             out = _forward_dot(lhs, rhs, dn, self, out_dtype, self.backward)
+        if self.backward == "quantized":
+            try:
+                _check_backward_sharding(lhs, rhs, dn, self)
+            except ValueError as e:  # refuse the backward pass only: inference is fine
+                out = _fails_in_backward(out, str(e))
         if out_sharding is not None:
             out = jax.sharding.reshard(out, out_sharding)
         return out
@@ -329,27 +334,48 @@ def _normalize(dimension_numbers):
         ) from None
 
 
-def _check_sharding(lhs, rhs, dn, recipe: Recipe) -> None:
-    """MX blocks of every dot of the recipe, backward included, must not straddle shards
-    (see lowprec._sharding); checked here too so the error names the recipe's dot."""
-    (lc, rc), (lb, rb) = dn
+def _check_forward_sharding(lhs, rhs, dn, recipe: Recipe) -> None:
+    """MX blocks of the forward dot must not straddle shards (see lowprec._sharding); checked
+    here too so that the error names the recipe."""
+    (lc, rc), _ = dn
     name = recipe.name or "recipe"
     for x, fmt, contract, role in ((lhs, recipe.forward[0], lc, "lhs"), (rhs, recipe.forward[1], rc, "rhs")):
         if isinstance(fmt, MXFormat):
             check_contraction(x, contract, fmt.block_size, f"{name} forward dot, {role} contraction")
-    if recipe.backward != "quantized":
-        return
+
+
+def _check_backward_sharding(lhs, rhs, dn, recipe: Recipe) -> None:
+    """The backward dots block each operand along its *free* dims (grad_rhs reduces over
+    lhs's free dims, e.g. tokens; grad_lhs over rhs's, e.g. output features)."""
+    (lc, rc), (lb, rb) = dn
+    name = recipe.name or "recipe"
     for x, fmt, contract, batch, role, grad in (
         (lhs, recipe.backward_operands[0], lc, lb, "lhs", "rhs"),
         (rhs, recipe.backward_operands[1], rc, rb, "rhs", "lhs"),
     ):
-        # grad_<grad> reduces over <role>'s free dims: <role> and the cotangent are blocked there.
         free = tuple(d for d in range(x.ndim) if d not in contract and d not in batch)
         blocks = [f.block_size for f in (fmt, recipe.grad) if isinstance(f, MXFormat)]
         if blocks and free:
             what = (f"{name} backward dot for grad_{grad}, which reduces over {role}'s free dims "
                     f"{free} (e.g. tokens for the weight gradient)")
             check_contraction(x, free, max(blocks), what)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _fails_in_backward(y, message: str):
+    """Identity whose backward pass raises ``ValueError(message)`` (at trace time)."""
+    return y
+
+
+def _fails_fwd(y, message):
+    return y, None
+
+
+def _fails_bwd(message, _, g):
+    raise ValueError(message)
+
+
+_fails_in_backward.defvjp(_fails_fwd, _fails_bwd)
 
 
 def _pow2(e):

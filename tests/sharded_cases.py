@@ -210,3 +210,19 @@ def test_flax_recipe_too_few_tokens_per_device_is_a_clear_error():
     with jax.set_mesh(mesh):
         with pytest.raises(ValueError, match=r"backward dot for grad_rhs.*free dims \(0,\)"):
             jax.jit(jax.grad(loss))(ps, xs)
+
+
+def test_recipe_dot_general_out_sharding():
+    # nnx layers pass out_sharding through to dot_general; the recipe reshards its output.
+    # 16 tokens per device: fine for this forward-only call; only a gradient would need the
+    # token axis in whole blocks (test_flax_recipe_too_few_tokens_per_device_...).
+    mesh = _mesh("explicit")
+    x, w = _data((64, 128), 2), jax.random.normal(jax.random.key(8), (128, 32))
+    x = jnp.nan_to_num(x)
+    want = lowprec.NVIDIA_MXFP8.dot_general(x, w, DN)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, P("x", None))
+        got = jax.jit(lambda a, b: lowprec.NVIDIA_MXFP8.dot_general(
+            a, b, DN, out_sharding=P(None, "x")))(xs, w)
+    assert got.sharding.spec == P(None, "x")
+    np.testing.assert_array_equal(_bits(got), _bits(want))
