@@ -43,6 +43,22 @@ def unblocked(x, axis: int):
     return jnp.moveaxis(x, -1, axis)
 
 
+def split_blocks(x, axis: int, block: int):
+    """Splits ``axis`` in place into (n / block, block): a reshape, no data movement.
+
+    The block index stays at ``axis`` and the position within a block is ``axis + 1``, so
+    per-block values reduced over ``axis + 1`` already have the MXArray scales layout, and
+    no transpose is needed whatever the axis (XLA vectorizes a reduction over a non-minor
+    axis along the minor one).
+    """
+    return x.reshape(*x.shape[:axis], x.shape[axis] // block, block, *x.shape[axis + 1 :])
+
+
+def merge_blocks(x, axis: int):
+    """Inverse of :func:`split_blocks`: merges ``axis`` and ``axis + 1``."""
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
+
+
 def check_block_input(shape, dtype, fmt: MXFormat, axis, pad: bool, func: str):
     """Validates an array to be split into blocks of ``fmt``; returns ``(axis, n, padded_n)``."""
     dtype = np.dtype(dtype)

@@ -18,12 +18,28 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._bits import E8M0_BIAS, scale_bits_by_e8m0
-from ._blocks import blocked, check_block_input, normalize_axis, padded_bits, unblocked
-from ._codec import bits_to_dtype, check_float_dtype, decode_bits, encode_bits
+from ._bits import (
+    E8M0_BIAS,
+    E8M0_NAN,
+    F32_ABS,
+    F32_INF,
+    F32_MANT_BITS,
+    F32_QNAN,
+    bits_to_f32,
+    f32_bits,
+    scale_bits_by_e8m0,
+)
+from ._blocks import (
+    check_block_input,
+    merge_blocks,
+    normalize_axis,
+    padded_bits,
+    split_blocks,
+)
+from ._codec import bits_to_dtype, check_float_dtype, decode_bits, decode_f32, encode_bits
 from ._format import MXFormat, MXFormatLike, array_then_format, mx_format
 from ._options import MXCast
-from ._pack import pack_last, unpack_last
+from ._pack import pack_pairs, unpack_pairs
 from ._scale_rules import (
     DEFAULT_SCALE_RULE,
     ScaleRule,
@@ -157,25 +173,42 @@ def _check_leaves(elements, scales, fmt: MXFormat, axis: int, shape: tuple) -> N
 # -- quantization -------------------------------------------------------------------------
 
 
-def quantize_blocks(bits, cast: MXCast, axis: int, key, pack=pack_last):
+def _block_amax(xb, inner: int):
+    """Largest magnitude bits of each block of float32 patterns split along ``inner``."""
+    if inner == xb.ndim - 1:
+        return block_amax_bits(xb)
+    # A reduction over a non-minor axis vectorizes along the minor one as it is.
+    return jnp.max(xb & F32_ABS, axis=inner)
+
+
+def quantize_blocks(bits, cast: MXCast, axis: int, key, pack=None):
     """Element and scale codes (uint8) of float32 patterns ``bits`` whose ``axis`` length is
     a multiple of the block size. Trace-time core of quantize_mx, the matmul path and the
-    Pallas quantize kernel (which passes a ``pack`` that Triton can lower)."""
+    Pallas quantize kernel (which passes a last-axis ``pack`` that Triton can lower).
+
+    Blocks are split in place (``axis`` → (blocks, block) by a reshape): a block axis other
+    than the last costs no transpose, and the per-block scales come out in their layout.
+    """
     fmt = cast.fmt
-    xb = blocked(bits, axis, fmt.block_size)
-    scale_codes, special = scale_codes_of_amax(block_amax_bits(xb), fmt, cast.scale_rule)
+    inner = axis + 1  # position within a block
+    xb = split_blocks(bits, axis, fmt.block_size)
+    scale_codes, special = scale_codes_of_amax(_block_amax(xb, inner), fmt, cast.scale_rule)
     random_bits = None
     if cast.stochastic:
-        random_bits = blocked(jax.random.bits(key, bits.shape, jnp.uint32), axis, fmt.block_size)
+        random_bits = split_blocks(jax.random.bits(key, bits.shape, jnp.uint32), axis, fmt.block_size)
     codes = encode_bits(
         fmt.element, xb, cast.rounding, "saturate", random_bits,
-        scale_exp=(scale_codes - E8M0_BIAS)[..., None],
+        scale_exp=jnp.expand_dims(scale_codes - E8M0_BIAS, inner),
         assume_finite=True,  # blocks holding a NaN/Inf are zeroed just below
     )
-    codes = jnp.where(special[..., None], 0, codes).astype(jnp.uint8)
+    codes = jnp.where(jnp.expand_dims(special, inner), 0, codes).astype(jnp.uint8)
     if fmt.packed:
-        codes = pack(codes)  # pairs never straddle blocks, so pack while blocked
-    return unblocked(codes, axis), jnp.moveaxis(scale_codes.astype(jnp.uint8), -1, axis)
+        if pack is None:
+            codes = pack_pairs(codes, inner)  # pairs never straddle blocks: pack while split
+        else:
+            assert inner == codes.ndim - 1, "a caller's pack works along the last axis"
+            codes = pack(codes)
+    return merge_blocks(codes, axis), scale_codes.astype(jnp.uint8)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -239,9 +272,9 @@ def quantize_mx(
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _shared_exponents_jit(x, cast: MXCast, axis: int, padded: int):
-    xb = blocked(padded_bits(x, axis, padded), axis, cast.fmt.block_size)
-    codes, _ = scale_codes_of_amax(block_amax_bits(xb), cast.fmt, cast.scale_rule)
-    return jnp.moveaxis(codes - E8M0_BIAS, -1, axis)
+    xb = split_blocks(padded_bits(x, axis, padded), axis, cast.fmt.block_size)
+    codes, _ = scale_codes_of_amax(_block_amax(xb, axis + 1), cast.fmt, cast.scale_rule)
+    return codes - E8M0_BIAS
 
 
 def shared_exponents(
@@ -286,22 +319,111 @@ def shared_exponents(
 # -- dequantization -----------------------------------------------------------------------
 
 
+def _element_codes(elements, fmt: MXFormat, axis: int):
+    """Element codes split in place into blocks along ``axis`` (FP4 unpacked)."""
+    per_block = fmt.block_size // 2 if fmt.packed else fmt.block_size
+    codes = split_blocks(elements, axis, per_block)
+    return unpack_pairs(codes, axis + 1) if fmt.packed else codes
+
+
 def mx_value_bits(elements, scales, fmt: MXFormat, axis: int, n: int):
     """Exact float32 patterns (uint32) of MX codes, padding beyond ``n`` dropped.
-    Trace-time core of dequantize and the matmul path."""
-    per_block = fmt.block_size // 2 if fmt.packed else fmt.block_size
-    codes = blocked(elements, axis, per_block)
-    if fmt.packed:
-        codes = unpack_last(codes)
-    vb = decode_bits(fmt.element, codes)
-    sb = jnp.moveaxis(scales, axis, -1)[..., None]
-    bits = unblocked(scale_bits_by_e8m0(vb, sb), axis)
+    Trace-time core of dequantize and the matmul path: builds every value from bits
+    (float32 subnormal results included), whatever the scales."""
+    vb = decode_bits(fmt.element, _element_codes(elements, fmt, axis))
+    bits = merge_blocks(scale_bits_by_e8m0(vb, jnp.expand_dims(scales, axis + 1)), axis)
     return lax.slice_in_dim(bits, 0, n, axis=axis)
+
+
+# The fast decode: element value (float32, exact) times the block's scale 2^(s - 127), a
+# float32 built from the code's bits, in one float multiply. The product of a value with at
+# most 24 significant bits and a power of two is exact whenever it is a float32 normal, and
+# overflows to inf exactly as the bit-built path does. What it cannot do on every backend is
+# a subnormal result (XLA on CPU flushes them, docs/design.md §8), so it is used only when no
+# block can produce one: see fast_decode_exact.
+
+
+def fast_decode_applies(fmt: MXFormat) -> bool:
+    """Whether ``fmt``'s scales are E8M0 codes, as the fast decode builds them (static)."""
+    sc, el = fmt.scale, fmt.element
+    return (
+        not sc.signed and not sc.zero and sc.mantissa_bits == 0 and sc.exponent_bits == 8
+        and sc.bias == E8M0_BIAS and sc.nan_code == E8M0_NAN
+        and el.code_bits <= 8 and el.mantissa_bits < F32_MANT_BITS
+    )
+
+
+def fast_scale_min(fmt: MXFormat) -> int:
+    """The smallest scale code at which even the element's smallest nonzero magnitude,
+    2^(emin - M) (2^emin without subnormals), times 2^(s - 127) is at least 2^-126, a
+    float32 (and bfloat16) normal: s >= 1 - (emin - M). 10 for E4M3, 17 for E5M2, 2 for
+    E2M1."""
+    el = fmt.element
+    lowest = el.emin - (el.mantissa_bits if el.subnormals else 0)
+    return max(1, 1 - lowest)
+
+
+def fast_decode_exact(elements, scales, fmt: MXFormat, axis: int):
+    """Scalar bool: whether the fast decode is exact for every block of these codes.
+
+    True when every block either has a scale code of at least :func:`fast_scale_min` (the
+    NaN code 0xFF included) or holds only zeros (any scale times ±0 is ±0; an all-zero
+    block carries code 0). The scales alone decide in the common case; the element codes
+    are read only when some scale is small.
+    """
+    threshold = fast_scale_min(fmt)
+    big = scales >= threshold
+
+    def small_blocks_are_zero():
+        el = fmt.element
+        mag = (1 << el.magnitude_bits) - 1  # drops the sign bit
+        mask = mag | (mag << 4) if fmt.packed else mag
+        per_block = fmt.block_size // 2 if fmt.packed else fmt.block_size
+        nonzero = split_blocks((elements & mask) != 0, axis, per_block).any(axis=axis + 1)
+        return jnp.all(big | ~nonzero)
+
+    return lax.cond(jnp.all(big), lambda: jnp.bool_(True), small_blocks_are_zero)
+
+
+def e8m0_factor(scales):
+    """float32 2^(s - 127) of E8M0 codes, from the bits: the exponent field is ``s``; code 0
+    gives the subnormal 2^-127 (0 where the backend flushes subnormals: only all-zero blocks
+    use it on the fast path) and 0xFF a quiet NaN."""
+    s = scales.astype(jnp.uint32)
+    low = jnp.where((s == 0) | (s == E8M0_NAN), jnp.uint32(1 << 22), jnp.uint32(0))
+    return bits_to_f32(lax.shift_left(s, jnp.uint32(F32_MANT_BITS)) | low)
+
+
+def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canonical_nan=True):
+    """:func:`mx_value_bits` by one float multiply per element; exact (bit for bit, NaN
+    made the canonical quiet NaN as there unless ``canonical_nan`` is False) when
+    :func:`fast_decode_exact` holds."""
+    v = decode_f32(fmt.element, _element_codes(elements, fmt, axis))
+    bits = f32_bits(v * jnp.expand_dims(e8m0_factor(scales), axis + 1))
+    if canonical_nan:
+        bits = jnp.where((bits & F32_ABS) > F32_INF, jnp.uint32(F32_QNAN), bits)
+    return lax.slice_in_dim(merge_blocks(bits, axis), 0, n, axis=axis)
+
+
+def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
+    """Exact values of MX codes as ``dtype`` (rounded to nearest even if narrower than
+    float32): the fast decode when it is exact for these codes, else the bit-built one."""
+
+    def exact(e, s):
+        return bits_to_dtype(mx_value_bits(e, s, fmt, axis, n), dtype)
+
+    if not fast_decode_applies(fmt):
+        return exact(elements, scales)
+
+    def fast(e, s):
+        return bits_to_dtype(mx_value_bits_fast(e, s, fmt, axis, n), dtype)
+
+    return lax.cond(fast_decode_exact(elements, scales, fmt, axis), fast, exact, elements, scales)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
 def _dequantize_jit(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
-    return bits_to_dtype(mx_value_bits(elements, scales, fmt, axis, n), dtype)
+    return mx_values(elements, scales, fmt, axis, n, dtype)
 
 
 def dequantize(mx: MXArray, dtype=jnp.float32) -> jax.Array:

@@ -56,6 +56,24 @@ def unpack_last(p):
     return both.reshape(*p.shape[:-1], p.shape[-1] * 2)
 
 
+def pack_pairs(c, axis: int):
+    """Packs uint8 codes along ``axis`` (even length) in place, without a transpose."""
+    if axis == c.ndim - 1:
+        return pack_last(c)
+    pairs = c.reshape(*c.shape[:axis], c.shape[axis] // 2, 2, *c.shape[axis + 1 :])
+    even = lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
+    odd = lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
+    return (even & 0xF) | lax.shift_left(odd, jnp.uint8(4))
+
+
+def unpack_pairs(p, axis: int):
+    """Inverse of :func:`pack_pairs`."""
+    if axis == p.ndim - 1:
+        return unpack_last(p)
+    both = jnp.stack([p & 0xF, lax.shift_right_logical(p, jnp.uint8(4))], axis=axis + 1)
+    return both.reshape(*p.shape[:axis], p.shape[axis] * 2, *p.shape[axis + 1 :])
+
+
 def unpack_fp4(packed, axis: int = -1) -> jnp.ndarray:
     """Inverse of :func:`pack_fp4`: uint8 bytes → uint8 codes 0..15, ``axis`` doubled.
 

@@ -52,11 +52,18 @@ from jax import lax
 import lowprec_formats as _data
 
 from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
-from ._blocks import blocked, padded_bits
+from ._blocks import padded_bits
 from ._codec import bits_to_dtype, decode_bits, encode_bits, exactly_representable, input_bits
 from ._format import ElementFormat, FormatLike, MXFormat, resolve_format
 from ._gemv import decode_time_route, on_cuda
-from ._mx import MXArray, mx_value_bits, quantize_blocks
+from ._mx import (
+    MXArray,
+    fast_decode_applies,
+    fast_decode_exact,
+    mx_value_bits,
+    mx_value_bits_fast,
+    quantize_blocks,
+)
 from ._options import ElementCast, MXCast
 from ._rounding import check_overflow
 from ._scale_rules import ScaleRule, check_scale_rule
@@ -71,7 +78,6 @@ OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float
 INPUT_DTYPES = OUTPUT_DTYPES
 
 OperandCast = Union[None, MXCast, ElementCast]
-_CANON_DN = (((2,), (2,)), ((0,), (0,)))  # (B, M, K) x (B, N, K) -> (B, M, N)
 
 
 # -- configuration --------------------------------------------------------------------------
@@ -208,24 +214,41 @@ def _canon_perm(nd: int, contract, batch):
 
 
 def _canonicalize(x, contract, batch):
-    """Transposes/reshapes an operand to (B, M, K) like ``jax.nn.scaled_dot_general`` does.
+    """Reshapes an operand to 3-D, (B, M, K) or (B, K, M); returns it and its contraction axis.
 
     Contracting dimensions are flattened in the order given, so MX blocks of a float operand
-    run along that flattened axis. An MXArray must have exactly one contracting dimension,
-    its block axis (checked before), and keeps its codes: only uint8 arrays are moved.
+    run along that flattened axis (as in ``jax.nn.scaled_dot_general``). Nothing is moved
+    when the operand's dimensions already come as (batch, free, contracting) — contraction
+    axis 2, e.g. activations [T, K] — or as (batch, contracting, free) — contraction axis 1,
+    e.g. a weight [K, N]: the dot takes either layout as it is. Other orders are transposed
+    to (B, M, K). An MXArray must have exactly one contracting dimension, its block axis
+    (checked before), and keeps its codes: only uint8 arrays are reshaped (or moved).
     """
     shape = shape_of(x)
-    perm, free = _canon_perm(len(shape), contract, batch)
+    nd = len(shape)
+    perm, free = _canon_perm(nd, contract, batch)
     b = math.prod(shape[d] for d in batch)
     m = math.prod(shape[d] for d in free)
     k = math.prod(shape[d] for d in contract)
+    ca = 2
+    if perm != list(range(nd)) and list(batch) + list(contract) + free == list(range(nd)):
+        perm, ca = list(range(nd)), 1
     if not isinstance(x, MXArray):
-        return jnp.transpose(x, perm).reshape(b, m, k)
-    el = jnp.transpose(x.elements, perm)
-    sc = jnp.transpose(x.scales, perm)
-    el = el.reshape(b, m, el.shape[-1])
-    sc = sc.reshape(b, m, sc.shape[-1])
-    return MXArray(el, sc, x.fmt, 2, (b, m, k), x.scale_rule)
+        x = jnp.transpose(x, perm)
+        return (x.reshape(b, m, k) if ca == 2 else x.reshape(b, k, m)), ca
+
+    def canon(codes):
+        codes = jnp.transpose(codes, perm)
+        kc = codes.shape[len(batch)] if ca == 1 else codes.shape[-1]  # padded/packed length
+        return codes.reshape((b, m, kc) if ca == 2 else (b, kc, m))
+
+    full = (b, m, k) if ca == 2 else (b, k, m)
+    return MXArray(canon(x.elements), canon(x.scales), x.fmt, ca, full, x.scale_rule), ca
+
+
+def _free(ca: int) -> int:
+    """The free axis of a canonical operand whose contraction axis is ``ca``."""
+    return 3 - ca
 
 
 # -- operand decoding ---------------------------------------------------------------------------
@@ -236,6 +259,12 @@ def _mx_bits(mx: MXArray):
     return mx_value_bits(mx.elements, mx.scales, mx.fmt, mx.axis, mx.shape[mx.axis])
 
 
+def _bf16_capable(fmt: MXFormat) -> bool:
+    """Whether blocks of ``fmt`` can be decoded by the fast decode into bfloat16 (static):
+    E8M0 scales and elements with at most bfloat16's 7 mantissa bits."""
+    return fast_decode_applies(fmt) and fmt.element.mantissa_bits <= 7
+
+
 def mx_bf16_exact(mx: MXArray):
     """Whether bfloat16 holds every value of ``mx`` exactly (a sufficient test, scalar bool).
 
@@ -243,33 +272,32 @@ def mx_bf16_exact(mx: MXArray):
     E2M1) keeps even the smallest nonzero element at or above 2^-126, in bfloat16's normal
     range, where a ≤ 3-bit significand is exact. Blocks holding only zeros are exact at any
     scale; they matter because an all-zero block carries scale code 0 (2^-127) and would
-    otherwise force the float32 path for nothing. One fused pass over the uint8 codes and
-    scales decides; blocks with tiny scales and nonzero elements go to float32 even when
-    bfloat16 would happen to hold them (rare, and still exact).
+    otherwise force the float32 path for nothing. This is the condition under which the
+    fast decode (one float multiply per element) is exact (``_mx.fast_decode_exact``):
+    the scales decide alone when all are large, the codes are read only otherwise. Blocks
+    with tiny scales and nonzero elements go to float32 even when bfloat16 would happen to
+    hold them (rare, and still exact).
     """
-    elem = mx.fmt.element
-    threshold = 1 - (elem.emin - elem.mantissa_bits)
-    mag_mask = 0x77 if mx.fmt.packed else (1 << elem.magnitude_bits) - 1  # drop sign bits
-    per_block = mx.fmt.block_size // 2 if mx.fmt.packed else mx.fmt.block_size
-    nonzero = blocked((mx.elements & mag_mask) != 0, mx.axis, per_block).any(axis=-1)
-    scales = jnp.moveaxis(mx.scales, mx.axis, -1)
-    return jnp.all((scales >= threshold) | ~nonzero)
+    if not _bf16_capable(mx.fmt):
+        return jnp.bool_(False)
+    return fast_decode_exact(mx.elements, mx.scales, mx.fmt, mx.axis)
 
 
-def _quantize_operand(x, cast: OperandCast, spec: DotSpec, what: str):
-    """Quantizes a canonical (B, M, K) float operand along K.
+def _quantize_operand(x, cast: OperandCast, spec: DotSpec, what: str, ca: int):
+    """Quantizes a canonical float operand along its contraction axis ``ca``.
 
     Returns ``(operand, kind)``: an MXArray with kind ``"dynamic"`` (bfloat16 unless a value
-    falls out of its range), or float32 bits (uint32) with kind ``"bf16"``/``"f32"`` (the
-    narrowest dtype holding every value exactly, known from the format alone).
+    falls out of its range) or ``"f32"`` (a block format bfloat16 cannot hold), or float32
+    bits (uint32) with kind ``"bf16"``/``"f32"`` (the narrowest dtype holding every value
+    exactly, known from the format alone).
     """
     if isinstance(x, MXArray):
-        return x, "dynamic"
+        return x, "dynamic" if _bf16_capable(x.fmt) else "f32"
     if cast is None:
         return input_bits(x), "bf16" if x.dtype == jnp.bfloat16 else "f32"
     if isinstance(cast, MXCast):
         block = cast.fmt.block_size
-        k = x.shape[-1]
+        k = x.shape[ca]
         if k % block and not spec.pad:
             raise ValueError(
                 f"{what}: contraction length {k} is not a multiple of the MX block size "
@@ -277,8 +305,9 @@ def _quantize_operand(x, cast: OperandCast, spec: DotSpec, what: str):
                 "or use a multiple of 32"
             )
         padded = -(-k // block) * block
-        elements, scales = quantize_blocks(padded_bits(x, 2, padded), cast, 2, None)
-        return MXArray(elements, scales, cast.fmt, 2, tuple(x.shape), cast.scale_rule), "dynamic"
+        elements, scales = quantize_blocks(padded_bits(x, ca, padded), cast, ca, None)
+        mx = MXArray(elements, scales, cast.fmt, ca, tuple(x.shape), cast.scale_rule)
+        return mx, "dynamic" if _bf16_capable(cast.fmt) else "f32"
     codes = encode_bits(cast.fmt, input_bits(x), cast.rounding, cast.overflow, None)
     bits = decode_bits(cast.fmt, codes)
     return bits, "bf16" if exactly_representable(cast.fmt, jnp.bfloat16) else "f32"
@@ -288,40 +317,57 @@ def _operand_bits(op):
     return _mx_bits(op) if isinstance(op, MXArray) else op
 
 
-def _dot(a, b, **kwargs):
-    """(B, M, K) x (B, N, K) -> (B, M, N) float32; a plain 2-D dot when B == 1 (XLA:CPU runs
-    2-D dots through a faster kernel than batched ones)."""
+def _contract(a, ca: int, b, cb: int, **kwargs):
+    """float32 dot of 3-D operands over a's axis ``ca`` and b's axis ``cb``, batched over
+    axis 0: (B, a's free, b's free). A plain 2-D dot when B == 1 (XLA:CPU runs 2-D dots
+    through a faster kernel than batched ones)."""
     if a.shape[0] == 1:
-        dn = (((1,), (1,)), ((), ()))
+        dn = (((ca - 1,), (cb - 1,)), ((), ()))
         return lax.dot_general(a[0], b[0], dn, preferred_element_type=jnp.float32, **kwargs)[None]
-    return lax.dot_general(a, b, _CANON_DN, preferred_element_type=jnp.float32, **kwargs)
+    dn = (((ca,), (cb,)), ((0,), (0,)))
+    return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32, **kwargs)
 
 
-def _dot_bf16(lop, rop):
-    # Truncation to bfloat16 is exact here: this branch runs only when every value fits.
-    a = bits_to_bf16_truncating(_operand_bits(lop))
-    return _dot(a, bits_to_bf16_truncating(_operand_bits(rop)))
+def _bf16_values(op):
+    if isinstance(op, MXArray):
+        # Fast decode, then truncation to bfloat16: both exact, as this branch runs only
+        # when mx_bf16_exact holds.
+        n = op.shape[op.axis]
+        bits = mx_value_bits_fast(op.elements, op.scales, op.fmt, op.axis, n, canonical_nan=False)
+        return bits_to_bf16_truncating(bits)
+    return bits_to_bf16_truncating(op)  # a format whose values are all bfloat16
 
 
-def _dot_f32(lop, rop):
+def _dot_bf16(layout, lop, rop):
+    la, ra = layout
+    return _contract(_bf16_values(lop), la, _bf16_values(rop), ra)
+
+
+def _dot_f32(layout, lop, rop):
+    la, ra = layout
     a, b = bits_to_f32(_operand_bits(lop)), bits_to_f32(_operand_bits(rop))
-    return _dot(a, b, precision=lax.Precision.HIGHEST)
+    return _contract(a, la, b, ra, precision=lax.Precision.HIGHEST)
 
 
-def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, spec: DotSpec, what: str):
-    """Quantized (B, M, K) x (B, N, K) -> (B, M, N) float32, no autodiff rule of its own."""
-    lop, lkind = _quantize_operand(lhs, lcast, spec, f"{what} lhs")
-    rop, rkind = _quantize_operand(rhs, rcast, spec, f"{what} rhs")
+def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, spec: DotSpec, what: str,
+                    layout: tuple):
+    """Quantized dot of canonical operands contracted over their axes ``layout = (la, ra)``
+    → (B, M, N) float32, no autodiff rule of its own."""
+    la, ra = layout
+    lop, lkind = _quantize_operand(lhs, lcast, spec, f"{what} lhs", la)
+    rop, rkind = _quantize_operand(rhs, rcast, spec, f"{what} rhs", ra)
     if "f32" in (lkind, rkind):
-        return _dot_f32(lop, rop)
+        return _dot_f32(layout, lop, rop)
     if lkind == rkind == "bf16":
-        return _dot_bf16(lop, rop)
+        return _dot_bf16(layout, lop, rop)
     ok = jnp.bool_(True)
     for op, kind in ((lop, lkind), (rop, rkind)):
         if kind == "dynamic":
             ok = ok & mx_bf16_exact(op)
     # Both branches take the codes, so each decodes inside its own fusion.
-    return lax.cond(ok, _dot_bf16, _dot_f32, lop, rop)
+    return lax.cond(
+        ok, functools.partial(_dot_bf16, layout), functools.partial(_dot_f32, layout), lop, rop
+    )
 
 
 def _float_values(x):
@@ -331,31 +377,28 @@ def _float_values(x):
     return bits_to_f32(input_bits(x))
 
 
-def _quantized_values(x, cast: OperandCast, spec: DotSpec):
+def _quantized_values(x, cast: OperandCast, spec: DotSpec, ca: int):
     """float32 values of the operand as the forward dot saw them."""
-    op, _ = _quantize_operand(x, cast, spec, "forward")
+    op, _ = _quantize_operand(x, cast, spec, "forward", ca)
     return bits_to_f32(_operand_bits(op))
 
 
-def _swap(x):
-    return jnp.swapaxes(x, 1, 2)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _qdot(lhs, rhs, spec: DotSpec):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _qdot(lhs, rhs, spec: DotSpec, layout: tuple):
     def generic(a, b):
-        return _qdot_canonical(a, b, spec.lhs, spec.rhs, spec, "forward")
+        return _qdot_canonical(a, b, spec.lhs, spec.rhs, spec, "forward", layout)
 
-    # Decode-time MXFP4 weight x bfloat16 tokens: a kernel on CUDA GPUs (_gemv.py).
-    fast = decode_time_route(lhs, rhs, spec.lhs, spec.rhs)
+    # Decode-time MXFP4 weight x bfloat16 tokens: a kernel on CUDA GPUs (_gemv.py), for
+    # operands in the (B, M, K) x (B, N, K) layout it takes.
+    fast = decode_time_route(lhs, rhs, spec.lhs, spec.rhs) if layout == (2, 2) else None
     out = generic(lhs, rhs) if fast is None else on_cuda(fast, generic, lhs, rhs)
     return bits_to_dtype(f32_bits(out), spec.out_dtype)
 
 
-def _qdot_fwd(lhs, rhs, spec: DotSpec):
+def _qdot_fwd(lhs, rhs, spec: DotSpec, layout: tuple):
     # Residuals are the inputs themselves (float or codes); quantized values are recomputed
     # in the backward pass, which costs O(size) next to the O(size * N) dots.
-    return _qdot(lhs, rhs, spec), (lhs, rhs)
+    return _qdot(lhs, rhs, spec, layout), (lhs, rhs)
 
 
 def _cotangent(primal, grad):
@@ -364,23 +407,34 @@ def _cotangent(primal, grad):
     return bits_to_dtype(f32_bits(grad), primal.dtype)
 
 
-def _qdot_bwd(spec: DotSpec, residuals, g):
+def _qdot_bwd(spec: DotSpec, layout: tuple, residuals, g):
     lhs, rhs = residuals
+    la, ra = layout
+    fl, fr = _free(la), _free(ra)  # the free axes: M of lhs, N of rhs
     g = bits_to_f32(input_bits(g))  # (B, M, N)
+    # Each gradient comes out in its operand's own layout: grad_lhs is (B, M, K) when the
+    # lhs is (la == 2), (B, K, M) otherwise; likewise for the rhs.
     if spec.backward == "ste":
-        ql = _quantized_values(lhs, spec.lhs, spec)  # (B, M, K)
-        qr = _quantized_values(rhs, spec.rhs, spec)  # (B, N, K)
-        f32 = dict(precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        grad_l = lax.dot_general(g, qr, (((2,), (1,)), ((0,), (0,))), **f32)
-        grad_r = lax.dot_general(g, ql, (((1,), (1,)), ((0,), (0,))), **f32)
+        ql = _quantized_values(lhs, spec.lhs, spec, la)
+        qr = _quantized_values(rhs, spec.rhs, spec, ra)
+        f32 = dict(precision=lax.Precision.HIGHEST)
+        # grad_lhs[b,m,k] = sum_n g[b,m,n] rhs[b,n,k]; grad_rhs[b,n,k] = sum_m g[b,m,n] lhs[b,m,k].
+        grad_l = _contract(g, 2, qr, fr, **f32) if la == 2 else _contract(qr, fr, g, 2, **f32)
+        grad_r = _contract(g, 1, ql, fl, **f32) if ra == 2 else _contract(ql, fl, g, 1, **f32)
     else:
-        fl, fr = _float_values(lhs), _float_values(rhs)
-        # grad_lhs[b,m,k] = sum_n g[b,m,n] rhs[b,n,k]: g and rhs both blocked along N.
+        vl, vr = _float_values(lhs), _float_values(rhs)
+        # grad_lhs: g and rhs both blocked along N (g's axis 2, rhs's free axis).
         what = "backward grad_lhs (reduces over rhs's free dims)"
-        grad_l = _qdot_canonical(g, _swap(fr), spec.grad, spec.rhs, spec, what)
-        # grad_rhs[b,n,k] = sum_m g[b,m,n] lhs[b,m,k]: g and lhs both blocked along M.
+        if la == 2:
+            grad_l = _qdot_canonical(g, vr, spec.grad, spec.rhs, spec, what, (2, fr))
+        else:
+            grad_l = _qdot_canonical(vr, g, spec.rhs, spec.grad, spec, what, (fr, 2))
+        # grad_rhs: g and lhs both blocked along M (g's axis 1, lhs's free axis).
         what = "backward grad_rhs (reduces over lhs's free dims)"
-        grad_r = _qdot_canonical(_swap(g), _swap(fl), spec.grad, spec.lhs, spec, what)
+        if ra == 2:
+            grad_r = _qdot_canonical(g, vl, spec.grad, spec.lhs, spec, what, (1, fl))
+        else:
+            grad_r = _qdot_canonical(vl, g, spec.lhs, spec.grad, spec, what, (fl, 1))
     return _cotangent(lhs, grad_l), _cotangent(rhs, grad_r)
 
 
@@ -392,7 +446,9 @@ def dot_general_jit(lhs, rhs, dn, spec: DotSpec):
     """The quantized dot of validated operands in ``lax.dot_general``'s output layout."""
     (lc, rc), (lb, rb) = dn
     lshape, rshape = shape_of(lhs), shape_of(rhs)
-    out = _qdot(_canonicalize(lhs, lc, lb), _canonicalize(rhs, rc, rb), spec)
+    lhs, la = _canonicalize(lhs, lc, lb)
+    rhs, ra = _canonicalize(rhs, rc, rb)
+    out = _qdot(lhs, rhs, spec, (la, ra))
     _, lfree = _canon_perm(len(lshape), lc, lb)
     _, rfree = _canon_perm(len(rshape), rc, rb)
     # lax.dot_general's layout: batch dims, then lhs free dims, then rhs free dims.
