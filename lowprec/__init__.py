@@ -31,7 +31,7 @@ from ._mx import MXArray, dequantize, fake_quantize_mx, quantize_mx, shared_expo
 from ._pack import pack_fp4, unpack_fp4
 from ._qdot import BACKWARD_MODES, OPERAND_FORMAT_NAMES
 from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, OCP_MXFP8, RECIPES, Recipe
-from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES
+from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES, random_bits
 from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
 
 __version__ = "0.1.0"
@@ -84,6 +84,7 @@ __all__ = [
     "pack_fp4",
     "quantize",
     "quantize_mx",
+    "random_bits",
     "resolve_format",
     "shared_exponents",
     "to_gpt_oss",

@@ -8,6 +8,7 @@ and XLA cannot fold an encode/decode pair away under ``jit`` on GPU (openxla/xla
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -15,10 +16,30 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._bits import F32_INF, F32_QNAN, F32_SIGN, bits_to_f32, f32_bits
+from ._bits import (
+    F32_ABS,
+    F32_BIAS,
+    F32_IMPLICIT,
+    F32_INF,
+    F32_MANT,
+    F32_MANT_BITS,
+    F32_QNAN,
+    F32_SIGN,
+    bits_to_f32,
+    f32_bits,
+)
 from ._format import ElementFormat, ElementFormatLike, array_then_format, element_format
-from ._options import ElementCast
-from ._rounding import round_shift, rounds_away_on_overflow
+from ._options import ElementCast, check_random_bits
+from ._rounding import (
+    WORDS_PER_HASH,
+    as_word32,
+    check_size,
+    element_words,
+    hash_words,
+    key_words,
+    round_shift,
+    rounds_away_on_overflow,
+)
 
 # (mantissa bits, exponent bias) of the float layouts encoded bit-wise, by the unsigned
 # dtype holding their patterns: binary32 and binary64.
@@ -122,6 +143,11 @@ def encode_bits(
     NaN/Inf handling (the caller overwrites those results).
     """
     udt = u.dtype
+    if scale_exp is None and np.dtype(udt) == np.uint32 and overflow == "ieee":
+        if rounding in ("nearest_even", "stochastic") and _rebias_encodable(fmt):
+            return _encode_rebias(fmt, u, random_bits if rounding == "stochastic" else None)
+        if rounding.startswith("nearest") and _is_e8m0(fmt):
+            return _encode_e8m0_nearest(u)
     in_mant, in_bias = _FLOAT_LAYOUTS[np.dtype(udt)]
     width = jnp.iinfo(udt).bits
     assert fmt.mantissa_bits < in_mant
@@ -132,14 +158,14 @@ def encode_bits(
     is_inf = mag == inf_bits
     in_emin = 1 - in_bias
 
-    if (scale_exp is None and fmt.emin == in_emin and fmt.signed and fmt.zero and fmt.inf
-            and rounding != "stochastic"):
+    if scale_exp is None and fmt.emin == in_emin and fmt.signed and fmt.zero and fmt.inf:
         # Same exponent range as the input (bf16, tf32 from float32): the code is the top
         # bits of the magnitude. Rounding them carries into the exponent field by itself
         # (subnormals included) and, past the largest finite value, onto the infinity
-        # pattern exactly when IEEE 754 §7.4 overflows to infinity for the mode.
+        # pattern exactly when IEEE 754 §7.4 overflows to infinity for the mode (stochastic
+        # rounding included: it overflows as the nearest modes do).
         shift = jnp.full_like(mag, in_mant - fmt.mantissa_bits, dtype=jnp.int32)
-        code = round_shift(mag, shift, sign, rounding)
+        code = round_shift(mag, shift, sign, rounding, random_bits)
         if overflow == "saturate":
             code = jnp.minimum(code, fmt.max_magnitude_code)  # ±inf → ±max too
         signed_bit = lax.shift_left(sign.astype(jnp.int32), jnp.int32(fmt.magnitude_bits))
@@ -208,15 +234,175 @@ def encode_bits(
     return code
 
 
-def _random_bits(cast: ElementCast, key, shape):
-    return jax.random.bits(key, shape, jnp.uint32) if cast.stochastic else None
+# -- default-mode fast paths (float32 input, round to nearest, "ieee" overflow) -------------
+# Same results as the general encoder above, bit for bit (the exhaustive sweeps of
+# tests/test_codec.py and benchmarks/ check every float32), in fewer operations.
+
+
+def _rebias_encodable(fmt: ElementFormat) -> bool:
+    """Whether :func:`_encode_rebias` encodes ``fmt`` (static): a signed float format with
+    zero and subnormals, a narrower exponent range than float32, every overflow going to
+    one code just above the largest finite one (+inf for IEEE formats, the NaN code of
+    all-ones formats), and a subnormal quantum whose float32 "magic" is normal."""
+    over = fmt.inf_code if fmt.nan == "ieee" and fmt.inf else (
+        fmt.nan_code if fmt.nan == "all_ones" else None)
+    return (
+        fmt.signed and fmt.zero and fmt.subnormals and over == fmt.max_magnitude_code + 1
+        and fmt.emin > -126 and fmt.emax < 127 and fmt.mantissa_bits < 23
+        and fmt.emin - fmt.mantissa_bits + 23 >= -126
+    )
+
+
+def _encode_rebias(fmt: ElementFormat, u, random_bits=None):
+    """nearest_even (or, given ``random_bits``, stochastic) / "ieee" encode of float32
+    patterns ``u`` (int32 codes) for the formats of :func:`_rebias_encodable`, e.g. fp16,
+    e5m2, e4m3.
+
+    Normal results: rebias the exponent field and round the mantissa by adding a bias below
+    the cut (half − 1, plus the kept lsb), then shift; the carry moves into the exponent and,
+    past the largest finite value, onto the overflow code, where ``min`` holds every larger
+    magnitude (inf, and NaN for all-ones formats, included). Subnormal results (|x| < 2^emin):
+    one float32 add of the "magic" 2^(emin − M + 23), whose ulp is the format's subnormal
+    quantum, so the add rounds |x| to that quantum (to nearest even) and the difference of
+    the bit patterns is the code (F. Giesen's float_to_half_fast3_rtne). Every operand of
+    the add is a float32 normal except an |x| below 2^-126, which rounds to 0 whether or not
+    the backend flushes it (the code is 0 either way).
+
+    Stochastic: element i rounds away from zero iff r_i < frac_i · 2^32 (``round_shift``'s
+    rule) ⇔ ⌊r_i / 2^(32 − s)⌋ < rem_i, s the bits dropped and rem_i their value, so adding
+    (2^32 − 1 − r_i) >> (32 − s) below the cut carries exactly then. Normal results drop the
+    fixed 23 − M bits; subnormal results s_i ≥ 23 − M bits of the significand with its
+    implicit bit, the same addend up to s_i = 31, and past that the whole significand is
+    below the cut (code 0 or 1: up iff r_i < ⌈sig_i / 2^(s_i − 32)⌉).
+    """
+    m_bits = fmt.mantissa_bits
+    shift = F32_MANT_BITS - m_bits
+    sign = u & jnp.uint32(F32_SIGN)
+    mag = u & jnp.uint32(F32_ABS)
+    over = fmt.inf_code if fmt.inf else fmt.nan_code
+    # Normal path: (mag − (127 − bias) << 23 + half − 1 + lsb) >> shift, in uint32 (mag ≥
+    # 2^emin here, so the rebiasing never goes below zero).
+    is_sub = mag < jnp.uint32((fmt.emin + F32_BIAS) << F32_MANT_BITS)
+    if random_bits is None:
+        rebias = (((fmt.bias - F32_BIAS) << F32_MANT_BITS) + (1 << (shift - 1)) - 1) % (1 << 32)
+        lsb = lax.shift_right_logical(mag, jnp.uint32(shift)) & 1
+        normal = lax.shift_right_logical(mag + jnp.uint32(rebias) + lsb, jnp.uint32(shift))
+        magic_bits = (fmt.emin - m_bits + F32_MANT_BITS + F32_BIAS) << F32_MANT_BITS
+        magic = np.uint32(magic_bits).view(np.float32)
+        sub = f32_bits(bits_to_f32(mag) + magic) - jnp.uint32(magic_bits)
+    else:
+        not_r = ~random_bits.astype(jnp.uint32)
+        rebias = ((fmt.bias - F32_BIAS) << F32_MANT_BITS) % (1 << 32)
+        add = lax.shift_right_logical(not_r, jnp.uint32(32 - shift))
+        normal = lax.shift_right_logical(mag + jnp.uint32(rebias) + add, jnp.uint32(shift))
+        efield = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS))
+        sig = jnp.where(efield > 0, (mag & jnp.uint32(F32_MANT)) | jnp.uint32(F32_IMPLICIT),
+                        mag)
+        # Bits dropped: the quantum 2^(emin − M) over the input's last bit 2^(max(e, 1) − 150).
+        s = (fmt.emin - m_bits + F32_BIAS + F32_MANT_BITS) - jnp.maximum(efield, 1).astype(jnp.int32)
+        s_add = jnp.clip(s, 1, 31).astype(jnp.uint32)
+        small = lax.shift_right_logical(
+            sig + lax.shift_right_logical(not_r, jnp.uint32(32) - s_add), s_add)
+        k = jnp.clip(s - 32, 0, 31).astype(jnp.uint32)
+        thr = jnp.where(sig == 0, jnp.uint32(0),
+                        lax.shift_right_logical(sig - 1, k) + 1)  # ⌈sig / 2^(s − 32)⌉
+        tiny = (random_bits.astype(jnp.uint32) < thr).astype(jnp.uint32)
+        sub = jnp.where(s <= 31, small, tiny)
+    normal = jnp.minimum(normal, jnp.uint32(over))
+    code = jnp.where(is_sub, sub, normal)
+    if fmt.inf:  # NaN has its own code (inf is handled by the min above)
+        code = jnp.where(mag > jnp.uint32(F32_INF), jnp.uint32(fmt.nan_code), code)
+    code = code | lax.shift_right_logical(sign, jnp.uint32(31 - fmt.magnitude_bits))
+    return code.astype(jnp.int32)
+
+
+def _is_e8m0(fmt: ElementFormat) -> bool:
+    """Whether ``fmt`` is E8M0: unsigned powers of two 2^(code − 127), 0xFF NaN (static)."""
+    return (
+        not fmt.signed and not fmt.zero and fmt.mantissa_bits == 0 and fmt.exponent_bits == 8
+        and fmt.bias == F32_BIAS and fmt.nan == "all_ones" and fmt.nan_code == 0xFF
+    )
+
+
+def _encode_e8m0_nearest(u):
+    """E8M0 encode of float32 patterns ``u`` to nearest (ties up) with "ieee" overflow, int32.
+
+    A normal x rounds up iff its mantissa is at least one half: (u + 2^22) >> 23 is the
+    code, 0xFF (NaN) from 2^127·1.5 up, inf and NaN included (``min`` caps NaN patterns).
+    Float32 subnormals follow ml_dtypes: (2^-127, 2^-126) → 1 (2^-126), the rest → 0
+    (2^-127). Zero and negatives (sign bit set: −0, −NaN too) have no code but NaN.
+    """
+    half = jnp.uint32(1 << (F32_MANT_BITS - 1))
+    normal = jnp.minimum(lax.shift_right_logical(u + half, jnp.uint32(F32_MANT_BITS)), 0xFF)
+    code = jnp.where(u < jnp.uint32(F32_IMPLICIT), (u > half).astype(jnp.uint32), normal)
+    # u − 1 wraps for u = 0, so one unsigned compare catches +0 and every negative pattern.
+    no_code = (u - jnp.uint32(1)) >= jnp.uint32(F32_ABS)
+    return jnp.where(no_code, jnp.uint32(0xFF), code).astype(jnp.int32)
+
+
+def encode_stochastic(fmt: ElementFormat, u, overflow: str, rng, scale_exp=None,
+                      assume_finite: bool = False):
+    """Stochastic :func:`encode_bits` of float patterns ``u`` with ``rng = (key, words)``.
+
+    Caller words (uint16 or uint32, ``u``'s shape) are used as given. With a key, the words
+    of the contract (``_rounding.random_bits``) are generated here, inside the encode. One
+    Philox evaluation serves four neighbouring elements, but XLA fuses work per *output*
+    element and would evaluate it once for each of them; so the codes of the elements that
+    share an evaluation are OR-ed into one uint32 by a reduction over a minor axis of 4 (8-bit
+    codes) or 2 (16-bit codes, an evaluation then serving two reductions), whose unrolled
+    iterations share the evaluation, and the uint32s are reinterpreted as codes. Wider codes,
+    or a last axis that does not split into such groups, take one evaluation per element.
+    ``scale_exp`` (broadcastable to ``u``) and ``assume_finite`` as for :func:`encode_bits`.
+    Returns int32 codes of ``u``'s shape.
+    """
+    key, words = rng
+
+    def enc(bits, r32, se):
+        return encode_bits(fmt, bits, "stochastic", overflow, r32, scale_exp=se,
+                           assume_finite=assume_finite)
+
+    if words is not None:
+        return enc(u, as_word32(words), scale_exp)
+    k = key_words(key)
+    shape = check_size(u.shape)
+    lanes = 4 if fmt.code_bits <= 8 else 2 if fmt.code_bits <= 16 else 1
+    if lanes == 1 or not shape or shape[-1] % WORDS_PER_HASH:
+        r16 = element_words(k, lax.iota(jnp.uint32, math.prod(shape)).reshape(shape))
+        return enc(u, lax.shift_left(r16, jnp.uint32(16)), scale_exp)
+    grouped = shape[:-1] + (shape[-1] // lanes, lanes)
+    slot = lax.iota(jnp.uint32, math.prod(grouped[:-1])).reshape(grouped[:-1] + (1,))
+    lane = lax.broadcasted_iota(jnp.uint32, grouped, len(grouped) - 1)
+    if lanes == 4:  # slot = group: lanes 0, 1 in out0, lanes 2, 3 in out1
+        out0, out1 = hash_words(k, slot)
+        word = jnp.where(lane >= 2, out1, out0)
+    else:  # two slots per group: the even one takes out0, the odd one out1
+        out0, out1 = hash_words(k, lax.shift_right_logical(slot, jnp.uint32(1)))
+        word = jnp.where((slot & 1) != 0, out1, out0)
+    # The lane's 16-bit word moved to the top of a uint32 (r · 2^16: the same decision).
+    r32 = jnp.where((lane & 1) != 0, word & jnp.uint32(0xFFFF_0000),
+                    lax.shift_left(word, jnp.uint32(16)))
+    se = None if scale_exp is None else jnp.broadcast_to(scale_exp, shape).reshape(grouped)
+    width = 32 // lanes
+    code = enc(u.reshape(grouped), r32, se).astype(jnp.uint32) & jnp.uint32((1 << width) - 1)
+    shifted = lax.shift_left(code, lane * jnp.uint32(width))
+    packed = lax.reduce(shifted, jnp.uint32(0), lax.bitwise_or, (len(grouped) - 1,))
+    codes = lax.bitcast_convert_type(packed, jnp.uint8 if lanes == 4 else jnp.uint16)
+    return codes.reshape(shape).astype(jnp.int32)
+
+
+def encode_any(fmt: ElementFormat, u, rounding: str, overflow: str, rng, scale_exp=None,
+               assume_finite: bool = False):
+    """:func:`encode_bits` for every mode; stochastic rounding draws its words from
+    ``rng = (key, words)`` (see :func:`encode_stochastic`), the other modes ignore it."""
+    if rounding == "stochastic":
+        return encode_stochastic(fmt, u, overflow, rng, scale_exp, assume_finite)
+    return encode_bits(fmt, u, rounding, overflow, None, scale_exp=scale_exp,
+                       assume_finite=assume_finite)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _encode_jit(cast: ElementCast, x, key):
-    code = encode_bits(
-        cast.fmt, input_bits(x), cast.rounding, cast.overflow, _random_bits(cast, key, x.shape)
-    )
+def _encode_jit(cast: ElementCast, x, rng):
+    code = encode_any(cast.fmt, input_bits(x), cast.rounding, cast.overflow, rng)
     return code.astype(cast.fmt.code_dtype)
 
 
@@ -227,6 +413,7 @@ def encode(
     rounding: str = "nearest_even",
     overflow: str = "ieee",
     key: Optional[jax.Array] = None,
+    random_bits: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Rounds ``x`` to ``fmt`` and returns the codes (bit patterns).
 
@@ -238,19 +425,25 @@ def encode(
       fmt: element format or its name (``"fp16"``, ``"bf16"``, ``"tf32"``, ``"e4m3"``,
         ``"e5m2"``, ``"e2m1"``, ``"e8m0"`` or an alias such as ``"float8_e4m3fn"``).
       rounding: ``"nearest_even"`` (default), ``"nearest_away"``, ``"toward_zero"``,
-        ``"up"``, ``"down"``, ``"stochastic"`` (needs ``key``); for e8m0 also ``"floor"``
-        and ``"ceil"`` (= down / up to a power of two).
+        ``"up"``, ``"down"``, ``"stochastic"`` (needs ``key`` or ``random_bits``); for
+        e8m0 also ``"floor"`` and ``"ceil"`` (= down / up to a power of two).
       overflow: ``"ieee"`` (default; equals ml_dtypes ``astype``: e4m3 overflow → NaN,
         e5m2/fp16/bf16/tf32 → ±inf, e2m1 saturates, e8m0 → 0xFF; directed modes follow
         IEEE 754 §7.4 and round toward zero to ±max) or ``"saturate"`` (±max, also for ±inf).
-      key: PRNG key for stochastic rounding. Element i rounds up iff
-        ``jax.random.bits(key, x.shape, jnp.uint32)[i] < frac_i * 2**32``.
+      key: PRNG key for stochastic rounding. Element i rounds away from zero iff
+        ``lowprec.random_bits(key, x.shape)[i] < frac_i * 2**32``, frac_i being its
+        distance from the value toward zero in units of the gap (P = ⌈frac_i·2^32⌉/2^32,
+        so the rounding is unbiased to 2^-32 of a gap). The words are Philox2x32-10
+        (see :func:`lowprec.random_bits`), one per element, drawn inside the call.
+      random_bits: instead of ``key``: your own uint32 words, one per element of ``x``
+        (same rule), e.g. to replay a rounding or to use another generator.
 
     Returns:
       Unsigned integer codes of ``x``'s shape: uint8 (8-bit formats and unpacked FP4
       codes 0..15), uint16 (fp16, bf16) or uint32 (tf32: the 19-bit code, which is the
       top 19 bits of the float32 pattern). A NaN input gives the format's NaN code with the
-      input's sign (payloads are not kept).
+      input's sign and a fixed payload (the format's canonical NaN: the quiet bit only),
+      not the input's payload — docs/design.md §9 says why.
 
     Example:
         >>> import jax.numpy as jnp
@@ -259,10 +452,11 @@ def encode(
     """
     x, fmt = array_then_format(x, fmt, "encode")
     cast = ElementCast(fmt, rounding, overflow)
-    cast.check_key(key)
+    cast.check_key(key, random_bits)
     x = jnp.asarray(x)
     check_input_dtype(x.dtype)
-    return _encode_jit(cast, x, key)
+    check_random_bits(random_bits, x.shape)
+    return _encode_jit(cast, x, (key, random_bits))
 
 
 def decode_bits(fmt: ElementFormat, codes):
@@ -396,18 +590,16 @@ def exactly_representable(fmt: ElementFormat, dtype) -> bool:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3))
-def _quantize_ste(cast: ElementCast, x, key, dtype):
-    code = encode_bits(
-        cast.fmt, input_bits(x), cast.rounding, cast.overflow, _random_bits(cast, key, x.shape)
-    )
-    return bits_to_dtype(decode_bits(cast.fmt, code), dtype)
+def _quantize_ste(cast: ElementCast, x, rng, dtype):
+    code = encode_any(cast.fmt, input_bits(x), cast.rounding, cast.overflow, rng)
+    return bits_to_dtype(f32_bits(decode_f32(cast.fmt, code)), dtype)
 
 
 @_quantize_ste.defjvp
 def _quantize_ste_jvp(cast, dtype, primals, tangents):
-    x, key = primals
+    x, rng = primals
     tx, _ = tangents
-    y = _quantize_ste(cast, x, key, dtype)
+    y = _quantize_ste(cast, x, rng, dtype)
     return y, tx.astype(dtype)  # straight-through: d quantize(x) / dx := 1
 
 
@@ -421,6 +613,7 @@ def quantize(
     rounding: str = "nearest_even",
     overflow: str = "ieee",
     key: Optional[jax.Array] = None,
+    random_bits: Optional[jax.Array] = None,
     dtype=None,
 ) -> jax.Array:
     """Rounds ``x`` to the values of ``fmt`` ("fake quantization"), keeping a float array.
@@ -430,7 +623,7 @@ def quantize(
     straight-through estimator (identity), so it can sit inside a training step.
 
     Args:
-      x, fmt, rounding, overflow, key: as for :func:`encode`.
+      x, fmt, rounding, overflow, key, random_bits: as for :func:`encode`.
       dtype: result dtype (float32, float64, bfloat16 or float16). Default: ``x``'s dtype
         when every value of ``fmt`` is exactly representable in it (float32/float64 always;
         bfloat16 for the FP8/FP4 formats), otherwise an error asks you to choose (e.g.
@@ -443,9 +636,10 @@ def quantize(
     """
     x, fmt = array_then_format(x, fmt, "quantize")
     cast = ElementCast(fmt, rounding, overflow)
-    cast.check_key(key)
+    cast.check_key(key, random_bits)
     x = jnp.asarray(x)
     check_input_dtype(x.dtype)
+    check_random_bits(random_bits, x.shape)
     if dtype is None:
         dtype = x.dtype
         if not exactly_representable(cast.fmt, x.dtype):
@@ -454,4 +648,4 @@ def quantize(
                 f"{x.dtype}; pass dtype=jnp.float32 (exact) or dtype={x.dtype.name!s} "
                 "explicitly to accept a second rounding"
             )
-    return _quantize_jit(cast, x, key, check_float_dtype(dtype))
+    return _quantize_jit(cast, x, (key, random_bits), check_float_dtype(dtype))

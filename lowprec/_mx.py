@@ -36,9 +36,15 @@ from ._blocks import (
     padded_bits,
     split_blocks,
 )
-from ._codec import bits_to_dtype, check_float_dtype, decode_bits, decode_f32, encode_bits
+from ._codec import (
+    bits_to_dtype,
+    check_float_dtype,
+    decode_bits,
+    decode_f32,
+    encode_any,
+)
 from ._format import MXFormat, MXFormatLike, array_then_format, mx_format
-from ._options import MXCast
+from ._options import MXCast, check_random_bits
 from ._pack import pack_pairs, unpack_pairs
 from ._scale_rules import (
     DEFAULT_SCALE_RULE,
@@ -181,10 +187,11 @@ def _block_amax(xb, inner: int):
     return jnp.max(xb & F32_ABS, axis=inner)
 
 
-def quantize_blocks(bits, cast: MXCast, axis: int, key, pack=None):
+def quantize_blocks(bits, cast: MXCast, axis: int, rng=None, pack=None):
     """Element and scale codes (uint8) of float32 patterns ``bits`` whose ``axis`` length is
     a multiple of the block size. Trace-time core of quantize_mx, the matmul path and the
     Pallas quantize kernel (which passes a last-axis ``pack`` that Triton can lower).
+    ``rng = (key, random_bits)`` for stochastic rounding (words of ``bits``' shape).
 
     Blocks are split in place (``axis`` → (blocks, block) by a reshape): a block axis other
     than the last costs no transpose, and the per-block scales come out in their layout.
@@ -193,11 +200,11 @@ def quantize_blocks(bits, cast: MXCast, axis: int, key, pack=None):
     inner = axis + 1  # position within a block
     xb = split_blocks(bits, axis, fmt.block_size)
     scale_codes, special = scale_codes_of_amax(_block_amax(xb, inner), fmt, cast.scale_rule)
-    random_bits = None
     if cast.stochastic:
-        random_bits = split_blocks(jax.random.bits(key, bits.shape, jnp.uint32), axis, fmt.block_size)
-    codes = encode_bits(
-        fmt.element, xb, cast.rounding, "saturate", random_bits,
+        key, words = rng
+        rng = (key, None if words is None else split_blocks(words, axis, fmt.block_size))
+    codes = encode_any(
+        fmt.element, xb, cast.rounding, "saturate", rng,
         scale_exp=jnp.expand_dims(scale_codes - E8M0_BIAS, inner),
         assume_finite=True,  # blocks holding a NaN/Inf are zeroed just below
     )
@@ -211,9 +218,13 @@ def quantize_blocks(bits, cast: MXCast, axis: int, key, pack=None):
     return merge_blocks(codes, axis), scale_codes.astype(jnp.uint8)
 
 
+def _padded_shape(shape, axis: int, padded: int) -> tuple:
+    return tuple(shape[:axis]) + (padded,) + tuple(shape[axis + 1 :])
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, key):
-    return quantize_blocks(padded_bits(x, axis, padded), cast, axis, key)
+def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, rng):
+    return quantize_blocks(padded_bits(x, axis, padded), cast, axis, rng)
 
 
 def quantize_mx(
@@ -225,6 +236,7 @@ def quantize_mx(
     rounding: str = "nearest_even",
     pad: bool = False,
     key: Optional[jax.Array] = None,
+    random_bits: Optional[jax.Array] = None,
 ) -> MXArray:
     """Block-quantizes ``x`` to an OCP MX format.
 
@@ -246,8 +258,10 @@ def quantize_mx(
         ± the element format's max, so under ``"floor"`` block maxima above
         1.75·2^emax_elem (FP8) or 1.5·2^emax_elem (FP4) are clipped, by design.
       pad: zero-pad the axis to a multiple of 32 instead of raising.
-      key: PRNG key, for ``rounding="stochastic"`` only; element i of the padded ``x`` rounds
-        up iff ``jax.random.bits(key, padded_shape, jnp.uint32)[i] < frac_i * 2**32``.
+      key: PRNG key, for ``rounding="stochastic"`` only: element i of the padded ``x``
+        (row-major) rounds away from zero iff ``lowprec.random_bits(key,
+        padded_shape)[i] < frac_i * 2**32`` (see :func:`lowprec.encode`).
+      random_bits: instead of ``key``: your own uint32 words of the padded shape.
 
     Returns:
       An :class:`MXArray`. A block holding any NaN or ±inf gets scale 0xFF and zero
@@ -262,11 +276,12 @@ def quantize_mx(
     """
     x, fmt = array_then_format(x, fmt, "quantize_mx")
     cast = MXCast(fmt, scale_rule, rounding)
-    cast.check_key(key)
+    cast.check_key(key, random_bits)
     x = jnp.asarray(x)
     axis, n, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "quantize_mx")
     check_mx_input(x, cast.fmt, axis)  # MX blocks must not straddle shard boundaries
-    elements, scales = _quantize_mx_jit(x, cast, axis, padded, key)
+    check_random_bits(random_bits, _padded_shape(x.shape, axis, padded), "the padded shape")
+    elements, scales = _quantize_mx_jit(x, cast, axis, padded, (key, random_bits))
     return MXArray(elements, scales, cast.fmt, axis, tuple(x.shape), cast.scale_rule)
 
 
@@ -449,15 +464,15 @@ def dequantize(mx: MXArray, dtype=jnp.float32) -> jax.Array:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, key):
-    elements, scales = quantize_blocks(padded_bits(x, axis, padded), cast, axis, key)
+def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, rng):
+    elements, scales = quantize_blocks(padded_bits(x, axis, padded), cast, axis, rng)
     return bits_to_dtype(mx_value_bits(elements, scales, cast.fmt, axis, x.shape[axis]), x.dtype)
 
 
 @_fake_quantize_mx.defjvp
 def _fake_quantize_mx_jvp(cast, axis, padded, primals, tangents):
-    x, key = primals
-    return _fake_quantize_mx(x, cast, axis, padded, key), tangents[0]  # straight-through
+    x, rng = primals
+    return _fake_quantize_mx(x, cast, axis, padded, rng), tangents[0]  # straight-through
 
 
 _fake_quantize_mx_jit = jax.jit(_fake_quantize_mx, static_argnums=(1, 2, 3))
@@ -472,6 +487,7 @@ def fake_quantize_mx(
     rounding: str = "nearest_even",
     pad: bool = False,
     key: Optional[jax.Array] = None,
+    random_bits: Optional[jax.Array] = None,
 ) -> jax.Array:
     """``dequantize(quantize_mx(x, fmt, ...), x.dtype)`` with a straight-through gradient.
 
@@ -487,7 +503,8 @@ def fake_quantize_mx(
     """
     x, fmt = array_then_format(x, fmt, "fake_quantize_mx")
     cast = MXCast(fmt, scale_rule, rounding)
-    cast.check_key(key)
+    cast.check_key(key, random_bits)
     x = jnp.asarray(x)
     axis, _, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "fake_quantize_mx")
-    return _fake_quantize_mx_jit(x, cast, axis, padded, key)
+    check_random_bits(random_bits, _padded_shape(x.shape, axis, padded), "the padded shape")
+    return _fake_quantize_mx_jit(x, cast, axis, padded, (key, random_bits))

@@ -35,6 +35,7 @@ from .mx import (
     quantize_mx,
     shared_exponent,
 )
+from .random import philox2x32, random_bits
 
 __all__ = [
     "FP4_VALUES",
@@ -49,7 +50,9 @@ __all__ = [
     "is_negative_code",
     "max_finite",
     "mx_element_format",
+    "philox2x32",
     "quantize_mx",
+    "random_bits",
     "rounding_modes",
     "shared_exponent",
     "value_of_code",

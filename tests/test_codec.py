@@ -29,7 +29,7 @@ from jax import lax
 import lowprec
 import lowprec_formats
 from helpers.asserts import assert_codes_equal, assert_same_values
-from helpers.codecs import REFERENCE as reference, sweep
+from helpers.codecs import REFERENCE as reference, reference_words, replay_random_bits, sweep
 from helpers.inputs import adversarial
 from helpers.oracles import ml_dtypes_codes, ml_dtypes_values, ref_values
 
@@ -553,21 +553,25 @@ STOCHASTIC_RULE_CASES = [
                          ids=str)
 @element_cases(impls="all")
 def test_stochastic_uses_the_documented_random_words(fmt, shape, codec):
-    # Element i rounds up iff jax.random.bits(key, x.shape, uint32)[i] < frac_i * 2^32.
-    # lowprec is called directly here (no padding): the words are those of x's own shape.
+    # Element i rounds up iff random_bits(key, x.shape)[i] < frac_i * 2^16, the 16-bit words
+    # being Philox2x32-10 keyed by jax.random.bits(key, (2,), uint32), replayed here by the
+    # NumPy reference. lowprec is called directly (no padding): the words are those of x's
+    # shape. The reference takes 32-bit words compared with frac * 2^32; r * 2^16 decides alike.
     key = jax.random.key(7)
     cases = [c for c in STOCHASTIC_RULE_CASES if c[0] == fmt]
     size = int(np.prod(shape))
-    words = np.asarray(jax.random.bits(key, shape, jnp.uint32)).reshape(-1)
+    words = replay_random_bits(key, shape).reshape(-1)
+    assert words.dtype == np.uint16
     x = np.array([cases[i % len(cases)][1] for i in range(size)], np.float32).reshape(shape)
     want = [
-        hi if words[i] < frac * 2**32 else lo
+        hi if words[i] < frac * 2**16 else lo
         for i, (_, _, lo, hi, frac) in enumerate(cases[i % len(cases)] for i in range(size))
     ]
     if codec.is_reference:
         import lowprec_reference
 
-        got = lowprec_reference.encode(fmt, x, "stochastic", random_bits=words.reshape(shape))
+        got = lowprec_reference.encode(fmt, x, "stochastic",
+                                       random_bits=reference_words(words).reshape(shape))
     elif codec.name == "eager":
         got = lowprec.encode(x, fmt, rounding="stochastic", key=key)
     else:
@@ -765,11 +769,11 @@ def test_vmap_over_a_batch(fmt):
                           equal_nan=True)
     q = jax.vmap(lambda r: lowprec.quantize(r, fmt, dtype=jnp.float32))(x)
     assert np.array_equal(np.asarray(q, np.float64), reference.decode(fmt, codes), equal_nan=True)
-    # Stochastic with one key per row: row i uses jax.random.bits(keys[i], (32,)).
+    # Stochastic with one key per row: row i uses the words of keys[i] for shape (32,).
     keys = jax.random.split(jax.random.key(3), 4)
     got = jax.vmap(lambda k, r: lowprec.encode(r, fmt, rounding="stochastic", key=k))(keys, x)
     for i in range(4):
-        bits = np.asarray(jax.random.bits(keys[i], (32,), jnp.uint32))
+        bits = reference_words(replay_random_bits(keys[i], (32,)))
         want = lowprec_reference.encode(fmt, x[i], "stochastic", random_bits=bits)
         assert_codes_equal(np.asarray(got[i]), want, x[i], f"vmap stochastic row {i}")
 

@@ -166,9 +166,10 @@ def test_ties_and_directed_rounding(fmt, values, table, rounding):
 
 def test_stochastic_uses_documented_random_bits():
     # E2M1, block max 6 -> shared 0. 0.25 lies half-way between 0 and 0.5 (frac 1/2): it
-    # rounds up (code 0x1) iff r < 2^31; -0.25 likewise to -0.5 (0x9) or -0 (0x8). 1.125 lies
-    # a quarter of the way from 1 (0x2) to 1.5 (0x3) (E2M1 spacing in [1, 2) is 0.5): up iff
-    # r < 2^30. 6 is exact.
+    # rounds up (code 0x1) iff r < 2^15 (r the element's 16-bit word); -0.25 likewise to
+    # -0.5 (0x9) or -0 (0x8). 1.125 lies a quarter of the way from 1 (0x2) to 1.5 (0x3)
+    # (E2M1 spacing in [1, 2) is 0.5): up iff r < 2^14. 6 is exact. ``random_bits`` gives
+    # the words in the reference's 32-bit form r * 2^16.
     x = block([6.0, 0.25, -0.25, 1.125] * 8)
     for seed in range(6):
         key = jax.random.key(seed)

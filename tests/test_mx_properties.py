@@ -4,7 +4,7 @@ Every (element format × scale rule × rounding mode) is checked eagerly and und
 ``jax.jit`` against ``lowprec_reference.quantize_mx`` (pure NumPy / Fraction, no JAX):
 scale codes and element codes (FP4 unpacked with NumPy, low nibble first). Stochastic
 rounding gives the reference the same 32-bit words lowprec documents it consumes,
-``jax.random.bits(key, padded_shape, jnp.uint32)``.
+``lowprec.random_bits(key, padded_shape)``, replayed by the NumPy reference.
 
 ``scale_rule="rceil"`` is also compared with JAX's own MXFP8 quantizer
 (``jax._src.cudnn.scaled_matmul_stablehlo.quantize``), the NVIDIA recipe.

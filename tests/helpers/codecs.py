@@ -127,8 +127,9 @@ def parametrize_element_cases(metafunc) -> None:
 # implementations x the many array lengths drawn by Hypothesis or built by the tests would
 # cost minutes of compilation; with one shape, all float32 tests share one program per mode.
 # Stochastic rounding draws its words for the padded shape, so the reference is given the
-# same words: ``stochastic_bits(key, shape)``. That lowprec uses exactly
-# ``jax.random.bits(key, x.shape, jnp.uint32)`` for unpadded shapes is tested directly.
+# same words: ``stochastic_bits(key, shape)``. That lowprec uses exactly the documented words
+# (``replay_random_bits``, Philox2x32 recomputed by the NumPy reference) for unpadded shapes
+# is tested directly.
 
 
 def _padded_shape(shape) -> tuple:
@@ -149,9 +150,29 @@ def _unpad(out, x: np.ndarray) -> np.ndarray:
     return out[: x.shape[0]] if out.shape != x.shape else out
 
 
+def replay_random_bits(key, shape) -> np.ndarray:
+    """The uint16 words ``lowprec.random_bits(key, shape)`` documents, recomputed without
+    lowprec: the two key words come from ``jax.random.bits(key, (2,), uint32)`` (the one draw
+    the contract makes from the key), Philox2x32-10 from the NumPy reference."""
+    import lowprec_reference
+
+    key_words = np.asarray(jax.random.bits(key, (2,), jnp.uint32))
+    return lowprec_reference.random_bits(key_words, tuple(shape))
+
+
+def reference_words(words) -> np.ndarray:
+    """Words for the reference encoders, which compare 32-bit words with frac · 2^32: a
+    16-bit word r becomes r · 2^16 (the same decision as r < frac · 2^16)."""
+    words = np.asarray(words)
+    if words.dtype == np.uint16:
+        return words.astype(np.uint32) << np.uint32(16)
+    return words.astype(np.uint32)
+
+
 def stochastic_bits(key, shape) -> np.ndarray:
-    """The uint32 words lowprec's stochastic rounding uses for an input of ``shape`` here."""
-    words = np.asarray(jax.random.bits(key, _padded_shape(shape), jnp.uint32))
+    """The words (as the reference takes them) lowprec's stochastic rounding uses for an
+    input of ``shape`` here."""
+    words = reference_words(replay_random_bits(key, _padded_shape(shape)))
     return words[: shape[0]] if _padded_shape(shape) != tuple(shape) else words
 
 

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 import lowprec
 
+from .codecs import reference_words, replay_random_bits
+
 MX_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
 SCALE_RULES = ("floor", "ceil", "even", "rceil")
 ROUNDINGS = ("nearest_even", "nearest_away", "toward_zero", "up", "down", "stochastic")
@@ -86,8 +88,10 @@ def run_quantize(mode, x, fmt, *, axis=-1, scale_rule="floor", rounding="nearest
 
 
 def random_bits(key, padded_shape) -> np.ndarray:
-    """The words lowprec's stochastic rounding consumes (documented contract)."""
-    return np.asarray(jax.random.bits(key, tuple(padded_shape), jnp.uint32))
+    """The words lowprec's stochastic rounding consumes (documented contract), replayed by the
+    NumPy reference from the two words lowprec draws from ``key``, in the reference's 32-bit
+    form (a 16-bit word r as r · 2^16: the same decision)."""
+    return reference_words(replay_random_bits(key, tuple(padded_shape)))
 
 
 # -- input strategies ------------------------------------------------------------------------
