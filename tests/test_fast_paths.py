@@ -1,0 +1,422 @@
+"""The fast paths behind lowprec's hot functions give the general paths' bits, and the random
+words of stochastic rounding follow their documented contract.
+
+Each fast path is chosen from a format's fields, so the tests run over every format of the
+data table (a format added later is checked without a new test): the general path is the
+oracle where it is independent enough (the float64 encoder for float32 inputs, the bit-built
+MX decode), and the NumPy reference or ml_dtypes otherwise. Contents: default-mode and
+stochastic encode fast paths vs the general encoder; decode by float subtraction vs the
+integer decode; MX decode by float multiply vs the bit-built decode, and the predicate
+choosing it; Philox2x32 known answers and the word contract (replayed by the NumPy
+reference, and against JAX's own philox2x32 where it exists); the exact rounding
+probability of 16-bit words; caller-supplied words; matmul operand layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import lowprec
+import lowprec_formats
+import lowprec_reference as R
+from helpers.asserts import assert_codes_equal, assert_same_floats
+from helpers.codecs import reference_words, replay_random_bits
+from helpers.inputs import adversarial
+from helpers.mx import element_codes, f64_to_f32_exact
+from lowprec import _codec, _mx, _rounding
+
+ELEMENTS = tuple(lowprec_formats.ELEMENT_FORMATS)
+MX = tuple(lowprec_formats.MX_FORMATS)
+
+# Float32 inputs that reach every branch of an encoder: a fixed sample of all bit patterns
+# plus the adversarial set of the format (ties, binade edges, overflow, subnormals, NaNs).
+N_RANDOM = 1 << 16
+
+
+def _inputs(fmt: str) -> np.ndarray:
+    rng = np.random.default_rng(20260515)
+    bits = rng.integers(0, 2**32, N_RANDOM, dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([bits, np.asarray(adversarial(fmt), np.float32).view(np.uint32)])
+
+
+def _general(fmt, u32: np.ndarray, rounding: str, words=None) -> np.ndarray:
+    """The general encoder on the same values as float64 bit patterns (no fast path takes
+    float64 input; every float32 is a float64, rounded once from its exact value)."""
+    f = lowprec.element_format(fmt)
+    with jax.enable_x64(True):
+        u = _codec._f32_bits_to_f64(jnp.asarray(u32))
+        u64 = lax.bitcast_convert_type(u, jnp.uint64)
+        w = None if words is None else jnp.asarray(words)
+        return np.asarray(jax.jit(lambda v, r: _codec.encode_bits(f, v, rounding, "ieee", r))(u64, w))
+
+
+def _fast(fmt, u32: np.ndarray, rounding: str, words=None) -> np.ndarray:
+    f = lowprec.element_format(fmt)
+    w = None if words is None else jnp.asarray(words)
+    return np.asarray(
+        jax.jit(lambda v, r: _codec.encode_bits(f, v, rounding, "ieee", r))(jnp.asarray(u32), w)
+    )
+
+
+def _fast_modes(fmt: str):
+    f = lowprec.element_format(fmt)
+    modes = []
+    if _codec._rebias_encodable(f):
+        modes += ["nearest_even", "stochastic"]
+    if _codec._is_e8m0(f):
+        modes += ["nearest_even", "nearest_away"]
+    return modes
+
+
+def test_fast_paths_cover_the_formats_the_issue_names():
+    # fp16 and e8m0 are the default-mode encoders that were slow; E4M3/E5M2 share fp16's path.
+    assert {"fp16", "e4m3", "e5m2"} <= {n for n in ELEMENTS if "stochastic" in _fast_modes(n)}
+    assert "e8m0" in {n for n in ELEMENTS if "nearest_away" in _fast_modes(n)}
+
+
+@pytest.mark.parametrize("fmt", ELEMENTS)
+def test_fast_encode_equals_the_general_encoder(fmt):
+    modes = _fast_modes(fmt)
+    if not modes:
+        pytest.skip(f"no float32 fast path for {fmt}")
+    u = _inputs(fmt)
+    words = np.random.default_rng(7).integers(0, 2**32, u.size, dtype=np.uint64).astype(np.uint32)
+    words[:64] = [0, 1, 2**31, 2**32 - 1] * 16  # the extreme words
+    for rounding in modes:
+        w = words if rounding == "stochastic" else None
+        assert_codes_equal(_fast(fmt, u, rounding, w), _general(fmt, u, rounding, w),
+                           u.view(np.float32), f"{fmt} {rounding}")
+
+
+@pytest.mark.parametrize("fmt", ELEMENTS)
+def test_decode_by_subtraction_equals_the_integer_decode(fmt):
+    f = lowprec.element_format(fmt)
+    codes = jnp.arange(1 << min(f.code_bits, 16), dtype=jnp.uint32)
+    want = np.asarray(_codec.decode_bits(f, codes))
+    for got in (_codec.decode_f32(f, codes), jax.jit(lambda c: _codec.decode_f32(f, c))(codes)):
+        assert_codes_equal(np.asarray(got).view(np.uint32), want, None, fmt)
+
+
+# -- MX: decode by float multiply -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", MX)
+def test_fast_mx_decode_equals_the_bit_built_decode(fmt):
+    """Every element code with every scale code at or above the fast path's threshold, in
+    both block layouts (block axis last, and first)."""
+    f = lowprec.mx_format(fmt)
+    if not _mx.fast_decode_applies(f):
+        pytest.skip(f"{fmt}: scales are not E8M0")
+    threshold = _mx.fast_scale_min(f)
+    # The threshold keeps the smallest nonzero element magnitude at or above 2^-126.
+    smallest = f.element.min_subnormal if f.element.subnormals else f.element.min_normal
+    assert Fraction(smallest) * Fraction(2) ** (threshold - 127) >= Fraction(2) ** -126
+    assert Fraction(smallest) * Fraction(2) ** (threshold - 128) < Fraction(2) ** -126 or threshold == 1
+    n_codes = 1 << f.element.code_bits
+    scales = np.arange(threshold, 256, dtype=np.uint8)
+    # One row per scale code, holding every element code (in as many blocks as that takes).
+    per_row = f.block_size * -(-n_codes // f.block_size)
+    codes = np.resize(np.arange(n_codes, dtype=np.uint8), (scales.size, per_row))
+    nb = per_row // f.block_size
+    sc = np.repeat(scales[:, None], nb, axis=1)
+    packed = codes
+    if f.packed:
+        packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    for axis, el, s in ((1, packed, sc), (0, packed.T, sc.T)):
+        n = codes.shape[1]
+        args = (jnp.asarray(el), jnp.asarray(s), f, axis, n)
+        want = np.asarray(_mx.mx_value_bits(*args))
+        got = np.asarray(jax.jit(lambda e, t: _mx.mx_value_bits_fast(e, t, f, axis, n))(el, s))
+        assert_codes_equal(got, want, None, f"{fmt} axis {axis}")
+
+
+@pytest.mark.parametrize("fmt", MX)
+def test_fast_decode_predicate(fmt):
+    f = lowprec.mx_format(fmt)
+    if not _mx.fast_decode_applies(f):
+        pytest.skip(f"{fmt}: scales are not E8M0")
+    t = _mx.fast_scale_min(f)
+    per_block = f.block_size // 2 if f.packed else f.block_size
+
+    def ok(codes, scales):
+        el = np.repeat(np.asarray(codes, np.uint8), per_block)[None]
+        return bool(_mx.fast_decode_exact(jnp.asarray(el), jnp.asarray([scales], jnp.uint8), f, 1))
+
+    assert ok([1, 1], [t, 255])  # large scales, and the NaN code
+    assert ok([1, 0], [t, 0])  # an all-zero block may carry any scale (0 = 2^-127 here)
+    sign = 0x88 if f.packed else 1 << f.element.magnitude_bits
+    assert ok([1, sign], [t, 1])  # -0 is zero too
+    assert not ok([1, 1], [t, t - 1])  # a nonzero block below the threshold
+    assert not ok([0, 1], [t, 0])
+
+
+@pytest.mark.parametrize("fmt", MX)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_dequantize_with_small_scales_and_zero_blocks_matches_reference(fmt, axis):
+    """dequantize takes the fast decode when blocks with small scales hold only zeros, and
+    the bit-built one when they do not: both equal the reference."""
+    f = lowprec.mx_format(fmt)
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 1 << f.element.code_bits, (4, 64), dtype=np.uint8)
+    scales = np.array([[127, 0], [200, 1], [120, 0], [0, 254]], np.uint8)
+    for zero_small in (True, False):
+        c = codes.copy()
+        if zero_small:
+            c[:, 32:][scales[:, 1] < _mx.fast_scale_min(f)] = 0
+            c[3, :32] = 0
+        packed = c[:, 0::2] | (c[:, 1::2] << 4) if f.packed else c
+        el, sc, shape = (packed, scales, (4, 64)) if axis == 1 else (packed.T, scales.T, (64, 4))
+        mx = lowprec.MXArray(jnp.asarray(el), jnp.asarray(sc), f, axis, shape, None)
+        want = f64_to_f32_exact(R.dequantize_mx(c if axis == 1 else c.T, sc, fmt, axis=axis))
+        for got in (lowprec.dequantize(mx), jax.jit(lowprec.dequantize)(mx)):
+            assert_same_floats(got, want, f"{fmt} axis {axis} zero_small={zero_small}")
+        assert bool(_mx.fast_decode_exact(mx.elements, mx.scales, f, axis)) == zero_small or not _mx.fast_decode_applies(f)
+
+
+@pytest.mark.parametrize("fmt", MX)
+def test_quantize_along_axis_0_equals_axis_1_of_the_transpose(fmt):
+    """Blocks split in place along a leading axis give the codes of the transposed array
+    blocked along its last axis, bit for bit (FP4 packed along the block axis in both)."""
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal((96, 5)) * 2.0 ** rng.integers(-30, 30, (96, 5))).astype(np.float32)
+    w[:32, 1] = 0.0
+    w[40, 2] = np.inf
+    for rule in ("floor", "rceil"):
+        a = lowprec.quantize_mx(jnp.asarray(w), fmt, axis=0, scale_rule=rule)
+        b = lowprec.quantize_mx(jnp.asarray(w.T), fmt, axis=1, scale_rule=rule)
+        assert_codes_equal(np.asarray(a.elements), np.asarray(b.elements).T, None, f"{fmt} {rule}")
+        assert_codes_equal(np.asarray(a.scales), np.asarray(b.scales).T, None, f"{fmt} {rule}")
+        e = lowprec.shared_exponents(jnp.asarray(w), fmt, axis=0, scale_rule=rule)
+        assert np.array_equal(np.asarray(e), np.asarray(a.scales).astype(np.int32) - 127)
+
+
+# -- random words -------------------------------------------------------------------------------
+
+# Random123's known-answer tests for Philox2x32-10 (kat_vectors): counter, key -> output.
+PHILOX_KAT = [
+    ((0x00000000, 0x00000000), 0x00000000, (0xFF1DAE59, 0x6CD10DF2)),
+    ((0xFFFFFFFF, 0xFFFFFFFF), 0xFFFFFFFF, (0x2C3F628B, 0xAB4FD7AD)),
+    ((0x243F6A88, 0x85A308D3), 0x13198A2E, (0xDD7CE038, 0xF62A4C12)),
+]
+
+
+@pytest.mark.parametrize("ctr,key,want", PHILOX_KAT)
+def test_philox2x32_known_answers(ctr, key, want):
+    got = _rounding.philox2x32(jnp.uint32(key), jnp.uint32(ctr[0]), jnp.uint32(ctr[1]))
+    assert tuple(int(v) for v in got) == want
+    assert tuple(int(v) for v in R.philox2x32(key, *ctr)) == want
+
+
+def test_mulhi_without_lax_mulhi_gives_the_same_bits():
+    a = np.random.default_rng(1).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    a[:4] = [0, 1, 2**31, 2**32 - 1]
+    want = (a.astype(np.uint64) * np.uint64(_rounding.PHILOX_M2x32)) >> np.uint64(32)
+    got = np.asarray(_rounding._mulhi_halves(jnp.asarray(a), _rounding.PHILOX_M2x32))
+    assert np.array_equal(got.astype(np.uint64), want)
+    assert np.array_equal(np.asarray(_rounding._mulhi(jnp.asarray(a), _rounding.PHILOX_M2x32)),
+                          got)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "raw"])
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 3, 8)], ids=str)
+def test_random_bits_follow_the_documented_contract(impl, shape):
+    key = jax.random.PRNGKey(5) if impl == "raw" else jax.random.key(5, impl=impl)
+    got = lowprec.random_bits(key, shape)
+    assert got.dtype == jnp.uint16 and got.shape == shape
+    assert np.array_equal(np.asarray(got), replay_random_bits(key, shape))
+    assert np.array_equal(np.asarray(jax.jit(lowprec.random_bits, static_argnums=1)(key, shape)),
+                          np.asarray(got))
+
+
+def test_random_bits_are_a_prefix_stable_stream():
+    # Word i depends on the key and i only, not on the shape.
+    key = jax.random.key(9)
+    long = np.asarray(lowprec.random_bits(key, (1000,)))
+    assert np.array_equal(np.asarray(lowprec.random_bits(key, (10, 7))).ravel(), long[:70])
+
+
+def test_philox2x32_matches_jax_philox2x32_where_available():
+    try:
+        from jax._src.random.philox2x32 import philox2x32_p
+    except ImportError:
+        pytest.skip("this JAX has no philox2x32 generator")
+    rng = np.random.default_rng(2)
+    k, x0, x1 = (rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32) for _ in range(3))
+    want = philox2x32_p.bind(jnp.asarray(k[0]), jnp.asarray(x0), jnp.asarray(x1))
+    got = _rounding.philox2x32(jnp.asarray(k[0]), jnp.asarray(x0), jnp.asarray(x1))
+    for g, w in zip(got, want):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_random_bits_are_balanced():
+    # A sanity check of the wiring (Philox's quality is its authors' business): every bit
+    # position of 2^16 words is set with frequency 1/2 within Hoeffding's 1e-9 bound, and
+    # neighbouring words (which share a Philox evaluation) are not equal more often than chance.
+    w = np.asarray(lowprec.random_bits(jax.random.key(0), (1 << 16,)))
+    t = math.sqrt(math.log(2 / 1e-9) / (2 * w.size))
+    for b in range(16):
+        assert abs(((w >> b) & 1).mean() - 0.5) <= t, b
+    assert (w[1:] == w[:-1]).mean() <= 2.0**-16 + t
+
+
+@pytest.mark.parametrize("fmt", ELEMENTS)
+@pytest.mark.parametrize("shape", [(8,), (3, 4), (5, 3), (2, 2, 6), ()], ids=str)
+def test_key_equals_its_words_given(fmt, shape):
+    """The grouped generation inside the encoder (4 or 2 elements per Philox evaluation, or
+    one per element for wide codes and odd last axes) gives the words of random_bits."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-20, 10, shape)).astype(np.float32)
+    if not lowprec.element_format(fmt).signed:
+        x = np.abs(x)
+    key = jax.random.key(13)
+    words = lowprec.random_bits(key, shape)
+    by_key = jax.jit(lambda v, k: lowprec.encode(v, fmt, rounding="stochastic", key=k))(x, key)
+    by_words = lowprec.encode(x, fmt, rounding="stochastic", random_bits=words)
+    want = R.encode(fmt, x, "stochastic", random_bits=reference_words(np.asarray(words)))
+    assert_codes_equal(np.asarray(by_key), want, x, f"{fmt} key")
+    assert_codes_equal(np.asarray(by_words), want, x, f"{fmt} words")
+    q = lowprec.quantize(x, fmt, rounding="stochastic", key=key, dtype=jnp.float32)
+    assert np.array_equal(np.asarray(q, np.float64), R.decode(fmt, want), equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", MX)
+@pytest.mark.parametrize("shape,axis", [((4, 64), 1), ((64, 4), 0), ((64, 3), 0)], ids=str)
+def test_mx_key_equals_its_words_given(fmt, shape, axis):
+    x = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+    key = jax.random.key(21)
+    words = lowprec.random_bits(key, shape)
+    a = lowprec.quantize_mx(x, fmt, axis=axis, rounding="stochastic", key=key)
+    b = jax.jit(lambda v, w: lowprec.quantize_mx(v, fmt, axis=axis, rounding="stochastic",
+                                                 random_bits=w))(x, words)
+    e, s = R.quantize_mx(x, fmt, axis=axis, rounding="stochastic",
+                         random_bits=reference_words(np.asarray(words)))
+    for mx in (a, b):
+        assert_codes_equal(element_codes(mx), e, x, f"{fmt} elements", axis=axis)
+        assert_codes_equal(np.asarray(mx.scales), s, x, f"{fmt} scales", axis=axis, per_block=True)
+    fq = lowprec.fake_quantize_mx(x, fmt, axis=axis, rounding="stochastic", key=key)
+    assert_same_floats(fq, lowprec.dequantize(a), f"{fmt} fake_quantize_mx")
+
+
+# Rounding up with probability ⌈frac·2^16⌉/2^16: checked over all 2^16 words, so the count of
+# ups is exact (no statistics). (fmt, x, exact): x is rounded to float32 first; frac is that
+# float32's exact distance from the value toward zero in units of the gap, and ``exact`` says
+# whether frac is a multiple of 2^-16 (then the rounding is exactly unbiased).
+EXACT_PROBABILITY_CASES = [
+    ("e4m3", 1 + 1 / 24, False),  # frac = 349525/2^20, about 1/3: 20 bits dropped
+    ("e5m2", 1.25 + 0.25 * 2 / 7, False),
+    ("e2m1", 2.2, False),
+    ("e8m0", 1.25, True),  # frac 1/4
+    ("bf16", 1 + 2.0**-7 * 12345 / 2**16, True),  # 16 bits dropped: always a multiple
+    ("fp16", 1 + 2.0**-10 * 3 / 8, True),  # 13 bits dropped
+]
+
+
+@pytest.mark.parametrize("fmt,x,exact", EXACT_PROBABILITY_CASES, ids=[c[0] for c in EXACT_PROBABILITY_CASES])
+def test_sixteen_bit_words_round_up_with_probability_ceil_frac(fmt, x, exact):
+    xf = np.float32(x)
+    lo, hi = (R.encode(fmt, np.array([xf]), m)[0] for m in ("toward_zero", "up"))
+    assert lo != hi
+    v_lo, v_hi = (Fraction(float(R.decode(fmt, np.array([c]))[0])) for c in (lo, hi))
+    frac = (Fraction(float(xf)) - v_lo) / (v_hi - v_lo)
+    assert ((frac * 2**16).denominator == 1) == exact
+    words = jnp.arange(1 << 16, dtype=jnp.uint32).astype(jnp.uint16)
+    got = np.asarray(lowprec.encode(jnp.full(words.shape, xf), fmt, rounding="stochastic",
+                                    random_bits=words))
+    assert set(got.tolist()) <= {int(lo), int(hi)}
+    ups = int((got == hi).sum())
+    assert ups == math.ceil(frac * 2**16)
+    # The bias bound of the contract: 0 <= P(up) - frac < 2^-16, and 0 for multiples of 2^-16.
+    p = Fraction(ups, 2**16)
+    assert 0 <= p - frac < Fraction(1, 2**16)
+    assert (p == frac) == exact
+
+
+def test_random_bits_argument_errors():
+    x = jnp.ones((4,))
+    key = jax.random.key(0)
+    w = lowprec.random_bits(key, (4,))
+    with pytest.raises(ValueError, match="not both"):
+        lowprec.encode(x, "e4m3", rounding="stochastic", key=key, random_bits=w)
+    with pytest.raises(ValueError, match="random_bits is only used by rounding='stochastic'"):
+        lowprec.encode(x, "e4m3", random_bits=w)
+    with pytest.raises(TypeError, match="uint16 or uint32"):
+        lowprec.encode(x, "e4m3", rounding="stochastic", random_bits=w.astype(jnp.int32))
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        lowprec.quantize(x, "e4m3", rounding="stochastic", random_bits=w[:3])
+    with pytest.raises(ValueError, match="padded shape"):
+        lowprec.quantize_mx(jnp.ones(40), "mxfp8", pad=True, rounding="stochastic",
+                            random_bits=lowprec.random_bits(key, (40,)))
+    lowprec.quantize_mx(jnp.ones(40), "mxfp8", pad=True, rounding="stochastic",
+                        random_bits=lowprec.random_bits(key, (64,)))
+
+
+# -- matmul operand layouts ------------------------------------------------------------------
+
+
+def _bound_check(out, a64, b64):
+    exact = a64 @ b64
+    bound = a64.shape[-1] * 2.0**-23 * (np.abs(a64) @ np.abs(b64)) + 1e-30
+    assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= bound)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4"])
+def test_kn_weight_layout_equals_k_major(fmt):
+    """w [K, N] blocked along axis 0 (used without a transpose) and w.T [N, K] blocked along
+    axis 1 hold the same codes and give the same product within the accumulation bound."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    w = rng.standard_normal((96, 7)).astype(np.float32)
+    wq = lowprec.quantize_mx(w, fmt, axis=0)
+    wtq = lowprec.quantize_mx(w.T, fmt, axis=1)
+    nt = (((1,), (1,)), ((), ()))
+    a = jax.jit(lambda u, v: lowprec.matmul(u, v, lhs_format=fmt))(x, wq)
+    b = jax.jit(lambda u, v: lowprec.dot_general(u, v, nt, lhs_format=fmt))(x, wtq)
+    c = jax.jit(lambda u, v: lowprec.matmul(u, v, lhs_format=fmt, rhs_format=fmt))(x, w)
+    a64 = np.asarray(lowprec.dequantize(lowprec.quantize_mx(x, fmt, axis=1)), np.float64)
+    b64 = np.asarray(lowprec.dequantize(wq), np.float64)
+    for out in (a, b, c):
+        _bound_check(out, a64, b64)
+
+
+@pytest.mark.parametrize("backward", ["ste", "quantized"])
+def test_contracting_leading_axes_forward_and_gradients(backward):
+    """lhs [K, M] and rhs [K, N] both contracted over axis 0 (neither transposed), against
+    the same product written with transposed operands."""
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((64, 3)).astype(np.float32)
+    b = rng.standard_normal((64, 4)).astype(np.float32)
+    kw = dict(lhs_format="mxfp8", rhs_format="mxfp8", backward=backward)
+    if backward == "quantized":
+        kw.update(grad_format="mxfp8_e5m2", pad=True)  # backward blocks run along M and N
+
+    def lead(u, v):
+        return lowprec.dot_general(u, v, (((0,), (0,)), ((), ())), **kw)
+
+    def last(u, v):
+        return lowprec.dot_general(u.T, v.T, (((1,), (1,)), ((), ())), **kw)
+
+    g = rng.standard_normal((3, 4)).astype(np.float32)
+    outs, grads = [], []
+    for f in (lead, last):
+        y, vjp = jax.vjp(jax.jit(f), jnp.asarray(a), jnp.asarray(b))
+        outs.append(np.asarray(y, np.float64))
+        grads.append([np.asarray(t, np.float64) for t in vjp(jnp.asarray(g))])
+    a64 = np.asarray(lowprec.dequantize(lowprec.quantize_mx(a, "mxfp8", axis=0)), np.float64)
+    b64 = np.asarray(lowprec.dequantize(lowprec.quantize_mx(b, "mxfp8", axis=0)), np.float64)
+    _bound_check(outs[0], a64.T, b64)
+    _bound_check(outs[1], a64.T, b64)
+    # The two layouts quantize the same values along the same axes; their gradients differ
+    # at most by float32 accumulation order (sums of 4 or 3 products here).
+    if backward == "ste":  # exact: the float gradient at the quantized values
+        _bound_check(grads[0][0], b64, g.T.astype(np.float64))  # d/da[k, m] = sum_n b[k, n] g[m, n]
+        _bound_check(grads[0][1], a64, g.astype(np.float64))
+    for ga, gb in zip(*grads):
+        assert ga.shape == gb.shape
+        assert np.max(np.abs(ga - gb)) <= 8 * 2.0**-23 * (np.abs(ga).max() + np.abs(gb).max())
