@@ -17,12 +17,22 @@ warm-up and is never timed; every timed call ends with ``jax.block_until_ready``
 result, so JAX's asynchronous dispatch is included and nothing is left running. Cases
 faster than ``min_sample_s`` are called several times per sample (the count is calibrated
 from the warm-up) so that timer and dispatch jitter stay small.
+
+Every sample also counts the process's minor page faults per call (``getrusage``). With
+glibc's malloc, XLA's output buffers of more than a few MiB come from fresh ``mmap`` pages on
+every call (4 KiB pages: 4096 faults per 16 MiB), which caps a memory-bound kernel near the
+page-fault rate and made earlier tables swing several-fold between runs. ``run_all.py``
+therefore runs the benchmarks with jemalloc preloaded when it is installed (buffers are
+reused: ~0 faults per call); the tables state the allocator and the fault counts, so a row
+taken with fresh pages is visible as such.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import resource
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Union
@@ -36,6 +46,7 @@ class Timing:
 
     samples: List[float]  # one per round, each the mean over `number` back-to-back calls
     number: int  # calls per sample
+    faults: List[float] = dataclasses.field(default_factory=list)  # minor faults per call, per round
 
     @property
     def median(self) -> float:
@@ -50,6 +61,11 @@ class Timing:
         """(max − min) / median over the rounds: a rough noise indicator."""
         return (max(self.samples) - min(self.samples)) / self.median
 
+    @property
+    def faults_per_call(self) -> float:
+        """Median minor page faults per call."""
+        return statistics.median(self.faults) if self.faults else float("nan")
+
     def as_dict(self) -> dict:
         return {
             "median_s": self.median,
@@ -57,6 +73,7 @@ class Timing:
             "spread": self.spread,
             "number": self.number,
             "samples_s": self.samples,
+            "minor_faults_per_call": self.faults,
         }
 
 
@@ -98,11 +115,31 @@ def time_interleaved(
         k = r % len(names) if names else 0
         for name in names[k:] + names[:k]:  # rotate so no case always follows the same one
             fn, n = cases[name], number[name]
+            f0 = minor_faults()
             t0 = time.perf_counter()
             for _ in range(n):
                 _call(fn)
             results[name].samples.append((time.perf_counter() - t0) / n)
+            results[name].faults.append((minor_faults() - f0) / n)
     return results
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def allocator() -> str:
+    """The malloc in use: a preloaded jemalloc/tcmalloc (from /proc/self/maps), else glibc."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return "unknown"
+    for name in ("jemalloc", "tcmalloc", "mimalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "glibc malloc"
 
 
 def speed_ratio(a: Result, b: Result) -> float:
@@ -165,7 +202,6 @@ def json_safe(obj):
 
 def environment() -> dict:
     """Versions and device, for the JSON dumps."""
-    import os
     import platform
 
     import ml_dtypes
@@ -174,7 +210,16 @@ def environment() -> dict:
     import lowprec
 
     dev = jax.devices()[0]
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
     return {
+        "allocator": allocator(),
+        "load_average": os.getloadavg(),
+        "cpu_model": cpu,
         "jax": jax.__version__,
         "ml_dtypes": ml_dtypes.__version__,
         "numpy": np.__version__,
@@ -186,3 +231,47 @@ def environment() -> dict:
         "machine": platform.machine(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def fmt_faults(t: Result) -> str:
+    """Minor faults per call as a table cell (``-`` for a case that did not run)."""
+    if not isinstance(t, Timing) or not t.faults:
+        return "-"
+    v = t.faults_per_call
+    return f"{v:,.0f}" if v >= 1 else "0"
+
+
+def header_line(env: dict) -> str:
+    """One line naming the conditions of a run: machine, allocator, load, versions."""
+    load = ", ".join(f"{v:.1f}" for v in env.get("load_average", ()))
+    return (f"{env.get('cpu_model', '?')}, {env.get('cpu_count', '?')} CPUs, {env['platform']}; "
+            f"allocator: {env.get('allocator', '?')}; load average at start: {load}; "
+            f"jax {env['jax']}, ml_dtypes {env['ml_dtypes']}, lowprec {env['lowprec']}; "
+            f"{env['date']}")
+
+
+def stream_case(nbytes: int):
+    """A zero-argument jitted streaming kernel over ``nbytes`` of uint32 (read once, write
+    once): the memory-bandwidth peer behind the roofline columns. Returns (callable,
+    bytes moved per call)."""
+    import jax.numpy as jnp
+
+    x = jnp.arange(max(1, nbytes // 4), dtype=jnp.uint32)
+    f = jax.jit(lambda v: v ^ jnp.uint32(0x5A5A5A5A))
+    return (lambda: f(x)), 2 * 4 * x.size
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file in the same folder and a rename,
+    so a reader never sees a half-written file."""
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

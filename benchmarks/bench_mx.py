@@ -8,30 +8,39 @@ For each MX format (mxfp8_e4m3, mxfp8_e5m2, mxfp4) one interleaved timing group 
 ``_timing.py``) holds:
 
 * ``lowprec``: ``jax.jit(lambda x: lowprec.quantize_mx(x, fmt, scale_rule=rule))`` for every
-  scale rule (floor, ceil, even, rceil), blocks of 32 along the last axis, and
-  ``jax.jit(lowprec.dequantize)`` (→ float32).
+  scale rule (floor, ceil, even, rceil), blocks along the last axis, and
+  ``jax.jit(lowprec.dequantize)`` (→ float32) of the rceil codes; ``dequantize (axis 0)``
+  dequantizes the codes of the transposed array blocked along axis 0, the layout of a
+  weight [K, N] (lowprec splits blocks in place, without a transpose).
 * ``JAX``: ``jax._src.cudnn.scaled_matmul_stablehlo.quantize(x, BlockScaleConfig(mode=
   "mxfp8", block_size=32, data_type=<element dtype>, scale_type=float8_e8m0fnu,
   global_scale=None, infer_only=False))``, jitted: amax / max_elem rounded up to a power of
   two (the ``rceil`` rule), a float division, clip, ``astype``. For mxfp4 the same function
   with ``data_type=float4_e2m1fn`` (JAX has no MXFP4 quantizer; its output is one float4 per
-  byte, unpacked, while lowprec packs two per byte). Its dequantize peer is
-  ``q.astype(f32) * e8m0_to_dtype(scales)`` per block, jitted.
+  byte, unpacked, while lowprec packs two per byte). Its dequantize peer is JAX's own
+  ``q.astype(f32) * scale.astype(f32)`` per block (the element and scale dtypes' converts,
+  one per byte), jitted, in the same layout as lowprec's row (for axis 0 the blocks are
+  reshaped along axis 0 likewise). For a format without ml_dtypes element or scale types
+  the JAX peers are n/a.
 * ``NumPy``: a vectorized NumPy + ml_dtypes baseline written here (blocks → amax →
-  exponent via ``np.frexp`` → multiply by the block's power of two → clip → ``astype``; FP4 packed two per
-  byte like lowprec), one implementation per scale rule, and its dequantize. Finite
-  inputs only (no NaN/Inf block handling). Skipped on GPU runs.
+  exponent via ``np.frexp`` → multiply by the block's power of two → clip → ``astype``; FP4
+  packed two per byte like lowprec), one implementation per scale rule, and its dequantize.
+  Finite inputs only (no NaN/Inf block handling), E8M0 scales only. Skipped on GPU runs.
+* ``stream``: ``x ^ c`` over a uint32 array of the input's size, the memory-bandwidth peer
+  of the ``roof`` column (lowprec's bytes moved per second over the stream's).
 
 Columns: elements/s (input elements / median seconds) and effective bandwidth = (bytes read
 + bytes written) / seconds, counted from each method's own inputs and outputs (float32 in;
 uint8 or float8 codes, packed FP4 bytes for lowprec and NumPy, one byte per FP4 for JAX,
-and one scale byte per 32 elements). Ratios divide throughputs measured in the same rounds
+and one scale byte per block). Ratios divide throughputs measured in the same rounds
 (median over rounds of the per-round ratio). The ceil/even rows have no JAX peer (JAX only
 implements rceil); their JAX ratio is against JAX's rceil quantizer, marked ``*``.
+``faults`` is lowprec's median minor page faults per call (see ``_timing.py``).
 
-Targets (from the issue): on CPU, lowprec quantize ≥ 1.5x JAX's quantizer for the rceil
-rule (the like-for-like comparison; floor is reported too); on a GPU (H100) ≥ 2.0 TB/s
-effective bandwidth for lowprec's quantize. Rows that miss are flagged.
+Targets (from the issues): on CPU, lowprec quantize ≥ 1.5x JAX's quantizer for the rceil
+rule (the like-for-like comparison; floor is reported too) and dequantize ≥ 1.0x JAX's
+``astype·scale``; on a GPU (H100) ≥ 2.0 TB/s effective bandwidth for lowprec's quantize.
+Rows that miss are flagged.
 """
 
 from __future__ import annotations
@@ -43,60 +52,84 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
     Timing,
     environment,
-    json_safe,
+    fmt_faults,
     fmt_num,
     fmt_ratio,
+    header_line,
+    json_safe,
     render_table,
     speed_ratio,
+    stream_case,
     time_interleaved,
+    write_atomic,
 )
 
 import lowprec  # noqa: E402
 
-FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
+FORMATS = tuple(lowprec.MX_FORMAT_NAMES)
 RULES = ("floor", "ceil", "even", "rceil")
-BLOCK = 32
 CPU_TARGET_VS_JAX = 1.5  # lowprec rceil quantize / JAX quantize, CPU
+CPU_DEQUANT_TARGET = 1.0  # lowprec dequantize / JAX astype·scale, CPU
 GPU_TARGET_TBPS = 2.0  # lowprec quantize effective bandwidth, H100
 
-ELEMENT_DTYPE = {
-    "mxfp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "mxfp8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
-    "mxfp4": np.dtype(ml_dtypes.float4_e2m1fn),
-}
+
+def element_dtype(fmt_name: str):
+    return lowprec.mx_format(fmt_name).element.storage_dtype
+
+
+def block_of(fmt_name: str) -> int:
+    return lowprec.mx_format(fmt_name).block_size
+
+
+def _e8m0_scales(fmt_name: str) -> bool:
+    return lowprec.mx_format(fmt_name).scale.name == "e8m0"
 
 
 # --------------------------------------------------------------------------- JAX's quantizer
-def jax_peer(fmt_name: str):
-    """(quantize, dequantize) jitted from JAX's own MX helpers, or (None, reason)."""
+def jax_quantizer(fmt_name: str):
+    """JAX's MXFP8 quantizer configured for ``fmt``, jitted, or None where it does not apply."""
     try:
         from jax._src.cudnn import scaled_matmul_stablehlo as sm
-    except Exception as e:  # noqa: BLE001
-        return None, f"n/a: {type(e).__name__}"
+    except Exception:  # noqa: BLE001
+        return None
+    if element_dtype(fmt_name) is None or not _e8m0_scales(fmt_name):
+        return None
     config = sm.BlockScaleConfig(
         mode="mxfp8",
-        block_size=BLOCK,
-        data_type=jnp.dtype(ELEMENT_DTYPE[fmt_name]),
+        block_size=block_of(fmt_name),
+        data_type=jnp.dtype(element_dtype(fmt_name)),
         scale_type=jnp.float8_e8m0fnu,
         global_scale=None,
         infer_only=False,
     )
-    quantize = jax.jit(lambda x: sm.quantize(x, config))
+    return jax.jit(lambda x: sm.quantize(x, config))
+
+
+def jax_dequantizer(fmt_name: str, axis: int):
+    """JAX's own dequantize: element and scale codes converted by XLA (``astype``) and
+    multiplied per block along ``axis`` of a 2-D array; None without ml_dtypes types."""
+    fmt = lowprec.mx_format(fmt_name)
+    el_dt, sc_dt, block = fmt.element.storage_dtype, fmt.scale.storage_dtype, fmt.block_size
+    if el_dt is None or sc_dt is None:
+        return None
 
     @jax.jit
     def dequantize(q, s):
-        v = q.astype(jnp.float32).reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK)
-        scale = sm.e8m0_to_dtype(s.view(jnp.uint8), jnp.float32)
-        return (v * scale[..., None]).reshape(q.shape)
+        v = q.astype(jnp.float32)
+        scale = s.astype(jnp.float32)
+        if axis == 1:
+            vb = v.reshape(v.shape[0], v.shape[1] // block, block) * scale[..., None]
+        else:
+            vb = v.reshape(v.shape[0] // block, block, v.shape[1]) * scale[:, None, :]
+        return vb.reshape(v.shape)
 
-    return quantize, dequantize
+    return dequantize
 
 
 # --------------------------------------------------------------------------- NumPy baseline
@@ -114,10 +147,11 @@ def _pow2_ceil_exp(v: np.ndarray) -> np.ndarray:
 def numpy_quantize(x: np.ndarray, fmt_name: str, rule: str):
     """Vectorized NumPy MX quantize (finite input), same layout as lowprec's MXArray."""
     fmt = lowprec.mx_format(fmt_name)
-    dt = ELEMENT_DTYPE[fmt_name]
+    dt = element_dtype(fmt_name)
+    block = fmt.block_size
     max_elem = np.float32(fmt.element.max_finite)
     emax = fmt.emax_elem
-    xb = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = np.abs(xb).max(axis=-1)
     if rule == "floor":
         shared = _pow2_floor_exp(amax) - emax
@@ -147,8 +181,8 @@ def numpy_dequantize(elements: np.ndarray, scales: np.ndarray, fmt_name: str) ->
     codes = elements
     if fmt.packed:
         codes = np.stack((elements & 0xF, elements >> 4), axis=-1).reshape(*elements.shape[:-1], -1)
-    v = codes.view(ELEMENT_DTYPE[fmt_name]).astype(np.float32)
-    vb = v.reshape(*v.shape[:-1], v.shape[-1] // BLOCK, BLOCK)
+    v = codes.view(element_dtype(fmt_name)).astype(np.float32)
+    vb = v.reshape(*v.shape[:-1], v.shape[-1] // fmt.block_size, fmt.block_size)
     scale = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
     return (vb * scale[..., None]).reshape(v.shape)
 
@@ -160,34 +194,49 @@ def _nbytes(tree) -> int:
 
 def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
     x = jax.device_put(x_np)
+    xt = jax.device_put(np.ascontiguousarray(x_np.T))
     n = x_np.size
     in_bytes = x_np.nbytes
     cases, io_bytes = {}, {}
+    peers_ok = element_dtype(fmt_name) is not None and _e8m0_scales(fmt_name)
 
     lp_q = {r: jax.jit(lambda x, r=r: lowprec.quantize_mx(x, fmt_name, scale_rule=r)) for r in RULES}
     for r in RULES:
         cases[f"lowprec q {r}"] = lambda f=lp_q[r]: f(x)
     mx_rceil = jax.block_until_ready(lp_q["rceil"](x))
+    mx_axis0 = jax.block_until_ready(
+        jax.jit(lambda v: lowprec.quantize_mx(v, fmt_name, axis=0, scale_rule="rceil"))(xt))
     for r in RULES:
         io_bytes[f"lowprec q {r}"] = in_bytes + _nbytes(mx_rceil)
     lp_dq = jax.jit(lowprec.dequantize)
     cases["lowprec dq"] = lambda: lp_dq(mx_rceil)
     io_bytes["lowprec dq"] = _nbytes(mx_rceil) + n * 4
+    cases["lowprec dq0"] = lambda: lp_dq(mx_axis0)
+    io_bytes["lowprec dq0"] = io_bytes["lowprec dq"]
 
-    jq, jdq = jax_peer(fmt_name)
     checks = {}
+    jq = jax_quantizer(fmt_name)
     if jq is not None:
         try:
             jout = jax.block_until_ready(jq(x))
             cases["jax q rceil"] = lambda: jq(x)
             io_bytes["jax q rceil"] = in_bytes + _nbytes(jout)
-            cases["jax dq"] = lambda: jdq(*jout)
-            io_bytes["jax dq"] = _nbytes(jout) + n * 4
             checks.update(_compare_jax(fmt_name, mx_rceil, jout))
         except Exception as e:  # noqa: BLE001 - e.g. a dtype XLA cannot convert to here
             checks["jax"] = f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    for label, mx, axis in (("jax dq", mx_rceil, 1), ("jax dq0", mx_axis0, 0)):
+        jdq = jax_dequantizer(fmt_name, axis)
+        if jdq is None:
+            continue
+        q, s = _typed_codes(fmt_name, mx)
+        cases[label] = lambda jdq=jdq, q=q, s=s: jdq(q, s)
+        io_bytes[label] = q.size * q.dtype.itemsize + s.size + n * 4
+        if label == "jax dq":
+            got = np.asarray(jdq(q, s)).view(np.uint32)
+            want = np.asarray(lp_dq(mx)).view(np.uint32)
+            checks["jax_dq_vs_lowprec_dequantize_mismatches"] = int((got != want).sum())
 
-    if not on_gpu:
+    if not on_gpu and peers_ok:
         for r in RULES:
             cases[f"numpy q {r}"] = lambda r=r: numpy_quantize(x_np, fmt_name, r)
             io_bytes[f"numpy q {r}"] = io_bytes[f"lowprec q {r}"]
@@ -195,8 +244,11 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
         cases["numpy dq"] = lambda: numpy_dequantize(el_np, sc_np, fmt_name)
         io_bytes["numpy dq"] = io_bytes["lowprec dq"]
         checks.update(_compare_numpy(fmt_name, x_np, x, lp_q, mx_rceil))
+    stream, stream_bytes = stream_case(in_bytes)
+    cases["stream"] = stream
 
     timings = time_interleaved(cases, reps=reps)
+    stream_t = timings["stream"]
 
     def thr(name):
         t = timings.get(name)
@@ -205,26 +257,31 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
         return n / t.median, io_bytes[name] / t.median
 
     rows = []
-    for r in RULES + ("dequantize",):
-        op = "dequantize" if r == "dequantize" else "quantize"
-        lp = "lowprec dq" if op == "dequantize" else f"lowprec q {r}"
-        jx = "jax dq" if op == "dequantize" else "jax q rceil"
+    for r in RULES + ("dequantize", "dequantize (axis 0)"):
+        op = "quantize" if r in RULES else r
+        suffix = "0" if r == "dequantize (axis 0)" else ""
+        lp = f"lowprec dq{suffix}" if op != "quantize" else f"lowprec q {r}"
+        jx = f"jax dq{suffix}" if op != "quantize" else "jax q rceil"
         npn = "numpy dq" if op == "dequantize" else f"numpy q {r}"
         lp_e, lp_b = thr(lp)
         jx_e, jx_b = thr(jx)
         np_e, _ = thr(npn)
         r_jax = speed_ratio(timings.get(lp), timings.get(jx))
         r_np = speed_ratio(timings.get(lp), timings.get(npn))
+        roof = (speed_ratio(timings.get(lp), stream_t) * io_bytes[lp] / stream_bytes
+                if isinstance(stream_t, Timing) else float("nan"))
         flags = []
         if on_gpu:
             if op == "quantize" and lp_b == lp_b and lp_b / 1e12 < GPU_TARGET_TBPS:
                 flags.append(f"MISS <{GPU_TARGET_TBPS} TB/s")
         elif r == "rceil" and r_jax == r_jax and r_jax < CPU_TARGET_VS_JAX:
             flags.append(f"MISS <{CPU_TARGET_VS_JAX}x JAX")
+        elif op != "quantize" and r_jax == r_jax and r_jax < CPU_DEQUANT_TARGET:
+            flags.append(f"MISS <{CPU_DEQUANT_TARGET}x JAX")
         rows.append({
             "format": fmt_name,
             "op": op,
-            "rule": "-" if op == "dequantize" else r,
+            "rule": "-" if op != "quantize" else r,
             "lowprec_melem_s": lp_e / 1e6,
             "lowprec_gb_s": lp_b / 1e9,
             "jax_melem_s": jx_e / 1e6,
@@ -233,10 +290,24 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
             "ratio_lowprec_jax": r_jax,
             "ratio_vs_jax_rceil_only": op == "quantize" and r != "rceil",
             "ratio_lowprec_numpy": r_np,
+            "roofline_fraction": roof,
+            "faults_cell": fmt_faults(timings.get(lp)),
             "flags": flags,
         })
     raw = {k: (t.as_dict() if isinstance(t, Timing) else t) for k, t in timings.items()}
     return rows, {"timings": raw, "io_bytes": io_bytes, "checks": checks}
+
+
+def _typed_codes(fmt_name: str, mx):
+    """An MXArray's codes as JAX's dequantize takes them: one element dtype value per byte
+    (FP4 unpacked) and the scale dtype."""
+    fmt = lowprec.mx_format(fmt_name)
+    codes = mx.elements
+    if fmt.packed:
+        codes = lowprec.unpack_fp4(codes, axis=mx.axis)
+    q = jax.device_put(np.asarray(codes).view(fmt.element.storage_dtype))
+    s = jax.device_put(np.asarray(mx.scales).view(fmt.scale.storage_dtype))
+    return q, s
 
 
 def _compare_jax(fmt_name, mx, jout) -> dict:
@@ -266,7 +337,7 @@ def _compare_numpy(fmt_name, x_np, x, lp_q, mx_rceil) -> dict:
 
 
 HEADERS = ["format", "op", "rule", "lowprec Melem/s", "lowprec GB/s", "JAX Melem/s", "JAX GB/s",
-           "NumPy Melem/s", "lowprec/JAX", "lowprec/NumPy", "flag"]
+           "NumPy Melem/s", "lowprec/JAX", "lowprec/NumPy", "roof", "faults", "flag"]
 
 
 def table(rows, on_gpu: bool) -> str:
@@ -280,22 +351,25 @@ def table(rows, on_gpu: bool) -> str:
             fmt_num(r["numpy_melem_s"], 0),
             fmt_ratio(r["ratio_lowprec_jax"]) + ("*" if r["ratio_vs_jax_rceil_only"] else ""),
             fmt_ratio(r["ratio_lowprec_numpy"]),
+            fmt_num(100 * r["roofline_fraction"], 0) + "%",
+            r["faults_cell"],
             "; ".join(r["flags"]) or "ok",
         ]
         for r in rows
     ]
-    return render_table(headers, body, right=tuple(range(3, 10)))
+    return render_table(headers, body, right=tuple(range(3, 12)))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", type=int, nargs="+", default=None,
-                   help="input shape; last axis a multiple of 32 (default 4096 4096 on CPU, "
-                        "16384 16384 on GPU; 1024 1024 / 4096 4096 with --quick)")
+    p.add_argument("--shape", type=int, nargs=2, default=None,
+                   help="2-D input shape; both axes multiples of the block size (default 4096 "
+                        "4096 on CPU, 16384 16384 on GPU; 1024 1024 / 4096 4096 with --quick)")
     p.add_argument("--quick", action="store_true", help="smaller shape, 5 rounds")
     p.add_argument("--reps", type=int, default=None, help="interleaved rounds (default 7; 5 with --quick)")
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--json", metavar="PATH", help="write every timing and the table rows here")
+    p.add_argument("--markdown", metavar="PATH", help="write the table (Markdown) here")
     args = p.parse_args(argv)
     on_gpu = jax.devices()[0].platform == "gpu"
     if args.shape:
@@ -304,14 +378,16 @@ def main(argv=None) -> int:
         shape = (4096, 4096) if args.quick else (16384, 16384)
     else:
         shape = (1024, 1024) if args.quick else (4096, 4096)
-    if shape[-1] % BLOCK:
-        p.error(f"the last axis ({shape[-1]}) must be a multiple of {BLOCK}")
+    for fmt_name in args.formats:
+        if shape[0] % block_of(fmt_name) or shape[1] % block_of(fmt_name):
+            p.error(f"both axes of {shape} must be multiples of {fmt_name}'s block size "
+                    f"{block_of(fmt_name)}")
     reps = args.reps or (5 if args.quick else 7)
     env = environment()
-    print(f"lowprec MX benchmark: float32 {shape} (standard normal), blocks of {BLOCK} along the "
-          f"last axis, {reps} interleaved rounds, median; jax {env['jax']} on {env['platform']} "
-          f"({env['device']}, {env['cpu_count']} CPUs)" + ("; NumPy baseline skipped on GPU" if on_gpu else ""),
-          flush=True)
+    title = (f"`python benchmarks/bench_mx.py` (float32 {shape}, standard normal, blocks along the "
+             f"last axis; {reps} interleaved rounds, medians"
+             + ("; NumPy baseline skipped on GPU)" if on_gpu else ")"))
+    print(title + "\n" + header_line(env), flush=True)
     x_np = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
     rows, details = [], {}
     for fmt_name in args.formats:
@@ -322,19 +398,24 @@ def main(argv=None) -> int:
         print(f"  {fmt_name}: done; agreement checks: "
               + ("all bit-identical" if not bad else ", ".join(f"{k}={v}" for k, v in bad.items())),
               flush=True)
-    print()
-    print(table(rows, on_gpu))
-    print("\nRatios: median over rounds of per-round throughput ratios. * = vs JAX's rceil "
-          "quantizer (JAX has no floor/ceil/even rule). " + (
-              f"Target: lowprec quantize ≥ {GPU_TARGET_TBPS} TB/s effective." if on_gpu else
-              f"Target: lowprec rceil quantize ≥ {CPU_TARGET_VS_JAX}x JAX's quantizer."))
     misses = [r for r in rows if r["flags"]]
-    print(f"{len(misses)} of {len(rows)} rows miss a target.")
+    note = ("Ratios: median over rounds of per-round throughput ratios. * = vs JAX's rceil "
+            "quantizer (JAX has no floor/ceil/even rule). roof: lowprec's bytes moved per second "
+            "over a streaming kernel's (uint32 x ^ c over the input's bytes). faults: minor page "
+            "faults per call (median). " + (
+                f"Target: lowprec quantize ≥ {GPU_TARGET_TBPS} TB/s effective." if on_gpu else
+                f"Targets: lowprec rceil quantize ≥ {CPU_TARGET_VS_JAX}x JAX's quantizer, "
+                f"dequantize ≥ {CPU_DEQUANT_TARGET}x JAX's astype·scale."))
+    text = "\n".join([table(rows, on_gpu), "", note,
+                      f"{len(misses)} of {len(rows)} rows miss a target."])
+    print()
+    print(text)
+    if args.markdown:
+        write_atomic(args.markdown, f"{title}\n\n{header_line(env)}\n\n{text}\n")
     if args.json:
-        with open(args.json, "w") as f:
-            payload = {"benchmark": "mx", "shape": shape, "reps": reps, "env": env,
-                       "rows": rows, "details": details}
-            json.dump(json_safe(payload), f, indent=1)
+        payload = {"benchmark": "mx", "shape": shape, "reps": reps, "env": env,
+                   "rows": rows, "details": details}
+        write_atomic(args.json, json.dumps(json_safe(payload), indent=1))
         print(f"saved {args.json}")
     return 0
 
