@@ -431,12 +431,15 @@ def encode(
         e5m2/fp16/bf16/tf32 → ±inf, e2m1 saturates, e8m0 → 0xFF; directed modes follow
         IEEE 754 §7.4 and round toward zero to ±max) or ``"saturate"`` (±max, also for ±inf).
       key: PRNG key for stochastic rounding. Element i rounds away from zero iff
-        ``lowprec.random_bits(key, x.shape)[i] < frac_i * 2**32``, frac_i being its
-        distance from the value toward zero in units of the gap (P = ⌈frac_i·2^32⌉/2^32,
-        so the rounding is unbiased to 2^-32 of a gap). The words are Philox2x32-10
-        (see :func:`lowprec.random_bits`), one per element, drawn inside the call.
-      random_bits: instead of ``key``: your own uint32 words, one per element of ``x``
-        (same rule), e.g. to replay a rounding or to use another generator.
+        ``lowprec.random_bits(key, x.shape)[i] < frac_i * 2**16``, frac_i being its
+        distance from the value toward zero in units of the gap: with probability
+        ⌈frac_i·2^16⌉/2^16, so E[q(x)] = x exactly when frac_i is a multiple of 2^-16
+        (bf16, fp16 from float32 normals) and within 2^-16 of a gap otherwise. The
+        16-bit words come from Philox2x32-10 (:func:`lowprec.random_bits`; contract in
+        docs/design.md §2), drawn inside the call.
+      random_bits: instead of ``key``: your own words, one per element of ``x``: uint16
+        (the same rule) or uint32 (compared with ``frac_i * 2**32``), e.g. to replay a
+        rounding or to use another generator.
 
     Returns:
       Unsigned integer codes of ``x``'s shape: uint8 (8-bit formats and unpacked FP4

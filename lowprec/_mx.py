@@ -260,8 +260,9 @@ def quantize_mx(
       pad: zero-pad the axis to a multiple of 32 instead of raising.
       key: PRNG key, for ``rounding="stochastic"`` only: element i of the padded ``x``
         (row-major) rounds away from zero iff ``lowprec.random_bits(key,
-        padded_shape)[i] < frac_i * 2**32`` (see :func:`lowprec.encode`).
-      random_bits: instead of ``key``: your own uint32 words of the padded shape.
+        padded_shape)[i] < frac_i * 2**16`` (see :func:`lowprec.encode`).
+      random_bits: instead of ``key``: your own words (uint16, or uint32 compared with
+        ``frac_i * 2**32``) of the padded shape.
 
     Returns:
       An :class:`MXArray`. A block holding any NaN or ±inf gets scale 0xFF and zero
