@@ -350,9 +350,9 @@ def _dot_f32(layout, lop, rop):
 
 
 def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, spec: DotSpec, what: str,
-                    layout: tuple):
+                    layout: tuple = (2, 2)):
     """Quantized dot of canonical operands contracted over their axes ``layout = (la, ra)``
-    → (B, M, N) float32, no autodiff rule of its own."""
+    (default: (B, M, K) x (B, N, K)) → (B, M, N) float32, no autodiff rule of its own."""
     la, ra = layout
     lop, lkind = _quantize_operand(lhs, lcast, spec, f"{what} lhs", la)
     rop, rkind = _quantize_operand(rhs, rcast, spec, f"{what} rhs", ra)
@@ -388,11 +388,42 @@ def _qdot(lhs, rhs, spec: DotSpec, layout: tuple):
     def generic(a, b):
         return _qdot_canonical(a, b, spec.lhs, spec.rhs, spec, "forward", layout)
 
-    # Decode-time MXFP4 weight x bfloat16 tokens: a kernel on CUDA GPUs (_gemv.py), for
-    # operands in the (B, M, K) x (B, N, K) layout it takes.
-    fast = decode_time_route(lhs, rhs, spec.lhs, spec.rhs) if layout == (2, 2) else None
-    out = generic(lhs, rhs) if fast is None else on_cuda(fast, generic, lhs, rhs)
+    # Decode-time MXFP4 weight x bfloat16 tokens: a kernel on CUDA GPUs (_gemv.py). It takes
+    # (B, M, K) x (B, N, K) operands; one in the (B, K, ·) layout is transposed for it, in
+    # the CUDA branch only (decided from shapes, so other backends see no transpose).
+    la, ra = layout
+    route = decode_time_route(_k_last_view(lhs, la), _k_last_view(rhs, ra), spec.lhs, spec.rhs)
+    if route is None:
+        out = generic(lhs, rhs)
+    else:
+        out = on_cuda(lambda a, b: route(_k_last(a, la), _k_last(b, ra)), generic, lhs, rhs)
     return bits_to_dtype(f32_bits(out), spec.out_dtype)
+
+
+def _k_last(op, ca: int):
+    """A canonical operand in the (B, free, K) layout (transposed if it is (B, K, free))."""
+    if ca == 2:
+        return op
+    if isinstance(op, MXArray):
+        b, k, m = op.shape
+        return MXArray(jnp.swapaxes(op.elements, 1, 2), jnp.swapaxes(op.scales, 1, 2), op.fmt, 2,
+                       (b, m, k), op.scale_rule)
+    return jnp.swapaxes(op, 1, 2)
+
+
+def _k_last_view(op, ca: int):
+    """:func:`_k_last`'s shapes and types only (for routing decisions): moves no data."""
+    if ca == 2:
+        return op
+
+    def swapped(a):
+        return jax.ShapeDtypeStruct((a.shape[0], a.shape[2], a.shape[1]), a.dtype)
+
+    if isinstance(op, MXArray):
+        b, k, m = op.shape
+        return MXArray(swapped(op.elements), swapped(op.scales), op.fmt, 2, (b, m, k),
+                       op.scale_rule)
+    return swapped(op)
 
 
 def _qdot_fwd(lhs, rhs, spec: DotSpec, layout: tuple):

@@ -303,6 +303,8 @@ HALF_CALLS = {
     "encode": lambda x: lowprec.encode(x, "e4m3"),
     "decode": lambda x: lowprec.decode(lowprec.encode(x, "e5m2"), "e5m2", dtype=x.dtype),
     "quantize": lambda x: lowprec.quantize(x, "fp16", dtype=x.dtype),
+    "quantize-stochastic": lambda x: lowprec.quantize(
+        x, "e4m3", rounding="stochastic", key=jax.random.key(0), dtype=x.dtype),
     "quantize_mx": lambda x: lowprec.quantize_mx(x, "mxfp8_e4m3").scales,
     "shared_exponents": lambda x: lowprec.shared_exponents(x, "mxfp4"),
     "dequantize": lambda x: lowprec.dequantize(lowprec.quantize_mx(x, "mxfp8_e5m2"), x.dtype),
@@ -334,7 +336,7 @@ _COTANGENT_SHAPES = {
 # Public names that never see a float array (formats, codes, layouts).
 _NO_FLOAT_IO = {
     "finfo", "resolve_format", "element_format", "mx_format", "pack_fp4", "unpack_fp4",
-    "to_gpt_oss", "from_gpt_oss", "MXArray", "ScaleRule",
+    "to_gpt_oss", "from_gpt_oss", "MXArray", "ScaleRule", "random_bits",
 }
 
 
