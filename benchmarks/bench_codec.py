@@ -57,7 +57,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax import lax
 

@@ -234,9 +234,10 @@ def encode_bits(
     return code
 
 
-# -- default-mode fast paths (float32 input, round to nearest, "ieee" overflow) -------------
-# Same results as the general encoder above, bit for bit (the exhaustive sweeps of
-# tests/test_codec.py and benchmarks/ check every float32), in fewer operations.
+# -- fast paths for float32 input under "ieee" overflow (nearest and stochastic rounding) ---
+# Same results as the general encoder above, bit for bit, in fewer operations: chosen from
+# the format's fields; tests/test_fast_paths.py compares them with the general encoder for
+# every format on samples, scripts/exhaustive_f32.py on every float32 input.
 
 
 def _rebias_encodable(fmt: ElementFormat) -> bool:

@@ -360,12 +360,15 @@ def mx_value_bits(elements, scales, fmt: MXFormat, axis: int, n: int):
 
 
 def fast_decode_applies(fmt: MXFormat) -> bool:
-    """Whether ``fmt``'s scales are E8M0 codes, as the fast decode builds them (static)."""
+    """Whether the fast decode serves ``fmt`` (static): E8M0 scale codes, as it builds them,
+    and elements of at most 8 bits whose every nonzero value is a float32 normal (so no
+    operand of the multiply can be flushed)."""
     sc, el = fmt.scale, fmt.element
+    lowest = el.emin - (el.mantissa_bits if el.subnormals else 0)
     return (
         not sc.signed and not sc.zero and sc.mantissa_bits == 0 and sc.exponent_bits == 8
         and sc.bias == E8M0_BIAS and sc.nan_code == E8M0_NAN
-        and el.code_bits <= 8 and el.mantissa_bits < F32_MANT_BITS
+        and el.code_bits <= 8 and el.mantissa_bits < F32_MANT_BITS and lowest >= -126
     )
 
 
