@@ -413,12 +413,16 @@ def e8m0_factor(scales):
     return bits_to_f32(lax.shift_left(s, jnp.uint32(F32_MANT_BITS)) | low)
 
 
-def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canonical_nan=True):
+def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canonical_nan=True,
+                       factor=None):
     """:func:`mx_value_bits` by one float multiply per element; exact (bit for bit, NaN
     made the canonical quiet NaN as there unless ``canonical_nan`` is False) when
-    :func:`fast_decode_exact` holds."""
+    :func:`fast_decode_exact` holds. ``factor``: ``e8m0_factor(scales)`` computed by the
+    caller (else here)."""
+    if factor is None:
+        factor = e8m0_factor(scales)
     v = decode_f32(fmt.element, _element_codes(elements, fmt, axis))
-    bits = f32_bits(v * jnp.expand_dims(e8m0_factor(scales), axis + 1))
+    bits = f32_bits(v * jnp.expand_dims(factor, axis + 1))
     if canonical_nan:
         bits = jnp.where((bits & F32_ABS) > F32_INF, jnp.uint32(F32_QNAN), bits)
     return lax.slice_in_dim(merge_blocks(bits, axis), 0, n, axis=axis)
@@ -428,16 +432,20 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
     """Exact values of MX codes as ``dtype`` (rounded to nearest even if narrower than
     float32): the fast decode when it is exact for these codes, else the bit-built one."""
 
-    def exact(e, s):
+    def exact(e, s, f):
         return bits_to_dtype(mx_value_bits(e, s, fmt, axis, n), dtype)
 
     if not fast_decode_applies(fmt):
-        return exact(elements, scales)
+        return exact(elements, scales, None)
 
-    def fast(e, s):
-        return bits_to_dtype(mx_value_bits_fast(e, s, fmt, axis, n), dtype)
+    def fast(e, s, f):
+        return bits_to_dtype(mx_value_bits_fast(e, s, fmt, axis, n, factor=f), dtype)
 
-    return lax.cond(fast_decode_exact(elements, scales, fmt, axis), fast, exact, elements, scales)
+    # The block factors are computed before the branch (one per block, then broadcast), not
+    # redone for every element inside the branch's fused loop.
+    factor = e8m0_factor(scales)
+    pred = fast_decode_exact(elements, scales, fmt, axis)
+    return lax.cond(pred, fast, exact, elements, scales, factor)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))

@@ -58,6 +58,7 @@ from ._format import ElementFormat, FormatLike, MXFormat, resolve_format
 from ._gemv import decode_time_route, on_cuda
 from ._mx import (
     MXArray,
+    e8m0_factor,
     fast_decode_applies,
     fast_decode_exact,
     mx_value_bits,
@@ -328,22 +329,31 @@ def _contract(a, ca: int, b, cb: int, **kwargs):
     return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32, **kwargs)
 
 
-def _bf16_values(op):
+def _bf16_values(op, factor):
     if isinstance(op, MXArray):
         # Fast decode, then truncation to bfloat16: both exact, as this branch runs only
         # when mx_bf16_exact holds.
         n = op.shape[op.axis]
-        bits = mx_value_bits_fast(op.elements, op.scales, op.fmt, op.axis, n, canonical_nan=False)
+        bits = mx_value_bits_fast(op.elements, op.scales, op.fmt, op.axis, n,
+                                  canonical_nan=False, factor=factor)
         return bits_to_bf16_truncating(bits)
     return bits_to_bf16_truncating(op)  # a format whose values are all bfloat16
 
 
-def _dot_bf16(layout, lop, rop):
+def _factor(op):
+    """An MX operand's block factors 2^(s - 127), computed once before the branch that uses
+    them (else None)."""
+    if isinstance(op, MXArray) and _bf16_capable(op.fmt):
+        return e8m0_factor(op.scales)
+    return None
+
+
+def _dot_bf16(layout, lop, rop, factors=(None, None)):
     la, ra = layout
-    return _contract(_bf16_values(lop), la, _bf16_values(rop), ra)
+    return _contract(_bf16_values(lop, factors[0]), la, _bf16_values(rop, factors[1]), ra)
 
 
-def _dot_f32(layout, lop, rop):
+def _dot_f32(layout, lop, rop, factors=None):
     la, ra = layout
     a, b = bits_to_f32(_operand_bits(lop)), bits_to_f32(_operand_bits(rop))
     return _contract(a, la, b, ra, precision=lax.Precision.HIGHEST)
@@ -365,8 +375,10 @@ def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, spec: DotS
         if kind == "dynamic":
             ok = ok & mx_bf16_exact(op)
     # Both branches take the codes, so each decodes inside its own fusion.
+    factors = (_factor(lop), _factor(rop))
     return lax.cond(
-        ok, functools.partial(_dot_bf16, layout), functools.partial(_dot_f32, layout), lop, rop
+        ok, functools.partial(_dot_bf16, layout), functools.partial(_dot_f32, layout), lop, rop,
+        factors,
     )
 
 
