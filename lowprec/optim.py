@@ -14,8 +14,8 @@ parameters live in the low-precision format, so this removes the float32 master 
 Key contract (reproducible, independent of sharding and of the tree's leaf count elsewhere):
 at step ``t`` (``state.count``, from 0) leaf ``i`` (its position in ``jax.tree.leaves``)
 rounds with ``k = jax.random.fold_in(jax.random.fold_in(key, t), i)``, and element ``j`` of
-that leaf rounds away from zero iff ``jax.random.bits(k, leaf.shape, jnp.uint32)[j] <
-frac_j * 2**32`` (the contract of ``lowprec.quantize(..., rounding="stochastic")``), where
+that leaf rounds away from zero iff ``lowprec.random_bits(k, leaf.shape)[j] <
+frac_j * 2**16`` (the contract of ``lowprec.quantize(..., rounding="stochastic")``), where
 ``frac_j`` is how far the float32 value ``w + u`` lies from its smaller-magnitude neighbour in
 the format towards the larger one, as a fraction of the gap between them.
 

@@ -18,6 +18,7 @@ import pytest
 optax = pytest.importorskip("optax")
 import lowprec  # noqa: E402
 from lowprec.optim import cast_params, low_precision_params, storage_dtype  # noqa: E402
+from helpers.codecs import replay_random_bits  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 
@@ -63,16 +64,17 @@ def test_one_step_follows_the_key_contract():
             assert new[name].dtype == jnp.bfloat16
             below, above = _neighbours_bf16(target)
             assert np.all((got == below) | (got == above))
-            # The magnitude rounds away from zero iff bits < frac * 2^32, frac = the fraction of
+            # The magnitude rounds away from zero iff bits < frac * 2^16, frac = the fraction of
             # the way from the smaller-magnitude neighbour to the larger one, with the
-            # documented key for (step t, leaf i).
+            # documented key for (step t, leaf i) and lowprec's 16-bit words for that key
+            # (replayed by the NumPy reference: docs/design.md §2).
             k = jax.random.fold_in(jax.random.fold_in(key, t), i)
-            bits = np.asarray(jax.random.bits(k, target.shape, jnp.uint32), np.float64)
+            bits = replay_random_bits(k, target.shape).astype(np.float64)
             small = np.where(target >= 0, below, above).astype(np.float64)
             large = np.where(target >= 0, above, below).astype(np.float64)
             gap = np.abs(large - small)
             frac = np.abs(target - small) / np.where(gap > 0, gap, 1)
-            want_away = (bits < frac * 2.0**32) & (gap > 0)
+            want_away = (bits < frac * 2.0**16) & (gap > 0)
             np.testing.assert_array_equal(got, np.where(want_away, large, small))
         params = new
     assert int(state.count) == 2
