@@ -4,7 +4,8 @@ Run: ``python benchmarks/bench_mx.py`` (CPU: a (4096, 4096) float32 array, about
 on a 2-core CPU; GPU: (16384, 16384)), ``--quick`` ((1024, 1024), fewer rounds),
 ``--shape 2048 8192``, ``--reps R``, ``--formats mxfp8_e4m3``, ``--json PATH``.
 
-For each MX format (mxfp8_e4m3, mxfp8_e5m2, mxfp4) one interleaved timing group (see
+For each block format (mxfp8_e4m3, mxfp8_e5m2, mxfp4, and since issue 11 mxfp6_e2m3,
+mxfp6_e3m2, mxint8, nvfp4 and mxfp4 with blocks of 16) one interleaved timing group (see
 ``_timing.py``) holds:
 
 * ``lowprec``: ``jax.jit(lambda x: lowprec.quantize_mx(x, fmt, scale_rule=rule))`` for every
@@ -144,8 +145,40 @@ def _pow2_ceil_exp(v: np.ndarray) -> np.ndarray:
     return np.where(m == 0.5, e - 1, e).astype(np.int32)
 
 
+def _numpy_pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Sub-byte codes packed along the last axis as lowprec stores them (low bits first)."""
+    if bits == 4:
+        return (codes[..., 0::2] & 0xF) | (codes[..., 1::2] << 4)
+    if bits == 6:
+        c = codes.astype(np.uint32).reshape(*codes.shape[:-1], -1, 4)
+        w = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
+        out = np.stack([w & 0xFF, (w >> 8) & 0xFF, w >> 16], axis=-1).astype(np.uint8)
+        return out.reshape(*codes.shape[:-1], -1)
+    return codes
+
+
+def _numpy_unpack(elements: np.ndarray, bits: int) -> np.ndarray:
+    if bits == 4:
+        return np.stack((elements & 0xF, elements >> 4), axis=-1).reshape(*elements.shape[:-1], -1)
+    if bits == 6:
+        b = elements.astype(np.uint32).reshape(*elements.shape[:-1], -1, 3)
+        w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        out = np.stack([(w >> s) & 0x3F for s in (0, 6, 12, 18)], axis=-1).astype(np.uint8)
+        return out.reshape(*elements.shape[:-1], -1)
+    return elements
+
+
+def _element_codes(scaled: np.ndarray, fmt, dt) -> np.ndarray:
+    """Saturating RNE element codes (uint8) of float32 values already divided by the scale."""
+    max_elem = np.float32(fmt.element.max_finite)
+    if dt is None:  # MX INT8: k = rint(v * 64), symmetric saturation
+        k = np.clip(np.rint(scaled * np.float32(64)), -127, 127)
+        return k.astype(np.int8).view(np.uint8)
+    return np.clip(scaled, -max_elem, max_elem).astype(dt).view(np.uint8)
+
+
 def numpy_quantize(x: np.ndarray, fmt_name: str, rule: str):
-    """Vectorized NumPy MX quantize (finite input), same layout as lowprec's MXArray."""
+    """Vectorized NumPy block quantize (finite input), same layout as lowprec's MXArray."""
     fmt = lowprec.mx_format(fmt_name)
     dt = element_dtype(fmt_name)
     block = fmt.block_size
@@ -153,12 +186,20 @@ def numpy_quantize(x: np.ndarray, fmt_name: str, rule: str):
     emax = fmt.emax_elem
     xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = np.abs(xb).max(axis=-1)
+    if rule == "nvfp4":  # torchao's two-level recipe, float32 throughout
+        f32 = np.float32
+        ts = f32(np.abs(x).max() / f32(2688.0))
+        s = np.clip((amax / f32(6.0)) / ts, f32(2.0**-6), f32(448.0)).astype(ml_dtypes.float8_e4m3fn)
+        total = ts * s.astype(f32)
+        codes = _element_codes(xb / total[..., None], fmt, dt)
+        elements = _numpy_pack(codes.reshape(*x.shape[:-1], -1), fmt.element.code_bits)
+        return elements, s.view(np.uint8), ts
     if rule == "floor":
         shared = _pow2_floor_exp(amax) - emax
     elif rule == "ceil":
         shared = _pow2_ceil_exp(amax) - emax
     elif rule == "even":  # round amax's mantissa to the element's width, half up, then floor
-        drop = 23 - fmt.element.mantissa_bits
+        drop = 23 - (fmt.element.emax - fmt.element.top_quantum_exponent)
         bits = (amax.view(np.uint32) + np.uint32(1 << (drop - 1))) & np.uint32(~((1 << drop) - 1) & 0xFFFFFFFF)
         shared = _pow2_floor_exp(bits.view(np.float32)) - emax
     elif rule == "rceil":  # NVIDIA: amax / max_elem in float32, rounded up to a power of two
@@ -169,14 +210,13 @@ def numpy_quantize(x: np.ndarray, fmt_name: str, rule: str):
     # Multiplying by 2^-shared (a float32 power of two per block) is exact here: the scaled
     # values are at most a few times max_elem and far above float32's subnormal range.
     scaled = xb * np.ldexp(np.float32(1), -shared)[..., None]
-    codes = np.clip(scaled, -max_elem, max_elem).astype(dt).view(np.uint8)
-    if fmt.packed:
-        codes = (codes[..., 0::2] & 0xF) | (codes[..., 1::2] << 4)
-    elements = codes.reshape(*x.shape[:-1], -1)
+    codes = _element_codes(scaled, fmt, dt).reshape(*x.shape[:-1], -1)
+    elements = _numpy_pack(codes, fmt.element.code_bits)
     return elements, (shared + 127).astype(np.uint8)
 
 
-def numpy_dequantize(elements: np.ndarray, scales: np.ndarray, fmt_name: str) -> np.ndarray:
+def numpy_dequantize(elements: np.ndarray, scales: np.ndarray, fmt_name: str,
+                     tensor_scale=None) -> np.ndarray:
     fmt = lowprec.mx_format(fmt_name)
     codes = elements
     if fmt.packed:
@@ -200,8 +240,14 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
     cases, io_bytes = {}, {}
     peers_ok = element_dtype(fmt_name) is not None and _e8m0_scales(fmt_name)
 
-    lp_q = {r: jax.jit(lambda x, r=r: lowprec.quantize_mx(x, fmt_name, scale_rule=r)) for r in RULES}
-    for r in RULES:
+    rules = rules_of(fmt_name)
+
+    def quantizer(r):
+        rule = None if r == "nvfp4" else r
+        return jax.jit(lambda x: lowprec.quantize_mx(x, fmt_name, scale_rule=rule))
+
+    lp_q = {r: quantizer(r) for r in rules}
+    for r in rules:
         cases[f"lowprec q {r}"] = lambda f=lp_q[r]: f(x)
     mx_rceil = jax.block_until_ready(lp_q["rceil"](x))
     mx_axis0 = jax.block_until_ready(
@@ -241,7 +287,8 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
             cases[f"numpy q {r}"] = lambda r=r: numpy_quantize(x_np, fmt_name, r)
             io_bytes[f"numpy q {r}"] = io_bytes[f"lowprec q {r}"]
         el_np, sc_np = np.asarray(mx_rceil.elements), np.asarray(mx_rceil.scales)
-        cases["numpy dq"] = lambda: numpy_dequantize(el_np, sc_np, fmt_name)
+        ts_np = None if mx_rceil.tensor_scale is None else np.asarray(mx_rceil.tensor_scale)
+        cases["numpy dq"] = lambda: numpy_dequantize(el_np, sc_np, fmt_name, ts_np)
         io_bytes["numpy dq"] = io_bytes["lowprec dq"]
         checks.update(_compare_numpy(fmt_name, x_np, x, lp_q, mx_rceil))
     stream, stream_bytes = stream_case(in_bytes)
@@ -274,7 +321,8 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
         if on_gpu:
             if op == "quantize" and lp_b == lp_b and lp_b / 1e12 < GPU_TARGET_TBPS:
                 flags.append(f"MISS <{GPU_TARGET_TBPS} TB/s")
-        elif r == "rceil" and r_jax == r_jax and r_jax < CPU_TARGET_VS_JAX:
+        elif r == "rceil" and fmt_name in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4") and (
+                r_jax == r_jax and r_jax < CPU_TARGET_VS_JAX):
             flags.append(f"MISS <{CPU_TARGET_VS_JAX}x JAX")
         elif op != "quantize" and r_jax == r_jax and r_jax < CPU_DEQUANT_TARGET:
             flags.append(f"MISS <{CPU_DEQUANT_TARGET}x JAX")
@@ -288,7 +336,7 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
             "jax_gb_s": jx_b / 1e9,
             "numpy_melem_s": np_e / 1e6,
             "ratio_lowprec_jax": r_jax,
-            "ratio_vs_jax_rceil_only": op == "quantize" and r != "rceil",
+            "ratio_vs_jax_rceil_only": op == "quantize" and r not in ("rceil", "nvfp4"),
             "ratio_lowprec_numpy": r_np,
             "roofline_fraction": roof,
             "faults_cell": fmt_faults(timings.get(lp)),
@@ -311,26 +359,30 @@ def _typed_codes(fmt_name: str, mx):
 
 
 def _compare_jax(fmt_name, mx, jout) -> dict:
-    """lowprec rceil vs JAX's quantizer, bit for bit (JAX's FP4 is unpacked)."""
+    """lowprec vs JAX's quantizer, bit for bit (JAX's FP4 is unpacked). For NVFP4 JAX's
+    recipe differs (it divides by the global scale first): informative counts."""
     q, s = (np.asarray(a) for a in jout)
     jcodes = q.view(np.uint8)
     codes = np.asarray(mx.elements)
     if lowprec.mx_format(fmt_name).packed:
-        codes = np.stack((codes & 0xF, codes >> 4), axis=-1).reshape(jcodes.shape)
+        codes = _numpy_unpack(codes, lowprec.mx_format(fmt_name).element.code_bits)
+        codes = codes.reshape(jcodes.shape)
+    tag = "nvfp4" if mx.tensor_scale is not None else "rceil"
     return {
-        "jax_vs_lowprec_rceil_element_mismatches": int((jcodes != codes).sum()),
-        "jax_vs_lowprec_rceil_scale_mismatches": int((s.view(np.uint8) != np.asarray(mx.scales)).sum()),
+        f"jax_vs_lowprec_{tag}_element_mismatches": int((jcodes != codes).sum()),
+        f"jax_vs_lowprec_{tag}_scale_mismatches": int((s.view(np.uint8) != np.asarray(mx.scales)).sum()),
     }
 
 
 def _compare_numpy(fmt_name, x_np, x, lp_q, mx_rceil) -> dict:
     out = {}
-    for r in RULES:
-        mx = mx_rceil if r == "rceil" else lp_q[r](x)
-        e, s = numpy_quantize(x_np, fmt_name, r)
+    for r in rules_of(fmt_name):
+        mx = mx_rceil if r in ("rceil", "nvfp4") else lp_q[r](x)
+        e, s = numpy_quantize(x_np, fmt_name, r)[:2]
         out[f"numpy_vs_lowprec_{r}_mismatches"] = int((e != np.asarray(mx.elements)).sum()
                                                       + (s != np.asarray(mx.scales)).sum())
-    d_np = numpy_dequantize(np.asarray(mx_rceil.elements), np.asarray(mx_rceil.scales), fmt_name)
+    ts = None if mx_rceil.tensor_scale is None else np.asarray(mx_rceil.tensor_scale)
+    d_np = numpy_dequantize(np.asarray(mx_rceil.elements), np.asarray(mx_rceil.scales), fmt_name, ts)
     d_lp = np.asarray(lowprec.dequantize(mx_rceil))
     out["numpy_vs_lowprec_dequantize_mismatches"] = int((d_np.view(np.uint32) != d_lp.view(np.uint32)).sum())
     return out

@@ -36,11 +36,13 @@ def main() -> None:
     w = jax.random.normal(jax.random.key(1), (256, 1024), jnp.float32)
     print("\nMX block quantization of a 256x1024 Gaussian matrix (blocks of 32 along the last axis):")
     for fmt in lowprec.MX_FORMAT_NAMES:
-        for rule in lowprec.SCALE_RULES:
+        # NVFP4 has its own scale recipe (E4M3 block scales under a tensor scale): no rule.
+        rules = (None,) if lowprec.mx_format(fmt).tensor_scale else lowprec.SCALE_RULES
+        for rule in rules:
             mx = lowprec.quantize_mx(w, fmt, scale_rule=rule)
             sqnr = float(lowprec.analysis.sqnr_db(w, lowprec.dequantize(mx)))
             print(
-                f"  {fmt:11} {rule:5}: {mx.nbytes:>7} bytes ({mx.fmt.bits_per_element} bits/elem), "
+                f"  {fmt:11} {rule or fmt:5}: {mx.nbytes:>7} bytes ({mx.fmt.bits_per_element} bits/elem), "
                 f"SQNR {sqnr:5.1f} dB"
             )
 

@@ -1,8 +1,9 @@
 """lowprec: bit-exact low-precision number formats in JAX.
 
-Element formats (FP16, BF16, TF32, FP8 E4M3/E5M2, FP4 E2M1, E8M0) with every rounding mode
-and overflow policy named, and the OCP MX block formats (MXFP8, MXFP4). Every function takes
-the array first and the format second.
+Element formats (FP16, BF16, TF32, every ml_dtypes FP8/FP6/FP4, E8M0, the MX INT8 element and
+the parametric IEEE P3109 formats) with every rounding mode and overflow policy named, and the
+block formats (OCP MXFP8, MXFP6, MXFP4, MXINT8 at any block size, and NVFP4). Every function
+takes the array first and the format second.
 
 Example:
     >>> import jax.numpy as jnp
@@ -10,6 +11,8 @@ Example:
     >>> lowprec.quantize(jnp.array([0.1, 300.0]), "e4m3").tolist()
     [0.1015625, 288.0]
 """
+
+import lowprec_formats as _formats_data
 
 from ._codec import decode, encode, quantize
 from ._finfo import FormatInfo, finfo
@@ -25,14 +28,18 @@ from ._format import (
     mx_format,
     resolve_format,
 )
+from ._p3109 import p3109
 from ._gpt_oss import from_gpt_oss, to_gpt_oss
 from ._matmul import dot_general, matmul, mxfp4_gemv
 from ._mx import MXArray, dequantize, fake_quantize_mx, quantize_mx, shared_exponents
-from ._pack import pack_fp4, unpack_fp4
+from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from ._qdot import BACKWARD_MODES, OPERAND_FORMAT_NAMES
 from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, OCP_MXFP8, RECIPES, Recipe
 from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES, random_bits
 from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
+
+#: Block sizes every block format accepts (``mx_format(fmt, block_size=...)``).
+BLOCK_SIZES: tuple[int, ...] = _formats_data.BLOCK_SIZES
 
 __version__ = "0.1.0"
 
@@ -50,6 +57,7 @@ def __getattr__(name):
 
 __all__ = [
     "BACKWARD_MODES",
+    "BLOCK_SIZES",
     "DEFAULT_SCALE_RULE",
     "FP8_HYBRID",
     "NVIDIA_MXFP8",
@@ -81,7 +89,9 @@ __all__ = [
     "matmul",
     "mx_format",
     "mxfp4_gemv",
+    "p3109",
     "pack_fp4",
+    "pack_fp6",
     "quantize",
     "quantize_mx",
     "random_bits",
@@ -89,4 +99,5 @@ __all__ = [
     "shared_exponents",
     "to_gpt_oss",
     "unpack_fp4",
+    "unpack_fp6",
 ]

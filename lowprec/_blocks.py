@@ -10,11 +10,12 @@ import operator
 import jax.numpy as jnp
 import numpy as np
 
-from ._codec import input_bits
+from ._codec import _WIDENED_AS, input_bits
 from ._format import MXFormat
 
-# Block formats read float32 (or narrower) input; float64 would need its own block max.
-_BLOCK_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+# Block formats read float32 (or narrower: float16, bfloat16, the ml_dtypes floats, all
+# widened exactly) input; float64 would need its own block max.
+_BLOCK_INPUT_DTYPES = (np.dtype(np.float32), *_WIDENED_AS)
 
 
 def normalize_axis(axis, ndim: int, what: str = "axis") -> int:
@@ -64,8 +65,8 @@ def check_block_input(shape, dtype, fmt: MXFormat, axis, pad: bool, func: str):
     dtype = np.dtype(dtype)
     if dtype not in _BLOCK_INPUT_DTYPES:
         raise TypeError(
-            f"{func} takes float32, bfloat16 or float16 input, got dtype {dtype}; "
-            "convert with x.astype(jnp.float32)"
+            f"{func} takes float32, bfloat16, float16 or ml_dtypes float input, got dtype "
+            f"{dtype}; convert with x.astype(jnp.float32)"
         )
     if len(shape) == 0:
         raise ValueError(f"{func} needs at least a 1-D array (blocks run along an axis)")

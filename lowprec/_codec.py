@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import lowprec_formats as _data
+
 from ._bits import (
     F32_ABS,
     F32_BIAS,
@@ -47,15 +49,63 @@ _FLOAT_LAYOUTS = {
     np.dtype(np.uint32): (23, 127),
     np.dtype(np.uint64): (52, 1023),
 }
-# Half-precision inputs are widened to float32 patterns by decoding them as the element
-# format with their layout: integer arithmetic only, so NaN sign and subnormals survive on
-# every backend (XLA on GPU turns any float16 NaN into 0x7fffffff when it converts).
-_WIDENED_AS = {np.dtype(jnp.float16): "fp16", np.dtype(jnp.bfloat16): "bf16"}
-_ACCEPTED = "float16, bfloat16, float32 or float64"
+
+
+def _widened_formats() -> dict:
+    """Every float dtype lowprec reads or writes through an element format of the same layout:
+    float16, bfloat16 and each ml_dtypes type named in ``formats/elements.json`` that JAX
+    arrays can hold (float6 cannot be a JAX array: NumPy float6 input is decoded on the host)."""
+    out = {}
+    for name in _data.ELEMENT_FORMATS:
+        fmt = element_format(name)
+        dt = fmt.storage_dtype
+        if dt is None or dt in (np.dtype(np.float32), np.dtype(np.float64)):
+            continue
+        if fmt.code_bits in (4, 8, 16):
+            out[dt] = name
+    return out
+
+
+# Narrow float inputs are widened to float32 patterns by decoding them as the element format
+# with their layout: integer arithmetic only, so NaN sign and subnormals survive on every
+# backend (XLA on GPU turns any float16 NaN into 0x7fffffff when it converts). The same table
+# narrows float32 patterns to those dtypes (``dtype=`` of decode/quantize/dequantize).
+_WIDENED_AS = _widened_formats()
+# Dtypes with an element format that JAX cannot hold (ml_dtypes' 6-bit floats).
+_HOST_ONLY = {
+    element_format(n).storage_dtype: n
+    for n in _data.ELEMENT_FORMATS
+    if element_format(n).storage_dtype is not None and element_format(n).code_bits == 6
+}
+_ACCEPTED = "float16, bfloat16, float32, float64 or an ml_dtypes float (float8_*, float4_e2m1fn)"
+
+
+def _code_uint(bits: int):
+    return {4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16}[bits]
+
+
+def codes_of_dtype_array(x):
+    """(codes as uint8/uint16, element format) of a narrow float array, by bitcast."""
+    fmt = element_format(_WIDENED_AS[np.dtype(x.dtype)])
+    codes = lax.bitcast_convert_type(x, _code_uint(fmt.code_bits))
+    if fmt.code_bits == 4:
+        codes = codes.astype(jnp.uint8)
+    return codes, fmt
+
+
+def host_decode(x):
+    """A NumPy array of a float dtype JAX cannot hold (float6) as exact float32 values; any
+    other input is returned unchanged. Decoded with lowprec's integer decoder."""
+    dt = getattr(x, "dtype", None)
+    if isinstance(x, np.ndarray) and dt in _HOST_ONLY:
+        fmt = element_format(_HOST_ONLY[dt])
+        return bits_to_f32(decode_bits(fmt, jnp.asarray(x.view(np.uint8))))
+    return x
 
 
 def check_input_dtype(dtype, what: str = "x") -> np.dtype:
-    """``dtype`` if lowprec encodes from it ({float16, bfloat16, float32, float64}); else TypeError."""
+    """``dtype`` if lowprec encodes from it (float16/32/64, bfloat16, ml_dtypes floats); else
+    TypeError."""
     dt = np.dtype(dtype)
     if dt in (np.dtype(np.float32), np.dtype(np.float64)) or dt in _WIDENED_AS:
         return dt
@@ -73,7 +123,8 @@ def check_input_dtype(dtype, what: str = "x") -> np.dtype:
 def input_bits(x, what: str = "x"):
     """Bit patterns of a float input: uint32 (float32 layout) or uint64 (float64 layout).
 
-    float16 / bfloat16 are widened exactly to float32 patterns with integer operations.
+    float16, bfloat16 and the ml_dtypes floats are widened exactly to float32 patterns with
+    integer operations.
     """
     x = jnp.asarray(x)
     dt = check_input_dtype(x.dtype, what)
@@ -81,7 +132,8 @@ def input_bits(x, what: str = "x"):
         return lax.bitcast_convert_type(x, jnp.uint32)
     if dt == np.dtype(np.float64):
         return lax.bitcast_convert_type(x, jnp.uint64)
-    return decode_bits(element_format(_WIDENED_AS[dt]), lax.bitcast_convert_type(x, jnp.uint16))
+    codes, fmt = codes_of_dtype_array(x)
+    return decode_bits(fmt, codes)
 
 
 def check_float_dtype(dtype, what: str = "dtype") -> np.dtype:
@@ -90,10 +142,17 @@ def check_float_dtype(dtype, what: str = "dtype") -> np.dtype:
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{what} must be a float dtype such as jnp.float32, got {dtype!r}") from None
+    if dt in _HOST_ONLY:
+        raise TypeError(
+            f"{what}={dt} cannot be a JAX array (XLA has no 6-bit floats); ask for the codes "
+            f"with encode(x, {_HOST_ONLY[dt]!r}) and view them with "
+            f"np.asarray(codes).view(ml_dtypes.{dt.name})"
+        )
     if dt not in (np.dtype(np.float32), np.dtype(np.float64)) and dt not in _WIDENED_AS:
         raise TypeError(
-            f"{what} must be float32, float64, bfloat16 or float16, got {dt}; integer or other "
-            "dtypes would silently truncate the values (for codes use encode())"
+            f"{what} must be float32, float64, bfloat16 or float16 (or an ml_dtypes float: "
+            f"float8_*, float4_e2m1fn), got {dt}; integer or other dtypes would silently "
+            "truncate the values (for codes use encode())"
         )
     return dt
 
@@ -101,16 +160,18 @@ def check_float_dtype(dtype, what: str = "dtype") -> np.dtype:
 def bits_to_dtype(bits, dtype):
     """Float32 patterns ``bits`` as an array of ``dtype``, rounding to nearest even.
 
-    Narrowing to float16/bfloat16 goes through the element encoder, not a float convert,
-    so NaN keeps its sign on every backend; widening to float64 is exact.
+    Narrowing to float16/bfloat16 (and the ml_dtypes floats) goes through the element
+    encoder, not a float convert, so NaN keeps its sign on every backend; widening to
+    float64 is exact.
     """
     dtype = np.dtype(dtype)
     if dtype == np.dtype(np.float32):
         return bits_to_f32(bits)
     name = _WIDENED_AS.get(dtype)
     if name is not None:
-        code = encode_bits(element_format(name), bits, "nearest_even", "ieee", None)
-        return lax.bitcast_convert_type(code.astype(jnp.uint16), dtype)
+        fmt = element_format(name)
+        code = encode_bits(fmt, bits, "nearest_even", "ieee", None)
+        return lax.bitcast_convert_type(code.astype(_code_uint(fmt.code_bits)), dtype)
     return _f32_bits_to_f64(bits)
 
 
@@ -158,7 +219,8 @@ def encode_bits(
     is_inf = mag == inf_bits
     in_emin = 1 - in_bias
 
-    if scale_exp is None and fmt.emin == in_emin and fmt.signed and fmt.zero and fmt.inf:
+    if (scale_exp is None and fmt.emin == in_emin and fmt.signed and fmt.zero and fmt.inf
+            and fmt.nan == "ieee"):
         # Same exponent range as the input (bf16, tf32 from float32): the code is the top
         # bits of the magnitude. Rounding them carries into the exponent field by itself
         # (subnormals included) and, past the largest finite value, onto the infinity
@@ -194,6 +256,13 @@ def encode_bits(
     code = lax.shift_left(
         t - fmt.emin + fmt.min_exponent_field - 1, jnp.int32(fmt.mantissa_bits)
     ) + mag_q
+    if fmt.ties == "code" and fmt.mantissa_bits == 0 and rounding == "nearest_even":
+        # P3109 precision 1: a tie between 2^e and 2^(e+1) goes to the even *code* (the
+        # significand rule would always pick 2^(e+1)). Undo the round-up at ties of even codes.
+        s = jnp.minimum(shift, width - 1).astype(udt)
+        one = jnp.asarray(1, udt)
+        tie = (sig & (lax.shift_left(one, s) - one)) == lax.shift_left(one, s - one)
+        code = jnp.where(tie & ((code & 1) == 1) & (mag_q > 0), code - 1, code)
 
     if not fmt.zero and overflow == "ieee" and rounding.startswith("nearest"):
         # ml_dtypes quirk, reproduced under the default policy: in the lowest binade
@@ -212,24 +281,26 @@ def encode_bits(
     code = jnp.where(code > max_code, jnp.where(to_inf, overflow_code, max_code), code)
     inf_result = overflow_code if overflow == "ieee" else max_code
     if assume_finite and fmt.signed:
-        return code | lax.shift_left(sign.astype(jnp.int32), jnp.int32(fmt.magnitude_bits))
+        return _signed_code(fmt, code, sign)
     code = jnp.where(is_inf, inf_result, code)
 
     if fmt.signed:
         signed_bit = lax.shift_left(sign.astype(jnp.int32), jnp.int32(fmt.magnitude_bits))
-        code = code | signed_bit
+        code = _signed_code(fmt, code, sign)
         if fmt.nan_code is not None:
             nan_result = fmt.nan_code | signed_bit
         else:
-            # No NaN code (E2M1): ml_dtypes gives a zero of the opposite sign (+NaN -> -0 =
-            # 0b1000, -NaN -> +0); match it bit for bit.
-            nan_result = signed_bit ^ fmt.sign_mask
+            # No NaN code (E2M1, FP6, INT8): ml_dtypes gives a zero of the opposite sign (+NaN
+            # -> -0 = 0b1000, -NaN -> +0); match it bit for bit (INT8 has one zero: 0).
+            nan_result = _signed_code(fmt, jnp.zeros_like(code), 1 - sign)
     else:
-        # Unsigned, zero-less scale format: anything at or below the smallest value rounds
-        # to it (code 0 = 2^-bias); zero, negatives and NaN have no code but NaN.
+        # Unsigned: zero, if the format has none (E8M0), negative values and NaN have no code
+        # but NaN; -0 is +0 where there is a zero (P3109 unsigned). Anything at or below the
+        # smallest value rounds to it (code 0 = 2^-bias in E8M0).
         code = jnp.maximum(code, 0)
         nan_result = fmt.nan_code
-        is_nan = is_nan | (sign != 0) | (mag == 0)
+        negative = (sign != 0) & (mag != 0) if fmt.zero else (sign != 0) | (mag == 0)
+        is_nan = is_nan | negative
     code = jnp.where(is_nan, nan_result, code)
     return code
 
@@ -248,7 +319,8 @@ def _rebias_encodable(fmt: ElementFormat) -> bool:
     over = fmt.inf_code if fmt.nan == "ieee" and fmt.inf else (
         fmt.nan_code if fmt.nan == "all_ones" else None)
     return (
-        fmt.signed and fmt.zero and fmt.subnormals and over == fmt.max_magnitude_code + 1
+        fmt.encoding == "sign_magnitude" and fmt.ties == "significand"
+        and fmt.signed and fmt.zero and fmt.subnormals and over == fmt.max_magnitude_code + 1
         and fmt.emin > -126 and fmt.emax < 127 and fmt.mantissa_bits < 23
         and fmt.emin - fmt.mantissa_bits + 23 >= -126
     )
@@ -401,6 +473,22 @@ def encode_any(fmt: ElementFormat, u, rounding: str, overflow: str, rng, scale_e
                        assume_finite=assume_finite)
 
 
+def _signed_code(fmt: ElementFormat, code, sign):
+    """Adds the sign to magnitude codes (int32) of a signed format.
+
+    fnuz/P3109 formats (NaN at the negative-zero code) have no -0: a zero keeps code 0. The
+    two's-complement INT8 element stores -k as 2^8 - k (and 0 for both zeros).
+    """
+    sign = sign.astype(jnp.int32)
+    if fmt.encoding == "twos_complement":
+        return jnp.where((sign != 0) & (code != 0), (1 << fmt.code_bits) - code, code)
+    signed = code | lax.shift_left(sign, jnp.int32(fmt.magnitude_bits))
+    if fmt.nan == "negative_zero":
+        # Only where the magnitude is 0: the overflow code of these formats is the NaN code.
+        signed = jnp.where(code == 0, 0, signed)
+    return signed
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def _encode_jit(cast: ElementCast, x, rng):
     code = encode_any(cast.fmt, input_bits(x), cast.rounding, cast.overflow, rng)
@@ -419,18 +507,22 @@ def encode(
     """Rounds ``x`` to ``fmt`` and returns the codes (bit patterns).
 
     Args:
-      x: float16, bfloat16, float32 or float64 array. float64 is rounded directly from its
-        53-bit value when ``jax_enable_x64`` is on (ml_dtypes rounds through float32 first);
-        with x64 off JAX itself turns float64 into float32 on entry. Half-precision input
-        is widened with integer operations, so a NaN keeps its sign on every backend.
+      x: float16, bfloat16, float32 or float64 array, or an array of an ml_dtypes float
+        (float8_*, float4_e2m1fn; float6_* as a NumPy array). float64 is rounded directly
+        from its 53-bit value when ``jax_enable_x64`` is on (ml_dtypes rounds through float32
+        first); with x64 off JAX itself turns float64 into float32 on entry. Narrower input
+        is widened exactly with integer operations, so a NaN keeps its sign on every backend.
       fmt: element format or its name (``"fp16"``, ``"bf16"``, ``"tf32"``, ``"e4m3"``,
-        ``"e5m2"``, ``"e2m1"``, ``"e8m0"`` or an alias such as ``"float8_e4m3fn"``).
+        ``"e5m2"``, ``"e2m1"``, ``"e8m0"``, ``"e4m3fnuz"``, ``"e2m3"``, ...: any name or alias
+        of ``formats/elements.json``, such as the ml_dtypes name ``"float8_e4m3fn"``, or a
+        P3109 name such as ``"p3109_k8p3se"``).
       rounding: ``"nearest_even"`` (default), ``"nearest_away"``, ``"toward_zero"``,
         ``"up"``, ``"down"``, ``"stochastic"`` (needs ``key`` or ``random_bits``); for
         e8m0 also ``"floor"`` and ``"ceil"`` (= down / up to a power of two).
       overflow: ``"ieee"`` (default; equals ml_dtypes ``astype``: e4m3 overflow → NaN,
-        e5m2/fp16/bf16/tf32 → ±inf, e2m1 saturates, e8m0 → 0xFF; directed modes follow
-        IEEE 754 §7.4 and round toward zero to ±max) or ``"saturate"`` (±max, also for ±inf).
+        e5m2/fp16/bf16/tf32/e4m3ieee/e3m4 → ±inf, the fnuz formats → their NaN 0x80, e2m1 and
+        FP6 saturate, e8m0 → 0xFF; directed modes follow IEEE 754 §7.4 and round toward zero
+        to ±max) or ``"saturate"`` (±max, also for ±inf).
       key: PRNG key for stochastic rounding. Element i rounds away from zero iff
         ``lowprec.random_bits(key, x.shape)[i] < frac_i * 2**16``, frac_i being its
         distance from the value toward zero in units of the gap: with probability
@@ -443,11 +535,12 @@ def encode(
         rounding or to use another generator.
 
     Returns:
-      Unsigned integer codes of ``x``'s shape: uint8 (8-bit formats and unpacked FP4
-      codes 0..15), uint16 (fp16, bf16) or uint32 (tf32: the 19-bit code, which is the
-      top 19 bits of the float32 pattern). A NaN input gives the format's NaN code with the
+      Unsigned integer codes of ``x``'s shape: uint8 (formats of up to 8 bits; FP4/FP6
+      codes unpacked, one per byte), uint16 (fp16, bf16) or uint32 (tf32: the 19-bit code,
+      which is the top 19 bits of the float32 pattern). A NaN input gives the format's NaN code with the
       input's sign and a fixed payload (the format's canonical NaN: the quiet bit only),
-      not the input's payload — docs/design.md §9 says why.
+      not the input's payload — docs/design.md §9 says why. The fnuz formats have one NaN,
+      0x80, and no −0: a zero result is +0.
 
     Example:
         >>> import jax.numpy as jnp
@@ -457,7 +550,7 @@ def encode(
     x, fmt = array_then_format(x, fmt, "encode")
     cast = ElementCast(fmt, rounding, overflow)
     cast.check_key(key, random_bits)
-    x = jnp.asarray(x)
+    x = jnp.asarray(host_decode(x))
     check_input_dtype(x.dtype)
     check_random_bits(random_bits, x.shape)
     return _encode_jit(cast, x, (key, random_bits))
@@ -467,6 +560,8 @@ def decode_bits(fmt: ElementFormat, codes):
     """Codes (any unsigned/signed int array) → exact float32 bit patterns (uint32)."""
     c = codes.astype(jnp.uint32)
     m_bits = fmt.mantissa_bits
+    if fmt.encoding == "twos_complement":
+        return _decode_twos_complement(fmt, c)
     mag = c & ((1 << fmt.magnitude_bits) - 1)
     sign = (
         lax.shift_right_logical(c, jnp.uint32(fmt.magnitude_bits)) & 1
@@ -477,7 +572,7 @@ def decode_bits(fmt: ElementFormat, codes):
         # E8M0: code k is 2^(k - bias); 2^-127 is a float32 subnormal, written directly.
         normal = lax.shift_left(mag + (127 - fmt.bias), jnp.uint32(23))
         bits = jnp.where(mag == 0, jnp.uint32(1 << 22), normal)
-    elif fmt.exponent_bits == 8 and fmt.bias == 127:
+    elif fmt.exponent_bits == 8 and fmt.bias == 127 and fmt.nan == "ieee":
         # BF16 and TF32 are truncated float32: the code is the float32 pattern's top bits,
         # subnormals, infinities and NaNs included.
         bits = lax.shift_left(mag, jnp.uint32(23 - m_bits))
@@ -487,18 +582,31 @@ def decode_bits(fmt: ElementFormat, codes):
         normal = lax.shift_left(efield + (127 - fmt.bias), jnp.uint32(23)) | lax.shift_left(
             mfield, jnp.uint32(23 - m_bits)
         )
-        # Subnormal m * 2^(emin - M): every such value is a float32 normal here (E < 8), so
-        # convert the small integer m exactly and add to its exponent field.
+        # Subnormal m * 2^(emin - M): a float32 normal for the formats of formats/ (E < 8),
+        # so convert the small integer m exactly and add to its exponent field.
         as_float = lax.bitcast_convert_type(mfield.astype(jnp.float32), jnp.uint32)
         sub = jnp.where(
             mfield == 0, jnp.uint32(0), as_float + jnp.uint32(((fmt.emin - m_bits) % 512) << 23)
         )
         bits = jnp.where(efield == 0, sub, normal)
-        if fmt.inf:
+        if fmt.emin - m_bits < -126:
+            # Values below 2^-126 (wide P3109 formats) are float32 subnormals: the
+            # significand, shifted to units of 2^-149 (exact: every value is >= 2^-149).
+            lsb = jnp.maximum(efield, 1).astype(jnp.int32) - (fmt.bias + m_bits)
+            sig = jnp.where(efield > 0, mfield | (1 << m_bits), mfield)
+            top = lsb + 31 - lax.clz(sig).astype(jnp.int32)  # floor(log2 value)
+            tiny = lax.shift_left(sig, jnp.clip(lsb + 149, 0, 31).astype(jnp.uint32))
+            bits = jnp.where((sig != 0) & (top < -126), tiny, bits)
+        if fmt.nan == "ieee":
             top = efield == (1 << fmt.exponent_bits) - 1
-            bits = jnp.where(top, jnp.where(mfield == 0, jnp.uint32(F32_INF), jnp.uint32(F32_QNAN)), bits)
+            bits = jnp.where(top & (mfield != 0), jnp.uint32(F32_QNAN), bits)
+    if fmt.inf:
+        bits = jnp.where(mag == fmt.inf_code, jnp.uint32(F32_INF), bits)
     if fmt.nan == "all_ones":
         bits = jnp.where(mag == (1 << fmt.magnitude_bits) - 1, jnp.uint32(F32_QNAN), bits)
+    elif fmt.nan == "negative_zero":
+        # fnuz / P3109: the code with only the sign bit set is NaN (ml_dtypes reads it as -NaN).
+        bits = jnp.where((mag == 0) & (sign != 0), jnp.uint32(F32_QNAN), bits)
     return bits | lax.shift_left(sign, jnp.uint32(31))
 
 
@@ -508,7 +616,8 @@ def _subtract_decodable(fmt: ElementFormat) -> bool:
     and whose exponent offset keep every intermediate a float32 normal, and whose specials
     are IEEE inf/NaN, an all-ones NaN, or none."""
     return (
-        fmt.zero and fmt.subnormals and fmt.exponent_bits >= 1
+        fmt.encoding == "sign_magnitude"
+        and fmt.zero and fmt.subnormals and fmt.exponent_bits >= 1
         and fmt.nan in ("ieee", "all_ones", "none") and fmt.inf == (fmt.nan == "ieee")
         and fmt.code_bits <= 16 and fmt.mantissa_bits < 23
         and -125 <= 1 - fmt.bias - fmt.mantissa_bits and fmt.emax < 127
@@ -549,6 +658,22 @@ def decode_f32(fmt: ElementFormat, codes):
     return bits_to_f32(bits)
 
 
+def _decode_twos_complement(fmt: ElementFormat, c):
+    """Two's-complement codes (INT8: k in [-128, 127]) → float32 patterns of k × 2^(emin - M).
+
+    |k| <= 2^(bits-1) converts exactly to float32; the scale moves its exponent field (every
+    nonzero value is a float32 normal: INT8's smallest is 2^-6).
+    """
+    width = fmt.code_bits
+    c = c & ((1 << width) - 1)
+    negative = lax.shift_right_logical(c, jnp.uint32(width - 1)) != 0
+    mag = jnp.where(negative, (1 << width) - c, c)
+    as_float = lax.bitcast_convert_type(mag.astype(jnp.float32), jnp.uint32)
+    scaled = as_float + jnp.uint32(((fmt.emin - fmt.mantissa_bits) % 512) << 23)
+    bits = jnp.where(mag == 0, jnp.uint32(0), scaled)
+    return bits | lax.shift_left(negative.astype(jnp.uint32), jnp.uint32(31))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _decode_jit(fmt: ElementFormat, codes, dtype):
     return bits_to_dtype(f32_bits(decode_f32(fmt, codes)), dtype)
@@ -560,12 +685,14 @@ def decode(codes, fmt: ElementFormatLike, dtype=jnp.float32) -> jax.Array:
     Every value of every element format is exactly representable in float32.
 
     Args:
-      codes: integer array of codes (as returned by :func:`encode`). Bits above the
-        format's width are ignored.
+      codes: integer array of codes (as returned by :func:`encode`), or an array of the
+        format's own ml_dtypes dtype (a ``float8_e4m3fn`` array for ``"e4m3"``: its bits are
+        the codes). Bits above the format's width are ignored.
       fmt: element format or its name.
-      dtype: float dtype of the result (float32, float64, bfloat16, float16); values are
-        rounded to nearest even if it is narrower than the format (e.g. fp16 codes decoded
-        to bfloat16).
+      dtype: float dtype of the result (float32, float64, bfloat16, float16 or an ml_dtypes
+        float such as ``jnp.float8_e5m2``); values are rounded to nearest even if it is
+        narrower than the format (e.g. fp16 codes decoded to bfloat16), exactly as
+        ml_dtypes' ``astype`` rounds a float32.
 
     Example:
         >>> import jax.numpy as jnp
@@ -574,13 +701,31 @@ def decode(codes, fmt: ElementFormatLike, dtype=jnp.float32) -> jax.Array:
     """
     codes, fmt = array_then_format(codes, fmt, "decode")
     fmt = element_format(fmt)
-    codes = jnp.asarray(codes)
+    codes = _codes_from_storage(codes, fmt)
     if not jnp.issubdtype(codes.dtype, jnp.integer):
         raise TypeError(
             f"codes must be an integer array (as returned by encode), got dtype {codes.dtype}; "
             "to round numbers use quantize() or encode()"
         )
     return _decode_jit(fmt, codes, check_float_dtype(dtype))
+
+
+def _codes_from_storage(codes, fmt: ElementFormat):
+    """Codes held in ``fmt``'s own ml_dtypes dtype (e.g. a float8_e4m3fn array for "e4m3")
+    as unsigned integers, by bitcast; any other array as a JAX array. A float array of another
+    format's dtype is refused: its bits would mean something else."""
+    dt = np.dtype(getattr(codes, "dtype", np.float32 if isinstance(codes, float) else np.int32))
+    if dt not in _WIDENED_AS and dt not in _HOST_ONLY:
+        return jnp.asarray(codes)
+    if dt != fmt.storage_dtype:
+        raise TypeError(
+            f"codes have dtype {dt}, the storage type of "
+            f"{(_WIDENED_AS.get(dt) or _HOST_ONLY.get(dt))!r}, not of {fmt.name!r}; decode them "
+            f"as that format, or convert the values with encode/quantize"
+        )
+    if dt in _HOST_ONLY:
+        return jnp.asarray(np.asarray(codes).view(np.uint8) & ((1 << fmt.code_bits) - 1))
+    return codes_of_dtype_array(jnp.asarray(codes))[0]
 
 
 def exactly_representable(fmt: ElementFormat, dtype) -> bool:
@@ -641,7 +786,7 @@ def quantize(
     x, fmt = array_then_format(x, fmt, "quantize")
     cast = ElementCast(fmt, rounding, overflow)
     cast.check_key(key, random_bits)
-    x = jnp.asarray(x)
+    x = jnp.asarray(host_decode(x))
     check_input_dtype(x.dtype)
     check_random_bits(random_bits, x.shape)
     if dtype is None:

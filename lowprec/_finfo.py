@@ -29,8 +29,9 @@ class FormatInfo:
       negep, epsneg: epsneg = 2^negep is the gap from 1.0 down to the previous value.
       maxexp: the smallest power of two that overflows (emax + 1).
       minexp: exponent of the smallest normal number (emin).
-      max: the largest finite value. min: −max for signed formats, the smallest value for
-        unsigned ones (E8M0).
+      max: the largest finite value. min: −max for signed formats (MX INT8: −127/64, the
+        symmetric range encoders produce; its code 0x80 decodes to −2), 0 for unsigned ones
+        with a zero (P3109 unsigned), the smallest value for E8M0.
       smallest_normal (alias tiny): 2^minexp.
       smallest_subnormal: the smallest positive value (= smallest_normal without subnormals).
       precision: decimal digits, ``int(-log10(eps))`` as NumPy defines it.
@@ -67,6 +68,7 @@ class FormatInfo:
 def _finfo(fmt: ElementFormat) -> FormatInfo:
     m = fmt.mantissa_bits
     precision = int(-math.log10(fmt.eps))
+    machep = round(math.log2(fmt.eps))
     # The value below 1.0 lies in binade -1 (spacing 2^(-1-m)), or among the subnormals
     # (spacing 2^(emin-m)) when 1.0 is the smallest normal (E2M1: emin = 0, 1 - 0.5).
     negep = max(-1, fmt.emin) - m
@@ -76,14 +78,14 @@ def _finfo(fmt: ElementFormat) -> FormatInfo:
         nexp=fmt.exponent_bits,
         iexp=fmt.exponent_bits,
         nmant=m,
-        machep=-m,
+        machep=machep,
         eps=fmt.eps,
         negep=negep,
         epsneg=math.ldexp(1.0, negep),
         maxexp=fmt.emax + 1,
         minexp=fmt.emin,
         max=fmt.max_finite,
-        min=-fmt.max_finite if fmt.signed else fmt.min_subnormal,
+        min=-fmt.max_finite if fmt.signed else 0.0 if fmt.zero else fmt.min_subnormal,
         smallest_normal=fmt.min_normal,
         smallest_subnormal=fmt.min_subnormal,
         precision=precision,

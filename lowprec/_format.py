@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
+import re
 import warnings
 from fractions import Fraction
 from typing import Optional, Union
@@ -18,7 +20,8 @@ import lowprec_formats as _data
 
 @dataclasses.dataclass(frozen=True)
 class ElementFormat:
-    """A scalar floating-point format (FP16, BF16, TF32, E4M3, E5M2, E2M1, E8M0).
+    """A scalar number format: FP16, BF16, TF32, the FP8/FP6/FP4 families, E8M0, the MX INT8
+    element, and the parametric IEEE P3109 formats.
 
     Attributes mirror ``formats/elements.json``; see its ``_about`` entry.
 
@@ -26,6 +29,8 @@ class ElementFormat:
         >>> fmt = element_format("e4m3")
         >>> fmt.max_finite, fmt.min_normal, fmt.min_subnormal, fmt.code_bits
         (448.0, 0.015625, 0.001953125, 8)
+        >>> element_format("float8_e4m3fnuz").max_finite, element_format("e4m3fnuz").nan_code
+        (240.0, 128)
     """
 
     name: str
@@ -34,11 +39,14 @@ class ElementFormat:
     mantissa_bits: int
     bias: int
     inf: bool
-    nan: str  # "ieee" | "all_ones" | "none"
+    nan: str  # "ieee" | "all_ones" | "negative_zero" | "none"
     zero: bool
     subnormals: bool
     nan_code: Optional[int]
     ml_dtypes_name: Optional[str]
+    inf_code: Optional[int] = None  # code of +inf (None without infinities)
+    encoding: str = "sign_magnitude"  # | "twos_complement" (the MX INT8 element)
+    ties: str = "significand"  # | "code": ties to even compare the code's last bit
 
     def __repr__(self) -> str:
         return f"ElementFormat({self.name!r})"
@@ -77,20 +85,29 @@ class ElementFormat:
         """Unbiased exponent of the smallest normal binade."""
         return self.min_exponent_field - self.bias
 
+    def is_nan_magnitude(self, mag: int) -> bool:
+        """Whether the magnitude code ``mag`` (sign bit clear) is a NaN of this format.
+
+        "ieee": the all-ones exponent with a nonzero mantissa; "all_ones": only the all-ones
+        magnitude; "negative_zero" (fnuz, P3109) and "none": no magnitude is NaN (the fnuz
+        NaN is the code with only the sign bit set).
+        """
+        all_ones = (1 << self.magnitude_bits) - 1
+        if self.nan == "ieee":
+            top = (mag >> self.mantissa_bits) == (1 << self.exponent_bits) - 1
+            return top and (mag & self.mantissa_mask) != 0
+        return self.nan == "all_ones" and mag == all_ones
+
     @property
     def max_magnitude_code(self) -> int:
         """Code (sign bit clear) of the largest finite value.
 
-        The all-ones magnitude is the largest finite value unless it is reserved:
-        "ieee" formats reserve the whole top exponent (inf/NaN), "all_ones" formats only
-        that one code (e4m3: max = 0b0_1111_110; e8m0: max = 0xFE = 2^127).
+        The all-ones magnitude is the largest finite value unless it is reserved: "ieee"
+        formats reserve the whole top exponent (inf/NaN), "all_ones" formats that one code
+        (e4m3: max = 0b0_1111_110; e8m0: max = 0xFE = 2^127), and P3109's extended formats
+        the +inf code just below their NaNs (binary8p3 signed: max = 0x7E).
         """
-        all_ones = (1 << self.magnitude_bits) - 1
-        if self.nan == "ieee":
-            return all_ones - (1 << self.mantissa_bits)  # top exponent field - 1, mantissa all ones
-        if self.nan == "all_ones":
-            return all_ones - 1
-        return all_ones
+        return _max_magnitude_code(self)
 
     @property
     def max_exponent_field(self) -> int:
@@ -99,21 +116,35 @@ class ElementFormat:
 
     @property
     def emax(self) -> int:
-        """Unbiased exponent of the largest finite binade."""
-        return self.max_exponent_field - self.bias
+        """Unbiased exponent of the largest finite binade: floor(log2(max finite)).
+
+        For a format whose every value is subnormal (no exponent field: the MX INT8 element,
+        P3109 with P = K) this lies below ``emin``.
+        """
+        return _floor_log2(self.max_finite_exact)
 
     @property
-    def inf_code(self) -> Optional[int]:
-        """Code of +inf (None when the format has no infinity)."""
-        return ((1 << self.exponent_bits) - 1) << self.mantissa_bits if self.inf else None
+    def top_quantum_exponent(self) -> int:
+        """log2 of the spacing of the values in the largest finite binade.
+
+        ``emax - mantissa_bits`` for a normal top binade; ``emin - mantissa_bits`` when the
+        top binade is subnormal (INT8: values k/64 have spacing 2^-6 everywhere).
+        """
+        return max(self.emax, self.emin) - self.mantissa_bits
 
     # -- values ---------------------------------------------------------------
+    def magnitude_value(self, mag: int) -> Fraction:
+        """Exact value of the finite magnitude code ``mag`` (sign bit clear)."""
+        e_field, m_field = mag >> self.mantissa_bits, mag & self.mantissa_mask
+        if e_field == 0 and self.subnormals:
+            return Fraction(m_field) * Fraction(2) ** (self.emin - self.mantissa_bits)
+        return Fraction((1 << self.mantissa_bits) + m_field) * (
+            Fraction(2) ** (e_field - self.bias - self.mantissa_bits)
+        )
+
     @property
     def max_finite_exact(self) -> Fraction:
-        top_mantissa = self.max_magnitude_code & self.mantissa_mask
-        return Fraction((1 << self.mantissa_bits) + top_mantissa, 1 << self.mantissa_bits) * (
-            Fraction(2) ** self.emax
-        )
+        return self.magnitude_value(self.max_magnitude_code)
 
     @property
     def max_finite(self) -> float:
@@ -132,8 +163,9 @@ class ElementFormat:
 
     @property
     def eps(self) -> float:
-        """Distance from 1 to the next larger value: 2^-mantissa_bits."""
-        return float(Fraction(1, 1 << self.mantissa_bits))
+        """Distance from 1 to the next larger value: 2^-mantissa_bits (2^(emin - M) when 1.0
+        is subnormal-like, as in MX INT8: 2^-6)."""
+        return float(Fraction(2) ** (max(0, self.emin) - self.mantissa_bits))
 
     @property
     def precision(self) -> int:
@@ -151,7 +183,7 @@ class ElementFormat:
 
     @property
     def storage_dtype(self):
-        """The ml_dtypes / NumPy scalar type with this exact layout, or None (TF32)."""
+        """The ml_dtypes / NumPy scalar type with this exact layout, or None (TF32, P3109)."""
         if self.ml_dtypes_name is None:
             return None
         import ml_dtypes
@@ -160,37 +192,73 @@ class ElementFormat:
         return np.dtype(getattr(ml_dtypes, self.ml_dtypes_name, None) or self.ml_dtypes_name)
 
 
+def _floor_log2(v: Fraction) -> int:
+    """floor(log2 v) of a rational v > 0, exactly."""
+    e = v.numerator.bit_length() - v.denominator.bit_length()
+    return e if (v.numerator << max(-e, 0)) >= (v.denominator << max(e, 0)) else e - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _max_magnitude_code(fmt: ElementFormat) -> int:
+    mag = (1 << fmt.magnitude_bits) - 1
+    while fmt.is_nan_magnitude(mag) or mag == fmt.inf_code:
+        mag -= 1
+    return mag
+
+
 @dataclasses.dataclass(frozen=True)
 class MXFormat:
-    """An OCP MX block format: ``block_size`` elements sharing one E8M0 scale.
+    """A block format: ``block_size`` elements sharing one scale (E8M0 in OCP MX; E4M3 times a
+    float32 per-tensor scale in NVFP4).
+
+    The name carries a non-default block size (``"mxfp4_b16"``), so a format and its name
+    round-trip through :func:`resolve_format`.
 
     Example:
         >>> fmt = mx_format("mxfp4")
         >>> fmt.element.name, fmt.block_size, fmt.emax_elem
         ('e2m1', 32, 2)
+        >>> mx_format("mxfp4", block_size=16)
+        MXFormat('mxfp4_b16')
+        >>> mx_format("nvfp4").scale.name, mx_format("nvfp4").tensor_scale
+        ('e4m3', True)
     """
 
     name: str
     element: ElementFormat
     scale: ElementFormat
     block_size: int
+    tensor_scale: bool = False
 
     def __repr__(self) -> str:
         return f"MXFormat({self.name!r})"
 
     @property
+    def base_name(self) -> str:
+        """The format's name without a block-size suffix (``"mxfp4"`` for ``"mxfp4_b16"``)."""
+        return _BLOCK_SUFFIX.sub("", self.name)
+
+    @property
     def emax_elem(self) -> int:
-        """emax of the element format (8 for E4M3, 15 for E5M2, 2 for E2M1)."""
+        """emax of the element format: floor(log2 max) (8 for E4M3, 15 for E5M2, 2 for E2M1,
+        2 for E2M3, 4 for E3M2, 0 for the INT8 element, whose largest value is 127/64)."""
         return self.element.emax
 
     @property
     def packed(self) -> bool:
-        """Whether elements are stored two per byte (FP4)."""
-        return self.element.code_bits == 4
+        """Whether codes are narrower than a byte and packed (FP4: two per byte; FP6: four
+        in three bytes), as a little-endian bit stream along the block axis."""
+        return self.element.code_bits < 8
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block's element codes (block_size * code bits / 8)."""
+        return self.block_size * self.element.code_bits // 8
 
     @property
     def bits_per_element(self) -> float:
-        """Storage cost per element, scale included (8.25 for MXFP8, 4.25 for MXFP4)."""
+        """Storage cost per element, block scale included (8.25 for MXFP8, 4.25 for MXFP4,
+        4.5 for NVFP4; its single float32 tensor scale is not counted)."""
         return self.element.code_bits + self.scale.code_bits / self.block_size
 
 
@@ -198,10 +266,10 @@ def _choices(kind: str, names) -> str:
     return f"valid {kind}: " + ", ".join(repr(n) for n in names)
 
 
-@functools.lru_cache(maxsize=None)
-def _element_by_name(name: str) -> ElementFormat:
-    spec = _data.ELEMENT_FORMATS[name]
-    nan_code = spec["nan_code"]
+def _element_from_spec(name: str, spec) -> ElementFormat:
+    def code(v):
+        return None if v is None else int(v, 16)
+
     return ElementFormat(
         name=name,
         sign_bits=spec["sign_bits"],
@@ -212,9 +280,34 @@ def _element_by_name(name: str) -> ElementFormat:
         nan=spec["nan"],
         zero=spec["zero"],
         subnormals=spec["subnormals"],
-        nan_code=None if nan_code is None else int(nan_code, 16),
+        nan_code=code(spec["nan_code"]),
         ml_dtypes_name=spec["ml_dtypes"],
+        inf_code=code(spec["inf_code"]),
+        encoding=spec.get("encoding", "sign_magnitude"),
+        ties=spec.get("ties", "significand"),
     )
+
+
+def _element_by_name(name: str) -> ElementFormat:
+    return _element_by_canonical(_data.element_spec(name)[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _element_by_canonical(canonical: str) -> ElementFormat:
+    fmt = _element_from_spec(canonical, _data.element_spec(canonical)[1])
+    _check_float32_range(fmt)
+    return fmt
+
+
+def _check_float32_range(fmt: ElementFormat) -> None:
+    """lowprec encodes from and decodes to float32: every value must be a float32."""
+    lowest = fmt.emin - fmt.mantissa_bits if fmt.subnormals else fmt.emin
+    if fmt.emax > 127 or lowest < -149 or fmt.mantissa_bits > 22:
+        raise ValueError(
+            f"{fmt.name}: values span 2^{lowest}..2^{fmt.emax} with {fmt.mantissa_bits} mantissa "
+            "bits, beyond float32 (2^-149..2^127, 23 bits), which lowprec encodes from and "
+            "decodes to; choose a narrower exponent range"
+        )
 
 
 def element_format(fmt: Union[str, ElementFormat]) -> ElementFormat:
@@ -222,7 +315,8 @@ def element_format(fmt: Union[str, ElementFormat]) -> ElementFormat:
 
     Args:
       fmt: a format object (returned as is) or a name such as ``"e4m3"``, ``"fp8_e4m3fn"``,
-        ``"bf16"``, ``"fp4"``.
+        ``"bf16"``, ``"fp4"``, an ml_dtypes dtype name (``"float8_e4m3fnuz"``,
+        ``"float6_e2m3fn"``) or a P3109 name (``"p3109_k8p3se"``, see :func:`p3109`).
 
     Raises:
       ValueError: for an unknown name; the message lists the valid ones.
@@ -240,44 +334,110 @@ def element_format(fmt: Union[str, ElementFormat]) -> ElementFormat:
         )
     if not isinstance(fmt, str):
         raise TypeError(f"format must be a name or an ElementFormat, got {type(fmt).__name__}")
-    canonical = _data.ALIASES.get(fmt.lower())
-    if canonical is None or canonical not in _data.ELEMENT_FORMATS:
-        if canonical in _data.MX_FORMATS:
-            raise ValueError(
-                f"{fmt!r} is a block (MX) format, not an element format; use "
-                f"quantize_mx(x, {fmt!r}) instead. "
-                + _choices("element formats", _data.ELEMENT_FORMATS)
-            )
-        raise ValueError(f"unknown element format {fmt!r}; " + _choices("formats", _data.ALIASES))
-    return _element_by_name(canonical)
-
-
-@functools.lru_cache(maxsize=None)
-def _mx_by_name(name: str) -> MXFormat:
-    spec = _data.MX_FORMATS[name]
-    return MXFormat(
-        name=name,
-        element=element_format(spec["element"]),
-        scale=element_format(spec["scale"]),
-        block_size=spec["block_size"],
+    try:
+        return _element_by_name(fmt.lower())
+    except KeyError:
+        pass
+    if _mx_name(fmt.lower()) is not None:
+        raise ValueError(
+            f"{fmt!r} is a block (MX) format, not an element format; use "
+            f"quantize_mx(x, {fmt!r}) instead. "
+            + _choices("element formats", _data.ELEMENT_FORMATS)
+        )
+    raise ValueError(
+        f"unknown element format {fmt!r}; " + _choices("formats", _data.ALIASES)
+        + " or a P3109 name such as 'p3109_k8p3se'"
     )
 
 
-def mx_format(fmt: Union[str, MXFormat]) -> MXFormat:
-    """Returns the :class:`MXFormat` named ``fmt`` (``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp4"``).
+_BLOCK_SUFFIX = re.compile(r"_b(\d+)$")
+
+
+def _mx_name(name: str) -> Optional[tuple]:
+    """``(canonical base name, block size or None)`` of an MX name such as ``"mxfp4_b16"``."""
+    canonical = _data.ALIASES.get(name)
+    if canonical in _data.MX_FORMATS:
+        return canonical, None
+    m = _BLOCK_SUFFIX.search(name)
+    if m is not None:
+        canonical = _data.ALIASES.get(name[: m.start()])
+        if canonical in _data.MX_FORMATS:
+            return canonical, int(m.group(1))
+    return None
+
+
+def check_block_size(block_size, fmt_name: str = "", element: Optional[ElementFormat] = None) -> int:
+    """``block_size`` as an int if it is one of ``formats/elements.json``'s block sizes (and
+    holds whole bytes of packed codes); else a ValueError naming the choices."""
+    try:
+        block_size = operator.index(block_size)
+    except TypeError:
+        raise TypeError(f"block_size must be an integer, got {block_size!r}") from None
+    if block_size not in _data.BLOCK_SIZES:
+        raise ValueError(
+            f"block_size {block_size} is not supported; valid block sizes: "
+            + ", ".join(map(str, _data.BLOCK_SIZES))
+        )
+    if element is not None and (block_size * element.code_bits) % 8:
+        smallest = next(b for b in _data.BLOCK_SIZES if (b * element.code_bits) % 8 == 0)
+        raise ValueError(
+            f"{fmt_name}: a block of {block_size} {element.code_bits}-bit codes is not a whole "
+            f"number of bytes; choose block_size >= {smallest}"
+        )
+    return block_size
+
+
+@functools.lru_cache(maxsize=None)
+def _mx_by_name(name: str, block_size: Optional[int] = None) -> MXFormat:
+    spec = _data.MX_FORMATS[name]
+    element = element_format(spec["element"])
+    default = spec["block_size"]
+    block = default if block_size is None else check_block_size(block_size, name, element)
+    return MXFormat(
+        name=name if block == default else f"{name}_b{block}",
+        element=element,
+        scale=element_format(spec["scale"]),
+        block_size=block,
+        tensor_scale=spec["tensor_scale"],
+    )
+
+
+def mx_format(fmt: Union[str, MXFormat], block_size: Optional[int] = None) -> MXFormat:
+    """Returns the :class:`MXFormat` named ``fmt``, optionally with another block size.
+
+    Args:
+      fmt: a format object or name: ``"mxfp8_e4m3"`` (``"mxfp8"``), ``"mxfp8_e5m2"``,
+        ``"mxfp6_e2m3"`` (``"mxfp6"``), ``"mxfp6_e3m2"``, ``"mxfp4"``, ``"mxint8"``,
+        ``"nvfp4"``, or such a name with a block-size suffix (``"mxfp4_b16"``).
+      block_size: a power of two from 2 to 1024 (``lowprec_formats.BLOCK_SIZES``); None
+        keeps the format's own (32 for the OCP MX formats, 16 for NVFP4). Packed codes must
+        fill whole bytes per block (FP6: at least 4).
 
     Example:
         >>> mx_format("mxfp8").element.name
         'e4m3'
+        >>> mx_format("mxfp4_b16") == mx_format("mxfp4", block_size=16)
+        True
     """
+    if block_size is not None:
+        block_size = check_block_size(block_size)  # before the cache: 16.0 hashes like 16
     if isinstance(fmt, MXFormat):
-        return fmt
+        if block_size is None or block_size == fmt.block_size:
+            return fmt
+        return _mx_by_name(_data.ALIASES[fmt.base_name], block_size)
     if not isinstance(fmt, str):
         raise TypeError(f"MX format must be a name or an MXFormat, got {type(fmt).__name__}")
-    canonical = _data.ALIASES.get(fmt.lower())
-    if canonical is None or canonical not in _data.MX_FORMATS:
+    parsed = _mx_name(fmt.lower())
+    if parsed is None:
         raise ValueError(f"unknown MX format {fmt!r}; " + _choices("MX formats", _data.MX_FORMATS))
-    return _mx_by_name(canonical)
+    canonical, named_block = parsed
+    if block_size is None:
+        block_size = named_block
+    elif named_block is not None and named_block != block_size:
+        raise ValueError(f"{fmt!r} names block size {named_block} but block_size={block_size}")
+    if block_size == _data.MX_FORMATS[canonical]["block_size"]:
+        block_size = None
+    return _mx_by_name(canonical, block_size)
 
 
 ELEMENT_FORMAT_NAMES: tuple[str, ...] = tuple(_data.ELEMENT_FORMATS)
@@ -296,7 +456,8 @@ def resolve_format(fmt: FormatLike) -> Union[ElementFormat, MXFormat]:
 
     Args:
       fmt: a format object (returned as is) or any name or alias of an element format
-        (``"e4m3"``, ``"float8_e4m3fn"``, ``"bfloat16"``) or a block format (``"mxfp8"``).
+        (``"e4m3"``, ``"float8_e4m3fn"``, ``"bfloat16"``, ``"p3109_k8p3se"``) or a block
+        format (``"mxfp8"``, ``"nvfp4"``, ``"mxfp4_b16"``).
 
     Raises:
       ValueError: for an unknown name; the message lists the valid ones.
@@ -309,14 +470,17 @@ def resolve_format(fmt: FormatLike) -> Union[ElementFormat, MXFormat]:
         return fmt
     if not isinstance(fmt, str):
         raise TypeError(f"a format must be a name or a format object, got {fmt!r}")
-    canonical = _data.ALIASES.get(fmt.lower())
-    if canonical in _data.ELEMENT_FORMATS:
-        return _element_by_name(canonical)
-    if canonical in _data.MX_FORMATS:
-        return _mx_by_name(canonical)
+    name = fmt.lower()
+    try:
+        return _element_by_name(name)
+    except KeyError:
+        pass
+    if _mx_name(name) is not None:
+        return mx_format(name)
     raise ValueError(
-        f"unknown format {fmt!r}; valid element formats: {', '.join(ELEMENT_FORMAT_NAMES)}; "
-        f"block formats: {', '.join(MX_FORMAT_NAMES)} (aliases: {', '.join(sorted(_data.ALIASES))})"
+        f"unknown format {fmt!r}; valid element formats: {', '.join(ELEMENT_FORMAT_NAMES)} "
+        f"and P3109 names such as 'p3109_k8p3se'; block formats: {', '.join(MX_FORMAT_NAMES)} "
+        f"(optionally with a block size, 'mxfp4_b16'; aliases: {', '.join(sorted(_data.ALIASES))})"
     )
 
 

@@ -1,9 +1,12 @@
-"""OCP MX block quantization (MXFP8 E4M3/E5M2, MXFP4): E8M0 scales shared by 32 elements.
+"""Block quantization: the OCP MX formats (MXFP8, MXFP6, MXFP4, MXINT8: E8M0 scales shared
+by blocks of 32, or any power of two from 2 to 1024) and NVFP4 (E4M3 block scales under a
+float32 tensor scale).
 
 Semantics (docs/design.md §3): the block maximum is read from exact float32 bits, a
 :class:`~lowprec.ScaleRule` picks the shared exponent, and elements are encoded from
 ``V_i * 2^-shared_exp`` by moving exponents in integer arithmetic (never a float division,
-so subnormal inputs such as 2^-130 stay exact on CPU, where XLA flushes denormals).
+so subnormal inputs such as 2^-130 stay exact on CPU, where XLA flushes denormals). NVFP4
+follows torchao's recipe, each float32 step computed exactly on the bits (``_nvfp4.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _nvfp4
 from ._bits import (
     E8M0_BIAS,
     E8M0_NAN,
@@ -42,12 +46,12 @@ from ._codec import (
     decode_bits,
     decode_f32,
     encode_any,
+    host_decode,
 )
 from ._format import MXFormat, MXFormatLike, array_then_format, mx_format
-from ._options import MXCast, check_random_bits
-from ._pack import pack_pairs, unpack_pairs
+from ._options import MXCast, check_no_scale_rule, check_random_bits, check_tensor_scale
+from ._pack import pack_along, unpack_along
 from ._scale_rules import (
-    DEFAULT_SCALE_RULE,
     ScaleRule,
     block_amax_bits,
     check_scale_rule,
@@ -58,7 +62,7 @@ from ._sharding import check_mx_input
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["elements", "scales"],
+    data_fields=["elements", "scales", "tensor_scale"],
     meta_fields=["fmt", "axis", "shape", "scale_rule"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -66,18 +70,24 @@ class MXArray:
     """A block-quantized array (a JAX pytree). Validates itself on construction.
 
     Attributes:
-      elements: uint8 element codes with the (padded) input shape; for MXFP4 packed two
-        per byte along ``axis`` (even element in the low nibble), so that axis is halved.
-      scales: uint8 E8M0 codes, the input shape with ``axis`` divided by the block size.
-        0xFF marks a block that held a NaN or an infinity (it dequantizes to NaN).
+      elements: uint8 element codes with the (padded) input shape; sub-byte codes are packed
+        along ``axis`` as a little-endian bit stream: FP4 two per byte (even element in the
+        low nibble), so that axis is halved; FP6 four per three bytes (axis times 3/4).
+        MXINT8 codes are two's-complement bytes.
+      scales: uint8 scale codes (E8M0; E4M3 for NVFP4), the input shape with ``axis``
+        divided by the block size. The scale format's NaN (0xFF; NVFP4: 0x7F) marks a block
+        that held a NaN or an infinity (it dequantizes to NaN).
       fmt: the :class:`MXFormat` (static; a format name is resolved).
       axis: the block axis (static; a negative axis is normalized).
       shape: shape of the original, unpadded array (static).
       scale_rule: the :class:`~lowprec.ScaleRule` that chose the scales, or None if
-        unknown (static).
+        unknown or not applicable (NVFP4) (static).
+      tensor_scale: the float32 scalar multiplying every block scale, for formats that have
+        one (NVFP4); None otherwise.
 
     Construction checks (statically, so also under ``jit``) that both arrays are uint8 and
-    that their shapes agree with ``shape``, ``axis``, the block size and FP4 packing.
+    that their shapes agree with ``shape``, ``axis``, the block size and the packing, and
+    that a tensor scale is present exactly when the format has one.
     Leading dimensions beyond ``shape`` are accepted when both arrays carry the same ones:
     they are the batch dimensions of an MXArray built under ``vmap`` (or stacked), which
     only ``vmap``/``scan`` over them may consume.
@@ -98,6 +108,7 @@ class MXArray:
     axis: int
     shape: tuple
     scale_rule: Optional[ScaleRule] = None
+    tensor_scale: Optional[jax.Array] = None
 
     def __post_init__(self):
         fmt = self.fmt
@@ -121,6 +132,7 @@ class MXArray:
         # the pytree internally (e.g. vmap axis specs); only arrays are checked.
         if all(hasattr(v, "shape") and hasattr(v, "dtype") for v in (self.elements, self.scales)):
             _check_leaves(self.elements, self.scales, fmt, axis, shape)
+            _check_tensor_scale_leaf(self.tensor_scale, self.scales, fmt, shape)
 
     def __repr__(self) -> str:
         def leaf(v):
@@ -129,9 +141,10 @@ class MXArray:
             return repr(v)
 
         rule = None if self.scale_rule is None else self.scale_rule.value
+        ts = "" if self.tensor_scale is None else f", tensor_scale={leaf(self.tensor_scale)}"
         return (
             f"MXArray(elements={leaf(self.elements)}, scales={leaf(self.scales)}, "
-            f"fmt={self.fmt!r}, axis={self.axis}, shape={self.shape}, scale_rule={rule!r})"
+            f"fmt={self.fmt!r}, axis={self.axis}, shape={self.shape}, scale_rule={rule!r}{ts})"
         )
 
     @property
@@ -145,8 +158,9 @@ class MXArray:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of storage (elements + scales)."""
-        return int(np.prod(self.elements.shape)) + int(np.prod(self.scales.shape))
+        """Bytes of storage (elements + scales, + 4 for a float32 tensor scale)."""
+        extra = 0 if self.tensor_scale is None else 4 * int(np.prod(self.tensor_scale.shape))
+        return int(np.prod(self.elements.shape)) + int(np.prod(self.scales.shape)) + extra
 
 
 def _check_leaves(elements, scales, fmt: MXFormat, axis: int, shape: tuple) -> None:
@@ -160,19 +174,41 @@ def _check_leaves(elements, scales, fmt: MXFormat, axis: int, shape: tuple) -> N
     nd = len(shape)
     blocks = -(-shape[axis] // fmt.block_size)
     want_sc = shape[:axis] + (blocks,) + shape[axis + 1 :]
-    per_block = fmt.block_size // 2 if fmt.packed else fmt.block_size
-    want_el = shape[:axis] + (blocks * per_block,) + shape[axis + 1 :]
+    want_el = shape[:axis] + (blocks * fmt.bytes_per_block,) + shape[axis + 1 :]
     ok = len(el) == len(sc) >= nd and el[: len(el) - nd] == sc[: len(sc) - nd]
     if not ok or sc[len(sc) - nd :] != want_sc:
         raise ValueError(
             f"MXArray: scales have shape {sc} but {fmt.name} over shape {shape} blocked along "
-            f"axis {axis} needs {want_sc} (one E8M0 code per {fmt.block_size} elements)"
+            f"axis {axis} needs {want_sc} (one {fmt.scale.name.upper()} code per "
+            f"{fmt.block_size} elements)"
         )
     if el[len(el) - nd :] != want_el:
-        packing = " (FP4: two codes per byte along the block axis)" if fmt.packed else ""
+        packing = {
+            4: " (FP4: two codes per byte along the block axis)",
+            6: " (FP6: four codes per three bytes along the block axis)",
+        }.get(fmt.element.code_bits, "")
         raise ValueError(
             f"MXArray: elements have shape {el} but {fmt.name} over shape {shape} blocked "
             f"along axis {axis} needs {want_el}{packing} (scales {sc})"
+        )
+
+
+def _check_tensor_scale_leaf(ts, scales, fmt: MXFormat, shape: tuple) -> None:
+    if not fmt.tensor_scale:
+        if ts is not None:
+            raise ValueError(f"MXArray: {fmt.name} has no tensor scale, got tensor_scale={ts!r}")
+        return
+    if ts is None:
+        raise ValueError(
+            f"MXArray: {fmt.name} needs its float32 tensor_scale (quantize_mx computes it)"
+        )
+    if not (hasattr(ts, "shape") and hasattr(ts, "dtype")):
+        return  # a placeholder while JAX rebuilds the pytree
+    batch = tuple(scales.shape)[: len(scales.shape) - len(shape)]
+    if np.dtype(ts.dtype) != np.float32 or tuple(ts.shape) != batch:
+        raise TypeError(
+            f"MXArray: tensor_scale must be a float32 scalar (batch shape {batch}), got "
+            f"{np.dtype(ts.dtype)}{list(ts.shape)}"
         )
 
 
@@ -189,8 +225,9 @@ def _block_amax(xb, inner: int):
 
 def quantize_blocks(bits, cast: MXCast, axis: int, rng=None, pack=None):
     """Element and scale codes (uint8) of float32 patterns ``bits`` whose ``axis`` length is
-    a multiple of the block size. Trace-time core of quantize_mx, the matmul path and the
-    Pallas quantize kernel (which passes a last-axis ``pack`` that Triton can lower).
+    a multiple of the block size, for E8M0-scaled formats. Trace-time core of quantize_mx,
+    the matmul path and the Pallas quantize kernel (which passes a last-axis FP4 ``pack``
+    that Triton can lower).
     ``rng = (key, random_bits)`` for stochastic rounding (words of ``bits``' shape).
 
     Blocks are split in place (``axis`` → (blocks, block) by a reshape): a block axis other
@@ -211,7 +248,8 @@ def quantize_blocks(bits, cast: MXCast, axis: int, rng=None, pack=None):
     codes = jnp.where(jnp.expand_dims(special, inner), 0, codes).astype(jnp.uint8)
     if fmt.packed:
         if pack is None:
-            codes = pack_pairs(codes, inner)  # pairs never straddle blocks: pack while split
+            # Packing groups never straddle blocks (a block is whole bytes): pack while split.
+            codes = pack_along(codes, inner, fmt.element.code_bits)
         else:
             assert inner == codes.ndim - 1, "a caller's pack works along the last axis"
             codes = pack(codes)
@@ -222,9 +260,58 @@ def _padded_shape(shape, axis: int, padded: int) -> tuple:
     return tuple(shape[:axis]) + (padded,) + tuple(shape[axis + 1 :])
 
 
+def finite_amax_bits(bits):
+    """Bits of the largest finite magnitude of float32 patterns (0 if there is none)."""
+    mag = bits & F32_ABS
+    return jnp.max(jnp.where(mag < F32_INF, mag, jnp.uint32(0)), initial=jnp.uint32(0))
+
+
+def quantize_nvfp4_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None):
+    """``(elements, scales, tensor_scale)`` of float32 patterns for NVFP4-style formats
+    (E4M3 block scales under a float32 tensor scale; docs/design.md §3b).
+
+    ``tensor_scale``: a float32 scalar, or None to take float32(amax / 2688) of ``bits``;
+    either is raised to 2^-143 at least. ``rng`` as for :func:`quantize_blocks`.
+    """
+    fmt = cast.fmt
+    if tensor_scale is None:
+        ts_bits = _nvfp4.tensor_scale_bits(finite_amax_bits(bits))
+    else:
+        ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
+    ts_bits = _nvfp4.clamp_tensor_scale_bits(ts_bits)
+    inner = axis + 1
+    xb = split_blocks(bits, axis, fmt.block_size)
+    amax = _block_amax(xb, inner)
+    special = amax >= F32_INF
+    scale_codes = _nvfp4.block_scale_codes(amax, ts_bits, fmt.scale)
+    total = jnp.expand_dims(_nvfp4.total_scale_bits(scale_codes, ts_bits, fmt.scale), inner)
+    quotient = _nvfp4.element_quotient_bits(xb, total)
+    if cast.stochastic:
+        key, words = rng
+        rng = (key, None if words is None else split_blocks(words, axis, fmt.block_size))
+    codes = encode_any(fmt.element, quotient, cast.rounding, "saturate", rng,
+                       assume_finite=True)  # blocks holding a NaN/Inf are zeroed just below
+    codes = jnp.where(jnp.expand_dims(special, inner), 0, codes).astype(jnp.uint8)
+    scale_codes = jnp.where(special, fmt.scale.nan_code, scale_codes).astype(jnp.uint8)
+    if fmt.packed:
+        codes = pack_along(codes, inner, fmt.element.code_bits)
+    return merge_blocks(codes, axis), scale_codes, lax.bitcast_convert_type(ts_bits, jnp.float32)
+
+
+def quantize_mxarray(bits, cast: MXCast, axis: int, shape: tuple, rng=None, tensor_scale=None):
+    """The :class:`MXArray` of float32 patterns ``bits`` (``axis`` already padded to whole
+    blocks; ``shape`` the unpadded shape), any block format. Trace-time helper."""
+    if cast.fmt.tensor_scale:
+        elements, scales, ts = quantize_nvfp4_blocks(bits, cast, axis, rng, tensor_scale)
+    else:
+        (elements, scales), ts = quantize_blocks(bits, cast, axis, rng), None
+    return MXArray(elements, scales, cast.fmt, axis, shape, cast.scale_rule, ts)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, rng):
-    return quantize_blocks(padded_bits(x, axis, padded), cast, axis, rng)
+def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale):
+    return quantize_mxarray(padded_bits(x, axis, padded), cast, axis, tuple(x.shape), rng,
+                            tensor_scale)
 
 
 def quantize_mx(
@@ -232,58 +319,76 @@ def quantize_mx(
     fmt: MXFormatLike,
     *,
     axis: int = -1,
-    scale_rule: Union[str, ScaleRule] = DEFAULT_SCALE_RULE,
+    scale_rule: Union[str, ScaleRule, None] = None,
     rounding: str = "nearest_even",
     pad: bool = False,
     key: Optional[jax.Array] = None,
     random_bits: Optional[jax.Array] = None,
+    block_size: Optional[int] = None,
+    tensor_scale=None,
 ) -> MXArray:
-    """Block-quantizes ``x`` to an OCP MX format.
+    """Block-quantizes ``x`` to an OCP MX format or NVFP4.
 
     Args:
-      x: float32, bfloat16 or float16 array (half precision is widened exactly, with
-        integer operations).
-      fmt: ``"mxfp8_e4m3"`` (alias ``"mxfp8"``), ``"mxfp8_e5m2"``, ``"mxfp4"`` or an
-        :class:`MXFormat`.
-      axis: blocks are 32 consecutive elements along this axis (default: last).
-      scale_rule: a :class:`~lowprec.ScaleRule` or its name: how the shared exponent
-        follows from the block's max magnitude amax, with e = floor(log2 amax) read from
-        the exact float32 bits and emax_elem = 8, 15, 2: ``"floor"`` (default; OCP MX v1.0
-        §6.3, microxcaling, gfloat): e − emax_elem; ``"ceil"``: ceil(log2 amax) −
-        emax_elem; ``"even"``: amax's significand rounded (half up) to the element's
-        mantissa width first; ``"rceil"`` (NVIDIA, JAX's ``jax.nn`` MXFP8): amax / max_elem
-        in float32, rounded up to a power of two. Shared exponents are clamped to
-        [−127, 127].
+      x: float32, bfloat16 or float16 array, or an array of an ml_dtypes float (float8_*,
+        float4_e2m1fn; NumPy float6_*): narrow floats are widened exactly, with integer
+        operations.
+      fmt: ``"mxfp8_e4m3"`` (alias ``"mxfp8"``), ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"`` (alias
+        ``"mxfp6"``), ``"mxfp6_e3m2"``, ``"mxfp4"``, ``"mxint8"``, ``"nvfp4"``, a name with a
+        block size (``"mxfp4_b16"``) or an :class:`MXFormat`.
+      axis: blocks are consecutive elements along this axis (default: last).
+      scale_rule: a :class:`~lowprec.ScaleRule` or its name (None: ``"floor"``): how the
+        shared exponent follows from the block's max magnitude amax, with e = floor(log2
+        amax) read from the exact float32 bits and emax_elem = floor(log2 max_elem) (8, 15,
+        2 for E4M3, E5M2, E2M1; 2, 4 for E2M3, E3M2; 0 for INT8): ``"floor"`` (OCP MX v1.0
+        §6.3, microxcaling, gfloat): e − emax_elem; ``"ceil"``: ceil(log2 amax) − emax_elem;
+        ``"even"``: amax's significand rounded (half up) to the element's precision first;
+        ``"rceil"`` (NVIDIA, JAX's ``jax.nn`` MXFP8): amax / max_elem in float32, rounded up
+        to a power of two. Shared exponents are clamped to [−127, 127]. NVFP4 has its own
+        scale recipe and takes no scale rule.
       rounding: element rounding mode (see :func:`lowprec.encode`); elements saturate to
         ± the element format's max, so under ``"floor"`` block maxima above
         1.75·2^emax_elem (FP8) or 1.5·2^emax_elem (FP4) are clipped, by design.
-      pad: zero-pad the axis to a multiple of 32 instead of raising.
+      pad: zero-pad the axis to a multiple of the block size instead of raising.
       key: PRNG key, for ``rounding="stochastic"`` only: element i of the padded ``x``
         (row-major) rounds away from zero iff ``lowprec.random_bits(key,
         padded_shape)[i] < frac_i * 2**16`` (see :func:`lowprec.encode`).
       random_bits: instead of ``key``: your own words (uint16, or uint32 compared with
         ``frac_i * 2**32``) of the padded shape.
+      block_size: another block size for ``fmt`` (a power of two from 2 to 1024); same as
+        ``mx_format(fmt, block_size=...)``.
+      tensor_scale: NVFP4 only: the float32 scale of the whole tensor; None computes
+        float32(amax / 2688) from ``x`` (torchao's ``per_tensor_amax_to_scale``), with amax
+        the largest finite magnitude. Pass a calibrated value (or 1.0 for block scales
+        alone) to fix it. Either is raised to 2^-143 at least (so that no block divisor
+        underflows to 0), and the MXArray holds the scale used.
 
     Returns:
-      An :class:`MXArray`. A block holding any NaN or ±inf gets scale 0xFF and zero
-      element codes (it dequantizes to NaN). An all-zero block gets scale code 0
-      (2^-127). −0.0 keeps its sign (element code 0x80, or 0x8 for FP4).
+      An :class:`MXArray`. A block holding any NaN or ±inf gets the scale format's NaN code
+      (E8M0 0xFF; E4M3 0x7F) and zero element codes (it dequantizes to NaN). An all-zero
+      block gets scale code 0 (2^-127; NVFP4: the smallest scale 2^-6, code 0x08). −0.0
+      keeps its sign (element code 0x80, or 0x8 for FP4, 0x20 for FP6; INT8 has no −0).
 
     Example:
         >>> import jax.numpy as jnp
         >>> mx = quantize_mx(jnp.linspace(-1.0, 1.0, 64), "mxfp4")
         >>> mx.elements.shape, mx.scales.tolist()
         ((32,), [125, 125])
+        >>> nv = quantize_mx(jnp.linspace(-1.0, 1.0, 32), "nvfp4")
+        >>> nv.scales.shape, float(nv.tensor_scale) == float(jnp.float32(1.0) / 2688)
+        ((2,), True)
     """
     x, fmt = array_then_format(x, fmt, "quantize_mx")
+    fmt = mx_format(fmt, block_size)
+    check_no_scale_rule(fmt, scale_rule, "quantize_mx")
     cast = MXCast(fmt, scale_rule, rounding)
     cast.check_key(key, random_bits)
-    x = jnp.asarray(x)
+    ts = check_tensor_scale(cast.fmt, tensor_scale, "quantize_mx")
+    x = jnp.asarray(host_decode(x))
     axis, n, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "quantize_mx")
     check_mx_input(x, cast.fmt, axis)  # MX blocks must not straddle shard boundaries
     check_random_bits(random_bits, _padded_shape(x.shape, axis, padded), "the padded shape")
-    elements, scales = _quantize_mx_jit(x, cast, axis, padded, (key, random_bits))
-    return MXArray(elements, scales, cast.fmt, axis, tuple(x.shape), cast.scale_rule)
+    return _quantize_mx_jit(x, cast, axis, padded, (key, random_bits), ts)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -298,8 +403,9 @@ def shared_exponents(
     fmt: MXFormatLike,
     *,
     axis: int = -1,
-    scale_rule: Union[str, ScaleRule] = DEFAULT_SCALE_RULE,
+    scale_rule: Union[str, ScaleRule, None] = None,
     pad: bool = False,
+    block_size: Optional[int] = None,
 ) -> jax.Array:
     """The shared exponent of every MX block of ``x``, without quantizing the elements.
 
@@ -310,9 +416,10 @@ def shared_exponents(
       x: float32, bfloat16 or float16 array.
       fmt: block format or its name.
       axis: the block axis (default: last).
-      scale_rule: a :class:`~lowprec.ScaleRule` or its name (default ``"floor"``).
+      scale_rule: a :class:`~lowprec.ScaleRule` or its name (None: ``"floor"``).
       pad: zero-pad the axis to a multiple of the block size instead of raising (zeros do
         not change a block's maximum).
+      block_size: another block size for ``fmt``.
 
     Returns:
       int32 array: ``x``'s shape with ``axis`` divided by the block size (rounded up).
@@ -326,8 +433,14 @@ def shared_exponents(
         [-8, -2]
     """
     x, fmt = array_then_format(x, fmt, "shared_exponents")
+    fmt = mx_format(fmt, block_size)
+    if fmt.tensor_scale:
+        raise ValueError(
+            f"shared_exponents: {fmt.name} block scales are E4M3 values under a tensor scale, "
+            "not shared exponents; quantize_mx(x, ...).scales holds them"
+        )
     cast = MXCast(fmt, scale_rule)
-    x = jnp.asarray(x)
+    x = jnp.asarray(host_decode(x))
     axis, _, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "shared_exponents")
     return _shared_exponents_jit(x, cast, axis, padded)
 
@@ -336,18 +449,23 @@ def shared_exponents(
 
 
 def _element_codes(elements, fmt: MXFormat, axis: int):
-    """Element codes split in place into blocks along ``axis`` (FP4 unpacked)."""
-    per_block = fmt.block_size // 2 if fmt.packed else fmt.block_size
-    codes = split_blocks(elements, axis, per_block)
-    return unpack_pairs(codes, axis + 1) if fmt.packed else codes
+    """Element codes split in place into blocks along ``axis`` (FP4/FP6 unpacked)."""
+    codes = split_blocks(elements, axis, fmt.bytes_per_block)
+    return unpack_along(codes, axis + 1, fmt.element.code_bits)
 
 
-def mx_value_bits(elements, scales, fmt: MXFormat, axis: int, n: int):
+def mx_value_bits(elements, scales, fmt: MXFormat, axis: int, n: int, tensor_scale=None):
     """Exact float32 patterns (uint32) of MX codes, padding beyond ``n`` dropped.
     Trace-time core of dequantize and the matmul path: builds every value from bits
-    (float32 subnormal results included), whatever the scales."""
+    (float32 subnormal results included), whatever the scales. NVFP4 values are element x
+    float32(``tensor_scale`` x block scale), rounded to float32 (torchao's dequantization)."""
     vb = decode_bits(fmt.element, _element_codes(elements, fmt, axis))
-    bits = merge_blocks(scale_bits_by_e8m0(vb, jnp.expand_dims(scales, axis + 1)), axis)
+    sb = jnp.expand_dims(scales, axis + 1)
+    if fmt.tensor_scale:
+        ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
+        bits = merge_blocks(_nvfp4.dequantize_bits(vb, sb, ts_bits, fmt.scale), axis)
+    else:
+        bits = merge_blocks(scale_bits_by_e8m0(vb, sb), axis)
     return lax.slice_in_dim(bits, 0, n, axis=axis)
 
 
@@ -396,9 +514,13 @@ def fast_decode_exact(elements, scales, fmt: MXFormat, axis: int):
     def small_blocks_are_zero():
         el = fmt.element
         mag = (1 << el.magnitude_bits) - 1  # drops the sign bit
-        mask = mag | (mag << 4) if fmt.packed else mag
-        per_block = fmt.block_size // 2 if fmt.packed else fmt.block_size
-        nonzero = split_blocks((elements & mask) != 0, axis, per_block).any(axis=axis + 1)
+        if el.code_bits == 4:  # both nibbles of a packed byte at once
+            nonzero = split_blocks((elements & (mag | (mag << 4))) != 0, axis,
+                                   fmt.bytes_per_block).any(axis=axis + 1)
+        else:  # FP6 unpacked first; INT8's only zero is 0 (two's complement)
+            mask = 0xFF if el.encoding == "twos_complement" else mag
+            codes = _element_codes(elements, fmt, axis)
+            nonzero = ((codes & mask) != 0).any(axis=axis + 1)
         return jnp.all(big | ~nonzero)
 
     return lax.cond(jnp.all(big), lambda: jnp.bool_(True), small_blocks_are_zero)
@@ -428,12 +550,12 @@ def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canon
     return lax.slice_in_dim(merge_blocks(bits, axis), 0, n, axis=axis)
 
 
-def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
+def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_scale=None):
     """Exact values of MX codes as ``dtype`` (rounded to nearest even if narrower than
     float32): the fast decode when it is exact for these codes, else the bit-built one."""
 
     def exact(e, s, f):
-        return bits_to_dtype(mx_value_bits(e, s, fmt, axis, n), dtype)
+        return bits_to_dtype(mx_value_bits(e, s, fmt, axis, n, tensor_scale), dtype)
 
     if not fast_decode_applies(fmt):
         return exact(elements, scales, None)
@@ -449,15 +571,17 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _dequantize_jit(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
-    return mx_values(elements, scales, fmt, axis, n, dtype)
+def _dequantize_jit(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_scale):
+    return mx_values(elements, scales, fmt, axis, n, dtype, tensor_scale)
 
 
 def dequantize(mx: MXArray, dtype=jnp.float32) -> jax.Array:
     """Returns the values of an :class:`MXArray` as ``dtype`` (default float32).
 
     Values 2^(scale − 127) × element are computed exactly in float32 (subnormal results
-    included); a narrower ``dtype`` (bfloat16, float16) rounds them to nearest even.
+    included; NVFP4: element × float32(tensor scale × E4M3 block scale) in float32, as
+    torchao's ``to_dtype``); a
+    narrower ``dtype`` (bfloat16, float16, an ml_dtypes float) rounds them to nearest even.
     Padding added by ``pad=True`` is dropped.
 
     Example:
@@ -469,22 +593,26 @@ def dequantize(mx: MXArray, dtype=jnp.float32) -> jax.Array:
     if not isinstance(mx, MXArray):
         raise TypeError(f"dequantize takes an MXArray (from quantize_mx), got {type(mx).__name__}")
     dtype = check_float_dtype(dtype)
-    return _dequantize_jit(mx.elements, mx.scales, mx.fmt, mx.axis, mx.shape[mx.axis], dtype)
+    return _dequantize_jit(mx.elements, mx.scales, mx.fmt, mx.axis, mx.shape[mx.axis], dtype,
+                           mx.tensor_scale)
 
 
 # -- fake quantization --------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, rng):
-    elements, scales = quantize_blocks(padded_bits(x, axis, padded), cast, axis, rng)
-    return bits_to_dtype(mx_value_bits(elements, scales, cast.fmt, axis, x.shape[axis]), x.dtype)
+def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale):
+    mx = quantize_mxarray(padded_bits(x, axis, padded), cast, axis, tuple(x.shape), rng,
+                          tensor_scale)
+    bits = mx_value_bits(mx.elements, mx.scales, cast.fmt, axis, x.shape[axis], mx.tensor_scale)
+    return bits_to_dtype(bits, x.dtype)
 
 
 @_fake_quantize_mx.defjvp
 def _fake_quantize_mx_jvp(cast, axis, padded, primals, tangents):
-    x, rng = primals
-    return _fake_quantize_mx(x, cast, axis, padded, rng), tangents[0]  # straight-through
+    x, rng, tensor_scale = primals
+    out = _fake_quantize_mx(x, cast, axis, padded, rng, tensor_scale)
+    return out, tangents[0]  # straight-through
 
 
 _fake_quantize_mx_jit = jax.jit(_fake_quantize_mx, static_argnums=(1, 2, 3))
@@ -495,11 +623,13 @@ def fake_quantize_mx(
     fmt: MXFormatLike,
     *,
     axis: int = -1,
-    scale_rule: Union[str, ScaleRule] = DEFAULT_SCALE_RULE,
+    scale_rule: Union[str, ScaleRule, None] = None,
     rounding: str = "nearest_even",
     pad: bool = False,
     key: Optional[jax.Array] = None,
     random_bits: Optional[jax.Array] = None,
+    block_size: Optional[int] = None,
+    tensor_scale=None,
 ) -> jax.Array:
     """``dequantize(quantize_mx(x, fmt, ...), x.dtype)`` with a straight-through gradient.
 
@@ -514,9 +644,14 @@ def fake_quantize_mx(
         [1.0, 1.0, 1.0]
     """
     x, fmt = array_then_format(x, fmt, "fake_quantize_mx")
+    fmt = mx_format(fmt, block_size)
+    check_no_scale_rule(fmt, scale_rule, "fake_quantize_mx")
     cast = MXCast(fmt, scale_rule, rounding)
     cast.check_key(key, random_bits)
-    x = jnp.asarray(x)
+    ts = check_tensor_scale(cast.fmt, tensor_scale, "fake_quantize_mx")
+    x = jnp.asarray(host_decode(x))
     axis, _, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "fake_quantize_mx")
     check_random_bits(random_bits, _padded_shape(x.shape, axis, padded), "the padded shape")
-    return _fake_quantize_mx_jit(x, cast, axis, padded, (key, random_bits))
+    if ts is not None:
+        ts = lax.stop_gradient(ts)
+    return _fake_quantize_mx_jit(x, cast, axis, padded, (key, random_bits), ts)

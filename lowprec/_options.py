@@ -9,13 +9,16 @@ Cores never validate again, and public functions never call each other for their
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+import math
+from typing import Optional, Union
+
+import jax.numpy as jnp
 
 import numpy as np
 
 from ._format import ElementFormat, ElementFormatLike, MXFormat, MXFormatLike, element_format, mx_format
 from ._rounding import check_overflow, check_rounding
-from ._scale_rules import ScaleRule, check_scale_rule
+from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule
 
 
 def _check_key(rounding: str, key, random_bits=None) -> None:
@@ -94,21 +97,30 @@ class ElementCast:
 class MXCast:
     """How an array is block-quantized (the options of ``quantize_mx``/``fake_quantize_mx``).
 
-    Elements always saturate to ± the element maximum (OCP MX v1.0).
+    Elements always saturate to ± the element maximum (OCP MX v1.0). ``scale_rule`` chooses
+    E8M0 block scales (None: the default, ``ScaleRule.FLOOR``); a format with its own scale
+    recipe (NVFP4: E4M3 block scales under a float32 tensor scale) records None, whatever
+    rule is passed, so that one rule can be given for all the operands of a dot — the public
+    quantizers refuse an explicit rule for such a format (see :func:`check_no_scale_rule`).
 
     Example:
         >>> MXCast("mxfp8", scale_rule="rceil")
         MXCast(fmt=MXFormat('mxfp8_e4m3'), scale_rule=<ScaleRule.RCEIL: 'rceil'>, rounding='nearest_even')
+        >>> MXCast("nvfp4").scale_rule is None
+        True
     """
 
     fmt: MXFormat
-    scale_rule: ScaleRule = ScaleRule.FLOOR
+    scale_rule: Optional[ScaleRule] = None
     rounding: str = "nearest_even"
 
     def __post_init__(self):
         fmt = mx_format(self.fmt)
         object.__setattr__(self, "fmt", fmt)
-        object.__setattr__(self, "scale_rule", check_scale_rule(self.scale_rule))
+        rule = None
+        if not fmt.tensor_scale:
+            rule = DEFAULT_SCALE_RULE if self.scale_rule is None else check_scale_rule(self.scale_rule)
+        object.__setattr__(self, "scale_rule", rule)
         object.__setattr__(self, "rounding", check_rounding(fmt.element, self.rounding))
 
     @property
@@ -119,6 +131,38 @@ class MXCast:
         """Stochastic rounding needs a key or random words (one of them); every other mode
         refuses both."""
         _check_key(self.rounding, key, random_bits)
+
+
+def check_no_scale_rule(fmt: MXFormat, scale_rule, func: str) -> None:
+    """A format with its own scale recipe (NVFP4) takes no ``scale_rule``: raise if given."""
+    if fmt.tensor_scale and scale_rule is not None:
+        raise ValueError(
+            f"{func}: {fmt.name} block scales follow the NVFP4 recipe (E4M3 of "
+            "amax / 6 / tensor_scale), so scale_rule does not apply; got "
+            f"scale_rule={str(scale_rule)!r}. Drop it (scale rules choose E8M0 scales)"
+        )
+
+
+def check_tensor_scale(fmt: MXFormat, tensor_scale, func: str):
+    """``tensor_scale`` for a format that has one (None: computed from the input), as a
+    float32 scalar; a ValueError for a format without one or an invalid Python number."""
+    if not fmt.tensor_scale:
+        if tensor_scale is not None:
+            raise ValueError(
+                f"{func}: {fmt.name} has no tensor scale (only NVFP4 does); drop tensor_scale"
+            )
+        return None
+    if tensor_scale is None:
+        return None
+    if isinstance(tensor_scale, (int, float)):
+        if not (math.isfinite(tensor_scale) and tensor_scale > 0):
+            raise ValueError(
+                f"{func}: tensor_scale must be a positive finite number, got {tensor_scale!r}"
+            )
+    ts = jnp.asarray(tensor_scale, jnp.float32)
+    if ts.shape != ():
+        raise ValueError(f"{func}: tensor_scale must be a scalar, got shape {ts.shape}")
+    return ts
 
 
 ElementCastLike = Union[ElementCast, ElementFormatLike]

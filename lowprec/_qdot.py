@@ -63,14 +63,17 @@ from ._mx import (
     fast_decode_exact,
     mx_value_bits,
     mx_value_bits_fast,
-    quantize_blocks,
+    quantize_mxarray,
 )
 from ._options import ElementCast, MXCast
 from ._rounding import check_overflow
 from ._scale_rules import ScaleRule, check_scale_rule
 
-#: Element formats an operand can be rounded to (E8M0 is a scale format, not an operand).
-OPERAND_ELEMENT_FORMATS: tuple[str, ...] = tuple(n for n in _data.ELEMENT_FORMATS if n != "e8m0")
+#: Element formats an operand can be rounded to (E8M0 is a scale format, not an operand),
+#: besides any P3109 name.
+OPERAND_ELEMENT_FORMATS: tuple[str, ...] = tuple(
+    n for n in _data.ELEMENT_FORMATS if _data.ELEMENT_FORMATS[n]["zero"]
+)
 #: Every accepted operand format name (``None`` = leave the operand as it is).
 OPERAND_FORMAT_NAMES: tuple[str, ...] = tuple(_data.MX_FORMATS) + OPERAND_ELEMENT_FORMATS
 #: ``backward=`` choices of :func:`lowprec.dot_general`.
@@ -100,7 +103,7 @@ def _operand_cast(fmt: FormatLike, role: str, scale_rule: ScaleRule, rounding: s
         raise ValueError(f"unknown {role} {fmt!r}; {_valid_formats()}") from None
     if isinstance(resolved, MXFormat):
         return MXCast(resolved, scale_rule, rounding)
-    if resolved.name not in OPERAND_ELEMENT_FORMATS:
+    if not resolved.zero:
         raise ValueError(
             f"{role}: {resolved.name} is a scale format, not an operand format; {_valid_formats()}"
         )
@@ -244,7 +247,8 @@ def _canonicalize(x, contract, batch):
         return codes.reshape((b, m, kc) if ca == 2 else (b, kc, m))
 
     full = (b, m, k) if ca == 2 else (b, k, m)
-    return MXArray(canon(x.elements), canon(x.scales), x.fmt, ca, full, x.scale_rule), ca
+    return MXArray(canon(x.elements), canon(x.scales), x.fmt, ca, full, x.scale_rule,
+                   x.tensor_scale), ca
 
 
 def _free(ca: int) -> int:
@@ -257,7 +261,8 @@ def _free(ca: int) -> int:
 
 def _mx_bits(mx: MXArray):
     """Exact float32 bit patterns (uint32) of an MXArray's values, padding dropped."""
-    return mx_value_bits(mx.elements, mx.scales, mx.fmt, mx.axis, mx.shape[mx.axis])
+    return mx_value_bits(mx.elements, mx.scales, mx.fmt, mx.axis, mx.shape[mx.axis],
+                         mx.tensor_scale)
 
 
 def _bf16_capable(fmt: MXFormat) -> bool:
@@ -306,8 +311,7 @@ def _quantize_operand(x, cast: OperandCast, spec: DotSpec, what: str, ca: int):
                 "or use a multiple of 32"
             )
         padded = -(-k // block) * block
-        elements, scales = quantize_blocks(padded_bits(x, ca, padded), cast, ca, None)
-        mx = MXArray(elements, scales, cast.fmt, ca, tuple(x.shape), cast.scale_rule)
+        mx = quantize_mxarray(padded_bits(x, ca, padded), cast, ca, tuple(x.shape), None)
         return mx, "dynamic" if _bf16_capable(cast.fmt) else "f32"
     codes = encode_bits(cast.fmt, input_bits(x), cast.rounding, cast.overflow, None)
     bits = decode_bits(cast.fmt, codes)
@@ -419,7 +423,7 @@ def _k_last(op, ca: int):
     if isinstance(op, MXArray):
         b, k, m = op.shape
         return MXArray(jnp.swapaxes(op.elements, 1, 2), jnp.swapaxes(op.scales, 1, 2), op.fmt, 2,
-                       (b, m, k), op.scale_rule)
+                       (b, m, k), op.scale_rule, op.tensor_scale)
     return jnp.swapaxes(op, 1, 2)
 
 
@@ -434,7 +438,7 @@ def _k_last_view(op, ca: int):
     if isinstance(op, MXArray):
         b, k, m = op.shape
         return MXArray(swapped(op.elements), swapped(op.scales), op.fmt, 2, (b, m, k),
-                       op.scale_rule)
+                       op.scale_rule, op.tensor_scale)
     return swapped(op)
 
 

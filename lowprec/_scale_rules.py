@@ -35,8 +35,11 @@ from ._format import MXFormat
 class ScaleRule(str, enum.Enum):
     """The rule choosing an MX block's shared exponent from its largest magnitude ``amax``.
 
-    ``emax_elem`` is the exponent of the element format's largest binade (8 for E4M3, 15 for
-    E5M2, 2 for E2M1). Members are strings, so ``"floor"`` and ``ScaleRule.FLOOR`` are
+    ``emax_elem`` is the exponent of the element format's largest binade, floor(log2 max_elem):
+    8 for E4M3, 15 for E5M2, 2 for E2M1 and E2M3, 4 for E3M2, and 0 for the MX INT8 element
+    (max 127/64), for which the rules read: floor puts amax's binade at [1, 2), where INT8
+    clips above 127/64; ceil puts amax in (1/2, 1]; even rounds amax to 7 significant bits
+    (INT8's 6 fractional bits at [1, 2)) first; rceil divides by 127/64. Members are strings, so ``"floor"`` and ``ScaleRule.FLOOR`` are
     interchangeable everywhere. Each member's own docstring says who uses it.
 
     Example:
@@ -140,8 +143,9 @@ def shared_exponent_of_amax(amax_bits, fmt: MXFormat, scale_rule: ScaleRule):
         not_pow2 = jnp.where((amax_bits >> F32_MANT_BITS) > 0, sig != 0, (sig & (sig - 1)) != 0)
         return floor_log2_bits(amax_bits) + not_pow2.astype(jnp.int32) - emax
     if scale_rule is ScaleRule.EVEN:
-        # Round amax's significand to the element's mantissa width, half up, on the bits.
-        drop = F32_MANT_BITS - elem.mantissa_bits
+        # Round amax's significand to the element's precision in its top binade (its
+        # mantissa width; 6 bits for INT8, whose values k/64 are subnormal-like), half up.
+        drop = F32_MANT_BITS - (elem.emax - elem.top_quantum_exponent)
         keep = ~((1 << drop) - 1) & 0xFFFF_FFFF
         rounded = (amax_bits + jnp.uint32(1 << (drop - 1))) & jnp.uint32(keep)
         return floor_log2_bits(rounded) - emax
@@ -159,6 +163,8 @@ def block_amax_bits(xb_bits):
     trailing dim of 32 (splitting after the bitcast gets folded back into that form).
     """
     block = xb_bits.shape[-1]
+    if block % 4:
+        return jnp.max(xb_bits & F32_ABS, axis=-1)  # blocks of 2
     quads = (xb_bits & F32_ABS).reshape(*xb_bits.shape[:-1], block // 4, 4)
     return jnp.max(jnp.max(quads, axis=-1), axis=-1)
 

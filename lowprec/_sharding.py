@@ -115,7 +115,7 @@ def check_dot_operand(x, fmt, contract: Sequence[int], role: str) -> None:
 
     what = f"dot_general {role}"
     if isinstance(x, MXArray):
-        per_block = x.fmt.block_size // 2 if x.fmt.packed else x.fmt.block_size
+        per_block = x.fmt.bytes_per_block  # FP4: half a byte per code; FP6: 3/4
         check_block_axis(x.elements, x.axis, per_block, what)
     elif isinstance(fmt, MXFormat):
         check_contraction(x, contract, fmt.block_size, what)

@@ -2,8 +2,10 @@
 
 ``lowprec_reference`` recomputes, slowly and exactly, everything lowprec promises bit for bit:
 element encode/decode for every format in :data:`lowprec_formats.ELEMENT_FORMATS` (IEEE 754
-binary16, bfloat16, TF32, OCP FP8 E4M3/E5M2, MX FP4 E2M1, E8M0 scales) and OCP MX v1.0 block
-quantization, plus the published gpt-oss MXFP4 decoder. It uses no JAX, no ml_dtypes
+binary16, bfloat16, TF32, OCP FP8 E4M3/E5M2, the other ml_dtypes FP8s and FP6s, MX FP4 E2M1,
+the MX INT8 element, E8M0 scales) and the IEEE P3109 family, OCP MX v1.0 block quantization
+(MXFP8/6/4, MXINT8, any block size), NVFP4 by torchao's recipe, plus the published gpt-oss
+MXFP4 decoder. It uses no JAX, no ml_dtypes
 arithmetic and no lowprec code: every format is derived from the raw fields of the format table
 and every value is rounded as a :class:`fractions.Fraction`.
 
@@ -31,9 +33,14 @@ from .mx import (
     FP4_VALUES,
     decode_gpt_oss,
     dequantize_mx,
+    mx_block_size,
     mx_element_format,
+    nvfp4_tensor_scale,
+    pack_codes,
     quantize_mx,
+    quantize_nvfp4,
     shared_exponent,
+    unpack_codes,
 )
 from .random import philox2x32, random_bits
 
@@ -49,11 +56,16 @@ __all__ = [
     "format_names",
     "is_negative_code",
     "max_finite",
+    "mx_block_size",
     "mx_element_format",
+    "nvfp4_tensor_scale",
+    "pack_codes",
     "philox2x32",
     "quantize_mx",
+    "quantize_nvfp4",
     "random_bits",
     "rounding_modes",
     "shared_exponent",
+    "unpack_codes",
     "value_of_code",
 ]

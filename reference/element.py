@@ -13,9 +13,14 @@ Floating Point Specification (OFP8) rev. 1.0 §4; OCP Microscaling Formats (MX) 
     "If 1 ≤ E ≤ 2^w − 2, then v = (−1)^S × 2^(E−bias) × (1 + 2^(1−p) × T)".
 
 E4M3 (OFP8 §4): "the exponent field of all ones is used for normal numbers except for the
-S.1111.111 bit pattern, which is reserved for NaN"; no infinities. E2M1 (MX v1.0 §5.3.3) has no
-infinities and no NaN. E8M0 (MX v1.0 §5.4.1) is "an unsigned representation of a conventional
-biased Float32 exponent": 2^(E−127), "0xFF" is NaN, and there is no zero and no sign.
+S.1111.111 bit pattern, which is reserved for NaN"; no infinities. E2M1 (MX v1.0 §5.3.3) and the
+FP6 formats E2M3/E3M2 (MX v1.0 §5.3.2) have no infinities and no NaN. E8M0 (MX v1.0 §5.4.1) is
+"an unsigned representation of a conventional biased Float32 exponent": 2^(E−127), "0xFF" is NaN,
+and there is no zero and no sign. The "fnuz" FP8 formats (ml_dtypes float8_e4m3fnuz,
+float8_e5m2fnuz, float8_e4m3b11fnuz) and IEEE P3109's signed formats have "finite, no negative
+zero" layouts: the code 1000...0 is their only NaN. P3109 (interim report) puts ±infinity at the
+largest magnitude codes of its extended formats. The MX INT8 element (MX v1.0 §5.3.4) is "a
+signed two's complement integer" with an implicit scale of 2^-6.
 
 Rounding (IEEE 754-2019 §4.3): "roundTiesToEven, the floating-point number nearest to the
 infinitely precise result shall be delivered; if the two nearest floating-point numbers
@@ -96,10 +101,13 @@ class _Format:
     mantissa_bits: int
     bias: int
     inf: bool
-    nan: str  # "ieee", "all_ones" or "none"
+    nan: str  # "ieee", "all_ones", "negative_zero" or "none"
     zero: bool
     subnormals: bool
     nan_code: Optional[int]
+    inf_code: Optional[int]  # the code of +inf
+    twos_complement: bool  # codes are two's-complement integers of the signed magnitude
+    code_parity_ties: bool  # ties to even compare the code's last bit (P3109)
 
     @property
     def magnitude_bits(self) -> int:
@@ -122,20 +130,32 @@ class _Format:
 
 @functools.lru_cache(maxsize=None)
 def _fmt(name: str) -> _Format:
-    if not isinstance(name, str) or name not in lowprec_formats.ALIASES:
-        raise ValueError(f"unknown element format {name!r}; valid names: {format_names()}")
-    canonical = lowprec_formats.ALIASES[name]
-    if canonical not in lowprec_formats.ELEMENT_FORMATS:
+    try:
+        canonical, d = lowprec_formats.element_spec(name) if isinstance(name, str) else (0, 0)
+    except (KeyError, ValueError):
+        canonical = None
+    if not canonical:
+        if isinstance(name, str) and lowprec_formats.ALIASES.get(name) in lowprec_formats.MX_FORMATS:
+            raise ValueError(
+                f"{name!r} is a block (MX) format, not an element format; valid element formats: "
+                f"{format_names()} (use lowprec_reference.quantize_mx for MX formats)"
+            )
         raise ValueError(
-            f"{name!r} is a block (MX) format, not an element format; valid element formats: "
-            f"{format_names()} (use lowprec_reference.quantize_mx for MX formats)"
+            f"unknown element format {name!r}; valid names: {format_names()} and P3109 names "
+            "such as 'p3109_k8p3se'"
         )
-    d = lowprec_formats.ELEMENT_FORMATS[canonical]
     if d["zero"] != d["subnormals"]:
         raise NotImplementedError(f"{canonical}: zero without subnormals is not modelled")
-    if d["sign_bits"] not in (0, 1) or d["nan"] not in ("ieee", "all_ones", "none"):
+    if d["sign_bits"] not in (0, 1) or d["nan"] not in ("ieee", "all_ones", "negative_zero", "none"):
         raise NotImplementedError(f"{canonical}: unsupported layout {dict(d)}")
-    nan_code = d["nan_code"]
+    if d["inf"] != (d["inf_code"] is not None):
+        raise ValueError(f"{canonical}: 'inf' and 'inf_code' disagree")
+    if d.get("encoding", "sign_magnitude") == "twos_complement" and d["exponent_bits"]:
+        raise NotImplementedError(f"{canonical}: two's complement with an exponent field")
+
+    def code(v):
+        return None if v is None else int(v, 16)
+
     return _Format(
         name=canonical,
         sign_bits=d["sign_bits"],
@@ -146,7 +166,10 @@ def _fmt(name: str) -> _Format:
         nan=d["nan"],
         zero=d["zero"],
         subnormals=d["subnormals"],
-        nan_code=None if nan_code is None else int(nan_code, 16),
+        nan_code=code(d["nan_code"]),
+        inf_code=code(d["inf_code"]),
+        twos_complement=d.get("encoding", "sign_magnitude") == "twos_complement",
+        code_parity_ties=d.get("ties", "significand") == "code",
     )
 
 
@@ -168,7 +191,9 @@ def rounding_modes(fmt: str) -> tuple:
         ('floor', 'ceil')
     """
     modes = tuple(lowprec_formats.ROUNDING_MODES)
-    return modes + tuple(_E8M0_ONLY) if _fmt(fmt).name == "e8m0" else modes
+    f = _fmt(fmt)
+    powers_of_two = not f.sign_bits and not f.mantissa_bits  # E8M0, P3109 unsigned binaryKp1
+    return modes + tuple(_E8M0_ONLY) if powers_of_two else modes
 
 
 def code_dtype(fmt: str) -> np.dtype:
@@ -187,24 +212,36 @@ def code_dtype(fmt: str) -> np.dtype:
 
 
 def _fields(f: _Format, code: int):
-    """Splits a code into (negative, exponent field, mantissa field)."""
+    """Splits a code into (negative, exponent field, mantissa field).
+
+    A two's-complement code (INT8) is first read as the integer k it holds; its magnitude |k|
+    (up to 2^7 for k = -128, one more than a sign-magnitude field holds) is split as usual:
+    with no exponent bits the "mantissa field" is |k| itself.
+    """
     if not 0 <= code < (1 << f.code_bits):
         raise ValueError(f"code {code} is out of range for {f.name} ({f.code_bits}-bit codes)")
     negative = bool(code & f.sign_bit)
+    if f.twos_complement:
+        return negative, 0, (1 << f.code_bits) - code if negative else code
     e_field = (code >> f.mantissa_bits) & ((1 << f.exponent_bits) - 1)
     m_field = code & ((1 << f.mantissa_bits) - 1)
     return negative, e_field, m_field
 
 
-def _classify(f: _Format, e_field: int, m_field: int) -> str:
-    """'nan', 'inf' or 'finite' for the exponent/mantissa fields of a code."""
+def _classify(f: _Format, e_field: int, m_field: int, negative: bool = False) -> str:
+    """'nan', 'inf' or 'finite' for the sign and exponent/mantissa fields of a code."""
+    if f.twos_complement:
+        return "finite"
     e_all_ones = e_field == (1 << f.exponent_bits) - 1
     m_all_ones = m_field == (1 << f.mantissa_bits) - 1
+    magnitude = (e_field << f.mantissa_bits) | m_field
     if f.nan == "ieee" and e_all_ones and m_field != 0:
         return "nan"
     if f.nan == "all_ones" and e_all_ones and m_all_ones:
         return "nan"
-    if f.inf and e_all_ones and m_field == 0:
+    if f.nan == "negative_zero" and negative and magnitude == 0:
+        return "nan"
+    if f.inf and magnitude == f.inf_code:
         return "inf"
     return "finite"
 
@@ -237,7 +274,7 @@ def value_of_code(fmt: str, code: int) -> Value:
     """
     f = _fmt(fmt)
     negative, e_field, m_field = _fields(f, int(code))
-    kind = _classify(f, e_field, m_field)
+    kind = _classify(f, e_field, m_field, negative)
     if kind == "nan":
         return math.nan
     if kind == "inf":
@@ -259,7 +296,7 @@ def is_negative_code(fmt: str, code: int) -> bool:
 
 def _float_of_code(f: _Format, code: int) -> float:
     negative, e_field, m_field = _fields(f, code)
-    kind = _classify(f, e_field, m_field)
+    kind = _classify(f, e_field, m_field, negative)
     if kind == "nan":
         return math.nan
     mag = math.inf if kind == "inf" else float(_magnitude_of_fields(f, e_field, m_field))
@@ -368,7 +405,12 @@ def _round_magnitude(f: _Format, a: Fraction, direction: str, r: Optional[int]) 
     if frac == 0:
         return a  # exactly representable (in the extended grid)
     if direction == "nearest_even":
-        up = frac > _HALF or (frac == _HALF and lo % 2 == 1)
+        odd = lo % 2 == 1
+        if f.code_parity_ties and lo > 0:
+            # P3109: ties go to the even *code*; without mantissa bits (precision 1) the
+            # lower neighbour 2^e has code e + bias, whatever the parity of its significand 1.
+            odd = _magnitude_code(f, lo * quantum) % 2 == 1
+        up = frac > _HALF or (frac == _HALF and odd)
     elif direction == "nearest_away":
         up = frac >= _HALF
     elif direction == "in":
@@ -413,25 +455,42 @@ def _check_overflow(overflow: str) -> str:
     return overflow
 
 
+def _signed(f: _Format, negative: bool, magnitude: int) -> int:
+    """The code of a signed finite magnitude code.
+
+    Sign-magnitude formats set the sign bit — except on a zero in formats without −0 (fnuz,
+    P3109: that code is their NaN), which gives +0. A two's-complement format (INT8) stores
+    −k as 2^bits − k; its only zero is 0.
+    """
+    if f.twos_complement:
+        return (1 << f.code_bits) - magnitude if negative and magnitude else magnitude
+    if f.nan == "negative_zero" and magnitude == 0:
+        return 0
+    return (f.sign_bit if negative else 0) | magnitude
+
+
 def _nan_result(f: _Format, negative: bool) -> int:
     """Code for a NaN input.
 
-    The format's NaN code with the input's sign bit. E2M1 has no NaN: ml_dtypes (and XLA)
-    give a zero of the *opposite* sign (+NaN → 0b1000 = −0, −NaN → 0b0000 = +0); reproduced.
-    E8M0 is unsigned: 0xFF.
+    The format's NaN code with the input's sign bit (fnuz/P3109 have one NaN code, 1000...0,
+    whatever the sign). Formats without NaN (E2M1, E2M3, E3M2): ml_dtypes (and XLA) give a zero
+    of the *opposite* sign (+NaN → 0b1000 = −0, −NaN → 0b0000 = +0); reproduced (INT8: 0).
+    Unsigned formats: their NaN code (E8M0: 0xFF).
     """
     if f.nan_code is None:
-        return 0 if negative else f.sign_bit
+        return _signed(f, not negative, 0)
+    if f.nan == "negative_zero":
+        return f.nan_code
     return f.nan_code | (f.sign_bit if negative else 0)
 
 
-def _overflow_code(f: _Format) -> int:
-    """Magnitude code an IEEE overflow goes to: ∞, else the NaN code, else the largest finite."""
+def _overflow_result(f: _Format, negative: bool) -> int:
+    """The code an IEEE overflow goes to: ±∞, else the NaN code, else ±the largest finite."""
     if f.inf:
-        return ((1 << f.exponent_bits) - 1) << f.mantissa_bits
+        return _signed(f, negative, f.inf_code)
     if f.nan_code is not None:
-        return f.nan_code & ~f.sign_bit
-    return _max_magnitude_code(f.name)
+        return _nan_result(f, negative)
+    return _signed(f, negative, _max_magnitude_code(f.name))
 
 
 def _encode_one(
@@ -449,14 +508,19 @@ def _encode_one(
     """
     if kind == "nan":
         return _nan_result(f, negative)
-    if not f.sign_bits and (negative or (kind == "finite" and a == 0)):
-        return f.nan_code  # E8M0: no sign and no zero → NaN (as ml_dtypes)
-    sign = f.sign_bit if negative else 0
+    if not f.sign_bits:
+        if not f.zero and (negative or (kind == "finite" and a == 0)):
+            return f.nan_code  # E8M0: no sign and no zero → NaN (as ml_dtypes)
+        if negative and not (kind == "finite" and a == 0):
+            return f.nan_code  # unsigned P3109: a negative number has no code; −0 is +0
+        negative = False
     max_code = _max_magnitude_code(f.name)
     if kind == "inf":
         # Conversion of ∞ is exact in every rounding mode; a format without ∞ gets its NaN
-        # (E4M3, E8M0) or its largest finite value (E2M1) under "ieee".
-        return sign | (_overflow_code(f) if overflow == "ieee" else max_code)
+        # (E4M3, fnuz, E8M0) or its largest finite value (E2M1, FP6, INT8) under "ieee".
+        if overflow == "ieee":
+            return _overflow_result(f, negative)
+        return _signed(f, negative, max_code)
 
     # Direction of the magnitude rounding.
     if mode in ("nearest_even", "nearest_away", "stochastic"):
@@ -485,14 +549,14 @@ def _encode_one(
     if v == 0:
         if not f.zero:
             return 0  # no zero (E8M0): the smallest value 2^-bias, code 0
-        return sign  # signed zero, sign kept (IEEE 754 §6.3)
+        return _signed(f, negative, 0)  # signed zero, sign kept (IEEE 754 §6.3) if it exists
     if v > max_finite(f.name):
         # IEEE 754 §7.4: the nearest modes and stochastic (and the directed mode that rounds
         # away from zero) go to the overflow value; the others give the largest finite.
         if overflow == "ieee" and direction != "in":
-            return sign | _overflow_code(f)
-        return sign | max_code
-    return sign | _magnitude_code(f, v)
+            return _overflow_result(f, negative)
+        return _signed(f, negative, max_code)
+    return _signed(f, negative, _magnitude_code(f, v))
 
 
 def encode_value(
@@ -543,11 +607,21 @@ def encode_value(
     return _encode_one(f, neg, "finite", abs(Fraction(value)), mode, overflow, random_bits)
 
 
-def _exact_float64(x: np.ndarray) -> np.ndarray:
-    """float16 / bfloat16 / float32 / float64 array → float64 array of the same values.
+def _format_of_dtype(dt: np.dtype) -> Optional[str]:
+    """The element format whose ``ml_dtypes`` storage type is ``dt`` (by name), or None."""
+    for name, spec in lowprec_formats.ELEMENT_FORMATS.items():
+        if spec["ml_dtypes"] == dt.name and dt.itemsize <= 2:
+            return name
+    return None
 
-    Every value of these formats is a float64, so the conversion is exact. bfloat16 is read
-    from its bit pattern (the top 16 bits of a binary32), without ml_dtypes arithmetic.
+
+def _exact_float64(x: np.ndarray) -> np.ndarray:
+    """A float array of any width lowprec knows → float64 array of the same values.
+
+    Every value of these formats is a float64, so the conversion is exact. float16 and
+    float32 are widened by NumPy; bfloat16 and the ml_dtypes types (float8_*, float6_*,
+    float4_e2m1fn) are read from their bit patterns with this module's own decoder, without
+    ml_dtypes arithmetic (a NaN keeps its sign).
     """
     dt = x.dtype
     if dt == np.float64:
@@ -555,12 +629,17 @@ def _exact_float64(x: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):  # numpy warns when casting signalling NaNs
         if dt in (np.float16, np.float32):
             return x.astype(np.float64)
-        if dt.name == "bfloat16" and dt.itemsize == 2:
-            bits = x.view(np.uint16).astype(np.uint32) << np.uint32(16)
-            return bits.view(np.float32).astype(np.float64)
+    name = _format_of_dtype(dt)
+    if name is not None:
+        f = _fmt(name)
+        codes = x.view(np.uint16 if dt.itemsize == 2 else np.uint8) & ((1 << f.code_bits) - 1)
+        values = decode(name, codes)
+        # decode gives NaN without a sign; the input NaN's sign bit matters to encoders.
+        negative = (codes & f.sign_bit) != 0
+        return np.where(np.isnan(values) & negative, -np.abs(values), values)
     raise TypeError(
-        f"x has dtype {dt}; encode accepts float16, bfloat16, float32 or float64 "
-        "(cast other inputs with .astype(np.float32))"
+        f"x has dtype {dt}; encode accepts float16, bfloat16, float32, float64 or an ml_dtypes "
+        "float (float8_*, float6_*, float4_e2m1fn) (cast other inputs with .astype(np.float32))"
     )
 
 

@@ -13,7 +13,19 @@ formats") gives the reference algorithm:
 
 This module implements that rule (``scale_rule="floor"``) and three variants in use elsewhere
 (``"ceil"``, ``"even"``, ``"rceil"``; see :func:`shared_exponent`). Elements are rounded
-exactly from the rational value V_i / 2^shared_exp by :mod:`lowprec_reference.element`.
+exactly from the rational value V_i / 2^shared_exp by :mod:`lowprec_reference.element`. The
+element formats are those of §5.3 — FP8 (E4M3, E5M2), FP6 (E2M3, E3M2), FP4 (E2M1) and INT8
+("a signed two's complement integer with an implicit scale of 2^-6", emax_elem = 0: the largest
+value 127/64 lies in binade 0) — and blocks may have any size in ``lowprec_formats.BLOCK_SIZES``
+(§5 leaves k to the format; the concrete MX formats use 32).
+
+NVIDIA's NVFP4 (E2M1 elements, an E4M3 scale per 16, a float32 tensor scale) follows
+torchao's recipe (``torchao/prototype/mx_formats/nvfp4_tensor.py``: ``per_tensor_amax_to_scale``
+returns ``amax / (F8E4M3_MAX * F4_E2M1_MAX)``; ``_nvfp4_quantize`` divides the block amax by
+``F4_E2M1_MAX`` and by the tensor scale, clamps to ``[E4M3_EPS, F8E4M3_MAX]`` = [2^-6, 448], casts
+to float8_e4m3fn, multiplies the tensor scale by it, divides the data by that product, clamps to
+±6 and rounds to E2M1), computed here with NumPy float32 scalars — IEEE 754 arithmetic, one
+rounding per operation — see :func:`quantize_nvfp4`.
 
 Example:
     >>> import numpy as np
@@ -27,21 +39,26 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
 import lowprec_formats
 
-from .element import _exact_float64, decode, encode_value, max_finite
+from .element import _exact_float64, _fmt, _quantum_exponent, decode, encode, encode_value, max_finite
 
 __all__ = [
     "FP4_VALUES",
     "decode_gpt_oss",
     "dequantize_mx",
+    "mx_block_size",
     "mx_element_format",
+    "nvfp4_tensor_scale",
+    "pack_codes",
     "quantize_mx",
+    "quantize_nvfp4",
     "shared_exponent",
+    "unpack_codes",
 ]
 
 _E8M0_BIAS = 127  # MX v1.0 §5.4.1: E8M0 has "Exponent bias 127"
@@ -56,25 +73,38 @@ FP4_VALUES = np.array(
 FP4_VALUES.flags.writeable = False
 
 
-def _mx(fmt: str) -> Tuple[str, str, int]:
-    """(canonical MX name, element format, block size) of an MX format name or alias."""
+def _mx(fmt: str, block_size: Optional[int] = None) -> Tuple[str, str, int]:
+    """(canonical MX name, element format, block size) of an MX format name or alias,
+    optionally with a block-size suffix ``_b<k>`` or an explicit ``block_size``."""
     valid = tuple(lowprec_formats.MX_FORMATS)
-    canonical = lowprec_formats.ALIASES.get(fmt) if isinstance(fmt, str) else None
+    name, named_block = fmt, None
+    if isinstance(fmt, str) and "_b" in fmt and fmt.rsplit("_b", 1)[1].isdigit():
+        name, named_block = fmt.rsplit("_b", 1)[0], int(fmt.rsplit("_b", 1)[1])
+    canonical = lowprec_formats.ALIASES.get(name) if isinstance(name, str) else None
     if canonical not in lowprec_formats.MX_FORMATS:
         raise ValueError(f"unknown MX format {fmt!r}; valid: {valid} (aliases: "
                          f"{sorted(a for a, n in lowprec_formats.ALIASES.items() if n in valid)})")
     spec = lowprec_formats.MX_FORMATS[canonical]
-    return canonical, spec["element"], spec["block_size"]
+    block = block_size or named_block or spec["block_size"]
+    if block not in lowprec_formats.BLOCK_SIZES:
+        raise ValueError(f"block size {block} not in {lowprec_formats.BLOCK_SIZES}")
+    return canonical, spec["element"], block
 
 
 def mx_element_format(fmt: str) -> str:
     """Element format of an MX format, e.g. ``"mxfp4"`` → ``"e2m1"``.
 
     Example:
-        >>> mx_element_format("mxfp8"), mx_element_format("mxfp4")
-        ('e4m3', 'e2m1')
+        >>> mx_element_format("mxfp8"), mx_element_format("mxfp4"), mx_element_format("mxint8")
+        ('e4m3', 'e2m1', 'ocp_int8')
     """
     return _mx(fmt)[1]
+
+
+def mx_block_size(fmt: str) -> int:
+    """Block size of an MX format name (``"mxfp4"`` → 32, ``"nvfp4"`` → 16, ``"mxfp4_b16"``
+    → 16)."""
+    return _mx(fmt)[2]
 
 
 def _floor_log2_float(a: float) -> int:
@@ -90,8 +120,10 @@ def shared_exponent(amax: float, elem: str, scale_rule: str = "floor") -> int:
     """Shared exponent (before the E8M0 bias) of a finite block maximum, after clamping.
 
     Let emax_elem = floor(log2(max finite of the element)) (8 for E4M3, 15 for E5M2, 2 for
-    E2M1), m_elem its mantissa width, e = floor(log2 amax) read exactly (``math.frexp``, never a
-    floating-point log2). ``amax`` must be a float32 value.
+    E2M1 and E2M3, 4 for E3M2, 0 for INT8), m_elem the number of fraction bits of the element
+    grid in that top binade (its mantissa width; 6 for INT8, whose grid k/64 has spacing
+    2^-6), e = floor(log2 amax) read exactly (``math.frexp``, never a floating-point log2).
+    ``amax`` must be a float32 value.
 
     * ``"floor"`` (OCP MX v1.0 §6.3): e − emax_elem.
     * ``"ceil"``: ceil(log2 amax) − emax_elem (= e if amax is a power of two, else e + 1).
@@ -128,7 +160,7 @@ def shared_exponent(amax: float, elem: str, scale_rule: str = "floor") -> int:
         return -_E8M0_BIAS
     max_elem = max_finite(elem)
     emax_elem = _floor_log2_float(float(max_elem))
-    m_elem = lowprec_formats.ELEMENT_FORMATS[elem]["mantissa_bits"]
+    m_elem = emax_elem - _quantum_exponent(_fmt(elem), max_elem)
     e = _floor_log2_float(amax)
     if scale_rule == "floor":
         shared = e - emax_elem
@@ -181,8 +213,10 @@ def quantize_mx(
     rounding: str = "nearest_even",
     random_bits=None,
     pad: bool = False,
-) -> Tuple[np.ndarray, np.ndarray]:
-    """MX-quantizes ``x`` in blocks of 32 consecutive elements along ``axis``.
+    block_size: Optional[int] = None,
+    tensor_scale=None,
+):
+    """MX-quantizes ``x`` in blocks of consecutive elements along ``axis`` (32 by default).
 
     Per block V (OCP MX v1.0 §6.3, with the scale rule of :func:`shared_exponent`):
 
@@ -195,28 +229,34 @@ def quantize_mx(
       dequantizes to NaN).
     * An all-zero block (amax = 0) → scale code 0 (2^-127) in every rule.
     * −0.0 keeps its sign: its element code is the negative-zero code (0x80 for FP8, 0x8
-      for FP4), in every block including all-zero ones, because P_i is always the signed
-      encoding of V_i / X (IEEE 754 §6.3: the sign of a zero result is that of the operand).
+      for FP4, 0x20 for FP6), in every block including all-zero ones, because P_i is always
+      the signed encoding of V_i / X (IEEE 754 §6.3: the sign of a zero result is that of
+      the operand). INT8 has one zero.
+
+    NVFP4 (a format with a tensor scale) is delegated to :func:`quantize_nvfp4`.
 
     Args:
-      x: float32 or bfloat16 (or float16) array.
-      fmt: ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"`` or ``"mxfp4"`` (aliases in
-        ``lowprec_formats.ALIASES``).
+      x: float32 or bfloat16 (or float16, or an ml_dtypes float) array.
+      fmt: an MX format name (``lowprec_formats.MX_FORMATS``, aliases in
+        ``lowprec_formats.ALIASES``), optionally with a block-size suffix (``"mxfp4_b16"``).
       axis: the block axis.
       scale_rule: ``"floor"`` (default, the spec), ``"ceil"``, ``"even"`` or ``"rceil"``.
       rounding: element rounding mode (see :func:`lowprec_reference.encode`).
       random_bits: for ``rounding="stochastic"``: uint32 array of the padded x shape (x's
         shape is also accepted when padding; padded elements are zeros, exact anyway).
-      pad: zero-pad the axis at the end to a multiple of 32 instead of raising.
+      pad: zero-pad the axis at the end to a multiple of the block size instead of raising.
+      block_size: another block size (``lowprec_formats.BLOCK_SIZES``).
+      tensor_scale: NVFP4 only (see :func:`quantize_nvfp4`).
 
     Returns:
       ``(element_codes, scale_codes)``: uint8 element codes with x's (padded) shape,
-      UNPACKED (one FP4 code per byte for MXFP4), and uint8 E8M0 scale codes with x's shape
-      except ``axis`` has length (padded length) / 32.
+      UNPACKED (one FP4/FP6 code per byte; :func:`pack_codes` packs them), and uint8 scale
+      codes with x's shape except ``axis`` has length (padded length) / block size; NVFP4
+      adds the float32 tensor scale: ``(element_codes, scale_codes, tensor_scale)``.
 
     Raises:
-      ValueError: unknown names, axis length not a multiple of 32 without ``pad=True``,
-        missing or mis-shaped random_bits.
+      ValueError: unknown names, axis length not a multiple of the block size without
+        ``pad=True``, missing or mis-shaped random_bits.
       TypeError: unsupported dtypes.
 
     Example:
@@ -225,12 +265,47 @@ def quantize_mx(
         >>> s.tolist(), int(e[0, 0]), int(e[1].max())
         ([[127], [255]], 7, 0)
     """
-    _, elem, block = _mx(fmt)
+    canonical, elem, block = _mx(fmt, block_size)
+    if lowprec_formats.MX_FORMATS[canonical]["tensor_scale"]:
+        return quantize_nvfp4(x, canonical, axis=axis, rounding=rounding, random_bits=random_bits,
+                              pad=pad, block_size=block, tensor_scale=tensor_scale)
+    if tensor_scale is not None:
+        raise ValueError(f"{canonical} has no tensor scale")
     if scale_rule not in lowprec_formats.SCALE_RULES:
         raise ValueError(
             f"unknown scale_rule {scale_rule!r}; valid: {tuple(lowprec_formats.SCALE_RULES)}"
         )
     encode_value(elem, 0.0, rounding, "saturate", 0)  # validates `rounding` for the element
+    blocks, words, finish = _blocks_of(x, block, axis, pad, rounding, random_bits)
+    elements = np.zeros(blocks.shape, np.uint8)
+    scales = np.zeros(blocks.shape[:-1], np.uint8)
+    for row in range(blocks.shape[0]):
+        for b in range(blocks.shape[1]):
+            v = blocks[row, b].tolist()
+            if not all(math.isfinite(t) for t in v):
+                scales[row, b] = _E8M0_NAN
+                continue  # element codes stay 0
+            amax = max(abs(t) for t in v)
+            shared = shared_exponent(amax, elem, scale_rule)
+            scales[row, b] = shared + _E8M0_BIAS
+            x_scale = Fraction(2) ** shared
+            for i, t in enumerate(v):
+                r = None if words is None else int(words[row, b, i])
+                elements[row, b, i] = encode_value(
+                    elem,
+                    Fraction(t) / x_scale,
+                    rounding,
+                    "saturate",
+                    r,
+                    negative=math.copysign(1.0, t) < 0,
+                )
+    return finish(elements, scales)
+
+
+def _blocks_of(x, block: int, axis: int, pad: bool, rounding: str, random_bits):
+    """Exact float64 values of ``x`` as ``[rows, blocks, block]`` (axis moved last, zero
+    padded), the matching random words (or None), and a function putting per-element and
+    per-block uint8 results back in x's layout."""
     values = _as_float32_values(x)
     ax = _normalize_axis(axis, values.ndim) if values.ndim else None
     if ax is None:
@@ -269,45 +344,161 @@ def quantize_mx(
         words = words.reshape(-1, n_pad // block, block)
 
     lead = values.shape[:-1]
-    blocks = values.reshape(-1, n_pad // block, block)
+
+    def finish(elements, scales):
+        elements = np.moveaxis(elements.reshape(lead + (n_pad,)), -1, ax)
+        scales = np.moveaxis(scales.reshape(lead + (n_pad // block,)), -1, ax)
+        return elements, scales
+
+    return values.reshape(-1, n_pad // block, block), words, finish
+
+
+# torchao nvfp4_tensor.py constants: F8E4M3_MAX = 448, F4_E2M1_MAX = 6,
+# E4M3_EPS = torch.finfo(torch.float8_e4m3fn).tiny = 2^-6.
+_F8E4M3_MAX = np.float32(448.0)
+_F4_E2M1_MAX = np.float32(6.0)
+_E4M3_EPS = np.float32(2.0**-6)
+_E4M3_NAN = 0x7F
+_MIN_TENSOR_SCALE = np.float32(2.0**-143)
+
+
+def nvfp4_tensor_scale(x) -> np.float32:
+    """torchao's ``per_tensor_amax_to_scale``: float32(amax) / float32(448 * 6), with amax the
+    largest *finite* magnitude of ``x`` (lowprec keeps one inf/NaN from poisoning every
+    block); an all-zero tensor gets 1.0 (TransformerEngine's convention; torchao would give
+    0 and divide by it), and a scale below 2^-143 is raised to it (so that tensor scale x
+    block scale, with block scales >= 2^-6, never underflows to 0).
+
+    Example:
+        >>> float(nvfp4_tensor_scale(np.array([2688.0, -1.0], np.float32)))
+        1.0
+    """
+    v = _as_float32_values(x)
+    finite = np.abs(v[np.isfinite(v)])
+    amax = np.float32(finite.max()) if finite.size else np.float32(0)
+    if amax == 0:
+        return np.float32(1.0)
+    with np.errstate(under="ignore"):
+        ts = np.float32(amax / (_F8E4M3_MAX * _F4_E2M1_MAX))
+    return max(ts, _MIN_TENSOR_SCALE)
+
+
+def quantize_nvfp4(x, fmt: str = "nvfp4", *, axis: int = -1, rounding: str = "nearest_even",
+                   random_bits=None, pad: bool = False, block_size: Optional[int] = None,
+                   tensor_scale=None):
+    """NVFP4 quantization by torchao's two-level recipe, in NumPy float32 arithmetic.
+
+    With ts the tensor scale (``tensor_scale``, or :func:`nvfp4_tensor_scale` of ``x``; at
+    least 2^-143), for
+    each block of 16 (``block_size``) along ``axis`` (every step an IEEE float32 operation):
+
+    * ``s = float32(float32(block_amax / 6) / ts)``, clamped to [2^-6, 448], rounded to the
+      nearest E4M3 value: the block's scale code;
+    * ``total = float32(ts * s)``; each element ``q = float32(x_i / total)``, encoded to E2M1
+      with ``rounding``, saturating at ±6 (torchao clamps, then rounds to nearest even);
+    * a block holding NaN or ±inf gets the E4M3 NaN scale 0x7F and element codes 0.
+
+    Returns:
+      ``(element_codes, scale_codes, tensor_scale)``: unpacked uint8 E2M1 codes, uint8 E4M3
+      codes, float32 tensor scale.
+
+    Example:
+        >>> x = np.zeros(16, np.float32); x[:3] = [6.0, -1.0, 0.25]
+        >>> e, s, ts = quantize_nvfp4(x)  # s = 1 / ts = 447.99997 -> E4M3 448 (0x7E)
+        >>> float(ts) == float(np.float32(6) / np.float32(2688)), int(s[0]), e[:3].tolist()
+        (True, 126, [7, 10, 0])
+    """
+    canonical, elem, block = _mx(fmt, block_size)
+    spec = lowprec_formats.MX_FORMATS[canonical]
+    if not spec["tensor_scale"]:
+        raise ValueError(f"{canonical} has no tensor scale; use quantize_mx")
+    scale_fmt = spec["scale"]
+    encode_value(elem, 0.0, rounding, "saturate", 0)  # validates `rounding`
+    ts = nvfp4_tensor_scale(x) if tensor_scale is None else np.float32(tensor_scale)
+    if not (np.isfinite(ts) and ts > 0):
+        raise ValueError(f"tensor_scale must be positive and finite, got {ts}")
+    ts = max(ts, _MIN_TENSOR_SCALE)
+    blocks, words, finish = _blocks_of(x, block, axis, pad, rounding, random_bits)
     elements = np.zeros(blocks.shape, np.uint8)
     scales = np.zeros(blocks.shape[:-1], np.uint8)
-    for row in range(blocks.shape[0]):
-        for b in range(blocks.shape[1]):
-            v = blocks[row, b].tolist()
-            if not all(math.isfinite(t) for t in v):
-                scales[row, b] = _E8M0_NAN
-                continue  # element codes stay 0
-            amax = max(abs(t) for t in v)
-            shared = shared_exponent(amax, elem, scale_rule)
-            scales[row, b] = shared + _E8M0_BIAS
-            x_scale = Fraction(2) ** shared
-            for i, t in enumerate(v):
-                r = None if words is None else int(words[row, b, i])
-                elements[row, b, i] = encode_value(
-                    elem,
-                    Fraction(t) / x_scale,
-                    rounding,
-                    "saturate",
-                    r,
-                    negative=math.copysign(1.0, t) < 0,
-                )
-    elements = np.moveaxis(elements.reshape(lead + (n_pad,)), -1, ax)
-    scales = np.moveaxis(scales.reshape(lead + (n_pad // block,)), -1, ax)
-    return elements, scales
+    with np.errstate(all="ignore"):
+        for row in range(blocks.shape[0]):
+            for b in range(blocks.shape[1]):
+                v = blocks[row, b].astype(np.float32)  # exact: the values are float32
+                if not np.isfinite(v).all():
+                    scales[row, b] = _E4M3_NAN
+                    continue
+                block_amax = np.float32(np.abs(v).max())
+                s = np.float32(np.float32(block_amax / _F4_E2M1_MAX) / ts)
+                s = min(max(s, _E4M3_EPS), _F8E4M3_MAX)
+                code = encode(scale_fmt, np.array([s], np.float32), "nearest_even", "saturate")
+                scales[row, b] = code[0]
+                total = np.float32(ts * np.float32(decode(scale_fmt, code)[0]))
+                q = (v / total).astype(np.float32)  # elementwise IEEE float32 division
+                r = None if words is None else words[row, b]
+                elements[row, b] = encode(elem, q, rounding, "saturate", r)
+    elements, scales = finish(elements, scales)
+    return elements, scales, np.float32(ts)
 
 
-def dequantize_mx(element_codes, scale_codes, fmt: str, *, axis: int = -1) -> np.ndarray:
-    """Values 2^(scale − 127) × value(element) of an MX array, as float64 (exact).
+def pack_codes(codes, bits: int, axis: int = -1) -> np.ndarray:
+    """Packs ``bits``-bit codes along ``axis`` as a little-endian bit stream (FP4: two per
+    byte, the first in the low nibble; FP6: four per three bytes, code j in bits 6j..6j+5 of
+    the little-endian 24-bit group), with Python integers.
+
+    Example:
+        >>> pack_codes(np.array([0x3F, 0x00, 0x15, 0x2A]), 6).tolist()
+        [63, 80, 169]
+    """
+    codes = np.moveaxis(np.asarray(codes), axis, -1)
+    if bits == 8:
+        return np.moveaxis(codes.astype(np.uint8), -1, axis)
+    flat = codes.reshape(-1, codes.shape[-1])
+    n_bytes = codes.shape[-1] * bits // 8
+    out = np.zeros((flat.shape[0], n_bytes), np.uint8)
+    for r, row in enumerate(flat.tolist()):
+        stream = sum((int(c) & ((1 << bits) - 1)) << (bits * i) for i, c in enumerate(row))
+        out[r] = [(stream >> (8 * j)) & 0xFF for j in range(n_bytes)]
+    return np.moveaxis(out.reshape(codes.shape[:-1] + (n_bytes,)), -1, axis)
+
+
+def unpack_codes(packed, bits: int, axis: int = -1) -> np.ndarray:
+    """Inverse of :func:`pack_codes`.
+
+    Example:
+        >>> unpack_codes(np.array([63, 80, 169], np.uint8), 6).tolist()
+        [63, 0, 21, 42]
+    """
+    packed = np.moveaxis(np.asarray(packed, np.uint8), axis, -1)
+    if bits == 8:
+        return np.moveaxis(packed, -1, axis)
+    flat = packed.reshape(-1, packed.shape[-1])
+    n = packed.shape[-1] * 8 // bits
+    out = np.zeros((flat.shape[0], n), np.uint8)
+    for r, row in enumerate(flat.tolist()):
+        stream = sum(int(b) << (8 * j) for j, b in enumerate(row))
+        out[r] = [(stream >> (bits * i)) & ((1 << bits) - 1) for i in range(n)]
+    return np.moveaxis(out.reshape(packed.shape[:-1] + (n,)), -1, axis)
+
+
+def dequantize_mx(element_codes, scale_codes, fmt: str, *, axis: int = -1,
+                  block_size: Optional[int] = None, tensor_scale=None) -> np.ndarray:
+    """Values of an MX array, as float64: 2^(scale − 127) × value(element), exact.
 
     A scale code 0xFF (E8M0 NaN, MX v1.0 §5.4.1) makes its whole block NaN. Products are exact
-    in float64: element magnitudes lie in [2^-16, 57344] and scales in [2^-127, 2^127].
+    in float64: element magnitudes lie in [2^-16, 57344] and scales in [2^-127, 2^127]. For
+    NVFP4 the value is float32(element × float32(tensor scale × E4M3 scale)), in NumPy float32
+    arithmetic, as torchao's ``NVFP4Tensor.to_dtype`` computes it (float32 output); the E4M3
+    NaN scale makes the block NaN.
 
     Args:
-      element_codes: uint8 unpacked element codes (block axis length a multiple of 32).
-      scale_codes: uint8 E8M0 codes, ``element_codes``' shape with ``axis`` divided by 32.
+      element_codes: uint8 unpacked element codes (block axis length a multiple of the block).
+      scale_codes: uint8 scale codes, ``element_codes``' shape with ``axis`` divided by the
+        block size.
       fmt: MX format name or alias.
       axis: the block axis.
+      block_size: another block size.
+      tensor_scale: the float32 tensor scale (NVFP4).
 
     Returns:
       float64 array of ``element_codes``' shape.
@@ -317,7 +508,8 @@ def dequantize_mx(element_codes, scale_codes, fmt: str, *, axis: int = -1) -> np
         >>> dequantize_mx(e, np.array([130], np.uint8), "mxfp8_e4m3")[:2].tolist()
         [8.0, 8.0]
     """
-    _, elem, block = _mx(fmt)
+    canonical, elem, block = _mx(fmt, block_size)
+    spec = lowprec_formats.MX_FORMATS[canonical]
     e = np.asarray(element_codes)
     s = np.asarray(scale_codes)
     if e.dtype.kind not in "ui" or s.dtype.kind not in "ui":
@@ -333,6 +525,12 @@ def dequantize_mx(element_codes, scale_codes, fmt: str, *, axis: int = -1) -> np
         raise ValueError("scale codes must be in 0..255")
     values = decode(elem, e)
     scale = np.repeat(s.astype(np.int64), block, axis=ax)
+    if spec["tensor_scale"]:
+        if tensor_scale is None:
+            raise ValueError(f"{canonical} values need the tensor_scale")
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = (decode(spec["scale"], scale).astype(np.float32) * np.float32(tensor_scale))
+            return (values.astype(np.float32) * total).astype(np.float64)
     factor = np.array([math.nan if c == _E8M0_NAN else 2.0 ** (c - _E8M0_BIAS)
                        for c in scale.ravel().tolist()], np.float64).reshape(scale.shape)
     return values * factor

@@ -204,7 +204,12 @@ def test_quantization_error_bound_holds(fmt, rounding):
     assert bool(jnp.all(jnp.abs(q - x) <= bound))
 
 
-@pytest.mark.parametrize("fmt", lowprec.MX_FORMAT_NAMES)
+# The analysis models E8M0-scaled float elements; MXINT8 (fixed-point elements) and NVFP4
+# (E4M3 scales under a tensor scale, no scale rule) are not modelled yet (issue 11's report).
+ANALYSIS_MX = [f for f in lowprec.MX_FORMAT_NAMES if f not in ("mxint8", "nvfp4")]
+
+
+@pytest.mark.parametrize("fmt", ANALYSIS_MX)
 @pytest.mark.parametrize("rule", lowprec.SCALE_RULES)
 def test_mx_quantization_error_bound_holds(fmt, rule):
     key = jax.random.key(5)
@@ -506,7 +511,7 @@ def test_overflow_and_nan_are_counted_not_hidden():
 # --------------------------------------------------------------------------------------
 # MX on its own grid
 # --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", lowprec.MX_FORMAT_NAMES)
+@pytest.mark.parametrize("fmt", ANALYSIS_MX)
 @pytest.mark.parametrize("rule", ["floor", "rceil"])
 def test_mx_ulp_error_is_one_call_and_equals_the_scaled_element_grid(fmt, rule):
     x = jax.random.t(jax.random.key(11), 3.0, (8, 96))
@@ -635,8 +640,8 @@ def test_compare_inputs_and_errors():
     assert df["n_seeds"].tolist() == [10, 1]
     with pytest.raises(ValueError, match="fixed array"):
         analysis.compare(np.ones(64, np.float32), "e4m3", seeds=3)
-    with pytest.raises(ValueError, match="block_size=16"):
-        analysis.compare(np.ones(64, np.float32), "mxfp4", block_sizes=[32, 16])
+    with pytest.raises(ValueError, match="block_size 3 is not supported"):
+        analysis.compare(np.ones(64, np.float32), "mxfp4", block_sizes=[32, 3])
     with pytest.raises(ValueError, match="unknown distribution"):
         analysis.compare("cauchy", "e4m3")
     with pytest.raises(ValueError, match="unknown scale_rule"):

@@ -24,7 +24,7 @@ import lowprec
 import lowprec_formats
 import lowprec_reference as R
 
-MX_NAMES = lowprec_formats.COLLECTIONS["all_mx"]
+MX_NAMES = lowprec_formats.COLLECTIONS["e8m0_scaled_mx"]  # NVFP4 has no shared exponents
 RULES = tuple(lowprec.ScaleRule)
 
 
@@ -336,6 +336,7 @@ _COTANGENT_SHAPES = {
 # Public names that never see a float array (formats, codes, layouts).
 _NO_FLOAT_IO = {
     "finfo", "resolve_format", "element_format", "mx_format", "pack_fp4", "unpack_fp4",
+    "pack_fp6", "unpack_fp6", "p3109",
     "to_gpt_oss", "from_gpt_oss", "MXArray", "ScaleRule", "random_bits",
 }
 

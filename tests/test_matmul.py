@@ -483,7 +483,7 @@ DN = (((1,), (0,)), ((), ()))
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(lhs_format="mxfp6"), "valid formats: None, 'mxfp8_e4m3'"),
+        (dict(lhs_format="mxfp5"), "valid formats: None, 'mxfp8_e4m3'"),
         (dict(rhs_format="e8m0"), "scale format"),
         (dict(scale_rule="nearest"), "valid rules"),
         (dict(rounding="stochastic"), "quantize_mx"),

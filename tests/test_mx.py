@@ -593,8 +593,8 @@ def test_gpt_oss_errors():
 
 def test_unknown_names_are_named_in_the_error():
     x = jnp.ones(32)
-    with pytest.raises(ValueError, match="mxfp6"):
-        lowprec.quantize_mx(x, "mxfp6")
+    with pytest.raises(ValueError, match="mxfp5"):
+        lowprec.quantize_mx(x, "mxfp5")
     with pytest.raises(ValueError, match="'round'"):
         lowprec.quantize_mx(x, "mxfp4", scale_rule="round")
     with pytest.raises(ValueError, match="'banker'"):
@@ -604,8 +604,8 @@ def test_unknown_names_are_named_in_the_error():
     for fn in (lowprec.quantize_mx, lowprec.fake_quantize_mx):
         with pytest.raises(ValueError, match="'round'"):
             fn(x, "mxfp4", scale_rule="round")
-        with pytest.raises(ValueError, match="mxfp6"):
-            fn(x, "mxfp6")
+        with pytest.raises(ValueError, match="mxfp5"):
+            fn(x, "mxfp5")
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_])

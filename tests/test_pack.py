@@ -101,3 +101,45 @@ def test_errors():
         lowprec.unpack_fp4(jnp.zeros(4, jnp.int32))
     with pytest.raises(ValueError, match="axis 1"):
         lowprec.unpack_fp4(jnp.zeros(4, jnp.uint8), axis=1)
+
+
+# -- FP6: four 6-bit codes in three bytes, little-endian bit stream (docs/design.md §4) --------
+
+
+def test_fp6_hand_example():
+    # codes [0x3F, 0x00, 0x15, 0x2A]: the 24-bit word 0x3F | 0x00 << 6 | 0x15 << 12 | 0x2A << 18
+    # = 0x00003F + 0x015000 + 0xA80000 = 0xA9503F, stored low byte first: 3F 50 A9.
+    packed = lowprec.pack_fp6(jnp.array([0x3F, 0x00, 0x15, 0x2A], jnp.uint8))
+    assert packed.dtype == jnp.uint8 and np.asarray(packed).tolist() == [0x3F, 0x50, 0xA9]
+    assert np.asarray(lowprec.unpack_fp6(packed)).tolist() == [0x3F, 0x00, 0x15, 0x2A]
+
+
+def test_fp6_unpack_every_three_byte_group():
+    # All 2^24 groups of three bytes: code j is bits 6j..6j+5 of the little-endian word.
+    words = np.arange(1 << 24, dtype=np.uint32)
+    groups = np.stack([words & 0xFF, (words >> 8) & 0xFF, words >> 16], axis=-1).astype(np.uint8)
+    codes = np.asarray(lowprec.unpack_fp6(jnp.asarray(groups.reshape(-1))))
+    want = np.stack([(words >> (6 * j)) & 0x3F for j in range(4)], axis=-1).astype(np.uint8)
+    np.testing.assert_array_equal(codes.reshape(-1, 4), want)
+    back = np.asarray(lowprec.pack_fp6(jnp.asarray(codes)))
+    np.testing.assert_array_equal(back, groups.reshape(-1))
+
+
+@pytest.mark.parametrize("shape, axis", [((8, 3), 0), ((2, 12), 1), ((3, 4, 2), 1)])
+def test_fp6_axis_matches_the_reference_packer(shape, axis):
+    import lowprec_reference
+
+    codes = np.random.default_rng(1).integers(0, 64, shape, dtype=np.uint8)
+    packed = np.asarray(lowprec.pack_fp6(jnp.asarray(codes), axis=axis))
+    np.testing.assert_array_equal(packed, lowprec_reference.pack_codes(codes, 6, axis))
+    np.testing.assert_array_equal(np.asarray(lowprec.unpack_fp6(jnp.asarray(packed), axis=axis)),
+                                  codes)
+
+
+def test_fp6_errors():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        lowprec.pack_fp6(jnp.zeros(6, jnp.uint8))
+    with pytest.raises(ValueError, match="multiple of 3 bytes"):
+        lowprec.unpack_fp6(jnp.zeros(4, jnp.uint8))
+    with pytest.raises(TypeError, match="float32"):
+        lowprec.pack_fp6(jnp.zeros(4, jnp.float32))

@@ -352,8 +352,8 @@ def test_stochastic_rounding_probability_is_exact():
 
 def test_errors_name_the_bad_value():
     x = f32(1.0)
-    with pytest.raises(ValueError, match=r"'e3m4'.*e4m3"):
-        ref.encode("e3m4", x)
+    with pytest.raises(ValueError, match=r"'e3m9'.*e4m3"):
+        ref.encode("e3m9", x)
     with pytest.raises(ValueError, match="mxfp4"):
         ref.encode("mxfp4", x)
     with pytest.raises(ValueError, match=r"'nearest'.*nearest_even"):
@@ -370,8 +370,8 @@ def test_errors_name_the_bad_value():
         ref.encode("e4m3", x, "stochastic", random_bits=np.zeros(2, np.uint32))
     with pytest.raises(TypeError, match="int64"):
         ref.encode("e4m3", np.array([1, 2]))
-    with pytest.raises(TypeError, match="float8_e4m3fn"):
-        ref.encode("e5m2", x.astype(ml_dtypes.float8_e4m3fn))
+    with pytest.raises(TypeError, match="complex64"):
+        ref.encode("e5m2", x.astype(np.complex64))
     with pytest.raises(TypeError):
         ref.decode("e4m3", x)
     with pytest.raises(ValueError, match="out of range"):
@@ -420,7 +420,7 @@ def test_mx_tiny_inputs_clamp_the_scale():
     assert (ref.dequantize_mx(e, s, "mxfp8") == 2.0**-130).all()
 
 
-@pytest.mark.parametrize("fmt", lowprec_formats.COLLECTIONS["all_mx"])
+@pytest.mark.parametrize("fmt", lowprec_formats.COLLECTIONS["e8m0_scaled_mx"])
 def test_mx_element_max_times_power_of_two_is_exact(fmt):
     elem = ref.mx_element_format(fmt)
     top = float(ref.max_finite(elem))
@@ -429,7 +429,7 @@ def test_mx_element_max_times_power_of_two_is_exact(fmt):
     x = np.zeros((len(ks), 32), np.float32)
     x[:, 0] = top * 2.0**ks
     x[:, 1] = -(2.0**ks)
-    x[:, 2] = 0.5 * top * 2.0**ks
+    x[:, 2] = 0.5 * 2.0**ks  # 0.5 is a value of every MX element format (INT8: 32/64)
     e, s = ref.quantize_mx(x, fmt)  # floor: e = emax_elem + k -> shared exp k
     np.testing.assert_array_equal(s[:, 0], ks + 127)
     np.testing.assert_array_equal(ref.dequantize_mx(e, s, fmt), x.astype(np.float64))
@@ -505,7 +505,7 @@ def test_mx_rceil_matches_jax_quantize_mxfp8():
         np.testing.assert_array_equal(e, np.asarray(xq).view(np.uint8))
 
 
-@pytest.mark.parametrize("fmt", lowprec_formats.COLLECTIONS["all_mx"])
+@pytest.mark.parametrize("fmt", lowprec_formats.COLLECTIONS["e8m0_scaled_mx"])
 @pytest.mark.parametrize("rule", lowprec_formats.SCALE_RULES)
 def test_mx_elements_are_saturating_element_encode(fmt, rule):
     rng = np.random.default_rng(8)
@@ -551,8 +551,8 @@ def test_mx_axis_pad_and_errors():
 
     with pytest.raises(ValueError, match="random_bits"):
         ref.quantize_mx(x.T, "mxfp8", rounding="stochastic")
-    with pytest.raises(ValueError, match=r"'mxfp6'.*mxfp4"):
-        ref.quantize_mx(x, "mxfp6")
+    with pytest.raises(ValueError, match=r"'mxfp5'.*mxfp4"):
+        ref.quantize_mx(x, "mxfp5")
     with pytest.raises(TypeError, match="float64"):
         ref.quantize_mx(x.astype(np.float64), "mxfp4", axis=0)
     with pytest.raises(ValueError, match="'floor'"):

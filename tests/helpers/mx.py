@@ -20,6 +20,8 @@ import lowprec
 from .codecs import reference_words, replay_random_bits
 
 MX_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
+#: The block formats added with issue 11 (tests/test_mx_formats.py).
+NEW_MX_FORMATS = ("mxfp6_e2m3", "mxfp6_e3m2", "mxint8")
 SCALE_RULES = ("floor", "ceil", "even", "rceil")
 ROUNDINGS = ("nearest_even", "nearest_away", "toward_zero", "up", "down", "stochastic")
 MODES = ("eager", "jit")
@@ -56,10 +58,16 @@ def unpack_nibbles(packed, axis: int) -> np.ndarray:
 
 
 def element_codes(mx) -> np.ndarray:
-    """Element codes of an MXArray, one uint8 per element (FP4 unpacked with NumPy)."""
+    """Element codes of an MXArray, one uint8 per element (FP4 unpacked with NumPy, FP6 with
+    the reference's bit-stream unpacker)."""
     e = np.asarray(mx.elements)
-    if mx.fmt.name == "mxfp4":
+    bits = mx.fmt.element.code_bits
+    if bits == 4:
         e = unpack_nibbles(e, mx.axis)
+    elif bits == 6:
+        import lowprec_reference
+
+        e = lowprec_reference.unpack_codes(e, 6, mx.axis)
     return e
 
 

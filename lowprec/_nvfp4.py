@@ -1,0 +1,197 @@
+"""NVFP4's two-level scales: a float32 per-tensor scale times an E4M3 scale per 16 elements.
+
+lowprec follows torchao's NVFP4 recipe (``torchao.prototype.mx_formats.nvfp4_tensor``:
+``per_tensor_amax_to_scale`` and ``_nvfp4_quantize``), step for step, each step one IEEE
+float32 operation rounded to nearest even::
+
+    tensor_scale = amax / (448 * 6)                      # F8E4M3_MAX * F4_E2M1_MAX = 2688
+    block_scale  = e4m3(clamp((block_amax / 6) / tensor_scale, 2^-6, 448))
+    element      = e2m1(clamp(x / (tensor_scale * block_scale), -6, 6))
+
+and a value decodes as ``element * (tensor_scale * block_scale)`` (torchao's ``to_dtype``:
+the scale product rounded to float32, then the product with the element).
+Every one of those operations is carried out here on float32 *bit patterns* with integer
+arithmetic (long division for the quotients), so the result is the IEEE one on every backend:
+XLA on CPU would flush subnormal operands and rewrite ``a / broadcast(c)`` as
+``a * (1 / c)`` under ``jit`` (docs/design.md §8), which changes quotients in the last bit.
+
+Conventions where torchao is silent or fails (docs/design.md §3b): ``amax`` is the largest
+*finite* magnitude (a block holding NaN/±inf gets the E4M3 NaN scale 0x7F and dequantizes to
+NaN, as an MX block does); an all-zero tensor gets tensor scale 1 (as TransformerEngine's
+NVFP4 recipe does; torchao would divide 0 by 0); a tensor scale (computed or given) below 2^-143
+is raised to it, so that every block's divisor ``tensor_scale * block_scale`` (block scales are at
+least 2^-6) is a positive float32 — below it torchao divides by an underflowed zero.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import jax.numpy as jnp
+from jax import lax
+
+from ._bits import F32_ABS, F32_INF, F32_MANT, F32_MANT_BITS, F32_SIGN
+from ._codec import decode_bits, encode_bits
+from ._format import ElementFormat
+from ._rounding import round_shift
+
+# 448 * 6: the largest E4M3 value times the largest E2M1 value. 2688 = 21 * 2^7.
+NVFP4_AMAX_DIVISOR = 2688.0
+_E4M3_EPS_BITS = 0x3C80_0000  # 2^-6 = 0x3C800000: the smallest normal E4M3 (torchao E4M3_EPS)
+_E4M3_MAX_BITS = 0x43E0_0000  # 448 = 1.75 * 2^8 = 0x43E00000
+_E2M1_MAX = 6.0
+_F32_ONE = 0x3F80_0000
+MIN_TENSOR_SCALE_BITS = 1 << 6  # 2^-143 = 2^6 * 2^-149 (a float32 subnormal): 2^-143 * 2^-6 > 0
+
+
+def _f32_const_bits(v: float) -> int:
+    """Bits of a float32 constant that is exactly a float32 (checked)."""
+    import numpy as np
+
+    f = np.float32(v)
+    assert Fraction(float(f)) == Fraction(v), v
+    return int(f.view(np.uint32))
+
+
+def _split(bits):
+    """Finite nonzero float32 bits → (significand in [2^23, 2^24) as uint32, exponent of its
+    last bit as int32): value = sig * 2^exp. Subnormals are normalized with clz."""
+    mag = bits & F32_ABS
+    efield = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32)
+    sig = jnp.where(efield > 0, (mag & F32_MANT) | (1 << F32_MANT_BITS), mag & F32_MANT)
+    exp = jnp.maximum(efield, 1) - 150  # 1 - 127 - 23
+    nz = jnp.maximum(lax.clz(sig).astype(jnp.int32) - 8, 0)  # leading bit to position 23
+    return lax.shift_left(sig, nz.astype(jnp.uint32)), exp - nz
+
+
+def round_to_f32(sig, exp, sign, sticky):
+    """float32 bits of sign * (sig + s) * 2^exp, rounded to nearest even, where 0 <= s < 1 is
+    nonzero iff ``sticky``; sig < 2^30 (uint32). Subnormal results and overflow to inf are
+    handled like IEEE 754."""
+    top = exp + 31 - lax.clz(sig).astype(jnp.int32)  # floor(log2 value) for sig > 0
+    binade = jnp.maximum(top, -126)
+    shift = binade - 23 - exp  # bits to drop (<= 0: the value is exact, shift left)
+    # Fold the sticky bit in below the rounding position (one more bit to drop).
+    s2 = lax.shift_left(sig, jnp.uint32(1)) | sticky.astype(jnp.uint32)
+    rounded = round_shift(s2, jnp.maximum(shift + 1, 1), sign, "nearest_even")
+    exact = lax.shift_left(sig, jnp.clip(-shift, 0, 31).astype(jnp.uint32)).astype(jnp.int32)
+    mag_q = jnp.where(shift > 0, rounded, exact)
+    # Past 2^127 the code lands on or above the infinity pattern (binade clipped so that
+    # the shift cannot wrap the int32).
+    code = lax.shift_left(jnp.minimum(binade, 128) + 126, jnp.int32(23)) + mag_q
+    code = jnp.where(code >= F32_INF, F32_INF, code)
+    code = jnp.where(sig == 0, 0, code).astype(jnp.uint32)
+    return code | lax.shift_left(sign.astype(jnp.uint32), jnp.uint32(31))
+
+
+def f32_div(a_bits, b_bits):
+    """IEEE float32 a / b, rounded to nearest even, from the bits: a finite, b finite nonzero.
+
+    Long division of the 24-bit significands in 7-bit steps (every partial remainder times
+    2^7 stays below 2^31): a 29-bit quotient plus a sticky bit, then one rounding.
+    """
+    sign = lax.shift_right_logical((a_bits ^ b_bits) & jnp.uint32(F32_SIGN), jnp.uint32(31))
+    sa, ea = _split(a_bits)
+    sb, eb = _split(b_bits)
+    q = sa // sb
+    r = sa % sb
+    for _ in range(4):
+        r = lax.shift_left(r, jnp.uint32(7))
+        q = lax.shift_left(q, jnp.uint32(7)) | (r // sb)
+        r = r % sb
+    out = round_to_f32(q, ea - eb - 28, sign, r != 0)
+    return jnp.where((a_bits & F32_ABS) == 0, lax.shift_left(sign, jnp.uint32(31)), out)
+
+
+def f32_mul_short(a_bits, b_bits):
+    """IEEE float32 a * b from the bits, for finite a and a finite b with at most 6
+    significant bits (E4M3 values, E2M1 x E4M3 products): the exact product of the 24-bit and
+    6-bit significands fits 30 bits, then one rounding."""
+    sign = lax.shift_right_logical((a_bits ^ b_bits) & jnp.uint32(F32_SIGN), jnp.uint32(31))
+    sa, ea = _split(a_bits)
+    sb, eb = _split(b_bits)
+    out = round_to_f32(sa * lax.shift_right_logical(sb, jnp.uint32(18)), ea + eb + 18, sign,
+                       jnp.zeros(sa.shape, bool))
+    zero = ((a_bits & F32_ABS) == 0) | ((b_bits & F32_ABS) == 0)
+    return jnp.where(zero, lax.shift_left(sign, jnp.uint32(31)), out)
+
+
+def tensor_scale_bits(amax_bits):
+    """Bits of the tensor scale float32(amax / 2688) of a tensor whose largest finite
+    magnitude has bits ``amax_bits``: 1.0 for an all-zero tensor (then raised to 2^-143 by
+    :func:`clamp_tensor_scale_bits`, like a given one)."""
+    ts = f32_div(amax_bits, jnp.uint32(_f32_const_bits(NVFP4_AMAX_DIVISOR)))
+    return jnp.where(amax_bits == 0, jnp.uint32(_F32_ONE), ts)
+
+
+def clamp_tensor_scale_bits(ts_bits):
+    """A positive tensor scale raised to at least 2^-143 (on the bits: positive float32
+    patterns order like their values)."""
+    return jnp.maximum(ts_bits, jnp.uint32(MIN_TENSOR_SCALE_BITS))
+
+
+def block_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat):
+    """E4M3 codes (int32) of e4m3(clamp((block_amax / 6) / tensor_scale, 2^-6, 448))."""
+    six = jnp.uint32(_f32_const_bits(_E2M1_MAX))
+    quotient = f32_div(f32_div(block_amax_bits, six), ts_bits)
+    # Non-negative float32 bit patterns order like their values: clamp on the bits.
+    clamped = jnp.clip(quotient, jnp.uint32(_E4M3_EPS_BITS), jnp.uint32(_E4M3_MAX_BITS))
+    return encode_bits(scale_fmt, clamped, "nearest_even", "saturate", None)
+
+
+def total_scale_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
+    """Bits of float32(tensor_scale * block_scale), the divisor of a block's elements."""
+    return f32_mul_short(ts_bits, decode_bits(scale_fmt, scale_codes))
+
+
+# Quotients below 2^-100 (or above 2^126) round like any other of their kind in every mode:
+# to 0 / 0.5 / 6 by direction, and stochastic rounding of q < 2^-33 goes up iff its word is 0.
+_TINY_BITS = (127 - 100) << 23  # 2^-100
+_HUGE_BITS = (127 + 126) << 23  # 2^126
+
+
+def element_quotient_bits(x_bits, total_bits):
+    """Bits of float32(x / total) — what the E2M1 element encoder rounds — for blocks of
+    float32 patterns ``x_bits`` [..., n, block] and their divisors ``total_bits`` [..., n, 1]
+    (finite, positive; NaN/inf inputs give garbage, masked by the caller).
+
+    One float32 division per element, made exact on every backend: numerator and divisor are
+    scaled by the same power of two (integer exponent arithmetic, exact for subnormal inputs),
+    which leaves the quotient unchanged and puts the divisor in [1, 2); numerators are kept in
+    [2^-100, 2^126], where the quotient is a float32 normal (no flush to zero on CPU) and
+    rounds to E2M1 exactly as the unclamped one would, except for quotients that underflow to
+    zero in float32, which are decided exactly on the integers; and the divisor is materialized per
+    element behind an optimization barrier, so that XLA cannot turn ``x / broadcast(t)`` into
+    ``x * (1 / t)``.
+    """
+    sig_t, exp_t = _split(total_bits)  # total = sig_t * 2^exp_t, sig_t in [2^23, 2^24)
+    k = -(exp_t + F32_MANT_BITS)  # total * 2^k in [1, 2)
+    t_scaled = (127 << F32_MANT_BITS) | (sig_t & F32_MANT)
+    sign = x_bits & jnp.uint32(F32_SIGN)
+    sig_x, exp_x = _split(x_bits)
+    field = exp_x + k + 150  # exponent field of x * 2^k (150 = 127 + 23)
+    scaled = lax.shift_left(jnp.clip(field, 1, 254).astype(jnp.uint32), jnp.uint32(23)) | (
+        sig_x & F32_MANT)
+    scaled = jnp.clip(scaled, jnp.uint32(_TINY_BITS), jnp.uint32(_HUGE_BITS))
+    # The float32 quotient underflows to (signed) zero iff |x / total| <= 2^-150 (the tie
+    # rounds to the even 0): with x / total = sig_x / sig_t * 2^(d - 173), that is d < 0, or
+    # d = 0 and sig_x <= sig_t. Any other quotient below 2^-126 is a nonzero subnormal, which
+    # rounds to E2M1 like the clamped normal one.
+    d = exp_x + k + 173
+    underflow = (d < 0) | ((d == 0) & (sig_x <= sig_t))
+    scaled = jnp.where(((x_bits & F32_ABS) == 0) | underflow, jnp.uint32(0), scaled)
+    x = lax.bitcast_convert_type(scaled | sign, jnp.float32)
+    t = jnp.broadcast_to(lax.bitcast_convert_type(t_scaled.astype(jnp.uint32), jnp.float32),
+                         x.shape)
+    return lax.bitcast_convert_type(x / lax.optimization_barrier(t), jnp.uint32)
+
+
+def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat):
+    """float32 bits of element * float32(tensor_scale * block_scale), as torchao's
+    ``NVFP4Tensor.to_dtype`` computes it in float32 (``get_hp_scales`` first, then the
+    product with the element): two roundings, the first shared with the quantizer's divisor.
+    A NaN block scale gives NaN."""
+    total = total_scale_bits(scale_codes, ts_bits, scale_fmt)
+    out = f32_mul_short(total, value_bits)  # E2M1 values have <= 2 significant bits
+    nan = (decode_bits(scale_fmt, scale_codes) & F32_ABS) > F32_INF
+    return jnp.where(nan, jnp.uint32(0x7FC0_0000), out)
