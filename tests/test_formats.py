@@ -32,6 +32,7 @@ import lowprec_formats
 import lowprec_reference as R
 from helpers.asserts import assert_codes_equal, assert_same_values
 from helpers.inputs import adversarial, float_arrays
+from helpers.mx import random_bits
 from helpers.oracles import ml_dtype, ml_dtypes_codes, ml_dtypes_values
 
 
@@ -388,7 +389,7 @@ def test_p3109_and_int8_every_mode_matches_reference(fmt, data):
     overflow = data.draw(st.sampled_from(lowprec_formats.OVERFLOW_POLICIES), label="overflow")
     x = data.draw(float_arrays(fmt, np.float32, salt=f"{rounding}{overflow}"), label="x")
     key = jax.random.key(data.draw(st.integers(0, 2**31 - 1))) if rounding == "stochastic" else None
-    words = None if key is None else np.asarray(jax.random.bits(key, x.shape, jnp.uint32))
+    words = None if key is None else random_bits(key, x.shape)  # the documented words
     want = R.encode(fmt, x, rounding, overflow, random_bits=words)
     eager = lowprec.encode(x, fmt, rounding=rounding, overflow=overflow, key=key)
     assert_codes_equal(eager, want, x, f"{fmt} {rounding} {overflow} eager")
