@@ -4,8 +4,7 @@ Run: ``python benchmarks/bench_mx.py`` (CPU: a (4096, 4096) float32 array, about
 on a 2-core CPU; GPU: (16384, 16384)), ``--quick`` ((1024, 1024), fewer rounds),
 ``--shape 2048 8192``, ``--reps R``, ``--formats mxfp8_e4m3``, ``--json PATH``.
 
-For each block format (mxfp8_e4m3, mxfp8_e5m2, mxfp4, and since issue 11 mxfp6_e2m3,
-mxfp6_e3m2, mxint8, nvfp4 and mxfp4 with blocks of 16) one interleaved timing group (see
+For each MX format (mxfp8_e4m3, mxfp8_e5m2, mxfp4) one interleaved timing group (see
 ``_timing.py``) holds:
 
 * ``lowprec``: ``jax.jit(lambda x: lowprec.quantize_mx(x, fmt, scale_rule=rule))`` for every
@@ -27,6 +26,14 @@ mxfp6_e3m2, mxint8, nvfp4 and mxfp4 with blocks of 16) one interleaved timing gr
   exponent via ``np.frexp`` → multiply by the block's power of two → clip → ``astype``; FP4
   packed two per byte like lowprec), one implementation per scale rule, and its dequantize.
   Finite inputs only (no NaN/Inf block handling), E8M0 scales only. Skipped on GPU runs.
+* Formats added with issue 11: MXFP6 (E2M3, E3M2; codes packed four per three bytes),
+  MXINT8 (elements ``clip(rint(v * 64), -127, 127)`` as int8 in the NumPy baseline), MXFP4
+  with blocks of 16 (``mxfp4_b16``) and NVFP4, whose only "rule" is its own recipe
+  (``nvfp4``: torchao's float32 steps, vectorized in the NumPy baseline). NVFP4's JAX peer is
+  ``quantize`` in ``mode="nvfp4"`` (E4M3 scales, ``global_scale`` = amax / 2688 computed in
+  the call); JAX divides x by the global scale first, another rounding order than torchao's,
+  so its code mismatches are informative. XLA has no FP6 type: no JAX peers for MXFP6, nor
+  for MXINT8.
 * ``stream``: ``x ^ c`` over a uint32 array of the input's size, the memory-bandwidth peer
   of the ``roof`` column (lowprec's bytes moved per second over the stream's).
 
@@ -53,6 +60,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -73,7 +81,7 @@ from _timing import (  # noqa: E402
 
 import lowprec  # noqa: E402
 
-FORMATS = tuple(lowprec.MX_FORMAT_NAMES)
+FORMATS = tuple(lowprec.MX_FORMAT_NAMES) + ("mxfp4_b16",)  # and one other block size
 RULES = ("floor", "ceil", "even", "rceil")
 CPU_TARGET_VS_JAX = 1.5  # lowprec rceil quantize / JAX quantize, CPU
 CPU_DEQUANT_TARGET = 1.0  # lowprec dequantize / JAX astype·scale, CPU
@@ -92,6 +100,15 @@ def _e8m0_scales(fmt_name: str) -> bool:
     return lowprec.mx_format(fmt_name).scale.name == "e8m0"
 
 
+def rules_of(fmt_name: str) -> tuple:
+    """The scale rules timed for a format: NVFP4 has its own recipe ("nvfp4"), no rule."""
+    return ("nvfp4",) if lowprec.mx_format(fmt_name).tensor_scale else RULES
+
+
+def _rule_arg(rule: str):
+    return None if rule == "nvfp4" else rule
+
+
 # --------------------------------------------------------------------------- JAX's quantizer
 def jax_quantizer(fmt_name: str):
     """JAX's MXFP8 quantizer configured for ``fmt``, jitted, or None where it does not apply."""
@@ -99,7 +116,20 @@ def jax_quantizer(fmt_name: str):
         from jax._src.cudnn import scaled_matmul_stablehlo as sm
     except Exception:  # noqa: BLE001
         return None
-    if element_dtype(fmt_name) is None or not _e8m0_scales(fmt_name):
+    fmt = lowprec.mx_format(fmt_name)
+    if fmt.tensor_scale:
+        block = fmt.block_size
+
+        def quantize(x):
+            amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+            config = sm.BlockScaleConfig(
+                mode="nvfp4", block_size=block, data_type=jnp.float4_e2m1fn,
+                scale_type=jnp.float8_e4m3fn, global_scale=amax / 2688.0, infer_only=False)
+            return sm.quantize(x, config)
+
+        return jax.jit(quantize)
+    if (element_dtype(fmt_name) is None or not _e8m0_scales(fmt_name)
+            or fmt.element.code_bits == 6):
         return None
     config = sm.BlockScaleConfig(
         mode="mxfp8",
@@ -117,7 +147,7 @@ def jax_dequantizer(fmt_name: str, axis: int):
     multiplied per block along ``axis`` of a 2-D array; None without ml_dtypes types."""
     fmt = lowprec.mx_format(fmt_name)
     el_dt, sc_dt, block = fmt.element.storage_dtype, fmt.scale.storage_dtype, fmt.block_size
-    if el_dt is None or sc_dt is None:
+    if el_dt is None or sc_dt is None or fmt.tensor_scale or fmt.element.code_bits == 6:
         return None
 
     @jax.jit
@@ -168,8 +198,9 @@ def _numpy_unpack(elements: np.ndarray, bits: int) -> np.ndarray:
     return elements
 
 
-def _element_codes(scaled: np.ndarray, fmt, dt) -> np.ndarray:
+def _element_codes_np(scaled: np.ndarray, fmt) -> np.ndarray:
     """Saturating RNE element codes (uint8) of float32 values already divided by the scale."""
+    dt = fmt.element.storage_dtype
     max_elem = np.float32(fmt.element.max_finite)
     if dt is None:  # MX INT8: k = rint(v * 64), symmetric saturation
         k = np.clip(np.rint(scaled * np.float32(64)), -127, 127)
@@ -178,9 +209,9 @@ def _element_codes(scaled: np.ndarray, fmt, dt) -> np.ndarray:
 
 
 def numpy_quantize(x: np.ndarray, fmt_name: str, rule: str):
-    """Vectorized NumPy block quantize (finite input), same layout as lowprec's MXArray."""
+    """Vectorized NumPy block quantize (finite input), same layout as lowprec's MXArray;
+    NVFP4 returns its float32 tensor scale too."""
     fmt = lowprec.mx_format(fmt_name)
-    dt = element_dtype(fmt_name)
     block = fmt.block_size
     max_elem = np.float32(fmt.element.max_finite)
     emax = fmt.emax_elem
@@ -190,15 +221,14 @@ def numpy_quantize(x: np.ndarray, fmt_name: str, rule: str):
         f32 = np.float32
         ts = f32(np.abs(x).max() / f32(2688.0))
         s = np.clip((amax / f32(6.0)) / ts, f32(2.0**-6), f32(448.0)).astype(ml_dtypes.float8_e4m3fn)
-        total = ts * s.astype(f32)
-        codes = _element_codes(xb / total[..., None], fmt, dt)
+        codes = _element_codes_np(xb / (ts * s.astype(f32))[..., None], fmt)
         elements = _numpy_pack(codes.reshape(*x.shape[:-1], -1), fmt.element.code_bits)
         return elements, s.view(np.uint8), ts
     if rule == "floor":
         shared = _pow2_floor_exp(amax) - emax
     elif rule == "ceil":
         shared = _pow2_ceil_exp(amax) - emax
-    elif rule == "even":  # round amax's mantissa to the element's width, half up, then floor
+    elif rule == "even":  # round amax to the element's precision in its top binade, half up
         drop = 23 - (fmt.element.emax - fmt.element.top_quantum_exponent)
         bits = (amax.view(np.uint32) + np.uint32(1 << (drop - 1))) & np.uint32(~((1 << drop) - 1) & 0xFFFFFFFF)
         shared = _pow2_floor_exp(bits.view(np.float32)) - emax
@@ -210,7 +240,7 @@ def numpy_quantize(x: np.ndarray, fmt_name: str, rule: str):
     # Multiplying by 2^-shared (a float32 power of two per block) is exact here: the scaled
     # values are at most a few times max_elem and far above float32's subnormal range.
     scaled = xb * np.ldexp(np.float32(1), -shared)[..., None]
-    codes = _element_codes(scaled, fmt, dt).reshape(*x.shape[:-1], -1)
+    codes = _element_codes_np(scaled, fmt).reshape(*x.shape[:-1], -1)
     elements = _numpy_pack(codes, fmt.element.code_bits)
     return elements, (shared + 127).astype(np.uint8)
 
@@ -218,12 +248,17 @@ def numpy_quantize(x: np.ndarray, fmt_name: str, rule: str):
 def numpy_dequantize(elements: np.ndarray, scales: np.ndarray, fmt_name: str,
                      tensor_scale=None) -> np.ndarray:
     fmt = lowprec.mx_format(fmt_name)
-    codes = elements
-    if fmt.packed:
-        codes = np.stack((elements & 0xF, elements >> 4), axis=-1).reshape(*elements.shape[:-1], -1)
-    v = codes.view(element_dtype(fmt_name)).astype(np.float32)
+    codes = _numpy_unpack(elements, fmt.element.code_bits)
+    dt = element_dtype(fmt_name)
+    if dt is None:
+        v = codes.view(np.int8).astype(np.float32) / np.float32(64)
+    else:
+        v = codes.view(dt).astype(np.float32)
     vb = v.reshape(*v.shape[:-1], v.shape[-1] // fmt.block_size, fmt.block_size)
-    scale = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
+    if fmt.tensor_scale:
+        scale = np.float32(tensor_scale) * scales.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    else:
+        scale = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
     return (vb * scale[..., None]).reshape(v.shape)
 
 
@@ -238,21 +273,17 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
     n = x_np.size
     in_bytes = x_np.nbytes
     cases, io_bytes = {}, {}
-    peers_ok = element_dtype(fmt_name) is not None and _e8m0_scales(fmt_name)
-
     rules = rules_of(fmt_name)
+    ref_rule = rules[-1]  # rceil (JAX's rule), or NVFP4's recipe
 
-    def quantizer(r):
-        rule = None if r == "nvfp4" else r
-        return jax.jit(lambda x: lowprec.quantize_mx(x, fmt_name, scale_rule=rule))
-
-    lp_q = {r: quantizer(r) for r in rules}
+    lp_q = {r: jax.jit(lambda x, r=r: lowprec.quantize_mx(x, fmt_name, scale_rule=_rule_arg(r)))
+            for r in rules}
     for r in rules:
         cases[f"lowprec q {r}"] = lambda f=lp_q[r]: f(x)
-    mx_rceil = jax.block_until_ready(lp_q["rceil"](x))
-    mx_axis0 = jax.block_until_ready(
-        jax.jit(lambda v: lowprec.quantize_mx(v, fmt_name, axis=0, scale_rule="rceil"))(xt))
-    for r in RULES:
+    mx_rceil = jax.block_until_ready(lp_q[ref_rule](x))
+    mx_axis0 = jax.block_until_ready(jax.jit(
+        lambda v: lowprec.quantize_mx(v, fmt_name, axis=0, scale_rule=_rule_arg(ref_rule)))(xt))
+    for r in rules:
         io_bytes[f"lowprec q {r}"] = in_bytes + _nbytes(mx_rceil)
     lp_dq = jax.jit(lowprec.dequantize)
     cases["lowprec dq"] = lambda: lp_dq(mx_rceil)
@@ -282,8 +313,8 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
             want = np.asarray(lp_dq(mx)).view(np.uint32)
             checks["jax_dq_vs_lowprec_dequantize_mismatches"] = int((got != want).sum())
 
-    if not on_gpu and peers_ok:
-        for r in RULES:
+    if not on_gpu:
+        for r in rules:
             cases[f"numpy q {r}"] = lambda r=r: numpy_quantize(x_np, fmt_name, r)
             io_bytes[f"numpy q {r}"] = io_bytes[f"lowprec q {r}"]
         el_np, sc_np = np.asarray(mx_rceil.elements), np.asarray(mx_rceil.scales)
@@ -304,8 +335,8 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
         return n / t.median, io_bytes[name] / t.median
 
     rows = []
-    for r in RULES + ("dequantize", "dequantize (axis 0)"):
-        op = "quantize" if r in RULES else r
+    for r in rules + ("dequantize", "dequantize (axis 0)"):
+        op = "quantize" if r in rules else r
         suffix = "0" if r == "dequantize (axis 0)" else ""
         lp = f"lowprec dq{suffix}" if op != "quantize" else f"lowprec q {r}"
         jx = f"jax dq{suffix}" if op != "quantize" else "jax q rceil"
@@ -321,8 +352,7 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
         if on_gpu:
             if op == "quantize" and lp_b == lp_b and lp_b / 1e12 < GPU_TARGET_TBPS:
                 flags.append(f"MISS <{GPU_TARGET_TBPS} TB/s")
-        elif r == "rceil" and fmt_name in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4") and (
-                r_jax == r_jax and r_jax < CPU_TARGET_VS_JAX):
+        elif r == "rceil" and r_jax == r_jax and r_jax < CPU_TARGET_VS_JAX:
             flags.append(f"MISS <{CPU_TARGET_VS_JAX}x JAX")
         elif op != "quantize" and r_jax == r_jax and r_jax < CPU_DEQUANT_TARGET:
             flags.append(f"MISS <{CPU_DEQUANT_TARGET}x JAX")
@@ -351,7 +381,7 @@ def _typed_codes(fmt_name: str, mx):
     (FP4 unpacked) and the scale dtype."""
     fmt = lowprec.mx_format(fmt_name)
     codes = mx.elements
-    if fmt.packed:
+    if fmt.packed:  # FP4 only: JAX's peers skip FP6, which XLA cannot hold
         codes = lowprec.unpack_fp4(codes, axis=mx.axis)
     q = jax.device_put(np.asarray(codes).view(fmt.element.storage_dtype))
     s = jax.device_put(np.asarray(mx.scales).view(fmt.scale.storage_dtype))
@@ -359,15 +389,13 @@ def _typed_codes(fmt_name: str, mx):
 
 
 def _compare_jax(fmt_name, mx, jout) -> dict:
-    """lowprec vs JAX's quantizer, bit for bit (JAX's FP4 is unpacked). For NVFP4 JAX's
-    recipe differs (it divides by the global scale first): informative counts."""
+    """lowprec rceil vs JAX's quantizer, bit for bit (JAX's FP4 is unpacked). For NVFP4 JAX
+    rounds in another order (x / global scale first): informative counts."""
     q, s = (np.asarray(a) for a in jout)
     jcodes = q.view(np.uint8)
-    codes = np.asarray(mx.elements)
-    if lowprec.mx_format(fmt_name).packed:
-        codes = _numpy_unpack(codes, lowprec.mx_format(fmt_name).element.code_bits)
-        codes = codes.reshape(jcodes.shape)
-    tag = "nvfp4" if mx.tensor_scale is not None else "rceil"
+    fmt = lowprec.mx_format(fmt_name)
+    codes = _numpy_unpack(np.asarray(mx.elements), fmt.element.code_bits).reshape(jcodes.shape)
+    tag = "nvfp4" if fmt.tensor_scale else "rceil"
     return {
         f"jax_vs_lowprec_{tag}_element_mismatches": int((jcodes != codes).sum()),
         f"jax_vs_lowprec_{tag}_scale_mismatches": int((s.view(np.uint8) != np.asarray(mx.scales)).sum()),

@@ -190,8 +190,25 @@ def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat):
     """float32 bits of element * float32(tensor_scale * block_scale), as torchao's
     ``NVFP4Tensor.to_dtype`` computes it in float32 (``get_hp_scales`` first, then the
     product with the element): two roundings, the first shared with the quantizer's divisor.
-    A NaN block scale gives NaN."""
+    A NaN block scale gives NaN.
+
+    The product with the element is one float multiply when every block's factor is at
+    least 2^-125: then factor and element (>= 0.5 when nonzero) are float32 normals and so is
+    their product, which every backend rounds correctly. Otherwise (tensors below ~1e-35) it
+    is computed exactly on the bits.
+    """
     total = total_scale_bits(scale_codes, ts_bits, scale_fmt)
-    out = f32_mul_short(total, value_bits)  # E2M1 values have <= 2 significant bits
     nan = (decode_bits(scale_fmt, scale_codes) & F32_ABS) > F32_INF
+
+    def fast(total, values):
+        prod = lax.bitcast_convert_type(total, jnp.float32) * lax.bitcast_convert_type(
+            values, jnp.float32)
+        return lax.bitcast_convert_type(prod, jnp.uint32)
+
+    def exact(total, values):
+        return f32_mul_short(total, values)  # E2M1 values have <= 2 significant bits
+
+    # Non-negative float32 patterns order like their values: 2^-125 is (127 - 125) << 23.
+    normal = jnp.all(total >= jnp.uint32(2 << 23))
+    out = lax.cond(normal, fast, exact, total, value_bits)
     return jnp.where(nan, jnp.uint32(0x7FC0_0000), out)
