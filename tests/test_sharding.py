@@ -27,7 +27,8 @@ def test_sharded_cases_on_four_cpu_devices():
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=4".strip()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-rfEs"],
+        [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-rfEs",
+         "-n", "0"],
         capture_output=True, text=True, env=env, cwd=CASES.parent.parent, timeout=600,
     )
     report = proc.stdout[-6000:] + proc.stderr[-2000:]
