@@ -4,14 +4,17 @@ Usage::
 
     lowprec quantize IN OUT --format FORMAT [--include REGEX] [--exclude REGEX]
         [--scale-rule floor|ceil|even|rceil] [--layout lowprec|gpt-oss] [--axis N]
-        [--fp8-scale tensor|none] [--report REPORT.json] [--json] [--force] [--quiet]
+        [--block-size N] [--fp8-scale tensor|none] [--report REPORT.json] [--json]
+        [--force] [--quiet]
     lowprec dequantize IN OUT [--dtype original|float32|bfloat16|float16|float64]
         [--report REPORT.json] [--json] [--force] [--quiet]
     lowprec inspect IN [--json]
 
 IN is a ``.safetensors`` file, a folder of shards, or its ``*.safetensors.index.json``;
-OUT is then a file, or a folder. FORMAT is a lowprec format name: mxfp4, mxfp8_e4m3,
-mxfp8_e5m2, e4m3, e5m2, bf16, fp16 (or an alias such as mxfp8, fp8_e4m3, bfloat16).
+OUT is then a file, or a folder. FORMAT is a lowprec format name: block formats mxfp4,
+mxfp8_e4m3, mxfp8_e5m2, mxfp6_e2m3, mxfp6_e3m2, mxint8, nvfp4 (another block size with
+``--block-size`` or in the name, mxfp4_b16); casts e4m3, e5m2, e4m3fnuz, e5m2fnuz, bf16, fp16
+(or an alias such as mxfp8, mxfp6, fp8_e4m3, float8_e4m3fnuz, bfloat16).
 
 Outputs (the checkpoint and the report) are never an input or a link to one, are checked
 before any work, and are written atomically; ``--force`` replaces regular files only.
@@ -86,8 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Quantize the weight matrices of a safetensors checkpoint and report the error. "
             "By default: float tensors with >= 2 dims whose name does not match "
-            f"/{DEFAULT_KEEP_PATTERN}/ (embeddings, lm_head, norms, biases) and, for MX "
-            "formats, whose block axis is a multiple of 32. The input is never modified; "
+            f"/{DEFAULT_KEEP_PATTERN}/ (embeddings, lm_head, norms, biases) and, for block "
+            "formats, whose block axis is a multiple of the block size. The input is never "
+            "modified; "
             "outputs are checked before any work and written atomically."
         ),
     )
@@ -104,16 +108,22 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--scale-rule", type=_checked(check_scale_rule), default=None,
                    metavar="RULE",
                    help=f"MX scale rule: {', '.join(SCALE_RULES)} (default {DEFAULT_SCALE_RULE}, "
-                        "the OCP MX v1.0 rule; rceil is NVIDIA's)")
+                        "the OCP MX v1.0 rule; rceil is NVIDIA's); nvfp4 has its own recipe "
+                        "and takes none")
     q.add_argument("--layout", type=_checked(check_layout), default="lowprec", metavar="LAYOUT",
                    help=f"{' or '.join(LAYOUTS)}; lowprec: <name>_elements + <name>_scales; "
                         "gpt-oss (mxfp4 only): <name>_blocks [...,K/32,16] + <name>_scales [...,K/32]")
     q.add_argument("--axis", type=int, default=None,
                    help="MX block axis (default -1: the input features of a [out, in] weight)")
+    q.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="block formats: elements per block, a power of two from 2 to 1024 "
+                        "(default: the format's own, 32 for MX, 16 for nvfp4); the file records "
+                        "it in the format name (mxfp4_b16)")
     q.add_argument("--fp8-scale", type=_checked(check_fp8_scale), default="tensor",
                    metavar="MODE",
-                   help=f"{' or '.join(FP8_SCALINGS)}; e4m3/e5m2: per-tensor scale amax/max_fp8 "
-                        "stored as <name>_scale (default), or none (plain saturating cast)")
+                   help=f"{' or '.join(FP8_SCALINGS)}; FP8 casts (e4m3, e5m2, e4m3fnuz, e5m2fnuz): "
+                        "per-tensor scale amax/max_fp8 stored as <name>_scale (default), or "
+                        "none (plain saturating cast)")
     _common(q)
 
     d = sub.add_parser(
@@ -208,7 +218,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         args.input, args.output, args.format,
                         include=args.include, exclude=args.exclude, scale_rule=args.scale_rule,
                         layout=args.layout, axis=args.axis, fp8_scale=args.fp8_scale,
-                        force=args.force, progress=progress, report=args.report,
+                        block_size=args.block_size, force=args.force, progress=progress, report=args.report,
                     )
                 elif args.command == "dequantize":
                     report = dequantize_checkpoint(

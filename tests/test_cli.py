@@ -95,6 +95,10 @@ def test_dequantize_and_inspect(tmp_path, ckpt, capsys):
         (["quantize", "{in}", "{out}", "-f", "mxfp4", "--include", "nomatch"],
          "--include 'nomatch' matches none of the 3 tensor names"),
         (["quantize", "{in}", "{out}", "-f", "bf16", "--axis", "0"], "MX formats only"),
+        (["quantize", "{in}", "{out}", "-f", "nvfp4", "--scale-rule", "floor"],
+         "nvfp4 has its own scale recipe"),
+        (["quantize", "{in}", "{out}", "-f", "mxint8", "--block-size", "48"], "block size 48"),
+        (["quantize", "{in}", "{out}", "-f", "e5m2", "--block-size", "16"], "block formats only"),
         (["quantize", "{in}", "{out}", "-f", "mxfp4", "--report", "{in}"], "is the input file"),
         (["dequantize", "{in}", "{out}"], "holds no quantized tensors"),
         (["inspect", "{junk}"], "not a safetensors file"),
@@ -125,6 +129,8 @@ def test_errors_exit_1_with_message(tmp_path, ckpt, capsys, args, phrase):
     (["quantize", "a", "b", "-f", "nf4"], "argument --format/-f: unknown checkpoint format 'nf4'"),
     (["quantize", "a", "b", "-f", "tf32"], "format 'tf32' is not a checkpoint storage format"),
     (["quantize", "a", "b", "-f", "ue8m0"], "(e8m0) is not a checkpoint storage format"),
+    (["quantize", "a", "b", "-f", "float8_e3m4"], "(e3m4) is not a checkpoint storage format"),
+    (["quantize", "a", "b", "-f", "mxfp4", "--block-size", "x"], "--block-size: invalid int"),
     (["quantize", "a", "b", "-f", "mxfp4", "--layout", "hf"], "unknown layout 'hf'"),
     (["quantize", "a", "b", "-f", "e4m3", "--fp8-scale", "row"], "unknown fp8_scale 'row'"),
 ])
@@ -134,6 +140,33 @@ def test_usage_errors_exit_2(capsys, args, phrase):
         main(args)
     assert e.value.code == 2
     assert phrase in capsys.readouterr().err
+
+
+def test_new_block_formats_and_block_size(tmp_path, ckpt, capsys):
+    """--block-size is recorded in the format name; NVFP4 stores its tensor scale; both read
+    back as the library's in-memory round trip."""
+    path, t = ckpt
+    name = "model.layers.0.self_attn.o_proj.weight"
+    x = jnp.asarray(t[name])
+    for args, fmt in ((["-f", "mxfp6", "--block-size", "16"], "mxfp6_e2m3_b16"),
+                      (["-f", "nvfp4"], "nvfp4")):
+        out, back = tmp_path / f"{fmt}.safetensors", tmp_path / f"{fmt}-back.safetensors"
+        assert main(["quantize", str(path), str(out), *args, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["options"]["format"] == fmt
+        assert {e["name"]: e["format"] for e in report["tensors"]}[name] == fmt
+        assert main(["inspect", str(out), "--json"]) == 0
+        rows = {e["name"]: e for e in json.loads(capsys.readouterr().out)["tensors"]}
+        assert rows[name]["format"] == fmt
+        assert main(["dequantize", str(out), str(back), "-q"]) == 0
+        with SafetensorsReader(out) as r:
+            stored = set(r.tensors)
+        with SafetensorsReader(back) as r:
+            got = r.read(name)
+        mx = lowprec.quantize_mx(x, fmt)
+        np.testing.assert_array_equal(got.view(np.uint32),
+                                      np.asarray(lowprec.dequantize(mx)).view(np.uint32))
+        assert (f"{name}_scale" in stored) == (fmt == "nvfp4")
 
 
 def test_library_format_names_and_old_names(tmp_path, ckpt, capsys):

@@ -1,7 +1,10 @@
-"""Checkpoint quantization: safetensors files or sharded folders to MXFP4 / MXFP8 / FP8 /
-BF16 / FP16 and back.
+"""Checkpoint quantization: safetensors files or sharded folders to MXFP4 / MXFP6 / MXFP8 /
+MXINT8 / NVFP4 / FP8 / BF16 / FP16 and back.
 
-Formats are named as everywhere in lowprec (``"mxfp4"``, ``"mxfp8_e4m3"``, ``"e4m3"``, ...).
+Formats are named as everywhere in lowprec (``"mxfp4"``, ``"mxfp6_e2m3"``, ``"nvfp4"``,
+``"mxfp4_b16"``, ``"e4m3"``, ``"e4m3fnuz"``, ...; :data:`FORMATS`); the stored parts of each
+are listed in :mod:`lowprec.checkpoint._layout` (NVFP4: ``<name>_elements``, ``<name>_scales``
+and the float32 tensor scale ``<name>_scale``).
 Streams every tensor in bounded pieces, never loads pickles, never writes to an input,
 writes atomically, and reports per-tensor error (SQNR, max abs/rel error, clipped block
 maxima, what happened to NaN/inf values). The command line front end is

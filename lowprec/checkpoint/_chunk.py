@@ -5,8 +5,9 @@ A piece of an MX tensor is a region of its (P, A, S) view, given as a 3-D array
 tensor has any shape. The codecs are the library's: :func:`lowprec.quantize_mx`,
 :func:`lowprec.dequantize`, :func:`lowprec.to_gpt_oss` / :func:`lowprec.from_gpt_oss`,
 :func:`lowprec.encode` / :func:`lowprec.decode`. Decoded values are, bit for bit, those of
-the in-memory API on the whole tensor: MX blocks never straddle pieces, and the per-tensor
-FP8 scale is computed over the whole tensor first (:func:`finite_amax`, :func:`tensor_scale`).
+the in-memory API on the whole tensor: blocks never straddle pieces, and a per-tensor scale
+(FP8 casts, NVFP4) is computed over the whole tensor first (:func:`finite_amax`,
+:func:`tensor_scale`) and passed to every piece (NVFP4: ``quantize_mx(..., tensor_scale=)``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _nvfp4
 from .._codec import decode, encode
-from .._format import element_format, mx_format
+from .._format import element_format
 from .._gpt_oss import from_gpt_oss, to_gpt_oss
 from .._mx import MXArray, dequantize, quantize_mx
 from ._errors import CheckpointError
@@ -42,14 +44,22 @@ def finite_amax(x: np.ndarray) -> float:
 
 
 def tensor_scale(amax, spec: TensorSpec) -> np.float32:
-    """The per-tensor FP8 scale float32(amax) / float32(max_fp8), from the tensor's finite
-    max magnitude ``amax`` (see :func:`finite_amax`); 1 if amax is 0.
+    """The per-tensor scale from the tensor's finite max magnitude ``amax`` (see
+    :func:`finite_amax`). FP8: float32(amax) / float32(max_fp8); 1 if amax is 0. NVFP4: the
+    library's, float32(amax / 2688) raised to at least 2^-143 (1 if amax is 0), which is
+    what ``quantize_mx`` computes from the whole tensor.
 
     Example:
         >>> from lowprec.checkpoint._layout import make_spec
         >>> float(tensor_scale(896.0, make_spec("e4m3", (4,), "F32")))
         2.0
+        >>> float(tensor_scale(5376.0, make_spec("nvfp4", (16,), "F32")))
+        2.0
     """
+    if spec.is_mx:
+        amax_bits = jnp.uint32(np.float32(amax).view(np.uint32))
+        ts = _nvfp4.clamp_tensor_scale_bits(_nvfp4.tensor_scale_bits(amax_bits))
+        return np.uint32(ts).view(np.float32)
     elem = element_format(CAST_FORMATS[spec.format][0])
     amax = np.float32(amax)
     if not amax > 0:
@@ -76,15 +86,34 @@ def _clip_limits(fmt) -> np.ndarray:
     return bits
 
 
-def _mx_clipped(x, scales: np.ndarray, fmt) -> tuple:
+@functools.lru_cache(maxsize=None)
+def _scale_nan(scale_fmt) -> np.ndarray:
+    """For each uint8 scale code: whether it is the scale format's NaN (E8M0: 0xFF; E4M3:
+    0x7F and 0xFF), i.e. marks a block that held a NaN or an infinity."""
+    values = np.asarray(decode(jnp.arange(256, dtype=jnp.uint8), scale_fmt))
+    return np.isnan(values)
+
+
+def _mx_clipped(x, scales: np.ndarray, fmt, ts=None) -> tuple:
     """(blocks whose max magnitude exceeds max_elem × scale, i.e. got saturated; blocks).
-    ``x``: a piece with the blocks along axis 1; ``scales`` its E8M0 codes."""
+    ``x``: a piece with the blocks along axis 1; ``scales`` its scale codes; ``ts`` the
+    NVFP4 tensor scale (a block's scale is then float32(ts × E4M3 block scale), as the
+    quantizer divides by it)."""
     x = np.asarray(x)
     if x.dtype != np.float32:
         x = x.astype(np.float32)
     mag = x.view(np.uint32) & np.uint32(0x7FFF_FFFF)
     amax = mag.reshape(x.shape[0], -1, fmt.block_size, *x.shape[2:]).max(axis=2)
-    clipped = amax > _clip_limits(fmt)[scales.reshape(amax.shape)]
+    codes = scales.reshape(amax.shape)
+    if fmt.tensor_scale:
+        # ts × E4M3 (≤ 4 significant bits) is exact in float64; rounding it to float32 is the
+        # quantizer's divisor; × max_elem in float64 is exact again. NaN scales compare False.
+        block = np.asarray(decode(jnp.arange(256, dtype=jnp.uint8), fmt.scale), np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = (block * np.float64(ts)).astype(np.float32).astype(np.float64)
+            clipped = amax.view(np.float32) > total[codes] * fmt.element.max_finite
+    else:
+        clipped = amax > _clip_limits(fmt)[codes]
     return int(np.count_nonzero(clipped)), int(scales.size)
 
 
@@ -93,7 +122,8 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
     """Quantizes one piece ``x`` of a tensor stored as ``spec``.
 
     Returns ``{role: stored array}`` in the piece's shape (without the per-tensor scale,
-    which the caller passes as ``scale``); updates ``stats``.
+    which the caller passes as ``scale``: the whole tensor's :func:`tensor_scale`, needed for
+    NVFP4 and FP8 with ``fp8_scale="tensor"``); updates ``stats``.
 
     Example:
         >>> from lowprec.checkpoint._layout import make_spec
@@ -105,12 +135,17 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
     if spec.is_mx:
         x = _as_piece(x)
         xin = x if x.dtype in _NATIVE else x.astype(np.float32)
-        mx = quantize_mx(jnp.asarray(xin), spec.format, axis=1, scale_rule=spec.scale_rule)
+        fmt = spec.block
+        if fmt.tensor_scale and scale is None:
+            raise ValueError(f"{fmt.name}: pass the whole tensor's scale (tensor_scale())")
+        ts = np.float32(scale) if fmt.tensor_scale else None
+        mx = quantize_mx(jnp.asarray(xin), fmt, axis=1, scale_rule=spec.scale_rule,
+                         tensor_scale=ts)
         scales = np.asarray(mx.scales)
         if stats is not None:
             stats.update(x, np.asarray(dequantize(mx)))
-            stats.add_clipped(*_mx_clipped(xin, scales, mx.fmt))
-            stats.add_nan_blocks(scales)
+            stats.add_clipped(*_mx_clipped(xin, scales, fmt, ts))
+            stats.add_nan_blocks(scales, _scale_nan(fmt.scale))
         if spec.layout == "gpt-oss":
             blocks, scales = to_gpt_oss(mx)
             return {"blocks": np.asarray(blocks), "scales": np.asarray(scales)}
@@ -161,20 +196,24 @@ def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
         return values.astype(dtype).reshape(shape)
     p, a, s = (int(d) for d in shape)
     try:
-        scales = np.asarray(parts["scales"]).reshape(p, a // 32, s)
+        fmt = spec.block
+        scales = np.asarray(parts["scales"]).reshape(p, spec.part_length("scales", a), s)
         if spec.layout == "gpt-oss":
             if s != 1:
                 raise ValueError("the gpt-oss layout blocks the last axis")
             blocks = np.asarray(parts["blocks"]).reshape(p, a // 32, 16)
             mx = from_gpt_oss(blocks, scales.reshape(p, a // 32), scale_rule=spec.scale_rule)
         else:
-            fmt = mx_format(spec.format)
-            elements = np.asarray(parts["elements"]).reshape(p, a // 2 if fmt.packed else a, s)
+            elements = np.asarray(parts["elements"]).reshape(
+                p, spec.part_length("elements", a), s)
             piece = (p, a, s)
             if s == 1:
                 elements, scales, piece = elements[..., 0], scales[..., 0], (p, a)
+            ts = None
+            if fmt.tensor_scale:
+                ts = jnp.asarray(np.asarray(parts["scale"], np.float32).reshape(()))
             mx = MXArray(elements=jnp.asarray(elements), scales=jnp.asarray(scales), fmt=fmt,
-                         axis=1, shape=piece, scale_rule=spec.scale_rule)
+                         axis=1, shape=piece, scale_rule=spec.scale_rule, tensor_scale=ts)
         values = dequantize(mx, dtype) if dtype in _NATIVE else np.asarray(dequantize(mx)).astype(dtype)
     except (ValueError, TypeError) as e:  # wrong sizes; MXArray's own validation
         raise CheckpointError(f"cannot decode {spec.format} data of shape {list(spec.shape)}: {e}") from None

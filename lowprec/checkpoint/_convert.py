@@ -26,14 +26,19 @@ from ._atomic import AtomicFile, OutputSet, check_output
 from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
 from ._errors import CheckpointError
 from ._formats import (
-    DEFAULT_SCALE_RULE,
-    MX_FORMATS,
+    block_format,
     canonical_format,
     check_fp8_scale,
     check_layout,
-    check_scale_rule,
+    is_block_format,
 )
-from ._layout import TensorSpec, check_options_for_cast, make_spec, pieces
+from ._layout import (
+    TensorSpec,
+    check_block_scale_rule,
+    check_options_for_cast,
+    make_spec,
+    pieces,
+)
 from ._report import ConversionReport, TensorReport
 from ._safetensors import (
     FLOAT_DTYPES,
@@ -115,14 +120,15 @@ def select_tensor(info, fmt: str, include, exclude, axis: Optional[int]) -> tupl
         return False, f"{info.dtype}, not float"
     if info.numel == 0:
         return False, "empty"
-    if fmt in MX_FORMATS:
+    if is_block_format(fmt):
         if not info.shape:
             return False, "scalar"
         axis = -1 if axis is None else axis
         if not -len(info.shape) <= axis < len(info.shape):
             return False, f"no axis {axis}"
-        if info.shape[axis] % 32:
-            return False, f"axis len {info.shape[axis]} % 32 != 0"
+        block = block_format(fmt).block_size
+        if info.shape[axis] % block:
+            return False, f"axis len {info.shape[axis]} % {block} != 0"
     elif info.dtype == {"bf16": "BF16", "fp16": "F16"}.get(fmt):
         return False, f"already {info.dtype}"
     return True, chosen
@@ -313,6 +319,7 @@ def quantize_checkpoint(
     layout: str = "lowprec",
     axis: Optional[int] = None,
     fp8_scale: str = "tensor",
+    block_size: Optional[int] = None,
     force: bool = False,
     progress: Optional[bool] = None,
     report: Optional[PathLike] = None,
@@ -329,21 +336,29 @@ def quantize_checkpoint(
       dst: output file for a file; output folder for a folder (created if missing):
         quantized shards under the same names, a rewritten index, and every other file
         (config, tokenizer, ...) copied. Must not exist unless ``force``; never an input.
-      format: a library format name: ``"mxfp4"``, ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``,
-        ``"e4m3"``, ``"e5m2"``, ``"bf16"`` or ``"fp16"``, or any alias of one (``"mxfp8"``,
-        ``"fp8_e4m3"``, ...). See :mod:`lowprec.checkpoint._layout` for the storage.
+      format: a library format name: block formats ``"mxfp4"``, ``"mxfp8_e4m3"``,
+        ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``, ``"mxint8"``, ``"nvfp4"`` (also
+        with a block size in the name, ``"mxfp4_b16"``); casts ``"e4m3"``, ``"e5m2"``,
+        ``"e4m3fnuz"``, ``"e5m2fnuz"``, ``"bf16"``, ``"fp16"``; or any alias of one
+        (``"mxfp8"``, ``"fp8_e4m3"``, ``"float8_e4m3fnuz"``, ...). See
+        :mod:`lowprec.checkpoint._layout` for the storage.
       include: regex (``re.search`` on the tensor name); when given, exactly the matching
         float tensors are quantized (as far as the format allows), replacing the default
         rule. Default rule: float tensors with ≥ 2 dims whose name does not match
-        :data:`DEFAULT_KEEP_PATTERN` (embeddings, lm_head, norms, biases) and, for MX
-        formats, whose block axis is a multiple of 32.
+        :data:`DEFAULT_KEEP_PATTERN` (embeddings, lm_head, norms, biases) and, for block
+        formats, whose block axis is a multiple of the block size.
       exclude: regex of names never quantized (applied after ``include``).
-      scale_rule: MX scale rule (``"floor"`` default, ``"ceil"``, ``"even"``, ``"rceil"``).
+      scale_rule: MX scale rule (``"floor"`` default, ``"ceil"``, ``"even"``, ``"rceil"``);
+        NVFP4 has its own recipe (torchao's: E4M3 block scales under the float32 tensor scale
+        amax / 2688, computed over the whole tensor) and takes none.
       layout: ``"lowprec"`` (``<name>_elements`` + ``<name>_scales``) or ``"gpt-oss"``
         (MXFP4 only: ``<name>_blocks`` [..., K/32, 16] + ``<name>_scales`` [..., K/32]).
       axis: MX block axis (default -1: the input-feature axis of a [out, in] weight).
-      fp8_scale: ``e4m3``/``e5m2``: ``"tensor"`` (default; ``<name>_scale`` = amax /
-        max_fp8, the vLLM/compressed-tensors convention) or ``"none"`` (saturating cast).
+      fp8_scale: FP8 casts: ``"tensor"`` (default; ``<name>_scale`` = amax / max_fp8, the
+        vLLM/compressed-tensors convention) or ``"none"`` (saturating cast).
+      block_size: block formats: another block size (a power of two from 2 to 1024; None:
+        the format's own, 32 for MX, 16 for NVFP4); same as naming it (``"mxfp4_b16"``), and
+        recorded so in the file's metadata.
       force: replace existing output files (regular files only).
       progress: tqdm progress bar on stderr; default: when stderr is a terminal.
       report: also write the report as JSON to this path (checked up front like ``dst``).
@@ -368,12 +383,13 @@ def quantize_checkpoint(
         ('mxfp4', 16384, 2176, 4.25)
     """
     start = time.perf_counter()
-    fmt = canonical_format(format)
+    fmt = canonical_format(format, block_size)
+    mx = is_block_format(fmt)
     include_re = _compile(include, "--include")
     exclude_re = _compile(exclude, "--exclude")
     check_layout(layout)
-    if fmt in MX_FORMATS:
-        scale_rule = check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
+    if mx:
+        scale_rule = check_block_scale_rule(fmt, scale_rule)
         if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
             raise CheckpointError(f"axis must be an int, got {axis!r}")
         if layout == "gpt-oss":
@@ -390,7 +406,7 @@ def quantize_checkpoint(
     source = open_source(src)
     outputs = _Outputs(source, dst, report, force)
     options = dict(format=fmt, include=include, exclude=exclude, layout=layout)
-    if fmt in MX_FORMATS:
+    if mx:
         options.update(axis=axis, scale_rule=scale_rule)
     else:
         options["fp8_scale"] = fp8_scale
@@ -409,7 +425,7 @@ def quantize_checkpoint(
                 spec = None
                 if chosen:
                     spec = make_spec(fmt, info.shape, info.dtype,
-                                     axis=axis if fmt in MX_FORMATS else None,
+                                     axis=axis if mx else None,
                                      scale_rule=scale_rule, layout=layout, fp8_scale=fp8_scale)
                     entries += [(stored, dt, shp) for _, stored, dt, shp in spec.parts(info.name)]
                 else:
@@ -417,7 +433,7 @@ def quantize_checkpoint(
                 plan.append((info, spec, reason))
             _check_collisions(entries, reader.path)
             plans[rel] = (plan, entries)
-        _check_selection(source, plans, include, axis if fmt in MX_FORMATS else None, fmt)
+        _check_selection(source, plans, include, axis if mx else None, fmt)
         out_bytes = sum(nbytes_of(dt, shp) for _, entries in plans.values()
                         for _, dt, shp in entries) + source.other_bytes()
         outputs.check_space(out_bytes)
@@ -505,12 +521,13 @@ def _check_selection(source: Source, plans: dict, include, axis, fmt) -> None:
 
 def _quantize_one(reader, writer, info, spec: TensorSpec, reason, bar) -> TensorReport:
     """Quantizes one tensor piece by piece: read a region, encode it, write each part's
-    region of the output (the per-tensor FP8 scale needs a first pass for the amax)."""
+    region of the output (a per-tensor scale, FP8 or NVFP4, needs a first pass for the
+    amax: the whole tensor's, so that every piece is encoded as the whole tensor is)."""
     view = spec.view
     regions = list(pieces(view, spec.align, CHUNK_ELEMENTS))
     parts = spec.parts(info.name)
     scale = None
-    if spec.fp8_scale == "tensor":
+    if spec.has_tensor_scale:
         amax = 0.0
         for rect in regions:
             amax = max(amax, finite_amax(reader.read_region(info.name, view, rect)))
@@ -674,9 +691,9 @@ def dequantize_checkpoint(
 ) -> ConversionReport:
     """Writes plain safetensors with the quantized tensors of ``src`` decoded.
 
-    Decoding is exactly :func:`lowprec.dequantize` for MX tensors (bit for bit the
-    in-memory round trip), FP8 value × scale in float32 for FP8, and the value for
-    BF16/FP16. Tensors that were kept are copied unchanged; the input's own metadata is
+    Decoding is exactly :func:`lowprec.dequantize` for block (MX, NVFP4) tensors (bit for
+    bit the in-memory round trip; NVFP4 with its stored tensor scale), FP8 value × scale in
+    float32 for FP8, and the value for BF16/FP16. Tensors that were kept are copied unchanged; the input's own metadata is
     kept. Streams piece by piece; outputs are safe as in :func:`quantize_checkpoint`.
 
     Args:

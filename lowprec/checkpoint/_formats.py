@@ -1,28 +1,42 @@
 """Which of lowprec's formats a checkpoint can store, under the library's own names.
 
 One vocabulary: a checkpoint format is named exactly as the library names the format
-(``"mxfp4"``, ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"e4m3"``, ``"e5m2"``, ``"bf16"``,
-``"fp16"``), and every alias the library accepts is accepted here too (``"mxfp8"``,
-``"fp8_e4m3"`` — the name earlier lowprec checkpoints stored —, ``"bfloat16"``, ...).
-Names are resolved by the library's one alias table; scale rules are checked by the
-library's one validator. This module only adds what is specific to files: the
-safetensors dtype a cast format is stored as, and the checkpoint-only options.
+(``"mxfp4"``, ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``,
+``"mxint8"``, ``"nvfp4"``, ``"e4m3"``, ``"e5m2"``, ``"e4m3fnuz"``, ``"e5m2fnuz"``,
+``"bf16"``, ``"fp16"``), and every alias the library accepts is accepted here too
+(``"mxfp8"``, ``"mxfp6"``, ``"fp8_e4m3"`` — the name earlier lowprec checkpoints stored —,
+``"float8_e4m3fnuz"``, ``"bfloat16"``, ...). A block format may carry another block size in
+its name, as the library writes it (``"mxfp4_b16"`` = ``mx_format("mxfp4", block_size=16)``),
+which is how a file records it. Names are resolved by the library's one alias table; scale
+rules are checked by the library's one validator. This module only adds what is specific to
+files: the safetensors dtype a cast format is stored as, and the checkpoint-only options.
+
+Cast formats are the element formats safetensors has a dtype for (its dtype list: F8_E4M3,
+F8_E5M2, F8_E4M3FNUZ, F8_E5M2FNUZ, BF16, F16; safetensors 0.8). The library's other element
+formats (``e4m3ieee``, ``e3m4``, ``e4m3b11fnuz``, P3109, ...) have none, and are refused with
+the list of storable ones. safetensors' sub-byte and scale dtypes (F4, F6_*, F8_E8M0) are not
+offered as casts: an unscaled FP4/FP6/E8M0 weight is not a useful checkpoint, and the block
+formats above store those codes with their scales.
 """
 
 from __future__ import annotations
 
-from .._format import resolve_format
+from .._format import MXFormat, mx_format, resolve_format
 from .._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES
 from .._scale_rules import check_scale_rule as _check_scale_rule
 from ._errors import CheckpointError
 
-#: Block formats a checkpoint can hold (stored as uint8 element codes + E8M0 scales).
-MX_FORMATS = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2")
+#: Block formats a checkpoint can hold (uint8 element codes, packed below 8 bits, + uint8
+#: scale codes: E8M0 for MX, E4M3 and a float32 tensor scale for NVFP4), each also with any
+#: block size the library accepts (``"mxfp4_b16"``).
+MX_FORMATS = ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxint8", "nvfp4")
 #: Element formats a tensor can be cast to: name → (element format, safetensors dtype,
 #: takes a per-tensor scale).
 CAST_FORMATS = {
     "e4m3": ("e4m3", "F8_E4M3", True),
     "e5m2": ("e5m2", "F8_E5M2", True),
+    "e4m3fnuz": ("e4m3fnuz", "F8_E4M3FNUZ", True),
+    "e5m2fnuz": ("e5m2fnuz", "F8_E5M2FNUZ", True),
     "bf16": ("bf16", "BF16", False),
     "fp16": ("fp16", "F16", False),
 }
@@ -38,38 +52,80 @@ __all__ = [
     "LAYOUTS",
     "MX_FORMATS",
     "SCALE_RULES",
+    "block_format",
     "canonical_format",
     "check_fp8_scale",
     "check_layout",
     "check_scale_rule",
+    "is_block_format",
 ]
 
+_STORABLE = (f"{', '.join(FORMATS)} (block formats also with another block size: "
+             "mxfp4_b16, ...)")
 
-def canonical_format(name) -> str:
+
+def is_block_format(name: str) -> bool:
+    """Whether the canonical checkpoint format ``name`` is a block format (any block size)."""
+    return name not in CAST_FORMATS
+
+
+def canonical_format(name, block_size=None) -> str:
     """The checkpoint format for ``name``: the library's canonical format name.
 
     Accepts every name and alias the library accepts (and format objects).
 
+    Args:
+      name: a format name, alias or object.
+      block_size: block formats only: another block size (a power of two from 2 to 1024;
+        None keeps the format's own); the name returned carries it (``"mxfp4_b16"``).
+
     Raises:
-      CheckpointError: for an unknown name, or a format a checkpoint cannot store.
+      CheckpointError: for an unknown name, a format a checkpoint cannot store, or a block
+        size the format cannot take.
 
     Example:
         >>> canonical_format("MXFP8"), canonical_format("fp8_e4m3"), canonical_format("bfloat16")
         ('mxfp8_e4m3', 'e4m3', 'bf16')
+        >>> canonical_format("mxfp6"), canonical_format("mxfp4", block_size=16)
+        ('mxfp6_e2m3', 'mxfp4_b16')
     """
     try:
         fmt = resolve_format(name)
     except (ValueError, TypeError):
         raise CheckpointError(
-            f"unknown checkpoint format {name!r}; choose one of: {', '.join(FORMATS)}"
+            f"unknown checkpoint format {name!r}; choose one of: {_STORABLE}"
         ) from None
-    if fmt.name not in FORMATS:
+    if isinstance(fmt, MXFormat):
+        if fmt.base_name not in MX_FORMATS:  # pragma: no cover - every library block format is
+            raise CheckpointError(f"format {name!r} is not a checkpoint storage format; "
+                                  f"choose one of: {_STORABLE}")
+        if block_size is not None:
+            try:
+                fmt = mx_format(fmt, block_size=block_size)
+            except (ValueError, TypeError) as e:
+                raise CheckpointError(f"block size {block_size!r} for {fmt.name}: {e}") from None
+        return fmt.name
+    if fmt.name not in CAST_FORMATS:
         alias = f" ({fmt.name})" if name != fmt.name else ""
         raise CheckpointError(
-            f"format {name!r}{alias} is not a checkpoint storage format; choose one "
-            f"of: {', '.join(FORMATS)}"
+            f"format {name!r}{alias} is not a checkpoint storage format (casts are the "
+            "element formats that have a safetensors dtype; FP4/FP6/E8M0 codes are stored by "
+            f"the block formats); choose one of: {_STORABLE}"
         )
+    if block_size is not None:
+        raise CheckpointError(f"a block size applies to block formats only, not {fmt.name}")
     return fmt.name
+
+
+def block_format(name: str) -> MXFormat:
+    """The library's :class:`~lowprec.MXFormat` of the canonical block format ``name``.
+
+    Example:
+        >>> fmt = block_format("nvfp4")
+        >>> fmt.block_size, fmt.scale.name, fmt.tensor_scale
+        (16, 'e4m3', True)
+    """
+    return mx_format(name)
 
 
 def check_scale_rule(rule) -> str:

@@ -3,32 +3,51 @@
 A :class:`TensorSpec` says how a logical tensor is stored (format, scale rule, axis,
 layout, original shape and dtype) and names the stored parts:
 
-===============  =======================  ==========================================
-format / layout  stored parts             values
-===============  =======================  ==========================================
-MX, lowprec      ``<name>_elements`` U8   element codes, MXArray.elements (FP4 packed
-                                          two per byte along ``axis``, low nibble first)
-                 ``<name>_scales`` U8     E8M0 codes, MXArray.scales
-mxfp4, gpt-oss   ``<name>_blocks`` U8     [..., K/32, 16] packed FP4 codes
-                 ``<name>_scales`` U8     [..., K/32] E8M0 codes (:func:`lowprec.to_gpt_oss`)
-e4m3 / e5m2      ``<name>`` F8_E4M3/E5M2  FP8(x / s), saturating
-                 ``<name>_scale`` F32 []  s = amax / max_fp8 (``fp8_scale="tensor"``)
-bf16 / fp16      ``<name>`` BF16 / F16    x rounded to nearest even
-===============  =======================  ==========================================
+=================  =======================  ========================================
+format / layout    stored parts             values
+=================  =======================  ========================================
+block, lowprec     ``<name>_elements`` U8   element codes, MXArray.elements: packed
+                                            along ``axis`` as a little-endian bit
+                                            stream (FP4 two per byte, low nibble
+                                            first; FP6 four per three bytes, code j of
+                                            a group in bits 6j..6j+5 of the 24-bit
+                                            word, :func:`lowprec.pack_fp6`); 8-bit
+                                            codes (FP8, MXINT8 two's complement) as is
+                   ``<name>_scales`` U8     scale codes, MXArray.scales: E8M0 (MX);
+                                            E4M3 (NVFP4)
+nvfp4 (+ _bN)      ``<name>_scale`` F32 []  also: the float32 tensor scale
+                                            (MXArray.tensor_scale), as for FP8 casts
+mxfp4, gpt-oss     ``<name>_blocks`` U8     [..., K/32, 16] packed FP4 codes
+                   ``<name>_scales`` U8     [..., K/32] E8M0 codes (:func:`lowprec.to_gpt_oss`)
+e4m3 / e5m2 /      ``<name>`` F8_E4M3 /     FP8(x / s), saturating
+e4m3fnuz /         F8_E5M2 / F8_E4M3FNUZ /
+e5m2fnuz           F8_E5M2FNUZ
+                   ``<name>_scale`` F32 []  s = amax / max_fp8 (``fp8_scale="tensor"``)
+bf16 / fp16        ``<name>`` BF16 / F16    x rounded to nearest even
+=================  =======================  ========================================
+
+A block format's name carries its block size when it is not the format's own (``"mxfp4_b16"``,
+as :func:`lowprec.mx_format` names it), so the metadata's ``format`` says all a reader needs.
+``<name>_scale`` is always the one float32 number that multiplies the whole tensor's decoded
+values (FP8 casts) or block scales (NVFP4); ``<name>_scales`` the per-block codes.
 
 Pieces. A tensor is seen as a 3-D array (P, A, S): P = the product of the dims before the
 block axis, A = the block axis, S = the product of the dims after it (casts: (1, numel, 1)).
 Blocks run along A, so any region ``[p0:p1, a0:a1, s0:s1]`` with a0, a1 multiples of the
-block size holds whole blocks, and each stored part sees the same region with A divided
-by its own factor (packed FP4 elements: 2; scales: 32). :func:`pieces` cuts a tensor into
+block size holds whole blocks, and each stored part sees the same region with A scaled by
+its own factor (elements: code bits / 8, e.g. 1/2 for FP4, 3/4 for FP6; scales: 1 / block
+size; a block is a whole number of bytes). :func:`pieces` cuts a tensor into
 such regions of a bounded number of elements: whole rows of P when they fit, else
 block-aligned ranges of A, else (a huge S) slabs of S one block high — for every axis and
-for 1-D tensors, reading only the bytes of the piece.
+for 1-D tensors, reading only the bytes of the piece. Per-tensor scales are computed over
+the whole tensor first (a pass over the pieces for its amax), so every piece is encoded
+exactly as the whole tensor would be.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Iterator, Optional
 
@@ -36,15 +55,16 @@ from ._errors import CheckpointError
 from ._formats import (
     CAST_FORMATS,
     DEFAULT_SCALE_RULE,
-    MX_FORMATS,
+    block_format,
     canonical_format,
     check_fp8_scale,
     check_layout,
     check_scale_rule,
+    is_block_format,
 )
 from ._safetensors import FLOAT_DTYPES, nbytes_of
 
-BLOCK = 32  # the MX block size of every MX format (OCP MX v1.0)
+BLOCK = 32  # the block size of the OCP MX formats (OCP MX v1.0); others carry theirs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +81,22 @@ class TensorSpec:
 
     @property
     def is_mx(self) -> bool:
-        return self.format in MX_FORMATS
+        """Whether the format is a block format (MX or NVFP4, any block size)."""
+        return is_block_format(self.format)
+
+    @property
+    def block(self):
+        """The library's :class:`~lowprec.MXFormat` (block formats only)."""
+        return block_format(self.format)
+
+    @property
+    def block_size(self) -> int:
+        return self.block.block_size if self.is_mx else 1
+
+    @property
+    def has_tensor_scale(self) -> bool:
+        """Whether a float32 ``<name>_scale`` is stored (NVFP4; FP8 with ``fp8_scale="tensor"``)."""
+        return self.block.tensor_scale if self.is_mx else self.fp8_scale == "tensor"
 
     @property
     def numel(self) -> int:
@@ -78,51 +113,53 @@ class TensorSpec:
     @property
     def align(self) -> int:
         """Piece boundaries along A are multiples of this (the block size for MX)."""
-        return BLOCK if self.is_mx else 1
+        return self.block_size
 
     def parts(self, name: str) -> list:
         """``[(role, stored name, safetensors dtype, stored shape), ...]`` in file order."""
         shape = tuple(self.shape)
         if self.is_mx:
             n = shape[self.axis]
-            groups = n // BLOCK
-            packed = self.format == "mxfp4"
+            groups = n // self.block_size
             if self.layout == "gpt-oss":
                 return [
                     ("blocks", f"{name}_blocks", "U8", shape[:-1] + (groups, BLOCK // 2)),
                     ("scales", f"{name}_scales", "U8", shape[:-1] + (groups,)),
                 ]
             elem = list(shape)
-            elem[self.axis] = n // 2 if packed else n
+            elem[self.axis] = self.part_length("elements", n)
             scales = list(shape)
             scales[self.axis] = groups
-            return [
+            parts = [
                 ("elements", f"{name}_elements", "U8", tuple(elem)),
                 ("scales", f"{name}_scales", "U8", tuple(scales)),
             ]
-        _, st_dtype, _ = CAST_FORMATS[self.format]
-        parts = [("values", name, st_dtype, shape)]
-        if self.fp8_scale == "tensor":
+        else:
+            _, st_dtype, _ = CAST_FORMATS[self.format]
+            parts = [("values", name, st_dtype, shape)]
+        if self.has_tensor_scale:
             parts.append(("scale", f"{name}_scale", "F32", ()))
         return parts
 
-    def divisor(self, role: str) -> Optional[int]:
-        """How many elements along A one stored entry of part ``role`` covers (None: the
-        part is not cut into pieces, e.g. the per-tensor scale)."""
+    def part_length(self, role: str, a: int) -> int:
+        """Entries of part ``role`` along A that hold ``a`` elements of the tensor (``a`` a
+        multiple of the block size): ``a`` times the code bits / 8 for element codes, ``a``
+        / block size for scales, ``a`` for cast values. The per-tensor ``scale`` is not
+        cut into pieces."""
         if role == "scale":
-            return None
+            raise ValueError("the per-tensor scale is not cut into pieces")
         if role == "scales":
-            return BLOCK
+            return a // self.block_size
         if role in ("elements", "blocks"):
-            return 2 if self.format == "mxfp4" else 1
-        return 1
+            return a * self.block.element.code_bits // 8
+        return a
 
     def part_region(self, role: str, rect) -> tuple:
         """``(view, rect)`` of part ``role`` holding the tensor region ``rect``."""
-        k = self.divisor(role)
         P, A, S = self.view
         p0, p1, a0, a1, s0, s1 = rect
-        return (P, A // k, S), (p0, p1, a0 // k, a1 // k, s0, s1)
+        n = functools.partial(self.part_length, role)
+        return (P, n(A), S), (p0, p1, n(a0), n(a1), s0, s1)
 
     def nbytes(self) -> int:
         """Stored bytes (all parts)."""
@@ -156,11 +193,13 @@ class TensorSpec:
                     f"claims original dtype {dtype!r}; a quantized tensor was one of "
                     f"{', '.join(FLOAT_DTYPES)}"
                 )
-            if fmt in MX_FORMATS:
+            if is_block_format(fmt):
                 axis = entry["axis"]
                 if not isinstance(axis, int) or isinstance(axis, bool):
                     raise ValueError(f"axis {axis!r} is not an int")
                 rule = entry.get("scale_rule")
+                if rule is not None and block_format(fmt).tensor_scale:
+                    raise ValueError(f"{fmt} takes no scale rule, got {rule!r}")
                 spec = cls(
                     fmt,
                     shape,
@@ -169,7 +208,7 @@ class TensorSpec:
                     scale_rule=None if rule is None else check_scale_rule(rule),
                     layout=check_layout(entry.get("layout", "lowprec")),
                 )
-                if not 0 <= axis < len(shape) or shape[axis] % BLOCK:
+                if not 0 <= axis < len(shape) or shape[axis] % spec.block_size:
                     raise ValueError(f"axis {axis} does not fit shape {list(shape)}")
                 if spec.layout == "gpt-oss" and (fmt != "mxfp4" or axis != len(shape) - 1):
                     raise ValueError("the gpt-oss layout holds MXFP4 along the last axis only")
@@ -210,17 +249,19 @@ def make_spec(
     fmt = canonical_format(fmt)
     shape = tuple(int(d) for d in shape)
     check_layout(layout)
-    if fmt in MX_FORMATS:
-        scale_rule = check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
+    if is_block_format(fmt):
+        scale_rule = check_block_scale_rule(fmt, scale_rule)
         axis = -1 if axis is None else axis
         if not shape:
             raise CheckpointError("a scalar cannot be MX-quantized (blocks run along an axis)")
         if not -len(shape) <= axis < len(shape):
             raise CheckpointError(f"axis {axis} is out of range for shape {list(shape)}")
         axis %= len(shape)
-        if shape[axis] % BLOCK:
+        block = block_format(fmt).block_size
+        if shape[axis] % block:
             raise CheckpointError(
-                f"axis {axis} has length {shape[axis]}, not a multiple of the MX block size {BLOCK}"
+                f"axis {axis} has length {shape[axis]}, not a multiple of the {fmt} block "
+                f"size {block}"
             )
         if layout == "gpt-oss":
             if fmt != "mxfp4":
@@ -234,6 +275,19 @@ def make_spec(
     check_fp8_scale(fp8_scale)
     takes_scale = CAST_FORMATS[fmt][2]
     return TensorSpec(fmt, shape, dtype, fp8_scale=fp8_scale if takes_scale else None)
+
+
+def check_block_scale_rule(fmt: str, scale_rule) -> Optional[str]:
+    """The scale rule of block format ``fmt``: ``scale_rule`` checked (None: the default),
+    or None for NVFP4, which has its own scale recipe and refuses one."""
+    if block_format(fmt).tensor_scale:
+        if scale_rule is not None:
+            raise CheckpointError(
+                f"{fmt} has its own scale recipe (E4M3 block scales under a float32 tensor "
+                "scale) and takes no scale rule; drop --scale-rule / scale_rule"
+            )
+        return None
+    return check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
 
 
 def check_options_for_cast(fmt: str, *, axis, scale_rule, layout) -> None:

@@ -47,6 +47,8 @@ DTYPES: dict[str, tuple[Optional[np.dtype], int]] = {
     "F8_E4M3": (np.dtype(ml_dtypes.float8_e4m3fn), 8),
     "F8_E5M2": (np.dtype(ml_dtypes.float8_e5m2), 8),
     "F8_E8M0": (np.dtype(ml_dtypes.float8_e8m0fnu), 8),
+    "F8_E4M3FNUZ": (np.dtype(ml_dtypes.float8_e4m3fnuz), 8),
+    "F8_E5M2FNUZ": (np.dtype(ml_dtypes.float8_e5m2fnuz), 8),
     # Sub-byte types: sizes are validated and the raw bytes copied, but not decoded.
     "F4": (None, 4),
     "F6_E2M3": (None, 6),

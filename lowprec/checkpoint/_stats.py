@@ -39,7 +39,7 @@ class ErrorStats:
         self.inf_saturated = 0  # ±inf inputs stored as a finite value
         self.finite_to_nonfinite = 0  # finite inputs that decode to NaN/±inf
         self.nonfinite_changed = 0  # NaN/±inf inputs not decoded as themselves
-        self.nan_blocks = 0  # MX blocks with the NaN scale (0xFF)
+        self.nan_blocks = 0  # blocks with the NaN scale (E8M0 0xFF; NVFP4: E4M3 NaN)
         self.clipped = 0
         self.clip_total = 0
         self._buf = None
@@ -96,8 +96,14 @@ class ErrorStats:
         self.clipped += int(clipped)
         self.clip_total += int(total)
 
-    def add_nan_blocks(self, scales) -> None:
-        self.nan_blocks += int(np.count_nonzero(np.asarray(scales) == E8M0_NAN))
+    def add_nan_blocks(self, scales, nan_table=None) -> None:
+        """Counts the blocks whose scale code is NaN: E8M0 0xFF, or where ``nan_table`` (a
+        boolean per uint8 code, for other scale formats such as NVFP4's E4M3) says so."""
+        scales = np.asarray(scales)
+        if nan_table is None:
+            self.nan_blocks += int(np.count_nonzero(scales == E8M0_NAN))
+        else:
+            self.nan_blocks += int(np.count_nonzero(np.asarray(nan_table)[scales]))
 
     @property
     def sqnr_db(self) -> float:
