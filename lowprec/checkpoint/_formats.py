@@ -96,7 +96,7 @@ def canonical_format(name, block_size=None) -> str:
             f"unknown checkpoint format {name!r}; choose one of: {_STORABLE}"
         ) from None
     if isinstance(fmt, MXFormat):
-        if fmt.base_name not in MX_FORMATS:  # pragma: no cover - every library block format is
+        if fmt.base_name not in MX_FORMATS:  # a block format added to the library but not here
             raise CheckpointError(f"format {name!r} is not a checkpoint storage format; "
                                   f"choose one of: {_STORABLE}")
         if block_size is not None:
