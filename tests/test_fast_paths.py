@@ -216,15 +216,17 @@ def test_philox2x32_known_answers(ctr, key, want):
     assert tuple(int(v) for v in R.philox2x32(key, *ctr)) == want
 
 
-def test_mulhi_is_the_high_word_of_the_64_bit_product():
+@pytest.mark.parametrize("impl", ["_mulhi", "_mulhi_halves"])
+def test_mulhi_is_the_high_word_of_the_64_bit_product(impl):
+    """Both multiply-highs (lax.mulhi where it lowers, 16-bit halves elsewhere) against the
+    exact 64-bit product computed by NumPy."""
     a = np.random.default_rng(1).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
     a[:4] = [0, 1, 2**31, 2**32 - 1]
     want = (a.astype(np.uint64) * np.uint64(_rounding.PHILOX_M2x32)) >> np.uint64(32)
-    got = np.asarray(jax.jit(lambda v: _rounding._mulhi(v, _rounding.PHILOX_M2x32))(a))
-    assert np.array_equal(got.astype(np.uint64), want)
-    if hasattr(lax, "mulhi"):  # JAX's own, where it exists
-        m = jnp.full(a.shape, _rounding.PHILOX_M2x32, jnp.uint32)
-        assert np.array_equal(np.asarray(lax.mulhi(jnp.asarray(a), m)), got)
+    fn = getattr(_rounding, impl)
+    for got in (fn(jnp.asarray(a), _rounding.PHILOX_M2x32),
+                jax.jit(lambda v: fn(v, _rounding.PHILOX_M2x32))(a)):
+        assert np.array_equal(np.asarray(got).astype(np.uint64), want)
 
 
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "raw"])
