@@ -204,9 +204,9 @@ def test_quantization_error_bound_holds(fmt, rounding):
     assert bool(jnp.all(jnp.abs(q - x) <= bound))
 
 
-# The analysis models E8M0-scaled float elements; MXINT8 (fixed-point elements) and NVFP4
-# (E4M3 scales under a tensor scale, no scale rule) are not modelled yet (issue 11's report).
-ANALYSIS_MX = [f for f in lowprec.MX_FORMAT_NAMES if f not in ("mxint8", "nvfp4")]
+# Every E8M0-scaled block format (MXINT8's fixed-point element included); NVFP4 has no scale
+# rule and its own tests below.
+ANALYSIS_MX = [f for f in lowprec.MX_FORMAT_NAMES if not lowprec.mx_format(f).tensor_scale]
 
 
 @pytest.mark.parametrize("fmt", ANALYSIS_MX)
@@ -796,3 +796,160 @@ def test_error_vs_magnitude_and_delta_bars():
     assert lo < min(0, d["delta_lo"].min()) and hi > max(0, d["delta_hi"].max())
     assert ax.get_xlabel() == "Δ vs rceil"
     _render(fig)
+
+
+# --------------------------------------------------------------------------------------
+# formats new in issue 11: element formats, NVFP4, any block size
+# --------------------------------------------------------------------------------------
+import lowprec_reference as R  # noqa: E402
+
+# One of each kind: IEEE-like with inf, fnuz (bias +1, one NaN), bias 11, the FP6 pair,
+# MX INT8's fixed-point element (no normal numbers), P3109 signed/unsigned, precision 1
+# (powers of two only) and P = K (no exponent field).
+NEW_ELEMENTS = ["e4m3ieee", "e3m4", "e4m3fnuz", "e5m2fnuz", "e4m3b11fnuz", "e2m3", "e3m2",
+                "ocp_int8", "p3109_k8p3se", "p3109_k8p4ue", "p3109_k8p1se", "p3109_k8p8se",
+                "p3109_k6p3sf"]
+
+
+def _reference_values(fmt):
+    """Distinct finite values >= 0 of ``fmt`` from the reference decoder (float64, exact)."""
+    v = R.decode(fmt, R.all_codes(fmt))
+    return np.unique(v[np.isfinite(v) & (v >= 0)] + 0.0)   # + 0.0: -0 -> +0
+
+
+@pytest.mark.parametrize("fmt", NEW_ELEMENTS)
+def test_new_element_formats_ulp_is_the_gap_to_the_next_value(fmt):
+    # The spacing at a grid value v is the distance to the next value; for the largest one,
+    # from the previous if that lies in the same binade, else the binade's width (precision
+    # 1: powers of two only). Derived from the reference's decoding of every code.
+    v = _reference_values(fmt)
+    top_binade = 2.0 ** math.floor(math.log2(v[-1]))
+    last = v[-1] - v[-2] if v[-2] >= top_binade else top_binade
+    expected = np.append(np.diff(v), last)
+    got = np.asarray(analysis.ulp(jnp.asarray(v, jnp.float32), fmt), np.float64)
+    np.testing.assert_array_equal(got, expected)
+    # and beyond the largest value the top binade's spacing continues
+    assert float(analysis.ulp(jnp.array([4 * v[-1]], jnp.float32), fmt)[0]) == expected[-1]
+
+
+@pytest.mark.parametrize("fmt", NEW_ELEMENTS)
+def test_new_element_formats_value_tables_match_the_reference(fmt):
+    v = _reference_values(fmt)
+    info = analysis.format_info(fmt)
+    assert info["max_finite"] == v[-1] == float(R.max_finite(fmt))
+    assert info["min_subnormal"] == v[1]
+    signed = lowprec.element_format(fmt).signed
+    assert info["finite_values"] == (2 * (len(v) - 1) + 1 if signed else len(v)) + (
+        fmt == "ocp_int8")                       # INT8's code 0x80 is -2, with no +2
+    np.testing.assert_array_equal(analysis.representable_values(fmt), v)
+    values, gaps = analysis.value_spacing(fmt)
+    np.testing.assert_array_equal(gaps, np.diff(v[1:]))
+
+
+def test_value_table_of_formats_without_normal_numbers():
+    # MX INT8 element: k/64, k in [-128, 127]: no exponent, one spacing 2^-6, 7 bits at the top
+    info = analysis.format_info("ocp_int8")
+    assert info["min_normal"] is None and info["eps"] == 2**-6 and info["normal_binades"] == 0
+    assert info["decimal_digits"] == pytest.approx(7 * math.log10(2))
+    assert analysis.format_info("e2m3")["decimal_digits"] == pytest.approx(4 * math.log10(2))
+    assert analysis.format_info("e2m3")["min_normal"] == 1.0     # E2M3: bias 1, emin 0
+
+
+@pytest.mark.parametrize("fmt, rounding", [(f, "toward_zero" if i % 3 == 2 else "nearest_even")
+                                           for i, f in enumerate(NEW_ELEMENTS)])
+def test_new_element_formats_bounds_and_ulp_errors_hold(fmt, rounding):
+    f = lowprec.element_format(fmt)
+    top = float(R.max_finite(fmt))
+    x = jax.random.normal(jax.random.key(21), (1024,)) * jnp.exp2(
+        jax.random.uniform(jax.random.key(22), (1024,), minval=-12, maxval=4)) * (top / 4)
+    x = jnp.concatenate([x, jnp.array([0.0, 3 * top, -2 * top])])
+    if not f.signed:
+        x = jnp.abs(x)                         # unsigned: negative inputs are NaN
+    q = lowprec.quantize(x, fmt, rounding=rounding, overflow="saturate")
+    bound = analysis.quantization_error_bound(x, fmt, rounding=rounding)
+    assert bool(jnp.all(jnp.abs(q - x) <= bound))
+    inside = np.abs(np.asarray(x)) <= top
+    err = np.asarray(analysis.ulp_error(x, q, fmt))[inside]
+    assert err.max() <= (0.5 if rounding == "nearest_even" else 1.0) and err.max() > 0.25
+    # compare: clipping = |x| beyond the reference max; the median ULP error within half
+    row = analysis.compare(np.asarray(x), fmt, rounding=rounding, overflow="saturate").iloc[0]
+    assert row["clip_rate"] == pytest.approx(np.mean(~inside))
+    assert row["ulp_p50"] <= (0.5 if rounding == "nearest_even" else 1.0) and row["ulp_max"] == pytest.approx(
+        float(analysis.ulp_error(x, q, fmt).max()), rel=1e-6)
+
+
+def test_mxint8_ulp_is_a_fixed_point_grid():
+    # MXINT8 block with max 1.5 -> floor scale 2^0: the grid k/64; max 100 -> 2^6: k
+    x = jnp.concatenate([jnp.array([1.5, 0.01]), jnp.zeros(30), jnp.array([100.0, 0.3]),
+                         jnp.zeros(30)])
+    u = analysis.ulp(x, "mxint8")
+    assert u[:2].tolist() == [2.0**-6, 2.0**-6] and u[32:34].tolist() == [1.0, 1.0]
+    q = lowprec.fake_quantize_mx(x, "mxint8")
+    assert q[33] == 0.0 and analysis.ulp_error(x, q, "mxint8")[33] == pytest.approx(0.3)
+
+
+def _nvfp4_blocks():
+    # Three NVFP4 blocks of 16. amax 2688 -> tensor scale 2688 / 2688 = 1 (exact);
+    # block scales e4m3(amax / 6): 448, e4m3(1.05) = 1 (so 6.3 > 6 is clipped), and
+    # e4m3(0.55) = 0.5625 (E4M3 spacing 1/16 in [0.5, 1): 0.5625 is the nearest).
+    return jnp.concatenate([jnp.array([2688.0]), jnp.zeros(15),
+                            jnp.array([6.3, 1.0]), jnp.zeros(14),
+                            jnp.array([3.3, 0.3]), jnp.zeros(14)])
+
+
+def test_nvfp4_ulp_and_ulp_error_by_hand():
+    x = _nvfp4_blocks()
+    u = analysis.ulp(x, "nvfp4")
+    # x / factor in E2M1's grid: 2688/448 = 6 (spacing 2) -> 896; 6.3 (top binade) -> 2;
+    # 1.0 -> 0.5; 3.3/0.5625 = 5.87 (binade [4, 8): 2) -> 1.125; 0.3/0.5625 (subnormal 0.5)
+    assert [u[i].item() for i in (0, 16, 17, 32, 33)] == [896.0, 2.0, 0.5, 1.125, 0.28125]
+    q = lowprec.fake_quantize_mx(x, "nvfp4")
+    assert q[16] == 6.0                          # clipped to 6 x 1
+    assert analysis.ulp_error(x, q, "nvfp4")[16] == pytest.approx(0.3 / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="scale_rule"):
+        analysis.ulp(x, "nvfp4", scale_rule="floor")
+
+
+def test_nvfp4_bound_holds_and_is_tight():
+    x = jax.random.t(jax.random.key(23), 3.0, (8, 256)) * 1e-3   # shape shared: one compile
+    q = lowprec.fake_quantize_mx(x, "nvfp4")
+    bound = analysis.quantization_error_bound(x, "nvfp4")
+    err = jnp.abs(q - x)
+    assert bool(jnp.all(err <= bound))
+    assert _f(jnp.max(bound)) < 4 * _f(jnp.max(err))
+    # NVFP4's clipping stays within half an ULP: a block scale rounded to nearest E4M3 leaves
+    # amax / factor <= 6 (1 + 2^-4) = 6.375 < 7, half way to the next (absent) value 8
+    ulps = np.asarray(analysis.ulp_error(x, q, "nvfp4"))
+    assert ulps.max() <= 0.5 + 1e-6
+
+
+def test_compare_new_block_formats_and_block_sizes():
+    x = np.asarray(jax.random.t(jax.random.key(24), 3.0, (8, 256)))
+    df = analysis.compare(x, ["mxint8", "mxfp4"], scale_rules=["floor", "rceil"],
+                          block_sizes=[8, 64])
+    keys = df[["format", "scale_rule", "block_size"]].values.tolist()
+    assert keys == [["mxint8_b8", "floor", 8], ["mxint8_b8", "rceil", 8],
+                    ["mxint8_b64", "floor", 64], ["mxint8_b64", "rceil", 64],
+                    ["mxfp4_b8", "floor", 8], ["mxfp4_b8", "rceil", 8],
+                    ["mxfp4_b64", "floor", 64], ["mxfp4_b64", "rceil", 64]]
+    # bits: element bits + 8 scale bits / block size
+    elem_bits = {"mxint8": 8, "mxfp4": 4}
+    for _, row in df.iterrows():
+        base = row["format"].rsplit("_b", 1)[0]
+        assert row["bits_per_element"] == elem_bits[base] + 8 / row["block_size"]
+        q = lowprec.fake_quantize_mx(jnp.asarray(x), base, scale_rule=row["scale_rule"],
+                                     block_size=row["block_size"])
+        assert row["sqnr_db"] == pytest.approx(analysis.sqnr_db(x, q), rel=1e-6)
+    # NVFP4: its own block size, no scale rule (one row whatever rules are asked for)
+    nv = analysis.compare(x, ["nvfp4"], scale_rules=["floor", "rceil"])
+    assert nv[["format", "scale_rule", "block_size", "bits_per_element"]].values.tolist() == [
+        ["nvfp4", None, 16, 4.5]]
+    q = lowprec.fake_quantize_mx(jnp.asarray(x), "nvfp4")
+    assert nv["sqnr_db"].item() == pytest.approx(analysis.sqnr_db(x, q), rel=1e-6)
+    assert nv["clip_rate"].item() == pytest.approx(analysis.mx_clipping_rate(x, "nvfp4"))
+    assert nv["ulp_max"].item() == pytest.approx(
+        float(analysis.ulp_error(x, q, "nvfp4").max()), rel=1e-6)
+    with pytest.raises(ValueError, match="block_size 48"):
+        analysis.compare(x, "mxfp4", block_sizes=[48])
+    with pytest.raises(ValueError, match="whole"):
+        analysis.compare(x, "mxfp6_e2m3", block_sizes=[2])

@@ -8,24 +8,29 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._bits import pow2_f32 as pow2
-from .._bits import times_pow2
 from .._options import ElementCast
-from .._scale_rules import DEFAULT_SCALE_RULE
 from ._common import array_first, as_f32
-from ._ulp import grid, ulp_exponent
+from .._bits import pow2_f32 as pow2
+from ._ulp import grid, grid_max, is_factor, scaled_ulp, ulp_exponent
 
 _NEAREST = ("nearest_even", "nearest_away")
+# NVFP4's recipe rounds twice in float32 around the element's rounding (x / factor, then
+# element × factor), each by at most 2^-24 relative; the bound and its own float32
+# arithmetic add a few more roundings of the same size: 2^-20·|x| covers them all.
+_FACTOR_SLACK = 2.0**-20
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _bound_jit(x, fmt, rounding, scale_exp):
-    n = ulp_exponent(fmt, x, scale_exp)
-    step = pow2(n - 1) if rounding in _NEAREST else pow2(n)
-    max_scaled = jnp.float32(fmt.max_finite)
-    if scale_exp is not None:
-        max_scaled = times_pow2(max_scaled, scale_exp)
-    return jnp.maximum(step, jnp.abs(x) - max_scaled)
+def _bound_jit(x, fmt, rounding, scale):
+    half = rounding in _NEAREST
+    if is_factor(scale):
+        step = scaled_ulp(fmt, x, scale) * (0.5 if half else 1.0)
+    else:  # built from bits: exact also where the spacing is a float32 subnormal
+        step = pow2(ulp_exponent(fmt, x, scale) - (1 if half else 0))
+    bound = jnp.maximum(step, jnp.abs(x) - grid_max(fmt, scale))
+    if is_factor(scale):
+        bound = bound + jnp.float32(_FACTOR_SLACK) * jnp.abs(x)
+    return bound
 
 
 def quantization_error_bound(
@@ -33,7 +38,7 @@ def quantization_error_bound(
     rounding: str = "nearest_even",
     scale_exp=None,
     axis: int = -1,
-    scale_rule: str = DEFAULT_SCALE_RULE,
+    scale_rule=None,
 ) -> jax.Array:
     """``quantization_error_bound(x, fmt)``: a bound on ``|q(x) − x|`` per element, with saturation.
 
@@ -41,14 +46,17 @@ def quantization_error_bound(
     or the whole spacing (directed and stochastic modes); the second term is the clipping
     error of values beyond the largest finite one (``overflow="saturate"``, as in MX). For an
     MX format the grid and the max are those of x's block, scaled by its shared exponent
-    (so ``floor``'s clipping of block maxima is included).
+    (so ``floor``'s clipping of block maxima is included); for NVFP4 by the block's float32
+    factor tensor_scale × block_scale, plus 2^-20·|x| for the float32 roundings of its
+    recipe (the quotient x / factor and the product element × factor).
 
     Args:
       x: values to quantize (rounded to float32 first).
       fmt: element or MX format, or its name.
       rounding: the element rounding mode.
       scale_exp: element formats only: scale the grid by 2^scale_exp.
-      axis, scale_rule: MX formats only, as for :func:`lowprec.quantize_mx`.
+      axis, scale_rule: MX formats only, as for :func:`lowprec.quantize_mx` (None:
+        ``"floor"``; NVFP4 takes none).
 
     Example:
         >>> import jax.numpy as jnp

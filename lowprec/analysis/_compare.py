@@ -22,15 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._bits import E8M0_BIAS, times_pow2
 from .._codec import quantize
-from .._format import ElementFormat, MXFormat, resolve_format
+from .._format import ElementFormat, MXFormat, mx_format, resolve_format
 from .._options import ElementCast
 from .._scale_rules import DEFAULT_SCALE_RULE, check_scale_rule
 from ._common import as_f32
 from ._metrics import _stats
-from ._mx_stats import roundtrip, with_block_size
-from ._ulp import ulp_exponent
+from ._mx_stats import roundtrip
+from ._ulp import error_in_ulps, grid_max
 
 
 DISTRIBUTIONS: tuple[str, ...] = (
@@ -223,13 +222,9 @@ def confidence_interval(values, level: float = 0.95) -> tuple[float, float, floa
 @functools.partial(jax.jit, static_argnums=3)
 def _ulps_and_clip(x, q, s, elem):
     """ULP errors on the (scaled) element grid, NaN where q or x is not finite; clip rate."""
-    if s is None:
-        limit = jnp.float32(elem.max_finite)
-    else:
-        limit = jnp.where(s > E8M0_BIAS, jnp.inf, times_pow2(jnp.float32(elem.max_finite), s))
     finite = jnp.isfinite(x) & jnp.isfinite(q)
-    ulps = jnp.where(finite, times_pow2(jnp.abs(q - x), -ulp_exponent(elem, x, s)), jnp.nan)
-    clip = jnp.mean((jnp.isfinite(x) & (jnp.abs(x) > limit)).astype(jnp.float32))
+    ulps = jnp.where(finite, error_in_ulps(elem, x, q, s), jnp.nan)
+    clip = jnp.mean((jnp.isfinite(x) & (jnp.abs(x) > grid_max(elem, s))).astype(jnp.float32))
     return ulps.ravel(), clip
 
 
@@ -300,7 +295,7 @@ def _configs(formats, scale_rules, block_sizes):
         formats = [formats]
     if isinstance(scale_rules, str):
         scale_rules = [scale_rules]
-    if isinstance(block_sizes, int):
+    if block_sizes is None or isinstance(block_sizes, int):
         block_sizes = [block_sizes]
     scale_rules = [check_scale_rule(rule).value for rule in scale_rules]
     out = []
@@ -310,8 +305,10 @@ def _configs(formats, scale_rules, block_sizes):
             out.append((fmt, None, None, fmt.code_bits))
             continue
         for bs in block_sizes:
-            mfmt = with_block_size(fmt, bs)
-            for rule in scale_rules:
+            mfmt = mx_format(fmt, bs)
+            # NVFP4 has its own scale recipe: one row, no rule (None), never a made-up one.
+            rules = [None] if mfmt.tensor_scale else scale_rules
+            for rule in rules:
                 out.append((mfmt, rule, mfmt.block_size, mfmt.bits_per_element))
     if not out:
         raise ValueError("no configuration to compare: give at least one format")
@@ -323,7 +320,7 @@ def compare(
     formats,
     *,
     scale_rules: Union[str, Iterable[str]] = (DEFAULT_SCALE_RULE.value, "rceil"),
-    block_sizes: Union[int, Iterable[int]] = (32,),
+    block_sizes: Union[None, int, Iterable[int]] = None,
     seeds: Union[None, int, Iterable[int]] = None,
     shape: Sequence[int] = (128, 1024),
     axis: int = -1,
@@ -335,7 +332,9 @@ def compare(
     """Compares formats on an input: one pandas row per format × scale rule × block size.
 
     Columns: ``input``, ``format``, ``scale_rule`` and ``block_size`` (None for element
-    formats), ``bits_per_element`` (scale included for MX), ``n_seeds``, then the metrics —
+    formats; ``scale_rule`` is None for NVFP4 too, whose block scales follow its own recipe),
+    ``bits_per_element`` (block scale included, NVFP4's one tensor scale not), ``n_seeds``,
+    then the metrics —
     ``sqnr_db``, ``max_abs_error``, ``mean_abs_error``, ``max_rel_error``,
     ``mean_rel_error`` (over the elements whose quantized value is finite), ``ulp_p50``,
     ``ulp_p99``, ``ulp_max`` (ULP error quantiles on the format's grid — for MX the element
@@ -350,10 +349,12 @@ def compare(
         drawn with ``shape`` for each seed), a function ``seed -> array``, or a mapping
         label → any of these to compare several inputs (the ``input`` column).
       formats: format names or objects, element and MX mixed.
-      scale_rules: the MX scale rules to try (ignored for element formats).
-      block_sizes: MX block sizes to try. Only each format's own size (32) is available
-        until lowprec's MX formats take other sizes (``mx_format(name, block_size=...)``);
-        another size raises a ValueError saying so.
+      scale_rules: the MX scale rules to try (not applied to element formats, nor to NVFP4,
+        which gets one row with ``scale_rule`` None).
+      block_sizes: block sizes to try for every block format (powers of two 2..1024,
+        ``lowprec.BLOCK_SIZES``; FP6 needs at least 4); None (default): each format's own
+        (32 for OCP MX, 16 for NVFP4). A size given this way appears in the format's name
+        (``"mxfp4_b16"``) as well as in ``block_size``.
       seeds: an int n (``range(n)``) or the seeds themselves. Default: 10 seeds for a
         distribution name or a function, one evaluation for an array (then seeds are only
         allowed with ``rounding="stochastic"``, where they seed the rounding).
@@ -376,6 +377,10 @@ def compare(
         [['e4m3', None, 8.0, 3], ['mxfp4', 'floor', 4.25, 3], ['mxfp4', 'rceil', 4.25, 3]]
         >>> bool((df["sqnr_db_lo"] < df["sqnr_db"]).all())
         True
+        >>> sweep = compare("gaussian", ["mxint8", "nvfp4"], scale_rules="rceil",
+        ...                 block_sizes=[16, 64], seeds=2, shape=(4, 256))
+        >>> sweep[["format", "scale_rule", "block_size"]].values.tolist()
+        [['mxint8_b16', 'rceil', 16], ['mxint8_b64', 'rceil', 64], ['nvfp4', None, 16], ['nvfp4_b64', None, 64]]
         >>> big = compare(np.array([1.0, 500.0, 2.0, 3.0], np.float32), "e4m3")
         >>> big[["overflow_rate", "nan_rate"]].values.tolist()   # 500 -> NaN, counted
         [[0.25, 0.25]]

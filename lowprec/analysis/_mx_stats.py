@@ -1,6 +1,8 @@
-"""MX block helpers: the shared exponent each element sees, and the rate of clipped elements.
+"""MX block helpers: the scale each element sees, and the rate of clipped elements.
 
 Everything here takes the array first and the MX format second, as :func:`lowprec.quantize_mx`.
+The OCP MX formats (E8M0 scales) give each element a shared exponent; NVFP4 gives it a float32
+factor, tensor_scale × block_scale (its block scales are E4M3 values, not powers of two).
 """
 
 from __future__ import annotations
@@ -12,44 +14,46 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._bits import E8M0_BIAS, times_pow2
+from .._bits import E8M0_BIAS, F32_ABS, F32_INF, times_pow2
 from .._blocks import normalize_axis
+from .._codec import decode_bits
 from .._format import MXFormat, MXFormatLike, mx_format
 from .._mx import dequantize, quantize_mx, shared_exponents
+from .._nvfp4 import total_scale_bits
 from .._scale_rules import DEFAULT_SCALE_RULE
 from ._common import as_f32, scalar
 
 
-def with_block_size(fmt: MXFormat, block_size) -> MXFormat:
-    """``fmt`` with ``block_size`` elements per block, or a clear error while unsupported."""
-    if block_size is None or block_size == fmt.block_size:
-        return fmt
-    try:  # block sizes other than the format's own arrive with mx_format(name, block_size=)
-        return mx_format(fmt.name, block_size=int(block_size))
-    except TypeError:
-        raise ValueError(
-            f"block_size={block_size} is not available yet: this lowprec builds {fmt.name!r} "
-            f"with blocks of {fmt.block_size} only (other sizes need "
-            f"mx_format({fmt.name!r}, block_size=...)); use block_size={fmt.block_size}"
-        ) from None
+def _per_element(per_block, fmt: MXFormat, axis: int, n: int):
+    """Per-block scales -> one per element along ``axis``, padding dropped."""
+    per_block = jnp.repeat(per_block, fmt.block_size, axis=axis)
+    return lax.slice_in_dim(per_block, 0, n, axis=axis)
 
 
-def _per_element(exps, fmt: MXFormat, axis: int, n: int):
-    """Per-block shared exponents -> one per element along ``axis``, padding dropped."""
-    exps = jnp.repeat(exps, fmt.block_size, axis=axis)
-    return lax.slice_in_dim(exps, 0, n, axis=axis)
+def block_factors(mx) -> jax.Array:
+    """float32 factor ``tensor_scale × block_scale`` of each block of an NVFP4-style MXArray,
+    rounded as the quantizer's divisor and the dequantizer's factor are (NaN for a NaN block)."""
+    ts_bits = lax.bitcast_convert_type(jnp.asarray(mx.tensor_scale, jnp.float32), jnp.uint32)
+    total = total_scale_bits(mx.scales, ts_bits, mx.fmt.scale)
+    nan = (decode_bits(mx.fmt.scale, mx.scales) & F32_ABS) > F32_INF
+    return jnp.where(nan, jnp.nan, lax.bitcast_convert_type(total, jnp.float32))
 
 
 def roundtrip(x, fmt: MXFormat, axis: int, scale_rule, rounding: str = "nearest_even", key=None):
-    """``(fake-quantized x, per-element shared exponent)`` from one ``quantize_mx`` call.
+    """``(fake-quantized x, per-element scale)`` from one ``quantize_mx`` call.
 
+    The scale is the shared exponent (int32; a NaN/inf block, scale code 0xFF, gives 128)
+    for E8M0-scaled formats, the float32 factor tensor_scale × block_scale for NVFP4.
     ``x`` is zero-padded to whole blocks (zeros change no block maximum) and the padding is
     dropped again. Works under ``jit`` and ``vmap``.
     """
     x = as_f32(x)
     mx = quantize_mx(x, fmt, axis=axis, scale_rule=scale_rule, rounding=rounding, pad=True, key=key)
-    exps = mx.scales.astype(jnp.int32) - E8M0_BIAS  # 0xFF (a NaN/inf block) gives 128
-    return dequantize(mx), _per_element(exps, mx.fmt, mx.axis, x.shape[mx.axis])
+    if mx.fmt.tensor_scale:
+        per_block = block_factors(mx)
+    else:
+        per_block = mx.scales.astype(jnp.int32) - E8M0_BIAS
+    return dequantize(mx), _per_element(per_block, mx.fmt, mx.axis, x.shape[mx.axis])
 
 
 def mx_scale_exponents(
@@ -79,19 +83,22 @@ def mx_scale_exponents(
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _mx_clip(x, fmt, axis, scale_rule):
-    s = mx_scale_exponents(x, fmt, axis=axis, scale_rule=scale_rule)
-    limit = jnp.where(s > E8M0_BIAS, jnp.inf, times_pow2(jnp.float32(fmt.element.max_finite), s))
+    if fmt.tensor_scale:
+        _, f = roundtrip(x, fmt, axis, None)
+        limit = jnp.where(jnp.isnan(f), jnp.inf, jnp.float32(fmt.element.max_finite) * f)
+    else:
+        s = mx_scale_exponents(x, fmt, axis=axis, scale_rule=scale_rule)
+        limit = jnp.where(s > E8M0_BIAS, jnp.inf, times_pow2(jnp.float32(fmt.element.max_finite), s))
     return jnp.mean((jnp.abs(x) > limit).astype(jnp.float32))
 
 
-def mx_clipping_rate(
-    x, fmt: MXFormatLike, *, axis: int = -1, scale_rule=DEFAULT_SCALE_RULE
-):
-    """Fraction of elements whose magnitude exceeds their block's range ``max_elem·2^scale``.
+def mx_clipping_rate(x, fmt: MXFormatLike, *, axis: int = -1, scale_rule=None):
+    """Fraction of elements whose magnitude exceeds their block's range ``max_elem·scale``.
 
-    Those elements saturate to ± the element maximum. With ``scale_rule="floor"`` a block
-    max above 1.75·2^emax_elem (FP8) or 1.5·2^emax_elem (FP4) is clipped; ``ceil`` and
-    ``rceil`` never clip.
+    Those elements saturate to ± the element maximum. With ``scale_rule="floor"`` (the
+    default, None) a block max above 1.75·2^emax_elem (FP8) or 1.5·2^emax_elem (FP4) is
+    clipped; ``ceil`` and ``rceil`` never clip. NVFP4 (no scale rule) clips a block max
+    that its E4M3 block scale, rounded to nearest, leaves above 6 × tensor_scale × scale.
 
     Returns:
       A Python float (a 0-d array while traced).
@@ -103,6 +110,9 @@ def mx_clipping_rate(
         0.015625
         >>> mx_clipping_rate(x, "mxfp4", scale_rule="ceil")
         0.0
+        >>> y = jnp.array([2688.0] + [0.0] * 15 + [6.3] + [0.0] * 15)   # tensor scale 1
+        >>> mx_clipping_rate(y, "nvfp4")   # block 2: scale e4m3(6.3 / 6) = 1, 6.3 > 6
+        0.03125
     """
     fmt = mx_format(fmt)
     x = as_f32(x)

@@ -77,7 +77,9 @@ def format_info(fmt: FormatLike) -> dict:
     object), with the quantities error studies quote. Keys: ``name``, ``bits``, ``exponent_bits``, ``mantissa_bits``, ``max_finite``,
     ``min_normal``, ``min_subnormal`` (smallest positive value), ``eps`` (gap above 1),
     ``unit_roundoff`` (eps/2: max relative error of round-to-nearest in the normal range),
-    ``decimal_digits`` (log10 2^(mantissa_bits+1)), ``dynamic_range_binades``
+    ``decimal_digits`` (log10 2^p, p the significant bits of the top binade:
+    mantissa_bits + 1, or mantissa_bits for a format without normal numbers such as the MX
+    INT8 element, whose ``min_normal`` is None), ``dynamic_range_binades``
     (log2 max_finite/min_subnormal), ``normal_binades`` (emax − emin + 1),
     ``finite_values`` (distinct finite values, ±0 counted once), ``inf``, ``nan``.
 
@@ -87,20 +89,27 @@ def format_info(fmt: FormatLike) -> dict:
         (448.0, 0.001953125, 253)
         >>> round(info["dynamic_range_binades"], 2)
         17.81
+        >>> i8 = format_info("ocp_int8")   # MXINT8's element: k/64 for k in [-128, 127]
+        >>> i8["max_finite"], i8["min_subnormal"], i8["min_normal"], i8["finite_values"]
+        (1.984375, 0.015625, None, 256)
     """
     fmt = _element(fmt, "format_info")
     fi = finfo(fmt)
+    has_normals = fmt.emax >= fmt.emin
+    # Significant bits of the top binade: M + 1 with an implicit bit; M where every value
+    # is "subnormal" (MX INT8 k/64: 7 bits for 127).
+    top_bits = fmt.emax - fmt.top_quantum_exponent + 1
     return {
         "name": fi.name,
         "bits": fi.bits,
         "exponent_bits": fi.nexp,
         "mantissa_bits": fi.nmant,
         "max_finite": fi.max,
-        "min_normal": fi.smallest_normal,
+        "min_normal": fi.smallest_normal if has_normals else None,
         "min_subnormal": fi.smallest_subnormal,
         "eps": fi.eps,
         "unit_roundoff": fi.eps / 2,
-        "decimal_digits": (fi.nmant + 1) * math.log10(2),
+        "decimal_digits": top_bits * math.log10(2),
         "dynamic_range_binades": math.log2(fi.max) - math.log2(fi.smallest_subnormal),
         "normal_binades": fi.maxexp - fi.minexp,   # emax - emin + 1
         "finite_values": int(len(_all_finite_values(fmt.name))),
