@@ -32,6 +32,8 @@ try:
 except ImportError:  # the independent implementation is optional
     st_numpy = None
 
+from helpers.checkpoints import bits, raw_tensors, save  # noqa: E402
+
 needs_safetensors = pytest.mark.skipif(st_numpy is None, reason="safetensors not installed")
 
 # The published gpt-oss / Hugging Face MXFP4 decoder's table (gpt_oss/torch/weights.py,
@@ -63,28 +65,6 @@ def weights(rng, shape, dtype=np.float32):
         flat[1] = 0.0  # an all-zero block
         flat[2] *= np.float32(2.0**-120)  # float32 subnormals
     return x.astype(dtype)
-
-
-def save(path, tensors: dict, metadata=None):
-    """Writes a checkpoint with the safetensors package when present (an independent writer)."""
-    if st_numpy is not None:
-        st_numpy.save_file(tensors, str(path), metadata=metadata)
-    else:
-        entries = [(k, lowprec.checkpoint._safetensors.dtype_name(v.dtype), v.shape)
-                   for k, v in tensors.items()]
-        with SafetensorsWriter(path, entries, metadata) as w:
-            for k, v in tensors.items():
-                w.write(k, v)
-
-
-def raw_tensors(path) -> dict:
-    with SafetensorsReader(path) as r:
-        return {name: r.read(name) for name in r.tensors}
-
-
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
 def sha(path) -> str:

@@ -18,7 +18,6 @@ import lowprec.checkpoint._convert as convert_mod
 from lowprec.checkpoint import (
     CheckpointError,
     SafetensorsReader,
-    SafetensorsWriter,
     canonical_format,
     dequantize_checkpoint,
     inspect_checkpoint,
@@ -26,28 +25,12 @@ from lowprec.checkpoint import (
     quantize_checkpoint,
 )
 
+from helpers.checkpoints import bits, raw_tensors, save
+
 try:
     from safetensors import safe_open
 except ImportError:  # the independent implementation is optional
     safe_open = None
-
-
-def save(path, tensors: dict):
-    entries = [(k, lowprec.checkpoint._safetensors.dtype_name(v.dtype), v.shape)
-               for k, v in tensors.items()]
-    with SafetensorsWriter(path, entries) as w:
-        for k, v in tensors.items():
-            w.write(k, v)
-
-
-def raw(path) -> dict:
-    with SafetensorsReader(path) as r:
-        return {name: r.read(name) for name in r.tensors}
-
-
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
 def weights(rng, shape, dtype=np.float32):
@@ -92,7 +75,7 @@ def test_block_format_round_trip_matches_reference_and_library(tmp_path, fmt, ru
     fmt_obj = lowprec.mx_format(name)
     (t,) = rep.tensors
     assert t.format == name and t.scale_rule == rule
-    stored = raw(out)
+    stored = raw_tensors(out)
     base = fmt_obj.base_name
     # reference/: unpacked codes, scale codes (and the NVFP4 tensor scale)
     got_ref = ref.quantize_mx(np.asarray(x, np.float32), base, scale_rule=rule or "floor",
@@ -115,7 +98,7 @@ def test_block_format_round_trip_matches_reference_and_library(tmp_path, fmt, ru
     np.testing.assert_array_equal(bits(got32), bits(want32))
     np.testing.assert_array_equal(got32.astype(np.float64), ref_values)
     dequantize_checkpoint(out, back)
-    got = raw(back)["w"]
+    got = raw_tensors(back)["w"]
     assert got.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(bits(got), bits(lowprec.dequantize(mx, dtype)))
     # the metadata names the format with its block size; inspect shows it
@@ -139,7 +122,7 @@ def test_pieces_equal_whole_tensor_for_every_axis(tmp_path, monkeypatch, fmt):
     for axis in (-1, 0):
         out = tmp_path / f"q{axis}.safetensors"
         quantize_checkpoint(path, out, fmt, axis=axis, include="w")
-        stored = raw(out)
+        stored = raw_tensors(out)
         mx = lowprec.quantize_mx(jnp.asarray(x), fmt, axis=axis)
         np.testing.assert_array_equal(stored["w_elements"], np.asarray(mx.elements))
         np.testing.assert_array_equal(stored["w_scales"], np.asarray(mx.scales))
@@ -164,8 +147,8 @@ def test_nvfp4_report_counts_clipped_and_nan_blocks(tmp_path):
     save(path, {"w": x})
     (t,) = quantize_checkpoint(path, out, "nvfp4", include="w").tensors
     assert t.clipped_fraction == pytest.approx(1 / 5)
-    assert t.nan_blocks == 1 and raw(out)["w_scales"][0, 4] == 0x7F
-    assert float(raw(out)["w_scale"]) == 1.0
+    assert t.nan_blocks == 1 and raw_tensors(out)["w_scales"][0, 4] == 0x7F
+    assert float(raw_tensors(out)["w_scale"]) == 1.0
 
 
 @pytest.mark.parametrize("fmt,dtype,st_dtype", [
@@ -180,7 +163,7 @@ def test_fnuz_casts_match_ml_dtypes(tmp_path, fmt, dtype, st_dtype):
     path, out = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
     save(path, {"w": x})
     (t,) = quantize_checkpoint(path, out, fmt, include="w").tensors
-    stored = raw(out)
+    stored = raw_tensors(out)
     fmax = np.float32(ml_dtypes.finfo(dtype).max)
     s = np.float32(np.abs(x).max()) / fmax
     assert bits(stored["w_scale"]) == bits(s)
