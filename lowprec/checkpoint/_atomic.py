@@ -237,7 +237,32 @@ def _tmpfile_works(directory: str) -> bool:
     return _TMPFILE_OK[dev]
 
 
-class AtomicFile:
+class Transaction:
+    """Context-manager protocol of an output that is finished or undone as a whole: leaving
+    the ``with`` block normally calls :meth:`finish` (and :meth:`abort` if that fails), an
+    exception calls :meth:`abort`."""
+
+    def finish(self) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def abort(self) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            try:
+                self.finish()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.abort()
+
+
+class AtomicFile(Transaction):
     """A new file at ``path``, invisible until :meth:`commit` renames it into place.
 
     ``commit()`` = ``stage()`` (fsync, give the temp file its recognisable name) then
@@ -338,6 +363,8 @@ class AtomicFile:
         self.stage()
         self.publish()
 
+    finish = commit  # what leaving a ``with`` block does
+
     def abort(self) -> None:
         """Discards the data; the destination is left as it was."""
         if self._fd is not None:
@@ -355,18 +382,6 @@ class AtomicFile:
         if self.state != "done":
             self.state = "aborted"
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            try:
-                self.commit()
-            except BaseException:
-                self.abort()
-                raise
-        else:
-            self.abort()
 
     def __del__(self):  # a writer dropped without commit leaves nothing behind
         try:
@@ -383,7 +398,7 @@ def abort_all() -> None:
             f.abort()
 
 
-class OutputSet:
+class OutputSet(Transaction):
     """Several outputs published together: each is staged when complete, all are renamed
     into place at the end (index files last), and all are removed if anything fails."""
 
@@ -401,19 +416,9 @@ class OutputSet:
         for f in self.files:
             f.publish()
 
+    finish = publish
+
     def abort(self) -> None:
         for f in self.files:
             f.abort()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            try:
-                self.publish()
-            except BaseException:
-                self.abort()
-                raise
-        else:
-            self.abort()

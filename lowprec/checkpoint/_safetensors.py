@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 import ml_dtypes
 import numpy as np
 
-from ._atomic import AtomicFile, Inputs
+from ._atomic import AtomicFile, Inputs, Transaction
 from ._errors import CheckpointError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the reference (Rust) implementation enforces
@@ -386,7 +386,7 @@ class SafetensorsReader:
             pos += n
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(Transaction):
     """Writes a safetensors file tensor by tensor (or region by region) atomically.
 
     The header (names, dtypes, shapes, metadata) is fixed up front, so every tensor's place
@@ -512,18 +512,8 @@ class SafetensorsWriter:
         self.stage()
         self._file.publish()
 
+    finish = commit
+
     def abort(self) -> None:
         self._file.abort()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            try:
-                self.commit()
-            except BaseException:
-                self.abort()
-                raise
-        else:
-            self.abort()
