@@ -64,8 +64,23 @@ def check_random_bits(random_bits, shape: tuple, what: str = "x's shape") -> Non
         )
 
 
+class _Randomness:
+    """What an options object with a ``rounding`` field answers about random words."""
+
+    rounding: str
+
+    @property
+    def stochastic(self) -> bool:
+        return self.rounding == "stochastic"
+
+    def check_key(self, key, random_bits=None) -> None:
+        """Stochastic rounding needs a key or random words (one of them); every other mode
+        refuses both."""
+        _check_key(self.rounding, key, random_bits)
+
+
 @dataclasses.dataclass(frozen=True)
-class ElementCast:
+class ElementCast(_Randomness):
     """How values are rounded to an element format (the options of ``encode``/``quantize``).
 
     Example:
@@ -83,18 +98,9 @@ class ElementCast:
         object.__setattr__(self, "rounding", check_rounding(fmt, self.rounding))
         object.__setattr__(self, "overflow", check_overflow(self.overflow))
 
-    @property
-    def stochastic(self) -> bool:
-        return self.rounding == "stochastic"
-
-    def check_key(self, key, random_bits=None) -> None:
-        """Stochastic rounding needs a key or random words (one of them); every other mode
-        refuses both."""
-        _check_key(self.rounding, key, random_bits)
-
 
 @dataclasses.dataclass(frozen=True)
-class MXCast:
+class MXCast(_Randomness):
     """How an array is block-quantized (the options of ``quantize_mx``/``fake_quantize_mx``).
 
     Elements always saturate to ± the element maximum (OCP MX v1.0). ``scale_rule`` chooses
@@ -122,15 +128,6 @@ class MXCast:
             rule = DEFAULT_SCALE_RULE if self.scale_rule is None else check_scale_rule(self.scale_rule)
         object.__setattr__(self, "scale_rule", rule)
         object.__setattr__(self, "rounding", check_rounding(fmt.element, self.rounding))
-
-    @property
-    def stochastic(self) -> bool:
-        return self.rounding == "stochastic"
-
-    def check_key(self, key, random_bits=None) -> None:
-        """Stochastic rounding needs a key or random words (one of them); every other mode
-        refuses both."""
-        _check_key(self.rounding, key, random_bits)
 
 
 def check_no_scale_rule(fmt: MXFormat, scale_rule, func: str) -> None:
