@@ -87,11 +87,15 @@ def _clip_limits(fmt) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
+def _scale_values(scale_fmt) -> np.ndarray:
+    """The value of each uint8 scale code (float64; decoded once per scale format)."""
+    return np.asarray(decode(jnp.arange(256, dtype=jnp.uint8), scale_fmt), np.float64)
+
+
 def _scale_nan(scale_fmt) -> np.ndarray:
     """For each uint8 scale code: whether it is the scale format's NaN (E8M0: 0xFF; E4M3:
     0x7F and 0xFF), i.e. marks a block that held a NaN or an infinity."""
-    values = np.asarray(decode(jnp.arange(256, dtype=jnp.uint8), scale_fmt))
-    return np.isnan(values)
+    return np.isnan(_scale_values(scale_fmt))
 
 
 def _mx_clipped(x, scales: np.ndarray, fmt, ts=None) -> tuple:
@@ -108,7 +112,7 @@ def _mx_clipped(x, scales: np.ndarray, fmt, ts=None) -> tuple:
     if fmt.tensor_scale:
         # ts × E4M3 (≤ 4 significant bits) is exact in float64; rounding it to float32 is the
         # quantizer's divisor; × max_elem in float64 is exact again. NaN scales compare False.
-        block = np.asarray(decode(jnp.arange(256, dtype=jnp.uint8), fmt.scale), np.float64)
+        block = _scale_values(fmt.scale)
         with np.errstate(over="ignore", invalid="ignore"):
             total = (block * np.float64(ts)).astype(np.float32).astype(np.float64)
             clipped = amax.view(np.float32) > total[codes] * fmt.element.max_finite
