@@ -1,6 +1,6 @@
 """Every code block of README.md runs exactly as written.
 
-Blocks run in order, in one fresh temporary directory (so a later block may use the files an
+Blocks run in order, in one test and one fresh temporary directory (so a later block may use the files an
 earlier one made): ``python`` blocks are executed in a fresh namespace each, ``bash`` blocks
 with ``bash -euo pipefail`` and the ``lowprec`` command of this interpreter's environment on
 PATH. A block that cannot run here says so in an HTML comment on the line before it,
@@ -45,11 +45,6 @@ def blocks() -> list:
 BLOCKS = blocks()
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("readme")
-
-
 def test_blocks_are_found_and_labelled():
     assert len(BLOCKS) >= 5
     assert all(lang in ("python", "bash") for _, lang, _, _ in BLOCKS), "label every block"
@@ -69,16 +64,22 @@ def test_setup_is_two_commands_naming_python_venv_and_extras():
     assert "Python 3.10 or newer" in text and "`[cli]`" in text
 
 
-@pytest.mark.parametrize("line,lang,code,why", BLOCKS, ids=[f"line{b[0]}-{b[1]}" for b in BLOCKS])
-def test_block_runs(line, lang, code, why, workdir, monkeypatch):
-    if why:
-        pytest.skip(f"illustrative only: {why}")
-    monkeypatch.chdir(workdir)
-    if lang == "python":
-        exec(compile(code, f"README.md:{line}", "exec"), {"__name__": f"readme_line{line}"})
-        return
+def test_every_block_runs_in_order(tmp_path, monkeypatch):
+    # One test for all blocks, not one per block: a later block uses the files an earlier one
+    # made, and pytest-xdist may run separate tests on separate workers in any order.
+    monkeypatch.chdir(tmp_path)
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=workdir, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"README.md line {line}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    ran = 0
+    for line, lang, code, why in BLOCKS:
+        if why:
+            continue  # illustrative only; its shape is checked above
+        if lang == "python":
+            exec(compile(code, f"README.md:{line}", "exec"), {"__name__": f"readme_line{line}"})
+        else:
+            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path,
+                                  env=env, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, (
+                f"README.md line {line}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        ran += 1
+    assert ran == len(BLOCKS) - 1  # every block but the set-up one
