@@ -434,49 +434,25 @@ def quantize_checkpoint(
             _check_collisions(entries, reader.path)
             plans[rel] = (plan, entries)
         _check_selection(source, plans, include, axis if mx else None, fmt)
-        out_bytes = sum(nbytes_of(dt, shp) for _, entries in plans.values()
-                        for _, dt, shp in entries) + source.other_bytes()
-        outputs.check_space(out_bytes)
-        in_bytes = sum(i.nbytes for r in readers.values() for i in r.tensors.values())
-        bar = _progress(in_bytes + source.other_bytes(), "quantize", progress)
-        reports, weight_map = [], {}
-        try:
-            with outputs.folder(), OutputSet() as outs:
-                for rel, reader in readers.items():
-                    plan, entries = plans[rel]
-                    metadata = {k: v for k, v in reader.metadata.items()
-                                if not k.startswith("lowprec.")}
-                    metadata[METADATA_VERSION_KEY] = METADATA_VERSION
-                    metadata[METADATA_KEY] = json.dumps(
-                        {info.name: spec.to_json(info.name) for info, spec, _ in plan
-                         if spec is not None},
-                        separators=(",", ":"),
-                    )
-                    writer = SafetensorsWriter(outputs.path(rel), entries, metadata, force=force,
-                                               inputs=source.inputs)
-                    outs.add(writer.atomic_file)
-                    for info, spec, reason in plan:
-                        bar.set_postfix_str(info.name[-40:], refresh=False)
-                        if spec is None:
-                            _copy_tensor(reader, writer, info.name, bar)
-                            rep = TensorReport(info.name, info.shape, info.dtype, "kept",
-                                               info.nbytes, info.nbytes, reason=reason)
-                        else:
-                            rep = _quantize_one(reader, writer, info, spec, reason, bar)
-                        if source.is_folder:
-                            rep.shard = rel
-                        reports.append(rep)
-                    for name, _, _ in entries:
-                        weight_map[name] = rel
-                    writer.stage()
-                _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar)
-                result = ConversionReport(source.given, outputs.dst, "quantize", options, reports,
-                                          time.perf_counter() - start, skipped=source.skipped)
-                if outputs.report is not None:
-                    _write_text(outputs.report, result.to_json() + "\n", outs, outputs, "report")
-        finally:
-            bar.close()
-    return result
+
+        def metadata(plan) -> dict:
+            specs = {info.name: spec.to_json(info.name) for info, spec, _ in plan
+                     if spec is not None}
+            return {METADATA_VERSION_KEY: METADATA_VERSION,
+                    METADATA_KEY: json.dumps(specs, separators=(",", ":"))}
+
+        def convert(reader, writer, item, bar) -> TensorReport:
+            info, spec, reason = item
+            bar.set_postfix_str(info.name[-40:], refresh=False)
+            if spec is None:
+                _copy_tensor(reader, writer, info.name, bar)
+                return TensorReport(info.name, info.shape, info.dtype, "kept",
+                                    info.nbytes, info.nbytes, reason=reason)
+            return _quantize_one(reader, writer, info, spec, reason, bar)
+
+        return _write_outputs(source, outputs, readers, plans, "quantize", options, start,
+                              force=force, progress=progress, metadata=metadata,
+                              convert=convert)
 
 
 def _finish(source, outputs, outs, weight_map, total_size, bar) -> None:
@@ -488,6 +464,46 @@ def _finish(source, outputs, outs, weight_map, total_size, bar) -> None:
     if source.index_name is not None:
         text = _index_text(source, weight_map, total_size)
         _write_text(outputs.path(source.index_name), text, outs, outputs)
+
+
+def _write_outputs(source, outputs, readers, plans, op, options, start, *, force, progress,
+                   metadata, convert) -> ConversionReport:
+    """The write phase shared by quantize and dequantize: checks free space, then, per shard,
+    one atomic safetensors writer (the input's metadata minus lowprec's, plus
+    ``metadata(plan)``) fed by ``convert(reader, writer, item, bar) -> TensorReport`` for
+    each planned tensor; then the folder's other files and index, and the report. Every
+    output is published together at the end, or none is."""
+    out_bytes = sum(nbytes_of(dt, shp) for _, entries in plans.values()
+                    for _, dt, shp in entries) + source.other_bytes()
+    outputs.check_space(out_bytes)
+    in_bytes = sum(i.nbytes for r in readers.values() for i in r.tensors.values())
+    bar = _progress(in_bytes + source.other_bytes(), op, progress)
+    reports, weight_map = [], {}
+    try:
+        with outputs.folder(), OutputSet() as outs:
+            for rel, reader in readers.items():
+                plan, entries = plans[rel]
+                meta = {k: v for k, v in reader.metadata.items() if not k.startswith("lowprec.")}
+                meta.update(metadata(plan))
+                writer = SafetensorsWriter(outputs.path(rel), entries, meta, force=force,
+                                           inputs=source.inputs)
+                outs.add(writer.atomic_file)
+                for item in plan:
+                    rep = convert(reader, writer, item, bar)
+                    if source.is_folder:
+                        rep.shard = rel
+                    reports.append(rep)
+                for name, _, _ in entries:
+                    weight_map[name] = rel
+                writer.stage()
+            _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar)
+            result = ConversionReport(source.given, outputs.dst, op, options, reports,
+                                      time.perf_counter() - start, skipped=source.skipped)
+            if outputs.report is not None:
+                _write_text(outputs.report, result.to_json() + "\n", outs, outputs, "report")
+    finally:
+        bar.close()
+    return result
 
 
 def _check_selection(source: Source, plans: dict, include, axis, fmt) -> None:
@@ -721,7 +737,7 @@ def dequantize_checkpoint(
                 else:
                     any_quantized = True
                     entries.append((name, out_dtype or spec.dtype, spec.shape))
-                plan.append((name, spec, parts))
+                plan.append((name, spec, parts, entries[-1][1]))
             _check_collisions(entries, reader.path)
             plans[rel] = (plan, entries)
         if not any_quantized:
@@ -729,54 +745,26 @@ def dequantize_checkpoint(
                 f"{source.given}: holds no quantized tensors (no {METADATA_KEY} metadata and "
                 "no gpt-oss *_blocks/*_scales pairs); nothing to decode"
             )
-        out_bytes = sum(nbytes_of(dt, shp) for _, entries in plans.values()
-                        for _, dt, shp in entries) + source.other_bytes()
-        outputs.check_space(out_bytes)
-        in_bytes = sum(i.nbytes for r in readers.values() for i in r.tensors.values())
-        bar = _progress(in_bytes + source.other_bytes(), "dequantize", progress)
-        reports, weight_map = [], {}
-        try:
-            with outputs.folder(), OutputSet() as outs:
-                for rel, reader in readers.items():
-                    plan, entries = plans[rel]
-                    metadata = {k: v for k, v in reader.metadata.items()
-                                if not k.startswith("lowprec.")}
-                    writer = SafetensorsWriter(outputs.path(rel), entries, metadata, force=force,
-                                               inputs=source.inputs)
-                    outs.add(writer.atomic_file)
-                    for (name, spec, parts), (_, st, _) in zip(plan, entries):
-                        bar.set_postfix_str(name[-40:], refresh=False)
-                        if spec is None:
-                            info = reader.tensors[name]
-                            _copy_tensor(reader, writer, name, bar)
-                            rep = TensorReport(name, info.shape, info.dtype, "kept",
-                                               info.nbytes, info.nbytes, reason="not quantized")
-                        else:
-                            before = sum(reader.tensors[p[1]].nbytes for p in parts)
-                            np_dtype = numpy_dtype(st)
-                            for rect, values in _decode_regions(reader, spec, parts, np_dtype):
-                                writer.write_region(name, spec.view, rect, values)
-                            bar.update(before)
-                            rep = TensorReport(
-                                name, spec.shape, st, spec.format, before, nbytes_of(st, spec.shape),
-                                reason=f"decoded from {', '.join(p[1] for p in parts)}",
-                                scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts))
-                        if source.is_folder:
-                            rep.shard = rel
-                        reports.append(rep)
-                    for name, _, _ in entries:
-                        weight_map[name] = rel
-                    writer.stage()
-                _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar)
-                options = {"dtype": dtype or "original"}
-                result = ConversionReport(source.given, outputs.dst, "dequantize", options,
-                                          reports, time.perf_counter() - start,
-                                          skipped=source.skipped)
-                if outputs.report is not None:
-                    _write_text(outputs.report, result.to_json() + "\n", outs, outputs, "report")
-        finally:
-            bar.close()
-    return result
+        def convert(reader, writer, item, bar) -> TensorReport:
+            name, spec, parts, st = item
+            bar.set_postfix_str(name[-40:], refresh=False)
+            if spec is None:
+                info = reader.tensors[name]
+                _copy_tensor(reader, writer, name, bar)
+                return TensorReport(name, info.shape, info.dtype, "kept",
+                                    info.nbytes, info.nbytes, reason="not quantized")
+            before = sum(reader.tensors[p[1]].nbytes for p in parts)
+            for rect, values in _decode_regions(reader, spec, parts, numpy_dtype(st)):
+                writer.write_region(name, spec.view, rect, values)
+            bar.update(before)
+            return TensorReport(
+                name, spec.shape, st, spec.format, before, nbytes_of(st, spec.shape),
+                reason=f"decoded from {', '.join(p[1] for p in parts)}",
+                scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts))
+
+        return _write_outputs(source, outputs, readers, plans, "dequantize",
+                              {"dtype": dtype or "original"}, start, force=force,
+                              progress=progress, metadata=lambda plan: {}, convert=convert)
 
 
 def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None) -> dict:
