@@ -22,11 +22,11 @@ from typing import Optional, Union
 
 import numpy as np
 
+from .._format import mx_format
 from ._atomic import AtomicFile, OutputSet, check_output
 from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
 from ._errors import CheckpointError
 from ._formats import (
-    block_format,
     canonical_format,
     check_fp8_scale,
     check_layout,
@@ -126,7 +126,7 @@ def select_tensor(info, fmt: str, include, exclude, axis: Optional[int]) -> tupl
         axis = -1 if axis is None else axis
         if not -len(info.shape) <= axis < len(info.shape):
             return False, f"no axis {axis}"
-        block = block_format(fmt).block_size
+        block = mx_format(fmt).block_size
         if info.shape[axis] % block:
             return False, f"axis len {info.shape[axis]} % {block} != 0"
     elif info.dtype == {"bf16": "BF16", "fp16": "F16"}.get(fmt):

@@ -52,7 +52,6 @@ __all__ = [
     "LAYOUTS",
     "MX_FORMATS",
     "SCALE_RULES",
-    "block_format",
     "canonical_format",
     "check_fp8_scale",
     "check_layout",
@@ -115,17 +114,6 @@ def canonical_format(name, block_size=None) -> str:
     if block_size is not None:
         raise CheckpointError(f"a block size applies to block formats only, not {fmt.name}")
     return fmt.name
-
-
-def block_format(name: str) -> MXFormat:
-    """The library's :class:`~lowprec.MXFormat` of the canonical block format ``name``.
-
-    Example:
-        >>> fmt = block_format("nvfp4")
-        >>> fmt.block_size, fmt.scale.name, fmt.tensor_scale
-        (16, 'e4m3', True)
-    """
-    return mx_format(name)
 
 
 def check_scale_rule(rule) -> str:

@@ -51,11 +51,11 @@ import functools
 import math
 from typing import Iterator, Optional
 
+from .._format import mx_format
 from ._errors import CheckpointError
 from ._formats import (
     CAST_FORMATS,
     DEFAULT_SCALE_RULE,
-    block_format,
     canonical_format,
     check_fp8_scale,
     check_layout,
@@ -87,7 +87,7 @@ class TensorSpec:
     @property
     def block(self):
         """The library's :class:`~lowprec.MXFormat` (block formats only)."""
-        return block_format(self.format)
+        return mx_format(self.format)
 
     @property
     def block_size(self) -> int:
@@ -198,7 +198,7 @@ class TensorSpec:
                 if not isinstance(axis, int) or isinstance(axis, bool):
                     raise ValueError(f"axis {axis!r} is not an int")
                 rule = entry.get("scale_rule")
-                if rule is not None and block_format(fmt).tensor_scale:
+                if rule is not None and mx_format(fmt).tensor_scale:
                     raise ValueError(f"{fmt} takes no scale rule, got {rule!r}")
                 spec = cls(
                     fmt,
@@ -257,7 +257,7 @@ def make_spec(
         if not -len(shape) <= axis < len(shape):
             raise CheckpointError(f"axis {axis} is out of range for shape {list(shape)}")
         axis %= len(shape)
-        block = block_format(fmt).block_size
+        block = mx_format(fmt).block_size
         if shape[axis] % block:
             raise CheckpointError(
                 f"axis {axis} has length {shape[axis]}, not a multiple of the {fmt} block "
@@ -280,7 +280,7 @@ def make_spec(
 def check_block_scale_rule(fmt: str, scale_rule) -> Optional[str]:
     """The scale rule of block format ``fmt``: ``scale_rule`` checked (None: the default),
     or None for NVFP4, which has its own scale recipe and refuses one."""
-    if block_format(fmt).tensor_scale:
+    if mx_format(fmt).tensor_scale:
         if scale_rule is not None:
             raise CheckpointError(
                 f"{fmt} has its own scale recipe (E4M3 block scales under a float32 tensor "
