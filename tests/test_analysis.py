@@ -546,16 +546,24 @@ def test_mx_ulp_by_hand():
 pd = pytest.importorskip("pandas")
 
 
+def _keys(df, cols=("format", "scale_rule", "block_size")):
+    """The key columns as plain lists, <NA> as None."""
+    return [[None if pd.isna(v) else v for v in row] for row in df[list(cols)].astype(object).values.tolist()]
+
+
 def test_compare_matches_direct_computations_on_an_array():
     x = np.asarray(jax.random.t(jax.random.key(12), 3.0, (32, 128)))
     df = analysis.compare(x, ["e4m3", "bf16", "mxfp4"], scale_rules=["floor", "rceil"])
-    assert df[["format", "scale_rule", "block_size"]].values.tolist() == [
+    # nullable dtypes (not object columns holding None): <NA> for element formats
+    assert _keys(df) == [
         ["e4m3", None, None], ["bf16", None, None], ["mxfp4", "floor", 32], ["mxfp4", "rceil", 32]]
+    assert {c: str(df[c].dtype) for c in ("format", "scale_rule", "block_size")} == {
+        "format": "string", "scale_rule": "string", "block_size": "Int64"}
     assert df["bits_per_element"].tolist() == [8.0, 16.0, 4.25, 4.25]
     assert df["n_seeds"].tolist() == [1, 1, 1, 1]
     assert "sqnr_db_lo" not in df                         # one evaluation: no interval
     for _, row in df.iterrows():
-        if row["scale_rule"] is None:
+        if pd.isna(row["scale_rule"]):
             q = lowprec.quantize(jnp.asarray(x), row["format"])
             u = analysis.ulp_error(x, q, row["format"])
             limit = lowprec.element_format(row["format"]).max_finite
@@ -595,9 +603,12 @@ def test_compare_over_seeds_gives_means_and_t_intervals():
     runs = analysis.compare("laplace", ["e5m2", "mxfp8_e4m3"], scale_rules=["floor", "rceil"],
                             seeds=[3, 4, 5, 6], shape=(16, 256), per_seed=True)
     assert len(runs) == 12 and sorted(set(runs["seed"])) == [3, 4, 5, 6]
-    # each per-seed row is the array comparison of that seed's sample
-    one = analysis.compare(analysis.sample("laplace", (16, 256), seed=5), "e5m2")
-    assert runs[(runs["seed"] == 5) & (runs["format"] == "e5m2")]["sqnr_db"].item() == one["sqnr_db"].item()
+    # each per-seed row is the array comparison of that seed's sample, drawn at the seed's
+    # dithered scale 2^phase (the default for a distribution name)
+    one = analysis.compare(analysis.sample("laplace", (16, 256), seed=5, phase="dither"), "e5m2")
+    row5 = runs[(runs["seed"] == 5) & (runs["format"] == "e5m2")]
+    assert row5["sqnr_db"].item() == one["sqnr_db"].item()
+    assert row5["phase"].item() == analysis.phase_of("dither", 5)
     summary = analysis.summarize(runs)
     assert summary.equals(analysis.compare("laplace", ["e5m2", "mxfp8_e4m3"], scale_rules=["floor", "rceil"],
                                            seeds=[3, 4, 5, 6], shape=(16, 256)))
@@ -927,7 +938,7 @@ def test_compare_new_block_formats_and_block_sizes():
     x = np.asarray(jax.random.t(jax.random.key(24), 3.0, (8, 256)))
     df = analysis.compare(x, ["mxint8", "mxfp4"], scale_rules=["floor", "rceil"],
                           block_sizes=[8, 64])
-    keys = df[["format", "scale_rule", "block_size"]].values.tolist()
+    keys = _keys(df)
     assert keys == [["mxint8_b8", "floor", 8], ["mxint8_b8", "rceil", 8],
                     ["mxint8_b64", "floor", 64], ["mxint8_b64", "rceil", 64],
                     ["mxfp4_b8", "floor", 8], ["mxfp4_b8", "rceil", 8],
@@ -942,7 +953,7 @@ def test_compare_new_block_formats_and_block_sizes():
         assert row["sqnr_db"] == pytest.approx(analysis.sqnr_db(x, q), rel=1e-6)
     # NVFP4: its own block size, no scale rule (one row whatever rules are asked for)
     nv = analysis.compare(x, ["nvfp4"], scale_rules=["floor", "rceil"])
-    assert nv[["format", "scale_rule", "block_size", "bits_per_element"]].values.tolist() == [
+    assert _keys(nv, ("format", "scale_rule", "block_size", "bits_per_element")) == [
         ["nvfp4", None, 16, 4.5]]
     q = lowprec.fake_quantize_mx(jnp.asarray(x), "nvfp4")
     assert nv["sqnr_db"].item() == pytest.approx(analysis.sqnr_db(x, q), rel=1e-6)

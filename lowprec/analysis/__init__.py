@@ -20,7 +20,9 @@ it makes sense (ULPs, bounds, :func:`compare`).
   :func:`format_info`, :func:`format_table`, :func:`markdown_table`.
 * Comparison (``_compare``, needs pandas: ``pip install 'lowprec[analysis]'``):
   :func:`compare`, :func:`summarize`, :func:`paired_delta`, :func:`confidence_interval`,
-  :func:`sample`, :data:`DISTRIBUTIONS`, :func:`row_subsets`.
+  :func:`sample`, :data:`DISTRIBUTIONS`, :func:`row_subsets`; the scale phase
+  (:func:`phase_of`, :func:`phase_sweep`) and the tidy export :func:`long_format`.
+* Per-block view (``_views``, needs pandas): :func:`block_stats`.
 * Plots (``_plots``, need matplotlib: ``pip install 'lowprec[notebooks]'``, imported only
   when a plot is drawn): :func:`plot_value_grid`, :func:`plot_spacing`,
   :func:`plot_histograms`, :func:`plot_error_vs_magnitude`, :func:`plot_curves`,
@@ -41,7 +43,10 @@ from ._compare import (
     DISTRIBUTIONS,
     compare,
     confidence_interval,
+    long_format,
     paired_delta,
+    phase_of,
+    phase_sweep,
     row_subsets,
     sample,
     summarize,
@@ -71,12 +76,14 @@ from ._plots import (
     plot_spacing,
     plot_value_grid,
 )
+from ._views import block_stats
 from ._stochastic import quantized_cumsum, rounding_neighbors, stochastic_rounding_stats
 from ._ulp import ulp, ulp_error
 from ._values import format_info, format_table, markdown_table, representable_values, value_spacing
 
 __all__ = [
     "DISTRIBUTIONS",
+    "block_stats",
     "clipping_rate",
     "compare",
     "confidence_interval",
@@ -89,12 +96,15 @@ __all__ = [
     "max_rel_error",
     "mean_abs_error",
     "mean_error",
+    "long_format",
     "mean_rel_error",
     "mx_clipping_rate",
     "mx_scale_exponents",
     "nan_rate",
     "overflow_rate",
     "paired_delta",
+    "phase_of",
+    "phase_sweep",
     "plot_curves",
     "plot_delta_bars",
     "plot_error_vs_magnitude",

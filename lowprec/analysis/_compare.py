@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._codec import quantize
+from .._blocks import check_block_input, normalize_axis
 from .._format import ElementFormat, MXFormat, mx_format, resolve_format
 from .._options import ElementCast
 from .._scale_rules import DEFAULT_SCALE_RULE, check_scale_rule
@@ -54,9 +55,22 @@ METRICS: tuple[str, ...] = (
     "underflow_rate",
     "overflow_rate",
     "nan_rate",
+    "bias",
+    "rmse",
+    "nmse",
+    "cosine",
+    "matmul_rel_error",
 )
 _KEYS = ("input", "format", "scale_rule", "block_size")
 _RATES = ("clip_rate", "underflow_rate", "overflow_rate", "nan_rate")
+# Ranges a metric cannot leave: its interval is clipped to them (a t interval need not know).
+_RANGES = {**{m: (0.0, 1.0) for m in _RATES}, "cosine": (-1.0, 1.0), "nmse": (0.0, math.inf),
+           "rmse": (0.0, math.inf), "matmul_rel_error": (0.0, math.inf)}
+# Columns other than the metrics and their intervals, in order.
+_ID_COLUMNS = ("input", "format", "scale_rule", "block_size", "bits_per_element", "n_seeds",
+               "seed", "phase")
+_MATMUL_N = 64          # columns of the fixed Gaussian operand of matmul_rel_error
+_MATMUL_SEED = 0x6D6D   # "mm"
 _DEFAULT_SEEDS = 10
 _T_RE = re.compile(r"student-t\(\s*([0-9]*\.?[0-9]+)\s*\)$")
 
@@ -64,7 +78,13 @@ _T_RE = re.compile(r"student-t\(\s*([0-9]*\.?[0-9]+)\s*\)$")
 # ------------------------------------------------------------------------------------------
 # inputs
 # ------------------------------------------------------------------------------------------
-def sample(distribution: str, shape: Sequence[int] = (128, 1024), *, seed: int = 0) -> np.ndarray:
+def sample(
+    distribution: str,
+    shape: Sequence[int] = (128, 1024),
+    *,
+    seed: int = 0,
+    phase: Union[None, float, str] = None,
+) -> np.ndarray:
     """Draws a float32 array from a named distribution (NumPy's PCG64 generator, seeded).
 
     Names: ``"gaussian"`` (standard normal), ``"laplace"`` (scale 1), ``"uniform"`` on
@@ -72,13 +92,30 @@ def sample(distribution: str, shape: Sequence[int] = (128, 1024), *, seed: int =
     ``"lognormal"`` (exp of a standard normal, random sign) and ``"gauss+outliers"``
     (standard normal with 0.1 % of the entries multiplied by 100).
 
+    Args:
+      distribution: one of the names above.
+      shape: the shape drawn.
+      seed: seed of the generator.
+      phase: scale the draw by 2^phase (computed in float64, rounded once to float32):
+        None or 0 (default) leaves the unit scale; a number p gives σ = 2^p; ``"dither"``
+        draws p uniformly in [0, 1) from its own stream of ``seed`` (the values are those
+        of the unscaled draw times 2^p). With power-of-two scales (every MX format, and
+        element formats away from their range limits) the metrics are periodic in log2 σ
+        with period 1, so a fixed σ = 1 measures one point of that period only; see
+        :func:`phase_of` and :func:`phase_sweep`.
+
     Example:
         >>> x = sample("student-t(3)", (4, 32), seed=1)
         >>> x.shape, x.dtype.name
         ((4, 32), 'float32')
         >>> bool((sample("gaussian", (8,), seed=3) == sample("gaussian", (8,), seed=3)).all())
         True
+        >>> p = phase_of("dither", 3)          # in [0, 1), fixed by the seed
+        >>> y = sample("gaussian", (8,), seed=3, phase="dither")
+        >>> bool(np.allclose(y, sample("gaussian", (8,), seed=3) * 2.0**p, rtol=1e-6))
+        True
     """
+    p = phase_of(phase, seed)
     rng = np.random.default_rng(seed)
     shape = tuple(int(s) for s in shape)
     name = distribution.strip().lower()
@@ -103,7 +140,40 @@ def sample(distribution: str, shape: Sequence[int] = (128, 1024), *, seed: int =
             "(student-t takes any ν, e.g. 'student-t(5)'), or pass an array or a function of "
             "a seed"
         )
+    if p:
+        x = x * 2.0**p
     return x.astype(np.float32)
+
+
+_PHASE_STREAM = 0x70686173   # "phas": the phase's own stream, independent of the draw's
+
+
+def phase_of(phase: Union[None, float, str], seed: Optional[int] = 0) -> float:
+    """The log2 scale factor that ``phase`` means for ``seed`` (see :func:`sample`).
+
+    None → 0.0; a finite number → itself; ``"dither"`` → a uniform draw in [0, 1) from
+    NumPy's PCG64 seeded with ``(seed, 0x70686173)``, a stream separate from the data's.
+
+    Example:
+        >>> phase_of(None), phase_of(0.25)
+        (0.0, 0.25)
+        >>> 0 <= phase_of("dither", 7) < 1 and phase_of("dither", 7) == phase_of("dither", 7)
+        True
+    """
+    if phase is None:
+        return 0.0
+    if isinstance(phase, str):
+        if phase != "dither":
+            raise ValueError(
+                f"phase must be None, a number (log2 of the scale) or 'dither', got {phase!r}"
+            )
+        if seed is None or int(seed) < 0:
+            raise ValueError(f"phase='dither' needs a non-negative integer seed, got {seed!r}")
+        return float(np.random.default_rng([int(seed), _PHASE_STREAM]).random())
+    p = float(phase)
+    if not math.isfinite(p):
+        raise ValueError(f"phase must be finite (log2 of the scale), got {phase!r}")
+    return p
 
 
 def row_subsets(x, n: int, *, size: Optional[int] = None, seed: int = 0) -> Callable[[int], np.ndarray]:
@@ -228,24 +298,70 @@ def _ulps_and_clip(x, q, s, elem):
     return ulps.ravel(), clip
 
 
-def _evaluate(x, fmt, scale_rule, axis, rounding, overflow, key):
-    # Built from lowprec's own jitted kernels (one compile per format and rule) and two small
-    # jitted tails shared by all configurations of a shape, rather than one big jit per
-    # configuration: compilation, not arithmetic, dominates a comparison on CPU.
+@jax.jit
+def _power_sums(r, a):
+    """Σr², Σ(a−r)², Σa², Σra over the finite pairs (after dividing by max|r|, so no square
+    overflows), and the number of finite pairs."""
+    finite = jnp.isfinite(r) & jnp.isfinite(a)
+    r0, a0 = jnp.where(finite, r, 0.0), jnp.where(finite, a, 0.0)
+    scale = jnp.max(jnp.abs(r0), initial=0.0)
+    scale = jnp.where(scale > 0, scale, 1.0)
+    r0, a0 = r0 / scale, a0 / scale
+    return (jnp.sum(r0 * r0), jnp.sum(jnp.square(a0 - r0)), jnp.sum(a0 * a0), jnp.sum(r0 * a0),
+            jnp.sum(finite))
+
+
+def _quantized(x, fmt, scale_rule, axis, rounding, overflow, key):
+    """(fake-quantized x, per-element scale or None, element format)."""
     if isinstance(fmt, MXFormat):
         q, s = roundtrip(x, fmt, axis, scale_rule, rounding, key)
-        elem = fmt.element
-    else:
-        q = quantize(x, fmt, rounding=rounding, overflow=overflow, key=key, dtype=jnp.float32)
-        elem, s = fmt, None
+        return q, s, fmt.element
+    q = quantize(x, fmt, rounding=rounding, overflow=overflow, key=key, dtype=jnp.float32)
+    return q, None, fmt
+
+
+def _evaluate(x, fmt, scale_rule, axis, rounding, overflow, key):
+    # Built from lowprec's own jitted kernels (one compile per format and rule) and small
+    # jitted tails shared by all configurations of a shape, rather than one big jit per
+    # configuration: compilation, not arithmetic, dominates a comparison on CPU.
+    q, s, elem = _quantized(x, fmt, scale_rule, axis, rounding, overflow, key)
     stats = dict(_stats(x, q))
     ulps, stats["clip_rate"] = _ulps_and_clip(x, q, s, elem)
+    stats["_sums"] = _power_sums(x, q)
     # ULP quantiles are taken on the host: NumPy's partition-based quantile is O(n), XLA's
     # CPU sort is not (it dominated the whole evaluation).
-    return stats, ulps
+    return stats, ulps, q
 
 
-def _metrics_row(stats, ulps) -> dict:
+@functools.lru_cache(maxsize=64)
+def _matmul_operand(fmt, scale_rule, k: int, rounding: str, overflow: str):
+    """(W, q(W)) in float64: a fixed standard Gaussian [k, 64] and its quantization with the
+    same configuration, blocks along k (the contraction axis). Cached: one per configuration."""
+    w = np.random.default_rng([k, _MATMUL_SEED]).standard_normal((_MATMUL_N, k)).astype(np.float32)
+    key = jax.random.key(_MATMUL_SEED) if rounding == "stochastic" else None
+    qw, _, _ = _quantized(jnp.asarray(w), fmt, scale_rule, 1, rounding, overflow, key)
+    return w.T.astype(np.float64), np.asarray(qw, np.float64).T
+
+
+def _matmul_rel_error(x, q, axis, fmt, scale_rule, rounding, overflow) -> float:
+    """‖q(x)·q(W) − x·W‖_F / ‖x·W‖_F, contraction along the block axis, in float64; rows of
+    x holding a non-finite x or q are left out (NaN if none is left)."""
+    x = np.moveaxis(np.asarray(x, np.float64), axis, -1)
+    q = np.moveaxis(np.asarray(q, np.float64), axis, -1)
+    k = x.shape[-1]
+    x, q = x.reshape(-1, k), q.reshape(-1, k)
+    rows = np.isfinite(x).all(axis=1) & np.isfinite(q).all(axis=1)
+    if not rows.any():
+        return math.nan
+    w, qw = _matmul_operand(fmt, scale_rule, k, rounding, overflow)
+    if not np.isfinite(qw).all():
+        return math.nan
+    y = x[rows] @ w
+    norm = float(np.linalg.norm(y))
+    return float(np.linalg.norm(q[rows] @ qw - y)) / norm if norm > 0 else math.nan
+
+
+def _metrics_row(stats, ulps, matmul: float) -> dict:
     ulps = np.asarray(ulps, np.float64)
     ulps = ulps[np.isfinite(ulps)]
     if ulps.size:
@@ -254,7 +370,18 @@ def _metrics_row(stats, ulps) -> dict:
     else:
         p50 = p99 = top = math.nan
     row = {m: float(stats[m]) for m in METRICS if m in stats}
-    row.update(ulp_p50=float(p50), ulp_p99=float(p99), ulp_max=float(top))
+    row.update(ulp_p50=float(p50), ulp_p99=float(p99), ulp_max=float(top),
+               bias=float(stats["mean_error"]), rmse=float(stats["rms_error"]),
+               matmul_rel_error=matmul)
+    signal, noise, qq, cross, n = (float(v) for v in stats["_sums"])
+    row["nmse"] = noise / signal if signal > 0 else math.nan
+    row["cosine"] = cross / math.sqrt(signal * qq) if signal > 0 and qq > 0 else math.nan
+    if n == 0:   # nothing finite to score (e.g. everything overflowed): errors are undefined
+        for m in ("sqnr_db", "max_abs_error", "mean_abs_error", "max_rel_error",
+                  "mean_rel_error", "bias", "rmse"):
+            row[m] = math.nan
+    elif signal == 0:   # an all-zero signal: a ratio to it is undefined, not +inf
+        row["sqnr_db"] = math.nan
     return {m: row[m] for m in METRICS}
 
 
@@ -268,14 +395,34 @@ def _pandas():
     return pandas
 
 
-def _frame(records):
-    """DataFrame whose ``scale_rule``/``block_size`` keep None (not NaN) for element formats."""
+# Nullable dtypes: an element format has no scale rule nor block size (<NA>), an array input
+# no seed; never an object column holding None.
+_DTYPES = {"input": "string", "format": "string", "scale_rule": "string", "block_size": "Int64",
+           "bits_per_element": "float64", "n_seeds": "int64", "seed": "Int64", "phase": "float64",
+           "baseline": "string", "n_pairs": "int64", "metric": "string"}
+
+
+def _frame(records, columns=None):
+    """DataFrame of ``records`` with the key columns in nullable dtypes, the rest float64."""
     pd = _pandas()
-    frame = pd.DataFrame.from_records(records)
-    for col in ("scale_rule", "block_size"):
-        if col in frame:
-            frame[col] = pd.Series([r[col] for r in records], index=frame.index, dtype=object)
+    frame = pd.DataFrame.from_records(records, columns=columns)
+    for col in frame.columns:
+        dtype = _DTYPES.get(col, "float64")
+        if col in _DTYPES and dtype in ("string", "Int64"):
+            values = [None if _is_missing(v) else v for v in frame[col].tolist()]
+            frame[col] = pd.array(values, dtype=dtype)
+        else:
+            frame[col] = frame[col].astype(dtype)
     return frame
+
+
+def _is_missing(v) -> bool:
+    if v is None:
+        return True
+    try:
+        return bool(_pandas().isna(v))
+    except (TypeError, ValueError):
+        return False
 
 
 def _inputs(x) -> dict:
@@ -306,13 +453,41 @@ def _configs(formats, scale_rules, block_sizes):
             continue
         for bs in block_sizes:
             mfmt = mx_format(fmt, bs)
-            # NVFP4 has its own scale recipe: one row, no rule (None), never a made-up one.
+            # NVFP4 has its own scale recipe: one row, no rule (<NA>), never a made-up one.
             rules = [None] if mfmt.tensor_scale else scale_rules
             for rule in rules:
                 out.append((mfmt, rule, mfmt.block_size, mfmt.bits_per_element))
     if not out:
         raise ValueError("no configuration to compare: give at least one format")
     return out
+
+
+def _check_data(data, label: str, configs, axis, pad: bool) -> int:
+    """Validates one evaluated input; returns the normalized block axis."""
+    if data.ndim == 0:
+        raise ValueError(f"input {label!r} is a scalar; compare needs an array")
+    ax = normalize_axis(axis, data.ndim)
+    if data.size == 0:
+        raise ValueError(
+            f"input {label!r} is empty (shape {tuple(data.shape)}); compare needs at least one "
+            "element (an empty input has no SQNR)"
+        )
+    if not bool(jnp.any(jnp.isfinite(data))):
+        raise ValueError(
+            f"input {label!r} has no finite element (all NaN/inf); there is nothing to score — "
+            "compare measures errors over the finite elements"
+        )
+    for fmt, *_ in configs:   # the rule of quantize_mx: a partial block needs pad=True
+        if isinstance(fmt, MXFormat):
+            check_block_input(data.shape, np.float32, fmt, ax, pad, "compare")
+    return ax
+
+
+def _scaled(data, p: float):
+    """data × 2^p, in float64 and rounded once to float32 (unchanged for p = 0)."""
+    if not p:
+        return data
+    return jnp.asarray((np.asarray(data, np.float64) * 2.0**p).astype(np.float32))
 
 
 def compare(
@@ -328,21 +503,41 @@ def compare(
     overflow: str = "ieee",
     level: float = 0.95,
     per_seed: bool = False,
+    phase: Union[None, float, str] = None,
+    pad: bool = False,
 ):
     """Compares formats on an input: one pandas row per format × scale rule × block size.
 
-    Columns: ``input``, ``format``, ``scale_rule`` and ``block_size`` (None for element
-    formats; ``scale_rule`` is None for NVFP4 too, whose block scales follow its own recipe),
-    ``bits_per_element`` (block scale included, NVFP4's one tensor scale not), ``n_seeds``,
-    then the metrics —
+    Columns: ``input``, ``format``, ``scale_rule`` and ``block_size`` (nullable ``string``
+    and ``Int64``: <NA> for element formats; ``scale_rule`` is <NA> for NVFP4 too, whose block
+    scales follow its own recipe), ``bits_per_element`` (block scale included, NVFP4's one
+    tensor scale not), ``n_seeds``, then the metrics —
     ``sqnr_db``, ``max_abs_error``, ``mean_abs_error``, ``max_rel_error``,
     ``mean_rel_error`` (over the elements whose quantized value is finite), ``ulp_p50``,
     ``ulp_p99``, ``ulp_max`` (ULP error quantiles on the format's grid — for MX the element
     grid scaled by each block's exponent), ``clip_rate`` (|x| beyond the largest value of its
     grid), ``underflow_rate`` (nonzero → 0), ``overflow_rate`` (finite → inf or NaN, e.g. E4M3
-    |x| > 464 under the default ``overflow="ieee"``) and ``nan_rate`` (→ NaN). With several
-    seeds each metric is the mean over seeds, with ``<metric>_lo`` / ``<metric>_hi`` columns
-    bounding a ``level`` confidence interval (Student t; rates clipped to [0, 1]).
+    |x| > 464 under the default ``overflow="ieee"``), ``nan_rate`` (→ NaN), ``bias`` (mean of
+    q − x), ``rmse``, ``nmse`` (Σ(q − x)² / Σx² = 10^(−SQNR/10)), ``cosine`` (cosine similarity
+    of q and x) and ``matmul_rel_error``: ‖q(x)·q(W) − x·W‖_F / ‖x·W‖_F for a fixed standard
+    Gaussian W of shape [K, 64], quantized with the same configuration, contracting the block
+    axis of x (length K; blocks of both operands along it, as in an MX matmul), in float64 so
+    only the quantization of the two operands counts. The error metrics are taken over the
+    finite pairs (rows of finite pairs for the matmul); where no pair is finite they are NaN,
+    and a signal of zeros has SQNR/NMSE/cosine NaN (undefined), never +inf.
+    With several seeds each metric is the mean over seeds, with ``<metric>_lo`` /
+    ``<metric>_hi`` columns bounding a ``level`` confidence interval (Student t; clipped to
+    the metric's range: rates to [0, 1], cosine to [−1, 1]).
+
+    **Scale phase.** MX scales are powers of two, so every metric is periodic in log2 of the
+    input's scale σ with period 1, and a distribution drawn at σ = 1 measures one phase of
+    that period only: MXFP8 E4M3 floor − rceil on Gaussian data runs from about −0.7 to −1.4
+    dB over an octave of σ. So by default a distribution name is drawn at σ = 2^p with p
+    uniform in [0, 1) per seed (``phase="dither"``, see :func:`sample`), and the interval
+    over seeds covers the phase as well as the data; arrays and functions keep their own
+    scale. ``phase=0.0`` gives the unit scale; a number p scales every input by 2^p;
+    ``"dither"`` dithers every input (arrays and functions too, then seeds vary the phase).
+    :func:`phase_sweep` reports the range over phases instead of averaging over it.
 
     Args:
       x: the input: an array (evaluated once), a distribution name (see :func:`sample`;
@@ -350,21 +545,27 @@ def compare(
         label → any of these to compare several inputs (the ``input`` column).
       formats: format names or objects, element and MX mixed.
       scale_rules: the MX scale rules to try (not applied to element formats, nor to NVFP4,
-        which gets one row with ``scale_rule`` None).
+        which gets one row with ``scale_rule`` <NA>).
       block_sizes: block sizes to try for every block format (powers of two 2..1024,
         ``lowprec.BLOCK_SIZES``; FP6 needs at least 4); None (default): each format's own
         (32 for OCP MX, 16 for NVFP4). A size given this way appears in the format's name
         (``"mxfp4_b16"``) as well as in ``block_size``.
       seeds: an int n (``range(n)``) or the seeds themselves. Default: 10 seeds for a
-        distribution name or a function, one evaluation for an array (then seeds are only
-        allowed with ``rounding="stochastic"``, where they seed the rounding).
+        distribution name, a function or a dithered input, one evaluation for an array
+        (then seeds are only allowed with ``rounding="stochastic"``, where they seed the
+        rounding, or with ``phase="dither"``).
       shape: the shape drawn for a distribution name.
-      axis: the MX block axis.
+      axis: the MX block axis (and the contraction axis of ``matmul_rel_error``); out of
+        range raises.
       rounding, overflow: element rounding mode and overflow policy (MX elements always
         saturate). ``rounding="stochastic"`` uses ``jax.random.key(seed)``.
       level: confidence level of the intervals.
-      per_seed: return one row per seed (a ``seed`` column, no intervals) instead; feed it
-        to :func:`summarize` or :func:`paired_delta`.
+      per_seed: return one row per seed (``seed`` and ``phase`` columns, no intervals)
+        instead; feed it to :func:`summarize` or :func:`paired_delta`.
+      phase: the scale phase (above): None (default: dither distribution names only), a
+        number, or ``"dither"``.
+      pad: zero-pad a block axis whose length is not a multiple of the block size; without
+        it such an input raises, as in :func:`lowprec.quantize_mx`.
 
     Returns:
       A pandas DataFrame.
@@ -373,14 +574,16 @@ def compare(
         >>> import numpy as np
         >>> df = compare("gaussian", ["e4m3", "mxfp4"], scale_rules=["floor", "rceil"],
         ...              seeds=3, shape=(8, 256))
-        >>> df[["format", "scale_rule", "bits_per_element", "n_seeds"]].values.tolist()
-        [['e4m3', None, 8.0, 3], ['mxfp4', 'floor', 4.25, 3], ['mxfp4', 'rceil', 4.25, 3]]
+        >>> df[["format", "scale_rule", "block_size"]].astype(object).fillna("-").values.tolist()
+        [['e4m3', '-', '-'], ['mxfp4', 'floor', 32], ['mxfp4', 'rceil', 32]]
+        >>> df["bits_per_element"].tolist(), df["n_seeds"].tolist()
+        ([8.0, 4.25, 4.25], [3, 3, 3])
         >>> bool((df["sqnr_db_lo"] < df["sqnr_db"]).all())
         True
         >>> sweep = compare("gaussian", ["mxint8", "nvfp4"], scale_rules="rceil",
         ...                 block_sizes=[16, 64], seeds=2, shape=(4, 256))
-        >>> sweep[["format", "scale_rule", "block_size"]].values.tolist()
-        [['mxint8_b16', 'rceil', 16], ['mxint8_b64', 'rceil', 64], ['nvfp4', None, 16], ['nvfp4_b64', None, 64]]
+        >>> sweep["format"].tolist(), sweep["block_size"].tolist()
+        (['mxint8_b16', 'mxint8_b64', 'nvfp4', 'nvfp4_b64'], [16, 64, 16, 64])
         >>> big = compare(np.array([1.0, 500.0, 2.0, 3.0], np.float32), "e4m3")
         >>> big[["overflow_rate", "nan_rate"]].values.tolist()   # 500 -> NaN, counted
         [[0.25, 0.25]]
@@ -389,44 +592,56 @@ def compare(
     configs = _configs(formats, scale_rules, block_sizes)
     for fmt, *_ in configs:   # validate the options once, before any work
         ElementCast(fmt.element if isinstance(fmt, MXFormat) else fmt, rounding, overflow)
+    if phase is not None:
+        phase_of(phase, 0)    # a bad phase fails before any work
     rows = []
     for label, source in inputs.items():
         is_array = not isinstance(source, str) and not callable(source)
+        # None: dither what is drawn at an arbitrary scale (a distribution name) only.
+        src_phase = ("dither" if isinstance(source, str) else None) if phase is None else phase
+        varies = not is_array or rounding == "stochastic" or src_phase == "dither"
         if seeds is None:
-            seed_list = [None] if is_array else list(range(_DEFAULT_SEEDS))
+            seed_list = list(range(_DEFAULT_SEEDS)) if varies and (
+                not is_array or src_phase == "dither") else [None]
         else:
             seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
             if not seed_list:
                 raise ValueError("seeds is empty; give at least one seed")
-            if is_array and rounding != "stochastic":
+            if not varies:
                 raise ValueError(
                     f"seeds only vary a generated input (a distribution name or a function of "
-                    f"a seed) or stochastic rounding; input {label!r} is a fixed array. Drop "
-                    "seeds, or pass row_subsets(x, n) with seeds=range(n) for an interval over "
-                    "parts of it"
+                    f"a seed), stochastic rounding or a dithered phase; input {label!r} is a "
+                    "fixed array. Drop seeds, or pass row_subsets(x, n) with seeds=range(n) "
+                    "for an interval over parts of it"
                 )
         for seed in seed_list:
+            p = phase_of(src_phase, seed)
             if isinstance(source, str):
-                data = sample(source, shape, seed=seed)
-            elif callable(source):
-                data = source(seed)
+                data = sample(source, shape, seed=seed, phase=p)
             else:
-                data = source
+                data = _scaled(as_f32(source(seed) if callable(source) else source), p)
             data = as_f32(data)
-            if data.ndim == 0:
-                raise ValueError(f"input {label!r} is a scalar; compare needs an array")
+            ax = _check_data(data, label, configs, axis, pad)
             key = jax.random.key(0 if seed is None else seed) if rounding == "stochastic" else None
-            ax = axis % data.ndim
             for fmt, rule, bs, bits in configs:
-                stats, ulps = jax.device_get(_evaluate(data, fmt, rule, ax, rounding, overflow, key))
+                stats, ulps, q = jax.device_get(
+                    _evaluate(data, fmt, rule, ax, rounding, overflow, key))
+                mm = _matmul_rel_error(data, q, ax, fmt, rule, rounding, overflow)
                 rows.append({"input": label, "format": fmt.name, "scale_rule": rule,
                              "block_size": bs, "bits_per_element": float(bits), "seed": seed,
-                             **_metrics_row(stats, ulps)})
+                             "phase": p, **_metrics_row(stats, ulps, mm)})
     frame = _frame(rows)
     frame.attrs["level"] = level
     if per_seed:
         return frame
     return summarize(frame, level=level)
+
+
+def _key_value(v):
+    """A groupby key as a plain Python value (None for a missing one)."""
+    if _is_missing(v):
+        return None
+    return v.item() if isinstance(v, np.generic) else v
 
 
 def summarize(per_seed_frame, *, level: float = 0.95):
@@ -439,25 +654,27 @@ def summarize(per_seed_frame, *, level: float = 0.95):
         (4, 1)
     """
     frame = per_seed_frame
+    metrics = [m for m in METRICS if m in frame]
     out = []
     for keys, group in frame.groupby(list(_KEYS), dropna=False, sort=False):
-        row = dict(zip(_KEYS, keys))
-        row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-        if row["block_size"] is not None:
-            row["block_size"] = int(row["block_size"])
+        row = {k: _key_value(v) for k, v in zip(_KEYS, keys)}
         row["bits_per_element"] = float(group["bits_per_element"].iloc[0])
         row["n_seeds"] = int(len(group))
-        for m in METRICS:
-            mean, lo, hi = confidence_interval(group[m].to_numpy(), level)
+        for m in metrics:
+            mean, lo, hi = confidence_interval(group[m].to_numpy(np.float64), level)
             row[m] = mean
             if len(group) > 1:
-                if m in _RATES:
-                    lo, hi = max(lo, 0.0), min(hi, 1.0)
-                row[m + "_lo"], row[m + "_hi"] = lo, hi
+                low, high = _RANGES.get(m, (-math.inf, math.inf))
+                row[m + "_lo"], row[m + "_hi"] = max(lo, low), min(hi, high)
         out.append(row)
     result = _frame(out)
     result.attrs["level"] = level
     return result
+
+
+def _equals(series, value) -> np.ndarray:
+    """``series == value`` as a plain bool array (<NA> compares unequal)."""
+    return np.asarray(series.eq(value).fillna(False), bool)
 
 
 def paired_delta(
@@ -473,11 +690,12 @@ def paired_delta(
     Rows of :func:`compare`'s ``per_seed=True`` output that agree on every key column
     (``input``, ``format``, ``scale_rule``, ``block_size``) except ``within`` are paired seed
     by seed with the row whose ``within`` equals ``baseline``. Pairing removes the spread of
-    the data itself, so a small but systematic difference gets a tight interval.
+    the data itself (and of a dithered scale phase: a seed fixes its phase), so a small but
+    systematic difference gets a tight interval.
 
     Returns:
-      A DataFrame with the key columns, ``n_seeds``, ``delta`` (mean difference),
-      ``delta_lo`` and ``delta_hi``; groups without a baseline row are left out.
+      A DataFrame with the key columns, ``baseline``, ``n_seeds``, ``delta`` (mean
+      difference), ``delta_lo`` and ``delta_hi``; groups without a baseline row are left out.
 
     Example:
         >>> runs = compare("gaussian", "mxfp8_e4m3", scale_rules=["floor", "rceil"],
@@ -486,30 +704,146 @@ def paired_delta(
         >>> d["scale_rule"].tolist(), bool(d["delta_hi"].iloc[0] < 0)   # floor loses to rceil
         (['floor'], True)
     """
-    pd = _pandas()
     if within not in _KEYS:
         raise ValueError(f"within must be one of {_KEYS}, got {within!r}")
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; valid: {METRICS}")
     others = [k for k in _KEYS if k != within]
     frame = per_seed_frame.copy()
-    others_keys = others
-    frame["_seed"] = frame["seed"].fillna(-1) if "seed" in frame else -1
+    frame["_seed"] = frame["seed"].fillna(-1).astype("int64") if "seed" in frame else -1
     out = []
-    for keys, group in frame.groupby(others_keys, dropna=False, sort=False):
-        base = group[group[within] == baseline].set_index("_seed")[metric]
+    for keys, group in frame.groupby(others, dropna=False, sort=False):
+        is_base = _equals(group[within], baseline)
+        base = group[is_base].set_index("_seed")[metric]
         if base.empty:
             continue
-        for value, sub in group[group[within] != baseline].groupby(within, dropna=False, sort=False):
+        for value, sub in group[~is_base].groupby(within, dropna=False, sort=False):
             s = sub.set_index("_seed")[metric]
             common = s.index.intersection(base.index)
             if len(common) == 0:
                 continue
-            d = s.loc[common].to_numpy() - base.loc[common].to_numpy()
+            d = s.loc[common].to_numpy(np.float64) - base.loc[common].to_numpy(np.float64)
             mean, lo, hi = confidence_interval(d, level)
-            row = dict(zip(others_keys, keys if isinstance(keys, tuple) else (keys,)))
-            row[within] = value
+            row = {k: _key_value(v) for k, v in zip(others, keys)}
+            row[within] = _key_value(value[0] if isinstance(value, tuple) else value)
             row.update({"baseline": baseline, "n_seeds": int(len(d)), "delta": mean,
                         "delta_lo": lo, "delta_hi": hi})
             out.append(row)
-    return pd.DataFrame.from_records(out)
+    columns = list(_KEYS) + ["baseline", "n_seeds", "delta", "delta_lo", "delta_hi"]
+    result = _frame(out, columns=columns)
+    if "baseline" in result and within == "block_size":
+        result["baseline"] = result["baseline"].astype("Int64")
+    return result
+
+
+def phase_sweep(
+    x,
+    formats,
+    *,
+    phases: Union[int, Iterable[float]] = 8,
+    seeds: Union[int, Iterable[int]] = 4,
+    metric: str = "sqnr_db",
+    within: Optional[str] = "scale_rule",
+    baseline=None,
+    level: float = 0.95,
+    **compare_kwargs,
+):
+    """``metric`` (and optionally a paired difference) at each of several fixed scale phases.
+
+    Power-of-two scales make every metric periodic in log2 of the input's scale; this
+    evaluates :func:`compare` at σ = 2^p for each phase p (``phases=n``: p = 0, 1/n, …,
+    (n−1)/n) on the same seeds, so the range over an octave shows what a single σ hides.
+
+    Args:
+      x, formats, compare_kwargs: as for :func:`compare` (``phase`` and ``per_seed`` are
+        set here).
+      phases: the number of evenly spaced phases in [0, 1), or the phases themselves.
+      seeds: seeds evaluated at every phase (default 4).
+      metric: the metric reported.
+      within, baseline: with a ``baseline`` (e.g. ``"rceil"``), also the paired difference
+        ``metric − metric(baseline)`` over the seeds at each phase (:func:`paired_delta`).
+
+    Returns:
+      A DataFrame with the key columns, ``phase``, ``n_seeds``, ``<metric>``,
+      ``<metric>_lo`` / ``_hi`` and, with a baseline, ``delta``, ``delta_lo``, ``delta_hi``
+      (<NA>/NaN on the baseline's own rows). Take the range with
+      ``groupby([...])["delta"].agg(["min", "max"])``.
+
+    Example:
+        >>> sw = phase_sweep("gaussian", "mxfp8_e4m3", scale_rules=["floor", "rceil"],
+        ...                  phases=4, seeds=2, shape=(8, 256), baseline="rceil")
+        >>> sw["phase"].tolist()
+        [0.0, 0.0, 0.25, 0.25, 0.5, 0.5, 0.75, 0.75]
+        >>> d = sw.dropna(subset=["delta"])["delta"]
+        >>> bool((d < 0).all()), bool(d.max() - d.min() > 0.2)   # floor loses, by how much varies
+        (True, True)
+    """
+    pd = _pandas()
+    for k in ("phase", "per_seed"):
+        if k in compare_kwargs:
+            raise TypeError(f"phase_sweep sets {k!r} itself; drop it")
+    if isinstance(phases, int):
+        if phases < 1:
+            raise ValueError(f"phases must be at least 1, got {phases}")
+        phases = [k / phases for k in range(phases)]
+    phases = [phase_of(float(p)) for p in phases]
+    if not phases:
+        raise ValueError("phases is empty; give at least one phase")
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; valid: {METRICS}")
+    parts = []
+    for p in phases:
+        runs = compare(x, formats, seeds=seeds, phase=p, per_seed=True, level=level,
+                       **compare_kwargs)
+        summary = summarize(runs, level=level)
+        cols = list(_KEYS) + ["n_seeds", metric] + [c for c in (metric + "_lo", metric + "_hi")
+                                                     if c in summary]
+        part = summary[cols].copy()
+        part.insert(len(_KEYS), "phase", p)
+        if baseline is not None:
+            d = paired_delta(runs, metric=metric, within=within, baseline=baseline, level=level)
+            d = d.drop(columns=["n_seeds"])
+            part = part.merge(d, on=list(_KEYS), how="left", sort=False)
+        parts.append(part)
+    return pd.concat(parts, ignore_index=True)
+
+
+def long_format(frame):
+    """The tidy (long) form of a :func:`compare`/:func:`summarize`/:func:`phase_sweep` table.
+
+    One row per configuration (and seed, for ``per_seed`` output) and metric: the id columns
+    that are present (``input``, ``format``, ``scale_rule``, ``block_size``,
+    ``bits_per_element``, ``n_seeds``, ``seed``, ``phase``, ``baseline``), then ``metric``,
+    ``value``, ``lo`` and ``hi`` (NaN without an interval). Paired-difference columns
+    (``delta``) become the metric ``"delta"``. Ready for ``to_csv`` or a plotting library.
+
+    Example:
+        >>> df = compare("gaussian", ["e4m3", "mxfp4"], scale_rules="rceil", seeds=2,
+        ...              shape=(4, 128))
+        >>> tidy = long_format(df)
+        >>> list(tidy.columns)
+        ['input', 'format', 'scale_rule', 'block_size', 'bits_per_element', 'n_seeds', 'metric', 'value', 'lo', 'hi']
+        >>> len(tidy) == 2 * len(METRICS), tidy["metric"].iloc[0]
+        (True, 'sqnr_db')
+    """
+    pd = _pandas()
+    ids = [c for c in (*_ID_COLUMNS, "baseline") if c in frame]
+    metrics = [m for m in (*METRICS, "delta") if m in frame]
+    if not metrics:
+        raise ValueError(
+            f"no metric column in the frame (columns: {list(frame.columns)}); pass the output "
+            "of compare, summarize, paired_delta or phase_sweep"
+        )
+    parts = []
+    for m in metrics:
+        part = frame[ids].copy()
+        part["metric"] = pd.array([m] * len(frame), dtype="string")
+        part["value"] = frame[m].to_numpy(np.float64)
+        for end in ("lo", "hi"):
+            col = f"{m}_{end}"
+            part[end] = frame[col].to_numpy(np.float64) if col in frame else np.nan
+        parts.append(part)
+    out = pd.concat(parts, ignore_index=False)
+    # configuration-major order: every metric of the first row, then the next row
+    out = out.sort_index(kind="stable").reset_index(drop=True)
+    return out
