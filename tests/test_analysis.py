@@ -964,3 +964,181 @@ def test_compare_new_block_formats_and_block_sizes():
         analysis.compare(x, "mxfp4", block_sizes=[48])
     with pytest.raises(ValueError, match="whole"):
         analysis.compare(x, "mxfp6_e2m3", block_sizes=[2])
+
+
+# --------------------------------------------------------------------------------------
+# compare: edge cases (issue 19), new metrics, scale phase, tidy export, per-block view
+# --------------------------------------------------------------------------------------
+def test_compare_axis_out_of_range_raises_instead_of_wrapping():
+    x = np.ones((4, 64), np.float32)
+    for axis in (5, 2, -3):
+        with pytest.raises(ValueError, match=f"axis {axis} is out of range"):
+            analysis.compare(x, ["e4m3", "mxfp4"], axis=axis)
+    assert analysis.compare(x, "mxfp4", scale_rules="rceil", axis=-2, pad=True)["sqnr_db"].notna().all()
+
+
+def test_compare_partial_blocks_follow_quantize_mx():
+    x = np.asarray(jax.random.normal(jax.random.key(30), (4, 40)))
+    # quantize_mx refuses a length that is not a multiple of the block size ...
+    with pytest.raises(ValueError, match="not a multiple"):
+        lowprec.quantize_mx(jnp.asarray(x), "mxfp4")
+    with pytest.raises(ValueError, match="pass pad=True"):
+        analysis.compare(x, "mxfp4")
+    # ... and so does compare; element formats have no blocks, so any length is fine
+    assert analysis.compare(x, "e4m3")["n_seeds"].item() == 1
+    # with pad=True: the zero-padded quantization, padding dropped (as quantize_mx(pad=True))
+    padded = analysis.compare(x, "mxfp4", scale_rules="floor", pad=True)
+    q = lowprec.fake_quantize_mx(jnp.asarray(x), "mxfp4", scale_rule="floor", pad=True)
+    assert q.shape == x.shape
+    assert padded["sqnr_db"].item() == pytest.approx(analysis.sqnr_db(x, q), rel=1e-6)
+
+
+def test_compare_never_scores_nothing_as_infinite_sqnr():
+    with pytest.raises(ValueError, match="empty"):
+        analysis.compare(np.zeros((0, 32), np.float32), ["e4m3", "mxfp4"])
+    with pytest.raises(ValueError, match="no finite element"):
+        analysis.compare(np.full((2, 32), np.nan, np.float32), "mxfp4")
+    with pytest.raises(ValueError, match="no finite element"):
+        analysis.compare(lambda s: np.full((2, 32), np.inf, np.float32), "e4m3", seeds=1)
+    # every element overflows E4M3 to NaN: nothing finite to score -> NaN, counted as overflow
+    big = analysis.compare(np.full((1, 32), 1000.0, np.float32), "e4m3").iloc[0]
+    assert big["overflow_rate"] == 1 and np.isnan(big["sqnr_db"]) and np.isnan(big["rmse"])
+    # a signal of zeros: reproduced exactly, but its SQNR is 0/0, not +inf
+    zero = analysis.compare(np.zeros((1, 32), np.float32), ["e4m3", "mxfp4"], scale_rules="rceil")
+    assert zero["sqnr_db"].isna().all() and (zero["rmse"] == 0).all()
+    # an exact nonzero reproduction is a true +inf
+    assert analysis.compare(np.ones((1, 32), np.float32), "e4m3")["sqnr_db"].item() == np.inf
+
+
+def test_compare_bias_rmse_nmse_cosine_matmul_by_hand():
+    x = np.asarray(jax.random.t(jax.random.key(31), 4.0, (16, 64)))
+    df = analysis.compare(x, ["e5m2", "mxfp4"], scale_rules="floor")
+    for _, row in df.iterrows():
+        fmt = row["format"]
+        if fmt == "mxfp4":
+            q = lowprec.fake_quantize_mx(jnp.asarray(x), fmt, scale_rule="floor")
+            w = lambda a: lowprec.fake_quantize_mx(jnp.asarray(a), fmt, scale_rule="floor", axis=0)
+        else:
+            q = lowprec.quantize(jnp.asarray(x), fmt)
+            w = lambda a: lowprec.quantize(jnp.asarray(a), fmt)
+        q64, x64 = np.asarray(q, np.float64), x.astype(np.float64)
+        e = q64 - x64
+        assert row["bias"] == pytest.approx(e.mean(), rel=1e-4, abs=1e-9)
+        assert row["rmse"] == pytest.approx(np.sqrt(np.mean(e**2)), rel=1e-5)
+        assert row["nmse"] == pytest.approx(np.sum(e**2) / np.sum(x64**2), rel=1e-5)
+        assert row["nmse"] == pytest.approx(10 ** (-row["sqnr_db"] / 10), rel=1e-5)
+        cos = np.sum(x64 * q64) / np.sqrt(np.sum(x64**2) * np.sum(q64**2))
+        assert row["cosine"] == pytest.approx(cos, rel=1e-6)
+        # the matmul operand: a fixed standard Gaussian [K, 64], quantized along K likewise
+        W = np.random.default_rng([64, 0x6D6D]).standard_normal((64, 64)).astype(np.float32).T
+        qW = np.asarray(w(W), np.float64)
+        y = x64 @ W.astype(np.float64)
+        assert row["matmul_rel_error"] == pytest.approx(
+            np.linalg.norm(q64 @ qW - y) / np.linalg.norm(y), rel=1e-9)
+    # interval bounds respect the metric's range (cosine <= 1)
+    runs = analysis.compare("gaussian", "mxfp8_e4m3", scale_rules="rceil", seeds=3, shape=(4, 64))
+    assert runs["cosine_hi"].item() <= 1 and runs["nmse_lo"].item() >= 0
+
+
+def test_compare_frames_have_no_object_columns():
+    runs = analysis.compare({"g": "gaussian", "a": np.ones((2, 32), np.float32)}, ["bf16", "nvfp4"],
+                            seeds=None, shape=(2, 32), per_seed=True)
+    assert not [c for c in runs.columns if runs[c].dtype == object]
+    assert str(runs["seed"].dtype) == "Int64" and runs["seed"].isna().sum() == 2   # the array
+    for frame in (analysis.summarize(runs), analysis.paired_delta(runs, within="format", baseline="bf16")):
+        assert not [c for c in frame.columns if frame[c].dtype == object], frame.dtypes
+
+
+def test_scale_phase_is_a_period_of_one_octave_for_mx():
+    # x * 2 is exact and power-of-two scales follow it: every MX metric is periodic in log2 sigma
+    kw = dict(scale_rules=["floor", "rceil"], seeds=[0, 1], shape=(8, 256), per_seed=True)
+    a = analysis.compare("student-t(3)", ["mxfp8_e4m3", "mxfp4"], phase=0.3, **kw)
+    b = analysis.compare("student-t(3)", ["mxfp8_e4m3", "mxfp4"], phase=1.3, **kw)
+    assert (a["phase"] == 0.3).all() and (b["phase"] == 1.3).all()
+    for m in ("sqnr_db", "nmse", "cosine", "clip_rate", "underflow_rate", "ulp_max"):
+        assert np.array_equal(a[m].to_numpy(), b[m].to_numpy()), m
+    x0 = analysis.sample("student-t(3)", (8, 256), seed=0, phase=0.3)
+    assert np.array_equal(analysis.sample("student-t(3)", (8, 256), seed=0, phase=1.3), 2 * x0)
+    # but within an octave the metric moves (that is why the default dithers it)
+    c = analysis.compare("student-t(3)", ["mxfp8_e4m3", "mxfp4"], phase=0.8, **kw)
+    assert not np.array_equal(a["sqnr_db"].to_numpy(), c["sqnr_db"].to_numpy())
+
+
+def test_dithered_phase_by_default_for_distributions_only():
+    runs = analysis.compare({"g": "gaussian", "f": lambda s: analysis.sample("gaussian", (2, 64), seed=s)},
+                            "mxfp4", scale_rules="rceil", seeds=6, shape=(2, 64), per_seed=True)
+    g, f = runs[runs["input"] == "g"], runs[runs["input"] == "f"]
+    ph = g["phase"].to_numpy()
+    assert ((0 <= ph) & (ph < 1)).all() and len(set(ph)) == 6
+    assert ph.tolist() == [analysis.phase_of("dither", s) for s in range(6)]
+    assert (f["phase"] == 0).all()                     # a function keeps its own scale
+    # phase="dither" dithers arrays too, and then seeds are allowed (they pick the phases)
+    arr = analysis.compare(np.ones((1, 32), np.float32), "e4m3", phase="dither", seeds=3, per_seed=True)
+    assert len(arr) == 3 and len(set(arr["phase"])) == 3
+    with pytest.raises(ValueError, match="phase must be"):
+        analysis.compare("gaussian", "e4m3", phase="random")
+    with pytest.raises(ValueError, match="finite"):
+        analysis.sample("gaussian", (2,), phase=float("inf"))
+
+
+def test_phase_sweep_equals_compare_at_each_phase():
+    kw = dict(scale_rules=["floor", "rceil"], shape=(8, 256))
+    sw = analysis.phase_sweep("gaussian", "mxfp4", phases=[0.0, 0.5], seeds=3, baseline="rceil", **kw)
+    assert sw["phase"].tolist() == [0.0, 0.0, 0.5, 0.5]
+    for p in (0.0, 0.5):
+        runs = analysis.compare("gaussian", "mxfp4", seeds=3, phase=p, per_seed=True, **kw)
+        d = analysis.paired_delta(runs, baseline="rceil")
+        got = sw[(sw["phase"] == p) & (sw["scale_rule"] == "floor")]
+        assert got["delta"].item() == d["delta"].item()
+        assert got["sqnr_db"].item() == analysis.summarize(runs)["sqnr_db"].iloc[0]
+    assert sw[sw["scale_rule"] == "rceil"]["delta"].isna().all()
+    with pytest.raises(TypeError, match="phase"):
+        analysis.phase_sweep("gaussian", "mxfp4", phase=0.5)
+
+
+def test_long_format_holds_every_number_once():
+    df = analysis.compare("laplace", ["e4m3", "mxfp4"], scale_rules="rceil", seeds=2, shape=(4, 64))
+    tidy = analysis.long_format(df)
+    assert len(tidy) == len(df) * len(analysis._compare.METRICS)
+    for _, r in tidy.sample(20, random_state=0).iterrows():
+        src = df[df["format"] == r["format"]].iloc[0]
+        assert r["value"] == src[r["metric"]] or (np.isnan(r["value"]) and np.isnan(src[r["metric"]]))
+        assert r["lo"] == src[r["metric"] + "_lo"] or np.isnan(r["lo"])
+    assert str(tidy["metric"].dtype) == "string" and not [c for c in tidy if tidy[c].dtype == object]
+    # per-seed frames keep seed and phase; a paired_delta frame becomes metric "delta"
+    runs = analysis.compare("laplace", "mxfp4", scale_rules=["floor", "rceil"], seeds=2, shape=(4, 64),
+                            per_seed=True)
+    assert {"seed", "phase"} <= set(analysis.long_format(runs).columns)
+    d = analysis.long_format(analysis.paired_delta(runs))
+    assert d["metric"].tolist() == ["delta"] and d["baseline"].tolist() == ["rceil"]
+    with pytest.raises(ValueError, match="no metric"):
+        analysis.long_format(pd.DataFrame({"a": [1]}))
+
+
+def test_block_stats_by_hand_and_pooled():
+    x = np.asarray(jax.random.t(jax.random.key(32), 3.0, (6, 64)))
+    b = analysis.block_stats(x, "mxfp4", scale_rule="floor")
+    assert len(b) == 12 and (b["n"] == 32).all()
+    xb = x.reshape(-1, 32).astype(np.float64)
+    q = np.asarray(lowprec.fake_quantize_mx(jnp.asarray(x), "mxfp4", scale_rule="floor"), np.float64).reshape(-1, 32)
+    # floor: scale 2^(floor(log2 amax) - emax_elem), emax(E2M1) = 2
+    amax = np.abs(xb).max(1)
+    assert np.array_equal(b["amax"], amax)
+    assert np.array_equal(b["scale"], 2.0 ** (np.floor(np.log2(amax)) - 2))
+    sig, noise = (xb**2).sum(1), ((q - xb) ** 2).sum(1)
+    assert np.allclose(b["sqnr_db"], 10 * np.log10(sig / noise))
+    assert np.array_equal(b["clip_rate"], (np.abs(xb) > 6 * b["scale"].to_numpy()[:, None]).mean(1))
+    assert np.array_equal(b["underflow_rate"], ((xb != 0) & (q == 0)).mean(1))
+    # pooling the blocks' signal and noise gives compare's tensor SQNR
+    pooled = 10 * np.log10(sig.sum() / noise.sum())
+    assert pooled == pytest.approx(analysis.compare(x, "mxfp4", scale_rules="floor")["sqnr_db"].item(), abs=1e-4)
+    # axis, padding and NVFP4 follow quantize_mx's rules
+    with pytest.raises(ValueError, match="out of range"):
+        analysis.block_stats(x, "mxfp4", axis=2)
+    with pytest.raises(ValueError, match="pass pad=True"):
+        analysis.block_stats(x[:, :40], "mxfp4")
+    assert analysis.block_stats(x[:, :40], "mxfp4", pad=True)["n"].tolist() == [32, 8] * 6
+    with pytest.raises(ValueError, match="own scale recipe"):
+        analysis.block_stats(x, "nvfp4", scale_rule="floor")
+    nv = analysis.block_stats(x, "nvfp4")
+    assert len(nv) == 24 and (nv["clip_rate"] <= 1 / 16).all()
