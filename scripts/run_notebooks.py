@@ -4,7 +4,7 @@ Usage::
 
     python scripts/run_notebooks.py                 # every notebooks/*.ipynb, in place
     python scripts/run_notebooks.py notebooks/03_mx_block_scaling.ipynb
-    python scripts/run_notebooks.py --check         # execute, compare nothing, write nothing
+    python scripts/run_notebooks.py --check         # execute, compare stored numbers, write nothing
 
 Each notebook runs top to bottom in a fresh kernel of *this* interpreter (a kernel spec written
 to a temporary directory, so no ``ipykernel install`` is needed and no other Python is picked
@@ -15,8 +15,11 @@ traceback and leaves the stored notebook untouched; a successful run replaces it
 Volatile metadata (execution timings) is dropped, so a rerun with the same library versions
 changes only what the computation changed.
 
-The test suite (``tests/test_notebooks.py``) imports :func:`execute` and :func:`check_figures`
-from here.
+Stored numbers must stay true: :func:`stale_numbers` compares every number printed in a stored
+notebook's outputs with a fresh run's, within :data:`RTOL` or one unit of the last printed digit
+(whichever is larger), ignoring cells tagged ``volatile`` (the provenance stamp — commit and
+package versions — and the wall-clock time). The test suite (``tests/test_notebooks.py``)
+imports :func:`execute`, :func:`check_figures` and :func:`stale_numbers` from here.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import base64
 import os
 import pathlib
+import re
 import struct
 import sys
 import tempfile
@@ -82,6 +86,70 @@ def execute(path: pathlib.Path):
         cell.metadata.pop("execution", None)
     nb.metadata.pop("widgets", None)
     return nb, elapsed
+
+
+# A printed number matches a fresh run's if it differs by at most RTOL relative, or by one unit
+# in its last printed decimal (a value on a rounding boundary may print either way). Integers
+# (counts, sizes, exponents) must match exactly.
+RTOL = 1e-6
+VOLATILE_TAG = "volatile"
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?![\w.])")
+
+
+def _output_text(output) -> str:
+    """The text of one output as a reader sees it (markdown/plain text; figures are checked
+    by :func:`check_figures`, and an object repr next to a figure or markdown is skipped)."""
+    if output.get("output_type") == "stream":
+        return output.get("text", "")
+    data = output.get("data", {})
+    for mime in ("text/markdown", "text/latex"):
+        if mime in data:
+            return data[mime]
+    if "image/png" in data:
+        return ""
+    return data.get("text/plain", "")
+
+
+def numbers(nb) -> dict:
+    """cell index -> list of the number tokens (strings) printed in its outputs, for every code
+    cell not tagged ``volatile``."""
+    out = {}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or VOLATILE_TAG in cell.get("metadata", {}).get("tags", []):
+            continue
+        text = "".join(_output_text(o) for o in cell.get("outputs", []))
+        out[i] = _NUMBER.findall(text)
+    return out
+
+
+def _last_digit(token: str) -> float:
+    """One unit in the last printed decimal of a number token (0 for an integer)."""
+    mantissa, _, exp = token.lower().partition("e")
+    if "." not in mantissa and not exp:
+        return 0.0
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    return 10.0 ** (-decimals + (int(exp) if exp else 0))
+
+
+def stale_numbers(stored, fresh, name: str = "notebook", rtol: float = RTOL) -> list[str]:
+    """Where the numbers of ``stored`` disagree with a fresh run ``fresh`` (empty: none).
+
+    Cells are matched by index, numbers by position within a cell; a different count of
+    numbers in a cell is a difference too (a changed table or message).
+    """
+    problems = []
+    a, b = numbers(stored), numbers(fresh)
+    if sorted(a) != sorted(b):
+        return [f"{name}: the code cells differ (stored {sorted(a)}, fresh {sorted(b)})"]
+    for i in a:
+        if len(a[i]) != len(b[i]):
+            problems.append(f"{name}: cell {i} prints {len(a[i])} numbers stored, {len(b[i])} fresh")
+            continue
+        for k, (s, f) in enumerate(zip(a[i], b[i])):
+            tol = max(rtol * abs(float(f)), _last_digit(s), _last_digit(f)) * (1 + 1e-9)
+            if abs(float(s) - float(f)) > tol:
+                problems.append(f"{name}: cell {i}, number {k}: stored {s}, fresh run {f}")
+    return problems
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -174,7 +242,7 @@ def main(argv=None) -> int:
     parser.add_argument("notebooks", nargs="*", type=pathlib.Path,
                         help="notebooks to run (default: every notebooks/*.ipynb)")
     parser.add_argument("--check", action="store_true",
-                        help="execute and check the figures, but write nothing")
+                        help="execute, check the figures and the stored numbers, write nothing")
     args = parser.parse_args(argv)
     paths = args.notebooks or sorted(NOTEBOOK_DIR.glob("*.ipynb"))
     total, failed = 0.0, False
@@ -183,6 +251,10 @@ def main(argv=None) -> int:
         nb, seconds = execute(path)
         total += seconds
         problems = check_figures(nb, path.name)
+        if args.check:
+            import nbformat
+
+            problems += stale_numbers(nbformat.read(path, as_version=4), nb, path.name)
         for p in problems:
             print("  " + p)
         failed |= bool(problems)

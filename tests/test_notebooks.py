@@ -8,8 +8,11 @@ Two layers:
 * Fresh execution (slow): each notebook runs top to bottom in a new kernel of this interpreter
   (``scripts/run_notebooks.py``'s executor: a temporary kernel spec, ``JAX_PLATFORMS=cpu``,
   matplotlib's inline backend) and must render the same figures. Each notebook asserts its
-  findings in code cells, so a finding that stops holding fails here. Regenerate the stored
-  outputs with ``python scripts/run_notebooks.py``.
+  findings in code cells, so a finding that stops holding fails here. The same run checks that
+  the stored outputs are not stale: every number they print must equal the fresh run's within
+  ``run_notebooks.RTOL`` (1e-6 relative) or one unit of its last printed digit; only cells
+  tagged ``volatile`` (the provenance stamp: commit and package versions; the wall-clock time)
+  are exempt. Regenerate the stored outputs with ``python scripts/run_notebooks.py``.
 """
 
 import importlib.util
@@ -57,6 +60,40 @@ def test_committed_notebook_shows_its_outputs(path):
     assert any(c.cell_type == "markdown" and "## Findings" in c.source for c in nb.cells), (
         f"{path.name} states no findings"
     )
+    # the outputs say what produced them: commit and package versions, in a volatile cell
+    stamp = [c for c in code if runner.VOLATILE_TAG in c.metadata.get("tags", [])
+             and "commit" in "".join(o.get("text", "") for o in c.outputs)]
+    assert stamp, f"{path.name} has no provenance stamp (commit and versions)"
+    text = "".join(o.get("text", "") for o in stamp[0].outputs)
+    for package in ("lowprec", "jax", "numpy", "ml_dtypes", "pandas", "matplotlib", "python"):
+        assert package in text, (path.name, package, text)
+
+
+def test_stale_numbers_catches_changed_outputs():
+    runner = _runner()
+
+    def notebook(*texts, tags=()):
+        nb = nbformat.v4.new_notebook()
+        for t in texts:
+            cell = nbformat.v4.new_code_cell("print()")
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=t)]
+            cell.metadata["tags"] = list(tags)
+            nb.cells.append(cell)
+        return nb
+
+    stored = notebook("SQNR 12.34 dB [12.30, 12.38], e4m3 at K=32, 2^-6, 1.5e-05")
+    assert runner.stale_numbers(stored, stored) == []
+    # a last-digit flip (a value on a rounding boundary) is within tolerance; more is not
+    assert runner.stale_numbers(stored, notebook("SQNR 12.35 dB [12.30, 12.38], e4m3 at K=32, 2^-6, 1.6e-05")) == []
+    assert runner.stale_numbers(stored, notebook("SQNR 12.37 dB [12.30, 12.38], e4m3 at K=32, 2^-6, 1.5e-05")) == [
+        "notebook: cell 0, number 0: stored 12.34, fresh run 12.37"]
+    assert runner.stale_numbers(stored, notebook("SQNR 12.34 dB [12.30, 12.38], e4m3 at K=32, 2^-7, 1.5e-05")) == [
+        "notebook: cell 0, number 5: stored -6, fresh run -7"]
+    assert runner.stale_numbers(stored, notebook("SQNR 12.34 dB")) == [
+        "notebook: cell 0 prints 6 numbers stored, 1 fresh"]
+    # volatile cells (the provenance stamp, timings) are not compared
+    assert runner.stale_numbers(notebook("ran in 3.1 s", tags=["volatile"]),
+                                notebook("ran in 9.9 s", tags=["volatile"])) == []
 
 
 def test_check_figures_catches_missing_and_broken_figures():
@@ -85,5 +122,11 @@ def test_notebook_executes_and_renders_its_figures(path):
     assert len(runner.figures(nb)) == len(runner.figures(stored)), (
         f"{path.name} now draws a different number of figures than the stored copy; "
         "regenerate it with: python scripts/run_notebooks.py"
+    )
+    stale = runner.stale_numbers(stored, nb, path.name)
+    assert not stale, (
+        f"{path.name}'s stored outputs are stale ({len(stale)} numbers differ from a fresh run; "
+        "regenerate with: python scripts/run_notebooks.py " + str(path.relative_to(ROOT)) + "):\n"
+        + "\n".join(stale[:20])
     )
     print(f"{path.name}: executed in {seconds:.1f} s")
