@@ -90,7 +90,7 @@ def test_stale_numbers_catches_changed_outputs():
     assert runner.stale_numbers(stored, notebook("SQNR 12.34 dB [12.30, 12.38], e4m3 at K=32, 2^-7, 1.5e-05")) == [
         "notebook: cell 0, number 5: stored -6, fresh run -7"]
     assert runner.stale_numbers(stored, notebook("SQNR 12.34 dB")) == [
-        "notebook: cell 0 prints 6 numbers stored, 1 fresh"]
+        "notebook: cell 0 prints 7 numbers stored, 1 fresh"]
     # volatile cells (the provenance stamp, timings) are not compared
     assert runner.stale_numbers(notebook("ran in 3.1 s", tags=["volatile"]),
                                 notebook("ran in 9.9 s", tags=["volatile"])) == []
