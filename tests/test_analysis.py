@@ -1011,17 +1011,18 @@ def test_compare_never_scores_nothing_as_infinite_sqnr():
 
 
 def test_compare_bias_rmse_nmse_cosine_matmul_by_hand():
-    x = np.asarray(jax.random.t(jax.random.key(31), 4.0, (16, 64)))
+    x = np.asarray(jax.random.t(jax.random.key(31), 4.0, (8, 256)))
     df = analysis.compare(x, ["e5m2", "mxfp4"], scale_rules="floor")
+    # the matmul operand: a standard Gaussian of x's shape seeded by it, its rows (length K =
+    # 256, the block axis) the columns of W; quantized with the same configuration
+    W = np.random.default_rng([8, 256, 0x6D6D]).standard_normal((8, 256)).astype(np.float32)
     for _, row in df.iterrows():
         fmt = row["format"]
         if fmt == "mxfp4":
-            q = lowprec.fake_quantize_mx(jnp.asarray(x), fmt, scale_rule="floor")
-            w = lambda a: lowprec.fake_quantize_mx(jnp.asarray(a), fmt, scale_rule="floor", axis=0)
+            quant = lambda a: lowprec.fake_quantize_mx(jnp.asarray(a), fmt, scale_rule="floor")
         else:
-            q = lowprec.quantize(jnp.asarray(x), fmt)
-            w = lambda a: lowprec.quantize(jnp.asarray(a), fmt)
-        q64, x64 = np.asarray(q, np.float64), x.astype(np.float64)
+            quant = lambda a: lowprec.quantize(jnp.asarray(a), fmt)
+        q64, x64 = np.asarray(quant(x), np.float64), x.astype(np.float64)
         e = q64 - x64
         assert row["bias"] == pytest.approx(e.mean(), rel=1e-4, abs=1e-9)
         assert row["rmse"] == pytest.approx(np.sqrt(np.mean(e**2)), rel=1e-5)
@@ -1029,20 +1030,18 @@ def test_compare_bias_rmse_nmse_cosine_matmul_by_hand():
         assert row["nmse"] == pytest.approx(10 ** (-row["sqnr_db"] / 10), rel=1e-5)
         cos = np.sum(x64 * q64) / np.sqrt(np.sum(x64**2) * np.sum(q64**2))
         assert row["cosine"] == pytest.approx(cos, rel=1e-6)
-        # the matmul operand: a fixed standard Gaussian [K, 64], quantized along K likewise
-        W = np.random.default_rng([64, 0x6D6D]).standard_normal((64, 64)).astype(np.float32).T
-        qW = np.asarray(w(W), np.float64)
-        y = x64 @ W.astype(np.float64)
+        qW = np.asarray(quant(W), np.float64)
+        y = x64 @ W.T.astype(np.float64)
         assert row["matmul_rel_error"] == pytest.approx(
-            np.linalg.norm(q64 @ qW - y) / np.linalg.norm(y), rel=1e-9)
+            np.linalg.norm(q64 @ qW.T - y) / np.linalg.norm(y), rel=1e-9)
     # interval bounds respect the metric's range (cosine <= 1)
-    runs = analysis.compare("gaussian", "mxfp8_e4m3", scale_rules="rceil", seeds=3, shape=(4, 64))
+    runs = analysis.compare("gaussian", "mxfp8_e4m3", scale_rules="rceil", seeds=3, shape=(8, 256))
     assert runs["cosine_hi"].item() <= 1 and runs["nmse_lo"].item() >= 0
 
 
 def test_compare_frames_have_no_object_columns():
-    runs = analysis.compare({"g": "gaussian", "a": np.ones((2, 32), np.float32)}, ["bf16", "nvfp4"],
-                            seeds=None, shape=(2, 32), per_seed=True)
+    runs = analysis.compare({"g": lambda s: analysis.sample("gaussian", (8, 256), seed=s),
+                             "a": np.ones((8, 256), np.float32)}, ["bf16", "nvfp4"], per_seed=True)
     assert not [c for c in runs.columns if runs[c].dtype == object]
     assert str(runs["seed"].dtype) == "Int64" and runs["seed"].isna().sum() == 2   # the array
     for frame in (analysis.summarize(runs), analysis.paired_delta(runs, within="format", baseline="bf16")):
@@ -1116,9 +1115,9 @@ def test_long_format_holds_every_number_once():
 
 
 def test_block_stats_by_hand_and_pooled():
-    x = np.asarray(jax.random.t(jax.random.key(32), 3.0, (6, 64)))
+    x = np.asarray(jax.random.t(jax.random.key(32), 3.0, (8, 256)))
     b = analysis.block_stats(x, "mxfp4", scale_rule="floor")
-    assert len(b) == 12 and (b["n"] == 32).all()
+    assert len(b) == 64 and (b["n"] == 32).all()
     xb = x.reshape(-1, 32).astype(np.float64)
     q = np.asarray(lowprec.fake_quantize_mx(jnp.asarray(x), "mxfp4", scale_rule="floor"), np.float64).reshape(-1, 32)
     # floor: scale 2^(floor(log2 amax) - emax_elem), emax(E2M1) = 2
@@ -1137,8 +1136,8 @@ def test_block_stats_by_hand_and_pooled():
         analysis.block_stats(x, "mxfp4", axis=2)
     with pytest.raises(ValueError, match="pass pad=True"):
         analysis.block_stats(x[:, :40], "mxfp4")
-    assert analysis.block_stats(x[:, :40], "mxfp4", pad=True)["n"].tolist() == [32, 8] * 6
+    assert analysis.block_stats(x[:, :40], "mxfp4", pad=True)["n"].tolist() == [32, 8] * 8
     with pytest.raises(ValueError, match="own scale recipe"):
         analysis.block_stats(x, "nvfp4", scale_rule="floor")
     nv = analysis.block_stats(x, "nvfp4")
-    assert len(nv) == 24 and (nv["clip_rate"] <= 1 / 16).all()
+    assert len(nv) == 128 and (nv["clip_rate"] <= 1 / 16).all()

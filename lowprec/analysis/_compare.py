@@ -334,27 +334,34 @@ def _evaluate(x, fmt, scale_rule, axis, rounding, overflow, key):
 
 
 @functools.lru_cache(maxsize=64)
-def _matmul_operand(fmt, scale_rule, k: int, rounding: str, overflow: str):
-    """(W, q(W)) in float64: a fixed standard Gaussian [k, 64] and its quantization with the
-    same configuration, blocks along k (the contraction axis). Cached: one per configuration."""
-    w = np.random.default_rng([k, _MATMUL_SEED]).standard_normal((_MATMUL_N, k)).astype(np.float32)
+def _matmul_operand(fmt, scale_rule, shape: tuple, axis: int, rounding: str, overflow: str):
+    """(W, q(W)) in float64, [K, n]: the first n ≤ 64 length-K rows (along ``axis``) of a fixed
+    standard Gaussian array of x's own ``shape`` and of its quantization with the same
+    configuration. Quantizing an array of x's shape and axis reuses the kernels already
+    compiled for x (a [K, 64] operand would compile them again); rows are independent blocks,
+    so only NVFP4's one tensor scale sees the rows beyond the first 64. Cached per configuration
+    and shape."""
+    w = np.random.default_rng([*shape, _MATMUL_SEED]).standard_normal(shape).astype(np.float32)
     key = jax.random.key(_MATMUL_SEED) if rounding == "stochastic" else None
-    qw, _, _ = _quantized(jnp.asarray(w), fmt, scale_rule, 1, rounding, overflow, key)
-    return w.T.astype(np.float64), np.asarray(qw, np.float64).T
+    qw, _, _ = _quantized(jnp.asarray(w), fmt, scale_rule, axis, rounding, overflow, key)
+    k = shape[axis]
+
+    def rows(a):
+        return np.moveaxis(np.asarray(a, np.float64), axis, -1).reshape(-1, k)[:_MATMUL_N].T
+
+    return rows(w), rows(qw)
 
 
 def _matmul_rel_error(x, q, axis, fmt, scale_rule, rounding, overflow) -> float:
     """‖q(x)·q(W) − x·W‖_F / ‖x·W‖_F, contraction along the block axis, in float64; rows of
     x holding a non-finite x or q are left out (NaN if none is left)."""
+    w, qw = _matmul_operand(fmt, scale_rule, tuple(x.shape), axis, rounding, overflow)
     x = np.moveaxis(np.asarray(x, np.float64), axis, -1)
     q = np.moveaxis(np.asarray(q, np.float64), axis, -1)
     k = x.shape[-1]
     x, q = x.reshape(-1, k), q.reshape(-1, k)
     rows = np.isfinite(x).all(axis=1) & np.isfinite(q).all(axis=1)
-    if not rows.any():
-        return math.nan
-    w, qw = _matmul_operand(fmt, scale_rule, k, rounding, overflow)
-    if not np.isfinite(qw).all():
+    if not rows.any() or not np.isfinite(qw).all():
         return math.nan
     y = x[rows] @ w
     norm = float(np.linalg.norm(y))
@@ -520,9 +527,10 @@ def compare(
     |x| > 464 under the default ``overflow="ieee"``), ``nan_rate`` (→ NaN), ``bias`` (mean of
     q − x), ``rmse``, ``nmse`` (Σ(q − x)² / Σx² = 10^(−SQNR/10)), ``cosine`` (cosine similarity
     of q and x) and ``matmul_rel_error``: ‖q(x)·q(W) − x·W‖_F / ‖x·W‖_F for a fixed standard
-    Gaussian W of shape [K, 64], quantized with the same configuration, contracting the block
-    axis of x (length K; blocks of both operands along it, as in an MX matmul), in float64 so
-    only the quantization of the two operands counts. The error metrics are taken over the
+    Gaussian W of shape [K, n ≤ 64], quantized with the same configuration, contracting the
+    block axis of x (length K; blocks of both operands along it, as in an MX matmul), in
+    float64 so only the quantization of the two operands counts. W's columns are the first
+    rows of a seeded Gaussian array of x's own shape, quantized along the same axis. The error metrics are taken over the
     finite pairs (rows of finite pairs for the matmul); where no pair is finite they are NaN,
     and a signal of zeros has SQNR/NMSE/cosine NaN (undefined), never +inf.
     With several seeds each metric is the mean over seeds, with ``<metric>_lo`` /
