@@ -637,6 +637,13 @@ def test_paired_delta_by_hand():
         analysis.compare("gaussian", ["e4m3", "e5m2"], seeds=3, shape=(4, 256), per_seed=True),
         within="format", baseline="e4m3")
     assert by_format["format"].tolist() == ["e5m2"] and 5 < -by_format["delta"].item() < 7
+    # pairing across block sizes: the baseline is a size (nullable Int64, not a string)
+    by_size = analysis.paired_delta(
+        analysis.compare("gaussian", "mxfp4", scale_rules="rceil", block_sizes=[16, 32], seeds=3,
+                         shape=(4, 256), per_seed=True),
+        within="block_size", baseline=32)
+    assert by_size["block_size"].tolist() == [16] and by_size["baseline"].tolist() == [32]
+    assert str(by_size["baseline"].dtype) == "Int64"
 
 
 def test_compare_inputs_and_errors():

@@ -8,6 +8,12 @@ turns per-seed results into differences against a baseline (e.g. ``floor`` − `
 whose intervals are much tighter than those of the absolute values because every seed
 compares the same data.
 
+Power-of-two block scales make every metric periodic in log2 of the input's scale σ, so a
+distribution is drawn at a random phase σ = 2^p, p ∈ [0, 1), per seed by default
+(:func:`sample`'s ``phase``); :func:`phase_sweep` reports the range over fixed phases instead.
+Key columns use nullable dtypes (``string``, ``Int64``: <NA> where a format has no scale rule
+or block size); :func:`long_format` gives the tidy long table.
+
 pandas is an optional dependency: ``pip install 'lowprec[analysis]'``.
 """
 
@@ -415,6 +421,8 @@ def _frame(records, columns=None):
     frame = pd.DataFrame.from_records(records, columns=columns)
     for col in frame.columns:
         dtype = _DTYPES.get(col, "float64")
+        if col == "baseline" and all(isinstance(v, (int, np.integer)) for v in frame[col]):
+            dtype = "Int64"   # paired over block sizes: the baseline is a size
         if col in _DTYPES and dtype in ("string", "Int64"):
             values = [None if _is_missing(v) else v for v in frame[col].tolist()]
             frame[col] = pd.array(values, dtype=dtype)
@@ -697,7 +705,8 @@ def paired_delta(
 
     Rows of :func:`compare`'s ``per_seed=True`` output that agree on every key column
     (``input``, ``format``, ``scale_rule``, ``block_size``) except ``within`` are paired seed
-    by seed with the row whose ``within`` equals ``baseline``. Pairing removes the spread of
+    by seed (with ``within="block_size"``, formats are matched without their ``_b<size>``
+    suffix) with the row whose ``within`` equals ``baseline``. Pairing removes the spread of
     the data itself (and of a dithered scale phase: a seed fixes its phase), so a small but
     systematic difference gets a tight interval.
 
@@ -719,6 +728,8 @@ def paired_delta(
     others = [k for k in _KEYS if k != within]
     frame = per_seed_frame.copy()
     frame["_seed"] = frame["seed"].fillna(-1).astype("int64") if "seed" in frame else -1
+    if within == "block_size":   # a size given to compare is part of the name: pair the base
+        frame["format"] = frame["format"].str.replace(r"_b\d+$", "", regex=True)
     out = []
     for keys, group in frame.groupby(others, dropna=False, sort=False):
         is_base = _equals(group[within], baseline)
@@ -738,10 +749,7 @@ def paired_delta(
                         "delta_lo": lo, "delta_hi": hi})
             out.append(row)
     columns = list(_KEYS) + ["baseline", "n_seeds", "delta", "delta_lo", "delta_hi"]
-    result = _frame(out, columns=columns)
-    if "baseline" in result and within == "block_size":
-        result["baseline"] = result["baseline"].astype("Int64")
-    return result
+    return _frame(out, columns=columns)
 
 
 def phase_sweep(
