@@ -1081,6 +1081,13 @@ def test_dithered_phase_by_default_for_distributions_only():
     # phase="dither" dithers arrays too, and then seeds are allowed (they pick the phases)
     arr = analysis.compare(np.ones((1, 32), np.float32), "e4m3", phase="dither", seeds=3, per_seed=True)
     assert len(arr) == 3 and len(set(arr["phase"])) == 3
+    # sample's default is the unit scale, NumPy's own draw; a phase p multiplies it by 2^p in
+    # float64 before the one rounding to float32
+    ref = np.random.default_rng(4).standard_normal((3, 5))
+    assert np.array_equal(analysis.sample("gaussian", (3, 5), seed=4), ref.astype(np.float32))
+    assert np.array_equal(analysis.sample("gaussian", (3, 5), seed=4, phase=0.0), ref.astype(np.float32))
+    assert np.array_equal(analysis.sample("gaussian", (3, 5), seed=4, phase=0.3),
+                          (ref * 2.0**0.3).astype(np.float32))
     with pytest.raises(ValueError, match="phase must be"):
         analysis.compare("gaussian", "e4m3", phase="random")
     with pytest.raises(ValueError, match="finite"):

@@ -547,7 +547,7 @@ def compare(
 
     **Scale phase.** MX scales are powers of two, so every metric is periodic in log2 of the
     input's scale σ with period 1, and a distribution drawn at σ = 1 measures one phase of
-    that period only: MXFP8 E4M3 floor − rceil on Gaussian data runs from about −0.7 to −1.4
+    that period only: MXFP8 E4M3 floor − rceil on Gaussian data runs from about −0.6 to −1.4
     dB over an octave of σ. So by default a distribution name is drawn at σ = 2^p with p
     uniform in [0, 1) per seed (``phase="dither"``, see :func:`sample`), and the interval
     over seeds covers the phase as well as the data; arrays and functions keep their own
