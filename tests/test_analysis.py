@@ -1155,3 +1155,15 @@ def test_block_stats_by_hand_and_pooled():
         analysis.block_stats(x, "nvfp4", scale_rule="floor")
     nv = analysis.block_stats(x, "nvfp4")
     assert len(nv) == 128 and (nv["clip_rate"] <= 1 / 16).all()
+
+
+def test_matmul_rel_error_follows_the_random_walk_prediction():
+    # x and W are both standard Gaussian (phase 0) and quantized alike, with independent,
+    # zero-mean errors of relative power rho = NMSE each: ||q(x)q(W) - xW||^2 / ||xW||^2 is
+    # about rho + rho + rho^2 (notebook 4's prediction), whatever the format
+    x = analysis.sample("gaussian", (32, 128), seed=9)
+    df = analysis.compare(x, ["e4m3", "mxfp4", "bf16"], scale_rules="rceil")
+    for _, row in df.iterrows():
+        rho = row["nmse"]
+        predicted = np.sqrt(2 * rho + rho**2)
+        assert 0.85 < row["matmul_rel_error"] / predicted < 1.15, (row["format"], row["matmul_rel_error"], predicted)
