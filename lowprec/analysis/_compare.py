@@ -412,7 +412,7 @@ def _pandas():
 # no seed; never an object column holding None.
 _DTYPES = {"input": "string", "format": "string", "scale_rule": "string", "block_size": "Int64",
            "bits_per_element": "float64", "n_seeds": "int64", "seed": "Int64", "phase": "float64",
-           "baseline": "string", "n_pairs": "int64", "metric": "string"}
+           "baseline": "string", "metric": "string"}
 
 
 def _frame(records, columns=None):
