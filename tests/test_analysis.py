@@ -1039,8 +1039,9 @@ def test_compare_bias_rmse_nmse_cosine_matmul_by_hand():
         assert row["cosine"] == pytest.approx(cos, rel=1e-6)
         qW = np.asarray(quant(W), np.float64)
         y = x64 @ W.T.astype(np.float64)
+        # float64 products here; compare forms the error from the exact differences in float32
         assert row["matmul_rel_error"] == pytest.approx(
-            np.linalg.norm(q64 @ qW.T - y) / np.linalg.norm(y), rel=1e-9)
+            np.linalg.norm(q64 @ qW.T - y) / np.linalg.norm(y), rel=1e-5)
     # interval bounds respect the metric's range (cosine <= 1)
     runs = analysis.compare("gaussian", "mxfp8_e4m3", scale_rules="rceil", seeds=3, shape=(8, 256))
     assert runs["cosine_hi"].item() <= 1 and runs["nmse_lo"].item() >= 0

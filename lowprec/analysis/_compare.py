@@ -339,39 +339,64 @@ def _evaluate(x, fmt, scale_rule, axis, rounding, overflow, key):
     return stats, ulps, q
 
 
+def _rows(a, axis: int) -> np.ndarray:
+    """float32 [rows, K] view of ``a`` with ``axis`` (length K) last."""
+    a = np.asarray(a, np.float32)
+    return np.moveaxis(a, axis, -1).reshape(-1, a.shape[axis])
+
+
+@functools.lru_cache(maxsize=16)
+def _gaussian_operand(shape: tuple, axis: int) -> np.ndarray:
+    """A fixed standard Gaussian float32 array of ``shape`` (seeded by the shape)."""
+    return np.random.default_rng([*shape, _MATMUL_SEED]).standard_normal(shape).astype(np.float32)
+
+
 @functools.lru_cache(maxsize=64)
 def _matmul_operand(fmt, scale_rule, shape: tuple, axis: int, rounding: str, overflow: str):
-    """(W, q(W)) in float64, [K, n]: the first n ≤ 64 length-K rows (along ``axis``) of a fixed
-    standard Gaussian array of x's own ``shape`` and of its quantization with the same
-    configuration. Quantizing an array of x's shape and axis reuses the kernels already
-    compiled for x (a [K, 64] operand would compile them again); rows are independent blocks,
-    so only NVFP4's one tensor scale sees the rows beyond the first 64. Cached per configuration
-    and shape."""
-    w = np.random.default_rng([*shape, _MATMUL_SEED]).standard_normal(shape).astype(np.float32)
+    """(q(W), q(W) − W), float32 [K, n]: W's columns are the first n ≤ 64 length-K rows (along
+    ``axis``) of :func:`_gaussian_operand`, quantized with the same configuration as x.
+    Quantizing an array of x's own shape and axis reuses the kernels already compiled for x (a
+    [K, 64] operand would compile them again); rows are independent blocks, so only NVFP4's
+    one tensor scale sees the rows beyond the first 64. Cached per configuration and shape."""
+    w = _gaussian_operand(shape, axis)
     key = jax.random.key(_MATMUL_SEED) if rounding == "stochastic" else None
     qw, _, _ = _quantized(jnp.asarray(w), fmt, scale_rule, axis, rounding, overflow, key)
-    k = shape[axis]
-
-    def rows(a):
-        return np.moveaxis(np.asarray(a, np.float64), axis, -1).reshape(-1, k)[:_MATMUL_N].T
-
-    return rows(w), rows(qw)
+    w, qw = _rows(w, axis)[:_MATMUL_N].T, _rows(qw, axis)[:_MATMUL_N].T
+    return qw, qw - w          # the difference is exact in float32 (a rounding to a coarser grid)
 
 
-def _matmul_rel_error(x, q, axis, fmt, scale_rule, rounding, overflow) -> float:
-    """‖q(x)·q(W) − x·W‖_F / ‖x·W‖_F, contraction along the block axis, in float64; rows of
-    x holding a non-finite x or q are left out (NaN if none is left)."""
-    w, qw = _matmul_operand(fmt, scale_rule, tuple(x.shape), axis, rounding, overflow)
-    x = np.moveaxis(np.asarray(x, np.float64), axis, -1)
-    q = np.moveaxis(np.asarray(q, np.float64), axis, -1)
-    k = x.shape[-1]
-    x, q = x.reshape(-1, k), q.reshape(-1, k)
-    rows = np.isfinite(x).all(axis=1) & np.isfinite(q).all(axis=1)
-    if not rows.any() or not np.isfinite(qw).all():
-        return math.nan
-    y = x[rows] @ w
-    norm = float(np.linalg.norm(y))
-    return float(np.linalg.norm(q[rows] @ qw - y)) / norm if norm > 0 else math.nan
+class _MatmulReference:
+    """x's side of ``matmul_rel_error``, shared by every configuration of one input: x as
+    [rows, K] float32, its rows without a non-finite value, and ‖x·W‖ over them."""
+
+    def __init__(self, x, axis: int):
+        self.axis, self.shape = axis, tuple(x.shape)
+        self.x = _rows(x, axis)
+        self.finite = np.isfinite(self.x).all(axis=1)
+        self._norms = {}
+
+    def norm(self, rows) -> float:
+        key = rows.tobytes()
+        if key not in self._norms:
+            w = _rows(_gaussian_operand(self.shape, self.axis), self.axis)[:_MATMUL_N].T
+            self._norms[key] = float(np.linalg.norm((self.x[rows] @ w).astype(np.float64)))
+        return self._norms[key]
+
+    def rel_error(self, q, fmt, scale_rule, rounding, overflow) -> float:
+        """‖q(x)·q(W) − x·W‖_F / ‖x·W‖_F over the rows where x and q are finite (NaN if none).
+
+        q(x)q(W) − xW = (q(x) − x)·q(W) + x·(q(W) − W): both differences are exact in
+        float32, so the float32 products give the error to about 1e-6 of itself, without
+        the cancellation of subtracting two nearly equal products."""
+        qw, ew = _matmul_operand(fmt, scale_rule, self.shape, self.axis, rounding, overflow)
+        q = _rows(q, self.axis)
+        rows = self.finite & np.isfinite(q).all(axis=1)
+        if not rows.any() or not np.isfinite(qw).all():
+            return math.nan
+        x, q = (self.x, q) if rows.all() else (self.x[rows], q[rows])
+        err = (q - x) @ qw + x @ ew
+        norm = self.norm(rows)
+        return float(np.linalg.norm(err.astype(np.float64))) / norm if norm > 0 else math.nan
 
 
 def _metrics_row(stats, ulps, matmul: float) -> dict:
@@ -535,10 +560,11 @@ def compare(
     |x| > 464 under the default ``overflow="ieee"``), ``nan_rate`` (→ NaN), ``bias`` (mean of
     q − x), ``rmse``, ``nmse`` (Σ(q − x)² / Σx² = 10^(−SQNR/10)), ``cosine`` (cosine similarity
     of q and x) and ``matmul_rel_error``: ‖q(x)·q(W) − x·W‖_F / ‖x·W‖_F for a fixed standard
-    Gaussian W of shape [K, n ≤ 64], quantized with the same configuration, contracting the
-    block axis of x (length K; blocks of both operands along it, as in an MX matmul), in
-    float64 so only the quantization of the two operands counts. W's columns are the first
-    rows of a seeded Gaussian array of x's own shape, quantized along the same axis. The error metrics are taken over the
+    Gaussian W of shape [K, n ≤ 64] (its columns the first rows of a seeded Gaussian array of
+    x's own shape), quantized with the same configuration along the block axis of x, which the
+    product contracts (length K; blocks of both operands along it, as in an MX matmul). It is
+    formed from the exact differences q(x) − x and q(W) − W, so only the quantization of the
+    two operands counts, not the arithmetic of the product. The error metrics are taken over the
     finite pairs (rows of finite pairs for the matmul); where no pair is finite they are NaN,
     and a signal of zeros has SQNR/NMSE/cosine NaN (undefined), never +inf.
     With several seeds each metric is the mean over seeds, with ``<metric>_lo`` /
@@ -639,10 +665,11 @@ def compare(
             data = as_f32(data)
             ax = _check_data(data, label, configs, axis, pad)
             key = jax.random.key(0 if seed is None else seed) if rounding == "stochastic" else None
+            mm_ref = _MatmulReference(np.asarray(data), ax)
             for fmt, rule, bs, bits in configs:
                 stats, ulps, q = jax.device_get(
                     _evaluate(data, fmt, rule, ax, rounding, overflow, key))
-                mm = _matmul_rel_error(data, q, ax, fmt, rule, rounding, overflow)
+                mm = mm_ref.rel_error(q, fmt, rule, rounding, overflow)
                 rows.append({"input": label, "format": fmt.name, "scale_rule": rule,
                              "block_size": bs, "bits_per_element": float(bits), "seed": seed,
                              "phase": p, **_metrics_row(stats, ulps, mm)})
