@@ -1168,3 +1168,15 @@ def test_matmul_rel_error_follows_the_random_walk_prediction():
         rho = row["nmse"]
         predicted = np.sqrt(2 * rho + rho**2)
         assert 0.85 < row["matmul_rel_error"] / predicted < 1.15, (row["format"], row["matmul_rel_error"], predicted)
+
+
+def test_dithered_phases_are_uniform_over_the_octave():
+    # p ~ U[0, 1), i.e. sigma = 2^p log-uniform over one octave: 2000 seeds, counts per tenth
+    # within 5 standard deviations of 200 (binomial sd = sqrt(2000 * 0.1 * 0.9) = 13.4)
+    p = np.array([analysis.phase_of("dither", s) for s in range(2000)])
+    assert ((0 <= p) & (p < 1)).all()
+    counts = np.histogram(p, bins=10, range=(0, 1))[0]
+    assert np.all(np.abs(counts - 200) < 5 * 13.4), counts
+    # independent of the data's own stream: the phase is not a function of the first draw
+    first = np.array([np.random.default_rng(s).random() for s in range(2000)])
+    assert abs(np.corrcoef(p, first)[0, 1]) < 0.1
