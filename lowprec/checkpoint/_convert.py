@@ -482,7 +482,8 @@ def _finish(source, outputs, outs, weight_map, total_size, bar, texts=None) -> N
         if rel not in texts:
             _copy_file(source.path(rel), outputs.path(rel), outs, outputs, bar)
     for rel, text in texts.items():
-        _write_text(outputs.path(rel), text, outs, outputs)
+        if text is not None:  # None: not written (a config the target layout does not use)
+            _write_text(outputs.path(rel), text, outs, outputs)
     if source.index_name is not None:
         text = _index_text(source, weight_map, total_size)
         _write_text(outputs.path(source.index_name), text, outs, outputs)

@@ -484,9 +484,8 @@ def quantize_engine_checkpoint(
                 f"the ModelOpt layout holds one scheme of {', '.join(_MODELOPT_SCHEMES)} per "
                 f"checkpoint, not {', '.join(sorted(used))}; use --layout compressed-tensors"
             )
-    if scale_rule is not None:
-        from ._formats import check_scale_rule
-        scale_rule = check_scale_rule(scale_rule)
+    from ._formats import DEFAULT_SCALE_RULE, check_scale_rule
+    scale_rule = check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
     source = cv.open_source(src)
     outputs = cv._Outputs(source, dst, report, force)
     with contextlib.ExitStack() as stack:
@@ -549,8 +548,14 @@ def quantize_engine_checkpoint(
 
         options = {"layout": layout, "format": default, "schemes": dict((p.pattern, s) for p, s in parsed),
                    "ignore": list(ignore), "quantization_config": qconfig}
+        def metadata(plan):
+            return {ORIGIN_KEY: json.dumps({i.name: {"dtype": i.dtype, "scale_rule": scale_rule
+                                                     if s.scheme in ("mxfp4", "mxfp8") else None}
+                                            for i, s in plan if s is not None},
+                                           separators=(",", ":"))}
+
         return cv._write_outputs(source, outputs, readers, plans, "quantize", options, start,
-                                 force=force, progress=progress, metadata=lambda plan: {},
+                                 force=force, progress=progress, metadata=metadata,
                                  convert=convert, texts=texts)
 
 
@@ -563,6 +568,8 @@ def _config_texts(source, outputs, qconfig: dict, extra: dict, force: bool) -> d
         return {}
     texts = dict(extra)
     config = {}
+    if qconfig is None and "config.json" not in source.others:
+        return texts
     if "config.json" in source.others:
         try:
             with open(source.path("config.json"), encoding="utf-8") as f:
@@ -571,7 +578,10 @@ def _config_texts(source, outputs, qconfig: dict, extra: dict, force: bool) -> d
             raise CheckpointError(f"{source.path('config.json')}: cannot read it as JSON ({e})") from None
         if not isinstance(config, dict):
             raise CheckpointError(f"{source.path('config.json')}: is not a JSON object")
-    config["quantization_config"] = qconfig
+    if qconfig is None:
+        config.pop("quantization_config", None)
+    else:
+        config["quantization_config"] = qconfig
     texts["config.json"] = json.dumps(config, indent=2) + "\n"
     for rel in texts:
         if rel not in outputs.files:
@@ -580,3 +590,203 @@ def _config_texts(source, outputs, qconfig: dict, extra: dict, force: bool) -> d
                 check_output(path, force=force, inputs=source.inputs)
             outputs.files[rel] = path
     return texts
+
+
+# -- converting between layouts without requantizing ------------------------------------
+ORIGIN_KEY = "lowprec.origin"  # per tensor: original dtype and scale rule, kept across layouts
+
+
+def _bits_of(name, spec, arrays) -> tuple:
+    """``(scheme, {role: array})`` in the roles of :class:`EngineSpec` (elements/values,
+    scales, and ``ts`` = the float32 tensor scale of NVFP4 / FP8, or ``scale`` for per-channel
+    FP8) from a tensor stored in any layout."""
+    if isinstance(spec, EngineSpec):
+        bits = dict(arrays)
+        if spec.scheme == "nvfp4" and spec.layout == "compressed-tensors":
+            gs = np.float32(np.asarray(bits.pop("global_scale")).reshape(-1)[0])
+            bits["ts"] = _exact_reciprocal(name, gs, bits["scales"], "compressed-tensors")
+        elif "scale" in bits and spec.scheme != "fp8_channel":
+            bits["ts"] = np.float32(np.asarray(bits.pop("scale")).reshape(-1)[0])
+        return spec.scheme, bits
+    if spec.layout != "lowprec" or len(spec.shape) != 2 or (spec.is_mx and spec.axis != 1):
+        raise CheckpointError(f"{name}: {spec.format} in the {spec.layout} layout blocked along "
+                              f"axis {spec.axis} has no engine equivalent (2-D, last axis only)")
+    schemes = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8_e4m3": "mxfp8", "e4m3": "fp8"}
+    scheme = schemes.get(spec.format)
+    if scheme is None or (scheme == "fp8" and spec.fp8_scale != "tensor"):
+        raise CheckpointError(f"{name}: lowprec format {spec.format} has no compressed-tensors/"
+                              "ModelOpt equivalent (nvfp4, mxfp4, mxfp8_e4m3, e4m3 with a tensor "
+                              "scale have); dequantize it instead")
+    bits = {"scales": arrays.get("scales")} if spec.is_mx else {}
+    bits["elements" if scheme in ("nvfp4", "mxfp4") else "values"] = arrays.get(
+        "elements", arrays.get("values"))
+    if "scale" in arrays:
+        bits["ts"] = np.float32(np.asarray(arrays["scale"]).reshape(()))
+    return scheme, bits
+
+
+def _exact_reciprocal(name, x: np.float32, scales, what: str) -> np.float32:
+    """1 / x when swapping it for x changes no decoded value and maps back to x's bits (the
+    rule in the module docstring); otherwise a CheckpointError naming the tensor."""
+    x = np.float32(x)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        r = np.float32(1) / x
+        s = np.unique(_e4m3(np.asarray(scales)))
+        s = s[np.isfinite(s)]
+        ok = (np.isfinite(r) and r > 0 and np.float32(1) / r == x
+              and np.array_equal((s / x).view(np.uint32), (r * s).astype(np.float32).view(np.uint32)))
+    if not ok:
+        raise CheckpointError(
+            f"{name}: NVFP4 tensor scale {float(x)!r} has no exact reciprocal for the "
+            f"{what} layout (float32(s / gs) differs from float32(ts * s) for some block scale "
+            "s): converting would change decoded values. Dequantize it, or requantize the "
+            "original weights with --layout compressed-tensors (which uses a power-of-two "
+            "tensor scale)")
+    return r
+
+
+def _target_arrays(name, scheme: str, bits: dict, layout: str) -> dict:
+    out = {k: v for k, v in bits.items() if k != "ts"}
+    if "ts" in bits:
+        ts = np.float32(bits["ts"])
+        if scheme == "nvfp4" and layout == "compressed-tensors":
+            out["global_scale"] = np.array([_exact_reciprocal(name, ts, bits["scales"], layout)],
+                                           np.float32)
+        else:
+            shape = (1,) if layout == "compressed-tensors" else ()
+            out["scale"] = np.asarray(ts, np.float32).reshape(shape)
+    if scheme == "nvfp4":
+        out["scales"] = np.asarray(out["scales"]).view(numpy_dtype("F8_E4M3"))
+    if "values" in out:
+        out["values"] = np.asarray(out["values"]).view(numpy_dtype("F8_E4M3"))
+        if layout == "lowprec" and scheme == "mxfp8":  # lowprec stores MX codes as U8 elements
+            out["elements"] = out.pop("values").view(np.uint8)
+    return out
+
+
+def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
+                       progress: Optional[bool] = None, report=None):
+    """Rewrites a quantized checkpoint (lowprec, compressed-tensors or ModelOpt layout) in
+    another of these layouts, moving the stored bits: no requantization, every decoded value
+    unchanged. Refused, naming the tensor, where the target cannot hold the bits exactly
+    (lowprec has no per-channel FP8, ModelOpt holds NVFP4 and FP8 only, an NVFP4 tensor scale
+    without an exact reciprocal; see the module docstring). Tensors that are not quantized
+    and the folder's other files are copied; ``config.json``'s ``quantization_config`` (and
+    ModelOpt's ``hf_quant_config.json``) are rewritten for the target. The original dtype and
+    scale rule of each tensor travel in the safetensors metadata (``lowprec.origin``), so
+    lowprec → compressed-tensors → lowprec gives back the same tensor files byte for byte.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from lowprec.checkpoint import SafetensorsWriter, quantize_checkpoint, load_checkpoint
+        >>> d = tempfile.mkdtemp()
+        >>> w = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32)
+        >>> with SafetensorsWriter(f"{d}/m.safetensors", [("fc.weight", "F32", w.shape)]) as f:
+        ...     f.write("fc.weight", w)
+        >>> _ = quantize_checkpoint(f"{d}/m.safetensors", f"{d}/q.safetensors", "mxfp4")
+        >>> rep = convert_checkpoint(f"{d}/q.safetensors", f"{d}/ct.safetensors", "compressed-tensors")
+        >>> rep.tensors[0].stored_as
+        ('fc.weight_packed', 'fc.weight_scale')
+        >>> a, b = load_checkpoint(f"{d}/q.safetensors"), load_checkpoint(f"{d}/ct.safetensors")
+        >>> bool(np.array_equal(a["fc.weight"], b["fc.weight"]))
+        True
+    """
+    from . import _convert as cv
+    from ._layout import make_spec
+    from ._report import TensorReport
+
+    start = time.perf_counter()
+    if layout not in ENGINE_LAYOUTS + ("lowprec",):
+        raise CheckpointError(f"unknown layout {layout!r}; choose one of: lowprec, "
+                              f"{', '.join(ENGINE_LAYOUTS)}")
+    source = cv.open_source(src)
+    outputs = cv._Outputs(source, dst, report, force)
+    with contextlib.ExitStack() as stack:
+        readers = cv._open_readers(stack, source)
+        plans, groups, kept = {}, {}, []
+        for rel, reader in readers.items():
+            origin = {}
+            with contextlib.suppress(ValueError, TypeError):
+                origin = dict(json.loads(reader.metadata.get(ORIGIN_KEY, "{}")))
+            plan, entries = [], []
+            for name, spec, parts in cv._logical(reader):
+                if spec is None:
+                    info = reader.tensors[name]
+                    entries.append((name, info.dtype, info.shape))
+                    plan.append((name, None, None, None, None))
+                    if name.endswith(".weight") and len(info.shape) == 2:
+                        kept.append(name[: -len(".weight")])
+                    continue
+                arrays = {role: reader.read(stored) for role, stored, _, _ in parts}
+                scheme, bits = _bits_of(name, spec, arrays)
+                o = origin.get(name, {}) if isinstance(origin.get(name), dict) else {}
+                dtype = o.get("dtype", spec.dtype)
+                rule = o.get("scale_rule", spec.scale_rule)
+                if layout == "lowprec":
+                    if scheme == "fp8_channel":
+                        raise CheckpointError(f"{name}: per-channel FP8 has no lowprec layout; "
+                                              "keep it in compressed-tensors or dequantize it")
+                    target = make_spec(SCHEMES[scheme][0], spec.shape, dtype,
+                                       axis=-1 if scheme != "fp8" else None,
+                                       scale_rule=rule if scheme in ("mxfp4", "mxfp8") else None)
+                    tparts = target.parts(name)
+                    out = _target_arrays(name, scheme, bits, "lowprec")
+                else:
+                    if layout == "modelopt" and scheme not in _MODELOPT_SCHEMES:
+                        raise CheckpointError(f"{name}: {scheme} has no ModelOpt layout (NVFP4 "
+                                              "and FP8 per tensor have); use compressed-tensors")
+                    target = EngineSpec(scheme, layout, tuple(spec.shape), dtype, rule)
+                    tparts = target.parts(name)
+                    out = _target_arrays(name, scheme, bits, layout)
+                    groups.setdefault(scheme, []).append(name[: -len(".weight")])
+                entries += [(st, dt, shp) for _, st, dt, shp in tparts]
+                plan.append((name, spec, parts, target, out))
+                origin[name] = {"dtype": dtype, "scale_rule": rule}
+            cv._check_collisions(entries, reader.path)
+            plans[rel] = (plan, entries)
+        texts = {}
+        if layout == "lowprec":
+            texts = _config_texts(source, outputs, None, {}, force)
+            if "hf_quant_config.json" in source.others:
+                texts["hf_quant_config.json"] = None
+        elif groups:
+            groups = {s: sorted(m) for s, m in groups.items()}
+            if layout == "compressed-tensors":
+                texts = _config_texts(source, outputs, ct_quantization_config(groups, kept), {}, force)
+            else:
+                if len(groups) > 1:
+                    raise CheckpointError("the ModelOpt layout holds one scheme per checkpoint, "
+                                          f"not {', '.join(sorted(groups))}")
+                (scheme,) = groups
+                hf = modelopt_quant_config(scheme, kept)
+                texts = _config_texts(source, outputs, {"quant_method": "modelopt", **hf["quantization"]},
+                                      {"hf_quant_config.json": json.dumps(hf, indent=2) + "\n"}, force)
+
+        def metadata(plan):
+            specs = {n: t for n, s, _, t, _ in plan if t is not None}
+            if layout == "lowprec":  # lowprec's own metadata holds dtype and scale rule
+                return {cv.METADATA_VERSION_KEY: cv.METADATA_VERSION,
+                        cv.METADATA_KEY: json.dumps({n: t.to_json(n) for n, t in specs.items()},
+                                                    separators=(",", ":"))}
+            return {ORIGIN_KEY: json.dumps({n: {"dtype": t.dtype, "scale_rule": t.scale_rule}
+                                            for n, t in specs.items()}, separators=(",", ":"))}
+
+        def convert(reader, writer, item, bar):
+            name, spec, parts, target, out = item
+            if spec is None:
+                info = reader.tensors[name]
+                cv._copy_tensor(reader, writer, name, bar)
+                return TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
+                                    info.nbytes, reason="not quantized")
+            tparts = target.parts(name)
+            for role, stored, _, _ in tparts:
+                writer.write(stored, out[role])
+            before = sum(reader.tensors[p[1]].nbytes for p in parts)
+            bar.update(before)
+            return TensorReport(name, spec.shape, target.dtype, getattr(target, "label", target.format),
+                                before, target.nbytes(), reason=f"moved from {spec.layout}",
+                                scale_rule=target.scale_rule, stored_as=tuple(p[1] for p in tparts))
+
+        return cv._write_outputs(source, outputs, readers, plans, "convert", {"layout": layout},
+                                 start, force=force, progress=progress, metadata=metadata,
+                                 convert=convert, texts=texts)
