@@ -266,6 +266,13 @@ def engine_specs(reader) -> dict:
                     found[name] = EngineSpec("fp8", "compressed-tensors", (out, k))
                 elif sc.shape == (out, 1):
                     found[name] = EngineSpec("fp8_channel", "compressed-tensors", (out, k))
+    origin = {}
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        origin = dict(json.loads(reader.metadata.get(ORIGIN_KEY, "{}")))
+    for name, spec in found.items():  # the original dtype, when lowprec wrote the file
+        o = origin.get(name)
+        if isinstance(o, dict) and o.get("dtype") in FLOAT_DTYPES:
+            found[name] = dataclasses.replace(spec, dtype=o["dtype"])
     return found
 
 

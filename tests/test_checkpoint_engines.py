@@ -1,0 +1,203 @@
+"""Checkpoints in the layouts inference engines load (compressed-tensors, ModelOpt).
+
+The loader tests use the real clients: a tiny random Llama built from a transformers config
+is saved with safetensors, quantized by lowprec, then loaded by transformers (which runs
+compressed-tensors' decompressors on CPU); its weights must equal lowprec's decoded weights
+bit for bit (both rounded to the model dtype, bfloat16, as the loader does) and the forward
+pass must run. They skip when torch / compressed-tensors / transformers are absent
+(``pip install 'lowprec[interop]'``). The conversion tests need only lowprec.
+"""
+
+import filecmp
+import json
+import os
+
+import numpy as np
+import pytest
+
+from lowprec.checkpoint import CheckpointError, load_checkpoint, quantize_checkpoint
+from lowprec.checkpoint._engine_layouts import convert_checkpoint, engine_specs
+from lowprec.checkpoint._safetensors import SafetensorsReader, SafetensorsWriter
+
+SCHEMES = ["nvfp4", "mxfp4", "mxfp8", "fp8", "fp8_channel"]
+
+
+def _tiny_folder(path, rng=np.random.default_rng(0)):
+    """A Llama-shaped folder without torch: q/k/v/o and MLP weights, norms, embeddings, head."""
+    os.makedirs(path)
+    names = {"model.embed_tokens.weight": (128, 64), "lm_head.weight": (128, 64),
+             "model.norm.weight": (64,)}
+    for i in range(2):
+        for proj, shp in [("self_attn.q_proj", (64, 64)), ("self_attn.k_proj", (32, 64)),
+                          ("mlp.up_proj", (128, 64)), ("mlp.down_proj", (64, 128))]:
+            names[f"model.layers.{i}.{proj}.weight"] = shp
+    tensors = {n: (rng.standard_normal(s) * 0.05).astype(np.float32) for n, s in names.items()}
+    with SafetensorsWriter(f"{path}/model.safetensors",
+                           [(n, "F32", t.shape) for n, t in tensors.items()]) as f:
+        for n, t in tensors.items():
+            f.write(n, t)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({"model_type": "llama"}, f)
+    return tensors
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_engine_layout_names_and_config(tmp_path, scheme):
+    src = tmp_path / "m"
+    x = _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "q", scheme, layout="compressed-tensors")
+    with SafetensorsReader(tmp_path / "q/model.safetensors") as r:
+        names = set(r.tensors)
+        specs = engine_specs(r)
+        dtypes = {n: i.dtype for n, i in r.tensors.items()}
+    w = "model.layers.0.mlp.up_proj.weight"
+    expected = {  # compressed-tensors 0.20's compressors: names and dtypes
+        "nvfp4": {w + "_packed": "U8", w + "_scale": "F8_E4M3", w + "_global_scale": "F32"},
+        "mxfp4": {w + "_packed": "U8", w + "_scale": "U8"},
+        "mxfp8": {w: "F8_E4M3", w + "_scale": "U8"},
+        "fp8": {w: "F8_E4M3", w + "_scale": "F32"},
+        "fp8_channel": {w: "F8_E4M3", w + "_scale": "F32"},
+    }[scheme]
+    assert {n: dtypes[n] for n in expected} == expected
+    assert specs[w].scheme == scheme and specs[w].shape == (128, 64)
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names  # kept
+    qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
+    assert "lm_head" in qc["ignore"] and qc["config_groups"]["group_0"]["targets"] == ["Linear"]
+    got = load_checkpoint(tmp_path / "q", dtype="float32")[w]
+    err = np.abs(got - x[w]).max() / np.abs(x[w]).max()
+    assert err < {"nvfp4": 0.2, "mxfp4": 0.3, "mxfp8": 0.1, "fp8": 0.07, "fp8_channel": 0.07}[scheme]
+
+
+def test_nvfp4_global_scale_is_exact_power_of_two_reciprocal(tmp_path):
+    src = tmp_path / "m"
+    x = _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors")
+    w = "model.layers.1.mlp.down_proj.weight"
+    with SafetensorsReader(tmp_path / "q/model.safetensors") as r:
+        gs = r.read(w + "_global_scale")
+    amax = np.float32(np.abs(x[w]).max())
+    # gs = 1 / 2^ceil(log2(amax / 2688)): a power of two, within a factor 2 of 2688 / amax
+    m, e = np.frexp(gs[0])
+    assert gs.shape == (1,) and gs.dtype == np.float32 and m == 0.5
+    assert 2688 / amax / 2 < gs[0] <= 2688 / amax
+
+
+def test_mixed_schemes_and_ignore(tmp_path):
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    rep = quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors",
+                              schemes=["re:.*self_attn.*=fp8"],
+                              ignore=["re:.*layers\\.1\\.mlp\\.down_proj"])
+    qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
+    assert qc["format"] == "mixed-precision"
+    by_format = {g["format"]: g["targets"] for g in qc["config_groups"].values()}
+    assert by_format["float-quantized"] == sorted(
+        f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("k_proj", "q_proj"))
+    assert "model.layers.1.mlp.down_proj" in qc["ignore"]
+    assert "model.layers.1.mlp.down_proj" not in by_format["nvfp4-pack-quantized"]
+    kinds = {t.name: t.format for t in rep.tensors}
+    assert kinds["model.layers.1.mlp.down_proj.weight"] == "kept"
+    assert kinds["model.layers.0.self_attn.q_proj.weight"].startswith("e4m3")
+
+
+@pytest.mark.parametrize("fmt,scheme", [("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8"), ("e4m3", "fp8")])
+def test_convert_round_trips_byte_identical(tmp_path, fmt, scheme):
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "lp", fmt)
+    convert_checkpoint(tmp_path / "lp", tmp_path / "ct", "compressed-tensors")
+    convert_checkpoint(tmp_path / "ct", tmp_path / "lp2", "lowprec")
+    assert filecmp.cmp(tmp_path / "lp/model.safetensors", tmp_path / "lp2/model.safetensors",
+                       shallow=False)
+    a, b = load_checkpoint(tmp_path / "lp"), load_checkpoint(tmp_path / "ct")
+    assert a.keys() == b.keys()
+    assert all(a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes() for k in a)
+    # and the other way: written as compressed-tensors, through lowprec, back
+    quantize_checkpoint(src, tmp_path / "c1", scheme, layout="compressed-tensors")
+    convert_checkpoint(tmp_path / "c1", tmp_path / "l1", "lowprec")
+    convert_checkpoint(tmp_path / "l1", tmp_path / "c2", "compressed-tensors")
+    for f in ("model.safetensors", "config.json"):
+        assert filecmp.cmp(tmp_path / "c1" / f, tmp_path / "c2" / f, shallow=False)
+
+
+def test_nvfp4_modelopt_and_compressed_tensors(tmp_path):
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    # lowprec's tensor scale amax/2688 is ModelOpt's weight_scale_2: moved as is
+    quantize_checkpoint(src, tmp_path / "lp", "nvfp4")
+    convert_checkpoint(tmp_path / "lp", tmp_path / "mo", "modelopt")
+    hf = json.load(open(tmp_path / "mo/hf_quant_config.json"))
+    assert hf["quantization"]["quant_algo"] == "NVFP4" and hf["quantization"]["group_size"] == 16
+    w = "model.layers.0.mlp.up_proj.weight"
+    with SafetensorsReader(tmp_path / "mo/model.safetensors") as r, \
+            SafetensorsReader(tmp_path / "lp/model.safetensors") as q:
+        assert r.tensors[w].dtype == "U8" and r.tensors[w + "_scale"].dtype == "F8_E4M3"
+        assert r.read(w + "_scale_2").tobytes() == q.read(w + "_scale").tobytes()
+    convert_checkpoint(tmp_path / "mo", tmp_path / "lp2", "lowprec")
+    assert filecmp.cmp(tmp_path / "lp/model.safetensors", tmp_path / "lp2/model.safetensors",
+                       shallow=False)
+    assert not os.path.exists(tmp_path / "lp2/hf_quant_config.json")
+    # a tensor scale that is not a power of two has no exact reciprocal: refused, not rounded
+    with pytest.raises(CheckpointError, match="no exact reciprocal"):
+        convert_checkpoint(tmp_path / "lp", tmp_path / "ct", "compressed-tensors")
+    assert not os.path.exists(tmp_path / "ct")
+    # compressed-tensors NVFP4 (power-of-two scale) converts to lowprec and back exactly
+    quantize_checkpoint(src, tmp_path / "c1", "nvfp4", layout="compressed-tensors")
+    convert_checkpoint(tmp_path / "c1", tmp_path / "l1", "lowprec")
+    convert_checkpoint(tmp_path / "l1", tmp_path / "c2", "compressed-tensors")
+    assert filecmp.cmp(tmp_path / "c1/model.safetensors", tmp_path / "c2/model.safetensors",
+                       shallow=False)
+    a, b = load_checkpoint(tmp_path / "c1"), load_checkpoint(tmp_path / "l1")
+    assert a[w].dtype == b[w].dtype == np.float32 and a[w].tobytes() == b[w].tobytes()
+
+
+def test_per_channel_fp8_has_no_lowprec_layout(tmp_path):
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "c", "fp8_channel", layout="compressed-tensors")
+    with pytest.raises(CheckpointError, match="per-channel FP8 has no lowprec layout"):
+        convert_checkpoint(tmp_path / "c", tmp_path / "l", "lowprec")
+
+
+# -- the real loaders ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("compressed_tensors")
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("llama") / "model"
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_transformers_and_compressed_tensors_load_lowprec_output(tmp_path, llama_folder, scheme):
+    import torch
+    import transformers
+
+    out = tmp_path / scheme
+    quantize_checkpoint(llama_folder, out, scheme, layout="compressed-tensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    theirs = model.state_dict()
+    ours = load_checkpoint(out, dtype="float32")
+    quantized = [n for n in ours if n.endswith("proj.weight")]
+    assert len(quantized) == 14
+    for name, value in ours.items():
+        want = torch.from_numpy(np.asarray(value, np.float32)).to(torch.bfloat16)
+        got = theirs[name]
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+    # the loader really decoded lowprec's bits: weights differ from the original ones
+    orig = load_checkpoint(llama_folder)
+    assert not np.array_equal(np.asarray(orig[quantized[0]]).view(np.uint16),
+                              theirs[quantized[0]].view(torch.int16).numpy().view(np.uint16))
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert logits.shape == (1, 4, 128) and bool(torch.isfinite(logits).all())
