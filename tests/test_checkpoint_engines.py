@@ -201,3 +201,66 @@ def test_transformers_and_compressed_tensors_load_lowprec_output(tmp_path, llama
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3, 4]])).logits
     assert logits.shape == (1, 4, 128) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_compressed_tensors_decompressors_match_lowprec(tmp_path, llama_folder, scheme):
+    """compressed-tensors itself, without transformers: its config schema accepts lowprec's
+    quantization_config, and each group's decompressor gives lowprec's decoded values (in the
+    decompressor's own output dtype: bfloat16 for the FP4 and MX schemes, float32 for FP8)."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    out = tmp_path / scheme
+    quantize_checkpoint(llama_folder, out, "nvfp4" if scheme == "mixed" else scheme,
+                        layout="compressed-tensors")
+    qc = QuantizationConfig.model_validate(json.load(open(out / "config.json"))["quantization_config"])
+    (group,) = qc.config_groups.values()
+    compressor = BaseCompressor.get_value_from_registry(group.format)
+    stored = load_file(out / "model.safetensors")
+    ours = load_checkpoint(out, dtype="float32")
+    modules = sorted({n.rsplit(".weight", 1)[0] for n in stored if ".weight_" in n or
+                      (n.endswith(".weight") and stored[n].dtype == torch.float8_e4m3fn)})
+    assert len(modules) == 14
+    for m in modules:
+        local = {k[len(m) + 1:]: v for k, v in stored.items() if k.startswith(m + ".weight")}
+        got = compressor.decompress(local, group)["weight"]
+        want = torch.from_numpy(np.asarray(ours[m + ".weight"], np.float32)).to(got.dtype)
+        assert got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), m
+
+
+def test_reads_any_global_scale_as_compressed_tensors_does(tmp_path, llama_folder):
+    """llm-compressor writes gs = 2688 / amax (not a power of two): lowprec decodes
+    e × float32(s / gs), exactly the decompressor's arithmetic."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file, save_file
+
+    quantize_checkpoint(llama_folder, tmp_path / "q", "nvfp4", layout="compressed-tensors")
+    stored = load_file(tmp_path / "q/model.safetensors")
+    for name in stored:
+        if name.endswith("_global_scale"):
+            stored[name] = stored[name] * torch.tensor([1.3], dtype=torch.float32)
+    os.makedirs(tmp_path / "odd")
+    save_file(stored, tmp_path / "odd/model.safetensors", metadata={"format": "pt"})
+    qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
+    (group,) = QuantizationConfig.model_validate(qc).config_groups.values()
+    ours = load_checkpoint(tmp_path / "odd", dtype="float32")
+    m = "model.layers.1.mlp.down_proj"
+    local = {k[len(m) + 1:]: v for k, v in stored.items() if k.startswith(m + ".weight")}
+    got = BaseCompressor.get_value_from_registry(group.format).decompress(local, group)["weight"]
+    want = torch.from_numpy(ours[m + ".weight"]).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # moved to lowprec's layout only where exact: refused, or every value unchanged
+    try:
+        convert_checkpoint(tmp_path / "odd", tmp_path / "lp", "lowprec")
+    except CheckpointError as e:
+        assert "no exact reciprocal" in str(e)
+    else:
+        back = load_checkpoint(tmp_path / "lp", dtype="float32")
+        assert all(back[k].tobytes() == ours[k].tobytes() for k in ours)

@@ -611,7 +611,7 @@ def _bits_of(name, spec, arrays) -> tuple:
         bits = dict(arrays)
         if spec.scheme == "nvfp4" and spec.layout == "compressed-tensors":
             gs = np.float32(np.asarray(bits.pop("global_scale")).reshape(-1)[0])
-            bits["ts"] = _exact_reciprocal(name, gs, bits["scales"], "compressed-tensors")
+            bits["ts"] = _exact_reciprocal(name, gs, bits["scales"], "lowprec")
         elif "scale" in bits and spec.scheme != "fp8_channel":
             bits["ts"] = np.float32(np.asarray(bits.pop("scale")).reshape(-1)[0])
         return spec.scheme, bits
@@ -633,15 +633,19 @@ def _bits_of(name, spec, arrays) -> tuple:
 
 
 def _exact_reciprocal(name, x: np.float32, scales, what: str) -> np.float32:
-    """1 / x when swapping it for x changes no decoded value and maps back to x's bits (the
-    rule in the module docstring); otherwise a CheckpointError naming the tensor."""
+    """1 / x (a global scale gs from a tensor scale ts, or ts from gs) when swapping them
+    changes no decoded value — float32(s / gs) = float32(ts × s) for every block-scale code s
+    the tensor uses — and maps back to x's bits (the rule in the module docstring);
+    otherwise a CheckpointError naming the tensor. ``what``: the target layout."""
     x = np.float32(x)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         r = np.float32(1) / x
+        gs, ts = (r, x) if what == "compressed-tensors" else (x, r)
         s = np.unique(_e4m3(np.asarray(scales)))
         s = s[np.isfinite(s)]
-        ok = (np.isfinite(r) and r > 0 and np.float32(1) / r == x
-              and np.array_equal((s / x).view(np.uint32), (r * s).astype(np.float32).view(np.uint32)))
+        ok = (np.isfinite(r) and r > 0 and x > 0 and np.float32(1) / r == x
+              and np.array_equal((s / gs).astype(np.float32).view(np.uint32),
+                                 (ts * s).astype(np.float32).view(np.uint32)))
     if not ok:
         raise CheckpointError(
             f"{name}: NVFP4 tensor scale {float(x)!r} has no exact reciprocal for the "
