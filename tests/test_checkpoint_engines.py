@@ -264,3 +264,49 @@ def test_reads_any_global_scale_as_compressed_tensors_does(tmp_path, llama_folde
     else:
         back = load_checkpoint(tmp_path / "lp", dtype="float32")
         assert all(back[k].tobytes() == ours[k].tobytes() for k in ours)
+
+
+def test_cli_engine_layouts(tmp_path, capsys):
+    from lowprec.cli import main
+
+    src = tmp_path / "m"
+    x = _tiny_folder(src)
+    ct, lp, back = (str(tmp_path / n) for n in ("ct", "lp", "back"))
+    assert main(["quantize", str(src), ct, "--layout", "compressed-tensors", "-f", "nvfp4",
+                 "--ignore", "re:.*down_proj", "--scheme", "re:.*q_proj=fp8_channel", "-q"]) == 0
+    qc = json.load(open(f"{ct}/config.json"))["quantization_config"]
+    assert sorted(g["format"] for g in qc["config_groups"].values()) == [
+        "float-quantized", "nvfp4-pack-quantized"]
+    assert {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"} <= set(qc["ignore"])
+    capsys.readouterr()
+    assert main(["inspect", ct, "--json"]) == 0
+    formats = {t["name"]: t["format"] for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert formats["model.layers.0.self_attn.q_proj.weight"] == "e4m3 (compressed-tensors, per channel)"
+    assert formats["model.layers.0.mlp.up_proj.weight"] == "nvfp4 (compressed-tensors)"
+    assert formats["model.layers.0.mlp.down_proj.weight"] == "kept"
+    # per-channel FP8 has no lowprec layout: one line, exit 1, nothing written
+    assert main(["convert", ct, lp, "--layout", "lowprec", "-q"]) == 1
+    assert "per-channel FP8" in capsys.readouterr().err and not os.path.exists(lp)
+    assert main(["dequantize", ct, back, "--dtype", "float32", "-q"]) == 0
+    w = "model.layers.0.mlp.up_proj.weight"
+    assert np.abs(load_checkpoint(back)[w] - x[w]).max() < 0.2 * np.abs(x[w]).max()
+    assert main(["quantize", str(src), lp, "--layout", "modelopt", "-f", "mxfp4", "-q"]) == 1
+    assert "ModelOpt layout holds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt,scheme", [("nvfp4", "nvfp4"), ("e4m3", "fp8")])
+def test_modelopt_quantize_equals_lowprec_bits(tmp_path, fmt, scheme):
+    """ModelOpt's tensor scale is lowprec's (amax / 2688, amax / 448): quantizing straight to
+    the ModelOpt layout gives the bits of lowprec's own quantizer, moved."""
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "mo", scheme, layout="modelopt")
+    quantize_checkpoint(src, tmp_path / "lp", fmt)
+    convert_checkpoint(tmp_path / "lp", tmp_path / "mo2", "modelopt")
+    with SafetensorsReader(tmp_path / "mo/model.safetensors") as a, \
+            SafetensorsReader(tmp_path / "mo2/model.safetensors") as b:
+        assert a.tensors.keys() == b.tensors.keys()
+        assert all(a.read(n).tobytes() == b.read(n).tobytes() for n in a.tensors)
+    hf = json.load(open(tmp_path / "mo/hf_quant_config.json"))["quantization"]
+    assert hf["quant_algo"] == scheme.upper() and "lm_head" in hf["exclude_modules"]
+    assert json.load(open(tmp_path / "mo/config.json"))["quantization_config"]["quant_method"] == "modelopt"
