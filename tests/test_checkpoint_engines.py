@@ -310,3 +310,27 @@ def test_modelopt_quantize_equals_lowprec_bits(tmp_path, fmt, scheme):
     hf = json.load(open(tmp_path / "mo/hf_quant_config.json"))["quantization"]
     assert hf["quant_algo"] == scheme.upper() and "lm_head" in hf["exclude_modules"]
     assert json.load(open(tmp_path / "mo/config.json"))["quantization_config"]["quant_method"] == "modelopt"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_row_blocks_give_the_whole_tensor_bits(tmp_path, monkeypatch, scheme):
+    """Conversions hold a block of rows at a time; the tensor-wide scale comes from a first
+    pass, so blocks of 3 rows write the bytes the whole tensor does."""
+    import lowprec.checkpoint._engine_layouts as el
+
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "whole", scheme, layout="compressed-tensors")
+    whole = load_checkpoint(tmp_path / "whole", dtype="float32")
+    monkeypatch.setattr(el, "ROW_BLOCK_ELEMENTS", 3 * 64)
+    quantize_checkpoint(src, tmp_path / "rows", scheme, layout="compressed-tensors")
+    assert filecmp.cmp(tmp_path / "whole/model.safetensors", tmp_path / "rows/model.safetensors",
+                       shallow=False)
+    rows = load_checkpoint(tmp_path / "rows", dtype="float32")
+    assert all(whole[k].tobytes() == rows[k].tobytes() for k in whole)
+    if scheme != "fp8_channel":
+        convert_checkpoint(tmp_path / "rows", tmp_path / "lp", "lowprec")
+        convert_checkpoint(tmp_path / "lp", tmp_path / "back", "compressed-tensors")
+        assert filecmp.cmp(tmp_path / "whole/model.safetensors",
+                           tmp_path / "back/model.safetensors", shallow=False)

@@ -88,6 +88,10 @@ _MODELOPT_SCHEMES = {"nvfp4": "NVFP4", "fp8": "FP8"}
 DEFAULT_IGNORE = r"lm_head|embed|norm|(^|[._])(wte|wpe|ln_\w*)([._]|$)"
 
 _F32_MAX_E4M3 = 448.0
+#: Elements per block of rows that a conversion holds at once (as lowprec's own layout's
+#: pieces, :data:`lowprec.checkpoint._convert.CHUNK_ELEMENTS`).
+ROW_BLOCK_ELEMENTS = 1 << 20
+_WHOLE = ("global_scale",)
 _NVFP4_DIVISOR = np.float32(2688)  # 448 · 6 = F8E4M3_MAX · F4E2M1_MAX
 _MIN_TS = np.float32(2.0 ** -126)  # 1 / ts must be a finite float32
 
@@ -166,11 +170,25 @@ class EngineSpec:
     def nbytes(self) -> int:
         return sum(nbytes_of(dt, shp) for _, _, dt, shp in self.parts("x"))
 
+    def row_blocks(self):
+        """``(r0, r1)`` ranges of about :data:`ROW_BLOCK_ELEMENTS` elements (at least a row)."""
+        out, k = self.shape
+        step = max(1, ROW_BLOCK_ELEMENTS // max(k, 1))
+        for r0 in range(0, out, step):
+            yield r0, min(r0 + step, out)
+
+    def read_rows(self, reader, parts, r0: int, r1: int) -> dict:
+        """``{role: stored rows r0..r1}``; a tensor-wide scale is read whole."""
+        return {role: reader.read(stored) if role in _WHOLE or (role == "scale" and self.scheme != "fp8_channel")
+                else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
+
     def decode_regions(self, reader, parts, dtype):
-        """Yields the one region (the whole tensor) decoded as the engine's loader does."""
-        arrays = {role: reader.read(stored) for role, stored, _, _ in parts}
-        values = decode_arrays(arrays, self)
-        yield (0, 1, 0, self.view[1], 0, 1), _cast(values, dtype).reshape(self.view)
+        """Yields ``(rect, values)`` per block of rows, decoded as the engine's loader does."""
+        k = self.shape[1]
+        for r0, r1 in self.row_blocks():
+            rows = dataclasses.replace(self, shape=(r1 - r0, k))
+            values = decode_arrays(self.read_rows(reader, parts, r0, r1), rows)
+            yield (0, 1, r0 * k, r1 * k, 0, 1), _cast(values, dtype).reshape(1, -1, 1)
 
 
 def _cast(values: np.ndarray, dtype) -> np.ndarray:
@@ -290,12 +308,14 @@ def _finite_amax(x: np.ndarray, axis=None):
     return a.max(axis=axis) if a.size else np.float32(0)
 
 
-def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, scale_rule=None) -> dict:
-    """Quantizes one [out, in] weight with lowprec's quantizers; ``{role: array}`` in the
+def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, scale_rule=None,
+                    amax=None) -> dict:
+    """Quantizes one [out, in] weight (or a block of its rows, with ``amax`` the whole
+    tensor's finite max magnitude) with lowprec's quantizers; ``{role: array}`` in the
     layout's dtypes (see the table in the module docstring)."""
     x32 = np.asarray(x).astype(np.float32)
     if scheme == "nvfp4":
-        amax = np.float32(_finite_amax(x32))
+        amax = np.float32(_finite_amax(x32) if amax is None else amax)
         ts = np.float32(amax / _NVFP4_DIVISOR) if amax > 0 else np.float32(1)
         if layout == "compressed-tensors":
             ts = _pow2_at_least(ts)  # exact reciprocal: see the module docstring
@@ -316,8 +336,10 @@ def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, scale_rule=None)
                 el if scheme == "mxfp4" else el.view(numpy_dtype("F8_E4M3")),
                 "scales": np.asarray(mx.scales)}
     # FP8: s = amax / 448 (1 for an all-zero tensor or row), codes = E4M3(x / s), saturating
-    amax = _finite_amax(x32, axis=1 if scheme == "fp8_channel" else None)
-    amax = np.asarray(amax, np.float32).reshape(-1, 1) if scheme == "fp8_channel" else np.float32(amax)
+    if scheme == "fp8_channel":
+        amax = np.asarray(_finite_amax(x32, axis=1), np.float32).reshape(-1, 1)
+    else:
+        amax = np.float32(_finite_amax(x32) if amax is None else amax)
     s = np.where(amax > 0, amax / np.float32(_F32_MAX_E4M3), np.float32(1)).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         y = x32 / s
@@ -413,6 +435,8 @@ def plan_modules(names_infos, default: Optional[str], schemes, ignore) -> tuple:
         if not name.endswith(".weight") or len(info.shape) != 2 or info.dtype not in FLOAT_DTYPES:
             continue
         module = name[: -len(".weight")]
+        if info.numel == 0:
+            continue
         scheme = next((s for p, s in schemes if _matches(p, module)), None)
         if any(_matches(p, module) for p in ignore) or (
                 scheme is None and (default is None or re.search(DEFAULT_IGNORE, module, re.I))):
@@ -538,14 +562,23 @@ def quantize_engine_checkpoint(
                 cv._copy_tensor(reader, writer, info.name, bar)
                 return TensorReport(info.name, info.shape, info.dtype, "kept",
                                     info.nbytes, info.nbytes, reason="kept")
-            x = reader.read(info.name)
-            arrays = quantize_arrays(x, spec.scheme, layout, scale_rule=scale_rule)
             parts = spec.parts(info.name)
-            for role, stored, _, _ in parts:
-                writer.write(stored, arrays[role])
+            blocks = list(spec.row_blocks())
+            amax = None
+            if spec.scheme in ("nvfp4", "fp8"):  # one scale for the whole tensor: a first pass
+                amax = max((np.float32(_finite_amax(reader.read_rows(info.name, r0, r1)))
+                            for r0, r1 in blocks), default=np.float32(0))
             stats = ErrorStats()
-            stats.update(x, decode_arrays(arrays, spec))
-            bar.update(info.nbytes)
+            for r0, r1 in blocks:
+                x = reader.read_rows(info.name, r0, r1)
+                arrays = quantize_arrays(x, spec.scheme, layout, scale_rule=scale_rule, amax=amax)
+                for role, stored, _, _ in parts:
+                    if role not in _WHOLE and not (role == "scale" and spec.scheme != "fp8_channel"):
+                        writer.write(stored, arrays[role])
+                    elif r0 == 0:
+                        writer.write(stored, arrays[role])
+                stats.update(x, decode_arrays(arrays, dataclasses.replace(spec, shape=x.shape)))
+                bar.update(x.nbytes)
             return TensorReport(
                 info.name, info.shape, info.dtype, spec.label, info.nbytes, spec.nbytes(),
                 reason=f"{layout} {SCHEMES[spec.scheme][1] if layout != 'modelopt' else _MODELOPT_SCHEMES[spec.scheme]}",
@@ -728,7 +761,9 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                     if name.endswith(".weight") and len(info.shape) == 2:
                         kept.append(name[: -len(".weight")])
                     continue
-                arrays = {role: reader.read(stored) for role, stored, _, _ in parts}
+                # the tensor-wide parts and the scales: enough to check exactness up front
+                arrays = {role: reader.read(stored) for role, stored, _, _ in parts
+                          if role in ("scale", "scales", "global_scale")}
                 scheme, bits = _bits_of(name, spec, arrays)
                 o = origin.get(name, {}) if isinstance(origin.get(name), dict) else {}
                 dtype = o.get("dtype", spec.dtype)
@@ -741,17 +776,18 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                                        axis=-1 if scheme != "fp8" else None,
                                        scale_rule=rule if scheme in ("mxfp4", "mxfp8") else None)
                     tparts = target.parts(name)
-                    out = _target_arrays(name, scheme, bits, "lowprec")
                 else:
                     if layout == "modelopt" and scheme not in _MODELOPT_SCHEMES:
                         raise CheckpointError(f"{name}: {scheme} has no ModelOpt layout (NVFP4 "
                                               "and FP8 per tensor have); use compressed-tensors")
                     target = EngineSpec(scheme, layout, tuple(spec.shape), dtype, rule)
                     tparts = target.parts(name)
-                    out = _target_arrays(name, scheme, bits, layout)
+                    if scheme == "nvfp4" and layout == "compressed-tensors" and "ts" in bits:
+                        _exact_reciprocal(name, bits["ts"], bits["scales"], layout)
                     groups.setdefault(scheme, []).append(name[: -len(".weight")])
                 entries += [(st, dt, shp) for _, st, dt, shp in tparts]
-                plan.append((name, spec, parts, target, out))
+                plan.append((name, spec, parts, target, scheme))
+                del arrays, bits
                 origin[name] = {"dtype": dtype, "scale_rule": rule}
             cv._check_collisions(entries, reader.path)
             plans[rel] = (plan, entries)
@@ -783,15 +819,26 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                                             for n, t in specs.items()}, separators=(",", ":"))}
 
         def convert(reader, writer, item, bar):
-            name, spec, parts, target, out = item
+            name, spec, parts, target, scheme = item
             if spec is None:
                 info = reader.tensors[name]
                 cv._copy_tensor(reader, writer, name, bar)
                 return TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
                                     info.nbytes, reason="not quantized")
             tparts = target.parts(name)
-            for role, stored, _, _ in tparts:
-                writer.write(stored, out[role])
+            rows = EngineSpec(scheme, layout if layout != "lowprec" else "compressed-tensors",
+                              tuple(spec.shape))
+            for r0, r1 in rows.row_blocks():  # move the bits a block of rows at a time
+                if isinstance(spec, EngineSpec):
+                    got = spec.read_rows(reader, parts, r0, r1)
+                else:
+                    got = {role: reader.read(stored) if role == "scale"
+                           else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
+                out = _target_arrays(name, scheme, _bits_of(name, spec, got)[1], layout)
+                for role, stored, _, _ in tparts:
+                    whole = role in _WHOLE or (role == "scale" and scheme != "fp8_channel")
+                    if not whole or r0 == 0:
+                        writer.write(stored, out[role])
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             bar.update(before)
             return TensorReport(name, spec.shape, target.dtype, getattr(target, "label", target.format),
