@@ -138,6 +138,10 @@ def test_nvfp4_modelopt_and_compressed_tensors(tmp_path):
     assert filecmp.cmp(tmp_path / "lp/model.safetensors", tmp_path / "lp2/model.safetensors",
                        shallow=False)
     assert not os.path.exists(tmp_path / "lp2/hf_quant_config.json")
+    from lowprec.checkpoint import dequantize_checkpoint
+    dequantize_checkpoint(tmp_path / "mo", tmp_path / "plain")
+    assert not os.path.exists(tmp_path / "plain/hf_quant_config.json")
+    assert "quantization_config" not in json.load(open(tmp_path / "plain/config.json"))
     # a tensor scale that is not a power of two has no exact reciprocal: refused, not rounded
     with pytest.raises(CheckpointError, match="no exact reciprocal"):
         convert_checkpoint(tmp_path / "lp", tmp_path / "ct", "compressed-tensors")
@@ -288,6 +292,7 @@ def test_cli_engine_layouts(tmp_path, capsys):
     assert main(["convert", ct, lp, "--layout", "lowprec", "-q"]) == 1
     assert "per-channel FP8" in capsys.readouterr().err and not os.path.exists(lp)
     assert main(["dequantize", ct, back, "--dtype", "float32", "-q"]) == 0
+    assert "quantization_config" not in json.load(open(f"{back}/config.json"))  # plain again
     w = "model.layers.0.mlp.up_proj.weight"
     assert np.abs(load_checkpoint(back)[w] - x[w]).max() < 0.2 * np.abs(x[w]).max()
     assert main(["quantize", str(src), lp, "--layout", "modelopt", "-f", "mxfp4", "-q"]) == 1

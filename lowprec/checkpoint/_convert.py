@@ -49,7 +49,12 @@ from ._safetensors import (
     numpy_dtype,
 )
 from ._source import Source, open_source
-from ._engine_layouts import ENGINE_LAYOUTS, engine_specs, quantize_engine_checkpoint
+from ._engine_layouts import (
+    ENGINE_LAYOUTS,
+    engine_specs,
+    plain_config_texts,
+    quantize_engine_checkpoint,
+)
 from ._stats import ErrorStats
 
 METADATA_KEY = "lowprec.tensors"
@@ -794,7 +799,8 @@ def dequantize_checkpoint(
 
         return _write_outputs(source, outputs, readers, plans, "dequantize",
                               {"dtype": dtype or "original"}, start, force=force,
-                              progress=progress, metadata=lambda plan: {}, convert=convert)
+                              progress=progress, metadata=lambda plan: {}, convert=convert,
+                              texts=plain_config_texts(source, outputs, force))
 
 
 def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None) -> dict:

@@ -619,7 +619,9 @@ def _config_texts(source, outputs, qconfig: dict, extra: dict, force: bool) -> d
         if not isinstance(config, dict):
             raise CheckpointError(f"{source.path('config.json')}: is not a JSON object")
     if qconfig is None:
-        config.pop("quantization_config", None)
+        if "quantization_config" not in config:
+            return texts  # nothing to take out: config.json is copied as it is
+        config.pop("quantization_config")
     else:
         config["quantization_config"] = qconfig
     texts["config.json"] = json.dumps(config, indent=2) + "\n"
@@ -629,6 +631,15 @@ def _config_texts(source, outputs, qconfig: dict, extra: dict, force: bool) -> d
             if not outputs.create_folder:
                 check_output(path, force=force, inputs=source.inputs)
             outputs.files[rel] = path
+    return texts
+
+
+def plain_config_texts(source, outputs, force: bool) -> dict:
+    """For a dequantized folder: ``config.json`` without ``quantization_config`` (else the
+    engines would look for quantized tensors) and no ``hf_quant_config.json``."""
+    texts = _config_texts(source, outputs, None, {}, force)
+    if source.is_folder and "hf_quant_config.json" in source.others:
+        texts["hf_quant_config.json"] = None
     return texts
 
 
@@ -793,9 +804,7 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
             plans[rel] = (plan, entries)
         texts = {}
         if layout == "lowprec":
-            texts = _config_texts(source, outputs, None, {}, force)
-            if "hf_quant_config.json" in source.others:
-                texts["hf_quant_config.json"] = None
+            texts = plain_config_texts(source, outputs, force)
         elif groups:
             groups = {s: sorted(m) for s, m in groups.items()}
             if layout == "compressed-tensors":
