@@ -339,3 +339,39 @@ def test_row_blocks_give_the_whole_tensor_bits(tmp_path, monkeypatch, scheme):
         convert_checkpoint(tmp_path / "lp", tmp_path / "back", "compressed-tensors")
         assert filecmp.cmp(tmp_path / "whole/model.safetensors",
                            tmp_path / "back/model.safetensors", shallow=False)
+
+
+def test_gpt_oss_mxfp4_moves_to_compressed_tensors(tmp_path):
+    """gpt-oss blocks [out, K/32, 16] are the packed bytes [out, K/2]: a reshape."""
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "oss", "mxfp4", layout="gpt-oss")
+    convert_checkpoint(tmp_path / "oss", tmp_path / "ct", "compressed-tensors")
+    a = load_checkpoint(tmp_path / "oss", dtype="float32")
+    b = load_checkpoint(tmp_path / "ct", dtype="float32")
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    w = "model.layers.0.mlp.up_proj.weight"
+    with SafetensorsReader(tmp_path / "oss/model.safetensors") as r, \
+            SafetensorsReader(tmp_path / "ct/model.safetensors") as c:
+        assert r.read(w + "_blocks").tobytes() == c.read(w + "_packed").tobytes()
+
+
+@pytest.mark.parametrize("scale_dtype", ["BF16", "F16"])
+def test_reads_fp8_with_half_precision_scales(tmp_path, scale_dtype):
+    """Other producers store FP8 weight_scale in the model dtype; values are e × s."""
+    from lowprec.checkpoint._safetensors import numpy_dtype
+
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 256, (8, 32), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+    scale = (rng.random((8, 1)) * 0.01 + 1e-3).astype(numpy_dtype(scale_dtype))
+    w = "fc.weight"
+    with SafetensorsWriter(tmp_path / "m.safetensors", [(w, "F8_E4M3", (8, 32)),
+                                                         (w + "_scale", scale_dtype, (8, 1))]) as f:
+        f.write(w, codes.view(numpy_dtype("F8_E4M3")))
+        f.write(w + "_scale", scale)
+    got = load_checkpoint(tmp_path / "m.safetensors", dtype="float32")[w]
+    want = codes.view(numpy_dtype("F8_E4M3")).astype(np.float64) * scale.astype(np.float64)
+    assert np.array_equal(got, want.astype(np.float32))  # the product is exact in float32
+    convert_checkpoint(tmp_path / "m.safetensors", tmp_path / "c.safetensors", "compressed-tensors")
+    assert load_checkpoint(tmp_path / "c.safetensors", dtype="float32")[w].tobytes() == got.tobytes()

@@ -130,6 +130,7 @@ class EngineSpec:
     shape: tuple
     dtype: str = "BF16"
     scale_rule: Optional[str] = None
+    scale_dtype: str = "F32"  # FP8's weight_scale: F32 as lowprec writes; BF16/F16 are read too
 
     @property
     def format(self) -> str:
@@ -152,7 +153,7 @@ class EngineSpec:
                         ("scales", f"{name}_scale", "F8_E4M3", (out, k // 16)),
                         ("scale", f"{name}_scale_2", "F32", ())]
             return [("values", name, "F8_E4M3", (out, k)),
-                    ("scale", f"{name}_scale", "F32", ())]
+                    ("scale", f"{name}_scale", self.scale_dtype, ())]
         if self.scheme == "nvfp4":
             return [("elements", f"{name}_packed", "U8", (out, k // 2)),
                     ("scales", f"{name}_scale", "F8_E4M3", (out, k // 16)),
@@ -165,7 +166,8 @@ class EngineSpec:
                     ("scales", f"{name}_scale", "U8", (out, k // 32))]
         rows = out if self.scheme == "fp8_channel" else 1
         shape = (rows, 1) if self.scheme == "fp8_channel" else (1,)
-        return [("values", name, "F8_E4M3", (out, k)), ("scale", f"{name}_scale", "F32", shape)]
+        return [("values", name, "F8_E4M3", (out, k)),
+                ("scale", f"{name}_scale", self.scale_dtype, shape)]
 
     def nbytes(self) -> int:
         return sum(nbytes_of(dt, shp) for _, _, dt, shp in self.parts("x"))
@@ -277,13 +279,15 @@ def engine_specs(reader) -> dict:
                 found[name] = EngineSpec("nvfp4", "modelopt", (out, 2 * k))
             elif info.dtype == "F8_E4M3" and sc.dtype == "U8" and k % 32 == 0 and sc.shape == (out, k // 32):
                 found[name] = EngineSpec("mxfp8", "compressed-tensors", (out, k))
-            elif info.dtype == "F8_E4M3" and sc.dtype == "F32":
+            elif info.dtype == "F8_E4M3" and sc.dtype in ("F32", "BF16", "F16"):
+                sd = sc.dtype
                 if sc.shape == ():
-                    found[name] = EngineSpec("fp8", "modelopt", (out, k))
+                    found[name] = EngineSpec("fp8", "modelopt", (out, k), scale_dtype=sd)
                 elif sc.shape == (1,):
-                    found[name] = EngineSpec("fp8", "compressed-tensors", (out, k))
+                    found[name] = EngineSpec("fp8", "compressed-tensors", (out, k), scale_dtype=sd)
                 elif sc.shape == (out, 1):
-                    found[name] = EngineSpec("fp8_channel", "compressed-tensors", (out, k))
+                    found[name] = EngineSpec("fp8_channel", "compressed-tensors", (out, k),
+                                             scale_dtype=sd)
     origin = {}
     with contextlib.suppress(ValueError, TypeError, AttributeError):
         origin = dict(json.loads(reader.metadata.get(ORIGIN_KEY, "{}")))
@@ -659,7 +663,11 @@ def _bits_of(name, spec, arrays) -> tuple:
         elif "scale" in bits and spec.scheme != "fp8_channel":
             bits["ts"] = np.float32(np.asarray(bits.pop("scale")).reshape(-1)[0])
         return spec.scheme, bits
-    if spec.layout != "lowprec" or len(spec.shape) != 2 or (spec.is_mx and spec.axis != 1):
+    if spec.layout == "gpt-oss" and len(spec.shape) == 2:  # [out, K/32, 16]: the packed bytes
+        arrays = {"elements" if k == "blocks" else k: v for k, v in arrays.items()}
+        if arrays.get("elements") is not None:
+            arrays["elements"] = np.asarray(arrays["elements"]).reshape(arrays["elements"].shape[0], -1)
+    elif spec.layout != "lowprec" or len(spec.shape) != 2 or (spec.is_mx and spec.axis != 1):
         raise CheckpointError(f"{name}: {spec.format} in the {spec.layout} layout blocked along "
                               f"axis {spec.axis} has no engine equivalent (2-D, last axis only)")
     schemes = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8_e4m3": "mxfp8", "e4m3": "fp8"}
@@ -702,6 +710,8 @@ def _exact_reciprocal(name, x: np.float32, scales, what: str) -> np.float32:
 
 def _target_arrays(name, scheme: str, bits: dict, layout: str) -> dict:
     out = {k: v for k, v in bits.items() if k != "ts"}
+    if "scale" in out:  # per-channel FP8 scales (BF16/F16 ones widen exactly)
+        out["scale"] = np.asarray(out["scale"]).astype(np.float32)
     if "ts" in bits:
         ts = np.float32(bits["ts"])
         if scheme == "nvfp4" and layout == "compressed-tensors":
