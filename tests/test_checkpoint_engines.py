@@ -180,6 +180,7 @@ def llama_folder(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_transformers_and_compressed_tensors_load_lowprec_output(tmp_path, llama_folder, scheme):
     import torch
