@@ -25,6 +25,12 @@ import numpy as np
 from .._format import mx_format
 from ._atomic import AtomicFile, OutputSet, check_output
 from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
+from ._engine_layouts import (
+    ENGINE_LAYOUTS,
+    engine_specs,
+    plain_config_texts,
+    quantize_engine_checkpoint,
+)
 from ._errors import CheckpointError
 from ._formats import (
     canonical_format,
@@ -49,12 +55,6 @@ from ._safetensors import (
     numpy_dtype,
 )
 from ._source import Source, open_source
-from ._engine_layouts import (
-    ENGINE_LAYOUTS,
-    engine_specs,
-    plain_config_texts,
-    quantize_engine_checkpoint,
-)
 from ._stats import ErrorStats
 
 METADATA_KEY = "lowprec.tensors"
@@ -711,7 +711,7 @@ def _dtype_arg(dtype) -> str:
 
 def _decode_regions(reader, spec: TensorSpec, parts, dtype):
     """Yields ``(rect, values)``: the decoded tensor, piece by piece, in its (P, A, S) view."""
-    if hasattr(spec, "decode_regions"):  # an engine layout (_engine_layouts), whole tensor
+    if hasattr(spec, "decode_regions"):  # an engine layout (_engine_layouts): blocks of rows
         yield from spec.decode_regions(reader, parts, dtype)
         return
     view = spec.view
@@ -749,7 +749,9 @@ def dequantize_checkpoint(
 
     Args:
       src: a file written by :func:`quantize_checkpoint` (or any safetensors file with
-        gpt-oss ``<name>_blocks``/``<name>_scales`` MXFP4 pairs), or a folder of them.
+        gpt-oss ``<name>_blocks``/``<name>_scales`` MXFP4 pairs, or compressed-tensors /
+        ModelOpt tensors, decoded as their loaders do; a folder's ``quantization_config`` is
+        then dropped from its config.json), or a folder of them.
       dst: output file (folder for a folder input); refused if it exists, unless ``force``.
       dtype: output dtype of decoded tensors: ``None`` (default) = each tensor's original
         dtype (BF16 for gpt-oss pairs without lowprec metadata), or ``"float32"``,
@@ -777,8 +779,9 @@ def dequantize_checkpoint(
             plans[rel] = (plan, entries)
         if not any_quantized:
             raise CheckpointError(
-                f"{source.given}: holds no quantized tensors (no {METADATA_KEY} metadata and "
-                "no gpt-oss *_blocks/*_scales pairs); nothing to decode"
+                f"{source.given}: holds no quantized tensors (no {METADATA_KEY} metadata, no "
+                "gpt-oss *_blocks/*_scales pairs, no compressed-tensors or ModelOpt weights); "
+                "nothing to decode"
             )
         def convert(reader, writer, item, bar) -> TensorReport:
             name, spec, parts, st = item
