@@ -3,28 +3,24 @@
 lowprec's own layout (``<name>_elements`` / ``<name>_scales`` / ``<name>_scale``, see
 :mod:`lowprec.checkpoint._layout`) is read by lowprec only. vLLM, SGLang and transformers
 load two other layouts of the same bits, facts taken from compressed-tensors 0.20 (its
-compressors and ``forward._dequantize``) and ModelOpt's unified Hugging Face export:
+compressors and ``forward._dequantize``) and ModelOpt's unified Hugging Face export.
+Stored tensors of a Linear ``M`` (weight [out, in]) and the value each loader computes:
 
-==========================  ===========================================  ==================================
-layout, scheme              stored tensors of a Linear ``M`` ([out, in])  value the loader computes
-==========================  ===========================================  ==================================
-compressed-tensors          ``M.weight_packed`` U8 [out, in/2] (E2M1,     e × float32(s / gs), then the
-``nvfp4-pack-quantized``    low nibble first), ``M.weight_scale``         model dtype (bfloat16)
-                            F8_E4M3 [out, in/16] (s), ``M.weight_
-                            global_scale`` F32 [1] (gs = 2688 / amax:
-                            the *reciprocal* of lowprec's tensor scale)
-``mxfp4-pack-quantized``    ``M.weight_packed`` U8 [out, in/2],           e × 2^(c − 127) in bfloat16
-                            ``M.weight_scale`` U8 [out, in/32] (E8M0 c)   (c = 0xFF reads as inf, not NaN)
-``mxfp8-quantized``         ``M.weight`` F8_E4M3 [out, in],               e × 2^(c − 127) in bfloat16
-                            ``M.weight_scale`` U8 [out, in/32]
-``float-quantized`` (FP8)   ``M.weight`` F8_E4M3, ``M.weight_scale`` F32  e × s in float32
-                            [1] (per tensor) or [out, 1] (per channel)
-ModelOpt ``NVFP4``          ``M.weight`` U8 [out, in/2], ``M.weight_      e × s × ts (ts = amax / 2688,
-                            scale`` F8_E4M3 [out, in/16], ``M.weight_     lowprec's tensor scale as is)
-                            scale_2`` F32 [] (ts), ``M.input_scale``
-ModelOpt ``FP8``            ``M.weight`` F8_E4M3, ``M.weight_scale``      e × s
-                            F32 [] (and ``M.input_scale``)
-==========================  ===========================================  ==================================
+- compressed-tensors ``nvfp4-pack-quantized``: ``M.weight_packed`` U8 [out, in/2] (E2M1,
+  low nibble first), ``M.weight_scale`` F8_E4M3 [out, in/16] (s), ``M.weight_global_scale``
+  F32 [1] (gs = 2688 / amax: the *reciprocal* of lowprec's tensor scale); value
+  e × float32(s / gs), then the model dtype (bfloat16).
+- ``mxfp4-pack-quantized``: ``M.weight_packed`` U8 [out, in/2], ``M.weight_scale`` U8
+  [out, in/32] (E8M0 code c); e × 2^(c − 127) in bfloat16 (c = 0xFF reads as inf, not NaN).
+- ``mxfp8-quantized``: ``M.weight`` F8_E4M3 [out, in], ``M.weight_scale`` U8 [out, in/32];
+  e × 2^(c − 127) in bfloat16.
+- ``float-quantized`` (FP8): ``M.weight`` F8_E4M3, ``M.weight_scale`` F32 [1] (per tensor)
+  or [out, 1] (per channel); e × s in float32 (BF16/F16 scales, as other tools write them,
+  are read too).
+- ModelOpt ``NVFP4``: ``M.weight`` U8 [out, in/2], ``M.weight_scale`` F8_E4M3 [out, in/16],
+  ``M.weight_scale_2`` F32 [] (ts = amax / 2688, lowprec's tensor scale as is), and
+  ``M.input_scale`` (activations; copied); e × float32(ts × s), as lowprec decodes.
+- ModelOpt ``FP8``: ``M.weight`` F8_E4M3, ``M.weight_scale`` F32 []; e × s.
 
 The folder's ``config.json`` carries ``quantization_config`` (compressed-tensors:
 ``quant_method: "compressed-tensors"``, ``format``, ``quantization_status: "compressed"``,
@@ -45,8 +41,8 @@ refused otherwise, naming the tensor (dequantize, or requantize from the origina
 
 Tensors are recognized by their stored names and dtypes (no lowprec metadata needed), so
 ``lowprec dequantize`` / ``inspect`` / :func:`~lowprec.checkpoint.load_checkpoint` read
-folders written by llm-compressor or ModelOpt too. Conversions here hold one tensor in memory
-at a time (not a piece, as lowprec's own layout does).
+folders written by llm-compressor or ModelOpt too. Conversions here hold a block of rows
+(:data:`ROW_BLOCK_ELEMENTS`) at a time; a tensor-wide scale comes from a first pass.
 """
 
 from __future__ import annotations
@@ -138,7 +134,12 @@ class EngineSpec:
 
     @property
     def label(self) -> str:
-        return f"{self.format} ({self.layout}{', per channel' if self.scheme == 'fp8_channel' else ''})"
+        channel = ", per channel" if self.scheme == "fp8_channel" else ""
+        return f"{self.format} ({self.layout}{channel})"
+
+    def is_whole(self, role: str) -> bool:
+        """Whether part ``role`` is one number for the whole tensor (not cut into rows)."""
+        return role in _WHOLE or (role == "scale" and self.scheme != "fp8_channel")
 
     @property
     def view(self) -> tuple:
@@ -181,7 +182,7 @@ class EngineSpec:
 
     def read_rows(self, reader, parts, r0: int, r1: int) -> dict:
         """``{role: stored rows r0..r1}``; a tensor-wide scale is read whole."""
-        return {role: reader.read(stored) if role in _WHOLE or (role == "scale" and self.scheme != "fp8_channel")
+        return {role: reader.read(stored) if self.is_whole(role)
                 else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
 
     def decode_regions(self, reader, parts, dtype):
@@ -222,7 +223,8 @@ def decode_arrays(arrays: dict, spec: EngineSpec) -> np.ndarray:
     if spec.scheme in ("nvfp4", "mxfp4", "mxfp8"):
         return np.asarray(dequantize(_mxarray(arrays, spec)), np.float32)
     e = _e4m3(arrays["values"])
-    s = np.asarray(arrays["scale"], np.float32).reshape((-1, 1) if spec.scheme == "fp8_channel" else ())
+    s = np.asarray(arrays["scale"], np.float32)
+    s = s.reshape((-1, 1) if spec.scheme == "fp8_channel" else ())
     with np.errstate(over="ignore", invalid="ignore"):
         return e * s
 
@@ -239,7 +241,8 @@ def _mxarray(arrays: dict, spec: EngineSpec) -> MXArray:
                        fmt=fmt, axis=1, shape=tuple(spec.shape), scale_rule=spec.scale_rule,
                        tensor_scale=ts)
     except (ValueError, TypeError) as e:
-        raise CheckpointError(f"cannot decode {spec.label} data of shape {list(spec.shape)}: {e}") from None
+        raise CheckpointError(
+            f"cannot decode {spec.label} data of shape {list(spec.shape)}: {e}") from None
 
 
 # -- recognizing engine tensors in a file ----------------------------------------------
@@ -251,7 +254,9 @@ def engine_specs(reader) -> dict:
 
     def get(name, dtype=None, ndim=None):
         info = t.get(name)
-        if info is None or (dtype and info.dtype not in dtype) or (ndim is not None and len(info.shape) != ndim):
+        if info is None or (dtype and info.dtype not in dtype):
+            return None
+        if ndim is not None and len(info.shape) != ndim:
             return None
         return info
 
@@ -265,7 +270,8 @@ def engine_specs(reader) -> dict:
             if sc is None or sc.shape[0] != out:
                 continue
             gs = get(f"{w}_global_scale", ("F32",))
-            if sc.dtype == "F8_E4M3" and gs is not None and gs.numel == 1 and sc.shape[1] * 8 == half:
+            nvfp4 = sc.dtype == "F8_E4M3" and gs is not None and gs.numel == 1
+            if nvfp4 and sc.shape[1] * 8 == half:
                 found[w] = EngineSpec("nvfp4", "compressed-tensors", (out, 2 * half))
             elif sc.dtype == "U8" and gs is None and sc.shape[1] * 16 == half:
                 found[w] = EngineSpec("mxfp4", "compressed-tensors", (out, 2 * half))
@@ -277,7 +283,8 @@ def engine_specs(reader) -> dict:
             if info.dtype == "U8" and sc.dtype == "F8_E4M3" and sc.shape == (out, k // 8) \
                     and get(f"{name}_scale_2", ("F32",), 0) is not None:
                 found[name] = EngineSpec("nvfp4", "modelopt", (out, 2 * k))
-            elif info.dtype == "F8_E4M3" and sc.dtype == "U8" and k % 32 == 0 and sc.shape == (out, k // 32):
+            elif info.dtype == "F8_E4M3" and sc.dtype == "U8" and k % 32 == 0 \
+                    and sc.shape == (out, k // 32):
                 found[name] = EngineSpec("mxfp8", "compressed-tensors", (out, k))
             elif info.dtype == "F8_E4M3" and sc.dtype in ("F32", "BF16", "F16"):
                 sd = sc.dtype
@@ -348,7 +355,10 @@ def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, scale_rule=None,
     with np.errstate(over="ignore", invalid="ignore"):
         y = x32 / s
     codes = np.asarray(encode(jnp.asarray(y), "e4m3", overflow="saturate"))
-    scale_shape = (x32.shape[0], 1) if scheme == "fp8_channel" else ((1,) if layout == "compressed-tensors" else ())
+    if scheme == "fp8_channel":
+        scale_shape = (x32.shape[0], 1)
+    else:
+        scale_shape = (1,) if layout == "compressed-tensors" else ()
     return {"values": codes.view(numpy_dtype("F8_E4M3")), "scale": s.reshape(scale_shape)}
 
 
@@ -409,7 +419,8 @@ def _parse_schemes(schemes) -> list:
     if not isinstance(schemes, dict):
         for s in schemes or ():
             if "=" not in s:
-                raise CheckpointError(f"--scheme {s!r}: write PATTERN=FORMAT, e.g. 're:.*mlp.*=nvfp4'")
+                raise CheckpointError(
+                    f"--scheme {s!r}: write PATTERN=FORMAT, e.g. 're:.*mlp.*=nvfp4'")
             pat, _, fmt = s.rpartition("=")
             items = [*items, (pat, fmt)]
     return [(_pattern(p, "--scheme"), scheme_name(f)) for p, f in items]
@@ -504,14 +515,16 @@ def quantize_engine_checkpoint(
 
     start = time.perf_counter()
     if layout not in ENGINE_LAYOUTS:
-        raise CheckpointError(f"unknown engine layout {layout!r}; choose one of: {', '.join(ENGINE_LAYOUTS)}")
+        raise CheckpointError(
+            f"unknown engine layout {layout!r}; choose one of: {', '.join(ENGINE_LAYOUTS)}")
     default = None if format is None else scheme_name(format)
     parsed = _parse_schemes(schemes)
     ignore_p = [_pattern(p, "--ignore") for p in ignore]
     used = {default} | {s for _, s in parsed}
     used.discard(None)
     if not used:
-        raise CheckpointError("give a format (--format) or per-module schemes (--scheme PATTERN=FORMAT)")
+        raise CheckpointError(
+            "give a format (--format) or per-module schemes (--scheme PATTERN=FORMAT)")
     if layout == "modelopt":
         bad = used - set(_MODELOPT_SCHEMES)
         if bad or len(used) > 1:
@@ -577,20 +590,19 @@ def quantize_engine_checkpoint(
                 x = reader.read_rows(info.name, r0, r1)
                 arrays = quantize_arrays(x, spec.scheme, layout, scale_rule=scale_rule, amax=amax)
                 for role, stored, _, _ in parts:
-                    if role not in _WHOLE and not (role == "scale" and spec.scheme != "fp8_channel"):
-                        writer.write(stored, arrays[role])
-                    elif r0 == 0:
+                    if r0 == 0 or not spec.is_whole(role):
                         writer.write(stored, arrays[role])
                 stats.update(x, decode_arrays(arrays, dataclasses.replace(spec, shape=x.shape)))
                 bar.update(x.nbytes)
             return TensorReport(
                 info.name, info.shape, info.dtype, spec.label, info.nbytes, spec.nbytes(),
-                reason=f"{layout} {SCHEMES[spec.scheme][1] if layout != 'modelopt' else _MODELOPT_SCHEMES[spec.scheme]}",
+                reason=f"{layout} " + (SCHEMES[spec.scheme][1] if layout != "modelopt"
+                                       else _MODELOPT_SCHEMES[spec.scheme]),
                 scale_rule=scale_rule if spec.scheme in ("mxfp4", "mxfp8") else None,
                 sqnr_db=stats.sqnr_db, max_abs_err=stats.max_abs, max_rel_err=stats.max_rel,
                 nonfinite=stats.nonfinite, stored_as=tuple(p[1] for p in parts), exact=stats.exact)
 
-        options = {"layout": layout, "format": default, "schemes": dict((p.pattern, s) for p, s in parsed),
+        options = {"layout": layout, "format": default, "schemes": list(schemes or ()),
                    "ignore": list(ignore), "quantization_config": qconfig}
         def metadata(plan):
             return {ORIGIN_KEY: json.dumps({i.name: {"dtype": i.dtype, "scale_rule": scale_rule
@@ -619,7 +631,8 @@ def _config_texts(source, outputs, qconfig: dict, extra: dict, force: bool) -> d
             with open(source.path("config.json"), encoding="utf-8") as f:
                 config = json.load(f)
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"{source.path('config.json')}: cannot read it as JSON ({e})") from None
+            raise CheckpointError(
+                f"{source.path('config.json')}: cannot read it as JSON ({e})") from None
         if not isinstance(config, dict):
             raise CheckpointError(f"{source.path('config.json')}: is not a JSON object")
     if qconfig is None:
@@ -666,7 +679,8 @@ def _bits_of(name, spec, arrays) -> tuple:
     if spec.layout == "gpt-oss" and len(spec.shape) == 2:  # [out, K/32, 16]: the packed bytes
         arrays = {"elements" if k == "blocks" else k: v for k, v in arrays.items()}
         if arrays.get("elements") is not None:
-            arrays["elements"] = np.asarray(arrays["elements"]).reshape(arrays["elements"].shape[0], -1)
+            blocks = np.asarray(arrays["elements"])
+            arrays["elements"] = blocks.reshape(blocks.shape[0], -1)
     elif spec.layout != "lowprec" or len(spec.shape) != 2 or (spec.is_mx and spec.axis != 1):
         raise CheckpointError(f"{name}: {spec.format} in the {spec.layout} layout blocked along "
                               f"axis {spec.axis} has no engine equivalent (2-D, last axis only)")
@@ -749,7 +763,8 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
         >>> with SafetensorsWriter(f"{d}/m.safetensors", [("fc.weight", "F32", w.shape)]) as f:
         ...     f.write("fc.weight", w)
         >>> _ = quantize_checkpoint(f"{d}/m.safetensors", f"{d}/q.safetensors", "mxfp4")
-        >>> rep = convert_checkpoint(f"{d}/q.safetensors", f"{d}/ct.safetensors", "compressed-tensors")
+        >>> rep = convert_checkpoint(f"{d}/q.safetensors", f"{d}/ct.safetensors",
+        ...                          "compressed-tensors")
         >>> rep.tensors[0].stored_as
         ('fc.weight_packed', 'fc.weight_scale')
         >>> a, b = load_checkpoint(f"{d}/q.safetensors"), load_checkpoint(f"{d}/ct.safetensors")
@@ -818,15 +833,17 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
         elif groups:
             groups = {s: sorted(m) for s, m in groups.items()}
             if layout == "compressed-tensors":
-                texts = _config_texts(source, outputs, ct_quantization_config(groups, kept), {}, force)
+                qconfig = ct_quantization_config(groups, kept)
+                texts = _config_texts(source, outputs, qconfig, {}, force)
             else:
                 if len(groups) > 1:
                     raise CheckpointError("the ModelOpt layout holds one scheme per checkpoint, "
                                           f"not {', '.join(sorted(groups))}")
                 (scheme,) = groups
                 hf = modelopt_quant_config(scheme, kept)
-                texts = _config_texts(source, outputs, {"quant_method": "modelopt", **hf["quantization"]},
-                                      {"hf_quant_config.json": json.dumps(hf, indent=2) + "\n"}, force)
+                qconfig = {"quant_method": "modelopt", **hf["quantization"]}
+                extra = {"hf_quant_config.json": json.dumps(hf, indent=2) + "\n"}
+                texts = _config_texts(source, outputs, qconfig, extra, force)
 
         def metadata(plan):
             specs = {n: t for n, s, _, t, _ in plan if t is not None}
@@ -855,12 +872,12 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                            else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
                 out = _target_arrays(name, scheme, _bits_of(name, spec, got)[1], layout)
                 for role, stored, _, _ in tparts:
-                    whole = role in _WHOLE or (role == "scale" and scheme != "fp8_channel")
-                    if not whole or r0 == 0:
+                    if r0 == 0 or not rows.is_whole(role):
                         writer.write(stored, out[role])
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             bar.update(before)
-            return TensorReport(name, spec.shape, target.dtype, getattr(target, "label", target.format),
+            label = getattr(target, "label", target.format)
+            return TensorReport(name, spec.shape, target.dtype, label,
                                 before, target.nbytes(), reason=f"moved from {spec.layout}",
                                 scale_rule=target.scale_rule, stored_as=tuple(p[1] for p in tparts))
 
