@@ -263,8 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         include=args.include, exclude=args.exclude, scale_rule=args.scale_rule,
                         layout=args.layout, axis=args.axis, fp8_scale=args.fp8_scale,
                         block_size=args.block_size, force=args.force, progress=progress, report=args.report,
-                        **({"ignore": args.ignore, "schemes": args.scheme}
-                           if args.layout in ENGINE_LAYOUTS else {}),
+                        ignore=args.ignore, schemes=args.scheme,
                     )
                 elif args.command == "convert":
                     report = convert_checkpoint(

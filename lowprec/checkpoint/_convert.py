@@ -403,7 +403,8 @@ def quantize_checkpoint(
                                           ignore=ignore, scale_rule=scale_rule, force=force,
                                           progress=progress, report=report)
     if ignore or schemes:
-        raise CheckpointError("ignore= / schemes= apply to --layout compressed-tensors or modelopt")
+        raise CheckpointError("--ignore / --scheme apply to --layout compressed-tensors or "
+                              "modelopt; the lowprec layout takes --include / --exclude")
     start = time.perf_counter()
     fmt = canonical_format(format, block_size)
     mx = is_block_format(fmt)
