@@ -19,7 +19,9 @@ Stored tensors of a Linear ``M`` (weight [out, in]) and the value each loader co
   are read too).
 - ModelOpt ``NVFP4``: ``M.weight`` U8 [out, in/2], ``M.weight_scale`` F8_E4M3 [out, in/16],
   ``M.weight_scale_2`` F32 [] (ts = amax / 2688, lowprec's tensor scale as is), and
-  ``M.input_scale`` (activations; copied); e × float32(ts × s), as lowprec decodes.
+  ``M.input_scale`` (activations; copied). lowprec decodes it as its own NVFP4,
+  e × float32(ts × s); vLLM's ModelOpt kernels fold ts into the GEMM's alpha (the exact
+  e × s products, summed, times ts), so there is no per-element loader value to match.
 - ModelOpt ``FP8``: ``M.weight`` F8_E4M3, ``M.weight_scale`` F32 []; e × s.
 
 The folder's ``config.json`` carries ``quantization_config`` (compressed-tensors:
