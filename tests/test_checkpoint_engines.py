@@ -156,6 +156,15 @@ def test_nvfp4_modelopt_and_compressed_tensors(tmp_path):
     assert a[w].dtype == b[w].dtype == np.float32 and a[w].tobytes() == b[w].tobytes()
 
 
+def test_quantized_input_is_refused(tmp_path):
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "c", "fp8", layout="compressed-tensors")
+    for layout in ("lowprec", "compressed-tensors"):
+        with pytest.raises(CheckpointError, match="already quantized"):
+            quantize_checkpoint(tmp_path / "c", tmp_path / "again", "mxfp4", layout=layout)
+
+
 def test_per_channel_fp8_has_no_lowprec_layout(tmp_path):
     src = tmp_path / "m"
     _tiny_folder(src)

@@ -442,6 +442,11 @@ def quantize_checkpoint(
                     f"{reader.path}: already quantized by lowprec; dequantize it first "
                     "(lowprec dequantize)"
                 )
+            if engine_specs(reader):
+                raise CheckpointError(
+                    f"{reader.path}: already quantized (compressed-tensors or ModelOpt tensors); "
+                    "lowprec convert changes its layout, lowprec dequantize decodes it"
+                )
             plan, entries = [], []
             for info in reader.tensors.values():
                 chosen, reason = select_tensor(info, fmt, include_re, exclude_re, axis)
