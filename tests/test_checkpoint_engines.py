@@ -385,3 +385,45 @@ def test_reads_fp8_with_half_precision_scales(tmp_path, scale_dtype):
     assert np.array_equal(got, want.astype(np.float32))  # the product is exact in float32
     convert_checkpoint(tmp_path / "m.safetensors", tmp_path / "c.safetensors", "compressed-tensors")
     assert load_checkpoint(tmp_path / "c.safetensors", dtype="float32")[w].tobytes() == got.tobytes()
+
+
+@pytest.mark.slow
+def test_mixed_groups_load_in_compressed_tensors(tmp_path, llama_folder):
+    """One checkpoint, three groups (NVFP4, per-channel FP8, MXFP8) and an ignored Linear:
+    each module's group (found by compressed-tensors' own target matching) decompresses to
+    lowprec's values, and transformers runs the model compressed (its dequantize=True path
+    takes one dense group per model: a transformers 5.24 limitation)."""
+    import torch
+    import transformers
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils import match_targets
+    from safetensors.torch import load_file
+
+    out = tmp_path / "mixed"
+    quantize_checkpoint(llama_folder, out, "nvfp4", layout="compressed-tensors",
+                        schemes=["re:.*self_attn.*=fp8_channel", "re:.*down_proj=mxfp8"],
+                        ignore=["re:.*layers\\.1\\.mlp\\.up_proj"])
+    qc = QuantizationConfig.model_validate(json.load(open(out / "config.json"))["quantization_config"])
+    assert qc.format == "mixed-precision" and len(qc.config_groups) == 3
+    target_to_group = {t: g for g in qc.config_groups.values() for t in g.targets}
+    stored = load_file(out / "model.safetensors")
+    ours = load_checkpoint(out, dtype="float32")
+    formats = set()
+    for name in ours:
+        module = name.rsplit(".weight", 1)[0]
+        matched = match_targets(module, torch.nn.Linear(1, 1), list(target_to_group))
+        if module == "model.layers.1.mlp.up_proj" or not name.endswith("proj.weight"):
+            assert not matched and stored[name].dtype == torch.bfloat16  # kept
+            continue
+        group = target_to_group[matched[0]]
+        formats.add(group.format)
+        local = {k[len(module) + 1:]: v for k, v in stored.items() if k.startswith(module + ".weight")}
+        got = BaseCompressor.get_value_from_registry(group.format).decompress(local, group)["weight"]
+        want = torch.from_numpy(np.asarray(ours[name], np.float32)).to(got.dtype)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert formats == {"nvfp4-pack-quantized", "float-quantized", "mxfp8-quantized"}
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert logits.shape == (1, 4, 128) and bool(torch.isfinite(logits).all())
