@@ -427,3 +427,16 @@ def test_mixed_groups_load_in_compressed_tensors(tmp_path, llama_folder):
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3, 4]])).logits
     assert logits.shape == (1, 4, 128) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt"])
+def test_tied_head_is_ignored(tmp_path, layout):
+    """Tied embeddings: no lm_head.weight in the file, but the model has an lm_head Linear
+    that the loader must not look for."""
+    os.makedirs(tmp_path / "m")
+    w = np.ones((32, 64), np.float32)
+    with SafetensorsWriter(tmp_path / "m/model.safetensors", [("model.layers.0.mlp.up_proj.weight", "F32", w.shape)]) as f:
+        f.write("model.layers.0.mlp.up_proj.weight", w)
+    quantize_checkpoint(tmp_path / "m", tmp_path / "q", "nvfp4", layout=layout)
+    qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
+    assert "lm_head" in qc["ignore" if layout == "compressed-tensors" else "exclude_modules"]

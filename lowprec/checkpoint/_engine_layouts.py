@@ -385,6 +385,7 @@ def ct_quantization_config(groups: dict, ignore: Sequence[str]) -> dict:
     ``ignore``; several: each group targets its exact module names (compressed-tensors
     prefers exact names over patterns, so no module can land in another group)."""
     single = len(groups) == 1
+    ignore = _with_head(groups, ignore)
     config_groups = {}
     for i, (scheme, modules) in enumerate(sorted(groups.items())):
         config_groups[f"group_{i}"] = {
@@ -405,10 +406,20 @@ def ct_quantization_config(groups: dict, ignore: Sequence[str]) -> dict:
     }
 
 
+def _with_head(groups: dict, ignore) -> set:
+    """``ignore`` plus ``lm_head`` unless a group quantizes it: a model with tied embeddings
+    has an ``lm_head`` Linear but no ``lm_head.weight`` in the file, which the loader must not
+    look for."""
+    ignore = set(ignore)
+    if not any("lm_head" in modules for modules in groups.values()):
+        ignore.add("lm_head")
+    return ignore
+
+
 def modelopt_quant_config(scheme: str, exclude: Sequence[str]) -> dict:
     """``hf_quant_config.json`` of a ModelOpt export (``quantization`` section)."""
     q = {"quant_algo": _MODELOPT_SCHEMES[scheme], "kv_cache_quant_algo": None,
-         "exclude_modules": sorted(exclude)}
+         "exclude_modules": sorted(_with_head({scheme: ()}, exclude))}
     if scheme == "nvfp4":
         q["group_size"] = 16
     return {"producer": {"name": "lowprec"}, "quantization": q}
