@@ -6,6 +6,9 @@ Usage::
         [--scale-rule floor|ceil|even|rceil] [--layout lowprec|gpt-oss] [--axis N]
         [--block-size N] [--fp8-scale tensor|none] [--report REPORT.json] [--json]
         [--force] [--quiet]
+    lowprec quantize IN OUT --layout compressed-tensors|modelopt --format FORMAT
+        [--ignore PATTERN ...] [--scheme PATTERN=FORMAT ...] [--scale-rule RULE] ...
+    lowprec convert IN OUT --layout lowprec|compressed-tensors|modelopt [--force] ...
     lowprec dequantize IN OUT [--dtype original|float32|bfloat16|float16|float64]
         [--report REPORT.json] [--json] [--force] [--quiet]
     lowprec inspect IN [--json]
@@ -52,6 +55,7 @@ from .checkpoint import (
 )
 from .checkpoint import _atomic
 from .checkpoint._atomic import Interrupted, abort_all
+from .checkpoint._engine_layouts import ENGINE_LAYOUTS, convert_checkpoint, scheme_name
 from .checkpoint._formats import FP8_SCALINGS, check_fp8_scale, check_layout, check_scale_rule
 
 _SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
@@ -69,6 +73,24 @@ def _checked(fn):
 
     convert.__name__ = fn.__name__
     return convert
+
+
+def _format_arg(name: str) -> str:
+    """A lowprec format name, or an engine scheme name (``fp8_channel``, ...)."""
+    try:
+        return canonical_format(name)
+    except CheckpointError:
+        try:
+            return scheme_name(name)
+        except CheckpointError:
+            pass
+        raise
+
+
+def _layout_arg(name: str) -> str:
+    if name in ENGINE_LAYOUTS:
+        return name
+    return check_layout(name)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
                                  "folder of shards, or its *.safetensors.index.json")
     q.add_argument("output", help="output .safetensors file (a folder for a folder input)")
     q.add_argument("--format", "-f", required=True, metavar="FORMAT",
-                   type=_checked(canonical_format),
+                   type=_checked(_format_arg),
                    help=f"one of: {', '.join(FORMATS)} (library names; aliases accepted)")
     q.add_argument("--include", metavar="REGEX",
                    help="quantize exactly the float tensors whose name matches (re.search); "
@@ -110,9 +132,19 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"MX scale rule: {', '.join(SCALE_RULES)} (default {DEFAULT_SCALE_RULE}, "
                         "the OCP MX v1.0 rule; rceil is NVIDIA's); nvfp4 has its own recipe "
                         "and takes none")
-    q.add_argument("--layout", type=_checked(check_layout), default="lowprec", metavar="LAYOUT",
-                   help=f"{' or '.join(LAYOUTS)}; lowprec: <name>_elements + <name>_scales; "
-                        "gpt-oss (mxfp4 only): <name>_blocks [...,K/32,16] + <name>_scales [...,K/32]")
+    q.add_argument("--layout", type=_checked(_layout_arg), default="lowprec", metavar="LAYOUT",
+                   help=f"{', '.join(LAYOUTS + ENGINE_LAYOUTS)}; lowprec: <name>_elements + "
+                        "<name>_scales; gpt-oss (mxfp4 only): <name>_blocks [...,K/32,16] + "
+                        "<name>_scales [...,K/32]; compressed-tensors (formats nvfp4, mxfp4, "
+                        "mxfp8, fp8, fp8_channel) and modelopt (nvfp4, fp8): what vLLM, SGLang "
+                        "and transformers load, config.json's quantization_config included")
+    q.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
+                   help="engine layouts: keep these modules in high precision (an exact module "
+                        "name or re:REGEX, e.g. 're:.*lm_head'); lm_head, embeddings and norms "
+                        "are kept anyway unless a --scheme names them")
+    q.add_argument("--scheme", action="append", default=[], metavar="PATTERN=FORMAT",
+                   help="engine layouts: another format for the modules matching PATTERN "
+                        "(first match wins), e.g. 're:.*self_attn.*=fp8'; mixes groups")
     q.add_argument("--axis", type=int, default=None,
                    help="MX block axis (default -1: the input features of a [out, in] weight)")
     q.add_argument("--block-size", type=int, default=None, metavar="N",
@@ -138,6 +170,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="original (default: each tensor's dtype before quantization), "
                         "float32, bfloat16, float16 or float64")
     _common(d)
+
+    c = sub.add_parser(
+        "convert", help="rewrite a quantized checkpoint in another layout, without requantizing",
+        description="Rewrite the quantized tensors of a lowprec, compressed-tensors or ModelOpt "
+                    "checkpoint in another of these layouts, moving the stored bits (no "
+                    "requantization); refused, naming the tensor, where the target layout "
+                    "cannot hold them exactly.")
+    c.add_argument("input")
+    c.add_argument("output")
+    c.add_argument("--layout", required=True, type=_checked(_layout_arg), metavar="LAYOUT",
+                   help="lowprec, compressed-tensors or modelopt")
+    _common(c)
 
     i = sub.add_parser("inspect", help="list tensors, formats, sizes and bits/param",
                        description="List the tensors of a safetensors file or folder "
@@ -219,6 +263,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         include=args.include, exclude=args.exclude, scale_rule=args.scale_rule,
                         layout=args.layout, axis=args.axis, fp8_scale=args.fp8_scale,
                         block_size=args.block_size, force=args.force, progress=progress, report=args.report,
+                        ignore=args.ignore, schemes=args.scheme,
+                    )
+                elif args.command == "convert":
+                    report = convert_checkpoint(
+                        args.input, args.output, args.layout, force=args.force,
+                        progress=progress, report=args.report,
                     )
                 elif args.command == "dequantize":
                     report = dequantize_checkpoint(

@@ -10,10 +10,15 @@ writes atomically, and reports per-tensor error (SQNR, max abs/rel error, clippe
 maxima, what happened to NaN/inf values). The command line front end is
 ``lowprec quantize | dequantize | inspect`` (:mod:`lowprec.cli`).
 
+``quantize_checkpoint(..., layout="compressed-tensors" | "modelopt")`` and
+:func:`convert_checkpoint` write the layouts inference engines load (vLLM, SGLang,
+transformers; :mod:`lowprec.checkpoint._engine_layouts`), which every reader here also reads.
+
 Modules, one job each: ``_formats`` (which formats, under which names), ``_layout``
 (stored parts of a tensor, pieces), ``_chunk`` (encoding/decoding a piece), ``_stats``
 (error statistics), ``_safetensors`` (the container), ``_atomic`` (safe outputs),
-``_source`` (files, folders, index), ``_convert`` (the conversions), ``_report``.
+``_source`` (files, folders, index), ``_convert`` (the conversions), ``_engine_layouts``
+(compressed-tensors and ModelOpt), ``_report``.
 
 Example:
     >>> import tempfile, numpy as np
@@ -45,6 +50,12 @@ from ._convert import (
     quantized_specs,
     select_tensor,
 )
+from ._engine_layouts import (
+    DEFAULT_IGNORE,
+    ENGINE_LAYOUTS,
+    convert_checkpoint,
+    quantize_engine_checkpoint,
+)
 from ._errors import CheckpointError
 from ._formats import CAST_FORMATS, FORMATS, LAYOUTS, MX_FORMATS, canonical_format
 from ._layout import TensorSpec, make_spec, pieces
@@ -54,7 +65,9 @@ from ._stats import ErrorStats
 
 __all__ = [
     "CAST_FORMATS",
+    "DEFAULT_IGNORE",
     "DEFAULT_KEEP_PATTERN",
+    "ENGINE_LAYOUTS",
     "FORMATS",
     "LAYOUTS",
     "METADATA_KEY",
@@ -69,6 +82,7 @@ __all__ = [
     "TensorReport",
     "TensorSpec",
     "canonical_format",
+    "convert_checkpoint",
     "dequantize_checkpoint",
     "dequantize_chunk",
     "finite_amax",
@@ -78,6 +92,7 @@ __all__ = [
     "pieces",
     "quantize_checkpoint",
     "quantize_chunk",
+    "quantize_engine_checkpoint",
     "quantized_specs",
     "remove_stale_temps",
     "select_tensor",

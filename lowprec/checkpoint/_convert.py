@@ -25,6 +25,12 @@ import numpy as np
 from .._format import mx_format
 from ._atomic import AtomicFile, OutputSet, check_output
 from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
+from ._engine_layouts import (
+    ENGINE_LAYOUTS,
+    engine_specs,
+    plain_config_texts,
+    quantize_engine_checkpoint,
+)
 from ._errors import CheckpointError
 from ._formats import (
     canonical_format,
@@ -323,6 +329,8 @@ def quantize_checkpoint(
     force: bool = False,
     progress: Optional[bool] = None,
     report: Optional[PathLike] = None,
+    ignore=(),
+    schemes=None,
 ) -> ConversionReport:
     """Quantizes the weights of a safetensors checkpoint (a file or a sharded folder).
 
@@ -353,6 +361,10 @@ def quantize_checkpoint(
         amax / 2688, computed over the whole tensor) and takes none.
       layout: ``"lowprec"`` (``<name>_elements`` + ``<name>_scales``) or ``"gpt-oss"``
         (MXFP4 only: ``<name>_blocks`` [..., K/32, 16] + ``<name>_scales`` [..., K/32]).
+        ``"compressed-tensors"`` / ``"modelopt"``: the layouts inference engines load
+        (:func:`lowprec.checkpoint.quantize_engine_checkpoint`, which takes ``ignore`` and
+        ``schemes``; ``include``/``exclude``/``axis``/``fp8_scale``/``block_size`` do not
+        apply there).
       axis: MX block axis (default -1: the input-feature axis of a [out, in] weight).
       fp8_scale: FP8 casts: ``"tensor"`` (default; ``<name>_scale`` = amax / max_fp8, the
         vLLM/compressed-tensors convention) or ``"none"`` (saturating cast).
@@ -382,6 +394,17 @@ def quantize_checkpoint(
         >>> t.format, t.bytes_before, t.bytes_after, t.bits_per_param
         ('mxfp4', 16384, 2176, 4.25)
     """
+    if layout in ENGINE_LAYOUTS:
+        if include or exclude or axis is not None or block_size is not None or fp8_scale != "tensor":
+            raise CheckpointError(
+                f"the {layout} layout takes --ignore / --scheme, not --include, --exclude, "
+                "--axis, --block-size or --fp8-scale")
+        return quantize_engine_checkpoint(src, dst, format, layout=layout, schemes=schemes,
+                                          ignore=ignore, scale_rule=scale_rule, force=force,
+                                          progress=progress, report=report)
+    if ignore or schemes:
+        raise CheckpointError("--ignore / --scheme apply to --layout compressed-tensors or "
+                              "modelopt; the lowprec layout takes --include / --exclude")
     start = time.perf_counter()
     fmt = canonical_format(format, block_size)
     mx = is_block_format(fmt)
@@ -419,6 +442,11 @@ def quantize_checkpoint(
                     f"{reader.path}: already quantized by lowprec; dequantize it first "
                     "(lowprec dequantize)"
                 )
+            if engine_specs(reader):
+                raise CheckpointError(
+                    f"{reader.path}: already quantized (compressed-tensors or ModelOpt tensors); "
+                    "lowprec convert changes its layout, lowprec dequantize decodes it"
+                )
             plan, entries = [], []
             for info in reader.tensors.values():
                 chosen, reason = select_tensor(info, fmt, include_re, exclude_re, axis)
@@ -455,19 +483,25 @@ def quantize_checkpoint(
                               convert=convert)
 
 
-def _finish(source, outputs, outs, weight_map, total_size, bar) -> None:
-    """Copies the other files of a folder and writes its rewritten index (published last)."""
+def _finish(source, outputs, outs, weight_map, total_size, bar, texts=None) -> None:
+    """Copies the other files of a folder (or writes ``texts[rel]`` in place of one, e.g. a
+    config.json with quantization_config) and writes its rewritten index (published last)."""
     if not source.is_folder:
         return
+    texts = texts or {}
     for rel in source.others:
-        _copy_file(source.path(rel), outputs.path(rel), outs, outputs, bar)
+        if rel not in texts:
+            _copy_file(source.path(rel), outputs.path(rel), outs, outputs, bar)
+    for rel, text in texts.items():
+        if text is not None:  # None: not written (a config the target layout does not use)
+            _write_text(outputs.path(rel), text, outs, outputs)
     if source.index_name is not None:
         text = _index_text(source, weight_map, total_size)
         _write_text(outputs.path(source.index_name), text, outs, outputs)
 
 
 def _write_outputs(source, outputs, readers, plans, op, options, start, *, force, progress,
-                   metadata, convert) -> ConversionReport:
+                   metadata, convert, texts=None) -> ConversionReport:
     """The write phase shared by quantize and dequantize: checks free space, then, per shard,
     one atomic safetensors writer (the input's metadata minus lowprec's, plus
     ``metadata(plan)``) fed by ``convert(reader, writer, item, bar) -> TensorReport`` for
@@ -496,7 +530,8 @@ def _write_outputs(source, outputs, readers, plans, op, options, start, *, force
                 for name, _, _ in entries:
                     weight_map[name] = rel
                 writer.stage()
-            _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar)
+            _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar,
+                    texts)
             result = ConversionReport(source.given, outputs.dst, op, options, reports,
                                       time.perf_counter() - start, skipped=source.skipped)
             if outputs.report is not None:
@@ -612,6 +647,9 @@ def quantized_specs(reader: SafetensorsReader) -> dict:
                     spec = TensorSpec("mxfp4", shape, "BF16", axis=len(shape) - 1,
                                       scale_rule=None, layout="gpt-oss")
                     specs[base] = (spec, {"blocks": info.name, "scales": sc.name})
+        for name, spec in engine_specs(reader).items():  # compressed-tensors / ModelOpt
+            if name not in specs:
+                specs[name] = (spec, {role: stored for role, stored, _, _ in spec.parts(name)})
     out = {}
     owner = {}
     for name, item in specs.items():
@@ -679,6 +717,9 @@ def _dtype_arg(dtype) -> str:
 
 def _decode_regions(reader, spec: TensorSpec, parts, dtype):
     """Yields ``(rect, values)``: the decoded tensor, piece by piece, in its (P, A, S) view."""
+    if hasattr(spec, "decode_regions"):  # an engine layout (_engine_layouts): blocks of rows
+        yield from spec.decode_regions(reader, parts, dtype)
+        return
     view = spec.view
     fixed = {role: reader.read(stored) for role, stored, _, shp in parts if role == "scale"}
     for rect in pieces(view, spec.align, CHUNK_ELEMENTS):
@@ -714,7 +755,9 @@ def dequantize_checkpoint(
 
     Args:
       src: a file written by :func:`quantize_checkpoint` (or any safetensors file with
-        gpt-oss ``<name>_blocks``/``<name>_scales`` MXFP4 pairs), or a folder of them.
+        gpt-oss ``<name>_blocks``/``<name>_scales`` MXFP4 pairs, or compressed-tensors /
+        ModelOpt tensors, decoded as their loaders do; a folder's ``quantization_config`` is
+        then dropped from its config.json), or a folder of them.
       dst: output file (folder for a folder input); refused if it exists, unless ``force``.
       dtype: output dtype of decoded tensors: ``None`` (default) = each tensor's original
         dtype (BF16 for gpt-oss pairs without lowprec metadata), or ``"float32"``,
@@ -742,8 +785,9 @@ def dequantize_checkpoint(
             plans[rel] = (plan, entries)
         if not any_quantized:
             raise CheckpointError(
-                f"{source.given}: holds no quantized tensors (no {METADATA_KEY} metadata and "
-                "no gpt-oss *_blocks/*_scales pairs); nothing to decode"
+                f"{source.given}: holds no quantized tensors (no {METADATA_KEY} metadata, no "
+                "gpt-oss *_blocks/*_scales pairs, no compressed-tensors or ModelOpt weights); "
+                "nothing to decode"
             )
         def convert(reader, writer, item, bar) -> TensorReport:
             name, spec, parts, st = item
@@ -764,7 +808,8 @@ def dequantize_checkpoint(
 
         return _write_outputs(source, outputs, readers, plans, "dequantize",
                               {"dtype": dtype or "original"}, start, force=force,
-                              progress=progress, metadata=lambda plan: {}, convert=convert)
+                              progress=progress, metadata=lambda plan: {}, convert=convert,
+                              texts=plain_config_texts(source, outputs, force))
 
 
 def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None) -> dict:
@@ -816,7 +861,8 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
                                        info.nbytes)
                 else:
                     stored = sum(reader.tensors[p[1]].nbytes for p in parts)
-                    label = spec.format + (" (gpt-oss)" if spec.layout == "gpt-oss" else "")
+                    label = getattr(spec, "label", None) or (
+                        spec.format + (" (gpt-oss)" if spec.layout == "gpt-oss" else ""))
                     rep = TensorReport(name, spec.shape, spec.dtype, label,
                                        nbytes_of(spec.dtype, spec.shape), stored,
                                        scale_rule=spec.scale_rule,

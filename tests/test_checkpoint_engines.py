@@ -1,0 +1,442 @@
+"""Checkpoints in the layouts inference engines load (compressed-tensors, ModelOpt).
+
+The loader tests use the real clients: a tiny random Llama built from a transformers config
+is saved with safetensors, quantized by lowprec, then loaded by transformers (which runs
+compressed-tensors' decompressors on CPU); its weights must equal lowprec's decoded weights
+bit for bit (both rounded to the model dtype, bfloat16, as the loader does) and the forward
+pass must run. They skip when torch / compressed-tensors / transformers are absent
+(``pip install 'lowprec[interop]'``). The conversion tests need only lowprec.
+"""
+
+import filecmp
+import json
+import os
+
+import numpy as np
+import pytest
+
+from lowprec.checkpoint import CheckpointError, load_checkpoint, quantize_checkpoint
+from lowprec.checkpoint._engine_layouts import convert_checkpoint, engine_specs
+from lowprec.checkpoint._safetensors import SafetensorsReader, SafetensorsWriter
+
+SCHEMES = ["nvfp4", "mxfp4", "mxfp8", "fp8", "fp8_channel"]
+
+
+def _tiny_folder(path, rng=np.random.default_rng(0)):
+    """A Llama-shaped folder without torch: q/k/v/o and MLP weights, norms, embeddings, head."""
+    os.makedirs(path)
+    names = {"model.embed_tokens.weight": (128, 64), "lm_head.weight": (128, 64),
+             "model.norm.weight": (64,)}
+    for i in range(2):
+        for proj, shp in [("self_attn.q_proj", (64, 64)), ("self_attn.k_proj", (32, 64)),
+                          ("mlp.up_proj", (128, 64)), ("mlp.down_proj", (64, 128))]:
+            names[f"model.layers.{i}.{proj}.weight"] = shp
+    tensors = {n: (rng.standard_normal(s) * 0.05).astype(np.float32) for n, s in names.items()}
+    with SafetensorsWriter(f"{path}/model.safetensors",
+                           [(n, "F32", t.shape) for n, t in tensors.items()]) as f:
+        for n, t in tensors.items():
+            f.write(n, t)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({"model_type": "llama"}, f)
+    return tensors
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_engine_layout_names_and_config(tmp_path, scheme):
+    src = tmp_path / "m"
+    x = _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "q", scheme, layout="compressed-tensors")
+    with SafetensorsReader(tmp_path / "q/model.safetensors") as r:
+        names = set(r.tensors)
+        specs = engine_specs(r)
+        dtypes = {n: i.dtype for n, i in r.tensors.items()}
+    w = "model.layers.0.mlp.up_proj.weight"
+    expected = {  # compressed-tensors 0.20's compressors: names and dtypes
+        "nvfp4": {w + "_packed": "U8", w + "_scale": "F8_E4M3", w + "_global_scale": "F32"},
+        "mxfp4": {w + "_packed": "U8", w + "_scale": "U8"},
+        "mxfp8": {w: "F8_E4M3", w + "_scale": "U8"},
+        "fp8": {w: "F8_E4M3", w + "_scale": "F32"},
+        "fp8_channel": {w: "F8_E4M3", w + "_scale": "F32"},
+    }[scheme]
+    assert {n: dtypes[n] for n in expected} == expected
+    assert specs[w].scheme == scheme and specs[w].shape == (128, 64)
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names  # kept
+    qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
+    assert "lm_head" in qc["ignore"] and qc["config_groups"]["group_0"]["targets"] == ["Linear"]
+    got = load_checkpoint(tmp_path / "q", dtype="float32")[w]
+    err = np.abs(got - x[w]).max() / np.abs(x[w]).max()
+    assert err < {"nvfp4": 0.2, "mxfp4": 0.3, "mxfp8": 0.1, "fp8": 0.07, "fp8_channel": 0.07}[scheme]
+
+
+def test_nvfp4_global_scale_is_exact_power_of_two_reciprocal(tmp_path):
+    src = tmp_path / "m"
+    x = _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors")
+    w = "model.layers.1.mlp.down_proj.weight"
+    with SafetensorsReader(tmp_path / "q/model.safetensors") as r:
+        gs = r.read(w + "_global_scale")
+    amax = np.float32(np.abs(x[w]).max())
+    # gs = 1 / 2^ceil(log2(amax / 2688)): a power of two, within a factor 2 of 2688 / amax
+    m, e = np.frexp(gs[0])
+    assert gs.shape == (1,) and gs.dtype == np.float32 and m == 0.5
+    assert 2688 / amax / 2 < gs[0] <= 2688 / amax
+
+
+def test_mixed_schemes_and_ignore(tmp_path):
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    rep = quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors",
+                              schemes=["re:.*self_attn.*=fp8"],
+                              ignore=["re:.*layers\\.1\\.mlp\\.down_proj"])
+    qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
+    assert qc["format"] == "mixed-precision"
+    by_format = {g["format"]: g["targets"] for g in qc["config_groups"].values()}
+    assert by_format["float-quantized"] == sorted(
+        f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("k_proj", "q_proj"))
+    assert "model.layers.1.mlp.down_proj" in qc["ignore"]
+    assert "model.layers.1.mlp.down_proj" not in by_format["nvfp4-pack-quantized"]
+    kinds = {t.name: t.format for t in rep.tensors}
+    assert kinds["model.layers.1.mlp.down_proj.weight"] == "kept"
+    assert kinds["model.layers.0.self_attn.q_proj.weight"].startswith("e4m3")
+
+
+@pytest.mark.parametrize("fmt,scheme", [("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8"), ("e4m3", "fp8")])
+def test_convert_round_trips_byte_identical(tmp_path, fmt, scheme):
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "lp", fmt)
+    convert_checkpoint(tmp_path / "lp", tmp_path / "ct", "compressed-tensors")
+    convert_checkpoint(tmp_path / "ct", tmp_path / "lp2", "lowprec")
+    assert filecmp.cmp(tmp_path / "lp/model.safetensors", tmp_path / "lp2/model.safetensors",
+                       shallow=False)
+    a, b = load_checkpoint(tmp_path / "lp"), load_checkpoint(tmp_path / "ct")
+    assert a.keys() == b.keys()
+    assert all(a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes() for k in a)
+    # and the other way: written as compressed-tensors, through lowprec, back
+    quantize_checkpoint(src, tmp_path / "c1", scheme, layout="compressed-tensors")
+    convert_checkpoint(tmp_path / "c1", tmp_path / "l1", "lowprec")
+    convert_checkpoint(tmp_path / "l1", tmp_path / "c2", "compressed-tensors")
+    for f in ("model.safetensors", "config.json"):
+        assert filecmp.cmp(tmp_path / "c1" / f, tmp_path / "c2" / f, shallow=False)
+
+
+def test_nvfp4_modelopt_and_compressed_tensors(tmp_path):
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    # lowprec's tensor scale amax/2688 is ModelOpt's weight_scale_2: moved as is
+    quantize_checkpoint(src, tmp_path / "lp", "nvfp4")
+    convert_checkpoint(tmp_path / "lp", tmp_path / "mo", "modelopt")
+    hf = json.load(open(tmp_path / "mo/hf_quant_config.json"))
+    assert hf["quantization"]["quant_algo"] == "NVFP4" and hf["quantization"]["group_size"] == 16
+    w = "model.layers.0.mlp.up_proj.weight"
+    with SafetensorsReader(tmp_path / "mo/model.safetensors") as r, \
+            SafetensorsReader(tmp_path / "lp/model.safetensors") as q:
+        assert r.tensors[w].dtype == "U8" and r.tensors[w + "_scale"].dtype == "F8_E4M3"
+        assert r.read(w + "_scale_2").tobytes() == q.read(w + "_scale").tobytes()
+    convert_checkpoint(tmp_path / "mo", tmp_path / "lp2", "lowprec")
+    assert filecmp.cmp(tmp_path / "lp/model.safetensors", tmp_path / "lp2/model.safetensors",
+                       shallow=False)
+    assert not os.path.exists(tmp_path / "lp2/hf_quant_config.json")
+    from lowprec.checkpoint import dequantize_checkpoint
+    dequantize_checkpoint(tmp_path / "mo", tmp_path / "plain")
+    assert not os.path.exists(tmp_path / "plain/hf_quant_config.json")
+    assert "quantization_config" not in json.load(open(tmp_path / "plain/config.json"))
+    # a tensor scale that is not a power of two has no exact reciprocal: refused, not rounded
+    with pytest.raises(CheckpointError, match="no exact reciprocal"):
+        convert_checkpoint(tmp_path / "lp", tmp_path / "ct", "compressed-tensors")
+    assert not os.path.exists(tmp_path / "ct")
+    # compressed-tensors NVFP4 (power-of-two scale) converts to lowprec and back exactly
+    quantize_checkpoint(src, tmp_path / "c1", "nvfp4", layout="compressed-tensors")
+    convert_checkpoint(tmp_path / "c1", tmp_path / "l1", "lowprec")
+    convert_checkpoint(tmp_path / "l1", tmp_path / "c2", "compressed-tensors")
+    assert filecmp.cmp(tmp_path / "c1/model.safetensors", tmp_path / "c2/model.safetensors",
+                       shallow=False)
+    a, b = load_checkpoint(tmp_path / "c1"), load_checkpoint(tmp_path / "l1")
+    assert a[w].dtype == b[w].dtype == np.float32 and a[w].tobytes() == b[w].tobytes()
+
+
+def test_quantized_input_is_refused(tmp_path):
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "c", "fp8", layout="compressed-tensors")
+    for layout in ("lowprec", "compressed-tensors"):
+        with pytest.raises(CheckpointError, match="already quantized"):
+            quantize_checkpoint(tmp_path / "c", tmp_path / "again", "mxfp4", layout=layout)
+
+
+def test_per_channel_fp8_has_no_lowprec_layout(tmp_path):
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "c", "fp8_channel", layout="compressed-tensors")
+    with pytest.raises(CheckpointError, match="per-channel FP8 has no lowprec layout"):
+        convert_checkpoint(tmp_path / "c", tmp_path / "l", "lowprec")
+
+
+# -- the real loaders ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("compressed_tensors")
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("llama") / "model"
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_transformers_and_compressed_tensors_load_lowprec_output(tmp_path, llama_folder, scheme):
+    import torch
+    import transformers
+
+    out = tmp_path / scheme
+    quantize_checkpoint(llama_folder, out, scheme, layout="compressed-tensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    theirs = model.state_dict()
+    ours = load_checkpoint(out, dtype="float32")
+    quantized = [n for n in ours if n.endswith("proj.weight")]
+    assert len(quantized) == 14
+    for name, value in ours.items():
+        want = torch.from_numpy(np.asarray(value, np.float32)).to(torch.bfloat16)
+        got = theirs[name]
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+    # the loader really decoded lowprec's bits: weights differ from the original ones
+    orig = load_checkpoint(llama_folder)
+    assert not np.array_equal(np.asarray(orig[quantized[0]]).view(np.uint16),
+                              theirs[quantized[0]].view(torch.int16).numpy().view(np.uint16))
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert logits.shape == (1, 4, 128) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_compressed_tensors_decompressors_match_lowprec(tmp_path, llama_folder, scheme):
+    """compressed-tensors itself, without transformers: its config schema accepts lowprec's
+    quantization_config, and each group's decompressor gives lowprec's decoded values (in the
+    decompressor's own output dtype: bfloat16 for the FP4 and MX schemes, float32 for FP8)."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    out = tmp_path / scheme
+    quantize_checkpoint(llama_folder, out, "nvfp4" if scheme == "mixed" else scheme,
+                        layout="compressed-tensors")
+    qc = QuantizationConfig.model_validate(json.load(open(out / "config.json"))["quantization_config"])
+    (group,) = qc.config_groups.values()
+    compressor = BaseCompressor.get_value_from_registry(group.format)
+    stored = load_file(out / "model.safetensors")
+    ours = load_checkpoint(out, dtype="float32")
+    modules = sorted({n.rsplit(".weight", 1)[0] for n in stored if ".weight_" in n or
+                      (n.endswith(".weight") and stored[n].dtype == torch.float8_e4m3fn)})
+    assert len(modules) == 14
+    for m in modules:
+        local = {k[len(m) + 1:]: v for k, v in stored.items() if k.startswith(m + ".weight")}
+        got = compressor.decompress(local, group)["weight"]
+        want = torch.from_numpy(np.asarray(ours[m + ".weight"], np.float32)).to(got.dtype)
+        assert got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), m
+
+
+def test_reads_any_global_scale_as_compressed_tensors_does(tmp_path, llama_folder):
+    """llm-compressor writes gs = 2688 / amax (not a power of two): lowprec decodes
+    e × float32(s / gs), exactly the decompressor's arithmetic."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file, save_file
+
+    quantize_checkpoint(llama_folder, tmp_path / "q", "nvfp4", layout="compressed-tensors")
+    stored = load_file(tmp_path / "q/model.safetensors")
+    for name in stored:
+        if name.endswith("_global_scale"):
+            stored[name] = stored[name] * torch.tensor([1.3], dtype=torch.float32)
+    os.makedirs(tmp_path / "odd")
+    save_file(stored, tmp_path / "odd/model.safetensors", metadata={"format": "pt"})
+    qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
+    (group,) = QuantizationConfig.model_validate(qc).config_groups.values()
+    ours = load_checkpoint(tmp_path / "odd", dtype="float32")
+    m = "model.layers.1.mlp.down_proj"
+    local = {k[len(m) + 1:]: v for k, v in stored.items() if k.startswith(m + ".weight")}
+    got = BaseCompressor.get_value_from_registry(group.format).decompress(local, group)["weight"]
+    want = torch.from_numpy(ours[m + ".weight"]).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # moved to lowprec's layout only where exact: refused, or every value unchanged
+    try:
+        convert_checkpoint(tmp_path / "odd", tmp_path / "lp", "lowprec")
+    except CheckpointError as e:
+        assert "no exact reciprocal" in str(e)
+    else:
+        back = load_checkpoint(tmp_path / "lp", dtype="float32")
+        assert all(back[k].tobytes() == ours[k].tobytes() for k in ours)
+
+
+def test_cli_engine_layouts(tmp_path, capsys):
+    from lowprec.cli import main
+
+    src = tmp_path / "m"
+    x = _tiny_folder(src)
+    ct, lp, back = (str(tmp_path / n) for n in ("ct", "lp", "back"))
+    assert main(["quantize", str(src), ct, "--layout", "compressed-tensors", "-f", "nvfp4",
+                 "--ignore", "re:.*down_proj", "--scheme", "re:.*q_proj=fp8_channel", "-q"]) == 0
+    qc = json.load(open(f"{ct}/config.json"))["quantization_config"]
+    assert sorted(g["format"] for g in qc["config_groups"].values()) == [
+        "float-quantized", "nvfp4-pack-quantized"]
+    assert {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"} <= set(qc["ignore"])
+    capsys.readouterr()
+    assert main(["inspect", ct, "--json"]) == 0
+    formats = {t["name"]: t["format"] for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert formats["model.layers.0.self_attn.q_proj.weight"] == "e4m3 (compressed-tensors, per channel)"
+    assert formats["model.layers.0.mlp.up_proj.weight"] == "nvfp4 (compressed-tensors)"
+    assert formats["model.layers.0.mlp.down_proj.weight"] == "kept"
+    # per-channel FP8 has no lowprec layout: one line, exit 1, nothing written
+    assert main(["convert", ct, lp, "--layout", "lowprec", "-q"]) == 1
+    assert "per-channel FP8" in capsys.readouterr().err and not os.path.exists(lp)
+    assert main(["dequantize", ct, back, "--dtype", "float32", "-q"]) == 0
+    assert "quantization_config" not in json.load(open(f"{back}/config.json"))  # plain again
+    w = "model.layers.0.mlp.up_proj.weight"
+    assert np.abs(load_checkpoint(back)[w] - x[w]).max() < 0.2 * np.abs(x[w]).max()
+    assert main(["quantize", str(src), lp, "--layout", "modelopt", "-f", "mxfp4", "-q"]) == 1
+    assert "ModelOpt layout holds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt,scheme", [("nvfp4", "nvfp4"), ("e4m3", "fp8")])
+def test_modelopt_quantize_equals_lowprec_bits(tmp_path, fmt, scheme):
+    """ModelOpt's tensor scale is lowprec's (amax / 2688, amax / 448): quantizing straight to
+    the ModelOpt layout gives the bits of lowprec's own quantizer, moved."""
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "mo", scheme, layout="modelopt")
+    quantize_checkpoint(src, tmp_path / "lp", fmt)
+    convert_checkpoint(tmp_path / "lp", tmp_path / "mo2", "modelopt")
+    with SafetensorsReader(tmp_path / "mo/model.safetensors") as a, \
+            SafetensorsReader(tmp_path / "mo2/model.safetensors") as b:
+        assert a.tensors.keys() == b.tensors.keys()
+        assert all(a.read(n).tobytes() == b.read(n).tobytes() for n in a.tensors)
+    hf = json.load(open(tmp_path / "mo/hf_quant_config.json"))["quantization"]
+    assert hf["quant_algo"] == scheme.upper() and "lm_head" in hf["exclude_modules"]
+    assert json.load(open(tmp_path / "mo/config.json"))["quantization_config"]["quant_method"] == "modelopt"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_row_blocks_give_the_whole_tensor_bits(tmp_path, monkeypatch, scheme):
+    """Conversions hold a block of rows at a time; the tensor-wide scale comes from a first
+    pass, so blocks of 3 rows write the bytes the whole tensor does."""
+    import lowprec.checkpoint._engine_layouts as el
+
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "whole", scheme, layout="compressed-tensors")
+    whole = load_checkpoint(tmp_path / "whole", dtype="float32")
+    monkeypatch.setattr(el, "ROW_BLOCK_ELEMENTS", 3 * 64)
+    quantize_checkpoint(src, tmp_path / "rows", scheme, layout="compressed-tensors")
+    assert filecmp.cmp(tmp_path / "whole/model.safetensors", tmp_path / "rows/model.safetensors",
+                       shallow=False)
+    rows = load_checkpoint(tmp_path / "rows", dtype="float32")
+    assert all(whole[k].tobytes() == rows[k].tobytes() for k in whole)
+    if scheme != "fp8_channel":
+        convert_checkpoint(tmp_path / "rows", tmp_path / "lp", "lowprec")
+        convert_checkpoint(tmp_path / "lp", tmp_path / "back", "compressed-tensors")
+        assert filecmp.cmp(tmp_path / "whole/model.safetensors",
+                           tmp_path / "back/model.safetensors", shallow=False)
+
+
+def test_gpt_oss_mxfp4_moves_to_compressed_tensors(tmp_path):
+    """gpt-oss blocks [out, K/32, 16] are the packed bytes [out, K/2]: a reshape."""
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "oss", "mxfp4", layout="gpt-oss")
+    convert_checkpoint(tmp_path / "oss", tmp_path / "ct", "compressed-tensors")
+    a = load_checkpoint(tmp_path / "oss", dtype="float32")
+    b = load_checkpoint(tmp_path / "ct", dtype="float32")
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    w = "model.layers.0.mlp.up_proj.weight"
+    with SafetensorsReader(tmp_path / "oss/model.safetensors") as r, \
+            SafetensorsReader(tmp_path / "ct/model.safetensors") as c:
+        assert r.read(w + "_blocks").tobytes() == c.read(w + "_packed").tobytes()
+
+
+@pytest.mark.parametrize("scale_dtype", ["BF16", "F16"])
+def test_reads_fp8_with_half_precision_scales(tmp_path, scale_dtype):
+    """Other producers store FP8 weight_scale in the model dtype; values are e × s."""
+    from lowprec.checkpoint._safetensors import numpy_dtype
+
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 256, (8, 32), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+    scale = (rng.random((8, 1)) * 0.01 + 1e-3).astype(numpy_dtype(scale_dtype))
+    w = "fc.weight"
+    with SafetensorsWriter(tmp_path / "m.safetensors", [(w, "F8_E4M3", (8, 32)),
+                                                         (w + "_scale", scale_dtype, (8, 1))]) as f:
+        f.write(w, codes.view(numpy_dtype("F8_E4M3")))
+        f.write(w + "_scale", scale)
+    got = load_checkpoint(tmp_path / "m.safetensors", dtype="float32")[w]
+    want = codes.view(numpy_dtype("F8_E4M3")).astype(np.float64) * scale.astype(np.float64)
+    assert np.array_equal(got, want.astype(np.float32))  # the product is exact in float32
+    convert_checkpoint(tmp_path / "m.safetensors", tmp_path / "c.safetensors", "compressed-tensors")
+    assert load_checkpoint(tmp_path / "c.safetensors", dtype="float32")[w].tobytes() == got.tobytes()
+
+
+@pytest.mark.slow
+def test_mixed_groups_load_in_compressed_tensors(tmp_path, llama_folder):
+    """One checkpoint, three groups (NVFP4, per-channel FP8, MXFP8) and an ignored Linear:
+    each module's group (found by compressed-tensors' own target matching) decompresses to
+    lowprec's values, and transformers runs the model compressed (its dequantize=True path
+    takes one dense group per model: a transformers 5.24 limitation)."""
+    import torch
+    import transformers
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils import match_targets
+    from safetensors.torch import load_file
+
+    out = tmp_path / "mixed"
+    quantize_checkpoint(llama_folder, out, "nvfp4", layout="compressed-tensors",
+                        schemes=["re:.*self_attn.*=fp8_channel", "re:.*down_proj=mxfp8"],
+                        ignore=["re:.*layers\\.1\\.mlp\\.up_proj"])
+    qc = QuantizationConfig.model_validate(json.load(open(out / "config.json"))["quantization_config"])
+    assert qc.format == "mixed-precision" and len(qc.config_groups) == 3
+    target_to_group = {t: g for g in qc.config_groups.values() for t in g.targets}
+    stored = load_file(out / "model.safetensors")
+    ours = load_checkpoint(out, dtype="float32")
+    formats = set()
+    for name in ours:
+        module = name.rsplit(".weight", 1)[0]
+        matched = match_targets(module, torch.nn.Linear(1, 1), list(target_to_group))
+        if module == "model.layers.1.mlp.up_proj" or not name.endswith("proj.weight"):
+            assert not matched and stored[name].dtype == torch.bfloat16  # kept
+            continue
+        group = target_to_group[matched[0]]
+        formats.add(group.format)
+        local = {k[len(module) + 1:]: v for k, v in stored.items() if k.startswith(module + ".weight")}
+        got = BaseCompressor.get_value_from_registry(group.format).decompress(local, group)["weight"]
+        want = torch.from_numpy(np.asarray(ours[name], np.float32)).to(got.dtype)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert formats == {"nvfp4-pack-quantized", "float-quantized", "mxfp8-quantized"}
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert logits.shape == (1, 4, 128) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt"])
+def test_tied_head_is_ignored(tmp_path, layout):
+    """Tied embeddings: no lm_head.weight in the file, but the model has an lm_head Linear
+    that the loader must not look for."""
+    os.makedirs(tmp_path / "m")
+    w = np.ones((32, 64), np.float32)
+    with SafetensorsWriter(tmp_path / "m/model.safetensors", [("model.layers.0.mlp.up_proj.weight", "F32", w.shape)]) as f:
+        f.write("model.layers.0.mlp.up_proj.weight", w)
+    quantize_checkpoint(tmp_path / "m", tmp_path / "q", "nvfp4", layout=layout)
+    qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
+    assert "lm_head" in qc["ignore" if layout == "compressed-tensors" else "exclude_modules"]
