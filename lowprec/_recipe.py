@@ -50,7 +50,7 @@ from ._format import ElementFormat, MXFormat
 from ._matmul import dot_general
 from ._qdot import _operand_cast
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, _rceil_code, check_scale_rule
-from ._sharding import check_contraction
+from ._sharding import check_contraction, out_sharding_arg
 
 FormatLike = Union[None, str, ElementFormat, MXFormat]
 _Format = Union[None, ElementFormat, MXFormat]
@@ -240,7 +240,10 @@ class Recipe:
             the dtype the dot runs in, with float32 accumulation (see :func:`lowprec.dot_general`).
           preferred_element_type: output dtype; default: the operands' promoted dtype, as
             ``lax.dot_general`` gives.
-          out_sharding: if given, the output is resharded to it (``jax.sharding.reshard``).
+          out_sharding: the output's sharding (a PartitionSpec on the mesh of
+            ``jax.set_mesh``, or a NamedSharding), as for :func:`jax.lax.dot_general`: given to
+            the inner dot, so a contraction sharded on both operands (a row-parallel layer)
+            is reduced into it. Gradients are sharded as their operands.
 
         Example:
             >>> import jax.numpy as jnp
@@ -260,18 +263,17 @@ class Recipe:
                 "(from preferred_element_type or the operands' dtypes)"
             )
         dn = _normalize(dimension_numbers)
+        out_sharding = out_sharding_arg(out_sharding)
         _check_forward_sharding(lhs, rhs, dn, self)
         if self._needs_own_vjp():
-            out = _recipe_dot(lhs, rhs, dn, self, out_dtype)
+            out = _recipe_dot(lhs, rhs, dn, self, out_dtype, out_sharding)
         else:
-            out = _forward_dot(lhs, rhs, dn, self, out_dtype, self.backward)
+            out = _forward_dot(lhs, rhs, dn, self, out_dtype, self.backward, out_sharding)
         if self.backward == "quantized":
             try:
                 _check_backward_sharding(lhs, rhs, dn, self)
             except ValueError as e:  # refuse the backward pass only: inference is fine
                 out = _fails_in_backward(out, str(e))
-        if out_sharding is not None:
-            out = jax.sharding.reshard(out, out_sharding)
         return out
 
     def einsum(
@@ -303,14 +305,21 @@ class Recipe:
             lhs = jnp.sum(lhs, axis=plan.lhs_sum)
         if plan.rhs_sum:
             rhs = jnp.sum(rhs, axis=plan.rhs_sum)
+        out_sharding = out_sharding_arg(out_sharding)
+        dot_sharding = None
+        if out_sharding is not None:  # the einsum output's spec, in dot_general's dim order
+            spec = tuple(out_sharding.spec) + (None,) * (len(plan.out_perm) - len(out_sharding.spec))
+            inverse = [0] * len(plan.out_perm)
+            for i, p in enumerate(plan.out_perm):
+                inverse[p] = i
+            dot_sharding = jax.sharding.NamedSharding(
+                out_sharding.mesh, jax.sharding.PartitionSpec(*(spec[inverse[d]] for d in range(len(spec)))))
         out = self.dot_general(
             lhs, rhs, plan.dimension_numbers, precision=precision,
-            preferred_element_type=preferred_element_type,
+            preferred_element_type=preferred_element_type, out_sharding=dot_sharding,
         )
         if plan.out_perm != tuple(range(out.ndim)):
             out = jnp.transpose(out, plan.out_perm)
-        if out_sharding is not None:
-            out = jax.sharding.reshard(out, out_sharding)
         return out
 
     def _needs_own_vjp(self) -> bool:
@@ -410,11 +419,12 @@ def _dot_kwargs(recipe: Recipe, lfmt, rfmt, backward: str, grad):
     return kwargs
 
 
-def _forward_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, backward: str):
+def _forward_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, backward: str, out_sharding=None):
     """The forward dot (differentiable by lowprec.dot_general's own rule ``backward``)."""
     lfmt, rfmt = recipe.forward
     grad = recipe.grad if backward == "quantized" else None
     kwargs = _dot_kwargs(recipe, lfmt, rfmt, backward, grad)
+    kwargs["out_sharding"] = out_sharding
     if recipe.scaling != "tensor":
         return dot_general(lhs, rhs, dn, preferred_element_type=out_dtype, **kwargs)
     el, er = _tensor_exponent(lhs, lfmt), _tensor_exponent(rhs, rfmt)
@@ -422,16 +432,16 @@ def _forward_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, backward: str):
     return (out * _pow2(el) * _pow2(er)).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _recipe_dot(lhs, rhs, dn, recipe: Recipe, out_dtype):
-    return _forward_dot(lhs, rhs, dn, recipe, out_dtype, "ste")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _recipe_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, out_sharding=None):
+    return _forward_dot(lhs, rhs, dn, recipe, out_dtype, "ste", out_sharding)
 
 
-def _recipe_dot_fwd(lhs, rhs, dn, recipe, out_dtype):
-    return _recipe_dot(lhs, rhs, dn, recipe, out_dtype), (lhs, rhs)
+def _recipe_dot_fwd(lhs, rhs, dn, recipe, out_dtype, out_sharding=None):
+    return _recipe_dot(lhs, rhs, dn, recipe, out_dtype, out_sharding), (lhs, rhs)
 
 
-def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, residuals, g):
+def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, out_sharding, residuals, g):
     # The backward dots are the VJP of lowprec.dot_general(backward="quantized") called with
     # the backward operand formats: its forward output is unused (XLA drops it), its VJP
     # quantizes g and the operands along the backward reduction axes. With per-tensor scaling,
@@ -449,8 +459,9 @@ def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, residuals, g):
     else:
         lhs_s, rhs_s, g_s = lhs, rhs, g
 
-    def bdot(a, b):
-        return dot_general(a, b, dn, preferred_element_type=jnp.float32, **kwargs)
+    def bdot(a, b):  # its forward output is unused, but must be typable on Explicit axes
+        return dot_general(a, b, dn, preferred_element_type=jnp.float32,
+                           out_sharding=out_sharding, **kwargs)
 
     _, vjp = jax.vjp(bdot, lhs_s, rhs_s)
     grad_l, grad_r = vjp(g_s)
