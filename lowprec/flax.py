@@ -15,6 +15,8 @@ Two levels (flax is an optional extra: ``pip install 'lowprec[training]'``):
     ``nn.intercept_methods``; every ``nn.Dense``/``nn.DenseGeneral`` call gets the recipe's
     dot_general for that call, unless its path (``"Block_0/mlp/Dense_1"``) matches one of the
     recipe's ``high_precision`` patterns or the layer already has its own ``dot_general``.
+    ``nn.Embed.attend`` (tied output embeddings) runs its product ``query · embeddingᵀ``
+    through the recipe's dot_general too, with the same exclusions.
     The wrapper is a different object from the model, so a function jitted around
     ``wrapper.apply`` never shares a trace with one around ``model.apply``. (With
     :func:`intercepting` directly, remember that interception happens at trace time: a
@@ -25,11 +27,25 @@ Two levels (flax is an optional extra: ``pip install 'lowprec[training]'``):
     ``nnx.jit`` retraces when the recipe changes. ``quantize_model(model, None)`` puts the
     defaults back.
 
-What is covered: the weight matmuls of Flax's linear layers. Matmuls written in a model's own
-code (attention scores ``q @ k``, ``jnp.einsum`` calls), linen ``nn.Einsum`` (it has no
-injection point), convolutions and ``nn.Embed.attend`` stay in their own precision, as in
-Transformer Engine's and the MX papers' recipes, which quantize linear layers. linen calls to
-the uncovered layer types warn once per path, so nothing is silently left out.
+What is covered: the weight matmuls of Flax's linear layers, attention projections included
+(``MultiHeadDotProductAttention``/``MultiHeadAttention`` build them from ``DenseGeneral``/
+``LinearGeneral``), and linen's ``Embed.attend``. What is not, and is reported with a
+``UserWarning`` once per layer path and recipe (silenced by adding the path to the recipe's
+``high_precision``, which is where it stays anyway):
+
+* linen ``nn.Einsum`` (no injection point), ``nn.Conv``/``nn.ConvTranspose``/``nn.ConvLocal``
+  (convolutions: no recipe convolution), warned when called;
+* nnx ``Conv``/``ConvTranspose`` and ``Embed`` (its ``attend`` has no hook; an nnx module's
+  methods cannot be swapped per instance), warned by :func:`quantize_model`;
+* attention's score and value products (``q·kᵀ``, ``p·v``), computed by the attention
+  function rather than a layer: they stay in their own precision, as in Transformer Engine's
+  default recipes (FP8 attention is a separate option there); warned once per attention
+  layer.
+
+Matmuls written in a model's own code (``jnp.einsum``/``@`` calls) are invisible to any
+interception and stay as they are. Neither JAX nor Flax has a mixture-of-experts layer; a
+model calling ``jax.lax.ragged_dot`` itself keeps it in its own precision (lowprec has no
+quantized ragged dot yet).
 """
 
 from __future__ import annotations
@@ -141,8 +157,14 @@ _LINEN_UNCOVERED = {
     nn.Conv: ("__call__",),
     nn.ConvTranspose: ("__call__",),
     nn.ConvLocal: ("__call__",),
-    nn.Embed: ("attend",),
+    nn.MultiHeadDotProductAttention: ("__call__",),
 }
+_NNX_UNCOVERED = (
+    (nnx.Conv, "Conv"),
+    (nnx.ConvTranspose, "ConvTranspose"),
+    (nnx.Embed, "Embed.attend (if the model calls it)"),
+    (nnx.MultiHeadAttention, "MultiHeadAttention"),
+)
 _warned = set()
 _warn_lock = threading.Lock()
 
@@ -153,10 +175,14 @@ def _warn_uncovered(kind: str, path: str, recipe: Recipe) -> None:
         if key in _warned:
             return
         _warned.add(key)
+    if kind.startswith(("MultiHead",)):
+        what = ("runs its projections in the recipe but its score and value products (q·kᵀ, "
+                "p·v) in their own precision, as Transformer Engine's default recipes do,")
+    else:
+        what = "has no dot_general hook and runs in its own precision,"
     warnings.warn(
-        f"lowprec.flax: {kind} at {path or '<root>'} has no dot_general hook and runs in its own "
-        f"precision, not in recipe {recipe.name or recipe.describe()!r} (add it to "
-        "high_precision to silence this)",
+        f"lowprec.flax: {kind} at {path or '<root>'} {what} not in recipe "
+        f"{recipe.name or recipe.describe()!r} (add its path to high_precision to silence this)",
         stacklevel=4,
     )
 
@@ -180,6 +206,10 @@ def _linen_interceptor(recipe: Recipe):
                 return next_fun(*args, **kwargs)
             finally:
                 object.__setattr__(module, "dot_general", None)
+        if isinstance(module, nn.Embed) and context.method_name == "attend":
+            if recipe.keeps_high_precision("/".join(module.path)):
+                return next_fun(*args, **kwargs)
+            return _linen_attend(module, replacement, *args, **kwargs)
         for cls, methods in _LINEN_UNCOVERED.items():
             if isinstance(module, cls) and context.method_name in methods:
                 path = "/".join(module.path)
@@ -189,6 +219,13 @@ def _linen_interceptor(recipe: Recipe):
         return next_fun(*args, **kwargs)
 
     return interceptor
+
+
+def _linen_attend(module, dot, query):
+    """``nn.Embed.attend`` (``query · embeddingᵀ`` in the promoted dtype) through ``dot``."""
+    module._try_setup()  # an intercepted method runs before linen's lazy setup() would
+    query, embedding = module.promote_dtype(query, module.embedding, dtype=module.dtype)
+    return dot(query, embedding, (((query.ndim - 1,), (1,)), ((), ())))
 
 
 @contextlib.contextmanager
@@ -255,6 +292,12 @@ def _quantize_nnx(model, recipe: Optional[Recipe]):
     for path, module in nnx.iter_modules(model):
         attr = _nnx_default(module)
         if attr is None:
+            if recipe is not None:
+                name = "/".join(str(p) for p in path)
+                for cls, kind in _NNX_UNCOVERED:
+                    if isinstance(module, cls) and not recipe.keeps_high_precision(name):
+                        _warn_uncovered(kind, name, recipe)
+                        break
             continue
         current = getattr(module, attr)
         default = jnp.einsum if attr == "einsum_op" else lax.dot_general

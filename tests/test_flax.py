@@ -231,3 +231,60 @@ def test_nnx_grad_and_remat():
     g1 = nnx.jit(nnx.grad(loss))(net, x)
     g2 = nnx.jit(nnx.grad(nnx.remat(loss)))(net, x)
     jax.tree.map(_eq, nnx.state(g1), nnx.state(g2))
+
+
+# -- every matmul-like layer: quantized or reported -----------------------------------------------
+
+
+class TiedLM(nn.Module):
+    """Embedding lookup, one attention layer, logits through the tied embedding (attend)."""
+
+    def setup(self):
+        self.embed = nn.Embed(96, 64)
+        self.attn = nn.MultiHeadDotProductAttention(2)
+
+    def hidden(self, tokens):
+        h = self.embed(tokens)
+        return h + self.attn(h)
+
+    def __call__(self, tokens):
+        return self.embed.attend(self.hidden(tokens))
+
+
+def test_linen_embed_attend_runs_in_the_recipe():
+    tokens = jnp.arange(16).reshape(2, 8) % 96
+    params = TiedLM().init(jax.random.key(0), tokens)
+    table = params["params"]["embed"]["embedding"]
+    recipe = Recipe(forward="mxfp8", name="attend_test")
+    q = lf.quantize_model(TiedLM(), recipe)
+    with pytest.warns(UserWarning, match=r"MultiHeadDotProductAttention.__call__ at attn runs its "
+                      r"projections in the recipe"):
+        got = q.apply(params, tokens)
+    # Expected: the recipe's dot of the (quantized model's) hidden states and the table.
+    hidden = q.apply(params, tokens, method="hidden")
+    _eq(got, recipe.dot_general(hidden, table, (((2,), (1,)), ((), ()))))
+    # Excluded by path: attend stays Flax's jnp.dot, and nothing warns.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hp = lf.quantize_model(TiedLM(), Recipe(forward="mxfp8", high_precision=("embed", "attn*")))
+        float_hidden = TiedLM().apply(params, tokens, method="hidden")
+        _eq(hp.apply(params, tokens), jnp.dot(float_hidden, table.T))
+
+
+def test_nnx_uncovered_layers_warn_in_quantize_model():
+    class Mixed(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(64, 64, (3,), rngs=rngs)
+            self.embed = nnx.Embed(96, 64, rngs=rngs)
+            self.lin = nnx.Linear(64, 64, rngs=rngs)
+
+    recipe = Recipe(forward="mxfp8", name="nnx_warn_test")
+    with pytest.warns(UserWarning) as record:
+        lf.quantize_model(Mixed(nnx.Rngs(0)), recipe)
+    text = " ".join(str(w.message) for w in record)
+    assert "Conv at conv" in text and "Embed.attend (if the model calls it) at embed" in text
+    assert "at lin" not in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lf.quantize_model(Mixed(nnx.Rngs(0)), recipe)  # once per (path, recipe)
+        lf.quantize_model(Mixed(nnx.Rngs(0)), Recipe(forward="mxfp8", high_precision=("conv", "embed")))
