@@ -35,6 +35,7 @@ from ._mx import MXArray, dequantize, fake_quantize_mx, quantize_mx, shared_expo
 from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from ._qdot import BACKWARD_MODES, OPERAND_FORMAT_NAMES
 from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, OCP_MXFP8, RECIPES, Recipe
+from ._rules import Rule, Rules
 from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES, random_bits
 from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
 
@@ -64,6 +65,8 @@ __all__ = [
     "OCP_MXFP8",
     "RECIPES",
     "Recipe",
+    "Rule",
+    "Rules",
     "ELEMENT_FORMAT_NAMES",
     "MX_FORMAT_NAMES",
     "OPERAND_FORMAT_NAMES",

@@ -107,6 +107,10 @@ class Recipe:
         operands; not allowed with MX formats, which carry block scales).
       high_precision: glob patterns (:func:`fnmatch.fnmatchcase`, ``*`` also crosses ``/``)
         of layer paths such as ``"block_0/mlp/up"`` that stay in their own precision.
+      high_precision_wgrad: compute the weight gradient (grad_rhs = lhsᵀ·g, the rhs being the
+        layer's weight) as a float32 dot of the unquantized activations and cotangent
+        (``precision=HIGHEST``), as recipes that keep wgrad in high precision do; grad_lhs
+        stays as ``backward`` says.
       pad: zero-pad contractions whose length is not a multiple of 32 (exact: zeros add
         nothing). Default True, since a model's backward dots reduce over output features
         and vocabulary sizes rarely are multiples of 32.
@@ -130,6 +134,7 @@ class Recipe:
     high_precision: Tuple[str, ...] = ()
     pad: bool = True
     name: str = ""
+    high_precision_wgrad: bool = False
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -137,6 +142,8 @@ class Recipe:
         set_("forward", forward)
         set_("grad", _resolve_format(self.grad, "grad"))
         explicit_bwd = not (isinstance(self.backward_operands, str) and self.backward_operands == "forward")
+        if explicit_bwd and self.backward == "ste" and _pair(self.backward_operands, "backward_operands") == forward:
+            explicit_bwd = False  # what __post_init__ stores: dataclasses.replace passes it back
         backward = self.backward
         if backward is None:
             backward = "quantized" if (self.grad is not None or explicit_bwd) else "ste"
@@ -180,6 +187,8 @@ class Recipe:
             raise TypeError(f"high_precision takes glob pattern strings, got {self.high_precision!r}")
         set_("high_precision", patterns)
         set_("pad", bool(self.pad))
+        if not isinstance(self.high_precision_wgrad, bool):
+            raise TypeError(f"high_precision_wgrad must be a bool, got {self.high_precision_wgrad!r}")
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a string, got {self.name!r}")
 
@@ -206,6 +215,8 @@ class Recipe:
         extra = [self.scale_rule.value] if any(isinstance(f, MXFormat) for f in used) else []
         if self.scaling != "none":
             extra.append(f"{self.scaling} scaling")
+        if self.high_precision_wgrad:
+            extra.append("fp32 wgrad")
         if self.high_precision:
             extra.append("high precision: " + ", ".join(self.high_precision))
         return " | ".join([fwd, bwd] + ([", ".join(extra)] if extra else []))
@@ -324,6 +335,8 @@ class Recipe:
 
     def _needs_own_vjp(self) -> bool:
         """Whether lowprec.dot_general's own VJP cannot express the backward pass."""
+        if self.high_precision_wgrad:
+            return True
         if self.backward == "ste":
             return False
         return self.scaling == "tensor" or self.backward_operands != self.forward
@@ -448,8 +461,28 @@ def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, out_sharding, residuals, g):
     # each of lhs, rhs, g is divided by its own power of two first and the gradients are
     # multiplied back: grad_lhs = g . rhs^T = 2^(eg + er) (g_s . rhs_s^T), likewise for rhs.
     lhs, rhs = residuals
-    lfmt, rfmt = recipe.backward_operands
     g = g.astype(jnp.float32)
+    if recipe.backward == "ste":  # here only for high_precision_wgrad
+        _, vjp = jax.vjp(
+            lambda a, b: _forward_dot(a, b, dn, recipe, jnp.float32, "ste", out_sharding), lhs, rhs)
+        grad_l, grad_r = vjp(g)
+    else:
+        grad_l, grad_r = _quantized_backward(dn, recipe, out_sharding, lhs, rhs, g)
+    if recipe.high_precision_wgrad:
+        # The weight gradient as a float32 dot of the unquantized operands (the float
+        # layer's own VJP); XLA drops the quantized grad_rhs computed above.
+        def fdot(b):
+            return lax.dot_general(lhs.astype(jnp.float32), b, dn, precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32, out_sharding=out_sharding)
+
+        _, vjp = jax.vjp(fdot, rhs.astype(jnp.float32))
+        (grad_r,) = vjp(g)
+    return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype)
+
+
+def _quantized_backward(dn, recipe: Recipe, out_sharding, lhs, rhs, g):
+    """Both backward dots of ``backward="quantized"`` (float32 gradients)."""
+    lfmt, rfmt = recipe.backward_operands
     kwargs = _dot_kwargs(recipe, lfmt, rfmt, "quantized", recipe.grad)
     el, er, eg = (
         _tensor_exponent(lhs, lfmt), _tensor_exponent(rhs, rfmt), _tensor_exponent(g, recipe.grad)
@@ -468,7 +501,7 @@ def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, out_sharding, residuals, g):
     if recipe.scaling == "tensor":
         grad_l = grad_l.astype(jnp.float32) * _pow2(er) * _pow2(eg)
         grad_r = grad_r.astype(jnp.float32) * _pow2(el) * _pow2(eg)
-    return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype)
+    return grad_l.astype(jnp.float32), grad_r.astype(jnp.float32)
 
 
 _recipe_dot.defvjp(_recipe_dot_fwd, _recipe_dot_bwd)

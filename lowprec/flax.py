@@ -68,6 +68,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from ._recipe import Recipe
+from ._rules import Rules, recipe_for
 
 __all__ = [
     "RecipeDotGeneral",
@@ -77,6 +78,22 @@ __all__ = [
     "intercepting",
     "quantize_model",
 ]
+
+
+def _check_plan(plan):
+    """A Recipe (one for every layer) or Rules (per layer path)."""
+    if isinstance(plan, (Recipe, Rules)):
+        return plan
+    if isinstance(plan, (list, tuple)):
+        return Rules(plan)  # (module_path, recipe) pairs
+    raise TypeError(
+        f"expected a lowprec.Recipe, lowprec.Rules or a list of (module_path, recipe) pairs, "
+        f"got {type(plan).__name__}"
+    )
+
+
+def _label(plan) -> str:
+    return plan.name or (plan.describe() if isinstance(plan, Recipe) else "rules")
 
 
 def _check_recipe(recipe) -> Recipe:
@@ -169,7 +186,7 @@ _warned = set()
 _warn_lock = threading.Lock()
 
 
-def _warn_uncovered(kind: str, path: str, recipe: Recipe) -> None:
+def _warn_uncovered(kind: str, path: str, recipe) -> None:
     key = (kind, path, recipe)
     with _warn_lock:
         if key in _warned:
@@ -182,22 +199,22 @@ def _warn_uncovered(kind: str, path: str, recipe: Recipe) -> None:
         what = "has no dot_general hook and runs in its own precision,"
     warnings.warn(
         f"lowprec.flax: {kind} at {path or '<root>'} {what} not in recipe "
-        f"{recipe.name or recipe.describe()!r} (add its path to high_precision to silence this)",
+        f"{_label(recipe)!r} (add its path to high_precision, or a rule keeping it in its own "
+        "precision, to silence this)",
         stacklevel=4,
     )
 
 
-def _linen_interceptor(recipe: Recipe):
-    replacement = RecipeDotGeneral(recipe)
-
+def _linen_interceptor(plan):
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
         if isinstance(module, _LINEN_COVERED) and context.method_name == "__call__":
             if module.dot_general is not None or module.dot_general_cls is not None:
                 return next_fun(*args, **kwargs)  # the layer chose its own dot_general
-            path = "/".join(module.path)
-            if recipe.keeps_high_precision(path):
+            recipe = recipe_for(plan, "/".join(module.path))
+            if recipe is None:
                 return next_fun(*args, **kwargs)
+            replacement = RecipeDotGeneral(recipe)
             # A linen layer reads self.dot_general inside __call__; set it on this bound
             # instance for the duration of this call only (frozen dataclass, hence
             # object.__setattr__), and put Flax's default back afterwards.
@@ -207,13 +224,15 @@ def _linen_interceptor(recipe: Recipe):
             finally:
                 object.__setattr__(module, "dot_general", None)
         if isinstance(module, nn.Embed) and context.method_name == "attend":
-            if recipe.keeps_high_precision("/".join(module.path)):
+            recipe = recipe_for(plan, "/".join(module.path))
+            if recipe is None:
                 return next_fun(*args, **kwargs)
-            return _linen_attend(module, replacement, *args, **kwargs)
+            return _linen_attend(module, RecipeDotGeneral(recipe), *args, **kwargs)
         for cls, methods in _LINEN_UNCOVERED.items():
             if isinstance(module, cls) and context.method_name in methods:
                 path = "/".join(module.path)
-                if not recipe.keeps_high_precision(path):
+                recipe = recipe_for(plan, path)
+                if recipe is not None:
                     _warn_uncovered(f"{cls.__name__}.{context.method_name}", path, recipe)
                 break
         return next_fun(*args, **kwargs)
@@ -229,9 +248,10 @@ def _linen_attend(module, dot, query):
 
 
 @contextlib.contextmanager
-def intercepting(recipe: Recipe):
+def intercepting(recipe):
     """Context manager: linen ``nn.Dense``/``nn.DenseGeneral`` calls traced inside it run in
-    ``recipe`` (what :func:`quantize_model` wraps around ``init``/``apply``).
+    ``recipe`` (a Recipe, or :class:`~lowprec.Rules` per layer path; what
+    :func:`quantize_model` wraps around ``init``/``apply``).
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, lowprec
@@ -242,7 +262,7 @@ def intercepting(recipe: Recipe):
         >>> y.shape
         (1, 2)
     """
-    with nn.intercept_methods(_linen_interceptor(_check_recipe(recipe))):
+    with nn.intercept_methods(_linen_interceptor(_check_plan(recipe))):
         yield
 
 
@@ -253,7 +273,7 @@ class QuantizedLinen:
     model's. Other attributes are the model's."""
 
     module: nn.Module
-    recipe: Recipe
+    recipe: Any  # a Recipe or Rules
 
     def init(self, *args, **kwargs):
         with intercepting(self.recipe):
@@ -287,15 +307,16 @@ def _nnx_default(module) -> Optional[str]:
     return None
 
 
-def _quantize_nnx(model, recipe: Optional[Recipe]):
+def _quantize_nnx(model, plan):
     ours = (RecipeDotGeneral, RecipeEinsum)
     for path, module in nnx.iter_modules(model):
         attr = _nnx_default(module)
+        name = "/".join(str(p) for p in path)
+        recipe = recipe_for(plan, name)
         if attr is None:
             if recipe is not None:
-                name = "/".join(str(p) for p in path)
                 for cls, kind in _NNX_UNCOVERED:
-                    if isinstance(module, cls) and not recipe.keeps_high_precision(name):
+                    if isinstance(module, cls):
                         _warn_uncovered(kind, name, recipe)
                         break
             continue
@@ -305,8 +326,7 @@ def _quantize_nnx(model, recipe: Optional[Recipe]):
         # ours is the user's choice and is kept.
         if not (current is default or current is None or isinstance(current, ours)):
             continue
-        name = "/".join(str(p) for p in path)
-        if recipe is None or recipe.keeps_high_precision(name):
+        if recipe is None:
             new = None if isinstance(module, nnx.LinearGeneral) else default
         else:
             new = RecipeEinsum(recipe) if attr == "einsum_op" else RecipeDotGeneral(recipe)
@@ -314,12 +334,15 @@ def _quantize_nnx(model, recipe: Optional[Recipe]):
     return model
 
 
-def quantize_model(model, recipe: Optional[Recipe]):
+def quantize_model(model, recipe):
     """Runs an unmodified Flax model's linear-layer matmuls in ``recipe``.
 
     Args:
       model: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
-      recipe: a :class:`~lowprec.Recipe`; for nnx, ``None`` restores Flax's defaults.
+      recipe: a :class:`~lowprec.Recipe` for every layer, or per-layer
+        :class:`~lowprec.Rules` (or a list of ``(module_path regex, recipe or None)`` pairs:
+        first match wins, no match keeps the layer's own precision); for nnx, ``None``
+        restores Flax's defaults.
 
     Returns:
       linen: a :class:`QuantizedLinen` (use its ``init``/``apply`` as the model's).
@@ -338,9 +361,9 @@ def quantize_model(model, recipe: Optional[Recipe]):
         (2, 4)
     """
     if isinstance(model, nn.Module):
-        return QuantizedLinen(model, _check_recipe(recipe))
+        return QuantizedLinen(model, _check_plan(recipe))
     if isinstance(model, nnx.Module):
-        return _quantize_nnx(model, None if recipe is None else _check_recipe(recipe))
+        return _quantize_nnx(model, None if recipe is None else _check_plan(recipe))
     raise TypeError(
         f"quantize_model takes a flax.linen or flax.nnx Module, got {type(model).__name__}"
     )

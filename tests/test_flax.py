@@ -288,3 +288,38 @@ def test_nnx_uncovered_layers_warn_in_quantize_model():
         warnings.simplefilter("error")
         lf.quantize_model(Mixed(nnx.Rngs(0)), recipe)  # once per (path, recipe)
         lf.quantize_model(Mixed(nnx.Rngs(0)), Recipe(forward="mxfp8", high_precision=("conv", "embed")))
+
+
+# -- per-layer rules --------------------------------------------------------------------------------
+
+
+class RulesMLP(nn.Module):
+    """MLP written with per-layer dot_generals by hand: what the rules below must give."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(64, name="up", dot_general=lf.dot_general(R4))(x))
+        h = nn.DenseGeneral((2, 32), name="gen", dot_general=lf.dot_general(NVIDIA_MXFP8))(h)
+        h = nn.Dense(64, name="mine", dot_general=jax.lax.dot_general)(h.reshape(*h.shape[:-2], 64))
+        return nn.Dense(8, name="head")(h)
+
+
+def test_rules_first_match_wins_linen_and_nnx():
+    rules = lowprec.Rules([("head", None), ("up", R4), ("u.*", NVIDIA_MXFP8), (".*", NVIDIA_MXFP8)])
+    x = _x()
+    params = MLP().init(jax.random.key(1), x)
+    _eq(lf.quantize_model(MLP(), rules).apply(params, x), RulesMLP().apply(params, x))
+    # A list of pairs is accepted as Rules; no match keeps the layer's own precision.
+    q = lf.quantize_model(MLP(), [("gen", NVIDIA_MXFP8)])
+    only_gen = dataclasses.replace(NVIDIA_MXFP8, high_precision=("up", "head"))
+    _eq(q.apply(params, x), lf.quantize_model(MLP(), only_gen).apply(params, x))
+    # nnx: each layer gets its rule's recipe.
+    net = lf.quantize_model(Net(nnx.Rngs(0)), lowprec.Rules([("a", R4), ("b|c", NVIDIA_MXFP8)]))
+    assert net.a.dot_general == lf.dot_general(R4)
+    assert net.b.dot_general == lf.dot_general(NVIDIA_MXFP8)
+    assert net.c.einsum_op == lf.einsum(NVIDIA_MXFP8)
+    assert net.head.dot_general is jax.lax.dot_general  # no rule matched
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        lowprec.Rule("(", None)
+    with pytest.raises(TypeError, match="lowprec.Recipe or None"):
+        lowprec.Rule(".*", "mxfp8")
