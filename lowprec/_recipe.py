@@ -48,6 +48,7 @@ from jax import lax
 from ._bits import E8M0_BIAS
 from ._format import ElementFormat, MXFormat
 from ._matmul import dot_general
+from ._nvfp4_train import check_layout, nvfp4_train_dot
 from ._qdot import _operand_cast
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, _rceil_code, check_scale_rule
 from ._sharding import check_contraction, out_sharding_arg
@@ -111,6 +112,13 @@ class Recipe:
         layer's weight) as a float32 dot of the unquantized activations and cotangent
         (``precision=HIGHEST``), as recipes that keep wgrad in high precision do; grad_lhs
         stays as ``backward`` says.
+      weight_block_2d, wgrad_rht, grad_rounding, seed: the NVFP4 training recipe's parts
+        (Transformer Engine ``NVFP4BlockScaling``; see :data:`NVIDIA_NVFP4` and
+        ``lowprec/_nvfp4_train.py``): one E4M3 scale per 16 x 16 weight tile; a random
+        Hadamard transform (16 x 16 blocks, signs from ``seed``) of the weight-gradient
+        operands along tokens; ``grad_rounding="stochastic"`` rounds cotangents to E2M1
+        stochastically (random words from ``seed`` and the cotangent's bits). They need every
+        format NVFP4 and apply to linear layers (lhs [..., K] x a 2-D weight).
       pad: zero-pad contractions whose length is not a multiple of 32 (exact: zeros add
         nothing). Default True, since a model's backward dots reduce over output features
         and vocabulary sizes rarely are multiples of 32.
@@ -135,6 +143,10 @@ class Recipe:
     pad: bool = True
     name: str = ""
     high_precision_wgrad: bool = False
+    weight_block_2d: bool = False
+    wgrad_rht: bool = False
+    grad_rounding: str = "nearest_even"
+    seed: int = 0
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -189,8 +201,31 @@ class Recipe:
         set_("pad", bool(self.pad))
         if not isinstance(self.high_precision_wgrad, bool):
             raise TypeError(f"high_precision_wgrad must be a bool, got {self.high_precision_wgrad!r}")
+        self._check_nvfp4_training()
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a string, got {self.name!r}")
+
+    def _nvfp4_training(self) -> bool:
+        return self.weight_block_2d or self.wgrad_rht or self.grad_rounding != "nearest_even"
+
+    def _check_nvfp4_training(self) -> None:
+        if self.grad_rounding not in ("nearest_even", "stochastic"):
+            raise ValueError(
+                f"unknown grad_rounding {self.grad_rounding!r}; valid: 'nearest_even', 'stochastic'"
+            )
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
+        if not self._nvfp4_training():
+            return
+        names = {_name(f) for f in (*self.forward, *self.backward_operands, self.grad)}
+        if (names != {"nvfp4"} or self.backward != "quantized" or self.scaling != "none"
+                or self.high_precision_wgrad):
+            raise ValueError(
+                "weight_block_2d, wgrad_rht and grad_rounding='stochastic' are parts of the NVFP4 "
+                "training recipe: they need forward='nvfp4', grad='nvfp4' (backward "
+                "'quantized'), scaling='none' and no high_precision_wgrad; got "
+                f"{self.describe()} (start from lowprec.NVIDIA_NVFP4)"
+            )
 
     # -- description -------------------------------------------------------------------------
 
@@ -212,11 +247,18 @@ class Recipe:
             l, r = self.backward_operands
             bwd = f"bwd {_name(l)} x {_name(r)}, grad {_name(self.grad)}"
         used = (*self.forward, *self.backward_operands, self.grad)
-        extra = [self.scale_rule.value] if any(isinstance(f, MXFormat) for f in used) else []
+        scaled = [f for f in used if isinstance(f, MXFormat) and not f.tensor_scale]
+        extra = [self.scale_rule.value] if scaled else []  # NVFP4 has its own scale recipe
         if self.scaling != "none":
             extra.append(f"{self.scaling} scaling")
         if self.high_precision_wgrad:
             extra.append("fp32 wgrad")
+        if self.weight_block_2d:
+            extra.append("16x16 weight scales")
+        if self.wgrad_rht:
+            extra.append("wgrad RHT")
+        if self.grad_rounding != "nearest_even":
+            extra.append(f"{self.grad_rounding} grad rounding")
         if self.high_precision:
             extra.append("high precision: " + ", ".join(self.high_precision))
         return " | ".join([fwd, bwd] + ([", ".join(extra)] if extra else []))
@@ -276,6 +318,9 @@ class Recipe:
         dn = _normalize(dimension_numbers)
         out_sharding = out_sharding_arg(out_sharding)
         _check_forward_sharding(lhs, rhs, dn, self)
+        if self._nvfp4_training():
+            check_layout(lhs.shape, rhs.shape, dn)
+            return nvfp4_train_dot(lhs, rhs, dn, self, out_dtype, out_sharding)
         if self._needs_own_vjp():
             out = _recipe_dot(lhs, rhs, dn, self, out_dtype, out_sharding)
         else:
@@ -607,12 +652,21 @@ NVIDIA_MXFP8 = Recipe(
 #: FP8 E4M3 forward / E5M2 backward with power-of-two per-tensor current scaling.
 FP8_HYBRID = Recipe(forward="e4m3", grad="e5m2", scaling="tensor", name="fp8_hybrid")
 
+#: NVIDIA's NVFP4 training recipe (arXiv 2509.25149; Transformer Engine ``NVFP4BlockScaling``):
+#: NVFP4 operands, 16 x 16 weight scales, RHT on the weight-gradient operands, stochastic
+#: rounding of gradients. Keep the last layers in high precision with ``high_precision``/Rules.
+NVIDIA_NVFP4 = Recipe(
+    forward="nvfp4", grad="nvfp4", weight_block_2d=True, wgrad_rht=True,
+    grad_rounding="stochastic", name="nvidia_nvfp4",
+)
+
 #: The ready-made recipes by name.
-RECIPES = {r.name: r for r in (OCP_MXFP8, NVIDIA_MXFP8, FP8_HYBRID)}
+RECIPES = {r.name: r for r in (OCP_MXFP8, NVIDIA_MXFP8, FP8_HYBRID, NVIDIA_NVFP4)}
 
 __all__ = [
     "FP8_HYBRID",
     "NVIDIA_MXFP8",
+    "NVIDIA_NVFP4",
     "OCP_MXFP8",
     "RECIPES",
     "Recipe",
