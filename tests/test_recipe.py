@@ -131,8 +131,11 @@ def test_ready_made_recipes_are_the_published_ones():
     # FP8 hybrid (Micikevicius et al. 2022): E4M3 forward, E5M2 gradients, per-tensor scales.
     assert FP8_HYBRID.forward == (lowprec.element_format("e4m3"),) * 2
     assert FP8_HYBRID.grad == lowprec.element_format("e5m2") and FP8_HYBRID.scaling == "tensor"
+    nv4 = lowprec.NVIDIA_NVFP4  # TE NVFP4BlockScaling: 2-D weight scales, RHT, SR (its own tests)
+    assert nv4.forward == (lowprec.mx_format("nvfp4"),) * 2 and nv4.grad == lowprec.mx_format("nvfp4")
+    assert (nv4.weight_block_2d, nv4.wgrad_rht, nv4.grad_rounding) == (True, True, "stochastic")
     assert lowprec.RECIPES == {"ocp_mxfp8": OCP_MXFP8, "nvidia_mxfp8": NVIDIA_MXFP8,
-                               "fp8_hybrid": FP8_HYBRID}
+                               "fp8_hybrid": FP8_HYBRID, "nvidia_nvfp4": nv4}
 
 
 # -- forward ----------------------------------------------------------------------------------------
