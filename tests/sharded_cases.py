@@ -313,3 +313,33 @@ def test_training_matches_one_device(kind, layout, recipe):
     np.testing.assert_allclose(float(got_l), float(want_l), rtol=1e-5)
     for a, b in zip(got_g, want_g):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["explicit"])
+def test_nnx_recipe_tensor_parallel_with_out_sharding(kind):
+    # nnx layers pass their out_sharding to dot_general: a row-parallel nnx.Linear (kernel
+    # split along its inputs) needs it on Explicit axes, as plain Flax does.
+    nnx = pytest.importorskip("flax.nnx")
+    import lowprec.flax
+
+    mesh = _mesh(kind)
+    k1, k2 = jax.random.split(jax.random.key(12))
+    x = jax.random.normal(k1, (64, 128))
+    c = jax.random.normal(k2, (64, 32))
+
+    def build():
+        lin = nnx.Linear(128, 32, use_bias=False, rngs=nnx.Rngs(0))
+        return lowprec.flax.quantize_model(lin, lowprec.NVIDIA_MXFP8)
+
+    def loss(m, v, out=None):
+        return jnp.sum(m(v, out_sharding=out) * c)
+
+    model = build()
+    want = nnx.grad(loss)(model, x).kernel[...]
+    with jax.set_mesh(mesh):
+        model = build()
+        model.kernel = nnx.Param(jax.device_put(model.kernel[...], P("x", None)))
+        xs = jax.device_put(x, P(None, "x"))
+        got = nnx.jit(nnx.grad(lambda m, v: loss(m, v, P(None, None))))(model, xs).kernel[...]
+    assert _spec_of(got) == ("x", None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
