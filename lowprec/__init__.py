@@ -36,6 +36,7 @@ from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from ._qdot import BACKWARD_MODES, OPERAND_FORMAT_NAMES
 from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES, Recipe
 from ._rules import Rule, Rules
+from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES, random_bits
 from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
 
@@ -68,6 +69,9 @@ __all__ = [
     "Recipe",
     "Rule",
     "Rules",
+    "DelayedScaling",
+    "DelayedState",
+    "delayed_dot_general",
     "ELEMENT_FORMAT_NAMES",
     "MX_FORMAT_NAMES",
     "OPERAND_FORMAT_NAMES",
