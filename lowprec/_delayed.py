@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._codec import quantize
+from ._bits import bits_to_f32, f32_bits
+from ._codec import bits_to_dtype, input_bits, quantize
 from ._format import ElementFormat, element_format
 
 __all__ = ["DelayedScaling", "DelayedState", "delayed_dot_general"]
@@ -89,14 +90,19 @@ class DelayedState(NamedTuple):
     scale: jax.Array
 
 
+def _f32(x):
+    """float32 values, widened on the bits (no float convert: docs/design.md §8)."""
+    return bits_to_f32(input_bits(x))
+
+
 def _amax(x):
-    a = jnp.abs(x.astype(jnp.float32))
+    a = jnp.abs(_f32(x))
     return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), initial=0.0)
 
 
 def _cast(x, scale, fmt: ElementFormat):
     """q / scale with q = fmt(x * scale), saturating; float32 IEEE steps."""
-    q = quantize(x.astype(jnp.float32) * scale, fmt, overflow="saturate")
+    q = quantize(_f32(x) * scale, fmt, overflow="saturate")
     return q / lax.optimization_barrier(jnp.broadcast_to(scale, q.shape))
 
 
@@ -145,7 +151,7 @@ def _fwd(lhs, rhs, state, dn, cfg):
 def _bwd(dn, cfg, res, g):
     ql, qr, al, ar, state, lhs, rhs = res
     fb = element_format(cfg.bwd_format)
-    qg = _cast(g, state.scale[2], fb)
+    qg = _cast(g, state.scale[2], fb)  # g: the float32 output's cotangent
     # The transposes of the forward dot, applied to the cast operands.
     _, vjp = jax.vjp(lambda a, b: _f32dot(a, b, dn), ql, qr)
     gl, gr = vjp(qg)
@@ -157,7 +163,8 @@ def _bwd(dn, cfg, res, g):
         rows.append(h)
         scales.append(s)
     new_state = DelayedState(jnp.stack(rows), jnp.stack(scales))
-    return gl.astype(lhs.dtype), gr.astype(rhs.dtype), new_state
+    return (bits_to_dtype(f32_bits(gl), lhs.dtype), bits_to_dtype(f32_bits(gr), rhs.dtype),
+            new_state)
 
 
 delayed_dot_general.defvjp(_fwd, _bwd)

@@ -55,7 +55,7 @@ from jax import lax
 
 from . import _nvfp4
 from ._bits import F32_ABS, F32_INF, bits_to_f32, f32_bits
-from ._codec import decode_bits, encode_bits
+from ._codec import bits_to_dtype, decode_bits, encode_bits, input_bits
 from ._format import mx_format
 from ._mx import dequantize, finite_amax_bits, quantize_mx
 from ._rounding import random_bits
@@ -75,7 +75,7 @@ def rht(v, signs):
     a - b) on elements h apart), then by 1/4. Each step is one float32 operation per element,
     the same in every backend (the NumPy statement in tests/test_nvfp4_train.py does them)."""
     t, c = v.shape
-    b = v.astype(jnp.float32).reshape(t // TILE, TILE, c) * signs[None, :, None]
+    b = v.reshape(t // TILE, TILE, c) * signs[None, :, None]  # v: float32
     h = 1
     while h < TILE:
         b = b.reshape(t // TILE, TILE // (2 * h), 2, h, c)
@@ -99,7 +99,7 @@ def quantize_2d(w):
     tile, from the tile's finite amax (a tile holding NaN/inf dequantizes to NaN)."""
     fmt = mx_format("nvfp4")
     r, c = w.shape
-    bits = f32_bits(w.astype(jnp.float32))
+    bits = f32_bits(w)  # w: float32
     ts = _nvfp4.clamp_tensor_scale_bits(_nvfp4.tensor_scale_bits(finite_amax_bits(bits)))
     mag = (bits & F32_ABS).reshape(r // TILE, TILE, c // TILE, TILE)
     finite = mag < F32_INF
@@ -114,6 +114,12 @@ def quantize_2d(w):
                                     fmt.scale)
     values = jnp.where(special[..., None], jnp.uint32(0x7FC0_0000), values)
     return bits_to_f32(values.reshape(r, c))
+
+
+def _f32(v):
+    """float32 values of a float array, widened on the bits (no float convert: docs/design.md
+    §8, XLA on GPU canonicalizes half-precision NaNs in converts)."""
+    return bits_to_f32(input_bits(v))
 
 
 def _pad_to(v, axis: int):
@@ -162,7 +168,7 @@ def _weight_nk(w, dn):
     """The weight as [N, K] (its contraction last), padded to multiples of 16."""
     (_, rc), _ = dn
     wt = w if rc[0] == 1 else w.T
-    return _pad_to(_pad_to(wt.astype(jnp.float32), 0), 1)
+    return _pad_to(_pad_to(_f32(wt), 0), 1)
 
 
 def _quantized_weight(w, dn, recipe):
@@ -173,11 +179,11 @@ def _quantized_weight(w, dn, recipe):
 def _forward(x, w, dn, recipe, out_dtype, out_sharding):
     k = x.shape[-1]
     n = w.shape[1 - dn[0][1][0]]
-    x2 = _pad_to(x.reshape(-1, k).astype(jnp.float32), 1)
+    x2 = _pad_to(_f32(x.reshape(-1, k)), 1)
     xq = quantize_1d(x2, 1)
     wq = _quantized_weight(w, dn, recipe)
     y = _f32dot(xq, wq, (((1,), (1,)), ((), ())))[:, :n]
-    return y.reshape(*x.shape[:-1], n).astype(out_dtype)
+    return bits_to_dtype(f32_bits(y.reshape(*x.shape[:-1], n)), out_dtype)
 
 
 def _fwd(x, w, dn, recipe, out_dtype, out_sharding):
@@ -190,8 +196,8 @@ def _bwd(dn, recipe, out_dtype, out_sharding, residuals, g):
     (_, rc), _ = dn
     n = w.shape[1 - rc[0]]
     t = x.size // k
-    x2 = _pad_to(_pad_to(x.reshape(t, k).astype(jnp.float32), 0), 1)  # [T16, K16]
-    g2 = _pad_to(_pad_to(g.reshape(t, n).astype(jnp.float32), 0), 1)  # [T16, N16]
+    x2 = _pad_to(_pad_to(_f32(x.reshape(t, k)), 0), 1)  # [T16, K16]
+    g2 = _pad_to(_pad_to(_f32(g.reshape(t, n)), 0), 1)  # [T16, N16]
     stochastic = recipe.grad_rounding == "stochastic"
     wd, ww = grad_words(g2, recipe.seed) if stochastic else (None, None)
     # grad_x = Q(g along N) · Q2(w): [T, N] x [N, K].
@@ -203,7 +209,8 @@ def _bwd(dn, recipe, out_dtype, out_sharding, residuals, g):
         x2, g2 = rht(x2, signs), rht(g2, signs)
     gw = _f32dot(quantize_1d(x2, 0), quantize_1d(g2, 0, ww), (((0,), (0,)), ((), ())))[:k, :n]
     gw = gw if rc[0] == 0 else gw.T
-    return gx.reshape(x.shape).astype(x.dtype), gw.astype(w.dtype)
+    return (bits_to_dtype(f32_bits(gx.reshape(x.shape)), x.dtype),
+            bits_to_dtype(f32_bits(gw), w.dtype))
 
 
 nvfp4_train_dot.defvjp(_fwd, _bwd)
