@@ -45,8 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._bits import E8M0_BIAS
+from ._bits import E8M0_BIAS, bits_to_f32
 from ._format import ElementFormat, MXFormat
+from ._codec import input_bits
 from ._matmul import dot_general
 from ._nvfp4_train import check_layout, nvfp4_train_dot
 from ._qdot import _operand_cast
@@ -517,12 +518,18 @@ def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, out_sharding, residuals, g):
         # The weight gradient as a float32 dot of the unquantized operands (the float
         # layer's own VJP); XLA drops the quantized grad_rhs computed above.
         def fdot(b):
-            return lax.dot_general(lhs.astype(jnp.float32), b, dn, precision=lax.Precision.HIGHEST,
+            return lax.dot_general(_widen(lhs), b, dn, precision=lax.Precision.HIGHEST,
                                    preferred_element_type=jnp.float32, out_sharding=out_sharding)
 
-        _, vjp = jax.vjp(fdot, rhs.astype(jnp.float32))
+        _, vjp = jax.vjp(fdot, _widen(rhs))
         (grad_r,) = vjp(g)
     return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype)
+
+
+def _widen(x):
+    """float32 values of a float array, widened on the bits (no float convert: §8 of
+    docs/design.md)."""
+    return bits_to_f32(input_bits(x))
 
 
 def _quantized_backward(dn, recipe: Recipe, out_sharding, lhs, rhs, g):

@@ -343,3 +343,19 @@ def test_nnx_recipe_tensor_parallel_with_out_sharding(kind):
         got = nnx.jit(nnx.grad(lambda m, v: loss(m, v, P(None, None))))(model, xs).kernel[...]
     assert _spec_of(got) == ("x", None)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_recipe_einsum_out_sharding_in_output_order():
+    # The einsum's out_sharding names its own output order ("nt"); the inner dot gets it in
+    # dot_general's order ("tn"). K split on both operands: it must be given.
+    k1, k2 = jax.random.split(jax.random.key(13))
+    x = jax.random.randint(k1, (16, 128), -8, 8).astype(jnp.float32)  # exact sums in any order
+    w = jax.random.randint(k2, (128, 32), -3, 4).astype(jnp.float32)
+    want = lowprec.NVIDIA_MXFP8.dot_general(x, w, DN).T
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        xs, ws = jax.device_put(x, P(None, "x")), jax.device_put(w, P("x", None))
+        got = jax.jit(lambda a, b: lowprec.NVIDIA_MXFP8.einsum(
+            "tk,kn->nt", a, b, out_sharding=P("x", None)))(xs, ws)
+    assert _spec_of(got) == ("x", None)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
