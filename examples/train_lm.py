@@ -23,6 +23,9 @@ in one call with :func:`lowprec.flax.quantize_model`:
   (:data:`lowprec.NVIDIA_NVFP4`, LM head in high precision) and ``mxfp4`` (MXFP4 forward and
   backward).
 
+``--seeds 3`` trains each configuration from three seeds (initialization and batches) and
+reports mean ± sample standard deviation; curves and the CSV are the first seed's.
+
 Outputs also include ``losses.csv`` (per step: config, train loss, and the held-out loss at
 every ``--eval-every`` steps), drawn as dashed held-out curves in the figure.
 
@@ -89,6 +92,7 @@ class Settings:
     lr: float = 3e-3
     eval_batches: int = 16
     seed: int = 0
+    seeds: int = 1  # runs per config, seeds seed, seed + 1, ...: the table gives mean ± sd
     window: int = 50  # final train loss = mean of the last `window` steps
     eval_every: int = 50  # held-out loss every this many steps (and at the end)
 
@@ -222,10 +226,17 @@ def run(configs=DEFAULT_CONFIGS, settings: Settings = Settings(), verbose: bool 
         if verbose:
             print(f"[{name}] {recipe.describe() if recipe else 'float32 matmuls'}", flush=True)
         progress = (lambda i, l, n=name: print(f"  step {i:5d}  loss {l:.4f}", flush=True)) if verbose else None
-        losses, val, secs, curve = train(recipe, settings, data, len(vocab), progress)
-        final = float(losses[-settings.window:].mean())
+        finals, vals = [], []
+        for k in range(max(settings.seeds, 1)):  # the first seed's curves are kept
+            run_settings = dataclasses.replace(settings, seed=settings.seed + k)
+            out = train(recipe, run_settings, data, len(vocab), progress if k == 0 else None)
+            if k == 0:
+                losses, val, secs, curve = out
+            finals.append(float(out[0][-settings.window:].mean()))
+            vals.append(out[1])
+        final = finals[0]
         results[name] = {"losses": losses, "final": final, "val": val, "seconds": secs,
-                         "val_curve": curve}
+                         "val_curve": curve, "finals": finals, "vals": vals}
         if verbose:
             print(f"  final train loss {final:.4f}, held-out loss {val:.4f} ({secs:.0f} s)", flush=True)
     return results
@@ -255,6 +266,14 @@ def table(results: dict, settings: Settings) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in results.items():
+        if len(r.get("vals", ())) > 1:  # mean ± sample sd over seeds
+            f, v = np.asarray(r["finals"]), np.asarray(r["vals"])
+            rv = np.asarray(ref["vals"]) if ref else np.full_like(v, np.nan)
+            lines.append(
+                f"| {name} | {f.mean():.4f} ± {f.std(ddof=1):.4f} | {v.mean():.4f} ± "
+                f"{v.std(ddof=1):.4f} | {v.mean() - rv.mean():+.4f} | {r['seconds']:.0f} s/seed |"
+            )
+            continue
         delta = r["val"] - ref["val"] if ref else float("nan")
         lines.append(
             f"| {name} | {r['final']:.4f} | {r['val']:.4f} | {delta:+.4f} | {r['seconds']:.0f} s |"
