@@ -18,6 +18,12 @@ fields switch on (:data:`~lowprec.NVIDIA_NVFP4` has all three):
 * ``grad_rounding="stochastic"``: cotangents are rounded to E2M1 stochastically (both
   backward GEMMs), activations and weights to nearest even.
 
+Sharding: data parallel on ``Explicit`` mesh axes works (tokens split in whole 16-token
+blocks; the weight gradient is reduced into the weight's layout; tests/sharded_cases.py).
+Not yet: ``Auto`` axes with stochastic rounding (``lowprec.random_bits`` does not compile under
+GSPMD partitioning on CPU: an unlegalized ``mulhi``), and a contraction split across devices
+(row-parallel; the forward dot takes no ``out_sharding`` here).
+
 Layers to keep in high precision (the paper keeps the last few blocks in BF16) are chosen
 with the recipe's ``high_precision`` patterns or per-layer :class:`~lowprec.Rules`.
 
@@ -51,6 +57,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _nvfp4
@@ -59,6 +66,7 @@ from ._codec import bits_to_dtype, decode_bits, encode_bits, input_bits
 from ._format import mx_format
 from ._mx import dequantize, finite_amax_bits, quantize_mx
 from ._rounding import random_bits
+from ._sharding import explicit_sharding
 
 TILE = 16  # NVFP4 block length, and the side of weight tiles and of the Hadamard blocks
 
@@ -73,14 +81,17 @@ def rht(v, signs):
     """M v along axis 0 in blocks of 16 (axis 0 a multiple of 16): each block multiplied by
     the signs, then the Walsh-Hadamard butterfly (for h = 1, 2, 4, 8: (a, b) -> (a + b,
     a - b) on elements h apart), then by 1/4. Each step is one float32 operation per element,
-    the same in every backend (the NumPy statement in tests/test_nvfp4_train.py does them)."""
+    the same in every backend (the NumPy statement in tests/test_nvfp4_train.py does them).
+    The butterfly reads partners with a static gather inside each block, so a sharded token
+    axis (whole blocks per device) needs no reshape across shards."""
     t, c = v.shape
-    b = v.reshape(t // TILE, TILE, c) * signs[None, :, None]  # v: float32
+    b = v.reshape(t // TILE, TILE, c) * signs[None, :, None]
+    pos = np.arange(TILE)
     h = 1
     while h < TILE:
-        b = b.reshape(t // TILE, TILE // (2 * h), 2, h, c)
-        lo, hi = b[:, :, 0], b[:, :, 1]
-        b = jnp.stack([lo + hi, lo - hi], axis=2)
+        partner = jnp.take(b, pos ^ h, axis=1)  # element p's partner p xor h
+        low = jnp.asarray((pos & h) == 0)[None, :, None]  # p is the "a" of its pair
+        b = jnp.where(low, b + partner, partner - b)
         h *= 2
     return b.reshape(t, c) * jnp.float32(0.25)
 
@@ -207,7 +218,13 @@ def _bwd(dn, recipe, out_dtype, out_sharding, residuals, g):
     if recipe.wgrad_rht:
         signs = rht_signs(recipe.seed)
         x2, g2 = rht(x2, signs), rht(g2, signs)
-    gw = _f32dot(quantize_1d(x2, 0), quantize_1d(g2, 0, ww), (((0,), (0,)), ((), ())))[:k, :n]
+    # Tokens sharded (data parallel, Explicit axes): the sum over them is reduced into the
+    # weight's layout, as lax.dot_general's transpose does (unpadded weights only).
+    sw = explicit_sharding(w) if (k % TILE == 0 and n % TILE == 0) else None
+    if sw is not None and rc[0] == 1:
+        spec = (tuple(sw.spec) + (None, None))[:2]
+        sw = jax.sharding.NamedSharding(sw.mesh, jax.sharding.PartitionSpec(*spec[::-1]))
+    gw = _f32dot(quantize_1d(x2, 0), quantize_1d(g2, 0, ww), (((0,), (0,)), ((), ())), sw)[:k, :n]
     gw = gw if rc[0] == 0 else gw.T
     return (bits_to_dtype(f32_bits(gx.reshape(x.shape)), x.dtype),
             bits_to_dtype(f32_bits(gw), w.dtype))
