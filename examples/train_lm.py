@@ -18,7 +18,16 @@ in one call with :func:`lowprec.flax.quantize_model`:
   accumulation), the usual mixed-precision baseline;
 * ``mxfp8_rceil``: :data:`lowprec.NVIDIA_MXFP8` (E4M3 everywhere, rceil scales);
 * ``mxfp8_floor``: the same with the OCP ``floor`` scale rule;
-* ``mxfp4_fwd``: MXFP4 forward operands, MXFP8 E4M3 backward (operands and gradients), rceil.
+* ``mxfp4_fwd``: MXFP4 forward operands, MXFP8 E4M3 backward (operands and gradients), rceil;
+* not run by default (``--configs``): ``ocp_mxfp8``, ``fp8_hybrid``, ``nvfp4``
+  (:data:`lowprec.NVIDIA_NVFP4`, LM head in high precision) and ``mxfp4`` (MXFP4 forward and
+  backward).
+
+``--seeds 3`` trains each configuration from three seeds (initialization and batches) and
+reports mean ± sample standard deviation; curves and the CSV are the first seed's.
+
+Outputs also include ``losses.csv`` (per step: config, train loss, and the held-out loss at
+every ``--eval-every`` steps), drawn as dashed held-out curves in the figure.
 
 Recipes quantize the weight matmuls of the ``nn.Dense`` layers (attention projections, MLP,
 LM head) in the forward and both backward dots; the attention score/value products and the
@@ -61,6 +70,11 @@ CONFIGS = {
     # Not in the default set; pass --configs to add them.
     "ocp_mxfp8": lowprec.OCP_MXFP8,
     "fp8_hybrid": lowprec.FP8_HYBRID,
+    # NVIDIA's NVFP4 recipe (TE NVFP4BlockScaling), the LM head kept in high precision as the
+    # paper keeps its last layers in BF16.
+    "nvfp4": dataclasses.replace(lowprec.NVIDIA_NVFP4, high_precision=("lm_head",), name="nvfp4"),
+    # MXFP4 everywhere: forward operands, backward operands and gradients (rceil scales).
+    "mxfp4": lowprec.Recipe(forward="mxfp4", grad="mxfp4", scale_rule="rceil", name="mxfp4"),
 }
 DEFAULT_CONFIGS = ("fp32", "bf16", "mxfp8_rceil", "mxfp8_floor", "mxfp4_fwd")
 
@@ -78,7 +92,9 @@ class Settings:
     lr: float = 3e-3
     eval_batches: int = 16
     seed: int = 0
+    seeds: int = 1  # runs per config, seeds seed, seed + 1, ...: the table gives mean ± sd
     window: int = 50  # final train loss = mean of the last `window` steps
+    eval_every: int = 50  # held-out loss every this many steps (and at the end)
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -153,7 +169,8 @@ def cross_entropy(logits, targets):
 
 
 def train(recipe: Optional[lowprec.Recipe], s: Settings, data, vocab_size: int, progress=None):
-    """Trains one configuration; returns (per-step train losses, held-out loss, seconds)."""
+    """Trains one configuration; returns (per-step train losses, held-out loss, seconds,
+    {step: held-out loss} every ``s.eval_every`` steps and at the end)."""
     train_data, val_data = data
     model = CharLM(vocab_size, s.seq, s.d_model, s.heads, s.layers)
     runner = model if recipe is None else lowprec.flax.quantize_model(model, recipe)
@@ -182,14 +199,17 @@ def train(recipe: Optional[lowprec.Recipe], s: Settings, data, vocab_size: int, 
         return jnp.mean(jax.lax.map(one, jnp.arange(s.eval_batches)))
 
     t0 = time.perf_counter()
-    losses = []
+    losses, curve = [], {}
     for i in range(s.steps):
         params, opt_state, loss = step(params, opt_state, i)
         losses.append(loss)
         if progress and (i + 1) % max(s.steps // 10, 1) == 0:
             progress(i + 1, float(loss))
+        if (i + 1) % max(s.eval_every, 1) == 0 or i + 1 == s.steps:
+            curve[i + 1] = eval_loss(params)
     losses = np.asarray(jax.device_get(losses), np.float64)
-    return losses, float(eval_loss(params)), time.perf_counter() - t0
+    curve = {k: float(v) for k, v in curve.items()}
+    return losses, curve[s.steps], time.perf_counter() - t0, curve
 
 
 def run(configs=DEFAULT_CONFIGS, settings: Settings = Settings(), verbose: bool = True) -> dict:
@@ -206,9 +226,17 @@ def run(configs=DEFAULT_CONFIGS, settings: Settings = Settings(), verbose: bool 
         if verbose:
             print(f"[{name}] {recipe.describe() if recipe else 'float32 matmuls'}", flush=True)
         progress = (lambda i, l, n=name: print(f"  step {i:5d}  loss {l:.4f}", flush=True)) if verbose else None
-        losses, val, secs = train(recipe, settings, data, len(vocab), progress)
-        final = float(losses[-settings.window:].mean())
-        results[name] = {"losses": losses, "final": final, "val": val, "seconds": secs}
+        finals, vals = [], []
+        for k in range(max(settings.seeds, 1)):  # the first seed's curves are kept
+            run_settings = dataclasses.replace(settings, seed=settings.seed + k)
+            out = train(recipe, run_settings, data, len(vocab), progress if k == 0 else None)
+            if k == 0:
+                losses, val, secs, curve = out
+            finals.append(float(out[0][-settings.window:].mean()))
+            vals.append(out[1])
+        final = finals[0]
+        results[name] = {"losses": losses, "final": final, "val": val, "seconds": secs,
+                         "val_curve": curve, "finals": finals, "vals": vals}
         if verbose:
             print(f"  final train loss {final:.4f}, held-out loss {val:.4f} ({secs:.0f} s)", flush=True)
     return results
@@ -238,6 +266,14 @@ def table(results: dict, settings: Settings) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in results.items():
+        if len(r.get("vals", ())) > 1:  # mean ± sample sd over seeds
+            f, v = np.asarray(r["finals"]), np.asarray(r["vals"])
+            rv = np.asarray(ref["vals"]) if ref else np.full_like(v, np.nan)
+            lines.append(
+                f"| {name} | {f.mean():.4f} ± {f.std(ddof=1):.4f} | {v.mean():.4f} ± "
+                f"{v.std(ddof=1):.4f} | {v.mean() - rv.mean():+.4f} | {r['seconds']:.0f} s/seed |"
+            )
+            continue
         delta = r["val"] - ref["val"] if ref else float("nan")
         lines.append(
             f"| {name} | {r['final']:.4f} | {r['val']:.4f} | {delta:+.4f} | {r['seconds']:.0f} s |"
@@ -253,10 +289,19 @@ def write_outputs(results: dict, settings: Settings, out: pathlib.Path) -> list:
     summary = {
         "settings": dataclasses.asdict(settings),
         "jax": jax.__version__,
-        "results": {n: {k: v for k, v in r.items() if k != "losses"} for n, r in results.items()},
+        "results": {n: {k: v for k, v in r.items() if k not in ("losses", "val_curve")}
+                    for n, r in results.items()},
     }
     _write_atomic(out / "final_losses.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))
-    written += [out / "final_losses.md", out / "final_losses.json"]
+    rows = ["step,config,train_loss,heldout_loss"]
+    for name, r in results.items():
+        curve = r.get("val_curve", {})
+        for i, loss in enumerate(r["losses"], 1):
+            held = f"{curve[i]:.6f}" if i in curve else ""
+            rows.append(f"{i},{name},{loss:.6f},{held}")
+    csv = "\n".join(rows) + "\n"
+    _write_atomic(out / "losses.csv", lambda f: f.write(csv.encode()))
+    written += [out / "final_losses.md", out / "final_losses.json", out / "losses.csv"]
     try:
         import matplotlib
 
@@ -269,9 +314,14 @@ def write_outputs(results: dict, settings: Settings, out: pathlib.Path) -> list:
     w = max(settings.window // 5, 1)
     for name, r in results.items():
         smooth = np.convolve(r["losses"], np.ones(w) / w, mode="valid")
-        ax.plot(np.arange(len(smooth)) + w, smooth, label=f"{name} (held-out {r['val']:.3f})", lw=1.2)
+        line, = ax.plot(np.arange(len(smooth)) + w, smooth,
+                        label=f"{name} (held-out {r['val']:.3f})", lw=1.2)
+        curve = r.get("val_curve", {})
+        if curve:
+            ax.plot(list(curve), list(curve.values()), ls="--", marker=".", lw=1.0,
+                    color=line.get_color())
     ax.set_xlabel("step")
-    ax.set_ylabel(f"train loss (moving mean of {w})")
+    ax.set_ylabel(f"loss: train (moving mean of {w}), held-out (dashed)")
     ax.set_title("char-level transformer on pydoc_data.topics")
     ax.set_ylim(top=min(ax.get_ylim()[1], 3.5))
     ax.grid(alpha=0.3)

@@ -34,7 +34,9 @@ from ._matmul import dot_general, matmul, mxfp4_gemv
 from ._mx import MXArray, dequantize, fake_quantize_mx, quantize_mx, shared_exponents
 from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from ._qdot import BACKWARD_MODES, OPERAND_FORMAT_NAMES
-from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, OCP_MXFP8, RECIPES, Recipe
+from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES, Recipe
+from ._rules import Rule, Rules
+from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES, random_bits
 from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
 
@@ -61,9 +63,15 @@ __all__ = [
     "DEFAULT_SCALE_RULE",
     "FP8_HYBRID",
     "NVIDIA_MXFP8",
+    "NVIDIA_NVFP4",
     "OCP_MXFP8",
     "RECIPES",
     "Recipe",
+    "Rule",
+    "Rules",
+    "DelayedScaling",
+    "DelayedState",
+    "delayed_dot_general",
     "ELEMENT_FORMAT_NAMES",
     "MX_FORMAT_NAMES",
     "OPERAND_FORMAT_NAMES",

@@ -30,7 +30,7 @@ from ._qdot import (
     shape_of,
 )
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule
-from ._sharding import check_dot_operand
+from ._sharding import check_dot_operand, out_sharding_arg
 
 Operand = Union[jax.Array, MXArray]
 
@@ -80,6 +80,7 @@ def dot_general(
     preferred_element_type=jnp.float32,
     backward: str = "ste",
     grad_format: FormatLike = None,
+    out_sharding=None,
 ) -> jax.Array:
     """Quantized ``lax.dot_general``: exact products of quantized operands, float32 sums.
 
@@ -114,6 +115,10 @@ def dot_general(
         grad_rhs over lhs's free dims, e.g. tokens), as in MX training recipes.
       grad_format: format of the cotangent when ``backward="quantized"`` (``None`` keeps it
         in float32); e.g. ``"mxfp8_e4m3"`` or ``"mxfp8_e5m2"``.
+      out_sharding: as for :func:`jax.lax.dot_general` (a PartitionSpec on the mesh of
+        ``jax.set_mesh``, or a NamedSharding): the output's sharding, given to the inner dot
+        (needed on ``Explicit`` mesh axes when both operands shard the contraction). The
+        backward dots shard each gradient as its operand, as JAX's own transpose does.
 
     Returns:
       The dot product, shaped as :func:`jax.lax.dot_general`'s, in
@@ -157,7 +162,7 @@ def dot_general(
                 f"{cast.fmt.block_size}; pass pad=True to zero-pad the blocks (zeros add nothing "
                 "to the dot), or use a multiple of 32"
             )
-    return dot_general_jit(lhs, rhs, dn, spec)
+    return dot_general_jit(lhs, rhs, dn, spec, out_sharding_arg(out_sharding))
 
 
 def matmul(a: Operand, b: Operand, **kwargs: Any) -> jax.Array:

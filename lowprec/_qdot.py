@@ -68,6 +68,7 @@ from ._mx import (
 from ._options import ElementCast, MXCast
 from ._rounding import check_overflow
 from ._scale_rules import ScaleRule, check_scale_rule
+from ._sharding import explicit_sharding, merged_sharding, split_out_sharding, without_leading
 
 #: Element formats an operand can be rounded to (E8M0 is a scale format, not an operand),
 #: besides any P3109 name.
@@ -322,15 +323,19 @@ def _operand_bits(op):
     return _mx_bits(op) if isinstance(op, MXArray) else op
 
 
-def _contract(a, ca: int, b, cb: int, **kwargs):
+def _contract(a, ca: int, b, cb: int, out_sharding=None, **kwargs):
     """float32 dot of 3-D operands over a's axis ``ca`` and b's axis ``cb``, batched over
     axis 0: (B, a's free, b's free). A plain 2-D dot when B == 1 (XLA:CPU runs 2-D dots
-    through a faster kernel than batched ones)."""
+    through a faster kernel than batched ones). ``out_sharding`` (3-D, Explicit mesh axes)
+    goes to the dot itself, which reduces a sharded contraction into that layout."""
     if a.shape[0] == 1:
         dn = (((ca - 1,), (cb - 1,)), ((), ()))
-        return lax.dot_general(a[0], b[0], dn, preferred_element_type=jnp.float32, **kwargs)[None]
+        out = lax.dot_general(a[0], b[0], dn, preferred_element_type=jnp.float32,
+                              out_sharding=without_leading(out_sharding), **kwargs)
+        return out[None]
     dn = (((ca,), (cb,)), ((0,), (0,)))
-    return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32, **kwargs)
+    return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32,
+                           out_sharding=out_sharding, **kwargs)
 
 
 def _bf16_values(op, factor):
@@ -352,28 +357,29 @@ def _factor(op):
     return None
 
 
-def _dot_bf16(layout, lop, rop, factors=(None, None)):
+def _dot_bf16(layout, lop, rop, factors=(None, None), out_sharding=None):
     la, ra = layout
-    return _contract(_bf16_values(lop, factors[0]), la, _bf16_values(rop, factors[1]), ra)
+    return _contract(_bf16_values(lop, factors[0]), la, _bf16_values(rop, factors[1]), ra,
+                     out_sharding)
 
 
-def _dot_f32(layout, lop, rop, factors=None):
+def _dot_f32(layout, lop, rop, factors=None, out_sharding=None):
     la, ra = layout
     a, b = bits_to_f32(_operand_bits(lop)), bits_to_f32(_operand_bits(rop))
-    return _contract(a, la, b, ra, precision=lax.Precision.HIGHEST)
+    return _contract(a, la, b, ra, out_sharding, precision=lax.Precision.HIGHEST)
 
 
 def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, spec: DotSpec, what: str,
-                    layout: tuple = (2, 2)):
+                    layout: tuple = (2, 2), out_sharding=None):
     """Quantized dot of canonical operands contracted over their axes ``layout = (la, ra)``
     (default: (B, M, K) x (B, N, K)) → (B, M, N) float32, no autodiff rule of its own."""
     la, ra = layout
     lop, lkind = _quantize_operand(lhs, lcast, spec, f"{what} lhs", la)
     rop, rkind = _quantize_operand(rhs, rcast, spec, f"{what} rhs", ra)
     if "f32" in (lkind, rkind):
-        return _dot_f32(layout, lop, rop)
+        return _dot_f32(layout, lop, rop, out_sharding=out_sharding)
     if lkind == rkind == "bf16":
-        return _dot_bf16(layout, lop, rop)
+        return _dot_bf16(layout, lop, rop, out_sharding=out_sharding)
     ok = jnp.bool_(True)
     for op, kind in ((lop, lkind), (rop, rkind)):
         if kind == "dynamic":
@@ -381,8 +387,8 @@ def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, spec: DotS
     # Both branches take the codes, so each decodes inside its own fusion.
     factors = (_factor(lop), _factor(rop))
     return lax.cond(
-        ok, functools.partial(_dot_bf16, layout), functools.partial(_dot_f32, layout), lop, rop,
-        factors,
+        ok, functools.partial(_dot_bf16, layout, out_sharding=out_sharding),
+        functools.partial(_dot_f32, layout, out_sharding=out_sharding), lop, rop, factors,
     )
 
 
@@ -399,10 +405,10 @@ def _quantized_values(x, cast: OperandCast, spec: DotSpec, ca: int):
     return bits_to_f32(_operand_bits(op))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _qdot(lhs, rhs, spec: DotSpec, layout: tuple):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _qdot(lhs, rhs, spec: DotSpec, layout: tuple, out_sharding=None):
     def generic(a, b):
-        return _qdot_canonical(a, b, spec.lhs, spec.rhs, spec, "forward", layout)
+        return _qdot_canonical(a, b, spec.lhs, spec.rhs, spec, "forward", layout, out_sharding)
 
     # Decode-time MXFP4 weight x bfloat16 tokens: a kernel on CUDA GPUs (_gemv.py). It takes
     # (B, M, K) x (B, N, K) operands; one in the (B, K, ·) layout is transposed for it, in
@@ -442,10 +448,10 @@ def _k_last_view(op, ca: int):
     return swapped(op)
 
 
-def _qdot_fwd(lhs, rhs, spec: DotSpec, layout: tuple):
+def _qdot_fwd(lhs, rhs, spec: DotSpec, layout: tuple, out_sharding=None):
     # Residuals are the inputs themselves (float or codes); quantized values are recomputed
     # in the backward pass, which costs O(size) next to the O(size * N) dots.
-    return _qdot(lhs, rhs, spec, layout), (lhs, rhs)
+    return _qdot(lhs, rhs, spec, layout, out_sharding), (lhs, rhs)
 
 
 def _cotangent(primal, grad):
@@ -454,52 +460,62 @@ def _cotangent(primal, grad):
     return bits_to_dtype(f32_bits(grad), primal.dtype)
 
 
-def _qdot_bwd(spec: DotSpec, layout: tuple, residuals, g):
+def _qdot_bwd(spec: DotSpec, layout: tuple, out_sharding, residuals, g):
     lhs, rhs = residuals
     la, ra = layout
     fl, fr = _free(la), _free(ra)  # the free axes: M of lhs, N of rhs
     g = bits_to_f32(input_bits(g))  # (B, M, N)
     # Each gradient comes out in its operand's own layout: grad_lhs is (B, M, K) when the
-    # lhs is (la == 2), (B, K, M) otherwise; likewise for the rhs.
+    # lhs is (la == 2), (B, K, M) otherwise; likewise for the rhs. On Explicit mesh axes it
+    # is also sharded as its operand, as lax.dot_general's transpose rule does (the weight
+    # gradient of a data-parallel layer sums over sharded tokens: reduced here).
+    sl, sr = (None if isinstance(x, MXArray) else explicit_sharding(x) for x in (lhs, rhs))
     if spec.backward == "ste":
         ql = _quantized_values(lhs, spec.lhs, spec, la)
         qr = _quantized_values(rhs, spec.rhs, spec, ra)
         f32 = dict(precision=lax.Precision.HIGHEST)
         # grad_lhs[b,m,k] = sum_n g[b,m,n] rhs[b,n,k]; grad_rhs[b,n,k] = sum_m g[b,m,n] lhs[b,m,k].
-        grad_l = _contract(g, 2, qr, fr, **f32) if la == 2 else _contract(qr, fr, g, 2, **f32)
-        grad_r = _contract(g, 1, ql, fl, **f32) if ra == 2 else _contract(ql, fl, g, 1, **f32)
+        grad_l = (_contract(g, 2, qr, fr, sl, **f32) if la == 2
+                  else _contract(qr, fr, g, 2, sl, **f32))
+        grad_r = (_contract(g, 1, ql, fl, sr, **f32) if ra == 2
+                  else _contract(ql, fl, g, 1, sr, **f32))
     else:
         vl, vr = _float_values(lhs), _float_values(rhs)
         # grad_lhs: g and rhs both blocked along N (g's axis 2, rhs's free axis).
         what = "backward grad_lhs (reduces over rhs's free dims)"
         if la == 2:
-            grad_l = _qdot_canonical(g, vr, spec.grad, spec.rhs, spec, what, (2, fr))
+            grad_l = _qdot_canonical(g, vr, spec.grad, spec.rhs, spec, what, (2, fr), sl)
         else:
-            grad_l = _qdot_canonical(vr, g, spec.rhs, spec.grad, spec, what, (fr, 2))
+            grad_l = _qdot_canonical(vr, g, spec.rhs, spec.grad, spec, what, (fr, 2), sl)
         # grad_rhs: g and lhs both blocked along M (g's axis 1, lhs's free axis).
         what = "backward grad_rhs (reduces over lhs's free dims)"
         if ra == 2:
-            grad_r = _qdot_canonical(g, vl, spec.grad, spec.lhs, spec, what, (1, fl))
+            grad_r = _qdot_canonical(g, vl, spec.grad, spec.lhs, spec, what, (1, fl), sr)
         else:
-            grad_r = _qdot_canonical(vl, g, spec.lhs, spec.grad, spec, what, (fl, 1))
+            grad_r = _qdot_canonical(vl, g, spec.lhs, spec.grad, spec, what, (fl, 1), sr)
     return _cotangent(lhs, grad_l), _cotangent(rhs, grad_r)
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def dot_general_jit(lhs, rhs, dn, spec: DotSpec):
-    """The quantized dot of validated operands in ``lax.dot_general``'s output layout."""
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def dot_general_jit(lhs, rhs, dn, spec: DotSpec, out_sharding=None):
+    """The quantized dot of validated operands in ``lax.dot_general``'s output layout;
+    ``out_sharding`` (a NamedSharding of that layout, or None) is given to the inner dot."""
     (lc, rc), (lb, rb) = dn
     lshape, rshape = shape_of(lhs), shape_of(rhs)
     lhs, la = _canonicalize(lhs, lc, lb)
     rhs, ra = _canonicalize(rhs, rc, rb)
-    out = _qdot(lhs, rhs, spec, (la, ra))
     _, lfree = _canon_perm(len(lshape), lc, lb)
     _, rfree = _canon_perm(len(rshape), rc, rb)
     # lax.dot_general's layout: batch dims, then lhs free dims, then rhs free dims.
+    nb, nl = len(lb), len(lfree)
+    groups = [list(range(nb)), list(range(nb, nb + nl)), list(range(nb + nl, nb + nl + len(rfree)))]
+    inner, constraint = split_out_sharding(out_sharding)
+    out = _qdot(lhs, rhs, spec, (la, ra), merged_sharding(inner, groups))
     out_shape = [lshape[d] for d in lb] + [lshape[d] for d in lfree] + [rshape[d] for d in rfree]
-    return out.reshape(out_shape)
+    out = jnp.reshape(out, out_shape, out_sharding=inner)
+    return out if constraint is None else lax.with_sharding_constraint(out, constraint)
 
 

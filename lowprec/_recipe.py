@@ -45,12 +45,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._bits import E8M0_BIAS
+from ._bits import E8M0_BIAS, bits_to_f32
 from ._format import ElementFormat, MXFormat
+from ._codec import input_bits
 from ._matmul import dot_general
+from ._nvfp4_train import check_layout, nvfp4_train_dot
 from ._qdot import _operand_cast
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, _rceil_code, check_scale_rule
-from ._sharding import check_contraction
+from ._sharding import check_contraction, out_sharding_arg
 
 FormatLike = Union[None, str, ElementFormat, MXFormat]
 _Format = Union[None, ElementFormat, MXFormat]
@@ -107,6 +109,17 @@ class Recipe:
         operands; not allowed with MX formats, which carry block scales).
       high_precision: glob patterns (:func:`fnmatch.fnmatchcase`, ``*`` also crosses ``/``)
         of layer paths such as ``"block_0/mlp/up"`` that stay in their own precision.
+      high_precision_wgrad: compute the weight gradient (grad_rhs = lhsᵀ·g, the rhs being the
+        layer's weight) as a float32 dot of the unquantized activations and cotangent
+        (``precision=HIGHEST``), as recipes that keep wgrad in high precision do; grad_lhs
+        stays as ``backward`` says.
+      weight_block_2d, wgrad_rht, grad_rounding, seed: the NVFP4 training recipe's parts
+        (Transformer Engine ``NVFP4BlockScaling``; see :data:`NVIDIA_NVFP4` and
+        ``lowprec/_nvfp4_train.py``): one E4M3 scale per 16 x 16 weight tile; a random
+        Hadamard transform (16 x 16 blocks, signs from ``seed``) of the weight-gradient
+        operands along tokens; ``grad_rounding="stochastic"`` rounds cotangents to E2M1
+        stochastically (random words from ``seed`` and the cotangent's bits). They need every
+        format NVFP4 and apply to linear layers (lhs [..., K] x a 2-D weight).
       pad: zero-pad contractions whose length is not a multiple of 32 (exact: zeros add
         nothing). Default True, since a model's backward dots reduce over output features
         and vocabulary sizes rarely are multiples of 32.
@@ -130,6 +143,11 @@ class Recipe:
     high_precision: Tuple[str, ...] = ()
     pad: bool = True
     name: str = ""
+    high_precision_wgrad: bool = False
+    weight_block_2d: bool = False
+    wgrad_rht: bool = False
+    grad_rounding: str = "nearest_even"
+    seed: int = 0
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -137,6 +155,8 @@ class Recipe:
         set_("forward", forward)
         set_("grad", _resolve_format(self.grad, "grad"))
         explicit_bwd = not (isinstance(self.backward_operands, str) and self.backward_operands == "forward")
+        if explicit_bwd and self.backward == "ste" and _pair(self.backward_operands, "backward_operands") == forward:
+            explicit_bwd = False  # what __post_init__ stores: dataclasses.replace passes it back
         backward = self.backward
         if backward is None:
             backward = "quantized" if (self.grad is not None or explicit_bwd) else "ste"
@@ -180,8 +200,33 @@ class Recipe:
             raise TypeError(f"high_precision takes glob pattern strings, got {self.high_precision!r}")
         set_("high_precision", patterns)
         set_("pad", bool(self.pad))
+        if not isinstance(self.high_precision_wgrad, bool):
+            raise TypeError(f"high_precision_wgrad must be a bool, got {self.high_precision_wgrad!r}")
+        self._check_nvfp4_training()
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a string, got {self.name!r}")
+
+    def _nvfp4_training(self) -> bool:
+        return self.weight_block_2d or self.wgrad_rht or self.grad_rounding != "nearest_even"
+
+    def _check_nvfp4_training(self) -> None:
+        if self.grad_rounding not in ("nearest_even", "stochastic"):
+            raise ValueError(
+                f"unknown grad_rounding {self.grad_rounding!r}; valid: 'nearest_even', 'stochastic'"
+            )
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
+        if not self._nvfp4_training():
+            return
+        names = {_name(f) for f in (*self.forward, *self.backward_operands, self.grad)}
+        if (names != {"nvfp4"} or self.backward != "quantized" or self.scaling != "none"
+                or self.high_precision_wgrad):
+            raise ValueError(
+                "weight_block_2d, wgrad_rht and grad_rounding='stochastic' are parts of the NVFP4 "
+                "training recipe: they need forward='nvfp4', grad='nvfp4' (backward "
+                "'quantized'), scaling='none' and no high_precision_wgrad; got "
+                f"{self.describe()} (start from lowprec.NVIDIA_NVFP4)"
+            )
 
     # -- description -------------------------------------------------------------------------
 
@@ -203,9 +248,18 @@ class Recipe:
             l, r = self.backward_operands
             bwd = f"bwd {_name(l)} x {_name(r)}, grad {_name(self.grad)}"
         used = (*self.forward, *self.backward_operands, self.grad)
-        extra = [self.scale_rule.value] if any(isinstance(f, MXFormat) for f in used) else []
+        scaled = [f for f in used if isinstance(f, MXFormat) and not f.tensor_scale]
+        extra = [self.scale_rule.value] if scaled else []  # NVFP4 has its own scale recipe
         if self.scaling != "none":
             extra.append(f"{self.scaling} scaling")
+        if self.high_precision_wgrad:
+            extra.append("fp32 wgrad")
+        if self.weight_block_2d:
+            extra.append("16x16 weight scales")
+        if self.wgrad_rht:
+            extra.append("wgrad RHT")
+        if self.grad_rounding != "nearest_even":
+            extra.append(f"{self.grad_rounding} grad rounding")
         if self.high_precision:
             extra.append("high precision: " + ", ".join(self.high_precision))
         return " | ".join([fwd, bwd] + ([", ".join(extra)] if extra else []))
@@ -240,7 +294,10 @@ class Recipe:
             the dtype the dot runs in, with float32 accumulation (see :func:`lowprec.dot_general`).
           preferred_element_type: output dtype; default: the operands' promoted dtype, as
             ``lax.dot_general`` gives.
-          out_sharding: if given, the output is resharded to it (``jax.sharding.reshard``).
+          out_sharding: the output's sharding (a PartitionSpec on the mesh of
+            ``jax.set_mesh``, or a NamedSharding), as for :func:`jax.lax.dot_general`: given to
+            the inner dot, so a contraction sharded on both operands (a row-parallel layer)
+            is reduced into it. Gradients are sharded as their operands.
 
         Example:
             >>> import jax.numpy as jnp
@@ -260,18 +317,20 @@ class Recipe:
                 "(from preferred_element_type or the operands' dtypes)"
             )
         dn = _normalize(dimension_numbers)
+        out_sharding = out_sharding_arg(out_sharding)
         _check_forward_sharding(lhs, rhs, dn, self)
+        if self._nvfp4_training():
+            check_layout(lhs.shape, rhs.shape, dn)
+            return nvfp4_train_dot(lhs, rhs, dn, self, out_dtype, out_sharding)
         if self._needs_own_vjp():
-            out = _recipe_dot(lhs, rhs, dn, self, out_dtype)
+            out = _recipe_dot(lhs, rhs, dn, self, out_dtype, out_sharding)
         else:
-            out = _forward_dot(lhs, rhs, dn, self, out_dtype, self.backward)
+            out = _forward_dot(lhs, rhs, dn, self, out_dtype, self.backward, out_sharding)
         if self.backward == "quantized":
             try:
                 _check_backward_sharding(lhs, rhs, dn, self)
             except ValueError as e:  # refuse the backward pass only: inference is fine
                 out = _fails_in_backward(out, str(e))
-        if out_sharding is not None:
-            out = jax.sharding.reshard(out, out_sharding)
         return out
 
     def einsum(
@@ -303,18 +362,27 @@ class Recipe:
             lhs = jnp.sum(lhs, axis=plan.lhs_sum)
         if plan.rhs_sum:
             rhs = jnp.sum(rhs, axis=plan.rhs_sum)
+        out_sharding = out_sharding_arg(out_sharding)
+        dot_sharding = None
+        if out_sharding is not None:  # the einsum output's spec, in dot_general's dim order
+            spec = tuple(out_sharding.spec) + (None,) * (len(plan.out_perm) - len(out_sharding.spec))
+            inverse = [0] * len(plan.out_perm)
+            for i, p in enumerate(plan.out_perm):
+                inverse[p] = i
+            dot_sharding = jax.sharding.NamedSharding(
+                out_sharding.mesh, jax.sharding.PartitionSpec(*(spec[inverse[d]] for d in range(len(spec)))))
         out = self.dot_general(
             lhs, rhs, plan.dimension_numbers, precision=precision,
-            preferred_element_type=preferred_element_type,
+            preferred_element_type=preferred_element_type, out_sharding=dot_sharding,
         )
         if plan.out_perm != tuple(range(out.ndim)):
             out = jnp.transpose(out, plan.out_perm)
-        if out_sharding is not None:
-            out = jax.sharding.reshard(out, out_sharding)
         return out
 
     def _needs_own_vjp(self) -> bool:
         """Whether lowprec.dot_general's own VJP cannot express the backward pass."""
+        if self.high_precision_wgrad:
+            return True
         if self.backward == "ste":
             return False
         return self.scaling == "tensor" or self.backward_operands != self.forward
@@ -410,11 +478,12 @@ def _dot_kwargs(recipe: Recipe, lfmt, rfmt, backward: str, grad):
     return kwargs
 
 
-def _forward_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, backward: str):
+def _forward_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, backward: str, out_sharding=None):
     """The forward dot (differentiable by lowprec.dot_general's own rule ``backward``)."""
     lfmt, rfmt = recipe.forward
     grad = recipe.grad if backward == "quantized" else None
     kwargs = _dot_kwargs(recipe, lfmt, rfmt, backward, grad)
+    kwargs["out_sharding"] = out_sharding
     if recipe.scaling != "tensor":
         return dot_general(lhs, rhs, dn, preferred_element_type=out_dtype, **kwargs)
     el, er = _tensor_exponent(lhs, lfmt), _tensor_exponent(rhs, rfmt)
@@ -422,24 +491,50 @@ def _forward_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, backward: str):
     return (out * _pow2(el) * _pow2(er)).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _recipe_dot(lhs, rhs, dn, recipe: Recipe, out_dtype):
-    return _forward_dot(lhs, rhs, dn, recipe, out_dtype, "ste")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _recipe_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, out_sharding=None):
+    return _forward_dot(lhs, rhs, dn, recipe, out_dtype, "ste", out_sharding)
 
 
-def _recipe_dot_fwd(lhs, rhs, dn, recipe, out_dtype):
-    return _recipe_dot(lhs, rhs, dn, recipe, out_dtype), (lhs, rhs)
+def _recipe_dot_fwd(lhs, rhs, dn, recipe, out_dtype, out_sharding=None):
+    return _recipe_dot(lhs, rhs, dn, recipe, out_dtype, out_sharding), (lhs, rhs)
 
 
-def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, residuals, g):
+def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, out_sharding, residuals, g):
     # The backward dots are the VJP of lowprec.dot_general(backward="quantized") called with
     # the backward operand formats: its forward output is unused (XLA drops it), its VJP
     # quantizes g and the operands along the backward reduction axes. With per-tensor scaling,
     # each of lhs, rhs, g is divided by its own power of two first and the gradients are
     # multiplied back: grad_lhs = g . rhs^T = 2^(eg + er) (g_s . rhs_s^T), likewise for rhs.
     lhs, rhs = residuals
-    lfmt, rfmt = recipe.backward_operands
     g = g.astype(jnp.float32)
+    if recipe.backward == "ste":  # here only for high_precision_wgrad
+        _, vjp = jax.vjp(
+            lambda a, b: _forward_dot(a, b, dn, recipe, jnp.float32, "ste", out_sharding), lhs, rhs)
+        grad_l, grad_r = vjp(g)
+    else:
+        grad_l, grad_r = _quantized_backward(dn, recipe, out_sharding, lhs, rhs, g)
+    if recipe.high_precision_wgrad:
+        # The weight gradient as a float32 dot of the unquantized operands (the float
+        # layer's own VJP); XLA drops the quantized grad_rhs computed above.
+        def fdot(b):
+            return lax.dot_general(_widen(lhs), b, dn, precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32, out_sharding=out_sharding)
+
+        _, vjp = jax.vjp(fdot, _widen(rhs))
+        (grad_r,) = vjp(g)
+    return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype)
+
+
+def _widen(x):
+    """float32 values of a float array, widened on the bits (no float convert: §8 of
+    docs/design.md)."""
+    return bits_to_f32(input_bits(x))
+
+
+def _quantized_backward(dn, recipe: Recipe, out_sharding, lhs, rhs, g):
+    """Both backward dots of ``backward="quantized"`` (float32 gradients)."""
+    lfmt, rfmt = recipe.backward_operands
     kwargs = _dot_kwargs(recipe, lfmt, rfmt, "quantized", recipe.grad)
     el, er, eg = (
         _tensor_exponent(lhs, lfmt), _tensor_exponent(rhs, rfmt), _tensor_exponent(g, recipe.grad)
@@ -449,15 +544,16 @@ def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, residuals, g):
     else:
         lhs_s, rhs_s, g_s = lhs, rhs, g
 
-    def bdot(a, b):
-        return dot_general(a, b, dn, preferred_element_type=jnp.float32, **kwargs)
+    def bdot(a, b):  # its forward output is unused, but must be typable on Explicit axes
+        return dot_general(a, b, dn, preferred_element_type=jnp.float32,
+                           out_sharding=out_sharding, **kwargs)
 
     _, vjp = jax.vjp(bdot, lhs_s, rhs_s)
     grad_l, grad_r = vjp(g_s)
     if recipe.scaling == "tensor":
         grad_l = grad_l.astype(jnp.float32) * _pow2(er) * _pow2(eg)
         grad_r = grad_r.astype(jnp.float32) * _pow2(el) * _pow2(eg)
-    return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype)
+    return grad_l.astype(jnp.float32), grad_r.astype(jnp.float32)
 
 
 _recipe_dot.defvjp(_recipe_dot_fwd, _recipe_dot_bwd)
@@ -563,12 +659,21 @@ NVIDIA_MXFP8 = Recipe(
 #: FP8 E4M3 forward / E5M2 backward with power-of-two per-tensor current scaling.
 FP8_HYBRID = Recipe(forward="e4m3", grad="e5m2", scaling="tensor", name="fp8_hybrid")
 
+#: NVIDIA's NVFP4 training recipe (arXiv 2509.25149; Transformer Engine ``NVFP4BlockScaling``):
+#: NVFP4 operands, 16 x 16 weight scales, RHT on the weight-gradient operands, stochastic
+#: rounding of gradients. Keep the last layers in high precision with ``high_precision``/Rules.
+NVIDIA_NVFP4 = Recipe(
+    forward="nvfp4", grad="nvfp4", weight_block_2d=True, wgrad_rht=True,
+    grad_rounding="stochastic", name="nvidia_nvfp4",
+)
+
 #: The ready-made recipes by name.
-RECIPES = {r.name: r for r in (OCP_MXFP8, NVIDIA_MXFP8, FP8_HYBRID)}
+RECIPES = {r.name: r for r in (OCP_MXFP8, NVIDIA_MXFP8, FP8_HYBRID, NVIDIA_NVFP4)}
 
 __all__ = [
     "FP8_HYBRID",
     "NVIDIA_MXFP8",
+    "NVIDIA_NVFP4",
     "OCP_MXFP8",
     "RECIPES",
     "Recipe",

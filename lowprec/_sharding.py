@@ -18,10 +18,13 @@ Where the check can see the layout:
   chooses later): nothing to check. Results are still bit-identical; choose ``in_shardings``
   with the block axis unsplit (or split into multiples of 32) to keep quantization local.
 
-Known limit: with ``Explicit`` axes, a dot whose *contraction* is sharded (K split across
-devices, or the weight gradient of a data-parallel layer, which sums over sharded tokens)
-needs its output sharding named (JAX raises ``ShardingTypeError`` for ``jnp.dot`` alike);
-lowprec's dots do not take ``out_sharding`` yet. ``Auto`` axes have no such limit.
+Output shardings on ``Explicit`` axes follow ``lax.dot_general``: a dot whose contraction is
+sharded on both operands (a row-parallel layer: K split across devices) needs ``out_sharding``
+(``lowprec.dot_general(..., out_sharding=P(...))``, or Flax's own argument, which recipes
+pass on); it is given to the inner float32 dot, so the partial sums are reduced there, as in
+the float layer. The backward dots follow JAX's transpose rule for ``dot_general``: each
+gradient comes out sharded as its primal operand (the weight gradient of a data-parallel
+layer, which sums over sharded tokens, is reduced to the weight's layout).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import math
 from typing import Optional, Sequence
 
 import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 
 def _axis_shards(x, axis: int) -> Optional[tuple[int, int, str]]:
@@ -119,3 +123,92 @@ def check_dot_operand(x, fmt, contract: Sequence[int], role: str) -> None:
         check_block_axis(x.elements, x.axis, per_block, what)
     elif isinstance(fmt, MXFormat):
         check_contraction(x, contract, fmt.block_size, what)
+
+
+# -- output shardings (Explicit axes) -----------------------------------------------------------
+
+
+def explicit_sharding(x) -> Optional[NamedSharding]:
+    """The NamedSharding in the type of ``x`` if its mesh has ``Explicit`` axes, else None
+    (no mesh, ``Auto`` axes, an MXArray's codes: the partitioner decides, nothing to pass).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> explicit_sharding(jnp.ones(3)) is None  # no mesh
+        True
+    """
+    try:
+        sharding = jax.typeof(x).sharding
+        mesh = sharding.mesh
+    except Exception:  # not an array type, or a JAX without sharding in types
+        return None
+    if not isinstance(sharding, NamedSharding) or mesh.empty:
+        return None
+    if AxisType.Explicit not in tuple(mesh.axis_types):
+        return None
+    return sharding
+
+
+def out_sharding_arg(out_sharding, what: str = "out_sharding") -> Optional[NamedSharding]:
+    """``out_sharding`` as given to a dot (None, a PartitionSpec or a NamedSharding) → a
+    NamedSharding (a PartitionSpec is placed on the mesh set by ``jax.set_mesh``), or None."""
+    if out_sharding is None or isinstance(out_sharding, NamedSharding):
+        return out_sharding
+    if isinstance(out_sharding, PartitionSpec):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError(
+                f"{what}={out_sharding} is a PartitionSpec but no mesh is set; call inside "
+                "`with jax.set_mesh(mesh):` or pass NamedSharding(mesh, spec)"
+            )
+        return NamedSharding(mesh, out_sharding)
+    raise TypeError(
+        f"{what} must be None, a PartitionSpec or a NamedSharding, got {out_sharding!r}"
+    )
+
+
+def split_out_sharding(sharding: Optional[NamedSharding]):
+    """``(for the dot, as a constraint)``: a sharding naming only ``Explicit`` axes goes to
+    ``lax.dot_general`` (which refuses ``Auto`` axes); any other is applied afterwards with
+    ``lax.with_sharding_constraint`` (the partitioner's hint on ``Auto`` axes)."""
+    if sharding is None:
+        return None, None
+    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+    names = [n for e in sharding.spec if e is not None for n in ((e,) if isinstance(e, str) else e)]
+    if all(types.get(n) == AxisType.Explicit for n in names):
+        return sharding, None
+    return None, sharding
+
+
+def merged_sharding(sharding: Optional[NamedSharding], groups: Sequence[Sequence[int]]):
+    """``sharding`` of an array whose dimension groups (lists of consecutive dims) are
+    flattened into one dim each (the canonical (B, M, N) layout of a dot's output): a group's
+    mesh axes, in dim order, shard the merged dim, as ``jnp.reshape`` lays it out when only
+    the group's leading dims are sharded. None stays None.
+
+    Example:
+        >>> import jax
+        >>> mesh = jax.sharding.AbstractMesh((2,), ("x",))
+        >>> s = NamedSharding(mesh, PartitionSpec("x", None, None))
+        >>> merged_sharding(s, [[], [0, 1], [2]]).spec
+        P(None, 'x', None)
+    """
+    if sharding is None:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (sum(len(g) for g in groups) - len(sharding.spec))
+    merged = []
+    for group in groups:
+        names = []
+        for d in group:
+            entry = spec[d]
+            if entry is not None:
+                names.extend((entry,) if isinstance(entry, str) else entry)
+        merged.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+    return NamedSharding(sharding.mesh, PartitionSpec(*merged))
+
+
+def without_leading(sharding: Optional[NamedSharding]) -> Optional[NamedSharding]:
+    """``sharding`` with its first dim dropped (for a 3-D dot computed as a 2-D one)."""
+    if sharding is None:
+        return None
+    return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))

@@ -15,6 +15,8 @@ Two levels (flax is an optional extra: ``pip install 'lowprec[training]'``):
     ``nn.intercept_methods``; every ``nn.Dense``/``nn.DenseGeneral`` call gets the recipe's
     dot_general for that call, unless its path (``"Block_0/mlp/Dense_1"``) matches one of the
     recipe's ``high_precision`` patterns or the layer already has its own ``dot_general``.
+    ``nn.Embed.attend`` (tied output embeddings) runs its product ``query · embeddingᵀ``
+    through the recipe's dot_general too, with the same exclusions.
     The wrapper is a different object from the model, so a function jitted around
     ``wrapper.apply`` never shares a trace with one around ``model.apply``. (With
     :func:`intercepting` directly, remember that interception happens at trace time: a
@@ -25,11 +27,25 @@ Two levels (flax is an optional extra: ``pip install 'lowprec[training]'``):
     ``nnx.jit`` retraces when the recipe changes. ``quantize_model(model, None)`` puts the
     defaults back.
 
-What is covered: the weight matmuls of Flax's linear layers. Matmuls written in a model's own
-code (attention scores ``q @ k``, ``jnp.einsum`` calls), linen ``nn.Einsum`` (it has no
-injection point), convolutions and ``nn.Embed.attend`` stay in their own precision, as in
-Transformer Engine's and the MX papers' recipes, which quantize linear layers. linen calls to
-the uncovered layer types warn once per path, so nothing is silently left out.
+What is covered: the weight matmuls of Flax's linear layers, attention projections included
+(``MultiHeadDotProductAttention``/``MultiHeadAttention`` build them from ``DenseGeneral``/
+``LinearGeneral``), and linen's ``Embed.attend``. What is not, and is reported with a
+``UserWarning`` once per layer path and recipe (silenced by adding the path to the recipe's
+``high_precision``, which is where it stays anyway):
+
+* linen ``nn.Einsum`` (no injection point), ``nn.Conv``/``nn.ConvTranspose``/``nn.ConvLocal``
+  (convolutions: no recipe convolution), warned when called;
+* nnx ``Conv``/``ConvTranspose`` and ``Embed`` (its ``attend`` has no hook; an nnx module's
+  methods cannot be swapped per instance), warned by :func:`quantize_model`;
+* attention's score and value products (``q·kᵀ``, ``p·v``), computed by the attention
+  function rather than a layer: they stay in their own precision, as in Transformer Engine's
+  default recipes (FP8 attention is a separate option there); warned once per attention
+  layer.
+
+Matmuls written in a model's own code (``jnp.einsum``/``@`` calls) are invisible to any
+interception and stay as they are. Neither JAX nor Flax has a mixture-of-experts layer; a
+model calling ``jax.lax.ragged_dot`` itself keeps it in its own precision (lowprec has no
+quantized ragged dot yet).
 """
 
 from __future__ import annotations
@@ -52,6 +68,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from ._recipe import Recipe
+from ._rules import Rules, recipe_for
 
 __all__ = [
     "RecipeDotGeneral",
@@ -61,6 +78,22 @@ __all__ = [
     "intercepting",
     "quantize_model",
 ]
+
+
+def _check_plan(plan):
+    """A Recipe (one for every layer) or Rules (per layer path)."""
+    if isinstance(plan, (Recipe, Rules)):
+        return plan
+    if isinstance(plan, (list, tuple)):
+        return Rules(plan)  # (module_path, recipe) pairs
+    raise TypeError(
+        f"expected a lowprec.Recipe, lowprec.Rules or a list of (module_path, recipe) pairs, "
+        f"got {type(plan).__name__}"
+    )
+
+
+def _label(plan) -> str:
+    return plan.name or (plan.describe() if isinstance(plan, Recipe) else "rules")
 
 
 def _check_recipe(recipe) -> Recipe:
@@ -141,37 +174,47 @@ _LINEN_UNCOVERED = {
     nn.Conv: ("__call__",),
     nn.ConvTranspose: ("__call__",),
     nn.ConvLocal: ("__call__",),
-    nn.Embed: ("attend",),
+    nn.MultiHeadDotProductAttention: ("__call__",),
 }
+_NNX_UNCOVERED = (
+    (nnx.Conv, "Conv"),
+    (nnx.ConvTranspose, "ConvTranspose"),
+    (nnx.Embed, "Embed.attend (if the model calls it)"),
+    (nnx.MultiHeadAttention, "MultiHeadAttention"),
+)
 _warned = set()
 _warn_lock = threading.Lock()
 
 
-def _warn_uncovered(kind: str, path: str, recipe: Recipe) -> None:
+def _warn_uncovered(kind: str, path: str, recipe) -> None:
     key = (kind, path, recipe)
     with _warn_lock:
         if key in _warned:
             return
         _warned.add(key)
+    if kind.startswith(("MultiHead",)):
+        what = ("runs its projections in the recipe but its score and value products (q·kᵀ, "
+                "p·v) in their own precision, as Transformer Engine's default recipes do,")
+    else:
+        what = "has no dot_general hook and runs in its own precision,"
     warnings.warn(
-        f"lowprec.flax: {kind} at {path or '<root>'} has no dot_general hook and runs in its own "
-        f"precision, not in recipe {recipe.name or recipe.describe()!r} (add it to "
-        "high_precision to silence this)",
+        f"lowprec.flax: {kind} at {path or '<root>'} {what} not in recipe "
+        f"{_label(recipe)!r} (add its path to high_precision, or a rule keeping it in its own "
+        "precision, to silence this)",
         stacklevel=4,
     )
 
 
-def _linen_interceptor(recipe: Recipe):
-    replacement = RecipeDotGeneral(recipe)
-
+def _linen_interceptor(plan):
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
         if isinstance(module, _LINEN_COVERED) and context.method_name == "__call__":
             if module.dot_general is not None or module.dot_general_cls is not None:
                 return next_fun(*args, **kwargs)  # the layer chose its own dot_general
-            path = "/".join(module.path)
-            if recipe.keeps_high_precision(path):
+            recipe = recipe_for(plan, "/".join(module.path))
+            if recipe is None:
                 return next_fun(*args, **kwargs)
+            replacement = RecipeDotGeneral(recipe)
             # A linen layer reads self.dot_general inside __call__; set it on this bound
             # instance for the duration of this call only (frozen dataclass, hence
             # object.__setattr__), and put Flax's default back afterwards.
@@ -180,10 +223,16 @@ def _linen_interceptor(recipe: Recipe):
                 return next_fun(*args, **kwargs)
             finally:
                 object.__setattr__(module, "dot_general", None)
+        if isinstance(module, nn.Embed) and context.method_name == "attend":
+            recipe = recipe_for(plan, "/".join(module.path))
+            if recipe is None:
+                return next_fun(*args, **kwargs)
+            return _linen_attend(module, RecipeDotGeneral(recipe), *args, **kwargs)
         for cls, methods in _LINEN_UNCOVERED.items():
             if isinstance(module, cls) and context.method_name in methods:
                 path = "/".join(module.path)
-                if not recipe.keeps_high_precision(path):
+                recipe = recipe_for(plan, path)
+                if recipe is not None:
                     _warn_uncovered(f"{cls.__name__}.{context.method_name}", path, recipe)
                 break
         return next_fun(*args, **kwargs)
@@ -191,10 +240,18 @@ def _linen_interceptor(recipe: Recipe):
     return interceptor
 
 
+def _linen_attend(module, dot, query):
+    """``nn.Embed.attend`` (``query · embeddingᵀ`` in the promoted dtype) through ``dot``."""
+    module._try_setup()  # an intercepted method runs before linen's lazy setup() would
+    query, embedding = module.promote_dtype(query, module.embedding, dtype=module.dtype)
+    return dot(query, embedding, (((query.ndim - 1,), (1,)), ((), ())))
+
+
 @contextlib.contextmanager
-def intercepting(recipe: Recipe):
+def intercepting(recipe):
     """Context manager: linen ``nn.Dense``/``nn.DenseGeneral`` calls traced inside it run in
-    ``recipe`` (what :func:`quantize_model` wraps around ``init``/``apply``).
+    ``recipe`` (a Recipe, or :class:`~lowprec.Rules` per layer path; what
+    :func:`quantize_model` wraps around ``init``/``apply``).
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, lowprec
@@ -205,7 +262,7 @@ def intercepting(recipe: Recipe):
         >>> y.shape
         (1, 2)
     """
-    with nn.intercept_methods(_linen_interceptor(_check_recipe(recipe))):
+    with nn.intercept_methods(_linen_interceptor(_check_plan(recipe))):
         yield
 
 
@@ -216,7 +273,7 @@ class QuantizedLinen:
     model's. Other attributes are the model's."""
 
     module: nn.Module
-    recipe: Recipe
+    recipe: Any  # a Recipe or Rules
 
     def init(self, *args, **kwargs):
         with intercepting(self.recipe):
@@ -250,11 +307,18 @@ def _nnx_default(module) -> Optional[str]:
     return None
 
 
-def _quantize_nnx(model, recipe: Optional[Recipe]):
+def _quantize_nnx(model, plan):
     ours = (RecipeDotGeneral, RecipeEinsum)
     for path, module in nnx.iter_modules(model):
         attr = _nnx_default(module)
+        name = "/".join(str(p) for p in path)
+        recipe = recipe_for(plan, name)
         if attr is None:
+            if recipe is not None:
+                for cls, kind in _NNX_UNCOVERED:
+                    if isinstance(module, cls):
+                        _warn_uncovered(kind, name, recipe)
+                        break
             continue
         current = getattr(module, attr)
         default = jnp.einsum if attr == "einsum_op" else lax.dot_general
@@ -262,8 +326,7 @@ def _quantize_nnx(model, recipe: Optional[Recipe]):
         # ours is the user's choice and is kept.
         if not (current is default or current is None or isinstance(current, ours)):
             continue
-        name = "/".join(str(p) for p in path)
-        if recipe is None or recipe.keeps_high_precision(name):
+        if recipe is None:
             new = None if isinstance(module, nnx.LinearGeneral) else default
         else:
             new = RecipeEinsum(recipe) if attr == "einsum_op" else RecipeDotGeneral(recipe)
@@ -271,12 +334,15 @@ def _quantize_nnx(model, recipe: Optional[Recipe]):
     return model
 
 
-def quantize_model(model, recipe: Optional[Recipe]):
+def quantize_model(model, recipe):
     """Runs an unmodified Flax model's linear-layer matmuls in ``recipe``.
 
     Args:
       model: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
-      recipe: a :class:`~lowprec.Recipe`; for nnx, ``None`` restores Flax's defaults.
+      recipe: a :class:`~lowprec.Recipe` for every layer, or per-layer
+        :class:`~lowprec.Rules` (or a list of ``(module_path regex, recipe or None)`` pairs:
+        first match wins, no match keeps the layer's own precision); for nnx, ``None``
+        restores Flax's defaults.
 
     Returns:
       linen: a :class:`QuantizedLinen` (use its ``init``/``apply`` as the model's).
@@ -295,9 +361,9 @@ def quantize_model(model, recipe: Optional[Recipe]):
         (2, 4)
     """
     if isinstance(model, nn.Module):
-        return QuantizedLinen(model, _check_recipe(recipe))
+        return QuantizedLinen(model, _check_plan(recipe))
     if isinstance(model, nnx.Module):
-        return _quantize_nnx(model, None if recipe is None else _check_recipe(recipe))
+        return _quantize_nnx(model, None if recipe is None else _check_plan(recipe))
     raise TypeError(
         f"quantize_model takes a flax.linen or flax.nnx Module, got {type(model).__name__}"
     )

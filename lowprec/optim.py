@@ -19,6 +19,17 @@ frac_j * 2**16`` (the contract of ``lowprec.quantize(..., rounding="stochastic")
 ``frac_j`` is how far the float32 value ``w + u`` lies from its smaller-magnitude neighbour in
 the format towards the larger one, as a fraction of the gap between them.
 
+Chaining order: the updates are ``q - w``, exact only as they are. Put every other transform
+(clipping, schedules, weight decay, ...) *inside* ``inner``: ``low_precision_params(optax.chain(
+optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), "bf16", key=key)``. A transform chained
+*after* it (``optax.chain(low_precision_params(...), optax.scale(0.5))``) changes ``q - w`` into
+a value that ``apply_updates`` then rounds to nearest when casting back: the stochastic rounding
+is silently undone. That cannot be detected from inside the chain, so it is documented here.
+
+State: the key is stored as its raw data (``jax.random.key_data``, uint32), not as a typed PRNG
+key, so the whole state is plain arrays: ``flax.serialization.to_bytes``/``from_bytes`` and
+orbax checkpoints take it as they take Adam's moments.
+
 Applying the updates: :func:`optax.apply_updates` adds them in float32 and casts back to the
 parameter dtype. The update returned is ``q - w`` (float32), so the stored result is exactly
 ``q`` whenever ``q - w`` is exact in float32 — always unless a weight shrinks by a factor
@@ -52,7 +63,8 @@ PARAM_ROUNDINGS: tuple[str, ...] = ("stochastic", "nearest_even")
 
 
 class LowPrecisionState(NamedTuple):
-    """State of :func:`low_precision_params`: the step count, the base key, the inner state."""
+    """State of :func:`low_precision_params`: the step count, the base key's raw data
+    (``jax.random.key_data``: uint32, serializable), the inner state."""
 
     count: jax.Array
     key: jax.Array
@@ -95,6 +107,13 @@ def _check_leaf(p, fmt: ElementFormat):
             f"a parameter of dtype {dtype} cannot hold {fmt.name!r} values exactly; cast the "
             f"parameters with lowprec.optim.cast_params(params, {fmt.name!r}) first"
         )
+    want = storage_dtype(fmt)
+    if np.dtype(dtype).itemsize > want.itemsize:
+        raise TypeError(
+            f"a parameter of dtype {dtype} stores {fmt.name!r} values in {np.dtype(dtype).itemsize} "
+            f"bytes instead of {want.itemsize}: no memory is saved. Cast the parameters with "
+            f"lowprec.optim.cast_params(params, {fmt.name!r}) (dtype {want}) first"
+        )
 
 
 def _as_key(key) -> jax.Array:
@@ -121,14 +140,16 @@ def low_precision_params(
       inner: any optax transformation (``optax.adam(1e-3)``, a chain ...); it runs on float32
         views of the parameters and gradients, so its state is float32.
       fmt: element format of the parameters (``"bf16"`` default, ``"fp16"``, ``"e4m3"`` ...);
-        parameters must be stored in a dtype holding it exactly (see :func:`cast_params`).
+        parameters must be stored in its :func:`storage_dtype` (see :func:`cast_params`):
+        float32 parameters for ``"bf16"`` are refused, as they would save no memory.
       key: PRNG key for stochastic rounding (see the module docstring for how it is split).
       rounding: ``"stochastic"`` (default) or ``"nearest_even"`` (what a plain cast does; the
         baseline that stalls), which takes no key.
 
     Returns:
       An optax transformation whose updates, applied with :func:`optax.apply_updates`, put
-      ``round(w + inner_update)`` into the parameters.
+      ``round(w + inner_update)`` into the parameters. Chain nothing after it (see the
+      module docstring): other transforms go inside ``inner``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax
@@ -158,6 +179,8 @@ def low_precision_params(
         raise ValueError("key is only used with rounding='stochastic'; drop it")
     else:
         key = jax.random.key(0)  # unused; keeps the state's structure the same
+    impl = jax.random.key_impl(key)
+    key_data = jax.random.key_data(key)  # the state holds raw data: serializable
 
     def to_f32(tree):
         return jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), tree)
@@ -165,7 +188,7 @@ def low_precision_params(
     def init_fn(params):
         for p in jax.tree.leaves(params):
             _check_leaf(p, fmt)
-        return LowPrecisionState(jnp.zeros([], jnp.int32), key, inner.init(to_f32(params)))
+        return LowPrecisionState(jnp.zeros([], jnp.int32), key_data, inner.init(to_f32(params)))
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
@@ -178,7 +201,7 @@ def low_precision_params(
         )
         leaves, treedef = jax.tree.flatten(p32)
         u_leaves = treedef.flatten_up_to(inner_updates)
-        step_key = jax.random.fold_in(state.key, state.count)
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key, impl=impl), state.count)
         out = []
         for i, (p, u) in enumerate(zip(leaves, u_leaves)):
             new = p + u.astype(jnp.float32)

@@ -130,9 +130,30 @@ def test_matmul_contraction_sharded(kind):
             assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)) <= bound)
 
 
-# With Explicit mesh axes and the contraction sharded, JAX requires the output sharding of
-# the inner lax.dot_general to be given (as for jnp.dot); lowprec.dot_general has no
-# out_sharding argument yet, so that layout raises JAX's ShardingTypeError. Not tested here.
+def test_matmul_contraction_sharded_explicit_needs_and_honours_out_sharding():
+    # Explicit axes, K split on both operands: as for lax.dot_general, the output sharding must
+    # be named; it is given to the inner dot, whose partial sums are reduced into it.
+    k1, k2 = jax.random.split(jax.random.key(6))
+    x = jax.random.randint(k1, (16, 128), -8, 8).astype(jnp.float32)  # exact sums in any order
+    w = jax.random.randint(k2, (128, 32), -3, 4).astype(jnp.float32)
+    want = lowprec.dot_general(x, w, DN, **MATMUL)
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        xs, ws = jax.device_put(x, P(None, "x")), jax.device_put(w, P("x", None))
+        with pytest.raises(Exception, match="out_sharding"):
+            jax.jit(lambda a, b: jax.lax.dot_general(a, b, DN))(xs, ws)  # plain JAX alike
+        with pytest.raises(Exception, match="out_sharding"):
+            jax.jit(lambda a, b: lowprec.dot_general(a, b, DN, **MATMUL))(xs, ws)
+        for spec in (P(None, None), P("x", None), P(None, "x")):
+            got = jax.jit(lambda a, b: lowprec.dot_general(a, b, DN, out_sharding=spec, **MATMUL))(
+                xs, ws)
+            assert _spec_of(got) == tuple(spec)
+            np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def _spec_of(a):
+    spec = tuple(a.sharding.spec)
+    return spec + (None,) * (a.ndim - len(spec))
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
@@ -165,10 +186,9 @@ def test_split_block_under_jit_auto_is_unchecked_but_exact():
     _assert_mx_equal(got, lowprec.quantize_mx(x, "mxfp8"))
 
 
-# Auto axes only. With Explicit axes the weight-gradient dot contracts over the sharded token
-# axis, and JAX then needs the output sharding of the inner lax.dot_general, which the custom
-# VJP of lowprec.dot_general does not pass yet (it raises JAX's ShardingTypeError).
-@pytest.mark.parametrize("kind", ["auto"])
+# With Explicit axes the weight-gradient dot contracts over the sharded token axis; its
+# output is sharded as the weight (JAX's transpose rule), so the partial sums are reduced.
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_flax_recipe_data_parallel(kind):
     # 128 tokens on 4 devices: 32 per device, so the weight gradient's blocks (along tokens)
     # stay on one device each.
@@ -226,3 +246,136 @@ def test_recipe_dot_general_out_sharding():
             a, b, DN, out_sharding=P(None, "x")))(xs, w)
     assert got.sharding.spec == P(None, "x")
     np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+# -- training: data, tensor (column + row) and FSDP parallelism, Auto and Explicit axes ------------
+#
+# A two-layer MLP y = relu(x w1) w2 with the loss sum(y * c) for a fixed c, so the cotangent
+# of y is c itself: the quantized gradients do not depend on how y's sums were ordered, and
+# every layout must give the one-device gradients up to float32 summation order.
+
+TOKENS, D, H = 128, 128, 128  # 32 tokens per device on 4 devices: whole 32-token blocks
+LAYOUTS = {
+    # name: (mesh shape, names, x spec, w1 spec, w2 spec, h out_sharding, y out_sharding)
+    "data": ((4,), ("x",), P("x", None), P(), P(), None, None),
+    # Megatron: w1 column-parallel (output features split), w2 row-parallel (its
+    # contraction split on both operands: out_sharding needed on Explicit axes).
+    "tensor": ((4,), ("x",), P(), P(None, "x"), P("x", None), None, P(None, None)),
+    "data_tensor": ((2, 2), ("d", "m"), P("d", None), P(None, "m"), P("m", None), None,
+                    P("d", None)),
+    # FSDP: weights stored split along their first axis, gathered for the matmul (reshard;
+    # its transpose reduce-scatters the gradient back to the stored layout).
+    "fsdp": ((4,), ("x",), P("x", None), P("x", None), P("x", None), None, None),
+}
+
+
+def _mlp_loss(recipe, layout, gather=False, sharded=True):
+    *_, hs, ys = LAYOUTS[layout] if sharded else (None, None)
+
+    def loss(params, x, c):
+        w1, w2 = params
+        if gather:
+            w1, w2 = jax.sharding.reshard(w1, P()), jax.sharding.reshard(w2, P())
+        h = jax.nn.relu(recipe.dot_general(x, w1, DN, out_sharding=hs))
+        y = recipe.dot_general(h, w2, DN, out_sharding=ys)
+        return jnp.sum(y * c), y
+
+    return loss
+
+
+@pytest.mark.parametrize("kind,layout,recipe", [
+    *((k, lay, "nvidia_mxfp8") for k in ("explicit", "auto") for lay in sorted(LAYOUTS)),
+    # Kept small: the other backward paths (OCP's E5M2 gradients; per-tensor scaling, which
+    # has its own VJP) on the two layouts whose backward dots reduce across devices.
+    ("explicit", "data", "ocp_mxfp8"), ("explicit", "tensor", "fp8_hybrid"),
+])
+def test_training_matches_one_device(kind, layout, recipe):
+    recipe = lowprec.RECIPES[recipe]
+    ks = jax.random.split(jax.random.key(11), 4)
+    x = jax.random.normal(ks[0], (TOKENS, D))
+    w1 = jax.random.normal(ks[1], (D, H)) / 8
+    w2 = jax.random.normal(ks[2], (H, D)) / 8
+    c = jax.random.normal(ks[3], (TOKENS, D))
+    shape, names, xs_, w1s, w2s, _, _ = LAYOUTS[layout]
+    fsdp = layout == "fsdp"
+    grad = jax.value_and_grad(_mlp_loss(recipe, layout, sharded=False), has_aux=True)
+    (want_l, want_y), want_g = jax.jit(grad)((w1, w2), x, c)
+    mesh = _mesh(kind, shape, names)
+    with jax.set_mesh(mesh):
+        put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+        args = ((put(w1, w1s), put(w2, w2s)), put(x, xs_), put(c, P(*xs_[:1], None)))
+        f = jax.value_and_grad(_mlp_loss(recipe, layout, fsdp and kind == "explicit"), has_aux=True)
+        (got_l, got_y), got_g = jax.jit(f)(*args)
+    # Explicit axes: gradients come back in the parameters' own layouts (as plain JAX's).
+    for g, p in zip(got_g, args[0]):
+        assert kind == "auto" or _spec_of(g) == _spec_of(p), (g.sharding, p.sharding)
+    np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(got_l), float(want_l), rtol=1e-5)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["explicit"])
+def test_nnx_recipe_tensor_parallel_with_out_sharding(kind):
+    # nnx layers pass their out_sharding to dot_general: a row-parallel nnx.Linear (kernel
+    # split along its inputs) needs it on Explicit axes, as plain Flax does.
+    nnx = pytest.importorskip("flax.nnx")
+    import lowprec.flax
+
+    mesh = _mesh(kind)
+    k1, k2 = jax.random.split(jax.random.key(12))
+    x = jax.random.normal(k1, (64, 128))
+    c = jax.random.normal(k2, (64, 32))
+
+    def build():
+        lin = nnx.Linear(128, 32, use_bias=False, rngs=nnx.Rngs(0))
+        return lowprec.flax.quantize_model(lin, lowprec.NVIDIA_MXFP8)
+
+    def loss(m, v, out=None):
+        return jnp.sum(m(v, out_sharding=out) * c)
+
+    model = build()
+    want = nnx.grad(loss)(model, x).kernel[...]
+    with jax.set_mesh(mesh):
+        model = build()
+        model.kernel = nnx.Param(jax.device_put(model.kernel[...], P("x", None)))
+        xs = jax.device_put(x, P(None, "x"))
+        got = nnx.jit(nnx.grad(lambda m, v: loss(m, v, P(None, None))))(model, xs).kernel[...]
+    assert _spec_of(got) == ("x", None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_recipe_einsum_out_sharding_in_output_order():
+    # The einsum's out_sharding names its own output order ("nt"); the inner dot gets it in
+    # dot_general's order ("tn"). K split on both operands: it must be given.
+    k1, k2 = jax.random.split(jax.random.key(13))
+    x = jax.random.randint(k1, (16, 128), -8, 8).astype(jnp.float32)  # exact sums in any order
+    w = jax.random.randint(k2, (128, 32), -3, 4).astype(jnp.float32)
+    want = lowprec.NVIDIA_MXFP8.dot_general(x, w, DN).T
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        xs, ws = jax.device_put(x, P(None, "x")), jax.device_put(w, P("x", None))
+        got = jax.jit(lambda a, b: lowprec.NVIDIA_MXFP8.einsum(
+            "tk,kn->nt", a, b, out_sharding=P("x", None)))(xs, ws)
+    assert _spec_of(got) == ("x", None)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_nvfp4_recipe_data_parallel_explicit():
+    # NVIDIA_NVFP4 with tokens split (32 per device: whole 16-token RHT/quantization blocks):
+    # the random words depend on the cotangent through an integer sum (order-free), so the
+    # gradients equal one device's up to float32 summation order. (Auto axes: lowprec's
+    # random_bits does not compile under GSPMD on CPU yet, see lowprec/_nvfp4_train.py.)
+    r = lowprec.NVIDIA_NVFP4
+    ks = jax.random.split(jax.random.key(14), 3)
+    x, w = jax.random.normal(ks[0], (128, 64)), jax.random.normal(ks[1], (64, 32))
+    c = jax.random.normal(ks[2], (128, 32))
+    loss = lambda a, b, cc: jnp.sum(r.dot_general(a, b, DN) * cc)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, c)
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        args = (jax.device_put(x, P("x", None)), jax.device_put(w, P()), jax.device_put(c, P("x", None)))
+        got = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+    assert _spec_of(got[1]) == (None, None)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)

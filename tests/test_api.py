@@ -327,6 +327,9 @@ HALF_CALLS = {
         a.reshape(2, 32), a.reshape(2, 32), _DN, lhs_format="mxfp8", rhs_format="mxfp8",
         backward="quantized", pad=True, preferred_element_type=a.dtype)),
     "fake_quantize_mx-vjp": _vjp(lambda a: lowprec.fake_quantize_mx(a, "mxfp8")),
+    "delayed_dot_general-vjp": lambda x: jax.vjp(lambda a: lowprec.delayed_dot_general(
+        a.reshape(2, 32), a.reshape(2, 32), lowprec.DelayedScaling(amax_history_len=2).init(),
+        _DN, lowprec.DelayedScaling(amax_history_len=2)), x)[1](jnp.ones((2, 2)))[0],
     "mxfp4_gemv": lambda x: lowprec.mxfp4_gemv(_w4(), x),
 }
 _COTANGENT_SHAPES = {

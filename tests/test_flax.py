@@ -231,3 +231,95 @@ def test_nnx_grad_and_remat():
     g1 = nnx.jit(nnx.grad(loss))(net, x)
     g2 = nnx.jit(nnx.grad(nnx.remat(loss)))(net, x)
     jax.tree.map(_eq, nnx.state(g1), nnx.state(g2))
+
+
+# -- every matmul-like layer: quantized or reported -----------------------------------------------
+
+
+class TiedLM(nn.Module):
+    """Embedding lookup, one attention layer, logits through the tied embedding (attend)."""
+
+    def setup(self):
+        self.embed = nn.Embed(96, 64)
+        self.attn = nn.MultiHeadDotProductAttention(2)
+
+    def hidden(self, tokens):
+        h = self.embed(tokens)
+        return h + self.attn(h)
+
+    def __call__(self, tokens):
+        return self.embed.attend(self.hidden(tokens))
+
+
+def test_linen_embed_attend_runs_in_the_recipe():
+    tokens = jnp.arange(16).reshape(2, 8) % 96
+    params = TiedLM().init(jax.random.key(0), tokens)
+    table = params["params"]["embed"]["embedding"]
+    recipe = Recipe(forward="mxfp8", name="attend_test")
+    q = lf.quantize_model(TiedLM(), recipe)
+    with pytest.warns(UserWarning, match=r"MultiHeadDotProductAttention.__call__ at attn runs its "
+                      r"projections in the recipe"):
+        got = q.apply(params, tokens)
+    # Expected: the recipe's dot of the (quantized model's) hidden states and the table.
+    hidden = q.apply(params, tokens, method="hidden")
+    _eq(got, recipe.dot_general(hidden, table, (((2,), (1,)), ((), ()))))
+    # Excluded by path: attend stays Flax's jnp.dot, and nothing warns.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hp = lf.quantize_model(TiedLM(), Recipe(forward="mxfp8", high_precision=("embed", "attn*")))
+        float_hidden = TiedLM().apply(params, tokens, method="hidden")
+        _eq(hp.apply(params, tokens), jnp.dot(float_hidden, table.T))
+
+
+def test_nnx_uncovered_layers_warn_in_quantize_model():
+    class Mixed(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(64, 64, (3,), rngs=rngs)
+            self.embed = nnx.Embed(96, 64, rngs=rngs)
+            self.lin = nnx.Linear(64, 64, rngs=rngs)
+
+    recipe = Recipe(forward="mxfp8", name="nnx_warn_test")
+    with pytest.warns(UserWarning) as record:
+        lf.quantize_model(Mixed(nnx.Rngs(0)), recipe)
+    text = " ".join(str(w.message) for w in record)
+    assert "Conv at conv" in text and "Embed.attend (if the model calls it) at embed" in text
+    assert "at lin" not in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lf.quantize_model(Mixed(nnx.Rngs(0)), recipe)  # once per (path, recipe)
+        lf.quantize_model(Mixed(nnx.Rngs(0)), Recipe(forward="mxfp8", high_precision=("conv", "embed")))
+
+
+# -- per-layer rules --------------------------------------------------------------------------------
+
+
+class RulesMLP(nn.Module):
+    """MLP written with per-layer dot_generals by hand: what the rules below must give."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(64, name="up", dot_general=lf.dot_general(R4))(x))
+        h = nn.DenseGeneral((2, 32), name="gen", dot_general=lf.dot_general(NVIDIA_MXFP8))(h)
+        h = nn.Dense(64, name="mine", dot_general=jax.lax.dot_general)(h.reshape(*h.shape[:-2], 64))
+        return nn.Dense(8, name="head")(h)
+
+
+def test_rules_first_match_wins_linen_and_nnx():
+    rules = lowprec.Rules([("head", None), ("up", R4), ("u.*", NVIDIA_MXFP8), (".*", NVIDIA_MXFP8)])
+    x = _x()
+    params = MLP().init(jax.random.key(1), x)
+    _eq(lf.quantize_model(MLP(), rules).apply(params, x), RulesMLP().apply(params, x))
+    # A list of pairs is accepted as Rules; no match keeps the layer's own precision.
+    q = lf.quantize_model(MLP(), [("gen", NVIDIA_MXFP8)])
+    only_gen = dataclasses.replace(NVIDIA_MXFP8, high_precision=("up", "head"))
+    _eq(q.apply(params, x), lf.quantize_model(MLP(), only_gen).apply(params, x))
+    # nnx: each layer gets its rule's recipe.
+    net = lf.quantize_model(Net(nnx.Rngs(0)), lowprec.Rules([("a", R4), ("b|c", NVIDIA_MXFP8)]))
+    assert net.a.dot_general == lf.dot_general(R4)
+    assert net.b.dot_general == lf.dot_general(NVIDIA_MXFP8)
+    assert net.c.einsum_op == lf.einsum(NVIDIA_MXFP8)
+    assert net.head.dot_general is jax.lax.dot_general  # no rule matched
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        lowprec.Rule("(", None)
+    with pytest.raises(TypeError, match="lowprec.Recipe or None"):
+        lowprec.Rule(".*", "mxfp8")

@@ -131,8 +131,11 @@ def test_ready_made_recipes_are_the_published_ones():
     # FP8 hybrid (Micikevicius et al. 2022): E4M3 forward, E5M2 gradients, per-tensor scales.
     assert FP8_HYBRID.forward == (lowprec.element_format("e4m3"),) * 2
     assert FP8_HYBRID.grad == lowprec.element_format("e5m2") and FP8_HYBRID.scaling == "tensor"
+    nv4 = lowprec.NVIDIA_NVFP4  # TE NVFP4BlockScaling: 2-D weight scales, RHT, SR (its own tests)
+    assert nv4.forward == (lowprec.mx_format("nvfp4"),) * 2 and nv4.grad == lowprec.mx_format("nvfp4")
+    assert (nv4.weight_block_2d, nv4.wgrad_rht, nv4.grad_rounding) == (True, True, "stochastic")
     assert lowprec.RECIPES == {"ocp_mxfp8": OCP_MXFP8, "nvidia_mxfp8": NVIDIA_MXFP8,
-                               "fp8_hybrid": FP8_HYBRID}
+                               "fp8_hybrid": FP8_HYBRID, "nvidia_nvfp4": nv4}
 
 
 # -- forward ----------------------------------------------------------------------------------------
@@ -335,3 +338,25 @@ def test_einsum_errors(spec, lshape, match):
 def test_einsum_sums_indices_of_one_operand_only():
     a, b = jnp.arange(8.0).reshape(2, 4), jnp.arange(6.0).reshape(3, 2)
     np.testing.assert_array_equal(Recipe().einsum("ab,cd->a", a, b), jnp.einsum("ab,cd->a", a, b))
+
+
+def test_high_precision_wgrad_is_the_float32_weight_gradient():
+    # grad_rhs = x^T g from the unquantized operands (a float32 HIGHEST dot: compared with
+    # float64 within the accumulation bound); grad_lhs is the recipe's own, bit for bit.
+    k1, k2, k3 = jax.random.split(jax.random.key(21), 3)
+    x, w = jax.random.normal(k1, (64, 96)), jax.random.normal(k2, (96, 32))
+    c = jax.random.normal(k3, (64, 32))
+    for base in (NVIDIA_MXFP8, Recipe(forward="mxfp4")):  # quantized and STE backward
+        hp = dataclasses.replace(base, high_precision_wgrad=True)
+        assert "fp32 wgrad" in hp.describe()
+        loss = lambda r: (lambda a, b: jnp.sum(r.dot_general(a, b, DN) * c))
+        gx, gw = jax.jit(jax.grad(loss(hp), argnums=(0, 1)))(x, w)
+        gx0, _ = jax.jit(jax.grad(loss(base), argnums=(0, 1)))(x, w)
+        np.testing.assert_array_equal(np.asarray(gx), np.asarray(gx0))
+        x64, c64 = np.asarray(x, np.float64), np.asarray(c, np.float64)
+        bound = 64 * 2.0**-23 * (np.abs(x64).T @ np.abs(c64))
+        assert np.all(np.abs(np.asarray(gw, np.float64) - x64.T @ c64) <= bound)
+        # and it differs from the quantized weight gradient (the option did something)
+        if base.backward == "quantized":
+            _, gwq = jax.jit(jax.grad(loss(base), argnums=(0, 1)))(x, w)
+            assert not np.array_equal(np.asarray(gw), np.asarray(gwq))

@@ -57,7 +57,11 @@ def test_mxfp8_rceil_ends_within_tolerance_of_bf16(train_lm, tmp_path):
     # The outputs: a table naming both configs, JSON with the same numbers, a PNG.
     written = train_lm.write_outputs(results, settings, tmp_path)
     names = {p.name for p in written}
-    assert {"final_losses.md", "final_losses.json"} <= names
+    assert {"final_losses.md", "final_losses.json", "losses.csv"} <= names
+    rows = (tmp_path / "losses.csv").read_text().splitlines()
+    assert rows[0] == "step,config,train_loss,heldout_loss" and len(rows) == 1 + 2 * settings.steps
+    last = [r.split(",") for r in rows if r.startswith(f"{settings.steps},mxfp8_rceil,")][0]
+    assert float(last[3]) == pytest.approx(mx["val"], abs=1e-6)  # held-out at the last step
     table = (tmp_path / "final_losses.md").read_text()
     assert "| mxfp8_rceil |" in table and f"{mx['val']:.4f}" in table
     summary = json.loads((tmp_path / "final_losses.json").read_text())

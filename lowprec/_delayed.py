@@ -1,0 +1,170 @@
+"""Delayed scaling of FP8 casts, with Transformer Engine's semantics (``DelayedScaling``).
+
+An FP8 tensor is cast as ``q = fp8(x * scale)`` (saturating at the format's max) and read as
+``q / scale``. With *delayed* scaling, ``scale`` is not computed from ``x`` itself but from a
+history of the amax (largest finite magnitude) of that tensor over the previous steps, as in
+Transformer Engine (``transformer_engine.common.recipe.DelayedScaling(margin,
+amax_history_len, amax_compute_algo)``):
+
+* at each step the tensor's current amax is recorded;
+* after the step, ``amax = max(history)`` (``"max"``) or the latest entry (``"most_recent"``),
+  and ``scale = (fp8_max / amax) / 2^margin``; where that amax is 0 or not finite the
+  previous scale is kept;
+* the history is a window of the last ``amax_history_len`` amaxes (newest first).
+
+So step t uses the scale computed from the amaxes of steps t-1, t-2, ... (1.0 at the first
+step: the state starts with an empty history and scale 1). lowprec computes every step in
+float32 with IEEE operations (``x * scale``, the cast by exact rounding, ``q / scale``), so a
+NumPy statement of the same steps gives the same bits (tests/test_delayed.py); the GEMM is a
+float32 dot of those values (``precision=HIGHEST``).
+
+The state of one matmul is a :class:`DelayedState` (lhs, rhs and cotangent histories and
+scales). :func:`delayed_dot_general` takes it as an argument and returns the updated state as
+its *gradient* (the cotangent's amax is only known in the backward pass): differentiate with
+respect to the state and use that gradient as the next step's state, as Flax's
+``Fp8DotGeneralOp`` does with its overwrite-with-gradient collection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._bits import bits_to_f32, f32_bits
+from ._codec import bits_to_dtype, input_bits, quantize
+from ._format import ElementFormat, element_format
+
+__all__ = ["DelayedScaling", "DelayedState", "delayed_dot_general"]
+
+AMAX_ALGOS = ("max", "most_recent")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Transformer Engine's ``DelayedScaling`` options (same names and defaults).
+
+    Attributes:
+      margin: the scale is divided by 2^margin.
+      amax_history_len: length of the amax window.
+      amax_compute_algo: ``"max"`` (largest amax in the window) or ``"most_recent"``.
+      fwd_format, bwd_format: FP8 formats of the operands and of the cotangent (TE's
+        ``Format.HYBRID``: E4M3 forward, E5M2 backward).
+
+    Example:
+        >>> DelayedScaling().amax_history_len
+        1024
+    """
+
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    fwd_format: str = "e4m3"
+    bwd_format: str = "e5m2"
+
+    def __post_init__(self):
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise ValueError(
+                f"unknown amax_compute_algo {self.amax_compute_algo!r}; valid: {AMAX_ALGOS}")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be a positive int, got {self.amax_history_len!r}")
+        if not isinstance(self.margin, int):
+            raise TypeError(f"margin must be an int, got {self.margin!r}")
+        for f in (self.fwd_format, self.bwd_format):
+            element_format(f)  # validates the name
+
+    def init(self) -> "DelayedState":
+        """The state before the first step: empty histories, scales 1."""
+        hist = jnp.zeros((3, self.amax_history_len), jnp.float32)
+        return DelayedState(hist, jnp.ones((3,), jnp.float32))
+
+
+class DelayedState(NamedTuple):
+    """Histories (row 0: lhs, 1: rhs, 2: cotangent; column 0 the newest) and scales."""
+
+    amax_history: jax.Array
+    scale: jax.Array
+
+
+def _f32(x):
+    """float32 values, widened on the bits (no float convert: docs/design.md §8)."""
+    return bits_to_f32(input_bits(x))
+
+
+def _amax(x):
+    a = jnp.abs(_f32(x))
+    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), initial=0.0)
+
+
+def _cast(x, scale, fmt: ElementFormat):
+    """q / scale with q = fmt(x * scale), saturating; float32 IEEE steps."""
+    q = quantize(_f32(x) * scale, fmt, overflow="saturate")
+    return q / lax.optimization_barrier(jnp.broadcast_to(scale, q.shape))
+
+
+def _update(cfg: DelayedScaling, hist, scale, amax, fmax):
+    """Records ``amax`` (newest first), then the new scale from the window."""
+    hist = jnp.concatenate([amax[None], hist[:-1]])
+    chosen = jnp.max(hist) if cfg.amax_compute_algo == "max" else hist[0]
+    new = (fmax / chosen) / jnp.float32(2.0**cfg.margin)
+    ok = (chosen > 0) & jnp.isfinite(chosen)
+    return hist, jnp.where(ok, new, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def delayed_dot_general(lhs, rhs, state: DelayedState, dimension_numbers, cfg: DelayedScaling):
+    """``lax.dot_general`` of FP8 operands cast with delayed scales; differentiable.
+
+    Returns the float32 dot of ``lhs`` and ``rhs`` cast with ``state.scale[0]`` and
+    ``state.scale[1]`` (``cfg.fwd_format``); the backward dots cast the cotangent with
+    ``state.scale[2]`` (``cfg.bwd_format``) and reuse the cast operands. The gradient with
+    respect to ``state`` is the next step's state (module docstring).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> cfg = DelayedScaling(amax_history_len=4)
+        >>> st = cfg.init()
+        >>> x, w = jnp.ones((2, 8)), jnp.full((8, 3), 0.5)
+        >>> f = lambda a, b, s: delayed_dot_general(a, b, s, (((1,), (0,)), ((), ())), cfg).sum()
+        >>> st = jax.grad(f, argnums=2)(x, w, st)
+        >>> st.scale.tolist()  # 448 / 1, 448 / 0.5, 57344 / 1 (the cotangent of sum is 1)
+        [448.0, 896.0, 57344.0]
+    """
+    return _fwd(lhs, rhs, state, dimension_numbers, cfg)[0]
+
+
+def _f32dot(a, b, dn):
+    return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def _fwd(lhs, rhs, state, dn, cfg):
+    f = element_format(cfg.fwd_format)
+    ql, qr = _cast(lhs, state.scale[0], f), _cast(rhs, state.scale[1], f)
+    return _f32dot(ql, qr, dn), (ql, qr, _amax(lhs), _amax(rhs), state, lhs, rhs)
+
+
+def _bwd(dn, cfg, res, g):
+    ql, qr, al, ar, state, lhs, rhs = res
+    fb = element_format(cfg.bwd_format)
+    qg = _cast(g, state.scale[2], fb)  # g: the float32 output's cotangent
+    # The transposes of the forward dot, applied to the cast operands.
+    _, vjp = jax.vjp(lambda a, b: _f32dot(a, b, dn), ql, qr)
+    gl, gr = vjp(qg)
+    ff = element_format(cfg.fwd_format)
+    rows, scales = [], []
+    for i, (amax, fmt) in enumerate(((al, ff), (ar, ff), (_amax(g), fb))):
+        h, s = _update(cfg, state.amax_history[i], state.scale[i], amax,
+                       jnp.float32(fmt.max_finite))
+        rows.append(h)
+        scales.append(s)
+    new_state = DelayedState(jnp.stack(rows), jnp.stack(scales))
+    return (bits_to_dtype(f32_bits(gl), lhs.dtype), bits_to_dtype(f32_bits(gr), rhs.dtype),
+            new_state)
+
+
+delayed_dot_general.defvjp(_fwd, _bwd)

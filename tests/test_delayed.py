@@ -1,0 +1,81 @@
+"""Delayed FP8 scaling (Transformer Engine's DelayedScaling) against a NumPy statement.
+
+The statement follows lowprec/_delayed.py's docstring (TE semantics): cast q = fp8(x * scale)
+saturating (the independent reference's exact-rational encoder), read q / scale in float32;
+after the step record the amax (newest first, window amax_history_len) and take
+scale = (fp8_max / amax) / 2^margin from the window's max (or newest) amax, keeping the old
+scale where that amax is 0. Cast operands and states must match bit for bit; GEMMs within
+2·K·2^-23·Σ|a b| of float64 dots of the statement's operands.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowprec_reference as ref
+from lowprec._delayed import DelayedScaling, delayed_dot_general
+
+DN = (((1,), (0,)), ((), ()))
+FMAX = {"e4m3": np.float32(448.0), "e5m2": np.float32(57344.0)}
+
+
+def np_cast(x, scale, fmt):
+    xs = (np.asarray(x, np.float32) * np.float32(scale)).astype(np.float32)
+    q = ref.decode(fmt, ref.encode(fmt, xs, "nearest_even", "saturate")).astype(np.float32)
+    return (q / np.float32(scale)).astype(np.float32)
+
+
+def np_update(hist, scale, amax, fmax, cfg):
+    hist = np.concatenate([[np.float32(amax)], hist[:-1]]).astype(np.float32)
+    chosen = hist.max() if cfg.amax_compute_algo == "max" else hist[0]
+    new = np.float32(np.float32(fmax / chosen) / np.float32(2.0**cfg.margin)) if chosen > 0 else scale
+    return hist, np.float32(new)
+
+
+def _within(got, a, b):
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    bound = 2 * a64.shape[1] * 2.0**-23 * (np.abs(a64) @ np.abs(b64))
+    assert np.all(np.abs(np.asarray(got, np.float64) - a64 @ b64) <= bound)
+
+
+@pytest.mark.parametrize("cfg", [
+    DelayedScaling(amax_history_len=2, margin=1),
+    DelayedScaling(amax_history_len=3, amax_compute_algo="most_recent"),
+])
+def test_three_steps_match_the_numpy_statement(cfg):
+    state = cfg.init()
+    hist, scale = np.zeros((3, cfg.amax_history_len), np.float32), np.ones(3, np.float32)
+
+    @jax.jit
+    def step(x, w, c, st):
+        loss = lambda a, b, s: jnp.sum(delayed_dot_general(a, b, s, DN, cfg) * c)
+        y = delayed_dot_general(x, w, st, DN, cfg)
+        return (y,) + jax.grad(loss, argnums=(0, 1, 2))(x, w, st)
+
+    for t, mag in enumerate((1.0, 30.0, 0.01)):  # the amax moves: the scale lags one step
+        k1, k2, k3 = jax.random.split(jax.random.key(t), 3)
+        x = np.asarray(jax.random.normal(k1, (16, 32))) * mag
+        w = np.asarray(jax.random.normal(k2, (32, 8)))
+        c = np.asarray(jax.random.normal(k3, (16, 8))) * mag
+        y, gx, gw, state = step(x, w, c, state)
+        ql, qr = np_cast(x, scale[0], "e4m3"), np_cast(w, scale[1], "e4m3")
+        qg = np_cast(c, scale[2], "e5m2")
+        _within(y, ql, qr)
+        _within(gx, qg, qr.T)
+        _within(gw, ql.T, qg)
+        amaxes = (np.abs(x).max(), np.abs(w).max(), np.abs(c).max())
+        fmts = ("e4m3", "e4m3", "e5m2")
+        for i in range(3):
+            hist[i], scale[i] = np_update(hist[i], scale[i], amaxes[i], FMAX[fmts[i]], cfg)
+        np.testing.assert_array_equal(np.asarray(state.amax_history), hist)
+        np.testing.assert_array_equal(np.asarray(state.scale).view(np.uint32), scale.view(np.uint32))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="unknown amax_compute_algo 'mean'"):
+        DelayedScaling(amax_compute_algo="mean")
+    with pytest.raises(ValueError, match="amax_history_len must be a positive int"):
+        DelayedScaling(amax_history_len=0)

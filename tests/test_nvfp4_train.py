@@ -1,0 +1,177 @@
+"""The NVFP4 training recipe (lowprec.NVIDIA_NVFP4) against a NumPy statement of its steps.
+
+The statement below is written from the recipe's description (lowprec/_nvfp4_train.py's
+docstring: NVIDIA arXiv 2509.25149 / Transformer Engine NVFP4BlockScaling) with the
+independent reference's NVFP4 quantizer (``lowprec_reference.quantize_nvfp4``: exact
+rational rounding) for 16-element blocks, and NumPy float32 arithmetic for the 16 x 16 weight
+tiles and the Hadamard butterfly. Every quantized operand must equal it bit for bit; each
+GEMM (a float32 dot in lowprec, a float64 one here) within 2·K·2^-23·Σ|a b| (float32
+accumulation plus one product rounding per term). The random words are the recipe's
+documented contract (lowprec.random_bits of keys folded from the seed and the cotangent).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowprec
+import lowprec_reference as ref
+from lowprec import _nvfp4_train as nt
+
+DN = (((1,), (0,)), ((), ()))
+E4M3_EPS, E4M3_MAX = np.float32(2.0**-6), np.float32(448.0)
+
+
+def np_q1(v, axis, words=None):
+    """NVFP4 values of v blocked along axis (reference quantizer), float32."""
+    rounding = "nearest_even" if words is None else "stochastic"
+    # uint16 words compared with frac * 2^16 = uint32 words (w << 16) compared with frac * 2^32
+    words = None if words is None else np.asarray(words).astype(np.uint32) << 16
+    e, s, ts = ref.quantize_nvfp4(np.asarray(v, np.float32), axis=axis, rounding=rounding,
+                                  random_bits=words)
+    return ref.dequantize_mx(e, s, "nvfp4", axis=axis, tensor_scale=ts).astype(np.float32)
+
+
+def np_q2(w):
+    """NVFP4 values of w [R, C] with one E4M3 scale per 16 x 16 tile (from the tile amax)."""
+    w = np.asarray(w, np.float32)
+    ts = ref.nvfp4_tensor_scale(w)
+    out = np.empty_like(w)
+    with np.errstate(all="ignore"):
+        for i in range(0, w.shape[0], 16):
+            for j in range(0, w.shape[1], 16):
+                tile = w[i:i + 16, j:j + 16]
+                amax = np.float32(np.abs(tile).max())
+                s = np.float32(np.float32(amax / np.float32(6)) / ts)
+                s = min(max(s, E4M3_EPS), E4M3_MAX)
+                total = np.float32(ts * np.float32(ref.decode("e4m3", ref.encode("e4m3", np.array([s])))[0]))
+                q = (tile / total).astype(np.float32)
+                codes = ref.encode("e2m1", q, "nearest_even", "saturate")
+                out[i:i + 16, j:j + 16] = (ref.decode("e2m1", codes).astype(np.float32) * total)
+    return out
+
+
+def np_rht(v, signs):
+    """M v along axis 0 in 16-blocks: signs, the Walsh-Hadamard butterfly, then 1/4."""
+    v = np.asarray(v, np.float32)
+    t, c = v.shape
+    b = (v.reshape(t // 16, 16, c) * signs[None, :, None]).astype(np.float32)
+    h = 1
+    while h < 16:
+        b = b.reshape(t // 16, 16 // (2 * h), 2, h, c)
+        lo, hi = b[:, :, 0], b[:, :, 1]
+        b = np.stack([lo + hi, lo - hi], axis=2).astype(np.float32)
+        h *= 2
+    return (b.reshape(t, c) * np.float32(0.25)).astype(np.float32)
+
+
+def np_words(g, seed):
+    """The contract's words: h = wrapping uint32 sum of g's bits, k = fold_in(key(seed), h)."""
+    h = int(np.asarray(g, np.float32).view(np.uint32).astype(np.uint64).sum() % 2**32)
+    k = jax.random.fold_in(jax.random.key(seed), np.uint32(h))
+    return [np.asarray(lowprec.random_bits(jax.random.fold_in(k, i), g.shape)) for i in (0, 1)]
+
+
+def _within(got, a, b):
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    exact = a64 @ b64
+    bound = 2 * a64.shape[1] * 2.0**-23 * (np.abs(a64) @ np.abs(b64)) + 1e-30
+    assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= bound)
+
+
+def _data(t=32, k=32, n=16, seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k1, (t, k)) * jnp.exp2(jax.random.randint(k2, (t, k), -3, 4))
+    w = jax.random.normal(k2, (k, n)) / 4
+    c = jax.random.normal(k3, (t, n))
+    return np.asarray(x), np.asarray(w), np.asarray(c)
+
+
+@pytest.mark.slow  # ~10 s on 2 shared cores (the exact-rational reference)
+def test_building_blocks_bit_exact():
+    x, w, _ = _data()
+    q2 = jax.jit(nt.quantize_2d)
+    np.testing.assert_array_equal(np.asarray(q2(jnp.asarray(w.T))).view(np.uint32),
+                                  np_q2(w.T).view(np.uint32))
+    signs = np.asarray(nt.rht_signs(5))
+    assert set(signs.tolist()) <= {-1.0, 1.0} and len(signs) == 16
+    got = np.asarray(jax.jit(nt.rht)(jnp.asarray(x), jnp.asarray(signs)))
+    np.testing.assert_array_equal(got.view(np.uint32), np_rht(x, signs).view(np.uint32))
+    # M is orthogonal: (M x)^T (M x) = x^T x up to rounding.
+    np.testing.assert_allclose(got.T.astype(np.float64) @ got, x.T.astype(np.float64) @ x,
+                               rtol=1e-5, atol=1e-4)
+    # A 2-D-scaled weight reads the same along either axis (one weight for fwd and dgrad).
+    np.testing.assert_array_equal(np.asarray(q2(jnp.asarray(w))).T, np.asarray(q2(jnp.asarray(w.T))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe_kw", [
+    {},  # NVIDIA_NVFP4 itself
+    dict(wgrad_rht=False, weight_block_2d=False, grad_rounding="nearest_even"),  # plain NVFP4
+])
+def test_recipe_matches_the_numpy_statement(recipe_kw):
+    base = lowprec.NVIDIA_NVFP4
+    recipe = lowprec.Recipe(forward="nvfp4", grad="nvfp4", seed=base.seed, **{
+        "weight_block_2d": True, "wgrad_rht": True, "grad_rounding": "stochastic", **recipe_kw})
+    x, w, c = _data()  # T = 32, K = 32, N = 16: multiples of 16, no padding
+    loss = lambda a, b: jnp.sum(recipe.dot_general(a, b, DN) * c)
+    y = np.asarray(jax.jit(lambda a, b: recipe.dot_general(a, b, DN))(x, w))
+    gx, gw = (np.asarray(v) for v in jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w))
+    # The statement.
+    xq = np_q1(x, 1)
+    wq = np_q2(w.T).T if recipe.weight_block_2d else np_q1(w, 0)
+    _within(y, xq, wq)
+    wd, ww = np_words(c, recipe.seed) if recipe.grad_rounding == "stochastic" else (None, None)
+    # Without 2-D scales the weight is re-quantized along N for grad_x (lowprec's quantized
+    # backward); with them, the forward's quantized weight is the backward's.
+    wq_d = wq if recipe.weight_block_2d else np_q1(w, 1)
+    _within(gx, np_q1(c, 1, wd), wq_d.T)
+    xr, gr = x, c
+    if recipe.wgrad_rht:
+        signs = 1.0 - 2.0 * (np.asarray(lowprec.random_bits(jax.random.key(recipe.seed), (16,))) & 1)
+        xr, gr = np_rht(x, signs.astype(np.float32)), np_rht(c, signs.astype(np.float32))
+    _within(gw, np_q1(xr, 0).T, np_q1(gr, 0, ww))
+
+
+@pytest.mark.slow
+def test_padding_and_weight_layouts():
+    # T, K, N not multiples of 16 (zero padding), the weight as [N, K], and leading dims.
+    x, w, c = _data(t=20, k=24, n=8, seed=3)
+    r = lowprec.NVIDIA_NVFP4
+    x3 = x.reshape(4, 5, 24)
+    y = jax.jit(lambda a, b: r.dot_general(a, b, (((2,), (0,)), ((), ()))))(x3, w)
+    y_t = jax.jit(lambda a, b: r.dot_general(a, b, (((2,), (1,)), ((), ()))))(x3, w.T)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_t))
+    xp = np.pad(x, ((0, 12), (0, 8)))
+    wp = np.pad(w, ((0, 8), (0, 8)))
+    _within(np.asarray(y).reshape(20, 8), np_q1(xp, 1)[:20], np_q2(wp.T).T[:, :8])
+    g = jax.jit(jax.grad(lambda a, b: jnp.sum(r.dot_general(a, b, (((2,), (1,)), ((), ()))) ** 2),
+                         argnums=(0, 1)))(jnp.asarray(x3), jnp.asarray(w.T))
+    assert g[0].shape == x3.shape and g[1].shape == w.T.shape
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in g)
+
+
+def test_stochastic_rounding_is_unbiased_and_varies_with_the_data():
+    # Same layer, cotangents c and c + tiny: different words (h differs), so different grads;
+    # and the mean of grad_x over many cotangents tends to the float gradient's expectation.
+    x, w, c = _data()
+    r = lowprec.NVIDIA_NVFP4
+    gx = lambda cc: jax.jit(jax.grad(lambda a: jnp.sum(r.dot_general(a, w, DN) * cc)))(x)
+    a, b = np.asarray(gx(c)), np.asarray(gx(c * np.float32(1 + 2**-20)))
+    assert not np.array_equal(a, b)
+    np.testing.assert_array_equal(a, np.asarray(gx(c)))  # reproducible
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="parts of the NVFP4 training recipe"):
+        lowprec.Recipe(forward="mxfp8", grad="mxfp8", wgrad_rht=True)
+    with pytest.raises(ValueError, match="unknown grad_rounding 'up'"):
+        lowprec.Recipe(forward="nvfp4", grad="nvfp4", grad_rounding="up")
+    with pytest.raises(ValueError, match="applies to linear layers"):
+        lowprec.NVIDIA_NVFP4.dot_general(jnp.ones((2, 16, 16)), jnp.ones((2, 16, 16)),
+                                         (((2,), (1,)), ((0,), (0,))))
+    assert lowprec.RECIPES["nvidia_nvfp4"] is lowprec.NVIDIA_NVFP4
+    assert "wgrad RHT" in lowprec.NVIDIA_NVFP4.describe()
