@@ -550,9 +550,84 @@ def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canon
     return lax.slice_in_dim(merge_blocks(bits, axis), 0, n, axis=axis)
 
 
+def _grouped_codes(elements, fmt: MXFormat, axis: int):
+    """Element codes as ``[..., groups, codes per group, ...]`` (a group: the bytes holding
+    a whole number of codes: 1 byte for 8-bit codes and FP4's pairs, 3 for FP6's fours),
+    built without a stack or a concatenate: each byte is broadcast over its group's codes
+    and each code picks its bits by its position (an iota). Nothing is reshaped across
+    groups, so XLA's GPU fusion sees every code through one index map."""
+    bits = fmt.element.code_bits
+    per_bytes, per_codes = {8: (1, 1), 4: (1, 2), 6: (3, 4)}[bits]
+    if bits == 8:
+        return elements  # already one code per byte: the array's own layout
+    shape = elements.shape
+    groups = shape[axis] // per_bytes
+    g = elements.reshape(*shape[:axis], groups, per_bytes, *shape[axis + 1:])
+    byte = [lax.index_in_dim(g, j, axis + 1) for j in range(per_bytes)]  # keepdims
+    out_shape = (*shape[:axis], groups, per_codes, *shape[axis + 1:])
+    pos = lax.broadcasted_iota(jnp.uint8, out_shape, axis + 1)
+    u8 = jnp.uint8
+    if bits == 4:  # element 2k in the low nibble
+        b = jnp.broadcast_to(byte[0], out_shape)
+        return jnp.where(pos == 0, b & 0xF, lax.shift_right_logical(b, u8(4)))
+    # FP6: four 6-bit codes in three bytes, a little-endian bit stream (_pack.unpack_last)
+    b0, b1, b2 = (jnp.broadcast_to(b, out_shape) for b in byte)
+    c1 = lax.shift_right_logical(b0, u8(6)) | lax.shift_left(b1 & 0xF, u8(2))
+    c2 = lax.shift_right_logical(b1, u8(4)) | lax.shift_left(b2 & 0x3, u8(4))
+    return jnp.where(pos == 0, b0 & 0x3F, jnp.where(
+        pos == 1, c1, jnp.where(pos == 2, c2, lax.shift_right_logical(b2, u8(2)))))
+
+
+def _per_code(v, grouped_shape, axis: int):
+    """A per-block array broadcast to the code layout of :func:`_grouped_codes`."""
+    shape = v.shape
+    if len(grouped_shape) == len(shape):  # 8-bit codes, ungrouped
+        block = grouped_shape[axis] // shape[axis]
+        wide = jnp.broadcast_to(jnp.expand_dims(v, axis + 1),
+                                (*shape[:axis], shape[axis], block, *shape[axis + 1:]))
+        return wide.reshape(grouped_shape)
+    groups, per_codes = grouped_shape[axis], grouped_shape[axis + 1]
+    per_block = groups // shape[axis]
+    wide = jnp.broadcast_to(
+        jnp.expand_dims(v, (axis + 1, axis + 2)),
+        (*shape[:axis], shape[axis], per_block, per_codes, *shape[axis + 1:]))
+    return wide.reshape(grouped_shape)
+
+
+def mx_values_blockwise(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
+    """:func:`mx_values` in one elementwise pass (no branch, no reduction): each block takes
+    the fast decode when its scale code is at least :func:`fast_scale_min` (exact for every
+    element, the NaN code included), the bit-built one otherwise (exact everywhere). Bit
+    for bit what the whole-array choice of :func:`mx_values` gives, since both are exact
+    wherever they are used; for ``fast_decode_applies`` formats only.
+
+    This is the GPU formulation: XLA's GPU pipeline turns the ``lax.cond`` of
+    :func:`mx_values` into a select over two materialized full-size results (5-7 kernels,
+    up to 6x the ideal bytes, benchmarks/gpu_hlo_report.py), while this fuses into one
+    loop. Codes are decoded in their packed groups' layout (:func:`_grouped_codes`), every
+    per-block quantity is computed once per block and broadcast, and only the result is
+    reshaped: XLA's GPU fusion refuses to fuse values it would have to recompute through
+    several index maps, which the block-split formulation made it do. On CPU the
+    conditional runs one branch, so the cheaper fast decode alone usually runs there."""
+    codes = _grouped_codes(elements, fmt, axis)
+    factor = _per_code(e8m0_factor(scales), codes.shape, axis)
+    big = _per_code(scales >= fast_scale_min(fmt), codes.shape, axis)
+    sb = _per_code(scales, codes.shape, axis)
+    fast = f32_bits(decode_f32(fmt.element, codes) * factor)
+    fast = jnp.where((fast & F32_ABS) > F32_INF, jnp.uint32(F32_QNAN), fast)
+    exact = scale_bits_by_e8m0(decode_bits(fmt.element, codes), sb)
+    values = bits_to_dtype(jnp.where(big, fast, exact), dtype)
+    if codes.ndim > elements.ndim:  # merge the groups back
+        shape = elements.shape
+        values = values.reshape(*shape[:axis], codes.shape[axis] * codes.shape[axis + 1],
+                                *shape[axis + 1:])
+    return lax.slice_in_dim(values, 0, n, axis=axis)
+
+
 def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_scale=None):
     """Exact values of MX codes as ``dtype`` (rounded to nearest even if narrower than
-    float32): the fast decode when it is exact for these codes, else the bit-built one."""
+    float32): the fast decode when it is exact for these codes, else the bit-built one.
+    On a CUDA GPU, the one-pass :func:`mx_values_blockwise` (the same bits)."""
 
     def exact(e, s, f):
         return bits_to_dtype(mx_value_bits(e, s, fmt, axis, n, tensor_scale), dtype)
@@ -563,11 +638,16 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_
     def fast(e, s, f):
         return bits_to_dtype(mx_value_bits_fast(e, s, fmt, axis, n, factor=f), dtype)
 
-    # The block factors are computed before the branch (one per block, then broadcast), not
-    # redone for every element inside the branch's fused loop.
-    factor = e8m0_factor(scales)
-    pred = fast_decode_exact(elements, scales, fmt, axis)
-    return lax.cond(pred, fast, exact, elements, scales, factor)
+    def whole_array_choice(e, s):
+        # The block factors are computed before the branch (one per block, then broadcast),
+        # not redone for every element inside the branch's fused loop.
+        factor = e8m0_factor(s)
+        return lax.cond(fast_decode_exact(e, s, fmt, axis), fast, exact, e, s, factor)
+
+    def blockwise(e, s):
+        return mx_values_blockwise(e, s, fmt, axis, n, dtype)
+
+    return lax.platform_dependent(elements, scales, cuda=blockwise, default=whole_array_choice)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
