@@ -393,10 +393,12 @@ def entry_points(shape, pallas: bool = False, full: bool = True):
     nv = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "nvfp4"), x)
     cases["dequantize nvfp4 f32"] = (lambda m: lowprec.dequantize(m), nv)
     if pallas:
-        from lowprec._quantize_pallas import quantize_mx_pallas
+        from lowprec._quantize_pallas import pallas_quantize_applies, quantize_mx_pallas
 
-        for fmt in ("mxfp8_e4m3", "mxfp4"):
+        for fmt in formats:
             cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")
+            if not pallas_quantize_applies(cast):
+                continue
             cases[f"Pallas quantize kernel {fmt} rceil"] = (
                 lambda v, c=cast: quantize_mx_pallas(v, c), x)
     cases["shared_exponents mxfp8 floor"] = (lambda v: lowprec.shared_exponents(v, "mxfp8"), x)

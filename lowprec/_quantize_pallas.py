@@ -31,6 +31,15 @@ def _pack_pairs(codes):
     return lo | lax.shift_left(hi, jnp.uint8(4))
 
 
+def pallas_quantize_applies(cast: MXCast) -> bool:
+    """Whether the kernel serves this cast (static): E8M0-scaled formats with 8-bit or
+    FP4 codes (FP6's three-byte groups and NVFP4's tensor scale are not written here),
+    deterministic rounding."""
+    fmt = cast.fmt
+    return (not fmt.tensor_scale and fmt.element.code_bits in (4, 8)
+            and not cast.stochastic)
+
+
 def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, br: int, bc: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -62,7 +71,9 @@ def quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int
     *lead, cols = x.shape
     rows = math.prod(lead)
     fmt = cast.fmt
-    per_block = fmt.block_size // 2 if fmt.packed else fmt.block_size
+    if not pallas_quantize_applies(cast):
+        raise ValueError(f"quantize_mx_pallas: {fmt.name} is not served (see pallas_quantize_applies)")
+    per_block = fmt.bytes_per_block
     out_shape = (
         jax.ShapeDtypeStruct((rows, cols // fmt.block_size * per_block), jnp.uint8),
         jax.ShapeDtypeStruct((rows, cols // fmt.block_size), jnp.uint8),
