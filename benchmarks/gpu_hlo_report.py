@@ -22,7 +22,9 @@ kInput = a reduction, kCustom = Triton/cuBLAS), custom calls, copies and transpo
 move data, reduces, dots, conditionals and loops. Bitcasts, tuples, parameters and constants
 are free.
 
-Columns: ``kernels`` (that count), ``kinds``, ``traffic/ideal``: the bytes every kernel
+Columns: ``kernels`` (that count), ``passes`` (kernels that stream the data: more than
+1/8 of the ideal bytes; the others touch per-block values such as scales), ``kinds``,
+``traffic/ideal``: the bytes every kernel
 reads and writes (each operand and result counted once per kernel) over the bytes a
 single pass needs (the entry's parameters and result) — 1.0 is one fused pass; 2.0 means
 the data went through memory twice. ``pred TB/s`` (with a target): the effective bandwidth
@@ -156,15 +158,20 @@ def summarize(hlo: str) -> dict:
     instrs, sizes, params, root = entry_kernels(hlo)
     ops = fused_op_counts(hlo)
     calls = re.findall(r"calls=%([\w.\-]+)", hlo[hlo.index("\nENTRY"):])
-    traffic = sum(out + sum(sizes.get(o, 0) for o in set(ops)) for _, _, _, out, ops in instrs)
+    per_kernel = [out + sum(sizes.get(o, 0) for o in set(ops)) for _, _, _, out, ops in instrs]
+    traffic = sum(per_kernel)
+    ideal = max(1, params + root)
     kinds = Counter(f"{op}:{label}" if label else op for _, op, label, _, _ in instrs)
     notes = [f"{op} {name}" for name, op, _, _, _ in instrs if op in ("copy", "transpose")]
     notes += [f"reduction {name}" for name, op, label, _, _ in instrs if label == "kInput" or op == "reduce"]
     notes += [f"{op} {name}" for name, op, _, _, _ in instrs if op in ("conditional", "while")]
     return {
         "kernels": len(instrs),
+        # Kernels that stream the data (more than 1/8 of the ideal bytes); the others touch
+        # per-block values only (scales: 1/32 of the elements).
+        "passes": sum(b > ideal / 8 for b in per_kernel),
         "kinds": ", ".join(f"{k}×{v}" if v > 1 else k for k, v in sorted(kinds.items())),
-        "traffic_over_ideal": traffic / max(1, params + root),
+        "traffic_over_ideal": traffic / ideal,
         "fused_ops": sum(ops.get(c, 0) for c in calls),
         "notes": "; ".join(notes),
     }
@@ -479,7 +486,7 @@ def main(argv=None) -> int:
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
     rows = report_rows(shape, args.target, args.only, args.dump, full=not args.short)
-    headers = ["entry point", "kernels", "kinds", "traffic/ideal"]
+    headers = ["entry point", "kernels", "passes", "kinds", "traffic/ideal"]
     headers += ["pred TB/s"] if args.target else []
     headers += ["fused ops", "regs/spill", "notes"]
     table = []
@@ -487,11 +494,12 @@ def main(argv=None) -> int:
         if "error" in r:
             table.append([r["entry point"], "n/a", r["error"][:80]] + [""] * (len(headers) - 3))
             continue
-        cells = [r["entry point"], str(r["kernels"]), r["kinds"], f"{r['traffic_over_ideal']:.2f}"]
+        cells = [r["entry point"], str(r["kernels"]), str(r["passes"]), r["kinds"],
+                 f"{r['traffic_over_ideal']:.2f}"]
         cells += [f"{r['pred TB/s']:.2f}"] if args.target else []
         cells += [str(r["fused_ops"]), r["regs/spill"], r["notes"]]
         table.append(cells)
-    print(render_table(headers, table, right=(1, 3, 4)))
+    print(render_table(headers, table, right=(1, 2, 4, 5)))
     if args.json:
         _write_atomic(args.json, json.dumps({"shape": shape, "target": args.target, "rows": rows},
                                             indent=1))
