@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._codec import input_bits
+from ._bits import scale_bits_by_e8m0
+from ._blocks import merge_blocks, split_blocks
+from ._codec import bits_to_dtype, decode_bits, input_bits
 from ._mx import quantize_blocks
 from ._options import MXCast
 
@@ -38,6 +40,12 @@ def pallas_quantize_applies(cast: MXCast) -> bool:
     fmt = cast.fmt
     return (not fmt.tensor_scale and fmt.element.code_bits in (4, 8)
             and not cast.stochastic)
+
+
+def pallas_fake_quantize_applies(cast: MXCast) -> bool:
+    """Whether the fake-quantization kernel serves this cast (static): E8M0-scaled formats
+    (codes stay unpacked in registers, so FP6 too), deterministic rounding."""
+    return not cast.fmt.tensor_scale and not cast.stochastic
 
 
 def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, br: int, bc: int):
@@ -92,3 +100,56 @@ def quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int
         **params,
     )(x.reshape(rows, cols))
     return elements.reshape(*lead, -1), scales.reshape(*lead, -1)
+
+
+# -- fake quantization: quantize and decode in registers ----------------------------------
+
+
+def _fake_kernel(x_ref, o_ref, *, cast: MXCast, rows: int, cols: int, br: int, bc: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    i, j = pl.program_id(0), pl.program_id(1)
+    ok = (((i * br + lax.iota(jnp.int32, br)) < rows)[:, None]
+          & ((j * bc + lax.iota(jnp.int32, bc)) < cols)[None, :])
+    where = o_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)]
+    x = plt.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], mask=ok,
+                 other=jnp.zeros((), x_ref.dtype))
+    fmt = cast.fmt
+    # Codes left unpacked (an identity "pack"), then decoded exactly from the bits, as
+    # dequantize's bit-built path: the same values, never a float8 type (no cast pair).
+    codes, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=lambda c: c)
+    vb = split_blocks(decode_bits(fmt.element, codes), 1, fmt.block_size)
+    bits = merge_blocks(scale_bits_by_e8m0(vb, scales[:, :, None]), 1)
+    plt.store(where, bits_to_dtype(bits, x_ref.dtype), mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("cast", "block_rows", "block_cols", "interpret"))
+def fake_quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int = 256,
+                            interpret: bool = False):
+    """``dequantize(quantize_mx(x, ...), x.dtype)`` of ``x`` (float32/bfloat16/float16,
+    last axis a multiple of 32, blocks along it) in one pass: the fake quantization of
+    :func:`lowprec.fake_quantize_mx` on CUDA for the casts
+    :func:`pallas_fake_quantize_applies` accepts (bit for bit: the same quantization core and the bit-built decode)."""
+    from jax.experimental import pallas as pl
+
+    *lead, cols = x.shape
+    rows = math.prod(lead)
+    if not pallas_fake_quantize_applies(cast):
+        raise ValueError(f"fake_quantize_mx_pallas: {cast.fmt.name} is not served "
+                         "(see pallas_fake_quantize_applies)")
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+
+        params["compiler_params"] = plt.CompilerParams(num_warps=4)
+    out = pl.pallas_call(
+        functools.partial(_fake_kernel, cast=cast, rows=rows, cols=cols, br=block_rows,
+                          bc=block_cols),
+        out_shape=jax.ShapeDtypeStruct((rows, cols), x.dtype),
+        grid=(-(-rows // block_rows), -(-cols // block_cols)),
+        interpret=interpret,
+        name="lowprec_fake_quantize_mx",
+        **params,
+    )(x.reshape(rows, cols))
+    return out.reshape(x.shape)

@@ -518,3 +518,70 @@ def test_gpu_compiled_quantize_kernel_is_bit_identical(fmt):
         want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
         np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
         np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+
+
+# -- the one-pass Pallas fake quantization (fake_quantize_mx on CUDA) ------------------------------
+
+from lowprec._quantize_pallas import fake_quantize_mx_pallas  # noqa: E402
+
+FAKE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8")
+FAKE_CASES = [(f, r, np.float32) for f in FAKE_FORMATS for r in lowprec.ScaleRule] + [
+    (f, "rceil", jnp.bfloat16) for f in FAKE_FORMATS
+]
+
+
+def _same_values(got, want):
+    """Bits equal, NaN payloads aside (every NaN here is the canonical quiet NaN anyway)."""
+    g = np.asarray(jnp.asarray(got, jnp.float32)).view(np.uint32)
+    w = np.asarray(jnp.asarray(want, jnp.float32)).view(np.uint32)
+    g_nan, w_nan = (g & 0x7FFFFFFF) > 0x7F800000, (w & 0x7FFFFFFF) > 0x7F800000
+    np.testing.assert_array_equal(g_nan, w_nan)
+    np.testing.assert_array_equal(np.where(g_nan, 0, g), np.where(w_nan, 0, w))
+
+
+@pytest.mark.parametrize(
+    "fmt,rule,dtype", FAKE_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in FAKE_CASES]
+)
+def test_pallas_fake_quantize_is_bit_identical_to_the_xla_path(fmt, rule, dtype):
+    """One pass, quantize and decode in registers: the values of the XLA formulation
+    (dequantize(quantize_mx(x))) bit for bit, specials and partial tiles included."""
+    x = jnp.asarray(_specials((21, 352), 5, spread=8 if dtype == jnp.bfloat16 else 30), dtype)
+    cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+    got = fake_quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
+    want = lowprec.dequantize(lowprec.quantize_mx(x, fmt, scale_rule=rule), dtype)
+    assert got.dtype == x.dtype
+    _same_values(got, want)
+
+
+@needs_triton_lowering
+@pytest.mark.parametrize("fmt", FAKE_FORMATS)
+def test_pallas_fake_quantize_lowers_to_triton(fmt):
+    cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")
+    spec = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    assert _lower_for_cuda(lambda v: fake_quantize_mx_pallas(v, cast), spec).count(TRITON_CALL) == 1
+
+
+@needs_triton_lowering
+def test_quantize_and_fake_quantize_take_the_kernels_on_cuda_only():
+    """The public functions choose the one-pass kernels when lowered for CUDA (last axis,
+    no padding, deterministic rounding) and XLA's formulation for the CPU."""
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    for f in (lambda v: lowprec.quantize_mx(v, "mxfp8"),
+              lambda v: lowprec.fake_quantize_mx(v, "mxfp4")):
+        assert TRITON_CALL in _lower_for_cuda(f, x)
+        assert TRITON_CALL not in jax.jit(f).trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    for f in (lambda v: lowprec.quantize_mx(v, "mxfp8", axis=0),
+              lambda v: lowprec.quantize_mx(v, "mxfp6"),  # FP6 packing: XLA's path
+              lambda v: lowprec.quantize_mx(v, "nvfp4")):
+        assert TRITON_CALL not in _lower_for_cuda(f, x)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("fmt", FAKE_FORMATS)
+def test_gpu_compiled_fake_quantize_kernel_is_bit_identical(fmt):
+    x = jnp.asarray(_specials((1000, 4096), 4))
+    for rule in lowprec.ScaleRule:
+        cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+        want = lowprec.dequantize(lowprec.quantize_mx(x, fmt, scale_rule=rule))
+        _same_values(fake_quantize_mx_pallas(x, cast), want)
