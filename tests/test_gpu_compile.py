@@ -109,6 +109,9 @@ def test_mxfp4_decode_product_compiles_without_spills(m, tmp_path):
     assert kernels, f"no PTX for the kernel among {sorted(stats)}"
     for name, (regs, spill_st, spill_ld) in kernels.items():
         assert spill_st == spill_ld == 0, f"{name}: {regs} registers, spills {spill_st}/{spill_ld} B"
+    if m == 16:  # the tensor-core path loads each step's packed tile in wide vectors
+        ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx") if "lowprec_mxfp4" in p.read_text())
+        assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx, "byte loads of weights"
 
 
 @pytest.mark.parametrize("kernel", ["quantize", "fake_quantize"])
