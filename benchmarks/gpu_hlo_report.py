@@ -100,10 +100,13 @@ def _split_shape(rest: str):
     return shape, m.group(1), operands, m.group(3)
 
 
-def entry_kernels(hlo: str):
-    """[(name, opcode, kind, out_bytes, operand_names)] for the entry computation; and the
-    bytes of its parameters and result."""
-    lines = hlo[hlo.index("\nENTRY") :].splitlines()[1:]
+def entry_kernels(hlo: str, computation: str = None):
+    """[(name, opcode, kind, out_bytes, operand_names)] for the entry computation (or the
+    named one); and the bytes of its parameters and result."""
+    if computation is None:
+        lines = hlo[hlo.index("\nENTRY") :].splitlines()[1:]
+    else:
+        lines = hlo[hlo.index(f"\n%{computation} ") + 1 :].splitlines()[1:]
     instrs, sizes, alias = [], {}, {}
     param_bytes = root_bytes = 0
     for line in lines:
@@ -154,6 +157,27 @@ def fused_op_counts(hlo: str) -> dict:
     return counts
 
 
+def conditional_branches(hlo: str) -> list:
+    """Names of the branch computations of the entry's conditionals."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    names = []
+    for m in re.finditer(r"true_computation=%([\w.\-]+), false_computation=%([\w.\-]+)", entry):
+        names += [m.group(1), m.group(2)]
+    for m in re.finditer(r"branch_computations=\{([^}]*)\}", entry):
+        names += re.findall(r"%([\w.\-]+)", m.group(1))
+    return names
+
+
+def branch_note(hlo: str, computation: str) -> str:
+    """'branch NAME: its kernels' (Pallas kernels by name) for a conditional's branch."""
+    instrs = entry_kernels(hlo, computation)[0]
+    body = hlo[hlo.index(f"\n%{computation} "):]
+    pallas = re.findall(r'name\s*=\s*\\?"(lowprec_\w+)', body[: body.index("\n}")])
+    kinds = Counter(f"{op}:{label}" if label else op for _, op, label, _, _ in instrs)
+    text = ", ".join(f"{k}×{v}" if v > 1 else k for k, v in sorted(kinds.items()))
+    return f"branch {computation}: {text}" + (f" ({', '.join(sorted(set(pallas)))})" if pallas else "")
+
+
 def summarize(hlo: str) -> dict:
     instrs, sizes, params, root = entry_kernels(hlo)
     ops = fused_op_counts(hlo)
@@ -165,6 +189,7 @@ def summarize(hlo: str) -> dict:
     notes = [f"{op} {name}" for name, op, _, _, _ in instrs if op in ("copy", "transpose")]
     notes += [f"reduction {name}" for name, op, label, _, _ in instrs if label == "kInput" or op == "reduce"]
     notes += [f"{op} {name}" for name, op, _, _, _ in instrs if op in ("conditional", "while")]
+    notes += [branch_note(hlo, b) for b in conditional_branches(hlo)]
     return {
         "kernels": len(instrs),
         # Kernels that stream the data (more than 1/8 of the ideal bytes); the others touch

@@ -15,6 +15,8 @@ Claims checked on XLA's optimized H100 module (not on timings):
   float32 and bfloat16, either axis) are one pass: one kernel streams the data (XLA sometimes adds a second over the per-block
   scales, 1/32 of the elements) and all move at most 1.1x the ideal bytes (the entry's
   parameters and result);
+* MXFP8 dot_general (pre-quantized or quantized in the call) decodes in the GEMM's operand
+  load: its bfloat16 branch is one Pallas kernel (no decoded operand in memory);
 * the naive fake-quant ``x.astype(float8).astype(float32)`` is elided by this compile
   (openxla/xla#41605) while lowprec's fake quantization keeps its arithmetic.
 """
@@ -112,6 +114,29 @@ def test_mxfp4_decode_product_compiles_without_spills(m, tmp_path):
     if m == 16:  # the tensor-core path loads each step's packed tile in wide vectors
         ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx") if "lowprec_mxfp4" in p.read_text())
         assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx, "byte loads of weights"
+
+
+@pytest.mark.parametrize("operands", ["pre-quantized", "quantized in the call"])
+def test_mxfp8_matmul_decodes_in_the_dot_operand_load(operands, tmp_path):
+    """dot_general of MXFP8 operands: the branch taken when bfloat16 holds every value (a
+    run-time check on the scales and codes) is one kernel, the Pallas GEMM that decodes
+    codes and scales in its operand load; no decoded operand is written to memory."""
+    a = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
+    dn = (((1,), (1,)), ((), ()))
+    if operands == "pre-quantized":
+        q = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), a)
+        hlo = _compile(lambda p, r: lowprec.dot_general(p, r, dn), q, q, dump_dir=str(tmp_path))
+    else:
+        hlo = _compile(lambda p, r: lowprec.dot_general(p, r, dn, lhs_format="mxfp8",
+                                                        rhs_format="mxfp8"), a, a,
+                       dump_dir=str(tmp_path))
+    notes = [report.branch_note(hlo, b) for b in report.conditional_branches(hlo)]
+    fused = [n for n in notes if "lowprec_mxdot" in n]
+    assert len(fused) == 1, notes
+    assert fused[0].endswith(": custom-call:__gpu$xla.gpu.triton (lowprec_mxdot)"), fused
+    stats = report.ptx_kernel_stats(sorted(map(str, tmp_path.glob("*.ptx"))), "sm_90a")
+    kernels = {name: v for name, v in stats.items() if "lowprec_mxdot" in name}
+    assert kernels and all(st == ld == 0 for _, st, ld in kernels.values()), kernels
 
 
 @pytest.mark.parametrize("kernel", ["quantize", "fake_quantize"])

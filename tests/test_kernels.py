@@ -585,3 +585,70 @@ def test_gpu_compiled_fake_quantize_kernel_is_bit_identical(fmt):
         cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
         want = lowprec.dequantize(lowprec.quantize_mx(x, fmt, scale_rule=rule))
         _same_values(fake_quantize_mx_pallas(x, cast), want)
+
+
+# -- the fused MX x MX product (dot_general's bfloat16 branch on CUDA) ----------------------------
+
+from lowprec._mxdot_pallas import mxdot_pallas  # noqa: E402
+
+MXDOT_FORMATS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e4m3")]
+
+
+@pytest.mark.parametrize("fa,fb", MXDOT_FORMATS)
+@pytest.mark.parametrize("m,n,k", [(70, 50, 96), (16, 33, 256)])
+def test_mxdot_kernel_within_float32_sum_bound(fa, fb, m, n, k):
+    """Values decoded independently (the reference's MX decode, float64): products exact,
+    float32 sums within K·2^-23·Σ|a_i b_i|; partial tiles in M, N and K (K = 96: a half
+    step of 64) masked."""
+    import lowprec_reference as R
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((m, k)) * 2.0 ** rng.integers(-6, 6, (m, k))).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 2.0 ** rng.integers(-6, 6, (n, k))).astype(np.float32)
+    qa, qb = lowprec.quantize_mx(jnp.asarray(x), fa), lowprec.quantize_mx(jnp.asarray(w), fb)
+    va = R.dequantize_mx(np.asarray(qa.elements), np.asarray(qa.scales), fa, axis=1)
+    vb = R.dequantize_mx(np.asarray(qb.elements), np.asarray(qb.scales), fb, axis=1)
+    got = mxdot_pallas(qa.elements, qa.scales, qb.elements, qb.scales, fa=qa.fmt, fb=qb.fmt,
+                       block_m=32, block_n=16, block_k=64, interpret=not ON_GPU)
+    exact = va @ vb.T
+    bound = k * 2.0**-23 * (np.abs(va) @ np.abs(vb).T)
+    assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= bound)
+
+
+def test_mxdot_kernel_exact_sums_match_the_generic_path_bit_for_bit():
+    """Small integers: every partial sum is exact, so any summation order gives the same
+    float32, and the kernel equals dot_general's generic path bit for bit."""
+    rng = np.random.default_rng(8)
+    x = rng.integers(-8, 9, (40, 128)).astype(np.float32)
+    w = rng.integers(-8, 9, (24, 128)).astype(np.float32)
+    qa, qb = lowprec.quantize_mx(jnp.asarray(x), "mxfp8"), lowprec.quantize_mx(jnp.asarray(w), "mxfp8")
+    got = mxdot_pallas(qa.elements, qa.scales, qb.elements, qb.scales, fa=qa.fmt, fb=qb.fmt,
+                       block_m=16, block_n=16, block_k=64, interpret=not ON_GPU)
+    want = lowprec.dot_general(qa, qb, DN)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got), x @ w.T)
+
+
+@needs_triton_lowering
+def test_dot_general_takes_the_fused_mx_kernel_on_cuda_only():
+    a = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    q = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), a)
+    f = lambda p, r: lowprec.dot_general(p, r, DN)  # noqa: E731
+    assert "lowprec_mxdot" in _lower_for_cuda(f, q, q)
+    assert "lowprec_mxdot" not in jax.jit(f).trace(q, q).lower(lowering_platforms=("cpu",)).as_text()
+    g = lambda p, r: lowprec.dot_general(p, r, DN, lhs_format="mxfp8", rhs_format="mxfp8")  # noqa: E731
+    assert "lowprec_mxdot" in _lower_for_cuda(g, a, a)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_compiled_mxdot_within_bound():
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((1000, 2880)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((700, 2880)).astype(np.float32))
+    qa, qb = lowprec.quantize_mx(x, "mxfp8"), lowprec.quantize_mx(w, "mxfp8")
+    va = np.asarray(lowprec.dequantize(qa), np.float64)
+    vb = np.asarray(lowprec.dequantize(qb), np.float64)
+    got = np.asarray(jax.jit(lambda p, r: lowprec.dot_general(p, r, DN))(qa, qb), np.float64)
+    bound = 2880 * 2.0**-23 * (np.abs(va) @ np.abs(vb).T)
+    assert np.all(np.abs(got - va @ vb.T) <= bound)
