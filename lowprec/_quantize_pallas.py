@@ -48,19 +48,22 @@ def pallas_fake_quantize_applies(cast: MXCast) -> bool:
     return not cast.fmt.tensor_scale and not cast.stochastic
 
 
-def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, br: int, bc: int):
+def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pcols: int, br: int,
+            bc: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     i, j = pl.program_id(0), pl.program_id(1)
     row_ok = (i * br + lax.iota(jnp.int32, br)) < rows
 
-    def cols_ok(width):  # columns of an output whose row holds `width` entries per tile
-        return (j * width + lax.iota(jnp.int32, width)) < cols * width // bc
+    def cols_ok(width, n=pcols):  # columns of an array whose row holds `width` per tile
+        return (j * width + lax.iota(jnp.int32, width)) < n * width // bc
 
+    # Columns past x's end (pad=True: up to the padded length pcols) read as +0, the
+    # zero padding of quantize_mx.
     x = plt.load(
         x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)],
-        mask=row_ok[:, None] & cols_ok(bc)[None, :], other=jnp.zeros((), x_ref.dtype),
+        mask=row_ok[:, None] & cols_ok(bc, cols)[None, :], other=jnp.zeros((), x_ref.dtype),
     )
     elements, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=_pack_pairs)
     for ref, val in ((e_ref, elements), (s_ref, scales)):
@@ -72,8 +75,9 @@ def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, br: int,
 @functools.partial(jax.jit, static_argnames=("cast", "block_rows", "block_cols", "interpret"))
 def quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int = 256,
                        interpret: bool = False):
-    """(elements, scales) of ``x`` (float32/bfloat16/float16, last axis a multiple of 32)
-    blocked along its last axis: the arrays ``quantize_mx(x, cast.fmt, ...)`` holds."""
+    """(elements, scales) of ``x`` (float32/bfloat16/float16) blocked along its last axis:
+    the arrays ``quantize_mx(x, cast.fmt, ..., pad=True)`` holds (a length that is not a
+    multiple of the block size is zero-padded, in the kernel)."""
     from jax.experimental import pallas as pl
 
     *lead, cols = x.shape
@@ -82,9 +86,10 @@ def quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int
     if not pallas_quantize_applies(cast):
         raise ValueError(f"quantize_mx_pallas: {fmt.name} is not served (see pallas_quantize_applies)")
     per_block = fmt.bytes_per_block
+    blocks = -(-cols // fmt.block_size)  # zero-padded to whole blocks
     out_shape = (
-        jax.ShapeDtypeStruct((rows, cols // fmt.block_size * per_block), jnp.uint8),
-        jax.ShapeDtypeStruct((rows, cols // fmt.block_size), jnp.uint8),
+        jax.ShapeDtypeStruct((rows, blocks * per_block), jnp.uint8),
+        jax.ShapeDtypeStruct((rows, blocks), jnp.uint8),
     )
     params = {}
     if not interpret:
@@ -92,9 +97,10 @@ def quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int
 
         params["compiler_params"] = plt.CompilerParams(num_warps=4)
     elements, scales = pl.pallas_call(
-        functools.partial(_kernel, cast=cast, rows=rows, cols=cols, br=block_rows, bc=block_cols),
+        functools.partial(_kernel, cast=cast, rows=rows, cols=cols,
+                          pcols=blocks * fmt.block_size, br=block_rows, bc=block_cols),
         out_shape=out_shape,
-        grid=(-(-rows // block_rows), -(-cols // block_cols)),
+        grid=(-(-rows // block_rows), -(-blocks * fmt.block_size // block_cols)),
         interpret=interpret,
         name="lowprec_quantize_mx",
         **params,
@@ -127,8 +133,8 @@ def _fake_kernel(x_ref, o_ref, *, cast: MXCast, rows: int, cols: int, br: int, b
 @functools.partial(jax.jit, static_argnames=("cast", "block_rows", "block_cols", "interpret"))
 def fake_quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int = 256,
                             interpret: bool = False):
-    """``dequantize(quantize_mx(x, ...), x.dtype)`` of ``x`` (float32/bfloat16/float16,
-    last axis a multiple of 32, blocks along it) in one pass: the fake quantization of
+    """``dequantize(quantize_mx(x, ..., pad=True), x.dtype)`` of ``x``
+    (float32/bfloat16/float16, blocks along the last axis) in one pass: the fake quantization of
     :func:`lowprec.fake_quantize_mx` on CUDA for the casts
     :func:`pallas_fake_quantize_applies` accepts (bit for bit: the same quantization core and the bit-built decode)."""
     from jax.experimental import pallas as pl

@@ -449,7 +449,7 @@ def test_gpu_dot_general_runs_the_kernel():
 # -- the one-pass Pallas quantize kernel (a GPU candidate beside XLA's two passes) -----------------
 
 from lowprec._options import MXCast  # noqa: E402
-from lowprec._quantize_pallas import quantize_mx_pallas  # noqa: E402
+from lowprec._quantize_pallas import fake_quantize_mx_pallas, quantize_mx_pallas  # noqa: E402
 
 QUANT_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
 
@@ -488,6 +488,22 @@ def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, rule, dtype):
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
 
 
+@pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8",))
+@pytest.mark.parametrize("cols", [340, 20])
+def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
+    """A last axis that is not a multiple of 32: the kernels pad with zeros in the load,
+    giving quantize_mx(..., pad=True)'s codes and fake_quantize_mx(..., pad=True)'s values."""
+    x = jnp.asarray(_specials((21, 352), 6)[:, :cols])
+    cast = MXCast(lowprec.mx_format(fmt), "floor", "nearest_even")
+    elements, scales = quantize_mx_pallas(x, cast, block_rows=8, block_cols=128,
+                                          interpret=not ON_GPU)
+    want = lowprec.quantize_mx(x, fmt, scale_rule="floor", pad=True)
+    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+    fake = fake_quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
+    _same_values(fake, lowprec.fake_quantize_mx(x, fmt, scale_rule="floor", pad=True))
+
+
 def test_pallas_quantize_keeps_leading_dims_and_nearest_away():
     x = jnp.asarray(_specials((6, 128), 2).reshape(2, 3, 128))
     cast = MXCast(lowprec.mx_format("mxfp4"), "rceil", "nearest_away")
@@ -521,8 +537,6 @@ def test_gpu_compiled_quantize_kernel_is_bit_identical(fmt):
 
 
 # -- the one-pass Pallas fake quantization (fake_quantize_mx on CUDA) ------------------------------
-
-from lowprec._quantize_pallas import fake_quantize_mx_pallas  # noqa: E402
 
 FAKE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8")
 FAKE_CASES = [(f, r, np.float32) for f in FAKE_FORMATS for r in lowprec.ScaleRule] + [
