@@ -583,10 +583,11 @@ def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canon
 
 def _grouped_codes(elements, fmt: MXFormat, axis: int):
     """Element codes as ``[..., groups, codes per group, ...]`` (a group: the bytes holding
-    a whole number of codes: 1 byte for 8-bit codes and FP4's pairs, 3 for FP6's fours),
-    built without a stack or a concatenate: each byte is broadcast over its group's codes
-    and each code picks its bits by its position (an iota). Nothing is reshaped across
-    groups, so XLA's GPU fusion sees every code through one index map."""
+    a whole number of codes: 1 byte for FP4's pairs, 3 for FP6's fours; 8-bit codes are
+    returned as they are), built without a stack or a concatenate: the group's bytes form
+    one word, broadcast over its codes, and each code shifts its bits out by its position
+    (an iota). Nothing is reshaped across groups, so XLA's GPU fusion sees every code
+    through one index map."""
     bits = fmt.element.code_bits
     per_bytes, per_codes = {8: (1, 1), 4: (1, 2), 6: (3, 4)}[bits]
     if bits == 8:
@@ -594,19 +595,17 @@ def _grouped_codes(elements, fmt: MXFormat, axis: int):
     shape = elements.shape
     groups = shape[axis] // per_bytes
     g = elements.reshape(*shape[:axis], groups, per_bytes, *shape[axis + 1:])
-    byte = [lax.index_in_dim(g, j, axis + 1) for j in range(per_bytes)]  # keepdims
+    # The group's bytes as one little-endian word, then each code shifted out of it by its
+    # position (an iota): element 2k of FP4 in the low nibble, FP6's bit stream as
+    # _pack.unpack_last reads it.
+    word = lax.index_in_dim(g, 0, axis + 1).astype(jnp.uint32)
+    for j in range(1, per_bytes):
+        word = word | lax.shift_left(lax.index_in_dim(g, j, axis + 1).astype(jnp.uint32),
+                                     jnp.uint32(8 * j))
     out_shape = (*shape[:axis], groups, per_codes, *shape[axis + 1:])
-    pos = lax.broadcasted_iota(jnp.uint8, out_shape, axis + 1)
-    u8 = jnp.uint8
-    if bits == 4:  # element 2k in the low nibble
-        b = jnp.broadcast_to(byte[0], out_shape)
-        return jnp.where(pos == 0, b & 0xF, lax.shift_right_logical(b, u8(4)))
-    # FP6: four 6-bit codes in three bytes, a little-endian bit stream (_pack.unpack_last)
-    b0, b1, b2 = (jnp.broadcast_to(b, out_shape) for b in byte)
-    c1 = lax.shift_right_logical(b0, u8(6)) | lax.shift_left(b1 & 0xF, u8(2))
-    c2 = lax.shift_right_logical(b1, u8(4)) | lax.shift_left(b2 & 0x3, u8(4))
-    return jnp.where(pos == 0, b0 & 0x3F, jnp.where(
-        pos == 1, c1, jnp.where(pos == 2, c2, lax.shift_right_logical(b2, u8(2)))))
+    pos = lax.broadcasted_iota(jnp.uint32, out_shape, axis + 1)
+    codes = lax.shift_right_logical(jnp.broadcast_to(word, out_shape), pos * jnp.uint32(bits))
+    return (codes & jnp.uint32((1 << bits) - 1)).astype(jnp.uint8)
 
 
 def _per_code(v, grouped_shape, axis: int):
