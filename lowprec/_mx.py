@@ -319,7 +319,7 @@ def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale)
     from ._quantize_pallas import quantize_mx_pallas
 
     def one_pass_kernel(v):
-        elements, scales = quantize_mx_pallas(v, cast)
+        elements, scales = quantize_mx_pallas(v, cast, axis=axis)
         return MXArray(elements, scales, cast.fmt, axis, tuple(v.shape), cast.scale_rule)
 
     # XLA compiles the block maximum and the encode into two passes over x (a reduction,
@@ -331,10 +331,11 @@ def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale)
 
 def _pallas_quantize_serves(x, cast: MXCast, axis: int, padded: int, fake: bool = False) -> bool:
     """Whether quantize_mx (``fake``: fake_quantize_mx) takes its Pallas kernel on CUDA
-    (static): blocks along the last axis (zero padding included), float32/bfloat16/float16 input,
+    (static): blocks along the last axis or axis 0 of a 2-D array (zero padding included),
+    float32/bfloat16/float16 input,
     a format and rounding the kernel serves, and Pallas with its Triton backend importable."""
-    if x.ndim == 0 or axis != x.ndim - 1 or x.size == 0:
-        return False  # (a padded last axis is padded in the kernel)
+    if x.ndim == 0 or x.size == 0 or not (axis == x.ndim - 1 or (axis == 0 and x.ndim == 2)):
+        return False  # (a padded block axis is padded in the kernel)
     if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         return False
     try:
@@ -725,8 +726,8 @@ def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale
 
     # On CUDA one Pallas pass quantizes and decodes in registers (XLA: a block-max pass,
     # then the encode and decode reading x again, 1.6-1.9x the ideal bytes on an H100).
-    return lax.platform_dependent(x, cuda=lambda v: fake_quantize_mx_pallas(v, cast),
-                                  default=xla)
+    return lax.platform_dependent(
+        x, cuda=lambda v: fake_quantize_mx_pallas(v, cast, axis=axis), default=xla)
 
 
 @_fake_quantize_mx.defjvp

@@ -72,14 +72,41 @@ def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pcols: i
                   mask=row_ok[:, None] & cols_ok(width)[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("cast", "block_rows", "block_cols", "interpret"))
-def quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int = 256,
-                       interpret: bool = False):
-    """(elements, scales) of ``x`` (float32/bfloat16/float16) blocked along its last axis:
-    the arrays ``quantize_mx(x, cast.fmt, ..., pad=True)`` holds (a length that is not a
-    multiple of the block size is zero-padded, in the kernel)."""
+def _kernel_axis0(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, prows: int,
+                  br: int, bc: int):
+    """Blocks along the rows of a 2-D x: each [br, bc] tile is transposed in registers and
+    quantized along its last axis by the same core, and the codes transposed back."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    i, j = pl.program_id(0), pl.program_id(1)
+    col_ok = (j * bc + lax.iota(jnp.int32, bc)) < cols
+    row_ok = (i * br + lax.iota(jnp.int32, br)) < rows  # rows past x's end read as +0
+    x = plt.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)],
+                 mask=row_ok[:, None] & col_ok[None, :], other=jnp.zeros((), x_ref.dtype))
+    elements, scales = quantize_blocks(input_bits(x.T), cast, 1, None, pack=_pack_pairs)
+    for ref, val in ((e_ref, elements.T), (s_ref, scales.T)):
+        h = val.shape[0]
+        ok = (i * h + lax.iota(jnp.int32, h)) < prows * h // br
+        plt.store(ref.at[pl.ds(i * h, h), pl.ds(j * bc, bc)], val,
+                  mask=ok[:, None] & col_ok[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("cast", "axis", "block_rows", "block_cols",
+                                             "interpret"))
+def quantize_mx_pallas(x, cast: MXCast, *, axis: int = -1, block_rows: int = 16,
+                       block_cols: int = 256, interpret: bool = False):
+    """(elements, scales) of ``x`` (float32/bfloat16/float16) blocked along its last axis,
+    or along axis 0 of a 2-D ``x`` (``axis=0``): the arrays ``quantize_mx(x, cast.fmt,
+    axis=axis, ..., pad=True)`` holds (a length that is not a multiple of the block size is
+    zero-padded, in the kernel)."""
     from jax.experimental import pallas as pl
 
+    if axis == 0 and x.ndim == 2:
+        return _quantize_axis0(x, cast, interpret)
+    if axis not in (-1, x.ndim - 1):
+        raise ValueError(f"quantize_mx_pallas: blocks along the last axis or axis 0 of a 2-D "
+                         f"array, got axis {axis} of a {x.ndim}-D array")
     *lead, cols = x.shape
     rows = math.prod(lead)
     fmt = cast.fmt
@@ -108,6 +135,34 @@ def quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int
     return elements.reshape(*lead, -1), scales.reshape(*lead, -1)
 
 
+def _quantize_axis0(x, cast: MXCast, interpret: bool, br: int = 64, bc: int = 64):
+    from jax.experimental import pallas as pl
+
+    rows, cols = x.shape
+    fmt = cast.fmt
+    if not pallas_quantize_applies(cast):
+        raise ValueError(f"quantize_mx_pallas: {fmt.name} is not served (see pallas_quantize_applies)")
+    blocks = -(-rows // fmt.block_size)
+    out_shape = (
+        jax.ShapeDtypeStruct((blocks * fmt.bytes_per_block, cols), jnp.uint8),
+        jax.ShapeDtypeStruct((blocks, cols), jnp.uint8),
+    )
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+
+        params["compiler_params"] = plt.CompilerParams(num_warps=4)
+    return pl.pallas_call(
+        functools.partial(_kernel_axis0, cast=cast, rows=rows, cols=cols,
+                          prows=blocks * fmt.block_size, br=br, bc=bc),
+        out_shape=out_shape,
+        grid=(-(-blocks * fmt.block_size // br), -(-cols // bc)),
+        interpret=interpret,
+        name="lowprec_quantize_mx",
+        **params,
+    )(x)
+
+
 # -- fake quantization: quantize and decode in registers ----------------------------------
 
 
@@ -121,26 +176,45 @@ def _fake_kernel(x_ref, o_ref, *, cast: MXCast, rows: int, cols: int, br: int, b
     where = o_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)]
     x = plt.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], mask=ok,
                  other=jnp.zeros((), x_ref.dtype))
+    plt.store(where, _fake_values(x, cast, x_ref.dtype), mask=ok)
+
+
+def _fake_values(x, cast: MXCast, dtype):
+    """Fake-quantized values of a tile blocked along its last axis. Codes are left
+    unpacked (an identity "pack"), then decoded exactly from the bits as dequantize's
+    bit-built path: the same values, never a float8 type (no cast pair to elide)."""
     fmt = cast.fmt
-    # Codes left unpacked (an identity "pack"), then decoded exactly from the bits, as
-    # dequantize's bit-built path: the same values, never a float8 type (no cast pair).
     codes, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=lambda c: c)
     vb = split_blocks(decode_bits(fmt.element, codes), 1, fmt.block_size)
     bits = merge_blocks(scale_bits_by_e8m0(vb, scales[:, :, None]), 1)
-    plt.store(where, bits_to_dtype(bits, x_ref.dtype), mask=ok)
+    return bits_to_dtype(bits, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cast", "block_rows", "block_cols", "interpret"))
-def fake_quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int = 256,
-                            interpret: bool = False):
+def _fake_kernel_axis0(x_ref, o_ref, *, cast: MXCast, rows: int, cols: int, br: int, bc: int):
+    """Blocks along the rows of a 2-D x: the tile transposed in registers, fake-quantized
+    along its last axis by :func:`_fake_values`, and transposed back."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    i, j = pl.program_id(0), pl.program_id(1)
+    ok = (((i * br + lax.iota(jnp.int32, br)) < rows)[:, None]
+          & ((j * bc + lax.iota(jnp.int32, bc)) < cols)[None, :])
+    x = plt.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], mask=ok,
+                 other=jnp.zeros((), x_ref.dtype))
+    values = _fake_values(x.T, cast, x_ref.dtype).T
+    plt.store(o_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], values, mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("cast", "axis", "block_rows", "block_cols",
+                                             "interpret"))
+def fake_quantize_mx_pallas(x, cast: MXCast, *, axis: int = -1, block_rows: int = 16,
+                            block_cols: int = 256, interpret: bool = False):
     """``dequantize(quantize_mx(x, ..., pad=True), x.dtype)`` of ``x``
     (float32/bfloat16/float16, blocks along the last axis) in one pass: the fake quantization of
     :func:`lowprec.fake_quantize_mx` on CUDA for the casts
     :func:`pallas_fake_quantize_applies` accepts (bit for bit: the same quantization core and the bit-built decode)."""
     from jax.experimental import pallas as pl
 
-    *lead, cols = x.shape
-    rows = math.prod(lead)
     if not pallas_fake_quantize_applies(cast):
         raise ValueError(f"fake_quantize_mx_pallas: {cast.fmt.name} is not served "
                          "(see pallas_fake_quantize_applies)")
@@ -149,6 +223,23 @@ def fake_quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols
         from jax.experimental.pallas import triton as plt
 
         params["compiler_params"] = plt.CompilerParams(num_warps=4)
+    if axis == 0 and x.ndim == 2:
+        rows, cols = x.shape
+        br, bc = 64, 64
+        return pl.pallas_call(
+            functools.partial(_fake_kernel_axis0, cast=cast, rows=rows, cols=cols, br=br,
+                              bc=bc),
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(-(-rows // br), -(-cols // bc)),
+            interpret=interpret,
+            name="lowprec_fake_quantize_mx",
+            **params,
+        )(x)
+    if axis not in (-1, x.ndim - 1):
+        raise ValueError(f"fake_quantize_mx_pallas: blocks along the last axis or axis 0 of a "
+                         f"2-D array, got axis {axis} of a {x.ndim}-D array")
+    *lead, cols = x.shape
+    rows = math.prod(lead)
     out = pl.pallas_call(
         functools.partial(_fake_kernel, cast=cast, rows=rows, cols=cols, br=block_rows,
                           bc=block_cols),

@@ -11,7 +11,7 @@ Claims checked on XLA's optimized H100 module (not on timings):
 * every Pallas kernel (the MX quantizer, the MX fake quantizer, the MXFP4 decode-time
   product for 1, 4 and 16 tokens) compiles to PTX for sm_90a, without register spills;
 * quantize_mx (every E8M0 MX format with 8-bit or FP4 codes, every scale rule, along the
-  last axis, zero padding included), fake_quantize_mx (every E8M0 format) and dequantize (every E8M0 format,
+  last axis or axis 0 of a 2-D array, zero padding included), fake_quantize_mx (every E8M0 format) and dequantize (every E8M0 format,
   float32 and bfloat16, either axis) are one pass: one kernel streams the data (XLA sometimes adds a second over the per-block
   scales, 1/32 of the elements) and all move at most 1.1x the ideal bytes (the entry's
   parameters and result);
@@ -79,10 +79,12 @@ def test_quantize_mx_is_one_pass(fmt, rule):
 
 
 @pytest.mark.parametrize("fmt", ONE_PASS_QUANTIZE)
-def test_padded_quantize_mx_is_one_pass(fmt):
+def test_padded_and_axis_0_quantize_mx_is_one_pass(fmt):
     x = jax.ShapeDtypeStruct((SHAPE[0], SHAPE[1] - 16), jnp.float32)
     for f in (lambda v: lowprec.quantize_mx(v, fmt, pad=True),
-              lambda v: lowprec.fake_quantize_mx(v, fmt, pad=True)):
+              lambda v: lowprec.fake_quantize_mx(v, fmt, pad=True),
+              lambda v: lowprec.quantize_mx(v, fmt, axis=0, pad=True),
+              lambda v: lowprec.fake_quantize_mx(v, fmt, axis=0, pad=True)):
         _assert_one_pass(_compile(f, x), f"{fmt} pad=True")
 
 

@@ -504,6 +504,22 @@ def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
     _same_values(fake, lowprec.fake_quantize_mx(x, fmt, scale_rule="floor", pad=True))
 
 
+@pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8",))
+@pytest.mark.parametrize("rows", [100, 128])
+def test_pallas_kernels_along_axis_0_like_quantize_mx(fmt, rows):
+    """Blocks along axis 0 of a 2-D array (a [K, N] weight): tiles transposed in registers,
+    quantize_mx(..., axis=0)'s codes (zero-padded: 100 rows) and fake_quantize_mx's values."""
+    x = jnp.asarray(_specials((rows, 128), 7))
+    for rule in ("floor", "rceil"):
+        cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+        elements, scales = quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU)
+        want = lowprec.quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True)
+        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+        fake = fake_quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU)
+        _same_values(fake, lowprec.fake_quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True))
+
+
 def test_pallas_quantize_keeps_leading_dims_and_nearest_away():
     x = jnp.asarray(_specials((6, 128), 2).reshape(2, 3, 128))
     cast = MXCast(lowprec.mx_format("mxfp4"), "rceil", "nearest_away")
@@ -577,15 +593,17 @@ def test_pallas_fake_quantize_lowers_to_triton(fmt):
 
 @needs_triton_lowering
 def test_quantize_and_fake_quantize_take_the_kernels_on_cuda_only():
-    """The public functions choose the one-pass kernels when lowered for CUDA (last axis,
-    no padding, deterministic rounding) and XLA's formulation for the CPU."""
+    """The public functions choose the one-pass kernels when lowered for CUDA (last axis or
+    axis 0 of a 2-D array, deterministic rounding) and XLA's formulation for the CPU."""
     x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
     for f in (lambda v: lowprec.quantize_mx(v, "mxfp8"),
               lambda v: lowprec.fake_quantize_mx(v, "mxfp4")):
         assert TRITON_CALL in _lower_for_cuda(f, x)
         assert TRITON_CALL not in jax.jit(f).trace(x).lower(lowering_platforms=("cpu",)).as_text()
-    for f in (lambda v: lowprec.quantize_mx(v, "mxfp8", axis=0),
-              lambda v: lowprec.quantize_mx(v, "mxfp6"),  # FP6 packing: XLA's path
+    x3 = jax.ShapeDtypeStruct((4, 64, 32), jnp.float32)
+    assert TRITON_CALL not in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), x3)
+    assert TRITON_CALL in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=0), x)
+    for f in (lambda v: lowprec.quantize_mx(v, "mxfp6"),  # FP6 packing: XLA's path
               lambda v: lowprec.quantize_mx(v, "nvfp4")):
         assert TRITON_CALL not in _lower_for_cuda(f, x)
 
