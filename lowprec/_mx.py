@@ -343,7 +343,9 @@ def _pallas_quantize_serves(x, cast: MXCast, axis: int, padded: int, fake: bool 
         from jax.experimental.pallas import triton  # noqa: F401
     except ImportError:
         return False
-    return (pallas_fake_quantize_applies if fake else pallas_quantize_applies)(cast)
+    if fake:
+        return pallas_fake_quantize_applies(cast)
+    return pallas_quantize_applies(cast, axis0=axis != x.ndim - 1)
 
 
 def quantize_mx(

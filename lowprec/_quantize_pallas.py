@@ -1,13 +1,18 @@
-"""A one-pass Pallas kernel for MX block quantization along the last axis (GPU candidate).
+"""One-pass Pallas (Triton) kernels for MX block quantization and fake quantization, which
+quantize_mx and fake_quantize_mx run on CUDA.
 
 XLA compiles ``quantize_mx`` to a block-max reduction and an encode that reads the input
-again (benchmarks/gpu_hlo_report.py: two passes, ~1.9x the bytes of one). This kernel
-reads each [block_rows, block_cols] tile of the input once, and runs lowprec's own
-quantization core (``_mx.quantize_blocks``: the same integer operations, so the same
-bits) on it in registers, writing element and scale codes. benchmarks/bench_gpu.py times
-it beside the XLA formulation; ``quantize_mx`` keeps the XLA one until a GPU has shown
-which is faster. Deterministic rounding modes, blocks along the last axis, lengths that
-are multiples of 32 (no padding).
+again: two or three passes, 1.9-2.5x the bytes of one on an H100 (benchmarks/
+gpu_hlo_report.py --target h100). These kernels read each tile of the input once and run
+lowprec's own quantization core (``_mx.quantize_blocks``: the same integer operations, so
+the same bits) on it in registers, writing element and scale codes (1.00x the ideal bytes,
+no register spills); the fake-quantization kernel decodes the codes again in registers
+(the bit-built decode of dequantize) and writes values of x's dtype. Blocks run along the
+last axis (any leading dims) or along axis 0 of a 2-D array (tiles transposed in
+registers); a length that is not a multiple of the block size is zero-padded in the load.
+Deterministic rounding modes, E8M0-scaled formats (FP6's packing along the last axis only).
+Other backends, and every other case, keep XLA's formulation (``_mx._quantize_mx_jit``
+chooses with ``lax.platform_dependent``).
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ def _pack_pairs(codes):
     return lo | lax.shift_left(hi, jnp.uint8(4))
 
 
-def pallas_quantize_applies(cast: MXCast) -> bool:
-    """Whether the kernel serves this cast (static): E8M0-scaled formats with 8-bit or
-    FP4 codes (FP6's three-byte groups and NVFP4's tensor scale are not written here),
-    deterministic rounding."""
+def pallas_quantize_applies(cast: MXCast, axis0: bool = False) -> bool:
+    """Whether the kernel serves this cast (static): E8M0-scaled formats (FP6's three-byte
+    groups along the last axis only; ``axis0``: blocks along axis 0 of a 2-D array),
+    deterministic rounding. NVFP4's tensor scale (a whole-array reduction first) is not
+    computed here."""
     fmt = cast.fmt
-    return (not fmt.tensor_scale and fmt.element.code_bits in (4, 8)
-            and not cast.stochastic)
+    bits_ok = fmt.element.code_bits in ((4, 8) if axis0 else (4, 6, 8))
+    return not fmt.tensor_scale and bits_ok and not cast.stochastic
 
 
 def pallas_fake_quantize_applies(cast: MXCast) -> bool:
@@ -65,11 +71,33 @@ def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pcols: i
         x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)],
         mask=row_ok[:, None] & cols_ok(bc, cols)[None, :], other=jnp.zeros((), x_ref.dtype),
     )
+    if cast.fmt.element.code_bits == 6:
+        codes, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=lambda c: c)
+        # FP6: four codes in three bytes; e_ref is [rows, groups, 3] (a view of the
+        # [rows, groups·3] codes) and each byte plane is stored with a stride of 3.
+        g = bc // 4
+        for k, plane in enumerate(_fp6_byte_planes(codes)):
+            plt.store(e_ref.at[pl.ds(i * br, br), pl.ds(j * g, g), pl.ds(k, 1)],
+                      plane[:, :, None], mask=(row_ok[:, None] & cols_ok(g)[None, :])[:, :, None])
+        plt.store(s_ref.at[pl.ds(i * br, br), pl.ds(j * (bc // 32), bc // 32)], scales,
+                  mask=row_ok[:, None] & cols_ok(bc // 32)[None, :])
+        return
     elements, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=_pack_pairs)
     for ref, val in ((e_ref, elements), (s_ref, scales)):
         width = val.shape[1]
         plt.store(ref.at[pl.ds(i * br, br), pl.ds(j * width, width)], val,
                   mask=row_ok[:, None] & cols_ok(width)[None, :])
+
+
+def _fp6_byte_planes(codes):
+    """[rows, n] FP6 codes → the three byte planes [rows, n/4] of the packed stream (four
+    codes c0..c3 little-endian in 24 bits, as _pack.pack_last), split with size-2 unstacks."""
+    pairs = jnp.unstack(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 4, 2, 2), axis=-1)
+    (c0, c2), (c1, c3) = (jnp.unstack(p, axis=-1) for p in pairs)
+    u8 = jnp.uint8
+    return (c0 | lax.shift_left(c1, u8(6)),
+            lax.shift_right_logical(c1, u8(2)) | lax.shift_left(c2, u8(4)),
+            lax.shift_right_logical(c2, u8(4)) | lax.shift_left(c3, u8(2)))
 
 
 def _kernel_axis0(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, prows: int,
@@ -114,8 +142,11 @@ def quantize_mx_pallas(x, cast: MXCast, *, axis: int = -1, block_rows: int = 16,
         raise ValueError(f"quantize_mx_pallas: {fmt.name} is not served (see pallas_quantize_applies)")
     per_block = fmt.bytes_per_block
     blocks = -(-cols // fmt.block_size)  # zero-padded to whole blocks
+    el_shape = (rows, blocks * per_block)
+    if fmt.element.code_bits == 6:
+        el_shape = (rows, blocks * per_block // 3, 3)  # byte planes (same memory)
     out_shape = (
-        jax.ShapeDtypeStruct((rows, blocks * per_block), jnp.uint8),
+        jax.ShapeDtypeStruct(el_shape, jnp.uint8),
         jax.ShapeDtypeStruct((rows, blocks), jnp.uint8),
     )
     params = {}
@@ -140,8 +171,9 @@ def _quantize_axis0(x, cast: MXCast, interpret: bool, br: int = 64, bc: int = 64
 
     rows, cols = x.shape
     fmt = cast.fmt
-    if not pallas_quantize_applies(cast):
-        raise ValueError(f"quantize_mx_pallas: {fmt.name} is not served (see pallas_quantize_applies)")
+    if not pallas_quantize_applies(cast, axis0=True):
+        raise ValueError(f"quantize_mx_pallas: {fmt.name} along axis 0 is not served "
+                         "(see pallas_quantize_applies)")
     blocks = -(-rows // fmt.block_size)
     out_shape = (
         jax.ShapeDtypeStruct((blocks * fmt.bytes_per_block, cols), jnp.uint8),

@@ -469,7 +469,8 @@ def _specials(shape, seed, spread=30):
 
 
 # Every rule from float32; half-precision input (widened by the same integer code) with one.
-QUANT_CASES = [(f, r, np.float32) for f in QUANT_FORMATS for r in lowprec.ScaleRule] + [
+QUANT_CASES = [(f, r, np.float32) for f in QUANT_FORMATS + ("mxfp6_e2m3", "mxfp6_e3m2", "mxint8")
+               for r in lowprec.ScaleRule] + [
     (f, "rceil", d) for f in QUANT_FORMATS for d in (jnp.bfloat16, np.float16)
 ]
 
@@ -488,7 +489,7 @@ def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, rule, dtype):
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8",))
+@pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8", "mxfp6_e2m3"))
 @pytest.mark.parametrize("cols", [340, 20])
 def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
     """A last axis that is not a multiple of 32: the kernels pad with zeros in the load,
@@ -603,7 +604,8 @@ def test_quantize_and_fake_quantize_take_the_kernels_on_cuda_only():
     x3 = jax.ShapeDtypeStruct((4, 64, 32), jnp.float32)
     assert TRITON_CALL not in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), x3)
     assert TRITON_CALL in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=0), x)
-    for f in (lambda v: lowprec.quantize_mx(v, "mxfp6"),  # FP6 packing: XLA's path
+    assert TRITON_CALL in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp6"), x)
+    for f in (lambda v: lowprec.quantize_mx(v, "mxfp6", axis=0),  # FP6 along axis 0: XLA
               lambda v: lowprec.quantize_mx(v, "nvfp4")):
         assert TRITON_CALL not in _lower_for_cuda(f, x)
 
