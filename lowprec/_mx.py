@@ -308,13 +308,13 @@ def quantize_mxarray(bits, cast: MXCast, axis: int, shape: tuple, rng=None, tens
     return MXArray(elements, scales, cast.fmt, axis, shape, cast.scale_rule, ts)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel_ok: bool, rng, tensor_scale):
     def xla(v):
         return quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
                                 tensor_scale)
 
-    if not _pallas_quantize_serves(x, cast, axis, padded):
+    if not (kernel_ok and _pallas_quantize_serves(x, cast, axis, padded)):
         return xla(x)
     from ._quantize_pallas import quantize_mx_pallas
 
@@ -329,14 +329,35 @@ def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale)
     return lax.platform_dependent(x, cuda=one_pass_kernel, default=xla)
 
 
+def _unsharded(x) -> bool:
+    """False for an array laid out over several devices (a concrete array's sharding, or a
+    traced one's Explicit mesh axes): the Pallas kernels are single-device custom calls,
+    which XLA's partitioner would run on gathered inputs, so sharded inputs keep XLA's
+    formulation (partitioned like any elementwise program). Traced inputs over Auto axes
+    carry no layout at trace time: they take the kernel."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and not isinstance(x, jax.core.Tracer):
+        return len(sharding.device_set) <= 1
+    try:
+        spec = jax.typeof(x).sharding.spec
+    except Exception:  # noqa: BLE001 - no sharding in the type
+        return True
+    return all(s is None for s in spec)
+
+
 def _pallas_quantize_serves(x, cast: MXCast, axis: int, padded: int, fake: bool = False) -> bool:
     """Whether quantize_mx (``fake``: fake_quantize_mx) takes its Pallas kernel on CUDA
     (static): blocks along the last axis or axis 0 of a 2-D array (zero padding included),
     float32/bfloat16/float16 input,
-    a format and rounding the kernel serves, and Pallas with its Triton backend importable."""
+    a format and rounding the kernel serves, JAX able to compile for CUDA, and Pallas with
+    its Triton backend importable."""
     if x.ndim == 0 or x.size == 0 or not (axis == x.ndim - 1 or (axis == 0 and x.ndim == 2)):
         return False  # (a padded block axis is padded in the kernel)
     if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return False
+    from . import _gemv  # local: _gemv imports this module
+
+    if not _gemv.cuda_kernels_possible():
         return False
     try:
         from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_applies
@@ -422,7 +443,7 @@ def quantize_mx(
     axis, n, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "quantize_mx")
     check_mx_input(x, cast.fmt, axis)  # MX blocks must not straddle shard boundaries
     check_random_bits(random_bits, _padded_shape(x.shape, axis, padded), "the padded shape")
-    return _quantize_mx_jit(x, cast, axis, padded, (key, random_bits), ts)
+    return _quantize_mx_jit(x, cast, axis, padded, _unsharded(x), (key, random_bits), ts)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -713,8 +734,9 @@ def dequantize(mx: MXArray, dtype=jnp.float32) -> jax.Array:
 # -- fake quantization --------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, kernel_ok: bool, rng,
+                      tensor_scale):
     def xla(v):
         mx = quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
                               tensor_scale)
@@ -722,7 +744,7 @@ def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale
                              mx.tensor_scale)
         return bits_to_dtype(bits, v.dtype)
 
-    if not _pallas_quantize_serves(x, cast, axis, padded, fake=True):
+    if not (kernel_ok and _pallas_quantize_serves(x, cast, axis, padded, fake=True)):
         return xla(x)
     from ._quantize_pallas import fake_quantize_mx_pallas
 
@@ -733,13 +755,13 @@ def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale
 
 
 @_fake_quantize_mx.defjvp
-def _fake_quantize_mx_jvp(cast, axis, padded, primals, tangents):
+def _fake_quantize_mx_jvp(cast, axis, padded, kernel_ok, primals, tangents):
     x, rng, tensor_scale = primals
-    out = _fake_quantize_mx(x, cast, axis, padded, rng, tensor_scale)
+    out = _fake_quantize_mx(x, cast, axis, padded, kernel_ok, rng, tensor_scale)
     return out, tangents[0]  # straight-through
 
 
-_fake_quantize_mx_jit = jax.jit(_fake_quantize_mx, static_argnums=(1, 2, 3))
+_fake_quantize_mx_jit = jax.jit(_fake_quantize_mx, static_argnums=(1, 2, 3, 4))
 
 
 def fake_quantize_mx(
@@ -778,4 +800,4 @@ def fake_quantize_mx(
     check_random_bits(random_bits, _padded_shape(x.shape, axis, padded), "the padded shape")
     if ts is not None:
         ts = lax.stop_gradient(ts)
-    return _fake_quantize_mx_jit(x, cast, axis, padded, (key, random_bits), ts)
+    return _fake_quantize_mx_jit(x, cast, axis, padded, _unsharded(x), (key, random_bits), ts)

@@ -55,6 +55,7 @@ from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
 from ._blocks import padded_bits
 from ._codec import bits_to_dtype, decode_bits, encode_bits, exactly_representable, input_bits
 from ._format import ElementFormat, FormatLike, MXFormat, resolve_format
+from . import _gemv
 from ._gemv import decode_time_route, on_cuda
 from ._mxdot_pallas import mxdot_pallas, pallas_mxdot_applies
 from ._mx import (
@@ -379,6 +380,8 @@ def _mxdot_serves(layout, lop, rop) -> bool:
     if lop.elements.ndim != 3 or rop.elements.ndim != 3 or lop.shape[0] != 1:
         return False
     if 0 in lop.elements.shape or 0 in rop.elements.shape:
+        return False
+    if not _gemv.cuda_kernels_possible():
         return False
     try:
         from jax.experimental.pallas import triton  # noqa: F401

@@ -39,19 +39,22 @@ def _pack_pairs(codes):
 
 
 def pallas_quantize_applies(cast: MXCast, axis0: bool = False) -> bool:
-    """Whether the kernel serves this cast (static): E8M0-scaled formats (FP6's three-byte
+    """Whether the kernel serves this cast (static): E8M0-scaled formats with blocks of 32
+    (the tiles are multiples of it) (FP6's three-byte
     groups along the last axis only; ``axis0``: blocks along axis 0 of a 2-D array),
     deterministic rounding. NVFP4's tensor scale (a whole-array reduction first) is not
     computed here."""
     fmt = cast.fmt
     bits_ok = fmt.element.code_bits in ((4, 8) if axis0 else (4, 6, 8))
-    return not fmt.tensor_scale and bits_ok and not cast.stochastic
+    return (not fmt.tensor_scale and fmt.block_size == 32 and bits_ok
+            and not cast.stochastic)
 
 
 def pallas_fake_quantize_applies(cast: MXCast) -> bool:
     """Whether the fake-quantization kernel serves this cast (static): E8M0-scaled formats
-    (codes stay unpacked in registers, so FP6 too), deterministic rounding."""
-    return not cast.fmt.tensor_scale and not cast.stochastic
+    with blocks of 32 (codes stay unpacked in registers, so FP6 too), deterministic
+    rounding."""
+    return not cast.fmt.tensor_scale and cast.fmt.block_size == 32 and not cast.stochastic
 
 
 def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pcols: int, br: int,

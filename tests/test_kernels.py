@@ -215,6 +215,16 @@ def test_default_config_is_a_valid_tiling(m, n, k):
 # -- the Triton lowering, checked without a GPU -------------------------------------------------
 
 
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    """Makes lowprec trace its CUDA-only Pallas branches even where JAX cannot compile for
+    CUDA (no plugin: CI), so that lowering for "cuda" shows them; caches cleared around."""
+    jax.clear_caches()
+    monkeypatch.setattr(_gemv, "cuda_kernels_possible", lambda: True)
+    yield
+    jax.clear_caches()
+
+
 def _lower_for_cuda(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -593,7 +603,7 @@ def test_pallas_fake_quantize_lowers_to_triton(fmt):
 
 
 @needs_triton_lowering
-def test_quantize_and_fake_quantize_take_the_kernels_on_cuda_only():
+def test_quantize_and_fake_quantize_take_the_kernels_on_cuda_only(cuda_branches):
     """The public functions choose the one-pass kernels when lowered for CUDA (last axis or
     axis 0 of a 2-D array, deterministic rounding) and XLA's formulation for the CPU."""
     x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
@@ -664,7 +674,7 @@ def test_mxdot_kernel_exact_sums_match_the_generic_path_bit_for_bit():
 
 
 @needs_triton_lowering
-def test_dot_general_takes_the_fused_mx_kernel_on_cuda_only():
+def test_dot_general_takes_the_fused_mx_kernel_on_cuda_only(cuda_branches):
     a = jax.ShapeDtypeStruct((256, 512), jnp.float32)
     q = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), a)
     f = lambda p, r: lowprec.dot_general(p, r, DN)  # noqa: E731
