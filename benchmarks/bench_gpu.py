@@ -17,7 +17,7 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
   is larger.
 * **quantize**: ``quantize_mx`` (16384² float32, blocks along the last axis) per format and
   scale rule — as XLA compiles it ("xla") and as the one-pass Pallas kernel of
-  ``lowprec/_quantize_pallas.py`` ("pallas", same bits) — vs JAX's own quantizer (``jax._src.cudnn.scaled_matmul_stablehlo.quantize``,
+  ``lowprec/_quantize_pallas.py`` ("pallas", same bits; what ``quantize_mx`` runs on CUDA) — vs JAX's own quantizer (``jax._src.cudnn.scaled_matmul_stablehlo.quantize``,
   the rceil rule), XLA's float32 → float8/float4 ``astype`` and the copy. Effective bytes:
   4 read + 1 written (½ for packed FP4) + 1/32 scale byte per element.
 * **dequantize**: ``dequantize`` (→ float32) vs JAX's ``q.astype(f32) * e8m0_to_dtype(s)``.
@@ -143,9 +143,24 @@ def _xla_cast(dtype):
     return jax.jit(lambda v: v.astype(dtype))
 
 
-def bench_quantize(x, roof: Roofline, reps: int, formats) -> list:
-    from bench_mx import jax_peer
+def jax_peer(fmt: str):
+    """JAX's own quantizer (jitted) and its astype·scale dequantize along the last axis,
+    from bench_mx.py; (None, None) where JAX has no peer for ``fmt``."""
+    from bench_mx import jax_dequantizer, jax_quantizer
 
+    return jax_quantizer(fmt), jax_dequantizer(fmt, 1)
+
+
+def _xla_quantize(v, cast):
+    """quantize_mx's XLA formulation (what it runs off CUDA; on CUDA it runs the kernel)."""
+    from lowprec._blocks import padded_bits
+    from lowprec._mx import quantize_mxarray
+
+    axis = v.ndim - 1
+    return quantize_mxarray(padded_bits(v, axis, v.shape[axis]), cast, axis, tuple(v.shape))
+
+
+def bench_quantize(x, roof: Roofline, reps: int, formats) -> list:
     n = x.size
     rows = []
     neg = jax.jit(lambda v: -v)
@@ -158,9 +173,9 @@ def bench_quantize(x, roof: Roofline, reps: int, formats) -> list:
                     "e2m1": ml_dtypes.float4_e2m1fn}[f.element.name]
         cases = {}
         for r in RULES:
-            cases[f"xla {r}"] = functools.partial(jax.jit(functools.partial(
-                lambda v, r: lowprec.quantize_mx(v, fmt, scale_rule=r), r=r)), x)
             cast = MXCast(f, r, "nearest_even")
+            cases[f"xla {r}"] = functools.partial(jax.jit(functools.partial(
+                _xla_quantize, cast=cast)), x)
             cases[f"pallas {r}"] = functools.partial(jax.jit(functools.partial(
                 lambda v, c: quantize_mx_pallas(v, c, interpret=interpret), c=cast)), x)
         jq, _ = jax_peer(fmt)
@@ -192,8 +207,6 @@ def bench_quantize(x, roof: Roofline, reps: int, formats) -> list:
 
 
 def bench_dequantize(x, roof: Roofline, reps: int, formats) -> list:
-    from bench_mx import jax_peer
-
     n = x.size
     rows = []
     for fmt in formats:

@@ -1,38 +1,57 @@
-"""How many kernels (passes over memory) each lowprec entry point compiles to, on this backend.
+"""How many kernels (passes over memory) each lowprec entry point compiles to, and what that
+predicts for a GPU's throughput — with or without the GPU.
 
-Run: ``python benchmarks/gpu_hlo_report.py`` (any backend; the point is a GPU), with
-``--dump DIR`` to keep every optimized HLO module, ``--shape 4096 4096`` for the array.
+Run: ``python benchmarks/gpu_hlo_report.py`` compiles for the default backend (a GPU if JAX
+sees one). ``--target h100`` (or ``h200``, ``b200``) compiles for that GPU on any machine,
+a CPU-only one included, through XLA's ahead-of-time path: install the CUDA plugin
+(``pip install -e '.[gpu-compile]'``, or ``pip install --target DIR`` it and put DIR on
+``PYTHONPATH``), keep JAX on the CPU (``JAX_PLATFORMS=cpu``) and the script asks the plugin
+for a compile-only device described by a ``GpuTargetConfigProto`` (:data:`TARGETS`;
+``jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...,
+topology="1x1x1")``). ``jit(f, in_shardings=that device).lower(...).compile()`` then runs
+XLA's whole GPU pipeline (fusion, Triton for Pallas kernels, PTX for sm_90a/sm_100a).
+``--dump DIR`` keeps every optimized HLO module (and, with a target, its PTX), ``--shape``
+sets the array, ``--only`` filters entry points, ``--json`` writes the rows.
 
-For each entry point (``quantize_mx`` per format and rule, along the last axis and along
-axis 0, with ``pad=True``; ``dequantize`` to float32 and bfloat16; ``fake_quantize_mx``;
-``shared_exponents``; ``encode``; the dot products) the script jits it, takes XLA's
-optimized module (``jax.jit(f).lower(x).compile().as_text()``) and lists the top-level
-instructions of its entry computation that launch work: fusions (with their kind: kLoop =
-elementwise, kInput = a reduction, kCustom = Triton/cuBLAS), custom calls, copies and
-transposes that move data, reduces, dots, conditionals and loops. Bitcasts, tuples,
-parameters and constants are free.
+For each entry point (``quantize_mx`` per MX format and scale rule, along the last axis,
+along axis 0 and with ``pad=True``; ``dequantize`` to float32 and bfloat16;
+``fake_quantize_mx``; ``shared_exponents``; ``encode``; the Pallas kernels; the dot
+products) the script takes XLA's optimized module and lists the top-level instructions of
+its entry computation that launch work: fusions (with their kind: kLoop = elementwise,
+kInput = a reduction, kCustom = Triton/cuBLAS), custom calls, copies and transposes that
+move data, reduces, dots, conditionals and loops. Bitcasts, tuples, parameters and constants
+are free.
 
-Columns: ``kernels`` (that count), ``kinds``, ``traffic/ideal``: the bytes every kernel
+Columns: ``kernels`` (that count), ``passes`` (kernels that stream the data: more than
+1/8 of the ideal bytes; the others touch per-block values such as scales), ``kinds``,
+``traffic/ideal``: the bytes every kernel
 reads and writes (each operand and result counted once per kernel) over the bytes a
 single pass needs (the entry's parameters and result) — 1.0 is one fused pass; 2.0 means
-the data went through memory twice (e.g. a block-max reduction that the encode reads
-back). ``fused ops``: arithmetic instructions inside the kernels' fused computations
-(broadcasts, reshapes and other layout-only instructions not counted), a proxy for the
-work per element: a memory-bound kernel on an H100 has room for roughly 30 integer
-operations per float32 element before the ALUs, not HBM, set its speed. ``notes`` names
-materialized transposes/copies and separate reductions.
-
-This is the measurement behind the issue's "find out why XLA does not fuse the current
-graph into one pass": run it on the GPU and compare with the CPU listing in
-benchmarks/README.md.
+the data went through memory twice. ``pred TB/s`` (with a target): the effective bandwidth
+(ideal bytes / time) predicted for a memory-bound program, the device's copy bandwidth
+divided by traffic/ideal (:attr:`GpuTarget.copy_tbs` says which copy bandwidth; on the H100
+this predicted the measured quantize/dequantize figures within ~10%). It means nothing for
+compute-bound rows (the large dots). ``fused ops``: arithmetic instructions inside the
+kernels' fused computations, a proxy for the work per element. ``regs/spill`` (with a
+target): registers per thread and spilled bytes of each Triton (Pallas) kernel, from
+``ptxas -v`` on the dumped PTX. ``notes`` names materialized transposes/copies, separate
+reductions and conditionals.
 """
+
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import glob
+import json
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections import Counter
 
 import jax
@@ -81,10 +100,13 @@ def _split_shape(rest: str):
     return shape, m.group(1), operands, m.group(3)
 
 
-def entry_kernels(hlo: str):
-    """[(name, opcode, kind, out_bytes, operand_names)] for the entry computation; and the
-    bytes of its parameters and result."""
-    lines = hlo[hlo.index("\nENTRY") :].splitlines()[1:]
+def entry_kernels(hlo: str, computation: str = None):
+    """[(name, opcode, kind, out_bytes, operand_names)] for the entry computation (or the
+    named one); and the bytes of its parameters and result."""
+    if computation is None:
+        lines = hlo[hlo.index("\nENTRY") :].splitlines()[1:]
+    else:
+        lines = hlo[hlo.index(f"\n%{computation} ") + 1 :].splitlines()[1:]
     instrs, sizes, alias = [], {}, {}
     param_bytes = root_bytes = 0
     for line in lines:
@@ -135,43 +157,282 @@ def fused_op_counts(hlo: str) -> dict:
     return counts
 
 
+def conditional_branches(hlo: str) -> list:
+    """Names of the branch computations of the entry's conditionals."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    names = []
+    for m in re.finditer(r"true_computation=%([\w.\-]+), false_computation=%([\w.\-]+)", entry):
+        names += [m.group(1), m.group(2)]
+    for m in re.finditer(r"branch_computations=\{([^}]*)\}", entry):
+        names += re.findall(r"%([\w.\-]+)", m.group(1))
+    return names
+
+
+def branch_note(hlo: str, computation: str) -> str:
+    """'branch NAME: its kernels' (Pallas kernels by name) for a conditional's branch."""
+    instrs = entry_kernels(hlo, computation)[0]
+    body = hlo[hlo.index(f"\n%{computation} "):]
+    pallas = re.findall(r'name\s*=\s*\\?"(lowprec_\w+)', body[: body.index("\n}")])
+    kinds = Counter(f"{op}:{label}" if label else op for _, op, label, _, _ in instrs)
+    text = ", ".join(f"{k}×{v}" if v > 1 else k for k, v in sorted(kinds.items()))
+    return f"branch {computation}: {text}" + (f" ({', '.join(sorted(set(pallas)))})" if pallas else "")
+
+
 def summarize(hlo: str) -> dict:
     instrs, sizes, params, root = entry_kernels(hlo)
     ops = fused_op_counts(hlo)
     calls = re.findall(r"calls=%([\w.\-]+)", hlo[hlo.index("\nENTRY"):])
-    traffic = sum(out + sum(sizes.get(o, 0) for o in set(ops)) for _, _, _, out, ops in instrs)
+    per_kernel = [out + sum(sizes.get(o, 0) for o in set(ops)) for _, _, _, out, ops in instrs]
+    traffic = sum(per_kernel)
+    ideal = max(1, params + root)
     kinds = Counter(f"{op}:{label}" if label else op for _, op, label, _, _ in instrs)
     notes = [f"{op} {name}" for name, op, _, _, _ in instrs if op in ("copy", "transpose")]
     notes += [f"reduction {name}" for name, op, label, _, _ in instrs if label == "kInput" or op == "reduce"]
+    notes += [f"{op} {name}" for name, op, _, _, _ in instrs if op in ("conditional", "while")]
+    notes += [branch_note(hlo, b) for b in conditional_branches(hlo)]
     return {
         "kernels": len(instrs),
+        # Kernels that stream the data (more than 1/8 of the ideal bytes); the others touch
+        # per-block values only (scales: 1/32 of the elements).
+        "passes": sum(b > ideal / 8 for b in per_kernel),
         "kinds": ", ".join(f"{k}×{v}" if v > 1 else k for k, v in sorted(kinds.items())),
-        "traffic_over_ideal": traffic / max(1, params + root),
+        "traffic_over_ideal": traffic / ideal,
         "fused_ops": sum(ops.get(c, 0) for c in calls),
         "notes": "; ".join(notes),
     }
 
 
-def entry_points(shape):
+
+
+# -- compile-only GPU targets ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """A GPU to compile for without one: the facts XLA's GPU compiler reads (a
+    ``stream_executor.GpuTargetConfigProto``) and the copy bandwidth predictions use.
+
+    Attributes:
+      name: the device kind JAX reports on that GPU.
+      compute_capability: (major, minor); compiled with the arch-specific features (sm_90a).
+      sms, l2_bytes, clock_ghz, memory_bytes: datasheet figures (132 SMs and 50 MiB L2 on the
+        H100 SXM).
+      hbm_bytes_per_s: datasheet memory bandwidth (XLA's cost model reads it).
+      copy_tbs: effective copy bandwidth (TB/s, read + write) the predictions divide by
+        traffic/ideal; ``copy_note`` says where it comes from.
+    """
+
+    name: str
+    compute_capability: tuple
+    sms: int
+    l2_bytes: int
+    hbm_bytes_per_s: float
+    clock_ghz: float
+    memory_bytes: int
+    copy_tbs: float
+    copy_note: str
+
+    @property
+    def arch(self) -> str:
+        major, minor = self.compute_capability
+        return f"sm_{major}{minor}a"
+
+    def _unit_rates(self) -> str:
+        """Per-SM issue rates by XLA PrimitiveType (S32=4, U32=8, F16=10, F32=11, F64=12,
+        BF16=16), which XLA's fusion cost model reads: 64 integer/float64 and 128 float32
+        lanes per SM (Hopper/Blackwell), packed half precision at two per lane."""
+        rates = {4: (64, 1), 8: (64, 1), 10: (128, 2), 11: (128, 1), 12: (64, 1), 16: (128, 2)}
+        out = "  scalar_unit_description {\n"
+        for key, (units, ops) in rates.items():
+            out += (f"    rate_infos {{ key: {key} value {{ clock_rate_ghz: {self.clock_ghz} "
+                    f"units_per_core: {units} ops_per_clock: {ops} }} }}\n")
+        return out + "  }\n"
+
+    def config_text(self) -> str:
+        """The GpuTargetConfigProto (text format) the CUDA plugin takes as ``target_config``."""
+        major, minor = self.compute_capability
+        return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  shared_memory_per_block_optin: 232448
+  threads_per_core_limit: 2048
+  core_count: {self.sms}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+  memory_bandwidth: {int(self.hbm_bytes_per_s)}
+  l2_cache_size: {self.l2_bytes}
+  clock_rate_ghz: {self.clock_ghz}
+  device_memory_size: {self.memory_bytes}
+  cuda_compute_capability {{ major: {major} minor: {minor} feature_extension: ACCELERATED_FEATURES }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+{self._unit_rates()}  device_vendor: "NVIDIA Corporation"
+  name: "{self.name}"
+}}
+platform_name: "CUDA"
+device_description_str: "{self.name}"
+"""
+
+
+# The H100's copy bandwidth was measured (issue 20: jit(-x) on 16384² float32, the run whose
+# quantize/dequantize figures these predictions matched within ~10%); no H200 or B200 has
+# been measured, so theirs is the datasheet bandwidth times the H100's measured fraction of
+# its own datasheet figure (2.53 / 3.35 = 0.755).
+_H100_COPY_FRACTION = 2.53 / 3.35
+TARGETS = {
+    "h100": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), 132, 50 << 20, 3.35e12, 1.98, 80 << 30,
+                      2.53, "measured on an H100 SXM (issue 20)"),
+    "h200": GpuTarget("NVIDIA H200", (9, 0), 132, 50 << 20, 4.8e12, 1.98, 141 * 10**9,
+                      round(4.8 * _H100_COPY_FRACTION, 2),
+                      "datasheet 4.8 TB/s x the H100's measured copy fraction 0.755"),
+    "b200": GpuTarget("NVIDIA B200", (10, 0), 148, 126 << 20, 8.0e12, 1.965, 180 * 10**9,
+                      round(8.0 * _H100_COPY_FRACTION, 2),
+                      "datasheet 8.0 TB/s x the H100's measured copy fraction 0.755"),
+}
+
+
+def cuda_plugin_available() -> bool:
+    """Whether the JAX CUDA plugin (which compiles for a GPU without one) is importable."""
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:
+        try:
+            import jax_plugins.xla_cuda13  # noqa: F401
+        except ImportError:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def compile_only_device(target: str):
+    """A compile-only JAX device for ``TARGETS[target]`` (no GPU needed)."""
+    from jax.experimental import topologies
+
+    spec = TARGETS[target]
+    topo = topologies.get_topology_desc(platform="cuda", target_config=spec.config_text(),
+                                        topology="1x1x1")
+    return topo.devices[0]
+
+
+def compile_hlo(fn, specs, target=None, dump_dir=None) -> str:
+    """Optimized HLO text of ``jit(fn)`` for ``specs`` (ShapeDtypeStructs or pytrees of them),
+    for the default backend or, with ``target``, for that GPU (compile only). ``dump_dir``:
+    XLA writes the module's passes' HLO and, for a GPU, its PTX there."""
+    if target is None:
+        jitted = jax.jit(fn)
+    else:
+        from jax.sharding import SingleDeviceSharding
+
+        where = SingleDeviceSharding(compile_only_device(target))
+        jitted = jax.jit(fn, in_shardings=where, out_shardings=where)
+    options = None
+    if dump_dir:
+        options = {"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True}
+    return jitted.lower(*specs).compile(compiler_options=options).as_text()
+
+
+def find_ptxas():
+    """ptxas from the nvidia-cuda-nvcc wheel (the CUDA plugin's), else from PATH."""
+    for root in sys.path:
+        path = os.path.join(root, "nvidia", "cuda_nvcc", "bin", "ptxas")
+        if os.path.isfile(path):
+            return path
+    return shutil.which("ptxas")
+
+
+_PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptx_kernel_stats(ptx_paths, arch: str) -> dict:
+    """kernel name -> (registers, spill store bytes, spill load bytes), from ``ptxas -v``."""
+    ptxas = find_ptxas()
+    stats = {}
+    if ptxas is None:
+        return stats
+    for path in ptx_paths:
+        out = subprocess.run([ptxas, "-v", f"-arch={arch}", path, "-o", os.devnull],
+                             capture_output=True, text=True, check=False)
+        name, spill = None, (0, 0)
+        for line in (out.stdout + out.stderr).splitlines():
+            m = _PTXAS_FUNC.search(line)
+            if m:
+                name, spill = m.group(1), (0, 0)
+                continue
+            m = _PTXAS_SPILL.search(line)
+            if m:
+                spill = (int(m.group(1)), int(m.group(2)))
+                continue
+            m = _PTXAS_REGS.search(line)
+            if m and name:
+                stats[name] = (int(m.group(1)), *spill)
+    return stats
+
+
+def triton_kernel_names(hlo: str) -> list:
+    """Names XLA gives the Pallas (Triton) kernels of a module (``name`` of the call)."""
+    return re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?name\s*=\s*\\?"([\w.\-]+)', hlo)
+
+
+def pallas_register_report(hlo: str, ptx_dir: str, arch: str) -> str:
+    """'kernel: N regs, S B spilled' for each Triton kernel in the dumped PTX."""
+    stats = ptx_kernel_stats(sorted(glob.glob(os.path.join(ptx_dir, "*.ptx"))), arch)
+    if "__gpu$xla.gpu.triton" not in hlo and "kCustom" not in hlo:
+        return ""
+    parts = []
+    for name, (regs, st, ld) in sorted(stats.items()):
+        if "lowprec" in name or "triton" in name:
+            parts.append(f"{name}: {regs} regs, {st + ld} B spilled")
+    return "; ".join(parts)
+
+
+# -- entry points ------------------------------------------------------------------------------
+
+MX_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8")
+RULES = ("floor", "ceil", "even", "rceil")
+
+
+def entry_points(shape, pallas: bool = False, full: bool = True):
+    """name -> (function, *argument specs). ``pallas``: include the Pallas kernels (on a
+    GPU or a GPU target). ``full``: every MX format and rule (else MXFP8/MXFP4, two rules)."""
+    from lowprec._options import MXCast
+
     x = jax.ShapeDtypeStruct(shape, jnp.float32)
     xt = jax.ShapeDtypeStruct((shape[0], shape[1] - 16), jnp.float32)  # needs pad=True
     cases = {}
-    for fmt in ("mxfp8_e4m3", "mxfp4"):
-        for rule in ("floor", "rceil"):
-            cases[f"quantize_mx {fmt} {rule}"] = (lambda v, f=fmt, r=rule: lowprec.quantize_mx(v, f, scale_rule=r), x)
+    formats = MX_FORMATS if full else ("mxfp8_e4m3", "mxfp4")
+    for fmt in formats:
+        for rule in RULES if full else ("floor", "rceil"):
+            cases[f"quantize_mx {fmt} {rule}"] = (
+                lambda v, f=fmt, r=rule: lowprec.quantize_mx(v, f, scale_rule=r), x)
         cases[f"quantize_mx {fmt} axis=0"] = (lambda v, f=fmt: lowprec.quantize_mx(v, f, axis=0), x)
-        cases[f"quantize_mx {fmt} pad=True"] = (lambda v, f=fmt: lowprec.quantize_mx(v, f, pad=True), xt)
+        cases[f"quantize_mx {fmt} pad=True"] = (
+            lambda v, f=fmt: lowprec.quantize_mx(v, f, pad=True), xt)
         mx = jax.eval_shape(lambda v, f=fmt: lowprec.quantize_mx(v, f), x)
         cases[f"dequantize {fmt} f32"] = (lambda m: lowprec.dequantize(m), mx)
         cases[f"dequantize {fmt} bf16"] = (lambda m: lowprec.dequantize(m, jnp.bfloat16), mx)
         cases[f"fake_quantize_mx {fmt}"] = (lambda v, f=fmt: lowprec.fake_quantize_mx(v, f), x)
-    if jax.default_backend() == "gpu":  # on CPU this would list the Pallas interpreter
-        from lowprec._options import MXCast
-        from lowprec._quantize_pallas import quantize_mx_pallas
+    cases["quantize_mx nvfp4 tensor_scale=1"] = (
+        lambda v: lowprec.quantize_mx(v, "nvfp4", tensor_scale=1.0), x)
+    nv = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "nvfp4"), x)
+    cases["dequantize nvfp4 f32"] = (lambda m: lowprec.dequantize(m), nv)
+    if pallas:
+        from lowprec._quantize_pallas import pallas_quantize_applies, quantize_mx_pallas
 
-        for fmt in ("mxfp8_e4m3", "mxfp4"):
+        for fmt in formats:
             cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")
-            cases[f"quantize_mx {fmt} rceil, Pallas kernel"] = (lambda v, c=cast: quantize_mx_pallas(v, c), x)
+            if not pallas_quantize_applies(cast):
+                continue
+            cases[f"Pallas quantize kernel {fmt} rceil"] = (
+                lambda v, c=cast: quantize_mx_pallas(v, c), x)
     cases["shared_exponents mxfp8 floor"] = (lambda v: lowprec.shared_exponents(v, "mxfp8"), x)
     cases["encode e4m3"] = (lambda v: lowprec.encode(v, "e4m3"), x)
     n, k = shape
@@ -181,43 +442,92 @@ def entry_points(shape):
     cases["dot_general mxfp8 pre-q"] = (lambda p, q: lowprec.dot_general(p, q, dn), q8, q8)
     cases["dot_general mxfp8 +quant"] = (
         lambda p, q: lowprec.dot_general(p, q, dn, lhs_format="mxfp8", rhs_format="mxfp8"), a, a)
-    w4 = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp4", axis=1), a)
-    t4 = jax.ShapeDtypeStruct((4, k), jnp.bfloat16)
-    cases["dot_general mxfp4 weight x 4 tokens"] = (lambda t, w: lowprec.dot_general(t, w, dn), t4, w4)
+    for m in (1, 4, 16):
+        w4 = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp4", axis=1), a)
+        t = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        cases[f"dot_general mxfp4 weight x {m} tokens"] = (
+            lambda t, w: lowprec.dot_general(t, w, dn), t, w4)
     return cases
+
+
+def report_rows(shape, target=None, only=None, dump=None, full=True):
+    """One dict per entry point: the summary columns (see the module docstring)."""
+    on_gpu = target is not None or jax.default_backend() == "gpu"
+    spec = TARGETS[target] if target else None
+    rows = []
+    for name, (fn, *specs) in entry_points(shape, pallas=on_gpu, full=full).items():
+        if only and only not in name:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            where = tmp if target else None
+            try:
+                hlo = compile_hlo(fn, specs, target, where)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                rows.append({"entry point": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                continue
+            regs = pallas_register_report(hlo, tmp, spec.arch) if target else ""
+            if dump:
+                stem = os.path.join(dump, re.sub(r"[^\w.=-]+", "_", name))
+                _write_atomic(stem + ".hlo.txt", hlo)
+                for i, ptx in enumerate(sorted(glob.glob(os.path.join(tmp, "*.ptx")))):
+                    with open(ptx, encoding="utf-8") as f:
+                        _write_atomic(f"{stem}.{i}.ptx", f.read())
+        s = summarize(hlo)
+        row = {"entry point": name, **s, "regs/spill": regs}
+        if spec is not None:
+            row["pred TB/s"] = spec.copy_tbs / max(s["traffic_over_ideal"], 1e-9)
+        rows.append(row)
+    return rows
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", choices=sorted(TARGETS), help="compile for this GPU (no GPU needed)")
     p.add_argument("--shape", type=int, nargs=2, default=None)
-    p.add_argument("--dump", metavar="DIR", help="write each optimized HLO module here")
+    p.add_argument("--dump", metavar="DIR", help="write each optimized HLO module (and PTX) here")
     p.add_argument("--only", metavar="SUBSTRING", help="entry points whose name contains this")
+    p.add_argument("--short", action="store_true", help="MXFP8/MXFP4 and two rules only")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     args = p.parse_args(argv)
-    shape = tuple(args.shape) if args.shape else ((16384, 16384) if jax.default_backend() == "gpu" else (1024, 1024))
+    if args.target and not cuda_plugin_available():
+        p.error("--target needs the JAX CUDA plugin: pip install 'lowprec[gpu-compile]' "
+                "(jax-cuda12-plugin[with-cuda] of your jaxlib's version)")
+    on_gpu = args.target or jax.default_backend() == "gpu"
+    shape = tuple(args.shape) if args.shape else ((16384, 16384) if on_gpu else (1024, 1024))
     env = environment()
-    print(f"lowprec {env['lowprec']}, jax {env['jax']}, {env['platform']}: {env['device']}; "
-          f"array {shape} float32\n")
-    rows = []
+    if args.target:
+        t = TARGETS[args.target]
+        where = (f"compiled for {t.name} ({t.arch}) on {env['platform']}, no GPU; predictions at "
+                 f"{t.copy_tbs} TB/s copy ({t.copy_note})")
+    else:
+        where = f"{env['platform']}: {env['device']}"
+    print(f"lowprec {env['lowprec']}, jax {env['jax']}, {where}; array {shape} float32\n")
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
-    for name, (fn, *specs) in entry_points(shape).items():
-        if args.only and args.only not in name:
+    rows = report_rows(shape, args.target, args.only, args.dump, full=not args.short)
+    headers = ["entry point", "kernels", "passes", "kinds", "traffic/ideal"]
+    headers += ["pred TB/s"] if args.target else []
+    headers += ["fused ops", "regs/spill", "notes"]
+    table = []
+    for r in rows:
+        if "error" in r:
+            table.append([r["entry point"], "n/a", r["error"][:80]] + [""] * (len(headers) - 3))
             continue
-        try:
-            hlo = jax.jit(fn).lower(*specs).compile().as_text()
-        except Exception as e:  # noqa: BLE001 - report and go on
-            rows.append([name, "n/a", f"{type(e).__name__}: {str(e)[:60]}", "", "", ""])
-            continue
-        if args.dump:
-            path = os.path.join(args.dump, re.sub(r"[^\w.=-]+", "_", name) + ".hlo.txt")
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.write(hlo)
-            os.replace(path + ".tmp", path)
-        s = summarize(hlo)
-        rows.append([name, str(s["kernels"]), s["kinds"], f"{s['traffic_over_ideal']:.2f}",
-                     str(s["fused_ops"]), s["notes"]])
-    headers = ["entry point", "kernels", "kinds", "traffic/ideal", "fused ops", "notes"]
-    print(render_table(headers, rows, right=(1, 3, 4)))
+        cells = [r["entry point"], str(r["kernels"]), str(r["passes"]), r["kinds"],
+                 f"{r['traffic_over_ideal']:.2f}"]
+        cells += [f"{r['pred TB/s']:.2f}"] if args.target else []
+        cells += [str(r["fused_ops"]), r["regs/spill"], r["notes"]]
+        table.append(cells)
+    print(render_table(headers, table, right=(1, 2, 4, 5)))
+    if args.json:
+        _write_atomic(args.json, json.dumps({"shape": shape, "target": args.target, "rows": rows},
+                                            indent=1))
     return 0
 
 

@@ -39,6 +39,14 @@ def bits_to_f32(bits):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def clz(x):
+    """Leading zero bits of unsigned integers (int32), counted on the same-width signed
+    bitcast: the same bits, and the form Triton lowers (it refuses ``math.ctlz`` on
+    unsigned tensors, so a Pallas kernel calling this compiles for a GPU)."""
+    signed = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(x.dtype).itemsize]
+    return lax.clz(lax.bitcast_convert_type(x, signed)).astype(jnp.int32)
+
+
 def floor_log2_bits(bits):
     """floor(log2 v) for the float32 pattern ``bits`` of v ≥ 0 (int32; v = 0 gives -150).
 
@@ -53,7 +61,7 @@ def floor_log2_bits(bits):
     sig = jnp.where(efield > 0, (bits & F32_MANT) | F32_IMPLICIT, bits & F32_MANT)
     # For a normal v the leading bit of sig is bit 23 (clz = 8); each step lower is one binade.
     lsb_exp = jnp.maximum(efield, 1) - (F32_BIAS + F32_MANT_BITS)
-    return lsb_exp + 31 - lax.clz(sig).astype(jnp.int32)
+    return lsb_exp + 31 - clz(sig)
 
 
 def pow2_f32(n):

@@ -28,6 +28,7 @@ from ._bits import (
     F32_QNAN,
     F32_SIGN,
     bits_to_f32,
+    clz,
     f32_bits,
 )
 from ._format import ElementFormat, ElementFormatLike, array_then_format, element_format
@@ -245,7 +246,7 @@ def encode_bits(
         # whatever their exact binade: the exponent field suffices (no count-leading-zeros).
         e_x = jnp.maximum(efield, 1) - in_bias
     else:
-        e_x = lsb_exp + (width - 1) - lax.clz(sig).astype(jnp.int32)
+        e_x = lsb_exp + (width - 1) - clz(sig)  # on the signed bitcast: Triton lowers it
 
     # The target quantum: 2^(t - M) with t the binade, or emin in the subnormal range.
     t = jnp.maximum(e_x, fmt.emin)

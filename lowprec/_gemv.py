@@ -19,6 +19,8 @@ they agree to within K·2^-23·Σ|w_i x_i| (docs/design.md §5).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Optional
 
 import jax
@@ -116,6 +118,24 @@ def _as_2d(w: MXArray) -> MXArray:
     """A canonical (1, N, K) MXArray as the [N, K] weight the routes take."""
     n, k = w.shape[1], w.shape[2]
     return MXArray(w.elements[0], w.scales[0], w.fmt, 1, (n, k), w.scale_rule)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernels_possible() -> bool:
+    """Whether JAX here can compile for CUDA: a GPU backend, or the CUDA plugin installed
+    (which also compiles for a GPU without one, benchmarks/gpu_hlo_report.py). Elsewhere
+    the CUDA branches of ``lax.platform_dependent`` holding Pallas kernels are left out,
+    so CPU-only installs do not trace kernels they can never run."""
+    for version in (12, 13):
+        try:
+            if importlib.util.find_spec(f"jax_plugins.xla_cuda{version}") is not None:
+                return True
+        except ImportError:
+            pass
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
 
 
 def on_cuda(fast, generic, *args):

@@ -148,6 +148,19 @@ def _e8m0_f32(s):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _blocks_of(v):
+    """The slices ``v[..., b]`` of a value held in registers (last axis a power of two), by
+    halving it with size-2 unstacks, which Triton lowers (a strided slice it does not).
+    After each halving, part k holds the indices ≡ k modulo the number of parts (the
+    part of residue q splits into residues q and q + len), so the list stays in order."""
+    parts = [v]
+    while parts[0].shape[-1] > 1:
+        halves = [jnp.unstack(p.reshape(*p.shape[:-1], p.shape[-1] // 2, 2), axis=-1)
+                  for p in parts]
+        parts = [h[r] for r in range(2) for h in halves]
+    return [p.reshape(p.shape[:-1]) for p in parts]
+
+
 # -- the kernel ----------------------------------------------------------------------------------
 
 
@@ -189,12 +202,18 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, m, n, k, steps, cfg: KernelConfig):
 
     def dot_step(step, acc):
         g0 = (j * steps + step) * gb
+        g_ok = (g0 + lax.iota(jnp.int32, gb)) < groups
+        ok = row_ok[:, None] & g_ok[None, :]
+        # The step's whole tile in one load per row (gb·16 contiguous bytes: 128-bit
+        # loads), not one 16-byte block at a time (which compiled to byte loads).
+        w_all = plt.load(w_ref.at[pl.ds(i * bn, bn), pl.ds(g0, gb), :], mask=ok[:, :, None],
+                         other=0)
+        s_all = plt.load(s_ref.at[pl.ds(i * bn, bn), pl.ds(g0, gb)], mask=ok, other=E8M0_BIAS)
+        w_blocks = _blocks_of(jnp.transpose(w_all, (0, 2, 1)))  # gb × [bn, 16]
+        s_blocks = _blocks_of(s_all)  # gb × [bn]
         for b in range(gb):  # one tensor-core dot per MX block, then its scale
             g = g0 + b
-            ok = row_ok & (g < groups)
-            w = plt.load(w_ref.at[pl.ds(i * bn, bn), g, :], mask=ok[:, None], other=0)
-            s = plt.load(s_ref.at[pl.ds(i * bn, bn), g], mask=ok, other=E8M0_BIAS)
-            w = w.astype(jnp.int32)
+            w, s = w_blocks[b].astype(jnp.int32), s_blocks[b]
             lo, hi = _fp4_bf16(w & 0xF), _fp4_bf16(lax.shift_right_logical(w, 4))  # [bn, 16]
             xe, xo = jnp.unstack(load_x(g, 1).reshape(bm, _BYTES_PER_BLOCK, 2), axis=-1)
             dn = (((1,), (1,)), ((), ()))

@@ -308,10 +308,65 @@ def quantize_mxarray(bits, cast: MXCast, axis: int, shape: tuple, rng=None, tens
     return MXArray(elements, scales, cast.fmt, axis, shape, cast.scale_rule, ts)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale):
-    return quantize_mxarray(padded_bits(x, axis, padded), cast, axis, tuple(x.shape), rng,
-                            tensor_scale)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel_ok: bool, rng, tensor_scale):
+    def xla(v):
+        return quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
+                                tensor_scale)
+
+    if not (kernel_ok and _pallas_quantize_serves(x, cast, axis, padded)):
+        return xla(x)
+    from ._quantize_pallas import quantize_mx_pallas
+
+    def one_pass_kernel(v):
+        elements, scales = quantize_mx_pallas(v, cast, axis=axis)
+        return MXArray(elements, scales, cast.fmt, axis, tuple(v.shape), cast.scale_rule)
+
+    # XLA compiles the block maximum and the encode into two passes over x (a reduction,
+    # then a loop that reads x again: 1.9-2.5x the ideal bytes on an H100); the Pallas
+    # kernel makes one (1.00x), from the same integer core, so the same bits
+    # (benchmarks/gpu_hlo_report.py --target h100). Other backends keep XLA's fusion.
+    return lax.platform_dependent(x, cuda=one_pass_kernel, default=xla)
+
+
+def _unsharded(x) -> bool:
+    """False for an array laid out over several devices (a concrete array's sharding, or a
+    traced one's Explicit mesh axes): the Pallas kernels are single-device custom calls,
+    which XLA's partitioner would run on gathered inputs, so sharded inputs keep XLA's
+    formulation (partitioned like any elementwise program). Traced inputs over Auto axes
+    carry no layout at trace time: they take the kernel."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and not isinstance(x, jax.core.Tracer):
+        return len(sharding.device_set) <= 1
+    try:
+        spec = jax.typeof(x).sharding.spec
+    except Exception:  # noqa: BLE001 - no sharding in the type
+        return True
+    return all(s is None for s in spec)
+
+
+def _pallas_quantize_serves(x, cast: MXCast, axis: int, padded: int, fake: bool = False) -> bool:
+    """Whether quantize_mx (``fake``: fake_quantize_mx) takes its Pallas kernel on CUDA
+    (static): blocks along the last axis or axis 0 of a 2-D array (zero padding included),
+    float32/bfloat16/float16 input,
+    a format and rounding the kernel serves, JAX able to compile for CUDA, and Pallas with
+    its Triton backend importable."""
+    if x.ndim == 0 or x.size == 0 or not (axis == x.ndim - 1 or (axis == 0 and x.ndim == 2)):
+        return False  # (a padded block axis is padded in the kernel)
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return False
+    from . import _gemv  # local: _gemv imports this module
+
+    if not _gemv.cuda_kernels_possible():
+        return False
+    try:
+        from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_applies
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    if fake:
+        return pallas_fake_quantize_applies(cast)
+    return pallas_quantize_applies(cast, axis0=axis != x.ndim - 1)
 
 
 def quantize_mx(
@@ -388,7 +443,7 @@ def quantize_mx(
     axis, n, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "quantize_mx")
     check_mx_input(x, cast.fmt, axis)  # MX blocks must not straddle shard boundaries
     check_random_bits(random_bits, _padded_shape(x.shape, axis, padded), "the padded shape")
-    return _quantize_mx_jit(x, cast, axis, padded, (key, random_bits), ts)
+    return _quantize_mx_jit(x, cast, axis, padded, _unsharded(x), (key, random_bits), ts)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -550,9 +605,83 @@ def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canon
     return lax.slice_in_dim(merge_blocks(bits, axis), 0, n, axis=axis)
 
 
+def _grouped_codes(elements, fmt: MXFormat, axis: int):
+    """Element codes as ``[..., groups, codes per group, ...]`` (a group: the bytes holding
+    a whole number of codes: 1 byte for FP4's pairs, 3 for FP6's fours; 8-bit codes are
+    returned as they are), built without a stack or a concatenate: the group's bytes form
+    one word, broadcast over its codes, and each code shifts its bits out by its position
+    (an iota). Nothing is reshaped across groups, so XLA's GPU fusion sees every code
+    through one index map."""
+    bits = fmt.element.code_bits
+    per_bytes, per_codes = {8: (1, 1), 4: (1, 2), 6: (3, 4)}[bits]
+    if bits == 8:
+        return elements  # already one code per byte: the array's own layout
+    shape = elements.shape
+    groups = shape[axis] // per_bytes
+    g = elements.reshape(*shape[:axis], groups, per_bytes, *shape[axis + 1:])
+    # The group's bytes as one little-endian word, then each code shifted out of it by its
+    # position (an iota): element 2k of FP4 in the low nibble, FP6's bit stream as
+    # _pack.unpack_last reads it.
+    word = lax.index_in_dim(g, 0, axis + 1).astype(jnp.uint32)
+    for j in range(1, per_bytes):
+        word = word | lax.shift_left(lax.index_in_dim(g, j, axis + 1).astype(jnp.uint32),
+                                     jnp.uint32(8 * j))
+    out_shape = (*shape[:axis], groups, per_codes, *shape[axis + 1:])
+    pos = lax.broadcasted_iota(jnp.uint32, out_shape, axis + 1)
+    codes = lax.shift_right_logical(jnp.broadcast_to(word, out_shape), pos * jnp.uint32(bits))
+    return (codes & jnp.uint32((1 << bits) - 1)).astype(jnp.uint8)
+
+
+def _per_code(v, grouped_shape, axis: int):
+    """A per-block array broadcast to the code layout of :func:`_grouped_codes`."""
+    shape = v.shape
+    if len(grouped_shape) == len(shape):  # 8-bit codes, ungrouped
+        block = grouped_shape[axis] // shape[axis]
+        wide = jnp.broadcast_to(jnp.expand_dims(v, axis + 1),
+                                (*shape[:axis], shape[axis], block, *shape[axis + 1:]))
+        return wide.reshape(grouped_shape)
+    groups, per_codes = grouped_shape[axis], grouped_shape[axis + 1]
+    per_block = groups // shape[axis]
+    wide = jnp.broadcast_to(
+        jnp.expand_dims(v, (axis + 1, axis + 2)),
+        (*shape[:axis], shape[axis], per_block, per_codes, *shape[axis + 1:]))
+    return wide.reshape(grouped_shape)
+
+
+def mx_values_blockwise(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
+    """:func:`mx_values` in one elementwise pass (no branch, no reduction): each block takes
+    the fast decode when its scale code is at least :func:`fast_scale_min` (exact for every
+    element, the NaN code included), the bit-built one otherwise (exact everywhere). Bit
+    for bit what the whole-array choice of :func:`mx_values` gives, since both are exact
+    wherever they are used; for ``fast_decode_applies`` formats only.
+
+    This is the GPU formulation: XLA's GPU pipeline turns the ``lax.cond`` of
+    :func:`mx_values` into a select over two materialized full-size results (5-7 kernels,
+    up to 6x the ideal bytes, benchmarks/gpu_hlo_report.py), while this fuses into one
+    loop. Codes are decoded in their packed groups' layout (:func:`_grouped_codes`), every
+    per-block quantity is computed once per block and broadcast, and only the result is
+    reshaped: XLA's GPU fusion refuses to fuse values it would have to recompute through
+    several index maps, which the block-split formulation made it do. On CPU the
+    conditional runs one branch, so the cheaper fast decode alone usually runs there."""
+    codes = _grouped_codes(elements, fmt, axis)
+    factor = _per_code(e8m0_factor(scales), codes.shape, axis)
+    big = _per_code(scales >= fast_scale_min(fmt), codes.shape, axis)
+    sb = _per_code(scales, codes.shape, axis)
+    fast = f32_bits(decode_f32(fmt.element, codes) * factor)
+    fast = jnp.where((fast & F32_ABS) > F32_INF, jnp.uint32(F32_QNAN), fast)
+    exact = scale_bits_by_e8m0(decode_bits(fmt.element, codes), sb)
+    values = bits_to_dtype(jnp.where(big, fast, exact), dtype)
+    if codes.ndim > elements.ndim:  # merge the groups back
+        shape = elements.shape
+        values = values.reshape(*shape[:axis], codes.shape[axis] * codes.shape[axis + 1],
+                                *shape[axis + 1:])
+    return lax.slice_in_dim(values, 0, n, axis=axis)
+
+
 def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_scale=None):
     """Exact values of MX codes as ``dtype`` (rounded to nearest even if narrower than
-    float32): the fast decode when it is exact for these codes, else the bit-built one."""
+    float32): the fast decode when it is exact for these codes, else the bit-built one.
+    On a CUDA GPU, the one-pass :func:`mx_values_blockwise` (the same bits)."""
 
     def exact(e, s, f):
         return bits_to_dtype(mx_value_bits(e, s, fmt, axis, n, tensor_scale), dtype)
@@ -563,11 +692,16 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_
     def fast(e, s, f):
         return bits_to_dtype(mx_value_bits_fast(e, s, fmt, axis, n, factor=f), dtype)
 
-    # The block factors are computed before the branch (one per block, then broadcast), not
-    # redone for every element inside the branch's fused loop.
-    factor = e8m0_factor(scales)
-    pred = fast_decode_exact(elements, scales, fmt, axis)
-    return lax.cond(pred, fast, exact, elements, scales, factor)
+    def whole_array_choice(e, s):
+        # The block factors are computed before the branch (one per block, then broadcast),
+        # not redone for every element inside the branch's fused loop.
+        factor = e8m0_factor(s)
+        return lax.cond(fast_decode_exact(e, s, fmt, axis), fast, exact, e, s, factor)
+
+    def blockwise(e, s):
+        return mx_values_blockwise(e, s, fmt, axis, n, dtype)
+
+    return lax.platform_dependent(elements, scales, cuda=blockwise, default=whole_array_choice)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
@@ -600,22 +734,34 @@ def dequantize(mx: MXArray, dtype=jnp.float32) -> jax.Array:
 # -- fake quantization --------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, rng, tensor_scale):
-    mx = quantize_mxarray(padded_bits(x, axis, padded), cast, axis, tuple(x.shape), rng,
-                          tensor_scale)
-    bits = mx_value_bits(mx.elements, mx.scales, cast.fmt, axis, x.shape[axis], mx.tensor_scale)
-    return bits_to_dtype(bits, x.dtype)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, kernel_ok: bool, rng,
+                      tensor_scale):
+    def xla(v):
+        mx = quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
+                              tensor_scale)
+        bits = mx_value_bits(mx.elements, mx.scales, cast.fmt, axis, v.shape[axis],
+                             mx.tensor_scale)
+        return bits_to_dtype(bits, v.dtype)
+
+    if not (kernel_ok and _pallas_quantize_serves(x, cast, axis, padded, fake=True)):
+        return xla(x)
+    from ._quantize_pallas import fake_quantize_mx_pallas
+
+    # On CUDA one Pallas pass quantizes and decodes in registers (XLA: a block-max pass,
+    # then the encode and decode reading x again, 1.6-1.9x the ideal bytes on an H100).
+    return lax.platform_dependent(
+        x, cuda=lambda v: fake_quantize_mx_pallas(v, cast, axis=axis), default=xla)
 
 
 @_fake_quantize_mx.defjvp
-def _fake_quantize_mx_jvp(cast, axis, padded, primals, tangents):
+def _fake_quantize_mx_jvp(cast, axis, padded, kernel_ok, primals, tangents):
     x, rng, tensor_scale = primals
-    out = _fake_quantize_mx(x, cast, axis, padded, rng, tensor_scale)
+    out = _fake_quantize_mx(x, cast, axis, padded, kernel_ok, rng, tensor_scale)
     return out, tangents[0]  # straight-through
 
 
-_fake_quantize_mx_jit = jax.jit(_fake_quantize_mx, static_argnums=(1, 2, 3))
+_fake_quantize_mx_jit = jax.jit(_fake_quantize_mx, static_argnums=(1, 2, 3, 4))
 
 
 def fake_quantize_mx(
@@ -654,4 +800,4 @@ def fake_quantize_mx(
     check_random_bits(random_bits, _padded_shape(x.shape, axis, padded), "the padded shape")
     if ts is not None:
         ts = lax.stop_gradient(ts)
-    return _fake_quantize_mx_jit(x, cast, axis, padded, (key, random_bits), ts)
+    return _fake_quantize_mx_jit(x, cast, axis, padded, _unsharded(x), (key, random_bits), ts)

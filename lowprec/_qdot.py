@@ -55,7 +55,9 @@ from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
 from ._blocks import padded_bits
 from ._codec import bits_to_dtype, decode_bits, encode_bits, exactly_representable, input_bits
 from ._format import ElementFormat, FormatLike, MXFormat, resolve_format
+from . import _gemv
 from ._gemv import decode_time_route, on_cuda
+from ._mxdot_pallas import mxdot_pallas, pallas_mxdot_applies
 from ._mx import (
     MXArray,
     e8m0_factor,
@@ -359,8 +361,40 @@ def _factor(op):
 
 def _dot_bf16(layout, lop, rop, factors=(None, None), out_sharding=None):
     la, ra = layout
-    return _contract(_bf16_values(lop, factors[0]), la, _bf16_values(rop, factors[1]), ra,
-                     out_sharding)
+
+    def xla(lop, rop):
+        return _contract(_bf16_values(lop, factors[0]), la, _bf16_values(rop, factors[1]), ra,
+                         out_sharding)
+
+    # The fused kernel is a single-device call: a requested output sharding keeps XLA's dot.
+    if out_sharding is not None or not _mxdot_serves(layout, lop, rop):
+        return xla(lop, rop)
+
+    def fused(lop, rop):
+        return mxdot_pallas(lop.elements[0], lop.scales[0], rop.elements[0], rop.scales[0],
+                            fa=lop.fmt, fb=rop.fmt)[None]
+
+    # On CUDA the codes are decoded in the GEMM's operand load (_mxdot_pallas.py): XLA
+    # writes each decoded bfloat16 operand to memory and reads it back.
+    return on_cuda(fused, xla, lop, rop)
+
+
+def _mxdot_serves(layout, lop, rop) -> bool:
+    """Whether the bfloat16 branch takes the fused MX kernel on CUDA (static): two MX
+    operands with 8-bit codes in the (1, M, K) x (1, N, K) layout, Triton importable."""
+    if layout != (2, 2) or not (isinstance(lop, MXArray) and isinstance(rop, MXArray)):
+        return False
+    if lop.elements.ndim != 3 or rop.elements.ndim != 3 or lop.shape[0] != 1:
+        return False
+    if 0 in lop.elements.shape or 0 in rop.elements.shape:
+        return False
+    if not _gemv.cuda_kernels_possible():
+        return False
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    return pallas_mxdot_applies(lop.fmt, rop.fmt)
 
 
 def _dot_f32(layout, lop, rop, factors=None, out_sharding=None):

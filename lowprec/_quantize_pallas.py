@@ -1,13 +1,18 @@
-"""A one-pass Pallas kernel for MX block quantization along the last axis (GPU candidate).
+"""One-pass Pallas (Triton) kernels for MX block quantization and fake quantization, which
+quantize_mx and fake_quantize_mx run on CUDA.
 
 XLA compiles ``quantize_mx`` to a block-max reduction and an encode that reads the input
-again (benchmarks/gpu_hlo_report.py: two passes, ~1.9x the bytes of one). This kernel
-reads each [block_rows, block_cols] tile of the input once, and runs lowprec's own
-quantization core (``_mx.quantize_blocks``: the same integer operations, so the same
-bits) on it in registers, writing element and scale codes. benchmarks/bench_gpu.py times
-it beside the XLA formulation; ``quantize_mx`` keeps the XLA one until a GPU has shown
-which is faster. Deterministic rounding modes, blocks along the last axis, lengths that
-are multiples of 32 (no padding).
+again: two or three passes, 1.9-2.5x the bytes of one on an H100 (benchmarks/
+gpu_hlo_report.py --target h100). These kernels read each tile of the input once and run
+lowprec's own quantization core (``_mx.quantize_blocks``: the same integer operations, so
+the same bits) on it in registers, writing element and scale codes (1.00x the ideal bytes,
+no register spills); the fake-quantization kernel decodes the codes again in registers
+(the bit-built decode of dequantize) and writes values of x's dtype. Blocks run along the
+last axis (any leading dims) or along axis 0 of a 2-D array (tiles transposed in
+registers); a length that is not a multiple of the block size is zero-padded in the load.
+Deterministic rounding modes, E8M0-scaled formats (FP6's packing along the last axis only).
+Other backends, and every other case, keep XLA's formulation (``_mx._quantize_mx_jit``
+chooses with ``lax.platform_dependent``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._codec import input_bits
+from ._bits import scale_bits_by_e8m0
+from ._blocks import merge_blocks, split_blocks
+from ._codec import bits_to_dtype, decode_bits, input_bits
 from ._mx import quantize_blocks
 from ._options import MXCast
 
@@ -31,20 +38,53 @@ def _pack_pairs(codes):
     return lo | lax.shift_left(hi, jnp.uint8(4))
 
 
-def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, br: int, bc: int):
+def pallas_quantize_applies(cast: MXCast, axis0: bool = False) -> bool:
+    """Whether the kernel serves this cast (static): E8M0-scaled formats with blocks of 32
+    (the tiles are multiples of it) (FP6's three-byte
+    groups along the last axis only; ``axis0``: blocks along axis 0 of a 2-D array),
+    deterministic rounding. NVFP4's tensor scale (a whole-array reduction first) is not
+    computed here."""
+    fmt = cast.fmt
+    bits_ok = fmt.element.code_bits in ((4, 8) if axis0 else (4, 6, 8))
+    return (not fmt.tensor_scale and fmt.block_size == 32 and bits_ok
+            and not cast.stochastic)
+
+
+def pallas_fake_quantize_applies(cast: MXCast) -> bool:
+    """Whether the fake-quantization kernel serves this cast (static): E8M0-scaled formats
+    with blocks of 32 (codes stay unpacked in registers, so FP6 too), deterministic
+    rounding."""
+    return not cast.fmt.tensor_scale and cast.fmt.block_size == 32 and not cast.stochastic
+
+
+def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pcols: int, br: int,
+            bc: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     i, j = pl.program_id(0), pl.program_id(1)
     row_ok = (i * br + lax.iota(jnp.int32, br)) < rows
 
-    def cols_ok(width):  # columns of an output whose row holds `width` entries per tile
-        return (j * width + lax.iota(jnp.int32, width)) < cols * width // bc
+    def cols_ok(width, n=pcols):  # columns of an array whose row holds `width` per tile
+        return (j * width + lax.iota(jnp.int32, width)) < n * width // bc
 
+    # Columns past x's end (pad=True: up to the padded length pcols) read as +0, the
+    # zero padding of quantize_mx.
     x = plt.load(
         x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)],
-        mask=row_ok[:, None] & cols_ok(bc)[None, :], other=jnp.zeros((), x_ref.dtype),
+        mask=row_ok[:, None] & cols_ok(bc, cols)[None, :], other=jnp.zeros((), x_ref.dtype),
     )
+    if cast.fmt.element.code_bits == 6:
+        codes, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=lambda c: c)
+        # FP6: four codes in three bytes; e_ref is [rows, groups, 3] (a view of the
+        # [rows, groups·3] codes) and each byte plane is stored with a stride of 3.
+        g = bc // 4
+        for k, plane in enumerate(_fp6_byte_planes(codes)):
+            plt.store(e_ref.at[pl.ds(i * br, br), pl.ds(j * g, g), pl.ds(k, 1)],
+                      plane[:, :, None], mask=(row_ok[:, None] & cols_ok(g)[None, :])[:, :, None])
+        plt.store(s_ref.at[pl.ds(i * br, br), pl.ds(j * (bc // 32), bc // 32)], scales,
+                  mask=row_ok[:, None] & cols_ok(bc // 32)[None, :])
+        return
     elements, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=_pack_pairs)
     for ref, val in ((e_ref, elements), (s_ref, scales)):
         width = val.shape[1]
@@ -52,20 +92,65 @@ def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, br: int,
                   mask=row_ok[:, None] & cols_ok(width)[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("cast", "block_rows", "block_cols", "interpret"))
-def quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int = 256,
-                       interpret: bool = False):
-    """(elements, scales) of ``x`` (float32/bfloat16/float16, last axis a multiple of 32)
-    blocked along its last axis: the arrays ``quantize_mx(x, cast.fmt, ...)`` holds."""
+def _fp6_byte_planes(codes):
+    """[rows, n] FP6 codes → the three byte planes [rows, n/4] of the packed stream (four
+    codes c0..c3 little-endian in 24 bits, as _pack.pack_last), split with size-2 unstacks."""
+    pairs = jnp.unstack(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 4, 2, 2), axis=-1)
+    (c0, c2), (c1, c3) = (jnp.unstack(p, axis=-1) for p in pairs)
+    u8 = jnp.uint8
+    return (c0 | lax.shift_left(c1, u8(6)),
+            lax.shift_right_logical(c1, u8(2)) | lax.shift_left(c2, u8(4)),
+            lax.shift_right_logical(c2, u8(4)) | lax.shift_left(c3, u8(2)))
+
+
+def _kernel_axis0(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, prows: int,
+                  br: int, bc: int):
+    """Blocks along the rows of a 2-D x: each [br, bc] tile is transposed in registers and
+    quantized along its last axis by the same core, and the codes transposed back."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    i, j = pl.program_id(0), pl.program_id(1)
+    col_ok = (j * bc + lax.iota(jnp.int32, bc)) < cols
+    row_ok = (i * br + lax.iota(jnp.int32, br)) < rows  # rows past x's end read as +0
+    x = plt.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)],
+                 mask=row_ok[:, None] & col_ok[None, :], other=jnp.zeros((), x_ref.dtype))
+    elements, scales = quantize_blocks(input_bits(x.T), cast, 1, None, pack=_pack_pairs)
+    for ref, val in ((e_ref, elements.T), (s_ref, scales.T)):
+        h = val.shape[0]
+        ok = (i * h + lax.iota(jnp.int32, h)) < prows * h // br
+        plt.store(ref.at[pl.ds(i * h, h), pl.ds(j * bc, bc)], val,
+                  mask=ok[:, None] & col_ok[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("cast", "axis", "block_rows", "block_cols",
+                                             "interpret"))
+def quantize_mx_pallas(x, cast: MXCast, *, axis: int = -1, block_rows: int = 16,
+                       block_cols: int = 256, interpret: bool = False):
+    """(elements, scales) of ``x`` (float32/bfloat16/float16) blocked along its last axis,
+    or along axis 0 of a 2-D ``x`` (``axis=0``): the arrays ``quantize_mx(x, cast.fmt,
+    axis=axis, ..., pad=True)`` holds (a length that is not a multiple of the block size is
+    zero-padded, in the kernel)."""
     from jax.experimental import pallas as pl
 
+    if axis == 0 and x.ndim == 2:
+        return _quantize_axis0(x, cast, interpret)
+    if axis not in (-1, x.ndim - 1):
+        raise ValueError(f"quantize_mx_pallas: blocks along the last axis or axis 0 of a 2-D "
+                         f"array, got axis {axis} of a {x.ndim}-D array")
     *lead, cols = x.shape
     rows = math.prod(lead)
     fmt = cast.fmt
-    per_block = fmt.block_size // 2 if fmt.packed else fmt.block_size
+    if not pallas_quantize_applies(cast):
+        raise ValueError(f"quantize_mx_pallas: {fmt.name} is not served (see pallas_quantize_applies)")
+    per_block = fmt.bytes_per_block
+    blocks = -(-cols // fmt.block_size)  # zero-padded to whole blocks
+    el_shape = (rows, blocks * per_block)
+    if fmt.element.code_bits == 6:
+        el_shape = (rows, blocks * per_block // 3, 3)  # byte planes (same memory)
     out_shape = (
-        jax.ShapeDtypeStruct((rows, cols // fmt.block_size * per_block), jnp.uint8),
-        jax.ShapeDtypeStruct((rows, cols // fmt.block_size), jnp.uint8),
+        jax.ShapeDtypeStruct(el_shape, jnp.uint8),
+        jax.ShapeDtypeStruct((rows, blocks), jnp.uint8),
     )
     params = {}
     if not interpret:
@@ -73,11 +158,130 @@ def quantize_mx_pallas(x, cast: MXCast, *, block_rows: int = 16, block_cols: int
 
         params["compiler_params"] = plt.CompilerParams(num_warps=4)
     elements, scales = pl.pallas_call(
-        functools.partial(_kernel, cast=cast, rows=rows, cols=cols, br=block_rows, bc=block_cols),
+        functools.partial(_kernel, cast=cast, rows=rows, cols=cols,
+                          pcols=blocks * fmt.block_size, br=block_rows, bc=block_cols),
         out_shape=out_shape,
-        grid=(-(-rows // block_rows), -(-cols // block_cols)),
+        grid=(-(-rows // block_rows), -(-blocks * fmt.block_size // block_cols)),
         interpret=interpret,
         name="lowprec_quantize_mx",
         **params,
     )(x.reshape(rows, cols))
     return elements.reshape(*lead, -1), scales.reshape(*lead, -1)
+
+
+def _quantize_axis0(x, cast: MXCast, interpret: bool, br: int = 64, bc: int = 64):
+    from jax.experimental import pallas as pl
+
+    rows, cols = x.shape
+    fmt = cast.fmt
+    if not pallas_quantize_applies(cast, axis0=True):
+        raise ValueError(f"quantize_mx_pallas: {fmt.name} along axis 0 is not served "
+                         "(see pallas_quantize_applies)")
+    blocks = -(-rows // fmt.block_size)
+    out_shape = (
+        jax.ShapeDtypeStruct((blocks * fmt.bytes_per_block, cols), jnp.uint8),
+        jax.ShapeDtypeStruct((blocks, cols), jnp.uint8),
+    )
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+
+        params["compiler_params"] = plt.CompilerParams(num_warps=4)
+    return pl.pallas_call(
+        functools.partial(_kernel_axis0, cast=cast, rows=rows, cols=cols,
+                          prows=blocks * fmt.block_size, br=br, bc=bc),
+        out_shape=out_shape,
+        grid=(-(-blocks * fmt.block_size // br), -(-cols // bc)),
+        interpret=interpret,
+        name="lowprec_quantize_mx",
+        **params,
+    )(x)
+
+
+# -- fake quantization: quantize and decode in registers ----------------------------------
+
+
+def _fake_kernel(x_ref, o_ref, *, cast: MXCast, rows: int, cols: int, br: int, bc: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    i, j = pl.program_id(0), pl.program_id(1)
+    ok = (((i * br + lax.iota(jnp.int32, br)) < rows)[:, None]
+          & ((j * bc + lax.iota(jnp.int32, bc)) < cols)[None, :])
+    where = o_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)]
+    x = plt.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], mask=ok,
+                 other=jnp.zeros((), x_ref.dtype))
+    plt.store(where, _fake_values(x, cast, x_ref.dtype), mask=ok)
+
+
+def _fake_values(x, cast: MXCast, dtype):
+    """Fake-quantized values of a tile blocked along its last axis. Codes are left
+    unpacked (an identity "pack"), then decoded exactly from the bits as dequantize's
+    bit-built path: the same values, never a float8 type (no cast pair to elide)."""
+    fmt = cast.fmt
+    codes, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=lambda c: c)
+    vb = split_blocks(decode_bits(fmt.element, codes), 1, fmt.block_size)
+    bits = merge_blocks(scale_bits_by_e8m0(vb, scales[:, :, None]), 1)
+    return bits_to_dtype(bits, dtype)
+
+
+def _fake_kernel_axis0(x_ref, o_ref, *, cast: MXCast, rows: int, cols: int, br: int, bc: int):
+    """Blocks along the rows of a 2-D x: the tile transposed in registers, fake-quantized
+    along its last axis by :func:`_fake_values`, and transposed back."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    i, j = pl.program_id(0), pl.program_id(1)
+    ok = (((i * br + lax.iota(jnp.int32, br)) < rows)[:, None]
+          & ((j * bc + lax.iota(jnp.int32, bc)) < cols)[None, :])
+    x = plt.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], mask=ok,
+                 other=jnp.zeros((), x_ref.dtype))
+    values = _fake_values(x.T, cast, x_ref.dtype).T
+    plt.store(o_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)], values, mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("cast", "axis", "block_rows", "block_cols",
+                                             "interpret"))
+def fake_quantize_mx_pallas(x, cast: MXCast, *, axis: int = -1, block_rows: int = 16,
+                            block_cols: int = 256, interpret: bool = False):
+    """``dequantize(quantize_mx(x, ..., pad=True), x.dtype)`` of ``x``
+    (float32/bfloat16/float16, blocks along the last axis) in one pass: the fake quantization of
+    :func:`lowprec.fake_quantize_mx` on CUDA for the casts
+    :func:`pallas_fake_quantize_applies` accepts (bit for bit: the same quantization core and the bit-built decode)."""
+    from jax.experimental import pallas as pl
+
+    if not pallas_fake_quantize_applies(cast):
+        raise ValueError(f"fake_quantize_mx_pallas: {cast.fmt.name} is not served "
+                         "(see pallas_fake_quantize_applies)")
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+
+        params["compiler_params"] = plt.CompilerParams(num_warps=4)
+    if axis == 0 and x.ndim == 2:
+        rows, cols = x.shape
+        br, bc = 64, 64
+        return pl.pallas_call(
+            functools.partial(_fake_kernel_axis0, cast=cast, rows=rows, cols=cols, br=br,
+                              bc=bc),
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(-(-rows // br), -(-cols // bc)),
+            interpret=interpret,
+            name="lowprec_fake_quantize_mx",
+            **params,
+        )(x)
+    if axis not in (-1, x.ndim - 1):
+        raise ValueError(f"fake_quantize_mx_pallas: blocks along the last axis or axis 0 of a "
+                         f"2-D array, got axis {axis} of a {x.ndim}-D array")
+    *lead, cols = x.shape
+    rows = math.prod(lead)
+    out = pl.pallas_call(
+        functools.partial(_fake_kernel, cast=cast, rows=rows, cols=cols, br=block_rows,
+                          bc=block_cols),
+        out_shape=jax.ShapeDtypeStruct((rows, cols), x.dtype),
+        grid=(-(-rows // block_rows), -(-cols // block_cols)),
+        interpret=interpret,
+        name="lowprec_fake_quantize_mx",
+        **params,
+    )(x.reshape(rows, cols))
+    return out.reshape(x.shape)

@@ -379,3 +379,22 @@ def test_nvfp4_recipe_data_parallel_explicit():
     assert _spec_of(got[1]) == (None, None)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
+def test_sharded_inputs_keep_the_partitionable_formulation():
+    """The one-pass Pallas kernels are single-device calls, so quantize_mx and
+    fake_quantize_mx take them (on CUDA) only for inputs not laid out over several devices:
+    a sharded concrete array, or a traced one over Explicit axes, keeps XLA's formulation."""
+    from lowprec import _mx
+
+    x = _data((16, 256))
+    assert _mx._unsharded(x)
+    seen = []
+    jax.jit(lambda v: seen.append(_mx._unsharded(v)) or v)(x)
+    for kind in ("explicit", "auto"):
+        mesh = _mesh(kind)
+        xs = jax.device_put(x, NamedSharding(mesh, P("x", None)))
+        assert not _mx._unsharded(xs)
+        with jax.set_mesh(mesh):
+            jax.jit(lambda v: seen.append(_mx._unsharded(v)) or v)(xs)
+    assert seen == [True, False, True]  # unsharded; Explicit axes; Auto axes (no layout)

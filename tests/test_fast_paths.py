@@ -180,6 +180,37 @@ def test_dequantize_with_small_scales_and_zero_blocks_matches_reference(fmt, axi
         assert bool(_mx.fast_decode_exact(mx.elements, mx.scales, f, axis)) == zero_small or not _mx.fast_decode_applies(f)
 
 
+@pytest.mark.parametrize("fmt", E8M0_MX)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_one_pass_gpu_dequantize_matches_reference(fmt, axis):
+    """The CUDA formulation of dequantize (``mx_values_blockwise``: a per-block choice of the
+    fast or the bit-built decode in one elementwise pass, codes decoded in their packed
+    groups) gives the reference's values for every element code under every scale code,
+    small scales (subnormal results) and the NaN code included; as bfloat16, the
+    reference's float32 rounded to nearest even by ml_dtypes. It runs on any backend; on
+    CUDA it is what dequantize compiles to."""
+    import ml_dtypes
+
+    f = lowprec.mx_format(fmt)
+    if not _mx.fast_decode_applies(f):
+        pytest.skip(f"{fmt}: the whole-array path serves it on every backend")
+    n_codes = 1 << f.element.code_bits
+    scales = np.arange(256, dtype=np.uint8)
+    per_row = f.block_size * -(-n_codes // f.block_size)
+    codes = np.resize(np.arange(n_codes, dtype=np.uint8), (scales.size, per_row))
+    sc = np.repeat(scales[:, None], per_row // f.block_size, axis=1)
+    want = f64_to_f32_exact(R.dequantize_mx(codes, sc, fmt, axis=1))
+    packed = R.pack_codes(codes, f.element.code_bits, axis=1)
+    el, s = (packed, sc) if axis == 1 else (packed.T, sc.T)
+    want = want if axis == 1 else want.T
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = jax.jit(lambda e, t, d=dtype: _mx.mx_values_blockwise(
+            e, t, f, axis, per_row, d))(jnp.asarray(el), jnp.asarray(s))
+        expect = want if dtype == jnp.float32 else want.astype(ml_dtypes.bfloat16)
+        assert_same_floats(np.asarray(got).astype(np.float32), np.asarray(expect).astype(np.float32),
+                           f"{fmt} axis {axis} {np.dtype(dtype).name}")
+
+
 @pytest.mark.parametrize("fmt", MX)
 def test_quantize_along_axis_0_equals_axis_1_of_the_transpose(fmt):
     """Blocks split in place along a leading axis give the codes of the transposed array

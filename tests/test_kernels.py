@@ -215,6 +215,16 @@ def test_default_config_is_a_valid_tiling(m, n, k):
 # -- the Triton lowering, checked without a GPU -------------------------------------------------
 
 
+@pytest.fixture
+def cuda_branches(monkeypatch):
+    """Makes lowprec trace its CUDA-only Pallas branches even where JAX cannot compile for
+    CUDA (no plugin: CI), so that lowering for "cuda" shows them; caches cleared around."""
+    jax.clear_caches()
+    monkeypatch.setattr(_gemv, "cuda_kernels_possible", lambda: True)
+    yield
+    jax.clear_caches()
+
+
 def _lower_for_cuda(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -449,7 +459,7 @@ def test_gpu_dot_general_runs_the_kernel():
 # -- the one-pass Pallas quantize kernel (a GPU candidate beside XLA's two passes) -----------------
 
 from lowprec._options import MXCast  # noqa: E402
-from lowprec._quantize_pallas import quantize_mx_pallas  # noqa: E402
+from lowprec._quantize_pallas import fake_quantize_mx_pallas, quantize_mx_pallas  # noqa: E402
 
 QUANT_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
 
@@ -469,7 +479,8 @@ def _specials(shape, seed, spread=30):
 
 
 # Every rule from float32; half-precision input (widened by the same integer code) with one.
-QUANT_CASES = [(f, r, np.float32) for f in QUANT_FORMATS for r in lowprec.ScaleRule] + [
+QUANT_CASES = [(f, r, np.float32) for f in QUANT_FORMATS + ("mxfp6_e2m3", "mxfp6_e3m2", "mxint8")
+               for r in lowprec.ScaleRule] + [
     (f, "rceil", d) for f in QUANT_FORMATS for d in (jnp.bfloat16, np.float16)
 ]
 
@@ -486,6 +497,38 @@ def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, rule, dtype):
     want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
     np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8", "mxfp6_e2m3"))
+@pytest.mark.parametrize("cols", [340, 20])
+def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
+    """A last axis that is not a multiple of 32: the kernels pad with zeros in the load,
+    giving quantize_mx(..., pad=True)'s codes and fake_quantize_mx(..., pad=True)'s values."""
+    x = jnp.asarray(_specials((21, 352), 6)[:, :cols])
+    cast = MXCast(lowprec.mx_format(fmt), "floor", "nearest_even")
+    elements, scales = quantize_mx_pallas(x, cast, block_rows=8, block_cols=128,
+                                          interpret=not ON_GPU)
+    want = lowprec.quantize_mx(x, fmt, scale_rule="floor", pad=True)
+    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+    fake = fake_quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
+    _same_values(fake, lowprec.fake_quantize_mx(x, fmt, scale_rule="floor", pad=True))
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8",))
+@pytest.mark.parametrize("rows", [100, 128])
+def test_pallas_kernels_along_axis_0_like_quantize_mx(fmt, rows):
+    """Blocks along axis 0 of a 2-D array (a [K, N] weight): tiles transposed in registers,
+    quantize_mx(..., axis=0)'s codes (zero-padded: 100 rows) and fake_quantize_mx's values."""
+    x = jnp.asarray(_specials((rows, 128), 7))
+    for rule in ("floor", "rceil"):
+        cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+        elements, scales = quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU)
+        want = lowprec.quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True)
+        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+        fake = fake_quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU)
+        _same_values(fake, lowprec.fake_quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True))
 
 
 def test_pallas_quantize_keeps_leading_dims_and_nearest_away():
@@ -518,3 +561,138 @@ def test_gpu_compiled_quantize_kernel_is_bit_identical(fmt):
         want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
         np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
         np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+
+
+# -- the one-pass Pallas fake quantization (fake_quantize_mx on CUDA) ------------------------------
+
+FAKE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8")
+FAKE_CASES = [(f, r, np.float32) for f in FAKE_FORMATS for r in lowprec.ScaleRule] + [
+    (f, "rceil", jnp.bfloat16) for f in FAKE_FORMATS
+]
+
+
+def _same_values(got, want):
+    """Bits equal, NaN payloads aside (every NaN here is the canonical quiet NaN anyway)."""
+    g = np.asarray(jnp.asarray(got, jnp.float32)).view(np.uint32)
+    w = np.asarray(jnp.asarray(want, jnp.float32)).view(np.uint32)
+    g_nan, w_nan = (g & 0x7FFFFFFF) > 0x7F800000, (w & 0x7FFFFFFF) > 0x7F800000
+    np.testing.assert_array_equal(g_nan, w_nan)
+    np.testing.assert_array_equal(np.where(g_nan, 0, g), np.where(w_nan, 0, w))
+
+
+@pytest.mark.parametrize(
+    "fmt,rule,dtype", FAKE_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in FAKE_CASES]
+)
+def test_pallas_fake_quantize_is_bit_identical_to_the_xla_path(fmt, rule, dtype):
+    """One pass, quantize and decode in registers: the values of the XLA formulation
+    (dequantize(quantize_mx(x))) bit for bit, specials and partial tiles included."""
+    x = jnp.asarray(_specials((21, 352), 5, spread=8 if dtype == jnp.bfloat16 else 30), dtype)
+    cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+    got = fake_quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
+    want = lowprec.dequantize(lowprec.quantize_mx(x, fmt, scale_rule=rule), dtype)
+    assert got.dtype == x.dtype
+    _same_values(got, want)
+
+
+@needs_triton_lowering
+@pytest.mark.parametrize("fmt", FAKE_FORMATS)
+def test_pallas_fake_quantize_lowers_to_triton(fmt):
+    cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")
+    spec = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    assert _lower_for_cuda(lambda v: fake_quantize_mx_pallas(v, cast), spec).count(TRITON_CALL) == 1
+
+
+@needs_triton_lowering
+def test_quantize_and_fake_quantize_take_the_kernels_on_cuda_only(cuda_branches):
+    """The public functions choose the one-pass kernels when lowered for CUDA (last axis or
+    axis 0 of a 2-D array, deterministic rounding) and XLA's formulation for the CPU."""
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    for f in (lambda v: lowprec.quantize_mx(v, "mxfp8"),
+              lambda v: lowprec.fake_quantize_mx(v, "mxfp4")):
+        assert TRITON_CALL in _lower_for_cuda(f, x)
+        assert TRITON_CALL not in jax.jit(f).trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    x3 = jax.ShapeDtypeStruct((4, 64, 32), jnp.float32)
+    assert TRITON_CALL not in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), x3)
+    assert TRITON_CALL in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=0), x)
+    assert TRITON_CALL in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp6"), x)
+    for f in (lambda v: lowprec.quantize_mx(v, "mxfp6", axis=0),  # FP6 along axis 0: XLA
+              lambda v: lowprec.quantize_mx(v, "nvfp4")):
+        assert TRITON_CALL not in _lower_for_cuda(f, x)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("fmt", FAKE_FORMATS)
+def test_gpu_compiled_fake_quantize_kernel_is_bit_identical(fmt):
+    x = jnp.asarray(_specials((1000, 4096), 4))
+    for rule in lowprec.ScaleRule:
+        cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+        want = lowprec.dequantize(lowprec.quantize_mx(x, fmt, scale_rule=rule))
+        _same_values(fake_quantize_mx_pallas(x, cast), want)
+
+
+# -- the fused MX x MX product (dot_general's bfloat16 branch on CUDA) ----------------------------
+
+from lowprec._mxdot_pallas import mxdot_pallas  # noqa: E402
+
+MXDOT_FORMATS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e4m3")]
+
+
+@pytest.mark.parametrize("fa,fb", MXDOT_FORMATS)
+@pytest.mark.parametrize("m,n,k", [(70, 50, 96), (16, 33, 256)])
+def test_mxdot_kernel_within_float32_sum_bound(fa, fb, m, n, k):
+    """Values decoded independently (the reference's MX decode, float64): products exact,
+    float32 sums within K·2^-23·Σ|a_i b_i|; partial tiles in M, N and K (K = 96: a half
+    step of 64) masked."""
+    import lowprec_reference as R
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((m, k)) * 2.0 ** rng.integers(-6, 6, (m, k))).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 2.0 ** rng.integers(-6, 6, (n, k))).astype(np.float32)
+    qa, qb = lowprec.quantize_mx(jnp.asarray(x), fa), lowprec.quantize_mx(jnp.asarray(w), fb)
+    va = R.dequantize_mx(np.asarray(qa.elements), np.asarray(qa.scales), fa, axis=1)
+    vb = R.dequantize_mx(np.asarray(qb.elements), np.asarray(qb.scales), fb, axis=1)
+    got = mxdot_pallas(qa.elements, qa.scales, qb.elements, qb.scales, fa=qa.fmt, fb=qb.fmt,
+                       block_m=32, block_n=16, block_k=64, interpret=not ON_GPU)
+    exact = va @ vb.T
+    bound = k * 2.0**-23 * (np.abs(va) @ np.abs(vb).T)
+    assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= bound)
+
+
+def test_mxdot_kernel_exact_sums_match_the_generic_path_bit_for_bit():
+    """Small integers: every partial sum is exact, so any summation order gives the same
+    float32, and the kernel equals dot_general's generic path bit for bit."""
+    rng = np.random.default_rng(8)
+    x = rng.integers(-8, 9, (40, 128)).astype(np.float32)
+    w = rng.integers(-8, 9, (24, 128)).astype(np.float32)
+    qa, qb = lowprec.quantize_mx(jnp.asarray(x), "mxfp8"), lowprec.quantize_mx(jnp.asarray(w), "mxfp8")
+    got = mxdot_pallas(qa.elements, qa.scales, qb.elements, qb.scales, fa=qa.fmt, fb=qb.fmt,
+                       block_m=16, block_n=16, block_k=64, interpret=not ON_GPU)
+    want = lowprec.dot_general(qa, qb, DN)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got), x @ w.T)
+
+
+@needs_triton_lowering
+def test_dot_general_takes_the_fused_mx_kernel_on_cuda_only(cuda_branches):
+    a = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    q = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), a)
+    f = lambda p, r: lowprec.dot_general(p, r, DN)  # noqa: E731
+    assert "lowprec_mxdot" in _lower_for_cuda(f, q, q)
+    assert "lowprec_mxdot" not in jax.jit(f).trace(q, q).lower(lowering_platforms=("cpu",)).as_text()
+    g = lambda p, r: lowprec.dot_general(p, r, DN, lhs_format="mxfp8", rhs_format="mxfp8")  # noqa: E731
+    assert "lowprec_mxdot" in _lower_for_cuda(g, a, a)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_compiled_mxdot_within_bound():
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((1000, 2880)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((700, 2880)).astype(np.float32))
+    qa, qb = lowprec.quantize_mx(x, "mxfp8"), lowprec.quantize_mx(w, "mxfp8")
+    va = np.asarray(lowprec.dequantize(qa), np.float64)
+    vb = np.asarray(lowprec.dequantize(qb), np.float64)
+    got = np.asarray(jax.jit(lambda p, r: lowprec.dot_general(p, r, DN))(qa, qb), np.float64)
+    bound = 2880 * 2.0**-23 * (np.abs(va) @ np.abs(vb).T)
+    assert np.all(np.abs(got - va @ vb.T) <= bound)
