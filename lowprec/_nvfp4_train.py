@@ -18,11 +18,10 @@ fields switch on (:data:`~lowprec.NVIDIA_NVFP4` has all three):
 * ``grad_rounding="stochastic"``: cotangents are rounded to E2M1 stochastically (both
   backward GEMMs), activations and weights to nearest even.
 
-Sharding: data parallel on ``Explicit`` mesh axes works (tokens split in whole 16-token
-blocks; the weight gradient is reduced into the weight's layout; tests/sharded_cases.py).
-Not yet: ``Auto`` axes with stochastic rounding (``lowprec.random_bits`` does not compile under
-GSPMD partitioning on CPU: an unlegalized ``mulhi``), and a contraction split across devices
-(row-parallel; the forward dot takes no ``out_sharding`` here).
+Sharding: data parallel on ``Explicit`` and ``Auto`` mesh axes works (tokens split in whole
+16-token blocks; the weight gradient is reduced into the weight's layout;
+tests/sharded_cases.py). Not yet: a contraction split across devices (row-parallel; the
+forward dot takes no ``out_sharding`` here).
 
 Layers to keep in high precision (the paper keeps the last few blocks in BF16) are chosen
 with the recipe's ``high_precision`` patterns or per-layer :class:`~lowprec.Rules`.

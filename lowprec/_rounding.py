@@ -144,8 +144,8 @@ def _mulhi(a, m: int):
 
     ``lax.mulhi`` where it works: on CPU it is one vector multiply-high, and the whole
     stochastic encode runs 1.8x faster with it than with the 16-bit schoolbook product
-    (e4m3: 1,170 vs 640 Melem/s). JAX versions without it, and arrays on a mesh with
-    Explicit or Manual axes (its lowering fails there in JAX 0.10), take
+    (e4m3: 1,170 vs 640 Melem/s). JAX versions without it, and processes with several
+    devices (its lowering fails on partitioned arrays in JAX 0.10), take
     :func:`_mulhi_halves`; both give the same bits (tests/test_fast_paths.py).
     """
     if _lax_mulhi_lowers(a):
@@ -154,8 +154,14 @@ def _mulhi(a, m: int):
 
 
 def _lax_mulhi_lowers(a) -> bool:
-    """Whether ``lax.mulhi`` exists and ``a`` carries no Explicit/Manual mesh axes (static)."""
+    """Whether ``lax.mulhi`` exists and ``a`` cannot be partitioned: one device in the
+    process and no Explicit/Manual mesh axes (static)."""
     if not hasattr(lax, "mulhi"):
+        return False
+    # XLA's partitioner cannot lower chlo.mulhi in JAX 0.10 (MHLO→StableHLO fails on the
+    # sharded op), and a traced array on Auto axes shows no mesh at trace time: with more
+    # than one device in the process the array may be partitioned, so take the halves.
+    if jax.device_count() > 1:
         return False
     try:
         types = tuple(jax.typeof(a).sharding.mesh.axis_types)
