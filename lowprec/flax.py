@@ -67,10 +67,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "lowprec.flax needs Flax: pip install 'lowprec[training]' (flax and optax)"
     ) from exc
 
+from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._recipe import Recipe
 from ._rules import Rules, recipe_for
 
 __all__ = [
+    "DelayedDotGeneral",
     "RecipeDotGeneral",
     "RecipeEinsum",
     "dot_general",
@@ -136,6 +138,54 @@ class RecipeEinsum:
             subscripts, lhs, rhs, precision=precision,
             preferred_element_type=preferred_element_type, out_sharding=out_sharding,
         )
+
+
+# Flax's name for a variable collection whose gradient replaces the variable
+# (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT; TrainState.apply_gradients honours it).
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+
+class DelayedDotGeneral(nn.Module):
+    """A linen ``dot_general_cls=`` for FP8 delayed scaling (Transformer Engine semantics).
+
+    Holds one matmul's :class:`~lowprec.DelayedState` (amax histories and scales of lhs,
+    rhs and cotangent) in Flax's overwrite-with-gradient collection, as Flax's own
+    ``Fp8DotGeneralOp`` does: the gradient of that collection *is* the next step's state, and
+    ``flax.training.train_state.TrainState.apply_gradients`` writes it back instead of taking
+    an optimizer step. The product is :func:`lowprec.delayed_dot_general`.
+
+    Attributes:
+      config: the :class:`~lowprec.DelayedScaling` options (margin, history length, amax
+        algorithm, formats).
+
+    Example:
+        >>> import functools, jax, jax.numpy as jnp, flax.linen as nn, lowprec
+        >>> cls = functools.partial(lowprec.flax.DelayedDotGeneral,
+        ...                         config=lowprec.DelayedScaling(amax_history_len=16))
+        >>> layer = nn.Dense(3, dot_general_cls=cls)
+        >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 8)))
+        >>> variables["_overwrite_with_gradient"]["DelayedDotGeneral_0"]["amax_history"].shape
+        (3, 16)
+    """
+
+    config: DelayedScaling = DelayedScaling()
+
+    @nn.compact
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, out_sharding=None):
+        if not isinstance(self.config, DelayedScaling):
+            raise TypeError(f"config must be a lowprec.DelayedScaling, got {self.config!r}")
+        if out_sharding is not None:
+            raise NotImplementedError(
+                "DelayedDotGeneral does not take out_sharding yet; use a Recipe's dot_general "
+                "for sharded contractions")
+        init = self.config.init()
+        hist = self.variable(OVERWRITE_WITH_GRADIENT, "amax_history", lambda: init.amax_history)
+        scale = self.variable(OVERWRITE_WITH_GRADIENT, "scale", lambda: init.scale)
+        out = delayed_dot_general(lhs, rhs, DelayedState(hist.value, scale.value),
+                                  dimension_numbers, self.config)
+        dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+        return out.astype(dtype)
 
 
 def dot_general(recipe: Recipe) -> RecipeDotGeneral:

@@ -79,3 +79,59 @@ def test_bad_options():
         DelayedScaling(amax_compute_algo="mean")
     with pytest.raises(ValueError, match="amax_history_len must be a positive int"):
         DelayedScaling(amax_history_len=0)
+
+
+def test_linen_layer_trains_with_flax_train_state():
+    """lowprec.flax.DelayedDotGeneral in nn.Dense, stepped by Flax's own TrainState: the
+    overwrite-with-gradient collection follows the NumPy statement over three steps (the scale
+    lags the amax by one step), and the layer's products stay within the FP8 GEMM bound of the
+    values cast with the previous step's scales."""
+    nn = pytest.importorskip("flax.linen")
+    optax = pytest.importorskip("optax")
+    import functools
+
+    from flax.training import train_state
+
+    import lowprec.flax
+
+    cfg = DelayedScaling(amax_history_len=3)
+    layer = nn.Dense(8, use_bias=False,
+                     dot_general_cls=functools.partial(lowprec.flax.DelayedDotGeneral, config=cfg))
+    x0 = jnp.ones((16, 32))
+    variables = layer.init(jax.random.key(0), x0)
+    state = train_state.TrainState.create(apply_fn=layer.apply, params=variables,
+                                          tx=optax.sgd(0.01))
+    hist, scale = np.zeros((3, 3), np.float32), np.ones(3, np.float32)
+
+    @jax.jit
+    def step(st, x, c):
+        loss = lambda v: jnp.sum(st.apply_fn(v, x) * c)
+        grads = jax.grad(loss)(st.params)
+        return st.apply_gradients(grads=grads), st.apply_fn(st.params, x)
+
+    for t, mag in enumerate((1.0, 30.0, 0.01)):
+        k1, k2 = jax.random.split(jax.random.key(t + 1))
+        x = np.asarray(jax.random.normal(k1, (16, 32))) * mag
+        c = np.asarray(jax.random.normal(k2, (16, 8))) * mag
+        w = np.asarray(state.params["params"]["kernel"])
+        new, y = step(state, x, c)
+        _within(y, np_cast(x, scale[0], "e4m3"), np_cast(w, scale[1], "e4m3"))
+        amaxes = (np.abs(x).max(), np.abs(w).max(), np.abs(c).max())
+        for i, fmt in enumerate(("e4m3", "e4m3", "e5m2")):
+            hist[i], scale[i] = np_update(hist[i], scale[i], amaxes[i], FMAX[fmt], cfg)
+        owg = new.params["_overwrite_with_gradient"]["DelayedDotGeneral_0"]
+        np.testing.assert_array_equal(np.asarray(owg["amax_history"]), hist)
+        np.testing.assert_array_equal(np.asarray(owg["scale"]).view(np.uint32),
+                                      scale.view(np.uint32))
+        # The kernel took an ordinary SGD step (the state did not).
+        assert not np.array_equal(np.asarray(new.params["params"]["kernel"]), w)
+        state = new
+
+
+def test_linen_layer_refuses_bad_config():
+    nn = pytest.importorskip("flax.linen")
+    import lowprec.flax
+
+    layer = nn.Dense(2, dot_general_cls=lambda: lowprec.flax.DelayedDotGeneral(config="e4m3"))
+    with pytest.raises(TypeError, match="DelayedScaling"):
+        layer.init(jax.random.key(0), jnp.ones((1, 4)))
