@@ -243,3 +243,21 @@ def test_state_is_serializable_and_restores_the_same_steps():
     a, _ = _run(opt, p, grads, 3, state)
     b, _ = _run(opt, p, grads, 3, restored)
     jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_state_round_trips_through_orbax(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = {"w": jnp.linspace(-1, 1, 64, dtype=jnp.bfloat16).reshape(8, 8)}
+    opt = low_precision_params(optax.adam(1e-3), "bf16", key=jax.random.key(9))
+    grads = lambda p: jax.tree.map(lambda x: jnp.ones_like(x) * 1e-2, p)
+    p, state = _run(opt, params, grads, 2)
+    path = tmp_path / "ckpt"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, {"params": p, "opt_state": state})
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(path, {"params": p, "opt_state": opt.init(params)})
+    jax.tree.map(np.testing.assert_array_equal, restored["opt_state"], state)
+    # Continuing from the restored state takes the very same stochastic steps.
+    a, _ = _run(opt, restored["params"], grads, 3, restored["opt_state"])
+    b, _ = _run(opt, p, grads, 3, state)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
