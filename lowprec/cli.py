@@ -9,7 +9,7 @@ Usage::
     lowprec quantize IN OUT --layout compressed-tensors|modelopt --format FORMAT
         [--ignore PATTERN ...] [--scheme PATTERN=FORMAT ...] [--scale-rule RULE] ...
     lowprec convert IN OUT --layout lowprec|compressed-tensors|modelopt [--force] ...
-    lowprec dequantize IN OUT [--dtype original|float32|bfloat16|float16|float64]
+    lowprec dequantize IN OUT [--dtype original|float32|bfloat16|float16|float64] [--saturate]
         [--report REPORT.json] [--json] [--force] [--quiet]
     lowprec inspect IN [--json]
 
@@ -169,6 +169,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", default="original",
                    help="original (default: each tensor's dtype before quantization), "
                         "float32, bfloat16, float16 or float64")
+    d.add_argument("--saturate", action="store_true",
+                   help="clamp decoded values beyond the output dtype's range (e.g. > 65504 "
+                        "in float16) to its largest finite value, counted in the report; "
+                        "without it such a tensor is refused rather than written as inf")
     _common(d)
 
     c = sub.add_parser(
@@ -273,7 +277,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 elif args.command == "dequantize":
                     report = dequantize_checkpoint(
                         args.input, args.output, dtype=args.dtype, force=args.force,
-                        progress=progress, report=args.report,
+                        progress=progress, report=args.report, saturate=args.saturate,
                     )
                 else:
                     report = inspect_checkpoint(args.input)

@@ -11,6 +11,7 @@ piece plus the import, not a tensor. Outputs follow the rules of
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import re
@@ -715,6 +716,41 @@ def _dtype_arg(dtype) -> str:
     )
 
 
+def _wide_dtype(np_dtype) -> np.dtype:
+    """The dtype decoding happens in before narrowing: float64 for F64, else float32 (every
+    decoded value is exact or defined there: MX/NVFP4 values, FP8 value × scale)."""
+    return np.dtype(np.float64) if np.dtype(np_dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _narrow(values: np.ndarray, np_dtype, name: str, saturate: bool) -> tuple:
+    """``values`` (float32/float64) as ``np_dtype``; returns ``(narrowed, saturated)``.
+
+    Finite values beyond the dtype's largest finite value (65504 in float16) would round to
+    ±inf: that is refused (CheckpointError naming the tensor, its largest magnitude and the
+    fixes) unless ``saturate``, which clamps them to ±max finite and counts them.
+    NaN/±inf decoded values (NaN blocks) stay what they are.
+    """
+    np_dtype = np.dtype(np_dtype)
+    if np_dtype == values.dtype:
+        return values, 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = values.astype(np_dtype)
+        overflow = np.isinf(out) & np.isfinite(values)
+    n = int(np.count_nonzero(overflow))
+    if not n:
+        return out, 0
+    top = float(np.max(np.abs(values[overflow])))
+    limit = float(np.finfo(np_dtype).max) if np_dtype != np.dtype("bfloat16") else float.fromhex("0x1.fep127")
+    if not saturate:
+        raise CheckpointError(
+            f"{name}: {n} finite value(s) up to {top:.6g} do not fit {np_dtype.name} "
+            f"(largest finite {limit:.6g}) and would become inf; decode to a wider dtype "
+            "(--dtype float32 or bfloat16) or pass --saturate (saturate=True) to clamp them "
+            "to the largest finite value (counted in the report)")
+    out[overflow] = np.where(values[overflow] > 0, limit, -limit).astype(np_dtype)
+    return out, n
+
+
 def _decode_regions(reader, spec: TensorSpec, parts, dtype):
     """Yields ``(rect, values)``: the decoded tensor, piece by piece, in its (P, A, S) view."""
     if hasattr(spec, "decode_regions"):  # an engine layout (_engine_layouts): blocks of rows
@@ -745,6 +781,7 @@ def dequantize_checkpoint(
     force: bool = False,
     progress: Optional[bool] = None,
     report: Optional[PathLike] = None,
+    saturate: bool = False,
 ) -> ConversionReport:
     """Writes plain safetensors with the quantized tensors of ``src`` decoded.
 
@@ -763,8 +800,17 @@ def dequantize_checkpoint(
         dtype (BF16 for gpt-oss pairs without lowprec metadata), or ``"float32"``,
         ``"bfloat16"``, ``"float16"``, ``"float64"``.
       report: also write the report as JSON to this path.
+      saturate: decoded finite values beyond the output dtype's range (e.g. > 65504 for
+        float16) are clamped to its largest finite value and counted in the report
+        (``saturated``); without it such a tensor is refused, never written as inf.
+
+    Raises:
+      CheckpointError: a finite decoded value overflows the output dtype (without
+        ``saturate``), or the input is not a quantized checkpoint.
     """
     start = time.perf_counter()
+    if not isinstance(saturate, bool):
+        raise TypeError(f"saturate must be True or False, got {saturate!r}")
     out_dtype = None if dtype in (None, "original") else _dtype_arg(dtype)
     source = open_source(src)
     outputs = _Outputs(source, dst, report, force)
@@ -798,45 +844,68 @@ def dequantize_checkpoint(
                 return TensorReport(name, info.shape, info.dtype, "kept",
                                     info.nbytes, info.nbytes, reason="not quantized")
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
-            for rect, values in _decode_regions(reader, spec, parts, numpy_dtype(st)):
+            target = np.dtype(numpy_dtype(st))
+            saturated = nonfinite = 0
+            for rect, values in _decode_regions(reader, spec, parts, _wide_dtype(target)):
+                values, n = _narrow(np.asarray(values), target, name, saturate)
+                saturated += n
+                nonfinite += int(np.count_nonzero(~np.isfinite(values)))
                 writer.write_region(name, spec.view, rect, values)
             bar.update(before)
             return TensorReport(
                 name, spec.shape, st, spec.format, before, nbytes_of(st, spec.shape),
                 reason=f"decoded from {', '.join(p[1] for p in parts)}",
-                scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts))
+                scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts),
+                nonfinite=nonfinite, decoded_nonfinite=nonfinite, saturated=saturated)
 
         return _write_outputs(source, outputs, readers, plans, "dequantize",
-                              {"dtype": dtype or "original"}, start, force=force,
+                              {"dtype": dtype or "original", "saturate": saturate}, start,
+                              force=force,
                               progress=progress, metadata=lambda plan: {}, convert=convert,
                               texts=plain_config_texts(source, outputs, force))
 
 
-def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None) -> dict:
+def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None,
+                    saturate: bool = False) -> dict:
     """Reads a (possibly quantized) safetensors file or folder into ``{name: np.ndarray}``,
     decoding quantized tensors as :func:`dequantize_checkpoint` does (in memory; for small
     models, tests and analysis).
 
     Args:
-      names: only these logical tensor names (default: all).
+      dtype: as in :func:`dequantize_checkpoint`.
+      names: only these logical tensor names (default: all); a name the checkpoint does
+        not hold raises KeyError (with the closest names it does hold).
+      saturate: as in :func:`dequantize_checkpoint` (else a value overflowing ``dtype``
+        raises CheckpointError).
     """
     out_dtype = None if dtype in (None, "original") else _dtype_arg(dtype)
+    if isinstance(names, str):
+        names = [names]
     source = open_source(path)
-    result = {}
+    result, held = {}, set()
     with contextlib.ExitStack() as stack:
         for reader in _open_readers(stack, source).values():
             for name, spec, parts in _logical(reader):
+                held.add(name)
                 if names is not None and name not in names:
                     continue
                 if spec is None:
                     result[name] = reader.read(name)
                     continue
-                np_dtype = numpy_dtype(out_dtype or spec.dtype)
+                np_dtype = np.dtype(numpy_dtype(out_dtype or spec.dtype))
                 out = np.empty(spec.view, np_dtype)
-                for (p0, p1, a0, a1, s0, s1), values in _decode_regions(reader, spec, parts,
-                                                                        np_dtype):
-                    out[p0:p1, a0:a1, s0:s1] = values
+                for (p0, p1, a0, a1, s0, s1), values in _decode_regions(
+                        reader, spec, parts, _wide_dtype(np_dtype)):
+                    out[p0:p1, a0:a1, s0:s1] = _narrow(np.asarray(values), np_dtype, name,
+                                                       saturate)[0]
                 result[name] = out.reshape(spec.shape)
+    missing = [n for n in names if n not in result] if names is not None else []
+    if missing:
+        hints = {n: difflib.get_close_matches(n, sorted(held), n=3) for n in missing}
+        detail = "; ".join(f"{n!r}" + (f" (did you mean {', '.join(map(repr, h))}?)" if h else "")
+                           for n, h in hints.items())
+        raise KeyError(f"{source.given}: no tensor named {detail}; it holds {len(held)} "
+                       "tensors (lowprec inspect lists them)")
     return result
 
 

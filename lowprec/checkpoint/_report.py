@@ -32,6 +32,9 @@ class TensorReport:
     ``finite_to_nonfinite`` finite inputs that decode to NaN (MX blocks holding a NaN or
     an inf: ``nan_blocks`` of them), ``nonfinite_changed`` NaN/±inf inputs not decoded as
     themselves. ``shard``: the file of a sharded checkpoint holding the tensor.
+    Dequantize: ``decoded_nonfinite`` NaN/±inf values written (NaN blocks; also counted in
+    ``nonfinite``), ``saturated`` finite values clamped to the output dtype's largest finite
+    value (only with ``saturate=True``; otherwise such a tensor is refused).
     """
 
     name: str
@@ -56,6 +59,8 @@ class TensorReport:
     inf_in: int = 0
     nonfinite_changed: int = 0
     shard: Optional[str] = None
+    decoded_nonfinite: int = 0
+    saturated: int = 0
 
     @property
     def numel(self) -> int:
@@ -81,11 +86,17 @@ class TensorReport:
 
     def nonfinite_text(self) -> str:
         """What happened to non-finite values ('' if nothing), for the table."""
-        return describe_nonfinite(
+        text = describe_nonfinite(
             nan_blocks=self.nan_blocks, inf_saturated=self.inf_saturated,
             finite_to_nonfinite=self.finite_to_nonfinite, nan_in=self.nan_in,
             inf_in=self.inf_in, nonfinite_changed=self.nonfinite_changed,
         )
+        extra = []
+        if self.decoded_nonfinite:
+            extra.append(f"{self.decoded_nonfinite} NaN/inf decoded")
+        if self.saturated:
+            extra.append(f"{self.saturated} saturated to ±max")
+        return ", ".join(filter(None, [text, *extra]))
 
 
 @dataclasses.dataclass
@@ -138,6 +149,9 @@ class ConversionReport:
             out["max_abs_err"] = max(t.max_abs_err or 0.0 for t in stats)
             out["clipped_fraction_max"] = max(t.clipped_fraction or 0.0 for t in stats)
             out["tensors_with_nonfinite"] = sum(1 for t in stats if t.nonfinite)
+        if self.operation == "dequantize":
+            out["tensors_with_nonfinite"] = sum(1 for t in q if t.decoded_nonfinite)
+            out["values_saturated"] = sum(t.saturated for t in q)
         return out
 
     def to_dict(self) -> dict:
@@ -219,6 +233,9 @@ class ConversionReport:
                     "them: their SQNR and errors are over the elements finite before and after; "
                     "the non-finite column says what happened to the others"
                 )
+        if tot.get("values_saturated"):
+            text.append(f"{tot['values_saturated']:,} decoded value(s) beyond the output dtype's "
+                        "range saturated to its largest finite value (--saturate)")
         text += self._skipped_lines()
         return "\n".join(text)
 

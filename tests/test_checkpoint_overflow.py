@@ -1,0 +1,112 @@
+"""Decoding never overflows silently: a finite value beyond the output dtype's range is
+refused, or clamped with ``saturate`` and counted; the report counts NaN/inf it writes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from helpers.checkpoints import save
+from lowprec.checkpoint import (
+    CheckpointError,
+    SafetensorsReader,
+    dequantize_checkpoint,
+    load_checkpoint,
+    quantize_checkpoint,
+)
+from lowprec.cli import main
+
+NAME = "model.layers.0.mlp.down_proj.weight"
+F16_MAX = float.fromhex("0x1.ffcp15")  # 65504 = (2 - 2^-10) * 2^15
+
+
+def _f16_peaks(tmp_path):
+    """A float16 weight whose every 32-block holds 65504 (float16's largest finite value).
+
+    Under the rceil rule, scale = 65504 / 448 = 146.2... rounds up to 2^8, and
+    65504 / 2^8 = 255.875 rounds (E4M3 spacing 16 in [128, 256)) to 256: the element decodes
+    to 256 * 2^8 = 65536, above float16's range although the input was a float16.
+    """
+    x = np.tile(np.linspace(-1.0, 1.0, 32, dtype=np.float16), (4, 4))
+    x[:, ::32] = np.float16(F16_MAX)
+    src, q = tmp_path / "in.safetensors", tmp_path / "q.safetensors"
+    save(src, {NAME: x})
+    quantize_checkpoint(src, q, "mxfp8_e4m3", scale_rule="rceil", progress=False)
+    return x, q
+
+
+def test_original_float16_overflow_is_refused_not_written_as_inf(tmp_path):
+    x, q = _f16_peaks(tmp_path)
+    out = tmp_path / "d.safetensors"
+    with pytest.raises(CheckpointError, match=rf"{NAME}: 16 finite value\(s\) up to 65536 do not "
+                                               r"fit float16.*--saturate"):
+        dequantize_checkpoint(q, out, progress=False)
+    assert not out.exists()
+    with pytest.raises(CheckpointError, match="65536"):
+        load_checkpoint(q)
+    # float32 holds the decoded value itself.
+    assert float(load_checkpoint(q, dtype="float32")[NAME][0, 0]) == 65536.0
+
+
+def test_saturate_clamps_and_counts(tmp_path, capsys):
+    x, q = _f16_peaks(tmp_path)
+    out, rep = tmp_path / "d.safetensors", tmp_path / "r.json"
+    assert main(["dequantize", str(q), str(out), "--saturate", "--report", str(rep)]) == 0
+    assert "16 saturated to ±max" in capsys.readouterr().out
+    with SafetensorsReader(out) as r:
+        got = r.read(NAME)
+    assert got.dtype == np.float16 and np.isfinite(got).all()
+    np.testing.assert_array_equal(got[:, ::32], np.float16(F16_MAX))
+    row = json.loads(rep.read_text())["tensors"][0]
+    assert row["saturated"] == 16 and row["decoded_nonfinite"] == 0
+    assert json.loads(rep.read_text())["totals"]["values_saturated"] == 16
+    # The same through the API, and the refusal without the flag through the CLI.
+    np.testing.assert_array_equal(load_checkpoint(q, saturate=True)[NAME], got)
+    assert main(["dequantize", str(q), str(tmp_path / "e.safetensors")]) == 1
+    assert "--saturate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt,big,dtype,limit", [
+    # E5M2 (spacing 2^14 at 2^16) stores 1e5 as 98304: beyond float16's 65504.
+    ("mxfp8_e5m2", 1e5, "float16", F16_MAX),
+    # An FP8 cast decodes value x (amax / 448) in float32: float32's largest value comes back
+    # within an ulp of itself, beyond bfloat16's (2 - 2^-7) * 2^127. (MX values carry at most
+    # 3 significant bits, so no MX value lies between the two maxima.)
+    ("e4m3", float.fromhex("0x1.fffffep127"), "bfloat16", float.fromhex("0x1.fep127")),
+])
+def test_explicit_narrow_dtype(tmp_path, fmt, big, dtype, limit):
+    x = np.full((2, 32), 0.5, np.float32)
+    x[0, 0] = big
+    src, q = tmp_path / "in.safetensors", tmp_path / "q.safetensors"
+    save(src, {NAME: x})
+    quantize_checkpoint(src, q, fmt, progress=False)
+    decoded = float(load_checkpoint(q)[NAME][0, 0])  # float32: the decoded value itself
+    assert np.isfinite(decoded) and decoded > limit
+    with pytest.raises(CheckpointError, match=f"do not fit {dtype}"):
+        load_checkpoint(q, dtype=dtype)
+    got = load_checkpoint(q, dtype=dtype, saturate=True)[NAME]
+    assert float(got[0, 0]) == limit and np.isfinite(np.asarray(got, np.float32)).all()
+
+
+def test_report_counts_nan_written(tmp_path):
+    x = np.ones((2, 64), np.float32)
+    x[1, 40] = np.nan  # one NaN block: its 32 values decode to NaN
+    src, q, out = (tmp_path / n for n in ("in.safetensors", "q.safetensors", "d.safetensors"))
+    save(src, {NAME: x})
+    quantize_checkpoint(src, q, "mxfp4", progress=False)
+    rep = dequantize_checkpoint(q, out, progress=False)
+    (row,) = rep.quantized
+    assert row.decoded_nonfinite == 32 and row.nonfinite == 32
+    assert "32 NaN/inf decoded" in rep.table()
+    assert rep.totals()["tensors_with_nonfinite"] == 1
+
+
+def test_load_checkpoint_missing_names_raise(tmp_path):
+    src = tmp_path / "in.safetensors"
+    save(src, {NAME: np.ones((2, 32), np.float32), "lm_head.weight": np.ones(2, np.float32)})
+    with pytest.raises(KeyError, match=r"no tensor named 'model.layers.0.mlp.down_proj.weigth' "
+                                       r"\(did you mean 'model.layers.0.mlp.down_proj.weight'\?\)"):
+        load_checkpoint(src, names=["lm_head.weight", "model.layers.0.mlp.down_proj.weigth"])
+    assert set(load_checkpoint(src, names="lm_head.weight")) == {"lm_head.weight"}
