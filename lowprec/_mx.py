@@ -210,6 +210,16 @@ def _check_tensor_scale_leaf(ts, scales, fmt: MXFormat, shape: tuple) -> None:
             f"MXArray: tensor_scale must be a float32 scalar (batch shape {batch}), got "
             f"{np.dtype(ts.dtype)}{list(ts.shape)}"
         )
+    if isinstance(ts, jax.core.Tracer) or not isinstance(ts, (np.ndarray, np.generic, jax.Array)):
+        return  # traced (or a shape stand-in): dequantize decodes an invalid one to NaN
+    values = np.asarray(ts, np.float32)
+    bad = ~(np.isfinite(values) & (values > 0))
+    if np.any(bad):
+        raise ValueError(
+            f"MXArray: {fmt.name} tensor_scale must be positive and finite (it multiplies every "
+            f"block scale), got {values[bad].flat[0]!r}; a zero or negative scale would zero or "
+            "flip the tensor. Use the scale quantize_mx computed (amax / 2688)"
+        )
 
 
 # -- quantization -------------------------------------------------------------------------

@@ -190,7 +190,9 @@ def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat):
     """float32 bits of element * float32(tensor_scale * block_scale), as torchao's
     ``NVFP4Tensor.to_dtype`` computes it in float32 (``get_hp_scales`` first, then the
     product with the element): two roundings, the first shared with the quantizer's divisor.
-    A NaN block scale gives NaN.
+    A NaN block scale gives NaN, and so does a tensor scale that is not a positive finite
+    float32 (NaN, ±inf, zero or negative: no valid NVFP4 tensor has one, and a product with it
+    would be ±inf, zero or sign-flipped values instead of an evident failure).
 
     The product with the element is one float multiply when every block's factor is at
     least 2^-125: then factor and element (>= 0.5 when nonzero) are float32 normals and so is
@@ -199,6 +201,9 @@ def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat):
     """
     total = total_scale_bits(scale_codes, ts_bits, scale_fmt)
     nan = (decode_bits(scale_fmt, scale_codes) & F32_ABS) > F32_INF
+    # Positive finite float32 patterns are exactly those in (0, 0x7F800000) as unsigned ints.
+    bad_ts = (ts_bits == 0) | (ts_bits >= jnp.uint32(F32_INF))
+    nan = nan | bad_ts
 
     def fast(total, values):
         prod = lax.bitcast_convert_type(total, jnp.float32) * lax.bitcast_convert_type(

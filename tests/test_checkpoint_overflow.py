@@ -110,3 +110,18 @@ def test_load_checkpoint_missing_names_raise(tmp_path):
                                        r"\(did you mean 'model.layers.0.mlp.down_proj.weight'\?\)"):
         load_checkpoint(src, names=["lm_head.weight", "model.layers.0.mlp.down_proj.weigth"])
     assert set(load_checkpoint(src, names="lm_head.weight")) == {"lm_head.weight"}
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan")])
+def test_nvfp4_file_with_invalid_tensor_scale_is_refused(tmp_path, bad):
+    src, q, edited = (tmp_path / n for n in ("in.safetensors", "q.safetensors", "e.safetensors"))
+    save(src, {NAME: np.linspace(-2.0, 2.0, 64, dtype=np.float32).reshape(2, 32)})
+    quantize_checkpoint(src, q, "nvfp4", progress=False)
+    with SafetensorsReader(q) as r:
+        tensors = {n: r.read(n) for n in r.tensors}
+        metadata = r.metadata
+    assert tensors[NAME + "_scale"] > 0
+    tensors[NAME + "_scale"] = np.asarray(bad, np.float32).reshape(tensors[NAME + "_scale"].shape)
+    save(edited, tensors, metadata)
+    with pytest.raises(CheckpointError, match="tensor_scale must be positive and finite"):
+        load_checkpoint(edited)

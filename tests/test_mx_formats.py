@@ -450,3 +450,19 @@ def test_mxfp6_quantized_backward():
     g = jax.grad(lambda v: lowprec.matmul(v, w, lhs_format="mxfp6", rhs_format="mxint8",
                                           backward="quantized", grad_format="mxfp6_e3m2").sum())(x)
     assert g.shape == x.shape and bool(jnp.isfinite(g).all())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0, -0.0])
+def test_nvfp4_invalid_tensor_scale_refused_or_nan(bad):
+    """A tensor scale that is not positive and finite multiplies every block scale: a concrete
+    one is refused by MXArray; a traced one (no value at construction) decodes to NaN, never
+    to ±inf, zeros or sign-flipped values."""
+    x = jnp.linspace(-3.0, 3.0, 64).reshape(2, 32)
+    nv = lowprec.quantize_mx(x, "nvfp4")
+    parts = dict(elements=nv.elements, scales=nv.scales, fmt=nv.fmt, axis=nv.axis, shape=nv.shape)
+    with pytest.raises(ValueError, match="tensor_scale must be positive and finite"):
+        lowprec.MXArray(**parts, tensor_scale=jnp.float32(bad))
+    decode = jax.jit(lambda ts: lowprec.dequantize(lowprec.MXArray(**parts, tensor_scale=ts)))
+    assert np.isnan(np.asarray(decode(jnp.float32(bad)))).all()
+    # The valid scale still decodes to values (no NaN).
+    assert not np.isnan(np.asarray(decode(nv.tensor_scale))).any()
