@@ -777,7 +777,9 @@ def quantize(
       dtype: result dtype (float32, float64, bfloat16 or float16). Default: ``x``'s dtype
         when every value of ``fmt`` is exactly representable in it (float32/float64 always;
         bfloat16 for the FP8/FP4 formats), otherwise an error asks you to choose (e.g.
-        ``quantize(bf16_array, "fp16")``).
+        ``quantize(bf16_array, "fp16")``). An explicit ``dtype`` must span the format's
+        range (a ValueError otherwise: e4m3 as float4_e2m1fn would turn 448 into 6); one with
+        fewer significand bits only is an explicit choice of a second rounding.
 
     Example:
         >>> import jax.numpy as jnp
@@ -798,4 +800,25 @@ def quantize(
                 f"{x.dtype}; pass dtype=jnp.float32 (exact) or dtype={x.dtype.name!s} "
                 "explicitly to accept a second rounding"
             )
-    return _quantize_jit(cast, x, (key, random_bits), check_float_dtype(dtype))
+    dtype = check_float_dtype(dtype)
+    check_dtype_range(cast.fmt, dtype)
+    return _quantize_jit(cast, x, (key, random_bits), dtype)
+
+
+def check_dtype_range(fmt: ElementFormat, dtype) -> None:
+    """ValueError unless ``dtype`` spans ``fmt``'s range: its largest finite value and its
+    smallest subnormal. A narrower dtype would re-round the format's values into other
+    numbers (e4m3's 448 into float4_e2m1fn's 6, or small values into zero); a dtype that only
+    has fewer significand bits (fp16 values as bfloat16) rounds each value to a neighbour and
+    stays an explicit choice."""
+    info = jnp.finfo(dtype)
+    fits = (fmt.emax <= info.maxexp - 1 and fmt.max_finite <= float(info.max)
+            and fmt.min_subnormal >= float(info.smallest_subnormal))
+    if not fits:
+        exact = [n for n in ("bfloat16", "float16", "float32") if exactly_representable(fmt, n)]
+        raise ValueError(
+            f"dtype={np.dtype(dtype).name} cannot hold the values of {fmt.name!r} (largest "
+            f"{fmt.max_finite:g}, smallest {fmt.min_subnormal:g}; {np.dtype(dtype).name} spans "
+            f"{float(info.smallest_subnormal):g} to {float(info.max):g}): they would be "
+            f"rounded again into other numbers. Use dtype={exact[0]} (exact) or any wider float"
+        )

@@ -398,3 +398,21 @@ def test_negative_half_nan_keeps_its_sign_through_encode():
     got = np.asarray(lowprec.encode(jnp.asarray(h), "e4m3"))
     np.testing.assert_array_equal(got, want)
     assert got.tolist() == [0xFF, 0x7F, 0xFF]
+
+
+@pytest.mark.parametrize("fmt,dtype,refused", [
+    ("e4m3", jnp.float4_e2m1fn, True),  # 448 would come back as 6 (float4's largest)
+    ("e5m2", jnp.float8_e4m3fn, True),  # 57344 is beyond 448
+    ("tf32", jnp.float16, True),        # float32's range is beyond 65504
+    ("e4m3", jnp.float8_e5m2, False),   # e5m2 spans 2^-16..57344 ⊇ e4m3's 2^-9..448: a choice
+    ("fp16", jnp.bfloat16, False),      # same range, fewer significand bits: a choice
+])
+def test_quantize_refuses_a_result_dtype_narrower_than_the_format(fmt, dtype, refused):
+    f = lowprec.element_format(fmt)
+    x = jnp.array([f.max_finite, f.min_subnormal], jnp.float32)
+    if not refused:
+        assert np.asarray(lowprec.quantize(x, fmt, dtype=dtype)).dtype == np.dtype(dtype)
+        return
+    with pytest.raises(ValueError, match=rf"dtype={np.dtype(dtype).name} cannot hold the values "
+                                         rf"of '{fmt}'.*Use dtype="):
+        lowprec.quantize(x, fmt, dtype=dtype)
