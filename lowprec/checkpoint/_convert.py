@@ -622,6 +622,16 @@ def quantized_specs(reader: SafetensorsReader) -> dict:
     checkpoints; original dtype taken as BF16, as gpt-oss and Hugging Face decode them)."""
     specs = {}
     raw = reader.metadata.get(METADATA_KEY)
+    version = reader.metadata.get(METADATA_VERSION_KEY)
+    if raw is not None and version not in (None, METADATA_VERSION):
+        # An older file written before the key existed has none; any other value is a layout
+        # this lowprec does not know (a newer one), and reading it as version 1 could decode
+        # wrong values.
+        newer = version.isdigit() and int(version) > int(METADATA_VERSION)
+        raise CheckpointError(
+            f"{reader.path}: {METADATA_VERSION_KEY} is {version!r}; this lowprec reads version "
+            f"{METADATA_VERSION} only" + ("; the file was written by a newer lowprec: upgrade "
+                                          "(pip install -U lowprec)" if newer else ""))
     if raw is not None:
         try:
             table = json.loads(raw)

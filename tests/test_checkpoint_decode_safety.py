@@ -1,5 +1,6 @@
-"""Decoding never overflows silently: a finite value beyond the output dtype's range is
-refused, or clamped with ``saturate`` and counted; the report counts NaN/inf it writes."""
+"""Decoding is never silently wrong: a finite value beyond the output dtype's range is refused,
+or clamped with ``saturate`` and counted; the report counts NaN/inf it writes; invalid tensor
+scales, unknown format versions and missing names are refused."""
 
 from __future__ import annotations
 
@@ -125,3 +126,19 @@ def test_nvfp4_file_with_invalid_tensor_scale_is_refused(tmp_path, bad):
     save(edited, tensors, metadata)
     with pytest.raises(CheckpointError, match="tensor_scale must be positive and finite"):
         load_checkpoint(edited)
+
+
+@pytest.mark.parametrize("version,phrase", [("99", "written by a newer lowprec: upgrade"),
+                                            ("1.5beta", "reads version 1 only")])
+def test_unknown_format_version_is_refused(tmp_path, version, phrase):
+    src, q, edited = (tmp_path / n for n in ("in.safetensors", "q.safetensors", "e.safetensors"))
+    save(src, {NAME: np.ones((2, 32), np.float32)})
+    quantize_checkpoint(src, q, "mxfp4", progress=False)
+    with SafetensorsReader(q) as r:
+        tensors = {n: r.read(n) for n in r.tensors}
+        metadata = dict(r.metadata)
+    assert metadata["lowprec.format_version"] == "1"
+    save(edited, tensors, {**metadata, "lowprec.format_version": version})
+    with pytest.raises(CheckpointError, match=rf"format_version is '{version}'.*{phrase}"):
+        load_checkpoint(edited)
+    assert main(["inspect", str(edited)]) == 1
