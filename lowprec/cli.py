@@ -200,7 +200,11 @@ def _common(p):
     p.add_argument("--report", metavar="FILE.json",
                    help="also write the report as JSON here (checked before any work)")
     p.add_argument("--force", action="store_true",
-                   help="replace existing output files (regular files only)")
+                   help="replace existing output files (regular files only; never an input)")
+    p.add_argument("--follow-symlinks", action="store_true",
+                   help="read and copy files of the input folder whose symbolic links lead "
+                        "outside it (refused by default; a Hugging Face cache snapshot's links "
+                        "into its blobs/ are always followed)")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bar and no table (errors still go to stderr)")
     p.add_argument("--json", action="store_true", help="print the report as JSON, not a table")
@@ -268,16 +272,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         layout=args.layout, axis=args.axis, fp8_scale=args.fp8_scale,
                         block_size=args.block_size, force=args.force, progress=progress, report=args.report,
                         ignore=args.ignore, schemes=args.scheme,
+                        follow_symlinks=args.follow_symlinks,
                     )
                 elif args.command == "convert":
                     report = convert_checkpoint(
                         args.input, args.output, args.layout, force=args.force,
                         progress=progress, report=args.report,
+                        follow_symlinks=args.follow_symlinks,
                     )
                 elif args.command == "dequantize":
                     report = dequantize_checkpoint(
                         args.input, args.output, dtype=args.dtype, force=args.force,
                         progress=progress, report=args.report, saturate=args.saturate,
+                        follow_symlinks=args.follow_symlinks,
                     )
                 else:
                     report = inspect_checkpoint(args.input)

@@ -56,11 +56,12 @@ def digests(folder) -> dict:
 
 @pytest.fixture
 def sharded(tmp_path):
-    """A Hugging Face style sharded folder; shard files are symbolic links into a blob
-    store, as in a hub cache snapshot."""
+    """A Hugging Face style sharded folder; shard files are symbolic links into the blob
+    store, laid out as in a hub cache (``<repo>/snapshots/<rev>/shard -> <repo>/blobs/...``)."""
     rng = np.random.default_rng(0)
-    folder, blobs = tmp_path / "model", tmp_path / "blobs"
-    folder.mkdir()
+    repo = tmp_path / "models--org--tiny"
+    folder, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    folder.mkdir(parents=True)
     blobs.mkdir()
     tensors, weight_map = {}, {}
     for shard, specs in SHARDS.items():
@@ -229,3 +230,36 @@ def test_special_files_in_the_folder_are_skipped_and_listed(tmp_path, sharded):
     assert rep.skipped == [("pipe", "not a regular file")]
     assert "not copied: pipe" in rep.table()
     assert not (tmp_path / "out" / "pipe").exists()
+
+
+# -- symbolic links out of the folder; sibling shards -------------------------------------
+
+
+def test_link_out_of_the_folder_is_refused_unless_asked(tmp_path, sharded, capsys):
+    folder, _ = sharded
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not part of the model")
+    os.symlink(secret, folder / "notes.txt")
+    out = tmp_path / "out"
+    for call in (lambda: quantize_checkpoint(folder, out, "mxfp4", progress=False),
+                 lambda: convert_mod.dequantize_checkpoint(folder, out, progress=False)):
+        with pytest.raises(CheckpointError, match=r"notes.txt: is a symbolic link to .*secret.txt"
+                                                  r", outside the input folder.*--follow-symlinks"):
+            call()
+        assert not out.exists()
+    assert main(["quantize", str(folder), str(out), "-f", "mxfp4", "-q"]) == 1
+    assert "--follow-symlinks" in capsys.readouterr().err and not out.exists()
+    # Asked for: read and copied (the shards' links into the cache's blobs/ never needed it).
+    assert main(["quantize", str(folder), str(out), "-f", "mxfp4", "-q", "--follow-symlinks"]) == 0
+    assert (out / "notes.txt").read_text() == "not part of the model"
+    assert not (out / "notes.txt").is_symlink()
+
+
+def test_force_never_replaces_a_sibling_shard(sharded):
+    folder, _ = sharded
+    first, second = (folder / f"model-0000{i}-of-00002.safetensors" for i in (1, 2))
+    before = hashlib.sha256(second.read_bytes()).hexdigest()
+    for dst in (second, folder / "model.safetensors.index.json"):
+        with pytest.raises(CheckpointError, match="input file"):
+            quantize_checkpoint(first, dst, "mxfp4", force=True, progress=False)
+    assert hashlib.sha256(second.read_bytes()).hexdigest() == before

@@ -55,7 +55,7 @@ from ._safetensors import (
     nbytes_of,
     numpy_dtype,
 )
-from ._source import Source, open_source
+from ._source import Source, check_symlinks, open_source
 from ._stats import ErrorStats
 
 METADATA_KEY = "lowprec.tensors"
@@ -151,7 +151,11 @@ def _norm(path: str) -> str:
 class _Outputs:
     """Where a conversion writes, checked up front (before any work)."""
 
-    def __init__(self, source: Source, dst, report, force: bool):
+    def __init__(self, source: Source, dst, report, force: bool, follow_symlinks: bool = False):
+        if not isinstance(follow_symlinks, bool):
+            raise TypeError(f"follow_symlinks must be True or False, got {follow_symlinks!r}")
+        if not follow_symlinks:
+            check_symlinks(source)
         self.source = source
         self.force = force
         self.dst = os.fspath(dst)
@@ -332,6 +336,7 @@ def quantize_checkpoint(
     report: Optional[PathLike] = None,
     ignore=(),
     schemes=None,
+    follow_symlinks: bool = False,
 ) -> ConversionReport:
     """Quantizes the weights of a safetensors checkpoint (a file or a sharded folder).
 
@@ -375,6 +380,9 @@ def quantize_checkpoint(
       force: replace existing output files (regular files only).
       progress: tqdm progress bar on stderr; default: when stderr is a terminal.
       report: also write the report as JSON to this path (checked up front like ``dst``).
+      follow_symlinks: read (and copy) files of a folder input whose symbolic links lead out
+        of the folder; by default they are refused, except a Hugging Face cache snapshot's
+        links into its ``blobs/`` (see :mod:`lowprec.checkpoint._source`).
 
     Returns:
       A :class:`ConversionReport` (per-tensor shapes, formats, bytes, SQNR, errors).
@@ -402,7 +410,8 @@ def quantize_checkpoint(
                 "--axis, --block-size or --fp8-scale")
         return quantize_engine_checkpoint(src, dst, format, layout=layout, schemes=schemes,
                                           ignore=ignore, scale_rule=scale_rule, force=force,
-                                          progress=progress, report=report)
+                                          progress=progress, report=report,
+                                          follow_symlinks=follow_symlinks)
     if ignore or schemes:
         raise CheckpointError("--ignore / --scheme apply to --layout compressed-tensors or "
                               "modelopt; the lowprec layout takes --include / --exclude")
@@ -428,7 +437,7 @@ def quantize_checkpoint(
         check_options_for_cast(fmt, axis=axis, scale_rule=scale_rule, layout=layout)
         check_fp8_scale(fp8_scale)
     source = open_source(src)
-    outputs = _Outputs(source, dst, report, force)
+    outputs = _Outputs(source, dst, report, force, follow_symlinks)
     options = dict(format=fmt, include=include, exclude=exclude, layout=layout)
     if mx:
         options.update(axis=axis, scale_rule=scale_rule)
@@ -792,6 +801,7 @@ def dequantize_checkpoint(
     progress: Optional[bool] = None,
     report: Optional[PathLike] = None,
     saturate: bool = False,
+    follow_symlinks: bool = False,
 ) -> ConversionReport:
     """Writes plain safetensors with the quantized tensors of ``src`` decoded.
 
@@ -810,6 +820,7 @@ def dequantize_checkpoint(
         dtype (BF16 for gpt-oss pairs without lowprec metadata), or ``"float32"``,
         ``"bfloat16"``, ``"float16"``, ``"float64"``.
       report: also write the report as JSON to this path.
+      follow_symlinks: as in :func:`quantize_checkpoint`.
       saturate: decoded finite values beyond the output dtype's range (e.g. > 65504 for
         float16) are clamped to its largest finite value and counted in the report
         (``saturated``); without it such a tensor is refused, never written as inf.
@@ -823,7 +834,7 @@ def dequantize_checkpoint(
         raise TypeError(f"saturate must be True or False, got {saturate!r}")
     out_dtype = None if dtype in (None, "original") else _dtype_arg(dtype)
     source = open_source(src)
-    outputs = _Outputs(source, dst, report, force)
+    outputs = _Outputs(source, dst, report, force, follow_symlinks)
     with contextlib.ExitStack() as stack:
         readers = _open_readers(stack, source)
         plans, any_quantized = {}, False

@@ -4,8 +4,15 @@ A folder is given as the directory or as its ``*.safetensors.index.json`` (the H
 Face sharded layout: ``{"metadata": {"total_size": ...}, "weight_map": {tensor: shard}}``).
 Without an index, every top-level ``*.safetensors`` file of the folder is a shard. All
 other files of the folder (config, tokenizer, ...) are copied to the output folder;
-symbolic links are followed to regular files (as in a Hugging Face cache snapshot), and
-anything that is not a regular file is skipped and listed in the report.
+symbolic links are followed to regular files inside the folder, or inside the ``blobs/``
+folder of a Hugging Face cache snapshot (``<repo>/snapshots/<rev>/x -> ../../blobs/<hash>``);
+a link leading anywhere else is refused by the converters unless ``follow_symlinks`` (its
+target would be read, and copied into the output). Anything that is not a regular file is
+skipped and listed in the report.
+
+A single ``.safetensors`` file that a ``*.safetensors.index.json`` beside it lists is one
+shard of a checkpoint: every shard and index of that checkpoint counts as an input, so an
+output (even with ``--force``) can never replace a sibling shard.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ def _read_index(path: str) -> dict:
             index = json.loads(f.read().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: not a valid JSON index ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not a valid index (JSON nested too deeply)") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
@@ -80,6 +89,59 @@ def _read_index(path: str) -> dict:
     if "metadata" in index and not isinstance(index["metadata"], dict):
         raise CheckpointError(f"{path}: \"metadata\" is not an object")
     return index
+
+
+def _outside_link(folder: str, rel: str) -> Optional[str]:
+    """The target of ``folder/rel`` if reaching it follows a symbolic link out of ``folder``
+    (other than into the Hugging Face cache's ``blobs/`` of the same repository), else None."""
+    full = os.path.join(folder, rel)
+    target = os.path.realpath(full)
+    root = os.path.realpath(folder)
+    if os.path.abspath(full) == target or os.path.commonpath([root, target]) == root:
+        return None
+    snapshots = os.path.dirname(root)
+    if os.path.basename(snapshots) == "snapshots":
+        blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+        if os.path.commonpath([blobs, target]) == blobs:
+            return None
+    return target
+
+
+def check_symlinks(source: "Source") -> None:
+    """CheckpointError naming the first file of a folder ``source`` whose symbolic link
+    leads out of the folder (see the module docstring)."""
+    if not source.is_folder:
+        return
+    rels = [*source.shards, *([source.index_name] if source.index_name else []), *source.others]
+    for rel in rels:
+        target = _outside_link(source.folder, rel)
+        if target is not None:
+            raise CheckpointError(
+                f"{os.path.join(source.folder, rel)}: is a symbolic link to {target}, outside "
+                f"the input folder; refusing to read and copy it (pass --follow-symlinks / "
+                "follow_symlinks=True if that file belongs to the checkpoint)"
+            )
+
+
+def _sibling_inputs(source: "Source", given: str) -> None:
+    """Adds the whole checkpoint to ``source.inputs`` when ``given`` is one of its shards."""
+    folder = os.path.dirname(os.path.abspath(given))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not name.endswith(INDEX_SUFFIX):
+            continue
+        try:
+            index = _read_index(os.path.join(folder, name))
+        except CheckpointError:
+            continue  # not a readable index: nothing it lists to protect
+        shards = set(index["weight_map"].values())
+        if os.path.basename(given) in shards:
+            source.inputs.add(os.path.join(folder, name))
+            for shard in shards:
+                source.inputs.add(os.path.join(folder, shard))
 
 
 def open_source(path) -> Source:
@@ -103,6 +165,7 @@ def open_source(path) -> Source:
     else:
         source = Source(given, None, [given])
         source.inputs.add(given)
+        _sibling_inputs(source, given)
         return source
     index = None
     if index_name is not None:
