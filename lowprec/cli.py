@@ -245,16 +245,24 @@ def _signals_raise():
         sys.unraisablehook = hook
 
 
-def _print(text: str) -> int:
-    """Prints to stdout; 0, or the broken-pipe status if the reader went away."""
+def _print(text: str, command: str = "") -> int:
+    """Prints to stdout; 0, the broken-pipe status if the reader went away, or 1 (with one
+    line on stderr) if stdout cannot take it (a full device). The output files are complete
+    by then: only the table or JSON on stdout is lost."""
     try:
         print(text, flush=True)
-    except BrokenPipeError:
+    except OSError as e:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             # Stop the interpreter's own flush at exit from failing again.
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
-        return _EXIT_BROKEN_PIPE
+        if isinstance(e, BrokenPipeError):
+            return _EXIT_BROKEN_PIPE
+        with contextlib.suppress(OSError, ValueError):
+            print(f"lowprec {command}: error: cannot write the report to stdout "
+                  f"({e.strerror or e}); the output itself is complete (--report FILE.json "
+                  "keeps the report)", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -312,9 +320,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"lowprec {args.command}: error: out of memory", file=sys.stderr)
         return 1
     if args.json:
-        return _print(report.to_json())
+        return _print(report.to_json(), args.command)
     if not getattr(args, "quiet", False):
-        return _print(report.table())
+        return _print(report.table(), args.command)
     return 0
 
 

@@ -644,6 +644,9 @@ def quantized_specs(reader: SafetensorsReader) -> dict:
     if raw is not None:
         try:
             table = json.loads(raw)
+        except RecursionError:
+            raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is nested too deeply "
+                                  "(not lowprec's)") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is not JSON ({e})") from None
         if not isinstance(table, dict):

@@ -298,7 +298,7 @@ def engine_specs(reader) -> dict:
                     found[name] = EngineSpec("fp8_channel", "compressed-tensors", (out, k),
                                              scale_dtype=sd)
     origin = {}
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
+    with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
         origin = dict(json.loads(reader.metadata.get(ORIGIN_KEY, "{}")))
     for name, spec in found.items():  # the original dtype, when lowprec wrote the file
         o = origin.get(name)
@@ -647,6 +647,9 @@ def _config_texts(source, outputs, qconfig: dict, extra: dict, force: bool) -> d
         except (OSError, ValueError) as e:
             raise CheckpointError(
                 f"{source.path('config.json')}: cannot read it as JSON ({e})") from None
+        except RecursionError:
+            raise CheckpointError(
+                f"{source.path('config.json')}: cannot read it as JSON (nested too deeply)") from None
         if not isinstance(config, dict):
             raise CheckpointError(f"{source.path('config.json')}: is not a JSON object")
     if qconfig is None:
@@ -801,7 +804,7 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
         plans, groups, kept = {}, {}, []
         for rel, reader in readers.items():
             origin = {}
-            with contextlib.suppress(ValueError, TypeError):
+            with contextlib.suppress(ValueError, TypeError, RecursionError):
                 origin = dict(json.loads(reader.metadata.get(ORIGIN_KEY, "{}")))
             plan, entries = [], []
             for name, spec, parts in cv._logical(reader):

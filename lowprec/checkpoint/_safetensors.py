@@ -237,6 +237,8 @@ class SafetensorsReader:
             header = json.loads(text, object_pairs_hook=_no_duplicates)
         except json.JSONDecodeError as e:
             self._fail(f"header is not valid JSON ({e})")
+        except RecursionError:
+            self._fail("header JSON is nested too deeply (not a safetensors header)")
         except CheckpointError as e:
             self._fail(str(e))
         if not isinstance(header, dict):
@@ -246,6 +248,14 @@ class SafetensorsReader:
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
         ):
             self._fail("__metadata__ must map strings to strings")
+        for text in [*header, *metadata, *metadata.values()]:
+            # JSON's \ud800 escapes decode to lone surrogates, which no UTF-8 output (a
+            # header, a report, a terminal) can hold.
+            try:
+                str(text).encode("utf-8")
+            except UnicodeEncodeError:
+                self._fail(f"name or metadata {ascii(text)[:80]} is not valid Unicode (a lone "
+                           "surrogate escape); rename it in the producing tool")
         self.metadata: dict[str, str] = dict(metadata)
         self.header_size = n
         self.data_start = 8 + n
