@@ -8,12 +8,15 @@ data table.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import operator
 import re
 import warnings
 from fractions import Fraction
 from typing import Optional, Union
+
+import numpy as np
 
 import lowprec_formats as _data
 
@@ -333,7 +336,7 @@ def element_format(fmt: Union[str, ElementFormat]) -> ElementFormat:
             "or use quantize_mx/dequantize for block quantization"
         )
     if not isinstance(fmt, str):
-        raise TypeError(f"format must be a name or an ElementFormat, got {type(fmt).__name__}")
+        raise TypeError(_not_a_format(fmt, "an ElementFormat"))
     try:
         return _element_by_name(fmt.lower())
     except KeyError:
@@ -344,8 +347,13 @@ def element_format(fmt: Union[str, ElementFormat]) -> ElementFormat:
             f"quantize_mx(x, {fmt!r}) instead. "
             + _choices("element formats", _data.ELEMENT_FORMATS)
         )
+    close = difflib.get_close_matches(
+        fmt.lower(), list(dict.fromkeys(n.lower() for n in (*_data.ELEMENT_FORMATS, *_data.ALIASES)
+                                        if _data.ALIASES.get(n.lower(), n.lower())
+                                        not in _data.MX_FORMATS)), n=3)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
     raise ValueError(
-        f"unknown element format {fmt!r}; " + _choices("formats", _data.ALIASES)
+        f"unknown element format {fmt!r}; {hint}" + _choices("formats", _data.ALIASES)
         + " or a P3109 name such as 'p3109_k8p3se'"
     )
 
@@ -451,6 +459,26 @@ MXFormatLike = Union[str, MXFormat]
 FormatLike = Union[str, ElementFormat, MXFormat]
 
 
+def _not_a_format(obj, objects: str) -> str:
+    """Says in words what was given where a format name was expected: a NumPy/JAX dtype
+    (``jnp.float8_e4m3fn``) is the usual slip, and has a format of the same name."""
+    try:
+        dt = None if obj is None or isinstance(obj, (int, float, bool)) else np.dtype(obj)
+    except TypeError:
+        dt = None
+    if dt is not None:
+        try:
+            _element_by_name(dt.name)
+            fix = f"pass its name, {dt.name!r}, for lowprec's format of that dtype"
+        except KeyError:
+            fix = "lowprec has no format of that name"
+        return (f"expected a lowprec format name or {objects}, got the dtype {dt.name} (a "
+                f"NumPy/JAX dtype, not a format): {fix}; ml_dtypes.finfo({dt.name}) "
+                "describes the dtype itself")
+    return (f"expected a lowprec format name (e.g. 'e4m3', 'mxfp8') or {objects}, got "
+            f"{type(obj).__name__} {obj!r:.60}")
+
+
 def resolve_format(fmt: FormatLike) -> Union[ElementFormat, MXFormat]:
     """Returns the element or block format named ``fmt``; the one lookup of every name.
 
@@ -469,7 +497,7 @@ def resolve_format(fmt: FormatLike) -> Union[ElementFormat, MXFormat]:
     if isinstance(fmt, (ElementFormat, MXFormat)):
         return fmt
     if not isinstance(fmt, str):
-        raise TypeError(f"a format must be a name or a format object, got {fmt!r}")
+        raise TypeError(_not_a_format(fmt, "a format object"))
     name = fmt.lower()
     try:
         return _element_by_name(name)
@@ -477,8 +505,12 @@ def resolve_format(fmt: FormatLike) -> Union[ElementFormat, MXFormat]:
         pass
     if _mx_name(name) is not None:
         return mx_format(name)
+    known = dict.fromkeys(n.lower() for n in (*ELEMENT_FORMAT_NAMES, *MX_FORMAT_NAMES,
+                                              *_data.ALIASES))
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
     raise ValueError(
-        f"unknown format {fmt!r}; valid element formats: {', '.join(ELEMENT_FORMAT_NAMES)} "
+        f"unknown format {fmt!r}; {hint}valid element formats: {', '.join(ELEMENT_FORMAT_NAMES)} "
         f"and P3109 names such as 'p3109_k8p3se'; block formats: {', '.join(MX_FORMAT_NAMES)} "
         f"(optionally with a block size, 'mxfp4_b16'; aliases: {', '.join(sorted(_data.ALIASES))})"
     )

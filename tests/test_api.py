@@ -416,3 +416,23 @@ def test_quantize_refuses_a_result_dtype_narrower_than_the_format(fmt, dtype, re
     with pytest.raises(ValueError, match=rf"dtype={np.dtype(dtype).name} cannot hold the values "
                                          rf"of '{fmt}'.*Use dtype="):
         lowprec.quantize(x, fmt, dtype=dtype)
+
+
+@pytest.mark.parametrize("name,suggestion", [
+    ("e4m4", "'e4m3'"), ("nvfp5", "'nvfp4'"), ("mxfp8_e4m2", "'mxfp8_e5m2'"),
+    ("bfloat15", "'bfloat16'"),
+])
+def test_near_miss_format_names_suggest_the_right_one(name, suggestion):
+    with pytest.raises(ValueError, match=rf"unknown format '{name}'; did you mean .*{suggestion}"):
+        lowprec.resolve_format(name)
+
+
+@pytest.mark.parametrize("obj,phrase", [
+    (jnp.float8_e4m3fn, "got the dtype float8_e4m3fn .*pass its name, 'float8_e4m3fn'"),
+    (np.float64, "got the dtype float64 .*lowprec has no format of that name"),
+    (None, "got NoneType None"),
+])
+def test_finfo_of_a_dtype_says_what_it_got(obj, phrase):
+    with pytest.raises(TypeError, match=phrase):
+        lowprec.finfo(obj)
+    assert lowprec.finfo("float8_e4m3fn").max == 448.0  # the suggested call works
