@@ -281,7 +281,8 @@ def quantize_nvfp4_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=
     (E4M3 block scales under a float32 tensor scale; docs/design.md §3b).
 
     ``tensor_scale``: a float32 scalar, or None to take float32(amax / 2688) of ``bits``;
-    either is raised to 2^-143 at least. ``rng`` as for :func:`quantize_blocks`.
+    either is raised to 2^-143 at least (2^-121 for the ``"reciprocal"`` step).
+    ``rng`` as for :func:`quantize_blocks`.
     """
     fmt = cast.fmt
     if tensor_scale is None:
@@ -289,13 +290,20 @@ def quantize_nvfp4_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=
     else:
         ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
     ts_bits = _nvfp4.clamp_tensor_scale_bits(ts_bits)
+    reciprocal = cast.nvfp4_step == "reciprocal"
+    if reciprocal:
+        ts_bits = jnp.maximum(ts_bits, jnp.uint32(_nvfp4.MIN_RECIPROCAL_TENSOR_SCALE_BITS))
     inner = axis + 1
     xb = split_blocks(bits, axis, fmt.block_size)
     amax = _block_amax(xb, inner)
     special = amax >= F32_INF
     scale_codes = _nvfp4.block_scale_codes(amax, ts_bits, fmt.scale)
-    total = jnp.expand_dims(_nvfp4.total_scale_bits(scale_codes, ts_bits, fmt.scale), inner)
-    quotient = _nvfp4.element_quotient_bits(xb, total)
+    if reciprocal:
+        factor = _nvfp4.reciprocal_factor_bits(scale_codes, ts_bits, fmt.scale)
+        quotient = _nvfp4.f32_mul(xb, jnp.expand_dims(factor, inner))
+    else:
+        total = jnp.expand_dims(_nvfp4.total_scale_bits(scale_codes, ts_bits, fmt.scale), inner)
+        quotient = _nvfp4.element_quotient_bits(xb, total)
     if cast.stochastic:
         key, words = rng
         rng = (key, None if words is None else split_blocks(words, axis, fmt.block_size))
@@ -391,6 +399,7 @@ def quantize_mx(
     random_bits: Optional[jax.Array] = None,
     block_size: Optional[int] = None,
     tensor_scale=None,
+    nvfp4_step: Optional[str] = None,
 ) -> MXArray:
     """Block-quantizes ``x`` to an OCP MX format or NVFP4.
 
@@ -426,7 +435,14 @@ def quantize_mx(
         float32(amax / 2688) from ``x`` (torchao's ``per_tensor_amax_to_scale``), with amax
         the largest finite magnitude. Pass a calibrated value (or 1.0 for block scales
         alone) to fix it. Either is raised to 2^-143 at least (so that no block divisor
-        underflows to 0), and the MXArray holds the scale used.
+        underflows to 0; 2^-121 with ``nvfp4_step="reciprocal"``, so that no reciprocal
+        overflows), and the MXArray holds the scale used.
+      nvfp4_step: NVFP4 only: how elements are divided by their scales before rounding to
+        E2M1. ``"divide"`` (default; torchao <= 0.16): x / float32(tensor_scale ·
+        block_scale). ``"reciprocal"`` (torchao >= 0.17, its PR #4031): x · float32(
+        float32(1 / tensor_scale) / block_scale). Both are bit-exact against their torchao
+        version; they differ only where the float32 quotient lands on an E2M1 rounding
+        boundary. The default keeps the codes of earlier lowprec releases and checkpoints.
 
     Returns:
       An :class:`MXArray`. A block holding any NaN or ±inf gets the scale format's NaN code
@@ -446,7 +462,7 @@ def quantize_mx(
     x, fmt = array_then_format(x, fmt, "quantize_mx")
     fmt = mx_format(fmt, block_size)
     check_no_scale_rule(fmt, scale_rule, "quantize_mx")
-    cast = MXCast(fmt, scale_rule, rounding)
+    cast = MXCast(fmt, scale_rule, rounding, nvfp4_step)
     cast.check_key(key, random_bits)
     ts = check_tensor_scale(cast.fmt, tensor_scale, "quantize_mx")
     x = jnp.asarray(host_decode(x))
@@ -786,6 +802,7 @@ def fake_quantize_mx(
     random_bits: Optional[jax.Array] = None,
     block_size: Optional[int] = None,
     tensor_scale=None,
+    nvfp4_step: Optional[str] = None,
 ) -> jax.Array:
     """``dequantize(quantize_mx(x, fmt, ...), x.dtype)`` with a straight-through gradient.
 
@@ -802,7 +819,7 @@ def fake_quantize_mx(
     x, fmt = array_then_format(x, fmt, "fake_quantize_mx")
     fmt = mx_format(fmt, block_size)
     check_no_scale_rule(fmt, scale_rule, "fake_quantize_mx")
-    cast = MXCast(fmt, scale_rule, rounding)
+    cast = MXCast(fmt, scale_rule, rounding, nvfp4_step)
     cast.check_key(key, random_bits)
     ts = check_tensor_scale(cast.fmt, tensor_scale, "fake_quantize_mx")
     x = jnp.asarray(host_decode(x))

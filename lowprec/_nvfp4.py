@@ -42,6 +42,11 @@ _E4M3_MAX_BITS = 0x43E0_0000  # 448 = 1.75 * 2^8 = 0x43E00000
 _E2M1_MAX = 6.0
 _F32_ONE = 0x3F80_0000
 MIN_TENSOR_SCALE_BITS = 1 << 6  # 2^-143 = 2^6 * 2^-149 (a float32 subnormal): 2^-143 * 2^-6 > 0
+# The "reciprocal" step's factor (1 / ts) / s stays finite for every block scale s >= 2^-6
+# iff 1 / ts <= 2^121, i.e. ts >= 2^-121 = 0x03000000 ((127 - 121) << 23). torchao 0.17
+# itself computes inf there (and 1 / ts alone is inf below 2^-128); lowprec raises ts to it.
+MIN_RECIPROCAL_TENSOR_SCALE_BITS = (127 - 121) << 23
+
 
 
 def _f32_const_bits(v: float) -> int:
@@ -80,7 +85,9 @@ def round_to_f32(sig, exp, sign, sticky):
     # the shift cannot wrap the int32).
     code = lax.shift_left(jnp.minimum(binade, 128) + 126, jnp.int32(23)) + mag_q
     code = jnp.where(code >= F32_INF, F32_INF, code)
-    code = jnp.where(sig == 0, 0, code).astype(jnp.uint32)
+    # Below 2^-150 (half the smallest subnormal) the value rounds to zero; the shift above
+    # would pass the word's width there.
+    code = jnp.where((sig == 0) | (top < -150), 0, code).astype(jnp.uint32)
     return code | lax.shift_left(sign.astype(jnp.uint32), jnp.uint32(31))
 
 
@@ -114,6 +121,36 @@ def f32_mul_short(a_bits, b_bits):
                        jnp.zeros(sa.shape, bool))
     zero = ((a_bits & F32_ABS) == 0) | ((b_bits & F32_ABS) == 0)
     return jnp.where(zero, lax.shift_left(sign, jnp.uint32(31)), out)
+
+
+def f32_mul(a_bits, b_bits):
+    """IEEE float32 a * b from the bits, rounded to nearest even, for finite a and b: the
+    exact 48-bit product of the 24-bit significands from 12-bit halves (every partial product
+    and sum below 2^26 in uint32), then one rounding (subnormal results and overflow as IEEE)."""
+    sign = lax.shift_right_logical((a_bits ^ b_bits) & jnp.uint32(F32_SIGN), jnp.uint32(31))
+    sa, ea = _split(a_bits)
+    sb, eb = _split(b_bits)
+    m12, m24 = jnp.uint32(0xFFF), jnp.uint32(0xFF_FFFF)
+    a0, a1 = sa & m12, lax.shift_right_logical(sa, jnp.uint32(12))
+    b0, b1 = sb & m12, lax.shift_right_logical(sb, jnp.uint32(12))
+    mid = a1 * b0 + a0 * b1  # < 2^25
+    low = a0 * b0 + lax.shift_left(mid & m12, jnp.uint32(12))  # < 2^25
+    high = a1 * b1 + lax.shift_right_logical(mid, jnp.uint32(12)) + lax.shift_right_logical(
+        low, jnp.uint32(24))  # product >> 24, < 2^24
+    low = low & m24  # product mod 2^24
+    # product >> 18 in [2^28, 2^30); the 18 bits dropped decide the sticky bit.
+    sig = lax.shift_left(high, jnp.uint32(6)) | lax.shift_right_logical(low, jnp.uint32(18))
+    out = round_to_f32(sig, ea + eb + 18, sign, (low & jnp.uint32((1 << 18) - 1)) != 0)
+    zero = ((a_bits & F32_ABS) == 0) | ((b_bits & F32_ABS) == 0)
+    return jnp.where(zero, lax.shift_left(sign, jnp.uint32(31)), out)
+
+
+def reciprocal_factor_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
+    """Bits of float32(float32(1 / tensor_scale) / block_scale): the factor torchao >= 0.17
+    multiplies a block's elements by (the ``"reciprocal"`` NVFP4 step). Finite for tensor scales
+    of at least :data:`MIN_RECIPROCAL_TENSOR_SCALE_BITS` and block scales of at least 2^-6."""
+    inverse = f32_div(jnp.full_like(ts_bits, _F32_ONE), ts_bits)
+    return f32_div(inverse, decode_bits(scale_fmt, scale_codes))
 
 
 def tensor_scale_bits(amax_bits):

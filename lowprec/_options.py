@@ -99,6 +99,34 @@ class ElementCast(_Randomness):
         object.__setattr__(self, "overflow", check_overflow(self.overflow))
 
 
+# How an NVFP4 element is brought to E2M1's range before rounding (docs/design.md §3b). The
+# two differ only where the float32 quotient lands exactly on an E2M1 rounding boundary.
+NVFP4_STEPS = {
+    # torchao <= 0.16 (nvfp4_tensor.nvfp4_quantize): one division by float32(ts * s).
+    "divide": "x / float32(tensor_scale * block_scale)  (torchao <= 0.16)",
+    # torchao >= 0.17 (its PR #4031, as NVIDIA's MSLK kernels): a product with a reciprocal.
+    "reciprocal": "x * float32(float32(1 / tensor_scale) / block_scale)  (torchao >= 0.17)",
+}
+DEFAULT_NVFP4_STEP = "divide"
+
+
+def check_nvfp4_step(fmt: MXFormat, step) -> Optional[str]:
+    """The NVFP4 element step for ``fmt`` (None for formats without a tensor scale)."""
+    if not fmt.tensor_scale:
+        if step is not None:
+            raise ValueError(
+                f"nvfp4_step applies to NVFP4 (E4M3 block scales under a tensor scale), not to "
+                f"{fmt.name}; drop it")
+        return None
+    if step is None:
+        return DEFAULT_NVFP4_STEP
+    if step not in NVFP4_STEPS:
+        raise ValueError(
+            f"unknown nvfp4_step {step!r}; choose one of: "
+            + "; ".join(f"{k!r} = {v}" for k, v in NVFP4_STEPS.items()))
+    return step
+
+
 @dataclasses.dataclass(frozen=True)
 class MXCast(_Randomness):
     """How an array is block-quantized (the options of ``quantize_mx``/``fake_quantize_mx``).
@@ -106,23 +134,27 @@ class MXCast(_Randomness):
     Elements always saturate to ± the element maximum (OCP MX v1.0). ``scale_rule`` chooses
     E8M0 block scales (None: the default, ``ScaleRule.FLOOR``); a format with its own scale
     recipe (NVFP4: E4M3 block scales under a float32 tensor scale) records None, whatever
-    rule is passed, so that one rule can be given for all the operands of a dot — the public
+    rule is passed, and its ``nvfp4_step`` (:data:`NVFP4_STEPS`; default ``"divide"``) says how
+    elements are divided by their scales, so that one rule can be given for all the operands of a dot — the public
     quantizers refuse an explicit rule for such a format (see :func:`check_no_scale_rule`).
 
     Example:
         >>> MXCast("mxfp8", scale_rule="rceil")
-        MXCast(fmt=MXFormat('mxfp8_e4m3'), scale_rule=<ScaleRule.RCEIL: 'rceil'>, rounding='nearest_even')
-        >>> MXCast("nvfp4").scale_rule is None
-        True
+        MXCast(fmt=MXFormat('mxfp8_e4m3'), scale_rule=<ScaleRule.RCEIL: 'rceil'>, rounding='nearest_even', nvfp4_step=None)
+        >>> c = MXCast("nvfp4")
+        >>> c.scale_rule is None, c.nvfp4_step
+        (True, 'divide')
     """
 
     fmt: MXFormat
     scale_rule: Optional[ScaleRule] = None
     rounding: str = "nearest_even"
+    nvfp4_step: Optional[str] = None
 
     def __post_init__(self):
         fmt = mx_format(self.fmt)
         object.__setattr__(self, "fmt", fmt)
+        object.__setattr__(self, "nvfp4_step", check_nvfp4_step(fmt, self.nvfp4_step))
         rule = None
         if not fmt.tensor_scale:
             rule = DEFAULT_SCALE_RULE if self.scale_rule is None else check_scale_rule(self.scale_rule)

@@ -466,3 +466,98 @@ def test_nvfp4_invalid_tensor_scale_refused_or_nan(bad):
     assert np.isnan(np.asarray(decode(jnp.float32(bad)))).all()
     # The valid scale still decodes to values (no NaN).
     assert not np.isnan(np.asarray(decode(nv.tensor_scale))).any()
+
+
+def torchao_017_nvfp4_recipe(x2d, per_tensor_scale):
+    """torchao >= 0.17's two-level NVFP4 element step (its PR #4031), restated with NumPy
+    float32 operations: block scales as in :func:`torchao_nvfp4_recipe`, then
+
+        reciprocal = (1.0 / per_tensor_scale) / scale_fp8.to(float32)
+        data = clamp(x * reciprocal, -6, 6), cast to E2M1 (round to nearest even)
+    """
+    f32 = np.float32
+    xb = x2d.reshape(x2d.shape[0], -1, 16).astype(f32)
+    with np.errstate(all="ignore"):
+        block_scale = np.abs(xb).max(-1) / f32(6.0)
+        scaled = np.clip(block_scale / f32(per_tensor_scale), f32(2.0**-6), f32(448.0))
+        scale_fp8 = scaled.astype(ml_dtypes.float8_e4m3fn)
+        reciprocal = (f32(1.0) / f32(per_tensor_scale)) / scale_fp8.astype(f32)
+        data = np.clip(xb * reciprocal[..., None], f32(-6), f32(6)).astype(ml_dtypes.float4_e2m1fn)
+    return data.view(np.uint8).reshape(x2d.shape), scale_fp8.view(np.uint8)
+
+
+def _near_ties(rng, rows=64):
+    """Elements placed on E2M1 rounding boundaries (0.25, 0.75, ..., 5) times the block's
+    float32(ts * s): there the divide step's quotient is the boundary itself (a tie) while
+    the reciprocal step's product may land an ulp to either side."""
+    x = rng.standard_normal((rows, 256)).astype(np.float32) * np.float32(rng.uniform(0.1, 30))
+    ts = np.float32(np.abs(x).max() / np.float32(2688.0))
+    xb = x.reshape(rows, -1, 16)
+    s = np.clip(np.abs(xb).max(-1) / np.float32(6) / ts, np.float32(2.0**-6), np.float32(448))
+    total = (ts * s.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))[..., None]
+    amax = np.abs(xb).max(-1)
+    ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    pick = rng.integers(0, len(ties), xb.shape) * (rng.random(xb.shape) < 0.5)
+    xb[...] = np.where(pick > 0, (ties[pick] * total).astype(np.float32), xb)
+    xb[..., 0] = amax  # keep each block's amax (so its scale) and the tensor's (so ts)
+    assert np.float32(np.abs(x).max() / np.float32(2688.0)) == ts
+    return x, ts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_nvfp4_steps_match_their_torchao_versions(seed):
+    x, ts = _near_ties(np.random.default_rng(seed))
+    old_e, old_s = torchao_nvfp4_recipe(x, ts)
+    new_e, new_s = torchao_017_nvfp4_recipe(x, ts)
+    np.testing.assert_array_equal(old_s, new_s)  # the block scales are the same
+    assert (old_e != new_e).any(), "no input where the two torchao versions differ"
+    for step, want in (("divide", old_e), ("reciprocal", new_e), (None, old_e)):
+        for f in (lowprec.quantize_mx, jax.jit(lowprec.quantize_mx, static_argnames=(
+                "fmt", "nvfp4_step"))):
+            mx = f(jnp.asarray(x), fmt="nvfp4", nvfp4_step=step)
+            assert np.asarray(mx.tensor_scale).view(np.uint32) == ts.view(np.uint32)
+            np.testing.assert_array_equal(np.asarray(mx.scales), new_s)
+            np.testing.assert_array_equal(element_codes(mx), want)
+    # Dequantization is the same for both (torchao's to_dtype did not change).
+    a = lowprec.quantize_mx(jnp.asarray(x), "nvfp4", nvfp4_step="reciprocal")
+    got = np.asarray(lowprec.dequantize(a))
+    vals = new_e.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    total = (ts * new_s.view(ml_dtypes.float8_e4m3fn).astype(np.float32)).repeat(16, 1)
+    np.testing.assert_array_equal(got, (vals * total).astype(np.float32))
+
+
+def test_nvfp4_reciprocal_step_guards_its_reciprocal():
+    # A tiny tensor: torchao 0.17 computes 1 / ts = inf (ts < 2^-128) and NaN/inf codes;
+    # lowprec raises ts to 2^-121, where (1 / ts) / s <= 2^127 for every block scale >= 2^-6.
+    x = (np.random.default_rng(5).standard_normal((2, 64)) * 2.0**-125).astype(np.float32)
+    ts = np.float32(np.abs(x).max() / np.float32(2688.0))
+    with np.errstate(all="ignore"):
+        assert np.isinf(np.float32(1.0) / ts)
+    mx = lowprec.quantize_mx(jnp.asarray(x), "nvfp4", nvfp4_step="reciprocal")
+    floor = np.float32(2.0**-121)
+    assert np.asarray(mx.tensor_scale) == floor
+    want_e, want_s = torchao_017_nvfp4_recipe(x, floor)
+    np.testing.assert_array_equal(np.asarray(mx.scales), want_s)
+    np.testing.assert_array_equal(element_codes(mx), want_e)
+    with pytest.raises(ValueError, match="unknown nvfp4_step 'torchao'"):
+        lowprec.quantize_mx(jnp.asarray(x), "nvfp4", nvfp4_step="torchao")
+    with pytest.raises(ValueError, match="nvfp4_step applies to NVFP4"):
+        lowprec.quantize_mx(jnp.asarray(x), "mxfp4", nvfp4_step="divide")
+
+
+def test_nvfp4_exact_float32_product_matches_ieee():
+    """The reciprocal step's product x * factor is built on the bits (XLA:CPU flushes
+    subnormal operands and results): it must equal IEEE float32 multiplication (NumPy's, which
+    keeps subnormals) for normal, subnormal, tiny and huge operands of both signs."""
+    from lowprec import _nvfp4
+
+    rng = np.random.default_rng(11)
+    n = 200_000
+    a = rng.integers(0, 0x7F80_0000, n, dtype=np.uint32) | (rng.integers(0, 2, n, dtype=np.uint32) << 31)
+    b = rng.integers(0, 0x7F80_0000, n, dtype=np.uint32)
+    a[:1000] &= 0x807F_FFFF  # subnormal operands
+    b[1000:2000] = rng.integers(0x0200_0000, 0x0400_0000, 1000, dtype=np.uint32)  # tiny products
+    with np.errstate(all="ignore"):
+        want = (a.view(np.float32) * b.view(np.float32)).view(np.uint32)
+    got = np.asarray(jax.jit(_nvfp4.f32_mul)(jnp.asarray(a), jnp.asarray(b)))
+    np.testing.assert_array_equal(got, want)
