@@ -257,7 +257,7 @@ def test_block_size_errors():
 # NVFP4.
 
 
-def torchao_nvfp4_recipe(x2d, per_tensor_scale):
+def torchao_nvfp4_recipe(x2d, per_tensor_scale, version=(0, 16)):
     """torchao's ``_nvfp4_quantize`` (two-level path), restated with vectorized NumPy float32
     operations for a 2-D array blocked along its last axis:
 
@@ -266,7 +266,11 @@ def torchao_nvfp4_recipe(x2d, per_tensor_scale):
         scale_fp8 = scaled.to(float8_e4m3fn); total = per_tensor_scale * scale_fp8
         data = clamp(x / total, -6, 6), cast to E2M1 (round to nearest even)
 
-    with per_tensor_scale = amax / (F8E4M3_MAX * F4_E2M1_MAX). Finite inputs only.
+    with per_tensor_scale = amax / (F8E4M3_MAX * F4_E2M1_MAX). Finite inputs only. torchao
+    0.17 (its PR #4031) changed the element step to
+
+        reciprocal = (1.0 / per_tensor_scale) / scale_fp8.to(float32)
+        data = clamp(x * reciprocal, -6, 6), cast to E2M1
     """
     f32 = np.float32
     xb = x2d.reshape(x2d.shape[0], -1, 16).astype(f32)
@@ -274,8 +278,12 @@ def torchao_nvfp4_recipe(x2d, per_tensor_scale):
         block_scale = np.abs(xb).max(-1) / f32(6.0)
         scaled = np.clip(block_scale / f32(per_tensor_scale), f32(2.0**-6), f32(448.0))
         scale_fp8 = scaled.astype(ml_dtypes.float8_e4m3fn)
-        total = f32(per_tensor_scale) * scale_fp8.astype(f32)
-        data = np.clip(xb / total[..., None], f32(-6), f32(6)).astype(ml_dtypes.float4_e2m1fn)
+        if version >= (0, 17):
+            reciprocal = (f32(1.0) / f32(per_tensor_scale)) / scale_fp8.astype(f32)
+            scaled_x = xb * reciprocal[..., None]
+        else:
+            scaled_x = xb / (f32(per_tensor_scale) * scale_fp8.astype(f32))[..., None]
+        data = np.clip(scaled_x, f32(-6), f32(6)).astype(ml_dtypes.float4_e2m1fn)
     return data.view(np.uint8).reshape(x2d.shape), scale_fp8.view(np.uint8)
 
 
@@ -468,24 +476,6 @@ def test_nvfp4_invalid_tensor_scale_refused_or_nan(bad):
     assert not np.isnan(np.asarray(decode(nv.tensor_scale))).any()
 
 
-def torchao_017_nvfp4_recipe(x2d, per_tensor_scale):
-    """torchao >= 0.17's two-level NVFP4 element step (its PR #4031), restated with NumPy
-    float32 operations: block scales as in :func:`torchao_nvfp4_recipe`, then
-
-        reciprocal = (1.0 / per_tensor_scale) / scale_fp8.to(float32)
-        data = clamp(x * reciprocal, -6, 6), cast to E2M1 (round to nearest even)
-    """
-    f32 = np.float32
-    xb = x2d.reshape(x2d.shape[0], -1, 16).astype(f32)
-    with np.errstate(all="ignore"):
-        block_scale = np.abs(xb).max(-1) / f32(6.0)
-        scaled = np.clip(block_scale / f32(per_tensor_scale), f32(2.0**-6), f32(448.0))
-        scale_fp8 = scaled.astype(ml_dtypes.float8_e4m3fn)
-        reciprocal = (f32(1.0) / f32(per_tensor_scale)) / scale_fp8.astype(f32)
-        data = np.clip(xb * reciprocal[..., None], f32(-6), f32(6)).astype(ml_dtypes.float4_e2m1fn)
-    return data.view(np.uint8).reshape(x2d.shape), scale_fp8.view(np.uint8)
-
-
 def _near_ties(rng, rows=64):
     """Elements placed on E2M1 rounding boundaries (0.25, 0.75, ..., 5) times the block's
     float32(ts * s): there the divide step's quotient is the boundary itself (a tie) while
@@ -508,7 +498,7 @@ def _near_ties(rng, rows=64):
 def test_nvfp4_steps_match_their_torchao_versions(seed):
     x, ts = _near_ties(np.random.default_rng(seed))
     old_e, old_s = torchao_nvfp4_recipe(x, ts)
-    new_e, new_s = torchao_017_nvfp4_recipe(x, ts)
+    new_e, new_s = torchao_nvfp4_recipe(x, ts, version=(0, 17))
     np.testing.assert_array_equal(old_s, new_s)  # the block scales are the same
     assert (old_e != new_e).any(), "no input where the two torchao versions differ"
     for step, want in (("divide", old_e), ("reciprocal", new_e), (None, old_e)):
@@ -536,7 +526,7 @@ def test_nvfp4_reciprocal_step_guards_its_reciprocal():
     mx = lowprec.quantize_mx(jnp.asarray(x), "nvfp4", nvfp4_step="reciprocal")
     floor = np.float32(2.0**-121)
     assert np.asarray(mx.tensor_scale) == floor
-    want_e, want_s = torchao_017_nvfp4_recipe(x, floor)
+    want_e, want_s = torchao_nvfp4_recipe(x, floor, version=(0, 17))
     np.testing.assert_array_equal(np.asarray(mx.scales), want_s)
     np.testing.assert_array_equal(element_codes(mx), want_e)
     with pytest.raises(ValueError, match="unknown nvfp4_step 'torchao'"):
