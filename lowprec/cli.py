@@ -201,6 +201,9 @@ def _common(p):
                    help="also write the report as JSON here (checked before any work)")
     p.add_argument("--force", action="store_true",
                    help="replace existing output files (regular files only; never an input)")
+    p.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
+                   help="convert N shards of a folder at once (threads; peak memory grows "
+                        "with N; the output is the same for any N)")
     p.add_argument("--follow-symlinks", action="store_true",
                    help="read and copy files of the input folder whose symbolic links lead "
                         "outside it (refused by default; a Hugging Face cache snapshot's links "
@@ -280,19 +283,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         layout=args.layout, axis=args.axis, fp8_scale=args.fp8_scale,
                         block_size=args.block_size, force=args.force, progress=progress, report=args.report,
                         ignore=args.ignore, schemes=args.scheme,
-                        follow_symlinks=args.follow_symlinks,
+                        follow_symlinks=args.follow_symlinks, jobs=args.jobs,
                     )
                 elif args.command == "convert":
                     report = convert_checkpoint(
                         args.input, args.output, args.layout, force=args.force,
                         progress=progress, report=args.report,
-                        follow_symlinks=args.follow_symlinks,
+                        follow_symlinks=args.follow_symlinks, jobs=args.jobs,
                     )
                 elif args.command == "dequantize":
                     report = dequantize_checkpoint(
                         args.input, args.output, dtype=args.dtype, force=args.force,
                         progress=progress, report=args.report, saturate=args.saturate,
-                        follow_symlinks=args.follow_symlinks,
+                        follow_symlinks=args.follow_symlinks, jobs=args.jobs,
                     )
                 else:
                     report = inspect_checkpoint(args.input)

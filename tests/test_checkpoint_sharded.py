@@ -263,3 +263,24 @@ def test_force_never_replaces_a_sibling_shard(sharded):
         with pytest.raises(CheckpointError, match="input file"):
             quantize_checkpoint(first, dst, "mxfp4", force=True, progress=False)
     assert hashlib.sha256(second.read_bytes()).hexdigest() == before
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_jobs_give_the_same_output(tmp_path, sharded, fmt):
+    folder, _ = sharded
+    one, two, back1, back2 = (tmp_path / n for n in ("one", "two", "back1", "back2"))
+    rep1 = quantize_checkpoint(folder, one, fmt, progress=False)
+    rep2 = quantize_checkpoint(folder, two, fmt, progress=False, jobs=2)
+    assert digests(one) == digests(two)
+    assert [t.to_dict() for t in rep1.tensors] == [t.to_dict() for t in rep2.tensors]
+    dequantize_checkpoint(one, back1, progress=False)
+    assert main(["dequantize", str(two), str(back2), "-q", "--jobs", "3"]) == 0
+    assert digests(back1) == digests(back2)
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
+def test_jobs_must_be_a_positive_int(tmp_path, sharded, jobs):
+    folder, _ = sharded
+    with pytest.raises(CheckpointError, match="jobs must be a positive int"):
+        quantize_checkpoint(folder, tmp_path / "o", "mxfp4", progress=False, jobs=jobs)
+    assert not (tmp_path / "o").exists()

@@ -19,6 +19,7 @@ import shutil
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Union
 
 import numpy as np
@@ -151,9 +152,14 @@ def _norm(path: str) -> str:
 class _Outputs:
     """Where a conversion writes, checked up front (before any work)."""
 
-    def __init__(self, source: Source, dst, report, force: bool, follow_symlinks: bool = False):
+    def __init__(self, source: Source, dst, report, force: bool, follow_symlinks: bool = False,
+                 jobs: int = 1):
         if not isinstance(follow_symlinks, bool):
             raise TypeError(f"follow_symlinks must be True or False, got {follow_symlinks!r}")
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+            raise CheckpointError(f"jobs must be a positive int (shards converted at once), "
+                                  f"got {jobs!r}")
+        self.jobs = jobs
         if not follow_symlinks:
             check_symlinks(source)
         self.source = source
@@ -337,6 +343,7 @@ def quantize_checkpoint(
     ignore=(),
     schemes=None,
     follow_symlinks: bool = False,
+    jobs: int = 1,
 ) -> ConversionReport:
     """Quantizes the weights of a safetensors checkpoint (a file or a sharded folder).
 
@@ -383,6 +390,8 @@ def quantize_checkpoint(
       follow_symlinks: read (and copy) files of a folder input whose symbolic links lead out
         of the folder; by default they are refused, except a Hugging Face cache snapshot's
         links into its ``blobs/`` (see :mod:`lowprec.checkpoint._source`).
+      jobs: shards of a folder converted at once, in threads (each holds one piece at a
+        time, so peak memory grows with ``jobs``); the output is the same for any value.
 
     Returns:
       A :class:`ConversionReport` (per-tensor shapes, formats, bytes, SQNR, errors).
@@ -411,7 +420,7 @@ def quantize_checkpoint(
         return quantize_engine_checkpoint(src, dst, format, layout=layout, schemes=schemes,
                                           ignore=ignore, scale_rule=scale_rule, force=force,
                                           progress=progress, report=report,
-                                          follow_symlinks=follow_symlinks)
+                                          follow_symlinks=follow_symlinks, jobs=jobs)
     if ignore or schemes:
         raise CheckpointError("--ignore / --scheme apply to --layout compressed-tensors or "
                               "modelopt; the lowprec layout takes --include / --exclude")
@@ -437,7 +446,7 @@ def quantize_checkpoint(
         check_options_for_cast(fmt, axis=axis, scale_rule=scale_rule, layout=layout)
         check_fp8_scale(fp8_scale)
     source = open_source(src)
-    outputs = _Outputs(source, dst, report, force, follow_symlinks)
+    outputs = _Outputs(source, dst, report, force, follow_symlinks, jobs)
     options = dict(format=fmt, include=include, exclude=exclude, layout=layout)
     if mx:
         options.update(axis=axis, scale_rule=scale_rule)
@@ -525,21 +534,35 @@ def _write_outputs(source, outputs, readers, plans, op, options, start, *, force
     reports, weight_map = [], {}
     try:
         with outputs.folder(), OutputSet() as outs:
+            writers = {}
             for rel, reader in readers.items():
                 plan, entries = plans[rel]
                 meta = {k: v for k, v in reader.metadata.items() if not k.startswith("lowprec.")}
                 meta.update(metadata(plan))
-                writer = SafetensorsWriter(outputs.path(rel), entries, meta, force=force,
-                                           inputs=source.inputs)
-                outs.add(writer.atomic_file)
-                for item in plan:
-                    rep = convert(reader, writer, item, bar)
-                    if source.is_folder:
-                        rep.shard = rel
-                    reports.append(rep)
+                writers[rel] = SafetensorsWriter(outputs.path(rel), entries, meta, force=force,
+                                                 inputs=source.inputs)
+                outs.add(writers[rel].atomic_file)
                 for name, _, _ in entries:
                     weight_map[name] = rel
-                writer.stage()
+
+            def shard(rel):
+                shard_reports = []
+                for item in plans[rel][0]:
+                    rep = convert(readers[rel], writers[rel], item, bar)
+                    if source.is_folder:
+                        rep.shard = rel
+                    shard_reports.append(rep)
+                writers[rel].stage()
+                return shard_reports
+
+            if outputs.jobs > 1 and len(readers) > 1:
+                # Shards are independent files: threads (NumPy, JAX and file I/O release the
+                # GIL). map keeps the shards' order, so the report is the same for any jobs.
+                with ThreadPoolExecutor(min(outputs.jobs, len(readers))) as pool:
+                    done = list(pool.map(shard, readers))
+            else:
+                done = [shard(rel) for rel in readers]
+            reports = [rep for shard_reports in done for rep in shard_reports]
             _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar,
                     texts)
             result = ConversionReport(source.given, outputs.dst, op, options, reports,
@@ -805,6 +828,7 @@ def dequantize_checkpoint(
     report: Optional[PathLike] = None,
     saturate: bool = False,
     follow_symlinks: bool = False,
+    jobs: int = 1,
 ) -> ConversionReport:
     """Writes plain safetensors with the quantized tensors of ``src`` decoded.
 
@@ -823,7 +847,7 @@ def dequantize_checkpoint(
         dtype (BF16 for gpt-oss pairs without lowprec metadata), or ``"float32"``,
         ``"bfloat16"``, ``"float16"``, ``"float64"``.
       report: also write the report as JSON to this path.
-      follow_symlinks: as in :func:`quantize_checkpoint`.
+      follow_symlinks, jobs: as in :func:`quantize_checkpoint`.
       saturate: decoded finite values beyond the output dtype's range (e.g. > 65504 for
         float16) are clamped to its largest finite value and counted in the report
         (``saturated``); without it such a tensor is refused, never written as inf.
@@ -837,7 +861,7 @@ def dequantize_checkpoint(
         raise TypeError(f"saturate must be True or False, got {saturate!r}")
     out_dtype = None if dtype in (None, "original") else _dtype_arg(dtype)
     source = open_source(src)
-    outputs = _Outputs(source, dst, report, force, follow_symlinks)
+    outputs = _Outputs(source, dst, report, force, follow_symlinks, jobs)
     with contextlib.ExitStack() as stack:
         readers = _open_readers(stack, source)
         plans, any_quantized = {}, False

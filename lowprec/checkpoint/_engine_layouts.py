@@ -485,7 +485,7 @@ def quantize_engine_checkpoint(
     src, dst, format: Optional[str] = None, *, layout: str = "compressed-tensors",
     schemes=None, ignore: Sequence[str] = (), scale_rule: Optional[str] = None,
     force: bool = False, progress: Optional[bool] = None, report=None,
-    follow_symlinks: bool = False,
+    follow_symlinks: bool = False, jobs: int = 1,
 ):
     """Quantizes the Linear weights of a Hugging Face safetensors checkpoint into a layout
     vLLM / SGLang / transformers load (see the module docstring for the stored tensors).
@@ -549,7 +549,7 @@ def quantize_engine_checkpoint(
     from ._formats import DEFAULT_SCALE_RULE, check_scale_rule
     scale_rule = check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
     source = cv.open_source(src)
-    outputs = cv._Outputs(source, dst, report, force, follow_symlinks)
+    outputs = cv._Outputs(source, dst, report, force, follow_symlinks, jobs)
     with contextlib.ExitStack() as stack:
         readers = cv._open_readers(stack, source)
         plans, groups, kept_all = {}, {}, []
@@ -762,7 +762,7 @@ def _target_arrays(name, scheme: str, bits: dict, layout: str) -> dict:
 
 def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                        progress: Optional[bool] = None, report=None,
-                       follow_symlinks: bool = False):
+                       follow_symlinks: bool = False, jobs: int = 1):
     """Rewrites a quantized checkpoint (lowprec, compressed-tensors or ModelOpt layout) in
     another of these layouts, moving the stored bits: no requantization, every decoded value
     unchanged. Refused, naming the tensor, where the target cannot hold the bits exactly
@@ -798,7 +798,7 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
         raise CheckpointError(f"unknown layout {layout!r}; choose one of: lowprec, "
                               f"{', '.join(ENGINE_LAYOUTS)}")
     source = cv.open_source(src)
-    outputs = cv._Outputs(source, dst, report, force, follow_symlinks)
+    outputs = cv._Outputs(source, dst, report, force, follow_symlinks, jobs)
     with contextlib.ExitStack() as stack:
         readers = cv._open_readers(stack, source)
         plans, groups, kept = {}, {}, []
