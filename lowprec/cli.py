@@ -53,8 +53,13 @@ from .checkpoint import (
     inspect_checkpoint,
     quantize_checkpoint,
 )
-from .checkpoint import _atomic
-from .checkpoint._atomic import Interrupted, abort_all
+from .checkpoint._atomic import (
+    Interrupted,
+    abort_all,
+    clear_signal,
+    pending_signal,
+    record_signal,
+)
 from .checkpoint._engine_layouts import ENGINE_LAYOUTS, convert_checkpoint, scheme_name
 from .checkpoint._formats import FP8_SCALINGS, check_fp8_scale, check_layout, check_scale_rule
 
@@ -226,7 +231,7 @@ def _signals_raise():
     def handler(signum, frame):
         for s in _SIGNALS:
             signal.signal(s, signal.SIG_IGN)
-        _atomic.pending_signal = signum  # in case the exception below gets swallowed
+        record_signal(signum)  # in case the exception below gets swallowed
         raise Interrupted(signum)
 
     hook = sys.unraisablehook
@@ -242,7 +247,7 @@ def _signals_raise():
             signal.signal(s, handler)
         yield
     finally:
-        _atomic.pending_signal = None
+        clear_signal()
         for s, h in previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
         sys.unraisablehook = hook
@@ -302,7 +307,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except Interrupted:
                 abort_all()
                 raise
-            late = _atomic.pending_signal  # caught, but its exception was dropped
+            late = pending_signal()  # caught, but its exception was dropped
         if late is not None:
             print(f"lowprec {args.command}: interrupted by {signal.Signals(late).name} after "
                   "the output was complete", file=sys.stderr)
