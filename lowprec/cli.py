@@ -43,12 +43,15 @@ import sys
 import threading
 from typing import Optional, Sequence
 
+from . import __version__
 from .checkpoint import (
     DEFAULT_KEEP_PATTERN,
+    ENGINE_LAYOUTS,
     FORMATS,
     LAYOUTS,
     CheckpointError,
     canonical_format,
+    convert_checkpoint,
     dequantize_checkpoint,
     inspect_checkpoint,
     quantize_checkpoint,
@@ -60,8 +63,15 @@ from .checkpoint._atomic import (
     pending_signal,
     record_signal,
 )
-from .checkpoint._engine_layouts import ENGINE_LAYOUTS, convert_checkpoint, scheme_name
-from .checkpoint._formats import FP8_SCALINGS, check_fp8_scale, check_layout, check_scale_rule
+from .checkpoint._engine_layouts import scheme_name
+from .checkpoint._formats import (
+    DEFAULT_SCALE_RULE,
+    FP8_SCALINGS,
+    SCALE_RULES,
+    check_fp8_scale,
+    check_layout,
+    check_scale_rule,
+)
 
 _SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 _EXIT_BROKEN_PIPE = 128 + 13  # as a process killed by SIGPIPE
@@ -99,9 +109,6 @@ def _layout_arg(name: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
-    from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES
-
     p = argparse.ArgumentParser(
         prog="lowprec",
         description="Bit-exact low-precision formats: checkpoint quantization tools.",

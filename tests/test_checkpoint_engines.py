@@ -15,8 +15,13 @@ import os
 import numpy as np
 import pytest
 
-from lowprec.checkpoint import CheckpointError, load_checkpoint, quantize_checkpoint
-from lowprec.checkpoint._engine_layouts import convert_checkpoint, engine_specs
+from lowprec.checkpoint import (
+    CheckpointError,
+    convert_checkpoint,
+    load_checkpoint,
+    quantize_checkpoint,
+)
+from lowprec.checkpoint._engine_layouts import engine_specs
 from lowprec.checkpoint._safetensors import SafetensorsReader, SafetensorsWriter
 
 SCHEMES = ["nvfp4", "mxfp4", "mxfp8", "fp8", "fp8_channel"]
