@@ -50,7 +50,6 @@ from .checkpoint import (
     FORMATS,
     LAYOUTS,
     CheckpointError,
-    canonical_format,
     convert_checkpoint,
     dequantize_checkpoint,
     inspect_checkpoint,
@@ -71,6 +70,7 @@ from .checkpoint._formats import (
     check_fp8_scale,
     check_layout,
     check_scale_rule,
+    checkpoint_format,
 )
 
 _SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
@@ -90,10 +90,11 @@ def _checked(fn):
     return convert
 
 
-def _format_arg(name: str) -> str:
-    """A lowprec format name, or an engine scheme name (``fp8_channel``, ...)."""
+def _format_arg(name: str):
+    """The checkpoint format object for ``name`` (resolved here, once), or an engine scheme
+    name that is no lowprec format (``fp8_channel``)."""
     try:
-        return canonical_format(name)
+        return checkpoint_format(name)
     except CheckpointError:
         try:
             return scheme_name(name)

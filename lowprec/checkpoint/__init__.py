@@ -55,7 +55,14 @@ from ._convert import (
 from ._engine_convert import convert_checkpoint, quantize_engine_checkpoint
 from ._engine_layouts import DEFAULT_IGNORE, ENGINE_LAYOUTS
 from ._errors import CheckpointError
-from ._formats import CAST_FORMATS, FORMATS, LAYOUTS, MX_FORMATS, canonical_format
+from ._formats import (
+    CAST_FORMATS,
+    FORMATS,
+    LAYOUTS,
+    MX_FORMATS,
+    canonical_format,
+    checkpoint_format,
+)
 from ._layout import TensorSpec, make_spec, pieces
 from ._logical import METADATA_KEY, quantized_specs
 from ._report import ConversionReport, TensorReport
@@ -81,6 +88,7 @@ __all__ = [
     "TensorReport",
     "TensorSpec",
     "canonical_format",
+    "checkpoint_format",
     "convert_checkpoint",
     "dequantize_checkpoint",
     "dequantize_chunk",

@@ -21,18 +21,20 @@ from typing import Optional, Union
 
 import numpy as np
 
-from .._format import mx_format
 from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
 from ._engine_convert import plain_config_texts, quantize_engine_checkpoint
 from ._engine_layouts import ENGINE_LAYOUTS, engine_specs
 from ._errors import CheckpointError
 from ._formats import (
-    canonical_format,
+    cast_dtype,
+    cast_takes_scale,
     check_fp8_scale,
     check_layout,
+    checkpoint_format,
     is_block_format,
 )
 from ._layout import (
+    GPT_OSS_FORMAT,
     TensorSpec,
     check_block_scale_rule,
     check_options_for_cast,
@@ -65,8 +67,10 @@ def _compile(pattern, what):
         raise CheckpointError(f"{what} {pattern!r} is not a valid regular expression: {e}") from None
 
 
-def select_tensor(info, fmt: str, include, exclude, axis: Optional[int]) -> tuple:
-    """Whether to quantize tensor ``info`` (a header entry) and why (or why not)."""
+def select_tensor(info, fmt, include, exclude, axis: Optional[int]) -> tuple:
+    """Whether to quantize tensor ``info`` (a header entry) to ``fmt`` (a checkpoint format
+    object or name) and why (or why not); ``include``/``exclude``: compiled patterns or None."""
+    fmt = checkpoint_format(fmt)
     name = info.name
     if exclude is not None and exclude.search(name):
         return False, "--exclude"
@@ -92,10 +96,9 @@ def select_tensor(info, fmt: str, include, exclude, axis: Optional[int]) -> tupl
         axis = -1 if axis is None else axis
         if not -len(info.shape) <= axis < len(info.shape):
             return False, f"no axis {axis}"
-        block = mx_format(fmt).block_size
-        if info.shape[axis] % block:
-            return False, f"axis len {info.shape[axis]} % {block} != 0"
-    elif info.dtype == {"bf16": "BF16", "fp16": "F16"}.get(fmt):
+        if info.shape[axis] % fmt.block_size:
+            return False, f"axis len {info.shape[axis]} % {fmt.block_size} != 0"
+    elif not cast_takes_scale(fmt) and info.dtype == cast_dtype(fmt):
         return False, f"already {info.dtype}"
     return True, chosen
 
@@ -201,7 +204,7 @@ def quantize_checkpoint(
         raise CheckpointError("--ignore / --scheme apply to --layout compressed-tensors or "
                               "modelopt; the lowprec layout takes --include / --exclude")
     start = time.perf_counter()
-    fmt = canonical_format(format, block_size)
+    fmt = checkpoint_format(format, block_size)
     mx = is_block_format(fmt)
     include_re = _compile(include, "--include")
     exclude_re = _compile(exclude, "--exclude")
@@ -211,9 +214,9 @@ def quantize_checkpoint(
         if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
             raise CheckpointError(f"axis must be an int, got {axis!r}")
         if layout == "gpt-oss":
-            if fmt != "mxfp4":
+            if fmt != GPT_OSS_FORMAT:
                 raise CheckpointError(
-                    f"the gpt-oss layout holds MXFP4 only, not {fmt}; use --layout lowprec"
+                    f"the gpt-oss layout holds MXFP4 only, not {fmt.name}; use --layout lowprec"
                 )
             if axis not in (None, -1):
                 raise CheckpointError("the gpt-oss layout blocks the last axis; use axis=-1")
@@ -223,7 +226,7 @@ def quantize_checkpoint(
         check_fp8_scale(fp8_scale)
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
-    options = dict(format=fmt, include=include, exclude=exclude, layout=layout)
+    options = dict(format=fmt.name, include=include, exclude=exclude, layout=layout)
     if mx:
         options.update(axis=axis, scale_rule=scale_rule)
     else:
@@ -302,7 +305,7 @@ def _check_selection(source: Source, plans: dict, include, axis, fmt) -> None:
     reasons = Counter(reason for plan, _ in plans.values() for _, _, reason in plan)
     summary = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(6))
     raise CheckpointError(
-        f"{where}: no tensor can be quantized to {fmt} with these options (kept: {summary}); "
+        f"{where}: no tensor can be quantized to {fmt.name} with these options (kept: {summary}); "
         "choose tensors with --include"
     )
 
@@ -336,7 +339,7 @@ def _quantize_one(reader, writer, info, spec: TensorSpec, reason, bar) -> Tensor
         if role == "scale":
             writer.write(stored, np.asarray(scale, np.float32))
     return TensorReport(
-        info.name, info.shape, info.dtype, spec.format, info.nbytes, spec.nbytes(),
+        info.name, info.shape, info.dtype, spec.format.name, info.nbytes, spec.nbytes(),
         reason=reason, scale_rule=spec.scale_rule, sqnr_db=stats.sqnr_db,
         max_abs_err=stats.max_abs, max_rel_err=stats.max_rel,
         clipped_fraction=stats.clipped_fraction, nonfinite=stats.nonfinite,
@@ -504,7 +507,7 @@ def dequantize_checkpoint(
                 writer.write_region(name, spec.view, rect, values)
             bar.update(before)
             return TensorReport(
-                name, spec.shape, st, spec.format, before, nbytes_of(st, spec.shape),
+                name, spec.shape, st, spec.format.name, before, nbytes_of(st, spec.shape),
                 reason=f"decoded from {', '.join(p[1] for p in parts)}",
                 scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts),
                 nonfinite=nonfinite, decoded_nonfinite=nonfinite, saturated=saturated)
@@ -582,7 +585,7 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
                 else:
                     stored = sum(reader.tensors[p[1]].nbytes for p in parts)
                     label = getattr(spec, "label", None) or (
-                        spec.format + (" (gpt-oss)" if spec.layout == "gpt-oss" else ""))
+                        spec.format.name + (" (gpt-oss)" if spec.layout == "gpt-oss" else ""))
                     rep = TensorReport(name, spec.shape, spec.dtype, label,
                                        nbytes_of(spec.dtype, spec.shape), stored,
                                        scale_rule=spec.scale_rule,

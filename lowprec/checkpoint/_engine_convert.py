@@ -416,7 +416,7 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                         writer.write(stored, out[role])
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             bar.update(before)
-            label = getattr(target, "label", target.format)
+            label = getattr(target, "label", target.format.name)
             return TensorReport(name, spec.shape, target.dtype, label,
                                 before, target.nbytes(), reason=f"moved from {spec.layout}",
                                 scale_rule=target.scale_rule, stored_as=tuple(p[1] for p in tparts))

@@ -59,23 +59,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._codec import decode, encode
-from .._format import mx_format
+from .._format import element_format, mx_format
 from .._mx import MXArray, dequantize, quantize_mx
 from ._errors import CheckpointError
-from ._formats import canonical_format
+from ._formats import checkpoint_format
 from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
 
 #: Layouts written for inference engines (``--layout``).
 ENGINE_LAYOUTS = ("compressed-tensors", "modelopt")
 
+_E4M3 = element_format("e4m3")
+_E2M1 = element_format("e2m1")
+_NVFP4 = mx_format("nvfp4")
+_MXFP4 = mx_format("mxfp4")
+_MXFP8 = mx_format("mxfp8_e4m3")
+
 #: Schemes an engine layout can hold: scheme → (lowprec format, compressed-tensors format).
 SCHEMES = {
-    "nvfp4": ("nvfp4", "nvfp4-pack-quantized"),
-    "mxfp4": ("mxfp4", "mxfp4-pack-quantized"),
-    "mxfp8": ("mxfp8_e4m3", "mxfp8-quantized"),
-    "fp8": ("e4m3", "float-quantized"),
-    "fp8_channel": ("e4m3", "float-quantized"),
+    "nvfp4": (_NVFP4, "nvfp4-pack-quantized"),
+    "mxfp4": (_MXFP4, "mxfp4-pack-quantized"),
+    "mxfp8": (_MXFP8, "mxfp8-quantized"),
+    "fp8": (_E4M3, "float-quantized"),
+    "fp8_channel": (_E4M3, "float-quantized"),
 }
+_SCHEME_ALIASES = {"e4m3_channel": "fp8_channel", "fp8_per_channel": "fp8_channel"}
 #: Schemes the ModelOpt layout holds: scheme → its ``quant_algo``.
 MODELOPT_SCHEMES = {"nvfp4": "NVFP4", "fp8": "FP8"}
 
@@ -96,25 +103,25 @@ _NVFP4_DIVISOR = np.float32(2688)  # 448 · 6 = F8E4M3_MAX · F4E2M1_MAX
 _MIN_TS = np.float32(2.0 ** -126)  # 1 / ts must be a finite float32
 
 
-def scheme_name(fmt: str) -> str:
-    """The engine scheme for a format name: ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"`` (E4M3
-    elements), ``"fp8"`` (E4M3, one scale per tensor) or ``"fp8_channel"`` (one per row);
-    lowprec names and aliases are accepted (``"e4m3"``, ``"mxfp8_e4m3"``).
+def scheme_name(fmt) -> str:
+    """The engine scheme for a scheme name or a format: ``"nvfp4"``, ``"mxfp4"``,
+    ``"mxfp8"`` (E4M3 elements), ``"fp8"`` (E4M3, one scale per tensor) or ``"fp8_channel"``
+    (one per row); lowprec format objects, names and aliases are accepted (``"e4m3"``,
+    ``"mxfp8_e4m3"``).
 
     Example:
         >>> scheme_name("e4m3"), scheme_name("MXFP8"), scheme_name("fp8_channel")
         ('fp8', 'mxfp8', 'fp8_channel')
     """
-    if fmt in SCHEMES:
-        return fmt
-    if fmt in ("e4m3_channel", "fp8_per_channel"):
-        return "fp8_channel"
-    canon = canonical_format(fmt)
+    if isinstance(fmt, str) and (fmt in SCHEMES or fmt in _SCHEME_ALIASES):
+        return _SCHEME_ALIASES.get(fmt, fmt)
+    resolved = checkpoint_format(fmt)
     for name, (lp, _) in SCHEMES.items():
-        if lp == canon:
+        if lp == resolved:
             return name
+    given = fmt if isinstance(fmt, str) else resolved.name
     raise CheckpointError(
-        f"format {fmt!r} has no compressed-tensors/ModelOpt scheme; choose one of: "
+        f"format {given!r} has no compressed-tensors/ModelOpt scheme; choose one of: "
         f"{', '.join(SCHEMES)}"
     )
 
@@ -123,7 +130,7 @@ def scheme_name(fmt: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """A Linear weight stored in an engine layout (duck-types :class:`TensorSpec` for the
-    readers in :mod:`lowprec.checkpoint._convert`)."""
+    readers in :mod:`lowprec.checkpoint._logical` and :mod:`lowprec.checkpoint._convert`)."""
 
     scheme: str
     layout: str
@@ -133,13 +140,14 @@ class EngineSpec:
     scale_dtype: str = "F32"  # FP8's weight_scale: F32 as lowprec writes; BF16/F16 are read too
 
     @property
-    def format(self) -> str:
+    def format(self):
+        """The lowprec format of the stored codes (its object)."""
         return SCHEMES[self.scheme][0]
 
     @property
     def label(self) -> str:
         channel = ", per channel" if self.scheme == "fp8_channel" else ""
-        return f"{self.format} ({self.layout}{channel})"
+        return f"{self.format.name} ({self.layout}{channel})"
 
     def is_whole(self, role: str) -> bool:
         """Whether part ``role`` is one number for the whole tensor (not cut into rows)."""
@@ -204,14 +212,14 @@ def _cast(values: np.ndarray, dtype) -> np.ndarray:
 
 
 def _e4m3(codes) -> np.ndarray:
-    return np.asarray(decode(jnp.asarray(np.asarray(codes).view(np.uint8)), "e4m3"), np.float32)
+    return np.asarray(decode(jnp.asarray(np.asarray(codes).view(np.uint8)), _E4M3), np.float32)
 
 
 def _e2m1_unpacked(packed: np.ndarray) -> np.ndarray:
     """E2M1 values of packed codes (low nibble first along the last axis)."""
     p = np.asarray(packed).view(np.uint8)
     codes = np.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
-    return np.asarray(decode(jnp.asarray(codes), "e2m1"), np.float32)
+    return np.asarray(decode(jnp.asarray(codes), _E2M1), np.float32)
 
 
 def decode_arrays(arrays: dict, spec: EngineSpec) -> np.ndarray:
@@ -234,7 +242,7 @@ def decode_arrays(arrays: dict, spec: EngineSpec) -> np.ndarray:
 
 
 def _mxarray(arrays: dict, spec: EngineSpec) -> MXArray:
-    fmt = mx_format(spec.format)
+    fmt = spec.format
     elements = np.asarray(arrays.get("elements", arrays.get("values"))).view(np.uint8)
     ts = None
     if fmt.tensor_scale:
@@ -336,7 +344,7 @@ def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, scale_rule=None,
             ts = _pow2_at_least(ts)  # exact reciprocal: see the module docstring
         else:
             ts = max(ts, np.float32(2.0 ** -143))  # lowprec's own floor (docs/design.md §3b)
-        mx = quantize_mx(jnp.asarray(x32), "nvfp4", axis=1, tensor_scale=ts)
+        mx = quantize_mx(jnp.asarray(x32), _NVFP4, axis=1, tensor_scale=ts)
         out = {"elements": np.asarray(mx.elements),
                "scales": np.asarray(mx.scales).view(numpy_dtype("F8_E4M3"))}
         if layout == "compressed-tensors":
@@ -358,7 +366,7 @@ def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, scale_rule=None,
     s = np.where(amax > 0, amax / np.float32(_F32_MAX_E4M3), np.float32(1)).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         y = x32 / s
-    codes = np.asarray(encode(jnp.asarray(y), "e4m3", overflow="saturate"))
+    codes = np.asarray(encode(jnp.asarray(y), _E4M3, overflow="saturate"))
     if scheme == "fp8_channel":
         scale_shape = (x32.shape[0], 1)
     else:
@@ -448,12 +456,12 @@ def scheme_bits(name, spec, arrays) -> tuple:
             blocks = np.asarray(arrays["elements"])
             arrays["elements"] = blocks.reshape(blocks.shape[0], -1)
     elif spec.layout != "lowprec" or len(spec.shape) != 2 or (spec.is_mx and spec.axis != 1):
-        raise CheckpointError(f"{name}: {spec.format} in the {spec.layout} layout blocked along "
+        raise CheckpointError(f"{name}: {spec.format.name} in the {spec.layout} layout blocked along "
                               f"axis {spec.axis} has no engine equivalent (2-D, last axis only)")
-    schemes = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8_e4m3": "mxfp8", "e4m3": "fp8"}
+    schemes = {_NVFP4: "nvfp4", _MXFP4: "mxfp4", _MXFP8: "mxfp8", _E4M3: "fp8"}
     scheme = schemes.get(spec.format)
     if scheme is None or (scheme == "fp8" and spec.fp8_scale != "tensor"):
-        raise CheckpointError(f"{name}: lowprec format {spec.format} has no compressed-tensors/"
+        raise CheckpointError(f"{name}: lowprec format {spec.format.name} has no compressed-tensors/"
                               "ModelOpt equivalent (nvfp4, mxfp4, mxfp8_e4m3, e4m3 with a tensor "
                               "scale have); dequantize it instead")
     bits = {"scales": arrays.get("scales")} if spec.is_mx else {}

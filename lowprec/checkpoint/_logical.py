@@ -14,7 +14,7 @@ import json
 
 from ._engine_layouts import engine_specs
 from ._errors import CheckpointError
-from ._layout import TensorSpec
+from ._layout import GPT_OSS_FORMAT, TensorSpec
 from ._safetensors import SafetensorsReader
 
 METADATA_KEY = "lowprec.tensors"
@@ -68,7 +68,7 @@ def quantized_specs(reader: SafetensorsReader) -> dict:
                     and base not in specs
                 ):
                     shape = info.shape[:-2] + (info.shape[-2] * 32,)
-                    spec = TensorSpec("mxfp4", shape, "BF16", axis=len(shape) - 1,
+                    spec = TensorSpec(GPT_OSS_FORMAT, shape, "BF16", axis=len(shape) - 1,
                                       scale_rule=None, layout="gpt-oss")
                     specs[base] = (spec, {"blocks": info.name, "scales": sc.name})
         for name, spec in engine_specs(reader).items():  # compressed-tensors / ModelOpt
@@ -85,13 +85,13 @@ def quantized_specs(reader: SafetensorsReader) -> dict:
             info = reader.tensors.get(stored)
             if info is None:
                 raise CheckpointError(
-                    f"{reader.path}: tensor {name!r} ({spec.format}) needs stored tensor {stored!r}, "
+                    f"{reader.path}: tensor {name!r} ({spec.format.name}) needs stored tensor {stored!r}, "
                     "which is missing"
                 )
             if info.dtype != dt or tuple(info.shape) != tuple(shp):
                 raise CheckpointError(
                     f"{reader.path}: stored tensor {stored!r} is {info.dtype} {list(info.shape)}; "
-                    f"{spec.format} of shape {list(spec.shape)} needs {dt} {list(shp)}"
+                    f"{spec.format.name} of shape {list(spec.shape)} needs {dt} {list(shp)}"
                 )
             if stored in owner:
                 raise CheckpointError(
