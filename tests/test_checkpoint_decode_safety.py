@@ -13,6 +13,7 @@ from helpers.checkpoints import save
 from lowprec.checkpoint import (
     CheckpointError,
     SafetensorsReader,
+    convert_checkpoint,
     dequantize_checkpoint,
     load_checkpoint,
     quantize_checkpoint,
@@ -142,3 +143,44 @@ def test_unknown_format_version_is_refused(tmp_path, version, phrase):
     with pytest.raises(CheckpointError, match=rf"format_version is '{version}'.*{phrase}"):
         load_checkpoint(edited)
     assert main(["inspect", str(edited)]) == 1
+
+
+# Every stored scale that multiplies decoded values, in every layout lowprec reads: (layout,
+# format, stored scale). compressed-tensors' global scale divides (e × s / gs), the others
+# multiply; any of them negative, zero, NaN or infinite turns finite weights into flipped
+# signs, ±inf, NaN or zeros.
+SCALES = [
+    ("lowprec", "e4m3", "_scale"),
+    ("compressed-tensors", "nvfp4", "_global_scale"),
+    ("compressed-tensors", "fp8", "_scale"),
+    ("compressed-tensors", "fp8_channel", "_scale"),
+    ("modelopt", "nvfp4", "_scale_2"),
+    ("modelopt", "fp8", "_scale"),
+]
+
+
+@pytest.mark.parametrize("layout,fmt,suffix", SCALES, ids=[f"{a}-{b}" for a, b, _ in SCALES])
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf")])
+def test_invalid_scales_are_refused_in_every_layout(tmp_path, capsys, layout, fmt, suffix, bad):
+    src, q, edited = (tmp_path / n for n in ("in.safetensors", "q.safetensors", "e.safetensors"))
+    save(src, {NAME: np.linspace(-2.0, 2.0, 64 * 32, dtype=np.float32).reshape(64, 32)})
+    quantize_checkpoint(src, q, fmt, layout=layout, progress=False)
+    with SafetensorsReader(q) as r:
+        tensors = {n: r.read(n) for n in r.tensors}
+        metadata = dict(r.metadata)
+    scale = tensors[NAME + suffix]
+    assert np.all(scale.astype(np.float32) > 0) and np.isfinite(scale).all()
+    tensors[NAME + suffix] = np.full_like(scale, bad)
+    save(edited, tensors, metadata)
+    with pytest.raises(CheckpointError, match=rf"{NAME}{suffix}: .*not positive and finite"):
+        load_checkpoint(edited, dtype="float32")
+    out = tmp_path / "d.safetensors"
+    assert main(["dequantize", str(edited), str(out), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "not positive and finite" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    # moving such a tensor to another layout would carry the damage on unnoticed
+    target = "lowprec" if layout != "lowprec" else "compressed-tensors"
+    with pytest.raises(CheckpointError, match=rf"{NAME}: its .*scale: .*not positive and finite"):
+        convert_checkpoint(edited, tmp_path / "c.safetensors", target, progress=False)
+    assert not (tmp_path / "c.safetensors").exists()

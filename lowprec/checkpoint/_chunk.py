@@ -66,6 +66,28 @@ def tensor_scale(amax, spec: TensorSpec) -> np.float32:
     return s if np.isfinite(s) and s > 0 else np.float32(1)
 
 
+def check_scales(values, where: str) -> None:
+    """Refuses stored per-tensor or per-channel scales (an FP8 weight's, NVFP4's tensor or
+    global scale) that are not positive and finite: decoding with them would give NaN, ±inf,
+    zeros or flipped signs without a word. ``where`` names the stored tensor in the message.
+
+    Example:
+        >>> check_scales(np.float32([0.5, 2.0]), "w_scale")
+        >>> check_scales(np.float32([0.5, -2.0]), "w_scale")
+        Traceback (most recent call last):
+        ...
+        lowprec.checkpoint._errors.CheckpointError: w_scale: 1 of 2 scale(s) not positive and finite (e.g. -2.0); a scale must be a positive finite number: the file is damaged or not in the layout its names claim
+    """
+    v = np.asarray(values, np.float32).reshape(-1)  # BF16/F16 scales widen exactly
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.isfinite(v) & (v > 0))
+    if bad.any():
+        raise CheckpointError(
+            f"{where}: {int(np.count_nonzero(bad))} of {v.size} scale(s) not positive and finite "
+            f"(e.g. {float(v[np.argmax(bad)])!r}); a scale must be a positive finite number: the "
+            "file is damaged or not in the layout its names claim")
+
+
 def _as_piece(x: np.ndarray) -> np.ndarray:
     """(p, a, s) → (p, a) when s = 1, so that the block axis is the last one."""
     return x.reshape(x.shape[:2]) if x.ndim == 3 and x.shape[2] == 1 else x

@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
+from ._chunk import check_scales, dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
 from ._engine_convert import plain_config_texts, quantize_engine_checkpoint
 from ._engine_layouts import ENGINE_LAYOUTS, engine_specs
 from ._errors import CheckpointError
@@ -408,7 +408,12 @@ def _decode_regions(reader, spec: TensorSpec, parts, dtype):
         yield from spec.decode_regions(reader, parts, dtype)
         return
     view = spec.view
-    fixed = {role: reader.read(stored) for role, stored, _, shp in parts if role == "scale"}
+    fixed = {}
+    for role, stored, _, _ in parts:
+        if role == "scale":
+            fixed[role] = reader.read(stored)
+            if not spec.is_mx:  # an FP8 cast's scale (NVFP4's tensor scale: MXArray checks it)
+                check_scales(fixed[role], f"{reader.path}: {stored}")
     for rect in pieces(view, spec.align, CHUNK_ELEMENTS):
         arrays = dict(fixed)
         for role, stored, _, _ in parts:

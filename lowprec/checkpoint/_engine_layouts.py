@@ -61,6 +61,7 @@ import numpy as np
 from .._codec import decode, encode
 from .._format import element_format, mx_format
 from .._mx import MXArray, dequantize, quantize_mx
+from ._chunk import check_scales
 from ._errors import CheckpointError
 from ._formats import checkpoint_format
 from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
@@ -198,7 +199,11 @@ class EngineSpec:
                 else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
 
     def decode_regions(self, reader, parts, dtype):
-        """Yields ``(rect, values)`` per block of rows, decoded as the engine's loader does."""
+        """Yields ``(rect, values)`` per block of rows, decoded as the engine's loader does
+        (once its per-tensor or per-channel scales are checked: positive and finite)."""
+        for role, stored, _, _ in parts:
+            if role in ("scale", "global_scale"):
+                check_scales(reader.read(stored), f"{reader.path}: {stored}")
         k = self.shape[1]
         for r0, r1 in self.row_blocks():
             rows = dataclasses.replace(self, shape=(r1 - r0, k))
@@ -442,6 +447,9 @@ def scheme_bits(name, spec, arrays) -> tuple:
     """``(scheme, {role: array})`` in the roles of :class:`EngineSpec` (elements/values,
     scales, and ``ts`` = the float32 tensor scale of NVFP4 / FP8, or ``scale`` for per-channel
     FP8) from a tensor stored in any layout."""
+    for role in ("scale", "global_scale"):
+        if arrays.get(role) is not None:
+            check_scales(arrays[role], f"{name}: its {role.replace('_', ' ')}")
     if isinstance(spec, EngineSpec):
         bits = dict(arrays)
         if spec.scheme == "nvfp4" and spec.layout == "compressed-tensors":
