@@ -41,7 +41,13 @@ from ._layout import (
     make_spec,
     pieces,
 )
-from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, logical_tensors
+from ._logical import (
+    METADATA_KEY,
+    METADATA_VERSION,
+    METADATA_VERSION_KEY,
+    check_decodable,
+    logical_tensors,
+)
 from ._pipeline import Outputs, check_collisions, copy_tensor, open_readers, write_outputs
 from ._report import ConversionReport, TensorReport
 from ._safetensors import FLOAT_DTYPES, dtype_name, nbytes_of, numpy_dtype
@@ -240,6 +246,7 @@ def quantize_checkpoint(
                     f"{reader.path}: already quantized by lowprec; dequantize it first "
                     "(lowprec dequantize)"
                 )
+            check_decodable(reader)
             if engine_specs(reader):
                 raise CheckpointError(
                     f"{reader.path}: already quantized (compressed-tensors or ModelOpt tensors); "
@@ -582,7 +589,7 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
         for rel, reader in readers.items():
-            for name, spec, parts in logical_tensors(reader):
+            for name, spec, parts in logical_tensors(reader, strict=False):
                 if spec is None:
                     info = reader.tensors[name]
                     rep = TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,

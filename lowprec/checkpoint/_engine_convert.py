@@ -38,7 +38,13 @@ from ._engine_layouts import (
 from ._errors import CheckpointError
 from ._formats import DEFAULT_SCALE_RULE, check_scale_rule
 from ._layout import make_spec
-from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, logical_tensors
+from ._logical import (
+    METADATA_KEY,
+    METADATA_VERSION,
+    METADATA_VERSION_KEY,
+    check_decodable,
+    logical_tensors,
+)
 from ._pipeline import Outputs, check_collisions, copy_tensor, open_readers, write_outputs
 from ._report import TensorReport
 from ._safetensors import FLOAT_DTYPES
@@ -169,6 +175,7 @@ def quantize_engine_checkpoint(
         readers = open_readers(stack, source)
         plans, groups, kept_all = {}, {}, []
         for rel, reader in readers.items():
+            check_decodable(reader)
             if METADATA_KEY in reader.metadata or engine_specs(reader):
                 raise CheckpointError(f"{reader.path}: already quantized; use lowprec convert "
                                       "to change its layout, or dequantize it first")

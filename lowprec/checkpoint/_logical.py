@@ -108,10 +108,39 @@ def quantized_specs(reader: SafetensorsReader) -> dict:
     return out
 
 
-def logical_tensors(reader: SafetensorsReader):
-    """Yields ``(name, spec or None, parts or None)`` per logical tensor, in file order."""
+def check_decodable(reader: SafetensorsReader, claimed=None) -> None:
+    """Refuses FP8 codes stored with scales that no layout here claims (block- or group-scaled
+    FP8, e.g. ``M.weight`` with ``M.weight_scale_inv`` [out/128, in/128]): passed on as they
+    are, the codes would stand for weights — decoded without their scales, or listed as kept
+    in high precision in an engine's config. ``claimed``: the stored names of the file's
+    quantized tensors (default: those :func:`quantized_specs` finds)."""
+    if claimed is None:
+        claimed = {stored for _, parts in quantized_specs(reader).values()
+                   for _, stored, _, _ in parts}
+    for info in reader.tensors.values():
+        if not info.dtype.startswith("F8_") or info.name in claimed:
+            continue
+        scale = next((n for n in reader.tensors
+                      if n.startswith(info.name + "_scale") and n not in claimed), None)
+        if scale is not None:
+            s = reader.tensors[scale]
+            raise CheckpointError(
+                f"{reader.path}: {info.name} ({info.dtype} {list(info.shape)}) comes with "
+                f"{scale} ({s.dtype} {list(s.shape)}): quantized weights in a layout lowprec does "
+                "not read (it reads its own, gpt-oss MXFP4, compressed-tensors NVFP4, MXFP4, "
+                "MXFP8 and FP8 per tensor or channel, ModelOpt NVFP4 and FP8; not block- or "
+                "group-scaled FP8); their codes would pass for weights. Start from the "
+                "unquantized checkpoint")
+
+
+def logical_tensors(reader: SafetensorsReader, *, strict: bool = True):
+    """Yields ``(name, spec or None, parts or None)`` per logical tensor, in file order.
+    ``strict``: first refuse quantized tensors of an unknown layout (:func:`check_decodable`;
+    ``inspect`` lists them as stored instead)."""
     specs = quantized_specs(reader)
     owner = {stored: name for name, (_, parts) in specs.items() for _, stored, _, _ in parts}
+    if strict:
+        check_decodable(reader, owner)
     done = set()
     for info in reader.tensors.values():
         name = owner.get(info.name)
