@@ -382,6 +382,8 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
             if layout == "compressed-tensors":
                 qconfig = ct_quantization_config(groups, kept)
                 texts = _config_texts(source, outputs, qconfig, {})
+                if source.is_folder and "hf_quant_config.json" in source.others:
+                    texts["hf_quant_config.json"] = None  # ModelOpt's, no longer true
             else:
                 if len(groups) > 1:
                     raise CheckpointError("the ModelOpt layout holds one scheme per checkpoint, "
