@@ -636,3 +636,23 @@ def test_engine_layouts_peak_memory_does_not_grow_with_the_checkpoint(tmp_path, 
         tracemalloc.stop()
     assert peaks[12] < 1.3 * peaks[2], peaks
     assert peaks[12] < 12 * w.nbytes / 2, peaks
+
+
+def test_schemes_can_name_the_head_and_ignore_beats_them(tmp_path):
+    """The default keeps lm_head; a --scheme naming it quantizes it; an --ignore pattern
+    matching it keeps it whatever the schemes say (ignore is checked first)."""
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "a", "nvfp4", layout="compressed-tensors",
+                        schemes=["lm_head=fp8"], progress=False)
+    qc = json.load(open(tmp_path / "a/config.json"))["quantization_config"]
+    groups = {g["format"]: g["targets"] for g in qc["config_groups"].values()}
+    assert groups["float-quantized"] == ["lm_head"] and "lm_head" not in qc["ignore"]
+    with SafetensorsReader(tmp_path / "a/model.safetensors") as r:
+        assert r.tensors["lm_head.weight"].dtype == "F8_E4M3"
+    quantize_checkpoint(src, tmp_path / "b", "nvfp4", layout="compressed-tensors",
+                        schemes=["lm_head=fp8"], ignore=["re:.*lm_head"], progress=False)
+    qc = json.load(open(tmp_path / "b/config.json"))["quantization_config"]
+    assert "lm_head" in qc["ignore"] and len(qc["config_groups"]) == 1
+    with SafetensorsReader(tmp_path / "b/model.safetensors") as r:
+        assert r.tensors["lm_head.weight"].dtype == "F32"
