@@ -43,20 +43,35 @@ import sys
 import threading
 from typing import Optional, Sequence
 
+from . import __version__
 from .checkpoint import (
     DEFAULT_KEEP_PATTERN,
+    ENGINE_LAYOUTS,
     FORMATS,
     LAYOUTS,
     CheckpointError,
-    canonical_format,
+    convert_checkpoint,
     dequantize_checkpoint,
     inspect_checkpoint,
     quantize_checkpoint,
 )
-from .checkpoint import _atomic
-from .checkpoint._atomic import Interrupted, abort_all
-from .checkpoint._engine_layouts import ENGINE_LAYOUTS, convert_checkpoint, scheme_name
-from .checkpoint._formats import FP8_SCALINGS, check_fp8_scale, check_layout, check_scale_rule
+from .checkpoint._atomic import (
+    Interrupted,
+    abort_all,
+    clear_signal,
+    pending_signal,
+    record_signal,
+)
+from .checkpoint._engine_layouts import scheme_name
+from .checkpoint._formats import (
+    DEFAULT_SCALE_RULE,
+    FP8_SCALINGS,
+    SCALE_RULES,
+    check_fp8_scale,
+    check_layout,
+    check_scale_rule,
+    checkpoint_format,
+)
 
 _SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 _EXIT_BROKEN_PIPE = 128 + 13  # as a process killed by SIGPIPE
@@ -75,10 +90,11 @@ def _checked(fn):
     return convert
 
 
-def _format_arg(name: str) -> str:
-    """A lowprec format name, or an engine scheme name (``fp8_channel``, ...)."""
+def _format_arg(name: str):
+    """The checkpoint format object for ``name`` (resolved here, once), or an engine scheme
+    name that is no lowprec format (``fp8_channel``)."""
     try:
-        return canonical_format(name)
+        return checkpoint_format(name)
     except CheckpointError:
         try:
             return scheme_name(name)
@@ -94,9 +110,6 @@ def _layout_arg(name: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
-    from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES
-
     p = argparse.ArgumentParser(
         prog="lowprec",
         description="Bit-exact low-precision formats: checkpoint quantization tools.",
@@ -226,7 +239,7 @@ def _signals_raise():
     def handler(signum, frame):
         for s in _SIGNALS:
             signal.signal(s, signal.SIG_IGN)
-        _atomic.pending_signal = signum  # in case the exception below gets swallowed
+        record_signal(signum)  # in case the exception below gets swallowed
         raise Interrupted(signum)
 
     hook = sys.unraisablehook
@@ -242,7 +255,7 @@ def _signals_raise():
             signal.signal(s, handler)
         yield
     finally:
-        _atomic.pending_signal = None
+        clear_signal()
         for s, h in previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
         sys.unraisablehook = hook
@@ -302,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except Interrupted:
                 abort_all()
                 raise
-            late = _atomic.pending_signal  # caught, but its exception was dropped
+            late = pending_signal()  # caught, but its exception was dropped
         if late is not None:
             print(f"lowprec {args.command}: interrupted by {signal.Signals(late).name} after "
                   "the output was complete", file=sys.stderr)

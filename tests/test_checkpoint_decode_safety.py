@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -13,6 +14,7 @@ from helpers.checkpoints import save
 from lowprec.checkpoint import (
     CheckpointError,
     SafetensorsReader,
+    convert_checkpoint,
     dequantize_checkpoint,
     load_checkpoint,
     quantize_checkpoint,
@@ -142,3 +144,73 @@ def test_unknown_format_version_is_refused(tmp_path, version, phrase):
     with pytest.raises(CheckpointError, match=rf"format_version is '{version}'.*{phrase}"):
         load_checkpoint(edited)
     assert main(["inspect", str(edited)]) == 1
+
+
+# Every stored scale that multiplies decoded values, in every layout lowprec reads: (layout,
+# format, stored scale). compressed-tensors' global scale divides (e × s / gs), the others
+# multiply; any of them negative, zero, NaN or infinite turns finite weights into flipped
+# signs, ±inf, NaN or zeros.
+SCALES = [
+    ("lowprec", "e4m3", "_scale"),
+    ("compressed-tensors", "nvfp4", "_global_scale"),
+    ("compressed-tensors", "fp8", "_scale"),
+    ("compressed-tensors", "fp8_channel", "_scale"),
+    ("modelopt", "nvfp4", "_scale_2"),
+    ("modelopt", "fp8", "_scale"),
+]
+
+
+@pytest.mark.parametrize("layout,fmt,suffix", SCALES, ids=[f"{a}-{b}" for a, b, _ in SCALES])
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf")])
+def test_invalid_scales_are_refused_in_every_layout(tmp_path, capsys, layout, fmt, suffix, bad):
+    src, q, edited = (tmp_path / n for n in ("in.safetensors", "q.safetensors", "e.safetensors"))
+    save(src, {NAME: np.linspace(-2.0, 2.0, 64 * 32, dtype=np.float32).reshape(64, 32)})
+    quantize_checkpoint(src, q, fmt, layout=layout, progress=False)
+    with SafetensorsReader(q) as r:
+        tensors = {n: r.read(n) for n in r.tensors}
+        metadata = dict(r.metadata)
+    scale = tensors[NAME + suffix]
+    assert np.all(scale.astype(np.float32) > 0) and np.isfinite(scale).all()
+    tensors[NAME + suffix] = np.full_like(scale, bad)
+    save(edited, tensors, metadata)
+    with pytest.raises(CheckpointError, match=rf"{NAME}{suffix}: .*not positive and finite"):
+        load_checkpoint(edited, dtype="float32")
+    out = tmp_path / "d.safetensors"
+    assert main(["dequantize", str(edited), str(out), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "not positive and finite" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    # moving such a tensor to another layout would carry the damage on unnoticed
+    target = "lowprec" if layout != "lowprec" else "compressed-tensors"
+    with pytest.raises(CheckpointError, match=rf"{NAME}: its .*scale: .*not positive and finite"):
+        convert_checkpoint(edited, tmp_path / "c.safetensors", target, progress=False)
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_fp8_with_scales_of_an_unknown_layout_is_refused_not_passed_on(tmp_path, capsys):
+    """Block-scaled FP8 (``weight_scale_inv`` per 128 x 128, as DeepSeek-V3 and Qwen3-FP8 store
+    it) is no layout lowprec reads: its codes must not be written out as weights (dequantize),
+    listed as high precision in an engine config (convert) or kept beside requantized ones."""
+    from lowprec.checkpoint import convert_checkpoint, inspect_checkpoint
+
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 0x7E, (128, 128), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    path = tmp_path / "m.safetensors"
+    save(path, {"blk.weight": codes, "blk.weight_scale_inv": np.full((1, 1), 0.01, np.float32),
+                "ct.weight": codes[:, :64].copy(), "ct.weight_scale": np.float32([0.01]),
+                "norm.weight": np.ones(128, np.float32)})
+    rep = inspect_checkpoint(path)  # listed as stored
+    assert {t.name: t.format for t in rep.tensors}["blk.weight"] == "kept"
+    phrase = r"blk.weight \(F8_E4M3 \[128, 128\]\) comes with blk.weight_scale_inv .*lowprec does not read"
+    for call in (lambda: load_checkpoint(path),
+                 lambda: dequantize_checkpoint(path, tmp_path / "d.safetensors"),
+                 lambda: convert_checkpoint(path, tmp_path / "c.safetensors", "compressed-tensors"),
+                 lambda: quantize_checkpoint(path, tmp_path / "q.safetensors", "mxfp4",
+                                             include="norm"),
+                 lambda: quantize_checkpoint(path, tmp_path / "e.safetensors", "nvfp4",
+                                             layout="compressed-tensors")):
+        with pytest.raises(CheckpointError, match=phrase):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    assert main(["dequantize", str(path), str(tmp_path / "d.safetensors")]) == 1
+    assert "lowprec does not read" in capsys.readouterr().err

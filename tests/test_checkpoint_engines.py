@@ -11,12 +11,21 @@ pass must run. They skip when torch / compressed-tensors / transformers are abse
 import filecmp
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 
-from lowprec.checkpoint import CheckpointError, load_checkpoint, quantize_checkpoint
-from lowprec.checkpoint._engine_layouts import convert_checkpoint, engine_specs
+from helpers.checkpoints import save as save_tensors
+from lowprec.checkpoint import (
+    CheckpointError,
+    convert_checkpoint,
+    dequantize_checkpoint,
+    inspect_checkpoint,
+    load_checkpoint,
+    quantize_checkpoint,
+)
+from lowprec.checkpoint._engine_layouts import engine_specs
 from lowprec.checkpoint._safetensors import SafetensorsReader, SafetensorsWriter
 
 SCHEMES = ["nvfp4", "mxfp4", "mxfp8", "fp8", "fp8_channel"]
@@ -61,9 +70,12 @@ def test_engine_layout_names_and_config(tmp_path, scheme):
     assert {n: dtypes[n] for n in expected} == expected
     assert specs[w].scheme == scheme and specs[w].shape == (128, 64)
     assert "lm_head.weight" in names and "model.embed_tokens.weight" in names  # kept
+    for kept in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        assert dtypes[kept] == "F32" and not any(n.startswith(kept + "_") for n in names)
     qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
     assert "lm_head" in qc["ignore"] and qc["config_groups"]["group_0"]["targets"] == ["Linear"]
+    assert "model.embed_tokens" in qc["ignore"]  # a 2-D weight the loader must not look for
     got = load_checkpoint(tmp_path / "q", dtype="float32")[w]
     err = np.abs(got - x[w]).max() / np.abs(x[w]).max()
     assert err < {"nvfp4": 0.2, "mxfp4": 0.3, "mxfp8": 0.1, "fp8": 0.07, "fp8_channel": 0.07}[scheme]
@@ -138,7 +150,6 @@ def test_nvfp4_modelopt_and_compressed_tensors(tmp_path):
     assert filecmp.cmp(tmp_path / "lp/model.safetensors", tmp_path / "lp2/model.safetensors",
                        shallow=False)
     assert not os.path.exists(tmp_path / "lp2/hf_quant_config.json")
-    from lowprec.checkpoint import dequantize_checkpoint
     dequantize_checkpoint(tmp_path / "mo", tmp_path / "plain")
     assert not os.path.exists(tmp_path / "plain/hf_quant_config.json")
     assert "quantization_config" not in json.load(open(tmp_path / "plain/config.json"))
@@ -440,3 +451,208 @@ def test_tied_head_is_ignored(tmp_path, layout):
     quantize_checkpoint(tmp_path / "m", tmp_path / "q", "nvfp4", layout=layout)
     qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
     assert "lm_head" in qc["ignore" if layout == "compressed-tensors" else "exclude_modules"]
+
+
+# -- a ModelOpt export as ModelOpt writes it -------------------------------------------------
+E2M1_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _modelopt_folder(path, algo, ts):
+    """A ModelOpt unified export, built here from codes (not by lowprec): one quantized Linear
+    with its activation ``input_scale``, a BF16 head, ``hf_quant_config.json`` and
+    ``config.json``'s ``quantization_config``; returns the stored tensors."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(7)
+    out, k = 32, 64
+    w = "model.layers.0.mlp.up_proj.weight"
+    if algo == "NVFP4":
+        scales = rng.choice(np.array([0.25, 0.5, 1.0, 1.5, 3.0, 7.0, 448.0], np.float32),
+                            (out, k // 16)).astype(ml_dtypes.float8_e4m3fn)
+        stored = {w: rng.integers(0, 256, (out, k // 2), dtype=np.uint8),
+                  w + "_scale": scales, w + "_scale_2": np.array(ts, np.float32)}
+    else:
+        codes = rng.integers(0, 256, (out, k), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes
+        stored = {w: codes.view(ml_dtypes.float8_e4m3fn), w + "_scale": np.array(ts, np.float32)}
+    stored[w.replace("weight", "input_scale")] = np.array(0.0625, np.float32)
+    stored["lm_head.weight"] = np.ones((8, k), ml_dtypes.bfloat16)
+    os.makedirs(path)
+    save_tensors(path / "model.safetensors", stored)
+    q = {"quant_algo": algo, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+    if algo == "NVFP4":
+        q["group_size"] = 16
+    (path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt", "version": "0.37.0"}, "quantization": q}))
+    (path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "quantization_config": {"quant_method": "modelopt", **q}}))
+    return w, stored
+
+
+@pytest.mark.parametrize("algo,ts", [("NVFP4", 3.7 / 2688), ("NVFP4", 2.0 ** -10),
+                                     ("FP8", 0.0123)])
+def test_reads_a_modelopt_export(tmp_path, algo, ts):
+    """Values from ModelOpt's definition, computed here: NVFP4 e × float32(ts × s) with e the
+    E2M1 value of each nibble (low first) and s the E4M3 block scale; FP8 e × s in float32."""
+    src = tmp_path / "mo"
+    w, stored = _modelopt_folder(src, algo, ts)
+    ts = np.float32(ts)
+    if algo == "NVFP4":
+        packed = stored[w]
+        e = E2M1_VALUES[np.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[0], -1)]
+        s = stored[w + "_scale"].astype(np.float64)  # E4M3: exact
+        total = (np.float64(ts) * s).astype(np.float32)  # one float32 rounding of ts × s
+        want = e * np.repeat(total, 16, axis=1)
+    else:
+        want = stored[w].astype(np.float32) * ts
+    got = load_checkpoint(src, dtype="float32")
+    assert got[w].dtype == np.float32 and got[w].tobytes() == want.tobytes()
+    assert got[w.replace("weight", "input_scale")] == np.float32(0.0625)  # kept as stored
+    rep = {t.name: t.format for t in inspect_checkpoint(src).tensors}
+    assert rep[w] == ("nvfp4" if algo == "NVFP4" else "e4m3") + " (modelopt)"
+    assert rep["lm_head.weight"] == "kept"
+    # to lowprec's layout and to compressed-tensors: the bits move and the values stay, or
+    # (NVFP4 to compressed-tensors, whose gs = 1/ts: exact for a power of two, and otherwise
+    # only if every block scale used gives the same float32 both ways) it is refused
+    for layout in ("lowprec", "compressed-tensors"):
+        dst = tmp_path / layout
+        try:
+            convert_checkpoint(src, dst, layout, progress=False)
+        except CheckpointError as e:
+            assert layout == "compressed-tensors" and algo == "NVFP4" and ts != 2.0 ** -10
+            assert "no exact reciprocal" in str(e) and not dst.exists()
+            continue
+        assert load_checkpoint(dst, dtype="float32")[w].tobytes() == want.tobytes()
+        assert not (dst / "hf_quant_config.json").exists()
+    plain = tmp_path / "plain"
+    dequantize_checkpoint(src, plain, dtype="float32", progress=False)
+    assert not (plain / "hf_quant_config.json").exists()
+    assert "quantization_config" not in json.loads((plain / "config.json").read_text())
+    assert load_checkpoint(plain)[w].tobytes() == want.tobytes()
+
+
+# -- what converting a large checkpoint for an engine needs ----------------------------------
+def _sharded_tiny(path):
+    """``_tiny_folder``'s tensors in two shards with an index."""
+    tensors = _tiny_folder(path)
+    os.remove(path / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for rel, members in shards.items():
+        save_tensors(path / rel, {n: tensors[n] for n in members})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+             "weight_map": {n: rel for rel, members in shards.items() for n in members}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tensors
+
+
+def _digests(folder) -> dict:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("layout,fmt,schemes", [
+    ("compressed-tensors", "nvfp4", ["re:.*q_proj=fp8_channel"]), ("modelopt", "fp8", None)])
+def test_engine_layouts_jobs_give_the_same_output(tmp_path, layout, fmt, schemes):
+    src = tmp_path / "m"
+    _sharded_tiny(src)
+    one, two = tmp_path / "one", tmp_path / "two"
+    rep1 = quantize_checkpoint(src, one, fmt, layout=layout, schemes=schemes, progress=False)
+    rep2 = quantize_checkpoint(src, two, fmt, layout=layout, schemes=schemes, progress=False,
+                               jobs=2)
+    assert _digests(one) == _digests(two)
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json", "config.json"} <= set(_digests(one))
+    assert [t.to_dict() for t in rep1.tensors] == [t.to_dict() for t in rep2.tensors]
+    for op, target in [(convert_checkpoint, "modelopt" if layout != "modelopt" else "lowprec"),
+                       (dequantize_checkpoint, None)]:
+        args = (target,) if target else ()
+        try:
+            op(one, tmp_path / "a", *args, progress=False)
+        except CheckpointError as e:  # per-channel FP8 has no ModelOpt layout
+            assert "fp8_channel has no ModelOpt layout" in str(e)
+            continue
+        op(one, tmp_path / "b", *args, progress=False, jobs=2)
+        assert _digests(tmp_path / "a") == _digests(tmp_path / "b")
+        shutil.rmtree(tmp_path / "a"), shutil.rmtree(tmp_path / "b")
+
+
+@pytest.mark.parametrize("op", ["quantize", "convert"])
+def test_engine_layouts_never_write_beside_or_over_the_input(tmp_path, op):
+    src = tmp_path / "m"
+    _sharded_tiny(src)
+    if op == "convert":
+        quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors",
+                            progress=False)
+        src = tmp_path / "q"
+
+    def run(dst, **kw):
+        if op == "quantize":
+            return quantize_checkpoint(src, dst, "nvfp4", layout="compressed-tensors",
+                                       progress=False, **kw)
+        return convert_checkpoint(src, dst, "lowprec", progress=False, **kw)
+
+    before = _digests(src)
+    for dst, words in [(src, "is the input folder"), (src / "sub", "inside the input folder")]:
+        with pytest.raises(CheckpointError, match=words):
+            run(dst, force=True)
+    shard = src / "model-00001-of-00002.safetensors"
+    sibling = src / "model-00002-of-00002.safetensors"
+    if op == "quantize":
+        with pytest.raises(CheckpointError, match="input file"):
+            quantize_checkpoint(shard, sibling, "nvfp4", layout="compressed-tensors", force=True,
+                                progress=False)
+    assert _digests(src) == before and not (src / "sub").exists()
+
+
+@pytest.mark.parametrize("layout,fmt", [("compressed-tensors", "nvfp4"), ("compressed-tensors", "fp8"),
+                                        ("modelopt", "nvfp4")])
+def test_engine_layouts_peak_memory_does_not_grow_with_the_checkpoint(tmp_path, monkeypatch,
+                                                                      layout, fmt):
+    """Quantize, convert and dequantize hold a block of rows at a time (and the tensor-wide
+    scale's first pass reads rows too): NumPy's peak for 12 tensors is that for 2."""
+    import tracemalloc
+
+    import lowprec.checkpoint._engine_layouts as el
+
+    monkeypatch.setattr(el, "ROW_BLOCK_ELEMENTS", 16 * 256)
+    w = np.random.default_rng(4).standard_normal((256, 256)).astype(np.float32)  # 256 KiB
+    peaks = {}
+    for n in (2, 12):
+        path = tmp_path / f"m{n}.safetensors"
+        save_tensors(path, {f"layers.{i}.mlp.up_proj.weight": w for i in range(n)})
+        quantize_checkpoint(path, tmp_path / "warm.safetensors", fmt, layout=layout, force=True,
+                            progress=False)
+        tracemalloc.start()
+        quantize_checkpoint(path, tmp_path / f"q{n}.safetensors", fmt, layout=layout,
+                            progress=False)
+        convert_checkpoint(tmp_path / f"q{n}.safetensors", tmp_path / f"l{n}.safetensors",
+                           "lowprec", progress=False)
+        dequantize_checkpoint(tmp_path / f"q{n}.safetensors", tmp_path / f"d{n}.safetensors",
+                              progress=False)
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks[12] < 1.3 * peaks[2], peaks
+    assert peaks[12] < 12 * w.nbytes / 2, peaks
+
+
+def test_schemes_can_name_the_head_and_ignore_beats_them(tmp_path):
+    """The default keeps lm_head; a --scheme naming it quantizes it; an --ignore pattern
+    matching it keeps it whatever the schemes say (ignore is checked first)."""
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "a", "nvfp4", layout="compressed-tensors",
+                        schemes=["lm_head=fp8"], progress=False)
+    qc = json.load(open(tmp_path / "a/config.json"))["quantization_config"]
+    groups = {g["format"]: g["targets"] for g in qc["config_groups"].values()}
+    assert groups["float-quantized"] == ["lm_head"] and "lm_head" not in qc["ignore"]
+    with SafetensorsReader(tmp_path / "a/model.safetensors") as r:
+        assert r.tensors["lm_head.weight"].dtype == "F8_E4M3"
+    quantize_checkpoint(src, tmp_path / "b", "nvfp4", layout="compressed-tensors",
+                        schemes=["lm_head=fp8"], ignore=["re:.*lm_head"], progress=False)
+    qc = json.load(open(tmp_path / "b/config.json"))["quantization_config"]
+    assert "lm_head" in qc["ignore"] and len(qc["config_groups"]) == 1
+    with SafetensorsReader(tmp_path / "b/model.safetensors") as r:
+        assert r.tensors["lm_head.weight"].dtype == "F32"

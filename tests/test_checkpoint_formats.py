@@ -208,3 +208,19 @@ def test_block_options_are_checked(tmp_path):
     # a block size the axis does not divide: that tensor is kept, and said why
     with pytest.raises(CheckpointError, match="axis len 64 % 128"):
         quantize_checkpoint(path, out, "mxfp8", block_size=128, include="w")
+
+
+@pytest.mark.parametrize("name,suggestion", [
+    ("mxpf4", "'mxfp4'"), ("nvfp5", "'nvfp4'"), ("mxfp8_e4m2", "'mxfp8_e5m2'"),
+    ("bfloat15", "'bfloat16'"), ("e4m3fnz", "'e4m3fnuz'"),
+])
+def test_near_miss_checkpoint_format_names_suggest_the_right_one(name, suggestion, capsys):
+    from lowprec.cli import main
+
+    with pytest.raises(CheckpointError, match=rf"unknown checkpoint format '{name}'; did you "
+                                              rf"mean .*{suggestion}"):
+        canonical_format(name)
+    with pytest.raises(SystemExit):
+        main(["quantize", "a", "b", "-f", name])
+    err = capsys.readouterr().err
+    assert "did you mean" in err and suggestion in err

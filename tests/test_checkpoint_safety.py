@@ -69,7 +69,7 @@ def temp_mode(request, monkeypatch):
     """Runs a test with anonymous temp files and with the named fallback."""
     if request.param == "named":
         monkeypatch.setattr(atomic, "USE_O_TMPFILE", False)
-    elif not atomic._tmpfile_works(os.getcwd()):
+    elif not atomic.tmpfile_works(os.getcwd()):
         pytest.skip("O_TMPFILE + linkat not available here")
     return request.param
 
@@ -388,6 +388,26 @@ def test_signal_whose_exception_python_drops_still_stops_the_run(tmp_path, model
     assert "interrupted by SIGTERM; unfinished output removed" in err and "Traceback" not in err
     assert listing(tmp_path) == ["model.safetensors"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+
+def test_recorded_signal_stops_every_write_until_cleared(tmp_path):
+    """The pending-signal record (what the command line's handler leaves for writes that run
+    after its exception was dropped): a write raises Interrupted, and nothing after
+    clear_signal does."""
+    f = AtomicFile(tmp_path / "out.bin")
+    try:
+        atomic.record_signal(signal.SIGTERM)
+        assert atomic.pending_signal() == signal.SIGTERM
+        with pytest.raises(atomic.Interrupted) as e:
+            f.pwrite(b"x", 0)
+        assert e.value.signum == signal.SIGTERM
+    finally:
+        atomic.clear_signal()
+    assert atomic.pending_signal() is None
+    f.pwrite(b"x", 0)
+    f.stage()
+    f.publish()
+    assert open(tmp_path / "out.bin", "rb").read() == b"x"
 
 
 def test_dequantize_follows_the_same_rules(tmp_path, model):

@@ -17,8 +17,12 @@ transformers; :mod:`lowprec.checkpoint._engine_layouts`), which every reader her
 Modules, one job each: ``_formats`` (which formats, under which names), ``_layout``
 (stored parts of a tensor, pieces), ``_chunk`` (encoding/decoding a piece), ``_stats``
 (error statistics), ``_safetensors`` (the container), ``_atomic`` (safe outputs),
-``_source`` (files, folders, index), ``_convert`` (the conversions), ``_engine_layouts``
-(compressed-tensors and ModelOpt), ``_report``.
+``_source`` (files, folders, index), ``_logical`` (which stored tensors make up which
+logical tensor), ``_pipeline`` (outputs, readers and the write phase every conversion
+shares), ``_convert`` (quantize, dequantize, load, inspect in lowprec's layouts),
+``_engine_layouts`` (what compressed-tensors and ModelOpt store, per tensor),
+``_engine_convert`` (whole checkpoints in those layouts, and moving between layouts),
+``_report``.
 
 Example:
     >>> import tempfile, numpy as np
@@ -42,23 +46,25 @@ from ._atomic import AtomicFile, remove_stale_temps, temp_path
 from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
 from ._convert import (
     DEFAULT_KEEP_PATTERN,
-    METADATA_KEY,
     dequantize_checkpoint,
     inspect_checkpoint,
     load_checkpoint,
     quantize_checkpoint,
-    quantized_specs,
     select_tensor,
 )
-from ._engine_layouts import (
-    DEFAULT_IGNORE,
-    ENGINE_LAYOUTS,
-    convert_checkpoint,
-    quantize_engine_checkpoint,
-)
+from ._engine_convert import convert_checkpoint, quantize_engine_checkpoint
+from ._engine_layouts import DEFAULT_IGNORE, ENGINE_LAYOUTS
 from ._errors import CheckpointError
-from ._formats import CAST_FORMATS, FORMATS, LAYOUTS, MX_FORMATS, canonical_format
+from ._formats import (
+    CAST_FORMATS,
+    FORMATS,
+    LAYOUTS,
+    MX_FORMATS,
+    canonical_format,
+    checkpoint_format,
+)
 from ._layout import TensorSpec, make_spec, pieces
+from ._logical import METADATA_KEY, quantized_specs
 from ._report import ConversionReport, TensorReport
 from ._safetensors import SafetensorsReader, SafetensorsWriter, TensorInfo
 from ._stats import ErrorStats
@@ -82,6 +88,7 @@ __all__ = [
     "TensorReport",
     "TensorSpec",
     "canonical_format",
+    "checkpoint_format",
     "convert_checkpoint",
     "dequantize_checkpoint",
     "dequantize_chunk",

@@ -44,15 +44,34 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-# Set by the command line's signal handler. The handler also raises Interrupted, but Python
-# drops exceptions raised where it cannot propagate them (a gc callback, a __del__), so
-# every write, stage and publish checks the flag as well.
-pending_signal: Optional[int] = None
+# Recorded by the command line's signal handler (record_signal). The handler also raises
+# Interrupted, but Python drops exceptions raised where it cannot propagate them (a gc
+# callback, a __del__), so every write, stage and publish checks the record as well.
+_pending_signal: Optional[int] = None
+
+
+def record_signal(signum: int) -> None:
+    """Records that signal ``signum`` was caught: every later write, stage and publish of an
+    output raises :class:`Interrupted` until :func:`clear_signal`."""
+    global _pending_signal
+    _pending_signal = signum
+
+
+def clear_signal() -> None:
+    """Forgets a recorded signal (the command line does so when its handlers are removed)."""
+    global _pending_signal
+    _pending_signal = None
+
+
+def pending_signal() -> Optional[int]:
+    """The signal recorded by :func:`record_signal`, or None."""
+    return _pending_signal
 
 
 def raise_if_interrupted() -> None:
-    if pending_signal is not None:
-        raise Interrupted(pending_signal)
+    """Raises :class:`Interrupted` if a signal was recorded."""
+    if _pending_signal is not None:
+        raise Interrupted(_pending_signal)
 
 
 def temp_path(path: str, pid: Optional[int] = None) -> str:
@@ -209,7 +228,7 @@ def _link_fd(fd: int, target: str) -> None:
         os.close(dfd)
 
 
-def _tmpfile_works(directory: str) -> bool:
+def tmpfile_works(directory: str) -> bool:
     """Whether O_TMPFILE and naming it later work in ``directory`` (probed once per device)."""
     if not USE_O_TMPFILE or not hasattr(os, "O_TMPFILE") or not os.path.isdir("/proc/self/fd"):
         return False
@@ -294,7 +313,7 @@ class AtomicFile(Transaction):
         self._fd: Optional[int] = None
         self._pos = 0
         self.state = "open"
-        if _tmpfile_works(self._dir):
+        if tmpfile_works(self._dir):
             self._fd = os.open(self._dir, os.O_TMPFILE | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o666)
         else:
             if os.path.lexists(self._temp):  # ours from an earlier writer of this process

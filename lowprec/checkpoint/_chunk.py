@@ -18,13 +18,11 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _nvfp4
 from .._codec import decode, encode
-from .._format import element_format
 from .._gpt_oss import from_gpt_oss, to_gpt_oss
 from .._mx import MXArray, dequantize, quantize_mx
+from .._nvfp4 import clamp_tensor_scale_bits, tensor_scale_bits
 from ._errors import CheckpointError
-from ._formats import CAST_FORMATS
 from ._layout import TensorSpec
 from ._stats import ErrorStats
 
@@ -58,14 +56,36 @@ def tensor_scale(amax, spec: TensorSpec) -> np.float32:
     """
     if spec.is_mx:
         amax_bits = jnp.uint32(np.float32(amax).view(np.uint32))
-        ts = _nvfp4.clamp_tensor_scale_bits(_nvfp4.tensor_scale_bits(amax_bits))
+        ts = clamp_tensor_scale_bits(tensor_scale_bits(amax_bits))
         return np.uint32(ts).view(np.float32)
-    elem = element_format(CAST_FORMATS[spec.format][0])
+    elem = spec.format
     amax = np.float32(amax)
     if not amax > 0:
         return np.float32(1)
     s = amax / np.float32(elem.max_finite)
     return s if np.isfinite(s) and s > 0 else np.float32(1)
+
+
+def check_scales(values, where: str) -> None:
+    """Refuses stored per-tensor or per-channel scales (an FP8 weight's, NVFP4's tensor or
+    global scale) that are not positive and finite: decoding with them would give NaN, ±inf,
+    zeros or flipped signs without a word. ``where`` names the stored tensor in the message.
+
+    Example:
+        >>> check_scales(np.float32([0.5, 2.0]), "w_scale")
+        >>> check_scales(np.float32([0.5, -2.0]), "w_scale")
+        Traceback (most recent call last):
+        ...
+        lowprec.checkpoint._errors.CheckpointError: w_scale: 1 of 2 scale(s) not positive and finite (e.g. -2.0); a scale must be a positive finite number: the file is damaged or not in the layout its names claim
+    """
+    v = np.asarray(values, np.float32).reshape(-1)  # BF16/F16 scales widen exactly
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.isfinite(v) & (v > 0))
+    if bad.any():
+        raise CheckpointError(
+            f"{where}: {int(np.count_nonzero(bad))} of {v.size} scale(s) not positive and finite "
+            f"(e.g. {float(v[np.argmax(bad)])!r}); a scale must be a positive finite number: the "
+            "file is damaged or not in the layout its names claim")
 
 
 def _as_piece(x: np.ndarray) -> np.ndarray:
@@ -139,7 +159,7 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
     if spec.is_mx:
         x = _as_piece(x)
         xin = x if x.dtype in _NATIVE else x.astype(np.float32)
-        fmt = spec.block
+        fmt = spec.format
         if fmt.tensor_scale and scale is None:
             raise ValueError(f"{fmt.name}: pass the whole tensor's scale (tensor_scale())")
         ts = np.float32(scale) if fmt.tensor_scale else None
@@ -154,7 +174,7 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
             blocks, scales = to_gpt_oss(mx)
             return {"blocks": np.asarray(blocks), "scales": np.asarray(scales)}
         return {"elements": np.asarray(mx.elements), "scales": scales}
-    elem = element_format(CAST_FORMATS[spec.format][0])
+    elem = spec.format
     x32 = x.astype(np.float32)
     if spec.fp8_scale == "tensor":
         scale = np.float32(1) if scale is None else np.float32(scale)
@@ -171,7 +191,7 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
 
 
 def _decode_values(codes: np.ndarray, spec: TensorSpec, scale) -> np.ndarray:
-    elem = element_format(CAST_FORMATS[spec.format][0])
+    elem = spec.format
     values = np.asarray(decode(jnp.asarray(codes.view(elem.code_dtype)), elem))
     if spec.fp8_scale == "tensor":
         with np.errstate(over="ignore"):
@@ -200,7 +220,7 @@ def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
         return values.astype(dtype).reshape(shape)
     p, a, s = (int(d) for d in shape)
     try:
-        fmt = spec.block
+        fmt = spec.format
         scales = np.asarray(parts["scales"]).reshape(p, spec.part_length("scales", a), s)
         if spec.layout == "gpt-oss":
             if s != 1:
@@ -220,5 +240,5 @@ def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
                          axis=1, shape=piece, scale_rule=spec.scale_rule, tensor_scale=ts)
         values = dequantize(mx, dtype) if dtype in _NATIVE else np.asarray(dequantize(mx)).astype(dtype)
     except (ValueError, TypeError) as e:  # wrong sizes; MXArray's own validation
-        raise CheckpointError(f"cannot decode {spec.format} data of shape {list(spec.shape)}: {e}") from None
+        raise CheckpointError(f"cannot decode {spec.format.name} data of shape {list(spec.shape)}: {e}") from None
     return np.asarray(values).reshape(p, a, s)

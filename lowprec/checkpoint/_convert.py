@@ -15,53 +15,44 @@ import difflib
 import json
 import os
 import re
-import shutil
-import sys
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Union
 
 import numpy as np
 
-from .._format import mx_format
-from ._atomic import AtomicFile, OutputSet, check_output
-from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
-from ._engine_layouts import (
-    ENGINE_LAYOUTS,
-    engine_specs,
-    plain_config_texts,
-    quantize_engine_checkpoint,
-)
+from ._chunk import check_scales, dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
+from ._engine_convert import plain_config_texts, quantize_engine_checkpoint
+from ._engine_layouts import ENGINE_LAYOUTS, engine_specs
 from ._errors import CheckpointError
 from ._formats import (
-    canonical_format,
+    cast_dtype,
+    cast_takes_scale,
     check_fp8_scale,
     check_layout,
+    checkpoint_format,
     is_block_format,
 )
 from ._layout import (
+    GPT_OSS_FORMAT,
     TensorSpec,
     check_block_scale_rule,
     check_options_for_cast,
     make_spec,
     pieces,
 )
-from ._report import ConversionReport, TensorReport
-from ._safetensors import (
-    FLOAT_DTYPES,
-    SafetensorsReader,
-    SafetensorsWriter,
-    dtype_name,
-    nbytes_of,
-    numpy_dtype,
+from ._logical import (
+    METADATA_KEY,
+    METADATA_VERSION,
+    METADATA_VERSION_KEY,
+    check_decodable,
+    logical_tensors,
 )
-from ._source import Source, check_symlinks, open_source
+from ._pipeline import Outputs, check_collisions, copy_tensor, open_readers, write_outputs
+from ._report import ConversionReport, TensorReport
+from ._safetensors import FLOAT_DTYPES, dtype_name, nbytes_of, numpy_dtype
+from ._source import Source, open_source
 from ._stats import ErrorStats
-
-METADATA_KEY = "lowprec.tensors"
-METADATA_VERSION_KEY = "lowprec.format_version"
-METADATA_VERSION = "1"
 
 #: Names matching this (case-insensitive search) are kept in their original precision by
 #: default: embeddings and the output head, norms, biases. ``include=`` overrides it.
@@ -69,33 +60,8 @@ DEFAULT_KEEP_PATTERN = r"embed|lm_head|norm|bias|(^|[._])(wte|wpe|ln_\w*)([._]|$
 
 #: Elements per piece (about 4 MiB of float32): bounds the working memory of a conversion.
 CHUNK_ELEMENTS = 1 << 20
-_COPY_BYTES = 16 * 1024 * 1024
 
 PathLike = Union[str, "os.PathLike[str]"]
-
-
-def _progress(total: int, desc: str, enabled: Optional[bool]):
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is optional
-        enabled = False
-    if not enabled:
-        return _NoProgress()
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                file=sys.stderr, leave=False, dynamic_ncols=True)
-
-
-class _NoProgress:
-    def update(self, n=1):
-        pass
-
-    def set_postfix_str(self, s="", refresh=True):
-        pass
-
-    def close(self):
-        pass
 
 
 def _compile(pattern, what):
@@ -107,8 +73,10 @@ def _compile(pattern, what):
         raise CheckpointError(f"{what} {pattern!r} is not a valid regular expression: {e}") from None
 
 
-def select_tensor(info, fmt: str, include, exclude, axis: Optional[int]) -> tuple:
-    """Whether to quantize tensor ``info`` (a header entry) and why (or why not)."""
+def select_tensor(info, fmt, include, exclude, axis: Optional[int]) -> tuple:
+    """Whether to quantize tensor ``info`` (a header entry) to ``fmt`` (a checkpoint format
+    object or name) and why (or why not); ``include``/``exclude``: compiled patterns or None."""
+    fmt = checkpoint_format(fmt)
     name = info.name
     if exclude is not None and exclude.search(name):
         return False, "--exclude"
@@ -134,194 +102,11 @@ def select_tensor(info, fmt: str, include, exclude, axis: Optional[int]) -> tupl
         axis = -1 if axis is None else axis
         if not -len(info.shape) <= axis < len(info.shape):
             return False, f"no axis {axis}"
-        block = mx_format(fmt).block_size
-        if info.shape[axis] % block:
-            return False, f"axis len {info.shape[axis]} % {block} != 0"
-    elif info.dtype == {"bf16": "BF16", "fp16": "F16"}.get(fmt):
+        if info.shape[axis] % fmt.block_size:
+            return False, f"axis len {info.shape[axis]} % {fmt.block_size} != 0"
+    elif not cast_takes_scale(fmt) and info.dtype == cast_dtype(fmt):
         return False, f"already {info.dtype}"
     return True, chosen
-
-
-# -- outputs -------------------------------------------------------------------------
-def _norm(path: str) -> str:
-    """``path`` with its directory resolved (the file itself need not exist)."""
-    path = os.path.abspath(path)
-    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
-
-
-class _Outputs:
-    """Where a conversion writes, checked up front (before any work)."""
-
-    def __init__(self, source: Source, dst, report, force: bool, follow_symlinks: bool = False,
-                 jobs: int = 1):
-        if not isinstance(follow_symlinks, bool):
-            raise TypeError(f"follow_symlinks must be True or False, got {follow_symlinks!r}")
-        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-            raise CheckpointError(f"jobs must be a positive int (shards converted at once), "
-                                  f"got {jobs!r}")
-        self.jobs = jobs
-        if not follow_symlinks:
-            check_symlinks(source)
-        self.source = source
-        self.force = force
-        self.dst = os.fspath(dst)
-        self.report = None if report is None else os.fspath(report)
-        self.create_folder = False
-        inputs = source.inputs
-        if source.is_folder:
-            self._check_folder()
-            self.files = {rel: os.path.join(self.dst, rel)
-                          for rel in [*source.shards,
-                                      *([source.index_name] if source.index_name else []),
-                                      *source.others]}
-            if not self.create_folder:
-                for rel, path in self.files.items():
-                    if not os.path.isdir(os.path.dirname(path)):
-                        continue  # a subfolder created later; nothing there to clash with
-                    check_output(path, force=force, inputs=inputs)
-        else:
-            if os.path.isdir(self.dst):
-                raise CheckpointError(
-                    f"{self.dst}: is a folder; a single-file input gives a single-file output "
-                    "(give a file name)"
-                )
-            self.files = {source.shards[0]: self.dst}
-            check_output(self.dst, force=force, inputs=inputs)
-        if self.report is not None:
-            check_output(self.report, force=force, inputs=inputs, what="report")
-            clash = [p for p in self.files.values() if _norm(p) == _norm(self.report)]
-            if clash:
-                raise CheckpointError(
-                    f"{self.report}: the report would overwrite the checkpoint output {clash[0]}; "
-                    "choose another report path"
-                )
-
-    def _check_folder(self):
-        dst, src = self.dst, self.source.folder
-        if os.path.lexists(dst):
-            if not os.path.isdir(dst):
-                raise CheckpointError(
-                    f"{dst}: exists and is not a folder; a sharded input gives an output folder"
-                )
-            if os.path.samefile(dst, src):
-                raise CheckpointError(
-                    f"{dst}: is the input folder; lowprec never writes into its input, choose "
-                    "another output folder"
-                )
-        real_dst, real_src = os.path.realpath(dst), os.path.realpath(src)
-        if real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
-            raise CheckpointError(
-                f"{dst}: is inside the input folder {src}; choose an output folder outside it"
-            )
-        if not os.path.lexists(dst):
-            parent = os.path.dirname(os.path.abspath(dst))
-            if not os.path.isdir(parent):
-                raise CheckpointError(f"{dst}: directory {parent} does not exist")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise CheckpointError(f"{dst}: directory {parent} is not writable")
-            self.create_folder = True
-
-    def check_space(self, nbytes: int) -> None:
-        where = self.dst if os.path.isdir(self.dst) else os.path.dirname(os.path.abspath(self.dst))
-        try:
-            free = shutil.disk_usage(where).free
-        except OSError:
-            return
-        if nbytes > free:
-            raise CheckpointError(
-                f"{self.dst}: the output needs {nbytes / 2**20:,.1f} MiB but only "
-                f"{free / 2**20:,.1f} MiB are free there"
-            )
-
-    @contextlib.contextmanager
-    def folder(self):
-        """Creates the output folder (and subfolders) if needed; removes what it created
-        if the conversion fails."""
-        made = []
-        try:
-            if self.source.is_folder:
-                for path in [self.dst, *sorted({os.path.dirname(p) for p in self.files.values()})]:
-                    if not os.path.isdir(path):
-                        os.makedirs(path)
-                        made.append(path)
-            yield
-        except BaseException:
-            for path in reversed(made):
-                with contextlib.suppress(OSError):
-                    os.rmdir(path)  # only if empty: never removes anything else
-            raise
-
-    def path(self, rel: str) -> str:
-        return self.files[rel]
-
-
-def _copy_file(src: str, dst: str, outs: OutputSet, o: _Outputs, bar) -> None:
-    f = outs.add(AtomicFile(dst, force=o.force, inputs=o.source.inputs))
-    with open(src, "rb") as inp:
-        pos = 0
-        while True:
-            data = inp.read(_COPY_BYTES)
-            if not data:
-                break
-            f.pwrite(data, pos)
-            pos += len(data)
-            bar.update(len(data))
-    f.stage()
-
-
-def _write_text(path: str, text: str, outs: OutputSet, o: _Outputs, what="output") -> None:
-    data = text.encode("utf-8")
-    f = outs.add(AtomicFile(path, force=o.force, inputs=o.source.inputs, what=what))
-    f.pwrite(data, 0)
-    f.stage()
-
-
-def _index_text(source: Source, weight_map: dict, total_size: int) -> str:
-    index = dict(source.index or {})
-    meta = dict(index.get("metadata") or {})
-    meta["total_size"] = total_size
-    index["metadata"] = meta
-    index["weight_map"] = dict(sorted(weight_map.items()))
-    return json.dumps(index, indent=2) + "\n"
-
-
-def _open_readers(stack, source: Source) -> dict:
-    readers = {}
-    for rel in source.shards:
-        readers[rel] = stack.enter_context(SafetensorsReader(source.path(rel)))
-    if source.index is not None:  # the index must agree with the shards
-        for name, shard in source.index["weight_map"].items():
-            if name not in readers[shard].tensors:
-                raise CheckpointError(
-                    f"{source.path(source.index_name)}: says tensor {name!r} is in {shard}, "
-                    "which has no such tensor"
-                )
-    seen = {}
-    for rel, reader in readers.items():
-        for name in reader.tensors:
-            if name in seen:
-                raise CheckpointError(
-                    f"{source.given}: tensor {name!r} is in both {seen[name]} and {rel}"
-                )
-            seen[name] = rel
-    return readers
-
-
-def _check_collisions(entries, src):
-    seen = set()
-    for name, _, _ in entries:
-        if name in seen:
-            raise CheckpointError(
-                f"{src}: the stored name {name!r} would be used twice (an input tensor already "
-                "has a name lowprec uses for a quantized part); --exclude one of them"
-            )
-        seen.add(name)
-
-
-def _copy_tensor(reader, writer, name: str, bar) -> None:
-    for piece in reader.iter_raw(name):
-        writer.write(name, piece)
-        bar.update(len(piece))
 
 
 # -- quantize --------------------------------------------------------------------------
@@ -425,7 +210,7 @@ def quantize_checkpoint(
         raise CheckpointError("--ignore / --scheme apply to --layout compressed-tensors or "
                               "modelopt; the lowprec layout takes --include / --exclude")
     start = time.perf_counter()
-    fmt = canonical_format(format, block_size)
+    fmt = checkpoint_format(format, block_size)
     mx = is_block_format(fmt)
     include_re = _compile(include, "--include")
     exclude_re = _compile(exclude, "--exclude")
@@ -435,9 +220,9 @@ def quantize_checkpoint(
         if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
             raise CheckpointError(f"axis must be an int, got {axis!r}")
         if layout == "gpt-oss":
-            if fmt != "mxfp4":
+            if fmt != GPT_OSS_FORMAT:
                 raise CheckpointError(
-                    f"the gpt-oss layout holds MXFP4 only, not {fmt}; use --layout lowprec"
+                    f"the gpt-oss layout holds MXFP4 only, not {fmt.name}; use --layout lowprec"
                 )
             if axis not in (None, -1):
                 raise CheckpointError("the gpt-oss layout blocks the last axis; use axis=-1")
@@ -446,14 +231,14 @@ def quantize_checkpoint(
         check_options_for_cast(fmt, axis=axis, scale_rule=scale_rule, layout=layout)
         check_fp8_scale(fp8_scale)
     source = open_source(src)
-    outputs = _Outputs(source, dst, report, force, follow_symlinks, jobs)
-    options = dict(format=fmt, include=include, exclude=exclude, layout=layout)
+    outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
+    options = dict(format=fmt.name, include=include, exclude=exclude, layout=layout)
     if mx:
         options.update(axis=axis, scale_rule=scale_rule)
     else:
         options["fp8_scale"] = fp8_scale
     with contextlib.ExitStack() as stack:
-        readers = _open_readers(stack, source)
+        readers = open_readers(stack, source)
         plans = {}
         for rel, reader in readers.items():
             if METADATA_KEY in reader.metadata:
@@ -461,6 +246,7 @@ def quantize_checkpoint(
                     f"{reader.path}: already quantized by lowprec; dequantize it first "
                     "(lowprec dequantize)"
                 )
+            check_decodable(reader)
             if engine_specs(reader):
                 raise CheckpointError(
                     f"{reader.path}: already quantized (compressed-tensors or ModelOpt tensors); "
@@ -478,7 +264,7 @@ def quantize_checkpoint(
                 else:
                     entries.append((info.name, info.dtype, info.shape))
                 plan.append((info, spec, reason))
-            _check_collisions(entries, reader.path)
+            check_collisions(entries, reader.path)
             plans[rel] = (plan, entries)
         _check_selection(source, plans, include, axis if mx else None, fmt)
 
@@ -492,86 +278,14 @@ def quantize_checkpoint(
             info, spec, reason = item
             bar.set_postfix_str(info.name[-40:], refresh=False)
             if spec is None:
-                _copy_tensor(reader, writer, info.name, bar)
+                copy_tensor(reader, writer, info.name, bar)
                 return TensorReport(info.name, info.shape, info.dtype, "kept",
                                     info.nbytes, info.nbytes, reason=reason)
             return _quantize_one(reader, writer, info, spec, reason, bar)
 
-        return _write_outputs(source, outputs, readers, plans, "quantize", options, start,
-                              force=force, progress=progress, metadata=metadata,
-                              convert=convert)
-
-
-def _finish(source, outputs, outs, weight_map, total_size, bar, texts=None) -> None:
-    """Copies the other files of a folder (or writes ``texts[rel]`` in place of one, e.g. a
-    config.json with quantization_config) and writes its rewritten index (published last)."""
-    if not source.is_folder:
-        return
-    texts = texts or {}
-    for rel in source.others:
-        if rel not in texts:
-            _copy_file(source.path(rel), outputs.path(rel), outs, outputs, bar)
-    for rel, text in texts.items():
-        if text is not None:  # None: not written (a config the target layout does not use)
-            _write_text(outputs.path(rel), text, outs, outputs)
-    if source.index_name is not None:
-        text = _index_text(source, weight_map, total_size)
-        _write_text(outputs.path(source.index_name), text, outs, outputs)
-
-
-def _write_outputs(source, outputs, readers, plans, op, options, start, *, force, progress,
-                   metadata, convert, texts=None) -> ConversionReport:
-    """The write phase shared by quantize and dequantize: checks free space, then, per shard,
-    one atomic safetensors writer (the input's metadata minus lowprec's, plus
-    ``metadata(plan)``) fed by ``convert(reader, writer, item, bar) -> TensorReport`` for
-    each planned tensor; then the folder's other files and index, and the report. Every
-    output is published together at the end, or none is."""
-    out_bytes = sum(nbytes_of(dt, shp) for _, entries in plans.values()
-                    for _, dt, shp in entries) + source.other_bytes()
-    outputs.check_space(out_bytes)
-    in_bytes = sum(i.nbytes for r in readers.values() for i in r.tensors.values())
-    bar = _progress(in_bytes + source.other_bytes(), op, progress)
-    reports, weight_map = [], {}
-    try:
-        with outputs.folder(), OutputSet() as outs:
-            writers = {}
-            for rel, reader in readers.items():
-                plan, entries = plans[rel]
-                meta = {k: v for k, v in reader.metadata.items() if not k.startswith("lowprec.")}
-                meta.update(metadata(plan))
-                writers[rel] = SafetensorsWriter(outputs.path(rel), entries, meta, force=force,
-                                                 inputs=source.inputs)
-                outs.add(writers[rel].atomic_file)
-                for name, _, _ in entries:
-                    weight_map[name] = rel
-
-            def shard(rel):
-                shard_reports = []
-                for item in plans[rel][0]:
-                    rep = convert(readers[rel], writers[rel], item, bar)
-                    if source.is_folder:
-                        rep.shard = rel
-                    shard_reports.append(rep)
-                writers[rel].stage()
-                return shard_reports
-
-            if outputs.jobs > 1 and len(readers) > 1:
-                # Shards are independent files: threads (NumPy, JAX and file I/O release the
-                # GIL). map keeps the shards' order, so the report is the same for any jobs.
-                with ThreadPoolExecutor(min(outputs.jobs, len(readers))) as pool:
-                    done = list(pool.map(shard, readers))
-            else:
-                done = [shard(rel) for rel in readers]
-            reports = [rep for shard_reports in done for rep in shard_reports]
-            _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar,
-                    texts)
-            result = ConversionReport(source.given, outputs.dst, op, options, reports,
-                                      time.perf_counter() - start, skipped=source.skipped)
-            if outputs.report is not None:
-                _write_text(outputs.report, result.to_json() + "\n", outs, outputs, "report")
-    finally:
-        bar.close()
-    return result
+        return write_outputs(source, outputs, readers, plans, "quantize", options, start,
+                             force=force, progress=progress, metadata=metadata,
+                             convert=convert)
 
 
 def _check_selection(source: Source, plans: dict, include, axis, fmt) -> None:
@@ -598,7 +312,7 @@ def _check_selection(source: Source, plans: dict, include, axis, fmt) -> None:
     reasons = Counter(reason for plan, _ in plans.values() for _, _, reason in plan)
     summary = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(6))
     raise CheckpointError(
-        f"{where}: no tensor can be quantized to {fmt} with these options (kept: {summary}); "
+        f"{where}: no tensor can be quantized to {fmt.name} with these options (kept: {summary}); "
         "choose tensors with --include"
     )
 
@@ -632,7 +346,7 @@ def _quantize_one(reader, writer, info, spec: TensorSpec, reason, bar) -> Tensor
         if role == "scale":
             writer.write(stored, np.asarray(scale, np.float32))
     return TensorReport(
-        info.name, info.shape, info.dtype, spec.format, info.nbytes, spec.nbytes(),
+        info.name, info.shape, info.dtype, spec.format.name, info.nbytes, spec.nbytes(),
         reason=reason, scale_rule=spec.scale_rule, sqnr_db=stats.sqnr_db,
         max_abs_err=stats.max_abs, max_rel_err=stats.max_rel,
         clipped_fraction=stats.clipped_fraction, nonfinite=stats.nonfinite,
@@ -641,107 +355,6 @@ def _quantize_one(reader, writer, info, spec: TensorSpec, reason, bar) -> Tensor
         finite_to_nonfinite=stats.finite_to_nonfinite, nan_in=stats.nan_in,
         inf_in=stats.inf_in, nonfinite_changed=stats.nonfinite_changed,
     )
-
-
-# -- reading quantized files --------------------------------------------------------
-_GPT_OSS_SUFFIXES = (("_blocks", "_scales"), (".blocks", ".scales"))
-
-
-def quantized_specs(reader: SafetensorsReader) -> dict:
-    """Logical tensors stored in quantized form: ``{name: (TensorSpec, parts)}``, checked
-    against the file. Reads lowprec metadata, and also recognizes gpt-oss
-    ``*_blocks``/``*_scales`` pairs in files without it (e.g. published gpt-oss
-    checkpoints; original dtype taken as BF16, as gpt-oss and Hugging Face decode them)."""
-    specs = {}
-    raw = reader.metadata.get(METADATA_KEY)
-    version = reader.metadata.get(METADATA_VERSION_KEY)
-    if raw is not None and version not in (None, METADATA_VERSION):
-        # An older file written before the key existed has none; any other value is a layout
-        # this lowprec does not know (a newer one), and reading it as version 1 could decode
-        # wrong values.
-        newer = version.isdigit() and int(version) > int(METADATA_VERSION)
-        raise CheckpointError(
-            f"{reader.path}: {METADATA_VERSION_KEY} is {version!r}; this lowprec reads version "
-            f"{METADATA_VERSION} only" + ("; the file was written by a newer lowprec: upgrade "
-                                          "(pip install -U lowprec)" if newer else ""))
-    if raw is not None:
-        try:
-            table = json.loads(raw)
-        except RecursionError:
-            raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is nested too deeply "
-                                  "(not lowprec's)") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is not JSON ({e})") from None
-        if not isinstance(table, dict):
-            raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is not a JSON object")
-        for name, entry in table.items():
-            specs[name] = TensorSpec.from_json(name, entry, reader.path)
-    else:
-        for info in reader.tensors.values():
-            for bsuf, ssuf in _GPT_OSS_SUFFIXES:
-                if not info.name.endswith(bsuf):
-                    continue
-                base = info.name[: -len(bsuf)]
-                sc = reader.tensors.get(base + ssuf)
-                if (
-                    sc is not None and info.dtype == "U8" and sc.dtype == "U8"
-                    and len(info.shape) >= 2 and info.shape[-1] == 16
-                    and info.shape[:-1] == sc.shape and base not in reader.tensors
-                    and base not in specs
-                ):
-                    shape = info.shape[:-2] + (info.shape[-2] * 32,)
-                    spec = TensorSpec("mxfp4", shape, "BF16", axis=len(shape) - 1,
-                                      scale_rule=None, layout="gpt-oss")
-                    specs[base] = (spec, {"blocks": info.name, "scales": sc.name})
-        for name, spec in engine_specs(reader).items():  # compressed-tensors / ModelOpt
-            if name not in specs:
-                specs[name] = (spec, {role: stored for role, stored, _, _ in spec.parts(name)})
-    out = {}
-    owner = {}
-    for name, item in specs.items():
-        spec, names = item if isinstance(item, tuple) else (item, None)
-        parts = spec.parts(name)
-        if names is not None:  # gpt-oss pair with '.blocks' naming
-            parts = [(role, names[role], dt, shp) for role, _, dt, shp in parts]
-        for role, stored, dt, shp in parts:
-            info = reader.tensors.get(stored)
-            if info is None:
-                raise CheckpointError(
-                    f"{reader.path}: tensor {name!r} ({spec.format}) needs stored tensor {stored!r}, "
-                    "which is missing"
-                )
-            if info.dtype != dt or tuple(info.shape) != tuple(shp):
-                raise CheckpointError(
-                    f"{reader.path}: stored tensor {stored!r} is {info.dtype} {list(info.shape)}; "
-                    f"{spec.format} of shape {list(spec.shape)} needs {dt} {list(shp)}"
-                )
-            if stored in owner:
-                raise CheckpointError(
-                    f"{reader.path}: stored tensor {stored!r} is claimed by both "
-                    f"{owner[stored]!r} and {name!r}"
-                )
-            owner[stored] = name
-        out[name] = (spec, parts)
-    for name in out:
-        if name in reader.tensors and owner.get(name) != name:
-            raise CheckpointError(
-                f"{reader.path}: {name!r} is both a stored tensor and a quantized tensor's name"
-            )
-    return out
-
-
-def _logical(reader: SafetensorsReader):
-    """Yields ``(name, spec or None, parts or None)`` per logical tensor, in file order."""
-    specs = quantized_specs(reader)
-    owner = {stored: name for name, (_, parts) in specs.items() for _, stored, _, _ in parts}
-    done = set()
-    for info in reader.tensors.values():
-        name = owner.get(info.name)
-        if name is None:
-            yield info.name, None, None
-        elif name not in done:
-            done.add(name)
-            yield name, specs[name][0], specs[name][1]
 
 
 def _dtype_arg(dtype) -> str:
@@ -802,7 +415,12 @@ def _decode_regions(reader, spec: TensorSpec, parts, dtype):
         yield from spec.decode_regions(reader, parts, dtype)
         return
     view = spec.view
-    fixed = {role: reader.read(stored) for role, stored, _, shp in parts if role == "scale"}
+    fixed = {}
+    for role, stored, _, _ in parts:
+        if role == "scale":
+            fixed[role] = reader.read(stored)
+            if not spec.is_mx:  # an FP8 cast's scale (NVFP4's tensor scale: MXArray checks it)
+                check_scales(fixed[role], f"{reader.path}: {stored}")
     for rect in pieces(view, spec.align, CHUNK_ELEMENTS):
         arrays = dict(fixed)
         for role, stored, _, _ in parts:
@@ -861,13 +479,13 @@ def dequantize_checkpoint(
         raise TypeError(f"saturate must be True or False, got {saturate!r}")
     out_dtype = None if dtype in (None, "original") else _dtype_arg(dtype)
     source = open_source(src)
-    outputs = _Outputs(source, dst, report, force, follow_symlinks, jobs)
+    outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     with contextlib.ExitStack() as stack:
-        readers = _open_readers(stack, source)
+        readers = open_readers(stack, source)
         plans, any_quantized = {}, False
         for rel, reader in readers.items():
             plan, entries = [], []
-            for name, spec, parts in _logical(reader):
+            for name, spec, parts in logical_tensors(reader):
                 if spec is None:
                     info = reader.tensors[name]
                     entries.append((name, info.dtype, info.shape))
@@ -875,7 +493,7 @@ def dequantize_checkpoint(
                     any_quantized = True
                     entries.append((name, out_dtype or spec.dtype, spec.shape))
                 plan.append((name, spec, parts, entries[-1][1]))
-            _check_collisions(entries, reader.path)
+            check_collisions(entries, reader.path)
             plans[rel] = (plan, entries)
         if not any_quantized:
             raise CheckpointError(
@@ -888,7 +506,7 @@ def dequantize_checkpoint(
             bar.set_postfix_str(name[-40:], refresh=False)
             if spec is None:
                 info = reader.tensors[name]
-                _copy_tensor(reader, writer, name, bar)
+                copy_tensor(reader, writer, name, bar)
                 return TensorReport(name, info.shape, info.dtype, "kept",
                                     info.nbytes, info.nbytes, reason="not quantized")
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
@@ -901,16 +519,16 @@ def dequantize_checkpoint(
                 writer.write_region(name, spec.view, rect, values)
             bar.update(before)
             return TensorReport(
-                name, spec.shape, st, spec.format, before, nbytes_of(st, spec.shape),
+                name, spec.shape, st, spec.format.name, before, nbytes_of(st, spec.shape),
                 reason=f"decoded from {', '.join(p[1] for p in parts)}",
                 scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts),
                 nonfinite=nonfinite, decoded_nonfinite=nonfinite, saturated=saturated)
 
-        return _write_outputs(source, outputs, readers, plans, "dequantize",
-                              {"dtype": dtype or "original", "saturate": saturate}, start,
-                              force=force,
-                              progress=progress, metadata=lambda plan: {}, convert=convert,
-                              texts=plain_config_texts(source, outputs, force))
+        return write_outputs(source, outputs, readers, plans, "dequantize",
+                             {"dtype": dtype or "original", "saturate": saturate}, start,
+                             force=force,
+                             progress=progress, metadata=lambda plan: {}, convert=convert,
+                             texts=plain_config_texts(source, outputs))
 
 
 def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None,
@@ -932,8 +550,8 @@ def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None,
     source = open_source(path)
     result, held = {}, set()
     with contextlib.ExitStack() as stack:
-        for reader in _open_readers(stack, source).values():
-            for name, spec, parts in _logical(reader):
+        for reader in open_readers(stack, source).values():
+            for name, spec, parts in logical_tensors(reader):
                 held.add(name)
                 if names is not None and name not in names:
                     continue
@@ -969,9 +587,9 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
     reports = []
     options: dict = {}
     with contextlib.ExitStack() as stack:
-        readers = _open_readers(stack, source)
+        readers = open_readers(stack, source)
         for rel, reader in readers.items():
-            for name, spec, parts in _logical(reader):
+            for name, spec, parts in logical_tensors(reader, strict=False):
                 if spec is None:
                     info = reader.tensors[name]
                     rep = TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
@@ -979,7 +597,7 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
                 else:
                     stored = sum(reader.tensors[p[1]].nbytes for p in parts)
                     label = getattr(spec, "label", None) or (
-                        spec.format + (" (gpt-oss)" if spec.layout == "gpt-oss" else ""))
+                        spec.format.name + (" (gpt-oss)" if spec.layout == "gpt-oss" else ""))
                     rep = TensorReport(name, spec.shape, spec.dtype, label,
                                        nbytes_of(spec.dtype, spec.shape), stored,
                                        scale_rule=spec.scale_rule,

@@ -21,7 +21,12 @@ formats above store those codes with their scales.
 
 from __future__ import annotations
 
-from .._format import MXFormat, mx_format, resolve_format
+import difflib
+from typing import Union
+
+import lowprec_formats
+
+from .._format import ElementFormat, MXFormat, element_format, mx_format, resolve_format
 from .._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES
 from .._scale_rules import check_scale_rule as _check_scale_rule
 from ._errors import CheckpointError
@@ -44,6 +49,14 @@ FORMATS = MX_FORMATS + tuple(CAST_FORMATS)
 LAYOUTS = ("lowprec", "gpt-oss")
 FP8_SCALINGS = ("tensor", "none")
 
+#: A format a checkpoint stores: a block format or a cast (element) format.
+CheckpointFormat = Union[MXFormat, ElementFormat]
+
+# The same tables keyed by the format objects (what the package passes around).
+_BLOCK_BASES = frozenset(MX_FORMATS)
+_STORABLE_NAMES = frozenset(FORMATS)
+_CASTS = {element_format(elem): (dtype, scaled) for elem, dtype, scaled in CAST_FORMATS.values()}
+
 __all__ = [
     "CAST_FORMATS",
     "DEFAULT_SCALE_RULE",
@@ -52,10 +65,14 @@ __all__ = [
     "LAYOUTS",
     "MX_FORMATS",
     "SCALE_RULES",
+    "CheckpointFormat",
     "canonical_format",
+    "cast_dtype",
+    "cast_takes_scale",
     "check_fp8_scale",
     "check_layout",
     "check_scale_rule",
+    "checkpoint_format",
     "is_block_format",
 ]
 
@@ -63,39 +80,53 @@ _STORABLE = (f"{', '.join(FORMATS)} (block formats also with another block size:
              "mxfp4_b16, ...)")
 
 
-def is_block_format(name: str) -> bool:
-    """Whether the canonical checkpoint format ``name`` is a block format (any block size)."""
-    return name not in CAST_FORMATS
+def _close_names(name) -> str:
+    """``"did you mean ...? "`` for a near miss among the storable names and their aliases."""
+    if not isinstance(name, str):
+        return ""
+    aliases = [a for a, canon in lowprec_formats.ALIASES.items() if canon in _STORABLE_NAMES]
+    close = difflib.get_close_matches(name.lower(), list(dict.fromkeys([*FORMATS, *aliases])),
+                                      n=3, cutoff=0.6)
+    return f"did you mean {' or '.join(map(repr, close))}? " if close else ""
 
 
-def canonical_format(name, block_size=None) -> str:
-    """The checkpoint format for ``name``: the library's canonical format name.
+def is_block_format(fmt: CheckpointFormat) -> bool:
+    """Whether the checkpoint format ``fmt`` (from :func:`checkpoint_format`) is a block
+    format (MX or NVFP4, any block size)."""
+    return isinstance(fmt, MXFormat)
 
-    Accepts every name and alias the library accepts (and format objects).
+
+def checkpoint_format(name, block_size=None) -> CheckpointFormat:
+    """The format object a checkpoint stores for ``name``: the one place a checkpoint format
+    name is resolved (command-line arguments, file metadata, the public functions'
+    arguments); the package passes the object from then on.
+
+    Accepts every name and alias the library accepts, and format objects (checked as names
+    are).
 
     Args:
       name: a format name, alias or object.
       block_size: block formats only: another block size (a power of two from 2 to 1024;
-        None keeps the format's own); the name returned carries it (``"mxfp4_b16"``).
+        None keeps the format's own); the format returned carries it (``"mxfp4_b16"``).
 
     Raises:
-      CheckpointError: for an unknown name, a format a checkpoint cannot store, or a block
-        size the format cannot take.
+      CheckpointError: for an unknown name (with the closest storable names), a format a
+        checkpoint cannot store, or a block size the format cannot take.
 
     Example:
-        >>> canonical_format("MXFP8"), canonical_format("fp8_e4m3"), canonical_format("bfloat16")
-        ('mxfp8_e4m3', 'e4m3', 'bf16')
-        >>> canonical_format("mxfp6"), canonical_format("mxfp4", block_size=16)
-        ('mxfp6_e2m3', 'mxfp4_b16')
+        >>> checkpoint_format("MXFP8"), checkpoint_format("bfloat16")
+        (MXFormat('mxfp8_e4m3'), ElementFormat('bf16'))
+        >>> checkpoint_format("mxfp4", block_size=16)
+        MXFormat('mxfp4_b16')
     """
     try:
         fmt = resolve_format(name)
     except (ValueError, TypeError):
         raise CheckpointError(
-            f"unknown checkpoint format {name!r}; choose one of: {_STORABLE}"
+            f"unknown checkpoint format {name!r}; {_close_names(name)}choose one of: {_STORABLE}"
         ) from None
     if isinstance(fmt, MXFormat):
-        if fmt.base_name not in MX_FORMATS:  # a block format added to the library but not here
+        if fmt.base_name not in _BLOCK_BASES:  # a block format added to the library but not here
             raise CheckpointError(f"format {name!r} is not a checkpoint storage format; "
                                   f"choose one of: {_STORABLE}")
         if block_size is not None:
@@ -103,8 +134,8 @@ def canonical_format(name, block_size=None) -> str:
                 fmt = mx_format(fmt, block_size=block_size)
             except (ValueError, TypeError) as e:
                 raise CheckpointError(f"block size {block_size!r} for {fmt.name}: {e}") from None
-        return fmt.name
-    if fmt.name not in CAST_FORMATS:
+        return fmt
+    if fmt not in _CASTS:
         alias = f" ({fmt.name})" if name != fmt.name else ""
         raise CheckpointError(
             f"format {name!r}{alias} is not a checkpoint storage format (casts are the "
@@ -113,7 +144,35 @@ def canonical_format(name, block_size=None) -> str:
         )
     if block_size is not None:
         raise CheckpointError(f"a block size applies to block formats only, not {fmt.name}")
-    return fmt.name
+    return fmt
+
+
+def canonical_format(name, block_size=None) -> str:
+    """The name of the checkpoint format for ``name``: the library's canonical format name
+    (:func:`checkpoint_format`'s, as files record it).
+
+    Example:
+        >>> canonical_format("MXFP8"), canonical_format("fp8_e4m3"), canonical_format("bfloat16")
+        ('mxfp8_e4m3', 'e4m3', 'bf16')
+        >>> canonical_format("mxfp6"), canonical_format("mxfp4", block_size=16)
+        ('mxfp6_e2m3', 'mxfp4_b16')
+    """
+    return checkpoint_format(name, block_size).name
+
+
+def cast_dtype(fmt: ElementFormat) -> str:
+    """The safetensors dtype a cast format is stored as (``"F8_E4M3"`` for E4M3).
+
+    Example:
+        >>> cast_dtype(checkpoint_format("bf16"))
+        'BF16'
+    """
+    return _CASTS[fmt][0]
+
+
+def cast_takes_scale(fmt: ElementFormat) -> bool:
+    """Whether a cast format takes a per-tensor scale (the FP8 formats do, BF16/FP16 not)."""
+    return _CASTS[fmt][1]
 
 
 def check_scale_rule(rule) -> str:

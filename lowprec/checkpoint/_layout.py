@@ -51,27 +51,33 @@ import functools
 import math
 from typing import Iterator, Optional
 
-from .._format import mx_format
+from .._format import ElementFormat, MXFormat, mx_format
 from ._errors import CheckpointError
 from ._formats import (
-    CAST_FORMATS,
     DEFAULT_SCALE_RULE,
-    canonical_format,
+    CheckpointFormat,
+    cast_dtype,
+    cast_takes_scale,
     check_fp8_scale,
     check_layout,
     check_scale_rule,
+    checkpoint_format,
     is_block_format,
 )
 from ._safetensors import FLOAT_DTYPES, nbytes_of
 
 BLOCK = 32  # the block size of the OCP MX formats (OCP MX v1.0); others carry theirs
+#: The one format of the gpt-oss layout.
+GPT_OSS_FORMAT = mx_format("mxfp4")
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """How one logical tensor is stored. ``shape``/``dtype`` are the original ones."""
+    """How one logical tensor is stored: ``format`` is the format object
+    (:func:`~lowprec.checkpoint._formats.checkpoint_format`; :func:`make_spec` takes names),
+    ``shape``/``dtype`` are the original ones."""
 
-    format: str
+    format: CheckpointFormat
     shape: tuple
     dtype: str
     axis: Optional[int] = None
@@ -79,24 +85,24 @@ class TensorSpec:
     layout: str = "lowprec"
     fp8_scale: Optional[str] = None
 
+    def __post_init__(self):
+        if not isinstance(self.format, (MXFormat, ElementFormat)):
+            raise TypeError(f"TensorSpec takes a format object, got {self.format!r}; "
+                            "make_spec(name, ...) resolves a name")
+
     @property
     def is_mx(self) -> bool:
         """Whether the format is a block format (MX or NVFP4, any block size)."""
         return is_block_format(self.format)
 
     @property
-    def block(self):
-        """The library's :class:`~lowprec.MXFormat` (block formats only)."""
-        return mx_format(self.format)
-
-    @property
     def block_size(self) -> int:
-        return self.block.block_size if self.is_mx else 1
+        return self.format.block_size if self.is_mx else 1
 
     @property
     def has_tensor_scale(self) -> bool:
         """Whether a float32 ``<name>_scale`` is stored (NVFP4; FP8 with ``fp8_scale="tensor"``)."""
-        return self.block.tensor_scale if self.is_mx else self.fp8_scale == "tensor"
+        return self.format.tensor_scale if self.is_mx else self.fp8_scale == "tensor"
 
     @property
     def numel(self) -> int:
@@ -135,8 +141,7 @@ class TensorSpec:
                 ("scales", f"{name}_scales", "U8", tuple(scales)),
             ]
         else:
-            _, st_dtype, _ = CAST_FORMATS[self.format]
-            parts = [("values", name, st_dtype, shape)]
+            parts = [("values", name, cast_dtype(self.format), shape)]
         if self.has_tensor_scale:
             parts.append(("scale", f"{name}_scale", "F32", ()))
         return parts
@@ -151,7 +156,7 @@ class TensorSpec:
         if role == "scales":
             return a // self.block_size
         if role in ("elements", "blocks"):
-            return a * self.block.element.code_bits // 8
+            return a * self.format.element.code_bits // 8
         return a
 
     def part_region(self, role: str, rect) -> tuple:
@@ -166,7 +171,7 @@ class TensorSpec:
         return sum(nbytes_of(dt, shp) for _, _, dt, shp in self.parts("x"))
 
     def to_json(self, name: str) -> dict:
-        out = {"format": self.format, "shape": list(self.shape), "dtype": self.dtype}
+        out = {"format": self.format.name, "shape": list(self.shape), "dtype": self.dtype}
         if self.is_mx:
             out.update(axis=self.axis, scale_rule=self.scale_rule, layout=self.layout)
         elif self.fp8_scale is not None:
@@ -180,7 +185,7 @@ class TensorSpec:
         try:
             if not isinstance(entry, dict):
                 raise ValueError(f"entry is a {type(entry).__name__}, not an object")
-            fmt = canonical_format(entry["format"])
+            fmt = checkpoint_format(entry["format"])
             shape = entry["shape"]
             if not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -198,8 +203,8 @@ class TensorSpec:
                 if not isinstance(axis, int) or isinstance(axis, bool):
                     raise ValueError(f"axis {axis!r} is not an int")
                 rule = entry.get("scale_rule")
-                if rule is not None and mx_format(fmt).tensor_scale:
-                    raise ValueError(f"{fmt} takes no scale rule, got {rule!r}")
+                if rule is not None and fmt.tensor_scale:
+                    raise ValueError(f"{fmt.name} takes no scale rule, got {rule!r}")
                 spec = cls(
                     fmt,
                     shape,
@@ -210,14 +215,14 @@ class TensorSpec:
                 )
                 if not 0 <= axis < len(shape) or shape[axis] % spec.block_size:
                     raise ValueError(f"axis {axis} does not fit shape {list(shape)}")
-                if spec.layout == "gpt-oss" and (fmt != "mxfp4" or axis != len(shape) - 1):
+                if spec.layout == "gpt-oss" and (fmt != GPT_OSS_FORMAT or axis != len(shape) - 1):
                     raise ValueError("the gpt-oss layout holds MXFP4 along the last axis only")
             else:
                 fp8_scale = entry.get("fp8_scale")
                 if fp8_scale is not None:
                     check_fp8_scale(fp8_scale)
-                    if not CAST_FORMATS[fmt][2]:
-                        raise ValueError(f"fp8_scale does not apply to {fmt}")
+                    if not cast_takes_scale(fmt):
+                        raise ValueError(f"fp8_scale does not apply to {fmt.name}")
                 spec = cls(fmt, shape, dtype, fp8_scale=fp8_scale)
             if spec.to_json(name)["parts"] != entry.get("parts"):
                 raise ValueError(f"parts {entry.get('parts')} do not match the format")
@@ -231,7 +236,7 @@ class TensorSpec:
 
 
 def make_spec(
-    fmt: str,
+    fmt,
     shape,
     dtype: str,
     *,
@@ -240,13 +245,14 @@ def make_spec(
     layout: str = "lowprec",
     fp8_scale: str = "tensor",
 ) -> TensorSpec:
-    """A :class:`TensorSpec` for quantizing a tensor of ``shape`` to ``fmt`` (checked).
+    """A :class:`TensorSpec` for quantizing a tensor of ``shape`` to ``fmt`` (a format
+    object or name, checked).
 
     Example:
         >>> make_spec("mxfp4", (8, 64), "F32").parts("w")
         [('elements', 'w_elements', 'U8', (8, 32)), ('scales', 'w_scales', 'U8', (8, 2))]
     """
-    fmt = canonical_format(fmt)
+    fmt = checkpoint_format(fmt)
     shape = tuple(int(d) for d in shape)
     check_layout(layout)
     if is_block_format(fmt):
@@ -257,47 +263,45 @@ def make_spec(
         if not -len(shape) <= axis < len(shape):
             raise CheckpointError(f"axis {axis} is out of range for shape {list(shape)}")
         axis %= len(shape)
-        block = mx_format(fmt).block_size
-        if shape[axis] % block:
+        if shape[axis] % fmt.block_size:
             raise CheckpointError(
-                f"axis {axis} has length {shape[axis]}, not a multiple of the {fmt} block "
-                f"size {block}"
+                f"axis {axis} has length {shape[axis]}, not a multiple of the {fmt.name} block "
+                f"size {fmt.block_size}"
             )
         if layout == "gpt-oss":
-            if fmt != "mxfp4":
+            if fmt != GPT_OSS_FORMAT:
                 raise CheckpointError(
-                    f"the gpt-oss layout holds MXFP4 only, not {fmt}; use --layout lowprec"
+                    f"the gpt-oss layout holds MXFP4 only, not {fmt.name}; use --layout lowprec"
                 )
             if axis != len(shape) - 1:
                 raise CheckpointError("the gpt-oss layout blocks the last axis; use axis=-1")
         return TensorSpec(fmt, shape, dtype, axis=axis, scale_rule=scale_rule, layout=layout)
     check_options_for_cast(fmt, axis=axis, scale_rule=scale_rule, layout=layout)
     check_fp8_scale(fp8_scale)
-    takes_scale = CAST_FORMATS[fmt][2]
-    return TensorSpec(fmt, shape, dtype, fp8_scale=fp8_scale if takes_scale else None)
+    return TensorSpec(fmt, shape, dtype, fp8_scale=fp8_scale if cast_takes_scale(fmt) else None)
 
 
-def check_block_scale_rule(fmt: str, scale_rule) -> Optional[str]:
+def check_block_scale_rule(fmt: MXFormat, scale_rule) -> Optional[str]:
     """The scale rule of block format ``fmt``: ``scale_rule`` checked (None: the default),
     or None for NVFP4, which has its own scale recipe and refuses one."""
-    if mx_format(fmt).tensor_scale:
+    if fmt.tensor_scale:
         if scale_rule is not None:
             raise CheckpointError(
-                f"{fmt} has its own scale recipe (E4M3 block scales under a float32 tensor "
+                f"{fmt.name} has its own scale recipe (E4M3 block scales under a float32 tensor "
                 "scale) and takes no scale rule; drop --scale-rule / scale_rule"
             )
         return None
     return check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
 
 
-def check_options_for_cast(fmt: str, *, axis, scale_rule, layout) -> None:
+def check_options_for_cast(fmt: ElementFormat, *, axis, scale_rule, layout) -> None:
     """Refuses MX-only options given with an element (cast) format."""
     if scale_rule is not None:
-        raise CheckpointError(f"scale rules apply to MX formats only, not {fmt}")
+        raise CheckpointError(f"scale rules apply to MX formats only, not {fmt.name}")
     if axis is not None:
-        raise CheckpointError(f"a block axis applies to MX formats only, not {fmt}")
+        raise CheckpointError(f"a block axis applies to MX formats only, not {fmt.name}")
     if layout != "lowprec":
-        raise CheckpointError(f"the {layout} layout holds MXFP4 only, not {fmt}")
+        raise CheckpointError(f"the {layout} layout holds MXFP4 only, not {fmt.name}")
 
 
 def pieces(view, align: int, budget: int) -> Iterator[tuple]:

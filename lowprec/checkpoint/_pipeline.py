@@ -1,0 +1,318 @@
+"""The plumbing every whole-checkpoint conversion shares (quantize, dequantize, convert, in
+lowprec's and the engines' layouts): where the outputs go (checked before any work), the
+readers of the input's shards, the progress bar, and the write phase that feeds one atomic
+writer per shard and publishes every output together (see :mod:`lowprec.checkpoint._atomic`).
+
+A driver plans each shard as ``(plan, entries)`` — its own items, and the ``(stored name,
+dtype, shape)`` of everything the output shard holds — then hands :func:`write_outputs` a
+``convert(reader, writer, item, bar) -> TensorReport`` for its items.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+from ._atomic import AtomicFile, OutputSet, check_output
+from ._errors import CheckpointError
+from ._report import ConversionReport
+from ._safetensors import SafetensorsReader, SafetensorsWriter, nbytes_of
+from ._source import Source, check_symlinks
+
+_COPY_BYTES = 16 * 1024 * 1024
+
+
+def _progress(total: int, desc: str, enabled: Optional[bool]):
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is optional
+        enabled = False
+    if not enabled:
+        return _NoProgress()
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+class _NoProgress:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s="", refresh=True):
+        pass
+
+    def close(self):
+        pass
+
+
+# -- outputs -------------------------------------------------------------------------
+def _norm(path: str) -> str:
+    """``path`` with its directory resolved (the file itself need not exist)."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+class Outputs:
+    """Where a conversion writes, checked up front (before any work)."""
+
+    def __init__(self, source: Source, dst, report, force: bool, follow_symlinks: bool = False,
+                 jobs: int = 1):
+        if not isinstance(follow_symlinks, bool):
+            raise TypeError(f"follow_symlinks must be True or False, got {follow_symlinks!r}")
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+            raise CheckpointError(f"jobs must be a positive int (shards converted at once), "
+                                  f"got {jobs!r}")
+        self.jobs = jobs
+        if not follow_symlinks:
+            check_symlinks(source)
+        self.source = source
+        self.force = force
+        self.dst = os.fspath(dst)
+        self.report = None if report is None else os.fspath(report)
+        self.create_folder = False
+        inputs = source.inputs
+        if source.is_folder:
+            self._check_folder()
+            self.files = {rel: os.path.join(self.dst, rel)
+                          for rel in [*source.shards,
+                                      *([source.index_name] if source.index_name else []),
+                                      *source.others]}
+            if not self.create_folder:
+                for rel, path in self.files.items():
+                    if not os.path.isdir(os.path.dirname(path)):
+                        continue  # a subfolder created later; nothing there to clash with
+                    check_output(path, force=force, inputs=inputs)
+        else:
+            if os.path.isdir(self.dst):
+                raise CheckpointError(
+                    f"{self.dst}: is a folder; a single-file input gives a single-file output "
+                    "(give a file name)"
+                )
+            self.files = {source.shards[0]: self.dst}
+            check_output(self.dst, force=force, inputs=inputs)
+        if self.report is not None:
+            check_output(self.report, force=force, inputs=inputs, what="report")
+            clash = [p for p in self.files.values() if _norm(p) == _norm(self.report)]
+            if clash:
+                raise CheckpointError(
+                    f"{self.report}: the report would overwrite the checkpoint output {clash[0]}; "
+                    "choose another report path"
+                )
+
+    def _check_folder(self):
+        dst, src = self.dst, self.source.folder
+        if os.path.lexists(dst):
+            if not os.path.isdir(dst):
+                raise CheckpointError(
+                    f"{dst}: exists and is not a folder; a sharded input gives an output folder"
+                )
+            if os.path.samefile(dst, src):
+                raise CheckpointError(
+                    f"{dst}: is the input folder; lowprec never writes into its input, choose "
+                    "another output folder"
+                )
+        real_dst, real_src = os.path.realpath(dst), os.path.realpath(src)
+        if real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
+            raise CheckpointError(
+                f"{dst}: is inside the input folder {src}; choose an output folder outside it"
+            )
+        if not os.path.lexists(dst):
+            parent = os.path.dirname(os.path.abspath(dst))
+            if not os.path.isdir(parent):
+                raise CheckpointError(f"{dst}: directory {parent} does not exist")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise CheckpointError(f"{dst}: directory {parent} is not writable")
+            self.create_folder = True
+
+    def check_space(self, nbytes: int) -> None:
+        where = self.dst if os.path.isdir(self.dst) else os.path.dirname(os.path.abspath(self.dst))
+        try:
+            free = shutil.disk_usage(where).free
+        except OSError:
+            return
+        if nbytes > free:
+            raise CheckpointError(
+                f"{self.dst}: the output needs {nbytes / 2**20:,.1f} MiB but only "
+                f"{free / 2**20:,.1f} MiB are free there"
+            )
+
+    @contextlib.contextmanager
+    def folder(self):
+        """Creates the output folder (and subfolders) if needed; removes what it created
+        if the conversion fails."""
+        made = []
+        try:
+            if self.source.is_folder:
+                for path in [self.dst, *sorted({os.path.dirname(p) for p in self.files.values()})]:
+                    if not os.path.isdir(path):
+                        os.makedirs(path)
+                        made.append(path)
+            yield
+        except BaseException:
+            for path in reversed(made):
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)  # only if empty: never removes anything else
+            raise
+
+    def path(self, rel: str) -> str:
+        return self.files[rel]
+
+    def add_file(self, rel: str) -> None:
+        """Adds ``rel`` (relative to the output folder) to the outputs, checked as the others
+        were: a file the input folder lacks (a config an engine layout needs)."""
+        if rel in self.files:
+            return
+        path = os.path.join(self.dst, rel)
+        if not self.create_folder:
+            check_output(path, force=self.force, inputs=self.source.inputs)
+        self.files[rel] = path
+
+
+def _copy_file(src: str, dst: str, outs: OutputSet, o: Outputs, bar) -> None:
+    f = outs.add(AtomicFile(dst, force=o.force, inputs=o.source.inputs))
+    with open(src, "rb") as inp:
+        pos = 0
+        while True:
+            data = inp.read(_COPY_BYTES)
+            if not data:
+                break
+            f.pwrite(data, pos)
+            pos += len(data)
+            bar.update(len(data))
+    f.stage()
+
+
+def _write_text(path: str, text: str, outs: OutputSet, o: Outputs, what="output") -> None:
+    data = text.encode("utf-8")
+    f = outs.add(AtomicFile(path, force=o.force, inputs=o.source.inputs, what=what))
+    f.pwrite(data, 0)
+    f.stage()
+
+
+def _index_text(source: Source, weight_map: dict, total_size: int) -> str:
+    index = dict(source.index or {})
+    meta = dict(index.get("metadata") or {})
+    meta["total_size"] = total_size
+    index["metadata"] = meta
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    return json.dumps(index, indent=2) + "\n"
+
+
+def open_readers(stack, source: Source) -> dict:
+    readers = {}
+    for rel in source.shards:
+        readers[rel] = stack.enter_context(SafetensorsReader(source.path(rel)))
+    if source.index is not None:  # the index must agree with the shards
+        for name, shard in source.index["weight_map"].items():
+            if name not in readers[shard].tensors:
+                raise CheckpointError(
+                    f"{source.path(source.index_name)}: says tensor {name!r} is in {shard}, "
+                    "which has no such tensor"
+                )
+    seen = {}
+    for rel, reader in readers.items():
+        for name in reader.tensors:
+            if name in seen:
+                raise CheckpointError(
+                    f"{source.given}: tensor {name!r} is in both {seen[name]} and {rel}"
+                )
+            seen[name] = rel
+    return readers
+
+
+def check_collisions(entries, src):
+    seen = set()
+    for name, _, _ in entries:
+        if name in seen:
+            raise CheckpointError(
+                f"{src}: the stored name {name!r} would be used twice (an input tensor already "
+                "has a name lowprec uses for a quantized part); --exclude one of them"
+            )
+        seen.add(name)
+
+
+def copy_tensor(reader, writer, name: str, bar) -> None:
+    for piece in reader.iter_raw(name):
+        writer.write(name, piece)
+        bar.update(len(piece))
+
+
+
+def _finish(source, outputs, outs, weight_map, total_size, bar, texts=None) -> None:
+    """Copies the other files of a folder (or writes ``texts[rel]`` in place of one, e.g. a
+    config.json with quantization_config) and writes its rewritten index (published last)."""
+    if not source.is_folder:
+        return
+    texts = texts or {}
+    for rel in source.others:
+        if rel not in texts:
+            _copy_file(source.path(rel), outputs.path(rel), outs, outputs, bar)
+    for rel, text in texts.items():
+        if text is not None:  # None: not written (a config the target layout does not use)
+            _write_text(outputs.path(rel), text, outs, outputs)
+    if source.index_name is not None:
+        text = _index_text(source, weight_map, total_size)
+        _write_text(outputs.path(source.index_name), text, outs, outputs)
+
+
+def write_outputs(source, outputs, readers, plans, op, options, start, *, force, progress,
+                   metadata, convert, texts=None) -> ConversionReport:
+    """The write phase shared by quantize and dequantize: checks free space, then, per shard,
+    one atomic safetensors writer (the input's metadata minus lowprec's, plus
+    ``metadata(plan)``) fed by ``convert(reader, writer, item, bar) -> TensorReport`` for
+    each planned tensor; then the folder's other files and index, and the report. Every
+    output is published together at the end, or none is."""
+    out_bytes = sum(nbytes_of(dt, shp) for _, entries in plans.values()
+                    for _, dt, shp in entries) + source.other_bytes()
+    outputs.check_space(out_bytes)
+    in_bytes = sum(i.nbytes for r in readers.values() for i in r.tensors.values())
+    bar = _progress(in_bytes + source.other_bytes(), op, progress)
+    reports, weight_map = [], {}
+    try:
+        with outputs.folder(), OutputSet() as outs:
+            writers = {}
+            for rel, reader in readers.items():
+                plan, entries = plans[rel]
+                meta = {k: v for k, v in reader.metadata.items() if not k.startswith("lowprec.")}
+                meta.update(metadata(plan))
+                writers[rel] = SafetensorsWriter(outputs.path(rel), entries, meta, force=force,
+                                                 inputs=source.inputs)
+                outs.add(writers[rel].atomic_file)
+                for name, _, _ in entries:
+                    weight_map[name] = rel
+
+            def shard(rel):
+                shard_reports = []
+                for item in plans[rel][0]:
+                    rep = convert(readers[rel], writers[rel], item, bar)
+                    if source.is_folder:
+                        rep.shard = rel
+                    shard_reports.append(rep)
+                writers[rel].stage()
+                return shard_reports
+
+            if outputs.jobs > 1 and len(readers) > 1:
+                # Shards are independent files: threads (NumPy, JAX and file I/O release the
+                # GIL). map keeps the shards' order, so the report is the same for any jobs.
+                with ThreadPoolExecutor(min(outputs.jobs, len(readers))) as pool:
+                    done = list(pool.map(shard, readers))
+            else:
+                done = [shard(rel) for rel in readers]
+            reports = [rep for shard_reports in done for rep in shard_reports]
+            _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar,
+                    texts)
+            result = ConversionReport(source.given, outputs.dst, op, options, reports,
+                                      time.perf_counter() - start, skipped=source.skipped)
+            if outputs.report is not None:
+                _write_text(outputs.report, result.to_json() + "\n", outs, outputs, "report")
+    finally:
+        bar.close()
+    return result
+

@@ -1,0 +1,79 @@
+"""The checkpoint package's modules use each other through their public names only.
+
+A module's interface is its names without a leading underscore: no module of
+``lowprec.checkpoint`` (nor ``lowprec.cli``) imports another module's private name or
+reaches one as ``module._name``, and none imports a module of the package inside a function
+(an import cycle hidden from the module's header).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pathlib
+
+import pytest
+
+import lowprec
+
+ROOT = pathlib.Path(lowprec.__file__).parent
+FILES = sorted((ROOT / "checkpoint").glob("*.py")) + [ROOT / "cli.py"]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _package(path: pathlib.Path) -> str:
+    """The package a relative import in ``path`` starts from."""
+    return ".".join(path.parent.relative_to(ROOT.parent).parts)
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _violations(source: str, package: str) -> list:
+    tree = ast.parse(source)
+    modules, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                modules.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
+                if node.level else node.module
+            for alias in node.names:
+                if _is_module(f"{base}.{alias.name}"):
+                    modules.add(alias.asname or alias.name)
+                elif _private(alias.name):
+                    found.append(f"line {node.lineno}: imports {base}.{alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in modules and _private(node.attr)):
+            found.append(f"line {node.lineno}: uses {node.value.id}.{node.attr}")
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    found.append(f"line {node.lineno}: imports .{node.module or ''} inside "
+                                 f"{fn.name}()")
+    return found
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_no_private_name_across_modules(path):
+    assert _violations(path.read_text(encoding="utf-8"), _package(path)) == []
+
+
+def test_the_check_sees_violations():
+    """The scan above finds each kind of violation (so that passing means something)."""
+    bad = ("from . import _convert as cv\nfrom ._atomic import _LIVE\n"
+           "def f():\n    from . import _pipeline\n    return cv._compile\n")
+    got = _violations(bad, "lowprec.checkpoint")
+    assert len(got) == 3, got
+    assert any("_LIVE" in v for v in got) and any("cv._compile" in v for v in got)
+    assert any("inside f()" in v for v in got)
