@@ -33,16 +33,8 @@ from ._bits import (
 )
 from ._format import ElementFormat, ElementFormatLike, array_then_format, element_format
 from ._options import ElementCast, check_random_bits
-from ._rounding import (
-    WORDS_PER_HASH,
-    as_word32,
-    check_size,
-    element_words,
-    hash_words,
-    key_words,
-    round_shift,
-    rounds_away_on_overflow,
-)
+from ._random import WORDS_PER_HASH, as_word32, check_size, element_words, hash_words, key_words
+from ._rounding import round_shift, rounds_away_on_overflow
 
 # (mantissa bits, exponent bias) of the float layouts encoded bit-wise, by the unsigned
 # dtype holding their patterns: binary32 and binary64.
@@ -419,7 +411,7 @@ def encode_stochastic(fmt: ElementFormat, u, overflow: str, rng, scale_exp=None,
     """Stochastic :func:`encode_bits` of float patterns ``u`` with ``rng = (key, words)``.
 
     Caller words (uint16 or uint32, ``u``'s shape) are used as given. With a key, the words
-    of the contract (``_rounding.random_bits``) are generated here, inside the encode. One
+    of the contract (``_random.random_bits``) are generated here, inside the encode. One
     Philox evaluation serves four neighbouring elements, but XLA fuses work per *output*
     element and would evaluate it once for each of them; so the codes of the elements that
     share an evaluation are OR-ed into one uint32 by a reduction over a minor axis of 4 (8-bit
