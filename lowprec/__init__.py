@@ -38,7 +38,7 @@ from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES,
 from ._rules import Rule, Rules
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._random import random_bits
-from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES
+from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES, Overflow, Rounding
 from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
 
 #: Block sizes every block format accepts (``mx_format(fmt, block_size=...)``).
@@ -68,6 +68,7 @@ __all__ = [
     "OCP_MXFP8",
     "RECIPES",
     "Recipe",
+    "Rounding",
     "Rule",
     "Rules",
     "DelayedScaling",
@@ -77,6 +78,7 @@ __all__ = [
     "MX_FORMAT_NAMES",
     "OPERAND_FORMAT_NAMES",
     "OVERFLOW_POLICIES",
+    "Overflow",
     "ROUNDING_MODES",
     "SCALE_RULES",
     "ElementFormat",

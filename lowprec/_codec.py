@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ from ._bits import (
 from ._format import ElementFormat, ElementFormatLike, array_then_format, element_format
 from ._options import ElementCast, check_random_bits
 from ._random import WORDS_PER_HASH, as_word32, check_size, element_words, hash_words, key_words
-from ._rounding import round_shift, rounds_away_on_overflow
+from ._rounding import Overflow, Rounding, round_shift
 
 # (mantissa bits, exponent bias) of the float layouts encoded bit-wise, by the unsigned
 # dtype holding their patterns: binary32 and binary64.
@@ -163,7 +163,7 @@ def bits_to_dtype(bits, dtype):
     name = _WIDENED_AS.get(dtype)
     if name is not None:
         fmt = element_format(name)
-        code = encode_bits(fmt, bits, "nearest_even", "ieee", None)
+        code = encode_bits(fmt, bits, Rounding.NEAREST_EVEN, Overflow.IEEE, None)
         return lax.bitcast_convert_type(code.astype(_code_uint(fmt.code_bits)), dtype)
     return _f32_bits_to_f64(bits)
 
@@ -186,21 +186,25 @@ def _f32_bits_to_f64(bits):
 
 
 def encode_bits(
-    fmt: ElementFormat, u, rounding: str, overflow: str, random_bits, scale_exp=None,
-    assume_finite: bool = False,
+    fmt: ElementFormat, u, rounding: Union[str, Rounding], overflow: Union[str, Overflow],
+    random_bits, scale_exp=None, assume_finite: bool = False,
 ):
     """Core encoder on float bit patterns (uint32: float32, uint64: float64); int32 codes.
 
-    Options are canonical (validated by the caller). With ``scale_exp`` (an int32 array
+    Options are canonical (validated by the caller): :class:`Rounding` and :class:`Overflow`
+    members or their values, ``random_bits`` the uint32 words of stochastic rounding (as
+    ``round_shift`` compares them; None otherwise). With ``scale_exp`` (an int32 array
     broadcastable to ``u``), encodes ``value * 2^-scale_exp`` exactly, by moving the
     exponent rather than multiplying (MX block scaling). ``assume_finite``: skip the
     NaN/Inf handling (the caller overwrites those results).
     """
+    rounding, overflow = Rounding(rounding), Overflow(overflow)
+    stochastic = rounding is Rounding.STOCHASTIC
     udt = u.dtype
-    if scale_exp is None and np.dtype(udt) == np.uint32 and overflow == "ieee":
-        if rounding in ("nearest_even", "stochastic") and _rebias_encodable(fmt):
-            return _encode_rebias(fmt, u, random_bits if rounding == "stochastic" else None)
-        if rounding.startswith("nearest") and _is_e8m0(fmt):
+    if scale_exp is None and np.dtype(udt) == np.uint32 and overflow is Overflow.IEEE:
+        if (rounding is Rounding.NEAREST_EVEN or stochastic) and _rebias_encodable(fmt):
+            return _encode_rebias(fmt, u, random_bits if stochastic else None)
+        if rounding.nearest and _is_e8m0(fmt):
             return _encode_e8m0_nearest(u)
     in_mant, in_bias = _FLOAT_LAYOUTS[np.dtype(udt)]
     width = jnp.iinfo(udt).bits
@@ -221,7 +225,7 @@ def encode_bits(
         # rounding included: it overflows as the nearest modes do).
         shift = jnp.full_like(mag, in_mant - fmt.mantissa_bits, dtype=jnp.int32)
         code = round_shift(mag, shift, sign, rounding, random_bits)
-        if overflow == "saturate":
+        if overflow is Overflow.SATURATE:
             code = jnp.minimum(code, fmt.max_magnitude_code)  # ±inf → ±max too
         signed_bit = lax.shift_left(sign.astype(jnp.int32), jnp.int32(fmt.magnitude_bits))
         return jnp.where(is_nan, fmt.nan_code | signed_bit, code | signed_bit)
@@ -249,7 +253,7 @@ def encode_bits(
     code = lax.shift_left(
         t - fmt.emin + fmt.min_exponent_field - 1, jnp.int32(fmt.mantissa_bits)
     ) + mag_q
-    if fmt.ties == "code" and fmt.mantissa_bits == 0 and rounding == "nearest_even":
+    if fmt.ties == "code" and fmt.mantissa_bits == 0 and rounding is Rounding.NEAREST_EVEN:
         # P3109 precision 1: a tie between 2^e and 2^(e+1) goes to the even *code* (the
         # significand rule would always pick 2^(e+1)). Undo the round-up at ties of even codes.
         s = jnp.minimum(shift, width - 1).astype(udt)
@@ -257,7 +261,7 @@ def encode_bits(
         tie = (sig & (lax.shift_left(one, s) - one)) == lax.shift_left(one, s - one)
         code = jnp.where(tie & ((code & 1) == 1) & (mag_q > 0), code - 1, code)
 
-    if not fmt.zero and overflow == "ieee" and rounding.startswith("nearest"):
+    if not fmt.zero and overflow is Overflow.IEEE and rounding.nearest:
         # ml_dtypes quirk, reproduced under the default policy: in the lowest binade
         # (2^-127, 2^-126) every value rounds UP to 2^-126, not to the nearest power of two.
         above_min = (e_x == fmt.emin) & ((sig & (sig - 1)) != 0)
@@ -267,12 +271,12 @@ def encode_bits(
     overflow_code = (
         fmt.inf_code if fmt.inf else fmt.nan_code if fmt.nan != "none" else max_code
     )
-    if overflow == "saturate":
+    if overflow is Overflow.SATURATE:
         to_inf = jnp.zeros_like(code, dtype=bool)
     else:
-        to_inf = rounds_away_on_overflow(rounding, sign)
+        to_inf = rounding.overflows_to_inf(sign)
     code = jnp.where(code > max_code, jnp.where(to_inf, overflow_code, max_code), code)
-    inf_result = overflow_code if overflow == "ieee" else max_code
+    inf_result = overflow_code if overflow is Overflow.IEEE else max_code
     if assume_finite and fmt.signed:
         return _signed_code(fmt, code, sign)
     code = jnp.where(is_inf, inf_result, code)
@@ -406,7 +410,7 @@ def _encode_e8m0_nearest(u):
     return jnp.where(no_code, jnp.uint32(0xFF), code).astype(jnp.int32)
 
 
-def encode_stochastic(fmt: ElementFormat, u, overflow: str, rng, scale_exp=None,
+def encode_stochastic(fmt: ElementFormat, u, overflow: Union[str, Overflow], rng, scale_exp=None,
                       assume_finite: bool = False):
     """Stochastic :func:`encode_bits` of float patterns ``u`` with ``rng = (key, words)``.
 
@@ -424,7 +428,7 @@ def encode_stochastic(fmt: ElementFormat, u, overflow: str, rng, scale_exp=None,
     key, words = rng
 
     def enc(bits, r32, se):
-        return encode_bits(fmt, bits, "stochastic", overflow, r32, scale_exp=se,
+        return encode_bits(fmt, bits, Rounding.STOCHASTIC, overflow, r32, scale_exp=se,
                            assume_finite=assume_finite)
 
     if words is not None:
@@ -456,11 +460,11 @@ def encode_stochastic(fmt: ElementFormat, u, overflow: str, rng, scale_exp=None,
     return codes.reshape(shape).astype(jnp.int32)
 
 
-def encode_any(fmt: ElementFormat, u, rounding: str, overflow: str, rng, scale_exp=None,
-               assume_finite: bool = False):
+def encode_any(fmt: ElementFormat, u, rounding: Union[str, Rounding],
+               overflow: Union[str, Overflow], rng, scale_exp=None, assume_finite: bool = False):
     """:func:`encode_bits` for every mode; stochastic rounding draws its words from
     ``rng = (key, words)`` (see :func:`encode_stochastic`), the other modes ignore it."""
-    if rounding == "stochastic":
+    if Rounding(rounding) is Rounding.STOCHASTIC:
         return encode_stochastic(fmt, u, overflow, rng, scale_exp, assume_finite)
     return encode_bits(fmt, u, rounding, overflow, None, scale_exp=scale_exp,
                        assume_finite=assume_finite)
@@ -492,8 +496,8 @@ def encode(
     x,
     fmt: ElementFormatLike,
     *,
-    rounding: str = "nearest_even",
-    overflow: str = "ieee",
+    rounding: Union[str, Rounding] = "nearest_even",
+    overflow: Union[str, Overflow] = "ieee",
     key: Optional[jax.Array] = None,
     random_bits: Optional[jax.Array] = None,
 ) -> jax.Array:
@@ -509,10 +513,11 @@ def encode(
         ``"e5m2"``, ``"e2m1"``, ``"e8m0"``, ``"e4m3fnuz"``, ``"e2m3"``, ...: any name or alias
         of ``formats/elements.json``, such as the ml_dtypes name ``"float8_e4m3fn"``, or a
         P3109 name such as ``"p3109_k8p3se"``).
-      rounding: ``"nearest_even"`` (default), ``"nearest_away"``, ``"toward_zero"``,
-        ``"up"``, ``"down"``, ``"stochastic"`` (needs ``key`` or ``random_bits``); for
-        e8m0 also ``"floor"`` and ``"ceil"`` (= down / up to a power of two).
-      overflow: ``"ieee"`` (default; equals ml_dtypes ``astype``: e4m3 overflow → NaN,
+      rounding: a :class:`~lowprec.Rounding` member or its name: ``"nearest_even"``
+        (default), ``"nearest_away"``, ``"toward_zero"``, ``"up"``, ``"down"``,
+        ``"stochastic"`` (needs ``key`` or ``random_bits``); for e8m0 also ``"floor"`` and
+        ``"ceil"`` (= down / up to a power of two).
+      overflow: an :class:`~lowprec.Overflow` member or its name: ``"ieee"`` (default; equals ml_dtypes ``astype``: e4m3 overflow → NaN,
         e5m2/fp16/bf16/tf32/e4m3ieee/e3m4 → ±inf, the fnuz formats → their NaN 0x80, e2m1 and
         FP6 saturate, e8m0 → 0xFF; directed modes follow IEEE 754 §7.4 and round toward zero
         to ±max) or ``"saturate"`` (±max, also for ±inf).
@@ -752,8 +757,8 @@ def quantize(
     x,
     fmt: ElementFormatLike,
     *,
-    rounding: str = "nearest_even",
-    overflow: str = "ieee",
+    rounding: Union[str, Rounding] = "nearest_even",
+    overflow: Union[str, Overflow] = "ieee",
     key: Optional[jax.Array] = None,
     random_bits: Optional[jax.Array] = None,
     dtype=None,
