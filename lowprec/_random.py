@@ -97,7 +97,7 @@ def philox2x32(key, x0, x1):
 # and rounds away from zero iff r_i < frac_i · 2^16. One Philox evaluation serves four
 # elements; encoders that write codes of at most 16 bits compute it once per four (or two)
 # elements by packing the codes of neighbouring elements into one uint32 (see
-# ``_codec.encode_stochastic``), which is what makes key= fast. Caller-supplied 32-bit
+# ``_encode_stochastic.encode_stochastic``), which is what makes key= fast. Caller-supplied 32-bit
 # words use the same rule with 2^32.
 WORD_BITS = 16
 WORDS_PER_HASH = 4  # 64 output bits of Philox2x32 / 16

@@ -30,7 +30,7 @@ from helpers.asserts import assert_codes_equal, assert_same_floats
 from helpers.codecs import reference_words, replay_random_bits
 from helpers.inputs import adversarial
 from helpers.mx import element_codes, f64_to_f32_exact
-from lowprec import _codec, _mx, _random
+from lowprec import _decode, _dtypes, _encode, _encode_fast, _mx, _random
 
 ELEMENTS = tuple(lowprec_formats.ELEMENT_FORMATS)
 MX = tuple(lowprec_formats.MX_FORMATS)
@@ -53,26 +53,26 @@ def _general(fmt, u32: np.ndarray, rounding: str, words=None) -> np.ndarray:
     float64 input; every float32 is a float64, rounded once from its exact value)."""
     f = lowprec.element_format(fmt)
     with jax.enable_x64(True):
-        u = _codec._f32_bits_to_f64(jnp.asarray(u32))
+        u = _dtypes.f32_bits_to_f64(jnp.asarray(u32))
         u64 = lax.bitcast_convert_type(u, jnp.uint64)
         w = None if words is None else jnp.asarray(words)
-        return np.asarray(jax.jit(lambda v, r: _codec.encode_bits(f, v, rounding, "ieee", r))(u64, w))
+        return np.asarray(jax.jit(lambda v, r: _encode.encode_bits(f, v, rounding, "ieee", r))(u64, w))
 
 
 def _fast(fmt, u32: np.ndarray, rounding: str, words=None) -> np.ndarray:
     f = lowprec.element_format(fmt)
     w = None if words is None else jnp.asarray(words)
     return np.asarray(
-        jax.jit(lambda v, r: _codec.encode_bits(f, v, rounding, "ieee", r))(jnp.asarray(u32), w)
+        jax.jit(lambda v, r: _encode.encode_bits(f, v, rounding, "ieee", r))(jnp.asarray(u32), w)
     )
 
 
 def _fast_modes(fmt: str):
     f = lowprec.element_format(fmt)
     modes = []
-    if _codec._rebias_encodable(f):
+    if _encode_fast.rebias_encodable(f):
         modes += ["nearest_even", "stochastic"]
-    if _codec._is_e8m0(f):
+    if _encode_fast.is_e8m0(f):
         modes += ["nearest_even", "nearest_away"]
     return modes
 
@@ -101,8 +101,8 @@ def test_fast_encode_equals_the_general_encoder(fmt):
 def test_decode_by_subtraction_equals_the_integer_decode(fmt):
     f = lowprec.element_format(fmt)
     codes = jnp.arange(1 << min(f.code_bits, 16), dtype=jnp.uint32)
-    want = np.asarray(_codec.decode_bits(f, codes))
-    for got in (_codec.decode_f32(f, codes), jax.jit(lambda c: _codec.decode_f32(f, c))(codes)):
+    want = np.asarray(_decode.decode_bits(f, codes))
+    for got in (_decode.decode_f32(f, codes), jax.jit(lambda c: _decode.decode_f32(f, c))(codes)):
         assert_codes_equal(np.asarray(got).view(np.uint32), want, None, fmt)
 
 
