@@ -37,7 +37,8 @@ from ._qdot import BACKWARD_MODES, OPERAND_FORMAT_NAMES
 from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES, Recipe
 from ._rules import Rule, Rules
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
-from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES, random_bits
+from ._random import random_bits
+from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES, Overflow, Rounding
 from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
 
 #: Block sizes every block format accepts (``mx_format(fmt, block_size=...)``).
@@ -67,6 +68,7 @@ __all__ = [
     "OCP_MXFP8",
     "RECIPES",
     "Recipe",
+    "Rounding",
     "Rule",
     "Rules",
     "DelayedScaling",
@@ -76,6 +78,7 @@ __all__ = [
     "MX_FORMAT_NAMES",
     "OPERAND_FORMAT_NAMES",
     "OVERFLOW_POLICIES",
+    "Overflow",
     "ROUNDING_MODES",
     "SCALE_RULES",
     "ElementFormat",

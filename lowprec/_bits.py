@@ -10,23 +10,47 @@ import jax.numpy as jnp
 from jax import lax
 
 # -- binary32 layout: 1 sign bit, 8 exponent bits (bias 127), 23 mantissa bits -------------
+F32_EXP_BITS = 8
 F32_MANT_BITS = 23
-F32_BIAS = 127
+F32_BIAS = 127  # 2^(8 - 1) - 1
+F32_SIGN_SHIFT = 31  # 8 + 23: the position of the sign bit
+F32_EXP_MAX = 0xFF  # (1 << 8) - 1: the exponent field of inf and NaN
+F32_EMIN = 1 - F32_BIAS  # -126: the exponent of the smallest normal (field 1)
+F32_EMAX = 0xFE - F32_BIAS  # 127: the exponent of the largest binade (field 0xFE)
 F32_SIGN = 0x8000_0000  # 1 << 31
 F32_ABS = 0x7FFF_FFFF  # every bit below the sign
 F32_MANT = 0x007F_FFFF  # (1 << 23) - 1
 F32_IMPLICIT = 0x0080_0000  # 1 << 23: the implicit leading bit of a normal significand
+F32_MANT_MSB = 0x0040_0000  # 1 << 22: the top mantissa bit (half an ulp of the binade
+# above; a NaN's quiet bit; alone in a pattern, the subnormal 2^-127)
 F32_INF = 0x7F80_0000  # exponent field all ones (0xFF << 23), mantissa 0
 F32_QNAN = 0x7FC0_0000  # F32_INF | 1 << 22: the canonical quiet NaN
 F32_MAX = 0x7F7F_FFFF  # (2 - 2^-23) * 2^127
 # Unbiased exponent of the last bit of a float32 subnormal: 2^-149 = 2^(1 - 127 - 23).
 F32_MIN_LSB_EXP = 1 - F32_BIAS - F32_MANT_BITS
 
+# -- binary64 layout: 1 sign bit, 11 exponent bits (bias 1023), 52 mantissa bits ------------
+F64_MANT_BITS = 52
+F64_BIAS = 1023  # 2^(11 - 1) - 1
+F64_SIGN_SHIFT = 63  # 11 + 52
+F64_EXP_MAX = 0x7FF  # (1 << 11) - 1: the exponent field of inf and NaN
+
 # -- E8M0, the MX scale format: code k is 2^(k - 127); 0xFF is NaN ---------------------------
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
-E8M0_MAX_EXP = 127  # code 0xFE
-E8M0_MIN_EXP = -127  # code 0x00
+E8M0_MAX_EXP = 0xFE - E8M0_BIAS  # 127: code 0xFE
+E8M0_MIN_EXP = -E8M0_BIAS  # -127: code 0x00
+
+
+def exponent_addend(delta: int) -> int:
+    """The uint32 that adds ``delta`` (any sign) to a float32 pattern's exponent field:
+    ``delta << 23`` modulo 2^32, so a negative ``delta`` wraps to the subtraction.
+
+    Example:
+        >>> hex(exponent_addend(1)), hex(exponent_addend(-1))
+        ('0x800000', '0xff800000')
+    """
+    return (delta << F32_MANT_BITS) % (1 << (F32_SIGN_SHIFT + 1))
 
 
 def f32_bits(x):
@@ -61,7 +85,7 @@ def floor_log2_bits(bits):
     sig = jnp.where(efield > 0, (bits & F32_MANT) | F32_IMPLICIT, bits & F32_MANT)
     # For a normal v the leading bit of sig is bit 23 (clz = 8); each step lower is one binade.
     lsb_exp = jnp.maximum(efield, 1) - (F32_BIAS + F32_MANT_BITS)
-    return lsb_exp + 31 - clz(sig)
+    return lsb_exp + F32_SIGN_SHIFT - clz(sig)  # bit 31 - clz: sig's leading bit
 
 
 def pow2_f32(n):
@@ -72,10 +96,12 @@ def pow2_f32(n):
         [1.0, 1.7014118346046923e+38, inf]
     """
     n = jnp.asarray(n, jnp.int32)
-    normal = lax.shift_left(jnp.clip(n + F32_BIAS, 1, 254).astype(jnp.uint32), jnp.uint32(23))
-    sub = lax.shift_left(jnp.uint32(1), jnp.clip(n - F32_MIN_LSB_EXP, 0, 22).astype(jnp.uint32))
-    bits = jnp.where(n >= 1 - F32_BIAS, normal, jnp.where(n >= F32_MIN_LSB_EXP, sub, jnp.uint32(0)))
-    bits = jnp.where(n > 127, jnp.uint32(F32_INF), bits)
+    field = jnp.clip(n + F32_BIAS, 1, F32_EXP_MAX - 1).astype(jnp.uint32)
+    normal = lax.shift_left(field, jnp.uint32(F32_MANT_BITS))
+    sub_bit = jnp.clip(n - F32_MIN_LSB_EXP, 0, F32_MANT_BITS - 1).astype(jnp.uint32)
+    sub = lax.shift_left(jnp.uint32(1), sub_bit)
+    bits = jnp.where(n >= F32_EMIN, normal, jnp.where(n >= F32_MIN_LSB_EXP, sub, jnp.uint32(0)))
+    bits = jnp.where(n > F32_EMAX, jnp.uint32(F32_INF), bits)
     return bits_to_f32(bits)
 
 
@@ -103,11 +129,12 @@ def scale_bits_by_e8m0(value_bits, scale_codes):
     ef = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32)
     nf = ef + scale_codes.astype(jnp.int32) - E8M0_BIAS
     mant = mag & F32_MANT
-    normal = lax.shift_left(jnp.clip(nf, 0, 255).astype(jnp.uint32), jnp.uint32(23)) | mant
+    field = jnp.clip(nf, 0, F32_EXP_MAX).astype(jnp.uint32)
+    normal = lax.shift_left(field, jnp.uint32(F32_MANT_BITS)) | mant
     # Results below 2^-126: shift the significand into the subnormal field; nothing is lost
     # because element values sit far above float32's last bit.
     sub = lax.shift_right_logical(mant | F32_IMPLICIT, jnp.clip(1 - nf, 0, 31).astype(jnp.uint32))
-    out = jnp.where(nf >= 1, jnp.where(nf >= 255, jnp.uint32(F32_INF), normal), sub)
+    out = jnp.where(nf >= 1, jnp.where(nf >= F32_EXP_MAX, jnp.uint32(F32_INF), normal), sub)
     out = jnp.where(mag == 0, jnp.uint32(0), out)
     out = jnp.where(mag == F32_INF, jnp.uint32(F32_INF), out)
     nan = (mag > F32_INF) | (scale_codes == E8M0_NAN)

@@ -10,12 +10,12 @@ import operator
 import jax.numpy as jnp
 import numpy as np
 
-from ._codec import _WIDENED_AS, input_bits
+from ._dtypes import WIDENED_AS, input_bits
 from ._format import MXFormat
 
 # Block formats read float32 (or narrower: float16, bfloat16, the ml_dtypes floats, all
 # widened exactly) input; float64 would need its own block max.
-_BLOCK_INPUT_DTYPES = (np.dtype(np.float32), *_WIDENED_AS)
+_BLOCK_INPUT_DTYPES = (np.dtype(np.float32), *WIDENED_AS)
 
 
 def normalize_axis(axis, ndim: int, what: str = "axis") -> int:

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._bits import bits_to_f32, f32_bits
-from ._codec import bits_to_dtype, input_bits, quantize
+from ._codec import quantize
+from ._dtypes import bits_to_dtype, input_bits
 from ._format import ElementFormat, element_format
 
 __all__ = ["DelayedScaling", "DelayedState", "delayed_dot_general"]

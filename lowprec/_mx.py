@@ -40,14 +40,9 @@ from ._blocks import (
     padded_bits,
     split_blocks,
 )
-from ._codec import (
-    bits_to_dtype,
-    check_float_dtype,
-    decode_bits,
-    decode_f32,
-    encode_any,
-    host_decode,
-)
+from ._decode import decode_bits, decode_f32
+from ._dtypes import bits_to_dtype, check_float_dtype, host_decode
+from ._encode_stochastic import encode_any
 from ._format import MXFormat, MXFormatLike, array_then_format, mx_format
 from ._options import MXCast, check_no_scale_rule, check_random_bits, check_tensor_scale
 from ._pack import pack_along, unpack_along

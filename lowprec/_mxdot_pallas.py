@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._blocks import merge_blocks, split_blocks
-from ._codec import decode_f32
+from ._decode import decode_f32
 from ._format import MXFormat
 
 MX_BLOCK = 32

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._bits import F32_ABS, F32_INF, F32_MANT, F32_MANT_BITS, F32_SIGN
-from ._codec import decode_bits, encode_bits
+from ._decode import decode_bits
+from ._encode import encode_bits
 from ._format import ElementFormat
 from ._rounding import round_shift
 

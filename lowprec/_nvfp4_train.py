@@ -61,10 +61,12 @@ from jax import lax
 
 from . import _nvfp4
 from ._bits import F32_ABS, F32_INF, bits_to_f32, f32_bits
-from ._codec import bits_to_dtype, decode_bits, encode_bits, input_bits
+from ._decode import decode_bits
+from ._dtypes import bits_to_dtype, input_bits
+from ._encode import encode_bits
 from ._format import mx_format
 from ._mx import dequantize, finite_amax_bits, quantize_mx
-from ._rounding import random_bits
+from ._random import random_bits
 from ._sharding import explicit_sharding
 
 TILE = 16  # NVFP4 block length, and the side of weight tiles and of the Hadamard blocks

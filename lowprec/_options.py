@@ -34,12 +34,12 @@ def _check_key(rounding: str, key, random_bits=None) -> None:
         )
     if rounding != "stochastic" and key is not None:
         raise ValueError(
-            f"key is only used by rounding='stochastic', but rounding={rounding!r}; "
+            f"key is only used by rounding='stochastic', but rounding={str(rounding)!r}; "
             "drop the key or choose rounding='stochastic'"
         )
     if rounding != "stochastic" and random_bits is not None:
         raise ValueError(
-            f"random_bits is only used by rounding='stochastic', but rounding={rounding!r}; "
+            f"random_bits is only used by rounding='stochastic', but rounding={str(rounding)!r}; "
             "drop random_bits or choose rounding='stochastic'"
         )
 
@@ -85,7 +85,8 @@ class ElementCast(_Randomness):
 
     Example:
         >>> ElementCast("e8m0", rounding="floor")
-        ElementCast(fmt=ElementFormat('e8m0'), rounding='down', overflow='ieee')
+        ElementCast(fmt=ElementFormat('e8m0'), rounding=<Rounding.DOWN: 'down'>,
+                    overflow=<Overflow.IEEE: 'ieee'>)
     """
 
     fmt: ElementFormat
@@ -140,7 +141,8 @@ class MXCast(_Randomness):
 
     Example:
         >>> MXCast("mxfp8", scale_rule="rceil")
-        MXCast(fmt=MXFormat('mxfp8_e4m3'), scale_rule=<ScaleRule.RCEIL: 'rceil'>, rounding='nearest_even', nvfp4_step=None)
+        MXCast(fmt=MXFormat('mxfp8_e4m3'), scale_rule=<ScaleRule.RCEIL: 'rceil'>,
+               rounding=<Rounding.NEAREST_EVEN: 'nearest_even'>, nvfp4_step=None)
         >>> c = MXCast("nvfp4")
         >>> c.scale_rule is None, c.nvfp4_step
         (True, 'divide')

@@ -53,7 +53,9 @@ import lowprec_formats as _data
 
 from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
 from ._blocks import padded_bits
-from ._codec import bits_to_dtype, decode_bits, encode_bits, exactly_representable, input_bits
+from ._decode import decode_bits
+from ._dtypes import bits_to_dtype, exactly_representable, input_bits
+from ._encode import encode_bits
 from ._format import ElementFormat, FormatLike, MXFormat, resolve_format
 from . import _gemv
 from ._gemv import decode_time_route, on_cuda

@@ -26,7 +26,8 @@ from jax import lax
 
 from ._bits import scale_bits_by_e8m0
 from ._blocks import merge_blocks, split_blocks
-from ._codec import bits_to_dtype, decode_bits, input_bits
+from ._decode import decode_bits
+from ._dtypes import bits_to_dtype, input_bits
 from ._mx import quantize_blocks
 from ._options import MXCast
 

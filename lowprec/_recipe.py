@@ -47,7 +47,7 @@ from jax import lax
 
 from ._bits import E8M0_BIAS, bits_to_f32
 from ._format import ElementFormat, MXFormat
-from ._codec import input_bits
+from ._dtypes import input_bits
 from ._matmul import dot_general
 from ._nvfp4_train import check_layout, nvfp4_train_dot
 from ._qdot import _operand_cast

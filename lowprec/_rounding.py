@@ -1,17 +1,19 @@
-"""Rounding modes and overflow policies: names, validation, the integer rounding step, and
-the random words of stochastic rounding.
+"""Rounding modes and overflow policies: the :class:`Rounding` and :class:`Overflow` enums,
+their validation, and the integer rounding step.
 
-Every mode is a named string; :func:`round_shift` is the one place that decides, from the
-bits shifted out of an integer significand, whether to round the magnitude up. The checks
-here are called only by the option objects of ``_options.py``. :func:`random_bits` is the
-generator behind ``key=`` (docs/design.md §2 states its contract).
+Modes and policies are ``str``-valued enums, so ``"up"`` and ``Rounding.UP`` are
+interchangeable wherever lowprec takes a rounding. :func:`round_shift` is the one place that
+decides, from the bits shifted out of an integer significand, whether to round the magnitude
+up; the encoders ask the members what else depends on the mode (:attr:`Rounding.nearest`,
+:meth:`Rounding.overflows_to_inf`). The checks here are called only by the option objects of
+``_options.py``. The random words of stochastic rounding come from ``_random.py``.
 """
 
 from __future__ import annotations
 
-import math
+import enum
+from typing import Union
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -19,95 +21,227 @@ import lowprec_formats as _data
 
 from ._format import ElementFormat
 
+
+class _DocumentedStr(str, enum.Enum):
+    """A ``str`` enum whose members are written ``NAME = (value, docstring)``."""
+
+    def __new__(cls, value: str, doc: str):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.__doc__ = doc
+        return member
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class Rounding(_DocumentedStr):
+    """How a value between two neighbouring values of a format is rounded.
+
+    Members are strings, so ``"up"`` and ``Rounding.UP`` are interchangeable everywhere a
+    rounding is taken; validation returns the member. Each member's own docstring says what
+    it does; what happens beyond the largest finite value is the :class:`Overflow` policy's
+    business, with the mode deciding the direction (IEEE 754 §7.4).
+
+    Example:
+        >>> Rounding("up") is Rounding.UP, Rounding.NEAREST_EVEN == "nearest_even"
+        (True, True)
+    """
+
+    NEAREST_EVEN = (
+        "nearest_even",
+        "To the nearer neighbour; a tie to the one whose significand ends in an even bit (IEEE "
+        "754 roundTiesToEven; in P3109 formats of precision 1 ties compare the codes' last "
+        "bit; E8M0, whose values are powers of two, takes ties up). The default: with "
+        "overflow='ieee' it is ml_dtypes' astype bit for bit.",
+    )
+    NEAREST_AWAY = (
+        "nearest_away",
+        "To the nearer neighbour; a tie to the one of larger magnitude (IEEE 754 "
+        "roundTiesToAway; microxcaling's 'nearest'; NVIDIA's cvt.rna.tf32.f32 for TF32).",
+    )
+    TOWARD_ZERO = (
+        "toward_zero",
+        "To the neighbour of smaller magnitude (truncation). A finite value beyond the "
+        "largest rounds to ±max under either overflow policy.",
+    )
+    UP = (
+        "up",
+        "To the neighbour toward +infinity (the smaller magnitude for negative values). "
+        "Beyond the largest finite value, positive values overflow as the nearest modes do "
+        "(overflow='ieee') and negative ones round to -max.",
+    )
+    DOWN = (
+        "down",
+        "To the neighbour toward -infinity (the smaller magnitude for positive values). "
+        "Beyond the largest finite value, negative values overflow as the nearest modes do "
+        "(overflow='ieee') and positive ones round to +max.",
+    )
+    STOCHASTIC = (
+        "stochastic",
+        "Away from zero with probability equal to the value's distance from the neighbour "
+        "of smaller magnitude, in units of the gap, resolved to 16 bits: element i rounds "
+        "away iff its word r_i < frac_i * 2**16 (words from key= as lowprec.random_bits "
+        "draws them, or caller random_bits=; caller uint32 words compare with "
+        "frac_i * 2**32). Needs key= or random_bits=. Overflows as the nearest modes do.",
+    )
+    FLOOR = (
+        "floor",
+        "E8M0 only: the largest power of two not above the value, the MX floor rule; "
+        "validation turns it into DOWN (the same thing for this unsigned format).",
+    )
+    CEIL = (
+        "ceil",
+        "E8M0 only: the smallest power of two not below the value; validation turns it "
+        "into UP (the same thing for this unsigned format).",
+    )
+
+    @property
+    def nearest(self) -> bool:
+        """Whether the mode rounds to the nearer neighbour (``NEAREST_EVEN``, ``NEAREST_AWAY``)."""
+        return self in (Rounding.NEAREST_EVEN, Rounding.NEAREST_AWAY)
+
+    @property
+    def directed(self) -> bool:
+        """Whether the mode rounds in a fixed direction (``TOWARD_ZERO``, ``UP``, ``DOWN``;
+        validation has already turned E8M0's ``FLOOR``/``CEIL`` into ``DOWN``/``UP``)."""
+        return self in (Rounding.TOWARD_ZERO, Rounding.UP, Rounding.DOWN)
+
+    def away_from_zero(self, sign):
+        """For a directed mode: whether a magnitude with ``sign`` (1: negative) rounds away
+        from zero, as a bool array of ``sign``'s shape (never for ``TOWARD_ZERO``; for
+        positive values under ``UP``, negative ones under ``DOWN``)."""
+        if self is Rounding.UP:
+            return sign == 0
+        if self is Rounding.DOWN:
+            return sign != 0
+        if self is Rounding.TOWARD_ZERO:
+            return jnp.zeros_like(sign, dtype=bool)  # *_like: keeps sign's sharding
+        raise AssertionError(f"{self} is not a directed mode")
+
+    def overflows_to_inf(self, sign):
+        """IEEE 754 §7.4: whether a result beyond the largest finite value goes to infinity
+        (True) or to ±max, as a bool array of ``sign``'s shape.
+
+        The nearest modes and stochastic rounding carry to infinity; a directed mode does
+        exactly where it rounds the magnitude away from zero.
+        """
+        if self.nearest or self is Rounding.STOCHASTIC:
+            return jnp.ones_like(sign, dtype=bool)  # *_like: keeps sign's sharding
+        return self.away_from_zero(sign)
+
+
+class Overflow(_DocumentedStr):
+    """What an encoder does with values beyond a format's largest finite value, and with ±inf.
+
+    Members are strings, so ``"saturate"`` and ``Overflow.SATURATE`` are interchangeable.
+
+    Example:
+        >>> Overflow("ieee") is Overflow.IEEE
+        True
+    """
+
+    IEEE = (
+        "ieee",
+        "What ml_dtypes' astype does (the default): beyond the largest finite value, and for "
+        "±inf, the format's overflow code: ±inf where it has infinities (fp16, bf16, e5m2, "
+        "...), its NaN where it has a NaN but no infinity (e4m3, the fnuz formats, e8m0), "
+        "±max where it has neither (e2m1, FP6). Finite values go there only where the "
+        "rounding mode rounds away from zero (IEEE 754 §7.4); otherwise they round to ±max.",
+    )
+    SATURATE = (
+        "saturate",
+        "Finite values beyond the largest and ±inf clamp to ±max finite, in every rounding "
+        "mode. NaN stays the format's NaN (formats without one give a zero, as under 'ieee').",
+    )
+
+
 ROUNDING_MODES: tuple[str, ...] = _data.ROUNDING_MODES
 OVERFLOW_POLICIES: tuple[str, ...] = _data.OVERFLOW_POLICIES
 
 # E8M0 is unsigned, so rounding to a power of two below/above is exactly down/up.
-_E8M0_ALIASES = {"floor": "down", "ceil": "up"}
+_E8M0_ALIASES = {Rounding.FLOOR: Rounding.DOWN, Rounding.CEIL: Rounding.UP}
+
+assert tuple(r.value for r in Rounding if r not in _E8M0_ALIASES) == ROUNDING_MODES, (
+    "formats/ lists other rounding modes")
+assert tuple(p.value for p in Overflow) == OVERFLOW_POLICIES, "formats/ lists other policies"
 
 
-def check_rounding(fmt: ElementFormat, rounding: str) -> str:
-    """Validates ``rounding`` for ``fmt``; returns the canonical mode name.
+def check_rounding(fmt: ElementFormat, rounding: Union[str, Rounding]) -> Rounding:
+    """Validates ``rounding`` for ``fmt``; returns its :class:`Rounding` member (E8M0's
+    ``"floor"``/``"ceil"`` as ``DOWN``/``UP``).
 
     Example:
         >>> from lowprec._format import element_format
         >>> check_rounding(element_format("e8m0"), "floor")
-        'down'
+        <Rounding.DOWN: 'down'>
     """
     if not isinstance(rounding, str):
         raise TypeError(f"rounding must be a string, got {rounding!r}; valid modes: {ROUNDING_MODES}")
-    if rounding in _E8M0_ALIASES:
-        if fmt.signed or fmt.mantissa_bits:
+    e8m0_only = fmt.signed or fmt.mantissa_bits
+    try:
+        member = Rounding(rounding)
+    except ValueError:
+        extra = " (and 'floor'/'ceil' for e8m0)" if e8m0_only else ", 'floor', 'ceil'"
+        raise ValueError(
+            f"unknown rounding mode {rounding!r}; valid modes: {ROUNDING_MODES}{extra}"
+        ) from None
+    if member in _E8M0_ALIASES:
+        if e8m0_only:
             raise ValueError(
-                f"rounding={rounding!r} is only defined for the E8M0 scale format (powers of "
-                f"two), not {fmt.name!r}; use 'down' or 'up' for directed rounding. "
+                f"rounding={member.value!r} is only defined for the E8M0 scale format (powers "
+                f"of two), not {fmt.name!r}; use 'down' or 'up' for directed rounding. "
                 f"Valid modes: {ROUNDING_MODES}"
             )
-        return _E8M0_ALIASES[rounding]
-    if rounding not in ROUNDING_MODES:
-        extra = " (and 'floor'/'ceil' for e8m0)" if fmt.signed or fmt.mantissa_bits else ", 'floor', 'ceil'"
-        raise ValueError(f"unknown rounding mode {rounding!r}; valid modes: {ROUNDING_MODES}{extra}")
-    return rounding
+        return _E8M0_ALIASES[member]
+    return member
 
 
-def check_overflow(overflow: str) -> str:
-    """Validates an overflow policy name (``"ieee"`` or ``"saturate"``)."""
-    if overflow not in OVERFLOW_POLICIES:
+def check_overflow(overflow: Union[str, Overflow]) -> Overflow:
+    """Validates an overflow policy (``"ieee"`` or ``"saturate"``); returns its member."""
+    try:
+        return Overflow(overflow)
+    except (ValueError, TypeError):
         raise ValueError(
             f"unknown overflow policy {overflow!r}; valid policies: {OVERFLOW_POLICIES}"
-        )
-    return overflow
+        ) from None
 
 
-def rounds_away_on_overflow(rounding: str, sign):
-    """IEEE 754 §7.4: whether an overflowing result goes to infinity (True) or ±max.
-
-    Round-to-nearest modes (and stochastic) carry to infinity; ``toward_zero`` never does;
-    ``up`` does for positive values and ``down`` for negative ones.
-    """
-    if rounding in ("nearest_even", "nearest_away", "stochastic"):
-        return jnp.ones_like(sign, dtype=bool)  # *_like: keeps sign's sharding
-    if rounding == "toward_zero":
-        return jnp.zeros_like(sign, dtype=bool)
-    if rounding == "up":
-        return sign == 0
-    if rounding == "down":
-        return sign != 0
-    raise AssertionError(rounding)
-
-
-def round_shift(sig, shift, sign, rounding: str, random_bits=None):
+def round_shift(sig, shift, sign, rounding: Union[str, Rounding], random_bits=None):
     """Shifts the unsigned significand ``sig`` right by ``shift`` bits, rounding as named.
 
     Args:
       sig: unsigned integer array (uint32 or uint64), the magnitude in units of 2^k.
       shift: int32 array, ≥ 1, number of low bits to drop (may exceed the width).
       sign: uint array, 1 for negative values (directed modes depend on it).
-      rounding: canonical mode name.
+      rounding: a canonical mode (a :class:`Rounding` member or its value; not FLOOR/CEIL).
       random_bits: uint32 array, one word r per element (stochastic only): the magnitude
         rounds up iff r < frac × 2^32, frac being the dropped fraction.
 
     Returns:
       int32 array: the rounded magnitude in units of 2^(k + shift).
     """
+    rounding = Rounding(rounding)
     udt = sig.dtype
     width = jnp.iinfo(udt).bits
     one = jnp.asarray(1, udt)
     # Clamping keeps every shift in range; at width-1 the whole significand (< 2^(width-1))
     # lies below the half point, so the classification of what was dropped is unchanged.
     s = jnp.minimum(shift, width - 1).astype(udt)
-    if rounding != "stochastic":
+    if rounding is not Rounding.STOCHASTIC:
         # Round by adding a bias below the cut, then shifting: the carry does the rest.
         # sig < 2^(width-1) (a magnitude) and bias <= 2^s - 1 < 2^(width-1): no wrap-around.
-        if rounding == "nearest_even":  # half - 1, plus 1 when the kept lsb is odd
+        if rounding is Rounding.NEAREST_EVEN:  # half - 1, plus 1 when the kept lsb is odd
             bias = lax.shift_left(one, s - one) - one + (lax.shift_right_logical(sig, s) & one)
-        elif rounding == "nearest_away":
+        elif rounding is Rounding.NEAREST_AWAY:
             bias = lax.shift_left(one, s - one)
-        elif rounding == "toward_zero":
+        elif rounding is Rounding.TOWARD_ZERO:
             bias = jnp.zeros((), udt)
-        elif rounding in ("up", "down"):
-            away = (sign == 0) if rounding == "up" else (sign != 0)
-            bias = jnp.where(away, lax.shift_left(one, s) - one, jnp.zeros((), udt))
+        elif rounding.directed:  # UP, DOWN: all ones below the cut where it rounds away
+            bias = jnp.where(rounding.away_from_zero(sign), lax.shift_left(one, s) - one,
+                             jnp.zeros((), udt))
         else:
             raise AssertionError(rounding)
         return lax.shift_right_logical(sig + bias, s).astype(jnp.int32)
@@ -123,172 +257,3 @@ def round_shift(sig, shift, sign, rounding: str, random_bits=None):
     thr_big = jnp.where(rem == 0, 0, lax.shift_right_logical(rem - one, k) + one).astype(udt)
     up = r < jnp.where(small, thr_small, thr_big)
     return q.astype(jnp.int32) + up.astype(jnp.int32)
-
-
-# -- the random words of stochastic rounding ------------------------------------------------
-#
-# Philox2x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3",
-# SC 2011; the Random123 library): a counter-based generator, so word i is a pure function of
-# (key, i) and one evaluation per element fuses into the encode that consumes it. On CPU this
-# costs about a tenth of what jax.random.bits' default threefry does there (threefry runs as
-# a rolled XLA loop on CPU). One round maps the counter (x0, x1) and key k to
-# (hi(M·x0) ^ x1 ^ k, lo(M·x0)), and the key grows by W between rounds; constants from
-# Random123's philox.h.
-PHILOX_M2x32 = 0xD256D193  # the round multiplier
-PHILOX_W32 = 0x9E3779B9  # the key increment, 2^32 / golden ratio rounded to odd
-PHILOX_ROUNDS = 10
-
-
-def _mulhi(a, m: int):
-    """High 32 bits of the 64-bit product of uint32 ``a`` and the constant ``m``.
-
-    ``lax.mulhi`` where it works: on CPU it is one vector multiply-high, and the whole
-    stochastic encode runs 1.8x faster with it than with the 16-bit schoolbook product
-    (e4m3: 1,170 vs 640 Melem/s). JAX versions without it, and processes with several
-    devices (its lowering fails on partitioned arrays in JAX 0.10), take
-    :func:`_mulhi_halves`; both give the same bits (tests/test_fast_paths.py).
-    """
-    if _lax_mulhi_lowers(a):
-        return lax.mulhi(a, lax.full_like(a, m))
-    return _mulhi_halves(a, m)
-
-
-def _lax_mulhi_lowers(a) -> bool:
-    """Whether ``lax.mulhi`` exists and ``a`` cannot be partitioned: one device in the
-    process and no Explicit/Manual mesh axes (static)."""
-    if not hasattr(lax, "mulhi"):
-        return False
-    # XLA's partitioner cannot lower chlo.mulhi in JAX 0.10 (MHLO→StableHLO fails on the
-    # sharded op), and a traced array on Auto axes shows no mesh at trace time: with more
-    # than one device in the process the array may be partitioned, so take the halves.
-    if jax.device_count() > 1:
-        return False
-    try:
-        types = tuple(jax.typeof(a).sharding.mesh.axis_types)
-    except AttributeError:  # a JAX without typed shardings: no explicit axes either
-        return True
-    return all(t == jax.sharding.AxisType.Auto for t in types)
-
-
-def _mulhi_halves(a, m: int):
-    """:func:`_mulhi` as the schoolbook product of 16-bit halves, every partial sum within
-    32 bits."""
-    mask = jnp.uint32(0xFFFF)
-    a_lo, a_hi = a & mask, lax.shift_right_logical(a, jnp.uint32(16))
-    m_lo, m_hi = jnp.uint32(m & 0xFFFF), jnp.uint32(m >> 16)
-    mid = a_hi * m_lo + lax.shift_right_logical(a_lo * m_lo, jnp.uint32(16))
-    mid2 = a_lo * m_hi + (mid & mask)
-    return (
-        a_hi * m_hi + lax.shift_right_logical(mid, jnp.uint32(16))
-        + lax.shift_right_logical(mid2, jnp.uint32(16))
-    )
-
-
-def philox2x32(key, x0, x1):
-    """Philox2x32-10 of the counters ``(x0, x1)`` under the 32-bit ``key`` (uint32 arrays,
-    broadcast together); returns the two output words.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> z = jnp.uint32(0)
-        >>> [hex(int(w)) for w in philox2x32(z, z, z)]  # Random123's known-answer test
-        ['0xff1dae59', '0x6cd10df2']
-    """
-    key, x0, x1 = (jnp.asarray(v, jnp.uint32) for v in (key, x0, x1))
-    x0, x1 = jnp.broadcast_arrays(x0, x1)
-    for r in range(PHILOX_ROUNDS):
-        if r:
-            key = key + jnp.uint32(PHILOX_W32)
-        lo = x0 * jnp.uint32(PHILOX_M2x32)
-        x0, x1 = _mulhi(x0, PHILOX_M2x32) ^ x1 ^ key, lo
-    return x0, x1
-
-
-# The contract (docs/design.md §2): with key=, element i (row-major) gets the 16-bit word
-#     r_i = bits 16·(i mod 4) .. 16·(i mod 4) + 15 of  out0 | out1 << 32,
-#     (out0, out1) = philox2x32(k0, k1, ⌊i / 4⌋),   (k0, k1) = jax.random.bits(key, (2,), uint32),
-# and rounds away from zero iff r_i < frac_i · 2^16. One Philox evaluation serves four
-# elements; encoders that write codes of at most 16 bits compute it once per four (or two)
-# elements by packing the codes of neighbouring elements into one uint32 (see
-# ``_codec.encode_stochastic``), which is what makes key= fast. Caller-supplied 32-bit
-# words use the same rule with 2^32.
-WORD_BITS = 16
-WORDS_PER_HASH = 4  # 64 output bits of Philox2x32 / 16
-_MAX_ELEMENTS = 2**32  # element indices are uint32
-
-
-def key_words(key):
-    """The two uint32 words drawn from ``key`` that key the generator: (k0, k1)."""
-    k = jax.random.bits(key, (2,), jnp.uint32)
-    return k[0], k[1]
-
-
-def hash_words(k, group):
-    """Philox2x32 output (out0, out1) for the uint32 group indices ``group``: the words of
-    elements 4·group .. 4·group + 3 (16 bits each, lowest first)."""
-    k0, k1 = k
-    return philox2x32(k0, k1, group)
-
-
-def check_size(shape) -> tuple:
-    shape = tuple(int(d) for d in shape)
-    n = math.prod(shape)
-    if n > _MAX_ELEMENTS:
-        raise ValueError(
-            f"stochastic rounding draws at most 2**32 random words per call, but the array "
-            f"has {n} elements (shape {shape}); round it in slices, with a key for each"
-        )
-    return shape
-
-
-def element_words(k, index):
-    """The 16-bit word (as uint32 0..0xFFFF) of each element flat ``index`` (uint32 array)."""
-    out0, out1 = hash_words(k, lax.shift_right_logical(index, jnp.uint32(2)))
-    word = jnp.where((index & 2) != 0, out1, out0)
-    return jnp.where((index & 1) != 0, lax.shift_right_logical(word, jnp.uint32(16)),
-                     word & jnp.uint32(0xFFFF))
-
-
-def random_bits(key, shape) -> jax.Array:
-    """The uint16 words that stochastic rounding with ``key`` uses for an array of ``shape``.
-
-    ``encode``/``quantize``/``quantize_mx``/``fake_quantize_mx`` with
-    ``rounding="stochastic", key=key`` round element i (row-major; the padded shape for MX
-    with ``pad=True``) away from zero iff ``random_bits(key, shape)[i] < frac_i * 2**16``,
-    frac_i being its distance from the value toward zero in units of the gap: it rounds up
-    with probability ⌈frac_i·2^16⌉/2^16, which is frac_i exactly when frac_i is a multiple
-    of 2^-16 (every float32 input to bf16 and fp16 outside their subnormal range) and
-    exceeds it by less than 2^-16 otherwise, so E[q(x)] − x lies in [0, 2^-16·gap) away
-    from zero. Passing ``random_bits=random_bits(key, shape)`` instead of ``key`` gives the
-    same result; your own 32-bit words (``random_bits=`` a uint32 array) use 2^32 instead.
-
-    Word i is 16 bits of Philox2x32-10 (Salmon et al., SC 2011; Random123): with
-    ``k0, k1 = jax.random.bits(key, (2,), jnp.uint32)`` (the only draw from ``key``, so any
-    key type works: threefry, rbg, raw ``uint32[2]``), ``(out0, out1) = philox2x32(k0, k1,
-    i // 4)`` and word i is 16-bit chunk ``i % 4`` of ``out0 | out1 << 32``, lowest first.
-
-    Args:
-      key: a JAX PRNG key (typed or raw).
-      shape: the array shape.
-
-    Returns:
-      uint16 array of ``shape``.
-
-    Example:
-        >>> import jax
-        >>> w = random_bits(jax.random.key(0), (2, 3))
-        >>> w.shape, w.dtype.name
-        ((2, 3), 'uint16')
-    """
-    shape = check_size(shape)
-    n = math.prod(shape)
-    words = element_words(key_words(key), lax.iota(jnp.uint32, n))
-    return words.astype(jnp.uint16).reshape(shape)
-
-
-def as_word32(words):
-    """Caller words as uint32 compared with frac · 2^32: a 16-bit word r is r · 2^16 (the
-    same decision as r < frac · 2^16)."""
-    if words.dtype == jnp.uint16:
-        return lax.shift_left(words.astype(jnp.uint32), jnp.uint32(16))
-    return words.astype(jnp.uint32)

@@ -53,7 +53,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "lowprec.optim needs optax: pip install 'lowprec[training]' (flax and optax)"
     ) from exc
 
-from ._codec import exactly_representable, quantize
+from ._codec import quantize
+from ._dtypes import exactly_representable
 from ._format import ElementFormat, element_format
 
 __all__ = ["LowPrecisionState", "cast_params", "low_precision_params", "storage_dtype"]

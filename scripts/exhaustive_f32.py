@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import lowprec  # noqa: E402
-from lowprec import _codec  # noqa: E402
+from lowprec import _dtypes, _encode, _encode_fast  # noqa: E402
 
 CHUNK = 1 << 22
 
@@ -44,23 +44,23 @@ def check_format(name: str, step: int) -> int:
     f = lowprec.element_format(name)
     dt = f.storage_dtype
     fast_modes = []
-    if _codec._rebias_encodable(f):
+    if _encode_fast.rebias_encodable(f):
         fast_modes += ["nearest_even", "stochastic"]
-    if _codec._is_e8m0(f):
+    if _encode_fast.is_e8m0(f):
         fast_modes += ["nearest_even", "nearest_away"]
 
     default = jax.jit(lambda s: lowprec.encode(
         lax.bitcast_convert_type(s + jnp.arange(CHUNK, dtype=jnp.uint32), jnp.float32), f))
 
     def fast(mode):
-        return jax.jit(lambda s: _codec.encode_bits(
+        return jax.jit(lambda s: _encode.encode_bits(
             f, s + jnp.arange(CHUNK, dtype=jnp.uint32), mode, "ieee",
             _words(s) if mode == "stochastic" else None))
 
     def general(mode):
         def run(s):
-            u = _codec._f32_bits_to_f64(s + jnp.arange(CHUNK, dtype=jnp.uint32))
-            return _codec.encode_bits(f, lax.bitcast_convert_type(u, jnp.uint64), mode, "ieee",
+            u = _dtypes.f32_bits_to_f64(s + jnp.arange(CHUNK, dtype=jnp.uint32))
+            return _encode.encode_bits(f, lax.bitcast_convert_type(u, jnp.uint64), mode, "ieee",
                                       _words(s) if mode == "stochastic" else None)
         return jax.jit(run)
 

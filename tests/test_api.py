@@ -272,7 +272,7 @@ def _all_half(dtype) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["f16", "bf16"])
 def test_widening_every_half_precision_value_matches_numpy(dtype):
-    from lowprec._codec import input_bits
+    from lowprec._dtypes import input_bits
 
     h = _all_half(dtype)
     got = np.asarray(jax.jit(input_bits)(jnp.asarray(h)))

@@ -9,7 +9,7 @@ derivation written next to the case. Parametrization over formats, modes and the
 Contents: exhaustive decode; default mode == ml_dtypes (random float32 bit patterns, every
 float16/bfloat16 value, adversarial sets) and TF32 == reduce_precision; every (format,
 rounding, overflow) on the adversarial sets vs the reference; exact values unchanged;
-monotonicity and bracketing; hand-derived codes; stochastic rounding (documented random
+monotonicity and bracketing; the Rounding/Overflow members; hand-derived codes; stochastic rounding (documented random
 words, neighbours, unbiasedness); shapes, dtypes, float64, vmap; quantize (STE, dtype
 rules); errors.
 """
@@ -386,6 +386,41 @@ def test_e8m0_floor_and_ceil_are_down_and_up(overflow, codec):
             sweep(codec.name, "e8m0", alias, overflow), sweep(codec.name, "e8m0", mode, overflow),
             what=f"e8m0 {alias} vs {mode}",
         )
+
+
+# -- Rounding and Overflow members are the names --------------------------------------------
+
+
+def test_rounding_and_overflow_members_are_the_documented_names():
+    # docs/design.md §2: the six modes and two policies of formats/elements.json, plus E8M0's
+    # floor and ceil. Members are their strings (equal, same hash, str() is the name), and
+    # each documents itself.
+    names = lowprec_formats.ROUNDING_MODES + ("floor", "ceil")
+    assert tuple(m.value for m in lowprec.Rounding) == names
+    assert tuple(p.value for p in lowprec.Overflow) == lowprec_formats.OVERFLOW_POLICIES
+    for enum_type in (lowprec.Rounding, lowprec.Overflow):
+        for member in enum_type:
+            assert enum_type(member.value) is member
+            assert member == member.value and hash(member) == hash(member.value)
+            assert str(member) == f"{member}" == member.value
+            assert member.__doc__ and member.__doc__ != enum_type.__doc__
+
+
+@element_cases(roundings="deterministic", impls=("eager",))
+def test_members_encode_as_the_reference_does_their_names(fmt, rounding, overflow, codec):
+    # Every encoder entry point accepts the members where it accepts the strings.
+    x = adversarial(fmt)
+    got = codec.encode(fmt, x, lowprec.Rounding(rounding), lowprec.Overflow(overflow))
+    assert_codes_equal(got, sweep("reference", fmt, rounding, overflow), x,
+                       f"{fmt} {rounding} {overflow}")
+
+
+def test_validation_returns_members():
+    from lowprec._options import ElementCast
+
+    cast = ElementCast("e8m0", "floor", "saturate")
+    assert cast.rounding is lowprec.Rounding.DOWN and cast.overflow is lowprec.Overflow.SATURATE
+    assert ElementCast("e8m0", lowprec.Rounding.CEIL).rounding is lowprec.Rounding.UP
 
 
 # ============================================================================================
@@ -931,6 +966,8 @@ LOWPREC_ERRORS = [
      r"'floor'.*'e4m3'"),
     ("ceil on fp16", lambda: lowprec.quantize(X, "fp16", rounding="ceil"), ValueError,
      r"'ceil'.*'fp16'"),
+    ("Rounding.FLOOR on e4m3", lambda: lowprec.encode(X, "e4m3", rounding=lowprec.Rounding.FLOOR),
+     ValueError, r"'floor'.*'e4m3'"),
     ("unknown overflow", lambda: lowprec.encode(X, "e5m2", overflow="clip"), ValueError,
      r"'clip'"),
     ("unknown overflow quantize", lambda: lowprec.quantize(X, "e5m2", overflow="inf"),
@@ -941,6 +978,9 @@ LOWPREC_ERRORS = [
      lambda: lowprec.quantize(X, "e4m3", rounding="stochastic"), ValueError, r"stochastic.*key"),
     ("key without stochastic", lambda: lowprec.encode(X, "e4m3", rounding="up", key=KEY),
      ValueError, r"key.*rounding='up'"),
+    ("key without stochastic, member",
+     lambda: lowprec.encode(X, "e4m3", rounding=lowprec.Rounding.UP, key=KEY), ValueError,
+     r"key.*rounding='up'"),
     ("key with default rounding", lambda: lowprec.quantize(X, "e4m3", key=KEY), ValueError,
      r"key.*rounding='nearest_even'"),
     ("integer input", lambda: lowprec.encode(np.array([1, 2], np.int32), "e4m3"), TypeError,

@@ -30,7 +30,7 @@ from helpers.asserts import assert_codes_equal, assert_same_floats
 from helpers.codecs import reference_words, replay_random_bits
 from helpers.inputs import adversarial
 from helpers.mx import element_codes, f64_to_f32_exact
-from lowprec import _codec, _mx, _rounding
+from lowprec import _decode, _dtypes, _encode, _encode_fast, _mx, _random
 
 ELEMENTS = tuple(lowprec_formats.ELEMENT_FORMATS)
 MX = tuple(lowprec_formats.MX_FORMATS)
@@ -53,26 +53,26 @@ def _general(fmt, u32: np.ndarray, rounding: str, words=None) -> np.ndarray:
     float64 input; every float32 is a float64, rounded once from its exact value)."""
     f = lowprec.element_format(fmt)
     with jax.enable_x64(True):
-        u = _codec._f32_bits_to_f64(jnp.asarray(u32))
+        u = _dtypes.f32_bits_to_f64(jnp.asarray(u32))
         u64 = lax.bitcast_convert_type(u, jnp.uint64)
         w = None if words is None else jnp.asarray(words)
-        return np.asarray(jax.jit(lambda v, r: _codec.encode_bits(f, v, rounding, "ieee", r))(u64, w))
+        return np.asarray(jax.jit(lambda v, r: _encode.encode_bits(f, v, rounding, "ieee", r))(u64, w))
 
 
 def _fast(fmt, u32: np.ndarray, rounding: str, words=None) -> np.ndarray:
     f = lowprec.element_format(fmt)
     w = None if words is None else jnp.asarray(words)
     return np.asarray(
-        jax.jit(lambda v, r: _codec.encode_bits(f, v, rounding, "ieee", r))(jnp.asarray(u32), w)
+        jax.jit(lambda v, r: _encode.encode_bits(f, v, rounding, "ieee", r))(jnp.asarray(u32), w)
     )
 
 
 def _fast_modes(fmt: str):
     f = lowprec.element_format(fmt)
     modes = []
-    if _codec._rebias_encodable(f):
+    if _encode_fast.rebias_encodable(f):
         modes += ["nearest_even", "stochastic"]
-    if _codec._is_e8m0(f):
+    if _encode_fast.is_e8m0(f):
         modes += ["nearest_even", "nearest_away"]
     return modes
 
@@ -101,8 +101,8 @@ def test_fast_encode_equals_the_general_encoder(fmt):
 def test_decode_by_subtraction_equals_the_integer_decode(fmt):
     f = lowprec.element_format(fmt)
     codes = jnp.arange(1 << min(f.code_bits, 16), dtype=jnp.uint32)
-    want = np.asarray(_codec.decode_bits(f, codes))
-    for got in (_codec.decode_f32(f, codes), jax.jit(lambda c: _codec.decode_f32(f, c))(codes)):
+    want = np.asarray(_decode.decode_bits(f, codes))
+    for got in (_decode.decode_f32(f, codes), jax.jit(lambda c: _decode.decode_f32(f, c))(codes)):
         assert_codes_equal(np.asarray(got).view(np.uint32), want, None, fmt)
 
 
@@ -242,21 +242,21 @@ PHILOX_KAT = [
 
 @pytest.mark.parametrize("ctr,key,want", PHILOX_KAT)
 def test_philox2x32_known_answers(ctr, key, want):
-    got = _rounding.philox2x32(jnp.uint32(key), jnp.uint32(ctr[0]), jnp.uint32(ctr[1]))
+    got = _random.philox2x32(jnp.uint32(key), jnp.uint32(ctr[0]), jnp.uint32(ctr[1]))
     assert tuple(int(v) for v in got) == want
     assert tuple(int(v) for v in R.philox2x32(key, *ctr)) == want
 
 
-@pytest.mark.parametrize("impl", ["_mulhi", "_mulhi_halves"])
+@pytest.mark.parametrize("impl", ["mulhi", "mulhi_halves"])
 def test_mulhi_is_the_high_word_of_the_64_bit_product(impl):
     """Both multiply-highs (lax.mulhi where it lowers, 16-bit halves elsewhere) against the
     exact 64-bit product computed by NumPy."""
     a = np.random.default_rng(1).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
     a[:4] = [0, 1, 2**31, 2**32 - 1]
-    want = (a.astype(np.uint64) * np.uint64(_rounding.PHILOX_M2x32)) >> np.uint64(32)
-    fn = getattr(_rounding, impl)
-    for got in (fn(jnp.asarray(a), _rounding.PHILOX_M2x32),
-                jax.jit(lambda v: fn(v, _rounding.PHILOX_M2x32))(a)):
+    want = (a.astype(np.uint64) * np.uint64(_random.PHILOX_M2x32)) >> np.uint64(32)
+    fn = getattr(_random, impl)
+    for got in (fn(jnp.asarray(a), _random.PHILOX_M2x32),
+                jax.jit(lambda v: fn(v, _random.PHILOX_M2x32))(a)):
         assert np.array_equal(np.asarray(got).astype(np.uint64), want)
 
 
@@ -286,7 +286,7 @@ def test_philox2x32_matches_jax_philox2x32_where_available():
     rng = np.random.default_rng(2)
     k, x0, x1 = (rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32) for _ in range(3))
     want = philox2x32_p.bind(jnp.asarray(k[0]), jnp.asarray(x0), jnp.asarray(x1))
-    got = _rounding.philox2x32(jnp.asarray(k[0]), jnp.asarray(x0), jnp.asarray(x1))
+    got = _random.philox2x32(jnp.asarray(k[0]), jnp.asarray(x0), jnp.asarray(x1))
     for g, w in zip(got, want):
         assert np.array_equal(np.asarray(g), np.asarray(w))
 

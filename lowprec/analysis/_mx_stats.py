@@ -16,7 +16,7 @@ from jax import lax
 
 from .._bits import E8M0_BIAS, F32_ABS, F32_INF, times_pow2
 from .._blocks import normalize_axis
-from .._codec import decode_bits
+from .._decode import decode_bits
 from .._format import MXFormat, MXFormatLike, mx_format
 from .._mx import dequantize, quantize_mx, shared_exponents
 from .._nvfp4 import total_scale_bits
