@@ -404,9 +404,9 @@ def _mx_by_name(name: str, block_size: Optional[int] = None) -> MXFormat:
     return MXFormat(
         name=name if block == default else f"{name}_b{block}",
         element=element,
-        scale=element_format(spec["scale"]),
+        scale=element_format(_data.SCALE_SCHEMES[spec["scheme"]]["scale"]),
         block_size=block,
-        tensor_scale=spec["tensor_scale"],
+        tensor_scale=_data.SCALE_SCHEMES[spec["scheme"]]["tensor_scale"],
     )
 
 
