@@ -153,8 +153,7 @@ def jax_peer(fmt: str):
 
 def _xla_quantize(v, cast):
     """quantize_mx's XLA formulation (what it runs off CUDA; on CUDA it runs the kernel)."""
-    from lowprec._blocks import padded_bits
-    from lowprec._mx import quantize_mxarray
+    from lowprec._mx_encode import padded_bits, quantize_mxarray
 
     axis = v.ndim - 1
     return quantize_mxarray(padded_bits(v, axis, v.shape[axis]), cast, axis, tuple(v.shape))

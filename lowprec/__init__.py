@@ -14,11 +14,15 @@ Example:
 
 import lowprec_formats as _formats_data
 
+# The scale schemes' modules register their arithmetic before any block format is built.
+from . import _scheme_e8m0, _scheme_nvfp4  # noqa: F401
+from ._scheme import ScaleScheme
 from ._codec import decode, encode, quantize
 from ._finfo import FormatInfo, finfo
 from ._format import (
     ELEMENT_FORMAT_NAMES,
     MX_FORMAT_NAMES,
+    SCALE_SCHEME_NAMES,
     ElementFormat,
     ElementFormatLike,
     FormatLike,
@@ -27,11 +31,13 @@ from ._format import (
     element_format,
     mx_format,
     resolve_format,
+    scale_scheme,
 )
 from ._p3109 import p3109
 from ._gpt_oss import from_gpt_oss, to_gpt_oss
 from ._matmul import dot_general, matmul, mxfp4_gemv
-from ._mx import MXArray, dequantize, fake_quantize_mx, quantize_mx, shared_exponents
+from ._mx import dequantize, fake_quantize_mx, quantize_mx, shared_exponents
+from ._mxarray import MXArray
 from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from ._qdot import BACKWARD_MODES, OPERAND_FORMAT_NAMES
 from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES, Recipe
@@ -78,6 +84,7 @@ __all__ = [
     "OVERFLOW_POLICIES",
     "ROUNDING_MODES",
     "SCALE_RULES",
+    "SCALE_SCHEME_NAMES",
     "ElementFormat",
     "ElementFormatLike",
     "FormatInfo",
@@ -86,6 +93,7 @@ __all__ = [
     "MXFormat",
     "MXFormatLike",
     "ScaleRule",
+    "ScaleScheme",
     "decode",
     "dequantize",
     "dot_general",
@@ -104,6 +112,7 @@ __all__ = [
     "quantize_mx",
     "random_bits",
     "resolve_format",
+    "scale_scheme",
     "shared_exponents",
     "to_gpt_oss",
     "unpack_fp4",

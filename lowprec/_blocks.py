@@ -10,7 +10,7 @@ import operator
 import jax.numpy as jnp
 import numpy as np
 
-from ._codec import _WIDENED_AS, input_bits
+from ._codec import _WIDENED_AS
 from ._format import MXFormat
 
 # Block formats read float32 (or narrower: float16, bfloat16, the ml_dtypes floats, all
@@ -81,15 +81,3 @@ def check_block_input(shape, dtype, fmt: MXFormat, axis, pad: bool, func: str):
             "choose another axis"
         )
     return axis, n, padded
-
-
-def padded_bits(x, axis: int, padded: int):
-    """float32 patterns of ``x`` (half precision widened exactly), zero-padded along ``axis``
-    to length ``padded``. Called inside the jitted cores, after :func:`check_block_input`."""
-    bits = input_bits(x)
-    n = x.shape[axis]
-    if padded != n:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, padded - n)
-        bits = jnp.pad(bits, widths)  # +0.0
-    return bits

@@ -30,7 +30,8 @@ from jax import lax
 from ._bits import bits_to_bf16_truncating
 from ._format import mx_format
 from ._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
-from ._mx import MXArray, mx_value_bits
+from ._mx_decode import mx_value_bits
+from ._mxarray import MXArray
 
 ROUTES = ("pallas", "xla")
 #: The route dot_general takes on a CUDA GPU. "pallas" until benchmarks/bench_gpu.py has

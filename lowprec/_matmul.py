@@ -18,7 +18,7 @@ import numpy as np
 from ._format import FormatLike
 from ._gemv import mxfp4_matmul
 from ._gemv_pallas import default_config
-from ._mx import MXArray
+from ._mxarray import MXArray
 from ._options import MXCast
 from ._qdot import (
     BACKWARD_MODES,

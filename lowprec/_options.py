@@ -9,16 +9,13 @@ Cores never validate again, and public functions never call each other for their
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional, Union
-
-import jax.numpy as jnp
 
 import numpy as np
 
 from ._format import ElementFormat, ElementFormatLike, MXFormat, MXFormatLike, element_format, mx_format
 from ._rounding import check_overflow, check_rounding
-from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule
+from ._scale_rules import ScaleRule
 
 
 def _check_key(rounding: str, key, random_bits=None) -> None:
@@ -99,44 +96,18 @@ class ElementCast(_Randomness):
         object.__setattr__(self, "overflow", check_overflow(self.overflow))
 
 
-# How an NVFP4 element is brought to E2M1's range before rounding (docs/design.md §3b). The
-# two differ only where the float32 quotient lands exactly on an E2M1 rounding boundary.
-NVFP4_STEPS = {
-    # torchao <= 0.16 (nvfp4_tensor.nvfp4_quantize): one division by float32(ts * s).
-    "divide": "x / float32(tensor_scale * block_scale)  (torchao <= 0.16)",
-    # torchao >= 0.17 (its PR #4031, as NVIDIA's MSLK kernels): a product with a reciprocal.
-    "reciprocal": "x * float32(float32(1 / tensor_scale) / block_scale)  (torchao >= 0.17)",
-}
-DEFAULT_NVFP4_STEP = "divide"
-
-
-def check_nvfp4_step(fmt: MXFormat, step) -> Optional[str]:
-    """The NVFP4 element step for ``fmt`` (None for formats without a tensor scale)."""
-    if not fmt.tensor_scale:
-        if step is not None:
-            raise ValueError(
-                f"nvfp4_step applies to NVFP4 (E4M3 block scales under a tensor scale), not to "
-                f"{fmt.name}; drop it")
-        return None
-    if step is None:
-        return DEFAULT_NVFP4_STEP
-    if step not in NVFP4_STEPS:
-        raise ValueError(
-            f"unknown nvfp4_step {step!r}; choose one of: "
-            + "; ".join(f"{k!r} = {v}" for k, v in NVFP4_STEPS.items()))
-    return step
-
-
 @dataclasses.dataclass(frozen=True)
 class MXCast(_Randomness):
     """How an array is block-quantized (the options of ``quantize_mx``/``fake_quantize_mx``).
 
-    Elements always saturate to ± the element maximum (OCP MX v1.0). ``scale_rule`` chooses
-    E8M0 block scales (None: the default, ``ScaleRule.FLOOR``); a format with its own scale
-    recipe (NVFP4: E4M3 block scales under a float32 tensor scale) records None, whatever
-    rule is passed, and its ``nvfp4_step`` (:data:`NVFP4_STEPS`; default ``"divide"``) says how
-    elements are divided by their scales, so that one rule can be given for all the operands of a dot — the public
-    quantizers refuse an explicit rule for such a format (see :func:`check_no_scale_rule`).
+    Elements always saturate to ± the element maximum (OCP MX v1.0). The format's scale
+    scheme canonicalizes the options: ``scale_rule`` chooses E8M0 block scales (None: the
+    default, ``ScaleRule.FLOOR``); a scheme with its own recipe (NVFP4: E4M3 block scales
+    under a float32 tensor scale) records None, whatever rule is passed, so that one rule can
+    be given for all the operands of a dot — the public quantizers refuse an explicit rule
+    for such a format (see :func:`check_no_scale_rule`) — and NVFP4's ``nvfp4_step``
+    (``_scheme_nvfp4.NVFP4_STEPS``; default ``"divide"``) says how elements are divided by
+    their scales.
 
     Example:
         >>> MXCast("mxfp8", scale_rule="rceil")
@@ -154,44 +125,26 @@ class MXCast(_Randomness):
     def __post_init__(self):
         fmt = mx_format(self.fmt)
         object.__setattr__(self, "fmt", fmt)
-        object.__setattr__(self, "nvfp4_step", check_nvfp4_step(fmt, self.nvfp4_step))
-        rule = None
-        if not fmt.tensor_scale:
-            rule = DEFAULT_SCALE_RULE if self.scale_rule is None else check_scale_rule(self.scale_rule)
-        object.__setattr__(self, "scale_rule", rule)
+        object.__setattr__(self, "nvfp4_step", fmt.scheme.step_option(self.nvfp4_step, fmt.name))
+        object.__setattr__(self, "scale_rule", fmt.scheme.scale_rule_option(self.scale_rule))
         object.__setattr__(self, "rounding", check_rounding(fmt.element, self.rounding))
 
 
 def check_no_scale_rule(fmt: MXFormat, scale_rule, func: str) -> None:
-    """A format with its own scale recipe (NVFP4) takes no ``scale_rule``: raise if given."""
-    if fmt.tensor_scale and scale_rule is not None:
+    """A format whose scale scheme takes no rule (NVFP4's own recipe) refuses an explicit
+    ``scale_rule``."""
+    if not fmt.scheme.takes_scale_rule and scale_rule is not None:
         raise ValueError(
-            f"{func}: {fmt.name} block scales follow the NVFP4 recipe (E4M3 of "
-            "amax / 6 / tensor_scale), so scale_rule does not apply; got "
-            f"scale_rule={str(scale_rule)!r}. Drop it (scale rules choose E8M0 scales)"
+            f"{func}: {fmt.name} block scales follow {fmt.scheme.recipe}, so scale_rule does "
+            f"not apply; got scale_rule={str(scale_rule)!r}. Drop it (scale rules choose E8M0 "
+            "scales)"
         )
 
 
 def check_tensor_scale(fmt: MXFormat, tensor_scale, func: str):
-    """``tensor_scale`` for a format that has one (None: computed from the input), as a
-    float32 scalar; a ValueError for a format without one or an invalid Python number."""
-    if not fmt.tensor_scale:
-        if tensor_scale is not None:
-            raise ValueError(
-                f"{func}: {fmt.name} has no tensor scale (only NVFP4 does); drop tensor_scale"
-            )
-        return None
-    if tensor_scale is None:
-        return None
-    if isinstance(tensor_scale, (int, float)):
-        if not (math.isfinite(tensor_scale) and tensor_scale > 0):
-            raise ValueError(
-                f"{func}: tensor_scale must be a positive finite number, got {tensor_scale!r}"
-            )
-    ts = jnp.asarray(tensor_scale, jnp.float32)
-    if ts.shape != ():
-        raise ValueError(f"{func}: tensor_scale must be a scalar, got shape {ts.shape}")
-    return ts
+    """``tensor_scale`` as the float32 scalar the encoder takes (None: computed from the
+    input), as the format's scale scheme accepts it."""
+    return fmt.scheme.tensor_scale_option(tensor_scale, fmt.name, func)
 
 
 ElementCastLike = Union[ElementCast, ElementFormatLike]

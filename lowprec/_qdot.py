@@ -52,21 +52,14 @@ from jax import lax
 import lowprec_formats as _data
 
 from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
-from ._blocks import padded_bits
 from ._codec import bits_to_dtype, decode_bits, encode_bits, exactly_representable, input_bits
 from ._format import ElementFormat, FormatLike, MXFormat, resolve_format
 from . import _gemv
 from ._gemv import decode_time_route, on_cuda
 from ._mxdot_pallas import mxdot_pallas, pallas_mxdot_applies
-from ._mx import (
-    MXArray,
-    e8m0_factor,
-    fast_decode_applies,
-    fast_decode_exact,
-    mx_value_bits,
-    mx_value_bits_fast,
-    quantize_mxarray,
-)
+from ._mx_decode import fast_decode_applies, fast_decode_exact, mx_value_bits, mx_value_bits_fast
+from ._mx_encode import padded_bits, quantize_mxarray
+from ._mxarray import MXArray
 from ._options import ElementCast, MXCast
 from ._rounding import check_overflow
 from ._scale_rules import ScaleRule, check_scale_rule
@@ -282,7 +275,7 @@ def mx_bf16_exact(mx: MXArray):
     range, where a ≤ 3-bit significand is exact. Blocks holding only zeros are exact at any
     scale; they matter because an all-zero block carries scale code 0 (2^-127) and would
     otherwise force the float32 path for nothing. This is the condition under which the
-    fast decode (one float multiply per element) is exact (``_mx.fast_decode_exact``):
+    fast decode (one float multiply per element) is exact (``_mx_decode.fast_decode_exact``):
     the scales decide alone when all are large, the codes are read only otherwise. Blocks
     with tiny scales and nonzero elements go to float32 even when bfloat16 would happen to
     hold them (rare, and still exact).
@@ -355,7 +348,7 @@ def _factor(op):
     """An MX operand's block factors 2^(s - 127), computed once before the branch that uses
     them (else None)."""
     if isinstance(op, MXArray) and _bf16_capable(op.fmt):
-        return e8m0_factor(op.scales)
+        return op.fmt.scheme.scale_factors(op.scales)
     return None
 
 

@@ -248,7 +248,7 @@ class Recipe:
             l, r = self.backward_operands
             bwd = f"bwd {_name(l)} x {_name(r)}, grad {_name(self.grad)}"
         used = (*self.forward, *self.backward_operands, self.grad)
-        scaled = [f for f in used if isinstance(f, MXFormat) and not f.tensor_scale]
+        scaled = [f for f in used if isinstance(f, MXFormat) and f.scheme.takes_scale_rule]
         extra = [self.scale_rule.value] if scaled else []  # NVFP4 has its own scale recipe
         if self.scaling != "none":
             extra.append(f"{self.scaling} scaling")

@@ -115,7 +115,7 @@ def check_dot_operand(x, fmt, contract: Sequence[int], role: str) -> None:
     """The check for one operand of ``dot_general``: a float operand to be MX-quantized along
     its contracting dims, or an MXArray (its codes blocked along its contracting axis)."""
     from ._format import MXFormat
-    from ._mx import MXArray
+    from ._mxarray import MXArray
 
     what = f"dot_general {role}"
     if isinstance(x, MXArray):

@@ -494,7 +494,7 @@ def _configs(formats, scale_rules, block_sizes):
         for bs in block_sizes:
             mfmt = mx_format(fmt, bs)
             # NVFP4 has its own scale recipe: one row, no rule (<NA>), never a made-up one.
-            rules = [None] if mfmt.tensor_scale else scale_rules
+            rules = scale_rules if mfmt.scheme.takes_scale_rule else [None]
             for rule in rules:
                 out.append((mfmt, rule, mfmt.block_size, mfmt.bits_per_element))
     if not out:

@@ -65,7 +65,7 @@ def block_stats(x, fmt: MXFormatLike, *, axis: int = -1, scale_rule=None,
     fmt = mx_format(fmt)
     x = as_f32(x)
     ax, n, padded = check_block_input(x.shape, np.float32, fmt, axis, pad, "block_stats")
-    if fmt.tensor_scale:
+    if not fmt.scheme.takes_scale_rule:
         if scale_rule is not None:
             raise ValueError(
                 f"{fmt.name} has its own scale recipe; drop scale_rule (got {scale_rule!r})"
@@ -79,7 +79,7 @@ def block_stats(x, fmt: MXFormatLike, *, axis: int = -1, scale_rule=None,
     qb = _blocks(np.asarray(q, np.float64), ax, padded, block)
     real = _blocks(np.ones(x.shape, bool), ax, padded, block)
     s = np.asarray(s)
-    if fmt.tensor_scale:
+    if not fmt.scheme.exponent_scales:  # the scheme's float32 factors
         factor = np.asarray(s, np.float64)
     else:
         e = s.astype(np.int64)
