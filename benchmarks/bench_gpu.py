@@ -63,7 +63,7 @@ from _timing import Timing, environment, json_safe, render_table, speed_ratio  #
 from _timing import time_interleaved  # noqa: E402
 
 import lowprec  # noqa: E402
-from lowprec import _gemv, _qdot  # noqa: E402
+from lowprec import _gemv, _options, _qdot  # noqa: E402
 from lowprec._gemv_pallas import KernelConfig, default_config  # noqa: E402
 from lowprec._options import MXCast  # noqa: E402
 from lowprec._quantize_pallas import quantize_mx_pallas  # noqa: E402
@@ -260,10 +260,10 @@ def weight_only_cases(m, n, k, inner: int, interpret: bool, cfg=None):
         return _gemv.mxfp4_matmul(x, w, "pallas", cfg=c, interpret=interpret)
 
     def generic(x, w):
-        spec = _qdot.DotSpec.create(None, None, None, "floor", "nearest_even", "ieee", False,
-                                    "ste", jnp.float32).with_mx_operand("rhs", w.fmt)
+        spec = _options.DotSpec.create(None, None, None, "floor", "nearest_even", "ieee", False,
+                                       "ste", jnp.float32).with_mx_operand("rhs", w.fmt)
         w3 = lowprec.MXArray(w.elements[None], w.scales[None], w.fmt, 2, (1,) + w.shape)
-        return _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs, spec, "generic")[0]
+        return _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs)[0]
 
     return {
         "bf16 dot": (lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32), "bf16"),

@@ -39,7 +39,7 @@ from ._matmul import dot_general, matmul, mxfp4_gemv
 from ._mx import dequantize, fake_quantize_mx, quantize_mx, shared_exponents
 from ._mxarray import MXArray
 from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
-from ._qdot import BACKWARD_MODES, OPERAND_FORMAT_NAMES
+from ._options import BACKWARD_MODES, OPERAND_FORMAT_NAMES
 from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES, Recipe
 from ._rules import Rule, Rules
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general

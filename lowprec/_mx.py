@@ -21,19 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._blocks import check_block_input
-from ._codec import bits_to_dtype, check_float_dtype, host_decode
+from ._codec import bits_to_dtype, check_float_dtype
 from ._format import MXFormatLike, array_then_format, mx_format
 from ._mx_decode import mx_value_bits, mx_values
 from ._mx_encode import block_exponents, padded_bits, quantize_mxarray
 from ._mxarray import MXArray
-from ._options import MXCast, check_no_scale_rule, check_random_bits, check_tensor_scale
+from ._options import MXCast
 from ._scale_rules import ScaleRule
-from ._sharding import check_mx_input
-
-
-def _padded_shape(shape, axis: int, padded: int) -> tuple:
-    return tuple(shape[:axis]) + (padded,) + tuple(shape[axis + 1 :])
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -170,16 +164,11 @@ def quantize_mx(
         ((2,), True)
     """
     x, fmt = array_then_format(x, fmt, "quantize_mx")
-    fmt = mx_format(fmt, block_size)
-    check_no_scale_rule(fmt, scale_rule, "quantize_mx")
-    cast = MXCast(fmt, scale_rule, rounding, nvfp4_step)
-    cast.check_key(key, random_bits)
-    ts = check_tensor_scale(cast.fmt, tensor_scale, "quantize_mx")
-    x = jnp.asarray(host_decode(x))
-    axis, n, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "quantize_mx")
-    check_mx_input(x, cast.fmt, axis)  # MX blocks must not straddle shard boundaries
-    check_random_bits(random_bits, _padded_shape(x.shape, axis, padded), "the padded shape")
-    return _quantize_mx_jit(x, cast, axis, padded, _unsharded(x), (key, random_bits), ts)
+    cast = MXCast(mx_format(fmt, block_size), scale_rule, rounding, nvfp4_step)
+    call = cast.check_call(x, "quantize_mx", axis=axis, pad=pad, key=key, random_bits=random_bits,
+                           tensor_scale=tensor_scale, scale_rule=scale_rule)
+    return _quantize_mx_jit(call.x, cast, call.axis, call.padded, _unsharded(call.x), call.rng,
+                            call.tensor_scale)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -222,17 +211,9 @@ def shared_exponents(
         [-8, -2]
     """
     x, fmt = array_then_format(x, fmt, "shared_exponents")
-    fmt = mx_format(fmt, block_size)
-    if not fmt.scheme.exponent_scales:
-        raise ValueError(
-            f"shared_exponents: {fmt.name} block scales are {fmt.scheme.scale.name.upper()} values"
-            + (" under a tensor scale" if fmt.scheme.tensor_scale else "")
-            + ", not shared exponents; quantize_mx(x, ...).scales holds them"
-        )
-    cast = MXCast(fmt, scale_rule)
-    x = jnp.asarray(host_decode(x))
-    axis, _, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "shared_exponents")
-    return _shared_exponents_jit(x, cast, axis, padded)
+    cast = MXCast(mx_format(fmt, block_size), scale_rule)
+    call = cast.check_call(x, "shared_exponents", axis=axis, pad=pad, exponents=True)
+    return _shared_exponents_jit(call.x, cast, call.axis, call.padded)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
@@ -322,14 +303,10 @@ def fake_quantize_mx(
         [1.0, 1.0, 1.0]
     """
     x, fmt = array_then_format(x, fmt, "fake_quantize_mx")
-    fmt = mx_format(fmt, block_size)
-    check_no_scale_rule(fmt, scale_rule, "fake_quantize_mx")
-    cast = MXCast(fmt, scale_rule, rounding, nvfp4_step)
-    cast.check_key(key, random_bits)
-    ts = check_tensor_scale(cast.fmt, tensor_scale, "fake_quantize_mx")
-    x = jnp.asarray(host_decode(x))
-    axis, _, padded = check_block_input(x.shape, x.dtype, cast.fmt, axis, pad, "fake_quantize_mx")
-    check_random_bits(random_bits, _padded_shape(x.shape, axis, padded), "the padded shape")
-    if ts is not None:
-        ts = lax.stop_gradient(ts)
-    return _fake_quantize_mx_jit(x, cast, axis, padded, _unsharded(x), (key, random_bits), ts)
+    cast = MXCast(mx_format(fmt, block_size), scale_rule, rounding, nvfp4_step)
+    call = cast.check_call(x, "fake_quantize_mx", axis=axis, pad=pad, key=key,
+                           random_bits=random_bits, tensor_scale=tensor_scale,
+                           scale_rule=scale_rule)
+    ts = None if call.tensor_scale is None else lax.stop_gradient(call.tensor_scale)
+    return _fake_quantize_mx_jit(call.x, cast, call.axis, call.padded, _unsharded(call.x),
+                                 call.rng, ts)

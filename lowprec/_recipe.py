@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import math
 from typing import Optional, Tuple, Union
 
 import jax
@@ -50,7 +49,7 @@ from ._format import ElementFormat, MXFormat
 from ._codec import input_bits
 from ._matmul import dot_general
 from ._nvfp4_train import check_layout, nvfp4_train_dot
-from ._qdot import _operand_cast
+from ._options import operand_cast
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, _rceil_code, check_scale_rule
 from ._sharding import check_contraction, out_sharding_arg
 
@@ -68,7 +67,7 @@ _OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.floa
 
 def _resolve_format(fmt, what: str) -> _Format:
     """An operand format name/object → ElementFormat, MXFormat or None (dot_general's rules)."""
-    cast = _operand_cast(fmt, what, DEFAULT_SCALE_RULE, "nearest_even", "ieee")
+    cast = operand_cast(fmt, what, DEFAULT_SCALE_RULE, "nearest_even", "ieee")
     return None if cast is None else cast.fmt
 
 

@@ -437,3 +437,39 @@ def test_finfo_of_a_dtype_says_what_it_got(obj, phrase):
     with pytest.raises(TypeError, match=phrase):
         lowprec.finfo(obj)
     assert lowprec.finfo("float8_e4m3fn").max == 448.0  # the suggested call works
+
+
+# -- one validation per entry point -------------------------------------------------------------
+
+_ENTRY_CALLS = {
+    # entry point: (call, the option object whose check_call validates it)
+    "encode": (lambda: lowprec.encode(jnp.ones(4), "e4m3"), "ElementCast"),
+    "quantize": (lambda: lowprec.quantize(jnp.ones(4), "e4m3"), "ElementCast"),
+    "quantize_mx": (lambda: lowprec.quantize_mx(jnp.ones(64), "mxfp8"), "MXCast"),
+    "fake_quantize_mx": (lambda: lowprec.fake_quantize_mx(jnp.ones(64), "nvfp4"), "MXCast"),
+    "shared_exponents": (lambda: lowprec.shared_exponents(jnp.ones(64), "mxfp4"), "MXCast"),
+    "dot_general": (lambda: lowprec.dot_general(jnp.ones((2, 64)), jnp.ones((3, 64)), _DN,
+                                                lhs_format="mxfp8"), "DotSpec"),
+    "matmul": (lambda: lowprec.matmul(jnp.ones((2, 64)), jnp.ones((64, 3)), rhs_format="mxfp4"),
+               "DotSpec"),
+}
+
+
+@pytest.mark.parametrize("name", list(_ENTRY_CALLS))
+def test_each_entry_point_runs_its_checks_once(name, monkeypatch):
+    """Every public entry point validates a call through exactly one check_call of its
+    option object (and none of another's): the checks cannot drift apart between them."""
+    from lowprec import _options
+
+    calls = []
+    for cls in ("ElementCast", "MXCast", "DotSpec"):
+        real = getattr(_options, cls).check_call
+
+        def counted(self, *a, _real=real, _cls=cls, **kw):
+            calls.append(_cls)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(getattr(_options, cls), "check_call", counted)
+    call, cls = _ENTRY_CALLS[name]
+    call()
+    assert calls == [cls]

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._codec import quantize
-from .._blocks import check_block_input, normalize_axis
+from .._blocks import normalize_axis
 from .._format import ElementFormat, MXFormat, mx_format, resolve_format
-from .._options import ElementCast
+from .._options import ElementCast, check_block_input
 from .._scale_rules import DEFAULT_SCALE_RULE, check_scale_rule
 from ._common import as_f32
 from ._metrics import _stats

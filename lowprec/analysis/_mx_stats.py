@@ -8,7 +8,6 @@ factor, tensor_scale × block_scale (its block scales are E4M3 values, not power
 from __future__ import annotations
 
 import functools
-from typing import Union
 
 import jax
 import jax.numpy as jnp

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._bits import E8M0_BIAS
-from .._blocks import check_block_input
+from .._options import check_block_input
 from .._format import MXFormatLike, mx_format
 from .._scale_rules import DEFAULT_SCALE_RULE
 from ._common import as_f32
