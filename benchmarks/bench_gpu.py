@@ -17,7 +17,7 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
   is larger.
 * **quantize**: ``quantize_mx`` (16384² float32, blocks along the last axis) per format and
   scale rule — as XLA compiles it ("xla") and as the one-pass Pallas kernel of
-  ``lowprec/_quantize_pallas.py`` ("pallas", same bits; what ``quantize_mx`` runs on CUDA) — vs JAX's own quantizer (``jax._src.cudnn.scaled_matmul_stablehlo.quantize``,
+  ``lowprec/kernels/_quantize_pallas.py`` ("pallas", same bits; what ``quantize_mx`` runs on CUDA) — vs JAX's own quantizer (``jax._src.cudnn.scaled_matmul_stablehlo.quantize``,
   the rceil rule), XLA's float32 → float8/float4 ``astype`` and the copy. Effective bytes:
   4 read + 1 written (½ for packed FP4) + 1/32 scale byte per element.
 * **dequantize**: ``dequantize`` (→ float32) vs JAX's ``q.astype(f32) * e8m0_to_dtype(s)``.
@@ -64,9 +64,9 @@ from _timing import time_interleaved  # noqa: E402
 
 import lowprec  # noqa: E402
 from lowprec import _gemv, _options, _qdot  # noqa: E402
-from lowprec._gemv_pallas import KernelConfig, default_config  # noqa: E402
+from lowprec.kernels._gemv_pallas import KernelConfig, default_config  # noqa: E402
 from lowprec._options import MXCast  # noqa: E402
-from lowprec._quantize_pallas import quantize_mx_pallas  # noqa: E402
+from lowprec.kernels._quantize_pallas import quantize_mx_pallas  # noqa: E402
 
 SECTIONS = ("quantize", "dequantize", "weight_only", "mxfp8", "encode")
 RULES = ("floor", "ceil", "even", "rceil")

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 
 from ._format import FormatLike
 from ._gemv import mxfp4_matmul
-from ._gemv_pallas import default_config
 from ._mxarray import MXArray
 from ._options import DotSpec
 from ._qdot import dot_general_jit, shape_of
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule
+from .kernels._dispatch import kernels_enabled
+from .kernels._gemv_pallas import default_config
 
 Operand = Union[jax.Array, MXArray]
 
@@ -99,7 +100,7 @@ def dot_general(
     """
     spec = DotSpec.create(
         lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad, backward,
-        preferred_element_type,
+        preferred_element_type, kernels_enabled(),
     )
     call = spec.check_call(lhs, rhs, dimension_numbers, out_sharding)
     return dot_general_jit(call.lhs, call.rhs, call.dn, call.spec, call.out_sharding)

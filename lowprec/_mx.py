@@ -28,17 +28,18 @@ from ._mx_encode import block_exponents, padded_bits, quantize_mxarray
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._scale_rules import ScaleRule
+from .kernels._dispatch import on_cuda, quantize_kernel
+from .kernels._quantize_pallas import fake_quantize_mx_pallas, quantize_mx_pallas
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel_ok: bool, rng, tensor_scale):
+def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel: bool, rng, tensor_scale):
     def xla(v):
         return quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
                                 tensor_scale)
 
-    if not (kernel_ok and _pallas_quantize_serves(x, cast, axis, padded)):
+    if not kernel:  # decided by lowprec.kernels (_dispatch.quantize_kernel)
         return xla(x)
-    from ._quantize_pallas import quantize_mx_pallas
 
     def one_pass_kernel(v):
         elements, scales = quantize_mx_pallas(v, cast, axis=axis)
@@ -48,47 +49,7 @@ def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel_ok: bool, r
     # then a loop that reads x again: 1.9-2.5x the ideal bytes on an H100); the Pallas
     # kernel makes one (1.00x), from the same integer core, so the same bits
     # (benchmarks/gpu_hlo_report.py --target h100). Other backends keep XLA's fusion.
-    return lax.platform_dependent(x, cuda=one_pass_kernel, default=xla)
-
-
-def _unsharded(x) -> bool:
-    """False for an array laid out over several devices (a concrete array's sharding, or a
-    traced one's Explicit mesh axes): the Pallas kernels are single-device custom calls,
-    which XLA's partitioner would run on gathered inputs, so sharded inputs keep XLA's
-    formulation (partitioned like any elementwise program). Traced inputs over Auto axes
-    carry no layout at trace time: they take the kernel."""
-    sharding = getattr(x, "sharding", None)
-    if sharding is not None and not isinstance(x, jax.core.Tracer):
-        return len(sharding.device_set) <= 1
-    try:
-        spec = jax.typeof(x).sharding.spec
-    except Exception:  # noqa: BLE001 - no sharding in the type
-        return True
-    return all(s is None for s in spec)
-
-
-def _pallas_quantize_serves(x, cast: MXCast, axis: int, padded: int, fake: bool = False) -> bool:
-    """Whether quantize_mx (``fake``: fake_quantize_mx) takes its Pallas kernel on CUDA
-    (static): blocks along the last axis or axis 0 of a 2-D array (zero padding included),
-    float32/bfloat16/float16 input,
-    a format and rounding the kernel serves, JAX able to compile for CUDA, and Pallas with
-    its Triton backend importable."""
-    if x.ndim == 0 or x.size == 0 or not (axis == x.ndim - 1 or (axis == 0 and x.ndim == 2)):
-        return False  # (a padded block axis is padded in the kernel)
-    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        return False
-    from . import _gemv  # local: _gemv imports this module
-
-    if not _gemv.cuda_kernels_possible():
-        return False
-    try:
-        from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_applies
-        from jax.experimental.pallas import triton  # noqa: F401
-    except ImportError:
-        return False
-    if fake:
-        return pallas_fake_quantize_applies(cast)
-    return pallas_quantize_applies(cast, axis0=axis != x.ndim - 1)
+    return on_cuda(one_pass_kernel, xla, x)
 
 
 def quantize_mx(
@@ -167,7 +128,8 @@ def quantize_mx(
     cast = MXCast(mx_format(fmt, block_size), scale_rule, rounding, nvfp4_step)
     call = cast.check_call(x, "quantize_mx", axis=axis, pad=pad, key=key, random_bits=random_bits,
                            tensor_scale=tensor_scale, scale_rule=scale_rule)
-    return _quantize_mx_jit(call.x, cast, call.axis, call.padded, _unsharded(call.x), call.rng,
+    kernel = quantize_kernel(call.x, cast, call.axis)
+    return _quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, call.rng,
                             call.tensor_scale)
 
 
@@ -247,7 +209,7 @@ def dequantize(mx: MXArray, dtype=jnp.float32) -> jax.Array:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
-def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, kernel_ok: bool, rng,
+def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, kernel: bool, rng,
                       tensor_scale):
     def xla(v):
         mx = quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
@@ -256,20 +218,17 @@ def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, kernel_ok: bool, 
                              mx.tensor_scale)
         return bits_to_dtype(bits, v.dtype)
 
-    if not (kernel_ok and _pallas_quantize_serves(x, cast, axis, padded, fake=True)):
+    if not kernel:  # decided by lowprec.kernels (_dispatch.quantize_kernel)
         return xla(x)
-    from ._quantize_pallas import fake_quantize_mx_pallas
-
     # On CUDA one Pallas pass quantizes and decodes in registers (XLA: a block-max pass,
     # then the encode and decode reading x again, 1.6-1.9x the ideal bytes on an H100).
-    return lax.platform_dependent(
-        x, cuda=lambda v: fake_quantize_mx_pallas(v, cast, axis=axis), default=xla)
+    return on_cuda(lambda v: fake_quantize_mx_pallas(v, cast, axis=axis), xla, x)
 
 
 @_fake_quantize_mx.defjvp
-def _fake_quantize_mx_jvp(cast, axis, padded, kernel_ok, primals, tangents):
+def _fake_quantize_mx_jvp(cast, axis, padded, kernel, primals, tangents):
     x, rng, tensor_scale = primals
-    out = _fake_quantize_mx(x, cast, axis, padded, kernel_ok, rng, tensor_scale)
+    out = _fake_quantize_mx(x, cast, axis, padded, kernel, rng, tensor_scale)
     return out, tangents[0]  # straight-through
 
 
@@ -308,5 +267,5 @@ def fake_quantize_mx(
                            random_bits=random_bits, tensor_scale=tensor_scale,
                            scale_rule=scale_rule)
     ts = None if call.tensor_scale is None else lax.stop_gradient(call.tensor_scale)
-    return _fake_quantize_mx_jit(call.x, cast, call.axis, call.padded, _unsharded(call.x),
-                                 call.rng, ts)
+    kernel = quantize_kernel(call.x, cast, call.axis, fake=True)
+    return _fake_quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, call.rng, ts)

@@ -356,7 +356,8 @@ class DotSpec:
     ``lhs``/``rhs``/``grad`` are the operand casts (None: the operand is used as it is),
     built from the formats with ``scale_rule``/``rounding``/``overflow``; those three are
     kept for MXArray operands, whose casts are filled in from their own format
-    (:meth:`check_call`).
+    (:meth:`check_call`). ``kernels``: whether the kernel policy of the call
+    (``lowprec.kernels``) lets Pallas kernels serve it, a static part of the dot.
 
     Example:
         >>> spec = DotSpec.create("mxfp8", None, None, "rceil", "nearest_even", "ieee", False,
@@ -374,13 +375,15 @@ class DotSpec:
     pad: bool
     backward: str
     out_dtype: np.dtype
+    kernels: bool = True
 
     @classmethod
     def create(
         cls, lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad,
-        backward, preferred_element_type,
+        backward, preferred_element_type, kernels: bool = True,
     ) -> "DotSpec":
-        """Validates every keyword of :func:`lowprec.dot_general`, once."""
+        """Validates every keyword of :func:`lowprec.dot_general`, once (``kernels``: the
+        kernel policy read by the caller)."""
         rule = check_scale_rule(scale_rule)
         overflow = check_overflow(overflow)
         if rounding == "stochastic":
@@ -407,7 +410,8 @@ class DotSpec:
             for f, role in ((lhs_format, "lhs_format"), (rhs_format, "rhs_format"),
                             (grad_format, "grad_format"))
         )
-        return cls(lhs, rhs, grad, rule, rounding, overflow, bool(pad), backward, out_dtype)
+        return cls(lhs, rhs, grad, rule, rounding, overflow, bool(pad), backward, out_dtype,
+                   bool(kernels))
 
     def with_mx_operand(self, side: str, fmt: MXFormat) -> "DotSpec":
         """The spec with a pre-quantized operand's own format as ``side``'s cast."""

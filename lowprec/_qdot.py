@@ -49,14 +49,14 @@ from jax import lax
 from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
 from ._codec import bits_to_dtype, decode_bits, encode_bits, exactly_representable, input_bits
 from ._format import MXFormat
-from . import _gemv
-from ._gemv import decode_time_route, on_cuda
-from ._mxdot_pallas import mxdot_pallas, pallas_mxdot_applies
+from ._gemv import decode_time_route
 from ._mx_decode import fast_decode_applies, fast_decode_exact, mx_value_bits, mx_value_bits_fast
 from ._mx_encode import padded_bits, quantize_mxarray
 from ._mxarray import MXArray
 from ._options import DotSpec, MXCast, OperandCast
 from ._sharding import explicit_sharding, merged_sharding, split_out_sharding, without_leading
+from .kernels._dispatch import mxdot_kernel, on_cuda
+from .kernels._mxdot_pallas import mxdot_pallas
 
 # -- dimension numbers and canonical (B, M, K) layout ------------------------------------------
 
@@ -203,42 +203,23 @@ def _factor(op):
     return None
 
 
-def _dot_bf16(layout, lop, rop, factors=(None, None), out_sharding=None):
+def _dot_bf16(layout, lop, rop, factors=(None, None), out_sharding=None, kernels=True):
     la, ra = layout
 
     def xla(lop, rop):
         return _contract(_bf16_values(lop, factors[0]), la, _bf16_values(rop, factors[1]), ra,
                          out_sharding)
 
-    # The fused kernel is a single-device call: a requested output sharding keeps XLA's dot.
-    if out_sharding is not None or not _mxdot_serves(layout, lop, rop):
+    if not mxdot_kernel(layout, lop, rop, kernels, out_sharding):
         return xla(lop, rop)
 
     def fused(lop, rop):
         return mxdot_pallas(lop.elements[0], lop.scales[0], rop.elements[0], rop.scales[0],
                             fa=lop.fmt, fb=rop.fmt)[None]
 
-    # On CUDA the codes are decoded in the GEMM's operand load (_mxdot_pallas.py): XLA
+    # On CUDA the codes are decoded in the GEMM's operand load (kernels/_mxdot_pallas.py): XLA
     # writes each decoded bfloat16 operand to memory and reads it back.
     return on_cuda(fused, xla, lop, rop)
-
-
-def _mxdot_serves(layout, lop, rop) -> bool:
-    """Whether the bfloat16 branch takes the fused MX kernel on CUDA (static): two MX
-    operands with 8-bit codes in the (1, M, K) x (1, N, K) layout, Triton importable."""
-    if layout != (2, 2) or not (isinstance(lop, MXArray) and isinstance(rop, MXArray)):
-        return False
-    if lop.elements.ndim != 3 or rop.elements.ndim != 3 or lop.shape[0] != 1:
-        return False
-    if 0 in lop.elements.shape or 0 in rop.elements.shape:
-        return False
-    if not _gemv.cuda_kernels_possible():
-        return False
-    try:
-        from jax.experimental.pallas import triton  # noqa: F401
-    except ImportError:
-        return False
-    return pallas_mxdot_applies(lop.fmt, rop.fmt)
 
 
 def _dot_f32(layout, lop, rop, factors=None, out_sharding=None):
@@ -248,16 +229,17 @@ def _dot_f32(layout, lop, rop, factors=None, out_sharding=None):
 
 
 def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tuple = (2, 2),
-                    out_sharding=None):
+                    out_sharding=None, kernels: bool = True):
     """Quantized dot of canonical operands contracted over their axes ``layout = (la, ra)``
-    (default: (B, M, K) x (B, N, K)) → (B, M, N) float32, no autodiff rule of its own."""
+    (default: (B, M, K) x (B, N, K)) → (B, M, N) float32, no autodiff rule of its own;
+    ``kernels``: whether the kernel policy lets a Pallas kernel serve its bfloat16 branch."""
     la, ra = layout
     lop, lkind = _quantize_operand(lhs, lcast, la)
     rop, rkind = _quantize_operand(rhs, rcast, ra)
     if "f32" in (lkind, rkind):
         return _dot_f32(layout, lop, rop, out_sharding=out_sharding)
     if lkind == rkind == "bf16":
-        return _dot_bf16(layout, lop, rop, out_sharding=out_sharding)
+        return _dot_bf16(layout, lop, rop, out_sharding=out_sharding, kernels=kernels)
     ok = jnp.bool_(True)
     for op, kind in ((lop, lkind), (rop, rkind)):
         if kind == "dynamic":
@@ -265,7 +247,7 @@ def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tu
     # Both branches take the codes, so each decodes inside its own fusion.
     factors = (_factor(lop), _factor(rop))
     return lax.cond(
-        ok, functools.partial(_dot_bf16, layout, out_sharding=out_sharding),
+        ok, functools.partial(_dot_bf16, layout, out_sharding=out_sharding, kernels=kernels),
         functools.partial(_dot_f32, layout, out_sharding=out_sharding), lop, rop, factors,
     )
 
@@ -286,13 +268,14 @@ def _quantized_values(x, cast: OperandCast, ca: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _qdot(lhs, rhs, spec: DotSpec, layout: tuple, out_sharding=None):
     def generic(a, b):
-        return _qdot_canonical(a, b, spec.lhs, spec.rhs, layout, out_sharding)
+        return _qdot_canonical(a, b, spec.lhs, spec.rhs, layout, out_sharding, spec.kernels)
 
     # Decode-time MXFP4 weight x bfloat16 tokens: a kernel on CUDA GPUs (_gemv.py). It takes
     # (B, M, K) x (B, N, K) operands; one in the (B, K, ·) layout is transposed for it, in
     # the CUDA branch only (decided from shapes, so other backends see no transpose).
     la, ra = layout
-    route = decode_time_route(_k_last_view(lhs, la), _k_last_view(rhs, ra), spec.lhs, spec.rhs)
+    route = decode_time_route(_k_last_view(lhs, la), _k_last_view(rhs, ra), spec.lhs, spec.rhs,
+                              spec.kernels)
     if route is None:
         out = generic(lhs, rhs)
     else:
@@ -361,15 +344,16 @@ def _qdot_bwd(spec: DotSpec, layout: tuple, out_sharding, residuals, g):
         spec.check_backward(g.shape[1], g.shape[2])
         vl, vr = _float_values(lhs), _float_values(rhs)
         # grad_lhs: g and rhs both blocked along N (g's axis 2, rhs's free axis).
+        k = spec.kernels
         if la == 2:
-            grad_l = _qdot_canonical(g, vr, spec.grad, spec.rhs, (2, fr), sl)
+            grad_l = _qdot_canonical(g, vr, spec.grad, spec.rhs, (2, fr), sl, k)
         else:
-            grad_l = _qdot_canonical(vr, g, spec.rhs, spec.grad, (fr, 2), sl)
+            grad_l = _qdot_canonical(vr, g, spec.rhs, spec.grad, (fr, 2), sl, k)
         # grad_rhs: g and lhs both blocked along M (g's axis 1, lhs's free axis).
         if ra == 2:
-            grad_r = _qdot_canonical(g, vl, spec.grad, spec.lhs, (1, fl), sr)
+            grad_r = _qdot_canonical(g, vl, spec.grad, spec.lhs, (1, fl), sr, k)
         else:
-            grad_r = _qdot_canonical(vl, g, spec.lhs, spec.grad, (fl, 1), sr)
+            grad_r = _qdot_canonical(vl, g, spec.lhs, spec.grad, (fl, 1), sr, k)
     return _cotangent(lhs, grad_l), _cotangent(rhs, grad_r)
 
 

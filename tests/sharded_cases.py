@@ -416,18 +416,18 @@ def test_sharded_inputs_keep_the_partitionable_formulation():
     """The one-pass Pallas kernels are single-device calls, so quantize_mx and
     fake_quantize_mx take them (on CUDA) only for inputs not laid out over several devices:
     a sharded concrete array, or a traced one over Explicit axes, keeps XLA's formulation."""
-    from lowprec import _mx
+    from lowprec.kernels._dispatch import unsharded
 
     x = _data((16, 256))
-    assert _mx._unsharded(x)
+    assert unsharded(x)
     seen = []
-    jax.jit(lambda v: seen.append(_mx._unsharded(v)) or v)(x)
+    jax.jit(lambda v: seen.append(unsharded(v)) or v)(x)
     for kind in ("explicit", "auto"):
         mesh = _mesh(kind)
         xs = jax.device_put(x, NamedSharding(mesh, P("x", None)))
-        assert not _mx._unsharded(xs)
+        assert not unsharded(xs)
         with jax.set_mesh(mesh):
-            jax.jit(lambda v: seen.append(_mx._unsharded(v)) or v)(xs)
+            jax.jit(lambda v: seen.append(unsharded(v)) or v)(xs)
     assert seen == [True, False, True]  # unsharded; Explicit axes; Auto axes (no layout)
 
 

@@ -23,6 +23,7 @@ from hypothesis.extra import numpy as hnp
 import lowprec
 import lowprec_formats
 import lowprec_reference as R
+from helpers.kernels import cuda_branches  # noqa: F401  (a fixture)
 
 MX_NAMES = lowprec_formats.COLLECTIONS["e8m0_scaled_mx"]  # NVFP4 has no shared exponents
 RULES = tuple(lowprec.ScaleRule)
@@ -377,7 +378,7 @@ def test_half_precision_paths_hold_no_float_convert(dtype, name):
 
 
 @pytest.mark.parametrize("name", ["dot_general-mxfp4-weight", "matmul-mxfp4-weight", "mxfp4_gemv"])
-def test_half_precision_paths_lowered_for_cuda_hold_no_float_convert(name):
+def test_half_precision_paths_lowered_for_cuda_hold_no_float_convert(name, cuda_branches):
     """The same for the program XLA gets on a CUDA GPU, where the decode-time MXFP4 product
     is a Pallas kernel (its body is Triton code, in which bfloat16 is widened by shifts)."""
     pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._blocks import merge_blocks, split_blocks
-from ._codec import decode_f32
-from ._format import MXFormat
-from ._scheme_e8m0 import E8M0Scheme
+from .._blocks import merge_blocks, split_blocks
+from .._codec import decode_f32
+from .._format import MXFormat
+from .._scheme_e8m0 import E8M0Scheme
 
 MX_BLOCK = 32
 

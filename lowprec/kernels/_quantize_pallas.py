@@ -11,8 +11,9 @@ no register spills); the fake-quantization kernel decodes the codes again in reg
 last axis (any leading dims) or along axis 0 of a 2-D array (tiles transposed in
 registers); a length that is not a multiple of the block size is zero-padded in the load.
 Deterministic rounding modes, E8M0-scaled formats (FP6's packing along the last axis only).
-Other backends, and every other case, keep XLA's formulation (``_mx._quantize_mx_jit``
-chooses with ``lax.platform_dependent``).
+Other backends, and every other case, keep XLA's formulation (``_dispatch.quantize_kernel``
+decides which calls qualify; ``_mx._quantize_mx_jit`` then chooses with
+``lax.platform_dependent``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._blocks import merge_blocks, split_blocks
-from ._codec import bits_to_dtype, decode_bits, input_bits
-from ._mx_encode import encode_blocks
-from ._options import MXCast
-from ._scheme_e8m0 import E8M0Scheme
+from .._blocks import merge_blocks, split_blocks
+from .._codec import bits_to_dtype, decode_bits, input_bits
+from .._mx_encode import encode_blocks
+from .._options import MXCast
+from .._scheme_e8m0 import E8M0Scheme
 
 
 def _pack_pairs(codes):
