@@ -615,7 +615,8 @@ def resolve_format(fmt: FormatLike) -> Union[ElementFormat, MXFormat]:
     )
 
 
-def _is_format_like(v) -> bool:
+def is_format_like(v) -> bool:
+    """Whether ``v`` names or is a format (a string or a format object), not an array."""
     return isinstance(v, (str, ElementFormat, MXFormat))
 
 
@@ -626,7 +627,7 @@ def array_then_format(first, second, func: str):
     (format first, as in ``encode("e4m3", x)``) is recognised by type — an array is never a
     string or a format object — and still works, with a DeprecationWarning.
     """
-    if _is_format_like(first) and not _is_format_like(second):
+    if is_format_like(first) and not is_format_like(second):
         warnings.warn(
             f"lowprec.{func}(fmt, x) is the old argument order; write lowprec.{func}(x, fmt) "
             "(array first, format second). The old order will be removed.",

@@ -50,7 +50,7 @@ from ._codec import input_bits
 from ._matmul import dot_general
 from ._nvfp4_train import check_layout, nvfp4_train_dot
 from ._options import operand_cast
-from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, _rceil_code, check_scale_rule
+from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule, rceil_code
 from ._sharding import check_contraction, out_sharding_arg
 
 FormatLike = Union[None, str, ElementFormat, MXFormat]
@@ -456,7 +456,7 @@ def _tensor_exponent(x, fmt: _Format):
     if not isinstance(fmt, ElementFormat):
         return jnp.int32(0)
     amax_bits = jnp.max(lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) & 0x7FFF_FFFF)
-    e = _rceil_code(amax_bits, fmt.max_finite_exact) - E8M0_BIAS
+    e = rceil_code(amax_bits, fmt.max_finite_exact) - E8M0_BIAS
     return jnp.clip(e, -126, 127).astype(jnp.int32)
 
 

@@ -14,8 +14,7 @@ from .._bits import E8M0_BIAS
 from .._options import check_block_input
 from .._format import MXFormatLike, mx_format
 from .._scale_rules import DEFAULT_SCALE_RULE
-from ._common import as_f32
-from ._compare import _pandas
+from ._common import as_f32, require_pandas
 from ._mx_stats import roundtrip
 
 
@@ -61,7 +60,7 @@ def block_stats(x, fmt: MXFormatLike, *, axis: int = -1, scale_rule=None,
         >>> float(b["sqnr_db"].iloc[0]), bool(10 < b["sqnr_db"].iloc[1] < 30)
         (inf, True)
     """
-    pd = _pandas()
+    pd = require_pandas("block_stats")
     fmt = mx_format(fmt)
     x = as_f32(x)
     ax, n, padded = check_block_input(x.shape, np.float32, fmt, axis, pad, "block_stats")
