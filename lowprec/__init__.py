@@ -14,8 +14,6 @@ Example:
 
 import lowprec_formats as _formats_data
 
-# The scale schemes' modules register their arithmetic before any block format is built.
-from . import _scheme_e8m0, _scheme_nvfp4  # noqa: F401
 from ._scheme import ScaleScheme
 from ._codec import decode, encode, quantize
 from ._finfo import FormatInfo, finfo

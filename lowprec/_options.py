@@ -182,9 +182,9 @@ class MXCast(_Randomness):
         """Every entry check of ``func`` block-quantizing ``x`` with this cast; returns the
         call's input for the core.
 
-        Checks, in order: ``scale_rule`` (as the caller gave it) where the format's scale
-        scheme takes none; ``exponents``: that the scheme's scales are shared exponents (for
-        ``shared_exponents``); the key or random words of the rounding; ``tensor_scale`` as
+        Checks, in order: ``exponents``: that the scheme's scales are shared exponents (for
+        ``shared_exponents``); ``scale_rule`` (as the caller gave it) where the format's
+        scale scheme takes none; the key or random words of the rounding; ``tensor_scale`` as
         the scheme accepts it; ``x``'s dtype, rank, axis and length (whole blocks or
         ``pad``); that no block straddles a shard boundary of ``x``'s layout (see
         ``_sharding.py``); the random words' shape (the padded shape).

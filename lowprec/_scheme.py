@@ -11,7 +11,9 @@ MXArray and the analysis ask the scheme; none of them knows a scheme by name.
 
 A scheme is data plus one module: ``formats/elements.json``'s ``scale_schemes`` table names it
 and fixes its scale format and tensor-scale flag, and ``_scheme_<name>.py`` holds its
-arithmetic as a :class:`ScaleScheme` subclass registered under that name (:func:`register`).
+arithmetic as a :class:`ScaleScheme` subclass registered under that name (:func:`register`),
+imported the first time a scheme of that name is looked up (:func:`scheme_class`). Adding a
+scale encoding is that module and that data entry.
 ``lowprec.scale_scheme`` (in ``_format.py``, the loader of format objects) joins the two and
 checks that they agree.
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
+import re
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 if TYPE_CHECKING:  # _format imports this module; a scheme only reads the formats it is given
@@ -52,8 +56,19 @@ def registered(scheme) -> bool:
 
 
 def scheme_class(name: str):
-    """The class registered as the arithmetic of scheme ``name``, or None."""
+    """The class registered as the arithmetic of scheme ``name``, importing its module
+    ``_scheme_<name>.py`` first if no class is registered yet; None if there is none."""
+    if name not in _REGISTRY and _MODULE_SUFFIX.fullmatch(name):
+        module = f"{__package__}._scheme_{name}"
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
     return _REGISTRY.get(name)
+
+
+_MODULE_SUFFIX = re.compile(r"[a-z0-9_]+")
 
 
 def registered_names() -> tuple:
