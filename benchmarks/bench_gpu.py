@@ -17,7 +17,7 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
   is larger.
 * **quantize**: ``quantize_mx`` (16384² float32, blocks along the last axis) per format and
   scale rule — as XLA compiles it ("xla") and as the one-pass Pallas kernel of
-  ``lowprec/_quantize_pallas.py`` ("pallas", same bits; what ``quantize_mx`` runs on CUDA) — vs JAX's own quantizer (``jax._src.cudnn.scaled_matmul_stablehlo.quantize``,
+  ``lowprec/kernels/_quantize_pallas.py`` ("pallas", same bits; what ``quantize_mx`` runs on CUDA) — vs JAX's own quantizer (``jax._src.cudnn.scaled_matmul_stablehlo.quantize``,
   the rceil rule), XLA's float32 → float8/float4 ``astype`` and the copy. Effective bytes:
   4 read + 1 written (½ for packed FP4) + 1/32 scale byte per element.
 * **dequantize**: ``dequantize`` (→ float32) vs JAX's ``q.astype(f32) * e8m0_to_dtype(s)``.
@@ -63,10 +63,10 @@ from _timing import Timing, environment, json_safe, render_table, speed_ratio  #
 from _timing import time_interleaved  # noqa: E402
 
 import lowprec  # noqa: E402
-from lowprec import _gemv, _qdot  # noqa: E402
-from lowprec._gemv_pallas import KernelConfig, default_config  # noqa: E402
+from lowprec import _gemv, _options, _qdot  # noqa: E402
+from lowprec.kernels._gemv_pallas import KernelConfig, default_config  # noqa: E402
 from lowprec._options import MXCast  # noqa: E402
-from lowprec._quantize_pallas import quantize_mx_pallas  # noqa: E402
+from lowprec.kernels._quantize_pallas import quantize_mx_pallas  # noqa: E402
 
 SECTIONS = ("quantize", "dequantize", "weight_only", "mxfp8", "encode")
 RULES = ("floor", "ceil", "even", "rceil")
@@ -153,8 +153,7 @@ def jax_peer(fmt: str):
 
 def _xla_quantize(v, cast):
     """quantize_mx's XLA formulation (what it runs off CUDA; on CUDA it runs the kernel)."""
-    from lowprec._blocks import padded_bits
-    from lowprec._mx import quantize_mxarray
+    from lowprec._mx_encode import padded_bits, quantize_mxarray
 
     axis = v.ndim - 1
     return quantize_mxarray(padded_bits(v, axis, v.shape[axis]), cast, axis, tuple(v.shape))
@@ -261,10 +260,10 @@ def weight_only_cases(m, n, k, inner: int, interpret: bool, cfg=None):
         return _gemv.mxfp4_matmul(x, w, "pallas", cfg=c, interpret=interpret)
 
     def generic(x, w):
-        spec = _qdot.DotSpec.create(None, None, None, "floor", "nearest_even", "ieee", False,
-                                    "ste", jnp.float32).with_mx_operand("rhs", w.fmt)
+        spec = _options.DotSpec.create(None, None, None, "floor", "nearest_even", "ieee", False,
+                                       "ste", jnp.float32).with_mx_operand("rhs", w.fmt)
         w3 = lowprec.MXArray(w.elements[None], w.scales[None], w.fmt, 2, (1,) + w.shape)
-        return _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs, spec, "generic")[0]
+        return _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs)[0]
 
     return {
         "bf16 dot": (lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32), "bf16"),

@@ -425,7 +425,7 @@ def entry_points(shape, pallas: bool = False, full: bool = True):
     nv = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "nvfp4"), x)
     cases["dequantize nvfp4 f32"] = (lambda m: lowprec.dequantize(m), nv)
     if pallas:
-        from lowprec._quantize_pallas import pallas_quantize_applies, quantize_mx_pallas
+        from lowprec.kernels._quantize_pallas import pallas_quantize_applies, quantize_mx_pallas
 
         for fmt in formats:
             cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")

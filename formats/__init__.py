@@ -32,6 +32,8 @@ def _freeze(table: dict) -> types.MappingProxyType:
 
 ELEMENT_FORMATS = _freeze(_DATA["element_formats"])
 MX_FORMATS = _freeze(_DATA["mx_formats"])
+#: How block formats encode their scales (each ``MX_FORMATS`` entry names one as ``"scheme"``).
+SCALE_SCHEMES = _freeze(_DATA["scale_schemes"])
 BLOCK_SIZES: tuple[int, ...] = tuple(_DATA["block_sizes"])
 ROUNDING_MODES: tuple[str, ...] = tuple(_DATA["rounding_modes"])
 OVERFLOW_POLICIES: tuple[str, ...] = tuple(_DATA["overflow_policies"])
@@ -142,6 +144,7 @@ __all__ = [
     "P3109_WIDTHS",
     "ROUNDING_MODES",
     "SCALE_RULES",
+    "SCALE_SCHEMES",
     "element_spec",
     "p3109_name",
     "p3109_spec",

@@ -14,11 +14,13 @@ Example:
 
 import lowprec_formats as _formats_data
 
+from ._scheme import ScaleScheme
 from ._codec import decode, encode, quantize
 from ._finfo import FormatInfo, finfo
 from ._format import (
     ELEMENT_FORMAT_NAMES,
     MX_FORMAT_NAMES,
+    SCALE_SCHEME_NAMES,
     ElementFormat,
     ElementFormatLike,
     FormatLike,
@@ -27,18 +29,20 @@ from ._format import (
     element_format,
     mx_format,
     resolve_format,
+    scale_scheme,
 )
 from ._p3109 import p3109
 from ._gpt_oss import from_gpt_oss, to_gpt_oss
 from ._matmul import dot_general, matmul, mxfp4_gemv
-from ._mx import MXArray, dequantize, fake_quantize_mx, quantize_mx, shared_exponents
+from ._mx import dequantize, fake_quantize_mx, quantize_mx, shared_exponents
+from ._mxarray import MXArray
 from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
-from ._qdot import BACKWARD_MODES, OPERAND_FORMAT_NAMES
+from ._options import BACKWARD_MODES, OPERAND_FORMAT_NAMES
 from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES, Recipe
 from ._rules import Rule, Rules
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._random import random_bits
-from ._rounding import OVERFLOW_POLICIES, ROUNDING_MODES, Overflow, Rounding
+from ._rounding import OVERFLOW_POLICIES, Overflow, ROUNDING_MODES, Rounding
 from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
 
 #: Block sizes every block format accepts (``mx_format(fmt, block_size=...)``).
@@ -81,6 +85,7 @@ __all__ = [
     "Overflow",
     "ROUNDING_MODES",
     "SCALE_RULES",
+    "SCALE_SCHEME_NAMES",
     "ElementFormat",
     "ElementFormatLike",
     "FormatInfo",
@@ -89,6 +94,7 @@ __all__ = [
     "MXFormat",
     "MXFormatLike",
     "ScaleRule",
+    "ScaleScheme",
     "decode",
     "dequantize",
     "dot_general",
@@ -107,6 +113,7 @@ __all__ = [
     "quantize_mx",
     "random_bits",
     "resolve_format",
+    "scale_scheme",
     "shared_exponents",
     "to_gpt_oss",
     "unpack_fp4",

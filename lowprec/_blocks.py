@@ -1,21 +1,9 @@
-"""Block layout: the block axis moved last and split into (blocks, block_size), and back.
-
-Also the one validation of an array about to be blocked (dtype, rank, axis, length).
-"""
+"""Block layout: the block axis split in place into (blocks, block_size) and merged back; the
+normalization of an axis argument."""
 
 from __future__ import annotations
 
 import operator
-
-import jax.numpy as jnp
-import numpy as np
-
-from ._dtypes import WIDENED_AS, input_bits
-from ._format import MXFormat
-
-# Block formats read float32 (or narrower: float16, bfloat16, the ml_dtypes floats, all
-# widened exactly) input; float64 would need its own block max.
-_BLOCK_INPUT_DTYPES = (np.dtype(np.float32), *WIDENED_AS)
 
 
 def normalize_axis(axis, ndim: int, what: str = "axis") -> int:
@@ -32,18 +20,6 @@ def normalize_axis(axis, ndim: int, what: str = "axis") -> int:
     return axis % ndim
 
 
-def blocked(x, axis: int, block: int):
-    """Moves ``axis`` last and splits it into (n / block, block)."""
-    x = jnp.moveaxis(x, axis, -1)
-    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-
-
-def unblocked(x, axis: int):
-    """Inverse of :func:`blocked`."""
-    x = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
-    return jnp.moveaxis(x, -1, axis)
-
-
 def split_blocks(x, axis: int, block: int):
     """Splits ``axis`` in place into (n / block, block): a reshape, no data movement.
 
@@ -58,38 +34,3 @@ def split_blocks(x, axis: int, block: int):
 def merge_blocks(x, axis: int):
     """Inverse of :func:`split_blocks`: merges ``axis`` and ``axis + 1``."""
     return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
-
-
-def check_block_input(shape, dtype, fmt: MXFormat, axis, pad: bool, func: str):
-    """Validates an array to be split into blocks of ``fmt``; returns ``(axis, n, padded_n)``."""
-    dtype = np.dtype(dtype)
-    if dtype not in _BLOCK_INPUT_DTYPES:
-        raise TypeError(
-            f"{func} takes float32, bfloat16, float16 or ml_dtypes float input, got dtype "
-            f"{dtype}; convert with x.astype(jnp.float32)"
-        )
-    if len(shape) == 0:
-        raise ValueError(f"{func} needs at least a 1-D array (blocks run along an axis)")
-    axis = normalize_axis(axis, len(shape))
-    n = shape[axis]
-    block = fmt.block_size
-    padded = -(-n // block) * block
-    if n % block and not pad:
-        raise ValueError(
-            f"axis {axis} has length {n}, not a multiple of the {fmt.name} block size {block}; "
-            f"pass pad=True to zero-pad it to {padded} (dequantize drops the padding), or "
-            "choose another axis"
-        )
-    return axis, n, padded
-
-
-def padded_bits(x, axis: int, padded: int):
-    """float32 patterns of ``x`` (half precision widened exactly), zero-padded along ``axis``
-    to length ``padded``. Called inside the jitted cores, after :func:`check_block_input`."""
-    bits = input_bits(x)
-    n = x.shape[axis]
-    if padded != n:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, padded - n)
-        bits = jnp.pad(bits, widths)  # +0.0
-    return bits

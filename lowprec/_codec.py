@@ -28,7 +28,7 @@ from ._dtypes import (
 )
 from ._encode_stochastic import encode_any
 from ._format import ElementFormat, ElementFormatLike, array_then_format, element_format
-from ._options import ElementCast, check_random_bits
+from ._options import ElementCast
 from ._rounding import Overflow, Rounding
 
 
@@ -93,11 +93,8 @@ def encode(
     """
     x, fmt = array_then_format(x, fmt, "encode")
     cast = ElementCast(fmt, rounding, overflow)
-    cast.check_key(key, random_bits)
-    x = jnp.asarray(host_decode(x))
-    check_input_dtype(x.dtype)
-    check_random_bits(random_bits, x.shape)
-    return _encode_jit(cast, x, (key, random_bits))
+    call = cast.check_call(x, key=key, random_bits=random_bits)
+    return _encode_jit(cast, call.x, call.rng)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -185,10 +182,7 @@ def quantize(
     """
     x, fmt = array_then_format(x, fmt, "quantize")
     cast = ElementCast(fmt, rounding, overflow)
-    cast.check_key(key, random_bits)
-    x = jnp.asarray(host_decode(x))
-    check_input_dtype(x.dtype)
-    check_random_bits(random_bits, x.shape)
+    x, rng = cast.check_call(x, key=key, random_bits=random_bits)
     if dtype is None:
         dtype = x.dtype
         if not exactly_representable(cast.fmt, x.dtype):
@@ -199,4 +193,4 @@ def quantize(
             )
     dtype = check_float_dtype(dtype)
     check_dtype_range(cast.fmt, dtype)
-    return _quantize_jit(cast, x, (key, random_bits), dtype)
+    return _quantize_jit(cast, x, rng, dtype)

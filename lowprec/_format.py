@@ -20,6 +20,8 @@ import numpy as np
 
 import lowprec_formats as _data
 
+from ._scheme import ScaleScheme, registered, registered_names, scheme_class
+
 
 @dataclasses.dataclass(frozen=True)
 class ElementFormat:
@@ -211,30 +213,76 @@ def _max_magnitude_code(fmt: ElementFormat) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class MXFormat:
-    """A block format: ``block_size`` elements sharing one scale (E8M0 in OCP MX; E4M3 times a
-    float32 per-tensor scale in NVFP4).
+    """A block format: ``block_size`` elements sharing one scale, encoded by a scale scheme
+    (:func:`scale_scheme`: E8M0 in OCP MX; E4M3 times a float32 per-tensor scale in NVFP4).
 
     The name carries a non-default block size (``"mxfp4_b16"``), so a format and its name
-    round-trip through :func:`resolve_format`.
+    round-trip through :func:`resolve_format`. Construction checks the parts: ``scheme`` must
+    be a registered scale scheme (not a bare scale format: the scheme says how scales are
+    chosen and decoded), one that serves ``element``, and ``block_size`` one of
+    ``lowprec_formats.BLOCK_SIZES`` holding whole bytes of codes.
 
     Example:
         >>> fmt = mx_format("mxfp4")
-        >>> fmt.element.name, fmt.block_size, fmt.emax_elem
-        ('e2m1', 32, 2)
+        >>> fmt.element.name, fmt.block_size, fmt.emax_elem, fmt.scheme
+        ('e2m1', 32, 2, E8M0Scheme('e8m0'))
         >>> mx_format("mxfp4", block_size=16)
         MXFormat('mxfp4_b16')
         >>> mx_format("nvfp4").scale.name, mx_format("nvfp4").tensor_scale
         ('e4m3', True)
+        >>> MXFormat("my_mxfp8", element_format("e4m3"), 32, element_format("e4m3"))
+        Traceback (most recent call last):
+        ...
+        TypeError: MXFormat my_mxfp8: scheme must be a scale scheme (lowprec.scale_scheme('e8m0'), lowprec.scale_scheme('nvfp4')), got ElementFormat('e4m3'): a bare scale format says nothing of how the block scales are chosen or decoded (E4M3 block scales: scale_scheme('nvfp4'), under a float32 tensor scale)
     """
 
     name: str
     element: ElementFormat
-    scale: ElementFormat
     block_size: int
-    tensor_scale: bool = False
+    scheme: ScaleScheme
+
+    def __post_init__(self):
+        what = f"MXFormat {self.name}"
+        if not isinstance(self.name, str):
+            raise TypeError(f"MXFormat name must be a string, got {self.name!r}")
+        if not isinstance(self.element, ElementFormat):
+            raise TypeError(f"{what}: element must be an ElementFormat (element_format(name)), "
+                            f"got {self.element!r}")
+        if isinstance(self.block_size, (ElementFormat, ScaleScheme)):
+            raise TypeError(
+                f"{what}: the arguments are (name, element, block_size, scheme); got "
+                f"{self.block_size!r} as block_size")
+        if not registered(self.scheme):
+            schemes = ", ".join(f"lowprec.scale_scheme({n!r})" for n in SCALE_SCHEME_NAMES)
+            if isinstance(self.scheme, ElementFormat):
+                raise TypeError(
+                    f"{what}: scheme must be a scale scheme ({schemes}), got {self.scheme!r}: "
+                    "a bare scale format says nothing of how the block scales are chosen or "
+                    "decoded (E4M3 block scales: scale_scheme('nvfp4'), under a float32 "
+                    "tensor scale)")
+            raise TypeError(f"{what}: scheme must be a registered scale scheme ({schemes}), "
+                            f"got {self.scheme!r}")
+        if self.element.code_bits not in _STORED_CODE_BITS:
+            raise ValueError(
+                f"{what}: block formats store 4-, 6- or 8-bit element codes (packed along the "
+                f"block axis), got {self.element.name} with {self.element.code_bits} bits")
+        self.scheme.check_element(self.element, self.name)
+        object.__setattr__(self, "block_size",
+                           check_block_size(self.block_size, self.name, self.element))
 
     def __repr__(self) -> str:
         return f"MXFormat({self.name!r})"
+
+    @property
+    def scale(self) -> ElementFormat:
+        """The element format of the block scale codes (the scheme's)."""
+        return self.scheme.scale
+
+    @property
+    def tensor_scale(self) -> bool:
+        """Whether a float32 scale of the whole tensor multiplies the block scales (the
+        scheme's; NVFP4)."""
+        return self.scheme.tensor_scale
 
     @property
     def base_name(self) -> str:
@@ -263,6 +311,10 @@ class MXFormat:
         """Storage cost per element, block scale included (8.25 for MXFP8, 4.25 for MXFP4,
         4.5 for NVFP4; its single float32 tensor scale is not counted)."""
         return self.element.code_bits + self.scale.code_bits / self.block_size
+
+
+# Element code widths an MXArray stores: bytes, or packed FP4 pairs / FP6 fours (_pack.py).
+_STORED_CODE_BITS = (4, 6, 8)
 
 
 def _choices(kind: str, names) -> str:
@@ -396,6 +448,48 @@ def check_block_size(block_size, fmt_name: str = "", element: Optional[ElementFo
 
 
 @functools.lru_cache(maxsize=None)
+def scale_scheme(name: str) -> ScaleScheme:
+    """Returns the scale scheme named ``name`` in ``formats/elements.json``'s
+    ``scale_schemes``: its registered arithmetic on the entry's scale format.
+
+    Args:
+      name: ``"e8m0"`` (OCP MX: E8M0 shared exponents chosen by a scale rule) or ``"nvfp4"``
+        (E4M3 block scales under a float32 tensor scale).
+
+    Raises:
+      ValueError: an unknown name, or an entry without registered arithmetic, or one whose
+        data disagree with its arithmetic.
+
+    Example:
+        >>> scale_scheme("nvfp4").scale.name, scale_scheme("nvfp4").tensor_scale
+        ('e4m3', True)
+        >>> mx_format("mxfp8").scheme is scale_scheme("e8m0")
+        True
+    """
+    if not isinstance(name, str) or name not in _data.SCALE_SCHEMES:
+        raise ValueError(f"unknown scale scheme {name!r}; valid schemes: "
+                         + ", ".join(map(repr, _data.SCALE_SCHEMES)))
+    return scheme_from_spec(name, _data.SCALE_SCHEMES[name])
+
+
+def scheme_from_spec(name: str, spec) -> ScaleScheme:
+    """The scheme of a ``scale_schemes`` entry ``spec``: the class registered as ``name``,
+    on the entry's scale format, checked against the entry's ``tensor_scale``."""
+    cls = scheme_class(name)
+    if cls is None:
+        raise ValueError(
+            f"scale scheme {name!r} has no registered arithmetic (a ScaleScheme subclass, "
+            f"decorated with register({name!r}), in lowprec/_scheme_{name}.py); registered: "
+            + ", ".join(map(repr, registered_names())))
+    if bool(spec["tensor_scale"]) != cls.tensor_scale:
+        raise ValueError(
+            f"scale scheme {name!r}: the data say tensor_scale={spec['tensor_scale']} but its "
+            f"arithmetic ({cls.__name__}) {'has a' if cls.tensor_scale else 'has no'} float32 "
+            "tensor scale; the data and the arithmetic must agree")
+    return cls(element_format(spec["scale"]))
+
+
+@functools.lru_cache(maxsize=None)
 def _mx_by_name(name: str, block_size: Optional[int] = None) -> MXFormat:
     spec = _data.MX_FORMATS[name]
     element = element_format(spec["element"])
@@ -404,9 +498,8 @@ def _mx_by_name(name: str, block_size: Optional[int] = None) -> MXFormat:
     return MXFormat(
         name=name if block == default else f"{name}_b{block}",
         element=element,
-        scale=element_format(spec["scale"]),
         block_size=block,
-        tensor_scale=spec["tensor_scale"],
+        scheme=scale_scheme(spec["scheme"]),
     )
 
 
@@ -432,7 +525,12 @@ def mx_format(fmt: Union[str, MXFormat], block_size: Optional[int] = None) -> MX
     if isinstance(fmt, MXFormat):
         if block_size is None or block_size == fmt.block_size:
             return fmt
-        return _mx_by_name(_data.ALIASES[fmt.base_name], block_size)
+        canonical = _data.ALIASES.get(fmt.base_name)
+        if canonical in _data.MX_FORMATS:
+            return _mx_by_name(canonical, block_size)
+        # A format built directly (not in formats/): the same parts at another block size.
+        return dataclasses.replace(fmt, name=f"{fmt.base_name}_b{block_size}",
+                                   block_size=block_size)
     if not isinstance(fmt, str):
         raise TypeError(f"MX format must be a name or an MXFormat, got {type(fmt).__name__}")
     parsed = _mx_name(fmt.lower())
@@ -450,6 +548,7 @@ def mx_format(fmt: Union[str, MXFormat], block_size: Optional[int] = None) -> MX
 
 ELEMENT_FORMAT_NAMES: tuple[str, ...] = tuple(_data.ELEMENT_FORMATS)
 MX_FORMAT_NAMES: tuple[str, ...] = tuple(_data.MX_FORMATS)
+SCALE_SCHEME_NAMES: tuple[str, ...] = tuple(_data.SCALE_SCHEMES)
 
 #: An element format or its name (``"e4m3"``, ``"float8_e4m3fn"``, ``"bf16"``, ...).
 ElementFormatLike = Union[str, ElementFormat]
@@ -516,7 +615,8 @@ def resolve_format(fmt: FormatLike) -> Union[ElementFormat, MXFormat]:
     )
 
 
-def _is_format_like(v) -> bool:
+def is_format_like(v) -> bool:
+    """Whether ``v`` names or is a format (a string or a format object), not an array."""
     return isinstance(v, (str, ElementFormat, MXFormat))
 
 
@@ -527,7 +627,7 @@ def array_then_format(first, second, func: str):
     (format first, as in ``encode("e4m3", x)``) is recognised by type — an array is never a
     string or a format object — and still works, with a DeprecationWarning.
     """
-    if _is_format_like(first) and not _is_format_like(second):
+    if is_format_like(first) and not is_format_like(second):
         warnings.warn(
             f"lowprec.{func}(fmt, x) is the old argument order; write lowprec.{func}(x, fmt) "
             "(array first, format second). The old order will be removed.",

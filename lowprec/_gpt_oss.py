@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ._format import mx_format
-from ._mx import MXArray
+from ._mxarray import MXArray
 from ._scale_rules import ScaleRule, check_scale_rule
 
 

@@ -1,69 +1,28 @@
 """Quantized matrix products: :func:`dot_general`, :func:`matmul`, :func:`mxfp4_gemv`.
 
-The public entry points validate their arguments once (into a :class:`~lowprec._qdot.DotSpec`)
-and hand them to the quantized dot of ``_qdot.py`` (forward and training path) or to the
-decode-time MXFP4 routes of ``_gemv.py``.
+The public entry points validate their arguments once (a :class:`~lowprec._options.DotSpec`
+and its ``check_call``) and hand them to the quantized dot of ``_qdot.py`` (forward and
+training path) or to the decode-time MXFP4 routes of ``_gemv.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ._format import FormatLike
 from ._gemv import mxfp4_matmul
-from ._gemv_pallas import default_config
-from ._mx import MXArray
-from ._options import MXCast
-from ._qdot import (
-    BACKWARD_MODES,
-    INPUT_DTYPES,
-    OPERAND_FORMAT_NAMES,
-    DotSpec,
-    dot_general_jit,
-    normalize_dn,
-    shape_of,
-)
+from ._mxarray import MXArray
+from ._options import DotSpec
+from ._qdot import dot_general_jit, shape_of
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule
-from ._sharding import check_dot_operand, out_sharding_arg
+from .kernels._dispatch import kernels_enabled
+from .kernels._gemv_pallas import default_config
 
 Operand = Union[jax.Array, MXArray]
-
-
-def _check_operand(x, spec: DotSpec, role: str, contract):
-    """Validates one operand; returns ``(x, spec)`` with an MXArray's own format filled in."""
-    cast = getattr(spec, role)
-    if isinstance(x, MXArray):
-        fmt = None if cast is None else cast.fmt
-        if fmt is not None and fmt != x.fmt:
-            raise ValueError(
-                f"{role} is an MXArray in {x.fmt.name!r} but {role}_format={fmt.name!r} was "
-                f"given; pass {role}_format=None (or {x.fmt.name!r}) for a pre-quantized operand"
-            )
-        if len(contract) != 1:
-            raise ValueError(
-                f"{role} is an MXArray and must contract over exactly one axis (its block axis "
-                f"{x.axis}), got contracting dims {contract}"
-            )
-        if contract[0] != x.axis:
-            raise ValueError(
-                f"{role} is an MXArray blocked along axis {x.axis}, which is not its contracting "
-                f"axis {contract[0]}: MX blocks must run along the contraction. Quantize it with "
-                f"quantize_mx(..., axis={contract[0]})"
-            )
-        return x, spec.with_mx_operand(role, x.fmt)
-    x = jnp.asarray(x)
-    if np.dtype(x.dtype) not in INPUT_DTYPES:
-        raise TypeError(
-            f"{role} must be a float32, bfloat16 or float16 array or an MXArray, got dtype "
-            f"{x.dtype}; convert it with .astype(jnp.float32)"
-        )
-    return x, spec
 
 
 def dot_general(
@@ -141,28 +100,10 @@ def dot_general(
     """
     spec = DotSpec.create(
         lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad, backward,
-        preferred_element_type,
+        preferred_element_type, kernels_enabled(),
     )
-    lhs_shape = shape_of(lhs) if isinstance(lhs, MXArray) else jnp.shape(lhs)
-    rhs_shape = shape_of(rhs) if isinstance(rhs, MXArray) else jnp.shape(rhs)
-    dn = normalize_dn(dimension_numbers, tuple(lhs_shape), tuple(rhs_shape))
-    (lc, rc), _ = dn
-    lhs, spec = _check_operand(lhs, spec, "lhs", lc)
-    rhs, spec = _check_operand(rhs, spec, "rhs", rc)
-    for role, x, contract in (("lhs", lhs, lc), ("rhs", rhs, rc)):
-        cast = getattr(spec, role)  # MX blocks must not straddle shard boundaries
-        check_dot_operand(x, None if cast is None else cast.fmt, contract, role)
-    k = math.prod(lhs_shape[d] for d in lc)
-    for role, x in (("lhs", lhs), ("rhs", rhs)):
-        cast = getattr(spec, role)
-        needs_blocks = isinstance(cast, MXCast) and not isinstance(x, MXArray)
-        if needs_blocks and k % cast.fmt.block_size and not spec.pad:
-            raise ValueError(
-                f"{role}: contraction length {k} is not a multiple of the MX block size "
-                f"{cast.fmt.block_size}; pass pad=True to zero-pad the blocks (zeros add nothing "
-                "to the dot), or use a multiple of 32"
-            )
-    return dot_general_jit(lhs, rhs, dn, spec, out_sharding_arg(out_sharding))
+    call = spec.check_call(lhs, rhs, dimension_numbers, out_sharding)
+    return dot_general_jit(call.lhs, call.rhs, call.dn, call.spec, call.out_sharding)
 
 
 def matmul(a: Operand, b: Operand, **kwargs: Any) -> jax.Array:

@@ -154,6 +154,12 @@ def reciprocal_factor_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
     return f32_div(inverse, decode_bits(scale_fmt, scale_codes))
 
 
+def finite_amax_bits(bits):
+    """Bits of the largest finite magnitude of float32 patterns (0 if there is none)."""
+    mag = bits & F32_ABS
+    return jnp.max(jnp.where(mag < F32_INF, mag, jnp.uint32(0)), initial=jnp.uint32(0))
+
+
 def tensor_scale_bits(amax_bits):
     """Bits of the tensor scale float32(amax / 2688) of a tensor whose largest finite
     magnitude has bits ``amax_bits``: 1.0 for an all-zero tensor (then raised to 2^-143 by

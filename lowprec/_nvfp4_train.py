@@ -65,7 +65,7 @@ from ._decode import decode_bits
 from ._dtypes import bits_to_dtype, input_bits
 from ._encode import encode_bits
 from ._format import mx_format
-from ._mx import dequantize, finite_amax_bits, quantize_mx
+from ._mx import dequantize, quantize_mx
 from ._random import random_bits
 from ._sharding import explicit_sharding
 
@@ -112,7 +112,7 @@ def quantize_2d(w):
     fmt = mx_format("nvfp4")
     r, c = w.shape
     bits = f32_bits(w)  # w: float32
-    ts = _nvfp4.clamp_tensor_scale_bits(_nvfp4.tensor_scale_bits(finite_amax_bits(bits)))
+    ts = _nvfp4.clamp_tensor_scale_bits(_nvfp4.tensor_scale_bits(_nvfp4.finite_amax_bits(bits)))
     mag = (bits & F32_ABS).reshape(r // TILE, TILE, c // TILE, TILE)
     finite = mag < F32_INF
     tile_amax = jnp.max(jnp.where(finite, mag, jnp.uint32(0)), axis=(1, 3))

@@ -1,24 +1,40 @@
-"""Validated quantization options: what every public function checks, checked once.
+"""Validated options: what every public function checks, checked once.
 
 A public function turns its keyword arguments into one of these frozen, hashable objects
-(its ``__post_init__`` validates and canonicalizes every field, with messages that name the
-value and the fix) and hands it to a private core as a static argument of ``jax.jit``.
-Cores never validate again, and public functions never call each other for their work.
+(construction validates and canonicalizes every field, with messages that name the value and
+the fix), then calls the object's ``check_call`` once with the call's arrays: every entry
+check of the call runs there (array dtype, axis, padding, blocks straddling shard
+boundaries, key and random words, tensor scale, operand layout, ...) and it returns what the
+core needs. The core takes the object as a static argument of ``jax.jit`` and never
+validates again; public functions never call each other for their work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
+import jax
 import jax.numpy as jnp
-
 import numpy as np
 
-from ._format import ElementFormat, ElementFormatLike, MXFormat, MXFormatLike, element_format, mx_format
+import lowprec_formats as _data
+
+from ._blocks import normalize_axis
+from ._format import (
+    ElementFormat,
+    FormatLike,
+    MXFormat,
+    element_format,
+    mx_format,
+    resolve_format,
+)
+from ._dtypes import check_input_dtype, host_decode
+from ._mxarray import MXArray
 from ._rounding import check_overflow, check_rounding
-from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule
+from ._scale_rules import ScaleRule, check_scale_rule
+from ._sharding import check_block_axis, check_contraction, out_sharding_arg
 
 
 def _check_key(rounding: str, key, random_bits=None) -> None:
@@ -99,45 +115,37 @@ class ElementCast(_Randomness):
         object.__setattr__(self, "rounding", check_rounding(fmt, self.rounding))
         object.__setattr__(self, "overflow", check_overflow(self.overflow))
 
+    def check_call(self, x, *, key=None, random_bits=None) -> "ElementInput":
+        """Every entry check of a call rounding ``x`` with this cast: the key or random words
+        the rounding needs (one per element of ``x``), and ``x``'s dtype (a NumPy float6
+        array is decoded on the host first). Returns the call's input for the core."""
+        self.check_key(key, random_bits)
+        x = jnp.asarray(host_decode(x))
+        check_input_dtype(x.dtype)
+        check_random_bits(random_bits, x.shape)
+        return ElementInput(x, (key, random_bits))
 
-# How an NVFP4 element is brought to E2M1's range before rounding (docs/design.md §3b). The
-# two differ only where the float32 quotient lands exactly on an E2M1 rounding boundary.
-NVFP4_STEPS = {
-    # torchao <= 0.16 (nvfp4_tensor.nvfp4_quantize): one division by float32(ts * s).
-    "divide": "x / float32(tensor_scale * block_scale)  (torchao <= 0.16)",
-    # torchao >= 0.17 (its PR #4031, as NVIDIA's MSLK kernels): a product with a reciprocal.
-    "reciprocal": "x * float32(float32(1 / tensor_scale) / block_scale)  (torchao >= 0.17)",
-}
-DEFAULT_NVFP4_STEP = "divide"
 
+class ElementInput(NamedTuple):
+    """A validated call of an element cast: the array (a JAX array) and ``(key,
+    random_bits)``."""
 
-def check_nvfp4_step(fmt: MXFormat, step) -> Optional[str]:
-    """The NVFP4 element step for ``fmt`` (None for formats without a tensor scale)."""
-    if not fmt.tensor_scale:
-        if step is not None:
-            raise ValueError(
-                f"nvfp4_step applies to NVFP4 (E4M3 block scales under a tensor scale), not to "
-                f"{fmt.name}; drop it")
-        return None
-    if step is None:
-        return DEFAULT_NVFP4_STEP
-    if step not in NVFP4_STEPS:
-        raise ValueError(
-            f"unknown nvfp4_step {step!r}; choose one of: "
-            + "; ".join(f"{k!r} = {v}" for k, v in NVFP4_STEPS.items()))
-    return step
+    x: jax.Array
+    rng: tuple
 
 
 @dataclasses.dataclass(frozen=True)
 class MXCast(_Randomness):
     """How an array is block-quantized (the options of ``quantize_mx``/``fake_quantize_mx``).
 
-    Elements always saturate to ± the element maximum (OCP MX v1.0). ``scale_rule`` chooses
-    E8M0 block scales (None: the default, ``ScaleRule.FLOOR``); a format with its own scale
-    recipe (NVFP4: E4M3 block scales under a float32 tensor scale) records None, whatever
-    rule is passed, and its ``nvfp4_step`` (:data:`NVFP4_STEPS`; default ``"divide"``) says how
-    elements are divided by their scales, so that one rule can be given for all the operands of a dot — the public
-    quantizers refuse an explicit rule for such a format (see :func:`check_no_scale_rule`).
+    Elements always saturate to ± the element maximum (OCP MX v1.0). The format's scale
+    scheme canonicalizes the options: ``scale_rule`` chooses E8M0 block scales (None: the
+    default, ``ScaleRule.FLOOR``); a scheme with its own recipe (NVFP4: E4M3 block scales
+    under a float32 tensor scale) records None, whatever rule is passed, so that one rule can
+    be given for all the operands of a dot — the public quantizers refuse an explicit rule
+    for such a format (:meth:`check_call`) — and NVFP4's ``nvfp4_step``
+    (``_scheme_nvfp4.NVFP4_STEPS``; default ``"divide"``) says how elements are divided by
+    their scales.
 
     Example:
         >>> MXCast("mxfp8", scale_rule="rceil")
@@ -156,45 +164,330 @@ class MXCast(_Randomness):
     def __post_init__(self):
         fmt = mx_format(self.fmt)
         object.__setattr__(self, "fmt", fmt)
-        object.__setattr__(self, "nvfp4_step", check_nvfp4_step(fmt, self.nvfp4_step))
-        rule = None
-        if not fmt.tensor_scale:
-            rule = DEFAULT_SCALE_RULE if self.scale_rule is None else check_scale_rule(self.scale_rule)
-        object.__setattr__(self, "scale_rule", rule)
+        object.__setattr__(self, "nvfp4_step", fmt.scheme.step_option(self.nvfp4_step, fmt.name))
+        object.__setattr__(self, "scale_rule", fmt.scheme.scale_rule_option(self.scale_rule))
         object.__setattr__(self, "rounding", check_rounding(fmt.element, self.rounding))
 
+    def check_call(self, x, func: str, *, axis=-1, pad: bool = False, key=None,
+                   random_bits=None, tensor_scale=None, scale_rule=None,
+                   exponents: bool = False) -> "BlockInput":
+        """Every entry check of ``func`` block-quantizing ``x`` with this cast; returns the
+        call's input for the core.
 
-def check_no_scale_rule(fmt: MXFormat, scale_rule, func: str) -> None:
-    """A format with its own scale recipe (NVFP4) takes no ``scale_rule``: raise if given."""
-    if fmt.tensor_scale and scale_rule is not None:
+        Checks, in order: ``exponents``: that the scheme's scales are shared exponents (for
+        ``shared_exponents``); ``scale_rule`` (as the caller gave it) where the format's
+        scale scheme takes none; the key or random words of the rounding; ``tensor_scale`` as
+        the scheme accepts it; ``x``'s dtype, rank, axis and length (whole blocks or
+        ``pad``); that no block straddles a shard boundary of ``x``'s layout (see
+        ``_sharding.py``); the random words' shape (the padded shape).
+        """
+        fmt = self.fmt
+        scheme = fmt.scheme
+        if exponents and not scheme.exponent_scales:
+            raise ValueError(
+                f"{func}: {fmt.name} block scales are {scheme.scale.name.upper()} values"
+                + (" under a tensor scale" if scheme.tensor_scale else "")
+                + ", not shared exponents; quantize_mx(x, ...).scales holds them"
+            )
+        if scale_rule is not None and not scheme.takes_scale_rule:
+            raise ValueError(
+                f"{func}: {fmt.name} block scales follow {scheme.recipe}, so scale_rule does "
+                f"not apply; got scale_rule={str(scale_rule)!r}. Drop it (scale rules choose "
+                "E8M0 scales)"
+            )
+        self.check_key(key, random_bits)
+        ts = scheme.tensor_scale_option(tensor_scale, fmt.name, func)
+        x = jnp.asarray(host_decode(x))
+        axis, n, padded = check_block_input(x.shape, x.dtype, fmt, axis, pad, func)
+        check_block_axis(x, axis, fmt.block_size, func)  # blocks must not straddle shards
+        padded_shape = tuple(x.shape[:axis]) + (padded,) + tuple(x.shape[axis + 1:])
+        check_random_bits(random_bits, padded_shape, "the padded shape")
+        return BlockInput(x, axis, n, padded, (key, random_bits), ts)
+
+
+class BlockInput(NamedTuple):
+    """A validated call of a block cast: the array (a JAX array), the block axis (normalized),
+    its length and its length padded to whole blocks, ``(key, random_bits)``, and the
+    tensor scale (a float32 scalar, or None: computed where the scheme has one)."""
+
+    x: jax.Array
+    axis: int
+    n: int
+    padded: int
+    rng: tuple
+    tensor_scale: Optional[jax.Array]
+
+
+def check_block_input(shape, dtype, fmt: MXFormat, axis, pad: bool, func: str):
+    """Validates an array of ``shape`` and ``dtype`` to be split into blocks of ``fmt``
+    along ``axis``; returns ``(axis, n, padded_n)``.
+
+    Block formats read float32 or narrower floats (float16, bfloat16, the ml_dtypes floats,
+    all widened exactly); float64 would need its own block maximum.
+    """
+    dtype = np.dtype(dtype)
+    try:
+        accepted = dtype != np.dtype(np.float64) and check_input_dtype(dtype) is not None
+    except TypeError:
+        accepted = False
+    if not accepted:
+        raise TypeError(
+            f"{func} takes float32, bfloat16, float16 or ml_dtypes float input, got dtype "
+            f"{dtype}; convert with x.astype(jnp.float32)"
+        )
+    if len(shape) == 0:
+        raise ValueError(f"{func} needs at least a 1-D array (blocks run along an axis)")
+    axis = normalize_axis(axis, len(shape))
+    n = shape[axis]
+    block = fmt.block_size
+    padded = -(-n // block) * block
+    if n % block and not pad:
         raise ValueError(
-            f"{func}: {fmt.name} block scales follow the NVFP4 recipe (E4M3 of "
-            "amax / 6 / tensor_scale), so scale_rule does not apply; got "
-            f"scale_rule={str(scale_rule)!r}. Drop it (scale rules choose E8M0 scales)"
+            f"axis {axis} has length {n}, not a multiple of the {fmt.name} block size {block}; "
+            f"pass pad=True to zero-pad it to {padded} (dequantize drops the padding), or "
+            "choose another axis"
+        )
+    return axis, n, padded
+
+# -- the quantized dot ---------------------------------------------------------------------
+
+#: Element formats an operand can be rounded to (E8M0 is a scale format, not an operand),
+#: besides any P3109 name.
+OPERAND_ELEMENT_FORMATS: tuple[str, ...] = tuple(
+    n for n in _data.ELEMENT_FORMATS if _data.ELEMENT_FORMATS[n]["zero"]
+)
+#: Every accepted operand format name (``None`` = leave the operand as it is).
+OPERAND_FORMAT_NAMES: tuple[str, ...] = tuple(_data.MX_FORMATS) + OPERAND_ELEMENT_FORMATS
+#: ``backward=`` choices of :func:`lowprec.dot_general`.
+BACKWARD_MODES: tuple[str, ...] = ("ste", "quantized")
+OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+INPUT_DTYPES = OUTPUT_DTYPES
+
+OperandCast = Union[None, MXCast, ElementCast]
+
+
+def _valid_formats() -> str:
+    return "valid formats: None, " + ", ".join(repr(n) for n in OPERAND_FORMAT_NAMES)
+
+
+def operand_cast(fmt: FormatLike, role: str, scale_rule: ScaleRule, rounding: str,
+                 overflow: str) -> OperandCast:
+    """A dot operand's format (name or object) → its MXCast / ElementCast, or None (the
+    operand is used as it is); ``role`` names the argument in messages."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, (str, ElementFormat, MXFormat)):
+        raise TypeError(f"{role} must be a format name, a format object or None, got {fmt!r}")
+    try:
+        resolved = resolve_format(fmt)
+    except ValueError:
+        raise ValueError(f"unknown {role} {fmt!r}; {_valid_formats()}") from None
+    if isinstance(resolved, MXFormat):
+        return MXCast(resolved, scale_rule, rounding)
+    if not resolved.zero:
+        raise ValueError(
+            f"{role}: {resolved.name} is a scale format, not an operand format; {_valid_formats()}"
+        )
+    return ElementCast(resolved, rounding, overflow)
+
+
+def normalize_dn(dimension_numbers, lhs_shape, rhs_shape):
+    """Validates ``((lc, rc), (lb, rb))`` against the shapes; returns it as tuples of ints."""
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
+    except (TypeError, ValueError):
+        raise ValueError(
+            "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
+            f"rhs_batch)) as in lax.dot_general, got {dimension_numbers!r}"
+        ) from None
+    for side, shape, contract, batch in (("lhs", lhs_shape, lc, lb), ("rhs", rhs_shape, rc, rb)):
+        nd = len(shape)
+        dims = contract + batch
+        if any(not 0 <= d < nd for d in dims):
+            raise ValueError(
+                f"{side} dimension numbers {dims} out of range for {side} of shape {shape} "
+                "(use non-negative axes)"
+            )
+        if len(set(dims)) != len(dims):
+            raise ValueError(
+                f"{side} contracting {contract} and batch {batch} dims must be distinct"
+            )
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(
+            f"lhs and rhs need as many contracting ({len(lc)} vs {len(rc)}) and batch "
+            f"({len(lb)} vs {len(rb)}) dimensions"
+        )
+    for kind, ld, rd in (("contracting", lc, rc), ("batch", lb, rb)):
+        for a, b in zip(ld, rd):
+            if lhs_shape[a] != rhs_shape[b]:
+                raise ValueError(
+                    f"mismatched shapes: lhs {kind} axis {a} has length {lhs_shape[a]} but rhs "
+                    f"{kind} axis {b} has length {rhs_shape[b]} (lhs {lhs_shape}, rhs {rhs_shape})"
+                )
+    return (lc, rc), (lb, rb)
+
+
+def _blocks_fit(cast: OperandCast, length: int, pad: bool, what: str) -> None:
+    """An operand quantized to a block format along a contraction of ``length``: whole
+    blocks, or ``pad``."""
+    if isinstance(cast, MXCast) and length % cast.fmt.block_size and not pad:
+        raise ValueError(
+            f"{what}: contraction length {length} is not a multiple of the MX block size "
+            f"{cast.fmt.block_size}; pass pad=True to zero-pad the blocks (zeros add nothing "
+            "to the dot), or use a multiple of 32"
         )
 
 
-def check_tensor_scale(fmt: MXFormat, tensor_scale, func: str):
-    """``tensor_scale`` for a format that has one (None: computed from the input), as a
-    float32 scalar; a ValueError for a format without one or an invalid Python number."""
-    if not fmt.tensor_scale:
-        if tensor_scale is not None:
+@dataclasses.dataclass(frozen=True)
+class DotSpec:
+    """Static, validated description of one quantized dot (dot_general's keyword arguments).
+
+    ``lhs``/``rhs``/``grad`` are the operand casts (None: the operand is used as it is),
+    built from the formats with ``scale_rule``/``rounding``/``overflow``; those three are
+    kept for MXArray operands, whose casts are filled in from their own format
+    (:meth:`check_call`). ``kernels``: whether the kernel policy of the call
+    (``lowprec.kernels``) lets Pallas kernels serve it, a static part of the dot.
+
+    Example:
+        >>> spec = DotSpec.create("mxfp8", None, None, "rceil", "nearest_even", "ieee", False,
+        ...                       "ste", "float32")
+        >>> spec.lhs.fmt, spec.rhs, spec.out_dtype
+        (MXFormat('mxfp8_e4m3'), None, dtype('float32'))
+    """
+
+    lhs: OperandCast
+    rhs: OperandCast
+    grad: OperandCast
+    scale_rule: ScaleRule
+    rounding: str
+    overflow: str
+    pad: bool
+    backward: str
+    out_dtype: np.dtype
+    kernels: bool = True
+
+    @classmethod
+    def create(
+        cls, lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad,
+        backward, preferred_element_type, kernels: bool = True,
+    ) -> "DotSpec":
+        """Validates every keyword of :func:`lowprec.dot_general`, once (``kernels``: the
+        kernel policy read by the caller)."""
+        rule = check_scale_rule(scale_rule)
+        overflow = check_overflow(overflow)
+        if rounding == "stochastic":
             raise ValueError(
-                f"{func}: {fmt.name} has no tensor scale (only NVFP4 does); drop tensor_scale"
+                "dot_general rounds deterministically; for stochastic rounding quantize the "
+                "operand with quantize_mx(x, fmt, rounding='stochastic', key=...) and pass the "
+                "MXArray"
             )
-        return None
-    if tensor_scale is None:
-        return None
-    if isinstance(tensor_scale, (int, float)):
-        if not (math.isfinite(tensor_scale) and tensor_scale > 0):
+        if rounding not in _data.ROUNDING_MODES:
             raise ValueError(
-                f"{func}: tensor_scale must be a positive finite number, got {tensor_scale!r}"
+                f"unknown rounding mode {rounding!r}; valid modes: {_data.ROUNDING_MODES}"
             )
-    ts = jnp.asarray(tensor_scale, jnp.float32)
-    if ts.shape != ():
-        raise ValueError(f"{func}: tensor_scale must be a scalar, got shape {ts.shape}")
-    return ts
+        if backward not in BACKWARD_MODES:
+            raise ValueError(f"unknown backward mode {backward!r}; valid modes: {BACKWARD_MODES}")
+        if grad_format is not None and backward != "quantized":
+            raise ValueError("grad_format is only used with backward='quantized'")
+        out_dtype = np.dtype(preferred_element_type)
+        if out_dtype not in OUTPUT_DTYPES:
+            raise TypeError(
+                f"preferred_element_type must be float32, bfloat16 or float16, got {out_dtype}"
+            )
+        lhs, rhs, grad = (
+            operand_cast(f, role, rule, rounding, overflow)
+            for f, role in ((lhs_format, "lhs_format"), (rhs_format, "rhs_format"),
+                            (grad_format, "grad_format"))
+        )
+        return cls(lhs, rhs, grad, rule, rounding, overflow, bool(pad), backward, out_dtype,
+                   bool(kernels))
+
+    def with_mx_operand(self, side: str, fmt: MXFormat) -> "DotSpec":
+        """The spec with a pre-quantized operand's own format as ``side``'s cast."""
+        return dataclasses.replace(self, **{side: MXCast(fmt, self.scale_rule, self.rounding)})
+
+    def check_call(self, lhs, rhs, dimension_numbers, out_sharding=None) -> "DotInput":
+        """Every entry check of a dot of ``lhs`` and ``rhs`` with this spec; returns the
+        call's input for the core (an MXArray operand's own format filled in as its cast).
+
+        Checks: the dimension numbers against the shapes; each operand (a float32, bfloat16
+        or float16 array, or an MXArray blocked along its single contracting axis, whose
+        format agrees with the one given); that no MX block straddles a shard boundary of an
+        operand's layout; whole blocks along the contraction (or ``pad``); ``out_sharding``.
+        """
+        lhs_shape = tuple(lhs.shape) if isinstance(lhs, MXArray) else tuple(jnp.shape(lhs))
+        rhs_shape = tuple(rhs.shape) if isinstance(rhs, MXArray) else tuple(jnp.shape(rhs))
+        dn = normalize_dn(dimension_numbers, lhs_shape, rhs_shape)
+        (lc, rc), _ = dn
+        spec = self
+        lhs, spec = spec._check_operand(lhs, "lhs", lc)
+        rhs, spec = spec._check_operand(rhs, "rhs", rc)
+        k = math.prod(lhs_shape[d] for d in lc)
+        for role, x, contract in (("lhs", lhs, lc), ("rhs", rhs, rc)):
+            cast = getattr(spec, role)
+            what = f"dot_general {role}"
+            if isinstance(x, MXArray):
+                # Its codes are blocked along its contracting axis (FP4: half a byte per
+                # code; FP6: 3/4): a block must lie in one shard.
+                check_block_axis(x.elements, x.axis, x.fmt.bytes_per_block, what)
+            elif isinstance(cast, MXCast):
+                check_contraction(x, contract, cast.fmt.block_size, what)
+                _blocks_fit(cast, k, spec.pad, role)
+        return DotInput(spec, lhs, rhs, dn, out_sharding_arg(out_sharding))
+
+    def _check_operand(self, x, role: str, contract):
+        """``(x, spec)``: one operand validated, an MXArray's own format filled in."""
+        cast = getattr(self, role)
+        if isinstance(x, MXArray):
+            fmt = None if cast is None else cast.fmt
+            if fmt is not None and fmt != x.fmt:
+                raise ValueError(
+                    f"{role} is an MXArray in {x.fmt.name!r} but {role}_format={fmt.name!r} was "
+                    f"given; pass {role}_format=None (or {x.fmt.name!r}) for a pre-quantized "
+                    "operand"
+                )
+            if len(contract) != 1:
+                raise ValueError(
+                    f"{role} is an MXArray and must contract over exactly one axis (its block "
+                    f"axis {x.axis}), got contracting dims {contract}"
+                )
+            if contract[0] != x.axis:
+                raise ValueError(
+                    f"{role} is an MXArray blocked along axis {x.axis}, which is not its "
+                    f"contracting axis {contract[0]}: MX blocks must run along the contraction. "
+                    f"Quantize it with quantize_mx(..., axis={contract[0]})"
+                )
+            return x, self.with_mx_operand(role, x.fmt)
+        x = jnp.asarray(x)
+        if np.dtype(x.dtype) not in INPUT_DTYPES:
+            raise TypeError(
+                f"{role} must be a float32, bfloat16 or float16 array or an MXArray, got dtype "
+                f"{x.dtype}; convert it with .astype(jnp.float32)"
+            )
+        return x, self
+
+    def check_backward(self, m: int, n: int) -> None:
+        """The entry check of the ``backward="quantized"`` dots (run when the backward pass
+        is traced) of a dot whose free dims have ``m`` (lhs) and ``n`` (rhs) elements:
+        grad_lhs blocks the cotangent and the rhs along n, grad_rhs the cotangent and the
+        lhs along m, so each quantized one needs whole blocks there (or ``pad``)."""
+        for cast, length, what in (
+            (self.grad, n, "backward grad_lhs (reduces over rhs's free dims), cotangent"),
+            (self.rhs, n, "backward grad_lhs (reduces over rhs's free dims), rhs"),
+            (self.grad, m, "backward grad_rhs (reduces over lhs's free dims), cotangent"),
+            (self.lhs, m, "backward grad_rhs (reduces over lhs's free dims), lhs"),
+        ):
+            _blocks_fit(cast, length, self.pad, what)
 
 
-ElementCastLike = Union[ElementCast, ElementFormatLike]
-MXCastLike = Union[MXCast, MXFormatLike]
+class DotInput(NamedTuple):
+    """A validated dot: the spec (MXArray operands' formats filled in), the operands (float
+    arrays as JAX arrays), the normalized dimension numbers and the output sharding (a
+    NamedSharding or None)."""
+
+    spec: DotSpec
+    lhs: object
+    rhs: object
+    dn: tuple
+    out_sharding: object

@@ -39,182 +39,32 @@ float values along these new axes (a pre-quantized operand is dequantized first)
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-import lowprec_formats as _data
-
 from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
-from ._blocks import padded_bits
 from ._decode import decode_bits
 from ._dtypes import bits_to_dtype, exactly_representable, input_bits
 from ._encode import encode_bits
-from ._format import ElementFormat, FormatLike, MXFormat, resolve_format
-from . import _gemv
-from ._gemv import decode_time_route, on_cuda
-from ._mxdot_pallas import mxdot_pallas, pallas_mxdot_applies
-from ._mx import (
-    MXArray,
-    e8m0_factor,
-    fast_decode_applies,
-    fast_decode_exact,
-    mx_value_bits,
-    mx_value_bits_fast,
-    quantize_mxarray,
-)
-from ._options import ElementCast, MXCast
-from ._rounding import check_overflow
-from ._scale_rules import ScaleRule, check_scale_rule
+from ._format import MXFormat
+from ._gemv import decode_time_route
+from ._mx_decode import fast_decode_applies, fast_decode_exact, mx_value_bits, mx_value_bits_fast
+from ._mx_encode import padded_bits, quantize_mxarray
+from ._mxarray import MXArray
+from ._options import DotSpec, MXCast, OperandCast
 from ._sharding import explicit_sharding, merged_sharding, split_out_sharding, without_leading
-
-#: Element formats an operand can be rounded to (E8M0 is a scale format, not an operand),
-#: besides any P3109 name.
-OPERAND_ELEMENT_FORMATS: tuple[str, ...] = tuple(
-    n for n in _data.ELEMENT_FORMATS if _data.ELEMENT_FORMATS[n]["zero"]
-)
-#: Every accepted operand format name (``None`` = leave the operand as it is).
-OPERAND_FORMAT_NAMES: tuple[str, ...] = tuple(_data.MX_FORMATS) + OPERAND_ELEMENT_FORMATS
-#: ``backward=`` choices of :func:`lowprec.dot_general`.
-BACKWARD_MODES: tuple[str, ...] = ("ste", "quantized")
-OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
-INPUT_DTYPES = OUTPUT_DTYPES
-
-OperandCast = Union[None, MXCast, ElementCast]
-
-
-# -- configuration --------------------------------------------------------------------------
-
-
-def _valid_formats() -> str:
-    return "valid formats: None, " + ", ".join(repr(n) for n in OPERAND_FORMAT_NAMES)
-
-
-def _operand_cast(fmt: FormatLike, role: str, scale_rule: ScaleRule, rounding: str, overflow: str):
-    """An operand's format (name or object) → its MXCast / ElementCast, or None."""
-    if fmt is None:
-        return None
-    if not isinstance(fmt, (str, ElementFormat, MXFormat)):
-        raise TypeError(f"{role} must be a format name, a format object or None, got {fmt!r}")
-    try:
-        resolved = resolve_format(fmt)
-    except ValueError:
-        raise ValueError(f"unknown {role} {fmt!r}; {_valid_formats()}") from None
-    if isinstance(resolved, MXFormat):
-        return MXCast(resolved, scale_rule, rounding)
-    if not resolved.zero:
-        raise ValueError(
-            f"{role}: {resolved.name} is a scale format, not an operand format; {_valid_formats()}"
-        )
-    return ElementCast(resolved, rounding, overflow)
-
-
-@dataclasses.dataclass(frozen=True)
-class DotSpec:
-    """Static, validated description of one quantized dot (dot_general's keyword arguments).
-
-    ``lhs``/``rhs``/``grad`` are the operand casts (None: the operand is used as it is),
-    built from the formats with ``scale_rule``/``rounding``/``overflow``; those three are
-    kept for MXArray operands, whose casts are filled in from their own format.
-    """
-
-    lhs: OperandCast
-    rhs: OperandCast
-    grad: OperandCast
-    scale_rule: ScaleRule
-    rounding: str
-    overflow: str
-    pad: bool
-    backward: str
-    out_dtype: np.dtype
-
-    @classmethod
-    def create(
-        cls, lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad,
-        backward, preferred_element_type,
-    ) -> "DotSpec":
-        """Validates every keyword of :func:`lowprec.dot_general`, once."""
-        rule = check_scale_rule(scale_rule)
-        overflow = check_overflow(overflow)
-        if rounding == "stochastic":
-            raise ValueError(
-                "dot_general rounds deterministically; for stochastic rounding quantize the "
-                "operand with quantize_mx(x, fmt, rounding='stochastic', key=...) and pass the "
-                "MXArray"
-            )
-        if rounding not in _data.ROUNDING_MODES:
-            raise ValueError(
-                f"unknown rounding mode {rounding!r}; valid modes: {_data.ROUNDING_MODES}"
-            )
-        if backward not in BACKWARD_MODES:
-            raise ValueError(f"unknown backward mode {backward!r}; valid modes: {BACKWARD_MODES}")
-        if grad_format is not None and backward != "quantized":
-            raise ValueError("grad_format is only used with backward='quantized'")
-        out_dtype = np.dtype(preferred_element_type)
-        if out_dtype not in OUTPUT_DTYPES:
-            raise TypeError(
-                f"preferred_element_type must be float32, bfloat16 or float16, got {out_dtype}"
-            )
-        lhs, rhs, grad = (
-            _operand_cast(f, role, rule, rounding, overflow)
-            for f, role in ((lhs_format, "lhs_format"), (rhs_format, "rhs_format"),
-                            (grad_format, "grad_format"))
-        )
-        return cls(lhs, rhs, grad, rule, rounding, overflow, bool(pad), backward, out_dtype)
-
-    def with_mx_operand(self, side: str, fmt: MXFormat) -> "DotSpec":
-        """The spec with a pre-quantized operand's own format as ``side``'s cast."""
-        return dataclasses.replace(self, **{side: MXCast(fmt, self.scale_rule, self.rounding)})
-
+from .kernels._dispatch import mxdot_kernel, on_cuda
+from .kernels._mxdot_pallas import mxdot_pallas
 
 # -- dimension numbers and canonical (B, M, K) layout ------------------------------------------
 
 
 def shape_of(x) -> tuple:
     return tuple(x.shape)
-
-
-def normalize_dn(dimension_numbers, lhs_shape, rhs_shape):
-    """Validates ``((lc, rc), (lb, rb))`` against the shapes; returns it as tuples of ints."""
-    try:
-        (lc, rc), (lb, rb) = dimension_numbers
-        lc, rc, lb, rb = (tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
-    except (TypeError, ValueError):
-        raise ValueError(
-            "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
-            f"rhs_batch)) as in lax.dot_general, got {dimension_numbers!r}"
-        ) from None
-    for side, shape, contract, batch in (("lhs", lhs_shape, lc, lb), ("rhs", rhs_shape, rc, rb)):
-        nd = len(shape)
-        dims = contract + batch
-        if any(not 0 <= d < nd for d in dims):
-            raise ValueError(
-                f"{side} dimension numbers {dims} out of range for {side} of shape {shape} "
-                "(use non-negative axes)"
-            )
-        if len(set(dims)) != len(dims):
-            raise ValueError(
-                f"{side} contracting {contract} and batch {batch} dims must be distinct"
-            )
-    if len(lc) != len(rc) or len(lb) != len(rb):
-        raise ValueError(
-            f"lhs and rhs need as many contracting ({len(lc)} vs {len(rc)}) and batch "
-            f"({len(lb)} vs {len(rb)}) dimensions"
-        )
-    for kind, ld, rd in (("contracting", lc, rc), ("batch", lb, rb)):
-        for a, b in zip(ld, rd):
-            if lhs_shape[a] != rhs_shape[b]:
-                raise ValueError(
-                    f"mismatched shapes: lhs {kind} axis {a} has length {lhs_shape[a]} but rhs "
-                    f"{kind} axis {b} has length {rhs_shape[b]} (lhs {lhs_shape}, rhs {rhs_shape})"
-                )
-    return (lc, rc), (lb, rb)
 
 
 def _canon_perm(nd: int, contract, batch):
@@ -284,7 +134,7 @@ def mx_bf16_exact(mx: MXArray):
     range, where a ≤ 3-bit significand is exact. Blocks holding only zeros are exact at any
     scale; they matter because an all-zero block carries scale code 0 (2^-127) and would
     otherwise force the float32 path for nothing. This is the condition under which the
-    fast decode (one float multiply per element) is exact (``_mx.fast_decode_exact``):
+    fast decode (one float multiply per element) is exact (``_mx_decode.fast_decode_exact``):
     the scales decide alone when all are large, the codes are read only otherwise. Blocks
     with tiny scales and nonzero elements go to float32 even when bfloat16 would happen to
     hold them (rare, and still exact).
@@ -294,8 +144,9 @@ def mx_bf16_exact(mx: MXArray):
     return fast_decode_exact(mx.elements, mx.scales, mx.fmt, mx.axis)
 
 
-def _quantize_operand(x, cast: OperandCast, spec: DotSpec, what: str, ca: int):
-    """Quantizes a canonical float operand along its contraction axis ``ca``.
+def _quantize_operand(x, cast: OperandCast, ca: int):
+    """Quantizes a canonical float operand along its contraction axis ``ca`` (whole blocks
+    or ``pad``: checked by ``DotSpec.check_call`` / ``check_backward``).
 
     Returns ``(operand, kind)``: an MXArray with kind ``"dynamic"`` (bfloat16 unless a value
     falls out of its range) or ``"f32"`` (a block format bfloat16 cannot hold), or float32
@@ -308,14 +159,7 @@ def _quantize_operand(x, cast: OperandCast, spec: DotSpec, what: str, ca: int):
         return input_bits(x), "bf16" if x.dtype == jnp.bfloat16 else "f32"
     if isinstance(cast, MXCast):
         block = cast.fmt.block_size
-        k = x.shape[ca]
-        if k % block and not spec.pad:
-            raise ValueError(
-                f"{what}: contraction length {k} is not a multiple of the MX block size "
-                f"{block}; pass pad=True to zero-pad the blocks (zeros add nothing to the dot), "
-                "or use a multiple of 32"
-            )
-        padded = -(-k // block) * block
+        padded = -(-x.shape[ca] // block) * block
         mx = quantize_mxarray(padded_bits(x, ca, padded), cast, ca, tuple(x.shape), None)
         return mx, "dynamic" if _bf16_capable(cast.fmt) else "f32"
     codes = encode_bits(cast.fmt, input_bits(x), cast.rounding, cast.overflow, None)
@@ -357,46 +201,27 @@ def _factor(op):
     """An MX operand's block factors 2^(s - 127), computed once before the branch that uses
     them (else None)."""
     if isinstance(op, MXArray) and _bf16_capable(op.fmt):
-        return e8m0_factor(op.scales)
+        return op.fmt.scheme.scale_factors(op.scales)
     return None
 
 
-def _dot_bf16(layout, lop, rop, factors=(None, None), out_sharding=None):
+def _dot_bf16(layout, lop, rop, factors=(None, None), out_sharding=None, kernels=True):
     la, ra = layout
 
     def xla(lop, rop):
         return _contract(_bf16_values(lop, factors[0]), la, _bf16_values(rop, factors[1]), ra,
                          out_sharding)
 
-    # The fused kernel is a single-device call: a requested output sharding keeps XLA's dot.
-    if out_sharding is not None or not _mxdot_serves(layout, lop, rop):
+    if not mxdot_kernel(layout, lop, rop, kernels, out_sharding):
         return xla(lop, rop)
 
     def fused(lop, rop):
         return mxdot_pallas(lop.elements[0], lop.scales[0], rop.elements[0], rop.scales[0],
                             fa=lop.fmt, fb=rop.fmt)[None]
 
-    # On CUDA the codes are decoded in the GEMM's operand load (_mxdot_pallas.py): XLA
+    # On CUDA the codes are decoded in the GEMM's operand load (kernels/_mxdot_pallas.py): XLA
     # writes each decoded bfloat16 operand to memory and reads it back.
     return on_cuda(fused, xla, lop, rop)
-
-
-def _mxdot_serves(layout, lop, rop) -> bool:
-    """Whether the bfloat16 branch takes the fused MX kernel on CUDA (static): two MX
-    operands with 8-bit codes in the (1, M, K) x (1, N, K) layout, Triton importable."""
-    if layout != (2, 2) or not (isinstance(lop, MXArray) and isinstance(rop, MXArray)):
-        return False
-    if lop.elements.ndim != 3 or rop.elements.ndim != 3 or lop.shape[0] != 1:
-        return False
-    if 0 in lop.elements.shape or 0 in rop.elements.shape:
-        return False
-    if not _gemv.cuda_kernels_possible():
-        return False
-    try:
-        from jax.experimental.pallas import triton  # noqa: F401
-    except ImportError:
-        return False
-    return pallas_mxdot_applies(lop.fmt, rop.fmt)
 
 
 def _dot_f32(layout, lop, rop, factors=None, out_sharding=None):
@@ -405,17 +230,18 @@ def _dot_f32(layout, lop, rop, factors=None, out_sharding=None):
     return _contract(a, la, b, ra, out_sharding, precision=lax.Precision.HIGHEST)
 
 
-def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, spec: DotSpec, what: str,
-                    layout: tuple = (2, 2), out_sharding=None):
+def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tuple = (2, 2),
+                    out_sharding=None, kernels: bool = True):
     """Quantized dot of canonical operands contracted over their axes ``layout = (la, ra)``
-    (default: (B, M, K) x (B, N, K)) → (B, M, N) float32, no autodiff rule of its own."""
+    (default: (B, M, K) x (B, N, K)) → (B, M, N) float32, no autodiff rule of its own;
+    ``kernels``: whether the kernel policy lets a Pallas kernel serve its bfloat16 branch."""
     la, ra = layout
-    lop, lkind = _quantize_operand(lhs, lcast, spec, f"{what} lhs", la)
-    rop, rkind = _quantize_operand(rhs, rcast, spec, f"{what} rhs", ra)
+    lop, lkind = _quantize_operand(lhs, lcast, la)
+    rop, rkind = _quantize_operand(rhs, rcast, ra)
     if "f32" in (lkind, rkind):
         return _dot_f32(layout, lop, rop, out_sharding=out_sharding)
     if lkind == rkind == "bf16":
-        return _dot_bf16(layout, lop, rop, out_sharding=out_sharding)
+        return _dot_bf16(layout, lop, rop, out_sharding=out_sharding, kernels=kernels)
     ok = jnp.bool_(True)
     for op, kind in ((lop, lkind), (rop, rkind)):
         if kind == "dynamic":
@@ -423,7 +249,7 @@ def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, spec: DotS
     # Both branches take the codes, so each decodes inside its own fusion.
     factors = (_factor(lop), _factor(rop))
     return lax.cond(
-        ok, functools.partial(_dot_bf16, layout, out_sharding=out_sharding),
+        ok, functools.partial(_dot_bf16, layout, out_sharding=out_sharding, kernels=kernels),
         functools.partial(_dot_f32, layout, out_sharding=out_sharding), lop, rop, factors,
     )
 
@@ -435,22 +261,23 @@ def _float_values(x):
     return bits_to_f32(input_bits(x))
 
 
-def _quantized_values(x, cast: OperandCast, spec: DotSpec, ca: int):
+def _quantized_values(x, cast: OperandCast, ca: int):
     """float32 values of the operand as the forward dot saw them."""
-    op, _ = _quantize_operand(x, cast, spec, "forward", ca)
+    op, _ = _quantize_operand(x, cast, ca)
     return bits_to_f32(_operand_bits(op))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _qdot(lhs, rhs, spec: DotSpec, layout: tuple, out_sharding=None):
     def generic(a, b):
-        return _qdot_canonical(a, b, spec.lhs, spec.rhs, spec, "forward", layout, out_sharding)
+        return _qdot_canonical(a, b, spec.lhs, spec.rhs, layout, out_sharding, spec.kernels)
 
     # Decode-time MXFP4 weight x bfloat16 tokens: a kernel on CUDA GPUs (_gemv.py). It takes
     # (B, M, K) x (B, N, K) operands; one in the (B, K, ·) layout is transposed for it, in
     # the CUDA branch only (decided from shapes, so other backends see no transpose).
     la, ra = layout
-    route = decode_time_route(_k_last_view(lhs, la), _k_last_view(rhs, ra), spec.lhs, spec.rhs)
+    route = decode_time_route(_k_last_view(lhs, la), _k_last_view(rhs, ra), spec.lhs, spec.rhs,
+                              spec.kernels)
     if route is None:
         out = generic(lhs, rhs)
     else:
@@ -507,8 +334,8 @@ def _qdot_bwd(spec: DotSpec, layout: tuple, out_sharding, residuals, g):
     # gradient of a data-parallel layer sums over sharded tokens: reduced here).
     sl, sr = (None if isinstance(x, MXArray) else explicit_sharding(x) for x in (lhs, rhs))
     if spec.backward == "ste":
-        ql = _quantized_values(lhs, spec.lhs, spec, la)
-        qr = _quantized_values(rhs, spec.rhs, spec, ra)
+        ql = _quantized_values(lhs, spec.lhs, la)
+        qr = _quantized_values(rhs, spec.rhs, ra)
         f32 = dict(precision=lax.Precision.HIGHEST)
         # grad_lhs[b,m,k] = sum_n g[b,m,n] rhs[b,n,k]; grad_rhs[b,n,k] = sum_m g[b,m,n] lhs[b,m,k].
         grad_l = (_contract(g, 2, qr, fr, sl, **f32) if la == 2
@@ -516,19 +343,19 @@ def _qdot_bwd(spec: DotSpec, layout: tuple, out_sharding, residuals, g):
         grad_r = (_contract(g, 1, ql, fl, sr, **f32) if ra == 2
                   else _contract(ql, fl, g, 1, sr, **f32))
     else:
+        spec.check_backward(g.shape[1], g.shape[2])
         vl, vr = _float_values(lhs), _float_values(rhs)
         # grad_lhs: g and rhs both blocked along N (g's axis 2, rhs's free axis).
-        what = "backward grad_lhs (reduces over rhs's free dims)"
+        k = spec.kernels
         if la == 2:
-            grad_l = _qdot_canonical(g, vr, spec.grad, spec.rhs, spec, what, (2, fr), sl)
+            grad_l = _qdot_canonical(g, vr, spec.grad, spec.rhs, (2, fr), sl, k)
         else:
-            grad_l = _qdot_canonical(vr, g, spec.rhs, spec.grad, spec, what, (fr, 2), sl)
+            grad_l = _qdot_canonical(vr, g, spec.rhs, spec.grad, (fr, 2), sl, k)
         # grad_rhs: g and lhs both blocked along M (g's axis 1, lhs's free axis).
-        what = "backward grad_rhs (reduces over lhs's free dims)"
         if ra == 2:
-            grad_r = _qdot_canonical(g, vl, spec.grad, spec.lhs, spec, what, (1, fl), sr)
+            grad_r = _qdot_canonical(g, vl, spec.grad, spec.lhs, (1, fl), sr, k)
         else:
-            grad_r = _qdot_canonical(vl, g, spec.lhs, spec.grad, spec, what, (fl, 1), sr)
+            grad_r = _qdot_canonical(vl, g, spec.lhs, spec.grad, (fl, 1), sr, k)
     return _cotangent(lhs, grad_l), _cotangent(rhs, grad_r)
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import math
 from typing import Optional, Tuple, Union
 
 import jax
@@ -50,8 +49,8 @@ from ._format import ElementFormat, MXFormat
 from ._dtypes import input_bits
 from ._matmul import dot_general
 from ._nvfp4_train import check_layout, nvfp4_train_dot
-from ._qdot import _operand_cast
-from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, _rceil_code, check_scale_rule
+from ._options import operand_cast
+from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule, rceil_code
 from ._sharding import check_contraction, out_sharding_arg
 
 FormatLike = Union[None, str, ElementFormat, MXFormat]
@@ -68,7 +67,7 @@ _OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.floa
 
 def _resolve_format(fmt, what: str) -> _Format:
     """An operand format name/object → ElementFormat, MXFormat or None (dot_general's rules)."""
-    cast = _operand_cast(fmt, what, DEFAULT_SCALE_RULE, "nearest_even", "ieee")
+    cast = operand_cast(fmt, what, DEFAULT_SCALE_RULE, "nearest_even", "ieee")
     return None if cast is None else cast.fmt
 
 
@@ -248,7 +247,7 @@ class Recipe:
             l, r = self.backward_operands
             bwd = f"bwd {_name(l)} x {_name(r)}, grad {_name(self.grad)}"
         used = (*self.forward, *self.backward_operands, self.grad)
-        scaled = [f for f in used if isinstance(f, MXFormat) and not f.tensor_scale]
+        scaled = [f for f in used if isinstance(f, MXFormat) and f.scheme.takes_scale_rule]
         extra = [self.scale_rule.value] if scaled else []  # NVFP4 has its own scale recipe
         if self.scaling != "none":
             extra.append(f"{self.scaling} scaling")
@@ -457,7 +456,7 @@ def _tensor_exponent(x, fmt: _Format):
     if not isinstance(fmt, ElementFormat):
         return jnp.int32(0)
     amax_bits = jnp.max(lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) & 0x7FFF_FFFF)
-    e = _rceil_code(amax_bits, fmt.max_finite_exact) - E8M0_BIAS
+    e = rceil_code(amax_bits, fmt.max_finite_exact) - E8M0_BIAS
     return jnp.clip(e, -126, 127).astype(jnp.int32)
 
 

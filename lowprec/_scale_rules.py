@@ -107,7 +107,7 @@ def _floor_f32(v: Fraction) -> np.float32:
     return f
 
 
-def _rceil_code(amax_bits, max_elem: Fraction):
+def rceil_code(amax_bits, max_elem: Fraction):
     """E8M0 code of float32(amax / max_elem) rounded up to a power of two.
 
     Bit for bit the rule of ``jax._src.cudnn.scaled_matmul_stablehlo
@@ -150,7 +150,7 @@ def shared_exponent_of_amax(amax_bits, fmt: MXFormat, scale_rule: ScaleRule):
         rounded = (amax_bits + jnp.uint32(1 << (drop - 1))) & jnp.uint32(keep)
         return floor_log2_bits(rounded) - emax
     if scale_rule is ScaleRule.RCEIL:
-        return _rceil_code(amax_bits, elem.max_finite_exact) - E8M0_BIAS
+        return rceil_code(amax_bits, elem.max_finite_exact) - E8M0_BIAS
     raise AssertionError(scale_rule)
 
 

@@ -97,34 +97,6 @@ def check_contraction(x, contract: Sequence[int], block: int, what: str) -> None
         check_block_axis(x, d, block, what, stride)
 
 
-def check_mx_input(x, fmt, axis: int, what: str = "quantize_mx") -> None:
-    """The check for ``quantize_mx(x, fmt, axis=axis)``; leaves argument errors to the caller."""
-    from ._format import mx_format  # local: _format imports nothing from here, keep it so
-
-    ndim = getattr(x, "ndim", None)
-    if not ndim or not -ndim <= axis < ndim:
-        return
-    try:
-        block = mx_format(fmt).block_size
-    except (TypeError, ValueError):
-        return
-    check_block_axis(x, axis % ndim, block, what)
-
-
-def check_dot_operand(x, fmt, contract: Sequence[int], role: str) -> None:
-    """The check for one operand of ``dot_general``: a float operand to be MX-quantized along
-    its contracting dims, or an MXArray (its codes blocked along its contracting axis)."""
-    from ._format import MXFormat
-    from ._mx import MXArray
-
-    what = f"dot_general {role}"
-    if isinstance(x, MXArray):
-        per_block = x.fmt.bytes_per_block  # FP4: half a byte per code; FP6: 3/4
-        check_block_axis(x.elements, x.axis, per_block, what)
-    elif isinstance(fmt, MXFormat):
-        check_contraction(x, contract, fmt.block_size, what)
-
-
 # -- output shardings (Explicit axes) -----------------------------------------------------------
 
 

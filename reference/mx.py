@@ -91,6 +91,17 @@ def _mx(fmt: str, block_size: Optional[int] = None) -> Tuple[str, str, int]:
     return canonical, spec["element"], block
 
 
+def _scheme(canonical: str) -> Tuple[str, dict]:
+    """(name, entry) of the scale scheme of a canonical MX format (``lowprec_formats
+    .SCALE_SCHEMES``): ``"e8m0"`` (OCP MX, §5.4.1) or ``"nvfp4"`` (torchao's two-level recipe),
+    the two this module implements."""
+    name = lowprec_formats.MX_FORMATS[canonical]["scheme"]
+    if name not in ("e8m0", "nvfp4"):
+        raise NotImplementedError(f"{canonical}: the reference has no arithmetic for scale "
+                                  f"scheme {name!r}")
+    return name, lowprec_formats.SCALE_SCHEMES[name]
+
+
 def mx_element_format(fmt: str) -> str:
     """Element format of an MX format, e.g. ``"mxfp4"`` → ``"e2m1"``.
 
@@ -266,7 +277,7 @@ def quantize_mx(
         ([[127], [255]], 7, 0)
     """
     canonical, elem, block = _mx(fmt, block_size)
-    if lowprec_formats.MX_FORMATS[canonical]["tensor_scale"]:
+    if _scheme(canonical)[0] == "nvfp4":
         return quantize_nvfp4(x, canonical, axis=axis, rounding=rounding, random_bits=random_bits,
                               pad=pad, block_size=block, tensor_scale=tensor_scale)
     if tensor_scale is not None:
@@ -409,8 +420,8 @@ def quantize_nvfp4(x, fmt: str = "nvfp4", *, axis: int = -1, rounding: str = "ne
         (True, 126, [7, 10, 0])
     """
     canonical, elem, block = _mx(fmt, block_size)
-    spec = lowprec_formats.MX_FORMATS[canonical]
-    if not spec["tensor_scale"]:
+    scheme, spec = _scheme(canonical)
+    if scheme != "nvfp4":
         raise ValueError(f"{canonical} has no tensor scale; use quantize_mx")
     scale_fmt = spec["scale"]
     encode_value(elem, 0.0, rounding, "saturate", 0)  # validates `rounding`
@@ -509,7 +520,7 @@ def dequantize_mx(element_codes, scale_codes, fmt: str, *, axis: int = -1,
         [8.0, 8.0]
     """
     canonical, elem, block = _mx(fmt, block_size)
-    spec = lowprec_formats.MX_FORMATS[canonical]
+    scheme, spec = _scheme(canonical)
     e = np.asarray(element_codes)
     s = np.asarray(scale_codes)
     if e.dtype.kind not in "ui" or s.dtype.kind not in "ui":
@@ -525,7 +536,7 @@ def dequantize_mx(element_codes, scale_codes, fmt: str, *, axis: int = -1,
         raise ValueError("scale codes must be in 0..255")
     values = decode(elem, e)
     scale = np.repeat(s.astype(np.int64), block, axis=ax)
-    if spec["tensor_scale"]:
+    if scheme == "nvfp4":
         if tensor_scale is None:
             raise ValueError(f"{canonical} values need the tensor_scale")
         with np.errstate(over="ignore", invalid="ignore"):

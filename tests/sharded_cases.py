@@ -176,6 +176,37 @@ def test_split_block_is_a_clear_error_under_jit_explicit():
             jax.jit(lambda v: lowprec.quantize_mx(v, "mxfp8"))(x)
 
 
+# Every block function runs the same entry checks (MXCast.check_call): fake_quantize_mx and
+# shared_exponents once failed here with JAX's raw ShardingTypeError (or split blocks silently)
+# where quantize_mx gave lowprec's error.
+BLOCK_FUNCTIONS = {
+    "quantize_mx": lambda v: lowprec.quantize_mx(v, "mxfp8"),
+    "fake_quantize_mx": lambda v: lowprec.fake_quantize_mx(v, "mxfp8"),
+    "shared_exponents": lambda v: lowprec.shared_exponents(v, "mxfp8"),
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCK_FUNCTIONS))
+@pytest.mark.parametrize("kind,mode", [("explicit", "eager"), ("explicit", "jit"), ("auto", "eager")])
+def test_every_block_function_refuses_split_blocks_with_the_same_error(name, kind, mode):
+    mesh = _mesh(kind)
+    x = jax.device_put(jnp.ones((4, 64)), NamedSharding(mesh, P(None, "x")))  # 16 per shard
+    f = BLOCK_FUNCTIONS[name]
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=rf"^{name}: axis 1 \(length 64\) is split into 4 "
+                                             r"shards of 16.*would straddle shard boundaries"):
+            (jax.jit(f) if mode == "jit" else f)(x)
+        # Whole blocks per shard (64 per device): every function serves the sharded layout,
+        # with the one-device bits.
+        y = _data((4, 256))
+        ys = jax.device_put(y, NamedSharding(mesh, P(None, "x")))
+        got, want = (jax.jit(f) if mode == "jit" else f)(ys), f(y)
+        if name == "quantize_mx":
+            _assert_mx_equal(got, want)
+        else:
+            np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 def test_split_block_under_jit_auto_is_unchecked_but_exact():
     # Auto axes: the layout is chosen after tracing, so nothing can be checked; GSPMD keeps the
     # meaning, so the bits still equal the one-device result (documented in lowprec._sharding).
@@ -385,18 +416,18 @@ def test_sharded_inputs_keep_the_partitionable_formulation():
     """The one-pass Pallas kernels are single-device calls, so quantize_mx and
     fake_quantize_mx take them (on CUDA) only for inputs not laid out over several devices:
     a sharded concrete array, or a traced one over Explicit axes, keeps XLA's formulation."""
-    from lowprec import _mx
+    from lowprec.kernels._dispatch import unsharded
 
     x = _data((16, 256))
-    assert _mx._unsharded(x)
+    assert unsharded(x)
     seen = []
-    jax.jit(lambda v: seen.append(_mx._unsharded(v)) or v)(x)
+    jax.jit(lambda v: seen.append(unsharded(v)) or v)(x)
     for kind in ("explicit", "auto"):
         mesh = _mesh(kind)
         xs = jax.device_put(x, NamedSharding(mesh, P("x", None)))
-        assert not _mx._unsharded(xs)
+        assert not unsharded(xs)
         with jax.set_mesh(mesh):
-            jax.jit(lambda v: seen.append(_mx._unsharded(v)) or v)(xs)
+            jax.jit(lambda v: seen.append(unsharded(v)) or v)(xs)
     assert seen == [True, False, True]  # unsharded; Explicit axes; Auto axes (no layout)
 
 

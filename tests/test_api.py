@@ -23,6 +23,7 @@ from hypothesis.extra import numpy as hnp
 import lowprec
 import lowprec_formats
 import lowprec_reference as R
+from helpers.kernels import cuda_branches  # noqa: F401  (a fixture)
 
 MX_NAMES = lowprec_formats.COLLECTIONS["e8m0_scaled_mx"]  # NVFP4 has no shared exponents
 RULES = tuple(lowprec.ScaleRule)
@@ -340,7 +341,8 @@ _COTANGENT_SHAPES = {
 _NO_FLOAT_IO = {
     "finfo", "resolve_format", "element_format", "mx_format", "pack_fp4", "unpack_fp4",
     "pack_fp6", "unpack_fp6", "p3109",
-    "to_gpt_oss", "from_gpt_oss", "MXArray", "ScaleRule", "random_bits",
+    "to_gpt_oss", "from_gpt_oss", "MXArray", "ScaleRule", "random_bits", "scale_scheme",
+    "ScaleScheme",
 }
 
 
@@ -376,7 +378,7 @@ def test_half_precision_paths_hold_no_float_convert(dtype, name):
 
 
 @pytest.mark.parametrize("name", ["dot_general-mxfp4-weight", "matmul-mxfp4-weight", "mxfp4_gemv"])
-def test_half_precision_paths_lowered_for_cuda_hold_no_float_convert(name):
+def test_half_precision_paths_lowered_for_cuda_hold_no_float_convert(name, cuda_branches):
     """The same for the program XLA gets on a CUDA GPU, where the decode-time MXFP4 product
     is a Pallas kernel (its body is Triton code, in which bfloat16 is widened by shifts)."""
     pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
@@ -436,3 +438,39 @@ def test_finfo_of_a_dtype_says_what_it_got(obj, phrase):
     with pytest.raises(TypeError, match=phrase):
         lowprec.finfo(obj)
     assert lowprec.finfo("float8_e4m3fn").max == 448.0  # the suggested call works
+
+
+# -- one validation per entry point -------------------------------------------------------------
+
+_ENTRY_CALLS = {
+    # entry point: (call, the option object whose check_call validates it)
+    "encode": (lambda: lowprec.encode(jnp.ones(4), "e4m3"), "ElementCast"),
+    "quantize": (lambda: lowprec.quantize(jnp.ones(4), "e4m3"), "ElementCast"),
+    "quantize_mx": (lambda: lowprec.quantize_mx(jnp.ones(64), "mxfp8"), "MXCast"),
+    "fake_quantize_mx": (lambda: lowprec.fake_quantize_mx(jnp.ones(64), "nvfp4"), "MXCast"),
+    "shared_exponents": (lambda: lowprec.shared_exponents(jnp.ones(64), "mxfp4"), "MXCast"),
+    "dot_general": (lambda: lowprec.dot_general(jnp.ones((2, 64)), jnp.ones((3, 64)), _DN,
+                                                lhs_format="mxfp8"), "DotSpec"),
+    "matmul": (lambda: lowprec.matmul(jnp.ones((2, 64)), jnp.ones((64, 3)), rhs_format="mxfp4"),
+               "DotSpec"),
+}
+
+
+@pytest.mark.parametrize("name", list(_ENTRY_CALLS))
+def test_each_entry_point_runs_its_checks_once(name, monkeypatch):
+    """Every public entry point validates a call through exactly one check_call of its
+    option object (and none of another's): the checks cannot drift apart between them."""
+    from lowprec import _options
+
+    calls = []
+    for cls in ("ElementCast", "MXCast", "DotSpec"):
+        real = getattr(_options, cls).check_call
+
+        def counted(self, *a, _real=real, _cls=cls, **kw):
+            calls.append(_cls)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(getattr(_options, cls), "check_call", counted)
+    call, cls = _ENTRY_CALLS[name]
+    call()
+    assert calls == [cls]

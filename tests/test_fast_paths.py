@@ -30,7 +30,7 @@ from helpers.asserts import assert_codes_equal, assert_same_floats
 from helpers.codecs import reference_words, replay_random_bits
 from helpers.inputs import adversarial
 from helpers.mx import element_codes, f64_to_f32_exact
-from lowprec import _decode, _dtypes, _encode, _encode_fast, _mx, _random
+from lowprec import _decode, _dtypes, _encode, _encode_fast, _mx_decode, _random
 
 ELEMENTS = tuple(lowprec_formats.ELEMENT_FORMATS)
 MX = tuple(lowprec_formats.MX_FORMATS)
@@ -114,9 +114,9 @@ def test_fast_mx_decode_equals_the_bit_built_decode(fmt):
     """Every element code with every scale code at or above the fast path's threshold, in
     both block layouts (block axis last, and first)."""
     f = lowprec.mx_format(fmt)
-    if not _mx.fast_decode_applies(f):
+    if not _mx_decode.fast_decode_applies(f):
         pytest.skip(f"{fmt}: scales are not E8M0")
-    threshold = _mx.fast_scale_min(f)
+    threshold = _mx_decode.fast_scale_min(f)
     # The threshold keeps the smallest nonzero element magnitude at or above 2^-126.
     smallest = f.element.min_subnormal if f.element.subnormals else f.element.min_normal
     assert Fraction(smallest) * Fraction(2) ** (threshold - 127) >= Fraction(2) ** -126
@@ -132,22 +132,22 @@ def test_fast_mx_decode_equals_the_bit_built_decode(fmt):
     for axis, el, s in ((1, packed, sc), (0, packed.T, sc.T)):
         n = codes.shape[1]
         args = (jnp.asarray(el), jnp.asarray(s), f, axis, n)
-        want = np.asarray(jax.jit(lambda e, t: _mx.mx_value_bits(e, t, f, axis, n))(el, s))
-        got = np.asarray(jax.jit(lambda e, t: _mx.mx_value_bits_fast(e, t, f, axis, n))(el, s))
+        want = np.asarray(jax.jit(lambda e, t: _mx_decode.mx_value_bits(e, t, f, axis, n))(el, s))
+        got = np.asarray(jax.jit(lambda e, t: _mx_decode.mx_value_bits_fast(e, t, f, axis, n))(el, s))
         assert_codes_equal(got, want, None, f"{fmt} axis {axis}")
 
 
 @pytest.mark.parametrize("fmt", MX)
 def test_fast_decode_predicate(fmt):
     f = lowprec.mx_format(fmt)
-    if not _mx.fast_decode_applies(f):
+    if not _mx_decode.fast_decode_applies(f):
         pytest.skip(f"{fmt}: scales are not E8M0")
-    t = _mx.fast_scale_min(f)
+    t = _mx_decode.fast_scale_min(f)
 
     def ok(codes, scales):  # one element code per block, repeated over the block
         el = np.repeat(np.asarray(codes, np.uint8), f.block_size)
         el = R.pack_codes(el, f.element.code_bits)[None]
-        return bool(_mx.fast_decode_exact(jnp.asarray(el), jnp.asarray([scales], jnp.uint8), f, 1))
+        return bool(_mx_decode.fast_decode_exact(jnp.asarray(el), jnp.asarray([scales], jnp.uint8), f, 1))
 
     assert ok([1, 1], [t, 255])  # large scales, and the NaN code
     assert ok([1, 0], [t, 0])  # an all-zero block may carry any scale (0 = 2^-127 here)
@@ -169,7 +169,7 @@ def test_dequantize_with_small_scales_and_zero_blocks_matches_reference(fmt, axi
     for zero_small in (True, False):
         c = codes.copy()
         if zero_small:
-            c[:, 32:][scales[:, 1] < _mx.fast_scale_min(f)] = 0
+            c[:, 32:][scales[:, 1] < _mx_decode.fast_scale_min(f)] = 0
             c[3, :32] = 0
         packed = R.pack_codes(c, f.element.code_bits, axis=1)
         el, sc, shape = (packed, scales, (4, 64)) if axis == 1 else (packed.T, scales.T, (64, 4))
@@ -177,7 +177,7 @@ def test_dequantize_with_small_scales_and_zero_blocks_matches_reference(fmt, axi
         want = f64_to_f32_exact(R.dequantize_mx(c if axis == 1 else c.T, sc, fmt, axis=axis))
         for got in (lowprec.dequantize(mx), jax.jit(lowprec.dequantize)(mx)):
             assert_same_floats(got, want, f"{fmt} axis {axis} zero_small={zero_small}")
-        assert bool(_mx.fast_decode_exact(mx.elements, mx.scales, f, axis)) == zero_small or not _mx.fast_decode_applies(f)
+        assert bool(_mx_decode.fast_decode_exact(mx.elements, mx.scales, f, axis)) == zero_small or not _mx_decode.fast_decode_applies(f)
 
 
 @pytest.mark.parametrize("fmt", E8M0_MX)
@@ -192,7 +192,7 @@ def test_one_pass_gpu_dequantize_matches_reference(fmt, axis):
     import ml_dtypes
 
     f = lowprec.mx_format(fmt)
-    if not _mx.fast_decode_applies(f):
+    if not _mx_decode.fast_decode_applies(f):
         pytest.skip(f"{fmt}: the whole-array path serves it on every backend")
     n_codes = 1 << f.element.code_bits
     scales = np.arange(256, dtype=np.uint8)
@@ -204,7 +204,7 @@ def test_one_pass_gpu_dequantize_matches_reference(fmt, axis):
     el, s = (packed, sc) if axis == 1 else (packed.T, sc.T)
     want = want if axis == 1 else want.T
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = jax.jit(lambda e, t, d=dtype: _mx.mx_values_blockwise(
+        got = jax.jit(lambda e, t, d=dtype: _mx_decode.mx_values_blockwise(
             e, t, f, axis, per_row, d))(jnp.asarray(el), jnp.asarray(s))
         expect = want if dtype == jnp.float32 else want.astype(ml_dtypes.bfloat16)
         assert_same_floats(np.asarray(got).astype(np.float32), np.asarray(expect).astype(np.float32),

@@ -153,7 +153,7 @@ def test_mxfp8_matmul_decodes_in_the_dot_operand_load(operands, tmp_path):
 @pytest.mark.parametrize("kernel", ["quantize", "fake_quantize"])
 @pytest.mark.parametrize("fmt", E8M0)
 def test_pallas_quantize_kernels_compile_without_spills(kernel, fmt, tmp_path):
-    from lowprec import _quantize_pallas as qp
+    from lowprec.kernels import _quantize_pallas as qp
 
     cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")
     fn = getattr(qp, f"{kernel}_mx_pallas")

@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 
 import lowprec
+from helpers.kernels import cuda_branches, lower_for_cuda as _lower_for_cuda  # noqa: F401
 from lowprec import _gemv
-from lowprec._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
+from lowprec.kernels import _dispatch
+from lowprec.kernels._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
 
 pytest.importorskip("jax.experimental.pallas")
 
@@ -215,20 +217,6 @@ def test_default_config_is_a_valid_tiling(m, n, k):
 # -- the Triton lowering, checked without a GPU -------------------------------------------------
 
 
-@pytest.fixture
-def cuda_branches(monkeypatch):
-    """Makes lowprec trace its CUDA-only Pallas branches even where JAX cannot compile for
-    CUDA (no plugin: CI), so that lowering for "cuda" shows them; caches cleared around."""
-    jax.clear_caches()
-    monkeypatch.setattr(_gemv, "cuda_kernels_possible", lambda: True)
-    yield
-    jax.clear_caches()
-
-
-def _lower_for_cuda(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 ISSUE_SHAPES = [(m, n, k) for m in (1, 4, 16) for n, k in ((2880, 2880), (4096, 4096), (8192, 8192), (16384, 8192))]
 
 
@@ -287,7 +275,7 @@ def _decode_case(m=4, n=64, k=2880, dtype=jnp.bfloat16, fmt="mxfp4"):
     ],
     ids=["x.WT", "bf16-out", "matmul-KN", "W.x", "vmap"],
 )
-def test_dot_general_picks_the_kernel_for_decode_shapes_on_cuda(call):
+def test_dot_general_picks_the_kernel_for_decode_shapes_on_cuda(call, cuda_branches):
     x, w = _decode_case()
     assert TRITON_CALL in _lower_for_cuda(call, x, w)
     # The same program lowered for the CPU holds no kernel (the generic quantized dot).
@@ -305,7 +293,7 @@ def test_dot_general_picks_the_kernel_for_decode_shapes_on_cuda(call):
     ],
     ids=["17-tokens", "f32-tokens", "mxfp8-weight", "quantized-tokens"],
 )
-def test_other_shapes_keep_the_generic_path_on_cuda(case, kwargs):
+def test_other_shapes_keep_the_generic_path_on_cuda(case, kwargs, cuda_branches):
     x, w = _decode_case(**case)
     text = _lower_for_cuda(lambda a, b: lowprec.dot_general(a, b, DN, **kwargs), x, w)
     assert TRITON_CALL not in text
@@ -320,12 +308,12 @@ def test_dispatch_on_cpu_is_the_generic_path_itself():
     x = make_tokens(rng, 4, 2880)
     y = lowprec.dot_general(x, w.mx, DN)
     assert_within_bound(y, f64(x), w.values)
-    from lowprec import _qdot
+    from lowprec import _options, _qdot
 
-    spec = _qdot.DotSpec.create(None, None, None, "floor", "nearest_even", "ieee", False, "ste", jnp.float32)
+    spec = _options.DotSpec.create(None, None, None, "floor", "nearest_even", "ieee", False, "ste", jnp.float32)
     spec = spec.with_mx_operand("rhs", w.mx.fmt)
     w3 = lowprec.MXArray(w.mx.elements[None], w.mx.scales[None], w.mx.fmt, 2, (1, 40, 2880))
-    generic = _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs, spec, "forward")[0]
+    generic = _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs)[0]
     np.testing.assert_array_equal(np.asarray(y), np.asarray(generic))
 
 
@@ -452,14 +440,14 @@ def test_gpu_dot_general_runs_the_kernel():
     w = make_weight(rng, 256, 2880)
     x = make_tokens(rng, 4, 2880)
     f = jax.jit(lambda a, b: lowprec.dot_general(a, b, DN))
-    assert TRITON_CALL in f.lower(x, w.mx).as_text() or _gemv.GPU_ROUTE != "pallas"
+    assert TRITON_CALL in f.lower(x, w.mx).as_text() or _dispatch.GPU_ROUTE != "pallas"
     assert_within_bound(f(x, w.mx), f64(x), w.values)
 
 
 # -- the one-pass Pallas quantize kernel (a GPU candidate beside XLA's two passes) -----------------
 
 from lowprec._options import MXCast  # noqa: E402
-from lowprec._quantize_pallas import fake_quantize_mx_pallas, quantize_mx_pallas  # noqa: E402
+from lowprec.kernels._quantize_pallas import fake_quantize_mx_pallas, quantize_mx_pallas  # noqa: E402
 
 QUANT_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
 
@@ -633,7 +621,7 @@ def test_gpu_compiled_fake_quantize_kernel_is_bit_identical(fmt):
 
 # -- the fused MX x MX product (dot_general's bfloat16 branch on CUDA) ----------------------------
 
-from lowprec._mxdot_pallas import mxdot_pallas  # noqa: E402
+from lowprec.kernels._mxdot_pallas import mxdot_pallas  # noqa: E402
 
 MXDOT_FORMATS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e4m3")]
 
@@ -696,3 +684,90 @@ def test_gpu_compiled_mxdot_within_bound():
     got = np.asarray(jax.jit(lambda p, r: lowprec.dot_general(p, r, DN))(qa, qb), np.float64)
     bound = 2880 * 2.0**-23 * (np.abs(va) @ np.abs(vb).T)
     assert np.all(np.abs(got - va @ vb.T) <= bound)
+
+
+# -- the kernel policy (lowprec.kernels) -------------------------------------------------------
+
+_KERNEL_CALLS = {
+    # name: (call, its arguments' shapes, the kernel's name in the CUDA-lowered program)
+    "quantize_mx": (lambda v: lowprec.quantize_mx(v, "mxfp8"),
+                    lambda: (jax.ShapeDtypeStruct((64, 256), jnp.float32),), "lowprec_quantize_mx"),
+    "fake_quantize_mx": (lambda v: lowprec.fake_quantize_mx(v, "mxfp4"),
+                         lambda: (jax.ShapeDtypeStruct((64, 256), jnp.float32),),
+                         "lowprec_fake_quantize_mx"),
+    "mxdot": (lambda p, r: lowprec.dot_general(p, r, DN),
+              lambda: (jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8"),
+                                      jax.ShapeDtypeStruct((256, 512), jnp.float32)),) * 2,
+              "lowprec_mxdot"),
+    "mxfp4 decode product": (lambda x, w: lowprec.dot_general(x, w, DN), _decode_case,
+                             "lowprec_mxfp4_matmul"),
+}
+
+
+@needs_triton_lowering
+@pytest.mark.parametrize("name", list(_KERNEL_CALLS))
+def test_kernel_policy_xla_turns_each_kernel_off(name, cuda_branches):
+    """lowprec.kernels.set_policy("xla"): the program lowered for CUDA holds no Pallas kernel
+    (XLA's formulation, the same bits); "auto" brings the kernel back."""
+    import lowprec.kernels
+
+    call, args, kernel = _KERNEL_CALLS[name]
+    assert lowprec.kernels.get_policy() == "auto"
+    assert kernel in _lower_for_cuda(call, *args())
+    previous = lowprec.kernels.set_policy("xla")
+    try:
+        text = _lower_for_cuda(call, *args())
+        assert kernel not in text and TRITON_CALL not in text
+    finally:
+        lowprec.kernels.set_policy(previous)
+    assert kernel in _lower_for_cuda(call, *args())
+
+
+def test_kernel_policy_from_the_environment_and_bad_values(monkeypatch, cuda_branches):
+    import lowprec.kernels
+
+    monkeypatch.setenv("LOWPREC_KERNELS", "xla")
+    assert lowprec.kernels.get_policy() == "xla"
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    assert TRITON_CALL not in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp8"), x)
+    previous = lowprec.kernels.set_policy("auto")  # the process's choice wins
+    try:
+        assert lowprec.kernels.get_policy() == "auto"
+    finally:
+        lowprec.kernels.set_policy(previous)
+    monkeypatch.setenv("LOWPREC_KERNELS", "triton")
+    with pytest.raises(ValueError, match=r"unknown kernel policy 'triton' \(environment variable "
+                                         r"LOWPREC_KERNELS\); valid policies: 'auto', 'xla'"):
+        lowprec.quantize_mx(jnp.ones(32), "mxfp8")
+    with pytest.raises(ValueError, match=r"unknown kernel policy 'off' \(set_policy\)"):
+        lowprec.kernels.set_policy("off")
+
+
+def test_kernel_policy_is_a_static_argument_of_the_jitted_cores(monkeypatch, cuda_branches):
+    """The decision is part of the jit cache key of lowprec's cores: a program traced under
+    one policy is never reused under the other (here the environment changes the policy,
+    which clears no cache; the same bits either way on CPU)."""
+    from lowprec import _mx
+
+    x = jnp.asarray(_specials((8, 128), 9))
+    before = _mx._quantize_mx_jit._cache_size()
+    auto = lowprec.quantize_mx(x, "mxfp8")
+    monkeypatch.setenv("LOWPREC_KERNELS", "xla")
+    xla = lowprec.quantize_mx(x, "mxfp8")
+    assert _mx._quantize_mx_jit._cache_size() == before + 2
+    np.testing.assert_array_equal(np.asarray(auto.elements), np.asarray(xla.elements))
+    np.testing.assert_array_equal(np.asarray(auto.scales), np.asarray(xla.scales))
+
+
+def test_kernels_serve_only_the_scale_scheme_they_were_built_for(cuda_branches):
+    """The kernels hard-wire E8M0 arithmetic: NVFP4 (and any other scheme) keeps XLA's
+    formulation, whatever the shapes."""
+    from lowprec._options import MXCast
+
+    x = jnp.zeros((64, 256), jnp.float32)
+    assert _dispatch.quantize_kernel(x, MXCast("mxfp4"), 1)
+    assert _dispatch.quantize_kernel(x, MXCast("mxfp4"), 1, fake=True)
+    assert not _dispatch.quantize_kernel(x, MXCast("nvfp4"), 1)
+    assert not _dispatch.quantize_kernel(x, MXCast("nvfp4"), 1, fake=True)
+    assert not _dispatch.quantize_kernel(x, MXCast("mxfp4", rounding="stochastic"), 1)
+    assert not _dispatch.quantize_kernel(x, MXCast("mxfp4_b16"), 1)

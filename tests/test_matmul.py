@@ -436,7 +436,10 @@ def test_quantized_backward_with_prequantized_weight_and_padding():
     w_mx = lowprec.quantize_mx(w, "mxfp4", axis=0)
     c = random_operand(62, (40, 48), 0)
     kw = dict(lhs_format="mxfp8", backward="quantized", grad_format="mxfp8_e5m2")
-    with pytest.raises(ValueError, match="pad=True"):  # eval_shape: trace only, no compile
+    jax.eval_shape(lambda x: _loss(x, w_mx, c, **kw), x)  # the forward dot needs no padding
+    # ... its backward dots do: checked when the backward pass is traced (eval_shape: no compile).
+    with pytest.raises(ValueError, match=r"backward grad_lhs \(reduces over rhs's free dims\), "
+                                         r"cotangent: contraction length 48 .* pass pad=True"):
         jax.eval_shape(jax.grad(lambda x: _loss(x, w_mx, c, **kw)), x)
     gx = jax.grad(lambda x: _loss(x, w_mx, c, pad=True, **kw))(x)
     # The MXFP4 weight is dequantized, then re-quantized along N for the backward dot.

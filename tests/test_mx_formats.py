@@ -551,3 +551,26 @@ def test_nvfp4_exact_float32_product_matches_ieee():
         want = (a.view(np.float32) * b.view(np.float32)).view(np.uint32)
     got = np.asarray(jax.jit(_nvfp4.f32_mul)(jnp.asarray(a), jnp.asarray(b)))
     np.testing.assert_array_equal(got, want)
+
+
+# -- the scale-scheme table --------------------------------------------------------------------
+
+
+def test_every_block_format_names_a_described_scale_scheme():
+    """formats/elements.json: each block format names an entry of 'scale_schemes', whose
+    fields say what its scale codes are (an element format) and whether a float32 tensor
+    scale goes with them; the OCP MX formats use E8M0 alone, NVFP4 E4M3 under a tensor
+    scale (OCP MX v1.0 §5.4.1; docs/design.md §3b)."""
+    import lowprec_formats as F
+
+    assert set(F.SCALE_SCHEMES) == {"e8m0", "nvfp4"}
+    for name, entry in F.SCALE_SCHEMES.items():
+        assert set(entry) == {"scale", "tensor_scale", "doc"}, name
+        assert entry["scale"] in F.ELEMENT_FORMATS and isinstance(entry["tensor_scale"], bool)
+    assert dict(F.SCALE_SCHEMES["e8m0"], doc=None) == {"scale": "e8m0", "tensor_scale": False,
+                                                       "doc": None}
+    assert dict(F.SCALE_SCHEMES["nvfp4"], doc=None) == {"scale": "e4m3", "tensor_scale": True,
+                                                        "doc": None}
+    for name, spec in F.MX_FORMATS.items():
+        assert "scale" not in spec and "tensor_scale" not in spec, name
+        assert spec["scheme"] == ("nvfp4" if name == "nvfp4" else "e8m0"), name

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .._bits import F32_ABS, f32_bits, floor_log2_bits
-from .._format import _is_format_like
+from .._format import is_format_like
 
 
 def floor_log2(x):
@@ -46,7 +46,7 @@ def array_first(func: str, *args):
     The old order is recognised by type — an array is never a string or a format object —
     and still works, with a DeprecationWarning pointing at the caller.
     """
-    if _is_format_like(args[0]) and not _is_format_like(args[-1]):
+    if is_format_like(args[0]) and not is_format_like(args[-1]):
         arrays = ", ".join(("x", "q")[: len(args) - 1]) if func == "ulp_error" else "x"
         warnings.warn(
             f"lowprec.analysis.{func}(fmt, {arrays}) is the old argument order; write "
@@ -57,3 +57,15 @@ def array_first(func: str, *args):
         )
         return (*args[1:], args[0])
     return args
+
+
+def require_pandas(func: str):
+    """The pandas module, imported on first use (``import lowprec.analysis`` needs none); a
+    clear ImportError naming ``func`` and the extra to install otherwise."""
+    try:
+        import pandas
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            f"lowprec.analysis.{func} returns a pandas DataFrame: pip install 'lowprec[analysis]'"
+        ) from e
+    return pandas

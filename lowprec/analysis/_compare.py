@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._codec import quantize
-from .._blocks import check_block_input, normalize_axis
+from .._blocks import normalize_axis
 from .._format import ElementFormat, MXFormat, mx_format, resolve_format
-from .._options import ElementCast
+from .._options import ElementCast, check_block_input
 from .._scale_rules import DEFAULT_SCALE_RULE, check_scale_rule
-from ._common import as_f32
-from ._metrics import _stats
+from ._common import as_f32, require_pandas
+from ._metrics import error_metrics
 from ._mx_stats import roundtrip
 from ._ulp import error_in_ulps, grid_max
 
@@ -331,7 +331,7 @@ def _evaluate(x, fmt, scale_rule, axis, rounding, overflow, key):
     # jitted tails shared by all configurations of a shape, rather than one big jit per
     # configuration: compilation, not arithmetic, dominates a comparison on CPU.
     q, s, elem = _quantized(x, fmt, scale_rule, axis, rounding, overflow, key)
-    stats = dict(_stats(x, q))
+    stats = dict(error_metrics(x, q))
     ulps, stats["clip_rate"] = _ulps_and_clip(x, q, s, elem)
     stats["_sums"] = _power_sums(x, q)
     # ULP quantiles are taken on the host: NumPy's partition-based quantile is O(n), XLA's
@@ -423,16 +423,6 @@ def _metrics_row(stats, ulps, matmul: float) -> dict:
     return {m: row[m] for m in METRICS}
 
 
-def _pandas():
-    try:
-        import pandas
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "lowprec.analysis.compare returns a pandas DataFrame: pip install 'lowprec[analysis]'"
-        ) from e
-    return pandas
-
-
 # Nullable dtypes: an element format has no scale rule nor block size (<NA>), an array input
 # no seed; never an object column holding None.
 _DTYPES = {"input": "string", "format": "string", "scale_rule": "string", "block_size": "Int64",
@@ -442,7 +432,7 @@ _DTYPES = {"input": "string", "format": "string", "scale_rule": "string", "block
 
 def _frame(records, columns=None):
     """DataFrame of ``records`` with the key columns in nullable dtypes, the rest float64."""
-    pd = _pandas()
+    pd = require_pandas("compare")
     frame = pd.DataFrame.from_records(records, columns=columns)
     for col in frame.columns:
         dtype = _DTYPES.get(col, "float64")
@@ -460,7 +450,7 @@ def _is_missing(v) -> bool:
     if v is None:
         return True
     try:
-        return bool(_pandas().isna(v))
+        return bool(require_pandas("compare").isna(v))
     except (TypeError, ValueError):
         return False
 
@@ -494,7 +484,7 @@ def _configs(formats, scale_rules, block_sizes):
         for bs in block_sizes:
             mfmt = mx_format(fmt, bs)
             # NVFP4 has its own scale recipe: one row, no rule (<NA>), never a made-up one.
-            rules = [None] if mfmt.tensor_scale else scale_rules
+            rules = scale_rules if mfmt.scheme.takes_scale_rule else [None]
             for rule in rules:
                 out.append((mfmt, rule, mfmt.block_size, mfmt.bits_per_element))
     if not out:
@@ -821,7 +811,7 @@ def phase_sweep(
         >>> bool((d < 0).all()), bool(d.max() - d.min() > 0.2)   # floor loses, by how much varies
         (True, True)
     """
-    pd = _pandas()
+    pd = require_pandas("compare")
     for k in ("phase", "per_seed"):
         if k in compare_kwargs:
             raise TypeError(f"phase_sweep sets {k!r} itself; drop it")
@@ -869,7 +859,7 @@ def long_format(frame):
         >>> len(tidy) == 2 * len(METRICS), tidy["metric"].iloc[0]
         (True, 'sqnr_db')
     """
-    pd = _pandas()
+    pd = require_pandas("compare")
     ids = [c for c in (*_ID_COLUMNS, "baseline") if c in frame]
     metrics = [m for m in (*METRICS, "delta") if m in frame]
     if not metrics:

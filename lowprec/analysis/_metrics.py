@@ -301,7 +301,8 @@ _STAT_KEYS = (
 
 
 @jax.jit
-def _stats(r, a):
+def error_metrics(r, a):
+    """Every scalar metric of :func:`error_stats` as 0-d arrays (jitted; float32 inputs)."""
     finite = jnp.isfinite(r) & jnp.isfinite(a)
     everything = jnp.ones_like(finite)
     return {
@@ -337,5 +338,5 @@ def error_stats(reference, approx) -> dict:
         (0.5, -0.125, 0.3333)
     """
     r, a, _ = _pair(reference, approx)
-    out = _stats(r, a)
+    out = error_metrics(r, a)
     return {k: scalar(out[k]) for k in _STAT_KEYS}

@@ -8,18 +8,15 @@ factor, tensor_scale × block_scale (its block scales are E4M3 values, not power
 from __future__ import annotations
 
 import functools
-from typing import Union
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._bits import E8M0_BIAS, F32_ABS, F32_INF, times_pow2
+from .._bits import E8M0_BIAS, times_pow2
 from .._blocks import normalize_axis
-from .._decode import decode_bits
 from .._format import MXFormat, MXFormatLike, mx_format
 from .._mx import dequantize, quantize_mx, shared_exponents
-from .._nvfp4 import total_scale_bits
 from .._scale_rules import DEFAULT_SCALE_RULE
 from ._common import as_f32, scalar
 
@@ -30,29 +27,18 @@ def _per_element(per_block, fmt: MXFormat, axis: int, n: int):
     return lax.slice_in_dim(per_block, 0, n, axis=axis)
 
 
-def block_factors(mx) -> jax.Array:
-    """float32 factor ``tensor_scale × block_scale`` of each block of an NVFP4-style MXArray,
-    rounded as the quantizer's divisor and the dequantizer's factor are (NaN for a NaN block)."""
-    ts_bits = lax.bitcast_convert_type(jnp.asarray(mx.tensor_scale, jnp.float32), jnp.uint32)
-    total = total_scale_bits(mx.scales, ts_bits, mx.fmt.scale)
-    nan = (decode_bits(mx.fmt.scale, mx.scales) & F32_ABS) > F32_INF
-    return jnp.where(nan, jnp.nan, lax.bitcast_convert_type(total, jnp.float32))
-
-
 def roundtrip(x, fmt: MXFormat, axis: int, scale_rule, rounding: str = "nearest_even", key=None):
     """``(fake-quantized x, per-element scale)`` from one ``quantize_mx`` call.
 
-    The scale is the shared exponent (int32; a NaN/inf block, scale code 0xFF, gives 128)
-    for E8M0-scaled formats, the float32 factor tensor_scale × block_scale for NVFP4.
+    The scale is what the format's scale scheme says each element is scaled by: the shared
+    exponent (int32; a NaN/inf block, scale code 0xFF, gives 128) for E8M0-scaled formats,
+    the float32 factor tensor_scale × block_scale for NVFP4.
     ``x`` is zero-padded to whole blocks (zeros change no block maximum) and the padding is
     dropped again. Works under ``jit`` and ``vmap``.
     """
     x = as_f32(x)
     mx = quantize_mx(x, fmt, axis=axis, scale_rule=scale_rule, rounding=rounding, pad=True, key=key)
-    if mx.fmt.tensor_scale:
-        per_block = block_factors(mx)
-    else:
-        per_block = mx.scales.astype(jnp.int32) - E8M0_BIAS
+    per_block = mx.fmt.scheme.element_scale(mx.scales, mx.tensor_scale)
     return dequantize(mx), _per_element(per_block, mx.fmt, mx.axis, x.shape[mx.axis])
 
 
@@ -83,12 +69,13 @@ def mx_scale_exponents(
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _mx_clip(x, fmt, axis, scale_rule):
-    if fmt.tensor_scale:
-        _, f = roundtrip(x, fmt, axis, None)
-        limit = jnp.where(jnp.isnan(f), jnp.inf, jnp.float32(fmt.element.max_finite) * f)
-    else:
+    top = jnp.float32(fmt.element.max_finite)
+    if fmt.scheme.exponent_scales:  # the shared exponents alone, without quantizing
         s = mx_scale_exponents(x, fmt, axis=axis, scale_rule=scale_rule)
-        limit = jnp.where(s > E8M0_BIAS, jnp.inf, times_pow2(jnp.float32(fmt.element.max_finite), s))
+        limit = jnp.where(s > E8M0_BIAS, jnp.inf, times_pow2(top, s))
+    else:
+        _, f = roundtrip(x, fmt, axis, None)
+        limit = jnp.where(jnp.isnan(f), jnp.inf, top * f)
     return jnp.mean((jnp.abs(x) > limit).astype(jnp.float32))
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from .._bits import E8M0_BIAS
-from .._blocks import check_block_input
+from .._options import check_block_input
 from .._format import MXFormatLike, mx_format
 from .._scale_rules import DEFAULT_SCALE_RULE
-from ._common import as_f32
-from ._compare import _pandas
+from ._common import as_f32, require_pandas
 from ._mx_stats import roundtrip
 
 
@@ -61,11 +60,11 @@ def block_stats(x, fmt: MXFormatLike, *, axis: int = -1, scale_rule=None,
         >>> float(b["sqnr_db"].iloc[0]), bool(10 < b["sqnr_db"].iloc[1] < 30)
         (inf, True)
     """
-    pd = _pandas()
+    pd = require_pandas("block_stats")
     fmt = mx_format(fmt)
     x = as_f32(x)
     ax, n, padded = check_block_input(x.shape, np.float32, fmt, axis, pad, "block_stats")
-    if fmt.tensor_scale:
+    if not fmt.scheme.takes_scale_rule:
         if scale_rule is not None:
             raise ValueError(
                 f"{fmt.name} has its own scale recipe; drop scale_rule (got {scale_rule!r})"
@@ -79,7 +78,7 @@ def block_stats(x, fmt: MXFormatLike, *, axis: int = -1, scale_rule=None,
     qb = _blocks(np.asarray(q, np.float64), ax, padded, block)
     real = _blocks(np.ones(x.shape, bool), ax, padded, block)
     s = np.asarray(s)
-    if fmt.tensor_scale:
+    if not fmt.scheme.exponent_scales:  # the scheme's float32 factors
         factor = np.asarray(s, np.float64)
     else:
         e = s.astype(np.int64)

@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._bits import E8M0_BIAS, E8M0_NAN, F32_QNAN
+from .._bits import E8M0_BIAS, E8M0_NAN, F32_QNAN
 
 MX_BLOCK = 32  # elements per E8M0 scale
 _BYTES_PER_BLOCK = MX_BLOCK // 2  # packed E2M1: two elements per byte
@@ -257,8 +256,3 @@ def mxfp4_matmul_pallas(x, elements, scales, *, k: int, cfg: KernelConfig, inter
         **params,
     )(x, w3, scales)
     return partial[0] if cfg.splits == 1 else jnp.sum(partial, axis=0)
-
-
-def tile_count(m: int, n: int, k: int, cfg: KernelConfig) -> int:
-    """Programs the kernel launches for this shape (for benchmarks and tests)."""
-    return math.prod((-(-n // cfg.block_n), cfg.splits, -(-m // cfg.block_m)))

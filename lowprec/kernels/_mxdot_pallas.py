@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._blocks import merge_blocks, split_blocks
-from ._decode import decode_f32
-from ._format import MXFormat
+from .._blocks import merge_blocks, split_blocks
+from .._decode import decode_f32
+from .._format import MXFormat
+from .._scheme_e8m0 import E8M0Scheme
 
 MX_BLOCK = 32
 
@@ -35,10 +36,9 @@ def pallas_mxdot_applies(fa: MXFormat, fb: MXFormat) -> bool:
     """Whether the kernel serves these operand formats (static): E8M0 scales over blocks of
     32, one element code per byte, values with at most bfloat16's 7 mantissa bits."""
     def ok(f):
-        sc = f.scale
-        return (f.block_size == MX_BLOCK and not f.tensor_scale and f.element.code_bits == 8
-                and f.element.encoding != "twos_complement" and f.element.mantissa_bits <= 7
-                and sc.exponent_bits == 8 and sc.mantissa_bits == 0 and not sc.signed)
+        return (f.block_size == MX_BLOCK and isinstance(f.scheme, E8M0Scheme)
+                and f.element.code_bits == 8 and f.element.encoding != "twos_complement"
+                and f.element.mantissa_bits <= 7)
     return ok(fa) and ok(fb)
 
 

@@ -4,15 +4,16 @@ quantize_mx and fake_quantize_mx run on CUDA.
 XLA compiles ``quantize_mx`` to a block-max reduction and an encode that reads the input
 again: two or three passes, 1.9-2.5x the bytes of one on an H100 (benchmarks/
 gpu_hlo_report.py --target h100). These kernels read each tile of the input once and run
-lowprec's own quantization core (``_mx.quantize_blocks``: the same integer operations, so
+lowprec's own quantization core (``_mx_encode.encode_blocks``: the same integer operations, so
 the same bits) on it in registers, writing element and scale codes (1.00x the ideal bytes,
 no register spills); the fake-quantization kernel decodes the codes again in registers
 (the bit-built decode of dequantize) and writes values of x's dtype. Blocks run along the
 last axis (any leading dims) or along axis 0 of a 2-D array (tiles transposed in
 registers); a length that is not a multiple of the block size is zero-padded in the load.
 Deterministic rounding modes, E8M0-scaled formats (FP6's packing along the last axis only).
-Other backends, and every other case, keep XLA's formulation (``_mx._quantize_mx_jit``
-chooses with ``lax.platform_dependent``).
+Other backends, and every other case, keep XLA's formulation (``_dispatch.quantize_kernel``
+decides which calls qualify; ``_mx._quantize_mx_jit`` then chooses with
+``lax.platform_dependent``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._bits import scale_bits_by_e8m0
-from ._blocks import merge_blocks, split_blocks
-from ._decode import decode_bits
-from ._dtypes import bits_to_dtype, input_bits
-from ._mx import quantize_blocks
-from ._options import MXCast
+from .._blocks import merge_blocks, split_blocks
+from .._decode import decode_bits
+from .._dtypes import bits_to_dtype, input_bits
+from .._mx_encode import encode_blocks
+from .._options import MXCast
+from .._scheme_e8m0 import E8M0Scheme
 
 
 def _pack_pairs(codes):
@@ -47,7 +48,7 @@ def pallas_quantize_applies(cast: MXCast, axis0: bool = False) -> bool:
     computed here."""
     fmt = cast.fmt
     bits_ok = fmt.element.code_bits in ((4, 8) if axis0 else (4, 6, 8))
-    return (not fmt.tensor_scale and fmt.block_size == 32 and bits_ok
+    return (isinstance(fmt.scheme, E8M0Scheme) and fmt.block_size == 32 and bits_ok
             and not cast.stochastic)
 
 
@@ -55,7 +56,8 @@ def pallas_fake_quantize_applies(cast: MXCast) -> bool:
     """Whether the fake-quantization kernel serves this cast (static): E8M0-scaled formats
     with blocks of 32 (codes stay unpacked in registers, so FP6 too), deterministic
     rounding."""
-    return not cast.fmt.tensor_scale and cast.fmt.block_size == 32 and not cast.stochastic
+    return (isinstance(cast.fmt.scheme, E8M0Scheme) and cast.fmt.block_size == 32
+            and not cast.stochastic)
 
 
 def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pcols: int, br: int,
@@ -76,7 +78,7 @@ def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pcols: i
         mask=row_ok[:, None] & cols_ok(bc, cols)[None, :], other=jnp.zeros((), x_ref.dtype),
     )
     if cast.fmt.element.code_bits == 6:
-        codes, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=lambda c: c)
+        codes, scales, _ = encode_blocks(input_bits(x), cast, 1, None, pack=lambda c: c)
         # FP6: four codes in three bytes; e_ref is [rows, groups, 3] (a view of the
         # [rows, groups·3] codes) and each byte plane is stored with a stride of 3.
         g = bc // 4
@@ -86,7 +88,7 @@ def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pcols: i
         plt.store(s_ref.at[pl.ds(i * br, br), pl.ds(j * (bc // 32), bc // 32)], scales,
                   mask=row_ok[:, None] & cols_ok(bc // 32)[None, :])
         return
-    elements, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=_pack_pairs)
+    elements, scales, _ = encode_blocks(input_bits(x), cast, 1, None, pack=_pack_pairs)
     for ref, val in ((e_ref, elements), (s_ref, scales)):
         width = val.shape[1]
         plt.store(ref.at[pl.ds(i * br, br), pl.ds(j * width, width)], val,
@@ -116,7 +118,7 @@ def _kernel_axis0(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pr
     row_ok = (i * br + lax.iota(jnp.int32, br)) < rows  # rows past x's end read as +0
     x = plt.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bc, bc)],
                  mask=row_ok[:, None] & col_ok[None, :], other=jnp.zeros((), x_ref.dtype))
-    elements, scales = quantize_blocks(input_bits(x.T), cast, 1, None, pack=_pack_pairs)
+    elements, scales, _ = encode_blocks(input_bits(x.T), cast, 1, None, pack=_pack_pairs)
     for ref, val in ((e_ref, elements.T), (s_ref, scales.T)):
         h = val.shape[0]
         ok = (i * h + lax.iota(jnp.int32, h)) < prows * h // br
@@ -220,9 +222,9 @@ def _fake_values(x, cast: MXCast, dtype):
     unpacked (an identity "pack"), then decoded exactly from the bits as dequantize's
     bit-built path: the same values, never a float8 type (no cast pair to elide)."""
     fmt = cast.fmt
-    codes, scales = quantize_blocks(input_bits(x), cast, 1, None, pack=lambda c: c)
+    codes, scales, _ = encode_blocks(input_bits(x), cast, 1, None, pack=lambda c: c)
     vb = split_blocks(decode_bits(fmt.element, codes), 1, fmt.block_size)
-    bits = merge_blocks(scale_bits_by_e8m0(vb, scales[:, :, None]), 1)
+    bits = merge_blocks(fmt.scheme.decode_values(vb, scales[:, :, None], None), 1)
     return bits_to_dtype(bits, dtype)
 
 

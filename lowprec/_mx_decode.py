@@ -1,0 +1,190 @@
+"""The block decoder: MX codes (and a tensor scale) to exact values, any scale scheme.
+
+:func:`mx_value_bits` builds every value from bits (element value times its block scale, as
+the format's scale scheme computes it; float32 subnormal results included), whatever the
+scales. Where the scheme has a one-multiply decode (E8M0: the element value times the float32
+2^(s − 127)) and it is exact for the codes at hand, :func:`mx_values` takes it instead, or on
+CUDA the one-pass :func:`mx_values_blockwise` choosing per block. The cores of dequantize,
+fake quantization and the matmul path (docs/design.md §5).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from ._bits import F32_ABS, F32_INF, F32_QNAN, f32_bits
+from ._blocks import merge_blocks, split_blocks
+from ._decode import decode_bits, decode_f32
+from ._dtypes import bits_to_dtype
+from ._format import MXFormat
+from ._pack import unpack_along
+
+
+def element_codes(elements, fmt: MXFormat, axis: int):
+    """Element codes split in place into blocks along ``axis`` (FP4/FP6 unpacked)."""
+    codes = split_blocks(elements, axis, fmt.bytes_per_block)
+    return unpack_along(codes, axis + 1, fmt.element.code_bits)
+
+
+def mx_value_bits(elements, scales, fmt: MXFormat, axis: int, n: int, tensor_scale=None):
+    """Exact float32 patterns (uint32) of MX codes, padding beyond ``n`` dropped.
+    Trace-time core of dequantize and the matmul path: builds every value from bits
+    (float32 subnormal results included), whatever the scales. NVFP4 values are element x
+    float32(``tensor_scale`` x block scale), rounded to float32 (torchao's dequantization)."""
+    vb = decode_bits(fmt.element, element_codes(elements, fmt, axis))
+    sb = jnp.expand_dims(scales, axis + 1)
+    bits = merge_blocks(fmt.scheme.decode_values(vb, sb, tensor_scale), axis)
+    return lax.slice_in_dim(bits, 0, n, axis=axis)
+
+
+def fast_decode_applies(fmt: MXFormat) -> bool:
+    """Whether the one-multiply decode serves ``fmt`` (static): its scale scheme has one
+    (E8M0: element value × 2^(s − 127)) for its element format."""
+    return fmt.scheme.fast_decode_applies(fmt.element)
+
+
+def fast_scale_min(fmt: MXFormat) -> int:
+    """The smallest scale code at which the one-multiply decode of every element value is
+    a float32 normal or zero (E8M0: 10 for E4M3, 17 for E5M2, 2 for E2M1)."""
+    return fmt.scheme.fast_scale_min(fmt.element)
+
+
+def fast_decode_exact(elements, scales, fmt: MXFormat, axis: int):
+    """Scalar bool: whether the fast decode is exact for every block of these codes.
+
+    True when every block either has a scale code of at least :func:`fast_scale_min` (the
+    NaN code 0xFF included) or holds only zeros (any scale times ±0 is ±0; an all-zero
+    block carries code 0). The scales alone decide in the common case; the element codes
+    are read only when some scale is small.
+    """
+    threshold = fast_scale_min(fmt)
+    big = scales >= threshold
+
+    def small_blocks_are_zero():
+        el = fmt.element
+        mag = (1 << el.magnitude_bits) - 1  # drops the sign bit
+        if el.code_bits == 4:  # both nibbles of a packed byte at once
+            nonzero = split_blocks((elements & (mag | (mag << 4))) != 0, axis,
+                                   fmt.bytes_per_block).any(axis=axis + 1)
+        else:  # FP6 unpacked first; INT8's only zero is 0 (two's complement)
+            mask = 0xFF if el.encoding == "twos_complement" else mag
+            codes = element_codes(elements, fmt, axis)
+            nonzero = ((codes & mask) != 0).any(axis=axis + 1)
+        return jnp.all(big | ~nonzero)
+
+    return lax.cond(jnp.all(big), lambda: jnp.bool_(True), small_blocks_are_zero)
+
+
+def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canonical_nan=True,
+                       factor=None):
+    """:func:`mx_value_bits` by one float multiply per element; exact (bit for bit, NaN
+    made the canonical quiet NaN as there unless ``canonical_nan`` is False) when
+    :func:`fast_decode_exact` holds. ``factor``: the scheme's ``scale_factors(scales)``
+    computed by the caller (else here)."""
+    if factor is None:
+        factor = fmt.scheme.scale_factors(scales)
+    v = decode_f32(fmt.element, element_codes(elements, fmt, axis))
+    bits = f32_bits(v * jnp.expand_dims(factor, axis + 1))
+    if canonical_nan:
+        bits = jnp.where((bits & F32_ABS) > F32_INF, jnp.uint32(F32_QNAN), bits)
+    return lax.slice_in_dim(merge_blocks(bits, axis), 0, n, axis=axis)
+
+
+def _grouped_codes(elements, fmt: MXFormat, axis: int):
+    """Element codes as ``[..., groups, codes per group, ...]`` (a group: the bytes holding
+    a whole number of codes: 1 byte for FP4's pairs, 3 for FP6's fours; 8-bit codes are
+    returned as they are), built without a stack or a concatenate: the group's bytes form
+    one word, broadcast over its codes, and each code shifts its bits out by its position
+    (an iota). Nothing is reshaped across groups, so XLA's GPU fusion sees every code
+    through one index map."""
+    bits = fmt.element.code_bits
+    per_bytes, per_codes = {8: (1, 1), 4: (1, 2), 6: (3, 4)}[bits]
+    if bits == 8:
+        return elements  # already one code per byte: the array's own layout
+    shape = elements.shape
+    groups = shape[axis] // per_bytes
+    g = elements.reshape(*shape[:axis], groups, per_bytes, *shape[axis + 1:])
+    # The group's bytes as one little-endian word, then each code shifted out of it by its
+    # position (an iota): element 2k of FP4 in the low nibble, FP6's bit stream as
+    # _pack.unpack_last reads it.
+    word = lax.index_in_dim(g, 0, axis + 1).astype(jnp.uint32)
+    for j in range(1, per_bytes):
+        word = word | lax.shift_left(lax.index_in_dim(g, j, axis + 1).astype(jnp.uint32),
+                                     jnp.uint32(8 * j))
+    out_shape = (*shape[:axis], groups, per_codes, *shape[axis + 1:])
+    pos = lax.broadcasted_iota(jnp.uint32, out_shape, axis + 1)
+    codes = lax.shift_right_logical(jnp.broadcast_to(word, out_shape), pos * jnp.uint32(bits))
+    return (codes & jnp.uint32((1 << bits) - 1)).astype(jnp.uint8)
+
+
+def _per_code(v, grouped_shape, axis: int):
+    """A per-block array broadcast to the code layout of :func:`_grouped_codes`."""
+    shape = v.shape
+    if len(grouped_shape) == len(shape):  # 8-bit codes, ungrouped
+        block = grouped_shape[axis] // shape[axis]
+        wide = jnp.broadcast_to(jnp.expand_dims(v, axis + 1),
+                                (*shape[:axis], shape[axis], block, *shape[axis + 1:]))
+        return wide.reshape(grouped_shape)
+    groups, per_codes = grouped_shape[axis], grouped_shape[axis + 1]
+    per_block = groups // shape[axis]
+    wide = jnp.broadcast_to(
+        jnp.expand_dims(v, (axis + 1, axis + 2)),
+        (*shape[:axis], shape[axis], per_block, per_codes, *shape[axis + 1:]))
+    return wide.reshape(grouped_shape)
+
+
+def mx_values_blockwise(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
+    """:func:`mx_values` in one elementwise pass (no branch, no reduction): each block takes
+    the fast decode when its scale code is at least :func:`fast_scale_min` (exact for every
+    element, the NaN code included), the bit-built one otherwise (exact everywhere). Bit
+    for bit what the whole-array choice of :func:`mx_values` gives, since both are exact
+    wherever they are used; for ``fast_decode_applies`` formats only.
+
+    This is the GPU formulation: XLA's GPU pipeline turns the ``lax.cond`` of
+    :func:`mx_values` into a select over two materialized full-size results (5-7 kernels,
+    up to 6x the ideal bytes, benchmarks/gpu_hlo_report.py), while this fuses into one
+    loop. Codes are decoded in their packed groups' layout (:func:`_grouped_codes`), every
+    per-block quantity is computed once per block and broadcast, and only the result is
+    reshaped: XLA's GPU fusion refuses to fuse values it would have to recompute through
+    several index maps, which the block-split formulation made it do. On CPU the
+    conditional runs one branch, so the cheaper fast decode alone usually runs there."""
+    codes = _grouped_codes(elements, fmt, axis)
+    factor = _per_code(fmt.scheme.scale_factors(scales), codes.shape, axis)
+    big = _per_code(scales >= fast_scale_min(fmt), codes.shape, axis)
+    sb = _per_code(scales, codes.shape, axis)
+    fast = f32_bits(decode_f32(fmt.element, codes) * factor)
+    fast = jnp.where((fast & F32_ABS) > F32_INF, jnp.uint32(F32_QNAN), fast)
+    exact = fmt.scheme.decode_values(decode_bits(fmt.element, codes), sb, None)
+    values = bits_to_dtype(jnp.where(big, fast, exact), dtype)
+    if codes.ndim > elements.ndim:  # merge the groups back
+        shape = elements.shape
+        values = values.reshape(*shape[:axis], codes.shape[axis] * codes.shape[axis + 1],
+                                *shape[axis + 1:])
+    return lax.slice_in_dim(values, 0, n, axis=axis)
+
+
+def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_scale=None):
+    """Exact values of MX codes as ``dtype`` (rounded to nearest even if narrower than
+    float32): the fast decode when it is exact for these codes, else the bit-built one.
+    On a CUDA GPU, the one-pass :func:`mx_values_blockwise` (the same bits)."""
+
+    def exact(e, s, f):
+        return bits_to_dtype(mx_value_bits(e, s, fmt, axis, n, tensor_scale), dtype)
+
+    if not fast_decode_applies(fmt):
+        return exact(elements, scales, None)
+
+    def fast(e, s, f):
+        return bits_to_dtype(mx_value_bits_fast(e, s, fmt, axis, n, factor=f), dtype)
+
+    def whole_array_choice(e, s):
+        # The block factors are computed before the branch (one per block, then broadcast),
+        # not redone for every element inside the branch's fused loop.
+        factor = fmt.scheme.scale_factors(s)
+        return lax.cond(fast_decode_exact(e, s, fmt, axis), fast, exact, e, s, factor)
+
+    def blockwise(e, s):
+        return mx_values_blockwise(e, s, fmt, axis, n, dtype)
+
+    return lax.platform_dependent(elements, scales, cuda=blockwise, default=whole_array_choice)

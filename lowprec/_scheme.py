@@ -1,0 +1,210 @@
+"""Scale schemes: how a block format encodes its block scales.
+
+A block format (:class:`~lowprec.MXFormat`) is an element format, a block size and a scale
+scheme. The scheme owns everything about the scales: the element format of the scale codes,
+whether a float32 scale of the whole tensor multiplies them, which options choose them (a
+:class:`~lowprec.ScaleRule` for E8M0 scales; NVFP4's element step), how a block's scale codes
+and its elements' scaled inputs follow from the block's values (the block encoder's
+question), how codes turn back into values (the decoder's), and what a valid tensor-scale
+leaf of an :class:`~lowprec.MXArray` is. The block encoder, the decoder, the option objects,
+MXArray and the analysis ask the scheme; none of them knows a scheme by name.
+
+A scheme is data plus one module: ``formats/elements.json``'s ``scale_schemes`` table names it
+and fixes its scale format and tensor-scale flag, and ``_scheme_<name>.py`` holds its
+arithmetic as a :class:`ScaleScheme` subclass registered under that name (:func:`register`),
+imported the first time a scheme of that name is looked up (:func:`scheme_class`). Adding a
+scale encoding is that module and that data entry.
+``lowprec.scale_scheme`` (in ``_format.py``, the loader of format objects) joins the two and
+checks that they agree.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+import re
+from typing import TYPE_CHECKING, ClassVar, Optional
+
+if TYPE_CHECKING:  # _format imports this module; a scheme only reads the formats it is given
+    from ._format import ElementFormat
+
+_REGISTRY: dict = {}
+
+
+def register(name: str):
+    """Class decorator: registers a :class:`ScaleScheme` subclass as the arithmetic of the
+    scale scheme ``name`` (a key of ``lowprec_formats.SCALE_SCHEMES``, or a scheme built
+    directly, as a test's). One class per name."""
+
+    def add(cls):
+        if not (isinstance(cls, type) and issubclass(cls, ScaleScheme)):
+            raise TypeError(f"register({name!r}) takes a ScaleScheme subclass, got {cls!r}")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"scale scheme {name!r} is already registered "
+                             f"({_REGISTRY[name].__name__})")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def registered(scheme) -> bool:
+    """Whether ``scheme`` is an instance of a registered scheme class."""
+    return isinstance(scheme, ScaleScheme) and _REGISTRY.get(type(scheme).name) is type(scheme)
+
+
+def scheme_class(name: str):
+    """The class registered as the arithmetic of scheme ``name``, importing its module
+    ``_scheme_<name>.py`` first if no class is registered yet; None if there is none."""
+    if name not in _REGISTRY and _MODULE_SUFFIX.fullmatch(name):
+        module = f"{__package__}._scheme_{name}"
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+    return _REGISTRY.get(name)
+
+
+_MODULE_SUFFIX = re.compile(r"[a-z0-9_]+")
+
+
+def registered_names() -> tuple:
+    """Names of the registered scheme classes, in registration order."""
+    return tuple(_REGISTRY)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class ScaleScheme(abc.ABC):
+    """The arithmetic of one way of encoding block scales (frozen and hashable: part of an
+    :class:`~lowprec.MXFormat`, a static ``jit`` argument).
+
+    Subclasses set the class attributes, check their scale format in :meth:`check_scale`
+    and implement the encoder's and decoder's steps. Array arguments are uint32 float32 bit
+    patterns unless said otherwise; blocks are split in place (``[..., blocks, block, ...]``,
+    the position within a block at axis ``inner``).
+
+    Attributes:
+      scale: the element format of the per-block scale codes (uint8 codes).
+    """
+
+    scale: "ElementFormat"
+
+    #: The registry name (set by :func:`register`).
+    name: ClassVar[str] = ""
+    #: Whether a float32 scale of the whole tensor multiplies every block scale (an extra
+    #: MXArray leaf).
+    tensor_scale: ClassVar[bool] = False
+    #: Whether a :class:`~lowprec.ScaleRule` chooses the block scales.
+    takes_scale_rule: ClassVar[bool] = False
+    #: Whether scale code s is the power of two 2^(s - bias), the block's shared exponent
+    #: (what ``lowprec.shared_exponents`` returns).
+    exponent_scales: ClassVar[bool] = False
+    #: How the block scales are chosen, in words (for messages).
+    recipe: ClassVar[str] = ""
+
+    def __post_init__(self):
+        self.check_scale()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+    # -- construction --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def check_scale(self) -> None:
+        """Raises a ValueError unless ``self.scale`` is the scale format this arithmetic
+        decodes."""
+        raise NotImplementedError
+
+    def check_element(self, element: "ElementFormat", fmt_name: str) -> None:
+        """Raises a ValueError if blocks of ``element`` cannot be scaled this way."""
+
+    # -- options (checked once, at the public entry points) --------------------------------
+
+    def scale_rule_option(self, scale_rule):
+        """The scale rule recorded for a cast (None where no rule applies, whatever is passed:
+        dot_general gives one rule for all its operands)."""
+        return None
+
+    def step_option(self, step, fmt_name: str) -> Optional[str]:
+        """The NVFP4 element step (``nvfp4_step=``) of a cast; None where it does not apply."""
+        if step is not None:
+            raise ValueError(
+                f"nvfp4_step applies to NVFP4 (E4M3 block scales under a tensor scale), not to "
+                f"{fmt_name}; drop it")
+        return None
+
+    def tensor_scale_option(self, tensor_scale, fmt_name: str, func: str):
+        """A call's ``tensor_scale=`` as the float32 scalar the encoder takes, or None (then the
+        encoder computes it, where the scheme has one)."""
+        if tensor_scale is not None:
+            raise ValueError(
+                f"{func}: {fmt_name} has no tensor scale (its {self.scale.name.upper()} block "
+                "scales stand alone; only a format with a tensor scale, such as NVFP4, takes "
+                "one); drop tensor_scale"
+            )
+        return None
+
+    def check_tensor_scale_leaf(self, ts, scales, fmt_name: str, shape: tuple) -> None:
+        """Raises unless ``ts`` is a valid tensor-scale leaf of an MXArray whose scale codes
+        are ``scales`` and whose logical shape is ``shape`` (placeholders and tracers pass)."""
+        if ts is not None:
+            raise ValueError(f"MXArray: {fmt_name} has no tensor scale, got tensor_scale={ts!r}")
+
+    # -- the block encoder's steps ---------------------------------------------------------
+
+    def tensor_scale_bits(self, bits, tensor_scale, cast):
+        """Bits (uint32 scalar) of the tensor scale used to quantize the (padded) float32
+        patterns ``bits``, from the caller's ``tensor_scale`` or computed; None without one."""
+        return None
+
+    @abc.abstractmethod
+    def encode_blocks(self, xb, amax, ts_bits, cast, inner: int):
+        """The scales of blocks ``xb`` whose largest magnitudes (bits, NaN/inf above every
+        finite pattern) are ``amax``: ``(scale_codes, special, quotient, scale_exp)``.
+
+        ``scale_codes`` (int, per block) are final, the scale format's NaN code for a
+        ``special`` block (one holding NaN or inf); each element is encoded from
+        ``quotient`` (float32 patterns shaped as ``xb``) divided by 2^``scale_exp``
+        (per block, expanded at ``inner``; None: not divided), saturating.
+        """
+        raise NotImplementedError
+
+    def exponents_of_amax(self, amax, cast):
+        """The shared exponents (int32) of blocks with largest magnitudes ``amax``, for
+        schemes with :attr:`exponent_scales`."""
+        raise NotImplementedError(f"{self.name} scales are not shared exponents")
+
+    # -- the decoder's steps ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def decode_values(self, value_bits, scale_codes, tensor_scale):
+        """Exact float32 patterns of element values ``value_bits`` (split blocks) times their
+        block scales, ``scale_codes`` broadcastable to them (and the float32
+        ``tensor_scale``, where the scheme has one); a NaN scale code gives NaN."""
+        raise NotImplementedError
+
+    def fast_decode_applies(self, element: "ElementFormat") -> bool:
+        """Whether values may be decoded by one float32 multiply per element by
+        :meth:`scale_factors` (exact where :meth:`fast_scale_min` says)."""
+        return False
+
+    def fast_scale_min(self, element: "ElementFormat") -> int:
+        """The smallest scale code at which the one-multiply decode of every ``element``
+        value is a float32 normal (or zero)."""
+        raise NotImplementedError(f"{self.name} scales have no one-multiply decode")
+
+    def scale_factors(self, scale_codes):
+        """float32 factor of each scale code, for the one-multiply decode."""
+        raise NotImplementedError(f"{self.name} scales have no one-multiply decode")
+
+    # -- analysis --------------------------------------------------------------------------
+
+    def element_scale(self, scale_codes, tensor_scale):
+        """What each block's elements are scaled by, for error studies: an int32 exponent e
+        (a factor 2^e; 128 for a NaN block) where scales are shared exponents, else the
+        float32 factor (NaN for a NaN block)."""
+        raise NotImplementedError

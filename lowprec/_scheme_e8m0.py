@@ -1,0 +1,111 @@
+"""The OCP MX scale scheme: one E8M0 scale per block, the block's shared exponent.
+
+OCP MX v1.0 §5.2: the value of element i is X × P_i with X = 2^(scale_code − 127) (§5.4.1:
+E8M0, no sign, no mantissa, code 0xFF = NaN). A :class:`~lowprec.ScaleRule` picks the shared
+exponent from the block's largest magnitude, read from exact float32 bits
+(``_scale_rules.py``); elements are encoded from V_i × 2^-shared_exp by moving exponents in
+integer arithmetic (never a float division), saturating. Decoding builds every value from its
+bits, or, where it is exact, multiplies the element value by the float32 2^(s − 127) once
+(docs/design.md §3, §5).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from ._bits import (
+    E8M0_BIAS,
+    E8M0_NAN,
+    F32_MANT_BITS,
+    bits_to_f32,
+    scale_bits_by_e8m0,
+)
+from ._format import ElementFormat
+from ._scale_rules import DEFAULT_SCALE_RULE, check_scale_rule, scale_codes_of_amax
+from ._scheme import ScaleScheme, register
+
+
+@register("e8m0")
+class E8M0Scheme(ScaleScheme):
+    """E8M0 block scales, 2^(code − 127), chosen by a scale rule (default ``"floor"``).
+
+    Example:
+        >>> import lowprec
+        >>> s = lowprec.scale_scheme("e8m0")
+        >>> s.takes_scale_rule, s.tensor_scale, s.fast_scale_min(lowprec.element_format("e4m3"))
+        (True, False, 10)
+    """
+
+    takes_scale_rule = True
+    exponent_scales = True
+    recipe = "a scale rule (the shared exponent of the block maximum)"
+
+    def check_scale(self) -> None:
+        sc = self.scale
+        e8m0 = (sc.sign_bits == 0 and not sc.zero and sc.exponent_bits == 8
+                and sc.mantissa_bits == 0 and sc.bias == E8M0_BIAS and sc.nan_code == E8M0_NAN)
+        if not e8m0:
+            raise ValueError(
+                f"scale scheme {self.name!r} stores E8M0 scale codes (2^(code - 127), 0xFF = "
+                f"NaN), got the scale format {getattr(sc, 'name', sc)!r}; a scale of another "
+                "format needs its own scheme (E4M3 block scales: 'nvfp4', under a tensor scale)"
+            )
+
+    def check_element(self, element: ElementFormat, fmt_name: str) -> None:
+        if not (element.signed and element.zero):
+            raise ValueError(
+                f"{fmt_name}: E8M0-scaled blocks hold signed elements with a zero (OCP MX "
+                f"v1.0 §5.3: FP8, FP6, FP4, INT8), got {element.name}")
+
+    def scale_rule_option(self, scale_rule):
+        return DEFAULT_SCALE_RULE if scale_rule is None else check_scale_rule(scale_rule)
+
+    # -- encode ----------------------------------------------------------------------------
+
+    def encode_blocks(self, xb, amax, ts_bits, cast, inner: int):
+        codes, special = scale_codes_of_amax(amax, cast.fmt, cast.scale_rule)
+        return codes, special, xb, jnp.expand_dims(codes - E8M0_BIAS, inner)
+
+    def exponents_of_amax(self, amax, cast):
+        codes, _ = scale_codes_of_amax(amax, cast.fmt, cast.scale_rule)
+        return codes - E8M0_BIAS
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def decode_values(self, value_bits, scale_codes, tensor_scale):
+        return scale_bits_by_e8m0(value_bits, scale_codes)
+
+    # The fast decode: element value (float32, exact) times the block's scale 2^(s - 127), a
+    # float32 built from the code's bits, in one float multiply. The product of a value with
+    # at most 24 significant bits and a power of two is exact whenever it is a float32 normal,
+    # and overflows to inf exactly as the bit-built path does. What it cannot do on every
+    # backend is a subnormal result (XLA on CPU flushes them, docs/design.md §8), so it is
+    # used only where no block can produce one (see fast_scale_min).
+
+    def fast_decode_applies(self, element: ElementFormat) -> bool:
+        """Elements of at most 8 bits whose every nonzero value is a float32 normal (so no
+        operand of the multiply can be flushed)."""
+        lowest = element.emin - (element.mantissa_bits if element.subnormals else 0)
+        return element.code_bits <= 8 and element.mantissa_bits < F32_MANT_BITS and lowest >= -126
+
+    def fast_scale_min(self, element: ElementFormat) -> int:
+        """The smallest scale code at which even the element's smallest nonzero magnitude,
+        2^(emin - M) (2^emin without subnormals), times 2^(s - 127) is at least 2^-126, a
+        float32 (and bfloat16) normal: s >= 1 - (emin - M). 10 for E4M3, 17 for E5M2, 2 for
+        E2M1."""
+        lowest = element.emin - (element.mantissa_bits if element.subnormals else 0)
+        return max(1, 1 - lowest)
+
+    def scale_factors(self, scale_codes):
+        """float32 2^(s - 127) of E8M0 codes, from the bits: the exponent field is ``s``; code
+        0 gives the subnormal 2^-127 (0 where the backend flushes subnormals: only all-zero
+        blocks use it on the fast path) and 0xFF a quiet NaN."""
+        s = scale_codes.astype(jnp.uint32)
+        low = jnp.where((s == 0) | (s == E8M0_NAN), jnp.uint32(1 << 22), jnp.uint32(0))
+        return bits_to_f32(lax.shift_left(s, jnp.uint32(F32_MANT_BITS)) | low)
+
+    # -- analysis --------------------------------------------------------------------------
+
+    def element_scale(self, scale_codes, tensor_scale):
+        return scale_codes.astype(jnp.int32) - E8M0_BIAS

@@ -1,0 +1,161 @@
+"""NVFP4's scale scheme: an E4M3 scale per block under a float32 scale of the whole tensor.
+
+torchao's recipe (docs/design.md §3b), each float32 step computed exactly on the bits by
+``_nvfp4.py``: tensor scale ts = amax / 2688 (or the caller's), block scale code =
+e4m3(clamp((block_amax / 6) / ts, 2^-6, 448)), element = e2m1(x / float32(ts × block_scale))
+(``nvfp4_step="divide"``, torchao <= 0.16) or e2m1(x × float32(float32(1 / ts) /
+block_scale)) (``"reciprocal"``, torchao >= 0.17); value = element × float32(ts × block_scale).
+A block holding NaN or inf gets the E4M3 NaN 0x7F and zero elements. No scale rule applies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _nvfp4
+from ._bits import F32_ABS, F32_INF
+from ._decode import decode_bits
+from ._format import ElementFormat
+from ._scheme import ScaleScheme, register
+
+# How an NVFP4 element is brought to E2M1's range before rounding (docs/design.md §3b). The
+# two differ only where the float32 quotient lands exactly on an E2M1 rounding boundary.
+NVFP4_STEPS = {
+    # torchao <= 0.16 (nvfp4_tensor.nvfp4_quantize): one division by float32(ts * s).
+    "divide": "x / float32(tensor_scale * block_scale)  (torchao <= 0.16)",
+    # torchao >= 0.17 (its PR #4031, as NVIDIA's MSLK kernels): a product with a reciprocal.
+    "reciprocal": "x * float32(float32(1 / tensor_scale) / block_scale)  (torchao >= 0.17)",
+}
+DEFAULT_NVFP4_STEP = "divide"
+
+# The recipe's constants are those of E4M3 block scales (clamped to [2^-6, 448]) over E2M1
+# elements (block maxima divided by 6; products of at most 6 significant bits in
+# _nvfp4.f32_mul_short).
+_ELEMENT_MAX = 6.0
+
+
+@register("nvfp4")
+class NVFP4Scheme(ScaleScheme):
+    """E4M3 block scales under a float32 tensor scale (torchao's NVFP4 recipe).
+
+    Example:
+        >>> import lowprec
+        >>> s = lowprec.scale_scheme("nvfp4")
+        >>> s.scale.name, s.tensor_scale, s.takes_scale_rule, s.step_option(None, "nvfp4")
+        ('e4m3', True, False, 'divide')
+    """
+
+    tensor_scale = True
+    recipe = "the NVFP4 recipe (E4M3 of amax / 6 / tensor_scale)"
+
+    def check_scale(self) -> None:
+        sc = self.scale
+        layout = tuple(getattr(sc, f, None) for f in ("sign_bits", "exponent_bits",
+                                                      "mantissa_bits", "bias", "nan_code"))
+        if layout != (1, 4, 3, 7, 0x7F) or sc.max_finite != 448.0:
+            raise ValueError(
+                f"scale scheme {self.name!r} stores E4M3 block scales (torchao's recipe clamps "
+                f"them to [2^-6, 448]), got the scale format {getattr(sc, 'name', sc)!r}")
+
+    def check_element(self, element: ElementFormat, fmt_name: str) -> None:
+        if (element.code_bits, element.mantissa_bits, element.max_finite) != (4, 1, _ELEMENT_MAX):
+            raise ValueError(
+                f"{fmt_name}: NVFP4 scales serve E2M1 elements only (the recipe divides block "
+                f"maxima by 6, E2M1's largest value), got {element.name}")
+
+    # -- options ---------------------------------------------------------------------------
+
+    def step_option(self, step, fmt_name: str):
+        if step is None:
+            return DEFAULT_NVFP4_STEP
+        if step not in NVFP4_STEPS:
+            raise ValueError(
+                f"unknown nvfp4_step {step!r}; choose one of: "
+                + "; ".join(f"{k!r} = {v}" for k, v in NVFP4_STEPS.items()))
+        return step
+
+    def tensor_scale_option(self, tensor_scale, fmt_name: str, func: str):
+        if tensor_scale is None:
+            return None
+        if isinstance(tensor_scale, (int, float)):
+            if not (math.isfinite(tensor_scale) and tensor_scale > 0):
+                raise ValueError(
+                    f"{func}: tensor_scale must be a positive finite number, got {tensor_scale!r}"
+                )
+        ts = jnp.asarray(tensor_scale, jnp.float32)
+        if ts.shape != ():
+            raise ValueError(f"{func}: tensor_scale must be a scalar, got shape {ts.shape}")
+        return ts
+
+    def check_tensor_scale_leaf(self, ts, scales, fmt_name: str, shape: tuple) -> None:
+        if ts is None:
+            raise ValueError(
+                f"MXArray: {fmt_name} needs its float32 tensor_scale (quantize_mx computes it)"
+            )
+        if not (hasattr(ts, "shape") and hasattr(ts, "dtype")):
+            return  # a placeholder while JAX rebuilds the pytree
+        batch = tuple(scales.shape)[: len(scales.shape) - len(shape)]
+        if np.dtype(ts.dtype) != np.float32 or tuple(ts.shape) != batch:
+            raise TypeError(
+                f"MXArray: tensor_scale must be a float32 scalar (batch shape {batch}), got "
+                f"{np.dtype(ts.dtype)}{list(ts.shape)}"
+            )
+        if isinstance(ts, jax.core.Tracer) or not isinstance(ts, (np.ndarray, np.generic,
+                                                                   jax.Array)):
+            return  # traced (or a shape stand-in): dequantize decodes an invalid one to NaN
+        values = np.asarray(ts, np.float32)
+        bad = ~(np.isfinite(values) & (values > 0))
+        if np.any(bad):
+            raise ValueError(
+                f"MXArray: {fmt_name} tensor_scale must be positive and finite (it multiplies "
+                f"every block scale), got {values[bad].flat[0]!r}; a zero or negative scale "
+                "would zero or flip the tensor. Use the scale quantize_mx computed (amax / 2688)"
+            )
+
+    # -- encode ----------------------------------------------------------------------------
+
+    def tensor_scale_bits(self, bits, tensor_scale, cast):
+        """float32(amax / 2688) of ``bits`` (amax: the largest finite magnitude), or the given
+        scale; either raised to 2^-143 at least (2^-121 for the ``"reciprocal"`` step)."""
+        if tensor_scale is None:
+            ts_bits = _nvfp4.tensor_scale_bits(_nvfp4.finite_amax_bits(bits))
+        else:
+            ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
+        ts_bits = _nvfp4.clamp_tensor_scale_bits(ts_bits)
+        if cast.nvfp4_step == "reciprocal":
+            ts_bits = jnp.maximum(ts_bits, jnp.uint32(_nvfp4.MIN_RECIPROCAL_TENSOR_SCALE_BITS))
+        return ts_bits
+
+    def encode_blocks(self, xb, amax, ts_bits, cast, inner: int):
+        special = amax >= F32_INF
+        codes = _nvfp4.block_scale_codes(amax, ts_bits, self.scale)
+        if cast.nvfp4_step == "reciprocal":
+            factor = _nvfp4.reciprocal_factor_bits(codes, ts_bits, self.scale)
+            quotient = _nvfp4.f32_mul(xb, jnp.expand_dims(factor, inner))
+        else:
+            total = jnp.expand_dims(_nvfp4.total_scale_bits(codes, ts_bits, self.scale), inner)
+            quotient = _nvfp4.element_quotient_bits(xb, total)
+        return jnp.where(special, self.scale.nan_code, codes), special, quotient, None
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def decode_values(self, value_bits, scale_codes, tensor_scale):
+        """element × float32(tensor_scale × block scale), rounded to float32 (torchao's
+        ``NVFP4Tensor.to_dtype``)."""
+        ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
+        return _nvfp4.dequantize_bits(value_bits, scale_codes, ts_bits, self.scale)
+
+    # -- analysis --------------------------------------------------------------------------
+
+    def element_scale(self, scale_codes, tensor_scale):
+        """float32 factor tensor_scale × block_scale of each block, rounded as the
+        quantizer's divisor and the dequantizer's factor are (NaN for a NaN block)."""
+        ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
+        total = _nvfp4.total_scale_bits(scale_codes, ts_bits, self.scale)
+        nan = (decode_bits(self.scale, scale_codes) & F32_ABS) > F32_INF
+        return jnp.where(nan, jnp.nan, lax.bitcast_convert_type(total, jnp.float32))

@@ -1,0 +1,223 @@
+"""Whether a Pallas kernel serves a call: the one place lowprec decides it.
+
+A kernel serves a call when
+
+* the policy allows kernels (:func:`set_policy`, else the environment variable
+  ``LOWPREC_KERNELS``, else ``"auto"``; ``"xla"`` turns every kernel off),
+* JAX here can compile for CUDA (:func:`cuda_kernels_possible`) and Pallas' Triton backend
+  imports (elsewhere the CUDA branches are left out, so CPU-only installs never trace kernels
+  they cannot run), and
+* the kernel serves the call's layout and formats (each kernel module's ``*_applies``);
+
+then the call picks the kernel or XLA's formulation where XLA lowers the program
+(:func:`on_cuda`: ``lax.platform_dependent``), so one program runs on every backend. The
+public functions read the policy when they are called and hand the decision (or the policy,
+for the dot's inner choices) to their jitted cores as a static argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._mxarray import MXArray
+from ._mxdot_pallas import pallas_mxdot_applies
+from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_applies
+
+#: ``"auto"``: Pallas kernels where they serve a call (CUDA GPUs); ``"xla"``: never.
+POLICIES: tuple[str, ...] = ("auto", "xla")
+#: The environment variable read when no policy was set in the process.
+ENV_VAR = "LOWPREC_KERNELS"
+_chosen: Optional[str] = None  # set_policy's choice; None: the environment's
+
+#: The route dot_general takes on a CUDA GPU for decode-time MXFP4 products ("pallas": the
+#: kernel of _gemv_pallas.py; "xla": _gemv.mxfp4_matmul_xla, no kernel). "pallas" until
+#: benchmarks/bench_gpu.py has measured both on a GPU; switch if "xla" wins there.
+GPU_ROUTE = "pallas"
+#: Most tokens (product of the activation's free dims) sent to the decode-time route.
+MAX_TOKENS = 16
+
+
+def _check_policy(policy, where: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown kernel policy {policy!r} ({where}); valid policies: "
+                         + ", ".join(map(repr, POLICIES)))
+    return policy
+
+
+def set_policy(policy: Optional[str]) -> Optional[str]:
+    """Sets whether lowprec's functions may run Pallas kernels, for this process.
+
+    Args:
+      policy: ``"auto"`` (kernels where they serve a call, on CUDA GPUs), ``"xla"`` (XLA's
+        formulation everywhere: the same bits, other speed) or None (back to the environment
+        variable ``LOWPREC_KERNELS``, else ``"auto"``).
+
+    Returns:
+      The policy set before (None if none was), to restore it.
+
+    When the policy in force changes, JAX's caches are cleared: a function of yours traced
+    under ``jax.jit`` before the change would otherwise keep the programs of the old policy
+    (the policy is read while tracing; lowprec's own jitted cores also take it as a static
+    argument).
+
+    Example:
+        >>> previous = set_policy("xla")
+        >>> get_policy(), set_policy(previous)
+        ('xla', 'xla')
+    """
+    global _chosen
+    if policy is not None:
+        _check_policy(policy, "set_policy")
+    in_force = get_policy()
+    previous, _chosen = _chosen, policy
+    if get_policy() != in_force:
+        jax.clear_caches()
+    return previous
+
+
+def get_policy() -> str:
+    """The kernel policy in force: :func:`set_policy`'s, else ``LOWPREC_KERNELS``'s, else
+    ``"auto"``. Read by each public function when it is called.
+
+    Example:
+        >>> get_policy() in POLICIES
+        True
+    """
+    if _chosen is not None:
+        return _chosen
+    env = os.environ.get(ENV_VAR)
+    if env is None or env == "":
+        return "auto"
+    return _check_policy(env, f"environment variable {ENV_VAR}")
+
+
+def kernels_enabled() -> bool:
+    """Whether the policy in force lets Pallas kernels serve calls."""
+    return get_policy() == "auto"
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernels_possible() -> bool:
+    """Whether JAX here can compile for CUDA: a GPU backend, or the CUDA plugin installed
+    (which also compiles for a GPU without one, benchmarks/gpu_hlo_report.py). Elsewhere
+    the CUDA branches of ``lax.platform_dependent`` holding Pallas kernels are left out,
+    so CPU-only installs do not trace kernels they can never run."""
+    for version in (12, 13):
+        try:
+            if importlib.util.find_spec(f"jax_plugins.xla_cuda{version}") is not None:
+                return True
+        except ImportError:
+            pass
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
+
+
+def triton_available() -> bool:
+    """Whether this JAX has Pallas with its Triton backend (lowering happens on GPU only)."""
+    try:
+        from jax.experimental import pallas  # noqa: F401
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernels_can_run() -> bool:
+    return cuda_kernels_possible() and triton_available()
+
+
+def unsharded(x) -> bool:
+    """False for an array laid out over several devices (a concrete array's sharding, or a
+    traced one's Explicit mesh axes): the Pallas kernels are single-device custom calls,
+    which XLA's partitioner would run on gathered inputs, so sharded inputs keep XLA's
+    formulation (partitioned like any elementwise program). Traced inputs over Auto axes
+    carry no layout at trace time: they take the kernel."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and not isinstance(x, jax.core.Tracer):
+        return len(sharding.device_set) <= 1
+    try:
+        spec = jax.typeof(x).sharding.spec
+    except Exception:  # noqa: BLE001 - no sharding in the type
+        return True
+    return all(s is None for s in spec)
+
+
+def quantize_kernel(x, cast, axis: int, fake: bool = False) -> bool:
+    """Whether ``quantize_mx`` (``fake``: ``fake_quantize_mx``) of the validated input ``x``
+    takes its one-pass kernel on CUDA (static): the policy, an unsharded input, blocks along
+    the last axis or axis 0 of a 2-D array (zero padding included; done in the kernel),
+    float32/bfloat16/float16 input, a cast the kernel serves, and JAX able to lower it."""
+    if not (kernels_enabled() and unsharded(x)):
+        return False
+    if x.ndim == 0 or x.size == 0 or not (axis == x.ndim - 1 or (axis == 0 and x.ndim == 2)):
+        return False
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return False
+    if not _kernels_can_run():
+        return False
+    if fake:
+        return pallas_fake_quantize_applies(cast)
+    return pallas_quantize_applies(cast, axis0=axis != x.ndim - 1)
+
+
+def mxdot_kernel(layout, lop, rop, kernels: bool, out_sharding=None) -> bool:
+    """Whether the bfloat16 branch of a quantized dot takes the fused MX kernel on CUDA
+    (static): the policy (``kernels``), no requested output sharding (the kernel is a
+    single-device call), two MX operands with 8-bit codes in the (1, M, K) x (1, N, K)
+    layout, and JAX able to lower it."""
+    if not kernels or out_sharding is not None:
+        return False
+    if layout != (2, 2) or not (isinstance(lop, MXArray) and isinstance(rop, MXArray)):
+        return False
+    if lop.elements.ndim != 3 or rop.elements.ndim != 3 or lop.shape[0] != 1:
+        return False
+    if 0 in lop.elements.shape or 0 in rop.elements.shape:
+        return False
+    if not _kernels_can_run():
+        return False
+    return pallas_mxdot_applies(lop.fmt, rop.fmt)
+
+
+def _is_weight(op) -> bool:
+    return (isinstance(op, MXArray) and op.fmt.name == "mxfp4" and op.shape[0] == 1
+            and min(op.shape) > 0)
+
+
+def _is_activation(op, cast) -> bool:
+    return (
+        not isinstance(op, MXArray) and cast is None and op.dtype == jnp.bfloat16
+        and op.shape[0] == 1 and 1 <= op.shape[1] <= MAX_TOKENS
+    )
+
+
+def gemv_weight_side(lhs, rhs, lcast, rcast, kernels: bool) -> Optional[str]:
+    """For canonical operands (B, M, K) x (B, N, K) of a quantized dot: which of them
+    (``"lhs"``/``"rhs"``) is the weight of a decode-time MXFP4 product that
+    :data:`GPU_ROUTE` takes on CUDA, or None (static).
+
+    The case: no batch (B = 1), one side a packed MXFP4 MXArray (blocked along K, as every
+    canonical MXArray is), the other a bfloat16 array used as it is (no format) with at
+    most :data:`MAX_TOKENS` rows; for the ``"pallas"`` route also the policy (``kernels``)
+    and JAX able to lower it.
+    """
+    if GPU_ROUTE == "pallas" and not (kernels and _kernels_can_run()):
+        return None
+    if _is_activation(lhs, lcast) and _is_weight(rhs):
+        return "rhs"
+    if _is_weight(lhs) and _is_activation(rhs, rcast):
+        return "lhs"
+    return None
+
+
+def on_cuda(fast, generic, *args):
+    """``fast(*args)`` where XLA lowers for a CUDA GPU, ``generic(*args)`` everywhere else."""
+    return lax.platform_dependent(*args, cuda=fast, default=generic)
