@@ -744,3 +744,24 @@ def test_decoding_mismatched_parts_is_a_checkpoint_error():
     parts = {"elements": np.zeros((2, 64), np.uint8), "scales": np.zeros((2, 3), np.uint8)}
     with pytest.raises(CheckpointError, match="cannot decode mxfp8_e4m3"):
         dequantize_chunk(parts, spec, (2, 64, 1), np.float32)
+
+
+def test_nvfp4_clipped_blocks_follow_the_rounded_block_scale():
+    # With tensor scale 1 an NVFP4 block's scale is e4m3(clamp(amax / 6, 2^-6, 448)) and its
+    # elements saturate at 6 * scale; a block is clipped iff its amax exceeds that. E4M3 has
+    # 3 mantissa bits (steps of 32 in [256, 512), 0.25 in [2, 4)):
+    #   amax 3000: 500 clamps to 448, limit 2688 < 3000          -> clipped
+    #   amax 2000: 333.3 rounds to 320, limit 1920 < 2000        -> clipped (scale rounded down)
+    #   amax 1920: 320 exactly, limit 1920                       -> not clipped (equal)
+    #   amax 6:    1, limit 6                                     -> not clipped
+    #   amax 13:   2.1667 rounds to 2.25, limit 13.5 > 13        -> not clipped
+    #   all zero:  scale 2^-6                                     -> not clipped
+    from lowprec.checkpoint import ErrorStats, make_spec, quantize_chunk
+
+    maxima = [3000.0, 2000.0, 1920.0, 6.0, 13.0, 0.0]
+    x = np.zeros((1, 16 * len(maxima)), np.float32)
+    for b, m in enumerate(maxima):
+        x[0, 16 * b: 16 * b + 8] = np.linspace(-m, m, 8)  # the block's max |x| is m
+    stats = ErrorStats()
+    quantize_chunk(x, make_spec("nvfp4", x.shape, "F32"), scale=np.float32(1.0), stats=stats)
+    assert (stats.clipped, stats.clip_total) == (2, len(maxima))

@@ -21,7 +21,7 @@ import numpy as np
 from .._codec import decode, encode
 from .._gpt_oss import from_gpt_oss, to_gpt_oss
 from .._mx import MXArray, dequantize, quantize_mx
-from .._nvfp4 import clamp_tensor_scale_bits, tensor_scale_bits
+from .._options import MXCast
 from ._errors import CheckpointError
 from ._layout import TensorSpec
 from ._stats import ErrorStats
@@ -55,8 +55,10 @@ def tensor_scale(amax, spec: TensorSpec) -> np.float32:
         2.0
     """
     if spec.is_mx:
-        amax_bits = jnp.uint32(np.float32(amax).view(np.uint32))
-        ts = clamp_tensor_scale_bits(tensor_scale_bits(amax_bits))
+        # The scheme computes it from the finite max magnitude of what it is given: here a
+        # single value, the whole tensor's amax.
+        amax_bits = jnp.asarray([np.float32(amax).view(np.uint32)], jnp.uint32)
+        ts = spec.format.scheme.tensor_scale_bits(amax_bits, None, MXCast(spec.format))
         return np.uint32(ts).view(np.float32)
     elem = spec.format
     amax = np.float32(amax)
@@ -94,19 +96,6 @@ def _as_piece(x: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def _clip_limits(fmt) -> np.ndarray:
-    """float32 bit patterns of max_elem × 2^(code − 127) for each E8M0 code: a block is
-    clipped iff its max |x| exceeds this (patterns of non-negative floats order like the
-    values). Overflow → the inf pattern (nothing exceeds it); code 0xFF (NaN block) → above
-    every pattern."""
-    with np.errstate(over="ignore"):
-        limits = np.ldexp(np.float64(fmt.element.max_finite), np.arange(256) - 127).astype(np.float32)
-    bits = limits.view(np.uint32).copy()
-    bits[0xFF] = 0xFFFF_FFFF
-    return bits
-
-
-@functools.lru_cache(maxsize=None)
 def _scale_values(scale_fmt) -> np.ndarray:
     """The value of each uint8 scale code (float64; decoded once per scale format)."""
     return np.asarray(decode(jnp.arange(256, dtype=jnp.uint8), scale_fmt), np.float64)
@@ -129,15 +118,17 @@ def _mx_clipped(x, scales: np.ndarray, fmt, ts=None) -> tuple:
     mag = x.view(np.uint32) & np.uint32(0x7FFF_FFFF)
     amax = mag.reshape(x.shape[0], -1, fmt.block_size, *x.shape[2:]).max(axis=2)
     codes = scales.reshape(amax.shape)
-    if fmt.tensor_scale:
-        # ts × E4M3 (≤ 4 significant bits) is exact in float64; rounding it to float32 is the
-        # quantizer's divisor; × max_elem in float64 is exact again. NaN scales compare False.
-        block = _scale_values(fmt.scale)
-        with np.errstate(over="ignore", invalid="ignore"):
-            total = (block * np.float64(ts)).astype(np.float32).astype(np.float64)
-            clipped = amax.view(np.float32) > total[codes] * fmt.element.max_finite
-    else:
-        clipped = amax > _clip_limits(fmt)[codes]
+    # A block is clipped iff its max |x| exceeds max_elem times what its scheme scales its
+    # elements by: 2^e for shared-exponent scales, else the float32 factor (NVFP4: float32(ts x
+    # E4M3 block scale), the quantizer's divisor). Both products are exact in float64; a NaN
+    # block (its scale code the scale format's NaN) is never clipped.
+    factor = np.asarray(fmt.scheme.element_scale(jnp.arange(256, dtype=jnp.uint8), ts))
+    if np.issubdtype(factor.dtype, np.integer):
+        factor = np.ldexp(1.0, factor)
+    limits = factor.astype(np.float64) * fmt.element.max_finite
+    nan = _scale_nan(fmt.scale)
+    with np.errstate(invalid="ignore"):
+        clipped = (amax.view(np.float32) > limits[codes]) & ~nan[codes]
     return int(np.count_nonzero(clipped)), int(scales.size)
 
 

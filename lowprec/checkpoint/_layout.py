@@ -203,7 +203,7 @@ class TensorSpec:
                 if not isinstance(axis, int) or isinstance(axis, bool):
                     raise ValueError(f"axis {axis!r} is not an int")
                 rule = entry.get("scale_rule")
-                if rule is not None and fmt.tensor_scale:
+                if rule is not None and not fmt.scheme.takes_scale_rule:
                     raise ValueError(f"{fmt.name} takes no scale rule, got {rule!r}")
                 spec = cls(
                     fmt,
@@ -284,11 +284,11 @@ def make_spec(
 def check_block_scale_rule(fmt: MXFormat, scale_rule) -> Optional[str]:
     """The scale rule of block format ``fmt``: ``scale_rule`` checked (None: the default),
     or None for NVFP4, which has its own scale recipe and refuses one."""
-    if fmt.tensor_scale:
+    if not fmt.scheme.takes_scale_rule:
         if scale_rule is not None:
             raise CheckpointError(
-                f"{fmt.name} has its own scale recipe (E4M3 block scales under a float32 tensor "
-                "scale) and takes no scale rule; drop --scale-rule / scale_rule"
+                f"{fmt.name} has its own scale recipe ({fmt.scheme.recipe}) and takes no scale "
+                "rule; drop --scale-rule / scale_rule"
             )
         return None
     return check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
