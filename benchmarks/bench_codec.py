@@ -43,7 +43,7 @@ that kernel's. ``x default`` divides each lowprec mode's throughput by the forma
 mode, measured in the same rounds. ``faults`` is lowprec's median minor page faults per
 call (see ``_timing.py``).
 
-Targets (from the issues): default-mode encode and decode ≥ 0.8x XLA's native convert,
+Targets: default-mode encode and decode ≥ 0.8x XLA's native convert,
 stochastic rounding ≥ 0.3x the default mode (random words included), and every mode ≥ 10x
 ml_dtypes. Rows that miss are flagged.
 """

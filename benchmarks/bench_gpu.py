@@ -1,4 +1,4 @@
-"""Every row of the GPU issue's table in one run, side by side with its peers, with a roofline.
+"""Every GPU measurement with a target in one run, side by side with its peers, with a roofline.
 
 Run on a GPU: ``python benchmarks/bench_gpu.py`` (about 10 minutes on an H100), or
 ``scripts/gpu_check.sh``, which runs the test suite first and passes its summary in with
@@ -35,7 +35,7 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
 * **encode**: element ``encode`` (default and the other deterministic modes) vs XLA's
   convert, per format, 2^26 elements.
 
-Flags repeat the issue's targets: quantize ≥ 2.0 TB/s (mxfp8) / 1.8 (mxfp4); dequantize ≥
+Flags mark the rows that miss their targets: quantize ≥ 2.0 TB/s (mxfp8) / 1.8 (mxfp4); dequantize ≥
 2.0 TB/s and ≥ 0.95x JAX; weight-only ≥ 3x bf16; MXFP8 pre-quantized ≥ 0.95x bf16,
 in-call quantization ≥ 0.85x.
 """

@@ -31,7 +31,7 @@ Columns: ``x bf16`` = how many times faster than the bf16 dot of the same layout
 slower); ``x peer`` = the same against ``jax.nn.scaled_dot_general`` when it runs here, else
 against ``jax.lax.scaled_dot pre-q``; ``roof`` = TFLOP/s over the fastest bf16 dot of the
 whole run (the machine's compute roof as this process saw it); ``faults`` = median minor page
-faults per call. Target (from the issue): pre-quantized MXFP8 ≥ 0.8x bf16 at n ≥ 1024 on CPU,
+faults per call. Target: pre-quantized MXFP8 ≥ 0.8x bf16 at n ≥ 1024 on CPU,
 in both layouts; rows that miss are flagged.
 """
 

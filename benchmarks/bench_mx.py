@@ -26,7 +26,7 @@ For each MX format (mxfp8_e4m3, mxfp8_e5m2, mxfp4) one interleaved timing group 
   exponent via ``np.frexp`` → multiply by the block's power of two → clip → ``astype``; FP4
   packed two per byte like lowprec), one implementation per scale rule, and its dequantize.
   Finite inputs only (no NaN/Inf block handling), E8M0 scales only. Skipped on GPU runs.
-* Formats added with issue 11: MXFP6 (E2M3, E3M2; codes packed four per three bytes),
+* The other block formats: MXFP6 (E2M3, E3M2; codes packed four per three bytes),
   MXINT8 (elements ``clip(rint(v * 64), -127, 127)`` as int8 in the NumPy baseline), MXFP4
   with blocks of 16 (``mxfp4_b16``) and NVFP4, whose only "rule" is its own recipe
   (``nvfp4``: torchao's float32 steps, vectorized in the NumPy baseline). NVFP4's JAX peer is
@@ -45,7 +45,7 @@ and one scale byte per block). Ratios divide throughputs measured in the same ro
 implements rceil); their JAX ratio is against JAX's rceil quantizer, marked ``*``.
 ``faults`` is lowprec's median minor page faults per call (see ``_timing.py``).
 
-Targets (from the issues): on CPU, lowprec quantize ≥ 1.5x JAX's quantizer for the rceil
+Targets: on CPU, lowprec quantize ≥ 1.5x JAX's quantizer for the rceil
 rule (the like-for-like comparison; floor is reported too) and dequantize ≥ 1.0x JAX's
 ``astype·scale``; on a GPU (H100) ≥ 2.0 TB/s effective bandwidth for lowprec's quantize.
 Rows that miss are flagged.

@@ -281,14 +281,14 @@ device_description_str: "{self.name}"
 """
 
 
-# The H100's copy bandwidth was measured (issue 20: jit(-x) on 16384² float32, the run whose
+# The H100's copy bandwidth was measured (jit(-x) on 16384² float32 on an H100 SXM, the run whose
 # quantize/dequantize figures these predictions matched within ~10%); no H200 or B200 has
 # been measured, so theirs is the datasheet bandwidth times the H100's measured fraction of
 # its own datasheet figure (2.53 / 3.35 = 0.755).
 _H100_COPY_FRACTION = 2.53 / 3.35
 TARGETS = {
     "h100": GpuTarget("NVIDIA H100 80GB HBM3", (9, 0), 132, 50 << 20, 3.35e12, 1.98, 80 << 30,
-                      2.53, "measured on an H100 SXM (issue 20)"),
+                      2.53, "measured on an H100 SXM: jit(-x), 16384² float32"),
     "h200": GpuTarget("NVIDIA H200", (9, 0), 132, 50 << 20, 4.8e12, 1.98, 141 * 10**9,
                       round(4.8 * _H100_COPY_FRACTION, 2),
                       "datasheet 4.8 TB/s x the H100's measured copy fraction 0.755"),

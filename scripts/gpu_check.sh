@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Everything the GPU issue needs from a machine with a GPU, in one command:
+# Every GPU check from a machine with a GPU, in one command:
 #   1. the whole test suite on the GPU (gpu-marked tests included), output in $OUT/pytest.log;
 #   2. the fusion report (kernels per entry point), $OUT/hlo_report.txt, HLO modules in $OUT/hlo/;
-#   3. the GPU benchmark, every row of the issue's table with the pytest summary on top,
+#   3. the GPU benchmark (benchmarks/bench_gpu.py) with the pytest summary on top,
 #      $OUT/bench_gpu.txt and $OUT/bench_gpu.json.
 # Usage: scripts/gpu_check.sh [OUT_DIR] (default: gpu_check_out). Set TUNE=1 to also sweep the
 # MXFP4 kernel's tiles ($OUT/tune.txt). Exits non-zero if the tests fail (after the benchmark).

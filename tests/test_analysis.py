@@ -817,7 +817,7 @@ def test_error_vs_magnitude_and_delta_bars():
 
 
 # --------------------------------------------------------------------------------------
-# formats new in issue 11: element formats, NVFP4, any block size
+# the other element formats (ml_dtypes' FP8/FP6, MX INT8, P3109), NVFP4, any block size
 # --------------------------------------------------------------------------------------
 import lowprec_reference as R  # noqa: E402
 
@@ -974,7 +974,7 @@ def test_compare_new_block_formats_and_block_sizes():
 
 
 # --------------------------------------------------------------------------------------
-# compare: edge cases (issue 19), new metrics, scale phase, tidy export, per-block view
+# compare: edge cases, metrics, scale phase, tidy export, per-block view
 # --------------------------------------------------------------------------------------
 def test_compare_axis_out_of_range_raises_instead_of_wrapping():
     x = np.ones((4, 64), np.float32)
