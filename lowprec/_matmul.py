@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import jax
 import jax.numpy as jnp
 
-from ._format import FormatLike
+from ._format import FormatLike, mx_format
 from ._gemv import mxfp4_matmul
 from ._mxarray import MXArray
 from ._options import DotSpec
@@ -176,7 +176,7 @@ def mxfp4_gemv(
         >>> mxfp4_gemv(w, jnp.ones((2, 64), jnp.bfloat16)).shape
         (2, 4)
     """
-    if not isinstance(w, MXArray) or w.fmt.name != "mxfp4" or w.ndim != 2 or w.axis != 1:
+    if not isinstance(w, MXArray) or w.fmt != mx_format("mxfp4") or w.ndim != 2 or w.axis != 1:
         raise ValueError(
             "mxfp4_gemv takes an MXFP4 MXArray of shape [N, K] blocked along axis 1 "
             "(quantize_mx(w, 'mxfp4', axis=-1)); use dot_general for other operands"

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._format import mx_format
 from .._mxarray import MXArray
 from ._mxdot_pallas import pallas_mxdot_applies
 from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_applies
@@ -188,7 +189,8 @@ def mxdot_kernel(layout, lop, rop, kernels: bool, out_sharding=None) -> bool:
 
 
 def _is_weight(op) -> bool:
-    return (isinstance(op, MXArray) and op.fmt.name == "mxfp4" and op.shape[0] == 1
+    # The decode kernels serve exactly OCP MXFP4 (E2M1 codes, E8M0 scales, blocks of 32).
+    return (isinstance(op, MXArray) and op.fmt == mx_format("mxfp4") and op.shape[0] == 1
             and min(op.shape) > 0)
 
 
