@@ -28,7 +28,7 @@ from jax import lax
 
 import lowprec
 import lowprec_formats
-from helpers.asserts import assert_codes_equal, assert_same_values
+from helpers.asserts import assert_bits_equal, assert_codes_equal, assert_same_values, bit_pattern
 from helpers.codecs import REFERENCE as reference, reference_words, replay_random_bits, sweep
 from helpers.inputs import adversarial
 from helpers.oracles import ml_dtypes_codes, ml_dtypes_values, ref_values
@@ -257,7 +257,7 @@ def test_default_encode_of_every_half_precision_value_matches_ml_dtypes(
 
 def _tf32_by_reduce_precision(x: np.ndarray):
     rp = np.asarray(lax.reduce_precision(jnp.asarray(x), exponent_bits=8, mantissa_bits=10))
-    bits = rp.view(np.uint32)
+    bits = bit_pattern(rp)
     finite_or_inf = ~np.isnan(rp)
     assert not (bits[finite_or_inf] & 0x1FFF).any()  # a TF32 value: low 13 bits zero
     return (bits >> 13).astype(np.uint32), rp
@@ -941,7 +941,8 @@ def test_quantize_with_explicit_narrower_dtype_rounds_twice():
     x = np.array([1 + 3 * 2.0**-10, 65504.0, 2.0**-24, -0.1], np.float32)
     got = np.asarray(lowprec.quantize(x, "fp16", dtype=jnp.bfloat16))
     want = x.astype(np.float16).astype(np.float32).astype(ml_dtypes.bfloat16)
-    assert got.dtype == want.dtype and np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert got.dtype == want.dtype
+    assert_bits_equal(got, want)
 
 
 # ============================================================================================

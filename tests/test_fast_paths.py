@@ -26,7 +26,7 @@ from jax import lax
 import lowprec
 import lowprec_formats
 import lowprec_reference as R
-from helpers.asserts import assert_codes_equal, assert_same_floats
+from helpers.asserts import assert_codes_equal, assert_same_floats, bit_pattern
 from helpers.codecs import reference_words, replay_random_bits
 from helpers.inputs import adversarial
 from helpers.mx import element_codes, f64_to_f32_exact
@@ -45,7 +45,7 @@ N_RANDOM = 1 << 16
 def _inputs(fmt: str) -> np.ndarray:
     rng = np.random.default_rng(20260515)
     bits = rng.integers(0, 2**32, N_RANDOM, dtype=np.uint64).astype(np.uint32)
-    return np.concatenate([bits, np.asarray(adversarial(fmt), np.float32).view(np.uint32)])
+    return np.concatenate([bits, bit_pattern(np.asarray(adversarial(fmt), np.float32))])
 
 
 def _general(fmt, u32: np.ndarray, rounding: str, words=None) -> np.ndarray:
@@ -103,7 +103,7 @@ def test_decode_by_subtraction_equals_the_integer_decode(fmt):
     codes = jnp.arange(1 << min(f.code_bits, 16), dtype=jnp.uint32)
     want = np.asarray(_decode.decode_bits(f, codes))
     for got in (_decode.decode_f32(f, codes), jax.jit(lambda c: _decode.decode_f32(f, c))(codes)):
-        assert_codes_equal(np.asarray(got).view(np.uint32), want, None, fmt)
+        assert_codes_equal(bit_pattern(got), want, None, fmt)
 
 
 # -- MX: decode by float multiply -------------------------------------------------------------

@@ -30,7 +30,7 @@ from gfloat.types import Domain, Signedness
 import lowprec
 import lowprec_formats
 import lowprec_reference as R
-from helpers.asserts import assert_codes_equal, assert_same_values
+from helpers.asserts import assert_codes_equal, assert_same_values, bit_pattern
 from helpers.inputs import adversarial, float_arrays
 from helpers.mx import random_bits
 from helpers.oracles import ml_dtype, ml_dtypes_codes, ml_dtypes_values
@@ -166,7 +166,7 @@ def test_arrays_in_ml_dtypes_are_read_exactly(src):
     # encode/quantize see the exact value (the float32 widening, NaN sign included). float6
     # arrays (which JAX cannot hold) are decoded on the host.
     x = _every_value(src)
-    codes = x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint8)
+    codes = bit_pattern(x)
     exact = np.asarray(lowprec.decode(codes, src))
     assert_same_values(lowprec.decode(x, src), exact, codes, f"{src} codes as dtype")
     with np.errstate(invalid="ignore"):
@@ -188,12 +188,12 @@ def test_ml_dtypes_result_dtypes_round_like_astype(dst):
     values = np.asarray(lowprec.decode(codes, "bf16"))  # every bfloat16 value, as float32
     got = np.asarray(lowprec.decode(codes, "bf16", dtype=ml_dtype(dst)))
     assert got.dtype == ml_dtype(dst)
-    got_codes = got.view(np.uint8)
+    got_codes = bit_pattern(got)
     _nan_aware_equal(dst, got_codes, ml_dtypes_codes(dst, values), values, f"bf16 -> {dst}")
     mx = lowprec.quantize_mx(jnp.asarray(values[:4096]), "mxfp8")
     d = np.asarray(lowprec.dequantize(mx, ml_dtype(dst)))
     want = ml_dtypes_codes(dst, np.asarray(lowprec.dequantize(mx)))
-    _nan_aware_equal(dst, d.view(np.uint8), want, values[:4096], f"dequantize -> {dst}")
+    _nan_aware_equal(dst, bit_pattern(d), want, values[:4096], f"dequantize -> {dst}")
 
 
 def test_ml_dtypes_input_keeps_nan_sign():

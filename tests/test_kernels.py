@@ -26,6 +26,8 @@ import lowprec
 from lowprec import _gemv
 from lowprec._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
 
+from helpers.asserts import assert_same_floats
+
 pytest.importorskip("jax.experimental.pallas")
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -512,7 +514,7 @@ def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
     np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
     fake = fake_quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
-    _same_values(fake, lowprec.fake_quantize_mx(x, fmt, scale_rule="floor", pad=True))
+    assert_same_floats(fake, lowprec.fake_quantize_mx(x, fmt, scale_rule="floor", pad=True))
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8",))
@@ -528,7 +530,7 @@ def test_pallas_kernels_along_axis_0_like_quantize_mx(fmt, rows):
         np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
         np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
         fake = fake_quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU)
-        _same_values(fake, lowprec.fake_quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True))
+        assert_same_floats(fake, lowprec.fake_quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True))
 
 
 def test_pallas_quantize_keeps_leading_dims_and_nearest_away():
@@ -571,15 +573,6 @@ FAKE_CASES = [(f, r, np.float32) for f in FAKE_FORMATS for r in lowprec.ScaleRul
 ]
 
 
-def _same_values(got, want):
-    """Bits equal, NaN payloads aside (every NaN here is the canonical quiet NaN anyway)."""
-    g = np.asarray(jnp.asarray(got, jnp.float32)).view(np.uint32)
-    w = np.asarray(jnp.asarray(want, jnp.float32)).view(np.uint32)
-    g_nan, w_nan = (g & 0x7FFFFFFF) > 0x7F800000, (w & 0x7FFFFFFF) > 0x7F800000
-    np.testing.assert_array_equal(g_nan, w_nan)
-    np.testing.assert_array_equal(np.where(g_nan, 0, g), np.where(w_nan, 0, w))
-
-
 @pytest.mark.parametrize(
     "fmt,rule,dtype", FAKE_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in FAKE_CASES]
 )
@@ -591,7 +584,7 @@ def test_pallas_fake_quantize_is_bit_identical_to_the_xla_path(fmt, rule, dtype)
     got = fake_quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
     want = lowprec.dequantize(lowprec.quantize_mx(x, fmt, scale_rule=rule), dtype)
     assert got.dtype == x.dtype
-    _same_values(got, want)
+    assert_same_floats(got, want)
 
 
 @needs_triton_lowering
@@ -628,7 +621,7 @@ def test_gpu_compiled_fake_quantize_kernel_is_bit_identical(fmt):
     for rule in lowprec.ScaleRule:
         cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
         want = lowprec.dequantize(lowprec.quantize_mx(x, fmt, scale_rule=rule))
-        _same_values(fake_quantize_mx_pallas(x, cast), want)
+        assert_same_floats(fake_quantize_mx_pallas(x, cast), want)
 
 
 # -- the fused MX x MX product (dot_general's bfloat16 branch on CUDA) ----------------------------

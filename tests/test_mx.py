@@ -22,7 +22,7 @@ import pytest
 
 import lowprec
 import lowprec_reference as R
-from helpers.asserts import assert_same_floats
+from helpers.asserts import assert_bits_equal, assert_same_floats, bit_pattern
 from helpers.mx import (
     BLOCK,
     MODES,
@@ -242,7 +242,7 @@ def test_float32_subnormal_2_pow_minus_130(rule):
     # Dequantize: 2^-127 * 2^-3 = 2^-130 exactly, a float32 subnormal (no flush to zero).
     for fmt in ("mxfp8_e4m3", "mxfp8_e5m2"):
         mx = lowprec.quantize_mx(jnp.asarray(x), fmt, scale_rule=rule)
-        assert np.asarray(lowprec.dequantize(mx)).view(np.uint32)[:2].tolist() == [
+        assert bit_pattern(lowprec.dequantize(mx))[:2].tolist() == [
             0x0008_0000, 0x8008_0000]
 
 
@@ -427,8 +427,7 @@ def test_dequantize_to_bfloat16_rounds_the_exact_value(fmt):
     # MX element values x 2^(scale-127) in bf16's normal range are bf16 values (<= 3
     # mantissa bits): the cast is exact here.
     np.testing.assert_array_equal(np.asarray(got).astype(np.float32), exact)
-    np.testing.assert_array_equal(
-        np.asarray(got).view(np.uint16), exact.astype(ml_dtypes.bfloat16).view(np.uint16))
+    assert_bits_equal(got, exact.astype(ml_dtypes.bfloat16))
 
 
 def test_dequantize_keeps_e5m2_infinite_elements():

@@ -21,6 +21,8 @@ import lowprec
 import lowprec_reference as ref
 from lowprec import FP8_HYBRID, NVIDIA_MXFP8, OCP_MXFP8, Recipe
 
+from helpers.asserts import assert_bits_equal
+
 DN = (((1,), (0,)), ((), ()))  # x [T, K] . w [K, N]
 
 
@@ -253,10 +255,6 @@ def test_gradient_dtypes_follow_the_operands():
 TRANSFORM_RECIPES = [NVIDIA_MXFP8, FP8_HYBRID]
 
 
-def _bits(a):
-    return np.asarray(a).view(np.uint32)
-
-
 def _loss(recipe):
     # Linear in the output, so the cotangent is the fixed array c in every mode (a nonlinearity
     # could round differently eagerly and fused under jit, before the gradient is quantized).
@@ -275,8 +273,8 @@ def test_jit_grad_and_checkpoint_agree_bitwise(recipe):
     jitted = jax.jit(jax.grad(_loss(recipe), argnums=(0, 1)))(x, w)
     remat = jax.jit(jax.grad(jax.checkpoint(_loss(recipe)), argnums=(0, 1)))(x, w)
     for a, b, c in zip(eager, jitted, remat):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
-        np.testing.assert_array_equal(_bits(a), _bits(c))
+        assert_bits_equal(a, b)
+        assert_bits_equal(a, c)
 
 
 @pytest.mark.parametrize("recipe", TRANSFORM_RECIPES, ids=lambda r: r.describe())
@@ -289,8 +287,8 @@ def test_vmap_is_the_per_example_map(recipe):
     ls, gs = jax.jit(jax.vmap(jax.value_and_grad(_loss(recipe)), in_axes=(0, None)))(xs, w)
     for i in range(xs.shape[0]):
         li, gi = one(xs[i], w)
-        np.testing.assert_array_equal(_bits(ls[i]), _bits(li))
-        np.testing.assert_array_equal(_bits(gs[i]), _bits(gi))
+        assert_bits_equal(ls[i], li)
+        assert_bits_equal(gs[i], gi)
 
 
 # -- einsum -----------------------------------------------------------------------------------------
@@ -319,7 +317,7 @@ def test_einsum_quantizes_like_dot_general():
     w3 = w.reshape(64, 3, 4)
     got = NVIDIA_MXFP8.einsum("td,dnh->tnh", x, w3)
     want = NVIDIA_MXFP8.dot_general(x, w3, (((1,), (0,)), ((), ())))
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert_bits_equal(got, want)
 
 
 @pytest.mark.parametrize("spec,lshape,match", [
