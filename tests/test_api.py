@@ -360,6 +360,7 @@ def _half_converts(hlo: str, dtype) -> list:
     ]
 
 
+@pytest.mark.quick_cases(dtype=[jnp.bfloat16])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("name", list(HALF_CALLS))
 def test_half_precision_paths_hold_no_float_convert(dtype, name):

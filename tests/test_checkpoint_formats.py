@@ -59,6 +59,7 @@ ROUND_TRIPS = [
 ]
 
 
+@pytest.mark.quick_cases(fmt=["mxfp6_e3m2", "nvfp4"])
 @pytest.mark.parametrize("fmt,rule,block_size,dtype", ROUND_TRIPS,
                          ids=[f"{f}-{r}-{b}-{np.dtype(d).name}" for f, r, b, d in ROUND_TRIPS])
 def test_block_format_round_trip_matches_reference_and_library(tmp_path, fmt, rule, block_size,
@@ -110,6 +111,7 @@ def test_block_format_round_trip_matches_reference_and_library(tmp_path, fmt, ru
     assert shown.format == name and shown.bytes_after == sum(v.nbytes for v in stored.values())
 
 
+@pytest.mark.slow  # tests/test_checkpoint.py has the quick case
 @pytest.mark.parametrize("fmt", ["mxfp6_e3m2", "mxint8", "nvfp4"])
 def test_pieces_equal_whole_tensor_for_every_axis(tmp_path, monkeypatch, fmt):
     """With pieces of 64 elements (column slabs one block high, block ranges, rows), every

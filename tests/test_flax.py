@@ -44,6 +44,7 @@ def test_linen_dense_factory_is_the_recipe_dot():
     assert_bits_equal(layer.apply({"params": p}, x), R4.dot_general(x, p["kernel"], DN) + p["bias"])
 
 
+@pytest.mark.slow
 def test_linen_dense_general_several_contracting_axes():
     layer = nn.DenseGeneral(16, axis=(-2, -1), dot_general=lf.dot_general(NVIDIA_MXFP8))
     x = _x((4, 2, 32))
@@ -143,6 +144,7 @@ def test_linen_uncovered_layers_warn_once_unless_excluded():
         lf.quantize_model(WithEinsum(), Recipe(forward="mxfp8", high_precision="ein")).apply(params, x)
 
 
+@pytest.mark.slow
 def test_linen_remat_module():
     # nn.remat (a lifted transform) re-runs the layer in the backward pass: still intercepted.
     class Net(nn.Module):
@@ -177,6 +179,7 @@ class Net(nnx.Module):
         return self.head(self.mine(self.c(h)))
 
 
+@pytest.mark.slow
 def test_quantize_model_nnx_in_place_and_restore():
     x = _x()
     net = Net(nnx.Rngs(0))
@@ -205,6 +208,7 @@ def test_quantize_model_nnx_in_place_and_restore():
     assert_bits_equal(f(net, x), quant_out)
 
 
+@pytest.mark.slow
 def test_nnx_grad_and_remat():
     # (vmap and jax.checkpoint of recipe dots: tests/test_recipe.py.)
     class Two(nnx.Module):
@@ -244,6 +248,7 @@ class TiedLM(nn.Module):
         return self.embed.attend(self.hidden(tokens))
 
 
+@pytest.mark.slow
 def test_linen_embed_attend_runs_in_the_recipe():
     tokens = jnp.arange(16).reshape(2, 8) % 96
     params = TiedLM().init(jax.random.key(0), tokens)

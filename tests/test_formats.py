@@ -160,6 +160,7 @@ def _every_value(fmt):
         ml_dtype(fmt))
 
 
+@pytest.mark.quick_cases(src=["e4m3", "e5m2", "e2m1", "e8m0", "e4m3fnuz"])
 @pytest.mark.parametrize("src", [f for f in WITH_ML if f not in ("fp16", "bf16")])
 def test_arrays_in_ml_dtypes_are_read_exactly(src):
     # Every value of the dtype, as input: decode(codes in the dtype) = decode(uint codes);
@@ -180,6 +181,7 @@ def test_arrays_in_ml_dtypes_are_read_exactly(src):
     assert_same_values(q, lowprec.quantize(exact, "e2m1"), x, f"{src} quantize")
 
 
+@pytest.mark.quick_cases(dst=["e4m3", "e2m1", "e8m0", "e4m3fnuz"])
 @pytest.mark.parametrize("dst", [f for f in WITH_ML if f not in ("fp16", "bf16", "e2m3", "e3m2")])
 def test_ml_dtypes_result_dtypes_round_like_astype(dst):
     # decode/quantize/dequantize(dtype=that dtype): the float32 value rounded as ml_dtypes'
@@ -304,6 +306,7 @@ def _op_by_op_encode(fmt, x, overflow):
         return np.asarray(lowprec.encode(padded, fmt, overflow=overflow))[: x.size]
 
 
+@pytest.mark.quick_cases(k=[3, 8])
 @pytest.mark.parametrize("k", range(2, 9))
 def test_p3109_decode_and_encode_match_gfloat_for_every_small_format(k):
     # Every (P, signedness, domain) of width K <= 8: decode of every code, and RNE encode
@@ -379,6 +382,7 @@ P3109_SAMPLE = ("p3109_k8p3se", "p3109_k8p4uf", "p3109_k8p1ue", "p3109_k6p3sf", 
                 "ocp_int8")
 
 
+@pytest.mark.quick_cases(fmt=["p3109_k8p3se", "ocp_int8"])
 @pytest.mark.parametrize("fmt", P3109_SAMPLE)
 @settings(max_examples=6)
 @given(data=st.data())

@@ -129,6 +129,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.quick_cases(k=[32, 100])
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
 def test_kernel_within_float32_sum_bound(m, n, k):
     rng = np.random.default_rng(m * 1000 + n + k)
@@ -148,6 +149,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.quick_cases(cfg=CONFIGS[1::3], k=[224])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.inner}-n{c.block_n}-g{c.block_groups}-s{c.splits}-m{c.block_m}")
 @pytest.mark.parametrize("m,n,k", [(3, 45, 2880), (5, 19, 224)])
 def test_kernel_configs_mask_every_edge(cfg, m, n, k):
@@ -157,6 +159,7 @@ def test_kernel_configs_mask_every_edge(cfg, m, n, k):
     assert_within_bound(pallas(x, w, cfg), f64(x), w.values)
 
 
+@pytest.mark.quick_cases(inner=["dot"])
 @pytest.mark.parametrize("inner", ["fma", "dot"])
 def test_kernel_exact_sums_are_bit_identical_to_exact_and_generic(inner):
     """Integer tokens |x| ≤ 8 and scales 2^-2..2^2 make every product a multiple of 2^-3
@@ -487,6 +490,7 @@ QUANT_CASES = [(f, r, np.float32) for f in QUANT_FORMATS + ("mxfp6_e2m3", "mxfp6
 ]
 
 
+@pytest.mark.quick_cases(fmt=["mxfp8_e4m3", "mxfp4"], rule=["rceil"], dtype=[jnp.bfloat16])
 @pytest.mark.parametrize(
     "fmt,rule,dtype", QUANT_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in QUANT_CASES]
 )
@@ -501,6 +505,7 @@ def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, rule, dtype):
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
 
 
+@pytest.mark.quick_cases(fmt=["mxint8"], cols=[20])
 @pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8", "mxfp6_e2m3"))
 @pytest.mark.parametrize("cols", [340, 20])
 def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
@@ -517,6 +522,7 @@ def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
     assert_same_floats(fake, lowprec.fake_quantize_mx(x, fmt, scale_rule="floor", pad=True))
 
 
+@pytest.mark.quick_cases(fmt=["mxfp4"], rows=[100])
 @pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8",))
 @pytest.mark.parametrize("rows", [100, 128])
 def test_pallas_kernels_along_axis_0_like_quantize_mx(fmt, rows):
@@ -573,6 +579,7 @@ FAKE_CASES = [(f, r, np.float32) for f in FAKE_FORMATS for r in lowprec.ScaleRul
 ]
 
 
+@pytest.mark.quick_cases(fmt=["mxfp8_e4m3", "mxfp4"], rule=["rceil"], dtype=[jnp.bfloat16])
 @pytest.mark.parametrize(
     "fmt,rule,dtype", FAKE_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in FAKE_CASES]
 )

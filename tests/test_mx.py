@@ -34,6 +34,7 @@ from helpers.mx import (
     random_bits,
     run_quantize,
 )
+from helpers.tiers import QUICK_MX
 
 DIRECTED = ("nearest_even", "nearest_away", "toward_zero", "up", "down")
 
@@ -185,6 +186,7 @@ def test_stochastic_uses_documented_random_bits():
         assert np.asarray(rc).tolist() == want and np.asarray(rs).tolist() == [127]
 
 
+@pytest.mark.quick_cases(rule=["rceil"])
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 @pytest.mark.parametrize("rule", SCALE_RULES)
 def test_inf_and_nan_blocks_get_scale_ff_and_leave_other_blocks_alone(fmt, rule):
@@ -210,6 +212,7 @@ def test_inf_and_nan_blocks_get_scale_ff_and_leave_other_blocks_alone(fmt, rule)
         assert_same_floats(v[1], lowprec.dequantize(alone), f"{fmt} {rule}")
 
 
+@pytest.mark.quick_cases(rule=["floor"])
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 @pytest.mark.parametrize("rule", SCALE_RULES)
 def test_all_zero_block(fmt, rule):
@@ -335,6 +338,7 @@ def test_amax_float32_max():
         check_hand(x, "mxfp4", [0x6], 253, scale_rule=rule)
 
 
+@pytest.mark.quick_cases(fmt=["mxfp4"])
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 def test_float16_input_matches_reference(fmt):
     rng = np.random.default_rng(9)
@@ -364,6 +368,7 @@ def test_length_not_multiple_of_32_raises(fmt):
 PAD_LAYOUTS = [((3, 40), -1), ((40, 3), 0), ((70,), 0)]
 
 
+@pytest.mark.quick_cases(fmt=["mxfp4"])
 @pytest.mark.parametrize(
     "fmt, rounding, shape, axis",
     [
@@ -471,6 +476,7 @@ def _jitted_fake(fmt, rule):
     return jax.jit(lambda v: lowprec.fake_quantize_mx(v, fmt, scale_rule=rule))
 
 
+@pytest.mark.quick_cases(fmt=QUICK_MX)
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 def test_fake_quantize_equals_dequantize_of_quantize(fmt):
     rng = np.random.default_rng(3)
@@ -483,6 +489,7 @@ def test_fake_quantize_equals_dequantize_of_quantize(fmt):
     assert_same_floats(vm, want, "vmap")
 
 
+@pytest.mark.quick_cases(fmt=QUICK_MX)
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 def test_fake_quantize_gradient_is_straight_through(fmt):
     x = jnp.linspace(-500.0, 700.0, 64).reshape(2, 32)  # includes clipped values under floor
@@ -496,6 +503,7 @@ def test_fake_quantize_gradient_is_straight_through(fmt):
     np.testing.assert_array_equal(np.asarray(g), np.ones(x.shape, np.float32))
 
 
+@pytest.mark.quick_cases(fmt=QUICK_MX)
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 def test_fake_quantize_bfloat16_in_bfloat16_out(fmt):
     rng = np.random.default_rng(4)

@@ -266,6 +266,7 @@ def _loss(recipe):
     return loss
 
 
+@pytest.mark.quick_cases(recipe=[NVIDIA_MXFP8])
 @pytest.mark.parametrize("recipe", TRANSFORM_RECIPES, ids=lambda r: r.describe())
 def test_jit_grad_and_checkpoint_agree_bitwise(recipe):
     x, w = _operands(seed=7)
@@ -277,6 +278,7 @@ def test_jit_grad_and_checkpoint_agree_bitwise(recipe):
         assert_bits_equal(a, c)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", TRANSFORM_RECIPES, ids=lambda r: r.describe())
 def test_vmap_is_the_per_example_map(recipe):
     # vmap over a leading axis means "one recipe dot per example": per-tensor scales become
@@ -294,6 +296,7 @@ def test_vmap_is_the_per_example_map(recipe):
 # -- einsum -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick_cases(spec=["...d,df->...f"])
 @pytest.mark.parametrize("spec,ls,rs", [
     ("bqhd,bkhd->bhqk", (2, 4, 3, 8), (2, 6, 3, 8)),  # batch dims, transposed output
     ("...d,df->...f", (2, 3, 8), (8, 5)),  # ellipsis
@@ -338,6 +341,7 @@ def test_einsum_sums_indices_of_one_operand_only():
     np.testing.assert_array_equal(Recipe().einsum("ab,cd->a", a, b), jnp.einsum("ab,cd->a", a, b))
 
 
+@pytest.mark.slow
 def test_high_precision_wgrad_is_the_float32_weight_gradient():
     # grad_rhs = x^T g from the unquantized operands (a float32 HIGHEST dot: compared with
     # float64 within the accumulation bound); grad_lhs is the recipe's own, bit for bit.
