@@ -1,4 +1,5 @@
-"""What every test file needs: the Hypothesis profiles and the ``element_cases`` marker.
+"""What every test file needs: the Hypothesis profiles, the ``element_cases`` marker and the
+quick tier's ``quick_cases`` marker.
 
 Helpers live in importable modules under tests/helpers/ (assertions, oracles, input
 generators, the {reference, eager, jit} codec harness); test files import what they use.
@@ -6,8 +7,10 @@ generators, the {reference, eager, jit} codec harness); test files import what t
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 
+from helpers import tiers
 from helpers.codecs import parametrize_element_cases
 
 # --------------------------------------------------------------------------------------------
@@ -41,7 +44,13 @@ def pytest_configure(config):
         "element_cases(formats='all_elements', roundings='all', overflows=None, impls='all'): "
         "parametrize fmt / rounding / overflow / codec (see tests/helpers/codecs.py)",
     )
+    config.addinivalue_line("markers", tiers.MARKER)
 
 
 def pytest_generate_tests(metafunc):
     parametrize_element_cases(metafunc)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    tiers.mark_slow_outside_quick_cases(items)

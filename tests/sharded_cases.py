@@ -23,6 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 import lowprec
 
+from helpers.asserts import assert_bits_equal
+
 if jax.device_count() < 4:  # pragma: no cover - guards a direct run without XLA_FLAGS
     pytest.skip("needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4",
                 allow_module_level=True)
@@ -34,14 +36,9 @@ def _mesh(kind, shape=(4,), names=("x",)):
     return jax.make_mesh(shape, names, axis_types=(AXIS_TYPES[kind],) * len(shape))
 
 
-def _bits(a):
-    a = np.asarray(jax.device_get(a))
-    return a.view(np.uint32) if a.dtype == np.float32 else a
-
-
 def _assert_mx_equal(got, want):
-    np.testing.assert_array_equal(_bits(got.elements), _bits(want.elements))
-    np.testing.assert_array_equal(_bits(got.scales), _bits(want.scales))
+    assert_bits_equal(got.elements, want.elements)
+    assert_bits_equal(got.scales, want.scales)
     assert (got.fmt, got.axis, got.shape) == (want.fmt, want.axis, want.shape)
 
 
@@ -100,7 +97,7 @@ def test_matmul_bits_same_sharded_free_axes(kind, mode, lspec, rspec):
     f = lambda a, b: lowprec.dot_general(a, b, DN, **MATMUL)
     with jax.set_mesh(mesh):
         got = jax.jit(f)(xs, ws) if mode == "jit" else f(xs, ws)
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert_bits_equal(got, want)
 
 
 @pytest.mark.parametrize("kind", ["auto"])  # Explicit axes: see the note below
@@ -122,7 +119,7 @@ def test_matmul_contraction_sharded(kind):
         with jax.set_mesh(mesh):
             got = jax.jit(f)(xs, ws)
         if exact:
-            np.testing.assert_array_equal(_bits(got), _bits(want))
+            assert_bits_equal(got, want)
         else:
             qx = lowprec.dequantize(lowprec.quantize_mx(x, "mxfp8_e4m3", scale_rule="rceil"))
             qw = lowprec.dequantize(lowprec.quantize_mx(w, "mxfp4", scale_rule="rceil", axis=0))
@@ -148,7 +145,7 @@ def test_matmul_contraction_sharded_explicit_needs_and_honours_out_sharding():
             got = jax.jit(lambda a, b: lowprec.dot_general(a, b, DN, out_sharding=spec, **MATMUL))(
                 xs, ws)
             assert _spec_of(got) == tuple(spec)
-            np.testing.assert_array_equal(_bits(got), _bits(want))
+            assert_bits_equal(got, want)
 
 
 def _spec_of(a):
@@ -240,7 +237,7 @@ def test_flax_recipe_data_parallel(kind):
         got_y, got_g = jax.jit(jax.value_and_grad(loss))(ps, xs)
     # The layer's output is per token: same bits. The loss and the weight gradient sum over
     # tokens across devices (the order may differ): float32 accuracy.
-    np.testing.assert_array_equal(_bits(got_out), _bits(want_out))
+    assert_bits_equal(got_out, want_out)
     np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-5)
@@ -276,7 +273,7 @@ def test_recipe_dot_general_out_sharding():
         got = jax.jit(lambda a, b: lowprec.NVIDIA_MXFP8.dot_general(
             a, b, DN, out_sharding=P(None, "x")))(xs, w)
     assert got.sharding.spec == P(None, "x")
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert_bits_equal(got, want)
 
 
 # -- training: data, tensor (column + row) and FSDP parallelism, Auto and Explicit axes ------------
@@ -389,7 +386,7 @@ def test_recipe_einsum_out_sharding_in_output_order():
         got = jax.jit(lambda a, b: lowprec.NVIDIA_MXFP8.einsum(
             "tk,kn->nt", a, b, out_sharding=P("x", None)))(xs, ws)
     assert _spec_of(got) == ("x", None)
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert_bits_equal(got, want)
 
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
@@ -445,5 +442,5 @@ def test_stochastic_rounding_compiles_sharded(kind):
     xs = jax.device_put(x, NamedSharding(mesh, P("x", None)))
     with jax.set_mesh(mesh):
         got_e, got_m = jax.jit(enc)(xs), jax.jit(mx)(xs)
-    np.testing.assert_array_equal(_bits(got_e), _bits(want_e))
+    assert_bits_equal(got_e, want_e)
     _assert_mx_equal(got_m, want_m)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import lowprec
+from helpers.tiers import QUICK_ELEMENTS, QUICK_MX
 from lowprec import analysis
 
 ELEMENTS = ("fp16", "bf16", "tf32", "e4m3", "e5m2", "e2m1")  # signed formats with a zero
@@ -156,6 +157,7 @@ def test_ulp_error_e2m1_tie_and_directed():
     assert _f(analysis.ulp_error(x, q, "e4m3")[0]) == pytest.approx(0.8, rel=1e-5)
 
 
+@pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
 @pytest.mark.parametrize("fmt", ELEMENTS)
 def test_ulp_error_bounds_hold(fmt):
     f = lowprec.element_format(fmt)
@@ -189,6 +191,7 @@ def test_quantization_error_bound_by_hand():
     assert b.tolist() == [0.125]
 
 
+@pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
 @pytest.mark.parametrize("fmt", ELEMENTS)
 @pytest.mark.parametrize("rounding", ["nearest_even", "nearest_away", "toward_zero", "stochastic"])
 def test_quantization_error_bound_holds(fmt, rounding):
@@ -209,6 +212,7 @@ def test_quantization_error_bound_holds(fmt, rounding):
 ANALYSIS_MX = [f for f in lowprec.MX_FORMAT_NAMES if not lowprec.mx_format(f).tensor_scale]
 
 
+@pytest.mark.quick_cases(fmt=QUICK_MX, rule=["rceil"])
 @pytest.mark.parametrize("fmt", ANALYSIS_MX)
 @pytest.mark.parametrize("rule", lowprec.SCALE_RULES)
 def test_mx_quantization_error_bound_holds(fmt, rule):
@@ -290,6 +294,7 @@ def test_dot_error_bound_by_hand():
                                  jnp.zeros((4, 1)), accumulation_eps=0.5)
 
 
+@pytest.mark.quick_cases(fmt=["e4m3", "mxfp4"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "e4m3", "e2m1", "mxfp8_e5m2", "mxfp4"])
 def test_dot_error_bound_holds(fmt):
     ka, kb = jax.random.split(jax.random.key(6))
@@ -511,6 +516,7 @@ def test_overflow_and_nan_are_counted_not_hidden():
 # --------------------------------------------------------------------------------------
 # MX on its own grid
 # --------------------------------------------------------------------------------------
+@pytest.mark.quick_cases(fmt=QUICK_MX, rule=["rceil"])
 @pytest.mark.parametrize("fmt", ANALYSIS_MX)
 @pytest.mark.parametrize("rule", ["floor", "rceil"])
 def test_mx_ulp_error_is_one_call_and_equals_the_scaled_element_grid(fmt, rule):
@@ -599,6 +605,7 @@ def test_compare_counts_e4m3_overflow_and_mx_nan_blocks():
     assert not df["sqnr_db"].isna().any()                     # measured over the finite pairs
 
 
+@pytest.mark.slow
 def test_compare_over_seeds_gives_means_and_t_intervals():
     runs = analysis.compare("laplace", ["e5m2", "mxfp8_e4m3"], scale_rules=["floor", "rceil"],
                             seeds=[3, 4, 5, 6], shape=(16, 256), per_seed=True)
@@ -622,6 +629,7 @@ def test_compare_over_seeds_gives_means_and_t_intervals():
     assert (summary["clip_rate_lo"] >= 0).all() and (summary["underflow_rate_hi"] <= 1).all()
 
 
+@pytest.mark.slow
 def test_paired_delta_by_hand():
     runs = analysis.compare("gaussian", "mxfp8_e4m3", scale_rules=["floor", "even", "rceil"],
                             seeds=5, shape=(8, 256), per_seed=True)
@@ -646,6 +654,7 @@ def test_paired_delta_by_hand():
     assert str(by_size["baseline"].dtype) == "Int64"
 
 
+@pytest.mark.slow
 def test_compare_inputs_and_errors():
     calls = []
 
@@ -873,6 +882,7 @@ def test_value_table_of_formats_without_normal_numbers():
     assert analysis.format_info("e2m3")["min_normal"] == 1.0     # E2M3: bias 1, emin 0
 
 
+@pytest.mark.quick_cases(fmt=QUICK_ELEMENTS + ("p3109_k8p3se",))
 @pytest.mark.parametrize("fmt, rounding", [(f, "toward_zero" if i % 3 == 2 else "nearest_even")
                                            for i, f in enumerate(NEW_ELEMENTS)])
 def test_new_element_formats_bounds_and_ulp_errors_hold(fmt, rounding):
@@ -928,6 +938,7 @@ def test_nvfp4_ulp_and_ulp_error_by_hand():
         analysis.ulp(x, "nvfp4", scale_rule="floor")
 
 
+@pytest.mark.slow
 def test_nvfp4_bound_holds_and_is_tight():
     x = jax.random.t(jax.random.key(23), 3.0, (8, 256)) * 1e-3   # shape shared: one compile
     q = lowprec.fake_quantize_mx(x, "nvfp4")
@@ -941,6 +952,7 @@ def test_nvfp4_bound_holds_and_is_tight():
     assert ulps.max() <= 0.5 + 1e-6
 
 
+@pytest.mark.slow
 def test_compare_new_block_formats_and_block_sizes():
     x = np.asarray(jax.random.t(jax.random.key(24), 3.0, (8, 256)))
     df = analysis.compare(x, ["mxint8", "mxfp4"], scale_rules=["floor", "rceil"],
@@ -976,6 +988,7 @@ def test_compare_new_block_formats_and_block_sizes():
 # --------------------------------------------------------------------------------------
 # compare: edge cases, metrics, scale phase, tidy export, per-block view
 # --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_compare_axis_out_of_range_raises_instead_of_wrapping():
     x = np.ones((4, 64), np.float32)
     for axis in (5, 2, -3):
@@ -984,6 +997,7 @@ def test_compare_axis_out_of_range_raises_instead_of_wrapping():
     assert analysis.compare(x, "mxfp4", scale_rules="rceil", axis=-2, pad=True)["sqnr_db"].notna().all()
 
 
+@pytest.mark.slow
 def test_compare_partial_blocks_follow_quantize_mx():
     x = np.asarray(jax.random.normal(jax.random.key(30), (4, 40)))
     # quantize_mx refuses a length that is not a multiple of the block size ...
@@ -1000,6 +1014,7 @@ def test_compare_partial_blocks_follow_quantize_mx():
     assert padded["sqnr_db"].item() == pytest.approx(analysis.sqnr_db(x, q), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_compare_never_scores_nothing_as_infinite_sqnr():
     with pytest.raises(ValueError, match="empty"):
         analysis.compare(np.zeros((0, 32), np.float32), ["e4m3", "mxfp4"])

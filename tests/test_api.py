@@ -23,6 +23,7 @@ from hypothesis.extra import numpy as hnp
 import lowprec
 import lowprec_formats
 import lowprec_reference as R
+from helpers.asserts import bit_pattern
 from helpers.kernels import cuda_branches  # noqa: F401  (a fixture)
 
 MX_NAMES = lowprec_formats.COLLECTIONS["e8m0_scaled_mx"]  # NVFP4 has no shared exponents
@@ -277,7 +278,7 @@ def test_widening_every_half_precision_value_matches_numpy(dtype):
 
     h = _all_half(dtype)
     got = np.asarray(jax.jit(input_bits)(jnp.asarray(h)))
-    want = h.astype(np.float32).view(np.uint32)
+    want = bit_pattern(h.astype(np.float32))
     nan = np.isnan(h.astype(np.float32))
     np.testing.assert_array_equal(got[~nan], want[~nan])
     # NaN: a float32 NaN with the input's sign (payloads are not kept).
@@ -361,6 +362,7 @@ def _half_converts(hlo: str, dtype) -> list:
     ]
 
 
+@pytest.mark.quick_cases(dtype=[jnp.bfloat16])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("name", list(HALF_CALLS))
 def test_half_precision_paths_hold_no_float_convert(dtype, name):
@@ -396,7 +398,7 @@ def test_negative_half_nan_keeps_its_sign_through_encode():
     h = np.array([0xFC01, 0x7C01, 0xFE00], np.uint16).view(np.float16)
     # ml_dtypes: every NaN of either sign maps to e4m3's NaN code with that sign.
     with np.errstate(invalid="ignore"):
-        want = h.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        want = bit_pattern(h.astype(np.float32).astype(ml_dtypes.float8_e4m3fn))
     got = np.asarray(lowprec.encode(jnp.asarray(h), "e4m3"))
     np.testing.assert_array_equal(got, want)
     assert got.tolist() == [0xFF, 0x7F, 0xFF]

@@ -32,7 +32,8 @@ try:
 except ImportError:  # the independent implementation is optional
     st_numpy = None
 
-from helpers.checkpoints import bits, raw_tensors, save  # noqa: E402
+from helpers.asserts import assert_bits_equal  # noqa: E402
+from helpers.checkpoints import raw_tensors, save  # noqa: E402
 
 needs_safetensors = pytest.mark.skipif(st_numpy is None, reason="safetensors not installed")
 
@@ -113,7 +114,7 @@ def test_reader_reads_files_written_by_safetensors(tmp_path):
         for k, v in t.items():
             got = r.read(k)
             assert got.dtype == v.dtype and got.shape == v.shape, k
-            np.testing.assert_array_equal(bits(got), bits(v), err_msg=k)
+            assert_bits_equal(got, v, k)
         np.testing.assert_array_equal(r.read_rows("f32", 1, 2), t["f32"][1:2])
 
 
@@ -153,6 +154,7 @@ def test_writer_any_order_but_refuses_incomplete_and_overflow(tmp_path):
 
 
 # -- round trips: bit-exact with the in-memory API -------------------------------------
+@pytest.mark.quick_cases(fmt=["mxfp4", "mxfp8_e4m3"], rule=["rceil"])
 @pytest.mark.parametrize(
     "fmt,rule",
     [("mxfp4", "floor"), ("mxfp4", "rceil"), ("mxfp4", "even"), ("mxfp4", "ceil"),
@@ -175,14 +177,14 @@ def test_mx_round_trip_is_bit_exact(tmp_path, model, fmt, rule):
         np.testing.assert_array_equal(stored[f"{name}_elements"], np.asarray(mx.elements))
         np.testing.assert_array_equal(stored[f"{name}_scales"], np.asarray(mx.scales))
         want32 = np.asarray(lowprec.dequantize(mx))
-        np.testing.assert_array_equal(bits(decoded_f32[name]), bits(want32), err_msg=name)
+        assert_bits_equal(decoded_f32[name], want32, name)
         # dequantize's default dtype: the original one (bf16 / f16 / f32)
         want = np.asarray(lowprec.dequantize(mx, x.dtype))
         assert decoded[name].dtype == x.dtype
-        np.testing.assert_array_equal(bits(decoded[name]), bits(want), err_msg=name)
+        assert_bits_equal(decoded[name], want, name)
     for name in set(t) - quantized:  # kept tensors are byte-identical
-        np.testing.assert_array_equal(bits(decoded[name]), bits(t[name]))
-        np.testing.assert_array_equal(bits(stored[name]), bits(t[name]))
+        assert_bits_equal(decoded[name], t[name])
+        assert_bits_equal(stored[name], t[name])
     assert set(decoded) == set(t)
     if st_numpy is not None:  # the output is a valid safetensors file for the reference reader
         with safe_open(str(out), framework="numpy") as f:
@@ -192,6 +194,7 @@ def test_mx_round_trip_is_bit_exact(tmp_path, model, fmt, rule):
                                           stored["experts.w_scales"])
 
 
+@pytest.mark.quick_cases(fmt=["mxfp4"], budget=[64])
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "e4m3", "bf16"])
 @pytest.mark.parametrize("budget", [64, 200, 1 << 20])
 def test_pieces_equal_whole_tensor_for_every_axis(tmp_path, monkeypatch, fmt, budget):
@@ -221,17 +224,17 @@ def test_pieces_equal_whole_tensor_for_every_axis(tmp_path, monkeypatch, fmt, bu
             mx = lowprec.quantize_mx(jnp.asarray(x), fmt, axis=axis)
             np.testing.assert_array_equal(stored[f"{name}_elements"], np.asarray(mx.elements))
             np.testing.assert_array_equal(stored[f"{name}_scales"], np.asarray(mx.scales))
-            np.testing.assert_array_equal(bits(got[name]), bits(lowprec.dequantize(mx)))
+            assert_bits_equal(got[name], lowprec.dequantize(mx))
         back = tmp_path / f"d{axis}.safetensors"
         dequantize_checkpoint(out, back)
         for name, v in raw_tensors(back).items():
-            np.testing.assert_array_equal(bits(v), bits(got[name]))
+            assert_bits_equal(v, got[name])
     if not fmt.startswith("mx"):
         whole = raw_tensors(tmp_path / "qNone.safetensors")
         monkeypatch.setattr(convert_mod, "CHUNK_ELEMENTS", 1 << 30)
         quantize_checkpoint(path, tmp_path / "whole.safetensors", fmt, include="weight")
         for name, v in raw_tensors(tmp_path / "whole.safetensors").items():
-            np.testing.assert_array_equal(bits(v), bits(whole[name]), err_msg=name)
+            assert_bits_equal(v, whole[name], name)
 
 
 def test_gpt_oss_layout_decodes_with_the_published_decoder(tmp_path, model):
@@ -248,7 +251,7 @@ def test_gpt_oss_layout_decodes_with_the_published_decoder(tmp_path, model):
         assert scales.dtype == np.uint8 and scales.shape == r.shape[:-1] + (k // 32,)
         mx = lowprec.quantize_mx(jnp.asarray(t[r.name]), "mxfp4")
         want = np.asarray(lowprec.dequantize(mx))
-        np.testing.assert_array_equal(bits(decode_gpt_oss_by_hand(blocks, scales)), bits(want))
+        assert_bits_equal(decode_gpt_oss_by_hand(blocks, scales), want)
         wb, ws = lowprec.to_gpt_oss(mx)
         np.testing.assert_array_equal(blocks, np.asarray(wb))
         np.testing.assert_array_equal(scales, np.asarray(ws))
@@ -321,7 +324,7 @@ def test_dequantize_reads_plain_gpt_oss_pairs(tmp_path):
     got = raw_tensors(out)
     assert got["mlp1_weight"].dtype == ml_dtypes.bfloat16  # gpt-oss/HF decode to bf16
     want = np.asarray(lowprec.dequantize(mx, jnp.bfloat16))
-    np.testing.assert_array_equal(bits(got["mlp1_weight"]), bits(want))
+    assert_bits_equal(got["mlp1_weight"], want)
     np.testing.assert_array_equal(got["norm.scale"], np.ones(4, np.float32))
 
 
@@ -338,7 +341,7 @@ def test_fp8_per_tensor_scale_matches_ml_dtypes(tmp_path, model):
         scale = np.float32(np.abs(x).max()) / np.float32(448)
         q = np.clip(x / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
         assert stored[r.name].dtype == ml_dtypes.float8_e4m3fn
-        np.testing.assert_array_equal(bits(stored[r.name]), bits(q), err_msg=r.name)
+        assert_bits_equal(stored[r.name], q, r.name)
         assert stored[f"{r.name}_scale"].shape == () and stored[f"{r.name}_scale"] == scale
         np.testing.assert_array_equal(got[r.name], q.astype(np.float32) * scale)
         assert r.bytes_after == x.size + 4
@@ -351,7 +354,7 @@ def test_fp8_without_scale_saturates(tmp_path):
     out = tmp_path / "f.safetensors"
     report = quantize_checkpoint(path, out, "e4m3", fp8_scale="none")
     want = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn)
-    np.testing.assert_array_equal(bits(raw_tensors(out)["w"]), bits(want))
+    assert_bits_equal(raw_tensors(out)["w"], want)
     assert report.tensors[0].clipped_fraction == pytest.approx(0.5)
 
 
@@ -365,7 +368,7 @@ def test_bf16_matches_ml_dtypes(tmp_path, model):
     assert formats["layers.0.odd.weight"][0] == "bf16"  # no block constraint for casts
     for name in ("layers.0.attn.q_proj.weight", "layers.0.mlp.down.weight", "experts.w"):
         want = t[name].astype(np.float32).astype(ml_dtypes.bfloat16)
-        np.testing.assert_array_equal(bits(stored[name]), bits(want))
+        assert_bits_equal(stored[name], want)
     back = tmp_path / "d.safetensors"
     dequantize_checkpoint(out, back)
     assert raw_tensors(back)["layers.0.attn.q_proj.weight"].dtype == np.float32

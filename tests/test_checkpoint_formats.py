@@ -25,7 +25,8 @@ from lowprec.checkpoint import (
     quantize_checkpoint,
 )
 
-from helpers.checkpoints import bits, raw_tensors, save
+from helpers.asserts import assert_bits_equal, bit_pattern
+from helpers.checkpoints import raw_tensors, save
 
 try:
     from safetensors import safe_open
@@ -58,6 +59,7 @@ ROUND_TRIPS = [
 ]
 
 
+@pytest.mark.quick_cases(fmt=["mxfp6_e3m2", "nvfp4"])
 @pytest.mark.parametrize("fmt,rule,block_size,dtype", ROUND_TRIPS,
                          ids=[f"{f}-{r}-{b}-{np.dtype(d).name}" for f, r, b, d in ROUND_TRIPS])
 def test_block_format_round_trip_matches_reference_and_library(tmp_path, fmt, rule, block_size,
@@ -88,19 +90,19 @@ def test_block_format_round_trip_matches_reference_and_library(tmp_path, fmt, ru
     assert set(stored) == want_parts
     if fmt_obj.tensor_scale:
         assert stored["w_scale"].dtype == np.float32 and stored["w_scale"].shape == ()
-        assert bits(stored["w_scale"]) == bits(got_ref[2])
+        assert_bits_equal(stored["w_scale"], got_ref[2])
     ref_values = ref.dequantize_mx(codes, scales, base, block_size=fmt_obj.block_size,
                                    tensor_scale=got_ref[2] if len(got_ref) == 3 else None)
     # the library's in-memory round trip, bit for bit
     mx = lowprec.quantize_mx(jnp.asarray(x), name, scale_rule=rule)
     want32 = np.asarray(lowprec.dequantize(mx))
     got32 = load_checkpoint(out, dtype="float32")["w"]
-    np.testing.assert_array_equal(bits(got32), bits(want32))
+    assert_bits_equal(got32, want32)
     np.testing.assert_array_equal(got32.astype(np.float64), ref_values)
     dequantize_checkpoint(out, back)
     got = raw_tensors(back)["w"]
     assert got.dtype == np.dtype(dtype)
-    np.testing.assert_array_equal(bits(got), bits(lowprec.dequantize(mx, dtype)))
+    assert_bits_equal(got, lowprec.dequantize(mx, dtype))
     # the metadata names the format with its block size; inspect shows it
     with SafetensorsReader(out) as r:
         entry = json.loads(r.metadata["lowprec.tensors"])["w"]
@@ -109,6 +111,7 @@ def test_block_format_round_trip_matches_reference_and_library(tmp_path, fmt, ru
     assert shown.format == name and shown.bytes_after == sum(v.nbytes for v in stored.values())
 
 
+@pytest.mark.slow  # tests/test_checkpoint.py has the quick case
 @pytest.mark.parametrize("fmt", ["mxfp6_e3m2", "mxint8", "nvfp4"])
 def test_pieces_equal_whole_tensor_for_every_axis(tmp_path, monkeypatch, fmt):
     """With pieces of 64 elements (column slabs one block high, block ranges, rows), every
@@ -127,11 +130,11 @@ def test_pieces_equal_whole_tensor_for_every_axis(tmp_path, monkeypatch, fmt):
         np.testing.assert_array_equal(stored["w_elements"], np.asarray(mx.elements))
         np.testing.assert_array_equal(stored["w_scales"], np.asarray(mx.scales))
         if mx.tensor_scale is not None:
-            assert bits(stored["w_scale"]) == bits(mx.tensor_scale)
+            assert_bits_equal(stored["w_scale"], mx.tensor_scale)
             first = lowprec.quantize_mx(jnp.asarray(x[:16]), fmt, axis=axis)
-            assert bits(first.tensor_scale) != bits(mx.tensor_scale)  # a first pass was needed
+            assert bit_pattern(first.tensor_scale) != bit_pattern(mx.tensor_scale)  # a first pass was needed
         got = load_checkpoint(out)["w"]
-        np.testing.assert_array_equal(bits(got), bits(lowprec.dequantize(mx)))
+        assert_bits_equal(got, lowprec.dequantize(mx))
 
 
 def test_nvfp4_report_counts_clipped_and_nan_blocks(tmp_path):
@@ -166,10 +169,10 @@ def test_fnuz_casts_match_ml_dtypes(tmp_path, fmt, dtype, st_dtype):
     stored = raw_tensors(out)
     fmax = np.float32(ml_dtypes.finfo(dtype).max)
     s = np.float32(np.abs(x).max()) / fmax
-    assert bits(stored["w_scale"]) == bits(s)
+    assert_bits_equal(stored["w_scale"], s)
     want = np.clip(x / s, -fmax, fmax).astype(dtype)
     assert stored["w"].dtype == np.dtype(dtype)
-    np.testing.assert_array_equal(bits(stored["w"]), bits(want))
+    assert_bits_equal(stored["w"], want)
     np.testing.assert_array_equal(load_checkpoint(out)["w"], want.astype(np.float32) * s)
     with SafetensorsReader(out) as r:
         assert r.tensors["w"].dtype == st_dtype

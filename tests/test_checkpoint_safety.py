@@ -322,6 +322,7 @@ def _linux_proc():
         pytest.skip("needs /proc to see when the process is writing")
 
 
+@pytest.mark.quick_cases(sig=[signal.SIGTERM], named=[True])
 @pytest.mark.parametrize("sig,named", [
     (signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGINT, True),
     (signal.SIGHUP, False),

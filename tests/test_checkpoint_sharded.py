@@ -24,6 +24,8 @@ from lowprec.checkpoint import (
 )
 from lowprec.cli import main
 
+from helpers.asserts import assert_bits_equal
+
 st_numpy = pytest.importorskip("safetensors.numpy")  # an independent writer of the shards
 
 SHARDS = {
@@ -115,7 +117,7 @@ def test_quantize_folder(tmp_path, sharded, given):
     for name, x in tensors.items():
         want = (lowprec.dequantize(lowprec.quantize_mx(jnp.asarray(x), "mxfp4"))
                 if name in quantized else x)
-        np.testing.assert_array_equal(np.asarray(want).view(np.uint32), got[name].view(np.uint32))
+        assert_bits_equal(got[name], want)
     assert {r.shard for r in rep.tensors} == set(SHARDS)
     assert json.loads((tmp_path / "report.json").read_text())["totals"]["tensors_quantized"] == 3
     # ... and back.

@@ -18,6 +18,8 @@ from lowprec.checkpoint import SafetensorsReader, SafetensorsWriter
 from lowprec.checkpoint._safetensors import dtype_name
 from lowprec.cli import main
 
+from helpers.asserts import assert_bits_equal
+
 
 @pytest.fixture
 def ckpt(tmp_path):
@@ -81,7 +83,7 @@ def test_dequantize_and_inspect(tmp_path, ckpt, capsys):
         assert r.read("model.embed_tokens.weight").dtype == np.float32  # kept tensor unchanged
     mx = lowprec.quantize_mx(jnp.asarray(t["model.layers.0.self_attn.o_proj.weight"]), "mxfp8")
     want = np.asarray(lowprec.dequantize(mx, jnp.bfloat16))
-    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert_bits_equal(got, want)
 
 
 @pytest.mark.parametrize(
@@ -164,8 +166,7 @@ def test_new_block_formats_and_block_size(tmp_path, ckpt, capsys):
         with SafetensorsReader(back) as r:
             got = r.read(name)
         mx = lowprec.quantize_mx(x, fmt)
-        np.testing.assert_array_equal(got.view(np.uint32),
-                                      np.asarray(lowprec.dequantize(mx)).view(np.uint32))
+        assert_bits_equal(got, lowprec.dequantize(mx))
         assert (f"{name}_scale" in stored) == (fmt == "nvfp4")
 
 

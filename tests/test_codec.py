@@ -28,7 +28,7 @@ from jax import lax
 
 import lowprec
 import lowprec_formats
-from helpers.asserts import assert_codes_equal, assert_same_values
+from helpers.asserts import assert_bits_equal, assert_codes_equal, assert_same_values, bit_pattern
 from helpers.codecs import REFERENCE as reference, reference_words, replay_random_bits, sweep
 from helpers.inputs import adversarial
 from helpers.oracles import ml_dtypes_codes, ml_dtypes_values, ref_values
@@ -257,7 +257,7 @@ def test_default_encode_of_every_half_precision_value_matches_ml_dtypes(
 
 def _tf32_by_reduce_precision(x: np.ndarray):
     rp = np.asarray(lax.reduce_precision(jnp.asarray(x), exponent_bits=8, mantissa_bits=10))
-    bits = rp.view(np.uint32)
+    bits = bit_pattern(rp)
     finite_or_inf = ~np.isnan(rp)
     assert not (bits[finite_or_inf] & 0x1FFF).any()  # a TF32 value: low 13 bits zero
     return (bits >> 13).astype(np.uint32), rp
@@ -658,9 +658,12 @@ def test_stochastic_rounds_to_one_of_the_two_neighbours(fmt, overflow, codec):
 
 
 # Unbiasedness. For an in-range x between neighbours lo < hi (magnitudes), x = lo + frac (hi -
-# lo), the magnitude rounds up with probability p = ceil(frac 2^32) / 2^32 (the words are
-# uniform on [0, 2^32)), so E[q(x)] = x + (p - frac)(hi - lo), |p - frac| < 2^-32. With N
-# independent words, the fraction p_hat of ups obeys Hoeffding's inequality
+# lo), the magnitude rounds away from zero iff the element's 16-bit word r < frac 2^16
+# (docs/design.md §2). The words are uniform on {0, ..., 2^16 - 1}, and the r below frac 2^16
+# are 0 .. ceil(frac 2^16) - 1, so the magnitude rounds up with probability
+#     p = ceil(frac 2^16) / 2^16,   0 <= p - frac < 2^-16
+# (p = frac exactly when frac is a multiple of 2^-16), and E[q(x)] = x + (p - frac)(hi - lo).
+# With N independent words, the fraction p_hat of ups obeys Hoeffding's inequality
 #     P(|p_hat - p| >= t) <= 2 exp(-2 N t^2),
 # exact for every N (no normal approximation). Choosing t = sqrt(ln(2 / delta) / (2 N)) with
 # delta = 2e-9 (the two-sided 6-sigma normal tail, 2 Phi(-6) = 1.97e-9) bounds the false-
@@ -721,12 +724,15 @@ def test_stochastic_rounding_is_unbiased(fmt, codec):
         frac = (abs(Fraction(float(xj))) - abs(Fraction(lo_v[j]))) / (
             abs(Fraction(hi_v[j])) - abs(Fraction(lo_v[j]))
         )
-        p = math.ceil(frac * 2**32) / 2**32
+        p = Fraction(math.ceil(frac * 2**16), 2**16)  # exact: frac is a Fraction
+        assert 0 <= p - frac < Fraction(1, 2**16)
         p_hat = float(np.mean(c == hi_codes[j]))
-        assert abs(p_hat - p) <= T_HOEFFDING, (fmt, float(xj), p_hat, p)
-        # The same statement for the mean value: |mean q - x| <= (t + 2^-32) (hi - lo).
+        assert abs(p_hat - float(p)) <= T_HOEFFDING, (fmt, float(xj), p_hat, float(p))
+        # The same statement for the mean value: mean q - x = (p_hat - p + p - frac)(hi - lo),
+        # so |mean q - x| <= (t + (p - frac)) (hi - lo), the 16-bit words' bias included.
         mean = lo_v[j] + p_hat * (hi_v[j] - lo_v[j])
-        assert abs(mean - float(xj)) <= (T_HOEFFDING + 2.0**-32) * abs(hi_v[j] - lo_v[j])
+        bias = float(p - frac)
+        assert abs(mean - float(xj)) <= (T_HOEFFDING + bias) * abs(hi_v[j] - lo_v[j])
 
 
 def test_stochastic_is_a_function_of_the_key():
@@ -941,7 +947,8 @@ def test_quantize_with_explicit_narrower_dtype_rounds_twice():
     x = np.array([1 + 3 * 2.0**-10, 65504.0, 2.0**-24, -0.1], np.float32)
     got = np.asarray(lowprec.quantize(x, "fp16", dtype=jnp.bfloat16))
     want = x.astype(np.float16).astype(np.float32).astype(ml_dtypes.bfloat16)
-    assert got.dtype == want.dtype and np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert got.dtype == want.dtype
+    assert_bits_equal(got, want)
 
 
 # ============================================================================================

@@ -24,6 +24,7 @@ import lowprec_formats
 from helpers.asserts import assert_codes_equal, assert_same_values
 from helpers.codecs import REFERENCE as reference
 from helpers.inputs import float_arrays
+from helpers.tiers import QUICK_ELEMENTS
 
 element_cases = pytest.mark.element_cases
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -44,6 +45,7 @@ def _all_modes(fmt):
     return st.sampled_from(modes)
 
 
+@pytest.mark.quick_cases(fmt=QUICK_ELEMENTS)
 @element_cases(impls="lowprec")
 @given(data=st.data())
 def test_float32_encode_matches_reference(fmt, rounding, overflow, codec, data):
@@ -57,6 +59,7 @@ def test_float32_encode_matches_reference(fmt, rounding, overflow, codec, data):
 
 # The float64 and half-precision input paths and quantize's glue do not depend on the target
 # format's specials: every original format plus one per family added later ("input_paths").
+@pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1", "e8m0", "ocp_int8"])
 @element_cases(formats="input_paths", impls="alternate")
 @given(data=st.data())
 def test_float64_encode_matches_reference_with_x64(fmt, rounding, overflow, codec, data):
@@ -72,6 +75,7 @@ def test_float64_encode_matches_reference_with_x64(fmt, rounding, overflow, code
     assert_codes_equal(got, want, x, f"{fmt} {rounding} {overflow} {codec} float64")
 
 
+@pytest.mark.quick_cases(fmt=["e4m3", "e2m1", "e8m0"])
 @pytest.mark.parametrize("in_dtype", [np.float16, ml_dtypes.bfloat16], ids=["f16", "bf16"])
 @element_cases(formats="input_paths", impls="lowprec")
 @settings(max_examples=FEW)

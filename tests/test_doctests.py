@@ -17,7 +17,15 @@ def _modules():
     return sorted(set(names))
 
 
-@pytest.mark.parametrize("name", _modules())
+# Left out of the quick tier: examples that take seconds (analysis.compare over formats and
+# seeds); the quick tier has test_analysis' compare tests.
+SLOW_EXAMPLES = ("lowprec.analysis._compare",)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXAMPLES else n for n in _modules()],
+)
 def test_docstring_examples(name):
     if name.endswith("__main__"):
         pytest.skip("entry point module")

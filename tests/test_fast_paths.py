@@ -26,10 +26,11 @@ from jax import lax
 import lowprec
 import lowprec_formats
 import lowprec_reference as R
-from helpers.asserts import assert_codes_equal, assert_same_floats
+from helpers.asserts import assert_codes_equal, assert_same_floats, bit_pattern
 from helpers.codecs import reference_words, replay_random_bits
 from helpers.inputs import adversarial
 from helpers.mx import element_codes, f64_to_f32_exact
+from helpers.tiers import QUICK_ELEMENTS, QUICK_MX
 from lowprec import _decode, _dtypes, _encode, _encode_fast, _mx_decode, _random
 
 ELEMENTS = tuple(lowprec_formats.ELEMENT_FORMATS)
@@ -45,7 +46,7 @@ N_RANDOM = 1 << 16
 def _inputs(fmt: str) -> np.ndarray:
     rng = np.random.default_rng(20260515)
     bits = rng.integers(0, 2**32, N_RANDOM, dtype=np.uint64).astype(np.uint32)
-    return np.concatenate([bits, np.asarray(adversarial(fmt), np.float32).view(np.uint32)])
+    return np.concatenate([bits, bit_pattern(np.asarray(adversarial(fmt), np.float32))])
 
 
 def _general(fmt, u32: np.ndarray, rounding: str, words=None) -> np.ndarray:
@@ -83,6 +84,7 @@ def test_fast_paths_cover_the_formats_the_issue_names():
     assert "e8m0" in {n for n in ELEMENTS if "nearest_away" in _fast_modes(n)}
 
 
+@pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
 @pytest.mark.parametrize("fmt", ELEMENTS)
 def test_fast_encode_equals_the_general_encoder(fmt):
     modes = _fast_modes(fmt)
@@ -97,18 +99,20 @@ def test_fast_encode_equals_the_general_encoder(fmt):
                            u.view(np.float32), f"{fmt} {rounding}")
 
 
+@pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
 @pytest.mark.parametrize("fmt", ELEMENTS)
 def test_decode_by_subtraction_equals_the_integer_decode(fmt):
     f = lowprec.element_format(fmt)
     codes = jnp.arange(1 << min(f.code_bits, 16), dtype=jnp.uint32)
     want = np.asarray(_decode.decode_bits(f, codes))
     for got in (_decode.decode_f32(f, codes), jax.jit(lambda c: _decode.decode_f32(f, c))(codes)):
-        assert_codes_equal(np.asarray(got).view(np.uint32), want, None, fmt)
+        assert_codes_equal(bit_pattern(got), want, None, fmt)
 
 
 # -- MX: decode by float multiply -------------------------------------------------------------
 
 
+@pytest.mark.quick_cases(fmt=QUICK_MX)
 @pytest.mark.parametrize("fmt", MX)
 def test_fast_mx_decode_equals_the_bit_built_decode(fmt):
     """Every element code with every scale code at or above the fast path's threshold, in
@@ -157,6 +161,7 @@ def test_fast_decode_predicate(fmt):
     assert not ok([0, 1], [t, 0])
 
 
+@pytest.mark.quick_cases(fmt=QUICK_MX, axis=[1])
 @pytest.mark.parametrize("fmt", E8M0_MX)
 @pytest.mark.parametrize("axis", [0, 1])
 def test_dequantize_with_small_scales_and_zero_blocks_matches_reference(fmt, axis):
@@ -180,6 +185,7 @@ def test_dequantize_with_small_scales_and_zero_blocks_matches_reference(fmt, axi
         assert bool(_mx_decode.fast_decode_exact(mx.elements, mx.scales, f, axis)) == zero_small or not _mx_decode.fast_decode_applies(f)
 
 
+@pytest.mark.quick_cases(fmt=QUICK_MX, axis=[1])
 @pytest.mark.parametrize("fmt", E8M0_MX)
 @pytest.mark.parametrize("axis", [0, 1])
 def test_one_pass_gpu_dequantize_matches_reference(fmt, axis):
@@ -211,6 +217,7 @@ def test_one_pass_gpu_dequantize_matches_reference(fmt, axis):
                            f"{fmt} axis {axis} {np.dtype(dtype).name}")
 
 
+@pytest.mark.quick_cases(fmt=["mxfp4"])
 @pytest.mark.parametrize("fmt", MX)
 def test_quantize_along_axis_0_equals_axis_1_of_the_transpose(fmt):
     """Blocks split in place along a leading axis give the codes of the transposed array
@@ -260,6 +267,7 @@ def test_mulhi_is_the_high_word_of_the_64_bit_product(impl):
         assert np.array_equal(np.asarray(got).astype(np.uint64), want)
 
 
+@pytest.mark.quick_cases(shape=[(3, 5)])
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "raw"])
 @pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 3, 8)], ids=str)
 def test_random_bits_follow_the_documented_contract(impl, shape):
@@ -309,6 +317,7 @@ _WORD_CASES = [(f, s) for f in ELEMENTS for s in _WORD_SHAPES
                if f in ("fp16", "bf16", "tf32", "e4m3", "e5m2", "e2m1", "e8m0") or s in _WORD_SHAPES[1:3]]
 
 
+@pytest.mark.quick_cases(fmt=["e4m3"], shape=[(3, 4), (5, 3)])
 @pytest.mark.parametrize("fmt,shape", _WORD_CASES, ids=str)
 def test_key_equals_its_words_given(fmt, shape):
     """The grouped generation inside the encoder (4 or 2 elements per Philox evaluation, or
@@ -335,6 +344,7 @@ _MX_WORD_CASES = [(f, s, a) for f in MX for s, a in _MX_WORD_LAYOUTS
                   if f in ("mxfp8_e4m3", "mxfp4", "nvfp4") or (s, a) == _MX_WORD_LAYOUTS[-1]]
 
 
+@pytest.mark.slow  # test_mx / test_mx_formats check the MX words in the quick tier
 @pytest.mark.parametrize("fmt,shape,axis", _MX_WORD_CASES, ids=str)
 def test_mx_key_equals_its_words_given(fmt, shape, axis):
     x = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
@@ -414,6 +424,7 @@ def _bound_check(out, a64, b64):
     assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= bound)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4"])
 def test_kn_weight_layout_equals_k_major(fmt):
     """w [K, N] blocked along axis 0 (used without a transpose) and w.T [N, K] blocked along
@@ -433,6 +444,7 @@ def test_kn_weight_layout_equals_k_major(fmt):
         _bound_check(out, a64, b64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backward", ["ste", "quantized"])
 def test_contracting_leading_axes_forward_and_gradients(backward):
     """lhs [K, M] and rhs [K, N] both contracted over axis 0 (neither transposed), against

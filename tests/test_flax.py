@@ -24,17 +24,10 @@ import lowprec  # noqa: E402
 import lowprec.flax as lf  # noqa: E402
 from lowprec import NVIDIA_MXFP8, Recipe  # noqa: E402
 
+from helpers.asserts import assert_bits_equal, bit_pattern  # noqa: E402
+
 R4 = Recipe(forward="mxfp4", backward_operands="mxfp8", grad="mxfp8", scale_rule="rceil")
 DN = (((1,), (0,)), ((), ()))
-
-
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint32) if a.dtype == np.float32 else a.view(np.uint16)
-
-
-def _eq(a, b):
-    np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def _x(shape=(8, 64), seed=0):
@@ -48,17 +41,18 @@ def test_linen_dense_factory_is_the_recipe_dot():
     layer = nn.Dense(48, dot_general=lf.dot_general(R4))
     x = _x()
     p = layer.init(jax.random.key(1), x)["params"]
-    _eq(layer.apply({"params": p}, x), R4.dot_general(x, p["kernel"], DN) + p["bias"])
+    assert_bits_equal(layer.apply({"params": p}, x), R4.dot_general(x, p["kernel"], DN) + p["bias"])
 
 
+@pytest.mark.slow
 def test_linen_dense_general_several_contracting_axes():
     layer = nn.DenseGeneral(16, axis=(-2, -1), dot_general=lf.dot_general(NVIDIA_MXFP8))
     x = _x((4, 2, 32))
     p = layer.init(jax.random.key(1), x)["params"]
     want = NVIDIA_MXFP8.dot_general(x, p["kernel"], (((1, 2), (0, 1)), ((), ()))) + p["bias"]
-    _eq(layer.apply({"params": p}, x), want)
+    assert_bits_equal(layer.apply({"params": p}, x), want)
     # Flattened contraction (2 x 32): the same as quantizing the reshaped operands.
-    _eq(want, NVIDIA_MXFP8.dot_general(x.reshape(4, 64), p["kernel"].reshape(64, 16), DN) + p["bias"])
+    assert_bits_equal(want, NVIDIA_MXFP8.dot_general(x.reshape(4, 64), p["kernel"].reshape(64, 16), DN) + p["bias"])
 
 
 def test_bf16_layers_keep_lax_dtype_semantics():
@@ -72,10 +66,10 @@ def test_nnx_linear_and_einsum_factories():
     rngs = nnx.Rngs(0)
     lin = nnx.Linear(64, 32, dot_general=lf.dot_general(R4), rngs=rngs)
     x = _x()
-    _eq(lin(x), R4.dot_general(x, lin.kernel[...], DN) + lin.bias[...])
+    assert_bits_equal(lin(x), R4.dot_general(x, lin.kernel[...], DN) + lin.bias[...])
     ein = nnx.Einsum("btd,dnh->btnh", (64, 4, 8), (4, 8), einsum_op=lf.einsum(R4), rngs=rngs)
     x3 = _x((2, 5, 64))
-    _eq(ein(x3), R4.einsum("btd,dnh->btnh", x3, ein.kernel[...]) + ein.bias[...])
+    assert_bits_equal(ein(x3), R4.einsum("btd,dnh->btnh", x3, ein.kernel[...]) + ein.bias[...])
     # nnx passes preferred_element_type (and out_sharding) through: honoured.
     lin16 = nnx.Linear(64, 32, dot_general=lf.dot_general(R4), use_bias=False,
                        preferred_element_type=jnp.bfloat16, rngs=rngs)
@@ -123,14 +117,14 @@ def test_quantize_model_linen_equals_the_hand_written_model():
     q = lf.quantize_model(MLP(), recipe)
     assert jax.tree.structure(q.init(jax.random.key(1), x)) == jax.tree.structure(params)
     want = ExplicitMLP(recipe).apply(params, x)
-    _eq(q.apply(params, x), want)  # eager
-    assert not np.array_equal(_bits(float_out), _bits(want))  # it did change
+    assert_bits_equal(q.apply(params, x), want)  # eager
+    assert not np.array_equal(bit_pattern(float_out), bit_pattern(want))  # it did change
     # Interception is scoped to the wrapper's calls: the model itself stays float.
-    _eq(MLP().apply(params, x), float_out)
+    assert_bits_equal(MLP().apply(params, x), float_out)
     # Under jit and grad (traced inside the wrapper's interception).
     g = jax.jit(jax.value_and_grad(lambda p: jnp.sum(q.apply(p, x) ** 2)))(params)
     gw = jax.jit(jax.value_and_grad(lambda p: jnp.sum(ExplicitMLP(recipe).apply(p, x) ** 2)))(params)
-    jax.tree.map(_eq, g, gw)
+    jax.tree.map(assert_bits_equal, g, gw)
 
 
 def test_linen_uncovered_layers_warn_once_unless_excluded():
@@ -150,6 +144,7 @@ def test_linen_uncovered_layers_warn_once_unless_excluded():
         lf.quantize_model(WithEinsum(), Recipe(forward="mxfp8", high_precision="ein")).apply(params, x)
 
 
+@pytest.mark.slow
 def test_linen_remat_module():
     # nn.remat (a lifted transform) re-runs the layer in the backward pass: still intercepted.
     class Net(nn.Module):
@@ -164,7 +159,7 @@ def test_linen_remat_module():
     g = jax.jit(jax.grad(lambda pp: jnp.sum(q.apply(pp, x) ** 2)))(params)
     want = jax.jit(jax.grad(
         lambda k: jnp.sum((NVIDIA_MXFP8.dot_general(x, k, DN) + p["bias"]) ** 2)))(p["kernel"])
-    _eq(g["params"]["d"]["kernel"], want)
+    assert_bits_equal(g["params"]["d"]["kernel"], want)
 
 
 # -- quantize_model: nnx --------------------------------------------------------------------------
@@ -184,6 +179,7 @@ class Net(nnx.Module):
         return self.head(self.mine(self.c(h)))
 
 
+@pytest.mark.slow
 def test_quantize_model_nnx_in_place_and_restore():
     x = _x()
     net = Net(nnx.Rngs(0))
@@ -197,21 +193,22 @@ def test_quantize_model_nnx_in_place_and_restore():
     h = recipe.dot_general(x, net.a.kernel[...], DN) + net.a.bias[...]
     h = recipe.dot_general(jax.nn.relu(h), net.b.kernel[...], DN) + net.b.bias[...]
     h = recipe.einsum("bd,df->bf", h.reshape(8, 64), net.c.kernel[...]) + net.c.bias[...]
-    _eq(net(x), net.head(net.mine(h)))
+    assert_bits_equal(net(x), net.head(net.mine(h)))
 
     @nnx.jit
     def f(m, v):
         return m(v)
 
     quant_out = f(net, x)
-    _eq(quant_out, net(x))
+    assert_bits_equal(quant_out, net(x))
     lf.quantize_model(net, None)
     assert net.a.dot_general is jax.lax.dot_general and net.b.dot_general is None
-    _eq(f(net, x), float_out)  # nnx.jit retraced: the recipe is part of the graph's static data
+    assert_bits_equal(f(net, x), float_out)  # nnx.jit retraced: the recipe is part of the graph's static data
     lf.quantize_model(net, recipe)
-    _eq(f(net, x), quant_out)
+    assert_bits_equal(f(net, x), quant_out)
 
 
+@pytest.mark.slow
 def test_nnx_grad_and_remat():
     # (vmap and jax.checkpoint of recipe dots: tests/test_recipe.py.)
     class Two(nnx.Module):
@@ -230,7 +227,7 @@ def test_nnx_grad_and_remat():
 
     g1 = nnx.jit(nnx.grad(loss))(net, x)
     g2 = nnx.jit(nnx.grad(nnx.remat(loss)))(net, x)
-    jax.tree.map(_eq, nnx.state(g1), nnx.state(g2))
+    jax.tree.map(assert_bits_equal, nnx.state(g1), nnx.state(g2))
 
 
 # -- every matmul-like layer: quantized or reported -----------------------------------------------
@@ -251,6 +248,7 @@ class TiedLM(nn.Module):
         return self.embed.attend(self.hidden(tokens))
 
 
+@pytest.mark.slow
 def test_linen_embed_attend_runs_in_the_recipe():
     tokens = jnp.arange(16).reshape(2, 8) % 96
     params = TiedLM().init(jax.random.key(0), tokens)
@@ -262,13 +260,13 @@ def test_linen_embed_attend_runs_in_the_recipe():
         got = q.apply(params, tokens)
     # Expected: the recipe's dot of the (quantized model's) hidden states and the table.
     hidden = q.apply(params, tokens, method="hidden")
-    _eq(got, recipe.dot_general(hidden, table, (((2,), (1,)), ((), ()))))
+    assert_bits_equal(got, recipe.dot_general(hidden, table, (((2,), (1,)), ((), ()))))
     # Excluded by path: attend stays Flax's jnp.dot, and nothing warns.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hp = lf.quantize_model(TiedLM(), Recipe(forward="mxfp8", high_precision=("embed", "attn*")))
         float_hidden = TiedLM().apply(params, tokens, method="hidden")
-        _eq(hp.apply(params, tokens), jnp.dot(float_hidden, table.T))
+        assert_bits_equal(hp.apply(params, tokens), jnp.dot(float_hidden, table.T))
 
 
 def test_nnx_uncovered_layers_warn_in_quantize_model():
@@ -308,11 +306,11 @@ def test_rules_first_match_wins_linen_and_nnx():
     rules = lowprec.Rules([("head", None), ("up", R4), ("u.*", NVIDIA_MXFP8), (".*", NVIDIA_MXFP8)])
     x = _x()
     params = MLP().init(jax.random.key(1), x)
-    _eq(lf.quantize_model(MLP(), rules).apply(params, x), RulesMLP().apply(params, x))
+    assert_bits_equal(lf.quantize_model(MLP(), rules).apply(params, x), RulesMLP().apply(params, x))
     # A list of pairs is accepted as Rules; no match keeps the layer's own precision.
     q = lf.quantize_model(MLP(), [("gen", NVIDIA_MXFP8)])
     only_gen = dataclasses.replace(NVIDIA_MXFP8, high_precision=("up", "head"))
-    _eq(q.apply(params, x), lf.quantize_model(MLP(), only_gen).apply(params, x))
+    assert_bits_equal(q.apply(params, x), lf.quantize_model(MLP(), only_gen).apply(params, x))
     # nnx: each layer gets its rule's recipe.
     net = lf.quantize_model(Net(nnx.Rngs(0)), lowprec.Rules([("a", R4), ("b|c", NVIDIA_MXFP8)]))
     assert net.a.dot_general == lf.dot_general(R4)

@@ -30,7 +30,7 @@ from gfloat.types import Domain, Signedness
 import lowprec
 import lowprec_formats
 import lowprec_reference as R
-from helpers.asserts import assert_codes_equal, assert_same_values
+from helpers.asserts import assert_codes_equal, assert_same_values, bit_pattern
 from helpers.inputs import adversarial, float_arrays
 from helpers.mx import random_bits
 from helpers.oracles import ml_dtype, ml_dtypes_codes, ml_dtypes_values
@@ -160,13 +160,14 @@ def _every_value(fmt):
         ml_dtype(fmt))
 
 
+@pytest.mark.quick_cases(src=["e4m3", "e5m2", "e2m1", "e8m0", "e4m3fnuz"])
 @pytest.mark.parametrize("src", [f for f in WITH_ML if f not in ("fp16", "bf16")])
 def test_arrays_in_ml_dtypes_are_read_exactly(src):
     # Every value of the dtype, as input: decode(codes in the dtype) = decode(uint codes);
     # encode/quantize see the exact value (the float32 widening, NaN sign included). float6
     # arrays (which JAX cannot hold) are decoded on the host.
     x = _every_value(src)
-    codes = x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint8)
+    codes = bit_pattern(x)
     exact = np.asarray(lowprec.decode(codes, src))
     assert_same_values(lowprec.decode(x, src), exact, codes, f"{src} codes as dtype")
     with np.errstate(invalid="ignore"):
@@ -180,6 +181,7 @@ def test_arrays_in_ml_dtypes_are_read_exactly(src):
     assert_same_values(q, lowprec.quantize(exact, "e2m1"), x, f"{src} quantize")
 
 
+@pytest.mark.quick_cases(dst=["e4m3", "e2m1", "e8m0", "e4m3fnuz"])
 @pytest.mark.parametrize("dst", [f for f in WITH_ML if f not in ("fp16", "bf16", "e2m3", "e3m2")])
 def test_ml_dtypes_result_dtypes_round_like_astype(dst):
     # decode/quantize/dequantize(dtype=that dtype): the float32 value rounded as ml_dtypes'
@@ -188,12 +190,12 @@ def test_ml_dtypes_result_dtypes_round_like_astype(dst):
     values = np.asarray(lowprec.decode(codes, "bf16"))  # every bfloat16 value, as float32
     got = np.asarray(lowprec.decode(codes, "bf16", dtype=ml_dtype(dst)))
     assert got.dtype == ml_dtype(dst)
-    got_codes = got.view(np.uint8)
+    got_codes = bit_pattern(got)
     _nan_aware_equal(dst, got_codes, ml_dtypes_codes(dst, values), values, f"bf16 -> {dst}")
     mx = lowprec.quantize_mx(jnp.asarray(values[:4096]), "mxfp8")
     d = np.asarray(lowprec.dequantize(mx, ml_dtype(dst)))
     want = ml_dtypes_codes(dst, np.asarray(lowprec.dequantize(mx)))
-    _nan_aware_equal(dst, d.view(np.uint8), want, values[:4096], f"dequantize -> {dst}")
+    _nan_aware_equal(dst, bit_pattern(d), want, values[:4096], f"dequantize -> {dst}")
 
 
 def test_ml_dtypes_input_keeps_nan_sign():
@@ -304,6 +306,7 @@ def _op_by_op_encode(fmt, x, overflow):
         return np.asarray(lowprec.encode(padded, fmt, overflow=overflow))[: x.size]
 
 
+@pytest.mark.quick_cases(k=[3, 8])
 @pytest.mark.parametrize("k", range(2, 9))
 def test_p3109_decode_and_encode_match_gfloat_for_every_small_format(k):
     # Every (P, signedness, domain) of width K <= 8: decode of every code, and RNE encode
@@ -379,6 +382,7 @@ P3109_SAMPLE = ("p3109_k8p3se", "p3109_k8p4uf", "p3109_k8p1ue", "p3109_k6p3sf", 
                 "ocp_int8")
 
 
+@pytest.mark.quick_cases(fmt=["p3109_k8p3se", "ocp_int8"])
 @pytest.mark.parametrize("fmt", P3109_SAMPLE)
 @settings(max_examples=6)
 @given(data=st.data())

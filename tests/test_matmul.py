@@ -90,6 +90,7 @@ def random_operand(seed, shape, exp, zero_block=False):
 # -- accuracy bound -----------------------------------------------------------------------------
 
 
+@pytest.mark.quick_cases(mode=["jit"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt,shape", FORMAT_SHAPES, ids=[str(f) for f in FORMATS])
 @FEW
@@ -110,6 +111,7 @@ def test_float_operands_within_float32_accumulation_bound(mode, fmt, seed, shape
     assert_within_bound(out, qvalues(a, fmt, 1), qvalues(b, fmt, 0))
 
 
+@pytest.mark.quick_cases(mode=["jit"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt,shape", FORMAT_SHAPES[:3], ids=MX)
 @FEW
@@ -142,6 +144,7 @@ def test_prequantized_random_codes_within_bound(mode, fmt, seed, shape, spread):
     assert_within_bound(out, a64, b64)
 
 
+@pytest.mark.quick_cases(fmt=["mxfp4"], out_dtype=[jnp.bfloat16])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4", "bf16"])
 def test_narrow_output_adds_one_rounding(fmt, out_dtype):
@@ -155,6 +158,7 @@ def test_narrow_output_adds_one_rounding(fmt, out_dtype):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(wide.astype(out_dtype)))
 
 
+@pytest.mark.quick_cases(in_dtype=[jnp.bfloat16])
 @pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_narrow_inputs(in_dtype):
     a = random_operand(2, (4, 64), 1).astype(in_dtype)
@@ -318,6 +322,7 @@ def _jax_dequantize(sm, q, scales):
 DN3 = (((2,), (2,)), ((0,), (0,)))
 
 
+@pytest.mark.quick_cases(mode=["jit"])
 @pytest.mark.parametrize("mode", MODES)
 @settings(max_examples=5, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31), ea=st.integers(-20, 20), eb=st.integers(-20, 20))
@@ -386,6 +391,7 @@ GRAD_CASES = [
 ]
 
 
+@pytest.mark.quick_cases(mode=["jit"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4", "fp16", None], ids=str)
 def test_ste_gradient_is_float_gradient_at_quantized_values(mode, fmt):
@@ -414,6 +420,7 @@ def test_ste_gradient_is_float_gradient_at_quantized_values(mode, fmt):
     np.testing.assert_allclose(np.asarray(gw), np.asarray(ref[1]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.quick_cases(mode=["jit"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt,gfmt", GRAD_CASES, ids=str)
 def test_quantized_backward_blocks_along_reduction_axes(mode, fmt, gfmt):
@@ -430,6 +437,7 @@ def test_quantized_backward_blocks_along_reduction_axes(mode, fmt, gfmt):
     assert_within_bound(gw, qvalues(x, fmt, 0).T, qvalues(c, gfmt, 0))
 
 
+@pytest.mark.slow
 def test_quantized_backward_with_prequantized_weight_and_padding():
     x = random_operand(60, (40, 64), 0)  # 40 tokens: grad_w would need pad (not asked here)
     w = random_operand(61, (64, 48), 0)  # 48 output features: grad_x blocks of 32 need pad
@@ -447,6 +455,7 @@ def test_quantized_backward_with_prequantized_weight_and_padding():
     assert_within_bound(gx, qvalues(c, "mxfp8_e5m2", 1), w_back.T)
 
 
+@pytest.mark.slow
 def test_gradients_under_vmap():
     w = random_operand(70, (64, 32), 0)
     xs = random_operand(71, (2, 32, 64), 0)

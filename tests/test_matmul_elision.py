@@ -26,6 +26,8 @@ import pytest
 import lowprec
 from lowprec import matmul
 
+from helpers.asserts import assert_bits_equal, bit_pattern
+
 ON_GPU = jax.default_backend() == "gpu"
 ELEMENTS = ("e4m3", "e5m2", "e2m1", "bf16", "fp16", "tf32")
 HOST_DTYPES = {
@@ -44,10 +46,6 @@ def _x(seed=0, n=256):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(n).astype(np.float32) * 3)
 
 
-def _bits(a):
-    return np.asarray(a, np.float32).view(np.uint32)
-
-
 def _naive(x):
     return x.astype(jnp.float8_e4m3fn).astype(jnp.float32)
 
@@ -59,14 +57,14 @@ def test_jit_quantize_is_not_a_no_op(fmt):
     jitted = jax.jit(lambda v: lowprec.quantize(v, fmt))(x)
     # Inside a larger fused graph too (scaling by 2 is exact, so the reference is easy).
     fused = jax.jit(lambda v: lowprec.quantize(v * 2.0, fmt) * 0.5)(x)
-    assert np.any(_bits(jitted) != _bits(x)), "fake quantization under jit returned its input"
-    np.testing.assert_array_equal(_bits(jitted), _bits(eager))
-    np.testing.assert_array_equal(_bits(fused), _bits(lowprec.quantize(x * 2.0, fmt) * 0.5))
+    assert np.any(bit_pattern(jitted) != bit_pattern(x)), "fake quantization under jit returned its input"
+    assert_bits_equal(jitted, eager)
+    assert_bits_equal(fused, lowprec.quantize(x * 2.0, fmt) * 0.5)
     if fmt in HOST_DTYPES:  # host-side NumPy round trip: no XLA involved at all
         host = np.asarray(x).astype(HOST_DTYPES[fmt]).astype(np.float32)
-        np.testing.assert_array_equal(_bits(jitted), _bits(host))
+        assert_bits_equal(jitted, host)
     else:  # tf32 = RNE to 10 mantissa bits
-        np.testing.assert_array_equal(_bits(jitted), _bits(jax.lax.reduce_precision(x, 8, 10)))
+        assert_bits_equal(jitted, jax.lax.reduce_precision(x, 8, 10))
 
 
 @pytest.mark.parametrize("fmt", MX)
@@ -74,11 +72,11 @@ def test_jit_fake_quantize_mx_is_not_a_no_op(fmt):
     x = _x(1).reshape(8, 32)
     eager = lowprec.fake_quantize_mx(x, fmt)
     jitted = jax.jit(lambda v: lowprec.fake_quantize_mx(v, fmt))(x)
-    assert np.any(_bits(jitted) != _bits(x)), "fake quantization under jit returned its input"
-    np.testing.assert_array_equal(_bits(jitted), _bits(eager))
-    np.testing.assert_array_equal(_bits(jitted), _bits(lowprec.dequantize(lowprec.quantize_mx(x, fmt))))
+    assert np.any(bit_pattern(jitted) != bit_pattern(x)), "fake quantization under jit returned its input"
+    assert_bits_equal(jitted, eager)
+    assert_bits_equal(jitted, lowprec.dequantize(lowprec.quantize_mx(x, fmt)))
     grad = jax.jit(jax.grad(lambda v: jnp.sum(lowprec.fake_quantize_mx(v, fmt) ** 2)))(x)
-    np.testing.assert_array_equal(_bits(grad), _bits(2 * eager))  # STE: d/dv q(v)^2 = 2 q(v)
+    assert_bits_equal(grad, 2 * eager)  # STE: d/dv q(v)^2 = 2 q(v)
 
 
 def test_jit_quantized_matmul_is_not_a_no_op():
@@ -118,16 +116,16 @@ def test_gpu_naive_cast_pair_is_elided_but_lowprec_is_not():
     x = _x(5)
     host = np.asarray(x).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     ours = jax.jit(lambda v: lowprec.quantize(v, "e4m3"))(x)
-    np.testing.assert_array_equal(_bits(ours), _bits(host))  # the must-hold half
+    assert_bits_equal(ours, host)  # the must-hold half
     ours_mx = jax.jit(lambda v: lowprec.fake_quantize_mx(v, "mxfp8"))(x)
-    assert np.any(_bits(ours_mx) != _bits(x))
+    assert np.any(bit_pattern(ours_mx) != bit_pattern(x))
     naive_eager = _naive(x)  # op by op: nothing to fuse, so the cast pair rounds
-    np.testing.assert_array_equal(_bits(naive_eager), _bits(host))
+    assert_bits_equal(naive_eager, host)
     naive_jit = jax.jit(_naive)(x)
-    if not np.array_equal(_bits(naive_jit), _bits(x)):
+    if not np.array_equal(bit_pattern(naive_jit), bit_pattern(x)):
         pytest.skip(
             f"this XLA (jax {jax.__version__}) no longer elides the naive cast pair "
             "(openxla/xla#41605 fixed); lowprec's result was checked above"
         )
     # The pitfall, demonstrated: under jit the naive fake-quant returned its input unchanged.
-    assert np.array_equal(_bits(naive_jit), _bits(x))
+    assert np.array_equal(bit_pattern(naive_jit), bit_pattern(x))

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import lowprec
 import lowprec_reference as R
-from helpers.asserts import assert_codes_equal, assert_same_floats
+from helpers.asserts import assert_bits_equal, assert_codes_equal, assert_same_floats, bit_pattern
 from helpers.mx import (
     MODES,
     NEW_MX_FORMATS,
@@ -95,6 +95,7 @@ CASES = [
 ]
 
 
+@pytest.mark.quick_cases(rule=["rceil"])
 @pytest.mark.parametrize("fmt, rule, rounding, shape, axis", CASES)
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
@@ -106,6 +107,7 @@ def test_new_mx_formats_match_reference(fmt, rule, rounding, shape, axis, data):
     _compare(x, fmt, rule, rounding, axis, key, "float32")
 
 
+@pytest.mark.quick_cases(rounding=["toward_zero"])
 @pytest.mark.parametrize("fmt", NEW_MX_FORMATS)
 @pytest.mark.parametrize("rounding", ["nearest_away", "toward_zero", "up", "down"])
 def test_new_mx_formats_directed_modes_on_gaussian_blocks(fmt, rounding):
@@ -182,6 +184,7 @@ BLOCK_CASES = [("mxfp8_e4m3", 2), ("mxfp4", 2), ("mxfp4", 16), ("mxfp6_e2m3", 4)
                ("mxfp6_e3m2", 128), ("mxint8", 64), ("mxfp8_e5m2", 1024), ("nvfp4", 32)]
 
 
+@pytest.mark.quick_cases(base=["mxint8", "nvfp4"])
 @pytest.mark.parametrize("base, block", BLOCK_CASES, ids=[f"{f}-{b}" for f, b in BLOCK_CASES])
 def test_any_block_size_matches_reference(base, block):
     fmt = lowprec.mx_format(base, block_size=block)
@@ -210,6 +213,7 @@ def test_any_block_size_matches_reference(base, block):
     np.testing.assert_array_equal(np.asarray(mx0.scales), np.asarray(mx.scales).T)
 
 
+@pytest.mark.quick_cases(block=[16])
 @pytest.mark.parametrize("block", [2, 4, 16, 64])
 def test_block_size_pad_shared_exponents_and_matmul(block):
     fmt = lowprec.mx_format("mxfp8_e4m3", block_size=block)
@@ -284,7 +288,7 @@ def torchao_nvfp4_recipe(x2d, per_tensor_scale, version=(0, 16)):
         else:
             scaled_x = xb / (f32(per_tensor_scale) * scale_fp8.astype(f32))[..., None]
         data = np.clip(scaled_x, f32(-6), f32(6)).astype(ml_dtypes.float4_e2m1fn)
-    return data.view(np.uint8).reshape(x2d.shape), scale_fp8.view(np.uint8)
+    return bit_pattern(data).reshape(x2d.shape), bit_pattern(scale_fp8)
 
 
 @pytest.mark.parametrize("magnitude", [-130, -100, -20, 0, 20, 100])
@@ -298,7 +302,7 @@ def test_nvfp4_matches_the_published_recipe(magnitude):
     want_e, want_s = torchao_nvfp4_recipe(x, ts)
     for mode in MODES:
         mx = run(mode, x, "nvfp4")
-        assert np.asarray(mx.tensor_scale).view(np.uint32) == ts.view(np.uint32)
+        assert_bits_equal(mx.tensor_scale, ts)
         np.testing.assert_array_equal(np.asarray(mx.scales), want_s)
         np.testing.assert_array_equal(element_codes(mx), want_e)
     # A given tensor scale (calibrated, or 1: single-level scaling) is used as is.
@@ -312,6 +316,7 @@ def test_nvfp4_matches_the_published_recipe(magnitude):
 NV_LAYOUTS = (((64,), -1), ((2, 64), -1), ((64, 2), 0), ((2, 32, 2), 1))
 
 
+@pytest.mark.quick_cases(rounding=["stochastic"])
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @settings(max_examples=8, deadline=None)
 @given(data=st.data())
@@ -329,7 +334,7 @@ def test_nvfp4_matches_reference(rounding, data):
     for mode in MODES:
         mx = run(mode, x, "nvfp4", axis=axis, rounding=rounding, key=key, tensor_scale=given_ts)
         tag = f"nvfp4 {rounding} {mode} ts={given_ts}"
-        assert np.asarray(mx.tensor_scale).view(np.uint32) == np.float32(ts).view(np.uint32), tag
+        assert_bits_equal(mx.tensor_scale, np.float32(ts), tag)
         assert_codes_equal(mx.scales, s, x, f"{tag} scales", axis=ax, per_block=True, block=16)
         assert_codes_equal(element_codes(mx), e, x, f"{tag} elements", axis=ax, block=16)
     want = R.dequantize_mx(e, s, "nvfp4", axis=axis, tensor_scale=ts)
@@ -494,6 +499,7 @@ def _near_ties(rng, rows=64):
     return x, ts
 
 
+@pytest.mark.quick_cases(seed=[0])
 @pytest.mark.parametrize("seed", range(3))
 def test_nvfp4_steps_match_their_torchao_versions(seed):
     x, ts = _near_ties(np.random.default_rng(seed))
@@ -505,7 +511,7 @@ def test_nvfp4_steps_match_their_torchao_versions(seed):
         for f in (lowprec.quantize_mx, jax.jit(lowprec.quantize_mx, static_argnames=(
                 "fmt", "nvfp4_step"))):
             mx = f(jnp.asarray(x), fmt="nvfp4", nvfp4_step=step)
-            assert np.asarray(mx.tensor_scale).view(np.uint32) == ts.view(np.uint32)
+            assert_bits_equal(mx.tensor_scale, ts)
             np.testing.assert_array_equal(np.asarray(mx.scales), new_s)
             np.testing.assert_array_equal(element_codes(mx), want)
     # Dequantization is the same for both (torchao's to_dtype did not change).
@@ -548,7 +554,7 @@ def test_nvfp4_exact_float32_product_matches_ieee():
     a[:1000] &= 0x807F_FFFF  # subnormal operands
     b[1000:2000] = rng.integers(0x0200_0000, 0x0400_0000, 1000, dtype=np.uint32)  # tiny products
     with np.errstate(all="ignore"):
-        want = (a.view(np.float32) * b.view(np.float32)).view(np.uint32)
+        want = bit_pattern(a.view(np.float32) * b.view(np.float32))
     got = np.asarray(jax.jit(_nvfp4.f32_mul)(jnp.asarray(a), jnp.asarray(b)))
     np.testing.assert_array_equal(got, want)
 

@@ -21,6 +21,9 @@ import lowprec
 import lowprec_reference as ref
 from lowprec import _nvfp4_train as nt
 
+from helpers.asserts import assert_bits_equal, bit_pattern
+from helpers.codecs import reference_words
+
 DN = (((1,), (0,)), ((), ()))
 E4M3_EPS, E4M3_MAX = np.float32(2.0**-6), np.float32(448.0)
 
@@ -28,8 +31,7 @@ E4M3_EPS, E4M3_MAX = np.float32(2.0**-6), np.float32(448.0)
 def np_q1(v, axis, words=None):
     """NVFP4 values of v blocked along axis (reference quantizer), float32."""
     rounding = "nearest_even" if words is None else "stochastic"
-    # uint16 words compared with frac * 2^16 = uint32 words (w << 16) compared with frac * 2^32
-    words = None if words is None else np.asarray(words).astype(np.uint32) << 16
+    words = None if words is None else reference_words(words)  # the reference's 32-bit form
     e, s, ts = ref.quantize_nvfp4(np.asarray(v, np.float32), axis=axis, rounding=rounding,
                                   random_bits=words)
     return ref.dequantize_mx(e, s, "nvfp4", axis=axis, tensor_scale=ts).astype(np.float32)
@@ -70,7 +72,7 @@ def np_rht(v, signs):
 
 def np_words(g, seed):
     """The contract's words: h = wrapping uint32 sum of g's bits, k = fold_in(key(seed), h)."""
-    h = int(np.asarray(g, np.float32).view(np.uint32).astype(np.uint64).sum() % 2**32)
+    h = int(bit_pattern(np.asarray(g, np.float32)).astype(np.uint64).sum() % 2**32)
     k = jax.random.fold_in(jax.random.key(seed), np.uint32(h))
     return [np.asarray(lowprec.random_bits(jax.random.fold_in(k, i), g.shape)) for i in (0, 1)]
 
@@ -94,12 +96,11 @@ def _data(t=32, k=32, n=16, seed=0):
 def test_building_blocks_bit_exact():
     x, w, _ = _data()
     q2 = jax.jit(nt.quantize_2d)
-    np.testing.assert_array_equal(np.asarray(q2(jnp.asarray(w.T))).view(np.uint32),
-                                  np_q2(w.T).view(np.uint32))
+    assert_bits_equal(q2(jnp.asarray(w.T)), np_q2(w.T))
     signs = np.asarray(nt.rht_signs(5))
     assert set(signs.tolist()) <= {-1.0, 1.0} and len(signs) == 16
     got = np.asarray(jax.jit(nt.rht)(jnp.asarray(x), jnp.asarray(signs)))
-    np.testing.assert_array_equal(got.view(np.uint32), np_rht(x, signs).view(np.uint32))
+    assert_bits_equal(got, np_rht(x, signs))
     # M is orthogonal: (M x)^T (M x) = x^T x up to rounding.
     np.testing.assert_allclose(got.T.astype(np.float64) @ got, x.T.astype(np.float64) @ x,
                                rtol=1e-5, atol=1e-4)

@@ -114,6 +114,7 @@ def test_fp6_hand_example():
     assert np.asarray(lowprec.unpack_fp6(packed)).tolist() == [0x3F, 0x00, 0x15, 0x2A]
 
 
+@pytest.mark.slow  # every 3-byte group: 2^24 of them
 def test_fp6_unpack_every_three_byte_group():
     # All 2^24 groups of three bytes: code j is bits 6j..6j+5 of the little-endian word.
     words = np.arange(1 << 24, dtype=np.uint32)

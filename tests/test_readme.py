@@ -64,6 +64,7 @@ def test_setup_is_two_commands_naming_python_venv_and_extras():
     assert "Python 3.10 or newer" in text and "`[cli]`" in text
 
 
+@pytest.mark.slow  # runs every README code block (about a minute)
 def test_every_block_runs_in_order(tmp_path, monkeypatch):
     # One test for all blocks, not one per block: a later block uses the files an earlier one
     # made, and pytest-xdist may run separate tests on separate workers in any order.

@@ -21,6 +21,8 @@ import lowprec
 import lowprec_reference as ref
 from lowprec import FP8_HYBRID, NVIDIA_MXFP8, OCP_MXFP8, Recipe
 
+from helpers.asserts import assert_bits_equal
+
 DN = (((1,), (0,)), ((), ()))  # x [T, K] . w [K, N]
 
 
@@ -253,10 +255,6 @@ def test_gradient_dtypes_follow_the_operands():
 TRANSFORM_RECIPES = [NVIDIA_MXFP8, FP8_HYBRID]
 
 
-def _bits(a):
-    return np.asarray(a).view(np.uint32)
-
-
 def _loss(recipe):
     # Linear in the output, so the cotangent is the fixed array c in every mode (a nonlinearity
     # could round differently eagerly and fused under jit, before the gradient is quantized).
@@ -268,6 +266,7 @@ def _loss(recipe):
     return loss
 
 
+@pytest.mark.quick_cases(recipe=[NVIDIA_MXFP8])
 @pytest.mark.parametrize("recipe", TRANSFORM_RECIPES, ids=lambda r: r.describe())
 def test_jit_grad_and_checkpoint_agree_bitwise(recipe):
     x, w = _operands(seed=7)
@@ -275,10 +274,11 @@ def test_jit_grad_and_checkpoint_agree_bitwise(recipe):
     jitted = jax.jit(jax.grad(_loss(recipe), argnums=(0, 1)))(x, w)
     remat = jax.jit(jax.grad(jax.checkpoint(_loss(recipe)), argnums=(0, 1)))(x, w)
     for a, b, c in zip(eager, jitted, remat):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
-        np.testing.assert_array_equal(_bits(a), _bits(c))
+        assert_bits_equal(a, b)
+        assert_bits_equal(a, c)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", TRANSFORM_RECIPES, ids=lambda r: r.describe())
 def test_vmap_is_the_per_example_map(recipe):
     # vmap over a leading axis means "one recipe dot per example": per-tensor scales become
@@ -289,13 +289,14 @@ def test_vmap_is_the_per_example_map(recipe):
     ls, gs = jax.jit(jax.vmap(jax.value_and_grad(_loss(recipe)), in_axes=(0, None)))(xs, w)
     for i in range(xs.shape[0]):
         li, gi = one(xs[i], w)
-        np.testing.assert_array_equal(_bits(ls[i]), _bits(li))
-        np.testing.assert_array_equal(_bits(gs[i]), _bits(gi))
+        assert_bits_equal(ls[i], li)
+        assert_bits_equal(gs[i], gi)
 
 
 # -- einsum -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick_cases(spec=["...d,df->...f"])
 @pytest.mark.parametrize("spec,ls,rs", [
     ("bqhd,bkhd->bhqk", (2, 4, 3, 8), (2, 6, 3, 8)),  # batch dims, transposed output
     ("...d,df->...f", (2, 3, 8), (8, 5)),  # ellipsis
@@ -319,7 +320,7 @@ def test_einsum_quantizes_like_dot_general():
     w3 = w.reshape(64, 3, 4)
     got = NVIDIA_MXFP8.einsum("td,dnh->tnh", x, w3)
     want = NVIDIA_MXFP8.dot_general(x, w3, (((1,), (0,)), ((), ())))
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert_bits_equal(got, want)
 
 
 @pytest.mark.parametrize("spec,lshape,match", [
@@ -340,6 +341,7 @@ def test_einsum_sums_indices_of_one_operand_only():
     np.testing.assert_array_equal(Recipe().einsum("ab,cd->a", a, b), jnp.einsum("ab,cd->a", a, b))
 
 
+@pytest.mark.slow
 def test_high_precision_wgrad_is_the_float32_weight_gradient():
     # grad_rhs = x^T g from the unquantized operands (a float32 HIGHEST dot: compared with
     # float64 within the accumulation bound); grad_lhs is the recipe's own, bit for bit.

@@ -20,7 +20,7 @@ import lowprec_formats
 import lowprec_reference as ref
 import lowprec_reference.element
 import lowprec_reference.mx
-from helpers.asserts import assert_codes_equal
+from helpers.asserts import assert_bits_equal, assert_codes_equal, bit_pattern
 from helpers.oracles import ml_dtype, ml_dtypes_codes
 
 WITH_ML = lowprec_formats.COLLECTIONS["with_ml_dtypes"]
@@ -255,7 +255,7 @@ def test_tf32_is_float32_rounded_to_10_bits():
     assert np.isnan(ref.decode("tf32", got[np.isnan(x)])).all()
     # And against XLA's reduce_precision(x, exponent_bits=8, mantissa_bits=10).
     jax = pytest.importorskip("jax")
-    y = np.asarray(jax.lax.reduce_precision(jax.numpy.asarray(x), 8, 10)).view(np.uint32) >> 13
+    y = bit_pattern(jax.lax.reduce_precision(jax.numpy.asarray(x), 8, 10)) >> 13
     np.testing.assert_array_equal(got[finite], y[finite])
 
 
@@ -501,8 +501,8 @@ def test_mx_rceil_matches_jax_quantize_mxfp8():
         config = dataclasses.replace(jax.nn.get_scaled_dot_general_config("mxfp8"), data_type=data_type)
         xq, sq = sm.quantize(jax.numpy.asarray(x), config)
         e, s = ref.quantize_mx(x, fmt, scale_rule="rceil")
-        np.testing.assert_array_equal(s, np.asarray(sq).view(np.uint8))
-        np.testing.assert_array_equal(e, np.asarray(xq).view(np.uint8))
+        assert_bits_equal(s, sq, f"{fmt} scales")
+        assert_bits_equal(e, xq, f"{fmt} elements")
 
 
 @pytest.mark.parametrize("fmt", lowprec_formats.COLLECTIONS["e8m0_scaled_mx"])

@@ -16,19 +16,26 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # ~20-30 s of XLA compiles; `pytest -m "not slow"` skips it
-
 CASES = pathlib.Path(__file__).with_name("sharded_cases.py")
 
+# The quick tier's share of the cases (one subprocess, ~10 s of CPU): quantize_mx sharded
+# every way, deterministic and stochastic, and the split-block error. The other share (the
+# matmuls, the recipes and training, several minutes) runs as its own slow case; `pytest`
+# runs both, in two subprocesses.
+QUICK = ("test_quantize_mx_bits_same_sharded or test_stochastic_quantize_mx_same_sharded"
+         " or test_split_block_is_a_clear_error_eager")
 
-def test_sharded_cases_on_four_cpu_devices():
+
+@pytest.mark.parametrize("share", ["quick", pytest.param("rest", marks=pytest.mark.slow)])
+def test_sharded_cases_on_four_cpu_devices(share):
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "")
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=4".strip()
     env["JAX_PLATFORMS"] = "cpu"
+    select = QUICK if share == "quick" else f"not ({QUICK})"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-rfEs",
-         "-n", "0"],
+         "-n", "0", "-k", select],
         capture_output=True, text=True, env=env, cwd=CASES.parent.parent, timeout=600,
     )
     report = proc.stdout[-6000:] + proc.stderr[-2000:]

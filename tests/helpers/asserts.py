@@ -1,4 +1,10 @@
-"""Bit-exact assertions with readable reports: the one ``assert_codes_equal`` of the suite."""
+"""Bit-exact assertions with readable reports, and the one ``bit_pattern`` of the suite.
+
+``bit_pattern`` is how a test reads the bits of an array; ``assert_codes_equal`` compares
+integer codes, ``assert_bits_equal`` compares any two arrays bit for bit (NaN payloads and
+the sign of zero included), ``assert_same_values`` compares float values with any NaN equal
+to any NaN.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +14,35 @@ import numpy as np
 
 BLOCK = 32
 
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
-def f32_bits(values) -> np.ndarray:
-    """uint32 bit patterns of values that are exactly float32 (asserted)."""
+
+def bit_pattern(a) -> np.ndarray:
+    """The bits of each element of ``a`` as the unsigned integer of the same width.
+
+    ``a``: a NumPy or JAX array (or anything ``np.asarray`` takes) of a 1, 2, 4 or 8-byte
+    dtype: float32 -> uint32, float16 / bfloat16 -> uint16, the float8 / float6 / float4
+    types of ml_dtypes (one byte each) and integer codes -> uint8 ... A view for NumPy input.
+    """
+    a = np.asarray(a)
+    if a.dtype.itemsize not in _UNSIGNED:
+        raise TypeError(f"bit_pattern: no unsigned integer of {a.dtype}'s width")
+    return a.view(_UNSIGNED[a.dtype.itemsize])
+
+
+def _exactly_float32(values) -> np.ndarray:
+    """``values`` as float32, asserting that the conversion is exact (NaN aside)."""
     v = np.asarray(values)
     v32 = v.astype(np.float32)
     same = (v32.astype(v.dtype) == v) | np.isnan(v)
     assert same.all(), f"not exactly float32: {v[~same][:5]}"
-    return v32.view(np.uint32)
+    return v32
 
 
 def describe(v) -> str:
     """A float with its bit pattern, e.g. ``0.1 (float32 0x3dcccccd)``."""
     v = np.asarray(v)
-    nbytes = v.dtype.itemsize
-    bits = int(v.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[nbytes]))
-    return f"{float(v)!r} ({v.dtype.name} 0x{bits:0{2 * nbytes}x})"
+    return f"{float(v)!r} ({v.dtype.name} 0x{int(bit_pattern(v)):0{2 * v.dtype.itemsize}x})"
 
 
 def _describe_block(x, axis: int, index, block: int) -> str:
@@ -79,6 +98,16 @@ def assert_codes_equal(
     raise AssertionError("\n".join(lines))
 
 
+def assert_bits_equal(got, want, what: str = "") -> None:
+    """Bit-for-bit equality of two arrays of one shape and element width (float or integer):
+    NaN payloads and the sign of zero count. Reported as :func:`assert_codes_equal` does."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype.itemsize == want.dtype.itemsize, (
+        f"{what}: {got.dtype} is not as wide as the expected {want.dtype}"
+    )
+    assert_codes_equal(bit_pattern(got), bit_pattern(want), what=what)
+
+
 def assert_same_values(got, want, x=None, what: str = "") -> None:
     """Bit-for-bit equality of float values (as float32 patterns; NaN compared as 'is NaN')."""
     got = np.asarray(got)
@@ -86,7 +115,8 @@ def assert_same_values(got, want, x=None, what: str = "") -> None:
     assert got.shape == want.shape, (got.shape, want.shape)
     gnan, wnan = np.isnan(got), np.isnan(want)
     bad = (gnan != wnan) | (
-        ~gnan & ~wnan & (f32_bits(np.where(gnan, 0, got)) != f32_bits(np.where(wnan, 0, want)))
+        ~gnan & ~wnan & (bit_pattern(_exactly_float32(np.where(gnan, 0, got)))
+                         != bit_pattern(_exactly_float32(np.where(wnan, 0, want))))
     )
     if bad.any():
         idx = np.flatnonzero(bad.ravel())[:8]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 import lowprec.checkpoint._safetensors as _st
 from lowprec.checkpoint import SafetensorsReader, SafetensorsWriter
 
@@ -29,9 +27,3 @@ def raw_tensors(path) -> dict:
     """Every tensor of a safetensors file, as stored (codes, scales, metadata-free)."""
     with SafetensorsReader(path) as r:
         return {name: r.read(name) for name in r.tensors}
-
-
-def bits(a) -> np.ndarray:
-    """The bit patterns of ``a`` as unsigned integers of the same width."""
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])

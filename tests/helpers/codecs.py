@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -87,35 +88,74 @@ def parametrize_element_cases(metafunc) -> None:
         lambda r, allowed=_as_tuple(group): r in allowed
     )
     impls = _as_tuple(opts.get("impls", "all"), _IMPL_GROUPS)
+    overflows = _as_tuple(opts.get("overflows") or OVERFLOW_POLICIES)
     if impls == ("alternate",):
         # Each (format, rounding, overflow) once, on one lowprec implementation, alternating so
         # that every (format, rounding) and every (format, overflow) meets both eager and jit.
         # For input dtypes that need their own ~90 compiled programs per implementation.
         assert {"fmt", "rounding", "overflow", "codec"} <= set(names), names
-        overflows = _as_tuple(opts.get("overflows") or OVERFLOW_POLICIES)
         cases = [
-            (f, r, o, CODECS[("eager", "jit")[(i + j) % 2]])
+            dict(fmt=f, rounding=r, overflow=o, codec=CODECS[("eager", "jit")[(i + j) % 2]])
             for f in fmts
             for i, r in enumerate(roundings_for(f))
             if keep(r)
             for j, o in enumerate(overflows)
         ]
-        metafunc.parametrize(
-            "fmt,rounding,overflow,codec", cases, ids=[f"{f}-{r}-{o}-{c}" for f, r, o, c in cases]
-        )
+        ids = [f"{c['fmt']}-{c['rounding']}-{c['overflow']}-{c['codec']}" for c in cases]
+        _parametrize(metafunc, ["fmt", "rounding", "overflow", "codec"], cases, ids,
+                     overflows, impls=None)
         return
+    # One axis per parametrize call the suite has always made (ids: "fmt-rounding-overflow-
+    # codec"), multiplied out here so that each case can carry its own tier mark.
+    axes = []
     if "fmt" in names and "rounding" in names:
-        pairs = [(f, r) for f in fmts for r in roundings_for(f) if keep(r)]
-        metafunc.parametrize("fmt,rounding", pairs, ids=[f"{f}-{r}" for f, r in pairs])
+        axes.append([({"fmt": f, "rounding": r}, f"{f}-{r}")
+                     for f in fmts for r in roundings_for(f) if keep(r)])
     elif "fmt" in names:
-        metafunc.parametrize("fmt", fmts)
+        axes.append([({"fmt": f}, f) for f in fmts])
     elif "rounding" in names:
-        metafunc.parametrize("rounding", [r for r in ROUNDING_MODES if keep(r)])
+        axes.append([({"rounding": r}, r) for r in ROUNDING_MODES if keep(r)])
     if "overflow" in names:
-        metafunc.parametrize("overflow", _as_tuple(opts.get("overflows") or OVERFLOW_POLICIES))
+        axes.append([({"overflow": o}, o) for o in overflows])
     if "codec" in names:
-        metafunc.parametrize("codec", [pytest.param(CODECS[i], id=i) for i in impls])
+        axes.append([({"codec": CODECS[i]}, i) for i in impls])
+    if not axes:
+        return
+    argnames = [n for case, _ in (axis[0] for axis in axes) for n in case]
+    cases, ids = [], []
+    for combo in itertools.product(*axes):
+        cases.append({k: v for case, _ in combo for k, v in case.items()})
+        ids.append("-".join(i for _, i in combo))
+    _parametrize(metafunc, argnames, cases, ids, overflows, impls)
 
+
+def in_quick_tier(case: dict, overflows: tuple, impls) -> bool:
+    """Whether an ``element_cases`` case runs in the quick tier (``pytest -m "not slow"``).
+
+    The quick tier keeps every format and every (format, rounding) pair of a test, but not
+    their product with the overflow policies and implementations: those rotate with
+    k = (index of the format in ``FORMATS``) + (index of the rounding mode), so that over a
+    format's rounding modes it meets every policy and every implementation. A test that
+    parametrizes its formats and modes itself keeps every case (nothing to rotate with).
+    ``impls=None``: the implementation is already one per case (``impls="alternate"``).
+    """
+    if "fmt" not in case and "rounding" not in case:
+        return True
+    k = FORMATS.index(case["fmt"]) if "fmt" in case else 0
+    if "rounding" in case:
+        k += (ROUNDING_MODES + E8M0_ONLY_MODES).index(case["rounding"])
+    if "overflow" in case and case["overflow"] != overflows[k % len(overflows)]:
+        return False
+    return impls is None or "codec" not in case or case["codec"].name == impls[k % len(impls)]
+
+
+def _parametrize(metafunc, argnames, cases, ids, overflows, impls) -> None:
+    params = [
+        pytest.param(*(case[n] for n in argnames), id=case_id,
+                     marks=() if in_quick_tier(case, overflows, impls) else pytest.mark.slow)
+        for case, case_id in zip(cases, ids)
+    ]
+    metafunc.parametrize(",".join(argnames), params)
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from hypothesis.extra import numpy as hnp
 
 import lowprec
 
+from .asserts import bit_pattern
+
 #: Largest 1-D input of the codec harness (see helpers.codecs): adversarial sets fit in it.
 BUCKET = 4096
 
@@ -122,7 +124,7 @@ def adversarial_float32(fmt: str) -> np.ndarray:
     # An unsigned format maps every negative input to NaN: a sample of negatives is enough.
     neg = -pos if f.signed else -pos[::16]
     x = np.concatenate([pos, neg, F32_SPECIALS])
-    x = np.unique(x.view(np.uint32)).view(np.float32)  # dedup on bits: keeps -0 and NaNs
+    x = np.unique(bit_pattern(x)).view(np.float32)  # dedup on bits: keeps -0 and NaNs
     assert x.size <= BUCKET, (fmt, x.size)
     return x
 

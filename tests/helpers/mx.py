@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import lowprec
 
+from .asserts import bit_pattern
 from .codecs import reference_words, replay_random_bits
 
 MX_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
@@ -36,15 +37,6 @@ NAN_BITS = 0x7FC0_0000
 def f32(bits) -> np.ndarray:
     """float32 array from uint32 bit patterns."""
     return np.asarray(bits, np.uint32).view(np.float32)
-
-
-def bits_of(x) -> np.ndarray:
-    x = np.asarray(x)
-    if x.dtype == np.float32:
-        return x.view(np.uint32)
-    if x.dtype == np.dtype(ml_dtypes.bfloat16):
-        return x.view(np.uint16)
-    raise TypeError(x.dtype)
 
 
 # -- independent FP4 unpacking --------------------------------------------------------------
@@ -197,7 +189,7 @@ def mx_inputs(draw, shape, axis, dtype=np.float32, **kw):
     x = np.moveaxis(f32(bits), -1, axis)
     if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16):
         # Truncate to the top 16 bits: every bfloat16 pattern reachable, no new infinities.
-        b16 = (bits_of(np.ascontiguousarray(x)) >> 16).astype(np.uint16)
+        b16 = (bit_pattern(np.ascontiguousarray(x)) >> 16).astype(np.uint16)
         x = b16.view(ml_dtypes.bfloat16)
     return np.ascontiguousarray(x)
 
@@ -207,7 +199,8 @@ def as_float32(x) -> np.ndarray:
     x = np.asarray(x)
     if x.dtype == np.float32:
         return x
-    return (bits_of(x).astype(np.uint32) << 16).view(np.float32)
+    assert x.dtype == np.dtype(ml_dtypes.bfloat16), x.dtype
+    return (bit_pattern(x).astype(np.uint32) << 16).view(np.float32)
 
 
 def f64_to_f32_exact(v) -> np.ndarray:

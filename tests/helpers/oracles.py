@@ -14,6 +14,8 @@ import numpy as np
 import lowprec_formats
 import lowprec_reference
 
+from .asserts import bit_pattern
+
 
 def ml_dtype(fmt: str) -> np.dtype:
     """The ml_dtypes / NumPy dtype with ``fmt``'s layout (from the data table)."""
@@ -28,7 +30,7 @@ def ml_dtypes_codes(fmt: str, x: np.ndarray) -> np.ndarray:
     dt = ml_dtype(fmt)
     with np.errstate(all="ignore"):
         y = np.asarray(x).astype(dt)
-    return y.view(np.uint16 if dt.itemsize == 2 else np.uint8)
+    return bit_pattern(y)
 
 
 def ml_dtypes_values(fmt: str, codes: np.ndarray) -> np.ndarray:

@@ -1,0 +1,51 @@
+"""The quick tier, ``pytest -m "not slow"``: which cases of a parametrized test it keeps.
+
+``pytest`` runs every test. ``pytest -m "not slow"`` leaves out the cases marked ``slow``:
+whole tests marked ``@pytest.mark.slow`` (exhaustive sweeps, notebooks, examples, subprocess
+runs, training loops), and the cases a ``quick_cases`` marker leaves out of a big
+parametrization::
+
+    @pytest.mark.quick_cases(fmt=QUICK_MX, axis=(1,))
+    @pytest.mark.parametrize("fmt", MX)
+    @pytest.mark.parametrize("axis", [0, 1])
+    def test_something(fmt, axis): ...
+
+keeps, in the quick tier, the cases whose ``fmt`` is in ``QUICK_MX`` and whose ``axis`` is 1;
+every case still runs in the default tier. ``element_cases`` tests are thinned by their own
+rule (``helpers.codecs.in_quick_tier``), which keeps every format and rounding mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+#: One element format per code path of the encoders: 16-bit, 19-bit (TF32), 8-bit without
+#: and with infinities, fnuz (no negative zero), 6-bit, 4-bit, unsigned E8M0, integer.
+QUICK_ELEMENTS = ("bf16", "tf32", "e4m3", "e5m2", "e4m3fnuz", "e2m3", "e2m1", "e8m0", "ocp_int8")
+
+#: One block format per element width and scale kind: MXFP8, MXFP4, the two-level NVFP4.
+QUICK_MX = ("mxfp8_e4m3", "mxfp4", "nvfp4")
+
+MARKER = (
+    "quick_cases(**values): in the quick tier (-m 'not slow') keep only the cases whose "
+    "parameters take these values; the others are marked slow (see tests/helpers/tiers.py)"
+)
+
+
+def mark_slow_outside_quick_cases(items) -> None:
+    """Marks ``slow`` the cases that a ``quick_cases`` marker leaves out of the quick tier."""
+    for item in items:
+        marker = item.get_closest_marker("quick_cases")
+        if marker is None:
+            continue
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params if callspec is not None else {}
+        for name, values in marker.kwargs.items():
+            if name not in params:
+                raise pytest.UsageError(
+                    f"{item.nodeid}: quick_cases names {name!r}, which is not one of its "
+                    f"parameters {sorted(params)}"
+                )
+            if params[name] not in tuple(values):
+                item.add_marker(pytest.mark.slow)
+                break
