@@ -1,8 +1,9 @@
 """Stochastic rounding's encoder: the random words drawn inside the encode that uses them.
 
 :func:`encode_stochastic` generates the words of the contract (``_random.py``; docs/design.md
-§2) from a key, or takes the caller's, and rounds with the general encoder;
-:func:`encode_any` is the encoder for every mode, given ``rng = (key, words)``.
+§2) from a key, or takes the caller's, and rounds with a fast encoder where one applies
+(``_encode_fast.stochastic16_encoder``) or the general encoder; :func:`encode_any` is the
+encoder for every mode, given ``rng = (key, words)``.
 """
 
 from __future__ import annotations
@@ -10,17 +11,21 @@ from __future__ import annotations
 from typing import Union
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ._encode import encode_bits
+from ._encode_fast import stochastic16_encoder
 from ._format import ElementFormat
 from ._random import (
     WORD_BITS,
+    WORD_MASK,
     as_word32,
     check_size,
     element_index,
     element_words,
     key_words,
+    word_complements,
 )
 from ._rounding import Overflow, Rounding
 
@@ -32,18 +37,27 @@ def encode_stochastic(fmt: ElementFormat, u, overflow: Union[str, Overflow], rng
     Caller words (uint16 or uint32, ``u``'s shape) are used as given. With a key, the words
     of the contract (``_random.random_bits``) are generated here, one per element inside the
     encode, from each element's row-major index in ``u`` (a reshape, such as MX's split into
-    blocks, keeps it). ``scale_exp`` (broadcastable to ``u``) and ``assume_finite`` as for
-    :func:`encode_bits`.
+    blocks, keeps it). 16-bit words of float32 input under "ieee" overflow go to the fast
+    encoder of the format where there is one; 32-bit words, float64 input, ``scale_exp``
+    (broadcastable to ``u``) and ``assume_finite`` go to :func:`encode_bits`.
     Returns int32 codes of ``u``'s shape.
     """
     key, words = rng
     if words is not None and words.dtype != jnp.uint16:
         return encode_bits(fmt, u, Rounding.STOCHASTIC, overflow, as_word32(words),
                            scale_exp=scale_exp, assume_finite=assume_finite)
+    fast = None
+    if scale_exp is None and np.dtype(u.dtype) == np.uint32 and Overflow(overflow) is Overflow.IEEE:
+        fast = stochastic16_encoder(fmt)
     if words is None:
-        r16 = element_words(key_words(key), element_index(check_size(u.shape)))
+        k, index = key_words(key), element_index(check_size(u.shape))
+        if fast is not None:
+            return fast(fmt, u, word_complements(k, index))
+        r16 = element_words(k, index)
     else:
         r16 = words.astype(jnp.uint32)
+    if fast is not None:
+        return fast(fmt, u, r16 ^ jnp.uint32(WORD_MASK))
     return encode_bits(fmt, u, Rounding.STOCHASTIC, overflow,
                        lax.shift_left(r16, jnp.uint32(WORD_BITS)),
                        scale_exp=scale_exp, assume_finite=assume_finite)

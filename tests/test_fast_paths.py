@@ -81,6 +81,9 @@ def test_fast_paths_cover_the_formats_the_issue_names():
     # fp16 and e8m0 are the default-mode encoders that were slow; E4M3/E5M2 share fp16's path.
     assert {"fp16", "e4m3", "e5m2"} <= {n for n in ELEMENTS if "stochastic" in _fast_modes(n)}
     assert "e8m0" in {n for n in ELEMENTS if "nearest_away" in _fast_modes(n)}
+    # Stochastic rounding with 16-bit words (the key's): the formats of the CPU speed issue.
+    with16 = {n for n in ELEMENTS if _encode_fast.stochastic16_encoder(lowprec.element_format(n))}
+    assert {"fp16", "bf16", "tf32", "e4m3", "e5m2", "e8m0"} <= with16
 
 
 @pytest.mark.parametrize("fmt", ELEMENTS)
@@ -95,6 +98,35 @@ def test_fast_encode_equals_the_general_encoder(fmt):
         w = words if rounding == "stochastic" else None
         assert_codes_equal(_fast(fmt, u, rounding, w), _general(fmt, u, rounding, w),
                            u.view(np.float32), f"{fmt} {rounding}")
+
+
+def _subnormal_range_inputs(fmt: str, n: int = 1 << 14) -> np.ndarray:
+    """Float32 patterns of both signs from 40 binades below the format's smallest normal up
+    to 4 above it, and float32 subnormals: where stochastic results become subnormal."""
+    f = lowprec.element_format(fmt)
+    rng = np.random.default_rng(11)
+    mant = rng.integers(0, 1 << 23, n, dtype=np.uint32)
+    field = np.clip(rng.integers(f.emin - 40, f.emin + 4, n) + 127, 0, 254).astype(np.uint32)
+    sign = rng.integers(0, 2, n, dtype=np.uint32) << np.uint32(31)
+    return sign | (field << np.uint32(23)) | mant
+
+
+@pytest.mark.parametrize("fmt", ELEMENTS)
+def test_stochastic16_encoders_equal_the_general_encoder(fmt):
+    """The encoders of 16-bit words (given the complement 0xFFFF − r) against the general
+    float64 encoder comparing r · 2^16 with frac · 2^32, on every branch's inputs, the
+    extreme words included; under jit and eagerly."""
+    f = lowprec.element_format(fmt)
+    enc = _encode_fast.stochastic16_encoder(f)
+    if enc is None:
+        pytest.skip(f"no 16-bit stochastic fast path for {fmt}")
+    u = np.concatenate([_inputs(fmt), _subnormal_range_inputs(fmt)])
+    r16 = np.random.default_rng(8).integers(0, 1 << 16, u.size, dtype=np.uint32)
+    r16[:256] = [0, 1, 0x8000, 0xFFFF] * 64
+    nr = jnp.asarray(r16 ^ np.uint32(0xFFFF))
+    want = _general(fmt, u, "stochastic", r16 << np.uint32(16))
+    for got in (jax.jit(lambda v, w: enc(f, v, w))(jnp.asarray(u), nr), enc(f, jnp.asarray(u), nr)):
+        assert_codes_equal(np.asarray(got), want, u.view(np.float32), f"{fmt} stochastic16")
 
 
 @pytest.mark.parametrize("fmt", ELEMENTS)
@@ -294,8 +326,9 @@ _WORD_CASES = [(f, s) for f in ELEMENTS for s in _WORD_SHAPES
 
 @pytest.mark.parametrize("fmt,shape", _WORD_CASES, ids=str)
 def test_key_equals_its_words_given(fmt, shape):
-    """The words generated inside the encoder (each element hashing its own index) are
-    those of random_bits, and rounding with them matches the reference."""
+    """The words generated inside the encoder (each element hashing its own index, fast
+    encoder or general) are those of random_bits, and rounding with them matches the
+    reference."""
     rng = np.random.default_rng(4)
     x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-20, 10, shape)).astype(np.float32)
     if not lowprec.element_format(fmt).signed:
