@@ -168,9 +168,9 @@ def encode_rebias_stochastic16(fmt: ElementFormat, u, nr):
     Normal results: :func:`encode_rebias`'s rebias with the carry addend in place of the
     rounding bias. Subnormal results (|x| < 2^emin): the quantum is 2^(emin − M) whatever
     x's exponent, so T = |x| · 2^(M + 16 − emin), a float32 multiply by a power of two and
-    exact (T < 2^(M + 16)), is |x| in units of 2^-16 quanta, and ⌈T⌉ (exact) + nr carries
-    into bit 16 iff r < T mod 2^16 (r is an integer, so r < y ⇔ r < ⌈y⌉): the code is
-    (⌈T⌉ + nr) >> 16. ⌈T⌉ becomes an integer by adding 2^23 and reading the pattern's
+    exact (T < 2^(M + 16)), is |x| in units of 2^-16 quanta: the code rounded toward zero
+    is ⌊T / 2^16⌋ and frac · 2^16 = T mod 2^16. As r is an integer, r < y ⇔ r < ⌈y⌉, so
+    the code is (⌈T⌉ + nr) >> 16 (⌈T⌉ exact). ⌈T⌉ becomes an integer by adding 2^23 and reading the pattern's
     low bits where T < 2^23 (FP8), by a float-to-int conversion otherwise (fp16). A float32
     subnormal x (|x| < 2^-126; flushed to zero by XLA on CPU) has 0 < T < 1, so ⌈T⌉ = 1
     for x ≠ 0: the integer max with min(|x|'s pattern, 1) gives that on every backend.
@@ -232,7 +232,8 @@ def encode_e8m0_stochastic16(u, nr):
     the word complements ``nr``.
 
     A normal x = 2^e · (1 + m/2^23) rounds up to 2^(e+1) iff r < m · 2^-7: the code is
-    (u + addend) >> 23, 0xFF (NaN) from 2^127 up, inf and NaN included (``min``). A float32
+    (u + addend) >> 23, capped by ``min`` at 0xFF (NaN: the "ieee" overflow of a value of
+    the top binade rounding up, and of inf and NaN). A float32
     subnormal x lies below 2^-126 (code 1): from 2^-127 (code 0, pattern 2^22) up it rounds
     between codes 0 and 1 with frac = (pattern − 2^22) / 2^22, which is the normal rule on
     the doubled pattern, one code lower; below 2^-127 it is code 0 (the general encoder's
@@ -258,5 +259,11 @@ def stochastic16_encoder(fmt: ElementFormat):
     if same_range_encodable(fmt):
         return encode_same_range_stochastic16
     if is_e8m0(fmt):
-        return lambda _, u, nr: encode_e8m0_stochastic16(u, nr)
+        return _e8m0_stochastic16
     return None
+
+
+def _e8m0_stochastic16(fmt: ElementFormat, u, nr):
+    """:func:`encode_e8m0_stochastic16` with the common signature (``fmt`` is E8M0)."""
+    del fmt
+    return encode_e8m0_stochastic16(u, nr)

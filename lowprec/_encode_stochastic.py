@@ -37,9 +37,10 @@ def encode_stochastic(fmt: ElementFormat, u, overflow: Union[str, Overflow], rng
     Caller words (uint16 or uint32, ``u``'s shape) are used as given. With a key, the words
     of the contract (``_random.random_bits``) are generated here, one per element inside the
     encode, from each element's row-major index in ``u`` (a reshape, such as MX's split into
-    blocks, keeps it). 16-bit words of float32 input under "ieee" overflow go to the fast
-    encoder of the format where there is one; 32-bit words, float64 input, ``scale_exp``
-    (broadcastable to ``u``) and ``assume_finite`` go to :func:`encode_bits`.
+    blocks, keeps it). 16-bit words of float32 input under "ieee" overflow and without
+    ``scale_exp`` take the format's fast encoder where it has one (those handle NaN and inf
+    whatever ``assume_finite`` says); everything else takes :func:`encode_bits`, with
+    ``scale_exp`` (broadcastable to ``u``) and ``assume_finite`` as it defines them.
     Returns int32 codes of ``u``'s shape.
     """
     key, words = rng
