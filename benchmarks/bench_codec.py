@@ -9,8 +9,8 @@ For each element format, one interleaved timing group (see ``_timing.py``) holds
 * ``lowprec`` encode, jitted: ``jax.jit(lambda x: lowprec.encode(x, fmt, rounding=...,
   overflow=...))`` for every rounding mode with ``overflow="ieee"``, plus the default
   rounding with ``overflow="saturate"``. ``stochastic`` draws its random words inside the
-  call from the key passed in (16-bit Philox2x32 words, ``lowprec.random_bits``), as
-  encode does.
+  call from the key passed in (16-bit words of the keyed counter hash,
+  ``lowprec.random_bits``), as encode does.
 * ``XLA native`` encode: ``jax.jit(lambda x: lax.bitcast_convert_type(x.astype(dtype),
   uint))``; the bitcast keeps the output an integer array like lowprec's codes. TF32 has no
   dtype: ``lax.reduce_precision(x, 8, 10)`` bitcast to uint32. E2M1 returns the

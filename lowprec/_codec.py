@@ -72,8 +72,9 @@ def encode(
         distance from the value toward zero in units of the gap: with probability
         ⌈frac_i·2^16⌉/2^16, so E[q(x)] = x exactly when frac_i is a multiple of 2^-16
         (bf16, fp16 from float32 normals) and within 2^-16 of a gap otherwise. The
-        16-bit words come from Philox2x32-10 (:func:`lowprec.random_bits`; contract in
-        docs/design.md §2), drawn inside the call.
+        16-bit words come from a keyed hash of the element index
+        (:func:`lowprec.random_bits`; contract in docs/design.md §2), drawn inside the
+        call.
       random_bits: instead of ``key``: your own words, one per element of ``x``: uint16
         (the same rule) or uint32 (compared with ``frac_i * 2**32``), e.g. to replay a
         rounding or to use another generator.

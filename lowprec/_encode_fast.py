@@ -2,10 +2,14 @@
 
 Same results as the general encoder (``_encode.encode_bits``), bit for bit, in fewer
 operations: a rebias-and-round for the small signed float formats (nearest even and
-stochastic rounding), and a shift for E8M0 (both nearest modes). Each applies where the
-format's fields fit its preconditions (:func:`rebias_encodable`, :func:`is_e8m0`), never by
-name; tests/test_fast_paths.py compares them with the general encoder for every format on
-samples, scripts/exhaustive_f32.py on every float32 input.
+stochastic rounding), and a shift for E8M0 (both nearest modes). Stochastic rounding with
+16-bit words (the key's words, or caller uint16 words) has its own encoders, which take the
+word's complement 0xFFFF − r and need no variable shift: :func:`stochastic16_encoder` picks
+one for the rebias formats, the formats with float32's exponent range (bf16, tf32) and E8M0.
+Each applies where the format's fields fit its preconditions (:func:`rebias_encodable`,
+:func:`same_range_encodable`, :func:`is_e8m0`), never by name; tests/test_fast_paths.py
+compares them with the general encoder for every format on samples, and
+scripts/exhaustive_f32.py the default mode on every float32 input.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ._bits import (
     bits_to_f32,
     f32_bits,
 )
+from ._random import WORD_BITS
 from ._format import ElementFormat
 
 
@@ -135,3 +140,130 @@ def encode_e8m0_nearest(u):
     # u − 1 wraps for u = 0, so one unsigned compare catches +0 and every negative pattern.
     no_code = (u - jnp.uint32(1)) >= jnp.uint32(F32_ABS)
     return jnp.where(no_code, jnp.uint32(E8M0_NAN), code).astype(jnp.int32)
+
+
+# -- stochastic rounding with 16-bit words ----------------------------------------------------
+# Each encoder takes ``nr = 0xFFFF − r`` (uint32), r the element's 16-bit word, and rounds
+# away from zero iff r < frac · 2^16 (the contract), frac being the dropped part of the
+# magnitude in units of the result's last place. With s ≥ 1 bits dropped (their value rem),
+# r < rem · 2^(16 − s) ⇔ ⌊r / 2^(16 − s)⌋ < rem for s ≤ 16 and ⇔ r · 2^(s − 16) < rem for
+# s > 16, so adding the complement of r scaled to the cut, nr >> (16 − s) or
+# (nr << (s − 16)) + 2^(s − 16) − 1, carries into the kept bits exactly then. The general
+# encoder compares 32-bit words r · 2^16 with frac · 2^32, which decides alike.
+
+
+def _carry_addend(nr, shift: int):
+    """``nr`` aligned below a cut ``shift`` bits up: the addend that carries iff the dropped
+    ``shift`` bits exceed the word (see above). Static ``shift`` in 1..31."""
+    if shift <= WORD_BITS:
+        return lax.shift_right_logical(nr, jnp.uint32(WORD_BITS - shift))
+    fill = (1 << (shift - WORD_BITS)) - 1
+    return lax.shift_left(nr, jnp.uint32(shift - WORD_BITS)) + jnp.uint32(fill)
+
+
+def encode_rebias_stochastic16(fmt: ElementFormat, u, nr):
+    """Stochastic / "ieee" encode of float32 patterns ``u`` (int32 codes) for the formats of
+    :func:`rebias_encodable`, given the word complements ``nr``.
+
+    Normal results: :func:`encode_rebias`'s rebias with the carry addend in place of the
+    rounding bias. Subnormal results (|x| < 2^emin): the quantum is 2^(emin − M) whatever
+    x's exponent, so T = |x| · 2^(M + 16 − emin), a float32 multiply by a power of two and
+    exact (T < 2^(M + 16)), is |x| in units of 2^-16 quanta: the code rounded toward zero
+    is ⌊T / 2^16⌋ and frac · 2^16 = T mod 2^16. As r is an integer, r < y ⇔ r < ⌈y⌉, so
+    the code is (⌈T⌉ + nr) >> 16 (⌈T⌉ exact). ⌈T⌉ becomes an integer by adding 2^23 and reading the pattern's
+    low bits where T < 2^23 (FP8), by a float-to-int conversion otherwise (fp16). A float32
+    subnormal x (|x| < 2^-126; flushed to zero by XLA on CPU) has 0 < T < 1, so ⌈T⌉ = 1
+    for x ≠ 0: the integer max with min(|x|'s pattern, 1) gives that on every backend.
+    """
+    m_bits = fmt.mantissa_bits
+    shift = F32_MANT_BITS - m_bits
+    sign = u & jnp.uint32(F32_SIGN)
+    mag = u & jnp.uint32(F32_ABS)
+    over = fmt.inf_code if fmt.inf else fmt.nan_code
+    rebias = ((fmt.bias - F32_BIAS) << F32_MANT_BITS) % (1 << 32)
+    normal = lax.shift_right_logical(mag + jnp.uint32(rebias) + _carry_addend(nr, shift),
+                                     jnp.uint32(shift))
+    normal = jnp.minimum(normal, jnp.uint32(over))
+    scale = np.float32(2.0 ** (m_bits + WORD_BITS - fmt.emin))
+    t_ceil = jnp.ceil(bits_to_f32(mag) * scale)
+    if m_bits + WORD_BITS <= F32_MANT_BITS:  # ⌈T⌉ ≤ 2^(M + 16) ≤ 2^23: exact after + 2^23
+        magic_bits = (F32_BIAS + F32_MANT_BITS) << F32_MANT_BITS  # 2^23
+        magic = np.uint32(magic_bits).view(np.float32)
+        units = f32_bits(t_ceil + magic) - jnp.uint32(magic_bits)
+    else:  # ⌈T⌉ < 2^26 (fp16): an exact conversion
+        units = t_ceil.astype(jnp.int32).astype(jnp.uint32)
+    units = jnp.maximum(units, jnp.minimum(mag, jnp.uint32(1)))
+    sub = lax.shift_right_logical(units + nr, jnp.uint32(WORD_BITS))
+    is_sub = mag < jnp.uint32((fmt.emin + F32_BIAS) << F32_MANT_BITS)
+    code = jnp.where(is_sub, sub, normal)
+    if fmt.inf:  # NaN has its own code (inf is handled by the min above)
+        code = jnp.where(mag > jnp.uint32(F32_INF), jnp.uint32(fmt.nan_code), code)
+    code = code | lax.shift_right_logical(sign, jnp.uint32(F32_SIGN_SHIFT - fmt.magnitude_bits))
+    return code.astype(jnp.int32)
+
+
+def same_range_encodable(fmt: ElementFormat) -> bool:
+    """Whether ``fmt`` has float32's exponent range and IEEE specials, so that its code is
+    the top bits of a float32 magnitude (bf16, tf32; static): the general encoder's
+    shortcut for such formats."""
+    return (
+        fmt.encoding == "sign_magnitude" and fmt.ties == "significand"
+        and fmt.signed and fmt.zero and fmt.inf and fmt.nan == "ieee"
+        and fmt.emin == F32_EMIN and fmt.mantissa_bits < F32_MANT_BITS
+    )
+
+
+def encode_same_range_stochastic16(fmt: ElementFormat, u, nr):
+    """Stochastic / "ieee" encode of float32 patterns ``u`` (int32 codes) for the formats of
+    :func:`same_range_encodable`: the magnitude plus the carry addend, shifted. The carry
+    moves into the exponent field by itself (subnormals included) and from the largest
+    finite value onto infinity, as rounding to nearest does (IEEE 754 §7.4)."""
+    shift = F32_MANT_BITS - fmt.mantissa_bits
+    sign = u & jnp.uint32(F32_SIGN)
+    mag = u & jnp.uint32(F32_ABS)
+    code = lax.shift_right_logical(mag + _carry_addend(nr, shift), jnp.uint32(shift))
+    code = jnp.where(mag > jnp.uint32(F32_INF), jnp.uint32(fmt.nan_code), code)
+    code = code | lax.shift_right_logical(sign, jnp.uint32(F32_SIGN_SHIFT - fmt.magnitude_bits))
+    return code.astype(jnp.int32)
+
+
+def encode_e8m0_stochastic16(u, nr):
+    """E8M0 stochastic encode of float32 patterns ``u`` with "ieee" overflow (int32), given
+    the word complements ``nr``.
+
+    A normal x = 2^e · (1 + m/2^23) rounds up to 2^(e+1) iff r < m · 2^-7: the code is
+    (u + addend) >> 23, capped by ``min`` at 0xFF (NaN: the "ieee" overflow of a value of
+    the top binade rounding up, and of inf and NaN). A float32
+    subnormal x lies below 2^-126 (code 1): from 2^-127 (code 0, pattern 2^22) up it rounds
+    between codes 0 and 1 with frac = (pattern − 2^22) / 2^22, which is the normal rule on
+    the doubled pattern, one code lower; below 2^-127 it is code 0 (the general encoder's
+    rule for values under the smallest code). Zero and negatives (sign bit set) have no code
+    but NaN.
+    """
+    add = _carry_addend(nr, F32_MANT_BITS)
+    normal = jnp.minimum(lax.shift_right_logical(u + add, jnp.uint32(F32_MANT_BITS)), E8M0_NAN)
+    doubled = lax.shift_right_logical(lax.shift_left(u, jnp.uint32(1)) + add,
+                                      jnp.uint32(F32_MANT_BITS))
+    sub = jnp.maximum(doubled, jnp.uint32(1)) - jnp.uint32(1)
+    code = jnp.where(u < jnp.uint32(F32_IMPLICIT), sub, normal)
+    no_code = (u - jnp.uint32(1)) >= jnp.uint32(F32_ABS)  # +0 and every negative pattern
+    return jnp.where(no_code, jnp.uint32(E8M0_NAN), code).astype(jnp.int32)
+
+
+def stochastic16_encoder(fmt: ElementFormat):
+    """The encoder ``f(fmt, u, nr)`` of stochastic rounding with 16-bit words for float32
+    patterns under "ieee" overflow, or None where ``fmt`` takes the general encoder
+    (static)."""
+    if rebias_encodable(fmt):
+        return encode_rebias_stochastic16
+    if same_range_encodable(fmt):
+        return encode_same_range_stochastic16
+    if is_e8m0(fmt):
+        return _e8m0_stochastic16
+    return None
+
+
+def _e8m0_stochastic16(fmt: ElementFormat, u, nr):
+    """:func:`encode_e8m0_stochastic16` with the common signature (``fmt`` is E8M0)."""
+    del fmt
+    return encode_e8m0_stochastic16(u, nr)

@@ -1,9 +1,8 @@
-"""The random words of stochastic rounding: Philox2x32-10, keyed from a JAX PRNG key.
+"""The random words of stochastic rounding: a keyed counter hash, one 16-bit word per element.
 
-:func:`random_bits` states the contract (docs/design.md §2: one 16-bit word per element); the
-encoders draw the same words inside their own computation with :func:`key_words`,
-:func:`hash_words` and :func:`element_words`, and read caller-supplied words through
-:func:`as_word32`.
+:func:`random_bits` states the contract (docs/design.md §2); the encoders draw the same words
+inside their own computation with :func:`key_words` and :func:`word_complements`, and read
+caller-supplied words through :func:`as_word32`.
 """
 
 from __future__ import annotations
@@ -14,107 +13,46 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Philox2x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3",
-# SC 2011; the Random123 library): a counter-based generator, so word i is a pure function of
-# (key, i) and one evaluation per element fuses into the encode that consumes it. On CPU this
-# costs about a tenth of what jax.random.bits' default threefry does there (threefry runs as
-# a rolled XLA loop on CPU). One round maps the counter (x0, x1) and key k to
-# (hi(M·x0) ^ x1 ^ k, lo(M·x0)), and the key grows by W between rounds; constants from
-# Random123's philox.h.
-PHILOX_M2x32 = 0xD256D193  # the round multiplier
-PHILOX_W32 = 0x9E3779B9  # the key increment, 2^32 / golden ratio rounded to odd
-PHILOX_ROUNDS = 10
+# The generator: word i is the top half of a 32-bit hash of the element index i under the two
+# key words (k0, k1). It is the SplitMix construction (Steele, Lea & Flood, "Fast splittable
+# pseudorandom number generators", OOPSLA 2014: a mixing function applied to the Weyl sequence
+# i·γ + seed) in 32 bits: the Weyl step, one xorshift that also takes k1, then the two
+# multiply–xorshift rounds of C. Wellons' lowbias32 (hash-prospector, 2018). Its last
+# xorshift (x ^= x >> 16) leaves the top 16 bits alone, so it is left out. Each word costs
+# three vector multiplies and no state, so the words are drawn inside the encode that uses
+# them, per element (XLA fuses per output element: a generator that serves several elements
+# per evaluation only pays off where their codes are packed into one output word, and that
+# packing costs more than this hash; see benchmarks/README.md).
+WEYL = 0x9E3779B9  # γ: 2^32 / golden ratio, rounded to odd (Knuth's multiplicative hash)
+MIX1, MIX2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
+SHIFT0, SHIFT1 = 16, 15  # lowbias32's first two xorshifts
+WORD_BITS = 16
+WORD_MASK = (1 << WORD_BITS) - 1
+_MAX_ELEMENTS = 2**32  # element indices are uint32
 
 
-def mulhi(a, m: int):
-    """High 32 bits of the 64-bit product of uint32 ``a`` and the constant ``m``.
-
-    ``lax.mulhi`` where it works: on CPU it is one vector multiply-high, and the whole
-    stochastic encode runs 1.8x faster with it than with the 16-bit schoolbook product
-    (e4m3: 1,170 vs 640 Melem/s). JAX versions without it, and processes with several
-    devices (its lowering fails on partitioned arrays in JAX 0.10), take
-    :func:`mulhi_halves`; both give the same bits (tests/test_fast_paths.py).
-    """
-    if _lax_mulhi_lowers(a):
-        return lax.mulhi(a, lax.full_like(a, m))
-    return mulhi_halves(a, m)
-
-
-def _lax_mulhi_lowers(a) -> bool:
-    """Whether ``lax.mulhi`` exists and ``a`` cannot be partitioned: one device in the
-    process and no Explicit/Manual mesh axes (static)."""
-    if not hasattr(lax, "mulhi"):
-        return False
-    # XLA's partitioner cannot lower chlo.mulhi in JAX 0.10 (MHLO→StableHLO fails on the
-    # sharded op), and a traced array on Auto axes shows no mesh at trace time: with more
-    # than one device in the process the array may be partitioned, so take the halves.
-    if jax.device_count() > 1:
-        return False
-    try:
-        types = tuple(jax.typeof(a).sharding.mesh.axis_types)
-    except AttributeError:  # a JAX without typed shardings: no explicit axes either
-        return True
-    return all(t == jax.sharding.AxisType.Auto for t in types)
-
-
-def mulhi_halves(a, m: int):
-    """:func:`mulhi` as the schoolbook product of 16-bit halves, every partial sum within
-    32 bits."""
-    mask = jnp.uint32(0xFFFF)
-    a_lo, a_hi = a & mask, lax.shift_right_logical(a, jnp.uint32(16))
-    m_lo, m_hi = jnp.uint32(m & 0xFFFF), jnp.uint32(m >> 16)
-    mid = a_hi * m_lo + lax.shift_right_logical(a_lo * m_lo, jnp.uint32(16))
-    mid2 = a_lo * m_hi + (mid & mask)
-    return (
-        a_hi * m_hi + lax.shift_right_logical(mid, jnp.uint32(16))
-        + lax.shift_right_logical(mid2, jnp.uint32(16))
-    )
-
-
-def philox2x32(key, x0, x1):
-    """Philox2x32-10 of the counters ``(x0, x1)`` under the 32-bit ``key`` (uint32 arrays,
-    broadcast together); returns the two output words.
+def word_hash(k, index):
+    """The 32-bit hash of the uint32 element ``index`` under the key words ``k = (k0, k1)``;
+    its top 16 bits are the element's word.
 
     Example:
         >>> import jax.numpy as jnp
         >>> z = jnp.uint32(0)
-        >>> [hex(int(w)) for w in philox2x32(z, z, z)]  # Random123's known-answer test
-        ['0xff1dae59', '0x6cd10df2']
+        >>> hex(int(word_hash((z, z), jnp.uint32(1))))
+        '0x1fce4ae'
     """
-    key, x0, x1 = (jnp.asarray(v, jnp.uint32) for v in (key, x0, x1))
-    x0, x1 = jnp.broadcast_arrays(x0, x1)
-    for r in range(PHILOX_ROUNDS):
-        if r:
-            key = key + jnp.uint32(PHILOX_W32)
-        lo = x0 * jnp.uint32(PHILOX_M2x32)
-        x0, x1 = mulhi(x0, PHILOX_M2x32) ^ x1 ^ key, lo
-    return x0, x1
-
-
-# The contract (docs/design.md §2): with key=, element i (row-major) gets the 16-bit word
-#     r_i = bits 16·(i mod 4) .. 16·(i mod 4) + 15 of  out0 | out1 << 32,
-#     (out0, out1) = philox2x32(k0, k1, ⌊i / 4⌋),   (k0, k1) = jax.random.bits(key, (2,), uint32),
-# and rounds away from zero iff r_i < frac_i · 2^16. One Philox evaluation serves four
-# elements; encoders that write codes of at most 16 bits compute it once per four (or two)
-# elements by packing the codes of neighbouring elements into one uint32 (see
-# ``_encode_stochastic.encode_stochastic``), which is what makes key= fast. Caller-supplied 32-bit
-# words use the same rule with 2^32.
-WORD_BITS = 16
-WORDS_PER_HASH = 4  # 64 output bits of Philox2x32 / 16
-_MAX_ELEMENTS = 2**32  # element indices are uint32
+    k0, k1 = k
+    x = index * jnp.uint32(WEYL) + k0
+    x = x ^ lax.shift_right_logical(x, jnp.uint32(SHIFT0)) ^ k1
+    x = x * jnp.uint32(MIX1)
+    x = x ^ lax.shift_right_logical(x, jnp.uint32(SHIFT1))
+    return x * jnp.uint32(MIX2)
 
 
 def key_words(key):
     """The two uint32 words drawn from ``key`` that key the generator: (k0, k1)."""
     k = jax.random.bits(key, (2,), jnp.uint32)
     return k[0], k[1]
-
-
-def hash_words(k, group):
-    """Philox2x32 output (out0, out1) for the uint32 group indices ``group``: the words of
-    elements 4·group .. 4·group + 3 (16 bits each, lowest first)."""
-    k0, k1 = k
-    return philox2x32(k0, k1, group)
 
 
 def check_size(shape) -> tuple:
@@ -130,12 +68,20 @@ def check_size(shape) -> tuple:
     return shape
 
 
+def element_index(shape):
+    """The row-major index of every element of ``shape`` (uint32 array of that shape)."""
+    return lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+
+
 def element_words(k, index):
-    """The 16-bit word (as uint32 0..0xFFFF) of each element flat ``index`` (uint32 array)."""
-    out0, out1 = hash_words(k, lax.shift_right_logical(index, jnp.uint32(2)))
-    word = jnp.where((index & 2) != 0, out1, out0)
-    return jnp.where((index & 1) != 0, lax.shift_right_logical(word, jnp.uint32(16)),
-                     word & jnp.uint32(0xFFFF))
+    """The 16-bit word (uint32 0..0xFFFF) of each element ``index`` (uint32 array)."""
+    return lax.shift_right_logical(word_hash(k, index), jnp.uint32(WORD_BITS))
+
+
+def word_complements(k, index):
+    """0xFFFF minus the word of each element ``index``: the form the encoders add below the
+    cut (rounding away from zero iff it carries); uint32 0..0xFFFF."""
+    return lax.shift_right_logical(~word_hash(k, index), jnp.uint32(WORD_BITS))
 
 
 def random_bits(key, shape) -> jax.Array:
@@ -151,10 +97,13 @@ def random_bits(key, shape) -> jax.Array:
     from zero. Passing ``random_bits=random_bits(key, shape)`` instead of ``key`` gives the
     same result; your own 32-bit words (``random_bits=`` a uint32 array) use 2^32 instead.
 
-    Word i is 16 bits of Philox2x32-10 (Salmon et al., SC 2011; Random123): with
+    Word i is the top 16 bits of a 32-bit hash of i (docs/design.md §2): with
     ``k0, k1 = jax.random.bits(key, (2,), jnp.uint32)`` (the only draw from ``key``, so any
-    key type works: threefry, rbg, raw ``uint32[2]``), ``(out0, out1) = philox2x32(k0, k1,
-    i // 4)`` and word i is 16-bit chunk ``i % 4`` of ``out0 | out1 << 32``, lowest first.
+    key type works: threefry, rbg, raw ``uint32[2]``), and arithmetic modulo 2^32,
+    ``x = i·0x9E3779B9 + k0``, ``x ^= (x >> 16) ^ k1``, ``x *= 0x7FEB352D``,
+    ``x ^= x >> 15``, ``x *= 0x846CA68B``, and word i is ``x >> 16``: a Weyl sequence through
+    the multiply–xorshift rounds of Wellons' lowbias32 (the SplitMix construction of Steele,
+    Lea & Flood, 2014, in 32 bits). Its statistical checks are in tests/test_random_words.py.
 
     Args:
       key: a JAX PRNG key (typed or raw).
@@ -170,14 +119,12 @@ def random_bits(key, shape) -> jax.Array:
         ((2, 3), 'uint16')
     """
     shape = check_size(shape)
-    n = math.prod(shape)
-    words = element_words(key_words(key), lax.iota(jnp.uint32, n))
-    return words.astype(jnp.uint16).reshape(shape)
+    return element_words(key_words(key), element_index(shape)).astype(jnp.uint16)
 
 
 def as_word32(words):
     """Caller words as uint32 compared with frac · 2^32: a 16-bit word r is r · 2^16 (the
     same decision as r < frac · 2^16)."""
     if words.dtype == jnp.uint16:
-        return lax.shift_left(words.astype(jnp.uint32), jnp.uint32(16))
+        return lax.shift_left(words.astype(jnp.uint32), jnp.uint32(WORD_BITS))
     return words.astype(jnp.uint32)

@@ -42,7 +42,7 @@ from .mx import (
     shared_exponent,
     unpack_codes,
 )
-from .random import philox2x32, random_bits
+from .random import random_bits, word_hash
 
 __all__ = [
     "FP4_VALUES",
@@ -60,7 +60,6 @@ __all__ = [
     "mx_element_format",
     "nvfp4_tensor_scale",
     "pack_codes",
-    "philox2x32",
     "quantize_mx",
     "quantize_nvfp4",
     "random_bits",
@@ -68,4 +67,5 @@ __all__ = [
     "shared_exponent",
     "unpack_codes",
     "value_of_code",
+    "word_hash",
 ]

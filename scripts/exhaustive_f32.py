@@ -4,8 +4,8 @@
    for tf32), bit for bit; a NaN output only needs to be a NaN with the input's sign (lowprec
    gives the format's canonical NaN; docs/design.md §9);
 2. the float32 fast paths (default mode, and stochastic rounding with fixed pseudo-random
-   words) against lowprec's general encoder run on the same values as float64 patterns, which
-   no fast path takes, bit for bit.
+   32-bit words and with 16-bit words, whose encoders differ) against lowprec's general
+   encoder run on the same values as float64 patterns, which no fast path takes, bit for bit.
 
 Run: ``python scripts/exhaustive_f32.py`` (every element format; about 10 minutes per format
 on a 2-core CPU), ``--formats fp16 e8m0``, ``--step 64`` (every 64th chunk of 2^22 patterns,
@@ -65,6 +65,21 @@ def check_format(name: str, step: int) -> int:
         return jax.jit(run)
 
     pairs = [(m, fast(m), general(m)) for m in fast_modes]
+    enc16 = _encode_fast.stochastic16_encoder(f)
+    if enc16 is not None:  # 16-bit words: the top half of the same pseudo-random words
+        def words16(s):
+            return lax.shift_right_logical(_words(s), jnp.uint32(16))
+
+        def fast16(s):
+            u = s + jnp.arange(CHUNK, dtype=jnp.uint32)
+            return enc16(f, u, words16(s) ^ jnp.uint32(0xFFFF))
+
+        def general16(s):
+            u = _dtypes.f32_bits_to_f64(s + jnp.arange(CHUNK, dtype=jnp.uint32))
+            return _encode.encode_bits(f, lax.bitcast_convert_type(u, jnp.uint64), "stochastic",
+                                      "ieee", lax.shift_left(words16(s), jnp.uint32(16)))
+        pairs.append(("stochastic16", jax.jit(fast16), jax.jit(general16)))
+        fast_modes.append("stochastic16")
     bad = {"default vs " + ("ml_dtypes" if dt is not None else "reduce_precision"): 0}
     bad.update({f"{m} fast vs general": 0 for m in fast_modes})
     t0 = time.perf_counter()

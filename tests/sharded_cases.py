@@ -430,9 +430,9 @@ def test_sharded_inputs_keep_the_partitionable_formulation():
 
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_stochastic_rounding_compiles_sharded(kind):
-    """Stochastic rounding under jit on a sharded array (JAX 0.10's partitioner cannot lower
-    lax.mulhi, which the random words' Philox used): the same bits as on one device, because
-    the words depend only on the key and the element index."""
+    """Stochastic rounding under jit on a sharded array (the words are computed from each
+    element's global index inside the encode): the same bits as on one device, because the
+    words depend only on the key and the element index."""
     x = _data((128, 64)).at[1, 32:64].set(1.0)
     k = jax.random.key(3)
     enc = lambda v: lowprec.quantize(v, "e4m3", rounding="stochastic", key=k)

@@ -615,7 +615,7 @@ STOCHASTIC_RULE_CASES = [
 @element_cases(impls="all")
 def test_stochastic_uses_the_documented_random_words(fmt, shape, codec):
     # Element i rounds up iff random_bits(key, x.shape)[i] < frac_i * 2^16, the 16-bit words
-    # being Philox2x32-10 keyed by jax.random.bits(key, (2,), uint32), replayed here by the
+    # being the word hash keyed by jax.random.bits(key, (2,), uint32), replayed here by the
     # NumPy reference. lowprec is called directly (no padding): the words are those of x's
     # shape. The reference takes 32-bit words compared with frac * 2^32; r * 2^16 decides alike.
     key = jax.random.key(7)

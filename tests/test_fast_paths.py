@@ -7,9 +7,9 @@ oracle where it is independent enough (the float64 encoder for float32 inputs, t
 MX decode), and the NumPy reference or ml_dtypes otherwise. Contents: default-mode and
 stochastic encode fast paths vs the general encoder; decode by float subtraction vs the
 integer decode; MX decode by float multiply vs the bit-built decode, and the predicate
-choosing it; Philox2x32 known answers and the word contract (replayed by the NumPy
-reference, and against JAX's own philox2x32 where it exists); the exact rounding
-probability of 16-bit words; caller-supplied words; matmul operand layouts.
+choosing it; the word hash's known answers and the word contract (replayed by the NumPy
+reference); the exact rounding probability of 16-bit words; caller-supplied words; matmul
+operand layouts. The words' statistics are tested in test_random_words.py.
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ def test_fast_paths_cover_the_formats_the_issue_names():
     # fp16 and e8m0 are the default-mode encoders that were slow; E4M3/E5M2 share fp16's path.
     assert {"fp16", "e4m3", "e5m2"} <= {n for n in ELEMENTS if "stochastic" in _fast_modes(n)}
     assert "e8m0" in {n for n in ELEMENTS if "nearest_away" in _fast_modes(n)}
+    # Stochastic rounding with 16-bit words (the key's): the formats of the CPU speed issue.
+    with16 = {n for n in ELEMENTS if _encode_fast.stochastic16_encoder(lowprec.element_format(n))}
+    assert {"fp16", "bf16", "tf32", "e4m3", "e5m2", "e8m0"} <= with16
 
 
 @pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
@@ -97,6 +100,36 @@ def test_fast_encode_equals_the_general_encoder(fmt):
         w = words if rounding == "stochastic" else None
         assert_codes_equal(_fast(fmt, u, rounding, w), _general(fmt, u, rounding, w),
                            u.view(np.float32), f"{fmt} {rounding}")
+
+
+def _subnormal_range_inputs(fmt: str, n: int = 1 << 14) -> np.ndarray:
+    """Float32 patterns of both signs from 40 binades below the format's smallest normal up
+    to 4 above it, and float32 subnormals: where stochastic results become subnormal."""
+    f = lowprec.element_format(fmt)
+    rng = np.random.default_rng(11)
+    mant = rng.integers(0, 1 << 23, n, dtype=np.uint32)
+    field = np.clip(rng.integers(f.emin - 40, f.emin + 4, n) + 127, 0, 254).astype(np.uint32)
+    sign = rng.integers(0, 2, n, dtype=np.uint32) << np.uint32(31)
+    return sign | (field << np.uint32(23)) | mant
+
+
+@pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e8m0"])
+@pytest.mark.parametrize("fmt", ELEMENTS)
+def test_stochastic16_encoders_equal_the_general_encoder(fmt):
+    """The encoders of 16-bit words (given the complement 0xFFFF − r) against the general
+    float64 encoder comparing r · 2^16 with frac · 2^32, on every branch's inputs, the
+    extreme words included; under jit and eagerly."""
+    f = lowprec.element_format(fmt)
+    enc = _encode_fast.stochastic16_encoder(f)
+    if enc is None:
+        pytest.skip(f"no 16-bit stochastic fast path for {fmt}")
+    u = np.concatenate([_inputs(fmt), _subnormal_range_inputs(fmt)])
+    r16 = np.random.default_rng(8).integers(0, 1 << 16, u.size, dtype=np.uint32)
+    r16[:256] = [0, 1, 0x8000, 0xFFFF] * 64
+    nr = jnp.asarray(r16 ^ np.uint32(0xFFFF))
+    want = _general(fmt, u, "stochastic", r16 << np.uint32(16))
+    for got in (jax.jit(lambda v, w: enc(f, v, w))(jnp.asarray(u), nr), enc(f, jnp.asarray(u), nr)):
+        assert_codes_equal(np.asarray(got), want, u.view(np.float32), f"{fmt} stochastic16")
 
 
 @pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
@@ -239,32 +272,39 @@ def test_quantize_along_axis_0_equals_axis_1_of_the_transpose(fmt):
 
 # -- random words -------------------------------------------------------------------------------
 
-# Random123's known-answer tests for Philox2x32-10 (kat_vectors): counter, key -> output.
-PHILOX_KAT = [
-    ((0x00000000, 0x00000000), 0x00000000, (0xFF1DAE59, 0x6CD10DF2)),
-    ((0xFFFFFFFF, 0xFFFFFFFF), 0xFFFFFFFF, (0x2C3F628B, 0xAB4FD7AD)),
-    ((0x243F6A88, 0x85A308D3), 0x13198A2E, (0xDD7CE038, 0xF62A4C12)),
+def _word_hash_by_hand(k0: int, k1: int, i: int) -> int:
+    """docs/design.md §2's hash in Python integers, each step reduced modulo 2^32."""
+    x = (i * 0x9E3779B9 + k0) % 2**32
+    x ^= (x >> 16) ^ k1
+    x = (x * 0x7FEB352D) % 2**32
+    x ^= x >> 15
+    return (x * 0x846CA68B) % 2**32
+
+
+# (k0, k1, i) -> hash: the values follow from the arithmetic above, e.g. for (0, 0, 1):
+# x = 0x9E3779B9; x ^ (x >> 16) = 0x9E37E78E; times 0x7FEB352D mod 2^32 = 0x641E19F6;
+# ^ (x >> 15) = 0x641ED1CA; times 0x846CA68B mod 2^32 = 0x01FCE4AE.
+WORD_HASH_KAT = [
+    (0, 0, 0, 0x00000000),
+    (0, 0, 1, 0x01FCE4AE),
+    (1, 2, 3, 0x776443F6),
+    (0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, None),
+    (0x243F6A88, 0x85A308D3, 0x13198A2E, None),
 ]
 
 
-@pytest.mark.parametrize("ctr,key,want", PHILOX_KAT)
-def test_philox2x32_known_answers(ctr, key, want):
-    got = _random.philox2x32(jnp.uint32(key), jnp.uint32(ctr[0]), jnp.uint32(ctr[1]))
-    assert tuple(int(v) for v in got) == want
-    assert tuple(int(v) for v in R.philox2x32(key, *ctr)) == want
-
-
-@pytest.mark.parametrize("impl", ["mulhi", "mulhi_halves"])
-def test_mulhi_is_the_high_word_of_the_64_bit_product(impl):
-    """Both multiply-highs (lax.mulhi where it lowers, 16-bit halves elsewhere) against the
-    exact 64-bit product computed by NumPy."""
-    a = np.random.default_rng(1).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
-    a[:4] = [0, 1, 2**31, 2**32 - 1]
-    want = (a.astype(np.uint64) * np.uint64(_random.PHILOX_M2x32)) >> np.uint64(32)
-    fn = getattr(_random, impl)
-    for got in (fn(jnp.asarray(a), _random.PHILOX_M2x32),
-                jax.jit(lambda v: fn(v, _random.PHILOX_M2x32))(a)):
-        assert np.array_equal(np.asarray(got).astype(np.uint64), want)
+@pytest.mark.parametrize("k0,k1,i,want", WORD_HASH_KAT, ids=str)
+def test_word_hash_known_answers(k0, k1, i, want):
+    by_hand = _word_hash_by_hand(k0, k1, i)
+    if want is not None:
+        assert by_hand == want
+    got = _random.word_hash((jnp.uint32(k0), jnp.uint32(k1)), jnp.uint32(i))
+    assert int(got) == by_hand
+    assert R.word_hash(k0, k1, i) == by_hand
+    # The word is the top half; the encoders' complement is 0xFFFF minus it.
+    k, idx = (jnp.uint32(k0), jnp.uint32(k1)), jnp.uint32(i)
+    assert int(_random.element_words(k, idx)) == by_hand >> 16
+    assert int(_random.word_complements(k, idx)) == 0xFFFF - (by_hand >> 16)
 
 
 @pytest.mark.quick_cases(shape=[(3, 5)])
@@ -286,30 +326,6 @@ def test_random_bits_are_a_prefix_stable_stream():
     assert np.array_equal(np.asarray(lowprec.random_bits(key, (10, 7))).ravel(), long[:70])
 
 
-def test_philox2x32_matches_jax_philox2x32_where_available():
-    try:
-        from jax._src.random.philox2x32 import philox2x32_p
-    except ImportError:
-        pytest.skip("this JAX has no philox2x32 generator")
-    rng = np.random.default_rng(2)
-    k, x0, x1 = (rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32) for _ in range(3))
-    want = philox2x32_p.bind(jnp.asarray(k[0]), jnp.asarray(x0), jnp.asarray(x1))
-    got = _random.philox2x32(jnp.asarray(k[0]), jnp.asarray(x0), jnp.asarray(x1))
-    for g, w in zip(got, want):
-        assert np.array_equal(np.asarray(g), np.asarray(w))
-
-
-def test_random_bits_are_balanced():
-    # A sanity check of the wiring (Philox's quality is its authors' business): every bit
-    # position of 2^16 words is set with frequency 1/2 within Hoeffding's 1e-9 bound, and
-    # neighbouring words (which share a Philox evaluation) are not equal more often than chance.
-    w = np.asarray(lowprec.random_bits(jax.random.key(0), (1 << 16,)))
-    t = math.sqrt(math.log(2 / 1e-9) / (2 * w.size))
-    for b in range(16):
-        assert abs(((w >> b) & 1).mean() - 0.5) <= t, b
-    assert (w[1:] == w[:-1]).mean() <= 2.0**-16 + t
-
-
 # Every shape for one format of each code width and fast path (the grouping depends on those
 # alone); the other formats take one even and one odd last axis.
 _WORD_SHAPES = [(8,), (3, 4), (5, 3), (2, 2, 6), ()]
@@ -320,8 +336,9 @@ _WORD_CASES = [(f, s) for f in ELEMENTS for s in _WORD_SHAPES
 @pytest.mark.quick_cases(fmt=["e4m3"], shape=[(3, 4), (5, 3)])
 @pytest.mark.parametrize("fmt,shape", _WORD_CASES, ids=str)
 def test_key_equals_its_words_given(fmt, shape):
-    """The grouped generation inside the encoder (4 or 2 elements per Philox evaluation, or
-    one per element for wide codes and odd last axes) gives the words of random_bits."""
+    """The words generated inside the encoder (each element hashing its own index, fast
+    encoder or general) are those of random_bits, and rounding with them matches the
+    reference."""
     rng = np.random.default_rng(4)
     x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-20, 10, shape)).astype(np.float32)
     if not lowprec.element_format(fmt).signed:

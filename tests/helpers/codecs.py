@@ -168,7 +168,7 @@ def _parametrize(metafunc, argnames, cases, ids, overflows, impls) -> None:
 # cost minutes of compilation; with one shape, all float32 tests share one program per mode.
 # Stochastic rounding draws its words for the padded shape, so the reference is given the
 # same words: ``stochastic_bits(key, shape)``. That lowprec uses exactly the documented words
-# (``replay_random_bits``, Philox2x32 recomputed by the NumPy reference) for unpadded shapes
+# (``replay_random_bits``, the word hash recomputed by the NumPy reference) for unpadded shapes
 # is tested directly.
 
 
@@ -193,7 +193,7 @@ def _unpad(out, x: np.ndarray) -> np.ndarray:
 def replay_random_bits(key, shape) -> np.ndarray:
     """The uint16 words ``lowprec.random_bits(key, shape)`` documents, recomputed without
     lowprec: the two key words come from ``jax.random.bits(key, (2,), uint32)`` (the one draw
-    the contract makes from the key), Philox2x32-10 from the NumPy reference."""
+    the contract makes from the key), the word hash from the NumPy reference."""
     import lowprec_reference
 
     key_words = np.asarray(jax.random.bits(key, (2,), jnp.uint32))
