@@ -35,6 +35,15 @@ their operands' dtypes; ``group_sizes`` gets none (integers).
 
 Not supported (refused with an error): ``group_offset`` (a slice of the groups, for expert
 sharding), :class:`~lowprec.MXArray` operands, other ``ragged_dot_general`` layouts.
+
+Sharding: ``out_sharding`` goes to the forward ragged dot, as for :func:`dot_general`, and
+MX blocks along K must not straddle shards (checked where the layout is visible). On
+``Explicit`` mesh axes each backward ragged dot is given its operand's sharding (JAX's own
+transpose of ``lax.ragged_dot`` passes none, and ``lax.ragged_dot_general`` infers none
+there); JAX 0.10's ``ragged_dot_general`` has no ``Explicit`` rule for sharded tokens or K at
+all, so on such axes expert-parallel layouts (rhs split over G) train, and others fail
+inside JAX. ``Auto`` axes take any layout (tests/test_ragged.py: tokens, N and experts split
+over 4 CPU devices give one device's result up to float32 summation order).
 """
 
 from __future__ import annotations

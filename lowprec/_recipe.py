@@ -20,6 +20,9 @@ For ``y = dot(lhs, rhs)`` (activations x weights in a linear layer) a recipe fix
 * ``high_precision``: glob patterns of layer names (``"lm_head"``, ``"*/attn/*"``) that
   :mod:`lowprec.flax` leaves in their own precision.
 
+:meth:`Recipe.ragged_dot` applies a recipe to a mixture-of-experts layer's
+``lax.ragged_dot``, each group as its own dot (``_ragged.py``).
+
 Ready-made recipes:
 
 * :data:`OCP_MXFP8`: the OCP MX v1.0 scale rule (``floor``), MXFP8 E4M3 operands and MXFP8
@@ -399,11 +402,17 @@ class Recipe:
         * ``high_precision_wgrad``: grad_rhs as a float32 ragged dot of the unquantized
           tokens and cotangent;
         * ``scaling="tensor"`` and NVFP4's tensor scale: one scale per group of tokens (lhs,
-          cotangent) and per expert (rhs), from that group's values, not from the whole
-          operand as a dense layer's dot_general would (its tokens are one GEMM's).
+          cotangent) and per expert (rhs), from that group's values.
 
-        The NVFP4 training recipe's parts (``weight_block_2d``, ``wgrad_rht``, stochastic
-        ``grad_rounding``) are not implemented for ragged dots and are refused.
+        Against :meth:`dot_general` applied to all tokens at once with each expert's weight,
+        the E8M0 MX recipes (:data:`OCP_MXFP8`, :data:`NVIDIA_MXFP8`, any ``mxfp*``) differ
+        only in the weight gradient, whose token blocks start at each group's first token
+        instead of every 32 tokens of the batch (a batch-wide block would mix two experts'
+        tokens under one scale); :data:`FP8_HYBRID` (``scaling="tensor"``) and NVFP4 formats
+        also differ in the forward and input gradient, with one scale per group and per
+        expert instead of one per operand (each expert's GEMM is scaled for its own
+        values). :data:`NVIDIA_NVFP4`'s parts (``weight_block_2d``, ``wgrad_rht``,
+        stochastic ``grad_rounding``) are not implemented for ragged dots: refused.
 
         Args:
           lhs: [M, K] float32/bfloat16/float16 tokens, grouped by expert.
