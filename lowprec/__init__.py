@@ -36,6 +36,7 @@ from ._gpt_oss import from_gpt_oss, to_gpt_oss
 from ._matmul import dot_general, matmul, mxfp4_gemv
 from ._mx import dequantize, fake_quantize_mx, quantize_mx, shared_exponents
 from ._mxarray import MXArray
+from ._ragged import ragged_dot
 from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from ._options import BACKWARD_MODES, OPERAND_FORMAT_NAMES
 from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES, Recipe
@@ -111,6 +112,7 @@ __all__ = [
     "pack_fp6",
     "quantize",
     "quantize_mx",
+    "ragged_dot",
     "random_bits",
     "resolve_format",
     "scale_scheme",

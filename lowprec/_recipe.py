@@ -20,6 +20,9 @@ For ``y = dot(lhs, rhs)`` (activations x weights in a linear layer) a recipe fix
 * ``high_precision``: glob patterns of layer names (``"lm_head"``, ``"*/attn/*"``) that
   :mod:`lowprec.flax` leaves in their own precision.
 
+:meth:`Recipe.ragged_dot` applies a recipe to a mixture-of-experts layer's
+``lax.ragged_dot``, each group as its own dot (``_ragged.py``).
+
 Ready-made recipes:
 
 * :data:`OCP_MXFP8`: the OCP MX v1.0 scale rule (``floor``), MXFP8 E4M3 operands and MXFP8
@@ -50,6 +53,7 @@ from ._dtypes import input_bits
 from ._matmul import dot_general
 from ._nvfp4_train import check_layout, nvfp4_train_dot
 from ._options import operand_cast
+from ._ragged import RaggedSpec, ragged_dot_jit
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule, rceil_code
 from ._sharding import check_contraction, out_sharding_arg
 
@@ -306,15 +310,7 @@ class Recipe:
         """
         del precision
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        if preferred_element_type is None:
-            out_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
-        else:
-            out_dtype = np.dtype(preferred_element_type)
-        if out_dtype not in _OUTPUT_DTYPES:
-            raise TypeError(
-                f"recipe dot output dtype must be float32, bfloat16 or float16, got {out_dtype} "
-                "(from preferred_element_type or the operands' dtypes)"
-            )
+        out_dtype = _out_dtype(lhs, rhs, preferred_element_type, "recipe dot")
         dn = _normalize(dimension_numbers)
         out_sharding = out_sharding_arg(out_sharding)
         _check_forward_sharding(lhs, rhs, dn, self)
@@ -378,6 +374,88 @@ class Recipe:
             out = jnp.transpose(out, plan.out_perm)
         return out
 
+    def ragged_dot(
+        self,
+        lhs,
+        rhs,
+        group_sizes,
+        precision=None,
+        preferred_element_type=None,
+        group_offset=None,
+        out_sharding=None,
+    ) -> jax.Array:
+        """``lax.ragged_dot`` (a mixture-of-experts layer's grouped matmul) in this recipe.
+
+        Rows ``start_g .. start_g + group_sizes[g] - 1`` of ``lhs`` [M, K] are multiplied by
+        ``rhs[g]`` (``rhs`` [G, K, N]); rows past the last group give zeros. Each group is
+        its own matmul: group g's forward product and both gradients are those of
+        :meth:`dot_general` for that group's tokens and weight alone (see
+        ``lowprec/_ragged.py``), as Transformer Engine's ``GroupedLinear`` quantizes each
+        group's split of tokens on its own:
+
+        * forward: both operands quantized along K (lhs along its axis 1, rhs along axis 1
+          of each expert);
+        * ``backward="quantized"``: grad_lhs = Q(g along N) · Q(rhs along N)ᵀ; grad_rhs =
+          Q(lhs along tokens)ᵀ · Q(g along tokens) per group, with token blocks formed within
+          each group (its last block zero-padded, as ``pad`` pads a dense layer's token
+          axis) — group boundaries are data, so blocks never straddle two groups;
+        * ``high_precision_wgrad``: grad_rhs as a float32 ragged dot of the unquantized
+          tokens and cotangent;
+        * ``scaling="tensor"`` and NVFP4's tensor scale: one scale per group of tokens (lhs,
+          cotangent) and per expert (rhs), from that group's values.
+
+        Against :meth:`dot_general` applied to all tokens at once with each expert's weight,
+        the E8M0 MX recipes (:data:`OCP_MXFP8`, :data:`NVIDIA_MXFP8`, any ``mxfp*``) differ
+        only in the weight gradient, whose token blocks start at each group's first token
+        instead of every 32 tokens of the batch (a batch-wide block would mix two experts'
+        tokens under one scale); :data:`FP8_HYBRID` (``scaling="tensor"``) and NVFP4 formats
+        also differ in the forward and input gradient, with one scale per group and per
+        expert instead of one per operand (each expert's GEMM is scaled for its own
+        values). :data:`NVIDIA_NVFP4`'s parts (``weight_block_2d``, ``wgrad_rht``,
+        stochastic ``grad_rounding``) are not implemented for ragged dots: refused.
+
+        Args:
+          lhs: [M, K] float32/bfloat16/float16 tokens, grouped by expert.
+          rhs: [G, K, N] float32/bfloat16/float16 weights, one per group.
+          group_sizes: [G] integers, the number of consecutive rows of each group.
+          precision: accepted for compatibility with ``lax.ragged_dot`` and ignored (as in
+            :meth:`dot_general`).
+          preferred_element_type: output dtype; default: the operands' promoted dtype.
+          group_offset: not supported (must be None).
+          out_sharding: the output's sharding, given to the inner ragged dot.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> x = jnp.ones((5, 64))
+            >>> w = jnp.stack([jnp.full((64, 2), 0.1), jnp.full((64, 2), 1.0)])
+            >>> NVIDIA_MXFP8.ragged_dot(x, w, jnp.array([3, 2]))[:, 0].tolist()
+            [6.5, 6.5, 6.5, 64.0, 64.0]
+        """
+        del precision
+        if self._nvfp4_training():
+            raise ValueError(
+                "ragged_dot does not implement the NVFP4 training recipe's parts "
+                "(weight_block_2d, wgrad_rht, grad_rounding='stochastic'); use a recipe without "
+                "them, e.g. dataclasses.replace(recipe, weight_block_2d=False, wgrad_rht=False, "
+                "grad_rounding='nearest_even'), or keep the expert layers in high precision"
+            )
+        overflow = "saturate" if self.scaling == "tensor" else "ieee"  # as _dot_kwargs
+
+        def cast(fmt, role):
+            return operand_cast(fmt, role, self.scale_rule, self.rounding, overflow)
+
+        spec = RaggedSpec(
+            cast(self.forward[0], "forward[0]"), cast(self.forward[1], "forward[1]"),
+            cast(self.grad, "grad"), cast(self.backward_operands[0], "backward_operands[0]"),
+            cast(self.backward_operands[1], "backward_operands[1]"), self.backward,
+            self.scaling == "tensor", self.high_precision_wgrad, self.pad, np.dtype(np.float32),
+        )
+        call = spec.check_call(lhs, rhs, group_sizes, group_offset, out_sharding,
+                               f"{self.name or 'recipe'} ragged_dot")
+        out_dtype = _out_dtype(call.lhs, call.rhs, preferred_element_type, "recipe ragged_dot")
+        spec = dataclasses.replace(spec, out_dtype=out_dtype)
+        return ragged_dot_jit(call.lhs, call.rhs, call.group_sizes, spec, call.out_sharding)
+
     def _needs_own_vjp(self) -> bool:
         """Whether lowprec.dot_general's own VJP cannot express the backward pass."""
         if self.high_precision_wgrad:
@@ -388,6 +466,21 @@ class Recipe:
 
 
 # -- the dot ------------------------------------------------------------------------------------
+
+
+def _out_dtype(lhs, rhs, preferred_element_type, what: str) -> np.dtype:
+    """The output dtype of a recipe dot: ``preferred_element_type``, default the operands'
+    promoted dtype (as ``lax.dot_general`` gives)."""
+    if preferred_element_type is None:
+        out_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+    else:
+        out_dtype = np.dtype(preferred_element_type)
+    if out_dtype not in _OUTPUT_DTYPES:
+        raise TypeError(
+            f"{what} output dtype must be float32, bfloat16 or float16, got {out_dtype} "
+            "(from preferred_element_type or the operands' dtypes)"
+        )
+    return out_dtype
 
 
 def _normalize(dimension_numbers):

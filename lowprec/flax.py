@@ -43,9 +43,30 @@ What is covered: the weight matmuls of Flax's linear layers, attention projectio
   layer.
 
 Matmuls written in a model's own code (``jnp.einsum``/``@`` calls) are invisible to any
-interception and stay as they are. Neither JAX nor Flax has a mixture-of-experts layer; a
-model calling ``jax.lax.ragged_dot`` itself keeps it in its own precision (lowprec has no
-quantized ragged dot yet).
+interception and stay as they are.
+
+Mixture-of-experts layers: neither JAX nor Flax has one, so a model's expert matmul is its
+own ``jax.lax.ragged_dot(tokens [M, K], weights [G, K, N], group_sizes)`` call, which no
+interception sees. :meth:`lowprec.Recipe.ragged_dot` takes the same arguments (a drop-in):
+give it to the layer where it calls the ragged dot, e.g. as an attribute defaulting to
+``jax.lax.ragged_dot``::
+
+    class Experts(nn.Module):
+        num_experts: int
+        features: int
+        ragged_dot: Any = jax.lax.ragged_dot
+
+        @nn.compact
+        def __call__(self, x, group_sizes):  # x [tokens, K], sorted by expert
+            w = self.param("kernel", init, (self.num_experts, x.shape[-1], self.features))
+            return self.ragged_dot(x, w, group_sizes)
+
+    Experts(8, 256, ragged_dot=lowprec.NVIDIA_MXFP8.ragged_dot)
+
+(per layer path with Rules: ``rules.recipe_for(path)``, None meaning ``jax.lax.ragged_dot``).
+Each group is its own quantized matmul, forward and backward, as in Transformer Engine's
+``GroupedLinear``: the weight gradient's blocks along tokens are formed within each group,
+and per-tensor scales are per group and per expert (see the method).
 """
 
 from __future__ import annotations

@@ -329,6 +329,12 @@ HALF_CALLS = {
         a.reshape(2, 32), a.reshape(2, 32), _DN, lhs_format="mxfp8", rhs_format="mxfp8",
         backward="quantized", pad=True, preferred_element_type=a.dtype)),
     "fake_quantize_mx-vjp": _vjp(lambda a: lowprec.fake_quantize_mx(a, "mxfp8")),
+    "ragged_dot-mx": lambda x: lowprec.ragged_dot(
+        x.reshape(2, 32), x.reshape(1, 32, 2), jnp.array([2]), lhs_format="mxfp8",
+        rhs_format="mxfp4", preferred_element_type=x.dtype),
+    "ragged_dot-vjp-quantized": _vjp(lambda a: lowprec.ragged_dot(
+        a.reshape(2, 32), a.reshape(1, 32, 2), jnp.array([2]), lhs_format="mxfp8",
+        rhs_format="mxfp8", backward="quantized", pad=True, preferred_element_type=a.dtype)),
     "delayed_dot_general-vjp": lambda x: jax.vjp(lambda a: lowprec.delayed_dot_general(
         a.reshape(2, 32), a.reshape(2, 32), lowprec.DelayedScaling(amax_history_len=2).init(),
         _DN, lowprec.DelayedScaling(amax_history_len=2)), x)[1](jnp.ones((2, 2)))[0],
@@ -336,6 +342,7 @@ HALF_CALLS = {
 }
 _COTANGENT_SHAPES = {
     "dot_general-vjp-ste": (2, 2), "dot_general-vjp-quantized": (2, 2),
+    "ragged_dot-vjp-quantized": (2, 2),
     "fake_quantize_mx-vjp": (64,),
 }
 # Public names that never see a float array (formats, codes, layouts).

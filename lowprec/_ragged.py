@@ -1,0 +1,582 @@
+"""The quantized ragged dot (mixture-of-experts grouped matmul): :func:`ragged_dot`.
+
+``lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`` multiplies consecutive rows of
+``lhs`` by one weight each: rows ``start_g .. start_g + group_sizes[g] - 1`` (``start_g`` the
+sum of the sizes before g) by ``rhs[g]``; rows past the last group give zeros. Here it runs
+with quantized operands, and the rule is that **each group is its own matmul**: group g's
+product, forward and backward, is what :func:`lowprec.dot_general` (or a recipe's
+``dot_general``) computes for that group's tokens ``x_g`` [T_g, K] and its weight ``w_g``
+[K, N] alone, as Transformer Engine's ``GroupedLinear`` quantizes each group's split of
+tokens with its own quantizer:
+
+* forward: ``Q(x_g along K) · Q(w_g along K)``; MX blocks run along K (each row of lhs, each
+  column of each expert), so they never meet a group boundary;
+* grad_lhs: ``Q(g_g along N) · Q(w_g along N)ᵀ`` (blocks along N, within each row of the
+  cotangent g [M, N] and each expert);
+* grad_rhs: ``Q(x_g along T)ᵀ · Q(g_g along T)``, reducing over the group's tokens, whose
+  boundaries are data. MX blocks along tokens are formed *per group*: each group's tokens
+  start a new block and the group's last block is zero-padded (exact: zeros add nothing), as
+  ``pad=True`` pads a dot's token axis. Implemented without data-dependent shapes: the
+  tokens are gathered into a layout where every group starts at a multiple of the block and
+  is followed by zero rows (at most M + G·(block − 1) rows), quantized there along tokens,
+  and reduced per group by a ragged dot over the padded sizes. Because group sizes are data,
+  this padding happens whatever ``pad`` says (``pad`` governs K and N, which are static).
+* per-tensor quantities are per group: the power-of-two scale of ``scaling="tensor"``
+  recipes and NVFP4's float32 tensor scale come from the group's own tokens (lhs, cotangent)
+  or from expert g's own weight, as they would for that group's dot alone. A tensor scale of
+  a group's tokens is computed from their largest finite magnitude (the group's amax is the
+  largest of its rows'), then by the format's own rule.
+
+Products are exact (every quantized value is a float32, or a bfloat16 where that is exact:
+the same run-time choice as :func:`lowprec.dot_general`, with float32 accumulation), so a
+result is within K·2^-23·Σ|a_i b_i| of the exact dot of the quantized operands; it equals
+``lax.ragged_dot`` of the dequantized operands computed in float32. Gradients come back in
+their operands' dtypes; ``group_sizes`` gets none (integers).
+
+Not supported (refused with an error): ``group_offset`` (a slice of the groups, for expert
+sharding), :class:`~lowprec.MXArray` operands, other ``ragged_dot_general`` layouts.
+
+Sharding: ``out_sharding`` goes to the forward ragged dot, as for :func:`dot_general`, and
+MX blocks along K must not straddle shards (checked where the layout is visible). On
+``Explicit`` mesh axes each backward ragged dot is given its operand's sharding (JAX's own
+transpose of ``lax.ragged_dot`` passes none, and ``lax.ragged_dot_general`` infers none
+there); JAX 0.10's ``ragged_dot_general`` has no ``Explicit`` rule for sharded tokens or K at
+all, so on such axes expert-parallel layouts (rhs split over G) train, and others fail
+inside JAX. ``Auto`` axes take any layout (tests/test_ragged.py: tokens, N and experts split
+over 4 CPU devices give one device's result up to float32 summation order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._bits import E8M0_BIAS, F32_ABS, F32_INF, bits_to_bf16_truncating, bits_to_f32, f32_bits, pow2_f32
+from ._decode import decode_bits
+from ._dtypes import bits_to_dtype, exactly_representable, input_bits
+from ._encode import encode_bits
+from ._format import FormatLike
+from ._mx_decode import fast_decode_applies, mx_value_bits
+from ._mx_encode import quantize_mxarray
+from ._mxarray import MXArray
+from ._options import INPUT_DTYPES, DotSpec, ElementCast, MXCast, OperandCast
+from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, rceil_code
+from ._sharding import check_contraction, explicit_sharding, out_sharding_arg
+
+# lhs [M, K] x rhs [G, K, N] -> [M, N], rows of lhs ragged (lax.ragged_dot's layout).
+_FORWARD = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (1,)), ((), ())), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+# a [M, K] x b [M, N] -> [G, K, N], summed over each group's rows (lax's own transpose of the
+# ragged dot with respect to rhs).
+_PER_GROUP = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+# -- the options ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedSpec:
+    """Static, validated description of one quantized ragged dot (a jit-static argument).
+
+    ``lhs``/``rhs``: the forward operand casts; ``grad``: the cotangent's cast and
+    ``backward_lhs``/``backward_rhs`` the operands' re-quantization in the backward dots
+    (``backward="quantized"``); ``tensor_scaling``: per-group power-of-two scaling of
+    element-format operands (a recipe's ``scaling="tensor"``; element casts then saturate);
+    ``high_precision_wgrad``: grad_rhs as a float32 ragged dot of the unquantized lhs and
+    cotangent; ``pad``: zero-pad K (and N in the backward dots) to whole blocks.
+
+    Example:
+        >>> spec = RaggedSpec.from_dot_spec(DotSpec.create(
+        ...     "mxfp8", "mxfp8", None, "rceil", "nearest_even", "ieee", False, "ste", "float32"))
+        >>> spec.lhs.fmt.name, spec.backward, spec.out_dtype
+        ('mxfp8_e4m3', 'ste', dtype('float32'))
+    """
+
+    lhs: OperandCast
+    rhs: OperandCast
+    grad: OperandCast
+    backward_lhs: OperandCast
+    backward_rhs: OperandCast
+    backward: str
+    tensor_scaling: bool
+    high_precision_wgrad: bool
+    pad: bool
+    out_dtype: np.dtype
+
+    @classmethod
+    def from_dot_spec(cls, spec: DotSpec) -> "RaggedSpec":
+        """The ragged dot with :func:`lowprec.dot_general`'s validated options (its backward
+        dots re-quantize the operands in their forward formats)."""
+        return cls(spec.lhs, spec.rhs, spec.grad, spec.lhs, spec.rhs, spec.backward, False,
+                   False, spec.pad, spec.out_dtype)
+
+    def check_call(self, lhs, rhs, group_sizes, group_offset=None, out_sharding=None,
+                   func: str = "ragged_dot") -> "RaggedInput":
+        """Every entry check of a ragged dot of ``lhs`` [M, K] and ``rhs`` [G, K, N] with
+        ``group_sizes`` [G]; returns the call's input for the core.
+
+        Checks: no ``group_offset``; float operands (no MXArray) of ranks 2 and 3 sharing K;
+        integer group sizes of shape [G] (non-negative, where they are concrete); whole
+        blocks along K (or ``pad``); that no MX block along K straddles a shard boundary;
+        ``out_sharding``.
+        """
+        if group_offset is not None:
+            raise NotImplementedError(
+                f"{func}: group_offset (computing only some of the groups, for experts sharded "
+                "across devices) is not supported; call it without group_offset on the groups "
+                "this device holds"
+            )
+        for role, x in (("lhs", lhs), ("rhs", rhs)):
+            if isinstance(x, MXArray):
+                raise TypeError(
+                    f"{func}: {role} is an MXArray; a ragged dot takes float arrays and "
+                    f"quantizes them itself (pass the float values, or dequantize({role}))"
+                )
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        for role, x in (("lhs", lhs), ("rhs", rhs)):
+            if np.dtype(x.dtype) not in INPUT_DTYPES:
+                raise TypeError(
+                    f"{func}: {role} must be a float32, bfloat16 or float16 array, got dtype "
+                    f"{x.dtype}; convert it with .astype(jnp.float32)"
+                )
+        if lhs.ndim != 2 or rhs.ndim != 3:
+            raise ValueError(
+                f"{func} takes lhs [M, K] (tokens x features) and rhs [G, K, N] (one [K, N] "
+                f"weight per group), as lax.ragged_dot; got shapes {tuple(lhs.shape)} and "
+                f"{tuple(rhs.shape)}"
+            )
+        if lhs.shape[1] != rhs.shape[1]:
+            raise ValueError(
+                f"{func}: lhs has K = {lhs.shape[1]} features but rhs has K = {rhs.shape[1]} "
+                f"(shapes {tuple(lhs.shape)} and {tuple(rhs.shape)})"
+            )
+        groups = rhs.shape[0]
+        if groups == 0:
+            raise ValueError(f"{func}: rhs holds no groups (shape {tuple(rhs.shape)})")
+        group_sizes = _check_group_sizes(group_sizes, groups, func)
+        k = lhs.shape[1]
+        for role, x, cast in (("lhs", lhs, self.lhs), ("rhs", rhs, self.rhs)):
+            if isinstance(cast, MXCast):
+                check_contraction(x, (1,), cast.fmt.block_size, f"{func} {role} contraction")
+                _blocks_fit(cast, k, self.pad, f"{func} {role}", "K")
+        return RaggedInput(lhs, rhs, group_sizes, out_sharding_arg(out_sharding))
+
+    def check_backward(self, n: int) -> None:
+        """The entry check of ``backward="quantized"`` (run when the backward pass is
+        traced): grad_lhs blocks the cotangent and rhs along N, so each quantized one needs
+        whole blocks there (or ``pad``). Token blocks are padded per group anyway."""
+        for cast, what in ((self.grad, "cotangent"), (self.backward_rhs, "rhs")):
+            _blocks_fit(cast, n, self.pad, f"ragged_dot backward grad_lhs (reduces over N), {what}",
+                        "N")
+
+
+class RaggedInput(NamedTuple):
+    """A validated ragged dot: the operands (JAX arrays), int32 group sizes and the output
+    sharding (a NamedSharding or None)."""
+
+    lhs: jax.Array
+    rhs: jax.Array
+    group_sizes: jax.Array
+    out_sharding: object
+
+
+def _check_group_sizes(group_sizes, groups: int, func: str):
+    gs = jnp.asarray(group_sizes)
+    if not jnp.issubdtype(gs.dtype, jnp.integer):
+        raise TypeError(
+            f"{func}: group_sizes must be an integer array (tokens per group), got dtype "
+            f"{gs.dtype}"
+        )
+    if gs.shape != (groups,):
+        raise ValueError(
+            f"{func}: group_sizes must have shape ({groups},), one size per group of rhs, got "
+            f"shape {tuple(gs.shape)}"
+        )
+    if not isinstance(gs, jax.core.Tracer):
+        sizes = np.asarray(gs)
+        if np.any(sizes < 0):
+            raise ValueError(f"{func}: group_sizes must be non-negative, got {sizes.tolist()}")
+    return gs.astype(jnp.int32)
+
+
+def _blocks_fit(cast: OperandCast, length: int, pad: bool, what: str, axis: str) -> None:
+    if isinstance(cast, MXCast) and length % cast.fmt.block_size and not pad:
+        raise ValueError(
+            f"{what}: {axis} = {length} is not a multiple of the {cast.fmt.name} block size "
+            f"{cast.fmt.block_size}; pass pad=True to zero-pad the blocks (zeros add nothing to "
+            "the dot)"
+        )
+
+
+# -- the public function -------------------------------------------------------------------------
+
+
+def ragged_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    lhs_format: FormatLike = None,
+    rhs_format: FormatLike = None,
+    scale_rule: Union[str, ScaleRule] = DEFAULT_SCALE_RULE,
+    rounding: str = "nearest_even",
+    overflow: str = "ieee",
+    pad: bool = False,
+    preferred_element_type=jnp.float32,
+    backward: str = "ste",
+    grad_format: FormatLike = None,
+    group_offset=None,
+    out_sharding=None,
+) -> jax.Array:
+    """Quantized ``lax.ragged_dot`` (a mixture-of-experts layer's grouped matmul).
+
+    Rows ``start_g .. start_g + group_sizes[g] - 1`` of ``lhs`` are multiplied by ``rhs[g]``
+    (``start_g`` the sum of the sizes before g; rows past the last group give zeros), each
+    group quantized as :func:`dot_general` quantizes one dot: MX blocks along K for both
+    operands (each expert's weight along its own K), exact products, float32 sums.
+
+    Args:
+      lhs: [M, K] float32/bfloat16/float16 tokens, grouped by expert.
+      rhs: [G, K, N] float32/bfloat16/float16 weights, one per group.
+      group_sizes: [G] integers, the number of consecutive rows of each group.
+      lhs_format, rhs_format, scale_rule, rounding, overflow, pad, preferred_element_type,
+        grad_format: as for :func:`dot_general`.
+      backward: ``"ste"`` (default: the exact float32 gradient of the ragged dot of the
+        quantized values) or ``"quantized"``: grad_lhs = Q(g along N) · Q(rhs along N)ᵀ per
+        group; grad_rhs[g] = Q(lhs_g along tokens)ᵀ · Q(g_g along tokens) with blocks formed
+        within each group (its last block zero-padded, whatever ``pad`` says: group sizes
+        are data).
+      group_offset: not supported (must be None).
+      out_sharding: the output's sharding, given to the inner ``lax.ragged_dot_general``.
+
+    Returns:
+      [M, N] in ``preferred_element_type``.
+
+    Raises:
+      ValueError: bad shapes, negative (concrete) group sizes, format/rule/mode names as
+        :func:`dot_general` refuses them, K not a multiple of the block size without
+        ``pad``. TypeError: non-float operands or MXArray operands, non-integer group sizes.
+      NotImplementedError: ``group_offset``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> x = jnp.ones((5, 64))
+        >>> w = jnp.stack([jnp.full((64, 2), 0.1), jnp.full((64, 2), 0.3)])
+        >>> y = ragged_dot(x, w, jnp.array([3, 2]), lhs_format="mxfp8_e4m3", rhs_format="mxfp4")
+        >>> y[:, 0].tolist()  # MXFP4 holds 0.1 as 0.09375 and 0.3 as 0.25
+        [6.0, 6.0, 6.0, 16.0, 16.0]
+    """
+    spec = RaggedSpec.from_dot_spec(DotSpec.create(
+        lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad, backward,
+        preferred_element_type,
+    ))
+    call = spec.check_call(lhs, rhs, group_sizes, group_offset, out_sharding)
+    return ragged_dot_jit(call.lhs, call.rhs, call.group_sizes, spec, call.out_sharding)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def ragged_dot_jit(lhs, rhs, group_sizes, spec: RaggedSpec, out_sharding=None):
+    """The quantized ragged dot of validated operands (see :meth:`RaggedSpec.check_call`)."""
+    return _ragged(lhs, rhs, group_sizes, spec, out_sharding)
+
+
+# -- quantized values ----------------------------------------------------------------------------
+
+
+def _elementwise(bits, cast: OperandCast):
+    """float32 patterns of an operand quantized element by element (or left as it is)."""
+    if cast is None:
+        return bits
+    codes = encode_bits(cast.fmt, bits, cast.rounding, cast.overflow, None)
+    return decode_bits(cast.fmt, codes)
+
+
+def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None):
+    """float32 patterns of ``bits`` block-quantized along ``axis`` (zero-padded to whole
+    blocks, padding dropped); ``tensor_scale``: a float32 scalar for schemes with one (None:
+    computed from ``bits``)."""
+    n, shape = bits.shape[axis], tuple(bits.shape)
+    block = cast.fmt.block_size
+    padded = -(-n // block) * block
+    if padded != n:
+        widths = [(0, 0)] * bits.ndim
+        widths[axis] = (0, padded - n)
+        bits = jnp.pad(bits, widths)  # +0.0
+    mx = quantize_mxarray(bits, cast, axis, shape, None, tensor_scale)
+    return mx_value_bits(mx.elements, mx.scales, cast.fmt, axis, n, mx.tensor_scale)
+
+
+def _group_tensor_scales(bits, rows_group, num: int, cast: MXCast):
+    """float32 tensor scale of each of ``num`` row groups of ``bits`` [R, C], from the
+    group's largest finite magnitude by the format's own rule."""
+    mag = bits & F32_ABS
+    row_amax = jnp.max(jnp.where(mag < F32_INF, mag, jnp.uint32(0)), axis=1, initial=jnp.uint32(0))
+    amax = jax.ops.segment_max(row_amax, rows_group, num_segments=num)  # empty groups: 0
+
+    def scale_of(a):  # the scheme's tensor scale of a tensor whose amax is a
+        return cast.fmt.scheme.tensor_scale_bits(a[None], None, cast)
+
+    return lax.bitcast_convert_type(jax.vmap(scale_of)(amax), jnp.float32)
+
+
+def _row_values(bits, cast: OperandCast, gid, groups: int):
+    """Rows [M, C] of a token operand quantized along C (axis 1), each with its group's
+    tensor scale where the format has one."""
+    if not isinstance(cast, MXCast):
+        return _elementwise(bits, cast)
+    if not cast.fmt.scheme.tensor_scale:
+        return _mx_bits(bits, cast, 1)
+    ts = _group_tensor_scales(bits, gid, groups + 1, cast)[gid]
+    return jax.vmap(lambda row, t: _mx_bits(row, cast, 0, t))(bits, ts)
+
+
+def _expert_values(bits, cast: OperandCast, axis: int):
+    """Experts [G, ...] quantized along ``axis``, each on its own (its own tensor scale)."""
+    if not isinstance(cast, MXCast):
+        return _elementwise(bits, cast)
+    if not cast.fmt.scheme.tensor_scale:
+        return _mx_bits(bits, cast, axis)
+    return jax.vmap(lambda w: _mx_bits(w, cast, axis - 1))(bits)
+
+
+def _token_block_values(bits, cast: OperandCast, unit_group, groups: int, unit: int):
+    """A token operand in the per-group padded layout [Mp, C] (every group starting at a
+    multiple of ``unit``) quantized along tokens (axis 0); ``unit_group``: the group of each
+    run of ``unit`` rows (``groups`` for the trailing zeros)."""
+    if not isinstance(cast, MXCast):
+        return _elementwise(bits, cast)
+    if not cast.fmt.scheme.tensor_scale:
+        return _mx_bits(bits, cast, 0)
+    mp, c = bits.shape
+    units = bits.reshape(mp // unit, unit, c)
+    rows_group = jnp.repeat(unit_group, unit)
+    ts = _group_tensor_scales(bits, rows_group, groups + 1, cast)[unit_group]
+    values = jax.vmap(lambda u, t: _mx_bits(u, cast, 0, t))(units, ts)
+    return values.reshape(mp, c)
+
+
+# -- per-group power-of-two scales (scaling="tensor") --------------------------------------------
+
+
+def _exponents(amax_bits, cast: OperandCast):
+    """The power-of-two scale exponent of tensors whose largest magnitudes are ``amax_bits``
+    (the MX ``rceil`` rule, clipped to [-126, 127]); 0 for operands that are not rounded to
+    an element format."""
+    if not isinstance(cast, ElementCast):
+        return jnp.zeros(amax_bits.shape, jnp.int32)
+    e = rceil_code(amax_bits, cast.fmt.max_finite_exact) - E8M0_BIAS
+    return jnp.clip(e, -126, 127).astype(jnp.int32)
+
+
+def _row_exponents(bits, gid, groups: int, cast: OperandCast):
+    """[G + 1] exponents of the row groups of a token operand (the last: rows in no group)."""
+    row_amax = jnp.max(bits & F32_ABS, axis=1, initial=jnp.uint32(0))
+    return _exponents(jax.ops.segment_max(row_amax, gid, num_segments=groups + 1), cast)
+
+
+def _expert_exponents(bits, cast: OperandCast):
+    """[G + 1] exponents of the experts (the last, 0, for rows in no group)."""
+    e = _exponents(jnp.max(bits & F32_ABS, axis=(1, 2), initial=jnp.uint32(0)), cast)
+    return jnp.concatenate([e, jnp.zeros((1,), jnp.int32)])
+
+
+def _scaled(bits, e):
+    """float32 patterns of ``bits * 2^-e`` (``e`` broadcastable)."""
+    return f32_bits(bits_to_f32(bits) * pow2_f32(-e))
+
+
+# -- products ------------------------------------------------------------------------------------
+
+
+def _kind(cast: OperandCast, dtype) -> str:
+    """Which dot the quantized values allow: ``"bf16"`` (every value a bfloat16, known from
+    the format), ``"f32"``, or ``"dynamic"`` (E8M0-scaled blocks: bfloat16 unless a value
+    falls below its normal range, checked at run time)."""
+    if cast is None:
+        return "bf16" if np.dtype(dtype) == np.dtype(jnp.bfloat16) else "f32"
+    if isinstance(cast, MXCast):
+        fmt = cast.fmt
+        return "dynamic" if fast_decode_applies(fmt) and fmt.element.mantissa_bits <= 7 else "f32"
+    return "bf16" if exactly_representable(cast.fmt, jnp.bfloat16) else "f32"
+
+
+def _bf16_exact(bits):
+    """Whether every float32 pattern is a bfloat16 normal number, zero, inf or NaN."""
+    mag = bits & F32_ABS
+    return jnp.all(((bits & 0xFFFF) == 0) & ((mag >= 0x0080_0000) | (mag == 0)))
+
+
+def _product(a, b, group_sizes, dn, kinds=("f32", "f32"), out_sharding=None):
+    """float32 ragged dot of float32 patterns ``a`` and ``b``: in bfloat16 where every value
+    is one (exact products either way), else float32 at ``precision=HIGHEST``."""
+
+    def f32(a, b):
+        return lax.ragged_dot_general(
+            bits_to_f32(a), bits_to_f32(b), group_sizes, dn, precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32, out_sharding=out_sharding)
+
+    def bf16(a, b):
+        return lax.ragged_dot_general(
+            bits_to_bf16_truncating(a), bits_to_bf16_truncating(b), group_sizes, dn,
+            preferred_element_type=jnp.float32, out_sharding=out_sharding)
+
+    if "f32" in kinds:
+        return f32(a, b)
+    if all(k == "bf16" for k in kinds):
+        return bf16(a, b)
+    ok = jnp.bool_(True)
+    for x, kind in zip((a, b), kinds):
+        if kind == "dynamic":
+            ok = ok & _bf16_exact(x)
+    return lax.cond(ok, bf16, f32, a, b)
+
+
+def _group_ids(group_sizes, m: int):
+    """int32 [m]: the group of each row (G for rows past the last group)."""
+    ends = jnp.cumsum(group_sizes)
+    return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _padded_layout(group_sizes, m: int, unit: int):
+    """The per-group padded token layout: ``(source, unit_group, padded_sizes)``.
+
+    Group g's rows move to rows ``pstart_g ..`` of an array of Mp = M + G·(unit − 1) rows
+    (rounded down to a multiple of ``unit``, the most the padding can take), where every
+    ``pstart_g`` is a multiple of ``unit`` and each group is followed by zero rows up to the
+    next multiple. ``source``: the row of the input each padded row takes (``m``, out of
+    range, for a zero row); ``unit_group``: the group of each run of ``unit`` rows (G past
+    the last group); ``padded_sizes``: the groups' sizes rounded up to multiples of
+    ``unit``."""
+    groups = group_sizes.shape[0]
+    ends = jnp.minimum(jnp.cumsum(group_sizes), m)  # rows past M do not exist
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    sizes = ends - starts
+    padded_sizes = (sizes + unit - 1) // unit * unit
+    pends = jnp.cumsum(padded_sizes)
+    pstarts = pends - padded_sizes
+    mp = max(unit, (m + groups * (unit - 1)) // unit * unit)
+    p = jnp.arange(mp, dtype=jnp.int32)
+    group = jnp.searchsorted(pends, p, side="right").astype(jnp.int32)
+    g = jnp.minimum(group, groups - 1)
+    offset = p - pstarts[g]
+    valid = (group < groups) & (offset < sizes[g])
+    source = jnp.where(valid, starts[g] + offset, m)
+    return source, group[::unit], padded_sizes
+
+
+def _gathered(bits, source):
+    return jnp.take(bits, source, axis=0, mode="fill", fill_value=0)
+
+
+# -- the dot and its VJP -------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ragged(lhs, rhs, group_sizes, spec: RaggedSpec, out_sharding=None):
+    m, groups = lhs.shape[0], rhs.shape[0]
+    gid = _group_ids(group_sizes, m)
+    lb, rb = input_bits(lhs), input_bits(rhs)
+    if spec.tensor_scaling:
+        el, er = _row_exponents(lb, gid, groups, spec.lhs), _expert_exponents(rb, spec.rhs)
+        lb, rb = _scaled(lb, el[gid][:, None]), _scaled(rb, er[:groups, None, None])
+    lv = _row_values(lb, spec.lhs, gid, groups)
+    rv = _expert_values(rb, spec.rhs, 1)
+    kinds = (_kind(spec.lhs, lhs.dtype), _kind(spec.rhs, rhs.dtype))
+    out = _product(lv, rv, group_sizes, _FORWARD, kinds, out_sharding)
+    if spec.tensor_scaling:  # each row's group: 2^(el_g + er_g), as its own dot would
+        out = out * pow2_f32(el[gid])[:, None] * pow2_f32(er[gid])[:, None]
+    return bits_to_dtype(f32_bits(out), spec.out_dtype)
+
+
+def _ragged_fwd(lhs, rhs, group_sizes, spec, out_sharding=None):
+    # Residuals are the inputs; quantized values are recomputed in the backward pass.
+    return _ragged(lhs, rhs, group_sizes, spec, out_sharding), (lhs, rhs, group_sizes)
+
+
+def _ragged_bwd(spec: RaggedSpec, out_sharding, residuals, g):
+    lhs, rhs, group_sizes = residuals
+    m, groups = lhs.shape[0], rhs.shape[0]
+    gid = _group_ids(group_sizes, m)
+    lb, rb, gb = input_bits(lhs), input_bits(rhs), input_bits(g)
+    # On Explicit mesh axes each gradient is sharded as its operand (lax.ragged_dot_general
+    # infers no output sharding there: it must be given).
+    shardings = (explicit_sharding(lhs), explicit_sharding(rhs))
+    if spec.backward == "ste":
+        grad_l, grad_r = _ste_backward(spec, lb, rb, gb, group_sizes, gid, groups, shardings)
+    else:
+        spec.check_backward(rhs.shape[2])
+        grad_l, grad_r = _quantized_backward(spec, lhs, rhs, gb, group_sizes, gid, groups,
+                                             shardings)
+    if spec.high_precision_wgrad:
+        # The weight gradient of the float layer: a float32 ragged dot of the unquantized
+        # tokens and cotangent (XLA drops the one computed above).
+        grad_r = _product(lb, gb, group_sizes, _PER_GROUP, out_sharding=shardings[1])
+    return (bits_to_dtype(f32_bits(grad_l), lhs.dtype), bits_to_dtype(f32_bits(grad_r), rhs.dtype),
+            None)
+
+
+def _ste_backward(spec: RaggedSpec, lb, rb, gb, group_sizes, gid, groups: int, shardings):
+    """The exact float32 gradient of the ragged dot of the quantized values."""
+    el = er = None
+    if spec.tensor_scaling:
+        el, er = _row_exponents(lb, gid, groups, spec.lhs), _expert_exponents(rb, spec.rhs)
+        lb, rb = _scaled(lb, el[gid][:, None]), _scaled(rb, er[:groups, None, None])
+    lv = _row_values(lb, spec.lhs, gid, groups)
+    rv = _expert_values(rb, spec.rhs, 1)
+    sl, sr = shardings
+    grad_l = _product(gb, jnp.swapaxes(rv, 1, 2), group_sizes, _FORWARD, out_sharding=sl)
+    grad_r = _product(lv, gb, group_sizes, _PER_GROUP, out_sharding=sr)
+    if spec.tensor_scaling:  # the dequantized values are 2^e times the scaled ones
+        grad_l = grad_l * pow2_f32(er[gid])[:, None]
+        grad_r = grad_r * pow2_f32(el[:groups])[:, None, None]
+    return grad_l, grad_r
+
+
+def _quantized_backward(spec: RaggedSpec, lhs, rhs, gb, group_sizes, gid, groups: int,
+                        shardings):
+    """Both backward dots quantized, each operand along that dot's reduction axis, per group."""
+    m = lhs.shape[0]
+    lb, rb = input_bits(lhs), input_bits(rhs)
+    bl, br, cg = spec.backward_lhs, spec.backward_rhs, spec.grad
+    if spec.tensor_scaling:
+        el, er = _row_exponents(lb, gid, groups, bl), _expert_exponents(rb, br)
+        eg = _row_exponents(gb, gid, groups, cg)
+        lb, rb = _scaled(lb, el[gid][:, None]), _scaled(rb, er[:groups, None, None])
+        gb = _scaled(gb, eg[gid][:, None])
+    # grad_lhs: the cotangent (each row) and every expert blocked along N.
+    gv = _row_values(gb, cg, gid, groups)
+    rv = jnp.swapaxes(_expert_values(rb, br, 2), 1, 2)  # [G, N, K]
+    kinds = (_kind(cg, jnp.float32), _kind(br, rhs.dtype))
+    sl, sr = shardings
+    grad_l = _product(gv, rv, group_sizes, _FORWARD, kinds, sl)
+    # grad_rhs: tokens and cotangent blocked along each group's tokens.
+    kinds = (_kind(bl, lhs.dtype), _kind(cg, jnp.float32))
+    blocks = [c.fmt.block_size for c in (bl, cg) if isinstance(c, MXCast)]
+    if blocks:
+        unit = max(blocks)  # block sizes are powers of two: a multiple of each
+        source, unit_group, padded_sizes = _padded_layout(group_sizes, m, unit)
+        lv = _token_block_values(_gathered(lb, source), bl, unit_group, groups, unit)
+        gv2 = _token_block_values(_gathered(gb, source), cg, unit_group, groups, unit)
+        grad_r = _product(lv, gv2, padded_sizes, _PER_GROUP, kinds, sr)
+    else:
+        grad_r = _product(_elementwise(lb, bl), _elementwise(gb, cg), group_sizes, _PER_GROUP,
+                          kinds, sr)
+    if spec.tensor_scaling:
+        grad_l = grad_l * pow2_f32(er[gid])[:, None] * pow2_f32(eg[gid])[:, None]
+        grad_r = (grad_r * pow2_f32(el[:groups])[:, None, None]
+                  * pow2_f32(eg[:groups])[:, None, None])
+    return grad_l, grad_r
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+__all__ = ["ragged_dot"]

@@ -1,0 +1,399 @@
+"""The quantized ragged dot (``Recipe.ragged_dot``, ``lowprec.ragged_dot``): each group is its
+own dot, forward and backward.
+
+Expected values are computed here, per group, from operands quantized by the independent
+reference (``lowprec_reference``: exact rational quantizers): the forward product along K,
+grad_lhs along N, grad_rhs along the group's own tokens (its last block zero-padded), each a
+float64 NumPy matmul, which the result must match within float32 accumulation,
+|err| <= K 2^-23 sum|a_i b_i| (+ an ulp of the output). On CPU the forward also equals
+``lax.ragged_dot`` of the reference-quantized values exactly (same sums, in the same order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import lowprec
+import lowprec_reference as ref
+from lowprec import FP8_HYBRID, NVIDIA_MXFP8, OCP_MXFP8, Recipe
+
+SIZES = (21, 0, 37, 9)  # an empty group, none a multiple of 32, 13 rows in no group
+M, K, N = 80, 80, 40  # K and N not multiples of 32: recipes pad them
+DN = (((1,), (0,)), ((), ()))
+
+
+def _groups(sizes, m=M):
+    """(start, stop) rows of each group, as lax.ragged_dot assigns them (clipped at m)."""
+    ends = np.minimum(np.cumsum(sizes), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def _operands(sizes=SIZES, m=M, k=K, n=N, seed=0):
+    """Tokens, per-expert weights and a cotangent; row and expert magnitudes vary over 2^±6,
+    so that groups and experts get different scales."""
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(k1, (m, k)) * jnp.exp2(jax.random.randint(k2, (m, 1), -6, 6))
+    w = jax.random.normal(k3, (len(sizes), k, n)) * jnp.exp2(
+        jax.random.randint(k4, (len(sizes), 1, 1), -6, 6))
+    g = jax.random.normal(k5, (m, n))
+    return x, w, g, jnp.asarray(sizes, jnp.int32)
+
+
+def _ref_q(x, fmt, axis, rule="floor"):
+    """float64 values of ``x`` quantized by the reference: MX blocks along ``axis`` (zero-padded
+    to whole blocks; NVFP4 with the tensor scale of ``x`` itself), element formats one by one,
+    None as it is."""
+    x = np.asarray(x, np.float32)
+    if fmt is None:
+        return x.astype(np.float64)
+    fmt = lowprec.resolve_format(fmt)
+    if isinstance(fmt, lowprec.ElementFormat):
+        return ref.decode(fmt.name, ref.encode(fmt.name, x)).astype(np.float64)
+    n = x.shape[axis]
+    if fmt.name == "nvfp4":
+        el, sc, ts = ref.quantize_nvfp4(x, fmt.name, axis=axis, pad=True)
+        out = ref.dequantize_mx(el, sc, fmt.name, axis=axis, tensor_scale=ts)
+    else:  # names carry the block size ("mxfp4_b16")
+        el, sc = ref.quantize_mx(x, fmt.name, axis=axis, scale_rule=rule, pad=True)
+        out = ref.dequantize_mx(el, sc, fmt.name, axis=axis)
+    return np.take(np.asarray(out, np.float64), np.arange(n), axis=axis)
+
+
+def _ref_scaled(x, fmt, grid="e4m3"):
+    """scaling='tensor' by the reference: x / s rounded to ``fmt`` saturating, times s, with
+    s the power of two of the MX rceil rule applied to the whole of ``x`` (derived
+    independently of lowprec)."""
+    x = np.asarray(x, np.float32)
+    amax = float(np.max(np.abs(x))) if x.size else 0.0
+    s = 2.0 ** min(max(ref.shared_exponent(amax, fmt, "rceil"), -126), 127)
+    return ref.decode(fmt, ref.encode(fmt, x / np.float32(s), overflow="saturate")) * s
+
+
+def _assert_close(got, want, a, b, contract_len):
+    """|got - want| <= K 2^-23 sum|a_i b_i| + 2^-24 |want| (a, b: the quantized factors)."""
+    got = np.asarray(got, np.float64)
+    bound = contract_len * 2.0**-23 * (np.abs(a) @ np.abs(b)) + 2.0**-24 * np.abs(want)
+    bad = np.abs(got - want) > bound
+    assert not bad.any(), f"{bad.sum()} entries off; max err {np.max(np.abs(got - want))}"
+
+
+def _assert_same_sums(got, want, a, b, contract_len):
+    """``got`` and ``want`` sum the same exact products in two orders: each is within
+    L 2^-23 sum|Q(a_i) Q(b_i)| of the exact sum, and |Q(v)| <= 2|v| for round-to-nearest
+    into any float grid (a, b: the unquantized factors)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    bound = 2 * contract_len * 2.0**-23 * 4 * (np.abs(a) @ np.abs(b)) + 2.0**-24 * np.abs(want)
+    bad = np.abs(got - want) > bound
+    assert not bad.any(), f"{bad.sum()} entries off; max err {np.max(np.abs(got - want))}"
+
+
+def _grads(fn, x, w, g):
+    _, vjp = jax.vjp(fn, x, w)
+    return vjp(g)
+
+
+# -- forward -------------------------------------------------------------------------------------
+
+FORWARD_CASES = [
+    ("mxfp8_e4m3", "mxfp8_e4m3", "rceil"),
+    ("mxfp8_e4m3", "mxfp8_e4m3", "floor"),
+    ("mxfp4", "mxfp6_e2m3", "even"),
+    ("mxfp8_e5m2", None, "ceil"),
+    ("e4m3", "e4m3", "floor"),  # element formats, no scaling
+    ("nvfp4", "nvfp4", "floor"),  # a tensor scale per group of tokens and per expert
+]
+
+
+@pytest.mark.parametrize("lf,rf,rule", FORWARD_CASES)
+def test_forward_is_each_groups_dot_of_reference_quantized_operands(lf, rf, rule):
+    x, w, _, gs = _operands()
+    got = Recipe(forward=(lf, rf), scale_rule=rule).ragged_dot(x, w, gs)
+    assert got.shape == (M, N) and got.dtype == jnp.float32
+    qx = np.zeros((M, K))
+    qw = np.stack([_ref_q(w[i], rf, 0, rule) for i in range(len(SIZES))])
+    for i, (a, b) in enumerate(_groups(SIZES)):
+        if a == b:
+            continue
+        qx[a:b] = _ref_q(x[a:b], lf, 1, rule)  # NVFP4: the group's own tensor scale
+        _assert_close(got[a:b], qx[a:b] @ qw[i], qx[a:b], qw[i], K)
+    assert np.all(np.asarray(got[sum(SIZES):]) == 0)  # rows in no group
+    if jax.default_backend() == "cpu":
+        want = lax.ragged_dot(jnp.asarray(qx, jnp.float32), jnp.asarray(qw, jnp.float32), gs,
+                              precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_tensor_scaling_is_per_group_and_per_expert():
+    x, w, _, gs = _operands()
+    got = FP8_HYBRID.ragged_dot(x, w, gs)
+    for i, (a, b) in enumerate(_groups(SIZES)):
+        if a == b:
+            continue
+        qx, qw = _ref_scaled(x[a:b], "e4m3"), _ref_scaled(w[i], "e4m3")
+        _assert_close(got[a:b], qx @ qw, qx, qw, K)
+
+
+def test_group_sizes_past_the_rows_are_clipped_as_in_lax():
+    x, w, _, _ = _operands()
+    sizes = (30, 0, 70, 5)  # sum 105 > 80: the third group ends at row 80, the last is empty
+    got = NVIDIA_MXFP8.ragged_dot(x, w, jnp.asarray(sizes))
+    for i, (a, b) in enumerate(_groups(sizes)):
+        if a < b:
+            qx, qw = _ref_q(x[a:b], "mxfp8_e4m3", 1, "rceil"), _ref_q(w[i], "mxfp8_e4m3", 0, "rceil")
+            _assert_close(got[a:b], qx @ qw, qx, qw, K)
+
+
+def test_output_dtype_follows_lax_ragged_dot():
+    x, w, _, gs = _operands()
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    assert NVIDIA_MXFP8.ragged_dot(xb, wb, gs).dtype == jnp.bfloat16
+    assert lax.ragged_dot(xb, wb, gs).dtype == jnp.bfloat16
+    assert NVIDIA_MXFP8.ragged_dot(xb, w, gs).dtype == jnp.float32
+    y = NVIDIA_MXFP8.ragged_dot(xb, wb, gs, preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(NVIDIA_MXFP8.ragged_dot(xb, wb, gs)), np.asarray(y.astype(jnp.bfloat16)))
+    gl, gr = _grads(lambda a, b: NVIDIA_MXFP8.ragged_dot(a, b, gs), xb, wb,
+                    jnp.ones((M, N), jnp.bfloat16))
+    assert (gl.dtype, gr.dtype) == (jnp.bfloat16, jnp.bfloat16)
+    # Operands left as they are (no format): the ragged dot of the values themselves.
+    got = Recipe().ragged_dot(x, w, gs)
+    want = lax.ragged_dot(x, w, gs, precision=lax.Precision.HIGHEST)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# -- backward ------------------------------------------------------------------------------------
+
+QUANTIZED_RECIPES = [
+    NVIDIA_MXFP8,  # rceil, E4M3 everywhere
+    OCP_MXFP8,  # floor, E5M2 gradients
+    Recipe(forward="mxfp4", grad="mxfp8_e4m3", backward_operands="mxfp8", scale_rule="rceil"),
+    Recipe(forward="mxfp8", grad=lowprec.mx_format("mxfp4", block_size=16), scale_rule="even"),
+    Recipe(forward="nvfp4", grad="nvfp4"),  # 16-element blocks, tensor scales per group
+]
+
+
+@pytest.mark.parametrize("recipe", QUANTIZED_RECIPES, ids=lambda r: r.name or r.describe())
+def test_quantized_backward_blocks_each_group_along_its_own_tokens(recipe):
+    x, w, g, gs = _operands()
+    gl, gr = _grads(lambda a, b: recipe.ragged_dot(a, b, gs), x, w, g)
+    assert gl.shape == x.shape and gr.shape == w.shape
+    bl, br = recipe.backward_operands
+    rule = recipe.scale_rule.value
+    for i, (a, b) in enumerate(_groups(SIZES)):
+        if a == b:  # an expert without tokens gets no gradient
+            assert np.all(np.asarray(gr[i]) == 0)
+            continue
+        # grad_lhs: the cotangent rows and the expert's weight blocked along N.
+        qg, qw = _ref_q(g[a:b], recipe.grad, 1, rule), _ref_q(w[i], br, 1, rule)
+        _assert_close(gl[a:b], qg @ qw.T, qg, qw.T, N)
+        # grad_rhs: the group's tokens and cotangent blocked along its own tokens.
+        qx, qg = _ref_q(x[a:b], bl, 0, rule), _ref_q(g[a:b], recipe.grad, 0, rule)
+        _assert_close(gr[i], qx.T @ qg, qx.T, qg, b - a)
+    assert np.all(np.asarray(gl[sum(SIZES):]) == 0)
+
+
+def test_ste_backward_is_the_float_gradient_of_the_quantized_forward():
+    x, w, g, gs = _operands()
+    recipe = Recipe(forward="mxfp8", scale_rule="rceil")
+    gl, gr = _grads(lambda a, b: recipe.ragged_dot(a, b, gs), x, w, g)
+    g64 = np.asarray(g, np.float64)
+    for i, (a, b) in enumerate(_groups(SIZES)):
+        qw = _ref_q(w[i], "mxfp8_e4m3", 0, "rceil")  # the forward's: along K
+        _assert_close(gl[a:b], g64[a:b] @ qw.T, g64[a:b], qw.T, N)
+        qx = _ref_q(x[a:b], "mxfp8_e4m3", 1, "rceil") if a < b else np.zeros((0, K))
+        _assert_close(gr[i], qx.T @ g64[a:b], qx.T, g64[a:b], max(b - a, 1))
+    assert np.all(np.asarray(gl[sum(SIZES):]) == 0)
+
+
+def test_high_precision_wgrad_is_the_float32_weight_gradient():
+    x, w, g, gs = _operands()
+    recipe = dataclasses.replace(NVIDIA_MXFP8, high_precision_wgrad=True)
+    gl, gr = _grads(lambda a, b: recipe.ragged_dot(a, b, gs), x, w, g)
+    gl_q, _ = _grads(lambda a, b: NVIDIA_MXFP8.ragged_dot(a, b, gs), x, w, g)
+    np.testing.assert_array_equal(np.asarray(gl), np.asarray(gl_q))  # grad_lhs unchanged
+    x64, g64 = np.asarray(x, np.float64), np.asarray(g, np.float64)
+    for i, (a, b) in enumerate(_groups(SIZES)):
+        _assert_close(gr[i], x64[a:b].T @ g64[a:b], x64[a:b].T, g64[a:b], max(b - a, 1))
+
+
+def test_tensor_scaled_backward_is_per_group():
+    x, w, g, gs = _operands()
+    gl, gr = _grads(lambda a, b: FP8_HYBRID.ragged_dot(a, b, gs), x, w, g)
+    for i, (a, b) in enumerate(_groups(SIZES)):
+        if a == b:
+            continue
+        qx, qw, qg = _ref_scaled(x[a:b], "e4m3"), _ref_scaled(w[i], "e4m3"), _ref_scaled(g[a:b], "e5m2")
+        _assert_close(gl[a:b], qg @ qw.T, qg, qw.T, N)
+        _assert_close(gr[i], qx.T @ qg, qx.T, qg, b - a)
+
+
+@pytest.mark.parametrize("recipe", [NVIDIA_MXFP8, FP8_HYBRID], ids=lambda r: r.name)
+def test_each_group_is_the_recipes_dot_general(recipe):
+    # The contract in one line: group g's output and gradients are those of
+    # recipe.dot_general on its tokens and weight alone (within float32 summation order).
+    x, w, g, gs = _operands()
+    y, vjp = jax.vjp(lambda a, b: recipe.ragged_dot(a, b, gs), x, w)
+    gl, gr = vjp(g)
+    for i, (a, b) in enumerate(_groups(SIZES)):
+        if a == b:
+            continue
+        yi, vjp_i = jax.vjp(lambda p, q: recipe.dot_general(p, q, DN), x[a:b], w[i])
+        gli, gri = vjp_i(g[a:b])
+        xa, wi, ga = (np.asarray(v, np.float64) for v in (x[a:b], w[i], g[a:b]))
+        _assert_same_sums(y[a:b], yi, xa, wi, K)
+        _assert_same_sums(gl[a:b], gli, ga, wi.T, N)
+        _assert_same_sums(gr[i], gri, xa.T, ga, b - a)
+
+
+def test_jit_grad_and_traced_group_sizes_agree_bitwise():
+    x, w, g, gs = _operands()
+
+    def loss(a, b, sizes):
+        return jnp.sum(NVIDIA_MXFP8.ragged_dot(a, b, sizes) * g)
+
+    eager = jax.grad(loss, argnums=(0, 1))(x, w, gs)
+    jitted = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, gs)
+    for e, j in zip(eager, jitted):
+        np.testing.assert_array_equal(np.asarray(e), np.asarray(j))
+    # Other sizes through the same trace.
+    other = jnp.asarray((0, 40, 0, 40), jnp.int32)
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, other)
+    want = jax.grad(loss, argnums=(0, 1))(x, w, other)
+    for e, j in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(e), np.asarray(j))
+    remat = jax.grad(jax.checkpoint(loss), argnums=(0, 1))(x, w, gs)
+    for e, r in zip(eager, remat):
+        np.testing.assert_array_equal(np.asarray(e), np.asarray(r))
+
+
+# -- lowprec.ragged_dot ---------------------------------------------------------------------------
+
+
+def test_public_ragged_dot_quantizes_like_dot_general():
+    x, w, g, gs = _operands(k=96, n=64)
+    y, vjp = jax.vjp(lambda a, b: lowprec.ragged_dot(
+        a, b, gs, lhs_format="mxfp8_e4m3", rhs_format="mxfp4", scale_rule="rceil",
+        backward="quantized", grad_format="mxfp8_e5m2"), x, w)
+    gl, gr = vjp(g)
+    for i, (a, b) in enumerate(_groups(SIZES)):
+        if a == b:
+            continue
+        qx, qw = _ref_q(x[a:b], "mxfp8_e4m3", 1, "rceil"), _ref_q(w[i], "mxfp4", 0, "rceil")
+        _assert_close(y[a:b], qx @ qw, qx, qw, 96)
+        qg, qw = _ref_q(g[a:b], "mxfp8_e5m2", 1, "rceil"), _ref_q(w[i], "mxfp4", 1, "rceil")
+        _assert_close(gl[a:b], qg @ qw.T, qg, qw.T, 64)
+        qx, qg = _ref_q(x[a:b], "mxfp8_e4m3", 0, "rceil"), _ref_q(g[a:b], "mxfp8_e5m2", 0, "rceil")
+        _assert_close(gr[i], qx.T @ qg, qx.T, qg, b - a)
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda x, w, gs: NVIDIA_MXFP8.ragged_dot(x, w, gs, group_offset=jnp.array([1])),
+     NotImplementedError, "group_offset .* is not supported"),
+    (lambda x, w, gs: NVIDIA_MXFP8.ragged_dot(x[None], w, gs), ValueError,
+     r"takes lhs \[M, K\] .* rhs \[G, K, N\] .* got shapes \(1, 80, 80\)"),
+    (lambda x, w, gs: NVIDIA_MXFP8.ragged_dot(x[:, :64], w, gs), ValueError,
+     "lhs has K = 64 features but rhs has K = 80"),
+    (lambda x, w, gs: NVIDIA_MXFP8.ragged_dot(x, w, gs[:3]), ValueError,
+     r"group_sizes must have shape \(4,\)"),
+    (lambda x, w, gs: NVIDIA_MXFP8.ragged_dot(x, w, gs.astype(jnp.float32)), TypeError,
+     "group_sizes must be an integer array"),
+    (lambda x, w, gs: NVIDIA_MXFP8.ragged_dot(x, w, jnp.array([10, -1, 5, 5])), ValueError,
+     r"non-negative, got \[10, -1, 5, 5\]"),
+    (lambda x, w, gs: NVIDIA_MXFP8.ragged_dot(x.astype(jnp.int32), w, gs), TypeError,
+     "lhs must be a float32, bfloat16 or float16 array, got dtype int32"),
+    (lambda x, w, gs: NVIDIA_MXFP8.ragged_dot(lowprec.quantize_mx(x, "mxfp8", pad=True), w, gs),
+     TypeError, "lhs is an MXArray"),
+    (lambda x, w, gs: NVIDIA_MXFP8.ragged_dot(x, w, gs, preferred_element_type=jnp.int8),
+     TypeError, "output dtype must be float32, bfloat16 or float16, got int8"),
+    (lambda x, w, gs: lowprec.NVIDIA_NVFP4.ragged_dot(x, w, gs), ValueError,
+     "does not implement the NVFP4 training recipe's parts"),
+    (lambda x, w, gs: dataclasses.replace(NVIDIA_MXFP8, pad=False).ragged_dot(x, w, gs),
+     ValueError, "K = 80 is not a multiple of the mxfp8_e4m3 block size 32; pass pad=True"),
+    (lambda x, w, gs: lowprec.ragged_dot(x, w, gs, lhs_format="mxfp8"), ValueError,
+     "K = 80 is not a multiple"),
+    (lambda x, w, gs: lowprec.ragged_dot(x, w, gs, lhs_format="mxfp9"), ValueError,
+     "unknown lhs_format 'mxfp9'"),
+    (lambda x, w, gs: lowprec.ragged_dot(x, w, gs, grad_format="e5m2"), ValueError,
+     "grad_format is only used with backward='quantized'"),
+])
+def test_bad_calls_raise_clear_errors(call, exc, match):
+    x, w, _, gs = _operands()
+    with pytest.raises(exc, match=match):
+        call(x, w, gs)
+
+
+def test_backward_needs_whole_blocks_along_n_without_pad():
+    x, w, g, gs = _operands(k=64)  # K fits, N = 40 does not
+    fn = lambda a, b: lowprec.ragged_dot(a, b, gs, lhs_format="mxfp8", rhs_format="mxfp8",  # noqa: E731
+                                         backward="quantized", grad_format="mxfp8")
+    assert fn(x, w).shape == (M, N)  # the forward is fine
+    with pytest.raises(ValueError, match=r"grad_lhs \(reduces over N\), cotangent: N = 40"):
+        _grads(fn, x, w, g)
+
+
+# -- sharding ------------------------------------------------------------------------------------
+
+_SHARDED = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np, lowprec
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    x = jax.random.normal(jax.random.key(0), (128, 64))
+    w = jax.random.normal(jax.random.key(1), (4, 64, 64))
+    g = jax.random.normal(jax.random.key(2), (128, 64))
+    gs = jnp.array([20, 0, 70, 30], jnp.int32)
+
+    def step(x, w, g, out_sharding=None):
+        y, vjp = jax.vjp(lambda a, b: lowprec.NVIDIA_MXFP8.ragged_dot(
+            a, b, gs, out_sharding=out_sharding), x, w)
+        return (y,) + vjp(g)
+
+    # The same exact products summed in another order: each sum is within L 2^-23 of
+    # sum|Q(a) Q(b)| <= 4 sum|a b| (round to nearest at most doubles a magnitude).
+    ax, aw, ag = (np.abs(np.asarray(v, np.float64)) for v in (x, w, g))
+    bounds = (8 * 64 * 2.0**-23 * np.einsum("mk,gkn->gmn", ax, aw).max(0),
+              8 * 64 * 2.0**-23 * np.einsum("mn,gkn->gmk", ag, aw).max(0),
+              8 * 128 * 2.0**-23 * (ax.T @ ag)[None])
+
+    def check(got, want, what):
+        for a, b, bound in zip(got, want, bounds):
+            err = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+            assert np.all(err <= bound), (what, float(err.max()))
+        print(what, "ok")
+
+    want = jax.jit(step)(x, w, g)
+    auto = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
+    for name, xs, ws in (("tokens", P("x", None), P()), ("N", P(), P(None, None, "x")),
+                         ("experts", P(), P("x"))):
+        put = lambda a, s: jax.device_put(a, NamedSharding(auto, s))
+        check(jax.jit(step)(put(x, xs), put(w, ws), put(g, xs)), want, "auto " + name)
+    explicit = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(explicit):  # expert parallel: out_sharding as lax.ragged_dot needs it
+        got = jax.jit(step, static_argnums=3)(
+            jax.device_put(x, P()), jax.device_put(w, P("x")), jax.device_put(g, P()), P())
+        assert got[2].sharding.spec == P("x", None, None), got[2].sharding.spec
+    check(got, want, "explicit experts")
+""")
+
+
+def test_sharded_ragged_dot_matches_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
+                         env=env, cwd=pathlib.Path(__file__).parent, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split() == ["auto", "tokens", "ok", "auto", "N", "ok", "auto", "experts",
+                                  "ok", "explicit", "experts", "ok"]
