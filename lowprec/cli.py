@@ -286,6 +286,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the ``lowprec`` command line; returns the exit status."""
     args = _parser().parse_args(argv)
     progress = False if getattr(args, "quiet", False) else None
+    if args.command in ("quantize", "dequantize"):
+        # Start JAX's backends before any output is opened: plugin discovery (the CUDA
+        # plugin loads its libraries for seconds) swallows and logs an exception raised in
+        # it, so a signal landing there would print a traceback mid-write.
+        import jax
+
+        jax.devices()
     try:
         with _signals_raise():
             try:
