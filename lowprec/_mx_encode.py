@@ -15,10 +15,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from ._bits import F32_ABS
+from ._bits import F32_ABS, bits_to_f32, f32_bits
 from ._blocks import merge_blocks, split_blocks
 from ._dtypes import input_bits
 from ._encode_stochastic import encode_any
+from ._mx_native import encode_magnitudes, magnitudes_f32, native_element, signed_codes
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along
@@ -37,12 +38,13 @@ def padded_bits(x, axis: int, padded: int):
     return bits
 
 
-def block_amax(xb, inner: int):
-    """Largest magnitude bits of each block of float32 patterns split along ``inner``."""
-    if inner == xb.ndim - 1:
-        return block_amax_bits(xb)
+def block_amax(bits, axis: int, block: int):
+    """Largest magnitude bits of each block of float32 patterns ``bits`` along ``axis``
+    (whole blocks), in the scales layout."""
+    if axis == bits.ndim - 1:
+        return block_amax_bits(bits, block)
     # A reduction over a non-minor axis vectorizes along the minor one as it is.
-    return jnp.max(xb & F32_ABS, axis=inner)
+    return jnp.max(split_blocks(bits, axis, block) & F32_ABS, axis=axis + 1)
 
 
 def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pack=None):
@@ -52,32 +54,90 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
 
     ``rng = (key, random_bits)`` for stochastic rounding (words of ``bits``' shape);
     ``tensor_scale``: the caller's (None: the scheme computes it from ``bits``); ``pack``: a
-    last-axis packer for sub-byte codes that Triton can lower (the Pallas kernel's).
+    last-axis packer for sub-byte codes that Triton can lower (the Pallas kernel's, which
+    always takes the exact path).
     """
     fmt = cast.fmt
     scheme = fmt.scheme
-    ts_bits = scheme.tensor_scale_bits(bits, tensor_scale, cast)
     inner = axis + 1  # position within a block
     xb = split_blocks(bits, axis, fmt.block_size)
-    scale_codes, special, quotient, scale_exp = scheme.encode_blocks(
-        xb, block_amax(xb, inner), ts_bits, cast, inner)
-    if cast.stochastic:
-        key, words = rng
-        rng = (key, None if words is None else split_blocks(words, axis, fmt.block_size))
-    codes = encode_any(
-        fmt.element, quotient, cast.rounding, "saturate", rng, scale_exp=scale_exp,
-        assume_finite=True,  # blocks holding a NaN/Inf are zeroed just below
-    )
-    codes = jnp.where(jnp.expand_dims(special, inner), 0, codes).astype(jnp.uint8)
-    if fmt.packed:
-        if pack is None:
-            # Packing groups never straddle blocks (a block is whole bytes): pack while split.
-            codes = pack_along(codes, inner, fmt.element.code_bits)
-        else:
-            assert inner == codes.ndim - 1, "a caller's pack works along the last axis"
-            codes = pack(codes)
+    amax = block_amax(bits, axis, fmt.block_size)
+    ts_bits = scheme.tensor_scale_bits(bits, tensor_scale, cast, amax)
+
+    def exact(xb, amax):
+        scale_codes, special, quotient, scale_exp = scheme.encode_blocks(
+            xb, amax, ts_bits, cast, inner)
+        wb = rng
+        if cast.stochastic:
+            key, words = rng
+            wb = (key, None if words is None else split_blocks(words, axis, fmt.block_size))
+        codes = encode_any(
+            fmt.element, quotient, cast.rounding, "saturate", wb, scale_exp=scale_exp,
+            assume_finite=True,  # blocks holding a NaN/Inf are zeroed just below
+        )
+        codes = jnp.where(jnp.expand_dims(special, inner), 0, codes).astype(jnp.uint8)
+        return _pack_codes(codes, fmt, inner, pack), scale_codes.astype(jnp.uint8)
+
+    native = (pack is None and cast.rounding == "nearest_even" and bits.dtype == jnp.uint32
+              and native_element(fmt.element) and scheme.has_native_path)
+    if not native:
+        codes, scale_codes = exact(xb, amax)
+    else:
+
+        def native_codes(xb, operand, special, at):
+            """uint32 codes of float32 patterns ``xb`` whose blocks' values are per block at
+            axis ``at`` (expanded there)."""
+            q = scheme.native_quotients(magnitudes_f32(xb), jnp.expand_dims(operand, at), xb,
+                                         cast)
+            mag = encode_magnitudes(fmt.element, lax.bitcast_convert_type(q, jnp.uint32))
+            codes = signed_codes(fmt.element, mag, xb)
+            return jnp.where(jnp.expand_dims(special, at), jnp.uint32(0), codes)
+
+        def native_path(xb, operand, special):
+            if fmt.element.code_bits == 4:
+                # FP4 pairs encoded side by side and packed in the same loop (packing the
+                # finished codes through a 16-bit view makes XLA materialize the quotients
+                # of a division first, a whole extra pass).
+                pairs = xb.reshape(*xb.shape[:inner], xb.shape[inner] // 2, 2,
+                                   *xb.shape[inner + 1:])
+                even, odd = (native_codes(lax.index_in_dim(pairs, k, inner + 1, False),
+                                          operand, special, inner) for k in (0, 1))
+                return (even | lax.shift_left(odd, jnp.uint32(4))).astype(jnp.uint8)
+            codes = native_codes(xb, operand, special, inner).astype(jnp.uint8)
+            return _pack_codes(codes, fmt, inner, None)
+
+        def on_cpu(xf, amax):
+            # The scheme's block values by native arithmetic too, computed on CPU only (so
+            # with CPU's float semantics); XLA runs the taken branch only, and both give the
+            # same codes (the scheme's native_blocks says when). The branches take x as
+            # float32: a conditional's uint32 operand would be a materialized copy of x.
+            scale_codes, special, operand, native_exact = scheme.native_blocks(
+                amax, ts_bits, cast)
+            return lax.cond(
+                native_exact,
+                lambda: (native_path(f32_bits(xf), operand, special),
+                         scale_codes.astype(jnp.uint8)),
+                lambda: exact(f32_bits(xf), amax))
+
+        def elsewhere(xf, amax):
+            # A GPU would sync with the host to branch: keep the one exact formulation.
+            return exact(f32_bits(xf), amax)
+
+        codes, scale_codes = lax.platform_dependent(bits_to_f32(xb), amax, cpu=on_cpu,
+                                                    default=elsewhere)
     ts = None if ts_bits is None else lax.bitcast_convert_type(ts_bits, jnp.float32)
-    return merge_blocks(codes, axis), scale_codes.astype(jnp.uint8), ts
+    return merge_blocks(codes, axis), scale_codes, ts
+
+
+def _pack_codes(codes, fmt, inner: int, pack):
+    """uint8 codes split in blocks, packed along ``inner`` where they are sub-byte."""
+    if not fmt.packed:
+        return codes
+    if pack is None:
+        # Packing groups never straddle blocks (a block is whole bytes): pack while split.
+        return pack_along(codes, inner, fmt.element.code_bits)
+    assert inner == codes.ndim - 1, "a caller's pack works along the last axis"
+    return pack(codes)
 
 
 def quantize_mxarray(bits, cast: MXCast, axis: int, shape: tuple, rng=None, tensor_scale=None):
@@ -90,5 +150,4 @@ def quantize_mxarray(bits, cast: MXCast, axis: int, shape: tuple, rng=None, tens
 def block_exponents(bits, cast: MXCast, axis: int):
     """The shared exponents (int32) of the blocks of float32 patterns ``bits`` along
     ``axis`` (whole blocks), for a scheme whose scales are shared exponents."""
-    xb = split_blocks(bits, axis, cast.fmt.block_size)
-    return cast.fmt.scheme.exponents_of_amax(block_amax(xb, axis + 1), cast)
+    return cast.fmt.scheme.exponents_of_amax(block_amax(bits, axis, cast.fmt.block_size), cast)

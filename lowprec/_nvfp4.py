@@ -188,6 +188,61 @@ def total_scale_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
     return f32_mul_short(ts_bits, decode_bits(scale_fmt, scale_codes))
 
 
+# -- the native path (CPU) ---------------------------------------------------------------
+# The same float32 steps by XLA:CPU's float arithmetic (which flushes subnormal operands and
+# results to zero), exact for every block when the tensor scale ts lies in [2^-118, 2^116]:
+# * (block_amax / 6) / ts: a quotient below 2^-126 at either step is at most 2^-126 / 2^-118,
+#   below 2^-6, where the clamp puts it anyway; a normal one is the IEEE quotient; an
+#   overflow is inf, clamped to 448 both ways.
+# * ts * block_scale >= 2^-118 * 2^-6 = 2^-124 is a normal product (and at most
+#   2^116 * 448 < 2^125), so a subnormal x (flushed) has |x| / total < 2^-2, which rounds to
+#   the E2M1 zero, as does a quotient below 2^-126; an overflowing quotient is inf, which
+#   saturates at 6 as the exact path's does.
+# * 1 / ts lies in [2^-116, 2^118], so (1 / ts) / block_scale in [2^-125, 2^124] is normal,
+#   and a flushed subnormal x had |x| * factor < 2^-2.
+# Divisions by a per-block or scalar value go through a materialized divisor (behind an
+# optimization barrier) or one that depends on the element: XLA:CPU's emitter turns a
+# division by a broadcast into a product with its reciprocal, which rounds differently, and
+# its simplifier turns (a / b) / c into a / (b * c).
+NATIVE_TS_MIN_BITS = (127 - 118) << 23  # 2^-118
+NATIVE_TS_MAX_BITS = (127 + 116) << 23  # 2^116
+
+
+def native_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat):
+    """:func:`block_scale_codes` by float32 division (CPU; exact for a tensor scale in
+    [2^-118, 2^116], see above)."""
+    amax = lax.bitcast_convert_type(block_amax_bits, jnp.float32)
+    ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
+    six, ts_b = lax.optimization_barrier(
+        (jnp.full(amax.shape, _E2M1_MAX, jnp.float32), jnp.broadcast_to(ts, amax.shape)))
+    # The first quotient is materialized too: XLA rewrites (a / b) / c as a / (b * c).
+    quotient = lax.bitcast_convert_type(lax.optimization_barrier(amax / six) / ts_b, jnp.uint32)
+    clamped = jnp.clip(quotient, jnp.uint32(_E4M3_EPS_BITS), jnp.uint32(_E4M3_MAX_BITS))
+    return encode_bits(scale_fmt, clamped, "nearest_even", "saturate", None)
+
+
+def native_divisors(scale_codes, ts_bits, scale_fmt: ElementFormat):
+    """float32(tensor_scale * block_scale) by a float32 product (CPU; see above)."""
+    ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
+    return ts * lax.bitcast_convert_type(decode_bits(scale_fmt, scale_codes), jnp.float32)
+
+
+def native_factors(scale_codes, ts_bits, scale_fmt: ElementFormat):
+    """float32(float32(1 / tensor_scale) / block_scale) by float32 division (CPU; see
+    above): the divisors are per block, never a broadcast, and the reciprocal is
+    materialized first (XLA rewrites (1 / t) / s as 1 / (t * s))."""
+    inverse = lax.optimization_barrier(jnp.float32(1) / lax.bitcast_convert_type(ts_bits, jnp.float32))
+    return inverse / lax.bitcast_convert_type(decode_bits(scale_fmt, scale_codes), jnp.float32)
+
+
+def native_quotients(magnitudes, divisors, x_bits):
+    """float32 |x| / total per element (CPU; see above), ``divisors`` broadcast per block.
+    The divisor is made per-element by a select on x's bits (all-ones, a NaN, belongs to a
+    NaN block whose codes are discarded), so no reciprocal replaces the division."""
+    d = jnp.where(x_bits == jnp.uint32(0xFFFF_FFFF), jnp.float32(1), divisors)
+    return magnitudes / d
+
+
 # Quotients below 2^-100 (or above 2^126) round like any other of their kind in every mode:
 # to 0 / 0.5 / 6 by direction, and stochastic rounding of q < 2^-33 goes up iff its word is 0.
 _TINY_BITS = (127 - 100) << 23  # 2^-100

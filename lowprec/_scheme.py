@@ -156,9 +156,10 @@ class ScaleScheme(abc.ABC):
 
     # -- the block encoder's steps ---------------------------------------------------------
 
-    def tensor_scale_bits(self, bits, tensor_scale, cast):
+    def tensor_scale_bits(self, bits, tensor_scale, cast, amax):
         """Bits (uint32 scalar) of the tensor scale used to quantize the (padded) float32
-        patterns ``bits``, from the caller's ``tensor_scale`` or computed; None without one."""
+        patterns ``bits``, from the caller's ``tensor_scale`` or computed; None without one.
+        ``amax``: the largest magnitude bits of each block of ``bits``."""
         return None
 
     @abc.abstractmethod
@@ -172,6 +173,31 @@ class ScaleScheme(abc.ABC):
         (per block, expanded at ``inner``; None: not divided), saturating.
         """
         raise NotImplementedError
+
+    #: Whether the scheme has the block encoder's native path (:meth:`native_blocks`).
+    has_native_path: ClassVar[bool] = False
+
+    def native_blocks(self, amax, ts_bits, cast):
+        """The blocks' scales for the block encoder's native path (``_mx_native.py``), for
+        schemes with :attr:`has_native_path`: ``(scale_codes, special, operand, exact)``.
+
+        Runs on CPU only (XLA:CPU's float semantics: subnormal operands and results flushed
+        to zero, a division by a broadcast turned into a product with the reciprocal).
+        ``exact`` (a scalar bool) says that the other three are right for every block:
+        ``scale_codes`` and ``special`` equal those of :meth:`encode_blocks` bit for bit,
+        and for every element of a block not ``special``, :meth:`native_quotients` with
+        ``operand`` (per block) gives the float32 quotient that the exact path rounds, or,
+        where that quotient is below 2^-126, anything below 2^-126 (under nearest-even
+        rounding both give a zero element). Where it is False the block encoder takes the
+        exact path for the whole array.
+        """
+        raise NotImplementedError(f"{self.name} scales have no native path")
+
+    def native_quotients(self, magnitudes, operand, x_bits, cast):
+        """float32 quotients of float32 ``magnitudes`` (blocks split; their patterns with
+        the signs are ``x_bits``) by their blocks' scales, by native arithmetic with
+        ``operand`` from :meth:`native_blocks` (expanded to broadcast against them)."""
+        raise NotImplementedError(f"{self.name} scales have no native path")
 
     def exponents_of_amax(self, amax, cast):
         """The shared exponents (int32) of blocks with largest magnitudes ``amax``, for

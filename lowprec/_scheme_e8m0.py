@@ -17,11 +17,16 @@ from jax import lax
 from ._bits import (
     E8M0_BIAS,
     E8M0_NAN,
+    F32_BIAS,
+    F32_EMAX,
+    F32_EMIN,
+    F32_EXP_MAX,
     F32_MANT_BITS,
     bits_to_f32,
     scale_bits_by_e8m0,
 )
 from ._format import ElementFormat
+from ._mx_native import half_quantum_exponent
 from ._scale_rules import DEFAULT_SCALE_RULE, check_scale_rule, scale_codes_of_amax
 from ._scheme import ScaleScheme, register
 
@@ -70,6 +75,36 @@ class E8M0Scheme(ScaleScheme):
     def exponents_of_amax(self, amax, cast):
         codes, _ = scale_codes_of_amax(amax, cast.fmt, cast.scale_rule)
         return codes - E8M0_BIAS
+
+    # The native path: |x| times the float32 2^-s of the block's shared exponent s, one
+    # multiply. The product of a float32 with a power of two is exact whenever it is normal;
+    # it is below 2^-126 only for elements that round to 0 anyway. What a backend that flushes
+    # subnormal operands gets wrong is a subnormal x in a block whose scale lifts it to an
+    # element's range: x < 2^-126 stays at most half the element's smallest subnormal
+    # 2^(emin - M) when 2^(-126 - s) <= 2^(emin - M - 1), i.e. s >= -125 - emin + M (-116 for
+    # E4M3). Blocks with a smaller s (block maxima below ~2^-108) and s = 127 (2^-127 is
+    # subnormal; INT8 blocks near float32's top) send the array to the exact path; all-zero
+    # blocks (s = -127) have no subnormal to lift.
+
+    has_native_path = True
+
+    def native_blocks(self, amax, ts_bits, cast):
+        codes, _ = scale_codes_of_amax(amax, cast.fmt, cast.scale_rule)
+        # Materialized once as bytes (the output), then read by the few per-block values
+        # below: XLA would otherwise recompute the scale rule in each of their fusions.
+        codes = lax.optimization_barrier(codes.astype(jnp.uint8)).astype(jnp.int32)
+        special = codes == E8M0_NAN
+        s = codes - E8M0_BIAS
+        s_min = F32_EMIN - half_quantum_exponent(cast.fmt.element)
+        factor = lax.shift_left(jnp.clip(F32_BIAS - s, 1, F32_EXP_MAX - 1).astype(jnp.uint32),
+                                jnp.uint32(F32_MANT_BITS))
+        outside = ~special & (amax != 0) & ((s < s_min) | (s > F32_EMAX - 1))
+        # A max over bytes: XLA:CPU's fastest reduction to a scalar here.
+        exact = jnp.max(outside.astype(jnp.uint8)) == 0
+        return codes, special, bits_to_f32(factor), exact
+
+    def native_quotients(self, magnitudes, operand, x_bits, cast):
+        return magnitudes * operand
 
     # -- decode ----------------------------------------------------------------------------
 

@@ -39,6 +39,24 @@ DEFAULT_NVFP4_STEP = "divide"
 _ELEMENT_MAX = 6.0
 
 
+def _finite_amax_bits(bits, amax):
+    """Bits of the largest finite magnitude of float32 patterns ``bits``, whose blocks' largest
+    magnitudes are ``amax``. On CPU, where a branch is free, the largest block maximum when
+    no block holds a NaN or an infinity (no second read of ``bits``); else, and on other
+    backends, a reduction over ``bits``."""
+
+    def whole(xf, amax):
+        return _nvfp4.finite_amax_bits(lax.bitcast_convert_type(xf, jnp.uint32))
+
+    def on_cpu(xf, amax):
+        # x as float32: a conditional's uint32 operand would be a materialized copy.
+        return lax.cond(jnp.any(amax >= F32_INF), whole,
+                        lambda xf, a: jnp.max(a, initial=jnp.uint32(0)), xf, amax)
+
+    return lax.platform_dependent(lax.bitcast_convert_type(bits, jnp.float32), amax,
+                                  cpu=on_cpu, default=whole)
+
+
 @register("nvfp4")
 class NVFP4Scheme(ScaleScheme):
     """E4M3 block scales under a float32 tensor scale (torchao's NVFP4 recipe).
@@ -119,11 +137,11 @@ class NVFP4Scheme(ScaleScheme):
 
     # -- encode ----------------------------------------------------------------------------
 
-    def tensor_scale_bits(self, bits, tensor_scale, cast):
+    def tensor_scale_bits(self, bits, tensor_scale, cast, amax):
         """float32(amax / 2688) of ``bits`` (amax: the largest finite magnitude), or the given
         scale; either raised to 2^-143 at least (2^-121 for the ``"reciprocal"`` step)."""
         if tensor_scale is None:
-            ts_bits = _nvfp4.tensor_scale_bits(_nvfp4.finite_amax_bits(bits))
+            ts_bits = _nvfp4.tensor_scale_bits(_finite_amax_bits(bits, amax))
         else:
             ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
         ts_bits = _nvfp4.clamp_tensor_scale_bits(ts_bits)
@@ -141,6 +159,29 @@ class NVFP4Scheme(ScaleScheme):
             total = jnp.expand_dims(_nvfp4.total_scale_bits(codes, ts_bits, self.scale), inner)
             quotient = _nvfp4.element_quotient_bits(xb, total)
         return jnp.where(special, self.scale.nan_code, codes), special, quotient, None
+
+    # The native path (CPU): the same float32 steps by float arithmetic, exact for a tensor
+    # scale in [2^-118, 2^116] (_nvfp4.py says why), i.e. for any tensor whose largest
+    # magnitude lies between ~2^-107 and ~2^127 when the scale is computed.
+
+    has_native_path = True
+
+    def native_blocks(self, amax, ts_bits, cast):
+        special = amax >= F32_INF
+        codes = _nvfp4.native_scale_codes(amax, ts_bits, self.scale)
+        codes = jnp.where(special, self.scale.nan_code, codes)
+        if cast.nvfp4_step == "reciprocal":
+            operand = _nvfp4.native_factors(codes, ts_bits, self.scale)
+        else:
+            operand = _nvfp4.native_divisors(codes, ts_bits, self.scale)
+        exact = ((ts_bits >= jnp.uint32(_nvfp4.NATIVE_TS_MIN_BITS))
+                 & (ts_bits <= jnp.uint32(_nvfp4.NATIVE_TS_MAX_BITS)))
+        return codes, special, operand, exact
+
+    def native_quotients(self, magnitudes, operand, x_bits, cast):
+        if cast.nvfp4_step == "reciprocal":
+            return magnitudes * operand
+        return _nvfp4.native_quotients(magnitudes, operand, x_bits)
 
     # -- decode ----------------------------------------------------------------------------
 
