@@ -497,3 +497,98 @@ def test_contracting_leading_axes_forward_and_gradients(backward):
     for ga, gb in zip(*grads):
         assert ga.shape == gb.shape
         assert np.max(np.abs(ga - gb)) <= 8 * 2.0**-23 * (np.abs(ga).max() + np.abs(gb).max())
+
+
+# -- the block encoder's native path (CPU) at the edges of where it is taken ----------------
+# _mx_native.py: on CPU the block encoder divides by float arithmetic when a scheme proves the
+# result is the exact path's bits for the whole array, and takes the exact path otherwise.
+# Each case below builds an array right at one edge of that decision, with float32
+# subnormals (which XLA:CPU flushes in arithmetic) in every block, and checks both the
+# decision and the codes against the reference.
+
+def _native_decision(x, fmt, rule=None, tensor_scale=None):
+    """Whether the native path serves quantize_mx(x, fmt) along the last axis."""
+    from lowprec._mx_encode import block_amax
+    from lowprec._options import MXCast
+
+    cast = MXCast(fmt, scale_rule=rule)
+    bits = jnp.asarray(np.asarray(x, np.float32).view(np.uint32))
+    amax = block_amax(bits, 1, cast.fmt.block_size)
+    ts = cast.fmt.scheme.tensor_scale_bits(bits, tensor_scale, cast, amax)
+    return bool(cast.fmt.scheme.native_blocks(amax, ts, cast)[3])
+
+
+def _blocks_with_subnormals(top_exponent: int, n_blocks: int = 4, block: int = 32):
+    """float32 blocks whose largest magnitude is 2^top_exponent, holding float32 subnormals
+    of both signs (the smallest, 2^-149, and larger ones), zeros and normals below the top."""
+    rng = np.random.default_rng(top_exponent & 0xFFFF)
+    x = rng.standard_normal((n_blocks, block)).astype(np.float32) * np.float32(2.0) ** (top_exponent - 3)
+    sub = (rng.integers(1, 1 << 23, (n_blocks, 8), dtype=np.uint32)
+           | (rng.integers(0, 2, (n_blocks, 8), dtype=np.uint32) << np.uint32(31)))
+    x[:, 1:9] = sub.view(np.float32)
+    x[:, 9] = np.float32(2.0 ** -149)
+    x[:, 10] = -0.0
+    x[:, 0] = np.float32(2.0) ** top_exponent
+    return x
+
+
+def _assert_quantize_mx_is_the_reference(x, fmt, rule=None, tensor_scale=None):
+    kw = {} if rule is None else {"scale_rule": rule}
+    if tensor_scale is None:
+        want = R.quantize_mx(x, fmt, **kw)
+    else:
+        want = R.quantize_mx(x, fmt, tensor_scale=np.float32(tensor_scale))
+    want_codes, want_scales = want[0], want[1]
+    for tag, f in (("eager", lowprec.quantize_mx),
+                   ("jit", jax.jit(lowprec.quantize_mx, static_argnames=("fmt", "scale_rule")))):
+        extra = {} if tensor_scale is None else {"tensor_scale": jnp.float32(tensor_scale)}
+        mx = f(jnp.asarray(x), fmt=fmt, **kw, **extra)
+        assert_codes_equal(mx.scales, want_scales, x, f"{fmt} {rule} {tag} scales", axis=1,
+                           per_block=True, block=lowprec.mx_format(fmt).block_size)
+        assert_codes_equal(element_codes(mx), want_codes, x, f"{fmt} {rule} {tag} elements",
+                           axis=1, block=lowprec.mx_format(fmt).block_size)
+
+
+E8M0_NATIVE = [f for f in lowprec_formats.COLLECTIONS["e8m0_scaled_mx"]]
+
+
+@pytest.mark.quick_cases(fmt=["mxfp8_e4m3", "mxfp4"])
+@pytest.mark.parametrize("fmt", E8M0_NATIVE)
+def test_native_block_path_edges_e8m0(fmt):
+    """E8M0 schemes: the native multiply by 2^-s is taken down to the smallest shared
+    exponent s_min = -126 - (emin - M - 1) (below it a flushed subnormal could have become
+    a nonzero element) and up to s = 126 (2^-127 is itself subnormal). Derivation in
+    _scheme_e8m0.py; s of a block with largest magnitude 2^k under "floor" is k - emax."""
+    f = lowprec.mx_format(fmt)
+    el = f.element
+    s_min = -126 - (el.emin - el.mantissa_bits - 1)
+    emax = R.shared_exponent(1.0, f.element.name, "floor")  # s of amax = 1 is -emax
+    for s, native in ((s_min, True), (s_min - 1, False), (126, True)):
+        top = s - emax
+        if top > 127:
+            continue  # no float32 block maximum gives this exponent for this element
+        x = _blocks_with_subnormals(top)
+        assert R.shared_exponent(float(np.abs(x).max()), f.element.name, "floor") == s
+        if s == s_min - 1:  # one block past the edge sends the whole array the exact way
+            x = np.concatenate([_blocks_with_subnormals(top + 1), x[:1]])
+        assert _native_decision(x, fmt, "floor") == native, (fmt, s)
+        _assert_quantize_mx_is_the_reference(x, fmt, "floor")
+
+
+@pytest.mark.parametrize("tensor_scale,native", [
+    (2.0 ** -118, True), (np.nextafter(np.float32(2.0 ** -118), np.float32(0)), False),
+    (2.0 ** 116, True), (np.nextafter(np.float32(2.0 ** 116), np.float32(np.inf)), False),
+    (1.0, True),
+], ids=["ts_min", "below_ts_min", "ts_max", "above_ts_max", "one"])
+def test_native_block_path_edges_nvfp4(tensor_scale, native):
+    """NVFP4: float32 division serves tensor scales in [2^-118, 2^116] (_nvfp4.py derives
+    the bounds); blocks sized so their E4M3 scales span the clamp at both ends, with float32
+    subnormals in every block."""
+    ts = float(np.float32(tensor_scale))
+    # Block maxima from ts * 6 * 2^-12 (scale clamped up to 2^-9... the E4M3 smallest) to
+    # ts * 6 * 2^9 (clamped down to 448), and float32's range at either end.
+    tops = np.clip(np.round(np.log2(ts * 6)) + np.arange(-12, 10, 3), -140, 127).astype(int)
+    x = np.concatenate([_blocks_with_subnormals(int(t), n_blocks=2, block=16).reshape(2, 16)
+                        for t in tops]).reshape(-1, 32)
+    assert _native_decision(x, "nvfp4", tensor_scale=jnp.float32(ts)) == native
+    _assert_quantize_mx_is_the_reference(x, "nvfp4", tensor_scale=ts)
