@@ -156,10 +156,11 @@ class ScaleScheme(abc.ABC):
 
     # -- the block encoder's steps ---------------------------------------------------------
 
-    def tensor_scale_bits(self, bits, tensor_scale, cast, amax):
+    def tensor_scale_bits(self, bits, tensor_scale, cast, amax=None):
         """Bits (uint32 scalar) of the tensor scale used to quantize the (padded) float32
         patterns ``bits``, from the caller's ``tensor_scale`` or computed; None without one.
-        ``amax``: the largest magnitude bits of each block of ``bits``."""
+        ``amax``: the largest magnitude bits of each block of ``bits`` where the caller has
+        them (the block encoder), else None."""
         return None
 
     @abc.abstractmethod

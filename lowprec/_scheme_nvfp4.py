@@ -137,10 +137,12 @@ class NVFP4Scheme(ScaleScheme):
 
     # -- encode ----------------------------------------------------------------------------
 
-    def tensor_scale_bits(self, bits, tensor_scale, cast, amax):
+    def tensor_scale_bits(self, bits, tensor_scale, cast, amax=None):
         """float32(amax / 2688) of ``bits`` (amax: the largest finite magnitude), or the given
         scale; either raised to 2^-143 at least (2^-121 for the ``"reciprocal"`` step)."""
-        if tensor_scale is None:
+        if tensor_scale is None and amax is None:
+            ts_bits = _nvfp4.tensor_scale_bits(_nvfp4.finite_amax_bits(bits))
+        elif tensor_scale is None:
             ts_bits = _nvfp4.tensor_scale_bits(_finite_amax_bits(bits, amax))
         else:
             ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
