@@ -45,6 +45,7 @@ def pytest_configure(config):
         "parametrize fmt / rounding / overflow / codec (see tests/helpers/codecs.py)",
     )
     config.addinivalue_line("markers", tiers.MARKER)
+    config.addinivalue_line("markers", tiers.QUICK_FIRST_MARKER)
 
 
 def pytest_generate_tests(metafunc):

@@ -79,6 +79,7 @@ def test_relative_errors_conventions():
     assert _f(analysis.mean_rel_error(jnp.zeros(2), jnp.ones(2))) == 0.0
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_error_stats_matches_individual_metrics():
     key = jax.random.key(0)
     x = jax.random.normal(key, (256,))
@@ -159,6 +160,7 @@ def test_ulp_error_e2m1_tie_and_directed():
 
 @pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
 @pytest.mark.parametrize("fmt", ELEMENTS)
+@pytest.mark.quick_first(1)
 def test_ulp_error_bounds_hold(fmt):
     f = lowprec.element_format(fmt)
     key = jax.random.key(1)
@@ -194,6 +196,7 @@ def test_quantization_error_bound_by_hand():
 @pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
 @pytest.mark.parametrize("fmt", ELEMENTS)
 @pytest.mark.parametrize("rounding", ["nearest_even", "nearest_away", "toward_zero", "stochastic"])
+@pytest.mark.quick_first(4)
 def test_quantization_error_bound_holds(fmt, rounding):
     key = jax.random.key(3)
     f = lowprec.element_format(fmt)
@@ -212,9 +215,9 @@ def test_quantization_error_bound_holds(fmt, rounding):
 ANALYSIS_MX = [f for f in lowprec.MX_FORMAT_NAMES if not lowprec.mx_format(f).tensor_scale]
 
 
-@pytest.mark.quick_cases(fmt=QUICK_MX, rule=["rceil"])
 @pytest.mark.parametrize("fmt", ANALYSIS_MX)
 @pytest.mark.parametrize("rule", lowprec.SCALE_RULES)
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_mx_quantization_error_bound_holds(fmt, rule):
     key = jax.random.key(5)
     x = jax.random.t(key, 2.0, (16, 128))
@@ -296,6 +299,7 @@ def test_dot_error_bound_by_hand():
 
 @pytest.mark.quick_cases(fmt=["e4m3", "mxfp4"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "e4m3", "e2m1", "mxfp8_e5m2", "mxfp4"])
+@pytest.mark.quick_first(1)
 def test_dot_error_bound_holds(fmt):
     ka, kb = jax.random.split(jax.random.key(6))
     a = jax.random.normal(ka, (8, 256))
@@ -516,9 +520,9 @@ def test_overflow_and_nan_are_counted_not_hidden():
 # --------------------------------------------------------------------------------------
 # MX on its own grid
 # --------------------------------------------------------------------------------------
-@pytest.mark.quick_cases(fmt=QUICK_MX, rule=["rceil"])
 @pytest.mark.parametrize("fmt", ANALYSIS_MX)
 @pytest.mark.parametrize("rule", ["floor", "rceil"])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_mx_ulp_error_is_one_call_and_equals_the_scaled_element_grid(fmt, rule):
     x = jax.random.t(jax.random.key(11), 3.0, (8, 96))
     q = lowprec.fake_quantize_mx(x, fmt, scale_rule=rule)
@@ -557,6 +561,7 @@ def _keys(df, cols=("format", "scale_rule", "block_size")):
     return [[None if pd.isna(v) else v for v in row] for row in df[list(cols)].astype(object).values.tolist()]
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_compare_matches_direct_computations_on_an_array():
     x = np.asarray(jax.random.t(jax.random.key(12), 3.0, (32, 128)))
     df = analysis.compare(x, ["e4m3", "bf16", "mxfp4"], scale_rules=["floor", "rceil"])
@@ -801,6 +806,7 @@ def test_histograms_survive_inf_nan_and_zero_and_say_so():
     _render(fig)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_error_vs_magnitude_and_delta_bars():
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
@@ -845,6 +851,7 @@ def _reference_values(fmt):
 
 
 @pytest.mark.parametrize("fmt", NEW_ELEMENTS)
+@pytest.mark.quick_first(4)
 def test_new_element_formats_ulp_is_the_gap_to_the_next_value(fmt):
     # The spacing at a grid value v is the distance to the next value; for the largest one,
     # from the previous if that lies in the same binade, else the binade's width (precision
@@ -885,6 +892,7 @@ def test_value_table_of_formats_without_normal_numbers():
 @pytest.mark.quick_cases(fmt=QUICK_ELEMENTS + ("p3109_k8p3se",))
 @pytest.mark.parametrize("fmt, rounding", [(f, "toward_zero" if i % 3 == 2 else "nearest_even")
                                            for i, f in enumerate(NEW_ELEMENTS)])
+@pytest.mark.quick_first(1)
 def test_new_element_formats_bounds_and_ulp_errors_hold(fmt, rounding):
     f = lowprec.element_format(fmt)
     top = float(R.max_finite(fmt))
@@ -925,6 +933,7 @@ def _nvfp4_blocks():
                             jnp.array([3.3, 0.3]), jnp.zeros(14)])
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_nvfp4_ulp_and_ulp_error_by_hand():
     x = _nvfp4_blocks()
     u = analysis.ulp(x, "nvfp4")
@@ -1062,6 +1071,7 @@ def test_compare_bias_rmse_nmse_cosine_matmul_by_hand():
     assert runs["cosine_hi"].item() <= 1 and runs["nmse_lo"].item() >= 0
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_compare_frames_have_no_object_columns():
     runs = analysis.compare({"g": lambda s: analysis.sample("gaussian", (8, 256), seed=s),
                              "a": np.ones((8, 256), np.float32)}, ["bf16", "nvfp4"], per_seed=True)
@@ -1086,6 +1096,7 @@ def test_scale_phase_is_a_period_of_one_octave_for_mx():
     assert not np.array_equal(a["sqnr_db"].to_numpy(), c["sqnr_db"].to_numpy())
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_dithered_phase_by_default_for_distributions_only():
     runs = analysis.compare({"g": "gaussian", "f": lambda s: analysis.sample("gaussian", (2, 64), seed=s)},
                             "mxfp4", scale_rules="rceil", seeds=6, shape=(2, 64), per_seed=True)
@@ -1125,6 +1136,7 @@ def test_phase_sweep_equals_compare_at_each_phase():
         analysis.phase_sweep("gaussian", "mxfp4", phase=0.5)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_long_format_holds_every_number_once():
     df = analysis.compare("laplace", ["e4m3", "mxfp4"], scale_rules="rceil", seeds=2, shape=(4, 64))
     tidy = analysis.long_format(df)

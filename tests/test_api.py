@@ -180,6 +180,7 @@ def _reference_shared(x: np.ndarray, fmt: str, rule: str) -> np.ndarray:
         elements=st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
     )
 )
+@pytest.mark.quick_first(8)
 def test_shared_exponents_equal_the_reference(fmt, rule, x):
     got = np.asarray(lowprec.shared_exponents(jnp.asarray(x), fmt, scale_rule=rule))
     np.testing.assert_array_equal(got, _reference_shared(x, fmt, rule.value))
@@ -372,6 +373,7 @@ def _half_converts(hlo: str, dtype) -> list:
 @pytest.mark.quick_cases(dtype=[jnp.bfloat16])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("name", list(HALF_CALLS))
+@pytest.mark.quick_first(5)
 def test_half_precision_paths_hold_no_float_convert(dtype, name):
     """XLA on GPU turns any half NaN into 0x7fffffff when it converts (sign lost), so no
     compiled lowprec program converts half-precision floats at all: widening and narrowing
@@ -466,6 +468,7 @@ _ENTRY_CALLS = {
 
 
 @pytest.mark.parametrize("name", list(_ENTRY_CALLS))
+@pytest.mark.quick_first(3)
 def test_each_entry_point_runs_its_checks_once(name, monkeypatch):
     """Every public entry point validates a call through exactly one check_call of its
     option object (and none of another's): the checks cannot drift apart between them."""

@@ -160,6 +160,7 @@ def test_writer_any_order_but_refuses_incomplete_and_overflow(tmp_path):
     [("mxfp4", "floor"), ("mxfp4", "rceil"), ("mxfp4", "even"), ("mxfp4", "ceil"),
      ("mxfp8_e4m3", "floor"), ("mxfp8_e4m3", "rceil"), ("mxfp8_e5m2", "floor")],
 )
+@pytest.mark.quick_first(1)
 def test_mx_round_trip_is_bit_exact(tmp_path, model, fmt, rule):
     path, t = model
     out, back = tmp_path / "q.safetensors", tmp_path / "d.safetensors"
@@ -194,9 +195,9 @@ def test_mx_round_trip_is_bit_exact(tmp_path, model, fmt, rule):
                                           stored["experts.w_scales"])
 
 
-@pytest.mark.quick_cases(fmt=["mxfp4"], budget=[64])
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "e4m3", "bf16"])
 @pytest.mark.parametrize("budget", [64, 200, 1 << 20])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_pieces_equal_whole_tensor_for_every_axis(tmp_path, monkeypatch, fmt, budget):
     """Quantizing piece by piece (rows, block ranges of the axis, or column slabs one
     block high, depending on the budget) gives the bytes of the whole-tensor API."""
@@ -375,6 +376,7 @@ def test_bf16_matches_ml_dtypes(tmp_path, model):
 
 
 # -- selection -------------------------------------------------------------------------
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_default_selection_and_reasons(tmp_path, model):
     path, _ = model
     rep = quantize_checkpoint(path, tmp_path / "q.safetensors", "mxfp8")
@@ -436,6 +438,7 @@ def test_report_numbers(tmp_path, model):
     assert "experts.w" in table and "4.25" in table and "kept: 1-D" in table
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_clipped_block_maxima_floor_vs_rceil(tmp_path):
     # Block 0's max is 7.5 = 1.875 * 4: FLOOR gives scale 2^0, max elem 6 → clipped.
     # Block 1's max is 5.0: not clipped. An exactly representable tensor has SQNR inf.
@@ -749,6 +752,7 @@ def test_decoding_mismatched_parts_is_a_checkpoint_error():
         dequantize_chunk(parts, spec, (2, 64, 1), np.float32)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_nvfp4_clipped_blocks_follow_the_rounded_block_scale():
     # With tensor scale 1 an NVFP4 block's scale is e4m3(clamp(amax / 6, 2^-6, 448)) and its
     # elements saturate at 6 * scale; a block is clipped iff its amax exceeds that. E4M3 has

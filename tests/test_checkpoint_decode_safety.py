@@ -116,6 +116,7 @@ def test_load_checkpoint_missing_names_raise(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan")])
+@pytest.mark.quick_first(1)
 def test_nvfp4_file_with_invalid_tensor_scale_is_refused(tmp_path, bad):
     src, q, edited = (tmp_path / n for n in ("in.safetensors", "q.safetensors", "e.safetensors"))
     save(src, {NAME: np.linspace(-2.0, 2.0, 64, dtype=np.float32).reshape(2, 32)})
@@ -162,6 +163,7 @@ SCALES = [
 
 @pytest.mark.parametrize("layout,fmt,suffix", SCALES, ids=[f"{a}-{b}" for a, b, _ in SCALES])
 @pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf")])
+@pytest.mark.quick_first(6)
 def test_invalid_scales_are_refused_in_every_layout(tmp_path, capsys, layout, fmt, suffix, bad):
     src, q, edited = (tmp_path / n for n in ("in.safetensors", "q.safetensors", "e.safetensors"))
     save(src, {NAME: np.linspace(-2.0, 2.0, 64 * 32, dtype=np.float32).reshape(64, 32)})

@@ -51,6 +51,7 @@ def _tiny_folder(path, rng=np.random.default_rng(0)):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.quick_first(1)
 def test_engine_layout_names_and_config(tmp_path, scheme):
     src = tmp_path / "m"
     x = _tiny_folder(src)
@@ -114,6 +115,7 @@ def test_mixed_schemes_and_ignore(tmp_path):
 
 
 @pytest.mark.parametrize("fmt,scheme", [("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8"), ("e4m3", "fp8")])
+@pytest.mark.quick_first(1)
 def test_convert_round_trips_byte_identical(tmp_path, fmt, scheme):
     src = tmp_path / "m"
     _tiny_folder(src)
@@ -609,6 +611,7 @@ def test_engine_layouts_never_write_beside_or_over_the_input(tmp_path, op):
 
 @pytest.mark.parametrize("layout,fmt", [("compressed-tensors", "nvfp4"), ("compressed-tensors", "fp8"),
                                         ("modelopt", "nvfp4")])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_engine_layouts_peak_memory_does_not_grow_with_the_checkpoint(tmp_path, monkeypatch,
                                                                       layout, fmt):
     """Quantize, convert and dequantize hold a block of rows at a time (and the tensor-wide

@@ -62,6 +62,7 @@ ROUND_TRIPS = [
 @pytest.mark.quick_cases(fmt=["mxfp6_e3m2", "nvfp4"])
 @pytest.mark.parametrize("fmt,rule,block_size,dtype", ROUND_TRIPS,
                          ids=[f"{f}-{r}-{b}-{np.dtype(d).name}" for f, r, b, d in ROUND_TRIPS])
+@pytest.mark.quick_first(1)
 def test_block_format_round_trip_matches_reference_and_library(tmp_path, fmt, rule, block_size,
                                                                 dtype):
     """quantize -> file -> dequantize: stored bytes are reference/'s packed codes (FP6: four

@@ -338,6 +338,7 @@ def test_caught_signal_mid_write_leaves_no_temp_file(tmp_path, sig, named):
 
 
 @pytest.mark.parametrize("named", [False, True])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_sigkill_mid_write_leaves_at_most_a_recognisable_temp_removed_by_the_next_run(
         tmp_path, named):
     _linux_proc()

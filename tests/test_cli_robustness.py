@@ -70,6 +70,7 @@ def test_lone_surrogate_names_are_clean_errors(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_full_stdout_after_the_output_is_published(tmp_path):
     src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
     save(src, {"model.layers.0.mlp.up_proj.weight": np.ones((4, 64), np.float32)})

@@ -48,6 +48,7 @@ def _all_modes(fmt):
 @pytest.mark.quick_cases(fmt=QUICK_ELEMENTS)
 @element_cases(impls="lowprec")
 @given(data=st.data())
+@pytest.mark.quick_first(20)
 def test_float32_encode_matches_reference(fmt, rounding, overflow, codec, data):
     x = data.draw(float_arrays(fmt, np.float32, salt=f"{rounding}{overflow}{codec}"), label="x")
     key = _key(rounding, data.draw(seeds, label="seed"))
@@ -62,6 +63,7 @@ def test_float32_encode_matches_reference(fmt, rounding, overflow, codec, data):
 @pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1", "e8m0", "ocp_int8"])
 @element_cases(formats="input_paths", impls="alternate")
 @given(data=st.data())
+@pytest.mark.quick_first(12)
 def test_float64_encode_matches_reference_with_x64(fmt, rounding, overflow, codec, data):
     # With jax_enable_x64 on, float64 is rounded once from its 53-bit value (the near-grid
     # values carry bits below float32 precision, e.g. just past a tie). Every (format,
@@ -80,6 +82,7 @@ def test_float64_encode_matches_reference_with_x64(fmt, rounding, overflow, code
 @element_cases(formats="input_paths", impls="lowprec")
 @settings(max_examples=FEW)
 @given(data=st.data())
+@pytest.mark.quick_first(3)
 def test_half_precision_encode_matches_reference(fmt, in_dtype, codec, data):
     # Rounding mode and policy are drawn (under jit each one drawn is another compiled
     # program); every float16 / bfloat16 value is covered exhaustively in the default mode by
@@ -101,6 +104,7 @@ QUANTIZE_MODES = [("nearest_even", "ieee"), ("toward_zero", "saturate"), ("stoch
 
 @element_cases(formats="input_paths", impls="lowprec")
 @given(data=st.data())
+@pytest.mark.quick_first(5)
 def test_quantize_matches_reference_decode_of_encode(fmt, codec, data):
     rounding, overflow = data.draw(st.sampled_from(QUANTIZE_MODES), label="modes")
     x = data.draw(float_arrays(fmt, np.float32, salt=str(codec)), label="x")
@@ -116,6 +120,7 @@ def _max_finite(reference_module, fmt):
 
 @element_cases(impls="lowprec")
 @given(data=st.data())
+@pytest.mark.quick_first(5)
 def test_monotonic_and_bracketed(fmt, codec, data):
     # For every deterministic mode: x <= y => q(x) <= q(y) (NaN results skipped), and on
     # in-range finite inputs down(x) <= x <= up(x), |toward_zero(x)| <= |x|, and each nearest
@@ -151,6 +156,7 @@ def test_monotonic_and_bracketed(fmt, codec, data):
 @element_cases(impls="lowprec")
 @settings(max_examples=FEW)
 @given(data=st.data())
+@pytest.mark.quick_first(5)
 def test_stochastic_result_is_a_neighbour(fmt, overflow, codec, data):
     # q(x) is the reference's toward-zero or away-from-zero rounding of x; exact values stay.
     x = data.draw(float_arrays(fmt, np.float32, salt=f"{overflow}{codec}"), label="x")

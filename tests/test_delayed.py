@@ -47,6 +47,7 @@ def _within(got, a, b):
     DelayedScaling(amax_history_len=2, margin=1),
     DelayedScaling(amax_history_len=3, amax_compute_algo="most_recent"),
 ])
+@pytest.mark.quick_first(1)
 def test_three_steps_match_the_numpy_statement(cfg):
     state = cfg.init()
     hist, scale = np.zeros((3, cfg.amax_history_len), np.float32), np.ones(3, np.float32)
@@ -83,6 +84,7 @@ def test_bad_options():
         DelayedScaling(amax_history_len=0)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_linen_layer_trains_with_flax_train_state():
     """lowprec.flax.DelayedDotGeneral in nn.Dense, stepped by Flax's own TrainState: the
     overwrite-with-gradient collection follows the NumPy statement over three steps (the scale

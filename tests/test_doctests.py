@@ -17,9 +17,16 @@ def _modules():
     return sorted(set(names))
 
 
-# Left out of the quick tier: examples that take seconds (analysis.compare over formats and
-# seeds); the quick tier has test_analysis' compare tests.
-SLOW_EXAMPLES = ("lowprec.analysis._compare",)
+# Left out of the quick tier: examples that take a second or more (compiling matmuls, Flax
+# models, compare() over formats and seeds); the quick tier runs those modules in their tests.
+SLOW_EXAMPLES = (
+    "lowprec.analysis._compare", "lowprec.flax", "lowprec._matmul", "lowprec._recipe",
+    "lowprec._delayed", "lowprec.kernels", "lowprec.checkpoint._engine_convert",
+    "lowprec.analysis._metrics", "lowprec.optim", "lowprec._ragged", "lowprec._gpt_oss",
+    "lowprec.analysis._bounds", "lowprec._pack", "lowprec.analysis._stochastic",
+    "lowprec.analysis._mx_stats", "lowprec.checkpoint", "lowprec.checkpoint._convert",
+    "lowprec.analysis._plots", "lowprec.checkpoint._chunk", "lowprec._bits",
+)
 
 
 @pytest.mark.parametrize(

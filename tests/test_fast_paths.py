@@ -115,6 +115,7 @@ def _subnormal_range_inputs(fmt: str, n: int = 1 << 14) -> np.ndarray:
 
 @pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e8m0"])
 @pytest.mark.parametrize("fmt", ELEMENTS)
+@pytest.mark.quick_first(1)
 def test_stochastic16_encoders_equal_the_general_encoder(fmt):
     """The encoders of 16-bit words (given the complement 0xFFFF − r) against the general
     float64 encoder comparing r · 2^16 with frac · 2^32, on every branch's inputs, the
@@ -134,6 +135,7 @@ def test_stochastic16_encoders_equal_the_general_encoder(fmt):
 
 @pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
 @pytest.mark.parametrize("fmt", ELEMENTS)
+@pytest.mark.quick_first(1)
 def test_decode_by_subtraction_equals_the_integer_decode(fmt):
     f = lowprec.element_format(fmt)
     codes = jnp.arange(1 << min(f.code_bits, 16), dtype=jnp.uint32)
@@ -175,6 +177,7 @@ def test_fast_mx_decode_equals_the_bit_built_decode(fmt):
 
 
 @pytest.mark.parametrize("fmt", MX)
+@pytest.mark.quick_first(2)
 def test_fast_decode_predicate(fmt):
     f = lowprec.mx_format(fmt)
     if not _mx_decode.fast_decode_applies(f):
@@ -554,6 +557,7 @@ E8M0_NATIVE = [f for f in lowprec_formats.COLLECTIONS["e8m0_scaled_mx"]]
 
 @pytest.mark.quick_cases(fmt=["mxfp8_e4m3", "mxfp4"])
 @pytest.mark.parametrize("fmt", E8M0_NATIVE)
+@pytest.mark.quick_first(1)
 def test_native_block_path_edges_e8m0(fmt):
     """E8M0 schemes: the native multiply by 2^-s is taken down to the smallest shared
     exponent s_min = -126 - (emin - M - 1) (below it a flushed subnormal could have become
@@ -580,6 +584,7 @@ def test_native_block_path_edges_e8m0(fmt):
     (2.0 ** 116, True), (np.nextafter(np.float32(2.0 ** 116), np.float32(np.inf)), False),
     (1.0, True),
 ], ids=["ts_min", "below_ts_min", "ts_max", "above_ts_max", "one"])
+@pytest.mark.quick_first(1)
 def test_native_block_path_edges_nvfp4(tensor_scale, native):
     """NVFP4: float32 division serves tensor scales in [2^-118, 2^116] (_nvfp4.py derives
     the bounds); blocks sized so their E4M3 scales span the clamp at both ends, with float32

@@ -37,6 +37,7 @@ def _x(shape=(8, 64), seed=0):
 # -- factories ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_linen_dense_factory_is_the_recipe_dot():
     layer = nn.Dense(48, dot_general=lf.dot_general(R4))
     x = _x()
@@ -62,6 +63,7 @@ def test_bf16_layers_keep_lax_dtype_semantics():
     assert layer.apply(p, x).dtype == jnp.bfloat16  # as with lax.dot_general
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_nnx_linear_and_einsum_factories():
     rngs = nnx.Rngs(0)
     lin = nnx.Linear(64, 32, dot_general=lf.dot_general(R4), rngs=rngs)
@@ -109,6 +111,7 @@ class ExplicitMLP(nn.Module):
         return nn.Dense(8, name="head")(h)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_quantize_model_linen_equals_the_hand_written_model():
     recipe = dataclasses.replace(NVIDIA_MXFP8, high_precision=("head",))
     x = _x()

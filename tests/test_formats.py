@@ -93,6 +93,7 @@ N_RANDOM = 1 << 22
 
 
 @pytest.mark.parametrize("fmt", NEW_ML)
+@pytest.mark.quick_first(3)
 def test_default_encode_matches_ml_dtypes_on_2_22_random_patterns(fmt):
     # 2^22 uniformly random float32 bit patterns (NaNs, infinities, subnormals included).
     bits = np.random.default_rng(sum(map(ord, fmt))).integers(0, 1 << 32, N_RANDOM, np.uint64)
@@ -162,6 +163,7 @@ def _every_value(fmt):
 
 @pytest.mark.quick_cases(src=["e4m3", "e5m2", "e2m1", "e8m0", "e4m3fnuz"])
 @pytest.mark.parametrize("src", [f for f in WITH_ML if f not in ("fp16", "bf16")])
+@pytest.mark.quick_first(2)
 def test_arrays_in_ml_dtypes_are_read_exactly(src):
     # Every value of the dtype, as input: decode(codes in the dtype) = decode(uint codes);
     # encode/quantize see the exact value (the float32 widening, NaN sign included). float6
@@ -183,6 +185,7 @@ def test_arrays_in_ml_dtypes_are_read_exactly(src):
 
 @pytest.mark.quick_cases(dst=["e4m3", "e2m1", "e8m0", "e4m3fnuz"])
 @pytest.mark.parametrize("dst", [f for f in WITH_ML if f not in ("fp16", "bf16", "e2m3", "e3m2")])
+@pytest.mark.quick_first(1)
 def test_ml_dtypes_result_dtypes_round_like_astype(dst):
     # decode/quantize/dequantize(dtype=that dtype): the float32 value rounded as ml_dtypes'
     # astype rounds it (NaN aside: compared as NaN), and the array has the dtype.
@@ -308,6 +311,7 @@ def _op_by_op_encode(fmt, x, overflow):
 
 @pytest.mark.quick_cases(k=[3, 8])
 @pytest.mark.parametrize("k", range(2, 9))
+@pytest.mark.quick_first(1)
 def test_p3109_decode_and_encode_match_gfloat_for_every_small_format(k):
     # Every (P, signedness, domain) of width K <= 8: decode of every code, and RNE encode
     # (saturating and not) of every value, midpoint and neighbour, lowprec and the reference.

@@ -154,6 +154,7 @@ CONFIGS = [
 @pytest.mark.quick_cases(cfg=CONFIGS[1::3], k=[224])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.inner}-n{c.block_n}-g{c.block_groups}-s{c.splits}-m{c.block_m}")
 @pytest.mark.parametrize("m,n,k", [(3, 45, 2880), (5, 19, 224)])
+@pytest.mark.quick_first(1)
 def test_kernel_configs_mask_every_edge(cfg, m, n, k):
     rng = np.random.default_rng(k + cfg.splits)
     w = make_weight(rng, n, k)
@@ -280,6 +281,7 @@ def _decode_case(m=4, n=64, k=2880, dtype=jnp.bfloat16, fmt="mxfp4"):
     ],
     ids=["x.WT", "bf16-out", "matmul-KN", "W.x", "vmap"],
 )
+@pytest.mark.quick_first(1)
 def test_dot_general_picks_the_kernel_for_decode_shapes_on_cuda(call, cuda_branches):
     x, w = _decode_case()
     assert TRITON_CALL in _lower_for_cuda(call, x, w)
@@ -298,6 +300,7 @@ def test_dot_general_picks_the_kernel_for_decode_shapes_on_cuda(call, cuda_branc
     ],
     ids=["17-tokens", "f32-tokens", "mxfp8-weight", "quantized-tokens"],
 )
+@pytest.mark.quick_first(1)
 def test_other_shapes_keep_the_generic_path_on_cuda(case, kwargs, cuda_branches):
     x, w = _decode_case(**case)
     text = _lower_for_cuda(lambda a, b: lowprec.dot_general(a, b, DN, **kwargs), x, w)
@@ -345,6 +348,7 @@ def test_xla_route_within_bound(m, n, k):
     assert_within_bound(y, f64(x), w.values)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_xla_route_exact_sums_bit_identical():
     rng = np.random.default_rng(5)
     w = make_weight(rng, 30, 2880, scale_lo=125, scale_hi=129)
@@ -482,6 +486,7 @@ QUANT_CASES = [(f, r, np.float32) for f in QUANT_FORMATS + ("mxfp6_e2m3", "mxfp6
 @pytest.mark.parametrize(
     "fmt,rule,dtype", QUANT_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in QUANT_CASES]
 )
+@pytest.mark.quick_first(1)
 def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, rule, dtype):
     """Same integer core, other schedule: quantize_mx's codes and scales bit for bit, on a
     shape whose rows and columns leave partial tiles."""
@@ -493,9 +498,9 @@ def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, rule, dtype):
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
 
 
-@pytest.mark.quick_cases(fmt=["mxint8"], cols=[20])
 @pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8", "mxfp6_e2m3"))
 @pytest.mark.parametrize("cols", [340, 20])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
     """A last axis that is not a multiple of 32: the kernels pad with zeros in the load,
     giving quantize_mx(..., pad=True)'s codes and fake_quantize_mx(..., pad=True)'s values."""
@@ -510,9 +515,9 @@ def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
     assert_same_floats(fake, lowprec.fake_quantize_mx(x, fmt, scale_rule="floor", pad=True))
 
 
-@pytest.mark.quick_cases(fmt=["mxfp4"], rows=[100])
 @pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8",))
 @pytest.mark.parametrize("rows", [100, 128])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_pallas_kernels_along_axis_0_like_quantize_mx(fmt, rows):
     """Blocks along axis 0 of a 2-D array (a [K, N] weight): tiles transposed in registers,
     quantize_mx(..., axis=0)'s codes (zero-padded: 100 rows) and fake_quantize_mx's values."""
@@ -571,6 +576,7 @@ FAKE_CASES = [(f, r, np.float32) for f in FAKE_FORMATS for r in lowprec.ScaleRul
 @pytest.mark.parametrize(
     "fmt,rule,dtype", FAKE_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in FAKE_CASES]
 )
+@pytest.mark.quick_first(1)
 def test_pallas_fake_quantize_is_bit_identical_to_the_xla_path(fmt, rule, dtype):
     """One pass, quantize and decode in registers: the values of the XLA formulation
     (dequantize(quantize_mx(x))) bit for bit, specials and partial tiles included."""
@@ -628,6 +634,7 @@ MXDOT_FORMATS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e4m3")]
 
 @pytest.mark.parametrize("fa,fb", MXDOT_FORMATS)
 @pytest.mark.parametrize("m,n,k", [(70, 50, 96), (16, 33, 256)])
+@pytest.mark.quick_first(1)
 def test_mxdot_kernel_within_float32_sum_bound(fa, fb, m, n, k):
     """Values decoded independently (the reference's MX decode, float64): products exact,
     float32 sums within K·2^-23·Σ|a_i b_i|; partial tiles in M, N and K (K = 96: a half
@@ -647,6 +654,7 @@ def test_mxdot_kernel_within_float32_sum_bound(fa, fb, m, n, k):
     assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= bound)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_mxdot_kernel_exact_sums_match_the_generic_path_bit_for_bit():
     """Small integers: every partial sum is exact, so any summation order gives the same
     float32, and the kernel equals dot_general's generic path bit for bit."""
@@ -706,6 +714,7 @@ _KERNEL_CALLS = {
 
 @needs_triton_lowering
 @pytest.mark.parametrize("name", list(_KERNEL_CALLS))
+@pytest.mark.quick_first(2)
 def test_kernel_policy_xla_turns_each_kernel_off(name, cuda_branches):
     """lowprec.kernels.set_policy("xla"): the program lowered for CUDA holds no Pallas kernel
     (XLA's formulation, the same bits); "auto" brings the kernel back."""

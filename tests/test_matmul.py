@@ -100,6 +100,7 @@ def random_operand(seed, shape, exp, zero_block=False):
     eb=st.integers(-20, 20),
     zero_block=st.booleans(),
 )
+@pytest.mark.quick_first(1)
 def test_float_operands_within_float32_accumulation_bound(mode, fmt, seed, shape, ea, eb, zero_block):
     if fmt in ELEMENTS:  # no scaling: stay inside the element range
         ea, eb = ea % 7 - 3, eb % 7 - 3
@@ -116,6 +117,7 @@ def test_float_operands_within_float32_accumulation_bound(mode, fmt, seed, shape
 @pytest.mark.parametrize("fmt,shape", FORMAT_SHAPES[:3], ids=MX)
 @FEW
 @given(seed=st.integers(0, 2**31), spread=st.integers(0, 40))
+@pytest.mark.quick_first(1)
 def test_prequantized_random_codes_within_bound(mode, fmt, seed, shape, spread):
     """Arbitrary element and scale codes (NaN scale 0xFF excluded), not only quantize_mx's."""
     m, k, n = shape
@@ -144,9 +146,9 @@ def test_prequantized_random_codes_within_bound(mode, fmt, seed, shape, spread):
     assert_within_bound(out, a64, b64)
 
 
-@pytest.mark.quick_cases(fmt=["mxfp4"], out_dtype=[jnp.bfloat16])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4", "bf16"])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_narrow_output_adds_one_rounding(fmt, out_dtype):
     a = random_operand(0, (5, 64), 0)
     b = random_operand(1, (64, 6), 0)
@@ -158,8 +160,8 @@ def test_narrow_output_adds_one_rounding(fmt, out_dtype):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(wide.astype(out_dtype)))
 
 
-@pytest.mark.quick_cases(in_dtype=[jnp.bfloat16])
 @pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_narrow_inputs(in_dtype):
     a = random_operand(2, (4, 64), 1).astype(in_dtype)
     b = random_operand(3, (64, 3), -1).astype(in_dtype)
@@ -169,6 +171,7 @@ def test_narrow_inputs(in_dtype):
         assert_within_bound(out, qvalues(a32, fmt, 1), qvalues(b32, fmt, 0))
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_mixed_formats_and_prequantized_weight():
     x = random_operand(4, (6, 64), 2)
     w = random_operand(5, (64, 8), -3)
@@ -183,6 +186,7 @@ def test_mixed_formats_and_prequantized_weight():
     )
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_dot_general_batch_and_several_contracting_dims():
     # lhs [B, K1, M, K2] x rhs [K2, B, N, K1]: several contracting dims flatten in the given order.
     lhs = random_operand(6, (2, 4, 3, 16), 0)
@@ -198,6 +202,7 @@ def test_dot_general_batch_and_several_contracting_dims():
         assert_within_bound(out[bi], a64, b64.T)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_matmul_shapes():
     w = random_operand(8, (64, 4), 0)
     v = random_operand(9, (64,), 0)
@@ -209,6 +214,7 @@ def test_matmul_shapes():
     assert batched.shape == (2, 5, 3)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_pad_zero_pads_the_contraction():
     a = random_operand(10, (3, 40), 0)
     b = random_operand(11, (40, 2), 0)
@@ -227,6 +233,7 @@ def test_nan_block_propagates():
 
 
 @pytest.mark.parametrize("fmt,threshold", [("mxfp8_e4m3", 10), ("mxfp8_e5m2", 17), ("mxfp4", 2)])
+@pytest.mark.quick_first(1)
 def test_bf16_path_decision(fmt, threshold):
     from lowprec._qdot import mx_bf16_exact as _mx_bf16_exact
 
@@ -322,10 +329,10 @@ def _jax_dequantize(sm, q, scales):
 DN3 = (((2,), (2,)), ((0,), (0,)))
 
 
-@pytest.mark.quick_cases(mode=["jit"])
 @pytest.mark.parametrize("mode", MODES)
 @settings(max_examples=5, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31), ea=st.integers(-20, 20), eb=st.integers(-20, 20))
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_rceil_matches_jax_quantizer_and_dequantize_formula(mode, seed, ea, eb):
     sm, cfg, jax_quantize = _jax_mxfp8()
     a = random_operand(seed, (2, 4, 64), ea)
@@ -357,6 +364,7 @@ def test_matches_lax_scaled_dot():
     assert_within_bound(ours[0], a64[0], b64[0].T)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_matches_jax_nn_scaled_dot_general():
     _, cfg, _ = _jax_mxfp8()
     a = random_operand(30, (1, 8, 64), 0)
@@ -391,9 +399,9 @@ GRAD_CASES = [
 ]
 
 
-@pytest.mark.quick_cases(mode=["jit"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4", "fp16", None], ids=str)
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_ste_gradient_is_float_gradient_at_quantized_values(mode, fmt):
     x = random_operand(40, (32, 64), 0)
     w = random_operand(41, (64, 32), -2)
@@ -423,6 +431,7 @@ def test_ste_gradient_is_float_gradient_at_quantized_values(mode, fmt):
 @pytest.mark.quick_cases(mode=["jit"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fmt,gfmt", GRAD_CASES, ids=str)
+@pytest.mark.quick_first(1)
 def test_quantized_backward_blocks_along_reduction_axes(mode, fmt, gfmt):
     # x [T, K] @ w [K, N]; grad_x = Q(g)·Q(w)ᵀ blocked along N, grad_w = Q(x)ᵀ·Q(g) along T.
     t, k, n = 64, 32, 96
@@ -478,6 +487,7 @@ def test_gradient_dtypes_follow_inputs(dtype):
     assert gx.dtype == gw.dtype == dtype
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_forward_under_vmap():
     w = random_operand(75, (64, 8), 0)
     xs = random_operand(76, (4, 3, 64), 0)

@@ -51,6 +51,7 @@ def _naive(x):
 
 
 @pytest.mark.parametrize("fmt", ELEMENTS)
+@pytest.mark.quick_first(2)
 def test_jit_quantize_is_not_a_no_op(fmt):
     x = _x()
     eager = lowprec.quantize(x, fmt)
@@ -68,6 +69,7 @@ def test_jit_quantize_is_not_a_no_op(fmt):
 
 
 @pytest.mark.parametrize("fmt", MX)
+@pytest.mark.quick_first(1)
 def test_jit_fake_quantize_mx_is_not_a_no_op(fmt):
     x = _x(1).reshape(8, 32)
     eager = lowprec.fake_quantize_mx(x, fmt)

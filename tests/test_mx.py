@@ -189,6 +189,7 @@ def test_stochastic_uses_documented_random_bits():
 @pytest.mark.quick_cases(rule=["rceil"])
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 @pytest.mark.parametrize("rule", SCALE_RULES)
+@pytest.mark.quick_first(1)
 def test_inf_and_nan_blocks_get_scale_ff_and_leave_other_blocks_alone(fmt, rule):
     # A block holding +inf, NaN or -inf gets scale 0xFF (E8M0 NaN) and dequantizes to NaN
     # throughout; the finite block between them quantizes exactly as it would alone.
@@ -215,6 +216,7 @@ def test_inf_and_nan_blocks_get_scale_ff_and_leave_other_blocks_alone(fmt, rule)
 @pytest.mark.quick_cases(rule=["floor"])
 @pytest.mark.parametrize("fmt", MX_FORMATS)
 @pytest.mark.parametrize("rule", SCALE_RULES)
+@pytest.mark.quick_first(1)
 def test_all_zero_block(fmt, rule):
     # amax = 0: scale code 0 (2^-127) by definition (docs/design.md §3), elements zero.
     # lowprec documents that -0.0 keeps its sign: code 0x80 (FP8) / 0x8 (FP4).
@@ -229,6 +231,7 @@ def test_all_zero_block(fmt, rule):
 
 
 @pytest.mark.parametrize("rule", SCALE_RULES)
+@pytest.mark.quick_first(2)
 def test_float32_subnormal_2_pow_minus_130(rule):
     # amax = 2^-130 = 2^19 * 2^-149 (float32 subnormal 0x00080000).
     #   floor: floor(log2) - 8 = -138 -> clamped to -127 -> scale code 0.
@@ -377,6 +380,7 @@ PAD_LAYOUTS = [((3, 40), -1), ((40, 3), 0), ((70,), 0)]
         for j, rounding in enumerate(["nearest_even", "stochastic"])
     ],
 )
+@pytest.mark.quick_first(1)
 def test_pad_round_trip(fmt, rounding, shape, axis):
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(shape) * 3).astype(np.float32)
@@ -422,6 +426,7 @@ def test_pad_is_a_no_op_on_full_blocks():
 
 
 @pytest.mark.parametrize("fmt", MX_FORMATS)
+@pytest.mark.quick_first(1)
 def test_dequantize_to_bfloat16_rounds_the_exact_value(fmt):
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((4, 64)) * np.exp2(rng.integers(-20, 20, (4, 1)))).astype(np.float32)
@@ -478,6 +483,7 @@ def _jitted_fake(fmt, rule):
 
 @pytest.mark.quick_cases(fmt=QUICK_MX)
 @pytest.mark.parametrize("fmt", MX_FORMATS)
+@pytest.mark.quick_first(1)
 def test_fake_quantize_equals_dequantize_of_quantize(fmt):
     rng = np.random.default_rng(3)
     x = jnp.asarray((rng.standard_normal((3, 64)) * 5).astype(np.float32))
@@ -491,6 +497,7 @@ def test_fake_quantize_equals_dequantize_of_quantize(fmt):
 
 @pytest.mark.quick_cases(fmt=QUICK_MX)
 @pytest.mark.parametrize("fmt", MX_FORMATS)
+@pytest.mark.quick_first(1)
 def test_fake_quantize_gradient_is_straight_through(fmt):
     x = jnp.linspace(-500.0, 700.0, 64).reshape(2, 32)  # includes clipped values under floor
     g = jax.grad(lambda v: (lowprec.fake_quantize_mx(v, fmt) * 3.0).sum())(x)
@@ -505,6 +512,7 @@ def test_fake_quantize_gradient_is_straight_through(fmt):
 
 @pytest.mark.quick_cases(fmt=QUICK_MX)
 @pytest.mark.parametrize("fmt", MX_FORMATS)
+@pytest.mark.quick_first(1)
 def test_fake_quantize_bfloat16_in_bfloat16_out(fmt):
     rng = np.random.default_rng(4)
     x = jnp.asarray((rng.standard_normal((2, 64)) * 9).astype(np.float32)).astype(jnp.bfloat16)
@@ -538,6 +546,7 @@ def tiny_gpt_oss_decode(blocks, scales):
 
 
 @pytest.mark.parametrize("rule", SCALE_RULES)
+@pytest.mark.quick_first(1)
 def test_gpt_oss_export_decodes_to_dequantize(rule):
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((2, 3, 96)) * np.exp2(rng.integers(-30, 30, (2, 3, 1)))).astype(

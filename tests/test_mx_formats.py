@@ -99,6 +99,7 @@ CASES = [
 @pytest.mark.parametrize("fmt, rule, rounding, shape, axis", CASES)
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
+@pytest.mark.quick_first(1)
 def test_new_mx_formats_match_reference(fmt, rule, rounding, shape, axis, data):
     x = data.draw(mx_inputs(shape, axis), label="x")
     key = None
@@ -110,6 +111,7 @@ def test_new_mx_formats_match_reference(fmt, rule, rounding, shape, axis, data):
 @pytest.mark.quick_cases(rounding=["toward_zero"])
 @pytest.mark.parametrize("fmt", NEW_MX_FORMATS)
 @pytest.mark.parametrize("rounding", ["nearest_away", "toward_zero", "up", "down"])
+@pytest.mark.quick_first(1)
 def test_new_mx_formats_directed_modes_on_gaussian_blocks(fmt, rounding):
     rng = np.random.default_rng(sum(map(ord, fmt + rounding)))
     x = (rng.standard_normal((3, 64)) * np.exp2(rng.integers(-40, 40, (3, 1)))).astype(np.float32)
@@ -148,6 +150,7 @@ def test_mxint8_hand_vectors():
     assert codes_and_scale([1.99], "rceil") == ([0x40], 128)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_mx_blocks_match_gfloat_quantize_block():
     # gfloat's block quantizer (OCP MX, floor scale, RNE, saturating) on Gaussian blocks for
     # MXFP6 E2M3/E3M2, MXFP4 and MXINT8. Differences by design: gfloat computes floor(log2
@@ -186,6 +189,7 @@ BLOCK_CASES = [("mxfp8_e4m3", 2), ("mxfp4", 2), ("mxfp4", 16), ("mxfp6_e2m3", 4)
 
 @pytest.mark.quick_cases(base=["mxint8", "nvfp4"])
 @pytest.mark.parametrize("base, block", BLOCK_CASES, ids=[f"{f}-{b}" for f, b in BLOCK_CASES])
+@pytest.mark.quick_first(1)
 def test_any_block_size_matches_reference(base, block):
     fmt = lowprec.mx_format(base, block_size=block)
     assert fmt.block_size == block and fmt.name == f"{base}_b{block}"
@@ -213,8 +217,8 @@ def test_any_block_size_matches_reference(base, block):
     np.testing.assert_array_equal(np.asarray(mx0.scales), np.asarray(mx.scales).T)
 
 
-@pytest.mark.quick_cases(block=[16])
 @pytest.mark.parametrize("block", [2, 4, 16, 64])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_block_size_pad_shared_exponents_and_matmul(block):
     fmt = lowprec.mx_format("mxfp8_e4m3", block_size=block)
     rng = np.random.default_rng(7)
@@ -292,6 +296,7 @@ def torchao_nvfp4_recipe(x2d, per_tensor_scale, version=(0, 16)):
 
 
 @pytest.mark.parametrize("magnitude", [-130, -100, -20, 0, 20, 100])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_nvfp4_matches_the_published_recipe(magnitude):
     rng = np.random.default_rng(magnitude + 200)
     x = rng.standard_normal((16, 256)) * np.exp2(rng.integers(-12, 12, (16, 16)).repeat(16, 1))
@@ -358,6 +363,7 @@ def test_nvfp4_hand_vector():
     np.testing.assert_array_equal(np.asarray(lowprec.dequantize(mx))[:4], [6.0, -1.0, 0.0, 4.0])
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_nvfp4_special_blocks_and_zero_tensor():
     x = np.zeros((3, 16), np.float32)
     x[0, 3] = np.inf
@@ -374,6 +380,7 @@ def test_nvfp4_special_blocks_and_zero_tensor():
     assert (element_codes(z) == 0x8).all()  # -0 keeps its sign
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_nvfp4_fake_quantize_matmul_and_pytree():
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.standard_normal((4, 64)).astype(np.float32))
@@ -434,6 +441,7 @@ def test_fp6_storage_is_four_codes_in_three_bytes(fmt):
 
 @pytest.mark.parametrize("fmt", ["mxfp6_e2m3", "mxfp6_e3m2", "mxint8", "e4m3fnuz",
                                  "p3109_k8p3se", "e3m4"])
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_matmul_operand_formats(fmt):
     # |lowprec - exact dot of the quantized operands| <= K 2^-23 sum |a_i b_i| (docs/design.md
     # §5); MX INT8 and FP6 values take the bfloat16 path (<= 8 significant bits).
@@ -456,6 +464,7 @@ def test_matmul_operand_formats(fmt):
         np.testing.assert_array_equal(y2, y)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_mxfp6_quantized_backward():
     rng = np.random.default_rng(12)
     x = jnp.asarray(rng.standard_normal((32, 64)).astype(np.float32))
@@ -466,6 +475,7 @@ def test_mxfp6_quantized_backward():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0, -0.0])
+@pytest.mark.quick_first(2)
 def test_nvfp4_invalid_tensor_scale_refused_or_nan(bad):
     """A tensor scale that is not positive and finite multiplies every block scale: a concrete
     one is refused by MXArray; a traced one (no value at construction) decodes to NaN, never
@@ -499,8 +509,8 @@ def _near_ties(rng, rows=64):
     return x, ts
 
 
-@pytest.mark.quick_cases(seed=[0])
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_nvfp4_steps_match_their_torchao_versions(seed):
     x, ts = _near_ties(np.random.default_rng(seed))
     old_e, old_s = torchao_nvfp4_recipe(x, ts)

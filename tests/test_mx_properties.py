@@ -103,6 +103,7 @@ def _check_against_reference(x, fmt, rule, rounding, axis, key, context):
 @pytest.mark.parametrize("fmt, rule, rounding, shape, axis", CASES)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
+@pytest.mark.quick_first(2)
 def test_quantize_matches_reference(fmt, rule, rounding, shape, axis, data):
     x = data.draw(mx_inputs(shape, axis), label="x")
     key = _draw_key(data, rounding)
@@ -125,6 +126,7 @@ BF16_CASES = [
 @pytest.mark.parametrize("fmt, rule, rounding, shape, axis", BF16_CASES)
 @settings(max_examples=12, deadline=None)
 @given(data=st.data())
+@pytest.mark.quick_first(2)
 def test_bfloat16_input_matches_reference(fmt, rule, rounding, shape, axis, data):
     """bfloat16 input quantizes as its exact float32 value; the reference reads the bf16."""
     x = data.draw(mx_inputs(shape, axis, dtype=ml_dtypes.bfloat16), label="x")
@@ -154,6 +156,7 @@ _SCALES = st.one_of(st.sampled_from([0, 1, 2, 3, 9, 20, 126, 127, 128, 200, 240,
 @pytest.mark.parametrize("shape, axis", [((2, 64), -1), ((64, 2), 0)])
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
+@pytest.mark.quick_first(3)
 def test_dequantize_matches_reference(fmt, shape, axis, data):
     """dequantize == reference dequantize_mx cast to float32, on arbitrary codes.
 
@@ -271,6 +274,7 @@ def test_rceil_matches_jax_mxfp8_quantize(fmt, bits):
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.quick_first(1)
 def test_rceil_matches_jax_on_many_magnitudes(fmt, seed):
     """512 blocks of Gaussian data, each scaled by 2^u, u uniform in [-105, 120]."""
     rng = np.random.default_rng(seed)
@@ -285,6 +289,7 @@ def test_rceil_matches_jax_on_many_magnitudes(fmt, seed):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
+@pytest.mark.quick_first(1)
 def test_rceil_scale_equals_jax_e8m0_rounding_of_ieee_quotients(fmt):
     """The rceil scale == JAX's ``cast_to_e8m0_with_rounding_up`` of the IEEE quotient.
 

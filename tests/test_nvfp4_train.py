@@ -155,6 +155,7 @@ def test_padding_and_weight_layouts():
     assert all(bool(jnp.all(jnp.isfinite(v))) for v in g)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_stochastic_rounding_is_unbiased_and_varies_with_the_data():
     # Same layer, cotangents c and c + tiny: different words (h differs), so different grads;
     # and the mean of grad_x over many cotangents tends to the float gradient's expectation.

@@ -132,6 +132,7 @@ def _regression(seed=0, n=1024, d=256):
     return w0, w_star, loss
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_adam_in_bf16_with_stochastic_rounding_matches_float32():
     # Adam's steps are ~lr = 5e-4, below half an ulp (>= 2^-9) of every weight: bf16 with
     # round-to-nearest cannot move at all; with stochastic rounding it follows float32.

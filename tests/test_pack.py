@@ -46,6 +46,7 @@ def test_round_trip_all_256_bytes_and_all_code_pairs():
 
 
 @pytest.mark.parametrize("shape, axis", [((6, 4), 0), ((6, 4), 1), ((3, 8, 2), 1), ((2, 3, 4), -1)])
+@pytest.mark.quick_first(2)
 def test_axis(shape, axis):
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 16, shape, dtype=np.uint8)
@@ -127,6 +128,7 @@ def test_fp6_unpack_every_three_byte_group():
 
 
 @pytest.mark.parametrize("shape, axis", [((8, 3), 0), ((2, 12), 1), ((3, 4, 2), 1)])
+@pytest.mark.quick_first(1)
 def test_fp6_axis_matches_the_reference_packer(shape, axis):
     import lowprec_reference
 

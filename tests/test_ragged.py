@@ -117,6 +117,7 @@ FORWARD_CASES = [
 
 
 @pytest.mark.parametrize("lf,rf,rule", FORWARD_CASES)
+@pytest.mark.quick_first(1)
 def test_forward_is_each_groups_dot_of_reference_quantized_operands(lf, rf, rule):
     x, w, _, gs = _operands()
     got = Recipe(forward=(lf, rf), scale_rule=rule).ragged_dot(x, w, gs)
@@ -155,6 +156,7 @@ def test_group_sizes_past_the_rows_are_clipped_as_in_lax():
             _assert_close(got[a:b], qx @ qw, qx, qw, K)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_output_dtype_follows_lax_ragged_dot():
     x, w, _, gs = _operands()
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
@@ -185,6 +187,7 @@ QUANTIZED_RECIPES = [
 
 
 @pytest.mark.parametrize("recipe", QUANTIZED_RECIPES, ids=lambda r: r.name or r.describe())
+@pytest.mark.quick_first(1)
 def test_quantized_backward_blocks_each_group_along_its_own_tokens(recipe):
     x, w, g, gs = _operands()
     gl, gr = _grads(lambda a, b: recipe.ragged_dot(a, b, gs), x, w, g)
@@ -217,6 +220,7 @@ def test_ste_backward_is_the_float_gradient_of_the_quantized_forward():
     assert np.all(np.asarray(gl[sum(SIZES):]) == 0)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_high_precision_wgrad_is_the_float32_weight_gradient():
     x, w, g, gs = _operands()
     recipe = dataclasses.replace(NVIDIA_MXFP8, high_precision_wgrad=True)
@@ -228,6 +232,7 @@ def test_high_precision_wgrad_is_the_float32_weight_gradient():
         _assert_close(gr[i], x64[a:b].T @ g64[a:b], x64[a:b].T, g64[a:b], max(b - a, 1))
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_tensor_scaled_backward_is_per_group():
     x, w, g, gs = _operands()
     gl, gr = _grads(lambda a, b: FP8_HYBRID.ragged_dot(a, b, gs), x, w, g)
@@ -240,6 +245,7 @@ def test_tensor_scaled_backward_is_per_group():
 
 
 @pytest.mark.parametrize("recipe", [NVIDIA_MXFP8, FP8_HYBRID], ids=lambda r: r.name)
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_each_group_is_the_recipes_dot_general(recipe):
     # The contract in one line: group g's output and gradients are those of
     # recipe.dot_general on its tokens and weight alone (within float32 summation order).
@@ -257,6 +263,7 @@ def test_each_group_is_the_recipes_dot_general(recipe):
         _assert_same_sums(gr[i], gri, xa.T, ga, b - a)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_jit_grad_and_traced_group_sizes_agree_bitwise():
     x, w, g, gs = _operands()
 
@@ -281,6 +288,7 @@ def test_jit_grad_and_traced_group_sizes_agree_bitwise():
 # -- lowprec.ragged_dot ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_public_ragged_dot_quantizes_like_dot_general():
     x, w, g, gs = _operands(k=96, n=64)
     y, vjp = jax.vjp(lambda a, b: lowprec.ragged_dot(
@@ -337,6 +345,7 @@ def test_bad_calls_raise_clear_errors(call, exc, match):
         call(x, w, gs)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_backward_needs_whole_blocks_along_n_without_pad():
     x, w, g, gs = _operands(k=64)  # K fits, N = 40 does not
     fn = lambda a, b: lowprec.ragged_dot(a, b, gs, lhs_format="mxfp8", rhs_format="mxfp8",  # noqa: E731
@@ -389,6 +398,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_sharded_ragged_dot_matches_one_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")

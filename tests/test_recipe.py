@@ -149,6 +149,7 @@ def test_ready_made_recipes_are_the_published_ones():
     Recipe(forward="e4m3"),  # no scaling: each value rounded on its own
     Recipe(forward="bf16"),
 ], ids=lambda r: r.describe())
+@pytest.mark.quick_first(1)
 def test_forward_is_the_dot_of_reference_quantized_operands(recipe):
     # Eager here; jit == eager bit for bit is checked below for every kind of recipe dot.
     x, w = _operands()
@@ -171,6 +172,7 @@ def test_tensor_scaling_forward():
     assert np.median(np.abs(np.asarray(got) - exact) / np.abs(exact)) < 0.1
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_output_dtype_follows_lax_dot_general():
     x, w = _operands()
     r = NVIDIA_MXFP8
@@ -202,6 +204,7 @@ def _grads(recipe, x, w, g):
            scale_rule="rceil"),  # the recipe's own VJP: backward formats differ
     Recipe(forward="mxfp4", backward_operands=(None, "mxfp8_e5m2"), grad=None),
 ], ids=lambda r: r.describe())
+@pytest.mark.quick_first(1)
 def test_quantized_backward_blocks_along_each_reduction(recipe):
     # grad_x [T,K] = Q(g)[T,N] . Q(w)^T: g and w blocked along N (axis 1 of g, 1 of w);
     # grad_w [K,N] = Q(x)^T . Q(g): x and g blocked along T (axis 0 of both).
@@ -227,6 +230,7 @@ def test_ste_backward_is_the_float_gradient_of_the_quantized_forward():
     _assert_close(gw, qx.T @ g64, qx.T, g64, x.shape[0])
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_tensor_scaled_backward():
     x, w = _operands(seed=5)
     g = jax.random.normal(jax.random.key(6), (x.shape[0], w.shape[1])) * 1e-7  # tiny grads
@@ -240,6 +244,7 @@ def test_tensor_scaled_backward():
     _assert_close(gw, qx.T @ qg, qx.T, qg, x.shape[0])
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_gradient_dtypes_follow_the_operands():
     x, w = _operands()
     xb = x.astype(jnp.bfloat16)
@@ -266,8 +271,8 @@ def _loss(recipe):
     return loss
 
 
-@pytest.mark.quick_cases(recipe=[NVIDIA_MXFP8])
 @pytest.mark.parametrize("recipe", TRANSFORM_RECIPES, ids=lambda r: r.describe())
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_jit_grad_and_checkpoint_agree_bitwise(recipe):
     x, w = _operands(seed=7)
     eager = jax.grad(_loss(recipe), argnums=(0, 1))(x, w)
@@ -315,6 +320,7 @@ def test_einsum_matches_jnp_einsum(spec, ls, rs):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_einsum_quantizes_like_dot_general():
     x, w = _operands(t=10, k=64, n=12)
     w3 = w.reshape(64, 3, 4)

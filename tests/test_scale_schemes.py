@@ -204,6 +204,7 @@ def test_toy_scheme_options_array_checks_and_matmul():
 
 
 @pytest.mark.parametrize("name", _scheme.registered_names())
+@pytest.mark.quick_first(1)
 def test_every_registered_scheme_serves_the_block_functions(name):
     """quantize_mx / dequantize / fake_quantize_mx agree, and MXArray validates the codes,
     for every registered scheme (data formats, and the toy one)."""

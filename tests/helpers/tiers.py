@@ -11,8 +11,14 @@ parametrization::
     def test_something(fmt, axis): ...
 
 keeps, in the quick tier, the cases whose ``fmt`` is in ``QUICK_MX`` and whose ``axis`` is 1;
-every case still runs in the default tier. ``element_cases`` tests are thinned by their own
-rule (``helpers.codecs.in_quick_tier``), which keeps every format and rounding mode.
+every case still runs in the default tier. ``@pytest.mark.quick_first(n)`` keeps the first
+``n`` cases of a parametrized test (in collection order) where any representative case
+exercises the same code. ``element_cases`` tests are thinned by their own rule
+(``helpers.codecs.in_quick_tier``), which keeps every format and rounding mode.
+
+What is left out of the quick tier was chosen from a serial ``--durations=0`` of it: tests
+taking seconds whose code paths other quick tests also run (one recipe or format of several,
+one case of a sweep), so the tier still imports and runs every module.
 """
 
 from __future__ import annotations
@@ -32,20 +38,40 @@ MARKER = (
 )
 
 
+QUICK_FIRST_MARKER = (
+    "quick_first(n): in the quick tier (-m 'not slow') keep only the first n cases of this "
+    "parametrized test (see tests/helpers/tiers.py)"
+)
+
+
 def mark_slow_outside_quick_cases(items) -> None:
-    """Marks ``slow`` the cases that a ``quick_cases`` marker leaves out of the quick tier."""
+    """Marks ``slow`` the cases that a ``quick_cases`` or ``quick_first`` marker leaves out
+    of the quick tier."""
+    seen: dict = {}
     for item in items:
         marker = item.get_closest_marker("quick_cases")
-        if marker is None:
+        if marker is not None and not _in_quick_cases(item, marker):
+            item.add_marker(pytest.mark.slow)
             continue
-        callspec = getattr(item, "callspec", None)
-        params = callspec.params if callspec is not None else {}
-        for name, values in marker.kwargs.items():
-            if name not in params:
-                raise pytest.UsageError(
-                    f"{item.nodeid}: quick_cases names {name!r}, which is not one of its "
-                    f"parameters {sorted(params)}"
-                )
-            if params[name] not in tuple(values):
-                item.add_marker(pytest.mark.slow)
-                break
+        first = item.get_closest_marker("quick_first")
+        if first is None or item.get_closest_marker("slow") is not None:
+            continue
+        # Counted among the cases still in the quick tier, in collection order.
+        key = (item.path, getattr(item, "originalname", item.name))
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > first.args[0]:
+            item.add_marker(pytest.mark.slow)
+
+
+def _in_quick_cases(item, marker) -> bool:
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    for name, values in marker.kwargs.items():
+        if name not in params:
+            raise pytest.UsageError(
+                f"{item.nodeid}: quick_cases names {name!r}, which is not one of its "
+                f"parameters {sorted(params)}"
+            )
+        if params[name] not in tuple(values):
+            return False
+    return True
