@@ -201,7 +201,7 @@ def test_every_block_function_refuses_split_blocks_with_the_same_error(name, kin
         if name == "quantize_mx":
             _assert_mx_equal(got, want)
         else:
-            np.testing.assert_array_equal(_bits(got), _bits(want))
+            assert_bits_equal(got, want)
 
 
 def test_split_block_under_jit_auto_is_unchecked_but_exact():

@@ -16,7 +16,7 @@ every case still runs in the default tier. ``@pytest.mark.quick_first(n)`` keeps
 exercises the same code. ``element_cases`` tests are thinned by their own rule
 (``helpers.codecs.in_quick_tier``), which keeps every format and rounding mode.
 
-What is left out of the quick tier was chosen from a serial ``--durations=0`` of it: tests
+What is left out of the quick tier was chosen from ``pytest -m "not slow" --durations=0``: tests
 taking seconds whose code paths other quick tests also run (one recipe or format of several,
 one case of a sweep), so the tier still imports and runs every module.
 """
