@@ -19,20 +19,31 @@ import pytest
 CASES = pathlib.Path(__file__).with_name("sharded_cases.py")
 
 # The quick tier's share of the cases (one subprocess, ~10 s of CPU): quantize_mx sharded
-# every way, deterministic and stochastic, and the split-block error. The other share (the
-# matmuls, the recipes and training, several minutes) runs as its own slow case; `pytest`
-# runs both, in two subprocesses.
+# every way, deterministic and stochastic, and the split-block error. The others (the block
+# functions and matmuls; the recipes and training, a few minutes together) run as two slow
+# shares, each its own subprocess, so that pytest-xdist can run them side by side; `pytest`
+# runs all three.
 QUICK = ("test_quantize_mx_bits_same_sharded or test_stochastic_quantize_mx_same_sharded"
          " or test_split_block_is_a_clear_error_eager")
+TRAINING = "recipe or training"
+SHARES = {
+    "quick": QUICK,
+    "blocks_and_matmuls": f"not ({QUICK}) and not ({TRAINING})",
+    "recipes_and_training": f"not ({QUICK}) and ({TRAINING})",
+}
 
 
-@pytest.mark.parametrize("share", ["quick", pytest.param("rest", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("share", [
+    "quick",
+    pytest.param("blocks_and_matmuls", marks=pytest.mark.slow),
+    pytest.param("recipes_and_training", marks=pytest.mark.slow),
+])
 def test_sharded_cases_on_four_cpu_devices(share):
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "")
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=4".strip()
     env["JAX_PLATFORMS"] = "cpu"
-    select = QUICK if share == "quick" else f"not ({QUICK})"
+    select = SHARES[share]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-rfEs",
          "-n", "0", "-k", select],
