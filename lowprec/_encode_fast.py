@@ -111,7 +111,14 @@ def encode_rebias(fmt: ElementFormat, u, random_bits=None):
         sub = jnp.where(s <= 31, small, tiny)
     normal = jnp.minimum(normal, jnp.uint32(over))
     code = jnp.where(is_sub, sub, normal)
-    if fmt.inf:  # NaN has its own code (inf is handled by the min above)
+    return _with_nan_and_sign(fmt, code, mag, sign)
+
+
+def _with_nan_and_sign(fmt: ElementFormat, code, mag, sign):
+    """int32 codes of the rebias encoders: magnitude codes ``code`` (inf already saturated
+    to the overflow code by the caller), NaN magnitudes ``mag`` given the format's NaN code
+    where it has infinities, and the sign bits of ``sign`` (float32 patterns' top bit)."""
+    if fmt.inf:  # NaN has its own code (inf is handled by the caller's min)
         code = jnp.where(mag > jnp.uint32(F32_INF), jnp.uint32(fmt.nan_code), code)
     code = code | lax.shift_right_logical(sign, jnp.uint32(F32_SIGN_SHIFT - fmt.magnitude_bits))
     return code.astype(jnp.int32)
@@ -196,10 +203,7 @@ def encode_rebias_stochastic16(fmt: ElementFormat, u, nr):
     sub = lax.shift_right_logical(units + nr, jnp.uint32(WORD_BITS))
     is_sub = mag < jnp.uint32((fmt.emin + F32_BIAS) << F32_MANT_BITS)
     code = jnp.where(is_sub, sub, normal)
-    if fmt.inf:  # NaN has its own code (inf is handled by the min above)
-        code = jnp.where(mag > jnp.uint32(F32_INF), jnp.uint32(fmt.nan_code), code)
-    code = code | lax.shift_right_logical(sign, jnp.uint32(F32_SIGN_SHIFT - fmt.magnitude_bits))
-    return code.astype(jnp.int32)
+    return _with_nan_and_sign(fmt, code, mag, sign)
 
 
 def same_range_encodable(fmt: ElementFormat) -> bool:
