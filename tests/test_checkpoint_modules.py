@@ -1,4 +1,5 @@
-"""The checkpoint package's modules use each other through their public names only.
+"""lowprec's modules use each other through their public names only (the checkpoint package
+and the CLI strictly, every other module of the package too).
 
 A module's interface is its names without a leading underscore: no module of
 ``lowprec.checkpoint`` (nor ``lowprec.cli``) imports another module's private name or
@@ -77,3 +78,15 @@ def test_the_check_sees_violations():
     assert len(got) == 3, got
     assert any("_LIVE" in v for v in got) and any("cv._compile" in v for v in got)
     assert any("inside f()" in v for v in got)
+
+
+ALL_FILES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_private_name_across_modules_anywhere_in_lowprec(path):
+    """The whole package keeps to public names across modules too (its private modules'
+    names without a leading underscore are their interface); imports inside functions are
+    allowed outside the checkpoint package (lazy imports of the optional extras)."""
+    found = _violations(path.read_text(encoding="utf-8"), _package(path))
+    assert [v for v in found if " inside " not in v] == []
