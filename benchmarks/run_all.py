@@ -2,7 +2,7 @@
 
 Usage (from the repository root, lowprec installed)::
 
-    python benchmarks/run_all.py            # full sizes; ~10 min on a 2-core CPU
+    python benchmarks/run_all.py            # full sizes; ~3 min on a 2-core CPU
     python benchmarks/run_all.py --quick    # small sizes, to check the pipeline
     python benchmarks/run_all.py --no-readme --out results/   # keep JSON + tables only
 
