@@ -51,7 +51,7 @@ def _tiny_folder(path, rng=np.random.default_rng(0)):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.quick_first(1)
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_engine_layout_names_and_config(tmp_path, scheme):
     src = tmp_path / "m"
     x = _tiny_folder(src)

@@ -128,7 +128,7 @@ def test_fp6_unpack_every_three_byte_group():
 
 
 @pytest.mark.parametrize("shape, axis", [((8, 3), 0), ((2, 12), 1), ((3, 4, 2), 1)])
-@pytest.mark.quick_first(1)
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_fp6_axis_matches_the_reference_packer(shape, axis):
     import lowprec_reference
 

@@ -204,7 +204,7 @@ def _grads(recipe, x, w, g):
            scale_rule="rceil"),  # the recipe's own VJP: backward formats differ
     Recipe(forward="mxfp4", backward_operands=(None, "mxfp8_e5m2"), grad=None),
 ], ids=lambda r: r.describe())
-@pytest.mark.quick_first(1)
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_quantized_backward_blocks_along_each_reduction(recipe):
     # grad_x [T,K] = Q(g)[T,N] . Q(w)^T: g and w blocked along N (axis 1 of g, 1 of w);
     # grad_w [K,N] = Q(x)^T . Q(g): x and g blocked along T (axis 0 of both).
