@@ -22,8 +22,9 @@ import lowprec_formats as _data
 from ._format import ElementFormat
 
 
-class _DocumentedStr(str, enum.Enum):
-    """A ``str`` enum whose members are written ``NAME = (value, docstring)``."""
+class DocumentedStr(str, enum.Enum):
+    """A ``str`` enum whose members are written ``NAME = (value, docstring)`` (the base of
+    :class:`Rounding`, :class:`Overflow` and ``ScaleRule``)."""
 
     def __new__(cls, value: str, doc: str):
         member = str.__new__(cls, value)
@@ -37,7 +38,7 @@ class _DocumentedStr(str, enum.Enum):
     __format__ = str.__format__
 
 
-class Rounding(_DocumentedStr):
+class Rounding(DocumentedStr):
     """How a value between two neighbouring values of a format is rounded.
 
     Members are strings, so ``"up"`` and ``Rounding.UP`` are interchangeable everywhere a
@@ -133,7 +134,7 @@ class Rounding(_DocumentedStr):
         return self.away_from_zero(sign)
 
 
-class Overflow(_DocumentedStr):
+class Overflow(DocumentedStr):
     """What an encoder does with values beyond a format's largest finite value, and with ±inf.
 
     Members are strings, so ``"saturate"`` and ``Overflow.SATURATE`` are interchangeable.

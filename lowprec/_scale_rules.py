@@ -8,7 +8,6 @@ bit patterns; ``lowprec.shared_exponents`` and the MX quantizer call them.
 
 from __future__ import annotations
 
-import enum
 from fractions import Fraction
 from typing import Union
 
@@ -30,9 +29,10 @@ from ._bits import (
     floor_log2_bits,
 )
 from ._format import MXFormat
+from ._rounding import DocumentedStr
 
 
-class ScaleRule(str, enum.Enum):
+class ScaleRule(DocumentedStr):
     """The rule choosing an MX block's shared exponent from its largest magnitude ``amax``.
 
     ``emax_elem`` is the exponent of the element format's largest binade, floor(log2 max_elem):
@@ -46,17 +46,6 @@ class ScaleRule(str, enum.Enum):
         >>> ScaleRule("rceil") is ScaleRule.RCEIL, ScaleRule.FLOOR == "floor"
         (True, True)
     """
-
-    def __new__(cls, value: str, doc: str):
-        member = str.__new__(cls, value)
-        member._value_ = value
-        member.__doc__ = doc
-        return member
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
 
     FLOOR = (
         "floor",
