@@ -84,8 +84,16 @@ def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canon
     computed by the caller (else here)."""
     if factor is None:
         factor = fmt.scheme.scale_factors(scales)
-    v = decode_f32(fmt.element, element_codes(elements, fmt, axis))
-    bits = f32_bits(v * jnp.expand_dims(factor, axis + 1))
+    if fmt.element.code_bits == 6:
+        # FP6 decoded in its 3-byte groups' layout: a stack of the four codes of each group
+        # (the block-split formulation) loops over groups of four in XLA:CPU's element loop,
+        # 2.4x slower along axis 0 and 1.2x along the last axis (4096 x 4096, measured).
+        codes = _grouped_codes(elements, fmt, axis)
+        factor = _per_code(factor, codes.shape, axis)
+    else:
+        codes = element_codes(elements, fmt, axis)
+        factor = jnp.expand_dims(factor, axis + 1)
+    bits = f32_bits(decode_f32(fmt.element, codes) * factor)
     if canonical_nan:
         bits = jnp.where((bits & F32_ABS) > F32_INF, jnp.uint32(F32_QNAN), bits)
     return lax.slice_in_dim(merge_blocks(bits, axis), 0, n, axis=axis)

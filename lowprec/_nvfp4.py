@@ -238,9 +238,15 @@ def native_factors(scale_codes, ts_bits, scale_fmt: ElementFormat):
 def native_quotients(magnitudes, divisors, x_bits):
     """float32 |x| / total per element (CPU; see above), ``divisors`` broadcast per block.
     The divisor is made per-element by a select on x's bits (all-ones, a NaN, belongs to a
-    NaN block whose codes are discarded), so no reciprocal replaces the division."""
+    NaN block whose codes are discarded), so no reciprocal replaces the division.
+
+    The quotient is returned through ``abs`` (the identity here: magnitudes over positive
+    divisors): XLA does not fuse an expensive producer such as a division into a loop that
+    reads it twice (the element encoder reads the quotient as bits and as a float), and
+    writes all quotients out first, a whole extra pass; with ``abs`` its one reader is cheap.
+    """
     d = jnp.where(x_bits == jnp.uint32(0xFFFF_FFFF), jnp.float32(1), divisors)
-    return magnitudes / d
+    return jnp.abs(magnitudes / d)
 
 
 # Quotients below 2^-100 (or above 2^126) round like any other of their kind in every mode:

@@ -88,20 +88,23 @@ class E8M0Scheme(ScaleScheme):
 
     has_native_path = True
 
-    def native_blocks(self, amax, ts_bits, cast):
+    def native_scales(self, amax, ts_bits, cast):
         codes, _ = scale_codes_of_amax(amax, cast.fmt, cast.scale_rule)
-        # Materialized once as bytes (the output), then read by the few per-block values
-        # below: XLA would otherwise recompute the scale rule in each of their fusions.
-        codes = lax.optimization_barrier(codes.astype(jnp.uint8)).astype(jnp.int32)
-        special = codes == E8M0_NAN
-        s = codes - E8M0_BIAS
+        # Materialized once as bytes (the output), then read by the check below and by the
+        # element loop: XLA would otherwise recompute the scale rule in each.
+        codes = lax.optimization_barrier(codes.astype(jnp.uint8))
+        s = codes.astype(jnp.int32) - E8M0_BIAS
         s_min = F32_EMIN - half_quantum_exponent(cast.fmt.element)
-        factor = lax.shift_left(jnp.clip(F32_BIAS - s, 1, F32_EXP_MAX - 1).astype(jnp.uint32),
-                                jnp.uint32(F32_MANT_BITS))
-        outside = ~special & (amax != 0) & ((s < s_min) | (s > F32_EMAX - 1))
+        outside = (codes != E8M0_NAN) & (amax != 0) & ((s < s_min) | (s > F32_EMAX - 1))
         # A max over bytes: XLA:CPU's fastest reduction to a scalar here.
-        exact = jnp.max(outside.astype(jnp.uint8)) == 0
-        return codes, special, bits_to_f32(factor), exact
+        return codes, jnp.max(outside.astype(jnp.uint8)) == 0
+
+    def native_operands(self, scale_codes, ts_bits, cast):
+        # 2^-s from the code's bits (exponent field 127 - s = 254 - code), a few integer
+        # operations that XLA computes in the element loop.
+        field = jnp.clip(2 * E8M0_BIAS - scale_codes.astype(jnp.int32), 1, F32_EXP_MAX - 1)
+        factor = bits_to_f32(lax.shift_left(field.astype(jnp.uint32), jnp.uint32(F32_MANT_BITS)))
+        return scale_codes == E8M0_NAN, factor
 
     def native_quotients(self, magnitudes, operand, x_bits, cast):
         return magnitudes * operand

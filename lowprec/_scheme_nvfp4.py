@@ -168,17 +168,20 @@ class NVFP4Scheme(ScaleScheme):
 
     has_native_path = True
 
-    def native_blocks(self, amax, ts_bits, cast):
+    def native_scales(self, amax, ts_bits, cast):
         special = amax >= F32_INF
         codes = _nvfp4.native_scale_codes(amax, ts_bits, self.scale)
-        codes = jnp.where(special, self.scale.nan_code, codes)
-        if cast.nvfp4_step == "reciprocal":
-            operand = _nvfp4.native_factors(codes, ts_bits, self.scale)
-        else:
-            operand = _nvfp4.native_divisors(codes, ts_bits, self.scale)
+        codes = jnp.where(special, self.scale.nan_code, codes).astype(jnp.uint8)
         exact = ((ts_bits >= jnp.uint32(_nvfp4.NATIVE_TS_MIN_BITS))
                  & (ts_bits <= jnp.uint32(_nvfp4.NATIVE_TS_MAX_BITS)))
-        return codes, special, operand, exact
+        return codes, exact
+
+    def native_operands(self, scale_codes, ts_bits, cast):
+        codes = scale_codes.astype(jnp.uint32)
+        special = codes == jnp.uint32(self.scale.nan_code)
+        if cast.nvfp4_step == "reciprocal":
+            return special, _nvfp4.native_factors(codes, ts_bits, self.scale)
+        return special, _nvfp4.native_divisors(codes, ts_bits, self.scale)
 
     def native_quotients(self, magnitudes, operand, x_bits, cast):
         if cast.nvfp4_step == "reciprocal":

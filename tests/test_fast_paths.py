@@ -15,6 +15,7 @@ operand layouts. The words' statistics are tested in test_random_words.py.
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
 
 import jax
@@ -518,7 +519,7 @@ def _native_decision(x, fmt, rule=None, tensor_scale=None):
     bits = jnp.asarray(np.asarray(x, np.float32).view(np.uint32))
     amax = block_amax(bits, 1, cast.fmt.block_size)
     ts = cast.fmt.scheme.tensor_scale_bits(bits, tensor_scale, cast, amax)
-    return bool(cast.fmt.scheme.native_blocks(amax, ts, cast)[3])
+    return bool(cast.fmt.scheme.native_scales(amax, ts, cast)[1])
 
 
 def _blocks_with_subnormals(top_exponent: int, n_blocks: int = 4, block: int = 32):
@@ -597,3 +598,37 @@ def test_native_block_path_edges_nvfp4(tensor_scale, native):
                         for t in tops]).reshape(-1, 32)
     assert _native_decision(x, "nvfp4", tensor_scale=jnp.float32(ts)) == native
     _assert_quantize_mx_is_the_reference(x, "nvfp4", tensor_scale=ts)
+
+
+# What the native path compiles to on CPU: every quotient stays inside the element loop.
+# XLA writes a division's results out first (a whole extra pass over memory) when the loop
+# that consumes them reads each twice; _nvfp4.native_quotients hands them over through abs
+# for that reason. A float32 array of the input's size among the fusions' outputs is that
+# pass (the codes are bytes; the exact path's intermediates are integers).
+
+_HLO_ARRAY = re.compile(r"\b(f32|u32|s32|u8|pred)\[([\d,]*)\]")
+
+
+def _float32_fusion_outputs(fmt, shape, **kw):
+    """(name, dims) of the fusions of jitted quantize_mx on CPU that output a float32
+    array with at least half as many elements as x."""
+    x = jnp.zeros(shape, jnp.float32)
+    txt = jax.jit(lambda v: lowprec.quantize_mx(v, fmt, **kw)).lower(x).compile().as_text()
+    big = []
+    for line in txt.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?) fusion\(", line)
+        for kind, dims in (_HLO_ARRAY.findall(m.group(2)) if m else ()):
+            n = int(np.prod([int(d) for d in dims.split(",") if d]))
+            if kind == "f32" and n >= x.size // 2:
+                big.append((m.group(1), dims))
+    return big
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU native path")
+@pytest.mark.parametrize("fmt,kw", [
+    ("nvfp4", {}), ("nvfp4", {"nvfp4_step": "reciprocal"}), ("nvfp4", {"axis": 0}),
+    ("mxfp4", {}), ("mxfp4_b16", {}), ("mxfp8_e4m3", {}), ("mxfp6_e2m3", {"axis": 0}),
+], ids=["nvfp4", "nvfp4_reciprocal", "nvfp4_axis0", "mxfp4", "mxfp4_b16", "mxfp8_e4m3",
+        "mxfp6_axis0"])
+def test_native_path_keeps_quotients_in_the_element_loop(fmt, kw):
+    assert _float32_fusion_outputs(fmt, (256, 512), **kw) == []
