@@ -172,8 +172,13 @@ class NVFP4Scheme(ScaleScheme):
         special = amax >= F32_INF
         codes = _nvfp4.native_scale_codes(amax, ts_bits, self.scale)
         codes = jnp.where(special, self.scale.nan_code, codes).astype(jnp.uint8)
-        exact = ((ts_bits >= jnp.uint32(_nvfp4.NATIVE_TS_MIN_BITS))
-                 & (ts_bits <= jnp.uint32(_nvfp4.NATIVE_TS_MAX_BITS)))
+        # The check stays a runtime value even for a tensor scale known at compile time:
+        # folded, it would remove the encoder's branch, whose boundary is what keeps XLA from
+        # fusing the per-block scale computation into the element loop (recomputed there for
+        # every element, ~6x slower; tests/test_fast_paths.py).
+        t = lax.optimization_barrier(ts_bits)
+        exact = ((t >= jnp.uint32(_nvfp4.NATIVE_TS_MIN_BITS))
+                 & (t <= jnp.uint32(_nvfp4.NATIVE_TS_MAX_BITS)))
         return codes, exact
 
     def native_operands(self, scale_codes, ts_bits, cast):

@@ -609,18 +609,21 @@ def test_native_block_path_edges_nvfp4(tensor_scale, native):
 _HLO_ARRAY = re.compile(r"\b(f32|u32|s32|u8|pred)\[([\d,]*)\]")
 
 
-def _float32_fusion_outputs(fmt, shape, **kw):
-    """(name, dims) of the fusions of jitted quantize_mx on CPU that output a float32
-    array with at least half as many elements as x."""
+def _large_fusions(fn, shape, kinds, *args):
+    """(name, dims, instruction count of its fused computation) of the fusions of
+    ``jax.jit(fn)(x, *args)`` on CPU (x float32 of ``shape``) whose outputs include an array
+    of an element type in ``kinds`` with at least half as many elements as x."""
     x = jnp.zeros(shape, jnp.float32)
-    txt = jax.jit(lambda v: lowprec.quantize_mx(v, fmt, **kw)).lower(x).compile().as_text()
+    txt = jax.jit(fn).lower(x, *args).compile().as_text()
+    sizes = {m.group(1): m.group(2).count("\n")
+             for m in re.finditer(r"^%(\S+) .*?\{\n(.*?)^\}", txt, re.S | re.M)}
     big = []
     for line in txt.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?) fusion\(", line)
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?) fusion\(.*calls=%([\w.-]+)", line)
         for kind, dims in (_HLO_ARRAY.findall(m.group(2)) if m else ()):
             n = int(np.prod([int(d) for d in dims.split(",") if d]))
-            if kind == "f32" and n >= x.size // 2:
-                big.append((m.group(1), dims))
+            if kind in kinds and n >= x.size // 2:
+                big.append((m.group(1), dims, sizes.get(m.group(3), 0)))
     return big
 
 
@@ -631,4 +634,20 @@ def _float32_fusion_outputs(fmt, shape, **kw):
 ], ids=["nvfp4", "nvfp4_reciprocal", "nvfp4_axis0", "mxfp4", "mxfp4_b16", "mxfp8_e4m3",
         "mxfp6_axis0"])
 def test_native_path_keeps_quotients_in_the_element_loop(fmt, kw):
-    assert _float32_fusion_outputs(fmt, (256, 512), **kw) == []
+    assert _large_fusions(lambda x: lowprec.quantize_mx(x, fmt, **kw), (256, 512), {"f32"}) == []
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU native path")
+def test_constant_tensor_scale_compiles_the_same_element_loop():
+    """A tensor scale known at compile time (a Python float) must not change the element
+    loop: folding the native path's range check away once let XLA fuse the per-block scale
+    computation (an E4M3 encode and decode) into the loop over elements, recomputing it for
+    every element (~6x slower)."""
+    shape = (256, 512)
+    traced = _large_fusions(lambda x, t: lowprec.quantize_mx(x, "nvfp4", tensor_scale=t), shape,
+                            {"u8"}, jnp.float32(0.5))
+    folded = _large_fusions(lambda x: lowprec.quantize_mx(x, "nvfp4", tensor_scale=0.5), shape,
+                            {"u8"})
+    # The native branch's loop is the shortest one (the exact branch's is ~4x longer).
+    assert traced and folded
+    assert min(n for *_, n in folded) <= min(n for *_, n in traced), (folded, traced)
