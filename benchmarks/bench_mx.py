@@ -45,10 +45,11 @@ and one scale byte per block). Ratios divide throughputs measured in the same ro
 implements rceil); their JAX ratio is against JAX's rceil quantizer, marked ``*``.
 ``faults`` is lowprec's median minor page faults per call (see ``_timing.py``).
 
-Targets: on CPU, lowprec quantize ≥ 1.5x JAX's quantizer for the rceil
-rule (the like-for-like comparison; floor is reported too) and dequantize ≥ 1.0x JAX's
-``astype·scale``; on a GPU (H100) ≥ 2.0 TB/s effective bandwidth for lowprec's quantize.
-Rows that miss are flagged.
+Targets (issue 23): on CPU, quantize of every OCP MX format (E8M0 scales, 32-element
+blocks) under every rule ≥ 2x JAX's rceil quantizer (where JAX has one) and ≥ 50% of the
+streaming roof; NVFP4 quantize ≥ 25% of roof; MXFP6 dequantize ≥ 60% of roof; dequantize ≥
+1.0x JAX's ``astype·scale``. On a GPU (H100) ≥ 2.0 TB/s effective bandwidth for lowprec's
+quantize. Rows that miss are flagged.
 """
 
 from __future__ import annotations
@@ -83,7 +84,14 @@ import lowprec  # noqa: E402
 
 FORMATS = tuple(lowprec.MX_FORMAT_NAMES) + ("mxfp4_b16",)  # and one other block size
 RULES = ("floor", "ceil", "even", "rceil")
-CPU_TARGET_VS_JAX = 1.5  # lowprec rceil quantize / JAX quantize, CPU
+# CPU targets (issue 23): every OCP MX format (E8M0 scales, 32-element blocks) and rule
+# quantizes at >= 2x JAX's rceil quantizer where JAX has one and >= 50% of the streaming roof;
+# NVFP4 quantizes at >= 25% of roof; MXFP6 dequantizes at >= 60% of roof; every dequantize
+# at >= 1x JAX's astype·scale.
+CPU_TARGET_VS_JAX = 2.0  # lowprec quantize (any rule) / JAX's rceil quantize
+CPU_QUANT_ROOF = 0.50  # OCP MX quantize, fraction of the streaming roof
+CPU_NVFP4_QUANT_ROOF = 0.25
+CPU_FP6_DEQUANT_ROOF = 0.60
 CPU_DEQUANT_TARGET = 1.0  # lowprec dequantize / JAX astype·scale, CPU
 GPU_TARGET_TBPS = 2.0  # lowprec quantize effective bandwidth, H100
 
@@ -352,10 +360,21 @@ def bench_format(fmt_name: str, x_np: np.ndarray, reps: int, on_gpu: bool):
         if on_gpu:
             if op == "quantize" and lp_b == lp_b and lp_b / 1e12 < GPU_TARGET_TBPS:
                 flags.append(f"MISS <{GPU_TARGET_TBPS} TB/s")
-        elif r == "rceil" and r_jax == r_jax and r_jax < CPU_TARGET_VS_JAX:
-            flags.append(f"MISS <{CPU_TARGET_VS_JAX}x JAX")
-        elif op != "quantize" and r_jax == r_jax and r_jax < CPU_DEQUANT_TARGET:
-            flags.append(f"MISS <{CPU_DEQUANT_TARGET}x JAX")
+        else:
+            f = lowprec.mx_format(fmt_name)
+            ocp_mx = f.scheme.name == "e8m0" and f.block_size == 32
+            if op == "quantize":
+                if ocp_mx and r_jax == r_jax and r_jax < CPU_TARGET_VS_JAX:
+                    flags.append(f"MISS <{CPU_TARGET_VS_JAX:g}x JAX")
+                want = (CPU_QUANT_ROOF if ocp_mx else
+                        CPU_NVFP4_QUANT_ROOF if f.scheme.name == "nvfp4" else None)
+                if want is not None and roof == roof and roof < want:
+                    flags.append(f"MISS <{want:.0%} roof")
+            else:
+                if r_jax == r_jax and r_jax < CPU_DEQUANT_TARGET:
+                    flags.append(f"MISS <{CPU_DEQUANT_TARGET:g}x JAX")
+                if f.element.code_bits == 6 and roof == roof and roof < CPU_FP6_DEQUANT_ROOF:
+                    flags.append(f"MISS <{CPU_FP6_DEQUANT_ROOF:.0%} roof")
         rows.append({
             "format": fmt_name,
             "op": op,
@@ -484,8 +503,11 @@ def main(argv=None) -> int:
             "over a streaming kernel's (uint32 x ^ c over the input's bytes). faults: minor page "
             "faults per call (median). " + (
                 f"Target: lowprec quantize ≥ {GPU_TARGET_TBPS} TB/s effective." if on_gpu else
-                f"Targets: lowprec rceil quantize ≥ {CPU_TARGET_VS_JAX}x JAX's quantizer, "
-                f"dequantize ≥ {CPU_DEQUANT_TARGET}x JAX's astype·scale."))
+                f"Targets: OCP MX quantize (every rule) ≥ {CPU_TARGET_VS_JAX:g}x JAX's rceil "
+                f"quantizer and ≥ {CPU_QUANT_ROOF:.0%} of roof, NVFP4 quantize ≥ "
+                f"{CPU_NVFP4_QUANT_ROOF:.0%} of roof, MXFP6 dequantize ≥ "
+                f"{CPU_FP6_DEQUANT_ROOF:.0%} of roof, dequantize ≥ {CPU_DEQUANT_TARGET:g}x "
+                f"JAX's astype·scale."))
     text = "\n".join([table(rows, on_gpu), "", note,
                       f"{len(misses)} of {len(rows)} rows miss a target."])
     print()
