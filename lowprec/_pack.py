@@ -132,13 +132,15 @@ def unpack_pairs(p, axis: int):
 
 
 def pack_along(c, axis: int, bits: int):
-    """Packs uint8 codes of ``bits`` bits along ``axis`` (whole groups): FP4 in place
-    (:func:`pack_pairs`), FP6 along the last axis or through a transpose, 8 bits as they are."""
+    """Packs uint8 codes of ``bits`` bits along ``axis`` (whole groups), in place: FP4 by
+    :func:`pack_pairs`, FP6 by :func:`pack_last` or :func:`_pack6_inner`, 8 bits as they are."""
     if bits == 8:
         return c
     if bits == 4:
         return pack_pairs(c, axis)
-    return jnp.moveaxis(pack_last(jnp.moveaxis(c, axis, -1), bits), -1, axis)
+    if axis == c.ndim - 1:
+        return pack_last(c, bits)
+    return _pack6_inner(c, axis)
 
 
 def unpack_along(p, axis: int, bits: int):
@@ -147,7 +149,41 @@ def unpack_along(p, axis: int, bits: int):
         return p
     if bits == 4:
         return unpack_pairs(p, axis)
-    return jnp.moveaxis(unpack_last(jnp.moveaxis(p, axis, -1), bits), -1, axis)
+    if axis == p.ndim - 1:
+        return unpack_last(p, bits)
+    return _unpack6_inner(p, axis)
+
+
+# FP6 along an axis other than the last, in place: the same bytes as pack_last /
+# unpack_last would give after moving the axis last, without the two transposes. The group's
+# codes or bytes are split off next to the axis, so every loop XLA:CPU emits runs innermost
+# over the trailing axes (a transpose and a loop over a group's 3 bytes or 4 codes each cost
+# as much as the encode itself).
+
+
+def _pack6_inner(c, axis: int):
+    shape = c.shape
+    g = c.reshape(*shape[:axis], shape[axis] // 4, 4, *shape[axis + 1:]).astype(jnp.uint32)
+    at = [1] * g.ndim
+    at[axis + 1] = 4
+    shifts = jnp.array([0, 6, 12, 18], jnp.uint32).reshape(at)
+    word = jnp.sum(lax.shift_left(g & 0x3F, shifts), axis=axis + 1, dtype=jnp.uint32)
+    out = jnp.stack([lax.shift_right_logical(word, jnp.uint32(s)).astype(jnp.uint8)
+                     for s in (0, 8, 16)], axis=axis + 1)
+    return out.reshape(*shape[:axis], shape[axis] // 4 * 3, *shape[axis + 1:])
+
+
+def _unpack6_inner(p, axis: int):
+    shape = p.shape
+    b = p.reshape(*shape[:axis], shape[axis] // 3, 3, *shape[axis + 1:])
+    b0, b1, b2 = (lax.index_in_dim(b, j, axis + 1, keepdims=False) for j in range(3))
+    out = jnp.stack([
+        b0 & 0x3F,
+        lax.shift_right_logical(b0, jnp.uint8(6)) | lax.shift_left(b1 & 0xF, jnp.uint8(2)),
+        lax.shift_right_logical(b1, jnp.uint8(4)) | lax.shift_left(b2 & 0x3, jnp.uint8(4)),
+        lax.shift_right_logical(b2, jnp.uint8(2)),
+    ], axis=axis + 1)
+    return out.reshape(*shape[:axis], shape[axis] // 3 * 4, *shape[axis + 1:])
 
 
 def unpack_fp4(packed, axis: int = -1) -> jnp.ndarray:
