@@ -9,8 +9,8 @@ is one correctly rounded float32 operation whose operands and result are normal:
 hardware gives the exact float32 quotient, and where its operands or result would be
 subnormal, the element rounds to zero whatever the backend does with them. A scheme states
 when that holds (``ScaleScheme.native_scales``: one flag for the whole array, and
-``native_operands``: a per-block operand); the block encoder (``_mx_encode.py``) then takes this path on CPU and the exact one
-otherwise, so the codes are the same bits either way.
+``native_operands``: a per-block operand); the block encoder (``_mx_encode.py``) then takes
+this path on CPU and the exact one otherwise, so the codes are the same bits either way.
 
 The element encode here serves nearest-even rounding with saturation (quantize_mx's default)
 of the MX element formats (:func:`native_element`): from the float32 magnitude q, a normal

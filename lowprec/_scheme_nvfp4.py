@@ -175,7 +175,7 @@ class NVFP4Scheme(ScaleScheme):
         # The check stays a runtime value even for a tensor scale known at compile time:
         # folded, it would remove the encoder's branch, whose boundary is what keeps XLA from
         # fusing the per-block scale computation into the element loop (recomputed there for
-        # every element, ~6x slower; tests/test_fast_paths.py).
+        # every element, ~5x slower; tests/test_fast_paths.py).
         t = lax.optimization_barrier(ts_bits)
         exact = ((t >= jnp.uint32(_nvfp4.NATIVE_TS_MIN_BITS))
                  & (t <= jnp.uint32(_nvfp4.NATIVE_TS_MAX_BITS)))

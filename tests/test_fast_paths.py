@@ -643,7 +643,7 @@ def test_constant_tensor_scale_compiles_the_same_element_loop():
     """A tensor scale known at compile time (a Python float) must not change the element
     loop: folding the native path's range check away once let XLA fuse the per-block scale
     computation (an E4M3 encode and decode) into the loop over elements, recomputing it for
-    every element (~6x slower)."""
+    every element (~5x slower)."""
     shape = (256, 512)
     traced = _large_fusions(lambda x, t: lowprec.quantize_mx(x, "nvfp4", tensor_scale=t), shape,
                             {"u8"}, jnp.float32(0.5))
