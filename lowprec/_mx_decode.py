@@ -27,14 +27,19 @@ def element_codes(elements, fmt: MXFormat, axis: int):
     return unpack_along(codes, axis + 1, fmt.element.code_bits)
 
 
-def mx_value_bits(elements, scales, fmt: MXFormat, axis: int, n: int, tensor_scale=None):
+def mx_value_bits(elements, scales, fmt: MXFormat, axis: int, n: int, tensor_scale=None,
+                  route=None):
     """Exact float32 patterns (uint32) of MX codes, padding beyond ``n`` dropped.
     Trace-time core of dequantize and the matmul path: builds every value from bits
     (float32 subnormal results included), whatever the scales. NVFP4 values are element x
     float32(``tensor_scale`` x block scale), rounded to float32 (torchao's dequantization)."""
-    vb = decode_bits(fmt.element, element_codes(elements, fmt, axis))
+    codes = element_codes(elements, fmt, axis)
+    # With a route taken (the caller's branch), the element values come from decode_f32: the
+    # same bits as decode_bits with fewer operations (one exact float32 subtraction).
+    vb = decode_bits(fmt.element, codes) if route is None else f32_bits(decode_f32(fmt.element, codes))
     sb = jnp.expand_dims(scales, axis + 1)
-    bits = merge_blocks(fmt.scheme.decode_values(vb, sb, tensor_scale), axis)
+    kw = {} if route is None else {"route": route}
+    bits = merge_blocks(fmt.scheme.decode_values(vb, sb, tensor_scale, **kw), axis)
     return lax.slice_in_dim(bits, 0, n, axis=axis)
 
 
@@ -181,7 +186,26 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_
         return bits_to_dtype(mx_value_bits(e, s, fmt, axis, n, tensor_scale), dtype)
 
     if not fast_decode_applies(fmt):
-        return exact(elements, scales, None)
+        if tensor_scale is None:
+            return exact(elements, scales, None)
+
+        def routed(e, s):
+            # A scheme with two formulations (NVFP4's one-multiply product or the exact one)
+            # branches here, before any element is decoded, on per-block values computed
+            # once; each branch then decodes, scales and converts in one loop.
+            route = fmt.scheme.decode_route(jnp.expand_dims(s, axis + 1), tensor_scale)
+            if route is None:
+                return exact(e, s, None)
+            serves, blocks = route
+
+            def branch(flag):
+                return lambda e, s: bits_to_dtype(
+                    mx_value_bits(e, s, fmt, axis, n, tensor_scale, (flag, blocks)), dtype)
+
+            return lax.cond(serves, branch(True), branch(False), e, s)
+
+        return lax.platform_dependent(elements, scales, cpu=routed,
+                                      default=lambda e, s: exact(e, s, None))
 
     def fast(e, s, f):
         return bits_to_dtype(mx_value_bits_fast(e, s, fmt, axis, n, factor=f), dtype)

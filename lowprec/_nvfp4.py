@@ -291,7 +291,7 @@ def element_quotient_bits(x_bits, total_bits):
     return lax.bitcast_convert_type(x / lax.optimization_barrier(t), jnp.uint32)
 
 
-def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat):
+def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat, route=None):
     """float32 bits of element * float32(tensor_scale * block_scale), as torchao's
     ``NVFP4Tensor.to_dtype`` computes it in float32 (``get_hp_scales`` first, then the
     product with the element): two roundings, the first shared with the quantizer's divisor.
@@ -302,15 +302,15 @@ def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat):
     The product with the element is one float multiply when every block's factor is at
     least 2^-125: then factor and element (>= 0.5 when nonzero) are float32 normals and so is
     their product, which every backend rounds correctly. Otherwise (tensors below ~1e-35) it
-    is computed exactly on the bits.
+    is computed exactly on the bits. ``route``: None decides here (one ``lax.cond`` for the
+    whole array); else ``(fast, blocks)``, the formulation (a Python bool) and
+    :func:`decode_blocks`' per-block values, from a caller that branched on
+    :func:`fast_product_serves` before decoding any element (see ``_mx_decode.mx_values``).
     """
-    total = total_scale_bits(scale_codes, ts_bits, scale_fmt)
-    nan = (decode_bits(scale_fmt, scale_codes) & F32_ABS) > F32_INF
-    # Positive finite float32 patterns are exactly those in (0, 0x7F800000) as unsigned ints.
-    bad_ts = (ts_bits == 0) | (ts_bits >= jnp.uint32(F32_INF))
-    nan = nan | bad_ts
+    fast, blocks = (None, None) if route is None else route
+    total, nan = decode_blocks(scale_codes, ts_bits, scale_fmt) if blocks is None else blocks
 
-    def fast(total, values):
+    def fast_product(total, values):
         prod = lax.bitcast_convert_type(total, jnp.float32) * lax.bitcast_convert_type(
             values, jnp.float32)
         return lax.bitcast_convert_type(prod, jnp.uint32)
@@ -318,7 +318,26 @@ def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat):
     def exact(total, values):
         return f32_mul_short(total, values)  # E2M1 values have <= 2 significant bits
 
-    # Non-negative float32 patterns order like their values: 2^-125 is (127 - 125) << 23.
-    normal = jnp.all(total >= jnp.uint32(2 << 23))
-    out = lax.cond(normal, fast, exact, total, value_bits)
+    if fast is None:
+        out = lax.cond(fast_product_serves((total, nan)), fast_product, exact, total, value_bits)
+    else:
+        out = (fast_product if fast else exact)(total, value_bits)
     return jnp.where(nan, jnp.uint32(0x7FC0_0000), out)
+
+
+def decode_blocks(scale_codes, ts_bits, scale_fmt: ElementFormat):
+    """Per block, ``(total, nan)``: the bits of float32(tensor_scale * block_scale), and
+    whether the block decodes to NaN (a NaN scale code, or a tensor scale that is not a
+    positive finite float32)."""
+    total = total_scale_bits(scale_codes, ts_bits, scale_fmt)
+    nan = (decode_bits(scale_fmt, scale_codes) & F32_ABS) > F32_INF
+    # Positive finite float32 patterns are exactly those in (0, 0x7F800000) as unsigned ints.
+    return total, nan | (ts_bits == 0) | (ts_bits >= jnp.uint32(F32_INF))
+
+
+def fast_product_serves(blocks):
+    """Scalar bool: whether every block's factor (:func:`decode_blocks`' total) is at least
+    2^-125, so that :func:`dequantize_bits` may take the one-multiply product."""
+    total, _ = blocks
+    # Non-negative float32 patterns order like their values: 2^-125 is (127 - 125) << 23.
+    return jnp.all(total >= jnp.uint32(2 << 23))

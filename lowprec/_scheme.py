@@ -216,11 +216,21 @@ class ScaleScheme(abc.ABC):
     # -- the decoder's steps ---------------------------------------------------------------
 
     @abc.abstractmethod
-    def decode_values(self, value_bits, scale_codes, tensor_scale):
+    def decode_values(self, value_bits, scale_codes, tensor_scale, route=None):
         """Exact float32 patterns of element values ``value_bits`` (split blocks) times their
         block scales, ``scale_codes`` broadcastable to them (and the float32
-        ``tensor_scale``, where the scheme has one); a NaN scale code gives NaN."""
+        ``tensor_scale``, where the scheme has one); a NaN scale code gives NaN. ``route``:
+        None, or for a scheme with :meth:`decode_route` the ``(flag, blocks)`` of the branch
+        its caller took (``flag`` a Python bool)."""
         raise NotImplementedError
+
+    def decode_route(self, scale_codes, tensor_scale):
+        """None, or ``(serves, blocks)``: a scalar bool choosing between two formulations of
+        :meth:`decode_values` for the whole array, and the per-block values both use, from
+        the scales alone. On CPU the block decoder computes them once and branches before
+        decoding any element, so that each branch decodes in one loop (a branch inside
+        :meth:`decode_values` would have the element values written out first)."""
+        return None
 
     def fast_decode_applies(self, element: "ElementFormat") -> bool:
         """Whether values may be decoded by one float32 multiply per element by

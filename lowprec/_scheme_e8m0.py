@@ -111,7 +111,7 @@ class E8M0Scheme(ScaleScheme):
 
     # -- decode ----------------------------------------------------------------------------
 
-    def decode_values(self, value_bits, scale_codes, tensor_scale):
+    def decode_values(self, value_bits, scale_codes, tensor_scale, route=None):
         return scale_bits_by_e8m0(value_bits, scale_codes)
 
     # The fast decode: element value (float32, exact) times the block's scale 2^(s - 127), a

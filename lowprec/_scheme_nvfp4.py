@@ -195,11 +195,16 @@ class NVFP4Scheme(ScaleScheme):
 
     # -- decode ----------------------------------------------------------------------------
 
-    def decode_values(self, value_bits, scale_codes, tensor_scale):
+    def decode_values(self, value_bits, scale_codes, tensor_scale, route=None):
         """element × float32(tensor_scale × block scale), rounded to float32 (torchao's
-        ``NVFP4Tensor.to_dtype``)."""
+        ``NVFP4Tensor.to_dtype``); ``route``: see :meth:`decode_route`."""
         ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
-        return _nvfp4.dequantize_bits(value_bits, scale_codes, ts_bits, self.scale)
+        return _nvfp4.dequantize_bits(value_bits, scale_codes, ts_bits, self.scale, route)
+
+    def decode_route(self, scale_codes, tensor_scale):
+        ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
+        blocks = _nvfp4.decode_blocks(scale_codes, ts_bits, self.scale)
+        return _nvfp4.fast_product_serves(blocks), blocks
 
     # -- analysis --------------------------------------------------------------------------
 
