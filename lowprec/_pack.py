@@ -75,16 +75,7 @@ def pack_last(c, bits: int = 4):
     if bits == 8:
         return c
     if bits == 6:
-        # The group's 24-bit word as a sum over the group axis: a reduction, which XLA fuses
-        # with the encoder that produces the codes without recomputing it per output byte
-        # (slices of the group feeding a stack did, 5x slower on CPU).
-        g = c.reshape(*c.shape[:-1], c.shape[-1] // 4, 4).astype(jnp.uint32) & 0x3F
-        word = jnp.sum(g << jnp.array([0, 6, 12, 18], jnp.uint32), axis=-1, dtype=jnp.uint32)
-        out = jnp.stack(
-            [lax.shift_right_logical(word, jnp.uint32(s)).astype(jnp.uint8) for s in (0, 8, 16)],
-            axis=-1,
-        )
-        return out.reshape(*c.shape[:-1], c.shape[-1] // 4 * 3)
+        return _pack6(c, c.ndim - 1)
     assert bits == 4, bits
     # View each (even, odd) pair as one little-endian uint16 and fold the odd code's nibble
     # down next to the even one's: one fused elementwise pass instead of strided slices.
@@ -98,15 +89,7 @@ def unpack_last(p, bits: int = 4):
     if bits == 8:
         return p
     if bits == 6:
-        b = p.reshape(*p.shape[:-1], p.shape[-1] // 3, 3)
-        b0, b1, b2 = (b[..., j] for j in range(3))
-        out = jnp.stack([
-            b0 & 0x3F,
-            lax.shift_right_logical(b0, jnp.uint8(6)) | lax.shift_left(b1 & 0xF, jnp.uint8(2)),
-            lax.shift_right_logical(b1, jnp.uint8(4)) | lax.shift_left(b2 & 0x3, jnp.uint8(4)),
-            lax.shift_right_logical(b2, jnp.uint8(2)),
-        ], axis=-1)
-        return out.reshape(*p.shape[:-1], p.shape[-1] // 3 * 4)
+        return _unpack6(p, p.ndim - 1)
     assert bits == 4, bits
     wide = p.astype(jnp.uint16)
     pairs = (wide & 0xF) | lax.shift_left(wide & 0xF0, jnp.uint16(4))
@@ -133,14 +116,12 @@ def unpack_pairs(p, axis: int):
 
 def pack_along(c, axis: int, bits: int):
     """Packs uint8 codes of ``bits`` bits along ``axis`` (whole groups), in place: FP4 by
-    :func:`pack_pairs`, FP6 by :func:`pack_last` or :func:`_pack6_inner`, 8 bits as they are."""
+    :func:`pack_pairs`, FP6 by :func:`_pack6`, 8 bits as they are."""
     if bits == 8:
         return c
     if bits == 4:
         return pack_pairs(c, axis)
-    if axis == c.ndim - 1:
-        return pack_last(c, bits)
-    return _pack6_inner(c, axis)
+    return _pack6(c, axis)
 
 
 def unpack_along(p, axis: int, bits: int):
@@ -149,19 +130,20 @@ def unpack_along(p, axis: int, bits: int):
         return p
     if bits == 4:
         return unpack_pairs(p, axis)
-    if axis == p.ndim - 1:
-        return unpack_last(p, bits)
-    return _unpack6_inner(p, axis)
+    return _unpack6(p, axis)
 
 
-# FP6 along an axis other than the last, in place: the same bytes as pack_last /
-# unpack_last would give after moving the axis last, without the two transposes. The group's
-# codes or bytes are split off next to the axis, so every loop XLA:CPU emits runs innermost
-# over the trailing axes (a transpose and a loop over a group's 3 bytes or 4 codes each cost
-# as much as the encode itself).
+# FP6 along any axis, in place: four 6-bit codes per three bytes, the first code in the low
+# bits of the first byte. The group's codes or bytes are split off next to the axis, so along
+# an axis other than the last every loop XLA:CPU emits runs innermost over the trailing axes
+# (moving the axis last and back instead costs two transposes, each as much as the encode).
 
 
-def _pack6_inner(c, axis: int):
+def _pack6(c, axis: int):
+    """Packs uint8 codes of 6 bits along ``axis`` (a multiple of 4 long). The group's 24-bit
+    word is a sum over the group axis: a reduction, which XLA fuses with the encoder that
+    produces the codes without recomputing it per output byte (slices of the group feeding a
+    stack did, 5x slower on CPU)."""
     shape = c.shape
     g = c.reshape(*shape[:axis], shape[axis] // 4, 4, *shape[axis + 1:]).astype(jnp.uint32)
     at = [1] * g.ndim
@@ -173,7 +155,8 @@ def _pack6_inner(c, axis: int):
     return out.reshape(*shape[:axis], shape[axis] // 4 * 3, *shape[axis + 1:])
 
 
-def _unpack6_inner(p, axis: int):
+def _unpack6(p, axis: int):
+    """Inverse of :func:`_pack6`."""
     shape = p.shape
     b = p.reshape(*shape[:axis], shape[axis] // 3, 3, *shape[axis + 1:])
     b0, b1, b2 = (lax.index_in_dim(b, j, axis + 1, keepdims=False) for j in range(3))
