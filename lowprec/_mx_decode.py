@@ -36,7 +36,8 @@ def mx_value_bits(elements, scales, fmt: MXFormat, axis: int, n: int, tensor_sca
     codes = element_codes(elements, fmt, axis)
     # With a route taken (the caller's branch), the element values come from decode_f32: the
     # same bits as decode_bits with fewer operations (one exact float32 subtraction).
-    vb = decode_bits(fmt.element, codes) if route is None else f32_bits(decode_f32(fmt.element, codes))
+    vb = (decode_bits(fmt.element, codes) if route is None
+          else f32_bits(decode_f32(fmt.element, codes)))
     sb = jnp.expand_dims(scales, axis + 1)
     kw = {} if route is None else {"route": route}
     bits = merge_blocks(fmt.scheme.decode_values(vb, sb, tensor_scale, **kw), axis)

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from . import _nvfp4
-from ._bits import F32_ABS, F32_INF
+from ._bits import F32_ABS, F32_INF, f32_bits
 from ._decode import decode_bits
 from ._format import ElementFormat
 from ._scheme import ScaleScheme, register
@@ -145,7 +145,7 @@ class NVFP4Scheme(ScaleScheme):
         elif tensor_scale is None:
             ts_bits = _nvfp4.tensor_scale_bits(_finite_amax_bits(bits, amax))
         else:
-            ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
+            ts_bits = f32_bits(tensor_scale)
         ts_bits = _nvfp4.clamp_tensor_scale_bits(ts_bits)
         if cast.nvfp4_step == "reciprocal":
             ts_bits = jnp.maximum(ts_bits, jnp.uint32(_nvfp4.MIN_RECIPROCAL_TENSOR_SCALE_BITS))
@@ -198,11 +198,11 @@ class NVFP4Scheme(ScaleScheme):
     def decode_values(self, value_bits, scale_codes, tensor_scale, route=None):
         """element × float32(tensor_scale × block scale), rounded to float32 (torchao's
         ``NVFP4Tensor.to_dtype``); ``route``: see :meth:`decode_route`."""
-        ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
+        ts_bits = f32_bits(tensor_scale)
         return _nvfp4.dequantize_bits(value_bits, scale_codes, ts_bits, self.scale, route)
 
     def decode_route(self, scale_codes, tensor_scale):
-        ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
+        ts_bits = f32_bits(tensor_scale)
         blocks = _nvfp4.decode_blocks(scale_codes, ts_bits, self.scale)
         return _nvfp4.fast_product_serves(blocks), blocks
 
@@ -211,7 +211,7 @@ class NVFP4Scheme(ScaleScheme):
     def element_scale(self, scale_codes, tensor_scale):
         """float32 factor tensor_scale × block_scale of each block, rounded as the
         quantizer's divisor and the dequantizer's factor are (NaN for a NaN block)."""
-        ts_bits = lax.bitcast_convert_type(jnp.asarray(tensor_scale, jnp.float32), jnp.uint32)
+        ts_bits = f32_bits(tensor_scale)
         total = _nvfp4.total_scale_bits(scale_codes, ts_bits, self.scale)
         nan = (decode_bits(self.scale, scale_codes) & F32_ABS) > F32_INF
         return jnp.where(nan, jnp.nan, lax.bitcast_convert_type(total, jnp.float32))
