@@ -15,7 +15,9 @@ operand layouts. The words' statistics are tested in test_random_words.py.
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 from fractions import Fraction
 
 import jax
@@ -33,6 +35,9 @@ from helpers.inputs import adversarial
 from helpers.mx import element_codes, f64_to_f32_exact
 from helpers.tiers import QUICK_ELEMENTS, QUICK_MX
 from lowprec import _decode, _dtypes, _encode, _encode_fast, _mx_decode, _random
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+import gpu_hlo_report  # noqa: E402  (its HLO op counts)
 
 ELEMENTS = tuple(lowprec_formats.ELEMENT_FORMATS)
 MX = tuple(lowprec_formats.MX_FORMATS)
@@ -610,13 +615,13 @@ _HLO_ARRAY = re.compile(r"\b(f32|u32|s32|u8|pred)\[([\d,]*)\]")
 
 
 def _large_fusions(fn, shape, kinds, *args):
-    """(name, dims, instruction count of its fused computation) of the fusions of
-    ``jax.jit(fn)(x, *args)`` on CPU (x float32 of ``shape``) whose outputs include an array
-    of an element type in ``kinds`` with at least half as many elements as x."""
+    """(name, dims, arithmetic operations of its fused computation, as
+    benchmarks/gpu_hlo_report.py counts them) of the fusions of ``jax.jit(fn)(x, *args)`` on
+    CPU (x float32 of ``shape``) whose outputs include an array of an element type in
+    ``kinds`` with at least half as many elements as x."""
     x = jnp.zeros(shape, jnp.float32)
     txt = jax.jit(fn).lower(x, *args).compile().as_text()
-    sizes = {m.group(1): m.group(2).count("\n")
-             for m in re.finditer(r"^%(\S+) .*?\{\n(.*?)^\}", txt, re.S | re.M)}
+    sizes = gpu_hlo_report.fused_op_counts(txt)
     big = []
     for line in txt.splitlines():
         m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?) fusion\(.*calls=%([\w.-]+)", line)
