@@ -1,11 +1,13 @@
 """Every GPU measurement with a target in one run, side by side with its peers, with a roofline.
 
-Run on a GPU: ``python benchmarks/bench_gpu.py`` (about 10 minutes on an H100), or
-``scripts/gpu_check.sh``, which runs the test suite first and passes its summary in with
-``--pytest-log``. ``--quick`` uses small sizes and few rounds (a smoke test; it also runs
-on CPU, where the numbers mean nothing). ``--only quantize dequantize weight_only mxfp8
-encode`` picks sections, ``--json PATH`` keeps every timing, ``--tune`` sweeps tile
-configurations of the MXFP4 kernel instead (prints the best per decode shape).
+Run on a GPU: ``python benchmarks/bench_gpu.py`` (every section at 9 rounds: more than
+10 minutes), or ``scripts/gpu_check.sh``, which runs the GPU-relevant tests first and then
+each section in a process of its own, at 3 rounds, with a time limit (about 5 minutes on an
+H200). ``--quick`` uses small sizes and few rounds (a smoke test; it also runs on CPU, where
+the numbers mean nothing). ``--only quantize dequantize nvfp4 weight_only mxfp8 encode``
+picks sections, ``--matmul-sizes`` the mxfp8 section's n, ``--reps`` the rounds, ``--json
+PATH`` keeps every timing, ``--pytest-log`` puts a pytest summary on top, ``--tune`` sweeps
+tile configurations of the MXFP4 kernel instead (prints the best per decode shape).
 
 Sections and peers (all measured in this process, interleaved rounds, medians; see
 ``_timing.py``):
@@ -21,6 +23,9 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
   the rceil rule), XLA's float32 → float8/float4 ``astype`` and the copy. Effective bytes:
   4 read + 1 written (½ for packed FP4) + 1/32 scale byte per element.
 * **dequantize**: ``dequantize`` (→ float32) vs JAX's ``q.astype(f32) * e8m0_to_dtype(s)``.
+* **nvfp4**: NVFP4 ``quantize_mx`` (the divide and reciprocal element steps) and
+  ``dequantize`` vs XLA's float32 → float4 cast and the copy; the codes of a slice are
+  compared with the same call on the machine's CPU (flag ``codes = CPU's``).
 * **weight_only**: x [M, K] bfloat16 times an MXFP4 weight [N, K] (gpt-oss layout), M ∈
   {1, 4, 16}, N×K ∈ {2880², 4096², 8192², 16384×8192}: the Pallas kernel
   (``mxfp4_gemv``), the XLA route (decode to bfloat16 fused into the dot), ``dot_general``
@@ -30,8 +35,10 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
   distinct weight copies to exceed the L2 cache, so the time is the device's, not Python
   dispatch, and weights come from HBM as in a real decode step. "agree" checks every route
   against the generic path within twice the float32 summation bound.
-* **mxfp8**: ``benchmarks/bench_matmul.py``'s cases (pre-quantized operands and in-call
-  quantization vs bf16 dot and ``jax.lax.scaled_dot``) at n = 4096, 8192, 16384.
+* **mxfp8**: ``benchmarks/bench_matmul.py``'s cases at n = 4096, 8192, 16384: MXFP8 and
+  MXFP4 pre-quantized operands and MXFP8 in-call quantization, in both weight layouts
+  (K-major and [K, N]), each against the bfloat16 dot of its layout, with
+  ``jax.nn.scaled_dot_general`` (else ``jax.lax.scaled_dot``) as the peer.
 * **encode**: element ``encode`` (default and the other deterministic modes) vs XLA's
   convert, per format, 2^26 elements.
 
@@ -68,7 +75,7 @@ from lowprec.kernels._gemv_pallas import KernelConfig, default_config  # noqa: E
 from lowprec._options import MXCast  # noqa: E402
 from lowprec.kernels._quantize_pallas import quantize_mx_pallas  # noqa: E402
 
-SECTIONS = ("quantize", "dequantize", "weight_only", "mxfp8", "encode")
+SECTIONS = ("quantize", "dequantize", "nvfp4", "weight_only", "mxfp8", "encode")
 RULES = ("floor", "ceil", "even", "rceil")
 DN = (((1,), (1,)), ((), ()))
 # Dense bfloat16 tensor-core peak (TFLOP/s) from the datasheets, by jax device_kind.
@@ -234,6 +241,46 @@ def bench_dequantize(x, roof: Roofline, reps: int, formats) -> list:
     return rows
 
 
+def bench_nvfp4(x, roof: Roofline, reps: int) -> list:
+    """NVFP4 quantize (both element steps) and dequantize, vs XLA's float32 -> float4 cast and
+    the copy; the codes are also checked against the same call on this machine's CPU."""
+    n = x.size
+    neg = jax.jit(lambda v: -v)
+    nbytes = 4 * n + n // 2 + n // 16  # x read; codes, an E4M3 scale per 16 written
+    cases = {step: functools.partial(jax.jit(functools.partial(
+        lambda v, st: lowprec.quantize_mx(v, "nvfp4", nvfp4_step=st), st=step)), x)
+        for step in ("divide", "reciprocal")}
+    mx = lowprec.quantize_mx(x, "nvfp4")
+    cases["dequantize"] = functools.partial(jax.jit(lowprec.dequantize), mx)
+    cases["XLA cast"] = functools.partial(_xla_cast(ml_dtypes.float4_e2m1fn), x)
+    cases["XLA copy"] = functools.partial(neg, x)
+    t = time_interleaved(cases, reps=reps)
+    peers = (f"XLA cast {_f(_tbps(4 * n + n // 2, t['XLA cast']))}, "
+             f"XLA copy {_f(_tbps(8 * n, t['XLA copy']))}")
+    rows = []
+    for step in ("divide", "reciprocal"):
+        rows.append(Row(f"quantize_mx nvfp4 {step} (TB/s)", _f(_tbps(nbytes, t[step])), peers,
+                        f"{_f(speed_ratio(t[step], t['XLA cast']))}x XLA cast",
+                        _f(roof.pct_memory(nbytes, _t(t[step])), 0)))
+    dbytes = n // 2 + n // 16 + 4 * n
+    rows.append(Row("dequantize nvfp4 (TB/s)", _f(_tbps(dbytes, t["dequantize"])), peers, "",
+                    _f(roof.pct_memory(dbytes, _t(t["dequantize"])), 0)))
+    try:  # the same bits on the CPU (a slice: the CPU is slower)
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:
+        return rows
+    part = x[:1024]
+    same = []
+    for step in ("divide", "reciprocal"):
+        here = lowprec.quantize_mx(part, "nvfp4", nvfp4_step=step)
+        there = jax.jit(functools.partial(lowprec.quantize_mx, fmt="nvfp4", nvfp4_step=step))(
+            jax.device_put(part, cpu))
+        same.append(bool(np.array_equal(np.asarray(here.elements), np.asarray(there.elements))
+                         and np.array_equal(np.asarray(here.scales), np.asarray(there.scales))))
+    rows[0].flag = "codes = CPU's" if all(same) else "CODES DIFFER FROM CPU'S"
+    return rows
+
+
 # -- MXFP4 weight-only products for decode shapes ----------------------------------------------------
 
 
@@ -369,21 +416,30 @@ def bench_mxfp8(sizes, roof: Roofline, reps: int) -> list:
         ka, kb = jax.random.split(jax.random.key(n))
         a = jax.random.normal(ka, (n, n), jnp.float32)
         b = jax.random.normal(kb, (n, n), jnp.float32)
-        cases = {name: functools.partial(fn, *fargs) for name, (fn, fargs) in _cases(a, b).items()}
+        spec = _cases(a, b)  # name -> (jitted function, args, layout, bf16 peer name)
+        cases = {name: functools.partial(fn, *fargs) for name, (fn, fargs, _, _) in spec.items()}
         t = time_interleaved(cases, reps=reps)
-        flops = 2.0 * n**3
-        for name, target in (("lowprec mxfp8 pre-q", TARGET["mxfp8 pre-q"]),
-                             ("lowprec mxfp8 +quant", TARGET["mxfp8 +quant"])):
-            vs = speed_ratio(t[name], t["bf16 dot"])
+        peer = "jax.nn.scaled_dot_general"
+        if not isinstance(t.get(peer), Timing):
             peer = "jax.lax.scaled_dot pre-q"
-            nbytes = 2 * (n * n + n * n // 32) + 4 * n * n if "pre-q" in name else 8 * n * n + 4 * n * n
+        flops = 2.0 * n**3
+        for name, (_, _, layout, bf16_name) in spec.items():
+            if not name.startswith("lowprec mx"):
+                continue
+            pre_q = "pre-q" in name
+            # Bytes: pre-quantized operands (1 byte per element + a scale byte per 32; ½ for
+            # FP4) and a float32 result, or float32 operands quantized in the call.
+            elem = 0.5 if "mxfp4" in name else 1.0
+            nbytes = 2 * n * n * (elem + 1 / 32) + 4 * n * n if pre_q else 12 * n * n
+            vs = speed_ratio(t[name], t[bf16_name])
+            target = TARGET["mxfp8 pre-q" if pre_q else "mxfp8 +quant"] if "mxfp8" in name else None
+            flag = "" if target is None else ("ok" if vs >= target else f"MISS <{target}x bf16")
             rows.append(Row(
-                f"{name.replace('lowprec ', 'MXFP8 matmul ')}, n={n} (x bf16)", f"{_f(vs)}x",
-                f"bf16 dot {_f(flops / _t(t['bf16 dot']) / 1e12, 0)} TFLOP/s; {peer} "
-                f"{_f(speed_ratio(t.get(peer), t['bf16 dot']))}x bf16",
-                f"{_f(speed_ratio(t[name], t.get(peer)))}x scaled_dot",
-                _f(roof.pct_matmul(flops, nbytes, _t(t[name])), 0),
-                "ok" if vs >= target else f"MISS <{target}x bf16",
+                f"{name.replace('lowprec ', 'matmul ')}, n={n} (x bf16)", f"{_f(vs)}x",
+                f"{bf16_name} {_f(flops / _t(t[bf16_name]) / 1e12, 0)} TFLOP/s; {peer} "
+                f"{_f(speed_ratio(t.get(peer), t['bf16 dot K-major']))}x bf16",
+                f"{_f(speed_ratio(t[name], t.get(peer)))}x {peer.split('.')[-1].split()[0]}",
+                _f(roof.pct_matmul(flops, nbytes, _t(t[name])), 0), flag,
             ))
     return rows
 
@@ -446,6 +502,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write every row and timing here")
     p.add_argument("--pytest-log", metavar="PATH", help="pytest output to summarize as the first row")
     p.add_argument("--tune", action="store_true", help="sweep MXFP4 kernel tiles instead")
+    p.add_argument("--matmul-sizes", type=int, nargs="+", metavar="N",
+                   help="square sizes of the mxfp8 section (default 4096 8192 16384; quick 512)")
     args = p.parse_args(argv)
     reps = args.reps or (3 if args.quick else 9)
     if args.quick:
@@ -453,6 +511,7 @@ def main(argv=None) -> int:
     else:
         n, shapes, tokens, inner = 16384, [(2880, 2880), (4096, 4096), (8192, 8192), (16384, 8192)], [1, 4, 16], 32
         sizes, enc = [4096, 8192, 16384], 1 << 26
+    sizes = args.matmul_sizes or sizes
     env = environment()
     print(f"lowprec {env['lowprec']}, jax {env['jax']}, {env['platform']}: {env['device']}"
           + ("" if on_gpu else "  (NOT A GPU: figures are a smoke test only)"), flush=True)
@@ -472,6 +531,8 @@ def main(argv=None) -> int:
             rows += bench_quantize(x, roof, reps, ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"))
         elif section == "dequantize":
             rows += bench_dequantize(x, roof, reps, ("mxfp8_e4m3", "mxfp4"))
+        elif section == "nvfp4":
+            rows += bench_nvfp4(x, roof, reps)
         elif section == "weight_only":
             new, records["weight_only"] = bench_weight_only(shapes, tokens, roof, reps, inner, args.quick)
             rows += new
@@ -483,8 +544,8 @@ def main(argv=None) -> int:
     headers = ["what", "lowprec", "peers (same run)", "ratio", "% roof", "flag"]
     table = [[r.what, r.value, r.peers, r.ratio, r.roof, r.flag] for r in rows]
     print(render_table(headers, table, right=(4,)))
-    misses = sum(1 for r in rows if r.flag and r.flag != "ok")
-    print(f"{misses} of {sum(1 for r in rows if r.flag)} flagged rows miss a target.")
+    misses = sum(1 for r in rows if "MISS" in r.flag or "DIFFER" in r.flag)
+    print(f"{misses} of {sum(1 for r in rows if r.flag)} flagged rows miss a target or differ.")
     if args.json:
         record = {"benchmark": "gpu", "env": env, "reps": reps, "roofline": dataclasses.asdict(roof),
                   "rows": [dataclasses.asdict(r) for r in rows], "records": records}

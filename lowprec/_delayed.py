@@ -37,6 +37,7 @@ from jax import lax
 
 from ._bits import bits_to_f32, f32_bits
 from ._codec import quantize
+from ._nvfp4 import f32_div
 from ._dtypes import bits_to_dtype, input_bits
 from ._format import ElementFormat, element_format
 
@@ -73,8 +74,12 @@ class DelayedScaling:
                 f"unknown amax_compute_algo {self.amax_compute_algo!r}; valid: {AMAX_ALGOS}")
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be a positive int, got {self.amax_history_len!r}")
-        if not isinstance(self.margin, int):
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool):
             raise TypeError(f"margin must be an int, got {self.margin!r}")
+        if abs(self.margin) > 126:
+            # 2^-margin must be a float32 normal: past that the scale is 0 or inf.
+            raise ValueError(f"margin must lie in [-126, 126] (the scale is divided by "
+                             f"2^margin), got {self.margin}")
         for f in (self.fwd_format, self.bwd_format):
             element_format(f)  # validates the name
 
@@ -101,18 +106,40 @@ def _amax(x):
     return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), initial=0.0)
 
 
+def _divide(a, b):
+    """IEEE float32 a / b (a finite; b nonzero, not NaN) on every backend: XLA:GPU's float32
+    division (PTX ``div.full``) is not correctly rounded, so off CPU the quotient is a long
+    division on the bits. On CPU the divisor is materialized behind a barrier, so that XLA
+    cannot turn the division by a broadcast into a product with its reciprocal."""
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+
+    def on_cpu(a, b):
+        return a / lax.optimization_barrier(b)
+
+    def elsewhere(a, b):
+        a_bits, b_bits = f32_bits(a), f32_bits(b)
+        q = f32_div(a_bits, b_bits)
+        # A scale that overflowed to inf (amax below ~2^-112) divides to a signed zero.
+        zero = (a_bits ^ b_bits) & jnp.uint32(0x8000_0000)
+        return bits_to_f32(jnp.where((b_bits & 0x7FFF_FFFF) == 0x7F80_0000, zero, q))
+
+    return lax.platform_dependent(a, b, cpu=on_cpu, default=elsewhere)
+
+
 def _cast(x, scale, fmt: ElementFormat):
     """q / scale with q = fmt(x * scale), saturating; float32 IEEE steps."""
     q = quantize(_f32(x) * scale, fmt, overflow="saturate")
-    return q / lax.optimization_barrier(jnp.broadcast_to(scale, q.shape))
+    return _divide(q, scale)
 
 
 def _update(cfg: DelayedScaling, hist, scale, amax, fmax):
     """Records ``amax`` (newest first), then the new scale from the window."""
     hist = jnp.concatenate([amax[None], hist[:-1]])
     chosen = jnp.max(hist) if cfg.amax_compute_algo == "max" else hist[0]
-    new = (fmax / chosen) / jnp.float32(2.0**cfg.margin)
     ok = (chosen > 0) & jnp.isfinite(chosen)
+    # The exact quotient (a scalar: the long division costs nothing here), then / 2^margin as
+    # the product with 2^-margin (exact, |margin| <= 126): one rounding of the same value.
+    new = _divide(fmax, jnp.where(ok, chosen, 1.0)) * jnp.float32(2.0**-cfg.margin)
     return hist, jnp.where(ok, new, scale)
 
 

@@ -260,14 +260,17 @@ def element_quotient_bits(x_bits, total_bits):
     float32 patterns ``x_bits`` [..., n, block] and their divisors ``total_bits`` [..., n, 1]
     (finite, positive; NaN/inf inputs give garbage, masked by the caller).
 
-    One float32 division per element, made exact on every backend: numerator and divisor are
-    scaled by the same power of two (integer exponent arithmetic, exact for subnormal inputs),
-    which leaves the quotient unchanged and puts the divisor in [1, 2); numerators are kept in
-    [2^-100, 2^126], where the quotient is a float32 normal (no flush to zero on CPU) and
-    rounds to E2M1 exactly as the unclamped one would, except for quotients that underflow to
-    zero in float32, which are decided exactly on the integers; and the divisor is materialized per
-    element behind an optimization barrier, so that XLA cannot turn ``x / broadcast(t)`` into
-    ``x * (1 / t)``.
+    Numerator and divisor are scaled by the same power of two (integer exponent arithmetic,
+    exact for subnormal inputs), which leaves the quotient unchanged and puts the divisor in
+    [1, 2); numerators are kept in [2^-100, 2^126], where the quotient is a float32 normal
+    (no flush to zero on CPU) and rounds to E2M1 exactly as the unclamped one would, except
+    for quotients that underflow to zero in float32, which are decided exactly on the
+    integers. The division of those normal operands is then one float32 division on CPU,
+    where XLA rounds it correctly (the divisor materialized per element behind an
+    optimization barrier, so that XLA cannot turn ``x / broadcast(t)`` into ``x * (1 / t)``),
+    and :func:`f32_div`'s long division elsewhere: XLA on a GPU divides float32 with PTX's
+    ``div.full``, which is not correctly rounded (measured on an H200: 2-14% of the E2M1
+    codes of near-tie blocks differed from torchao's).
     """
     sig_t, exp_t = _split(total_bits)  # total = sig_t * 2^exp_t, sig_t in [2^23, 2^24)
     k = -(exp_t + F32_MANT_BITS)  # total * 2^k in [1, 2)
@@ -285,10 +288,15 @@ def element_quotient_bits(x_bits, total_bits):
     d = exp_x + k + 173
     underflow = (d < 0) | ((d == 0) & (sig_x <= sig_t))
     scaled = jnp.where(((x_bits & F32_ABS) == 0) | underflow, jnp.uint32(0), scaled)
-    x = lax.bitcast_convert_type(scaled | sign, jnp.float32)
-    t = jnp.broadcast_to(lax.bitcast_convert_type(t_scaled.astype(jnp.uint32), jnp.float32),
-                         x.shape)
-    return lax.bitcast_convert_type(x / lax.optimization_barrier(t), jnp.uint32)
+    x_scaled = scaled | sign
+    t_bits = jnp.broadcast_to(t_scaled.astype(jnp.uint32), x_scaled.shape)
+
+    def on_cpu(x_scaled, t_bits):
+        x = lax.bitcast_convert_type(x_scaled, jnp.float32)
+        t = lax.bitcast_convert_type(lax.optimization_barrier(t_bits), jnp.float32)
+        return lax.bitcast_convert_type(x / t, jnp.uint32)
+
+    return lax.platform_dependent(x_scaled, t_bits, cpu=on_cpu, default=f32_div)
 
 
 def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat, route=None):

@@ -1,36 +1,91 @@
 #!/usr/bin/env bash
-# Every GPU check from a machine with a GPU, in one command:
-#   1. the whole test suite on the GPU (gpu-marked tests included), output in $OUT/pytest.log;
-#   2. the fusion report (kernels per entry point), $OUT/hlo_report.txt, HLO modules in $OUT/hlo/;
-#   3. the GPU benchmark (benchmarks/bench_gpu.py) with the pytest summary on top,
-#      $OUT/bench_gpu.txt and $OUT/bench_gpu.json.
-# Usage: scripts/gpu_check.sh [OUT_DIR] (default: gpu_check_out). Set TUNE=1 to also sweep the
-# MXFP4 kernel's tiles ($OUT/tune.txt). Exits non-zero if the tests fail (after the benchmark).
+# Every GPU check from a machine with a GPU, in one command that fits a short lease
+# (about 9 minutes on an H100/H200 by default; each stage has its own time limit, so a slow
+# stage costs its own figures, never the later ones):
+#   1. the GPU-relevant tests on the GPU ($OUT/pytest.log): the gpu-marked tests and the quick
+#      tier of the codec, MX, packing, kernel and matmul modules (FULL=1: the whole suite);
+#   2. the GPU benchmark (benchmarks/bench_gpu.py), one process per section so that each
+#      keeps its figures: $OUT/bench_<section>.txt and .json, 3 interleaved rounds
+#      (FULL=1: 9 rounds, every size);
+#   3. with the time left, the fusion report (kernels per entry point), $OUT/hlo_report.txt,
+#      the optimized HLO modules packed in $OUT/hlo.tar.gz.
+# Usage: scripts/gpu_check.sh [OUT_DIR] (default: gpu_check_out). Environment: PYTHON (the
+# interpreter, default python3), ALLOW_CPU=1 (run without a GPU: a smoke test of this script), FULL=1 (no time limits, the whole suite and benchmark),
+# TUNE=1 (also sweep the MXFP4 kernel's tiles, $OUT/tune.txt). Exits non-zero if the tests
+# fail or time out (after the benchmark).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu_check_out}"
 mkdir -p "$OUT"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-python3}"
+FULL="${FULL:-0}"
+START=$SECONDS
 # Tests and benchmarks share the device: allocate on demand instead of grabbing 75 % up front.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
-"$PY" -c 'import jax; d = jax.devices()[0]; print(jax.__version__, d.platform, d.device_kind)' \
-  | tee "$OUT/device.txt"
-if ! "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
+stage() {  # stage SECONDS NAME COMMAND...: run COMMAND for at most SECONDS (0: no limit)
+  local limit=$1 name=$2; shift 2
+  echo "== $name (limit ${limit}s, at $((SECONDS - START))s)"
+  if [[ "$FULL" == "1" || "$limit" == "0" ]]; then "$@"; return; fi
+  # SIGINT first: pytest then stops and still prints its summary of what ran.
+  timeout -s INT -k 15 "$limit" "$@"
+  local rc=$?
+  [[ $rc == 124 || $rc == 130 ]] && echo "== $name: stopped at its ${limit}s limit"
+  return $rc
+}
+
+"$PY" -c 'import jax, jaxlib, sys; d = jax.devices()[0]
+print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {sys.version.split()[0]}: "
+      f"{d.platform} {d.device_kind}")' | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader \
+  >>"$OUT/device.txt" 2>/dev/null
+if [[ "${ALLOW_CPU:-0}" != "1" ]] && ! "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
   echo "gpu_check.sh: JAX sees no GPU (install jax[cuda12]); stopping" >&2
   exit 2
 fi
+# lowprec itself, from this checkout (no network: no build isolation, no dependencies).
+if ! "$PY" -c 'import lowprec_formats' 2>/dev/null; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
+    || { echo "gpu_check.sh: pip install -e . failed, see $OUT/install.log" >&2; exit 2; }
+fi
 
 XDIST=()
-if "$PY" -c 'import xdist' 2>/dev/null; then XDIST=(-n 4); fi
-"$PY" -m pytest -ra -p no:cacheprovider "${XDIST[@]}" 2>&1 | tee "$OUT/pytest.log"
+if "$PY" -c 'import xdist' 2>/dev/null; then XDIST=(-n 8); fi
+if [[ "$FULL" == "1" ]]; then
+  TESTS=(tests)
+  MARK=()
+else
+  TESTS=(tests/test_codec.py tests/test_codec_properties.py tests/test_mx.py
+         tests/test_mx_properties.py tests/test_mx_formats.py tests/test_pack.py
+         tests/test_scale_schemes.py tests/test_ragged.py tests/test_random_words.py
+         tests/test_kernels.py tests/test_matmul.py tests/test_matmul_elision.py tests/test_api.py)
+  MARK=(-m "gpu or not slow")
+fi
+stage 200 tests "$PY" -m pytest -ra -p no:cacheprovider --durations=10 "${XDIST[@]}" \
+  "${MARK[@]}" "${TESTS[@]}" 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
-"$PY" benchmarks/gpu_hlo_report.py --dump "$OUT/hlo" 2>&1 | tee "$OUT/hlo_report.txt"
-"$PY" benchmarks/bench_gpu.py --pytest-log "$OUT/pytest.log" --json "$OUT/bench_gpu.json" \
-  2>&1 | tee "$OUT/bench_gpu.txt"
+BENCH=(--reps 3 --matmul-sizes 4096 8192)
+[[ "$FULL" == "1" ]] && BENCH=()
+first=1
+for spec in "quantize 70" "dequantize 45" "mxfp8 70" "weight_only 100" "encode 35"; do
+  set -- $spec
+  log=()
+  [[ $first == 1 ]] && log=(--pytest-log "$OUT/pytest.log")
+  first=0
+  stage "$2" "bench $1" "$PY" benchmarks/bench_gpu.py --only "$1" "${BENCH[@]}" "${log[@]}" \
+    --json "$OUT/bench_$1.json" 2>&1 | tee "$OUT/bench_$1.txt"
+done
 if [[ "${TUNE:-0}" == "1" ]]; then
   "$PY" benchmarks/bench_gpu.py --tune 2>&1 | tee "$OUT/tune.txt"
 fi
-echo "gpu_check.sh: tests exit ${tests_rc}; outputs in $OUT/"
+
+left=$((560 - (SECONDS - START)))
+[[ "$FULL" == "1" ]] && left=0
+if [[ "$FULL" == "1" || $left -gt 30 ]]; then
+  stage "$left" "fusion report" "$PY" benchmarks/gpu_hlo_report.py --dump "$OUT/hlo" 2>&1 \
+    | tee "$OUT/hlo_report.txt"
+  tar -czf "$OUT/hlo.tar.gz" -C "$OUT" hlo 2>/dev/null && rm -rf "$OUT/hlo"
+fi
+echo "gpu_check.sh: tests exit ${tests_rc} after $((SECONDS - START))s; outputs in $OUT/"
 exit "$tests_rc"

@@ -24,7 +24,7 @@ import lowprec
 import lowprec_formats
 import lowprec_reference as R
 from helpers.asserts import bit_pattern
-from helpers.kernels import cuda_branches  # noqa: F401  (a fixture)
+from helpers.kernels import cuda_branches, lower_for_cuda  # noqa: F401  (a fixture)
 
 MX_NAMES = lowprec_formats.COLLECTIONS["e8m0_scaled_mx"]  # NVFP4 has no shared exponents
 RULES = tuple(lowprec.ScaleRule)
@@ -397,7 +397,7 @@ def test_half_precision_paths_lowered_for_cuda_hold_no_float_convert(name, cuda_
     if name == "mxfp4_gemv":
         fn = lambda x: lowprec.mxfp4_gemv(_w4(), x, interpret=False)  # noqa: E731
     arg = jax.ShapeDtypeStruct((64,), jnp.bfloat16)
-    hlo = jax.jit(fn).trace(arg).lower(lowering_platforms=("cuda",)).as_text()
+    hlo = lower_for_cuda(fn, arg)
     assert "__gpu$xla.gpu.triton" in hlo
     converts = _half_converts(hlo, jnp.bfloat16)
     assert not converts, "\n".join(converts)

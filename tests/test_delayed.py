@@ -82,6 +82,11 @@ def test_bad_options():
         DelayedScaling(amax_compute_algo="mean")
     with pytest.raises(ValueError, match="amax_history_len must be a positive int"):
         DelayedScaling(amax_history_len=0)
+    # 2^-127 is a float32 subnormal and 2^128 overflows: the scale would come out wrong.
+    with pytest.raises(ValueError, match=r"margin must lie in \[-126, 126\].*got 127"):
+        DelayedScaling(margin=127)
+    with pytest.raises(TypeError, match="margin must be an int, got 1.5"):
+        DelayedScaling(margin=1.5)
 
 
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import pytest
 
 import lowprec
+from helpers.kernels import fused_mxdot  # noqa: F401  (a fixture)
 from lowprec._options import MXCast
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
@@ -135,10 +136,11 @@ def test_mxfp4_decode_product_compiles_without_spills(m, tmp_path):
 
 
 @pytest.mark.parametrize("operands", ["pre-quantized", "quantized in the call"])
-def test_mxfp8_matmul_decodes_in_the_dot_operand_load(operands, tmp_path):
+def test_mxfp8_matmul_decodes_in_the_dot_operand_load(operands, tmp_path, fused_mxdot):
     """dot_general of MXFP8 operands: the branch taken when bfloat16 holds every value (a
     run-time check on the scales and codes) is one kernel, the Pallas GEMM that decodes
-    codes and scales in its operand load; no decoded operand is written to memory."""
+    codes and scales in its operand load; no decoded operand is written to memory. (The kernel
+    is off by default, kernels/_dispatch.FUSED_MXDOT; this checks it where it is turned on.)"""
     a = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
     dn = (((1,), (1,)), ((), ()))
     if operands == "pre-quantized":

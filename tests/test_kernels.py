@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import lowprec
-from helpers.kernels import cuda_branches, lower_for_cuda as _lower_for_cuda  # noqa: F401
+from helpers.kernels import cuda_branches, fused_mxdot, lower_for_cuda as _lower_for_cuda  # noqa: F401
 from lowprec import _gemv
 from lowprec.kernels import _dispatch
 from lowprec.kernels._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
@@ -670,7 +670,7 @@ def test_mxdot_kernel_exact_sums_match_the_generic_path_bit_for_bit():
 
 
 @needs_triton_lowering
-def test_dot_general_takes_the_fused_mx_kernel_on_cuda_only(cuda_branches):
+def test_dot_general_takes_the_fused_mx_kernel_on_cuda_only(cuda_branches, fused_mxdot):
     a = jax.ShapeDtypeStruct((256, 512), jnp.float32)
     q = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), a)
     f = lambda p, r: lowprec.dot_general(p, r, DN)  # noqa: E731
@@ -680,9 +680,21 @@ def test_dot_general_takes_the_fused_mx_kernel_on_cuda_only(cuda_branches):
     assert "lowprec_mxdot" in _lower_for_cuda(g, a, a)
 
 
+@needs_triton_lowering
+def test_dot_general_leaves_the_fused_mx_kernel_off_by_default(cuda_branches):
+    """FUSED_MXDOT is off (the kernel measured 4x slower than decoding for cuBLAS): the
+    program lowered for CUDA holds no fused MX dot, for pre-quantized or float operands."""
+    assert _dispatch.FUSED_MXDOT is False
+    a = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    q = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), a)
+    assert "lowprec_mxdot" not in _lower_for_cuda(lambda p, r: lowprec.dot_general(p, r, DN), q, q)
+    g = lambda p, r: lowprec.dot_general(p, r, DN, lhs_format="mxfp8", rhs_format="mxfp8")  # noqa: E731
+    assert "lowprec_mxdot" not in _lower_for_cuda(g, a, a)
+
+
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_compiled_mxdot_within_bound():
+def test_gpu_compiled_mxdot_within_bound(fused_mxdot):
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.standard_normal((1000, 2880)).astype(np.float32))
     w = jnp.asarray(rng.standard_normal((700, 2880)).astype(np.float32))
@@ -715,7 +727,7 @@ _KERNEL_CALLS = {
 @needs_triton_lowering
 @pytest.mark.parametrize("name", list(_KERNEL_CALLS))
 @pytest.mark.quick_first(2)
-def test_kernel_policy_xla_turns_each_kernel_off(name, cuda_branches):
+def test_kernel_policy_xla_turns_each_kernel_off(name, cuda_branches, fused_mxdot):
     """lowprec.kernels.set_policy("xla"): the program lowered for CUDA holds no Pallas kernel
     (XLA's formulation, the same bits); "auto" brings the kernel back."""
     import lowprec.kernels

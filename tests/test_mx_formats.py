@@ -509,6 +509,35 @@ def _near_ties(rng, rows=64):
     return x, ts
 
 
+def test_exact_division_is_ieee_float32_division():
+    """_nvfp4.f32_div, the NVFP4 element division (and delayed scaling's) wherever XLA's own
+    float32 division is not correctly rounded (a GPU: PTX div.full; measured on an H200, it
+    moved quotients that land exactly on E2M1 boundaries by an ulp), against NumPy's IEEE
+    division: random patterns over every binade (subnormals, zeros, overflow to inf
+    included), and exact quotients q * b / b = q at every E2M1 rounding boundary."""
+    from lowprec._nvfp4 import f32_div
+
+    rng = np.random.default_rng(11)
+    n = 1 << 16
+    finite = lambda v: v[np.isfinite(v.view(np.float32))]  # noqa: E731
+    a = finite(rng.integers(0, 1 << 32, 4 * n, dtype=np.uint64).astype(np.uint32))[:n]
+    b = finite(rng.integers(0, 1 << 32, 4 * n, dtype=np.uint64).astype(np.uint32))[:n]
+    b = np.where(b & 0x7FFF_FFFF == 0, np.uint32(0x3F80_0000), b)
+    # Exact quotients: b in [1, 2) with 21 significant bits (so q * b is a float32 for every
+    # boundary q, which has at most 4), a = q * b; the division must give q itself.
+    ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    bt = (np.float32(1) + rng.integers(0, 1 << 20, n).astype(np.float32) * np.float32(2.0**-20))
+    qt = ties[rng.integers(0, len(ties), n)] * np.float32(2.0) ** rng.integers(-100, 100, n)
+    at = (qt.astype(np.float32) * bt).astype(np.float32)
+    assert np.all(at / bt == qt.astype(np.float32))  # the products are exact
+    a = np.concatenate([a, at.view(np.uint32)])
+    b = np.concatenate([b, bt.view(np.uint32)])
+    with np.errstate(all="ignore"):
+        want = (a.view(np.float32) / b.view(np.float32)).view(np.uint32)
+    got = np.asarray(jax.jit(f32_div)(jnp.asarray(a), jnp.asarray(b)))
+    assert_codes_equal(got, want, a.view(np.float32), "a / b")
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_nvfp4_steps_match_their_torchao_versions(seed):

@@ -39,8 +39,14 @@ _chosen: Optional[str] = None  # set_policy's choice; None: the environment's
 
 #: The route dot_general takes on a CUDA GPU for decode-time MXFP4 products ("pallas": the
 #: kernel of _gemv_pallas.py; "xla": _gemv.mxfp4_matmul_xla, no kernel). "pallas" until
-#: benchmarks/bench_gpu.py has measured both on a GPU; switch if "xla" wins there.
+#: benchmarks/bench_gpu.py has measured both on a GPU (the one H200 run so far ran out of
+#: time compiling that section); switch if "xla" wins there.
 GPU_ROUTE = "pallas"
+#: Whether the bfloat16 branch of a quantized dot of two 8-bit MX operands takes the fused
+#: kernel of _mxdot_pallas.py on a CUDA GPU. Off: measured on an H200 (benchmarks/bench_gpu.py,
+#: pre-quantized MXFP8, n = 4096 and 8192) the kernel ran at 0.15-0.22x a bfloat16 dot, while
+#: decoding to bfloat16 for cuBLAS ran at 0.85-0.94x. Set True to use it (the same bits).
+FUSED_MXDOT = False
 #: Most tokens (product of the activation's free dims) sent to the decode-time route.
 MAX_TOKENS = 16
 
@@ -172,10 +178,10 @@ def quantize_kernel(x, cast, axis: int, fake: bool = False) -> bool:
 
 def mxdot_kernel(layout, lop, rop, kernels: bool, out_sharding=None) -> bool:
     """Whether the bfloat16 branch of a quantized dot takes the fused MX kernel on CUDA
-    (static): the policy (``kernels``), no requested output sharding (the kernel is a
-    single-device call), two MX operands with 8-bit codes in the (1, M, K) x (1, N, K)
-    layout, and JAX able to lower it."""
-    if not kernels or out_sharding is not None:
+    (static): :data:`FUSED_MXDOT`, the policy (``kernels``), no requested output sharding (the
+    kernel is a single-device call), two MX operands with 8-bit codes in the (1, M, K) x
+    (1, N, K) layout, and JAX able to lower it."""
+    if not (FUSED_MXDOT and kernels) or out_sharding is not None:
         return False
     if layout != (2, 2) or not (isinstance(lop, MXArray) and isinstance(rop, MXArray)):
         return False

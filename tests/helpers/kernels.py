@@ -19,6 +19,34 @@ def cuda_branches(monkeypatch):
     jax.clear_caches()
 
 
+@pytest.fixture
+def fused_mxdot(monkeypatch):
+    """Turns on the fused MX dot kernel (off by default: kernels/_dispatch.FUSED_MXDOT), so that
+    a test can check that it is taken and what it computes; caches cleared around."""
+    jax.clear_caches()
+    monkeypatch.setattr(_dispatch, "FUSED_MXDOT", True)
+    yield
+    jax.clear_caches()
+
+
+# The GPU that a lowering for "cuda" targets where JAX sees none: JAX >= 0.11 asks Pallas'
+# Triton lowering for the device's compute capability and refuses without a GPU unless an
+# abstract mesh names one.
+_TARGET_GPU = ("NVIDIA H100 80GB HBM3", 132)
+
+
 def lower_for_cuda(fn, *args) -> str:
     """The StableHLO text of ``jax.jit(fn)`` lowered for the "cuda" platform (no GPU needed)."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    traced = jax.jit(fn).trace(*args)
+    try:
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as e:
+        if "abstract GPU device" not in str(e):
+            raise
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    kind, cores = _TARGET_GPU
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice(
+        device_kind=kind, num_cores=cores, platform="gpu"))
+    with use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
