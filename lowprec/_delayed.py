@@ -37,9 +37,9 @@ from jax import lax
 
 from ._bits import bits_to_f32, f32_bits
 from ._codec import quantize
-from ._nvfp4 import f32_div
 from ._dtypes import bits_to_dtype, input_bits
 from ._format import ElementFormat, element_format
+from ._nvfp4 import f32_div_native
 
 __all__ = ["DelayedScaling", "DelayedState", "delayed_dot_general"]
 
@@ -108,22 +108,13 @@ def _amax(x):
 
 def _divide(a, b):
     """IEEE float32 a / b (a finite; b nonzero, not NaN) on every backend: XLA:GPU's float32
-    division (PTX ``div.full``) is not correctly rounded, so off CPU the quotient is a long
-    division on the bits. On CPU the divisor is materialized behind a barrier, so that XLA
-    cannot turn the division by a broadcast into a product with its reciprocal."""
-    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-
-    def on_cpu(a, b):
-        return a / lax.optimization_barrier(b)
-
-    def elsewhere(a, b):
-        a_bits, b_bits = f32_bits(a), f32_bits(b)
-        q = f32_div(a_bits, b_bits)
-        # A scale that overflowed to inf (amax below ~2^-112) divides to a signed zero.
-        zero = (a_bits ^ b_bits) & jnp.uint32(0x8000_0000)
-        return bits_to_f32(jnp.where((b_bits & 0x7FFF_FFFF) == 0x7F80_0000, zero, q))
-
-    return lax.platform_dependent(a, b, cpu=on_cpu, default=elsewhere)
+    division is not correctly rounded (``_nvfp4.f32_div_native``)."""
+    a_bits, b_bits = jnp.broadcast_arrays(f32_bits(a), f32_bits(b))
+    q = f32_div_native(a_bits, b_bits)
+    # A scale that overflowed to inf (amax below ~2^-112) divides to a signed zero (the long
+    # division reads inf as 2^128).
+    zero = (a_bits ^ b_bits) & jnp.uint32(0x8000_0000)
+    return bits_to_f32(jnp.where((b_bits & 0x7FFF_FFFF) == 0x7F80_0000, zero, q))
 
 
 def _cast(x, scale, fmt: ElementFormat):

@@ -111,6 +111,22 @@ def f32_div(a_bits, b_bits):
     return jnp.where((a_bits & F32_ABS) == 0, lax.shift_left(sign, jnp.uint32(31)), out)
 
 
+def f32_div_native(a_bits, b_bits):
+    """Bits of a / b as :func:`f32_div` gives them, by XLA's float32 division on CPU and by
+    :func:`f32_div` elsewhere (``lax.platform_dependent``). XLA:CPU divides correctly rounded
+    where operands and quotient are normal (it flushes subnormals); the divisor goes behind an
+    optimization barrier, so that XLA cannot turn a division by a broadcast into a product
+    with its reciprocal. XLA on an NVIDIA GPU divides with PTX ``div.full``, which is not
+    correctly rounded (docs/design.md §8). ``a_bits`` and ``b_bits`` share one shape."""
+
+    def on_cpu(a_bits, b_bits):
+        b = lax.bitcast_convert_type(lax.optimization_barrier(b_bits), jnp.float32)
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(a_bits, jnp.float32) / b,
+                                        jnp.uint32)
+
+    return lax.platform_dependent(a_bits, b_bits, cpu=on_cpu, default=f32_div)
+
+
 def f32_mul_short(a_bits, b_bits):
     """IEEE float32 a * b from the bits, for finite a and a finite b with at most 6
     significant bits (E4M3 values, E2M1 x E4M3 products): the exact product of the 24-bit and
@@ -265,12 +281,9 @@ def element_quotient_bits(x_bits, total_bits):
     [1, 2); numerators are kept in [2^-100, 2^126], where the quotient is a float32 normal
     (no flush to zero on CPU) and rounds to E2M1 exactly as the unclamped one would, except
     for quotients that underflow to zero in float32, which are decided exactly on the
-    integers. The division of those normal operands is then one float32 division on CPU,
-    where XLA rounds it correctly (the divisor materialized per element behind an
-    optimization barrier, so that XLA cannot turn ``x / broadcast(t)`` into ``x * (1 / t)``),
-    and :func:`f32_div`'s long division elsewhere: XLA on a GPU divides float32 with PTX's
-    ``div.full``, which is not correctly rounded (measured on an H200: 2-14% of the E2M1
-    codes of near-tie blocks differed from torchao's).
+    integers. Those normal operands then go to :func:`f32_div_native`: one float32 division
+    per element on CPU, the long division elsewhere (measured on an H200, XLA's own float32
+    division changed 2-14% of the E2M1 codes of near-tie blocks).
     """
     sig_t, exp_t = _split(total_bits)  # total = sig_t * 2^exp_t, sig_t in [2^23, 2^24)
     k = -(exp_t + F32_MANT_BITS)  # total * 2^k in [1, 2)
@@ -289,14 +302,7 @@ def element_quotient_bits(x_bits, total_bits):
     underflow = (d < 0) | ((d == 0) & (sig_x <= sig_t))
     scaled = jnp.where(((x_bits & F32_ABS) == 0) | underflow, jnp.uint32(0), scaled)
     x_scaled = scaled | sign
-    t_bits = jnp.broadcast_to(t_scaled.astype(jnp.uint32), x_scaled.shape)
-
-    def on_cpu(x_scaled, t_bits):
-        x = lax.bitcast_convert_type(x_scaled, jnp.float32)
-        t = lax.bitcast_convert_type(lax.optimization_barrier(t_bits), jnp.float32)
-        return lax.bitcast_convert_type(x / t, jnp.uint32)
-
-    return lax.platform_dependent(x_scaled, t_bits, cpu=on_cpu, default=f32_div)
+    return f32_div_native(x_scaled, jnp.broadcast_to(t_scaled.astype(jnp.uint32), x_scaled.shape))
 
 
 def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat, route=None):

@@ -10,6 +10,7 @@ with NumPy (FP4) or the reference's bit-stream unpacker (FP6), never with lowpre
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 import lowprec
 import lowprec_reference as R
+from helpers.kernels import lower_for_cuda
 from helpers.asserts import assert_bits_equal, assert_codes_equal, assert_same_floats, bit_pattern
 from helpers.mx import (
     MODES,
@@ -536,6 +538,40 @@ def test_exact_division_is_ieee_float32_division():
         want = (a.view(np.float32) / b.view(np.float32)).view(np.uint32)
     got = np.asarray(jax.jit(f32_div)(jnp.asarray(a), jnp.asarray(b)))
     assert_codes_equal(got, want, a.view(np.float32), "a / b")
+
+
+def _delayed_step(x, w):
+    from lowprec._delayed import DelayedScaling, delayed_dot_general
+
+    cfg = DelayedScaling(amax_history_len=2, margin=1)
+    loss = lambda a, b, st: jnp.sum(delayed_dot_general(a, b, st, (((1,), (0,)), ((), ())), cfg))  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2))(x, w, cfg.init())
+
+
+_FLOAT_DIVIDE = re.compile(r"stablehlo\.divide\b[^\n]*tensor<[^>]*f32>")
+
+
+_DIVIDING = {
+    "nvfp4 divide": lambda x, w: lowprec.quantize_mx(x, "nvfp4", nvfp4_step="divide"),
+    "nvfp4 reciprocal": lambda x, w: lowprec.quantize_mx(x, "nvfp4", nvfp4_step="reciprocal"),
+    "nvfp4 stochastic": lambda x, w: lowprec.quantize_mx(
+        x, "nvfp4", rounding="stochastic", key=jax.random.key(0)),
+    "delayed scaling step": _delayed_step,
+}
+
+
+@pytest.mark.parametrize("name", list(_DIVIDING))
+def test_programs_lowered_for_cuda_divide_no_floats(name):
+    """Where XLA lowers for a CUDA GPU (whose float32 division is not correctly rounded), the
+    NVFP4 quantizer and delayed scaling hold no float32 division: their quotients are long
+    divisions on the bits. On CPU the same programs do divide floats (the check can fail)."""
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    fn = _DIVIDING[name]
+    cpu = jax.jit(fn).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+    assert _FLOAT_DIVIDE.search(cpu), "the CPU program divides floats (the pattern matches)"
+    cuda = lower_for_cuda(fn, x, w)
+    assert not _FLOAT_DIVIDE.findall(cuda), _FLOAT_DIVIDE.findall(cuda)[:3]
 
 
 @pytest.mark.parametrize("seed", range(3))
