@@ -504,6 +504,14 @@ def main(argv=None) -> int:
     p.add_argument("--tune", action="store_true", help="sweep MXFP4 kernel tiles instead")
     p.add_argument("--matmul-sizes", type=int, nargs="+", metavar="N",
                    help="square sizes of the mxfp8 section (default 4096 8192 16384; quick 512)")
+    p.add_argument("--weight-shapes", nargs="+", metavar="NxK",
+                   help="weight shapes of the weight_only section (default 2880x2880 4096x4096 "
+                        "8192x8192 16384x8192)")
+    p.add_argument("--tokens", type=int, nargs="+", metavar="M",
+                   help="token counts of the weight_only section (default 1 4 16)")
+    p.add_argument("--inner", type=int, metavar="R",
+                   help="products per timed weight_only program (default 32; each is compiled "
+                        "into the program, so fewer compile faster)")
     args = p.parse_args(argv)
     reps = args.reps or (3 if args.quick else 9)
     if args.quick:
@@ -512,6 +520,15 @@ def main(argv=None) -> int:
         n, shapes, tokens, inner = 16384, [(2880, 2880), (4096, 4096), (8192, 8192), (16384, 8192)], [1, 4, 16], 32
         sizes, enc = [4096, 8192, 16384], 1 << 26
     sizes = args.matmul_sizes or sizes
+    tokens = args.tokens or tokens
+    inner = args.inner or inner
+    if args.weight_shapes:
+        try:
+            shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.weight_shapes]
+        except ValueError:
+            p.error(f"--weight-shapes takes NxK pairs such as 4096x4096, got {args.weight_shapes}")
+        if any(len(t) != 2 or min(t) < 1 for t in shapes):
+            p.error(f"--weight-shapes takes NxK pairs of positive sizes, got {args.weight_shapes}")
     env = environment()
     print(f"lowprec {env['lowprec']}, jax {env['jax']}, {env['platform']}: {env['device']}"
           + ("" if on_gpu else "  (NOT A GPU: figures are a smoke test only)"), flush=True)

@@ -162,9 +162,9 @@ def mx_values_blockwise(elements, scales, fmt: MXFormat, axis: int, n: int, dtyp
     reshaped: XLA's GPU fusion refuses to fuse values it would have to recompute through
     several index maps, which the block-split formulation made it do. The loop is
     compute-bound on a GPU: measured on an H200, a per-block select between the one-multiply
-    decode and the bit-built one (both computed for every element, 73 operations each for
-    MXFP8) ran at 1.2 TB/s, 0.47x JAX's ``astype * scale``; the bit-built decode alone is
-    43. On CPU the conditional runs one branch, so the cheaper fast decode alone usually
+    decode and the bit-built one (both computed for every element: 73 operations per
+    element for MXFP8) ran at 1.2 TB/s, 0.47x JAX's ``astype * scale``; the bit-built decode
+    alone is 43. On CPU the conditional runs one branch, so the cheaper fast decode alone usually
     runs there."""
     codes = _grouped_codes(elements, fmt, axis)
     value_bits = f32_bits(decode_f32(fmt.element, codes))  # the bits of decode_bits, cheaper

@@ -112,12 +112,12 @@ def f32_div(a_bits, b_bits):
 
 
 def f32_div_native(a_bits, b_bits):
-    """Bits of a / b as :func:`f32_div` gives them, by XLA's float32 division on CPU and by
-    :func:`f32_div` elsewhere (``lax.platform_dependent``). XLA:CPU divides correctly rounded
-    where operands and quotient are normal (it flushes subnormals); the divisor goes behind an
-    optimization barrier, so that XLA cannot turn a division by a broadcast into a product
-    with its reciprocal. XLA on an NVIDIA GPU divides with PTX ``div.full``, which is not
-    correctly rounded (docs/design.md §8). ``a_bits`` and ``b_bits`` share one shape."""
+    """Bits of the IEEE float32 quotient a / b (a finite, b finite nonzero; one shape): XLA's
+    float32 division on CPU, correctly rounded where operands and quotient are normal (it
+    flushes subnormals), with the divisor behind an optimization barrier so that XLA cannot
+    turn a division by a broadcast into a product with its reciprocal; :func:`f32_div`
+    elsewhere (``lax.platform_dependent``). XLA on an NVIDIA GPU divides with PTX
+    ``div.full``, which is not correctly rounded (docs/design.md §8)."""
 
     def on_cpu(a_bits, b_bits):
         b = lax.bitcast_convert_type(lax.optimization_barrier(b_bits), jnp.float32)

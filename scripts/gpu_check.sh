@@ -5,8 +5,8 @@
 #   1. the GPU-relevant tests on the GPU ($OUT/pytest.log): the gpu-marked tests and the quick
 #      tier of the codec, MX, packing, kernel and matmul modules (FULL=1: the whole suite);
 #   2. the GPU benchmark (benchmarks/bench_gpu.py), one process per section so that each
-#      keeps its figures: $OUT/bench_<section>.txt and .json, 3 interleaved rounds
-#      (FULL=1: 9 rounds, every size);
+#      keeps its figures: $OUT/bench_<section>.txt and .json, 3 interleaved rounds, two
+#      matmul sizes and four weight-only cases (FULL=1: 9 rounds, every size);
 #   3. with the time left, the fusion report (kernels per entry point), $OUT/hlo_report.txt,
 #      the optimized HLO modules packed in $OUT/hlo.tar.gz.
 # Usage: scripts/gpu_check.sh [OUT_DIR] (default: gpu_check_out). Environment: PYTHON (the
@@ -66,14 +66,18 @@ stage 200 tests "$PY" -m pytest -ra -p no:cacheprovider --durations=10 "${XDIST[
 tests_rc=${PIPESTATUS[0]}
 
 BENCH=(--reps 3 --matmul-sizes 4096 8192)
-[[ "$FULL" == "1" ]] && BENCH=()
+# The weight-only programs hold every product unrolled (to time the device, not dispatch):
+# all twelve shapes at 32 products took over 100 s to compile on an H200.
+WEIGHTS=(--weight-shapes 4096x4096 16384x8192 --tokens 1 16 --inner 8)
+[[ "$FULL" == "1" ]] && BENCH=() && WEIGHTS=()
 first=1
-for spec in "quantize 70" "dequantize 45" "mxfp8 70" "weight_only 100" "encode 35"; do
+for spec in "quantize 70" "dequantize 45" "nvfp4 40" "mxfp8 70" "weight_only 100" "encode 35"; do
   set -- $spec
-  log=()
-  [[ $first == 1 ]] && log=(--pytest-log "$OUT/pytest.log")
+  extra=()
+  [[ $first == 1 ]] && extra=(--pytest-log "$OUT/pytest.log")
+  [[ $1 == weight_only ]] && extra=("${WEIGHTS[@]}")
   first=0
-  stage "$2" "bench $1" "$PY" benchmarks/bench_gpu.py --only "$1" "${BENCH[@]}" "${log[@]}" \
+  stage "$2" "bench $1" "$PY" benchmarks/bench_gpu.py --only "$1" "${BENCH[@]}" "${extra[@]}" \
     --json "$OUT/bench_$1.json" 2>&1 | tee "$OUT/bench_$1.txt"
 done
 if [[ "${TUNE:-0}" == "1" ]]; then

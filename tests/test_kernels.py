@@ -744,6 +744,24 @@ def test_kernel_policy_xla_turns_each_kernel_off(name, cuda_branches, fused_mxdo
     assert kernel in _lower_for_cuda(call, *args())
 
 
+@needs_triton_lowering
+@pytest.mark.parametrize("name", list(_KERNEL_CALLS))
+def test_kernels_step_aside_under_an_explicit_mesh(name, cuda_branches, fused_mxdot):
+    """Under a mesh with Explicit axes (JAX's default axis type) the programs lowered for CUDA
+    hold no Pallas kernel, and lowering succeeds: JAX 0.11's Triton lowering of a kernel's
+    reductions fails there (it failed for the quantize kernels before they stepped aside)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    call, make_args, kernel = _KERNEL_CALLS[name]
+    args = make_args()
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+    with use_abstract_mesh(mesh):
+        text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert kernel not in text and TRITON_CALL not in text
+    assert kernel in _lower_for_cuda(call, *args)  # outside the mesh the kernel is back
+
+
 def test_kernel_policy_from_the_environment_and_bad_values(monkeypatch, cuda_branches):
     import lowprec.kernels
 

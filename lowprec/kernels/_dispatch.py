@@ -6,7 +6,8 @@ A kernel serves a call when
   ``LOWPREC_KERNELS``, else ``"auto"``; ``"xla"`` turns every kernel off),
 * JAX here can compile for CUDA (:func:`cuda_kernels_possible`) and Pallas' Triton backend
   imports (elsewhere the CUDA branches are left out, so CPU-only installs never trace kernels
-  they cannot run), and
+  they cannot run), and no mesh with Explicit axes is in context (JAX 0.11's Triton lowering
+  fails there), and
 * the kernel serves the call's layout and formats (each kernel module's ``*_applies``);
 
 then the call picks the kernel or XLA's formulation where XLA lowers the program
@@ -45,7 +46,7 @@ GPU_ROUTE = "pallas"
 #: Whether the bfloat16 branch of a quantized dot of two 8-bit MX operands takes the fused
 #: kernel of _mxdot_pallas.py on a CUDA GPU. Off: measured on an H200 (benchmarks/bench_gpu.py,
 #: pre-quantized MXFP8, n = 4096 and 8192) the kernel ran at 0.15-0.22x a bfloat16 dot, while
-#: decoding to bfloat16 for cuBLAS ran at 0.85-0.94x. Set True to use it (the same bits).
+#: decoding to bfloat16 for cuBLAS ran at 0.82-0.95x. Set True to use it (the same bits).
 FUSED_MXDOT = False
 #: Most tokens (product of the activation's free dims) sent to the decode-time route.
 MAX_TOKENS = 16
@@ -138,8 +139,16 @@ def triton_available() -> bool:
     return True
 
 
+def _no_explicit_mesh() -> bool:
+    """Whether no mesh with Explicit axes is in context (read while tracing). JAX 0.11's
+    Pallas Triton lowering fails on a kernel's reductions traced under one ("Length of
+    sharding.spec (4) must be equal to aval's ndim (3)"), so there the kernels step aside for
+    XLA's formulation, which gives the same bits."""
+    return not getattr(jax.sharding.get_abstract_mesh(), "explicit_axes", ())
+
+
 def _kernels_can_run() -> bool:
-    return cuda_kernels_possible() and triton_available()
+    return cuda_kernels_possible() and triton_available() and _no_explicit_mesh()
 
 
 def unsharded(x) -> bool:
