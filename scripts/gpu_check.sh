@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Every GPU check from a machine with a GPU, in one command that fits a short lease
-# (about 9 minutes on an H100/H200 by default; each stage has its own time limit, so a slow
+# (about 5 minutes on an H200, at most about 9; each stage has its own time limit, so a slow
 # stage costs its own figures, never the later ones):
 #   1. the GPU-relevant tests on the GPU ($OUT/pytest.log): the gpu-marked tests and the quick
-#      tier of the codec, MX, packing, kernel and matmul modules (FULL=1: the whole suite);
+#      tier of the codec, MX, NVFP4, delayed-scaling, packing, kernel and matmul modules
+#      (FULL=1: the whole suite);
 #   2. the GPU benchmark (benchmarks/bench_gpu.py), one process per section so that each
 #      keeps its figures: $OUT/bench_<section>.txt and .json, 3 interleaved rounds, two
 #      matmul sizes and four weight-only cases (FULL=1: 9 rounds, every size);
 #   3. with the time left, the fusion report (kernels per entry point), $OUT/hlo_report.txt,
 #      the optimized HLO modules packed in $OUT/hlo.tar.gz.
 # Usage: scripts/gpu_check.sh [OUT_DIR] (default: gpu_check_out). Environment: PYTHON (the
-# interpreter, default python3), ALLOW_CPU=1 (run without a GPU: a smoke test of this script), FULL=1 (no time limits, the whole suite and benchmark),
-# TUNE=1 (also sweep the MXFP4 kernel's tiles, $OUT/tune.txt). Exits non-zero if the tests
-# fail or time out (after the benchmark).
+# interpreter, default python3); FULL=1 (no time limits, the whole suite and benchmark);
+# ALLOW_CPU=1 (run without a GPU: a smoke test of this script); TUNE=1 (also sweep the MXFP4
+# kernel's tiles, $OUT/tune.txt). Exits non-zero if the tests fail or time out (after the
+# benchmark).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu_check_out}"
@@ -58,6 +60,7 @@ else
   TESTS=(tests/test_codec.py tests/test_codec_properties.py tests/test_mx.py
          tests/test_mx_properties.py tests/test_mx_formats.py tests/test_pack.py
          tests/test_scale_schemes.py tests/test_ragged.py tests/test_random_words.py
+         tests/test_fast_paths.py tests/test_delayed.py tests/test_nvfp4_train.py
          tests/test_kernels.py tests/test_matmul.py tests/test_matmul_elision.py tests/test_api.py)
   MARK=(-m "gpu or not slow")
 fi

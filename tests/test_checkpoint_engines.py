@@ -615,7 +615,10 @@ def test_engine_layouts_never_write_beside_or_over_the_input(tmp_path, op):
 def test_engine_layouts_peak_memory_does_not_grow_with_the_checkpoint(tmp_path, monkeypatch,
                                                                       layout, fmt):
     """Quantize, convert and dequantize hold a block of rows at a time (and the tensor-wide
-    scale's first pass reads rows too): NumPy's peak for 12 tensors is that for 2."""
+    scale's first pass reads rows too): the peak for 12 tensors is that for 2, short of one
+    more tensor's bytes. (Not a ratio: JAX keeps ~7 KiB of bookkeeping per call in its own
+    caches, measured with tracemalloc, which after a worker's earlier tests grew the peak
+    from 185 to 260 KB, 1.4x, with no tensor data held.)"""
     import tracemalloc
 
     import lowprec.checkpoint._engine_layouts as el
@@ -637,7 +640,7 @@ def test_engine_layouts_peak_memory_does_not_grow_with_the_checkpoint(tmp_path, 
                               progress=False)
         peaks[n] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    assert peaks[12] < 1.3 * peaks[2], peaks
+    assert peaks[12] < peaks[2] + w.nbytes, peaks  # holding any one more tensor exceeds it
     assert peaks[12] < 12 * w.nbytes / 2, peaks
 
 
