@@ -95,19 +95,26 @@ def round_to_f32(sig, exp, sign, sticky):
 def f32_div(a_bits, b_bits):
     """IEEE float32 a / b, rounded to nearest even, from the bits: a finite, b finite nonzero.
 
-    Long division of the 24-bit significands in 7-bit steps (every partial remainder times
-    2^7 stays below 2^31): a 29-bit quotient plus a sticky bit, then one rounding.
+    Long division of the 24-bit significands: the numerator's is doubled where it is the
+    smaller, so that the quotient's leading bit is 1 with remainder sa - sb, then three
+    8-bit steps (every partial remainder, below sb < 2^24, times 2^8 stays below 2^32) give
+    a 25-bit quotient (24 bits and the rounding bit) and a sticky bit for one rounding.
+    Three integer divisions per element: what a GPU runs here, where it is the costly part.
     """
     sign = lax.shift_right_logical((a_bits ^ b_bits) & jnp.uint32(F32_SIGN), jnp.uint32(31))
     sa, ea = _split(a_bits)
     sb, eb = _split(b_bits)
-    q = sa // sb
-    r = sa % sb
-    for _ in range(4):
-        r = lax.shift_left(r, jnp.uint32(7))
-        q = lax.shift_left(q, jnp.uint32(7)) | (r // sb)
-        r = r % sb
-    out = round_to_f32(q, ea - eb - 28, sign, r != 0)
+    smaller = sa < sb
+    sa = jnp.where(smaller, lax.shift_left(sa, jnp.uint32(1)), sa)  # sa in [sb, 2 sb)
+    ea = ea - smaller.astype(jnp.int32)
+    q = jnp.ones_like(sa)
+    r = sa - sb
+    for _ in range(3):
+        r = lax.shift_left(r, jnp.uint32(8))
+        digit = r // sb
+        q = lax.shift_left(q, jnp.uint32(8)) | digit
+        r = r - digit * sb
+    out = round_to_f32(q, ea - eb - 24, sign, r != 0)
     return jnp.where((a_bits & F32_ABS) == 0, lax.shift_left(sign, jnp.uint32(31)), out)
 
 
