@@ -24,7 +24,7 @@ import lowprec
 import lowprec_formats
 import lowprec_reference as R
 from helpers.asserts import bit_pattern
-from helpers.kernels import cuda_branches, lower_for_cuda  # noqa: F401  (a fixture)
+from helpers.kernels import cuda_branches, lower_for_cuda  # noqa: F401  (cuda_branches: a fixture)
 
 MX_NAMES = lowprec_formats.COLLECTIONS["e8m0_scaled_mx"]  # NVFP4 has no shared exponents
 RULES = tuple(lowprec.ScaleRule)

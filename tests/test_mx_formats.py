@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 import lowprec
 import lowprec_reference as R
-from helpers.kernels import lower_for_cuda
 from helpers.asserts import assert_bits_equal, assert_codes_equal, assert_same_floats, bit_pattern
+from helpers.kernels import lower_for_cuda
 from helpers.mx import (
     MODES,
     NEW_MX_FORMATS,
@@ -541,10 +541,9 @@ def test_exact_division_is_ieee_float32_division():
 
 
 def _delayed_step(x, w):
-    from lowprec._delayed import DelayedScaling, delayed_dot_general
-
-    cfg = DelayedScaling(amax_history_len=2, margin=1)
-    loss = lambda a, b, st: jnp.sum(delayed_dot_general(a, b, st, (((1,), (0,)), ((), ())), cfg))  # noqa: E731
+    cfg = lowprec.DelayedScaling(amax_history_len=2, margin=1)
+    dn = (((1,), (0,)), ((), ()))
+    loss = lambda a, b, st: jnp.sum(lowprec.delayed_dot_general(a, b, st, dn, cfg))  # noqa: E731
     return jax.grad(loss, argnums=(0, 1, 2))(x, w, cfg.init())
 
 
