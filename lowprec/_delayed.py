@@ -107,14 +107,10 @@ def _amax(x):
 
 
 def _divide(a, b):
-    """IEEE float32 a / b (a finite; b nonzero, not NaN) on every backend: XLA:GPU's float32
-    division is not correctly rounded (``_nvfp4.f32_div_native``)."""
-    a_bits, b_bits = jnp.broadcast_arrays(f32_bits(a), f32_bits(b))
-    q = f32_div_native(a_bits, b_bits)
-    # A scale that overflowed to inf (amax below ~2^-112) divides to a signed zero (the long
-    # division reads inf as 2^128).
-    zero = (a_bits ^ b_bits) & jnp.uint32(0x8000_0000)
-    return bits_to_f32(jnp.where((b_bits & 0x7FFF_FFFF) == 0x7F80_0000, zero, q))
+    """IEEE float32 a / b (a finite; b nonzero, not NaN: a scale that overflowed to inf, for
+    an amax below ~2^-112, divides to zero) on every backend: XLA:GPU's float32 division is
+    not correctly rounded (``_nvfp4.f32_div_native``)."""
+    return bits_to_f32(f32_div_native(*jnp.broadcast_arrays(f32_bits(a), f32_bits(b))))
 
 
 def _cast(x, scale, fmt: ElementFormat):

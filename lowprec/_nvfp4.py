@@ -93,7 +93,8 @@ def round_to_f32(sig, exp, sign, sticky):
 
 
 def f32_div(a_bits, b_bits):
-    """IEEE float32 a / b, rounded to nearest even, from the bits: a finite, b finite nonzero.
+    """IEEE float32 a / b, rounded to nearest even, from the bits: a finite; b nonzero, not
+    NaN (an infinite b gives a signed zero).
 
     Long division of the 24-bit significands: the numerator's is doubled where it is the
     smaller, so that the quotient's leading bit is 1 with remainder sa - sb, then three
@@ -115,16 +116,19 @@ def f32_div(a_bits, b_bits):
         q = lax.shift_left(q, jnp.uint32(8)) | digit
         r = r - digit * sb
     out = round_to_f32(q, ea - eb - 24, sign, r != 0)
-    return jnp.where((a_bits & F32_ABS) == 0, lax.shift_left(sign, jnp.uint32(31)), out)
+    # A zero numerator or an infinite divisor (which _split reads as 2^128) gives a signed 0.
+    zero = ((a_bits & F32_ABS) == 0) | ((b_bits & F32_ABS) == F32_INF)
+    return jnp.where(zero, lax.shift_left(sign, jnp.uint32(31)), out)
 
 
 def f32_div_native(a_bits, b_bits):
-    """Bits of the IEEE float32 quotient a / b (a finite, b finite nonzero; one shape): XLA's
-    float32 division on CPU, correctly rounded where operands and quotient are normal (it
-    flushes subnormals), with the divisor behind an optimization barrier so that XLA cannot
-    turn a division by a broadcast into a product with its reciprocal; :func:`f32_div`
-    elsewhere (``lax.platform_dependent``). XLA on an NVIDIA GPU divides with PTX
-    ``div.full``, which is not correctly rounded (docs/design.md §8)."""
+    """Bits of the IEEE float32 quotient a / b (a finite; b nonzero, not NaN, an infinite b
+    giving a signed zero; one shape): XLA's float32 division on CPU, correctly rounded where
+    operands and quotient are normal (it flushes subnormals), with the divisor behind an
+    optimization barrier so that XLA cannot turn a division by a broadcast into a product
+    with its reciprocal; :func:`f32_div` elsewhere (``lax.platform_dependent``). XLA on an
+    NVIDIA GPU divides with PTX ``div.full``, which is not correctly rounded
+    (docs/design.md §8)."""
 
     def on_cpu(a_bits, b_bits):
         b = lax.bitcast_convert_type(lax.optimization_barrier(b_bits), jnp.float32)

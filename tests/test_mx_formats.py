@@ -516,7 +516,8 @@ def test_exact_division_is_ieee_float32_division():
     float32 division is not correctly rounded (a GPU: PTX div.full; measured on an H200, it
     moved quotients that land exactly on E2M1 boundaries by an ulp), against NumPy's IEEE
     division: random patterns over every binade (subnormals, zeros, overflow to inf
-    included), and exact quotients q * b / b = q at every E2M1 rounding boundary."""
+    included), infinite divisors, and exact quotients q * b / b = q at every E2M1 rounding
+    boundary."""
     from lowprec._nvfp4 import f32_div
 
     rng = np.random.default_rng(11)
@@ -532,8 +533,9 @@ def test_exact_division_is_ieee_float32_division():
     qt = ties[rng.integers(0, len(ties), n)] * np.float32(2.0) ** rng.integers(-100, 100, n)
     at = (qt.astype(np.float32) * bt).astype(np.float32)
     assert np.all(at / bt == qt.astype(np.float32))  # the products are exact
-    a = np.concatenate([a, at.view(np.uint32)])
-    b = np.concatenate([b, bt.view(np.uint32)])
+    infs = np.uint32([0x7F80_0000, 0xFF80_0000] * 8)  # x / ±inf = ±0
+    a = np.concatenate([a, at.view(np.uint32), a[:16]])
+    b = np.concatenate([b, bt.view(np.uint32), infs])
     with np.errstate(all="ignore"):
         want = (a.view(np.float32) / b.view(np.float32)).view(np.uint32)
     got = np.asarray(jax.jit(f32_div)(jnp.asarray(a), jnp.asarray(b)))
