@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 import lowprec
-from helpers.kernels import cuda_branches, fused_mxdot, lower_for_cuda as _lower_for_cuda  # noqa: F401
+from helpers.kernels import cuda_branches, fused_mxdot  # noqa: F401  (fixtures)
+from helpers.kernels import lower_for_cuda as _lower_for_cuda
 from lowprec import _gemv
 from lowprec.kernels import _dispatch
 from lowprec.kernels._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
@@ -669,15 +670,22 @@ def test_mxdot_kernel_exact_sums_match_the_generic_path_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(got), x @ w.T)
 
 
-@needs_triton_lowering
-def test_dot_general_takes_the_fused_mx_kernel_on_cuda_only(cuda_branches, fused_mxdot):
+def _mxdot_calls():
+    """(call, args) of dot_general on pre-quantized MXFP8 operands and on float32 operands
+    quantized in the call: the two ways into the fused MX dot."""
     a = jax.ShapeDtypeStruct((256, 512), jnp.float32)
     q = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), a)
-    f = lambda p, r: lowprec.dot_general(p, r, DN)  # noqa: E731
-    assert "lowprec_mxdot" in _lower_for_cuda(f, q, q)
-    assert "lowprec_mxdot" not in jax.jit(f).trace(q, q).lower(lowering_platforms=("cpu",)).as_text()
-    g = lambda p, r: lowprec.dot_general(p, r, DN, lhs_format="mxfp8", rhs_format="mxfp8")  # noqa: E731
-    assert "lowprec_mxdot" in _lower_for_cuda(g, a, a)
+    return [(lambda p, r: lowprec.dot_general(p, r, DN), (q, q)),
+            (lambda p, r: lowprec.dot_general(p, r, DN, lhs_format="mxfp8", rhs_format="mxfp8"),
+             (a, a))]
+
+
+@needs_triton_lowering
+def test_dot_general_takes_the_fused_mx_kernel_on_cuda_only(cuda_branches, fused_mxdot):
+    for f, args in _mxdot_calls():
+        assert "lowprec_mxdot" in _lower_for_cuda(f, *args)
+        cpu = jax.jit(f).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+        assert "lowprec_mxdot" not in cpu
 
 
 @needs_triton_lowering
@@ -685,11 +693,8 @@ def test_dot_general_leaves_the_fused_mx_kernel_off_by_default(cuda_branches):
     """FUSED_MXDOT is off (the kernel measured 4x slower than decoding for cuBLAS): the
     program lowered for CUDA holds no fused MX dot, for pre-quantized or float operands."""
     assert _dispatch.FUSED_MXDOT is False
-    a = jax.ShapeDtypeStruct((256, 512), jnp.float32)
-    q = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), a)
-    assert "lowprec_mxdot" not in _lower_for_cuda(lambda p, r: lowprec.dot_general(p, r, DN), q, q)
-    g = lambda p, r: lowprec.dot_general(p, r, DN, lhs_format="mxfp8", rhs_format="mxfp8")  # noqa: E731
-    assert "lowprec_mxdot" not in _lower_for_cuda(g, a, a)
+    for f, args in _mxdot_calls():
+        assert "lowprec_mxdot" not in _lower_for_cuda(f, *args)
 
 
 @pytest.mark.gpu
