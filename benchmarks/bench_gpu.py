@@ -127,13 +127,15 @@ def _f(v, digits=2):
 
 # -- roofline -------------------------------------------------------------------------------------
 
+#: The copy every section measures beside its rows: 4 bytes read and 4 written per element.
+_copy = jax.jit(lambda v: -v)
+
 
 def measure_roofline(n: int, reps: int) -> Roofline:
     x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    neg = jax.jit(lambda v: -v)
     a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16) if n >= 8192 else x[:512, :512].astype(jnp.bfloat16)
     dot = jax.jit(lambda u: jnp.dot(u, u, preferred_element_type=jnp.float32))
-    r = time_interleaved({"copy": lambda: neg(x), "dot": lambda: dot(a)}, reps=reps)
+    r = time_interleaved({"copy": lambda: _copy(x), "dot": lambda: dot(a)}, reps=reps)
     copy_bps = 8.0 * x.size / _t(r["copy"])
     kind = jax.devices()[0].device_kind
     measured = 2.0 * a.shape[0] ** 3 / _t(r["dot"])
@@ -169,7 +171,6 @@ def _xla_quantize(v, cast):
 def bench_quantize(x, roof: Roofline, reps: int, formats) -> list:
     n = x.size
     rows = []
-    neg = jax.jit(lambda v: -v)
     interpret = jax.default_backend() != "gpu"
     for fmt in formats:
         f = lowprec.mx_format(fmt)
@@ -188,7 +189,7 @@ def bench_quantize(x, roof: Roofline, reps: int, formats) -> list:
         if jq is not None:
             cases["JAX quantizer"] = functools.partial(jq, x)
         cases["XLA cast"] = functools.partial(_xla_cast(el_dtype), x)
-        cases["XLA copy"] = functools.partial(neg, x)
+        cases["XLA copy"] = functools.partial(_copy, x)
         t = time_interleaved(cases, reps=reps)
         peer_bytes = {"JAX quantizer": 5 * n + n // 32, "XLA cast": 5 * n, "XLA copy": 8 * n}
         peers = ", ".join(f"{k} {_f(_tbps(b, t.get(k)))}" for k, b in peer_bytes.items() if k in t)
@@ -245,7 +246,6 @@ def bench_nvfp4(x, roof: Roofline, reps: int) -> list:
     """NVFP4 quantize (both element steps) and dequantize, vs XLA's float32 -> float4 cast and
     the copy; the codes are also checked against the same call on this machine's CPU."""
     n = x.size
-    neg = jax.jit(lambda v: -v)
     nbytes = 4 * n + n // 2 + n // 16  # x read; codes, an E4M3 scale per 16 written
     cases = {step: functools.partial(jax.jit(functools.partial(
         lambda v, st: lowprec.quantize_mx(v, "nvfp4", nvfp4_step=st), st=step)), x)
@@ -253,7 +253,7 @@ def bench_nvfp4(x, roof: Roofline, reps: int) -> list:
     mx = lowprec.quantize_mx(x, "nvfp4")
     cases["dequantize"] = functools.partial(jax.jit(lowprec.dequantize), mx)
     cases["XLA cast"] = functools.partial(_xla_cast(ml_dtypes.float4_e2m1fn), x)
-    cases["XLA copy"] = functools.partial(neg, x)
+    cases["XLA copy"] = functools.partial(_copy, x)
     t = time_interleaved(cases, reps=reps)
     peers = (f"XLA cast {_f(_tbps(4 * n + n // 2, t['XLA cast']))}, "
              f"XLA copy {_f(_tbps(8 * n, t['XLA copy']))}")
