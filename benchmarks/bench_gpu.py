@@ -30,10 +30,12 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
   {1, 4, 16}, N×K ∈ {2880², 4096², 8192², 16384×8192}: the Pallas kernel
   (``mxfp4_gemv``), the XLA route (decode to bfloat16 fused into the dot), ``dot_general``
   as a user calls it (its automatic choice), the generic quantized dot it used before, and
-  the bfloat16 ``jnp.dot`` with a bfloat16 weight (the baseline of "x bf16"). Each timed
-  call runs the product 32 times in one jitted program on distinct activations and enough
-  distinct weight copies to exceed the L2 cache, so the time is the device's, not Python
-  dispatch, and weights come from HBM as in a real decode step. "agree" checks every route
+  the bfloat16 ``jnp.dot`` with a bfloat16 weight (the baseline of "x bf16"). A product
+  takes a few microseconds on a GPU, less than the dispatch of one call, so each route is
+  compiled twice, into programs of R/4 and R products (R = 32, ``--inner``) on distinct
+  activations and distinct weight buffers, and the time per product is the difference of
+  the two programs' times (same rounds) over the extra products: dispatch cancels, and
+  every weight comes from HBM as in a real decode step. "agree" checks every route
   against the generic path within twice the float32 summation bound.
 * **mxfp8**: ``benchmarks/bench_matmul.py``'s cases at n = 4096, 8192, 16384: MXFP8 and
   MXFP4 pre-quantized operands and MXFP8 in-call quantization, in both weight layouts
@@ -84,7 +86,6 @@ BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
                     "NVIDIA A100-SXM4-40GB": 312.0}
 TARGET = {"quantize mxfp8": 2.0, "quantize mxfp4": 1.8, "dequantize": 2.0, "dequantize_vs_jax": 0.95,
           "weight_only": 3.0, "mxfp8 pre-q": 0.95, "mxfp8 +quant": 0.85}
-L2_FLUSH_BYTES = 256 << 20  # distinct weight copies until their total exceeds this
 # --tune sweeps block_n x block_groups x num_warps x num_stages (x both inner products).
 TUNE_SPACE = ((16, 32, 64, 128), (1, 2, 4, 8), (2, 4, 8), (2, 3, 4))
 
@@ -284,18 +285,46 @@ def bench_nvfp4(x, roof: Roofline, reps: int) -> list:
 # -- MXFP4 weight-only products for decode shapes ----------------------------------------------------
 
 
-def _repeated(fn, copies: int):
-    """A jitted program computing fn(x_i, w_{i mod copies}) for every activation x_i."""
-    def run(xs, ws):
-        return [fn(x, ws[i % copies]) for i, x in enumerate(xs)]
+def _repeated(fn, count: int):
+    """A jitted program computing fn(xs[i], ws[i]) for the first ``count`` products.
 
-    return jax.jit(run)
+    Every product has its own weight buffer: XLA merges dots that share an operand into one
+    (its dot merger turned eight bf16 products with one weight into a single M=8 product,
+    which read the weight once and "ran" above HBM bandwidth), and a reused weight could be
+    served from L2. Programs of different counts take the same arguments (``keep_unused``),
+    so their dispatch costs the same, and return one array (the products stacked: a few KiB),
+    since every output buffer costs the host microseconds (with a list of outputs, a bf16
+    product measured 25 us more than its bytes explain, on an H200)."""
+    def run(xs, ws):
+        return jnp.stack([fn(xs[i], ws[i]) for i in range(count)])
+
+    return jax.jit(run, keep_unused=True)
+
+
+def _counts(inner: int) -> tuple:
+    """Product counts of the two programs whose time difference is timed (see _marginal)."""
+    lo = max(1, inner // 4)
+    return lo, max(lo + 1, inner)
+
+
+def _marginal(hi, lo, extra: int):
+    """Device time per product: per round, (time of the program with more products − time
+    of the one with fewer) / the extra products. A blocking call of a jitted program costs
+    tens of microseconds of dispatch and synchronization, more than a decode-shape product
+    itself takes on a GPU (a 4096 x 4096 MXFP4 weight is 9 MB: about 3 us at 3 TB/s), so
+    the time of one program over its product count mostly measured dispatch. The difference
+    cancels it; both programs run in the same rounds."""
+    if not isinstance(hi, Timing):
+        return hi
+    if not isinstance(lo, Timing):
+        return lo
+    return Timing([(h - l) / extra for h, l in zip(hi.samples, lo.samples)], hi.number)
 
 
 def _weights(key, n, k, copies):
     w = jax.random.normal(key, (n, k), jnp.float32)
     mx = lowprec.quantize_mx(w, "mxfp4", axis=1, scale_rule="rceil")
-    # Distinct buffers with the same codes: enough to push each out of L2 before its reuse.
+    # Distinct buffers with the same codes, one per product (see _repeated).
     mxs = [jax.tree.map(lambda a: a + jnp.zeros_like(a), mx) for _ in range(copies)]
     return w.astype(jnp.bfloat16), mxs
 
@@ -324,22 +353,22 @@ def weight_only_cases(m, n, k, inner: int, interpret: bool, cfg=None):
 def bench_weight_only(shapes, tokens, roof: Roofline, reps: int, inner: int, quick: bool) -> tuple:
     rows, records = [], []
     interpret = jax.default_backend() != "gpu"
+    lo, hi = _counts(inner)
     for (n, k), m in itertools.product(shapes, tokens):
         mx_bytes = n * k // 2 + n * k // 32
-        copies = max(1, min(inner, math.ceil(L2_FLUSH_BYTES / mx_bytes)))
-        copies16 = max(1, min(inner, math.ceil(L2_FLUSH_BYTES / (2 * n * k))))
         key = jax.random.key(n + k + m)
-        w16, mxs = _weights(key, n, k, copies)
-        w16s = [w16 + jnp.zeros_like(w16) for _ in range(copies16)]
-        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16) for i in range(inner)]
+        w16, mxs = _weights(key, n, k, hi)
+        w16s = [w16 + jnp.zeros_like(w16) for _ in range(hi)]
+        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16) for i in range(hi)]
         cases, progs = {}, {}
         for name, (fn, kind) in weight_only_cases(m, n, k, inner, interpret).items():
-            prog = _repeated(fn, copies if kind == "mx" else copies16)
             ws = mxs if kind == "mx" else w16s
             progs[name] = (fn, ws)
-            cases[name] = functools.partial(prog, xs, ws)
-        t = time_interleaved(cases, reps=reps, min_sample_s=0.0 if quick else 0.02)
-        per = {name: _t(v) / inner for name, v in t.items()}
+            for count in (lo, hi):
+                cases[(name, count)] = functools.partial(_repeated(fn, count), xs, ws)
+        timed = time_interleaved(cases, reps=reps, min_sample_s=0.0 if quick else 0.02)
+        t = {name: _marginal(timed[(name, hi)], timed[(name, lo)], hi - lo) for name in progs}
+        per = {name: _t(v) for name, v in t.items()}
         # Agreement: each MXFP4 route vs the generic path, within twice the float32 sum bound.
         x0, w0 = xs[0], mxs[0]
         ref = np.asarray(progs["generic"][0](x0, w0), np.float64)
@@ -363,8 +392,8 @@ def bench_weight_only(shapes, tokens, roof: Roofline, reps: int, inner: int, qui
             ("ok" if ratio >= TARGET["weight_only"] else "MISS <3x bf16")
             + ("" if all(agree) else "; DISAGREE"),
         ))
-        records.append({"m": m, "n": n, "k": k, "per_call_s": per, "agree": agree,
-                        "weight_copies": copies, "timings": {a: (b.as_dict() if isinstance(b, Timing) else b) for a, b in t.items()}})
+        records.append({"m": m, "n": n, "k": k, "per_product_s": per, "agree": agree,
+                        "programs": [lo, hi], "timings": {a: (b.as_dict() if isinstance(b, Timing) else b) for a, b in t.items()}})
     return rows, records
 
 
@@ -385,19 +414,19 @@ def tune(shapes, tokens, reps: int, inner: int) -> None:
                 steps = -(-(-(-k // 32)) // gb)
                 splits = max(1, min(steps, -(-512 // tiles)))
                 configs.add(KernelConfig(bn, gb, splits, inner_kind, bm, warps, stages))
-        mx_bytes = n * k // 2 + n * k // 32
-        copies = max(1, min(inner, math.ceil(L2_FLUSH_BYTES / mx_bytes)))
+        lo, hi = _counts(inner)
         key = jax.random.key(n + k + m)
-        _, mxs = _weights(key, n, k, copies)
-        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16) for i in range(inner)]
+        _, mxs = _weights(key, n, k, hi)
+        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16) for i in range(hi)]
         results = []
         print(f"tuning M={m} {n}x{k}: {len(configs)} configurations", flush=True)
         for cfg in sorted(configs, key=repr):
             fn = functools.partial(lambda x, w, c: _gemv.mxfp4_matmul(x, w, "pallas", cfg=c, interpret=interpret), c=cfg)
-            prog = _repeated(fn, copies)
-            r = time_interleaved({"k": functools.partial(prog, xs, mxs)}, reps=reps)["k"]
+            r = time_interleaved({c: functools.partial(_repeated(fn, c), xs, mxs) for c in (lo, hi)},
+                                 reps=reps)
+            r = _marginal(r[hi], r[lo], hi - lo)
             if isinstance(r, Timing):
-                results.append((r.median / inner, cfg))
+                results.append((r.median, cfg))
         results.sort(key=lambda p: p[0])
         default_t = next((s for s, c in results if c == base), float("nan"))
         for s, cfg in results[:5]:
@@ -510,8 +539,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", metavar="M",
                    help="token counts of the weight_only section (default 1 4 16)")
     p.add_argument("--inner", type=int, metavar="R",
-                   help="products per timed weight_only program (default 32; each is compiled "
-                        "into the program, so fewer compile faster)")
+                   help="products in the larger of the two timed programs per weight_only route "
+                        "(default 32; the smaller has R/4; every product is compiled into its "
+                        "program, so fewer compile faster)")
     args = p.parse_args(argv)
     reps = args.reps or (3 if args.quick else 9)
     if args.quick:
