@@ -25,6 +25,7 @@ F32_MANT_MSB = 0x0040_0000  # 1 << 22: the top mantissa bit (half an ulp of the 
 # above; a NaN's quiet bit; alone in a pattern, the subnormal 2^-127)
 F32_INF = 0x7F80_0000  # exponent field all ones (0xFF << 23), mantissa 0
 F32_QNAN = 0x7FC0_0000  # F32_INF | 1 << 22: the canonical quiet NaN
+BF16_MANT_BITS = 7  # bfloat16: float32's top 16 bits
 F32_MAX = 0x7F7F_FFFF  # (2 - 2^-23) * 2^127
 # Unbiased exponent of the last bit of a float32 subnormal: 2^-149 = 2^(1 - 127 - 23).
 F32_MIN_LSB_EXP = 1 - F32_BIAS - F32_MANT_BITS
@@ -139,6 +140,57 @@ def scale_bits_by_e8m0(value_bits, scale_codes):
     out = jnp.where(mag == F32_INF, jnp.uint32(F32_INF), out)
     nan = (mag > F32_INF) | (scale_codes == E8M0_NAN)
     return jnp.where(nan, jnp.uint32(F32_QNAN), out | sign)
+
+
+def scale_bits_by_e8m0_narrow(value_bits, scale_codes, out_bits: int):
+    """:func:`scale_bits_by_e8m0`'s values as float32 (``out_bits=32``) or bfloat16 (16)
+    patterns, bfloat16 rounded to nearest even; the result in a uint32.
+
+    The same values in about a third fewer operations: a one-pass dequantize is
+    compute-bound on a GPU. A normal result is the value's pattern with ``s − 127`` added
+    to its exponent field (an integer add). A result below 2^-126 is the integer
+    ``rint(|value| · 2^(s + 22))`` (2^(s + 6) for bfloat16), the pattern of a subnormal (or,
+    rounded up, of the smallest normal); that float is built by an add to the exponent
+    field too, so it is a normal and the one float operation (``rint``) never sees a
+    subnormal a backend could flush (docs/design.md §8). ``value_bits``
+    are float32 patterns of normals with at most 8 significant bits (every MX element; for
+    bfloat16 output, so that a normal result is exact there), zeros, infs or NaNs.
+    """
+    sign = value_bits & jnp.uint32(F32_SIGN)
+    mag = value_bits & jnp.uint32(F32_ABS)
+    t = scale_codes.astype(jnp.int32) - E8M0_BIAS  # the block's exponent
+    nf = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32) + t
+    normal = mag + lax.shift_left(t, jnp.int32(F32_MANT_BITS)).astype(jnp.uint32)  # wraps below 2^-126
+    # Below 2^-126: |value| · 2^(s - 127) in units of the output's subnormal quantum,
+    # 2^-149 (float32: 149 = 126 + 23) or 2^-133 (bfloat16: 126 + 7), a float32 normal in
+    # [2^-120, 2^23): exact for float32, rounded to nearest even (bfloat16 and the carry into
+    # the smallest normal included) by one rint.
+    lift = -F32_EMIN + (F32_MANT_BITS if out_bits == 32 else BF16_MANT_BITS)
+    low = bits_to_f32(normal + jnp.uint32(lift << F32_MANT_BITS))
+    sub = lax.round(low, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.uint32)
+    shift = jnp.uint32(32 - out_bits)
+    out = jnp.where(nf < 1, sub, lax.shift_right_logical(normal, shift))
+    out = jnp.where(nf >= F32_EXP_MAX, jnp.uint32(F32_INF >> (32 - out_bits)), out)
+    # Zero and inf keep their own pattern (mag - 1 wraps for zero); NaN values and the NaN
+    # scale give the quiet NaN, unsigned as in scale_bits_by_e8m0.
+    special = (mag - jnp.uint32(1)) >= jnp.uint32(F32_INF - 1)
+    out = jnp.where(special, lax.shift_right_logical(mag, shift), out)
+    out = out | lax.shift_right_logical(sign, shift)
+    nan = (mag > F32_INF) | (scale_codes == E8M0_NAN)
+    return jnp.where(nan, jnp.uint32(F32_QNAN >> (32 - out_bits)), out)
+
+
+def bits_to_bf16_bits(bits):
+    """bfloat16 patterns (in a uint32) of float32 ``bits`` rounded to nearest even: the
+    element encoder's result (overflow to ±inf, subnormals rounded, NaN the quiet NaN with
+    its sign) in a few integer operations and a select: bfloat16 is float32's top half,
+    so adding 0x7FFF plus the kept half's last bit carries exactly when it rounds up (into
+    the exponent, and onto the infinity pattern past the largest finite)."""
+    kept = lax.shift_right_logical(bits, jnp.uint32(16))
+    rounded = lax.shift_right_logical(bits + jnp.uint32(0x7FFF) + (kept & jnp.uint32(1)),
+                                      jnp.uint32(16))
+    nan = (kept & jnp.uint32(F32_SIGN >> 16)) | jnp.uint32(F32_QNAN >> 16)
+    return jnp.where((bits & jnp.uint32(F32_ABS)) > jnp.uint32(F32_INF), nan, rounded)
 
 
 def bits_to_bf16_truncating(bits):

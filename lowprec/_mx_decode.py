@@ -10,14 +10,16 @@ fake quantization and the matmul path (docs/design.md §5).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._bits import F32_ABS, F32_INF, F32_QNAN, f32_bits
+from ._bits import F32_ABS, F32_INF, F32_QNAN, bits_to_bf16_bits, f32_bits
 from ._blocks import merge_blocks, split_blocks
 from ._decode import decode_bits, decode_f32
 from ._dtypes import bits_to_dtype
 from ._format import MXFormat
+from ._nvfp4 import PER_BLOCK
 from ._pack import unpack_along
 
 
@@ -148,28 +150,78 @@ def _per_code(v, grouped_shape, axis: int):
     return wide.reshape(grouped_shape)
 
 
-def mx_values_blockwise(elements, scales, fmt: MXFormat, axis: int, n: int, dtype):
-    """:func:`mx_values` in one elementwise pass (no branch, no reduction): every element's
-    value is bit-built (the element's float32 value from :func:`decode_f32`, its exponent
-    moved by the block's scale on the integer bits: exact for every element and scale, the
-    NaN code and subnormal results included); for ``fast_decode_applies`` formats only.
+def _decode_by_table(element, elements, codes, axis: int):
+    """float32 patterns of the grouped element ``codes`` (see :func:`_grouped_codes`).
+
+    8-bit codes, and FP4's bytes (both codes of a byte at once), are read from a table of
+    decode_bits over every byte, a compile-time constant: one load per element (or pair),
+    served from the GPU's L1 (2 KiB at most), against a dozen integer operations. XLA's
+    GPU fusion does not fuse a computed index into a gather, so the index is the stored
+    byte itself; FP6's codes span bytes and take the arithmetic :func:`decode_f32`."""
+    bits = element.code_bits
+    if bits not in (4, 8):
+        return f32_bits(decode_f32(element, codes))
+    per_byte = 8 // bits
+    with jax.ensure_compile_time_eval():
+        byte = jnp.arange(256, dtype=jnp.uint32)
+        shifts = jnp.arange(per_byte, dtype=jnp.uint32) * bits
+        table = decode_bits(element, (byte[:, None] >> shifts) & ((1 << bits) - 1))
+    index = elements.astype(jnp.int32)
+    if per_byte == 1:
+        return table[:, 0].at[index].get(mode="promise_in_bounds")
+    if axis == elements.ndim - 1:  # the pair is the gather's slice: [..., bytes, 2]
+        return table.at[index].get(mode="promise_in_bounds").reshape(codes.shape)
+    # Along another axis the pair dimension is not the last; a transpose of the gather
+    # would be a kernel of its own, so each nibble reads its own column.
+    return jnp.stack([table[:, j].at[index].get(mode="promise_in_bounds")
+                      for j in range(per_byte)], axis=axis + 1).reshape(codes.shape)
+
+
+def mx_values_blockwise(elements, scales, fmt: MXFormat, axis: int, n: int, dtype,
+                        tensor_scale=None):
+    """:func:`mx_values` in one elementwise pass (no branch, no reduction over elements):
+    exact for every element and scale, the NaN code and subnormal results included. E8M0
+    formats (``fast_decode_applies``): the element's float32 value read from a table, its
+    exponent moved by the block's scale on the output's own bits
+    (``decode_values_narrow``: float32 or bfloat16). With a ``tensor_scale`` (NVFP4): the
+    product with each block's factor, lifted where it is tiny (_nvfp4.lifted_product).
 
     This is the GPU formulation: XLA's GPU pipeline turns the ``lax.cond`` of
-    :func:`mx_values` into a select over two materialized full-size results (5-7 kernels,
+    :func:`mx_values` into a select over two materialized full-size results (5-11 kernels,
     up to 6x the ideal bytes, benchmarks/gpu_hlo_report.py), while this fuses into one
     loop. Codes are decoded in their packed groups' layout (:func:`_grouped_codes`), every
     per-block quantity is computed once per block and broadcast, and only the result is
     reshaped: XLA's GPU fusion refuses to fuse values it would have to recompute through
     several index maps, which the block-split formulation made it do. The loop is
-    compute-bound on a GPU: measured on an H200, a per-block select between the one-multiply
-    decode and the bit-built one (both computed for every element: 73 operations per
-    element for MXFP8) ran at 1.2 TB/s, 0.47x JAX's ``astype * scale``; the bit-built decode
-    alone is 43. On CPU the conditional runs one branch, so the cheaper fast decode alone usually
-    runs there."""
+    compute-bound on a GPU. Measured on an H200 (MXFP8 to float32): a per-block select
+    between the one-multiply decode and the bit-built one (73 operations per element) ran
+    at 1.2 TB/s, 0.47x JAX's ``astype * scale``, the bit-built decode alone (43) at 1.54;
+    this one is 33. On CPU the conditional runs one branch, so the cheaper fast decode
+    alone usually runs there."""
     codes = _grouped_codes(elements, fmt, axis)
-    value_bits = f32_bits(decode_f32(fmt.element, codes))  # the bits of decode_bits, cheaper
-    exact = fmt.scheme.decode_values(value_bits, _per_code(scales, codes.shape, axis), None)
-    values = bits_to_dtype(exact, dtype)
+    value_bits = _decode_by_table(fmt.element, elements, codes, axis)
+    per_code = _per_code(scales, codes.shape, axis)
+    out_bits = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 16}.get(jnp.dtype(dtype))
+    narrow = None if out_bits is None or tensor_scale is not None else (
+        fmt.scheme.decode_values_narrow(value_bits, per_code, fmt.element, out_bits))
+    if narrow is not None:  # float32/bfloat16 patterns directly: 30-40% fewer operations
+        values = lax.bitcast_convert_type(narrow.astype(jnp.dtype(f"uint{out_bits}")), dtype)
+    else:
+        kw = {}
+        if tensor_scale is not None:  # each block's formulation chosen in the same pass
+            # The per-block values computed on the blocks, then broadcast: computed on the
+            # broadcast scales, XLA wrote them out at the elements' size (4 bytes each).
+            route = fmt.scheme.decode_route(scales, tensor_scale)
+            if route is not None:
+                blocks = tuple(_per_code(b, codes.shape, axis) for b in route[1])
+                kw = {"route": (PER_BLOCK, blocks)}
+        bits = fmt.scheme.decode_values(value_bits, per_code, tensor_scale, **kw)
+        if out_bits == 16:  # the encoder's bfloat16 in fewer operations: on a GPU XLA wrote
+            # the encoder's float32 operand out in a pass of its own (on CPU this one was
+            # 1.1-3x slower: keep the encoder there)
+            values = lax.bitcast_convert_type(bits_to_bf16_bits(bits).astype(jnp.uint16), dtype)
+        else:
+            values = bits_to_dtype(bits, dtype)
     if codes.ndim > elements.ndim:  # merge the groups back
         shape = elements.shape
         values = values.reshape(*shape[:axis], codes.shape[axis] * codes.shape[axis + 1],
@@ -204,7 +256,10 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_
 
             return lax.cond(serves, branch(True), branch(False), e, s)
 
-        return lax.platform_dependent(elements, scales, cpu=routed,
+        def blockwise_scaled(e, s):
+            return mx_values_blockwise(e, s, fmt, axis, n, dtype, tensor_scale)
+
+        return lax.platform_dependent(elements, scales, cpu=routed, cuda=blockwise_scaled,
                                       default=lambda e, s: exact(e, s, None))
 
     def fast(e, s, f):

@@ -28,9 +28,10 @@ from __future__ import annotations
 from fractions import Fraction
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from ._bits import F32_ABS, F32_INF, F32_MANT, F32_MANT_BITS, F32_SIGN
+from ._bits import F32_ABS, F32_IMPLICIT, F32_INF, F32_MANT, F32_MANT_BITS, F32_QNAN, F32_SIGN
 from ._decode import decode_bits
 from ._encode import encode_bits
 from ._format import ElementFormat
@@ -330,7 +331,10 @@ def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat, 
     is computed exactly on the bits. ``route``: None decides here (one ``lax.cond`` for the
     whole array); else ``(fast, blocks)``, the formulation (a Python bool) and
     :func:`decode_blocks`' per-block values, from a caller that branched on
-    :func:`fast_product_serves` before decoding any element (see ``_mx_decode.mx_values``).
+    :func:`fast_product_serves` before decoding any element (see ``_mx_decode.mx_values``),
+    or ``fast`` = :data:`PER_BLOCK`: each block's own choice by an elementwise select (on a
+    GPU, where XLA computes both branches of a cheap ``lax.cond`` anyway, and did so in
+    separate passes over materialized operands).
     """
     fast, blocks = (None, None) if route is None else route
     total, nan = decode_blocks(scale_codes, ts_bits, scale_fmt) if blocks is None else blocks
@@ -345,24 +349,65 @@ def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat, 
 
     if fast is None:
         out = lax.cond(fast_product_serves((total, nan)), fast_product, exact, total, value_bits)
+    elif fast is PER_BLOCK:  # each block's product in one elementwise pass (GPU); a NaN
+        # block's total is NaN (decode_blocks), and every NaN product becomes the quiet NaN
+        out = lifted_product(total, value_bits)
+        return jnp.where((out & jnp.uint32(F32_ABS)) > jnp.uint32(F32_INF), jnp.uint32(F32_QNAN), out)
     else:
         out = (fast_product if fast else exact)(total, value_bits)
     return jnp.where(nan, jnp.uint32(0x7FC0_0000), out)
+
+
+def lifted_product(total, value_bits):
+    """float32 bits of float32(total × value), rounded to nearest even, for ``total`` bits
+    of any sign and magnitude (subnormal included) and E2M1 value bits, in a few float
+    operations none of which sees a subnormal (no backend's flushing can change it).
+
+    A block with total >= 2^-125 takes the plain product (normal operands, normal result).
+    Below, the total is lifted to T = total · 2^149, its value in units of float32's
+    smallest subnormal: exact (an exponent add, or for a subnormal total the integer its
+    bits spell) and below 2^24. P = T · |value| is then a float32 normal computed exactly
+    whenever P < 2^23 (T is an integer and E2M1 values are multiples of 1/2, so P has at
+    most 24 significant bits there): rint(P) is the subnormal result's pattern, correctly
+    rounded once (a carry to 2^23 is the smallest normal's). For P >= 2^23 the result is a
+    normal, and P rounded to 24 bits is its significand: 149 comes off the exponent field.
+    """
+    sign = (value_bits ^ total) & jnp.uint32(F32_SIGN)  # a sign-bit E4M3 scale gives one
+    v = lax.bitcast_convert_type(value_bits & jnp.uint32(F32_ABS), jnp.float32)
+    total = total & jnp.uint32(F32_ABS)
+    lifted = total < jnp.uint32(_FAST_PRODUCT_MIN_BITS)
+    lift = jnp.uint32(149 << 23)  # 149 = 126 + 23: 2^-149 is the smallest subnormal
+    big_t = lax.bitcast_convert_type(total + lift, jnp.float32)
+    t = jnp.where(lifted, jnp.where(total >= jnp.uint32(F32_IMPLICIT), big_t,
+                                    total.astype(jnp.float32)),
+                  lax.bitcast_convert_type(total, jnp.float32))
+    p = t * v
+    pb = lax.bitcast_convert_type(p, jnp.uint32)
+    low = lax.round(p, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.uint32)
+    lifted_bits = jnp.where(p < np.float32(2.0**23), low, pb - lift)
+    return jnp.where(lifted, lifted_bits, pb) | sign
 
 
 def decode_blocks(scale_codes, ts_bits, scale_fmt: ElementFormat):
     """Per block, ``(total, nan)``: the bits of float32(tensor_scale * block_scale), and
     whether the block decodes to NaN (a NaN scale code, or a tensor scale that is not a
     positive finite float32)."""
-    total = total_scale_bits(scale_codes, ts_bits, scale_fmt)
     nan = (decode_bits(scale_fmt, scale_codes) & F32_ABS) > F32_INF
     # Positive finite float32 patterns are exactly those in (0, 0x7F800000) as unsigned ints.
-    return total, nan | (ts_bits == 0) | (ts_bits >= jnp.uint32(F32_INF))
+    nan = nan | (ts_bits == 0) | (ts_bits >= jnp.uint32(F32_INF))
+    # A NaN block's total is the quiet NaN itself, so that its products are NaN without the
+    # flag (the one-pass GPU decode reads only the totals; the other paths apply the flag).
+    total = jnp.where(nan, jnp.uint32(F32_QNAN), total_scale_bits(scale_codes, ts_bits, scale_fmt))
+    return total, nan
+
+
+PER_BLOCK = "per_block"  # dequantize_bits' route: the formulation chosen block by block
+# Non-negative float32 patterns order like their values: 2^-125 is (127 - 125) << 23.
+_FAST_PRODUCT_MIN_BITS = 2 << 23
 
 
 def fast_product_serves(blocks):
     """Scalar bool: whether every block's factor (:func:`decode_blocks`' total) is at least
     2^-125, so that :func:`dequantize_bits` may take the one-multiply product."""
     total, _ = blocks
-    # Non-negative float32 patterns order like their values: 2^-125 is (127 - 125) << 23.
-    return jnp.all(total >= jnp.uint32(2 << 23))
+    return jnp.all(total >= jnp.uint32(_FAST_PRODUCT_MIN_BITS))

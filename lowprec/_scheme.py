@@ -232,6 +232,13 @@ class ScaleScheme(abc.ABC):
         :meth:`decode_values` would have the element values written out first)."""
         return None
 
+    def decode_values_narrow(self, value_bits, scale_codes, element: "ElementFormat",
+                             out_bits: int):
+        """:meth:`decode_values` without a tensor scale, as float32 (``out_bits=32``) or
+        bfloat16 (16, rounded to nearest even) patterns in a uint32, by a formulation with
+        fewer operations per element; None where the scheme has none for ``element``."""
+        return None
+
     def fast_decode_applies(self, element: "ElementFormat") -> bool:
         """Whether values may be decoded by one float32 multiply per element by
         :meth:`scale_factors` (exact where :meth:`fast_scale_min` says)."""

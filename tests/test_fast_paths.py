@@ -259,6 +259,64 @@ def test_one_pass_gpu_dequantize_matches_reference(fmt, axis):
                            f"{fmt} axis {axis} {np.dtype(dtype).name}")
 
 
+def test_float32_bits_to_bfloat16_rounds_like_ml_dtypes():
+    """_bits.bits_to_bf16_bits (dequantize's float32 → bfloat16 step) against ml_dtypes'
+    round-to-nearest-even cast for every bfloat16 pattern's neighbourhood: each top half
+    with low halves below, at and above the tie, and the carries (into the exponent, onto
+    infinity); NaN is the quiet NaN with its sign (the element encoder's rule)."""
+    import ml_dtypes
+    from lowprec import _bits
+
+    low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xC000, 0xFFFF], np.uint32)
+    bits = ((np.arange(1 << 16, dtype=np.uint32)[:, None] << 16) | low).ravel()
+    got = np.asarray(jax.jit(_bits.bits_to_bf16_bits)(jnp.asarray(bits))).astype(np.uint16)
+    with np.errstate(invalid="ignore"):  # NaN inputs
+        want = bits.view(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(bits.view(np.float32))
+    want = np.where(nan, (want & 0x8000) | 0x7FC0, want)
+    np.testing.assert_array_equal(got, want)
+
+
+# Tensor scales around NVFP4's decode boundaries: 1; a product total of 2^-125 (the least
+# the one-multiply product serves); totals with subnormal products and subnormal totals
+# (2^-140 times E4M3's 2^-9 .. 448); the largest (products overflow to inf); and ordinary ones.
+_NVFP4_TENSOR_SCALES = (1.0, 2.0**-125, 2.0**-125 * 1.0625, 2.0**-131, 2.0**-140, 3.0 * 2.0**-150,
+                        float.fromhex("0x1.fffffep127"), 0.0123, 7.5e-30)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_one_pass_gpu_nvfp4_dequantize_matches_reference(axis):
+    """The CUDA formulation of NVFP4 dequantize (``mx_values_blockwise`` with a tensor scale:
+    each block's product lifted below 2^-125, _nvfp4.lifted_product) gives the reference's
+    float32(element × float32(tensor scale × block scale)) for all 16 element codes under
+    all 256 E4M3 scale codes (NaN included) and tensor scales from 2^-150 to the float32
+    maximum. It runs on any backend; on CUDA it is what dequantize compiles to."""
+    from lowprec import _nvfp4
+
+    f = lowprec.mx_format("nvfp4")
+    codes = np.tile(np.arange(16, dtype=np.uint8), (256, 1))  # one 16-element block per row
+    sc = np.arange(256, dtype=np.uint8)[:, None]
+    packed = R.pack_codes(codes, 4, axis=1)
+    el, s = (packed, sc) if axis == 1 else (packed.T, sc.T)
+    run = jax.jit(lambda e, t, ts: _mx_decode.mx_values_blockwise(
+        e, t, f, axis, 16, jnp.float32, ts))
+    for ts in _NVFP4_TENSOR_SCALES:
+        want = R.dequantize_mx(codes, sc, "nvfp4", axis=1, tensor_scale=np.float32(ts))
+        want = want if axis == 1 else want.T
+        got = run(jnp.asarray(el), jnp.asarray(s), jnp.float32(ts))
+        assert_same_floats(np.asarray(got), f64_to_f32_exact(want), f"nvfp4 axis {axis} ts {ts!r}")
+    # The lifted product against the general exact one (f32_mul_short) on totals of every
+    # magnitude and both signs, subnormal ones included, times every E2M1 value.
+    rng = np.random.default_rng(5)
+    totals = np.concatenate([np.arange(0, 1 << 16, 7), np.arange((1 << 23) - 4096, (3 << 23) + 4096, 3),
+                             rng.integers(0, 0x7F80_0000, 1 << 14)]).astype(np.uint32)
+    totals = np.concatenate([totals, totals[::5] | np.uint32(0x8000_0000)])  # negative scales
+    values = np.asarray(_decode.decode_bits(f.element, jnp.arange(16, dtype=jnp.uint32)))
+    t, v = (jnp.asarray(a.ravel()) for a in np.meshgrid(totals, values, indexing="ij"))
+    np.testing.assert_array_equal(np.asarray(jax.jit(_nvfp4.lifted_product)(t, v)),
+                                  np.asarray(jax.jit(_nvfp4.f32_mul_short)(t, v)))
+
+
 @pytest.mark.quick_cases(fmt=["mxfp4"])
 @pytest.mark.parametrize("fmt", MX)
 def test_quantize_along_axis_0_equals_axis_1_of_the_transpose(fmt):
