@@ -284,13 +284,15 @@ _NVFP4_TENSOR_SCALES = (1.0, 2.0**-125, 2.0**-125 * 1.0625, 2.0**-131, 2.0**-140
                         float.fromhex("0x1.fffffep127"), 0.0123, 7.5e-30)
 
 
+@pytest.mark.quick_cases(axis=[1])
 @pytest.mark.parametrize("axis", [0, 1])
 def test_one_pass_gpu_nvfp4_dequantize_matches_reference(axis):
     """The CUDA formulation of NVFP4 dequantize (``mx_values_blockwise`` with a tensor scale:
     each block's product lifted below 2^-125, _nvfp4.lifted_product) gives the reference's
     float32(element × float32(tensor scale × block scale)) for all 16 element codes under
     all 256 E4M3 scale codes (NaN included) and tensor scales from 2^-150 to the float32
-    maximum. It runs on any backend; on CUDA it is what dequantize compiles to."""
+    maximum, as float32 and as bfloat16 (the float32 rounded by ml_dtypes). It runs on any
+    backend; on CUDA it is what dequantize compiles to."""
     from lowprec import _nvfp4
 
     f = lowprec.mx_format("nvfp4")
@@ -298,13 +300,18 @@ def test_one_pass_gpu_nvfp4_dequantize_matches_reference(axis):
     sc = np.arange(256, dtype=np.uint8)[:, None]
     packed = R.pack_codes(codes, 4, axis=1)
     el, s = (packed, sc) if axis == 1 else (packed.T, sc.T)
-    run = jax.jit(lambda e, t, ts: _mx_decode.mx_values_blockwise(
-        e, t, f, axis, 16, jnp.float32, ts))
-    for ts in _NVFP4_TENSOR_SCALES:
-        want = R.dequantize_mx(codes, sc, "nvfp4", axis=1, tensor_scale=np.float32(ts))
-        want = want if axis == 1 else want.T
-        got = run(jnp.asarray(el), jnp.asarray(s), jnp.float32(ts))
-        assert_same_floats(np.asarray(got), f64_to_f32_exact(want), f"nvfp4 axis {axis} ts {ts!r}")
+    import ml_dtypes
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        run = jax.jit(lambda e, t, ts, d=dtype: _mx_decode.mx_values_blockwise(
+            e, t, f, axis, 16, d, ts))
+        for ts in _NVFP4_TENSOR_SCALES:
+            want = R.dequantize_mx(codes, sc, "nvfp4", axis=1, tensor_scale=np.float32(ts))
+            want = f64_to_f32_exact(want if axis == 1 else want.T)
+            if dtype == jnp.bfloat16:  # the float32 result rounded to nearest even
+                want = want.astype(ml_dtypes.bfloat16).astype(np.float32)
+            got = np.asarray(run(jnp.asarray(el), jnp.asarray(s), jnp.float32(ts))).astype(np.float32)
+            assert_same_floats(got, want, f"nvfp4 axis {axis} {np.dtype(dtype).name} ts {ts!r}")
     # The lifted product against the general exact one (f32_mul_short) on totals of every
     # magnitude and both signs, subnormal ones included, times every E2M1 value.
     rng = np.random.default_rng(5)
