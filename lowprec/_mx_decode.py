@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._bits import F32_ABS, F32_INF, F32_QNAN, bits_to_bf16_bits, f32_bits
 from ._blocks import merge_blocks, split_blocks
@@ -168,13 +169,22 @@ def _decode_by_table(element, elements, codes, axis: int):
         table = decode_bits(element, (byte[:, None] >> shifts) & ((1 << bits) - 1))
     index = elements.astype(jnp.int32)
     if per_byte == 1:
-        return table[:, 0].at[index].get(mode="promise_in_bounds")
+        return _lookup(table[:, 0], index)
     if axis == elements.ndim - 1:  # the pair is the gather's slice: [..., bytes, 2]
-        return table.at[index].get(mode="promise_in_bounds").reshape(codes.shape)
+        return _lookup(table, index).reshape(codes.shape)
     # Along another axis the pair dimension is not the last; a transpose of the gather
     # would be a kernel of its own, so each nibble reads its own column.
-    return jnp.stack([table[:, j].at[index].get(mode="promise_in_bounds")
-                      for j in range(per_byte)], axis=axis + 1).reshape(codes.shape)
+    return jnp.stack([_lookup(table[:, j], index) for j in range(per_byte)],
+                     axis=axis + 1).reshape(codes.shape)
+
+
+def _lookup(table, index):
+    """``table[index]`` (a replicated constant read at every index), sharded like ``index``:
+    under a mesh with Explicit axes JAX cannot infer a gather's output sharding."""
+    sharding = jax.typeof(index).sharding
+    spec = tuple(sharding.spec) + (None,) * (index.ndim - len(sharding.spec) + table.ndim - 1)
+    return table.at[index].get(mode="promise_in_bounds",
+                               out_sharding=NamedSharding(sharding.mesh, PartitionSpec(*spec)))
 
 
 def mx_values_blockwise(elements, scales, fmt: MXFormat, axis: int, n: int, dtype,
