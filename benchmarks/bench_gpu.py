@@ -318,7 +318,10 @@ def _marginal(hi, lo, extra: int):
         return hi
     if not isinstance(lo, Timing):
         return lo
-    return Timing([(h - l) / extra for h, l in zip(hi.samples, lo.samples)], hi.number)
+    per = Timing([(h - l) / extra for h, l in zip(hi.samples, lo.samples)], hi.number)
+    if per.median <= 0:  # noise larger than the extra products' time: no figure
+        return f"n/a: {extra} more products took no measurable time"
+    return per
 
 
 def _weights(key, n, k, copies):
@@ -359,7 +362,8 @@ def bench_weight_only(shapes, tokens, roof: Roofline, reps: int, inner: int, qui
         key = jax.random.key(n + k + m)
         w16, mxs = _weights(key, n, k, hi)
         w16s = [w16 + jnp.zeros_like(w16) for _ in range(hi)]
-        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16) for i in range(hi)]
+        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16)
+              for i in range(hi)]
         cases, progs = {}, {}
         for name, (fn, kind) in weight_only_cases(m, n, k, inner, interpret).items():
             ws = mxs if kind == "mx" else w16s
@@ -393,7 +397,9 @@ def bench_weight_only(shapes, tokens, roof: Roofline, reps: int, inner: int, qui
             + ("" if all(agree) else "; DISAGREE"),
         ))
         records.append({"m": m, "n": n, "k": k, "per_product_s": per, "agree": agree,
-                        "programs": [lo, hi], "timings": {a: (b.as_dict() if isinstance(b, Timing) else b) for a, b in t.items()}})
+                        "programs": [lo, hi],
+                        "timings": {a: (b.as_dict() if isinstance(b, Timing) else b)
+                                    for a, b in t.items()}})
     return rows, records
 
 
@@ -417,13 +423,14 @@ def tune(shapes, tokens, reps: int, inner: int) -> None:
         lo, hi = _counts(inner)
         key = jax.random.key(n + k + m)
         _, mxs = _weights(key, n, k, hi)
-        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16) for i in range(hi)]
+        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16)
+              for i in range(hi)]
         results = []
         print(f"tuning M={m} {n}x{k}: {len(configs)} configurations", flush=True)
         for cfg in sorted(configs, key=repr):
             fn = functools.partial(lambda x, w, c: _gemv.mxfp4_matmul(x, w, "pallas", cfg=c, interpret=interpret), c=cfg)
-            r = time_interleaved({c: functools.partial(_repeated(fn, c), xs, mxs) for c in (lo, hi)},
-                                 reps=reps)
+            progs = {c: functools.partial(_repeated(fn, c), xs, mxs) for c in (lo, hi)}
+            r = time_interleaved(progs, reps=reps)
             r = _marginal(r[hi], r[lo], hi - lo)
             if isinstance(r, Timing):
                 results.append((r.median, cfg))

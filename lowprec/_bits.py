@@ -160,7 +160,8 @@ def scale_bits_by_e8m0_narrow(value_bits, scale_codes, out_bits: int):
     mag = value_bits & jnp.uint32(F32_ABS)
     t = scale_codes.astype(jnp.int32) - E8M0_BIAS  # the block's exponent
     nf = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32) + t
-    normal = mag + lax.shift_left(t, jnp.int32(F32_MANT_BITS)).astype(jnp.uint32)  # wraps below 2^-126
+    # The exponent moved on the bits: the result's pattern when normal (wraps below 2^-126).
+    normal = mag + lax.shift_left(t, jnp.int32(F32_MANT_BITS)).astype(jnp.uint32)
     # Below 2^-126: |value| · 2^(s - 127) in units of the output's subnormal quantum,
     # 2^-149 (float32: 149 = 126 + 23) or 2^-133 (bfloat16: 126 + 7), a float32 normal in
     # [2^-120, 2^23): exact for float32, rounded to nearest even (bfloat16 and the carry into

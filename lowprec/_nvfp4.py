@@ -317,6 +317,11 @@ def element_quotient_bits(x_bits, total_bits):
     return f32_div_native(x_scaled, jnp.broadcast_to(t_scaled.astype(jnp.uint32), x_scaled.shape))
 
 
+PER_BLOCK = "per_block"  # dequantize_bits' route: the formulation chosen block by block
+# Non-negative float32 patterns order like their values: 2^-125 is (127 - 125) << 23.
+_FAST_PRODUCT_MIN_BITS = 2 << 23
+
+
 def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat, route=None):
     """float32 bits of element * float32(tensor_scale * block_scale), as torchao's
     ``NVFP4Tensor.to_dtype`` computes it in float32 (``get_hp_scales`` first, then the
@@ -352,7 +357,8 @@ def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat, 
     elif fast is PER_BLOCK:  # each block's product in one elementwise pass (GPU); a NaN
         # block's total is NaN (decode_blocks), and every NaN product becomes the quiet NaN
         out = lifted_product(total, value_bits)
-        return jnp.where((out & jnp.uint32(F32_ABS)) > jnp.uint32(F32_INF), jnp.uint32(F32_QNAN), out)
+        nan_out = (out & jnp.uint32(F32_ABS)) > jnp.uint32(F32_INF)
+        return jnp.where(nan_out, jnp.uint32(F32_QNAN), out)
     else:
         out = (fast_product if fast else exact)(total, value_bits)
     return jnp.where(nan, jnp.uint32(0x7FC0_0000), out)
@@ -372,7 +378,8 @@ def lifted_product(total, value_bits):
     rounded once (a carry to 2^23 is the smallest normal's). For P >= 2^23 the result is a
     normal, and P rounded to 24 bits is its significand: 149 comes off the exponent field.
     """
-    sign = (value_bits ^ total) & jnp.uint32(F32_SIGN)  # a sign-bit E4M3 scale gives one
+    # A total can be negative: E4M3 scale codes with the sign bit decode to negative scales.
+    sign = (value_bits ^ total) & jnp.uint32(F32_SIGN)
     v = lax.bitcast_convert_type(value_bits & jnp.uint32(F32_ABS), jnp.float32)
     total = total & jnp.uint32(F32_ABS)
     lifted = total < jnp.uint32(_FAST_PRODUCT_MIN_BITS)
@@ -399,11 +406,6 @@ def decode_blocks(scale_codes, ts_bits, scale_fmt: ElementFormat):
     # flag (the one-pass GPU decode reads only the totals; the other paths apply the flag).
     total = jnp.where(nan, jnp.uint32(F32_QNAN), total_scale_bits(scale_codes, ts_bits, scale_fmt))
     return total, nan
-
-
-PER_BLOCK = "per_block"  # dequantize_bits' route: the formulation chosen block by block
-# Non-negative float32 patterns order like their values: 2^-125 is (127 - 125) << 23.
-_FAST_PRODUCT_MIN_BITS = 2 << 23
 
 
 def fast_product_serves(blocks):

@@ -310,12 +310,14 @@ def test_one_pass_gpu_nvfp4_dequantize_matches_reference(axis):
             want = f64_to_f32_exact(want if axis == 1 else want.T)
             if dtype == jnp.bfloat16:  # the float32 result rounded to nearest even
                 want = want.astype(ml_dtypes.bfloat16).astype(np.float32)
-            got = np.asarray(run(jnp.asarray(el), jnp.asarray(s), jnp.float32(ts))).astype(np.float32)
+            got = run(jnp.asarray(el), jnp.asarray(s), jnp.float32(ts))
+            got = np.asarray(got).astype(np.float32)
             assert_same_floats(got, want, f"nvfp4 axis {axis} {np.dtype(dtype).name} ts {ts!r}")
     # The lifted product against the general exact one (f32_mul_short) on totals of every
     # magnitude and both signs, subnormal ones included, times every E2M1 value.
     rng = np.random.default_rng(5)
-    totals = np.concatenate([np.arange(0, 1 << 16, 7), np.arange((1 << 23) - 4096, (3 << 23) + 4096, 3),
+    totals = np.concatenate([np.arange(0, 1 << 16, 7),  # subnormal totals
+                             np.arange((1 << 23) - 4096, (3 << 23) + 4096, 3),  # 2^-126..2^-124
                              rng.integers(0, 0x7F80_0000, 1 << 14)]).astype(np.uint32)
     totals = np.concatenate([totals, totals[::5] | np.uint32(0x8000_0000)])  # negative scales
     values = np.asarray(_decode.decode_bits(f.element, jnp.arange(16, dtype=jnp.uint32)))
