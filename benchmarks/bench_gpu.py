@@ -7,7 +7,8 @@ H200). ``--quick`` uses small sizes and few rounds (a smoke test; it also runs o
 the numbers mean nothing). ``--only quantize dequantize nvfp4 weight_only mxfp8 encode``
 picks sections, ``--matmul-sizes`` the mxfp8 section's n, ``--reps`` the rounds, ``--json
 PATH`` keeps every timing, ``--pytest-log`` puts a pytest summary on top, ``--tune`` sweeps
-tile configurations of the MXFP4 kernel instead (prints the best per decode shape).
+tile configurations of the MXFP4 kernel instead (prints the best per decode shape;
+``--tune-space full`` for every configuration, not the lease-sized default).
 
 Sections and peers (all measured in this process, interleaved rounds, medians; see
 ``_timing.py``):
@@ -86,8 +87,11 @@ BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
                     "NVIDIA A100-SXM4-40GB": 312.0}
 TARGET = {"quantize mxfp8": 2.0, "quantize mxfp4": 1.8, "dequantize": 2.0, "dequantize_vs_jax": 0.95,
           "weight_only": 3.0, "mxfp8 pre-q": 0.95, "mxfp8 +quant": 0.85}
-# --tune sweeps block_n x block_groups x num_warps x num_stages (x both inner products).
-TUNE_SPACE = ((16, 32, 64, 128), (1, 2, 4, 8), (2, 4, 8), (2, 3, 4))
+# --tune sweeps block_n x block_groups x num_warps x num_stages (x both inner products):
+# "small" (34 configurations at one token: about 3 minutes per shape on an H200, what a
+# lease allows) or "full" (--tune-space full: several hundred).
+TUNE_SPACES = {"small": ((32, 64, 128), (2, 4, 8), (4, 8), (3,)),
+               "full": ((16, 32, 64, 128), (1, 2, 4, 8), (2, 4, 8), (2, 3, 4))}
 
 
 @dataclasses.dataclass
@@ -403,13 +407,13 @@ def bench_weight_only(shapes, tokens, roof: Roofline, reps: int, inner: int, qui
     return rows, records
 
 
-def tune(shapes, tokens, reps: int, inner: int) -> None:
+def tune(shapes, tokens, reps: int, inner: int, space: str = "small") -> None:
     """Sweeps kernel configurations per decode shape; prints the five best and the default."""
     interpret = jax.default_backend() != "gpu"
     for (n, k), m in itertools.product(shapes, tokens):
         base = default_config(m, n, k)
         configs = {base}
-        for bn, gb, warps, stages in itertools.product(*TUNE_SPACE):
+        for bn, gb, warps, stages in itertools.product(*TUNE_SPACES[space]):
             for inner_kind in ("fma", "dot"):
                 if inner_kind == "dot" and bn < 16:
                     continue
@@ -428,7 +432,8 @@ def tune(shapes, tokens, reps: int, inner: int) -> None:
         results = []
         print(f"tuning M={m} {n}x{k}: {len(configs)} configurations", flush=True)
         for cfg in sorted(configs, key=repr):
-            fn = functools.partial(lambda x, w, c: _gemv.mxfp4_matmul(x, w, "pallas", cfg=c, interpret=interpret), c=cfg)
+            fn = functools.partial(lambda x, w, c: _gemv.mxfp4_matmul(
+                x, w, "pallas", cfg=c, interpret=interpret), c=cfg)
             progs = {c: functools.partial(_repeated(fn, c), xs, mxs) for c in (lo, hi)}
             r = time_interleaved(progs, reps=reps)
             r = _marginal(r[hi], r[lo], hi - lo)
@@ -538,6 +543,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write every row and timing here")
     p.add_argument("--pytest-log", metavar="PATH", help="pytest output to summarize as the first row")
     p.add_argument("--tune", action="store_true", help="sweep MXFP4 kernel tiles instead")
+    p.add_argument("--tune-space", choices=sorted(TUNE_SPACES), default="small",
+                   help="the sweep's configurations (default small: 34 at one token)")
     p.add_argument("--matmul-sizes", type=int, nargs="+", metavar="N",
                    help="square sizes of the mxfp8 section (default 4096 8192 16384; quick 512)")
     p.add_argument("--weight-shapes", nargs="+", metavar="NxK",
@@ -570,7 +577,7 @@ def main(argv=None) -> int:
     print(f"lowprec {env['lowprec']}, jax {env['jax']}, {env['platform']}: {env['device']}"
           + ("" if on_gpu else "  (NOT A GPU: figures are a smoke test only)"), flush=True)
     if args.tune:
-        tune(shapes, tokens, reps, inner)
+        tune(shapes, tokens, reps, inner, args.tune_space)
         return 0
     roof = measure_roofline(n, reps)
     print(f"roofline: copy {roof.copy_bps / 1e12:.2f} TB/s; bf16 {roof.bf16_flops / 1e12:.0f} "
