@@ -117,38 +117,14 @@ def times_pow2(v, n):
     return (jnp.asarray(v, jnp.float32) * pow2_f32(a)) * pow2_f32(n - a)
 
 
-def scale_bits_by_e8m0(value_bits, scale_codes):
-    """float32 bits of value × 2^(scale − 127), exactly, subnormal results included.
+def scale_bits_by_e8m0(value_bits, scale_codes, out_bits: int = 32):
+    """Patterns of value × 2^(scale − 127), exactly, subnormal results included, as float32
+    (``out_bits=32``) or bfloat16 (16: rounded to nearest even), in a uint32.
 
-    ``value_bits`` are float32 patterns of element values (at most 4 significant bits, as
-    every MX element has); ``scale_codes`` are E8M0 codes broadcastable to them. An
-    infinite element stays ±inf under any finite scale; NaN elements and the NaN scale
-    0xFF give NaN.
-    """
-    sign = value_bits & jnp.uint32(F32_SIGN)
-    mag = value_bits & F32_ABS
-    ef = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32)
-    nf = ef + scale_codes.astype(jnp.int32) - E8M0_BIAS
-    mant = mag & F32_MANT
-    field = jnp.clip(nf, 0, F32_EXP_MAX).astype(jnp.uint32)
-    normal = lax.shift_left(field, jnp.uint32(F32_MANT_BITS)) | mant
-    # Results below 2^-126: shift the significand into the subnormal field; nothing is lost
-    # because element values sit far above float32's last bit.
-    sub = lax.shift_right_logical(mant | F32_IMPLICIT, jnp.clip(1 - nf, 0, 31).astype(jnp.uint32))
-    out = jnp.where(nf >= 1, jnp.where(nf >= F32_EXP_MAX, jnp.uint32(F32_INF), normal), sub)
-    out = jnp.where(mag == 0, jnp.uint32(0), out)
-    out = jnp.where(mag == F32_INF, jnp.uint32(F32_INF), out)
-    nan = (mag > F32_INF) | (scale_codes == E8M0_NAN)
-    return jnp.where(nan, jnp.uint32(F32_QNAN), out | sign)
-
-
-def scale_bits_by_e8m0_narrow(value_bits, scale_codes, out_bits: int):
-    """:func:`scale_bits_by_e8m0`'s values as float32 (``out_bits=32``) or bfloat16 (16)
-    patterns, bfloat16 rounded to nearest even; the result in a uint32.
-
-    The same values in about a third fewer operations: a one-pass dequantize is
-    compute-bound on a GPU. A normal result is the value's pattern with ``s − 127`` added
-    to its exponent field (an integer add). A result below 2^-126 is the integer
+    ``scale_codes`` are E8M0 codes broadcastable to ``value_bits``. An infinite value stays
+    ±inf under any finite scale; NaN values and the NaN scale 0xFF give the quiet NaN
+    (unsigned). A normal result is the value's pattern with ``s − 127`` added to its
+    exponent field (an integer add). A result below 2^-126 is the integer
     ``rint(|value| · 2^(s + 22))`` (2^(s + 6) for bfloat16), the pattern of a subnormal (or,
     rounded up, of the smallest normal); that float is built by an add to the exponent
     field too, so it is a normal and the one float operation (``rint``) never sees a
@@ -173,7 +149,7 @@ def scale_bits_by_e8m0_narrow(value_bits, scale_codes, out_bits: int):
     out = jnp.where(nf < 1, sub, lax.shift_right_logical(normal, shift))
     out = jnp.where(nf >= F32_EXP_MAX, jnp.uint32(F32_INF >> (32 - out_bits)), out)
     # Zero and inf keep their own pattern (mag - 1 wraps for zero); NaN values and the NaN
-    # scale give the quiet NaN, unsigned as in scale_bits_by_e8m0.
+    # scale give the quiet NaN.
     special = (mag - jnp.uint32(1)) >= jnp.uint32(F32_INF - 1)
     out = jnp.where(special, lax.shift_right_logical(mag, shift), out)
     out = out | lax.shift_right_logical(sign, shift)

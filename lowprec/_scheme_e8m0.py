@@ -25,7 +25,6 @@ from ._bits import (
     F32_MANT_BITS,
     bits_to_f32,
     scale_bits_by_e8m0,
-    scale_bits_by_e8m0_narrow,
 )
 from ._format import ElementFormat
 from ._mx_native import half_quantum_exponent
@@ -121,7 +120,7 @@ class E8M0Scheme(ScaleScheme):
         # bfloat16 holds every normal result of elements of at most 8 significant bits.
         if out_bits == 16 and element.mantissa_bits > BF16_MANT_BITS:
             return None
-        return scale_bits_by_e8m0_narrow(value_bits, scale_codes, out_bits)
+        return scale_bits_by_e8m0(value_bits, scale_codes, out_bits)
 
     # The fast decode: element value (float32, exact) times the block's scale 2^(s - 127), a
     # float32 built from the code's bits, in one float multiply. The product of a value with
