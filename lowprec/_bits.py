@@ -7,6 +7,7 @@ has one definition. Values are written as bit patterns with their derivation alo
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # -- binary32 layout: 1 sign bit, 8 exponent bits (bias 127), 23 mantissa bits -------------
@@ -127,8 +128,8 @@ def scale_bits_by_e8m0(value_bits, scale_codes, out_bits: int = 32):
     exponent field (an integer add). A result below 2^-126 is the integer
     ``rint(|value| · 2^(s + 22))`` (2^(s + 6) for bfloat16), the pattern of a subnormal (or,
     rounded up, of the smallest normal); that float is built by an add to the exponent
-    field too, so it is a normal and the one float operation (``rint``) never sees a
-    subnormal a backend could flush (docs/design.md §8). ``value_bits``
+    field too, so it is a normal and the one float operation (an add that rounds it) never
+    sees a subnormal a backend could flush (docs/design.md §8). ``value_bits``
     are float32 patterns of normals with at most 8 significant bits (every MX element; for
     bfloat16 output, so that a normal result is exact there), zeros, infs or NaNs.
     """
@@ -140,11 +141,14 @@ def scale_bits_by_e8m0(value_bits, scale_codes, out_bits: int = 32):
     normal = mag + lax.shift_left(t, jnp.int32(F32_MANT_BITS)).astype(jnp.uint32)
     # Below 2^-126: |value| · 2^(s - 127) in units of the output's subnormal quantum,
     # 2^-149 (float32: 149 = 126 + 23) or 2^-133 (bfloat16: 126 + 7), a float32 normal in
-    # [2^-120, 2^23): exact for float32, rounded to nearest even (bfloat16 and the carry into
-    # the smallest normal included) by one rint.
+    # [2^-120, 2^23): exact for float32, rounded to nearest even (bfloat16, and the carry into
+    # the smallest normal) by adding 2^23, whose ulp is 1; the sum's pattern minus 2^23's is
+    # the integer (2^24's minus 2^23's is 2^23, the smallest normal's pattern). No rint: the
+    # Pallas Triton lowering has none, and the fake-quantize kernel decodes with this.
     lift = -F32_EMIN + (F32_MANT_BITS if out_bits == 32 else BF16_MANT_BITS)
     low = bits_to_f32(normal + jnp.uint32(lift << F32_MANT_BITS))
-    sub = lax.round(low, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.uint32)
+    magic = np.float32(2.0**F32_MANT_BITS)
+    sub = f32_bits(low + magic) - jnp.uint32((F32_BIAS + F32_MANT_BITS) << F32_MANT_BITS)
     shift = jnp.uint32(32 - out_bits)
     out = jnp.where(nf < 1, sub, lax.shift_right_logical(normal, shift))
     out = jnp.where(nf >= F32_EXP_MAX, jnp.uint32(F32_INF >> (32 - out_bits)), out)
