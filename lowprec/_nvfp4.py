@@ -374,9 +374,10 @@ def lifted_product(total, value_bits):
     smallest subnormal: exact (an exponent add, or for a subnormal total the integer its
     bits spell) and below 2^24. P = T · |value| is then a float32 normal computed exactly
     whenever P < 2^23 (T is an integer and E2M1 values are multiples of 1/2, so P has at
-    most 24 significant bits there): rint(P) is the subnormal result's pattern, correctly
-    rounded once (a carry to 2^23 is the smallest normal's). For P >= 2^23 the result is a
-    normal, and P rounded to 24 bits is its significand: 149 comes off the exponent field.
+    most 24 significant bits there): rint(P) (P + 2^23 rounds it) is the subnormal
+    result's pattern, correctly rounded once (a carry to 2^23 is the smallest normal's).
+    For P >= 2^23 the result is a normal, and P rounded to 24 bits is its significand: 149
+    comes off the exponent field.
     """
     # A total can be negative: E4M3 scale codes with the sign bit decode to negative scales.
     sign = (value_bits ^ total) & jnp.uint32(F32_SIGN)
@@ -390,8 +391,12 @@ def lifted_product(total, value_bits):
                   lax.bitcast_convert_type(total, jnp.float32))
     p = t * v
     pb = lax.bitcast_convert_type(p, jnp.uint32)
-    low = lax.round(p, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.uint32)
-    lifted_bits = jnp.where(p < np.float32(2.0**23), low, pb - lift)
+    # rint(P), P < 2^23: P + 2^23 (ulp 1) rounds it; the patterns' difference is the
+    # integer, as in _bits.scale_bits_by_e8m0. (A GPU's FMA contraction of T·v + 2^23 rounds
+    # the same sum once: the product is exact there.)
+    two23 = np.float32(2.0**23)
+    low = lax.bitcast_convert_type(p + two23, jnp.uint32) - jnp.uint32(two23.view(np.uint32))
+    lifted_bits = jnp.where(p < two23, low, pb - lift)
     return jnp.where(lifted, lifted_bits, pb) | sign
 
 
