@@ -328,12 +328,16 @@ def _marginal(hi, lo, extra: int):
     return per
 
 
-def _weights(key, n, k, copies):
+def _operands(m, n, k, count):
+    """``count`` activations [m, k] and ``count`` MXFP4 weight buffers [n, k] (distinct
+    buffers with the same codes, one per product: see _repeated), and the bfloat16 weight."""
+    key = jax.random.key(n + k + m)
     w = jax.random.normal(key, (n, k), jnp.float32)
     mx = lowprec.quantize_mx(w, "mxfp4", axis=1, scale_rule="rceil")
-    # Distinct buffers with the same codes, one per product (see _repeated).
-    mxs = [jax.tree.map(lambda a: a + jnp.zeros_like(a), mx) for _ in range(copies)]
-    return w.astype(jnp.bfloat16), mxs
+    mxs = [jax.tree.map(lambda a: a + jnp.zeros_like(a), mx) for _ in range(count)]
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16)
+          for i in range(count)]
+    return xs, mxs, w.astype(jnp.bfloat16)
 
 
 def weight_only_cases(m, n, k, inner: int, interpret: bool, cfg=None):
@@ -363,11 +367,8 @@ def bench_weight_only(shapes, tokens, roof: Roofline, reps: int, inner: int, qui
     lo, hi = _counts(inner)
     for (n, k), m in itertools.product(shapes, tokens):
         mx_bytes = n * k // 2 + n * k // 32
-        key = jax.random.key(n + k + m)
-        w16, mxs = _weights(key, n, k, hi)
+        xs, mxs, w16 = _operands(m, n, k, hi)
         w16s = [w16 + jnp.zeros_like(w16) for _ in range(hi)]
-        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16)
-              for i in range(hi)]
         cases, progs = {}, {}
         for name, (fn, kind) in weight_only_cases(m, n, k, inner, interpret).items():
             ws = mxs if kind == "mx" else w16s
@@ -425,10 +426,7 @@ def tune(shapes, tokens, reps: int, inner: int, space: str = "small") -> None:
                 splits = max(1, min(steps, -(-512 // tiles)))
                 configs.add(KernelConfig(bn, gb, splits, inner_kind, bm, warps, stages))
         lo, hi = _counts(inner)
-        key = jax.random.key(n + k + m)
-        _, mxs = _weights(key, n, k, hi)
-        xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16)
-              for i in range(hi)]
+        xs, mxs, _ = _operands(m, n, k, hi)
         results = []
         print(f"tuning M={m} {n}x{k}: {len(configs)} configurations", flush=True)
         for cfg in sorted(configs, key=repr):

@@ -118,6 +118,15 @@ def times_pow2(v, n):
     return (jnp.asarray(v, jnp.float32) * pow2_f32(a)) * pow2_f32(n - a)
 
 
+def rint_small(x):
+    """uint32 nearest-even integers of float32 ``x`` in [0, 2^23]: x + 2^23 (ulp 1) rounds
+    it, and the sum's pattern minus 2^23's is the integer (2^24's minus 2^23's is 2^23). One
+    float add of normals, which every backend (and the Pallas Triton lowering, which has no
+    round) computes alike."""
+    magic = np.float32(2.0**F32_MANT_BITS)
+    return f32_bits(x + magic) - jnp.uint32((F32_BIAS + F32_MANT_BITS) << F32_MANT_BITS)
+
+
 def scale_bits_by_e8m0(value_bits, scale_codes, out_bits: int = 32):
     """Patterns of value × 2^(scale − 127), exactly, subnormal results included, as float32
     (``out_bits=32``) or bfloat16 (16: rounded to nearest even), in a uint32.
@@ -142,13 +151,10 @@ def scale_bits_by_e8m0(value_bits, scale_codes, out_bits: int = 32):
     # Below 2^-126: |value| · 2^(s - 127) in units of the output's subnormal quantum,
     # 2^-149 (float32: 149 = 126 + 23) or 2^-133 (bfloat16: 126 + 7), a float32 normal in
     # [2^-120, 2^23): exact for float32, rounded to nearest even (bfloat16, and the carry into
-    # the smallest normal) by adding 2^23, whose ulp is 1; the sum's pattern minus 2^23's is
-    # the integer (2^24's minus 2^23's is 2^23, the smallest normal's pattern). No rint: the
-    # Pallas Triton lowering has none, and the fake-quantize kernel decodes with this.
+    # the smallest normal) by rint_small (the fake-quantize kernel decodes with this, and
+    # the Pallas Triton lowering has no round).
     lift = -F32_EMIN + (F32_MANT_BITS if out_bits == 32 else BF16_MANT_BITS)
-    low = bits_to_f32(normal + jnp.uint32(lift << F32_MANT_BITS))
-    magic = np.float32(2.0**F32_MANT_BITS)
-    sub = f32_bits(low + magic) - jnp.uint32((F32_BIAS + F32_MANT_BITS) << F32_MANT_BITS)
+    sub = rint_small(bits_to_f32(normal + jnp.uint32(lift << F32_MANT_BITS)))
     shift = jnp.uint32(32 - out_bits)
     out = jnp.where(nf < 1, sub, lax.shift_right_logical(normal, shift))
     out = jnp.where(nf >= F32_EXP_MAX, jnp.uint32(F32_INF >> (32 - out_bits)), out)

@@ -34,6 +34,7 @@ from ._bits import (
     F32_SIGN_SHIFT,
     bits_to_f32,
     f32_bits,
+    rint_small,
 )
 from ._random import WORD_BITS
 from ._format import ElementFormat
@@ -193,10 +194,8 @@ def encode_rebias_stochastic16(fmt: ElementFormat, u, nr):
     normal = jnp.minimum(normal, jnp.uint32(over))
     scale = np.float32(2.0 ** (m_bits + WORD_BITS - fmt.emin))
     t_ceil = jnp.ceil(bits_to_f32(mag) * scale)
-    if m_bits + WORD_BITS <= F32_MANT_BITS:  # ⌈T⌉ ≤ 2^(M + 16) ≤ 2^23: exact after + 2^23
-        magic_bits = (F32_BIAS + F32_MANT_BITS) << F32_MANT_BITS  # 2^23
-        magic = np.uint32(magic_bits).view(np.float32)
-        units = f32_bits(t_ceil + magic) - jnp.uint32(magic_bits)
+    if m_bits + WORD_BITS <= F32_MANT_BITS:  # ⌈T⌉ ≤ 2^(M + 16) ≤ 2^23: an integer already
+        units = rint_small(t_ceil)
     else:  # ⌈T⌉ < 2^26 (fp16): an exact conversion
         units = t_ceil.astype(jnp.int32).astype(jnp.uint32)
     units = jnp.maximum(units, jnp.minimum(mag, jnp.uint32(1)))

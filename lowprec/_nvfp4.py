@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._bits import F32_ABS, F32_IMPLICIT, F32_INF, F32_MANT, F32_MANT_BITS, F32_QNAN, F32_SIGN
+from ._bits import (F32_ABS, F32_IMPLICIT, F32_INF, F32_MANT, F32_MANT_BITS, F32_QNAN, F32_SIGN,
+                    rint_small)
 from ._decode import decode_bits
 from ._encode import encode_bits
 from ._format import ElementFormat
@@ -361,7 +362,7 @@ def dequantize_bits(value_bits, scale_codes, ts_bits, scale_fmt: ElementFormat, 
         return jnp.where(nan_out, jnp.uint32(F32_QNAN), out)
     else:
         out = (fast_product if fast else exact)(total, value_bits)
-    return jnp.where(nan, jnp.uint32(0x7FC0_0000), out)
+    return jnp.where(nan, jnp.uint32(F32_QNAN), out)
 
 
 def lifted_product(total, value_bits):
@@ -374,7 +375,7 @@ def lifted_product(total, value_bits):
     smallest subnormal: exact (an exponent add, or for a subnormal total the integer its
     bits spell) and below 2^24. P = T · |value| is then a float32 normal computed exactly
     whenever P < 2^23 (T is an integer and E2M1 values are multiples of 1/2, so P has at
-    most 24 significant bits there): rint(P) (P + 2^23 rounds it) is the subnormal
+    most 24 significant bits there): rint(P) (_bits.rint_small) is the subnormal
     result's pattern, correctly rounded once (a carry to 2^23 is the smallest normal's).
     For P >= 2^23 the result is a normal, and P rounded to 24 bits is its significand: 149
     comes off the exponent field.
@@ -391,12 +392,10 @@ def lifted_product(total, value_bits):
                   lax.bitcast_convert_type(total, jnp.float32))
     p = t * v
     pb = lax.bitcast_convert_type(p, jnp.uint32)
-    # rint(P), P < 2^23: P + 2^23 (ulp 1) rounds it; the patterns' difference is the
-    # integer, as in _bits.scale_bits_by_e8m0. (A GPU's FMA contraction of T·v + 2^23 rounds
-    # the same sum once: the product is exact there.)
-    two23 = np.float32(2.0**23)
-    low = lax.bitcast_convert_type(p + two23, jnp.uint32) - jnp.uint32(two23.view(np.uint32))
-    lifted_bits = jnp.where(p < two23, low, pb - lift)
+    # rint(P) for P < 2^23 (a GPU's FMA contraction of T·v + 2^23 inside rint_small rounds
+    # the same sum once: the product is exact there).
+    two23 = np.float32(2.0**F32_MANT_BITS)
+    lifted_bits = jnp.where(p < two23, rint_small(p), pb - lift)
     return jnp.where(lifted, lifted_bits, pb) | sign
 
 
