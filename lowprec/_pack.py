@@ -139,11 +139,30 @@ def unpack_along(p, axis: int, bits: int):
 # (moving the axis last and back instead costs two transposes, each as much as the encode).
 
 
+def native_fp6(x, axis: int) -> bool:
+    """Whether FP6 packing of ``x`` along ``axis`` takes the native CPU kernel where XLA
+    lowers for CPU (static): along the last axis, as ``lowprec.kernels`` decides."""
+    if axis != x.ndim - 1:
+        return False
+    from .kernels._dispatch import cpu_fp6_kernel  # noqa: PLC0415 - kernels imports this module
+    return cpu_fp6_kernel(x)
+
+
 def _pack6(c, axis: int):
-    """Packs uint8 codes of 6 bits along ``axis`` (a multiple of 4 long). The group's 24-bit
-    word is a sum over the group axis: a reduction, which XLA fuses with the encoder that
-    produces the codes without recomputing it per output byte (slices of the group feeding a
-    stack did, 5x slower on CPU)."""
+    """Packs uint8 codes of 6 bits along ``axis`` (a multiple of 4 long): on CPU along the
+    last axis by the native kernel where it is built (the same bytes, at copy speed), else
+    by :func:`_pack6_xla`."""
+    if native_fp6(c, axis):
+        from .kernels._dispatch import on_cpu  # noqa: PLC0415
+        from .kernels._fp6_cpu import pack_last  # noqa: PLC0415
+        return on_cpu(pack_last, lambda c: _pack6_xla(c, axis), c.astype(jnp.uint8))
+    return _pack6_xla(c, axis)
+
+
+def _pack6_xla(c, axis: int):
+    """:func:`_pack6` in XLA. The group's 24-bit word is a sum over the group axis: a
+    reduction, which XLA fuses with the encoder that produces the codes without recomputing
+    it per output byte (slices of the group feeding a stack did, 5x slower on CPU)."""
     shape = c.shape
     g = c.reshape(*shape[:axis], shape[axis] // 4, 4, *shape[axis + 1:]).astype(jnp.uint32)
     at = [1] * g.ndim
@@ -156,7 +175,16 @@ def _pack6(c, axis: int):
 
 
 def _unpack6(p, axis: int):
-    """Inverse of :func:`_pack6`."""
+    """Inverse of :func:`_pack6` (the native kernel where :func:`native_fp6` says)."""
+    if native_fp6(p, axis):
+        from .kernels._dispatch import on_cpu  # noqa: PLC0415
+        from .kernels._fp6_cpu import unpack_last  # noqa: PLC0415
+        return on_cpu(unpack_last, lambda p: _unpack6_xla(p, axis), p)
+    return _unpack6_xla(p, axis)
+
+
+def _unpack6_xla(p, axis: int):
+    """:func:`_unpack6` in XLA."""
     shape = p.shape
     b = p.reshape(*shape[:axis], shape[axis] // 3, 3, *shape[axis + 1:])
     b0, b1, b2 = (lax.index_in_dim(b, j, axis + 1, keepdims=False) for j in range(3))

@@ -26,7 +26,9 @@ def _files() -> set[str]:
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*"):
             rel = path.relative_to(ROOT)
-            if path.is_file() and "__pycache__" not in rel.parts and path.suffix != ".pyc":
+            # Build outputs (bytecode, the native kernel's shared library) are not sources.
+            if (path.is_file() and "__pycache__" not in rel.parts
+                    and path.suffix not in (".pyc", ".so", ".pyd", ".dylib")):
                 found.add(rel.as_posix())
     return found
 

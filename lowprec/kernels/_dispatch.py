@@ -14,6 +14,9 @@ then the call picks the kernel or XLA's formulation where XLA lowers the program
 (:func:`on_cuda`: ``lax.platform_dependent``), so one program runs on every backend. The
 public functions read the policy when they are called and hand the decision (or the policy,
 for the dot's inner choices) to their jitted cores as a static argument.
+
+The native CPU kernel for FP6 packing (``_fp6_cpu``) follows the same policy:
+:func:`cpu_fp6_kernel`, read while ``_pack.py`` traces, and :func:`on_cpu`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jax import lax
 
 from .._format import mx_format
 from .._mxarray import MXArray
+from . import _fp6_cpu
 from ._mxdot_pallas import pallas_mxdot_applies
 from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_applies
 
@@ -233,6 +237,30 @@ def gemv_weight_side(lhs, rhs, lcast, rcast, kernels: bool) -> Optional[str]:
     if _is_weight(lhs) and _is_activation(rhs, rcast):
         return "lhs"
     return None
+
+
+def cpu_fp6_kernel(x) -> bool:
+    """Whether FP6 packing or unpacking of ``x`` along its last axis takes the native CPU
+    kernel where XLA lowers for CPU (static, read while tracing): the policy, the kernel
+    built and checked (``_fp6_cpu.available``), and an unsharded input (it is a
+    single-device custom call, which XLA's partitioner would run on gathered inputs)."""
+    return kernels_enabled() and unsharded(x) and _no_explicit_mesh() and _fp6_cpu.available()
+
+
+def native_status() -> str:
+    """Whether lowprec's native CPU kernel (FP6 packing) is built and in use here, and if
+    not, why: a sentence. The policy (:func:`set_policy`) decides whether it runs.
+
+    Example:
+        >>> "native FP6 kernel" in native_status()
+        True
+    """
+    return _fp6_cpu.status()
+
+
+def on_cpu(fast, generic, *args):
+    """``fast(*args)`` where XLA lowers for CPU, ``generic(*args)`` everywhere else."""
+    return lax.platform_dependent(*args, cpu=fast, default=generic)
 
 
 def on_cuda(fast, generic, *args):
