@@ -1,10 +1,10 @@
-"""Builds lowprec's one optional native part: the CPU FP6 packing kernel
-(``lowprec/kernels/_fp6_cpu.cc``), an XLA FFI target compiled against the FFI headers that
-jaxlib ships. Everything else is in pyproject.toml.
+"""Builds lowprec's one optional native part: its CPU kernels (``lowprec/kernels/*.cc``:
+FP6 packing, one-pass MX quantization), XLA FFI targets compiled against the FFI headers
+that jaxlib ships, in one extension module. Everything else is in pyproject.toml.
 
 The extension is optional: without a C++17 compiler, or without jaxlib's headers in the
-build environment, the build goes on without it and lowprec runs XLA's formulation of FP6
-packing (the same bits, slower on CPU; ``lowprec.kernels.native_status()`` says which).
+build environment, the build goes on without it and lowprec runs XLA's formulations (the
+same bits, slower on CPU; ``lowprec.kernels.native_status()`` says which).
 """
 
 import os
@@ -26,8 +26,10 @@ _include = _ffi_include()
 _ext = []
 if _include is not None and os.name == "posix":
     _ext.append(Extension(
-        "lowprec.kernels._fp6_cpu_lib",
-        sources=["lowprec/kernels/_fp6_cpu.cc"],
+        "lowprec.kernels._cpu_lib",
+        sources=["lowprec/kernels/_cpu_lib.cc", "lowprec/kernels/_fp6_cpu.cc",
+                 "lowprec/kernels/_mx_quantize_cpu.cc"],
+        depends=["lowprec/kernels/_cpu_threads.h"],
         include_dirs=[_include],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3"],

@@ -28,15 +28,32 @@ from ._mx_encode import block_exponents, padded_bits, quantize_mxarray
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._scale_rules import ScaleRule
-from .kernels._dispatch import on_cuda, quantize_kernel
+from .kernels._dispatch import cpu_quantize_kernel, on_cpu, on_cuda, quantize_kernel
+from .kernels._mx_quantize_cpu import attributes as quantize_attributes
+from .kernels._mx_quantize_cpu import quantize_last
 from .kernels._quantize_pallas import fake_quantize_mx_pallas, quantize_mx_pallas
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel: bool, rng, tensor_scale):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel: bool, native: bool, rng,
+                     tensor_scale):
     def xla(v):
         return quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
                                 tensor_scale)
+
+    if native:  # decided by lowprec.kernels (_dispatch.cpu_quantize_kernel)
+        # On CPU one native pass over x (XLA makes two: the block maxima, then the encode
+        # reading x again), with the same integer definitions, so the same bits.
+        def one_pass_cpu(v):
+            # float32 input as it is (the kernel reads its bits): a bitcast to uint32 here
+            # would be a copy of x in XLA:CPU's program.
+            shape = tuple(v.shape)
+            if padded != v.shape[axis]:
+                v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, padded - v.shape[axis])])
+            elements, scales = quantize_last(v, quantize_attributes(cast.fmt, cast.scale_rule))
+            return MXArray(elements, scales, cast.fmt, axis, shape, cast.scale_rule)
+
+        xla = functools.partial(on_cpu, one_pass_cpu, xla)
 
     if not kernel:  # decided by lowprec.kernels (_dispatch.quantize_kernel)
         return xla(x)
@@ -129,7 +146,8 @@ def quantize_mx(
     call = cast.check_call(x, "quantize_mx", axis=axis, pad=pad, key=key, random_bits=random_bits,
                            tensor_scale=tensor_scale, scale_rule=scale_rule)
     kernel = quantize_kernel(call.x, cast, call.axis)
-    return _quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, call.rng,
+    native = cpu_quantize_kernel(call.x, cast, call.axis, call.rng, tensor_scale)
+    return _quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, native, call.rng,
                             call.tensor_scale)
 
 

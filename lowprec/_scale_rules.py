@@ -109,16 +109,27 @@ def rceil_code(amax_bits, max_elem: Fraction):
     (amax < max_elem × 2^-126) exceeds 2^-127 iff amax > max_elem × (2^-127 + 2^-150);
     float32 patterns of non-negative values order like the values, so compare the bits.
     """
-    mf = int(np.float32(float(max_elem)).view(np.uint32))
-    k = (mf >> F32_MANT_BITS) - 127
-    max_mant = mf & F32_MANT
-    small_bits = int(np.float32(float(max_elem * Fraction(1, 2**126))).view(np.uint32))  # exact
-    thr = _floor_f32(max_elem * (Fraction(1, 2**127) + Fraction(1, 2**150)))
+    k, max_mant, small_bits, thr_bits = rceil_constants(max_elem)
     efield = lax.shift_right_logical(amax_bits, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32)
     above = ((amax_bits & F32_MANT) > max_mant).astype(jnp.int32)
     normal_code = jnp.minimum(efield - k + above, 0xFE)
-    sub_code = (amax_bits > int(thr.view(np.uint32))).astype(jnp.int32)
+    sub_code = (amax_bits > thr_bits).astype(jnp.int32)
     return jnp.where(amax_bits < small_bits, sub_code, normal_code)
+
+
+def rceil_constants(max_elem: Fraction) -> tuple[int, int, int, int]:
+    """The integers :func:`rceil_code` compares amax's bits with (also handed to the native
+    CPU quantizer): max_elem = 1.f × 2^k as ``(k, f's mantissa field, the bits of
+    max_elem × 2^-126, the bits of the largest float32 ≤ max_elem × (2^-127 + 2^-150))``.
+
+    Example:
+        >>> rceil_constants(Fraction(448))   # E4M3: 448 = 1.75 x 2^8
+        (8, 6291456, 81788928, 73400321)
+    """
+    mf = int(np.float32(float(max_elem)).view(np.uint32))
+    small_bits = int(np.float32(float(max_elem * Fraction(1, 2**126))).view(np.uint32))  # exact
+    thr = _floor_f32(max_elem * (Fraction(1, 2**127) + Fraction(1, 2**150)))
+    return (mf >> F32_MANT_BITS) - 127, mf & F32_MANT, small_bits, int(thr.view(np.uint32))
 
 
 def shared_exponent_of_amax(amax_bits, fmt: MXFormat, scale_rule: ScaleRule):

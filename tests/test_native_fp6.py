@@ -19,9 +19,9 @@ import pytest
 
 import lowprec
 import lowprec.kernels
-from lowprec.kernels import _fp6_cpu
+from lowprec.kernels import _cpu_native, _fp6_cpu
 
-needs_native = pytest.mark.skipif(not _fp6_cpu.available(), reason=_fp6_cpu.status())
+needs_native = pytest.mark.skipif(not _cpu_native.available(), reason=_cpu_native.status())
 
 FP6 = ("mxfp6_e2m3", "mxfp6_e3m2")
 
@@ -62,8 +62,10 @@ def test_built_where_a_compiler_is():
     compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     if platform.system() != "Linux" or compiler is None:
         pytest.skip("the kernel is optional here (not Linux, or no C++ compiler on PATH)")
-    assert _fp6_cpu.available(), _fp6_cpu.status()
-    assert "serves FP6 packing" in lowprec.kernels.native_status()
+    assert _cpu_native.available(), (
+        f"{_cpu_native.status()}; a compiler is at {compiler}: reinstall (pip install -e .) and "
+        "read the build's warnings")
+    assert "serve FP6 packing" in lowprec.kernels.native_status()
 
 
 @needs_native
@@ -128,9 +130,9 @@ def _bits(a):
 @pytest.mark.parametrize("shape, axis", [((16, 96), -1), ((3, 5, 70), -1), ((64, 8), 0)])
 @pytest.mark.quick_first(4)
 def test_mx_calls_give_xla_bits(name, scale_rule, shape, axis, policy):
-    """quantize_mx / dequantize (float32, bfloat16) of FP6 formats: the same bits with the
-    kernel (policy "auto") and without it ("xla"); the kernel is in the compiled program
-    exactly where blocks run along the last axis. Inputs span 2^-140..2^20 with zeros, NaN
+    """quantize_mx (float32 and bfloat16 input) / dequantize (to float32, bfloat16) of FP6
+    formats: the same bits with the kernels (policy "auto") and without them ("xla"); the
+    kernels are in the compiled program exactly where blocks run along the last axis. Inputs span 2^-140..2^20 with zeros, NaN
     and infinities, so blocks take the exact paths as well as the fast ones."""
     rng = np.random.default_rng(11)
     x = (rng.standard_normal(shape) * np.exp2(rng.integers(-140, 20, shape))).astype(np.float32)
@@ -152,17 +154,23 @@ def test_mx_calls_give_xla_bits(name, scale_rule, shape, axis, policy):
         results[chosen] = [np.asarray(m.elements), np.asarray(m.scales), _bits(f32), _bits(bf16),
                            _bits(eager)]
         kernel = chosen == "auto" and axis == -1
-        assert ("lowprec_fp6_pack" in _compiled_text(quantize, x)) == kernel
+        # float32 input takes the one-pass quantizer (packing inside it); bfloat16 input
+        # XLA's encode and this packing kernel.
+        assert ("lowprec_mx_quantize" in _compiled_text(quantize, x)) == kernel
+        assert ("lowprec_fp6_pack" in _compiled_text(
+            quantize, x.astype(jnp.bfloat16))) == kernel
         assert ("lowprec_fp6_unpack" in _compiled_text(lambda m: lowprec.dequantize(m), m)) == kernel
+        mb = jax.jit(quantize)(x.astype(jnp.bfloat16))
+        results[chosen] += [np.asarray(mb.elements), np.asarray(mb.scales)]
     for got, want in zip(results["auto"], results["xla"]):
         np.testing.assert_array_equal(got, want)
 
 
 def test_missing_library_keeps_xla(monkeypatch, policy):
     """Without the built library the probe says so, and calls keep XLA's formulation."""
-    usable, why = _fp6_cpu._probe("lowprec.kernels._no_such_library")
+    usable, why = _cpu_native._probe("lowprec.kernels._no_such_library")
     assert not usable and "not built" in why
-    monkeypatch.setattr(_fp6_cpu, "available", lambda: False)
+    monkeypatch.setattr(_cpu_native, "available", lambda: False)
     policy("xla")
     policy("auto")  # a policy change clears JAX's caches: traced again without the kernel
     codes = np.random.default_rng(5).integers(0, 64, (8, 32), dtype=np.uint8)

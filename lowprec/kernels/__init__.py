@@ -12,10 +12,12 @@ in float32 in another order; docs/design.md §8):
 * ``dot_general`` / ``matmul`` of up to 16 bfloat16 tokens by a packed MXFP4 weight: a split-K
   product (``_gemv_pallas.py``; also :func:`lowprec.mxfp4_gemv`, which calls it explicitly).
 
-On CPU, FP6 codes are packed into and unpacked from their 3-byte groups along the last axis
-by a C++ loop registered with XLA's FFI (``_fp6_cpu.cc``, built at install time where a C++17
-compiler is found; :func:`native_status` says whether it is in use): XLA:CPU runs its own
-formulation of that layout 5-10x slower than a copy. It moves bits only: the same bytes.
+On CPU two C++ kernels registered with XLA's FFI (built at install time where a C++17
+compiler is found; :func:`native_status` says whether they are in use) give the same bits
+as XLA's formulation, faster: ``quantize_mx`` of float32 blocked along the last axis in one
+pass (``_mx_quantize_cpu.cc``: E8M0 scales, blocks of 32, round to nearest even; XLA reads
+x twice), and FP6 packing and unpacking along the last axis (``_fp6_cpu.cc``; XLA:CPU runs
+its formulation of the 3-byte groups 5-10x slower than a copy).
 
 ``_dispatch.py`` decides, for each call, whether a kernel serves it. The policy turns them
 off: :func:`set_policy` ``("xla")``, or the environment variable ``LOWPREC_KERNELS=xla``;

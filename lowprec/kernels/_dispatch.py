@@ -15,8 +15,9 @@ then the call picks the kernel or XLA's formulation where XLA lowers the program
 public functions read the policy when they are called and hand the decision (or the policy,
 for the dot's inner choices) to their jitted cores as a static argument.
 
-The native CPU kernel for FP6 packing (``_fp6_cpu``) follows the same policy:
-:func:`cpu_fp6_kernel`, read while ``_pack.py`` traces, and :func:`on_cpu`.
+The native CPU kernels (``_cpu_native``) follow the same policy: :func:`cpu_fp6_kernel` for
+FP6 packing, read while ``_pack.py`` traces, and :func:`cpu_quantize_kernel` for
+``quantize_mx``, decided when it is called; each picks with :func:`on_cpu`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from jax import lax
 
 from .._format import mx_format
 from .._mxarray import MXArray
-from . import _fp6_cpu
+from . import _cpu_native
+from ._mx_quantize_cpu import serves as native_quantize_serves
 from ._mxdot_pallas import pallas_mxdot_applies
 from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_applies
 
@@ -239,23 +241,56 @@ def gemv_weight_side(lhs, rhs, lcast, rcast, kernels: bool) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _one_cpu_device() -> bool:
+    """Whether the CPU backend has a single device. With several (a host platform device
+    count), a program traced inside ``jax.jit`` over Auto mesh axes carries no layout at
+    trace time, and the native kernels, single-device custom calls, would have XLA's
+    partitioner gather their inputs: they step aside there."""
+    try:
+        return len(jax.devices("cpu")) == 1
+    except RuntimeError:
+        return False
+
+
+def _native_cpu_can_run(x) -> bool:
+    return (kernels_enabled() and unsharded(x) and _no_explicit_mesh() and _one_cpu_device()
+            and _cpu_native.available())
+
+
 def cpu_fp6_kernel(x) -> bool:
     """Whether FP6 packing or unpacking of ``x`` along its last axis takes the native CPU
     kernel where XLA lowers for CPU (static, read while tracing): the policy, the kernel
-    built and checked (``_fp6_cpu.available``), and an unsharded input (it is a
-    single-device custom call, which XLA's partitioner would run on gathered inputs)."""
-    return kernels_enabled() and unsharded(x) and _no_explicit_mesh() and _fp6_cpu.available()
+    built and checked (``_cpu_native.available``), and an unsharded input on a one-device
+    CPU backend (it is a single-device custom call, which XLA's partitioner would run on
+    gathered inputs)."""
+    return _native_cpu_can_run(x)
+
+
+def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:
+    """Whether ``quantize_mx`` of the validated input ``x`` takes the native one-pass CPU
+    kernel where XLA lowers for CPU (static): the policy, the kernels built and checked, an
+    unsharded float32 input on a one-device CPU backend, blocked along its last axis (other
+    dtypes would be widened into a copy first, which XLA's two reads of the narrow input
+    beat), deterministic rounding and a cast the kernel serves (``_mx_quantize_cpu.serves``)."""
+    if x.dtype != jnp.float32 or x.ndim == 0 or x.size == 0 or axis != x.ndim - 1:
+        return False
+    stochastic = rng is not None and any(r is not None for r in rng)  # (key, random words)
+    if stochastic or tensor_scale is not None or not native_quantize_serves(cast):
+        return False
+    return _native_cpu_can_run(x)
 
 
 def native_status() -> str:
-    """Whether lowprec's native CPU kernel (FP6 packing) is built and in use here, and if
-    not, why: a sentence. The policy (:func:`set_policy`) decides whether it runs.
+    """Whether lowprec's native CPU kernels (FP6 packing, one-pass MX quantization) are
+    built and in use here, and if not, why: a sentence. The policy (:func:`set_policy`)
+    decides whether they run.
 
     Example:
-        >>> "native FP6 kernel" in native_status()
+        >>> "native CPU kernels" in native_status()
         True
     """
-    return _fp6_cpu.status()
+    return _cpu_native.status()
 
 
 def on_cpu(fast, generic, *args):

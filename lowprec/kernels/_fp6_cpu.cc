@@ -8,21 +8,14 @@
 // directions are byte permutations plus masks: no arithmetic on values, so the same bits as
 // the Python formulation (tests/test_native_fp6.py checks every byte pattern).
 //
-// Built by setup.py as an optional extension module, lowprec.kernels._fp6_cpu_lib, whose
-// attributes `pack` and `unpack` are the handlers as capsules (no compiler: XLA's formulation
-// runs); lowprec/kernels/_fp6_cpu.py imports it, registers the targets and checks them once.
+// Built by setup.py into the optional extension module lowprec.kernels._cpu_lib (_cpu_lib.cc;
+// no compiler: XLA's formulation runs); lowprec/kernels/_cpu_native.py registers the targets
+// and checks them once.
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-#include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 
+#include "_cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -115,39 +108,12 @@ Loop Choose(bool pack) {
   return pack ? PackScalar : UnpackScalar;
 }
 
-// Runs `loop` over `groups` groups in chunks, on XLA's intra-op threads and on this one. Each
-// thread claims chunks from a shared counter, so this thread finishes the work alone if no
-// scheduled task starts (a busy or one-thread pool), and a task that starts after the call
-// returned finds no chunk left and touches no buffer (the state is shared, not on the stack).
-void RunChunked(ffi::ThreadPool& pool, Loop loop, const uint8_t* in, uint8_t* out, size_t groups,
-                size_t in_per_group, size_t out_per_group) {
-  const size_t chunks = (groups + kChunk - 1) / kChunk;
-  const int64_t threads = pool.num_threads();
-  if (chunks <= 1 || threads <= 1) {
-    loop(in, out, groups);
-    return;
-  }
-  struct State {
-    std::atomic<size_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable all_done;
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, loop, in, out, groups, chunks, in_per_group, out_per_group]() {
-    for (size_t i; (i = state->next.fetch_add(1)) < chunks;) {
-      const size_t first = i * kChunk, count = std::min(kChunk, groups - first);
-      loop(in + first * in_per_group, out + first * out_per_group, count);
-      if (state->done.fetch_add(1) + 1 == chunks) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->all_done.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(threads, static_cast<int64_t>(chunks) - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->all_done.wait(lock, [&state, chunks]() { return state->done.load() == chunks; });
+// Runs `loop` over `groups` groups in chunks on XLA's threads.
+void RunLoop(ffi::ThreadPool& pool, Loop loop, const uint8_t* in, uint8_t* out, size_t groups,
+             size_t in_per_group, size_t out_per_group) {
+  lowprec_native::RunChunked(pool, groups, kChunk, [=](size_t first, size_t count) {
+    loop(in + first * in_per_group, out + first * out_per_group, count);
+  });
 }
 
 ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> out) {
@@ -156,7 +122,7 @@ ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::ResultBuf
     return ffi::Error::InvalidArgument(
         "lowprec_fp6_pack: needs a multiple of 4 codes and 3 output bytes per 4 codes");
   }
-  RunChunked(pool, Choose(true), codes.typed_data(), out->typed_data(), n / 4, 4, 3);
+  RunLoop(pool, Choose(true), codes.typed_data(), out->typed_data(), n / 4, 4, 3);
   return ffi::Error::Success();
 }
 
@@ -166,7 +132,7 @@ ffi::Error Unpack(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Result
     return ffi::Error::InvalidArgument(
         "lowprec_fp6_unpack: needs a multiple of 3 bytes and 4 output codes per 3 bytes");
   }
-  RunChunked(pool, Choose(false), packed.typed_data(), out->typed_data(), n / 3, 3, 4);
+  RunLoop(pool, Choose(false), packed.typed_data(), out->typed_data(), n / 3, 3, 4);
   return ffi::Error::Success();
 }
 
@@ -183,27 +149,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowprecFp6Unpack, Unpack,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::U8>>());
-
-// The Python module: the two handlers as capsules, for jax.ffi.register_ffi_target.
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_fp6_cpu_lib",
-                              "lowprec's native FP6 packing handlers (XLA FFI, CPU).", -1,
-                              nullptr};
-
-PyMODINIT_FUNC PyInit__fp6_cpu_lib() {
-  PyObject* module = PyModule_Create(&kModule);
-  if (module == nullptr) return nullptr;
-  const struct {
-    const char* name;
-    void* handler;
-  } handlers[] = {{"pack", reinterpret_cast<void*>(LowprecFp6Pack)},
-                  {"unpack", reinterpret_cast<void*>(LowprecFp6Unpack)}};
-  for (const auto& h : handlers) {
-    PyObject* capsule = PyCapsule_New(h.handler, nullptr, nullptr);
-    if (capsule == nullptr || PyModule_AddObject(module, h.name, capsule) < 0) {
-      Py_XDECREF(capsule);
-      Py_DECREF(module);
-      return nullptr;
-    }
-  }
-  return module;
-}

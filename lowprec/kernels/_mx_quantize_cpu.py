@@ -1,0 +1,91 @@
+"""The native CPU kernel for one-pass MX quantization (``_mx_quantize_cpu.cc``): which calls
+it serves, the format as integers, and its call.
+
+XLA:CPU compiles ``quantize_mx`` to a block-max reduction and an encode that reads x again
+(it fuses no reduction into its consumer), and FP6 adds a packing pass: about 2x the bytes
+of one pass. The C++ loop reads each block once, computing the block's scale by the same
+rule and each element by the same exact rounding as ``_mx_encode.encode_blocks`` (integers
+only), and writes packed codes and scales: the same bits, checked against the XLA path by
+``tests/test_native_mx_quantize.py``. Loading and the check before first use:
+``_cpu_native.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._bits import F32_MANT_BITS
+from .._format import MXFormat, mx_format
+from .._mx_native import native_element
+from .._scale_rules import ScaleRule, rceil_constants
+from . import _cpu_native
+from ._cpu_native import TARGETS
+
+_RULES = {ScaleRule.FLOOR: 0, ScaleRule.CEIL: 1, ScaleRule.EVEN: 2, ScaleRule.RCEIL: 3}
+_MAX_BLOCK = 256  # the kernel's per-block buffer
+
+
+def computes(fmt, rounding: str = "nearest_even") -> bool:
+    """Whether the kernel computes MX quantization of ``fmt`` (static): E8M0-scaled blocks
+    (every OCP MX format; no tensor scale) of 4 to 256 elements, a sign-magnitude or MX INT8
+    element that the native encode serves (``_mx_native.native_element``: FP8, FP6, FP4,
+    INT8), round to nearest even."""
+    el = fmt.element
+    return (fmt.scheme.name == "e8m0" and rounding == "nearest_even" and native_element(el)
+            and el.code_bits in (4, 6, 8)
+            and el.bias == 1 - el.emin  # the kernel's fast encode derives the bias so
+            and fmt.block_size % 4 == 0 and 4 <= fmt.block_size <= _MAX_BLOCK)
+
+
+def serves(cast) -> bool:
+    """Whether ``quantize_mx`` takes the kernel for this cast (static): one it
+    :func:`computes`, with the OCP MX block of 32, on a CPU with AVX2 (elsewhere its
+    portable loop is no faster than XLA's program, measured)."""
+    return (computes(cast.fmt, cast.rounding) and cast.scale_rule in _RULES
+            and cast.fmt.block_size == 32 and _cpu_native.vector_quantizer())
+
+
+@functools.lru_cache(maxsize=None)
+def attributes(fmt, scale_rule) -> tuple[tuple[str, object], ...]:
+    """The kernel's FFI attributes for an MX format (or its name) and a scale rule: the
+    integers the element encode and the scale rule read, derived from the format."""
+    fmt = fmt if isinstance(fmt, MXFormat) else mx_format(fmt)
+    el = fmt.element
+    k, mant, small, thr = rceil_constants(el.max_finite_exact)
+    return (
+        ("mantissa_bits", el.mantissa_bits),
+        ("emin", el.emin),
+        ("emax_elem", fmt.emax_elem),
+        ("max_code", el.max_magnitude_code),
+        ("code_bits", el.code_bits),
+        ("twos_complement", el.encoding == "twos_complement"),
+        ("rule", _RULES[ScaleRule(scale_rule)]),
+        ("block", fmt.block_size),
+        # EVEN rounds amax to the element's precision in its top binade (_scale_rules.py).
+        ("even_drop", F32_MANT_BITS - (el.emax - el.top_quantum_exponent)),
+        ("rceil_k", k),
+        ("rceil_mant", mant),
+        ("rceil_small", small),
+        ("rceil_thr", thr),
+    )
+
+
+def quantize_last(x, attrs):
+    """``(elements, scales)``: uint8 codes (packed) and E8M0 scale codes of the float32 array
+    ``x`` blocked along the last axis (a whole number of blocks), by the kernel with the
+    :func:`attributes` ``attrs``. CPU only, where ``_cpu_native.available``."""
+    a = dict(attrs)
+    n = x.shape[-1]
+    out = (jax.ShapeDtypeStruct((*x.shape[:-1], n * a["code_bits"] // 8), jnp.uint8),
+           jax.ShapeDtypeStruct((*x.shape[:-1], n // a["block"]), jnp.uint8))
+    # The handler binds int64 attributes and one bool.
+    kw = {k: v if isinstance(v, bool) else np.int64(v) for k, v in attrs}
+    call = jax.ffi.ffi_call(TARGETS["mx_quantize"], out, vmap_method="broadcast_all")
+    # Codes are piecewise constant in x: zero derivative, as XLA's integer path gives (the
+    # custom call has no differentiation rule; a stopped gradient needs none).
+    return call(lax.stop_gradient(x), **kw)
