@@ -132,8 +132,9 @@ def _bits(a):
 def test_mx_calls_give_xla_bits(name, scale_rule, shape, axis, policy):
     """quantize_mx (float32 and bfloat16 input) / dequantize (to float32, bfloat16) of FP6
     formats: the same bits with the kernels (policy "auto") and without them ("xla"); the
-    kernels are in the compiled program exactly where blocks run along the last axis. Inputs span 2^-140..2^20 with zeros, NaN
-    and infinities, so blocks take the exact paths as well as the fast ones."""
+    kernels are in the compiled program exactly where blocks run along the last axis. Inputs
+    span 2^-140..2^20 with zeros, NaN and infinities, so blocks take the exact paths as well
+    as the fast ones."""
     rng = np.random.default_rng(11)
     x = (rng.standard_normal(shape) * np.exp2(rng.integers(-140, 20, shape))).astype(np.float32)
     x.ravel()[:: 37] = 0.0

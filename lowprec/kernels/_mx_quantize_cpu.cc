@@ -6,13 +6,15 @@
 // again (it fuses no reduction into its consumer), plus a packing pass for FP6: two or three
 // passes over the data. This loop reads each block once. It computes what the XLA path
 // computes, from the same definitions (docs/design.md §3, §5; lowprec/_scale_rules.py,
-// lowprec/_mx_native.py), exactly and in integers: the block's largest magnitude from the
-// float32 bits, its shared exponent s by the scale rule, clamped to [-127, 127] (code 0xFF
-// for a block holding a NaN or an infinity, whose elements are all code 0), then each
-// element RNE(|x| 2^-s) in the element format, saturated at its largest finite magnitude,
-// with x's sign bit (-0 keeps it) or two's complement. No float arithmetic touches a value,
-// so subnormal inputs and flushing modes do not matter. tests/test_native_mx_quantize.py
-// checks it against the XLA path bit for bit.
+// lowprec/_mx_native.py): the block's largest magnitude from the float32 bits, its shared
+// exponent s by the scale rule in integers, clamped to [-127, 127] (code 0xFF for a block
+// holding a NaN or an infinity, whose elements are all code 0), then each element
+// RNE(|x| 2^-s) in the element format, saturated at its largest finite magnitude, with x's
+// sign bit (-0 keeps it) or two's complement. The element encode is the XLA path's fast one
+// (one float multiply, exact where the block's s allows it, and a rebias-and-round on the
+// product's bits) or, for the other blocks, an exact integer one; neither depends on how
+// the CPU treats subnormals. tests/test_native_mx_quantize.py checks it against the XLA
+// path bit for bit.
 //
 // The format is a set of integers (FFI attributes) computed by _mx_quantize_cpu.py from the
 // format's definition.
@@ -220,9 +222,8 @@ inline void StoreBlock(const uint8_t* codes, int32_t n, uint8_t* out) {
 
 // Blocks [first, first + count) of kBlock elements (0: f.block, known at run time only).
 template <int kBits, bool kTwos, int kBlock>
-__attribute__((always_inline)) inline void Blocks(const uint32_t* x, uint8_t* elements,
-                                                  uint8_t* scales, size_t first, size_t count,
-                                                  const Format& f, const ElementParams& p) {
+void Blocks(const uint32_t* x, uint8_t* elements, uint8_t* scales, size_t first, size_t count,
+            const Format& f, const ElementParams& p) {
   const int32_t block = kBlock > 0 ? kBlock : f.block;
   const size_t bytes_per_block = static_cast<size_t>(block) * kBits / 8;
   uint8_t codes[256];
@@ -242,9 +243,13 @@ __attribute__((always_inline)) inline void Blocks(const uint32_t* x, uint8_t* el
       const uint32_t factor_bits = static_cast<uint32_t>(127 - s) << 23;  // 2^-s, normal
       float factor;
       std::memcpy(&factor, &factor_bits, sizeof factor);
-      for (int32_t i = 0; i < block; ++i) codes[i] = static_cast<uint8_t>(ElementCodeFast<kTwos>(xb[i], factor, p));
+      for (int32_t i = 0; i < block; ++i) {
+        codes[i] = static_cast<uint8_t>(ElementCodeFast<kTwos>(xb[i], factor, p));
+      }
     } else {
-      for (int32_t i = 0; i < block; ++i) codes[i] = static_cast<uint8_t>(ElementCode<kTwos>(xb[i], s, p));
+      for (int32_t i = 0; i < block; ++i) {
+        codes[i] = static_cast<uint8_t>(ElementCode<kTwos>(xb[i], s, p));
+      }
     }
     StoreBlock<kBits>(codes, block, out);
   }
@@ -257,7 +262,6 @@ __attribute__((always_inline)) inline void Blocks(const uint32_t* x, uint8_t* el
 void QuantizeBlocks(const uint32_t* x, uint8_t* elements, uint8_t* scales, size_t first,
                     size_t count, const Format& f) {
   const ElementParams p = ParamsOf(f);
-  // Direct calls, so that each specialization is inlined into (and compiled for) this clone.
 #define LOWPREC_BLOCKS(BITS, TWOS)                                                  \
   (f.block == 32   ? Blocks<BITS, TWOS, 32>(x, elements, scales, first, count, f, p) \
    : f.block == 16 ? Blocks<BITS, TWOS, 16>(x, elements, scales, first, count, f, p) \
