@@ -29,7 +29,7 @@ if _include is not None and os.name == "posix":
         "lowprec.kernels._cpu_lib",
         sources=["lowprec/kernels/_cpu_lib.cc", "lowprec/kernels/_fp6_cpu.cc",
                  "lowprec/kernels/_mx_quantize_cpu.cc"],
-        depends=["lowprec/kernels/_cpu_threads.h"],
+        depends=["lowprec/kernels/_cpu_common.h"],
         include_dirs=[_include],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3"],

@@ -39,42 +39,40 @@ def status() -> str:
 def vector_quantizer() -> bool:
     """Whether the MX quantizer's AVX2 loop runs on this CPU (its portable loop is no faster
     than XLA's program, so ``quantize_mx`` takes the kernel only where this holds)."""
-    return _load()[0] and _vector
-
-
-_vector = False
+    usable, _, library = _load()
+    return usable and bool(getattr(library, "avx2", False))
 
 
 @functools.lru_cache(maxsize=None)
-def _load() -> tuple[bool, str]:
+def _load() -> tuple[bool, str, object]:
     return _probe(_LIBRARY)
 
 
-def _probe(library_name: str) -> tuple[bool, str]:
+def _probe(library_name: str) -> tuple[bool, str, object]:
     """Imports the built module ``library_name``, registers its handlers with XLA and checks
-    them: ``(usable, why)``."""
+    them: ``(usable, why, the module or None)``."""
     if getattr(jax, "ffi", None) is None or not hasattr(jax.ffi, "ffi_call"):
         return False, (f"the native CPU kernels cannot run: jax {jax.__version__} has no "
-                       "jax.ffi (XLA's formulations run)")
+                       "jax.ffi (XLA's formulations run)"), None
     try:
         library = importlib.import_module(library_name)
     except ImportError as error:
         if getattr(error, "name", None) == library_name:
-            return False, ("the native CPU kernels were not built (no C++17 compiler or no "
-                           "jaxlib headers when lowprec was installed; XLA's formulations run)")
-        return False, f"the native CPU kernels did not load: {error}"
+            why = ("the native CPU kernels were not built (no C++17 compiler or no jaxlib "
+                   "headers when lowprec was installed; XLA's formulations run)")
+            return False, why, None
+        return False, f"the native CPU kernels did not load: {error}", None
     where = getattr(library, "__file__", library_name)
     try:
         for attribute, target in TARGETS.items():
             jax.ffi.register_ffi_target(target, getattr(library, attribute), platform="cpu")
     except (AttributeError, RuntimeError, TypeError, ValueError) as error:
-        return False, f"the native CPU kernels at {where} did not register: {error}"
-    global _vector
-    _vector = bool(getattr(library, "avx2", False))
+        return False, f"the native CPU kernels at {where} did not register: {error}", None
     problem = _self_check()
     if problem:
-        return False, f"the native CPU kernels at {where} failed their check: {problem}"
-    return True, f"the native CPU kernels serve FP6 packing and MX quantization ({where})"
+        return False, f"the native CPU kernels at {where} failed their check: {problem}", None
+    return True, f"the native CPU kernels serve FP6 packing and MX quantization ({where})", \
+        library
 
 
 def _self_check() -> str:

@@ -15,13 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "_cpu_threads.h"
+#include "_cpu_common.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define LOWPREC_X86_AVX2 1
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -29,13 +24,7 @@ namespace {
 
 // Portable loops, one group per step (also the tails of the AVX2 loops).
 void PackScalar(const uint8_t* c, uint8_t* p, size_t groups) {
-  for (size_t g = 0; g < groups; ++g, c += 4, p += 3) {
-    const uint32_t w = (c[0] & 0x3Fu) | (c[1] & 0x3Fu) << 6 | (c[2] & 0x3Fu) << 12 |
-                       static_cast<uint32_t>(c[3] & 0x3Fu) << 18;
-    p[0] = static_cast<uint8_t>(w);
-    p[1] = static_cast<uint8_t>(w >> 8);
-    p[2] = static_cast<uint8_t>(w >> 16);
-  }
+  lowprec_native::PackFp6(c, p, groups);
 }
 
 void UnpackScalar(const uint8_t* p, uint8_t* c, size_t groups) {
@@ -49,22 +38,16 @@ void UnpackScalar(const uint8_t* p, uint8_t* c, size_t groups) {
 }
 
 #ifdef LOWPREC_X86_AVX2
-// 8 groups (32 codes, 24 bytes) per step. Codes to 24-bit words by two multiply-adds
-// (c0 + 64 c1 in each 16-bit lane, then lo + 4096 hi in each 32-bit lane), then each 128-bit
-// half drops its words' top bytes with a byte shuffle and is stored as 16 bytes of which 12
-// count: the second store overwrites the first's 4 spare bytes. A step writes bytes 0..27
-// from p, so it runs while at least 10 groups (30 bytes) remain; the scalar loop does the rest.
+// 8 groups (32 codes, 24 bytes) per step (lowprec_native::Fp6GroupsAvx2); each 128-bit half
+// is stored as 16 bytes of which 12 count: the second store overwrites the first's 4 spare
+// bytes. A step writes bytes 0..27 from p, so it runs while at least 10 groups (30 bytes)
+// remain; the scalar loop does the rest.
 __attribute__((target("avx2"))) void PackAvx2(const uint8_t* c, uint8_t* p, size_t groups) {
   const __m256i low6 = _mm256_set1_epi8(0x3F);
-  const __m256i pair = _mm256_set1_epi16(1 | (64 << 8));
-  const __m256i quad = _mm256_set1_epi32(1 | (4096 << 16));
-  const __m256i squeeze = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,
-                                           0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
   size_t g = 0;
   for (; g + 10 <= groups; g += 8, c += 32, p += 24) {
     const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)), low6);
-    const __m256i w = _mm256_madd_epi16(_mm256_maddubs_epi16(v, pair), quad);
-    const __m256i b = _mm256_shuffle_epi8(w, squeeze);
+    const __m256i b = lowprec_native::Fp6GroupsAvx2(v);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(b));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 12), _mm256_extracti128_si256(b, 1));
   }
@@ -102,8 +85,7 @@ constexpr size_t kChunk = size_t{1} << 16;
 
 Loop Choose(bool pack) {
 #ifdef LOWPREC_X86_AVX2
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return pack ? PackAvx2 : UnpackAvx2;
+  if (lowprec_native::HasAvx2()) return pack ? PackAvx2 : UnpackAvx2;
 #endif
   return pack ? PackScalar : UnpackScalar;
 }

@@ -23,12 +23,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "_cpu_threads.h"
+#include "_cpu_common.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -193,8 +189,7 @@ ElementParams ParamsOf(const Format& f) {
 
 // A block's codes (one per byte) written in the element layout: 8-bit as they are; FP4 two
 // per byte, element 2k in the low nibble (each pair read as one little-endian 16-bit word);
-// FP6 four per three bytes, code j in bits 6j..6j+5 of the group's little-endian 24-bit
-// word (each group read as one 32-bit word). Word views keep the loops vectorizable.
+// FP6 in its 3-byte groups.
 template <int kBits>
 inline void StoreBlock(const uint8_t* codes, int32_t n, uint8_t* out) {
   if (kBits == 8) {
@@ -206,17 +201,7 @@ inline void StoreBlock(const uint8_t* codes, int32_t n, uint8_t* out) {
       out[i] = static_cast<uint8_t>((pair & 0xF) | ((pair >> 4) & 0xF0));
     }
   } else {
-    uint32_t words[64];
-    for (int32_t g = 0; g < n / 4; ++g) {
-      uint32_t u;
-      std::memcpy(&u, codes + 4 * g, sizeof u);
-      words[g] = (u & 0x3F) | ((u >> 2) & 0xFC0) | ((u >> 4) & 0x3'F000) | ((u >> 6) & 0xFC'0000);
-    }
-    for (int32_t g = 0; g < n / 4; ++g) {
-      out[3 * g] = static_cast<uint8_t>(words[g]);
-      out[3 * g + 1] = static_cast<uint8_t>(words[g] >> 8);
-      out[3 * g + 2] = static_cast<uint8_t>(words[g] >> 16);
-    }
+    lowprec_native::PackFp6(codes, out, static_cast<size_t>(n / 4));
   }
 }
 
@@ -278,9 +263,7 @@ void QuantizeBlocks(const uint32_t* x, uint8_t* elements, uint8_t* scales, size_
 #undef LOWPREC_BLOCKS
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define LOWPREC_X86_AVX2 1
-
+#ifdef LOWPREC_X86_AVX2
 // Blocks of 32 with AVX2 intrinsics: the element loop of ElementCodeFast on 4 vectors of 8
 // lanes, kept in registers through the packing (compiler-vectorized loops writing codes to
 // memory and packing them from there ran 1.5-2.5x slower for FP4/FP6). Blocks the fast
@@ -329,12 +312,8 @@ __attribute__((target("avx2"))) inline void Store32(__m256i bytes, uint8_t* out)
         _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi16(0x00F0)));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0b1000);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
-  } else {  // FP6: as _fp6_cpu.cc packs, 24 bytes written without touching byte 24
-    const __m256i w = _mm256_madd_epi16(_mm256_maddubs_epi16(bytes, _mm256_set1_epi16(1 | (64 << 8))),
-                                        _mm256_set1_epi32(1 | (4096 << 16)));
-    const __m256i squeeze = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,
-                                             0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
-    const __m256i g = _mm256_shuffle_epi8(w, squeeze);
+  } else {  // FP6: 24 bytes, written without touching byte 24 (the next block's)
+    const __m256i g = lowprec_native::Fp6GroupsAvx2(bytes);
     const __m128i hi = _mm256_extracti128_si256(g, 1);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(g));  // 0..15
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + 12), hi);                     // 12..19
@@ -389,17 +368,13 @@ __attribute__((target("avx2"))) void Blocks32Avx2(const uint32_t* x, uint8_t* el
   }
 }
 
-bool HasAvx2() {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2;
-}
 #endif
 
 // Blocks [first, first + count), by the AVX2 loop where it serves, else the portable one.
 void RunBlocks(const uint32_t* x, uint8_t* elements, uint8_t* scales, size_t first,
                size_t count, const Format& f) {
 #ifdef LOWPREC_X86_AVX2
-  if (f.block == 32 && HasAvx2()) {
+  if (f.block == 32 && lowprec_native::HasAvx2()) {
     const ElementParams p = ParamsOf(f);
     if (f.twos_complement) return Blocks32Avx2<8, true>(x, elements, scales, first, count, f, p);
     if (f.code_bits == 8) return Blocks32Avx2<8, false>(x, elements, scales, first, count, f, p);
