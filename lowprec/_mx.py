@@ -24,7 +24,7 @@ from jax import lax
 from ._dtypes import bits_to_dtype, check_float_dtype
 from ._format import MXFormatLike, array_then_format, mx_format
 from ._mx_decode import mx_value_bits, mx_values
-from ._mx_encode import block_exponents, padded_bits, quantize_mxarray
+from ._mx_encode import block_exponents, padded_bits, quantize_mxarray, zero_padded
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._scale_rules import ScaleRule
@@ -47,11 +47,9 @@ def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel: bool, nati
         def one_pass_cpu(v):
             # float32 input as it is (the kernel reads its bits): a bitcast to uint32 here
             # would be a copy of x in XLA:CPU's program.
-            shape = tuple(v.shape)
-            if padded != v.shape[axis]:
-                v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, padded - v.shape[axis])])
-            elements, scales = quantize_last(v, quantize_attributes(cast.fmt, cast.scale_rule))
-            return MXArray(elements, scales, cast.fmt, axis, shape, cast.scale_rule)
+            elements, scales = quantize_last(zero_padded(v, axis, padded),
+                                             quantize_attributes(cast.fmt, cast.scale_rule))
+            return MXArray(elements, scales, cast.fmt, axis, tuple(v.shape), cast.scale_rule)
 
         xla = functools.partial(on_cpu, one_pass_cpu, xla)
 
@@ -146,7 +144,7 @@ def quantize_mx(
     call = cast.check_call(x, "quantize_mx", axis=axis, pad=pad, key=key, random_bits=random_bits,
                            tensor_scale=tensor_scale, scale_rule=scale_rule)
     kernel = quantize_kernel(call.x, cast, call.axis)
-    native = cpu_quantize_kernel(call.x, cast, call.axis, call.rng, tensor_scale)
+    native = cpu_quantize_kernel(call.x, cast, call.axis, call.rng, call.tensor_scale)
     return _quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, native, call.rng,
                             call.tensor_scale)
 

@@ -29,13 +29,18 @@ from ._scale_rules import block_amax_bits
 def padded_bits(x, axis: int, padded: int):
     """float32 patterns of ``x`` (half precision widened exactly), zero-padded along ``axis``
     to length ``padded``. Called inside the jitted cores, on validated input."""
-    bits = input_bits(x)
-    n = x.shape[axis]
-    if padded != n:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, padded - n)
-        bits = jnp.pad(bits, widths)  # +0.0
-    return bits
+    return zero_padded(input_bits(x), axis, padded)
+
+
+def zero_padded(v, axis: int, padded: int):
+    """``v`` zero-padded along ``axis`` to length ``padded`` (+0.0 for float32 bits or
+    values)."""
+    n = v.shape[axis]
+    if padded == n:
+        return v
+    widths = [(0, 0)] * v.ndim
+    widths[axis] = (0, padded - n)
+    return jnp.pad(v, widths)
 
 
 def block_amax(bits, axis: int, block: int):
