@@ -116,7 +116,9 @@ def _probe(path: Path, running: Optional[tuple[int, int]] = None) -> tuple[bool,
                        "jax.ffi with ffi_call and pycapsule (XLA's formulations run)"), False
     if not path.is_file():
         return False, ("the native CPU kernels were not built (no C++17 compiler or no jaxlib "
-                       "headers when lowprec was installed; XLA's formulations run)"), False
+                       "headers when lowprec was installed, or a checkout not reinstalled "
+                       "since they changed: pip install --no-build-isolation -e .); XLA's "
+                       "formulations run"), False
     try:
         library = ctypes.CDLL(str(path))
         built, built_jaxlib = built_ffi_api_version(library)
@@ -142,13 +144,13 @@ def _probe(path: Path, running: Optional[tuple[int, int]] = None) -> tuple[bool,
         jax.devices("cpu")  # the backend first: registering before it starts defers errors
     except RuntimeError as error:
         return False, f"the native CPU kernels cannot run: no CPU backend ({error})", False
+    _loaded.append(library)  # before XLA holds any of its addresses
     try:
         for target, capsule in handlers.items():
             ffi.register_ffi_target(target, capsule, platform="cpu")
     except (AttributeError, RuntimeError, TypeError, ValueError) as error:
         return False, (f"the native CPU kernels at {path} did not register ({error}); "
                        f"{_REBUILD}; XLA's formulations run"), False
-    _loaded.append(library)
     problem = _self_check()
     if problem:
         return False, f"the native CPU kernels at {path} failed their check: {problem}", False

@@ -216,7 +216,9 @@ void Blocks(const float* x, uint8_t* elements, uint8_t* scales, size_t first, si
     const float* xb = x + blk * block;
     uint8_t* out = elements + blk * bytes_per_block;
     uint32_t amax = 0;
-    for (int32_t i = 0; i < block; ++i) amax = std::max(amax, lowprec_native::Bits(xb + i) & kAbs);
+    for (int32_t i = 0; i < block; ++i) {
+      amax = std::max(amax, lowprec_native::Bits(xb + i) & kAbs);
+    }
     const uint32_t code = ScaleCode(amax, f);
     scales[blk] = static_cast<uint8_t>(code);
     if (code == 0xFF) {
@@ -229,7 +231,8 @@ void Blocks(const float* x, uint8_t* elements, uint8_t* scales, size_t first, si
       float factor;
       std::memcpy(&factor, &factor_bits, sizeof factor);
       for (int32_t i = 0; i < block; ++i) {
-        codes[i] = static_cast<uint8_t>(ElementCodeFast<kTwos>(lowprec_native::Bits(xb + i), factor, p));
+        codes[i] = static_cast<uint8_t>(
+            ElementCodeFast<kTwos>(lowprec_native::Bits(xb + i), factor, p));
       }
     } else {
       for (int32_t i = 0; i < block; ++i) {
@@ -391,9 +394,9 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
                     int64_t rule, int64_t block, int64_t even_drop, int64_t rceil_k,
                     int64_t rceil_mant, int64_t rceil_small, int64_t rceil_thr) {
   // Attributes come from _mx_quantize_cpu.attributes; any other call of the target gets an
-  // error rather than shifts and float patterns out of their ranges. Every OCP MX format lies
-  // well inside these bounds: an element of at most 8 bits whose smallest subnormal, and the
-  // largest code's float32, are normal floats.
+  // error rather than shifts of 32 bits or more and float32 patterns out of their fields.
+  // Every OCP MX format lies well inside these bounds (codes of at most 8 bits, element
+  // quanta that are float32 normals).
   const bool sizes_ok = block > 0 && block <= 256 && block % 4 == 0 &&
                         (code_bits == 8 || code_bits == 6 || code_bits == 4) &&
                         (!twos_complement || code_bits == 8);
