@@ -169,7 +169,7 @@ def test_mx_calls_give_xla_bits(name, scale_rule, shape, axis, policy):
 
 def test_missing_library_keeps_xla(monkeypatch, policy):
     """Without the built library the probe says so, and calls keep XLA's formulation."""
-    usable, why, _ = _cpu_native._probe("lowprec.kernels._no_such_library")
+    usable, why, _ = _cpu_native._probe(_cpu_native.LIBRARY.with_name("no_such_library.so"))
     assert not usable and "not built" in why
     monkeypatch.setattr(_cpu_native, "available", lambda: False)
     policy("xla")

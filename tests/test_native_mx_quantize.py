@@ -187,3 +187,26 @@ def test_kernel_refuses_mismatched_buffers():
     x = jnp.zeros((4, 48), jnp.float32)  # 48: not a whole number of 32-element blocks
     with pytest.raises(Exception, match="buffer sizes do not match"):
         jax.block_until_ready(jax.jit(lambda v: _mx_quantize_cpu.quantize_last(v, attrs))(x))
+
+
+@needs_native
+@pytest.mark.parametrize("attribute, value", [
+    ("mantissa_bits", 23),  # would shift by 32 and more
+    ("mantissa_bits", 0),
+    ("emin", -200),  # the subnormal quantum below float32's normals
+    ("max_code", 255),  # past the sign bit of an 8-bit code
+    ("rceil_k", -1),
+    ("block", 2**40),
+])
+def test_kernel_refuses_attributes_no_format_has(attribute, value):
+    """The target is callable by anyone with any attributes: values outside every MX
+    format's are an error, not shifts and float patterns out of their ranges."""
+    attrs = dict(_mx_quantize_cpu.attributes(mx_format("mxfp8_e4m3"), "floor"))
+    attrs[attribute] = value
+    x = jnp.zeros((4, 64), jnp.float32)
+    with pytest.raises(Exception, match="unsupported format attributes"):
+        call = jax.ffi.ffi_call(_cpu_native.TARGETS["mx_quantize"],
+                                (jax.ShapeDtypeStruct((4, 64), jnp.uint8),
+                                 jax.ShapeDtypeStruct((4, 2), jnp.uint8)))
+        kw = {k: v if isinstance(v, bool) else np.int64(v) for k, v in attrs.items()}
+        jax.block_until_ready(jax.jit(lambda v: call(v, **kw))(x))

@@ -1,17 +1,23 @@
 // What lowprec's native CPU kernels share: the work split over XLA's intra-op threads, the
-// CPU's AVX2 check, and FP6's group layout (four 6-bit codes per three bytes, code j in bits
-// 6j..6j+5 of the group's little-endian 24-bit word, as lowprec/_pack.py).
+// guard that keeps C++ exceptions inside a handler, reading float32 bits, the CPU's AVX2
+// check, and FP6's group layout (four 6-bit codes per three bytes, code j in bits 6j..6j+5 of
+// the group's little-endian 24-bit word, as lowprec/_pack.py).
 #ifndef LOWPREC_KERNELS_CPU_COMMON_H_
 #define LOWPREC_KERNELS_CPU_COMMON_H_
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
 #include <memory>
-#include <mutex>
+#include <thread>
+#include <type_traits>
 
+#include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -19,11 +25,24 @@
 #define LOWPREC_X86_AVX2 1
 #endif
 
+// The library's entry points (the handlers and _cpu_lib.cc's build facts) are its only
+// visible symbols: setup.py compiles with -fvisibility=hidden, so that the FFI headers'
+// inline functions in here bind to this library's copies, never to those of another library
+// built against other headers.
+#define LOWPREC_EXPORT extern "C" __attribute__((visibility("default")))
+
 namespace lowprec_native {
+
+// The bits of the float32 at p (no aliasing of the buffer through an integer type).
+inline uint32_t Bits(const float* p) noexcept {
+  uint32_t b;
+  std::memcpy(&b, p, sizeof b);
+  return b;
+}
 
 // FP6: `groups` groups of four codes (one per byte; only the low 6 bits count) to three
 // bytes each.
-inline void PackFp6(const uint8_t* c, uint8_t* p, size_t groups) {
+inline void PackFp6(const uint8_t* c, uint8_t* p, size_t groups) noexcept {
   for (size_t g = 0; g < groups; ++g, c += 4, p += 3) {
     const uint32_t w = (c[0] & 0x3Fu) | (c[1] & 0x3Fu) << 6 | (c[2] & 0x3Fu) << 12 |
                        static_cast<uint32_t>(c[3] & 0x3Fu) << 18;
@@ -52,41 +71,99 @@ __attribute__((target("avx2"))) inline __m256i Fp6GroupsAvx2(__m256i codes) {
 #endif
 
 // Runs work(first, count) over [0, items) in chunks of `chunk` items, on XLA's intra-op
-// threads and on this one. Each thread claims chunks from a shared counter, so this thread
-// finishes the work alone if no scheduled task starts (a busy or one-thread pool), and a task
-// that starts after the call returned finds no chunk left and touches no buffer (the state
-// is shared, not on this stack). `work` must be safe to copy and call from any thread.
+// threads and on this one, and returns when every chunk is done. Each thread claims chunks
+// from a shared counter, so this thread finishes the work alone if no scheduled task starts
+// (a busy or one-thread pool), and a task that starts after the call returned finds no chunk
+// left and touches no buffer. A task holds copies only: of `work` (whose captures must be
+// values too) and of a shared_ptr to the counters; nothing on this stack. `work` must be
+// noexcept (it runs on XLA's threads, where an exception would end the process), and once a
+// task is scheduled nothing here throws: the call returns only when no task can touch the
+// buffers any more. Where the pool or memory fails, this thread does the rest alone.
 template <typename Work>
-void RunChunked(xla::ffi::ThreadPool& pool, size_t items, size_t chunk, Work work) {
+void RunChunked(xla::ffi::ThreadPool& pool, size_t items, size_t chunk, const Work& work) {
+  static_assert(std::is_nothrow_invocable_v<const Work&, size_t, size_t>,
+                "work runs on XLA's threads: declare it noexcept");
   const size_t chunks = (items + chunk - 1) / chunk;
-  const int64_t threads = pool.num_threads();
-  if (chunks <= 1 || threads <= 1) {
+  struct State {
+    std::atomic<size_t> next{0}, done{0};
+  };
+  std::shared_ptr<State> state;
+  if (chunks > 1 && pool.num_threads() > 1) {
+    try {
+      state = std::make_shared<State>();
+    } catch (...) {  // no memory for the counters: this thread alone
+    }
+  }
+  if (!state) {
     if (items > 0) work(size_t{0}, items);
     return;
   }
-  struct State {
-    std::atomic<size_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable all_done;
-  };
-  auto state = std::make_shared<State>();
-  auto run = [state, work, items, chunk, chunks]() {
+  auto run = [state, work, items, chunk, chunks]() noexcept {
     for (size_t i; (i = state->next.fetch_add(1)) < chunks;) {
       const size_t first = i * chunk;
       work(first, std::min(chunk, items - first));
-      if (state->done.fetch_add(1) + 1 == chunks) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->all_done.notify_all();
-      }
+      state->done.fetch_add(1);  // after the chunk's writes (release), read below (acquire)
     }
   };
-  const int64_t helpers = std::min<int64_t>(threads, static_cast<int64_t>(chunks) - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([run]() { run(); });
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(chunks) - 1);
+  for (int64_t t = 0; t < helpers; ++t) {
+    try {
+      pool.Schedule([run]() noexcept { run(); });
+    } catch (...) {  // the task's copy could not be made: fewer helpers
+      break;
+    }
+  }
   run();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->all_done.wait(lock, [&state, chunks]() { return state->done.load() == chunks; });
+  // Every chunk is claimed now; those still running on other threads are at most one chunk
+  // each (tens of microseconds), so this thread polls rather than sleeps on a lock.
+  for (int spins = 0; state->done.load() != chunks; ++spins) {
+    if (spins < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+}
+
+// An FFI error carrying `message` (XLA copies it), or nullptr where the call frame has no
+// API table: XLA's metadata query at registration, which runs no kernel code.
+inline XLA_FFI_Error* ErrorOf(const XLA_FFI_CallFrame* frame, const char* message) noexcept {
+  if (frame == nullptr || frame->api == nullptr) return nullptr;
+  XLA_FFI_Error_Create_Args args;
+  args.struct_size = XLA_FFI_Error_Create_Args_STRUCT_SIZE;
+  args.extension_start = nullptr;
+  args.message = message;
+  args.errc = XLA_FFI_Error_Code_INTERNAL;
+  return frame->api->XLA_FFI_Error_Create(&args);
+}
+
+// Calls an FFI handler so that no C++ exception leaves it: the FFI boundary is a C one, and
+// an exception crossing it into an XLA built by another compiler and C++ runtime is undefined
+// behaviour. What the handler throws (std::bad_alloc while decoding the call, say) becomes an
+// INTERNAL error naming the target; the message is formatted on this stack.
+inline XLA_FFI_Error* Guarded(XLA_FFI_Handler* handler, XLA_FFI_CallFrame* frame,
+                              const char* target) noexcept {
+  char message[512];
+  try {
+    return handler(frame);
+  } catch (const std::exception& e) {
+    std::snprintf(message, sizeof message, "%s: C++ exception in the native kernel: %s", target,
+                  e.what());
+  } catch (...) {
+    std::snprintf(message, sizeof message, "%s: unknown C++ exception in the native kernel",
+                  target);
+  }
+  return ErrorOf(frame, message);
 }
 
 }  // namespace lowprec_native
+
+// Defines the exported C symbol `symbol`, the XLA FFI handler of `target` binding `impl` as
+// the binding (the rest of the arguments) says, through Guarded.
+#define LOWPREC_FFI_HANDLER(symbol, target, impl, ...)                  \
+  LOWPREC_EXPORT XLA_FFI_Error* symbol(XLA_FFI_CallFrame* frame) {      \
+    XLA_FFI_DEFINE_HANDLER(handler, impl, __VA_ARGS__);                 \
+    return ::lowprec_native::Guarded(handler, frame, target);          \
+  }
 
 #endif  // LOWPREC_KERNELS_CPU_COMMON_H_

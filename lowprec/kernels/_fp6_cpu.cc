@@ -8,9 +8,9 @@
 // directions are byte permutations plus masks: no arithmetic on values, so the same bits as
 // the Python formulation (tests/test_native_fp6.py checks every byte pattern).
 //
-// Built by setup.py into the optional extension module lowprec.kernels._cpu_lib (_cpu_lib.cc;
-// no compiler: XLA's formulation runs); lowprec/kernels/_cpu_native.py registers the targets
-// and checks them once.
+// Built by setup.py into the optional shared library of the native kernels (_cpu_lib.cc; no
+// compiler: XLA's formulation runs); lowprec/kernels/_cpu_native.py loads it, registers the
+// targets and checks them once.
 
 #include <cstddef>
 #include <cstdint>
@@ -23,11 +23,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 // Portable loops, one group per step (also the tails of the AVX2 loops).
-void PackScalar(const uint8_t* c, uint8_t* p, size_t groups) {
+void PackScalar(const uint8_t* c, uint8_t* p, size_t groups) noexcept {
   lowprec_native::PackFp6(c, p, groups);
 }
 
-void UnpackScalar(const uint8_t* p, uint8_t* c, size_t groups) {
+void UnpackScalar(const uint8_t* p, uint8_t* c, size_t groups) noexcept {
   for (size_t g = 0; g < groups; ++g, p += 3, c += 4) {
     const uint32_t w = p[0] | static_cast<uint32_t>(p[1]) << 8 | static_cast<uint32_t>(p[2]) << 16;
     c[0] = w & 0x3Fu;
@@ -42,7 +42,7 @@ void UnpackScalar(const uint8_t* p, uint8_t* c, size_t groups) {
 // is stored as 16 bytes of which 12 count: the second store overwrites the first's 4 spare
 // bytes. A step writes bytes 0..27 from p, so it runs while at least 10 groups (30 bytes)
 // remain; the scalar loop does the rest.
-__attribute__((target("avx2"))) void PackAvx2(const uint8_t* c, uint8_t* p, size_t groups) {
+__attribute__((target("avx2"))) void PackAvx2(const uint8_t* c, uint8_t* p, size_t groups) noexcept {
   const __m256i low6 = _mm256_set1_epi8(0x3F);
   size_t g = 0;
   for (; g + 10 <= groups; g += 8, c += 32, p += 24) {
@@ -57,7 +57,7 @@ __attribute__((target("avx2"))) void PackAvx2(const uint8_t* c, uint8_t* p, size
 // 8 groups per step: each 128-bit half loads 16 bytes of which 12 are its 4 groups (a step
 // reads bytes 0..27 from p, so it runs while at least 10 groups remain), a byte shuffle
 // spreads each group into a 32-bit lane, and shifts and masks move code j to byte j.
-__attribute__((target("avx2"))) void UnpackAvx2(const uint8_t* p, uint8_t* c, size_t groups) {
+__attribute__((target("avx2"))) void UnpackAvx2(const uint8_t* p, uint8_t* c, size_t groups) noexcept {
   const __m256i spread = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,
                                           0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
   const __m256i m0 = _mm256_set1_epi32(0x3F), m1 = _mm256_set1_epi32(0x3F00),
@@ -78,7 +78,7 @@ __attribute__((target("avx2"))) void UnpackAvx2(const uint8_t* p, uint8_t* c, si
 }
 #endif
 
-using Loop = void (*)(const uint8_t*, uint8_t*, size_t);
+using Loop = void (*)(const uint8_t*, uint8_t*, size_t) noexcept;
 
 // Groups per chunk of work: 192-256 KiB each way, within an L2.
 constexpr size_t kChunk = size_t{1} << 16;
@@ -93,7 +93,7 @@ Loop Choose(bool pack) {
 // Runs `loop` over `groups` groups in chunks on XLA's threads.
 void RunLoop(ffi::ThreadPool& pool, Loop loop, const uint8_t* in, uint8_t* out, size_t groups,
              size_t in_per_group, size_t out_per_group) {
-  lowprec_native::RunChunked(pool, groups, kChunk, [=](size_t first, size_t count) {
+  lowprec_native::RunChunked(pool, groups, kChunk, [=](size_t first, size_t count) noexcept {
     loop(in + first * in_per_group, out + first * out_per_group, count);
   });
 }
@@ -120,14 +120,14 @@ ffi::Error Unpack(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Result
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowprecFp6Pack, Pack,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>());
+LOWPREC_FFI_HANDLER(LowprecFp6Pack, "lowprec_fp6_pack", Pack,
+                    ffi::Ffi::Bind()
+                        .Ctx<ffi::ThreadPool>()
+                        .Arg<ffi::Buffer<ffi::U8>>()
+                        .Ret<ffi::Buffer<ffi::U8>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowprecFp6Unpack, Unpack,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>());
+LOWPREC_FFI_HANDLER(LowprecFp6Unpack, "lowprec_fp6_unpack", Unpack,
+                    ffi::Ffi::Bind()
+                        .Ctx<ffi::ThreadPool>()
+                        .Arg<ffi::Buffer<ffi::U8>>()
+                        .Ret<ffi::Buffer<ffi::U8>>());

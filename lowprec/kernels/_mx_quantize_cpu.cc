@@ -207,16 +207,18 @@ inline void StoreBlock(const uint8_t* codes, int32_t n, uint8_t* out) {
 
 // Blocks [first, first + count) of kBlock elements (0: f.block, known at run time only).
 template <int kBits, bool kTwos, int kBlock>
-void Blocks(const uint32_t* x, uint8_t* elements, uint8_t* scales, size_t first, size_t count,
-            const Format& f, const ElementParams& p) {
+void Blocks(const float* x, uint8_t* elements, uint8_t* scales, size_t first, size_t count,
+            const Format& f, const ElementParams& p) noexcept {
   const int32_t block = kBlock > 0 ? kBlock : f.block;
   const size_t bytes_per_block = static_cast<size_t>(block) * kBits / 8;
   uint8_t codes[256];
   for (size_t blk = first; blk < first + count; ++blk) {
-    const uint32_t* xb = x + blk * block;
+    const float* xb = x + blk * block;
     uint8_t* out = elements + blk * bytes_per_block;
     uint32_t amax = 0;
-    for (int32_t i = 0; i < block; ++i) amax = std::max(amax, xb[i] & kAbs);
+    for (int32_t i = 0; i < block; ++i) {
+      amax = std::max(amax, lowprec_native::Bits(xb + i) & kAbs);
+    }
     const uint32_t code = ScaleCode(amax, f);
     scales[blk] = static_cast<uint8_t>(code);
     if (code == 0xFF) {
@@ -229,11 +231,12 @@ void Blocks(const uint32_t* x, uint8_t* elements, uint8_t* scales, size_t first,
       float factor;
       std::memcpy(&factor, &factor_bits, sizeof factor);
       for (int32_t i = 0; i < block; ++i) {
-        codes[i] = static_cast<uint8_t>(ElementCodeFast<kTwos>(xb[i], factor, p));
+        codes[i] = static_cast<uint8_t>(
+            ElementCodeFast<kTwos>(lowprec_native::Bits(xb + i), factor, p));
       }
     } else {
       for (int32_t i = 0; i < block; ++i) {
-        codes[i] = static_cast<uint8_t>(ElementCode<kTwos>(xb[i], s, p));
+        codes[i] = static_cast<uint8_t>(ElementCode<kTwos>(lowprec_native::Bits(xb + i), s, p));
       }
     }
     StoreBlock<kBits>(codes, block, out);
@@ -244,8 +247,8 @@ void Blocks(const uint32_t* x, uint8_t* elements, uint8_t* scales, size_t first,
 // the block sizes 32 (OCP MX) and 16. lowprec sends quantize_mx here only through the AVX2
 // loop below (RunBlocks); this one serves other CPUs and block sizes when called directly,
 // and the tests, at about XLA's speed.
-void QuantizeBlocks(const uint32_t* x, uint8_t* elements, uint8_t* scales, size_t first,
-                    size_t count, const Format& f) {
+void QuantizeBlocks(const float* x, uint8_t* elements, uint8_t* scales, size_t first,
+                    size_t count, const Format& f) noexcept {
   const ElementParams p = ParamsOf(f);
 #define LOWPREC_BLOCKS(BITS, TWOS)                                                  \
   (f.block == 32   ? Blocks<BITS, TWOS, 32>(x, elements, scales, first, count, f, p) \
@@ -323,9 +326,9 @@ __attribute__((target("avx2"))) inline void Store32(__m256i bytes, uint8_t* out)
 }
 
 template <int kBits, bool kTwos>
-__attribute__((target("avx2"))) void Blocks32Avx2(const uint32_t* x, uint8_t* elements,
+__attribute__((target("avx2"))) void Blocks32Avx2(const float* x, uint8_t* elements,
                                                   uint8_t* scales, size_t first, size_t count,
-                                                  const Format& f, const ElementParams& p) {
+                                                  const Format& f, const ElementParams& p) noexcept {
   const Avx2Params v{_mm256_set1_epi32(static_cast<int>(kAbs)),
                      _mm256_set1_epi32(static_cast<int>(p.rebias)),
                      _mm256_set1_epi32(1),
@@ -338,10 +341,10 @@ __attribute__((target("avx2"))) void Blocks32Avx2(const uint32_t* x, uint8_t* el
                      _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(p.magic_bits)))};
   constexpr size_t kBytes = 32 * kBits / 8;
   for (size_t blk = first; blk < first + count; ++blk) {
-    const uint32_t* xb = x + blk * 32;
+    const float* xb = x + blk * 32;
     uint8_t* out = elements + blk * kBytes;
-    __m256i b[4];
-    for (int j = 0; j < 4; ++j) b[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 8 * j));
+    __m256i b[4];  // the float32 bits, by a float load reinterpreted in registers
+    for (int j = 0; j < 4; ++j) b[j] = _mm256_castps_si256(_mm256_loadu_ps(xb + 8 * j));
     // Block maximum of the magnitudes: unsigned max, then across the lanes.
     __m256i m = _mm256_max_epu32(_mm256_max_epu32(_mm256_and_si256(b[0], v.abs), _mm256_and_si256(b[1], v.abs)),
                                  _mm256_max_epu32(_mm256_and_si256(b[2], v.abs), _mm256_and_si256(b[3], v.abs)));
@@ -361,7 +364,7 @@ __attribute__((target("avx2"))) void Blocks32Avx2(const uint32_t* x, uint8_t* el
       for (int j = 0; j < 4; ++j) c[j] = FastCodes8<kTwos>(b[j], factor, v);
     } else {
       alignas(32) uint32_t codes[32];
-      for (int i = 0; i < 32; ++i) codes[i] = ElementCode<kTwos>(xb[i], s, p);
+      for (int i = 0; i < 32; ++i) codes[i] = ElementCode<kTwos>(lowprec_native::Bits(xb + i), s, p);
       for (int j = 0; j < 4; ++j) c[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + 8 * j));
     }
     Store32<kBits>(Narrow(c), out);
@@ -371,8 +374,8 @@ __attribute__((target("avx2"))) void Blocks32Avx2(const uint32_t* x, uint8_t* el
 #endif
 
 // Blocks [first, first + count), by the AVX2 loop where it serves, else the portable one.
-void RunBlocks(const uint32_t* x, uint8_t* elements, uint8_t* scales, size_t first,
-               size_t count, const Format& f) {
+void RunBlocks(const float* x, uint8_t* elements, uint8_t* scales, size_t first,
+               size_t count, const Format& f) noexcept {
 #ifdef LOWPREC_X86_AVX2
   if (f.block == 32 && lowprec_native::HasAvx2()) {
     const ElementParams p = ParamsOf(f);
@@ -390,8 +393,23 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
                     int64_t emax_elem, int64_t max_code, int64_t code_bits, bool twos_complement,
                     int64_t rule, int64_t block, int64_t even_drop, int64_t rceil_k,
                     int64_t rceil_mant, int64_t rceil_small, int64_t rceil_thr) {
-  if (block <= 0 || block > 256 || block % 4 != 0 || !(code_bits == 8 || code_bits == 6 || code_bits == 4) ||
-      rule < kFloor || rule > kRceil || even_drop < 1 || even_drop > 23) {
+  // Attributes come from _mx_quantize_cpu.attributes; any other call of the target gets an
+  // error rather than shifts of 32 bits or more and float32 patterns out of their fields.
+  // Every OCP MX format lies well inside these bounds (codes of at most 8 bits, element
+  // quanta that are float32 normals).
+  const bool sizes_ok = block > 0 && block <= 256 && block % 4 == 0 &&
+                        (code_bits == 8 || code_bits == 6 || code_bits == 4) &&
+                        (!twos_complement || code_bits == 8);
+  const bool element_ok = sizes_ok && mantissa_bits >= 1 && mantissa_bits < code_bits &&
+                          emin - mantissa_bits > -126 && emin < 64 && emax_elem >= 0 &&
+                          emax_elem < 64 && max_code >= 1 &&
+                          max_code < (int64_t{1} << (code_bits - 1));
+  const bool rule_ok = rule >= kFloor && rule <= kRceil && even_drop >= 1 && even_drop <= 23 &&
+                       rceil_k >= 0 && rceil_k < 128 && rceil_mant >= 0 &&
+                       rceil_mant < (int64_t{1} << 23) && rceil_small >= 0 &&
+                       rceil_small < (int64_t{1} << 31) && rceil_thr >= 0 &&
+                       rceil_thr < (int64_t{1} << 31);
+  if (!(element_ok && rule_ok)) {
     return ffi::Error::InvalidArgument("lowprec_mx_quantize: unsupported format attributes");
   }
   const size_t n = x.element_count();
@@ -407,35 +425,36 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
                  static_cast<uint32_t>(even_drop),    static_cast<int32_t>(rceil_k),
                  static_cast<uint32_t>(rceil_mant),   static_cast<uint32_t>(rceil_small),
                  static_cast<uint32_t>(rceil_thr)};
-  // float32 patterns read as integers (the kernel never computes on the input as floats).
-  const uint32_t* in = reinterpret_cast<const uint32_t*>(x.typed_data());
+  const float* in = x.typed_data();
   uint8_t* el = elements->typed_data();
   uint8_t* sc = scales->typed_data();
-  // Chunks of 2^11 blocks (256 KiB of float32 input at 32-element blocks).
-  lowprec_native::RunChunked(pool, blocks, size_t{1} << 11, [=, &f](size_t first, size_t count) {
-    RunBlocks(in, el, sc, first, count, f);
-  });
+  // Chunks of 2^11 blocks (256 KiB of float32 input at 32-element blocks); each task holds
+  // its own copy of the format.
+  lowprec_native::RunChunked(pool, blocks, size_t{1} << 11,
+                             [in, el, sc, f](size_t first, size_t count) noexcept {
+                               RunBlocks(in, el, sc, first, count, f);
+                             });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowprecMxQuantize, Quantize,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int64_t>("mantissa_bits")
-                                  .Attr<int64_t>("emin")
-                                  .Attr<int64_t>("emax_elem")
-                                  .Attr<int64_t>("max_code")
-                                  .Attr<int64_t>("code_bits")
-                                  .Attr<bool>("twos_complement")
-                                  .Attr<int64_t>("rule")
-                                  .Attr<int64_t>("block")
-                                  .Attr<int64_t>("even_drop")
-                                  .Attr<int64_t>("rceil_k")
-                                  .Attr<int64_t>("rceil_mant")
-                                  .Attr<int64_t>("rceil_small")
-                                  .Attr<int64_t>("rceil_thr"));
+LOWPREC_FFI_HANDLER(LowprecMxQuantize, "lowprec_mx_quantize", Quantize,
+                    ffi::Ffi::Bind()
+                        .Ctx<ffi::ThreadPool>()
+                        .Arg<ffi::Buffer<ffi::F32>>()
+                        .Ret<ffi::Buffer<ffi::U8>>()
+                        .Ret<ffi::Buffer<ffi::U8>>()
+                        .Attr<int64_t>("mantissa_bits")
+                        .Attr<int64_t>("emin")
+                        .Attr<int64_t>("emax_elem")
+                        .Attr<int64_t>("max_code")
+                        .Attr<int64_t>("code_bits")
+                        .Attr<bool>("twos_complement")
+                        .Attr<int64_t>("rule")
+                        .Attr<int64_t>("block")
+                        .Attr<int64_t>("even_drop")
+                        .Attr<int64_t>("rceil_k")
+                        .Attr<int64_t>("rceil_mant")
+                        .Attr<int64_t>("rceil_small")
+                        .Attr<int64_t>("rceil_thr"));
