@@ -21,7 +21,8 @@ it makes sense (ULPs, bounds, :func:`compare`).
 * Comparison (``_compare``, needs pandas: ``pip install 'lowprec[analysis]'``):
   :func:`compare`, :func:`summarize`, :func:`paired_delta`, :func:`confidence_interval`,
   :func:`sample`, :data:`DISTRIBUTIONS`, :func:`row_subsets`; the scale phase
-  (:func:`phase_of`, :func:`phase_sweep`) and the tidy export :func:`long_format`.
+  (:func:`phase_of`, :func:`stratified_phases`, :func:`phase_sweep`) and the tidy export
+  :func:`long_format`.
 * Per-block view (``_views``, needs pandas): :func:`block_stats`.
 * Plots (``_plots``, need matplotlib: ``pip install 'lowprec[notebooks]'``, imported only
   when a plot is drawn): :func:`plot_value_grid`, :func:`plot_spacing`,
@@ -49,6 +50,7 @@ from ._compare import (
     phase_sweep,
     row_subsets,
     sample,
+    stratified_phases,
     summarize,
 )
 from ._metrics import (
@@ -123,6 +125,7 @@ __all__ = [
     "sample",
     "sqnr_db",
     "stochastic_rounding_stats",
+    "stratified_phases",
     "summarize",
     "ulp",
     "ulp_error",
