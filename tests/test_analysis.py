@@ -1326,3 +1326,38 @@ def test_paired_delta_refuses_an_unknown_baseline():
         analysis.phase_sweep("gaussian", "mxfp4", scale_rules=["floor", "rceil"], phases=1,
                              seeds=2, shape=(2, 32), baseline="bogus")
 
+
+
+def test_random_hadamard_is_the_recipes_rotation_and_orthogonal():
+    from lowprec import _nvfp4_train
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 64, 3)).astype(np.float32)
+    x[0, 5, 1] = 40.0
+    for block in (2, 16, 32):
+        # M = H diag(s) / sqrt(n) per block of n along the axis, H by Sylvester's recursion
+        h = np.ones((1, 1))
+        while h.shape[0] < block:
+            h = np.block([[h, h], [h, -h]])
+        s = np.asarray(_nvfp4_train.rht_signs(7, block), np.float64)
+        m = h * s[None, :] / np.sqrt(block)
+        want = np.einsum("ij,bkjc->bkic", m, x.astype(np.float64).reshape(2, 64 // block, block, 3))
+        got = np.asarray(analysis.random_hadamard(x, block, seed=7, axis=1))
+        assert got.dtype == np.float32 and got.shape == x.shape
+        np.testing.assert_allclose(got, want.reshape(x.shape), rtol=0, atol=1e-5 * np.abs(x).max())
+        back = np.asarray(analysis.random_hadamard(got, block, seed=7, axis=1, inverse=True))
+        np.testing.assert_allclose(back, x, rtol=0, atol=1e-5 * np.abs(x).max())
+        assert np.linalg.norm(got) == pytest.approx(np.linalg.norm(x), rel=1e-6)
+    # block 16 along axis 0 is the NVFP4 training recipe's wgrad rotation, bit for bit
+    v = rng.standard_normal((32, 5)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(analysis.random_hadamard(v, 16, seed=3, axis=0)),
+                                  np.asarray(_nvfp4_train.rht(jnp.asarray(v), _nvfp4_train.rht_signs(3))))
+    # an outlier is spread evenly over its block
+    one = np.zeros((1, 32), np.float32)
+    one[0, 9] = 8.0
+    y = np.asarray(analysis.random_hadamard(one, 32))
+    assert np.allclose(np.abs(y), 8 / np.sqrt(32))
+    with pytest.raises(ValueError, match="power of two"):
+        analysis.random_hadamard(x, 24, axis=1)
+    with pytest.raises(ValueError, match="not a multiple of the rotation's block 32"):
+        analysis.random_hadamard(np.ones((2, 48), np.float32), 32)
