@@ -13,12 +13,12 @@ distribution is drawn at a phase σ = 2^p, p ∈ [0, 1), of its own per seed: by
 seeds of a comparison take one phase from each n-th of the octave (``phase="stratified"``,
 :func:`stratified_phases`), and every estimate and interval is for the **octave mean** — the
 mean over a uniform phase and the data — fitted on the first harmonics of the phase
-(:func:`confidence_interval`'s ``phases``), which takes the phase's systematic effect out
-of the interval instead of counting it as noise. :func:`phase_sweep` reports the range over fixed phases instead. Every frame
-carries its provenance in ``attrs`` (seeds, shape, phase mode per input, confidence level,
-lowprec version and commit). Key columns use nullable dtypes (``string``, ``Int64``: <NA>
-where a format has no scale rule or block size); :func:`long_format` gives the tidy long
-table.
+(:func:`confidence_interval`'s ``phases``), which takes the phase's systematic effect out of
+the interval instead of counting it as noise; :func:`phase_sweep` reports the range over
+fixed phases instead. Every frame carries its provenance in ``attrs`` (seeds, shape, phase
+mode per input, confidence level, lowprec version and commit). Key columns use nullable
+dtypes (``string``, ``Int64``: <NA> where a format has no scale rule or block size);
+:func:`long_format` gives the tidy long table.
 
 pandas is an optional dependency: ``pip install 'lowprec[analysis]'``.
 """
@@ -660,17 +660,17 @@ def compare(
     **Scale phase.** MX scales are powers of two, so every metric is periodic in log2 of the
     input's scale σ with period 1, and a distribution drawn at σ = 1 measures one phase of
     that period only: MXFP8 E4M3 floor − rceil on Gaussian data runs from about −0.6 to −1.4
-    dB over an octave of σ. So by default a distribution name is drawn at σ = 2^p with the
-    n seeds' phases stratified over the octave (``phase="stratified"``: seed i of n in
-    [i/n, (i+1)/n), see :func:`stratified_phases`), and each estimate and interval is **for
-    the octave mean** — the metric's mean over a uniform phase and the data — from a fit on
-    the first harmonics of the phase (:func:`confidence_interval`); arrays and functions
-    keep their own scale. ``phase=0.0``
-    gives the unit scale; a number p scales every input by 2^p; ``"dither"`` draws each
-    seed's phase independently (less evenly spread); ``"stratified"`` and ``"dither"`` apply to arrays and functions too (then seeds
-    vary the phase). :func:`phase_sweep` reports the range over phases instead of the mean.
-    The frame's ``attrs`` record the seeds and phase mode of each input, the shape drawn,
-    the level, lowprec's version and the git commit it ran from.
+    dB over an octave of σ. So by default a distribution name is drawn at σ = 2^p with the n
+    seeds' phases stratified over the octave (``phase="stratified"``: seed i of n in [i/n,
+    (i+1)/n), see :func:`stratified_phases`), and each estimate and interval is **for the
+    octave mean** — the metric's mean over a uniform phase and the data — from a fit on the
+    first harmonics of the phase (:func:`confidence_interval`); arrays and functions keep
+    their own scale. ``phase=0.0`` gives the unit scale; a number p scales every input by
+    2^p; ``"dither"`` draws each seed's phase independently (less evenly spread);
+    ``"stratified"`` and ``"dither"`` apply to arrays and functions too (then seeds vary the
+    phase). :func:`phase_sweep` reports the range over phases instead of the mean. The
+    frame's ``attrs`` record the seeds and phase mode of each input, the shape drawn, the
+    level, lowprec's version and the git commit it ran from.
 
     Args:
       x: the input: an array (evaluated once), a distribution name (see :func:`sample`;
@@ -792,13 +792,14 @@ def _key_value(v):
 def summarize(per_seed_frame, *, level: float = 0.95):
     """Aggregates :func:`compare`'s ``per_seed=True`` output: mean and interval per configuration.
 
-    Each ``<metric>_lo`` / ``_hi`` pair bounds a ``level`` interval **for the mean** over the
-    seeds of the configuration — with random phases, for the octave mean (the mean over a
-    uniform scale phase and the data), not a range that single phases or seeds stay in
+    Each ``<metric>_lo`` / ``_hi`` pair bounds a ``level`` interval **for the mean** over
+    the seeds of the configuration — with random phases, for the octave mean (the mean over
+    a uniform scale phase and the data), not a range that single phases or seeds stay in
     (:func:`phase_sweep` gives that). Where the seeds were drawn at different phases, the
     estimate and its interval come from the harmonic fit of :func:`confidence_interval`
-    (``phases``); otherwise they are the mean and the independent interval. The frame's ``attrs`` keep the input's provenance (seeds,
-    shape, phase modes, lowprec version and commit) and say which interval it is.
+    (``phases``); otherwise they are the mean and the independent interval. The frame's
+    ``attrs`` keep the input's provenance (seeds, shape, phase modes, lowprec version and
+    commit) and say which interval it is.
 
     Example:
         >>> runs = compare("laplace", "mxfp8_e4m3", scale_rules="rceil", seeds=4,
