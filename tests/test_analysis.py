@@ -1334,7 +1334,7 @@ def test_random_hadamard_is_the_recipes_rotation_and_orthogonal():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 64, 3)).astype(np.float32)
     x[0, 5, 1] = 40.0
-    for block in (2, 16, 32):
+    for block in (2, 32):   # (16: below, bit for bit against the recipe's own rotation)
         # M = H diag(s) / sqrt(n) per block of n along the axis, H by Sylvester's recursion
         h = np.ones((1, 1))
         while h.shape[0] < block:

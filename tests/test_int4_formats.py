@@ -247,6 +247,7 @@ def test_nvfp4_scheme_serves_int4_and_e2m1_only():
             MXFormat("x", lowprec.element_format(elem), 16, scheme)
 
 
+@pytest.mark.slow  # compare's compiles (seconds); its paths run in the quick tier of test_analysis.py
 def test_analysis_compares_the_integer_formats():
     df = analysis.compare("gaussian", ["mxint4", "nvint4", "nvfp4"], scale_rules="rceil",
                                   seeds=2, shape=(8, 256))
