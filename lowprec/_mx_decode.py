@@ -72,7 +72,8 @@ def fast_decode_exact(elements, scales, fmt: MXFormat, axis: int):
 
     def small_blocks_are_zero():
         el = fmt.element
-        mag = (1 << el.magnitude_bits) - 1  # drops the sign bit
+        # Sign-magnitude: the sign bit dropped (-0 is zero); two's complement: only code 0.
+        mag = (1 << (el.code_bits if el.encoding == "twos_complement" else el.magnitude_bits)) - 1
         if el.code_bits == 4:  # both nibbles of a packed byte at once
             nonzero = split_blocks((elements & (mag | (mag << 4))) != 0, axis,
                                    fmt.bytes_per_block).any(axis=axis + 1)

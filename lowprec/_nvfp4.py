@@ -15,6 +15,12 @@ arithmetic (long division for the quotients), so the result is the IEEE one on e
 XLA on CPU would flush subnormal operands and rewrite ``a / broadcast(c)`` as
 ``a * (1 / c)`` under ``jit`` (docs/design.md §8), which changes quotients in the last bit.
 
+NVINT4 (INT4 elements k ∈ [−7, 7], Chen et al. 2025) takes the same steps with its element's
+largest value Q = 7 in place of 6: tensor scale amax / (448 * 7), block scale
+e4m3((block_amax / 7) / tensor_scale). Every step below holds for any 4-bit element whose
+nonzero values are multiples of 1/2, at least 1/2, with at most 6 significant bits (the
+scheme checks it: ``_scheme_nvfp4.NVFP4Scheme.check_element``).
+
 Conventions where torchao is silent or fails (docs/design.md §3b): ``amax`` is the largest
 *finite* magnitude (a block holding NaN/±inf gets the E4M3 NaN scale 0x7F and dequantizes to
 NaN, as an MX block does); an all-zero tensor gets tensor scale 1 (as TransformerEngine's
@@ -189,11 +195,13 @@ def finite_amax_bits(bits):
     return jnp.max(jnp.where(mag < F32_INF, mag, jnp.uint32(0)), initial=jnp.uint32(0))
 
 
-def tensor_scale_bits(amax_bits):
-    """Bits of the tensor scale float32(amax / 2688) of a tensor whose largest finite
-    magnitude has bits ``amax_bits``: 1.0 for an all-zero tensor (then raised to 2^-143 by
-    :func:`clamp_tensor_scale_bits`, like a given one)."""
-    ts = f32_div(amax_bits, jnp.uint32(_f32_const_bits(NVFP4_AMAX_DIVISOR)))
+def tensor_scale_bits(amax_bits, element_max: float = _E2M1_MAX):
+    """Bits of the tensor scale float32(amax / (448 * Q)) (Q = ``element_max``: 2688 for
+    E2M1) of a tensor whose largest finite magnitude has bits ``amax_bits``: 1.0 for an
+    all-zero tensor (then raised to 2^-143 by :func:`clamp_tensor_scale_bits`, like a given
+    one)."""
+    divisor = 448.0 * element_max   # exact in float32 (torchao: F8E4M3_MAX * F4_E2M1_MAX)
+    ts = f32_div(amax_bits, jnp.uint32(_f32_const_bits(divisor)))
     return jnp.where(amax_bits == 0, jnp.uint32(_F32_ONE), ts)
 
 
@@ -203,10 +211,12 @@ def clamp_tensor_scale_bits(ts_bits):
     return jnp.maximum(ts_bits, jnp.uint32(MIN_TENSOR_SCALE_BITS))
 
 
-def block_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat):
-    """E4M3 codes (int32) of e4m3(clamp((block_amax / 6) / tensor_scale, 2^-6, 448))."""
-    six = jnp.uint32(_f32_const_bits(_E2M1_MAX))
-    quotient = f32_div(f32_div(block_amax_bits, six), ts_bits)
+def block_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat,
+                      element_max: float = _E2M1_MAX):
+    """E4M3 codes (int32) of e4m3(clamp((block_amax / Q) / tensor_scale, 2^-6, 448)), Q the
+    element's largest value ``element_max`` (6 for E2M1)."""
+    q = jnp.uint32(_f32_const_bits(element_max))
+    quotient = f32_div(f32_div(block_amax_bits, q), ts_bits)
     # Non-negative float32 bit patterns order like their values: clamp on the bits.
     clamped = jnp.clip(quotient, jnp.uint32(_E4M3_EPS_BITS), jnp.uint32(_E4M3_MAX_BITS))
     return encode_bits(scale_fmt, clamped, "nearest_even", "saturate", None)
@@ -237,15 +247,16 @@ NATIVE_TS_MIN_BITS = (127 - 118) << 23  # 2^-118
 NATIVE_TS_MAX_BITS = (127 + 116) << 23  # 2^116
 
 
-def native_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat):
+def native_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat,
+                       element_max: float = _E2M1_MAX):
     """:func:`block_scale_codes` by float32 division (CPU; exact for a tensor scale in
     [2^-118, 2^116], see above)."""
     amax = lax.bitcast_convert_type(block_amax_bits, jnp.float32)
     ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
-    six, ts_b = lax.optimization_barrier(
-        (jnp.full(amax.shape, _E2M1_MAX, jnp.float32), jnp.broadcast_to(ts, amax.shape)))
+    q, ts_b = lax.optimization_barrier(
+        (jnp.full(amax.shape, element_max, jnp.float32), jnp.broadcast_to(ts, amax.shape)))
     # The first quotient is materialized too: XLA rewrites (a / b) / c as a / (b * c).
-    quotient = lax.bitcast_convert_type(lax.optimization_barrier(amax / six) / ts_b, jnp.uint32)
+    quotient = lax.bitcast_convert_type(lax.optimization_barrier(amax / q) / ts_b, jnp.uint32)
     clamped = jnp.clip(quotient, jnp.uint32(_E4M3_EPS_BITS), jnp.uint32(_E4M3_MAX_BITS))
     return encode_bits(scale_fmt, clamped, "nearest_even", "saturate", None)
 

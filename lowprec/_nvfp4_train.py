@@ -72,29 +72,35 @@ from ._sharding import explicit_sharding
 TILE = 16  # NVFP4 block length, and the side of weight tiles and of the Hadamard blocks
 
 
-def rht_signs(seed: int) -> jax.Array:
-    """The RHT sign vector s (float32 ±1, length 16) of ``seed`` (module docstring)."""
-    words = random_bits(jax.random.key(seed), (TILE,))
+def rht_signs(seed: int, n: int = TILE) -> jax.Array:
+    """The RHT sign vector s (float32 ±1, length ``n``, 16 for the recipe) of ``seed``
+    (module docstring; the first 16 signs of any length are the recipe's)."""
+    words = random_bits(jax.random.key(seed), (n,))
     return 1.0 - 2.0 * (words & 1).astype(jnp.float32)
 
 
 def rht(v, signs):
-    """M v along axis 0 in blocks of 16 (axis 0 a multiple of 16): each block multiplied by
-    the signs, then the Walsh-Hadamard butterfly (for h = 1, 2, 4, 8: (a, b) -> (a + b,
-    a - b) on elements h apart), then by 1/4. Each step is one float32 operation per element,
-    the same in every backend (the NumPy statement in tests/test_nvfp4_train.py does them).
-    The butterfly reads partners with a static gather inside each block, so a sharded token
-    axis (whole blocks per device) needs no reshape across shards."""
+    """M v along axis 0 in blocks of n = len(signs) (16 for the recipe; any power of two,
+    axis 0 a multiple of n): each block multiplied by the signs, then the Walsh-Hadamard
+    butterfly (for h = 1, 2, 4, ..., n/2: (a, b) -> (a + b, a - b) on elements h apart),
+    then by 1/√n (1/4 for 16, exact; for n an odd power of two 1/√n rounded to float32).
+    Each step is one float32 operation per element, the same in every backend (the NumPy
+    statement in tests/test_nvfp4_train.py does them). The butterfly reads partners with a
+    static gather inside each block, so a sharded token axis (whole blocks per device) needs
+    no reshape across shards."""
     t, c = v.shape
-    b = v.reshape(t // TILE, TILE, c) * signs[None, :, None]
-    pos = np.arange(TILE)
+    n = signs.shape[0]
+    if n < 2 or n & (n - 1):
+        raise ValueError(f"a Hadamard block is a power of two of at least 2, got {n}")
+    b = v.reshape(t // n, n, c) * signs[None, :, None]
+    pos = np.arange(n)
     h = 1
-    while h < TILE:
+    while h < n:
         partner = jnp.take(b, pos ^ h, axis=1)  # element p's partner p xor h
         low = jnp.asarray((pos & h) == 0)[None, :, None]  # p is the "a" of its pair
         b = jnp.where(low, b + partner, partner - b)
         h *= 2
-    return b.reshape(t, c) * jnp.float32(0.25)
+    return b.reshape(t, c) * jnp.float32(1 / np.sqrt(n))
 
 
 def quantize_1d(v, axis: int, words=None):

@@ -6,11 +6,14 @@ e4m3(clamp((block_amax / 6) / ts, 2^-6, 448)), element = e2m1(x / float32(ts × 
 (``nvfp4_step="divide"``, torchao <= 0.16) or e2m1(x × float32(float32(1 / ts) /
 block_scale)) (``"reciprocal"``, torchao >= 0.17); value = element × float32(ts × block_scale).
 A block holding NaN or inf gets the E4M3 NaN 0x7F and zero elements. No scale rule applies.
+With INT4 elements (NVINT4, Chen et al. 2025) the same recipe divides by 7, the element's
+largest value, instead of 6: 2688 becomes 448 * 7 = 3136.
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +36,8 @@ NVFP4_STEPS = {
 }
 DEFAULT_NVFP4_STEP = "divide"
 
-# The recipe's constants are those of E4M3 block scales (clamped to [2^-6, 448]) over E2M1
-# elements (block maxima divided by 6; products of at most 6 significant bits in
-# _nvfp4.f32_mul_short).
-_ELEMENT_MAX = 6.0
+# The recipe's constants are those of E4M3 block scales (clamped to [2^-6, 448]); block
+# maxima are divided by the element's largest value Q (6 for E2M1, 7 for INT4).
 
 
 def _finite_amax_bits(bits, amax):
@@ -55,6 +56,10 @@ def _finite_amax_bits(bits, amax):
 
     return lax.platform_dependent(lax.bitcast_convert_type(bits, jnp.float32), amax,
                                   cpu=on_cpu, default=whole)
+
+
+def _trailing_zeros(n: int) -> int:
+    return (n & -n).bit_length() - 1
 
 
 @register("nvfp4")
@@ -81,10 +86,20 @@ class NVFP4Scheme(ScaleScheme):
                 f"them to [2^-6, 448]), got the scale format {getattr(sc, 'name', sc)!r}")
 
     def check_element(self, element: ElementFormat, fmt_name: str) -> None:
-        if (element.code_bits, element.mantissa_bits, element.max_finite) != (4, 1, _ELEMENT_MAX):
+        # What _nvfp4's exact arithmetic relies on: 4-bit codes; every nonzero value a
+        # multiple of 1/2 and at least 1/2 (products with a factor >= 2^-125 stay normal;
+        # the lifted product of a tiny factor is an integer below 2^24) with at most 6
+        # significant bits (_nvfp4.f32_mul_short). E2M1 (0.5 ... 6) and INT4 (1 ... 7) pass.
+        values = [element.magnitude_value(m) for m in range(1, element.max_magnitude_code + 1)]
+        ok = element.code_bits == 4 and element.signed and element.zero and all(
+            v >= Fraction(1, 2) and (2 * v).denominator == 1
+            and (2 * v).numerator.bit_length() - _trailing_zeros((2 * v).numerator) <= 6
+            for v in values)
+        if not ok:
             raise ValueError(
-                f"{fmt_name}: NVFP4 scales serve E2M1 elements only (the recipe divides block "
-                f"maxima by 6, E2M1's largest value), got {element.name}")
+                f"{fmt_name}: NVFP4 scales serve signed 4-bit elements whose nonzero values "
+                f"are multiples of 1/2, at least 1/2 (E2M1, INT4; the recipe divides block "
+                f"maxima by the element's largest value), got {element.name}")
 
     # -- options ---------------------------------------------------------------------------
 
@@ -132,18 +147,21 @@ class NVFP4Scheme(ScaleScheme):
             raise ValueError(
                 f"MXArray: {fmt_name} tensor_scale must be positive and finite (it multiplies "
                 f"every block scale), got {values[bad].flat[0]!r}; a zero or negative scale "
-                "would zero or flip the tensor. Use the scale quantize_mx computed (amax / 2688)"
+                "would zero or flip the tensor. Use the scale quantize_mx computed (amax / 2688 "
+                "for NVFP4)"
             )
 
     # -- encode ----------------------------------------------------------------------------
 
     def tensor_scale_bits(self, bits, tensor_scale, cast, amax=None):
-        """float32(amax / 2688) of ``bits`` (amax: the largest finite magnitude), or the given
+        """float32(amax / (448 * Q)) of ``bits`` (amax: the largest finite magnitude; Q the
+        element's largest value: 2688 for E2M1), or the given
         scale; either raised to 2^-143 at least (2^-121 for the ``"reciprocal"`` step)."""
+        q = cast.fmt.element.max_finite
         if tensor_scale is None and amax is None:
-            ts_bits = _nvfp4.tensor_scale_bits(_nvfp4.finite_amax_bits(bits))
+            ts_bits = _nvfp4.tensor_scale_bits(_nvfp4.finite_amax_bits(bits), q)
         elif tensor_scale is None:
-            ts_bits = _nvfp4.tensor_scale_bits(_finite_amax_bits(bits, amax))
+            ts_bits = _nvfp4.tensor_scale_bits(_finite_amax_bits(bits, amax), q)
         else:
             ts_bits = f32_bits(tensor_scale)
         ts_bits = _nvfp4.clamp_tensor_scale_bits(ts_bits)
@@ -153,7 +171,7 @@ class NVFP4Scheme(ScaleScheme):
 
     def encode_blocks(self, xb, amax, ts_bits, cast, inner: int):
         special = amax >= F32_INF
-        codes = _nvfp4.block_scale_codes(amax, ts_bits, self.scale)
+        codes = _nvfp4.block_scale_codes(amax, ts_bits, self.scale, cast.fmt.element.max_finite)
         if cast.nvfp4_step == "reciprocal":
             factor = _nvfp4.reciprocal_factor_bits(codes, ts_bits, self.scale)
             quotient = _nvfp4.f32_mul(xb, jnp.expand_dims(factor, inner))
@@ -170,7 +188,7 @@ class NVFP4Scheme(ScaleScheme):
 
     def native_scales(self, amax, ts_bits, cast):
         special = amax >= F32_INF
-        codes = _nvfp4.native_scale_codes(amax, ts_bits, self.scale)
+        codes = _nvfp4.native_scale_codes(amax, ts_bits, self.scale, cast.fmt.element.max_finite)
         codes = jnp.where(special, self.scale.nan_code, codes).astype(jnp.uint8)
         # The check stays a runtime value even for a tensor scale known at compile time:
         # folded, it would remove the encoder's branch, whose boundary is what keeps XLA from

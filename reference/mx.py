@@ -25,7 +25,10 @@ returns ``amax / (F8E4M3_MAX * F4_E2M1_MAX)``; ``_nvfp4_quantize`` divides the b
 ``F4_E2M1_MAX`` and by the tensor scale, clamps to ``[E4M3_EPS, F8E4M3_MAX]`` = [2^-6, 448], casts
 to float8_e4m3fn, multiplies the tensor scale by it, divides the data by that product, clamps to
 ±6 and rounds to E2M1), computed here with NumPy float32 scalars — IEEE 754 arithmetic, one
-rounding per operation — see :func:`quantize_nvfp4`.
+rounding per operation — see :func:`quantize_nvfp4`. NVINT4 (Chen et al. 2025, "INT v.s. FP",
+arXiv 2510.25602: INT4 elements k ∈ [−7, 7] under NVFP4's two-level scales) is the same recipe
+with the element's largest value 7 where E2M1 has 6 (the paper's quantizer divides each block's
+amax by Qmax = 7, the largest block scale by 448).
 
 Example:
     >>> import numpy as np
@@ -367,14 +370,14 @@ def _blocks_of(x, block: int, axis: int, pad: bool, rounding: str, random_bits):
 # torchao nvfp4_tensor.py constants: F8E4M3_MAX = 448, F4_E2M1_MAX = 6,
 # E4M3_EPS = torch.finfo(torch.float8_e4m3fn).tiny = 2^-6.
 _F8E4M3_MAX = np.float32(448.0)
-_F4_E2M1_MAX = np.float32(6.0)
 _E4M3_EPS = np.float32(2.0**-6)
 _E4M3_NAN = 0x7F
 _MIN_TENSOR_SCALE = np.float32(2.0**-143)
 
 
-def nvfp4_tensor_scale(x) -> np.float32:
-    """torchao's ``per_tensor_amax_to_scale``: float32(amax) / float32(448 * 6), with amax the
+def nvfp4_tensor_scale(x, fmt: str = "nvfp4") -> np.float32:
+    """torchao's ``per_tensor_amax_to_scale``: float32(amax) / float32(448 * Q), Q the largest
+    element value of ``fmt`` (6 for NVFP4's E2M1, 7 for NVINT4's INT4), with amax the
     largest *finite* magnitude of ``x`` (lowprec keeps one inf/NaN from poisoning every
     block); an all-zero tensor gets 1.0 (TransformerEngine's convention; torchao would give
     0 and divide by it), and a scale below 2^-143 is raised to it (so that tensor scale x
@@ -384,14 +387,22 @@ def nvfp4_tensor_scale(x) -> np.float32:
         >>> float(nvfp4_tensor_scale(np.array([2688.0, -1.0], np.float32)))
         1.0
     """
+    q = _element_max(_mx(fmt)[1])
     v = _as_float32_values(x)
     finite = np.abs(v[np.isfinite(v)])
     amax = np.float32(finite.max()) if finite.size else np.float32(0)
     if amax == 0:
         return np.float32(1.0)
     with np.errstate(under="ignore"):
-        ts = np.float32(amax / (_F8E4M3_MAX * _F4_E2M1_MAX))
+        ts = np.float32(amax / (_F8E4M3_MAX * q))
     return max(ts, _MIN_TENSOR_SCALE)
+
+
+def _element_max(elem: str) -> np.float32:
+    """The largest value of an NVFP4-scheme element as a float32 (6 for E2M1, 7 for INT4)."""
+    q = max_finite(elem)
+    assert Fraction(float(np.float32(q))) == q, q
+    return np.float32(q)
 
 
 def quantize_nvfp4(x, fmt: str = "nvfp4", *, axis: int = -1, rounding: str = "nearest_even",
@@ -403,15 +414,17 @@ def quantize_nvfp4(x, fmt: str = "nvfp4", *, axis: int = -1, rounding: str = "ne
     least 2^-143), for
     each block of 16 (``block_size``) along ``axis`` (every step an IEEE float32 operation):
 
-    * ``s = float32(float32(block_amax / 6) / ts)``, clamped to [2^-6, 448], rounded to the
-      nearest E4M3 value: the block's scale code;
-    * ``total = float32(ts * s)``; each element ``q = float32(x_i / total)``, encoded to E2M1
-      with ``rounding``, saturating at ±6 (torchao clamps, then rounds to nearest even);
+    * ``s = float32(float32(block_amax / Q) / ts)`` (Q = 6, E2M1's largest value; 7 for
+      NVINT4), clamped to [2^-6, 448], rounded to the nearest E4M3 value: the block's scale
+      code;
+    * ``total = float32(ts * s)``; each element ``q = float32(x_i / total)``, encoded to the
+      element format (E2M1; INT4 for NVINT4) with ``rounding``, saturating at ±Q (torchao
+      clamps, then rounds to nearest even);
     * a block holding NaN or ±inf gets the E4M3 NaN scale 0x7F and element codes 0.
 
     Returns:
-      ``(element_codes, scale_codes, tensor_scale)``: unpacked uint8 E2M1 codes, uint8 E4M3
-      codes, float32 tensor scale.
+      ``(element_codes, scale_codes, tensor_scale)``: unpacked uint8 element codes, uint8
+      E4M3 codes, float32 tensor scale.
 
     Example:
         >>> x = np.zeros(16, np.float32); x[:3] = [6.0, -1.0, 0.25]
@@ -425,7 +438,8 @@ def quantize_nvfp4(x, fmt: str = "nvfp4", *, axis: int = -1, rounding: str = "ne
         raise ValueError(f"{canonical} has no tensor scale; use quantize_mx")
     scale_fmt = spec["scale"]
     encode_value(elem, 0.0, rounding, "saturate", 0)  # validates `rounding`
-    ts = nvfp4_tensor_scale(x) if tensor_scale is None else np.float32(tensor_scale)
+    q_max = _element_max(elem)
+    ts = nvfp4_tensor_scale(x, canonical) if tensor_scale is None else np.float32(tensor_scale)
     if not (np.isfinite(ts) and ts > 0):
         raise ValueError(f"tensor_scale must be positive and finite, got {ts}")
     ts = max(ts, _MIN_TENSOR_SCALE)
@@ -440,7 +454,7 @@ def quantize_nvfp4(x, fmt: str = "nvfp4", *, axis: int = -1, rounding: str = "ne
                     scales[row, b] = _E4M3_NAN
                     continue
                 block_amax = np.float32(np.abs(v).max())
-                s = np.float32(np.float32(block_amax / _F4_E2M1_MAX) / ts)
+                s = np.float32(np.float32(block_amax / q_max) / ts)
                 s = min(max(s, _E4M3_EPS), _F8E4M3_MAX)
                 code = encode(scale_fmt, np.array([s], np.float32), "nearest_even", "saturate")
                 scales[row, b] = code[0]

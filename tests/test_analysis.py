@@ -612,18 +612,17 @@ def test_compare_counts_e4m3_overflow_and_mx_nan_blocks():
 
 @pytest.mark.slow
 def test_compare_over_seeds_gives_means_and_t_intervals():
-    runs = analysis.compare("laplace", ["e5m2", "mxfp8_e4m3"], scale_rules=["floor", "rceil"],
-                            seeds=[3, 4, 5, 6], shape=(16, 256), per_seed=True)
+    kw = dict(scale_rules=["floor", "rceil"], seeds=[3, 4, 5, 6], shape=(16, 256))
+    runs = analysis.compare("laplace", ["e5m2", "mxfp8_e4m3"], per_seed=True, phase="dither", **kw)
     assert len(runs) == 12 and sorted(set(runs["seed"])) == [3, 4, 5, 6]
     # each per-seed row is the array comparison of that seed's sample, drawn at the seed's
-    # dithered scale 2^phase (the default for a distribution name)
+    # dithered scale 2^phase
     one = analysis.compare(analysis.sample("laplace", (16, 256), seed=5, phase="dither"), "e5m2")
     row5 = runs[(runs["seed"] == 5) & (runs["format"] == "e5m2")]
     assert row5["sqnr_db"].item() == one["sqnr_db"].item()
     assert row5["phase"].item() == analysis.phase_of("dither", 5)
     summary = analysis.summarize(runs)
-    assert summary.equals(analysis.compare("laplace", ["e5m2", "mxfp8_e4m3"], scale_rules=["floor", "rceil"],
-                                           seeds=[3, 4, 5, 6], shape=(16, 256)))
+    assert summary.equals(analysis.compare("laplace", ["e5m2", "mxfp8_e4m3"], phase="dither", **kw))
     row = summary[summary["format"] == "e5m2"].iloc[0]
     v = runs[runs["format"] == "e5m2"]["sqnr_db"].to_numpy()
     half = 3.182 * v.std(ddof=1) / 2                      # t(0.975, 3) = 3.182 (tables)
@@ -632,6 +631,14 @@ def test_compare_over_seeds_gives_means_and_t_intervals():
     assert row["n_seeds"] == 4
     # rates stay inside [0, 1]
     assert (summary["clip_rate_lo"] >= 0).all() and (summary["underflow_rate_hi"] <= 1).all()
+    # the default stratifies the phases: seed 5 is the third of four, in [1/2, 3/4); four
+    # values leave no room for a harmonic fit (3 degrees of freedom kept): the plain interval
+    strat = analysis.compare("laplace", "e5m2", per_seed=True, **kw)
+    assert strat["phase"].tolist() == analysis.stratified_phases([3, 4, 5, 6]).tolist()
+    v = strat["sqnr_db"].to_numpy()
+    row = analysis.summarize(strat).iloc[0]
+    assert row["sqnr_db"] == pytest.approx(v.mean())
+    assert row["sqnr_db_hi"] - row["sqnr_db"] == pytest.approx(3.182 * v.std(ddof=1) / 2, rel=1e-3)
 
 
 @pytest.mark.slow
@@ -691,12 +698,12 @@ def test_sample_distributions():
         assert x.dtype == np.float32 and x.shape == (64, 1024), name
         assert np.array_equal(x, analysis.sample(name, (64, 1024), seed=0)), name
         assert not np.array_equal(x, analysis.sample(name, (64, 1024), seed=1)), name
-    var = lambda n: float(analysis.sample(n, (256, 1024)).astype(np.float64).var())
+    var = lambda n: float(analysis.sample(n, (256, 1024), phase=0.0).astype(np.float64).var())
     assert var("gaussian") == pytest.approx(1.0, rel=0.02)
     assert var("laplace") == pytest.approx(2.0, rel=0.03)      # Laplace(1): variance 2
     assert var("uniform") == pytest.approx(1 / 3, rel=0.02)
     assert var("student-t(5)") == pytest.approx(5 / 3, rel=0.1)  # nu / (nu - 2)
-    out = analysis.sample("gauss+outliers", (256, 1024))
+    out = analysis.sample("gauss+outliers", (256, 1024), phase=0.0)
     assert 0.0007 < np.mean(np.abs(out) > 10) < 0.0013        # 0.1 % scaled by 100
 
 
@@ -1102,17 +1109,23 @@ def test_dithered_phase_by_default_for_distributions_only():
                             "mxfp4", scale_rules="rceil", seeds=6, shape=(2, 64), per_seed=True)
     g, f = runs[runs["input"] == "g"], runs[runs["input"] == "f"]
     ph = g["phase"].to_numpy()
-    assert ((0 <= ph) & (ph < 1)).all() and len(set(ph)) == 6
-    assert ph.tolist() == [analysis.phase_of("dither", s) for s in range(6)]
+    # a distribution's 6 seeds get one phase in each sixth of the octave (stratified)
+    assert ((0 <= ph) & (ph < 1)).all() and (np.floor(ph * 6) == np.arange(6)).all()
+    assert ph.tolist() == analysis.stratified_phases(range(6)).tolist()
     assert (f["phase"] == 0).all()                     # a function keeps its own scale
+    dith = analysis.compare("gaussian", "mxfp4", scale_rules="rceil", seeds=6, shape=(2, 64),
+                            per_seed=True, phase="dither")
+    assert dith["phase"].tolist() == [analysis.phase_of("dither", s) for s in range(6)]
+    assert "stratum" not in dith
     # phase="dither" dithers arrays too, and then seeds are allowed (they pick the phases)
     arr = analysis.compare(np.ones((1, 32), np.float32), "e4m3", phase="dither", seeds=3, per_seed=True)
     assert len(arr) == 3 and len(set(arr["phase"])) == 3
-    # sample's default is the unit scale, NumPy's own draw; a phase p multiplies it by 2^p in
-    # float64 before the one rounding to float32
+    # phase=0.0 is the unit scale, NumPy's own draw; a phase p multiplies it by 2^p in float64
+    # before the one rounding to float32; sample's default is the seed's dithered phase
     ref = np.random.default_rng(4).standard_normal((3, 5))
-    assert np.array_equal(analysis.sample("gaussian", (3, 5), seed=4), ref.astype(np.float32))
     assert np.array_equal(analysis.sample("gaussian", (3, 5), seed=4, phase=0.0), ref.astype(np.float32))
+    assert np.array_equal(analysis.sample("gaussian", (3, 5), seed=4),
+                          (ref * 2.0 ** analysis.phase_of("dither", 4)).astype(np.float32))
     assert np.array_equal(analysis.sample("gaussian", (3, 5), seed=4, phase=0.3),
                           (ref * 2.0**0.3).astype(np.float32))
     with pytest.raises(ValueError, match="phase must be"):
@@ -1189,7 +1202,7 @@ def test_matmul_rel_error_follows_the_random_walk_prediction():
     # x and W are both standard Gaussian (phase 0) and quantized alike, with independent,
     # zero-mean errors of relative power rho = NMSE each: ||q(x)q(W) - xW||^2 / ||xW||^2 is
     # about rho + rho + rho^2 (notebook 4's prediction), whatever the format
-    x = analysis.sample("gaussian", (32, 128), seed=9)
+    x = analysis.sample("gaussian", (32, 128), seed=9, phase=0.0)
     df = analysis.compare(x, ["e4m3", "mxfp4", "bf16"], scale_rules="rceil")
     for _, row in df.iterrows():
         rho = row["nmse"]
@@ -1207,3 +1220,144 @@ def test_dithered_phases_are_uniform_over_the_octave():
     # independent of the data's own stream: the phase is not a function of the first draw
     first = np.array([np.random.default_rng(s).random() for s in range(2000)])
     assert abs(np.corrcoef(p, first)[0, 1]) < 0.1
+
+
+# --------------------------------------------------------------------------------------
+# Phases, intervals and provenance (issue 36, point 4)
+# --------------------------------------------------------------------------------------
+def test_stratified_phases_cover_the_octave_once_each():
+    for n in (1, 2, 7, 8):
+        p = analysis.stratified_phases(range(n))
+        assert (np.floor(p * n) == np.arange(n)).all(), (n, p)
+        # the position inside the stratum is the seed's own dithered draw
+        assert np.allclose(p * n - np.arange(n), [analysis.phase_of("dither", s) for s in range(n)])
+    assert analysis.stratified_phases([5, 3]).tolist() == [analysis.phase_of("dither", 5) / 2,
+                                                           (1 + analysis.phase_of("dither", 3)) / 2]
+    with pytest.raises(ValueError, match="at least one seed"):
+        analysis.stratified_phases([])
+    with pytest.raises(ValueError, match="stratified_phases"):
+        analysis.sample("gaussian", (4,), phase="stratified")
+
+
+def test_harmonic_interval_on_an_even_grid_by_the_dft():
+    # Phases on the grid i/n make 1, cos 2 pi k p, sin 2 pi k p orthogonal: the fit's intercept
+    # is the plain mean, and the residual sum of squares is what the DFT leaves outside
+    # frequencies 0, 1, 2: sum y^2 - n mean^2 - (2/n) (|Y_1|^2 + |Y_2|^2) (n > 4). The
+    # intercept's variance is s^2 / n, s^2 = RSS / (n - 5); t quantiles from published tables.
+    rng = np.random.default_rng(2)
+    for n, t in ((8, 3.1824), (12, 2.3646)):
+        p = np.arange(n) / n
+        y = 0.4 * np.cos(2 * np.pi * p + 1) + 0.1 * np.sin(4 * np.pi * p) + 0.05 * rng.standard_normal(n)
+        Y = np.fft.fft(y)
+        rss = np.sum(y**2) - n * y.mean() ** 2 - 2 / n * (abs(Y[1]) ** 2 + abs(Y[2]) ** 2)
+        m, lo, hi = analysis.confidence_interval(y, phases=p)
+        assert m == pytest.approx(y.mean(), abs=1e-12)
+        assert hi - m == pytest.approx(t * np.sqrt(rss / (n - 5) / n), rel=1e-4), n
+    # fewer harmonics where values are few (3 degrees of freedom kept), none below 6 values
+    p6, y6 = np.arange(6) / 6, rng.standard_normal(6)
+    Y = np.fft.fft(y6)
+    rss = np.sum(y6**2) - 6 * y6.mean() ** 2 - 2 / 6 * abs(Y[1]) ** 2
+    assert analysis.confidence_interval(y6, phases=p6)[2] - y6.mean() == pytest.approx(
+        3.1824 * np.sqrt(rss / 3 / 6), rel=1e-4)
+    y5 = rng.standard_normal(5)
+    assert analysis.confidence_interval(y5, phases=np.arange(5) / 5) == analysis.confidence_interval(y5)
+    assert analysis.confidence_interval(y6, phases=p6, harmonics=0) == analysis.confidence_interval(y6)
+    with pytest.raises(ValueError, match="one phase per value"):
+        analysis.confidence_interval([1.0, 2.0, 3.0], phases=[0.1, 0.2])
+
+
+@pytest.mark.parametrize("design", ["stratified", "dither"])
+def test_harmonic_interval_covers_the_octave_mean_and_is_tighter(design):
+    # A metric periodic in the phase (sinusoid, two harmonics, a kinked wave, flat) plus
+    # independent noise, 8 seeds: over 1500 studies the interval covers the octave mean in
+    # 95 % +- 2.5 % of them; where the phase's effect dominates it is several times narrower
+    # than the independent interval, which counts that effect as noise.
+    rng = np.random.default_rng(3)
+    n, studies = 8, 1500
+    shapes = {"sin": lambda p: 0.2 * np.sin(2 * np.pi * p),
+              "two harmonics": lambda p: 0.2 * np.sin(2 * np.pi * p) + 0.08 * np.cos(4 * np.pi * p),
+              "kink": lambda p: 0.3 * np.maximum(0, np.sin(2 * np.pi * p)),
+              "flat": lambda p: 0 * p}
+    grid = (np.arange(100_000) + 0.5) / 100_000
+    for name, f in shapes.items():
+        truth = f(grid).mean()
+        cover, width, width_iid = 0, [], []
+        for _ in range(studies):
+            p = (np.arange(n) + rng.random(n)) / n if design == "stratified" else rng.random(n)
+            y = f(p) + 0.02 * rng.standard_normal(n)
+            _, lo, hi = analysis.confidence_interval(y, phases=p)
+            cover += lo <= truth <= hi
+            width.append(hi - lo)
+            _, lo, hi = analysis.confidence_interval(y)
+            width_iid.append(hi - lo)
+        assert 0.925 < cover / studies < 0.975, (name, cover / studies)
+        if name == "sin":   # random phases clump: less gain than evenly spread ones
+            assert np.median(width_iid) > (4 if design == "stratified" else 2.5) * np.median(width)
+
+
+def test_frames_carry_their_provenance():
+    runs = analysis.compare({"g": "gaussian", "a": np.ones((2, 32), np.float32)}, "mxfp4",
+                            scale_rules="rceil", seeds=None, shape=(2, 32), per_seed=True)
+    for frame in (runs, analysis.summarize(runs, level=0.9)):
+        a = frame.attrs
+        assert a["seeds"] == {"g": tuple(range(10)), "a": (None,)}
+        assert a["phase"] == {"g": "stratified", "a": None} and a["shape"] == (2, 32)
+        assert a["lowprec_version"] == lowprec.__version__
+        # this test runs from a git checkout: the commit it ran from, marked if edited
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, cwd=lowprec.__file__.rsplit("/", 2)[0]).stdout.strip()
+        assert a["commit"] in (head, head + "+uncommitted"), a["commit"]
+    assert analysis.summarize(runs, level=0.9).attrs["level"] == 0.9
+    assert "octave mean" in analysis.summarize(runs).attrs["interval"]
+    fixed = analysis.compare(np.ones((2, 32), np.float32), "e4m3", phase=0.25, per_seed=True)
+    assert fixed.attrs["phase"] == {"array": 0.25} and fixed.attrs["shape"] is None
+
+
+def test_paired_delta_refuses_an_unknown_baseline():
+    runs = analysis.compare("gaussian", "mxfp4", scale_rules=["floor", "rceil"], seeds=2,
+                            shape=(2, 32), per_seed=True)
+    with pytest.raises(ValueError, match=r"baseline 'bogus' is not a scale_rule .*'floor', 'rceil'"):
+        analysis.paired_delta(runs, baseline="bogus")
+    with pytest.raises(ValueError, match="baseline 64 is not a block_size"):
+        analysis.paired_delta(runs, within="block_size", baseline=64)
+    d = analysis.paired_delta(runs, baseline="floor")
+    assert d["scale_rule"].tolist() == ["rceil"] and d.attrs["seeds"] == {"gaussian": (0, 1)}
+    with pytest.raises(ValueError, match="baseline 'bogus'"):
+        analysis.phase_sweep("gaussian", "mxfp4", scale_rules=["floor", "rceil"], phases=1,
+                             seeds=2, shape=(2, 32), baseline="bogus")
+
+
+
+def test_random_hadamard_is_the_recipes_rotation_and_orthogonal():
+    from lowprec import _nvfp4_train
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 64, 3)).astype(np.float32)
+    x[0, 5, 1] = 40.0
+    for block in (2, 32):   # (16: below, bit for bit against the recipe's own rotation)
+        # M = H diag(s) / sqrt(n) per block of n along the axis, H by Sylvester's recursion
+        h = np.ones((1, 1))
+        while h.shape[0] < block:
+            h = np.block([[h, h], [h, -h]])
+        s = np.asarray(_nvfp4_train.rht_signs(7, block), np.float64)
+        m = h * s[None, :] / np.sqrt(block)
+        want = np.einsum("ij,bkjc->bkic", m, x.astype(np.float64).reshape(2, 64 // block, block, 3))
+        got = np.asarray(analysis.random_hadamard(x, block, seed=7, axis=1))
+        assert got.dtype == np.float32 and got.shape == x.shape
+        np.testing.assert_allclose(got, want.reshape(x.shape), rtol=0, atol=1e-5 * np.abs(x).max())
+        back = np.asarray(analysis.random_hadamard(got, block, seed=7, axis=1, inverse=True))
+        np.testing.assert_allclose(back, x, rtol=0, atol=1e-5 * np.abs(x).max())
+        assert np.linalg.norm(got) == pytest.approx(np.linalg.norm(x), rel=1e-6)
+    # block 16 along axis 0 is the NVFP4 training recipe's wgrad rotation, bit for bit
+    v = rng.standard_normal((32, 5)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(analysis.random_hadamard(v, 16, seed=3, axis=0)),
+                                  np.asarray(_nvfp4_train.rht(jnp.asarray(v), _nvfp4_train.rht_signs(3))))
+    # an outlier is spread evenly over its block
+    one = np.zeros((1, 32), np.float32)
+    one[0, 9] = 8.0
+    y = np.asarray(analysis.random_hadamard(one, 32))
+    assert np.allclose(np.abs(y), 8 / np.sqrt(32))
+    with pytest.raises(ValueError, match="power of two"):
+        analysis.random_hadamard(x, 24, axis=1)
+    with pytest.raises(ValueError, match="not a multiple of the rotation's block 32"):
+        analysis.random_hadamard(np.ones((2, 48), np.float32), 32)

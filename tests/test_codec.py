@@ -61,6 +61,7 @@ SPEC_MAX_FINITE = {
     "e2m3": Fraction(15, 2),
     "e3m2": Fraction(28),
     "ocp_int8": Fraction(127, 64),
+    "int4": Fraction(7),   # INT4 k in [-7, 7] (2510.25602's NVINT4/MXINT4 element)
 }
 # Smallest positive value: 2^(emin - mantissa bits) = 2^(1 - bias - M), e8m0: 2^-127 (code 0).
 SPEC_MIN_POSITIVE = {
@@ -79,6 +80,7 @@ SPEC_MIN_POSITIVE = {
     "e2m3": Fraction(2) ** -3,  # 1 - 1 - 3
     "e3m2": Fraction(2) ** -4,  # 1 - 3 - 2
     "ocp_int8": Fraction(2) ** -6,  # the implicit scale of MX INT8
+    "int4": Fraction(1),  # integers
 }
 # README table, "encode returns" column.
 SPEC_CODE_DTYPE = {
@@ -86,6 +88,7 @@ SPEC_CODE_DTYPE = {
     "e4m3": np.uint8, "e5m2": np.uint8, "e2m1": np.uint8, "e8m0": np.uint8,
     "e4m3ieee": np.uint8, "e3m4": np.uint8, "e4m3fnuz": np.uint8, "e5m2fnuz": np.uint8,
     "e4m3b11fnuz": np.uint8, "e2m3": np.uint8, "e3m2": np.uint8, "ocp_int8": np.uint8,
+    "int4": np.uint8,
 }
 
 

@@ -655,4 +655,4 @@ def test_every_block_format_names_a_described_scale_scheme():
                                                         "doc": None}
     for name, spec in F.MX_FORMATS.items():
         assert "scale" not in spec and "tensor_scale" not in spec, name
-        assert spec["scheme"] == ("nvfp4" if name == "nvfp4" else "e8m0"), name
+        assert spec["scheme"] == ("nvfp4" if name in ("nvfp4", "nvint4") else "e8m0"), name

@@ -429,7 +429,8 @@ def test_mx_element_max_times_power_of_two_is_exact(fmt):
     x = np.zeros((len(ks), 32), np.float32)
     x[:, 0] = top * 2.0**ks
     x[:, 1] = -(2.0**ks)
-    x[:, 2] = 0.5 * 2.0**ks  # 0.5 is a value of every MX element format (INT8: 32/64)
+    # 0.5 is a value of every MX element format (INT8: 32/64) but INT4's (integers): 1 there
+    x[:, 2] = (1.0 if elem == "int4" else 0.5) * 2.0**ks
     e, s = ref.quantize_mx(x, fmt)  # floor: e = emax_elem + k -> shared exp k
     np.testing.assert_array_equal(s[:, 0], ks + 127)
     np.testing.assert_array_equal(ref.dequantize_mx(e, s, fmt), x.astype(np.float64))

@@ -21,8 +21,11 @@ it makes sense (ULPs, bounds, :func:`compare`).
 * Comparison (``_compare``, needs pandas: ``pip install 'lowprec[analysis]'``):
   :func:`compare`, :func:`summarize`, :func:`paired_delta`, :func:`confidence_interval`,
   :func:`sample`, :data:`DISTRIBUTIONS`, :func:`row_subsets`; the scale phase
-  (:func:`phase_of`, :func:`phase_sweep`) and the tidy export :func:`long_format`.
+  (:func:`phase_of`, :func:`stratified_phases`, :func:`phase_sweep`) and the tidy export
+  :func:`long_format`.
 * Per-block view (``_views``, needs pandas): :func:`block_stats`.
+* Rotations (``_rotation``): :func:`random_hadamard` (NVFP4's random Hadamard transform, in
+  blocks of 16, 32 or any power of two, along any axis).
 * Plots (``_plots``, need matplotlib: ``pip install 'lowprec[notebooks]'``, imported only
   when a plot is drawn): :func:`plot_value_grid`, :func:`plot_spacing`,
   :func:`plot_histograms`, :func:`plot_error_vs_magnitude`, :func:`plot_curves`,
@@ -49,6 +52,7 @@ from ._compare import (
     phase_sweep,
     row_subsets,
     sample,
+    stratified_phases,
     summarize,
 )
 from ._metrics import (
@@ -76,6 +80,7 @@ from ._plots import (
     plot_spacing,
     plot_value_grid,
 )
+from ._rotation import random_hadamard
 from ._views import block_stats
 from ._stochastic import quantized_cumsum, rounding_neighbors, stochastic_rounding_stats
 from ._ulp import ulp, ulp_error
@@ -115,6 +120,7 @@ __all__ = [
     "plot_value_grid",
     "quantization_error_bound",
     "quantized_cumsum",
+    "random_hadamard",
     "relative_error",
     "representable_values",
     "rms_error",
@@ -123,6 +129,7 @@ __all__ = [
     "sample",
     "sqnr_db",
     "stochastic_rounding_stats",
+    "stratified_phases",
     "summarize",
     "ulp",
     "ulp_error",

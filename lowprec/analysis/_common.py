@@ -7,6 +7,9 @@ never with ``exp2``/``log2`` in floating point.
 
 from __future__ import annotations
 
+import functools
+import pathlib
+import subprocess
 import warnings
 
 import jax
@@ -69,3 +72,29 @@ def require_pandas(func: str):
             f"lowprec.analysis.{func} returns a pandas DataFrame: pip install 'lowprec[analysis]'"
         ) from e
     return pandas
+
+
+@functools.lru_cache(maxsize=1)
+def provenance() -> dict:
+    """What produced a result: ``{"lowprec_version": ..., "commit": ...}``.
+
+    ``commit`` is the short hash of the git checkout lowprec is imported from (an editable
+    install), with ``"+uncommitted"`` when its code or format data differ from it, or None
+    (an installed wheel, no git). Read once per process.
+    """
+    import lowprec
+
+    root = pathlib.Path(lowprec.__file__).resolve().parent.parent
+    commit = None
+    if (root / ".git").exists() and (root / "formats").is_dir():
+        def git(*args):
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, timeout=10, check=True).stdout.strip()
+
+        try:
+            commit = git("rev-parse", "--short=12", "HEAD") or None
+            if commit and git("status", "--porcelain", "--", "lowprec", "reference", "formats"):
+                commit += "+uncommitted"
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    return {"lowprec_version": lowprec.__version__, "commit": commit}

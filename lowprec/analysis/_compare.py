@@ -9,10 +9,16 @@ whose intervals are much tighter than those of the absolute values because every
 compares the same data.
 
 Power-of-two block scales make every metric periodic in log2 of the input's scale σ, so a
-distribution is drawn at a random phase σ = 2^p, p ∈ [0, 1), per seed by default
-(:func:`sample`'s ``phase``); :func:`phase_sweep` reports the range over fixed phases instead.
-Key columns use nullable dtypes (``string``, ``Int64``: <NA> where a format has no scale rule
-or block size); :func:`long_format` gives the tidy long table.
+distribution is drawn at a phase σ = 2^p, p ∈ [0, 1), of its own per seed: by default the n
+seeds of a comparison take one phase from each n-th of the octave (``phase="stratified"``,
+:func:`stratified_phases`), and every estimate and interval is for the **octave mean** — the
+mean over a uniform phase and the data — fitted on the first harmonics of the phase
+(:func:`confidence_interval`'s ``phases``), which takes the phase's systematic effect out of
+the interval instead of counting it as noise; :func:`phase_sweep` reports the range over
+fixed phases instead. Every frame carries its provenance in ``attrs`` (seeds, shape, phase
+mode per input, confidence level, lowprec version and commit). Key columns use nullable
+dtypes (``string``, ``Int64``: <NA> where a format has no scale rule or block size);
+:func:`long_format` gives the tidy long table.
 
 pandas is an optional dependency: ``pip install 'lowprec[analysis]'``.
 """
@@ -33,7 +39,7 @@ from .._blocks import normalize_axis
 from .._format import ElementFormat, MXFormat, mx_format, resolve_format
 from .._options import ElementCast, check_block_input
 from .._scale_rules import DEFAULT_SCALE_RULE, check_scale_rule
-from ._common import as_f32, require_pandas
+from ._common import as_f32, provenance, require_pandas
 from ._metrics import error_metrics
 from ._mx_stats import roundtrip
 from ._ulp import error_in_ulps, grid_max
@@ -89,26 +95,32 @@ def sample(
     shape: Sequence[int] = (128, 1024),
     *,
     seed: int = 0,
-    phase: Union[None, float, str] = None,
+    phase: Union[float, str] = "dither",
 ) -> np.ndarray:
-    """Draws a float32 array from a named distribution (NumPy's PCG64 generator, seeded).
+    """Draws a float32 array from a named distribution (NumPy's PCG64 generator, seeded),
+    at a random scale phase unless told otherwise.
 
     Names: ``"gaussian"`` (standard normal), ``"laplace"`` (scale 1), ``"uniform"`` on
     [−1, 1), ``"student-t(ν)"`` for any ν > 0 (heavy tails: finite variance needs ν > 2),
     ``"lognormal"`` (exp of a standard normal, random sign) and ``"gauss+outliers"``
     (standard normal with 0.1 % of the entries multiplied by 100).
 
+    **The draw is scaled by σ = 2^p** (computed in float64, rounded once to float32), p the
+    ``phase``. With power-of-two scales (every MX format, and element formats away from
+    their range limits) every metric is periodic in log2 σ with period 1, and σ = 1 is one
+    point of that period — a special one, where block maxima of uniform data sit just
+    below a power of two. So by default (``phase="dither"``) p is drawn uniformly in
+    [0, 1) from a stream of ``seed`` of its own (:func:`phase_of`): the values are those
+    of the unit-scale draw times 2^p, and a study over seeds samples the octave. One array
+    is still one phase: average over seeds, or use :func:`compare`, whose stratified phases
+    give the octave mean with a tight interval, or :func:`phase_sweep` for the range.
+
     Args:
       distribution: one of the names above.
       shape: the shape drawn.
       seed: seed of the generator.
-      phase: scale the draw by 2^phase (computed in float64, rounded once to float32):
-        None or 0 (default) leaves the unit scale; a number p gives σ = 2^p; ``"dither"``
-        draws p uniformly in [0, 1) from its own stream of ``seed`` (the values are those
-        of the unscaled draw times 2^p). With power-of-two scales (every MX format, and
-        element formats away from their range limits) the metrics are periodic in log2 σ
-        with period 1, so a fixed σ = 1 measures one point of that period only; see
-        :func:`phase_of` and :func:`phase_sweep`.
+      phase: ``"dither"`` (default: p uniform in [0, 1), fixed by ``seed``), or a number p
+        (``0.0``: the unit scale, NumPy's own draw; ``None`` means 0.0 too).
 
     Example:
         >>> x = sample("student-t(3)", (4, 32), seed=1)
@@ -117,8 +129,8 @@ def sample(
         >>> bool((sample("gaussian", (8,), seed=3) == sample("gaussian", (8,), seed=3)).all())
         True
         >>> p = phase_of("dither", 3)          # in [0, 1), fixed by the seed
-        >>> y = sample("gaussian", (8,), seed=3, phase="dither")
-        >>> bool(np.allclose(y, sample("gaussian", (8,), seed=3) * 2.0**p, rtol=1e-6))
+        >>> unit = sample("gaussian", (8,), seed=3, phase=0.0)   # standard normal
+        >>> bool(np.allclose(sample("gaussian", (8,), seed=3), unit * 2.0**p, rtol=1e-6))
         True
     """
     p = phase_of(phase, seed)
@@ -159,6 +171,7 @@ def phase_of(phase: Union[None, float, str], seed: Optional[int] = 0) -> float:
 
     None → 0.0; a finite number → itself; ``"dither"`` → a uniform draw in [0, 1) from
     NumPy's PCG64 seeded with ``(seed, 0x70686173)``, a stream separate from the data's.
+    (``"stratified"`` phases depend on every seed of a study: :func:`stratified_phases`.)
 
     Example:
         >>> phase_of(None), phase_of(0.25)
@@ -169,9 +182,15 @@ def phase_of(phase: Union[None, float, str], seed: Optional[int] = 0) -> float:
     if phase is None:
         return 0.0
     if isinstance(phase, str):
+        if phase == "stratified":
+            raise ValueError(
+                "phase='stratified' depends on all the seeds of a study, not on one: use "
+                "stratified_phases(seeds), or compare(..., phase='stratified')"
+            )
         if phase != "dither":
             raise ValueError(
-                f"phase must be None, a number (log2 of the scale) or 'dither', got {phase!r}"
+                "phase must be None, a number (log2 of the scale), 'dither' or 'stratified', "
+                f"got {phase!r}"
             )
         if seed is None or int(seed) < 0:
             raise ValueError(f"phase='dither' needs a non-negative integer seed, got {seed!r}")
@@ -180,6 +199,32 @@ def phase_of(phase: Union[None, float, str], seed: Optional[int] = 0) -> float:
     if not math.isfinite(p):
         raise ValueError(f"phase must be finite (log2 of the scale), got {phase!r}")
     return p
+
+
+def stratified_phases(seeds: Iterable[int]) -> np.ndarray:
+    """One scale phase per seed, the i-th of n seeds in the i-th n-th of the octave.
+
+    ``p_i = (i + u_i) / n`` with u_i = ``phase_of("dither", seed_i)``: each seed keeps a
+    random position, but the n phases cover [0, 1) evenly (stratified sampling), so the mean
+    over seeds of a metric that is periodic in log2 σ estimates its octave mean with much
+    less variance than n independent phases, and the harmonic fit of
+    :func:`confidence_interval` (``phases``) is well conditioned (the default of
+    :func:`compare` for distributions).
+    The phases depend on the seeds and their order only: every study run with the same
+    seeds sees the same phases — harmless once they are spread, one per n-th of the octave.
+
+    Example:
+        >>> p = stratified_phases(range(4))
+        >>> [int(k) for k in p * 4]            # one phase in each quarter
+        [0, 1, 2, 3]
+        >>> float(p[1]) == (1 + phase_of("dither", 1)) / 4
+        True
+    """
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise ValueError("stratified_phases needs at least one seed")
+    n = len(seeds)
+    return np.array([(i + phase_of("dither", s)) / n for i, s in enumerate(seeds)])
 
 
 def row_subsets(x, n: int, *, size: Optional[int] = None, seed: int = 0) -> Callable[[int], np.ndarray]:
@@ -268,28 +313,79 @@ def _t_quantile(level: float, dof: int) -> float:
     return 0.5 * (lo + hi)
 
 
-def confidence_interval(values, level: float = 0.95) -> tuple[float, float, float]:
-    """``(mean, low, high)``: Student-t confidence interval for the mean of ``values``.
+def confidence_interval(values, level: float = 0.95, *, phases=None,
+                        harmonics: int = 2) -> tuple[float, float, float]:
+    """``(estimate, low, high)``: Student-t confidence interval for the mean of ``values``.
 
-    The half width is t·s/√n with s the sample standard deviation (ddof = 1) and t the
-    two-sided ``level`` quantile of Student's t with n − 1 degrees of freedom. One value
-    gives NaN bounds; a non-finite value gives a non-finite mean and NaN bounds.
+    Without ``phases``: the mean, and the half width t·s/√n with s the sample standard
+    deviation (ddof = 1) and t the two-sided ``level`` quantile of Student's t with n − 1
+    degrees of freedom (independent values).
+
+    With ``phases`` (the scale phase p_i ∈ [0, 1) each value was measured at, as
+    :func:`compare` draws them): the values are taken as y_i = f(p_i) + e_i, f periodic in
+    the phase (a metric of power-of-two scales is) and e_i independent noise, and the
+    target is the **octave mean** ∫₀¹ f(p) dp + E[e]. The estimate is the intercept of the
+    least-squares fit of y on 1, cos 2πkp, sin 2πkp for k = 1 … K — the mean corrected by
+    control variates whose octave mean is 0 — with its ordinary least-squares standard error
+    on n − 2K − 1 degrees of freedom. K is ``harmonics`` (default 2) or less, so that at
+    least 3 degrees of freedom remain (K = 2 from 8 values, 1 from 6, none below). Where f
+    varies over the octave (floor − rceil of MXFP4 on Gaussian data moves by 0.4 dB), the
+    independent interval counts that systematic spread as noise; this one removes the part
+    the harmonics explain. Its coverage is checked by simulation in the test suite
+    (periodic f of several shapes, kinks included, stratified and independent phases).
+
+    One value gives NaN bounds; a non-finite value gives a non-finite estimate and NaN bounds.
 
     Example:
         >>> m, lo, hi = confidence_interval([1.0, 2.0, 3.0])   # s = 1, t(0.975, 2) = 4.303
         >>> m, round(hi - m, 3)
         (2.0, 2.484)
+        >>> p = np.arange(8) / 8                                 # y = 1 + 0.3 cos 2πp exactly
+        >>> m, lo, hi = confidence_interval(1 + 0.3 * np.cos(2 * np.pi * p), phases=p)
+        >>> round(m, 12), round(hi - lo, 12)                    # the octave mean, no noise
+        (1.0, 0.0)
     """
     v = np.asarray(values, np.float64).ravel()
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     if v.size == 0:
         raise ValueError("confidence_interval needs at least one value")
-    mean = float(np.mean(v))
+    design = None if phases is None else _harmonic_design(phases, v.size, harmonics)
     if v.size == 1 or not np.all(np.isfinite(v)):
-        return mean, math.nan, math.nan
-    half = _t_quantile(float(level), v.size - 1) * float(np.std(v, ddof=1)) / math.sqrt(v.size)
-    return mean, mean - half, mean + half
+        return float(np.mean(v)), math.nan, math.nan
+    if design is None:
+        mean = float(np.mean(v))
+        half = _t_quantile(float(level), v.size - 1) * float(np.std(v, ddof=1)) / math.sqrt(v.size)
+        return mean, mean - half, mean + half
+    coef, *_ = np.linalg.lstsq(design, v, rcond=None)
+    resid = v - design @ coef
+    dof = v.size - design.shape[1]
+    se = math.sqrt(float(resid @ resid) / dof * float(np.linalg.inv(design.T @ design)[0, 0]))
+    half = _t_quantile(float(level), dof) * se
+    est = float(coef[0])
+    return est, est - half, est + half
+
+
+def _harmonic_design(phases, n: int, harmonics: int) -> Optional[np.ndarray]:
+    """The regression matrix [1, cos 2πkp, sin 2πkp]_{k ≤ K} of :func:`confidence_interval`,
+    or None where no harmonic fits (fewer than 6 values, or phases too few and alike)."""
+    p = np.asarray(phases, np.float64).ravel()
+    if p.size != n:
+        raise ValueError(f"phases must give one phase per value: {p.size} phases, {n} values")
+    if not np.all(np.isfinite(p)):
+        raise ValueError(f"phases must be finite, got {p.tolist()}")
+    if not (isinstance(harmonics, (int, np.integer)) and harmonics >= 0):
+        raise ValueError(f"harmonics must be a non-negative integer, got {harmonics!r}")
+    k = min(int(harmonics), (n - 4) // 2)   # at least 3 degrees of freedom left
+    while k > 0:
+        cols = [np.ones(n)]
+        for j in range(1, k + 1):
+            cols += [np.cos(2 * np.pi * j * p), np.sin(2 * np.pi * j * p)]
+        design = np.stack(cols, axis=1)
+        if np.linalg.matrix_rank(design) == design.shape[1]:
+            return design
+        k -= 1
+    return None
 
 
 # ------------------------------------------------------------------------------------------
@@ -564,12 +660,17 @@ def compare(
     **Scale phase.** MX scales are powers of two, so every metric is periodic in log2 of the
     input's scale σ with period 1, and a distribution drawn at σ = 1 measures one phase of
     that period only: MXFP8 E4M3 floor − rceil on Gaussian data runs from about −0.6 to −1.4
-    dB over an octave of σ. So by default a distribution name is drawn at σ = 2^p with p
-    uniform in [0, 1) per seed (``phase="dither"``, see :func:`sample`), and the interval
-    over seeds covers the phase as well as the data; arrays and functions keep their own
-    scale. ``phase=0.0`` gives the unit scale; a number p scales every input by 2^p;
-    ``"dither"`` dithers every input (arrays and functions too, then seeds vary the phase).
-    :func:`phase_sweep` reports the range over phases instead of averaging over it.
+    dB over an octave of σ. So by default a distribution name is drawn at σ = 2^p with the n
+    seeds' phases stratified over the octave (``phase="stratified"``: seed i of n in [i/n,
+    (i+1)/n), see :func:`stratified_phases`), and each estimate and interval is **for the
+    octave mean** — the metric's mean over a uniform phase and the data — from a fit on the
+    first harmonics of the phase (:func:`confidence_interval`); arrays and functions keep
+    their own scale. ``phase=0.0`` gives the unit scale; a number p scales every input by
+    2^p; ``"dither"`` draws each seed's phase independently (less evenly spread);
+    ``"stratified"`` and ``"dither"`` apply to arrays and functions too (then seeds vary the
+    phase). :func:`phase_sweep` reports the range over phases instead of the mean. The
+    frame's ``attrs`` record the seeds and phase mode of each input, the shape drawn, the
+    level, lowprec's version and the git commit it ran from.
 
     Args:
       x: the input: an array (evaluated once), a distribution name (see :func:`sample`;
@@ -583,9 +684,9 @@ def compare(
         (32 for OCP MX, 16 for NVFP4). A size given this way appears in the format's name
         (``"mxfp4_b16"``) as well as in ``block_size``.
       seeds: an int n (``range(n)``) or the seeds themselves. Default: 10 seeds for a
-        distribution name, a function or a dithered input, one evaluation for an array
-        (then seeds are only allowed with ``rounding="stochastic"``, where they seed the
-        rounding, or with ``phase="dither"``).
+        distribution name, a function or an input at a random phase, one evaluation for an
+        array (then seeds are only allowed with ``rounding="stochastic"``, where they seed
+        the rounding, or with a random phase).
       shape: the shape drawn for a distribution name.
       axis: the MX block axis (and the contraction axis of ``matmul_rel_error``); out of
         range raises.
@@ -594,8 +695,8 @@ def compare(
       level: confidence level of the intervals.
       per_seed: return one row per seed (``seed`` and ``phase`` columns, no intervals)
         instead; feed it to :func:`summarize` or :func:`paired_delta`.
-      phase: the scale phase (above): None (default: dither distribution names only), a
-        number, or ``"dither"``.
+      phase: the scale phase (above): None (default: stratified for distribution names,
+        the own scale for arrays and functions), a number, ``"stratified"`` or ``"dither"``.
       pad: zero-pad a block axis whose length is not a multiple of the block size; without
         it such an input raises, as in :func:`lowprec.quantize_mx`.
 
@@ -624,17 +725,18 @@ def compare(
     configs = _configs(formats, scale_rules, block_sizes)
     for fmt, *_ in configs:   # validate the options once, before any work
         ElementCast(fmt.element if isinstance(fmt, MXFormat) else fmt, rounding, overflow)
-    if phase is not None:
+    if phase is not None and phase != "stratified":
         phase_of(phase, 0)    # a bad phase fails before any work
-    rows = []
+    rows, seeds_of, phase_mode = [], {}, {}
     for label, source in inputs.items():
         is_array = not isinstance(source, str) and not callable(source)
-        # None: dither what is drawn at an arbitrary scale (a distribution name) only.
-        src_phase = ("dither" if isinstance(source, str) else None) if phase is None else phase
-        varies = not is_array or rounding == "stochastic" or src_phase == "dither"
+        # None: stratify what is drawn at an arbitrary scale (a distribution name) only.
+        src_phase = ("stratified" if isinstance(source, str) else None) if phase is None else phase
+        random_phase = src_phase in ("dither", "stratified")
+        varies = not is_array or rounding == "stochastic" or random_phase
         if seeds is None:
             seed_list = list(range(_DEFAULT_SEEDS)) if varies and (
-                not is_array or src_phase == "dither") else [None]
+                not is_array or random_phase) else [None]
         else:
             seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
             if not seed_list:
@@ -642,12 +744,18 @@ def compare(
             if not varies:
                 raise ValueError(
                     f"seeds only vary a generated input (a distribution name or a function of "
-                    f"a seed), stochastic rounding or a dithered phase; input {label!r} is a "
+                    f"a seed), stochastic rounding or a random phase; input {label!r} is a "
                     "fixed array. Drop seeds, or pass row_subsets(x, n) with seeds=range(n) "
                     "for an interval over parts of it"
                 )
-        for seed in seed_list:
-            p = phase_of(src_phase, seed)
+        if src_phase == "stratified":
+            phases = stratified_phases(seed_list)
+        else:
+            phases = [phase_of(src_phase, s) for s in seed_list]
+        seeds_of[label] = tuple(seed_list)
+        phase_mode[label] = src_phase
+        for seed, p in zip(seed_list, phases):
+            p = float(p)
             if isinstance(source, str):
                 data = sample(source, shape, seed=seed, phase=p)
             else:
@@ -664,7 +772,11 @@ def compare(
                              "block_size": bs, "bits_per_element": float(bits), "seed": seed,
                              "phase": p, **_metrics_row(stats, ulps, mm)})
     frame = _frame(rows)
-    frame.attrs["level"] = level
+    frame.attrs.update(
+        level=level, seeds=seeds_of, phase=phase_mode,
+        shape=tuple(int(d) for d in shape) if any(isinstance(v, str) for v in inputs.values())
+        else None,
+        **provenance())
     if per_seed:
         return frame
     return summarize(frame, level=level)
@@ -680,11 +792,22 @@ def _key_value(v):
 def summarize(per_seed_frame, *, level: float = 0.95):
     """Aggregates :func:`compare`'s ``per_seed=True`` output: mean and interval per configuration.
 
+    Each ``<metric>_lo`` / ``_hi`` pair bounds a ``level`` interval **for the mean** over
+    the seeds of the configuration — with random phases, for the octave mean (the mean over
+    a uniform scale phase and the data), not a range that single phases or seeds stay in
+    (:func:`phase_sweep` gives that). Where the seeds were drawn at different phases, the
+    estimate and its interval come from the harmonic fit of :func:`confidence_interval`
+    (``phases``); otherwise they are the mean and the independent interval. The frame's
+    ``attrs`` keep the input's provenance (seeds, shape, phase modes, lowprec version and
+    commit) and say which interval it is.
+
     Example:
         >>> runs = compare("laplace", "mxfp8_e4m3", scale_rules="rceil", seeds=4,
         ...                shape=(4, 128), per_seed=True)
         >>> len(runs), len(summarize(runs))
         (4, 1)
+        >>> sorted(summarize(runs).attrs["phase"].items()), summarize(runs).attrs["seeds"]
+        ([('laplace', 'stratified')], {'laplace': (0, 1, 2, 3)})
     """
     frame = per_seed_frame
     metrics = [m for m in METRICS if m in frame]
@@ -693,16 +816,35 @@ def summarize(per_seed_frame, *, level: float = 0.95):
         row = {k: _key_value(v) for k, v in zip(_KEYS, keys)}
         row["bits_per_element"] = float(group["bits_per_element"].iloc[0])
         row["n_seeds"] = int(len(group))
+        phases = _group_phases(group)
         for m in metrics:
-            mean, lo, hi = confidence_interval(group[m].to_numpy(np.float64), level)
+            mean, lo, hi = confidence_interval(group[m].to_numpy(np.float64), level, phases=phases)
             row[m] = mean
             if len(group) > 1:
                 low, high = _RANGES.get(m, (-math.inf, math.inf))
                 row[m + "_lo"], row[m + "_hi"] = max(lo, low), min(hi, high)
         out.append(row)
     result = _frame(out)
-    result.attrs["level"] = level
+    result.attrs.update(per_seed_frame.attrs)
+    result.attrs.update(level=level, interval=_interval_note(level))
     return result
+
+
+def _interval_note(level: float) -> str:
+    return (f"{100 * level:g} % Student-t interval for the mean over seeds; where the seeds "
+            "were drawn at different scale phases, for the octave mean (estimate and interval "
+            "from a least-squares fit on the first two harmonics of the phase)")
+
+
+def _group_phases(group) -> Optional[np.ndarray]:
+    """The phases of a group's rows when they are all different (a random phase per seed),
+    else None (a fixed phase, or an input's own scale: independent values)."""
+    if "phase" not in group:
+        return None
+    ph = group["phase"].to_numpy(np.float64)
+    if ph.size < 2 or not np.all(np.isfinite(ph)) or np.unique(ph).size < ph.size:
+        return None
+    return ph
 
 
 def _equals(series, value) -> np.ndarray:
@@ -727,9 +869,17 @@ def paired_delta(
     the data itself (and of a dithered scale phase: a seed fixes its phase), so a small but
     systematic difference gets a tight interval.
 
+    The interval is for the mean difference over the paired seeds — with random phases,
+    the octave mean, from the harmonic fit on the seeds' phases (see :func:`summarize`).
+
     Returns:
       A DataFrame with the key columns, ``baseline``, ``n_seeds``, ``delta`` (mean
       difference), ``delta_lo`` and ``delta_hi``; groups without a baseline row are left out.
+      Its ``attrs`` are the input's (provenance) and the interval's description.
+
+    Raises:
+      ValueError: ``baseline`` is not a value of the ``within`` column (a typo would
+        otherwise give an empty frame); the message lists the values present.
 
     Example:
         >>> runs = compare("gaussian", "mxfp8_e4m3", scale_rules=["floor", "rceil"],
@@ -742,6 +892,13 @@ def paired_delta(
         raise ValueError(f"within must be one of {_KEYS}, got {within!r}")
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; valid: {METRICS}")
+    present = [_key_value(v) for v in per_seed_frame[within].dropna().unique()]
+    if not _equals(per_seed_frame[within], baseline).any():
+        raise ValueError(
+            f"baseline {baseline!r} is not a {within} of this frame (its {within} values: "
+            f"{', '.join(map(repr, present)) or 'none'}); pick one of them, or run compare "
+            f"with {baseline!r} among its {within}s"
+        )
     others = [k for k in _KEYS if k != within]
     frame = per_seed_frame.copy()
     frame["_seed"] = frame["seed"].fillna(-1).astype("int64") if "seed" in frame else -1
@@ -759,14 +916,18 @@ def paired_delta(
             if len(common) == 0:
                 continue
             d = s.loc[common].to_numpy(np.float64) - base.loc[common].to_numpy(np.float64)
-            mean, lo, hi = confidence_interval(d, level)
+            phases = _group_phases(sub.set_index("_seed").loc[common])
+            mean, lo, hi = confidence_interval(d, level, phases=phases)
             row = {k: _key_value(v) for k, v in zip(others, keys)}
             row[within] = _key_value(value[0] if isinstance(value, tuple) else value)
             row.update({"baseline": baseline, "n_seeds": int(len(d)), "delta": mean,
                         "delta_lo": lo, "delta_hi": hi})
             out.append(row)
     columns = list(_KEYS) + ["baseline", "n_seeds", "delta", "delta_lo", "delta_hi"]
-    return _frame(out, columns=columns)
+    result = _frame(out, columns=columns)
+    result.attrs.update(per_seed_frame.attrs)
+    result.attrs.update(level=level, interval=_interval_note(level))
+    return result
 
 
 def phase_sweep(

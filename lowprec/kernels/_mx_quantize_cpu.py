@@ -38,6 +38,8 @@ def computes(fmt, rounding: str = "nearest_even") -> bool:
     el = fmt.element
     return (fmt.scheme.name == "e8m0" and rounding == "nearest_even" and native_element(el)
             and el.code_bits in (4, 6, 8)
+            # its two's-complement encode writes 8-bit codes (INT8) only, not INT4's nibbles
+            and (el.encoding != "twos_complement" or el.code_bits == 8)
             and el.bias == 1 - el.emin  # the kernel's fast encode derives the bias so
             and fmt.block_size % 4 == 0 and 4 <= fmt.block_size <= _MAX_BLOCK)
 
