@@ -423,3 +423,43 @@ def test_on_cuda_the_product_is_the_mosaic_gpu_kernel(fmt, cuda_branches):
         assert "mosaic_gpu_v2" not in lowered(1)
     finally:
         lowprec.kernels.set_policy(previous)
+
+
+# -- on a GPU: the compiled kernel ----------------------------------------------------------------
+
+ON_HOPPER = jax.default_backend() == "gpu" and all(
+    str(getattr(d, "compute_capability", "")).startswith("9") for d in jax.devices())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (the Mosaic GPU kernel's wgmma)")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("one", [True, False], ids=["one-multiply", "two-multiply"])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_the_kernel_on_a_hopper_gpu_is_within_the_bound(fmt, one, m):
+    """The compiled kernel (weight_only_matmul on the GPU) at a gpt-oss shape against the
+    exact product of the weight's values (table × scales, float64): within the bound, NaN
+    rows NaN, and the same result for the same call twice (no atomics)."""
+    n, k = 2880, 2880
+    rng = np.random.default_rng(m)
+    block = lowprec.mx_format(fmt).block_size
+    if fmt == "mxfp4":
+        s = rng.integers(100, 129 if one else 200, (n, k // block), dtype=np.uint8)
+        s[17, 5] = 0xFF
+    else:
+        s = rng.integers(0x08 if one else 0x01, 0x7F, (n, k // block), dtype=np.uint8)
+        s[17, 5] = 0x7F
+    w = _random_weight(fmt, n, k, seed=m, scales=s)
+    pw = lowprec.prepare_weight(w)
+    assert pw.one_multiply == one
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    y = np.asarray(lowprec.weight_only_matmul(x, pw), np.float64)
+    assert np.array_equal(y, np.asarray(lowprec.weight_only_matmul(x, pw)), equal_nan=True)
+    values = _values(w)
+    xs = np.asarray(x.astype(jnp.float32), np.float64)
+    exact = xs @ np.nan_to_num(values).T
+    nan_rows = np.isnan(values).any(axis=1)
+    assert np.isnan(y[:, nan_rows]).all() and not np.isnan(y[:, ~nan_rows]).any()
+    bound = _bound(xs, values) + 2.0**-23 * np.abs(exact)
+    err = np.abs(y - exact)[:, ~nan_rows]
+    assert (err <= bound[:, ~nan_rows]).all(), float((err / bound[:, ~nan_rows]).max())
