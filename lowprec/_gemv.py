@@ -1,4 +1,5 @@
-"""MXFP4 weight-only products for decode-time shapes: the two routes.
+"""Weight-only products for decode-time shapes: MXFP4 MXArrays' two routes, and
+:func:`weight_only_matmul` of a prepared FP4 weight (the Mosaic GPU kernel on Hopper).
 
 Decoding a model multiplies a few tokens (M ≤ 16) of bfloat16 activations by an MXFP4
 weight [N, K] quantized along K. The product is memory-bound: the weight is read once, so
@@ -17,6 +18,12 @@ calls qualify (and the kernel policy may turn the Pallas route off). Every other
 and every other shape, takes the generic quantized dot of ``_qdot.py``. All of them
 compute exact products with float32 sums, so they agree to within K·2^-23·Σ|w_i x_i|
 (docs/design.md §5).
+
+A weight prepared once by :func:`lowprec.prepare_weight` (``_prepared.py``) is multiplied by
+:func:`weight_only_matmul`: on a Hopper GPU, up to 16 tokens, the kernel of
+``kernels/_weight_only_mgpu.py`` (``kernels._dispatch.weight_only_kernel`` decides;
+``lax.platform_dependent`` picks it where XLA lowers for CUDA); elsewhere the generic dot of
+the same codes.
 """
 from __future__ import annotations
 
