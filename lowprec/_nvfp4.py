@@ -29,6 +29,7 @@ import contextlib
 
 from fractions import Fraction
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -140,21 +141,44 @@ def f32_div(a_bits, b_bits):
 
 # False while a Pallas (Triton) kernel body is traced: it lowers for one platform, so
 # f32_div_native divides exactly without platform_dependent, and Triton lowers no count of
-# leading zeros, so _clz searches for it.
+# leading zeros, so _clz searches for it. _ieee_instructions: the body is compiled for an
+# NVIDIA GPU (not run by the Pallas interpreter), so the element steps may use PTX's IEEE
+# instructions instead of the integer ones.
 _platform_branches = True
+_ieee_instructions = False
 
 
 @contextlib.contextmanager
-def one_platform():
+def one_platform(ieee_instructions: bool = False):
     """While tracing a Pallas kernel body (one non-CPU platform, Triton): :func:`f32_div_native`
     is the exact :func:`f32_div`, with no ``platform_dependent``, and leading zeros are
-    counted by a binary search (the same counts)."""
-    global _platform_branches
-    previous, _platform_branches = _platform_branches, False
+    counted by a binary search (the same counts). With ``ieee_instructions`` (a body compiled
+    for an NVIDIA GPU), :func:`f32_div_native` is PTX ``div.rn.f32`` and :func:`f32_mul`
+    ``mul.rn.f32``: IEEE 754 round-to-nearest-even operations with subnormals kept (PTX ISA:
+    without ``.ftz``), so the same bits as the integer arithmetic for the operands they get
+    (finite; the division's normal, the product's any), at a few instructions per element
+    instead of ~100."""
+    global _platform_branches, _ieee_instructions
+    previous = _platform_branches, _ieee_instructions
+    _platform_branches, _ieee_instructions = False, ieee_instructions
     try:
         yield
     finally:
-        _platform_branches = previous
+        _platform_branches, _ieee_instructions = previous
+
+
+def _ptx_binary(instruction: str, a_bits, b_bits):
+    """The float32 PTX ``instruction`` ("div.rn.f32", "mul.rn.f32") of two float32 patterns,
+    elementwise, as inline assembly in a Pallas Triton kernel body: bits of the result."""
+    from jax.experimental.pallas import triton as plt
+
+    a_bits, b_bits = jnp.broadcast_arrays(a_bits, b_bits)
+    a = lax.bitcast_convert_type(a_bits, jnp.float32)
+    b = lax.bitcast_convert_type(b_bits, jnp.float32)
+    [out] = plt.elementwise_inline_asm(
+        f"{instruction} $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return lax.bitcast_convert_type(out, jnp.uint32)
 
 
 def f32_div_native(a_bits, b_bits):
@@ -171,6 +195,8 @@ def f32_div_native(a_bits, b_bits):
         return lax.bitcast_convert_type(lax.bitcast_convert_type(a_bits, jnp.float32) / b,
                                         jnp.uint32)
 
+    if _ieee_instructions:
+        return _ptx_binary("div.rn.f32", a_bits, b_bits)
     if not _platform_branches:
         return f32_div(a_bits, b_bits)
     return lax.platform_dependent(a_bits, b_bits, cpu=on_cpu, default=f32_div)
@@ -192,7 +218,10 @@ def f32_mul_short(a_bits, b_bits):
 def f32_mul(a_bits, b_bits):
     """IEEE float32 a * b from the bits, rounded to nearest even, for finite a and b: the
     exact 48-bit product of the 24-bit significands from 12-bit halves (every partial product
-    and sum below 2^26 in uint32), then one rounding (subnormal results and overflow as IEEE)."""
+    and sum below 2^26 in uint32), then one rounding (subnormal results and overflow as IEEE).
+    In a kernel body compiled for a GPU (:func:`one_platform`), PTX ``mul.rn.f32``."""
+    if _ieee_instructions:
+        return _ptx_binary("mul.rn.f32", a_bits, b_bits)
     sign = lax.shift_right_logical((a_bits ^ b_bits) & jnp.uint32(F32_SIGN), jnp.uint32(31))
     sa, ea = _split(a_bits)
     sb, eb = _split(b_bits)

@@ -69,10 +69,11 @@ def pallas_fake_quantize_applies(cast: MXCast) -> bool:
 
 
 def _kernel(x_ref, *refs, cast: MXCast, rows: int, cols: int, pcols: int, br: int, bc: int,
-            amax_parts: int = 0):
+            amax_parts: int = 0, ieee: bool = False):
     """refs: element codes, scale codes; NVFP4: first its tensor scale [1] (float32) or,
     with ``amax_parts``, the partial maxima [parts] of :func:`_amax_kernel`, and last the
-    tensor scale used [1] (stored by program (0, 0))."""
+    tensor scale used [1] (stored by program (0, 0)). ``ieee``: compiled for a GPU (not the
+    interpreter), NVFP4's element division or product is PTX's IEEE instruction."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -117,7 +118,9 @@ def _kernel(x_ref, *refs, cast: MXCast, rows: int, cols: int, pcols: int, br: in
         plt.store(s_ref.at[pl.ds(i * br, br), pl.ds(j * (bc // 32), bc // 32)], scales,
                   mask=row_ok[:, None] & cols_ok(bc // 32)[None, :])
         return
-    with _nvfp4.one_platform():  # NVFP4's element division: the exact integer one
+    # NVFP4's element step: div.rn.f32 / mul.rn.f32 compiled, the integer versions (the
+    # same bits) in the interpreter.
+    with _nvfp4.one_platform(ieee_instructions=ieee):
         elements, scales, _ = encode_blocks(input_bits(x), cast, 1, None, tensor_scale,
                                             pack=_pack_pairs)
     for ref, val in ((e_ref, elements), (s_ref, scales)):
@@ -195,9 +198,10 @@ def quantize_mx_pallas(x, cast: MXCast, tensor_scale=None, *, axis: int = -1,
 
         params["compiler_params"] = plt.CompilerParams(num_warps=4)
     if block_rows is None:
-        # NVFP4's element division (integer long division, exact) takes ~4x the registers
-        # of the MX encode per element: 4 rows keep it near 64 registers without spills.
-        block_rows = 4 if isinstance(fmt.scheme, NVFP4Scheme) else 16
+        # NVFP4's element step (operand scaling, an IEEE division or product, the E2M1
+        # rounding) holds ~3x the registers of the MX encode per element: 8 rows keep it
+        # below 70 registers without spills (16: 96-128).
+        block_rows = 8 if isinstance(fmt.scheme, NVFP4Scheme) else 16
     operands = [x.reshape(rows, cols)]
     parts = 0
     if isinstance(fmt.scheme, NVFP4Scheme):
@@ -210,7 +214,7 @@ def quantize_mx_pallas(x, cast: MXCast, tensor_scale=None, *, axis: int = -1,
     out = pl.pallas_call(
         functools.partial(_kernel, cast=cast, rows=rows, cols=cols,
                           pcols=blocks * fmt.block_size, br=block_rows, bc=block_cols,
-                          amax_parts=parts),
+                          amax_parts=parts, ieee=not interpret),
         out_shape=out_shape,
         grid=(-(-rows // block_rows), -(-blocks * fmt.block_size // block_cols)),
         interpret=interpret,
