@@ -329,7 +329,7 @@ def _kernel_call(m: int, k: int, tile_rows: int, tile_cols: int, fmt_name: str,
                                 lambda s: (i, 0, stage(s), 0, 0)),
                 plgpu.BlockSpec(scale_block, lambda s: (i, 0, stage(s), 0)),
             ],
-            wg_axis="wg", num_compute_wgs=g, max_concurrent_steps=cfg.stages,
+            wg_axis="wg", num_compute_wgs=g, max_concurrent_steps=min(cfg.stages, steps),
             compute_context=compute_context)
         pipeline(x_gmem, w_gmem, s_gmem)
 
