@@ -37,7 +37,11 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
   activations and distinct weight buffers, and the time per product is the difference of
   the two programs' times (same rounds) over the extra products: dispatch cancels, and
   every weight comes from HBM as in a real decode step. "agree" checks every route
-  against the generic path within twice the float32 summation bound.
+  against the generic path within twice the float32 summation bound. Up to 16 tokens, two
+  more rows per shape: ``weight_only_matmul`` of the same weight prepared once
+  (``lowprec.prepare_weight``: the Mosaic GPU kernel on Hopper) in MXFP4 and in NVFP4,
+  against the bfloat16 product, checked against the exact product of their values.
+  ``--tune-prepared`` sweeps that kernel's launch parameters instead.
 * **mxfp8**: ``benchmarks/bench_matmul.py``'s cases at n = 4096, 8192, 16384: MXFP8 and
   MXFP4 pre-quantized operands and MXFP8 in-call quantization, in both weight layouts
   (K-major and [K, N]), each against the bfloat16 dot of its layout, with
@@ -46,8 +50,8 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
   convert, per format, 2^26 elements.
 
 Flags mark the rows that miss their targets: quantize ≥ 2.0 TB/s (mxfp8) / 1.8 (mxfp4); dequantize ≥
-2.0 TB/s and ≥ 0.95x JAX; weight-only ≥ 3x bf16; MXFP8 pre-quantized ≥ 0.95x bf16,
-in-call quantization ≥ 0.85x.
+2.0 TB/s and ≥ 0.95x JAX; weight-only ≥ 3x bf16 (prepared: 3x at one token, 2.5x at 16);
+MXFP8 pre-quantized ≥ 0.95x bf16, in-call quantization ≥ 0.85x.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ from _timing import time_interleaved  # noqa: E402
 import lowprec  # noqa: E402
 from lowprec import _gemv, _options, _qdot  # noqa: E402
 from lowprec.kernels._gemv_pallas import KernelConfig, default_config  # noqa: E402
+from lowprec.kernels._weight_only_mgpu import default_config as weight_only_config  # noqa: E402
 from lowprec._options import MXCast  # noqa: E402
 from lowprec.kernels._quantize_pallas import quantize_mx_pallas  # noqa: E402
 
@@ -86,7 +91,10 @@ BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
                     "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.4, "NVIDIA A100-SXM4-80GB": 312.0,
                     "NVIDIA A100-SXM4-40GB": 312.0}
 TARGET = {"quantize mxfp8": 2.0, "quantize mxfp4": 1.8, "dequantize": 2.0, "dequantize_vs_jax": 0.95,
-          "weight_only": 3.0, "mxfp8 pre-q": 0.95, "mxfp8 +quant": 0.85}
+          "weight_only": 3.0, "mxfp8 pre-q": 0.95, "mxfp8 +quant": 0.85,
+          "prepared 1 token": 3.0, "prepared": 2.5}
+#: Most tokens the prepared-weight kernel serves (weight_only_matmul takes the generic dot above).
+PREPARED_MAX_TOKENS = 16
 # --tune sweeps block_n x block_groups x num_warps x num_stages (x both inner products):
 # "small" (34 configurations at one token: about 3 minutes per shape on an H200, what a
 # lease allows) or "full" (--tune-space full: several hundred).
@@ -328,16 +336,29 @@ def _marginal(hi, lo, extra: int):
     return per
 
 
-def _operands(m, n, k, count):
+def _copies(tree, count: int) -> list:
+    """``count`` distinct buffers holding ``tree``'s arrays (one per product: see _repeated)."""
+    return [jax.tree.map(lambda a: a if a is None else a + jnp.zeros_like(a), tree)
+            for _ in range(count)]
+
+
+def _operands(m, n, k, count, prepared: bool = False):
     """``count`` activations [m, k] and ``count`` MXFP4 weight buffers [n, k] (distinct
-    buffers with the same codes, one per product: see _repeated), and the bfloat16 weight."""
+    buffers with the same codes, one per product: see _repeated), and the bfloat16 weight;
+    with ``prepared``, also ``count`` copies of that weight and of its NVFP4 quantization
+    prepared for ``weight_only_matmul`` (lowprec.prepare_weight, once each)."""
     key = jax.random.key(n + k + m)
     w = jax.random.normal(key, (n, k), jnp.float32)
     mx = lowprec.quantize_mx(w, "mxfp4", axis=1, scale_rule="rceil")
-    mxs = [jax.tree.map(lambda a: a + jnp.zeros_like(a), mx) for _ in range(count)]
+    mxs = _copies(mx, count)
     xs = [jax.random.normal(jax.random.fold_in(key, i), (m, k), jnp.bfloat16)
           for i in range(count)]
-    return xs, mxs, w.astype(jnp.bfloat16)
+    extra = {}
+    if prepared:
+        extra["prepared mxfp4"] = _copies(lowprec.prepare_weight(mx), count)
+        nv = lowprec.quantize_mx(w, "nvfp4", axis=1)
+        extra["prepared nvfp4"] = _copies(lowprec.prepare_weight(nv), count)
+    return xs, mxs, w.astype(jnp.bfloat16), extra
 
 
 def weight_only_cases(m, n, k, inner: int, interpret: bool, cfg=None):
@@ -352,13 +373,18 @@ def weight_only_cases(m, n, k, inner: int, interpret: bool, cfg=None):
         w3 = lowprec.MXArray(w.elements[None], w.scales[None], w.fmt, 2, (1,) + w.shape)
         return _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs)[0]
 
-    return {
+    prepared = (lambda x, w: lowprec.weight_only_matmul(x, w)) if m <= PREPARED_MAX_TOKENS else None
+    cases = {
         "bf16 dot": (lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32), "bf16"),
         "pallas": (pallas, "mx"),
         "xla route": (lambda x, w: _gemv.mxfp4_matmul(x, w, "xla"), "mx"),
         "dot_general": (lambda x, w: lowprec.dot_general(x, w, DN), "mx"),
         "generic": (generic, "mx"),
     }
+    if prepared is not None:  # the Mosaic GPU kernel on Hopper (weight_only_matmul)
+        cases["prepared mxfp4"] = (prepared, "prepared mxfp4")
+        cases["prepared nvfp4"] = (prepared, "prepared nvfp4")
+    return cases
 
 
 def bench_weight_only(shapes, tokens, roof: Roofline, reps: int, inner: int, quick: bool) -> tuple:
@@ -367,11 +393,11 @@ def bench_weight_only(shapes, tokens, roof: Roofline, reps: int, inner: int, qui
     lo, hi = _counts(inner)
     for (n, k), m in itertools.product(shapes, tokens):
         mx_bytes = n * k // 2 + n * k // 32
-        xs, mxs, w16 = _operands(m, n, k, hi)
+        xs, mxs, w16, extra = _operands(m, n, k, hi, prepared=m <= PREPARED_MAX_TOKENS)
         w16s = [w16 + jnp.zeros_like(w16) for _ in range(hi)]
         cases, progs = {}, {}
         for name, (fn, kind) in weight_only_cases(m, n, k, inner, interpret).items():
-            ws = mxs if kind == "mx" else w16s
+            ws = {"mx": mxs, "bf16": w16s}.get(kind) or extra[kind]
             progs[name] = (fn, ws)
             for count in (lo, hi):
                 cases[(name, count)] = functools.partial(_repeated(fn, count), xs, ws)
@@ -401,11 +427,83 @@ def bench_weight_only(shapes, tokens, roof: Roofline, reps: int, inner: int, qui
             ("ok" if ratio >= TARGET["weight_only"] else "MISS <3x bf16")
             + ("" if all(agree) else "; DISAGREE"),
         ))
+        rows += _prepared_rows(m, n, k, t, per, progs, xs[0], roof)
         records.append({"m": m, "n": n, "k": k, "per_product_s": per, "agree": agree,
                         "programs": [lo, hi],
                         "timings": {a: (b.as_dict() if isinstance(b, Timing) else b)
                                     for a, b in t.items()}})
     return rows, records
+
+
+def _prepared_rows(m, n, k, t, per, progs, x0, roof: Roofline) -> list:
+    """Rows of the prepared-weight kernel (MXFP4, NVFP4) against the bfloat16 product, with
+    their targets (3x at one token, 2.5x at 16) and agreement with the exact product."""
+    rows = []
+    for name in ("prepared mxfp4", "prepared nvfp4"):
+        if name not in progs:
+            continue
+        fn, ws = progs[name]
+        w = ws[0]
+        y = np.asarray(jax.jit(fn)(x0, w), np.float64)
+        values = np.asarray(lowprec.dequantize(w.to_mxarray()), np.float64)
+        xf = np.asarray(x0.astype(jnp.float32), np.float64)
+        exact = xf @ values.T
+        # The summation bound (twice, as above), and NVFP4's tensor scale rounding once more.
+        bound = 2 * k * 2.0**-23 * (np.abs(xf) @ np.abs(values).T) + 2.0**-22 * np.abs(exact)
+        agree = bool(np.all(np.abs(y - exact) <= bound))
+        fmt = name.split()[1]
+        nbytes = w.nbytes + 2 * m * k + 4 * m * n
+        ratio = speed_ratio(t[name], t["bf16 dot"])
+        target = TARGET["prepared 1 token"] if m == 1 else TARGET["prepared"]
+        cfg = weight_only_config(m, (n, k))
+        rows.append(Row(
+            f"{fmt.upper()} prepared x bf16, M={m}, {n}x{k} (us)",
+            f"{_f(per[name] * 1e6, 1)} ({'one' if w.one_multiply else 'two'} multiply)",
+            f"bf16 dot {_f(per['bf16 dot'] * 1e6, 1)}; triton {_f(per['pallas'] * 1e6, 1)}; "
+            f"splits {cfg.splits}",
+            f"{_f(ratio)}x bf16",
+            _f(roof.pct_memory(nbytes, per[name]), 0),
+            ("ok" if ratio >= target else f"MISS <{target}x bf16") + ("" if agree else "; DISAGREE"),
+        ))
+    return rows
+
+
+def tune_prepared(shapes, tokens, reps: int, inner: int) -> None:
+    """Sweeps the prepared-weight kernel's launch parameters (WeightOnlyConfig) per decode
+    shape; prints the five best and the default."""
+    from lowprec.kernels._weight_only_mgpu import WeightOnlyConfig
+
+    for (n, k), m in itertools.product(shapes, tokens):
+        if m > PREPARED_MAX_TOKENS:
+            continue
+        base = weight_only_config(m, (n, k))
+        configs = {base}
+        for groups, tiles, stages, splits in itertools.product(
+                (1, 2), (2, 4), (3, 4, 6), sorted({1, 2, 4, base.splits, 2 * base.splits})):
+            configs.add(WeightOnlyConfig(base.tokens, groups, tiles, stages, splits))
+        lo, hi = _counts(inner)
+        xs, _, _, extra = _operands(m, n, k, hi, prepared=True)
+        ws = extra["prepared mxfp4"]
+        results = []
+        print(f"tuning the prepared MXFP4 kernel, M={m} {n}x{k}: {len(configs)} configurations",
+              flush=True)
+        for cfg in sorted(configs, key=repr):
+            fn = functools.partial(lambda x, w, c: lowprec.weight_only_matmul(x, w, config=c),
+                                   c=cfg)
+            try:
+                progs = {c: functools.partial(_repeated(fn, c), xs, ws) for c in (lo, hi)}
+                r = time_interleaved(progs, reps=reps)
+            except Exception as e:  # noqa: BLE001 - a configuration that does not fit
+                print(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            r = _marginal(r[hi], r[lo], hi - lo)
+            if isinstance(r, Timing):
+                results.append((r.median, cfg))
+        results.sort(key=lambda p: p[0])
+        default_t = next((s for s, c in results if c == base), float("nan"))
+        for s_, cfg in results[:5]:
+            print(f"  {s_ * 1e6:8.1f} us  {cfg}")
+        print(f"  {default_t * 1e6:8.1f} us  default {base}\n", flush=True)
 
 
 def tune(shapes, tokens, reps: int, inner: int, space: str = "small") -> None:
@@ -426,7 +524,7 @@ def tune(shapes, tokens, reps: int, inner: int, space: str = "small") -> None:
                 splits = max(1, min(steps, -(-512 // tiles)))
                 configs.add(KernelConfig(bn, gb, splits, inner_kind, bm, warps, stages))
         lo, hi = _counts(inner)
-        xs, mxs, _ = _operands(m, n, k, hi)
+        xs, mxs, _, _ = _operands(m, n, k, hi)
         results = []
         print(f"tuning M={m} {n}x{k}: {len(configs)} configurations", flush=True)
         for cfg in sorted(configs, key=repr):
@@ -541,6 +639,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write every row and timing here")
     p.add_argument("--pytest-log", metavar="PATH", help="pytest output to summarize as the first row")
     p.add_argument("--tune", action="store_true", help="sweep MXFP4 kernel tiles instead")
+    p.add_argument("--tune-prepared", action="store_true",
+                   help="sweep the prepared-weight kernel's launch parameters instead")
     p.add_argument("--tune-space", choices=sorted(TUNE_SPACES), default="small",
                    help="the sweep's configurations (default small: 34 at one token)")
     p.add_argument("--matmul-sizes", type=int, nargs="+", metavar="N",
@@ -576,6 +676,9 @@ def main(argv=None) -> int:
           + ("" if on_gpu else "  (NOT A GPU: figures are a smoke test only)"), flush=True)
     if args.tune:
         tune(shapes, tokens, reps, inner, args.tune_space)
+        return 0
+    if args.tune_prepared:
+        tune_prepared(shapes, tokens, reps, inner)
         return 0
     roof = measure_roofline(n, reps)
     print(f"roofline: copy {roof.copy_bps / 1e12:.2f} TB/s; bf16 {roof.bf16_flops / 1e12:.0f} "

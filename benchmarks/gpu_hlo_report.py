@@ -16,7 +16,7 @@ sets the array, ``--only`` filters entry points, ``--json`` writes the rows.
 For each entry point (``quantize_mx`` per MX format and scale rule, along the last axis,
 along axis 0 and with ``pad=True``; ``dequantize`` to float32 and bfloat16;
 ``fake_quantize_mx``; ``shared_exponents``; ``encode``; the Pallas kernels; the dot
-products) the script takes XLA's optimized module and lists the top-level instructions of
+products; ``weight_only_matmul`` of prepared MXFP4/NVFP4 weights) the script takes XLA's optimized module and lists the top-level instructions of
 its entry computation that launch work: fusions (with their kind: kLoop = elementwise,
 kInput = a reduction, kCustom = Triton/cuBLAS), custom calls, copies and transposes that
 move data, reduces, dots, conditionals and loops. Bitcasts, tuples, parameters and constants
@@ -447,6 +447,28 @@ def entry_points(shape, pallas: bool = False, full: bool = True):
         t = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
         cases[f"dot_general mxfp4 weight x {m} tokens"] = (
             lambda t, w: lowprec.dot_general(t, w, dn), t, w4)
+    cases.update(prepared_weight_entry_points(shape))
+    return cases
+
+
+def prepared_weight_entry_points(shape) -> dict:
+    """``weight_only_matmul`` of a prepared MXFP4 / NVFP4 weight [N, K] (the Mosaic GPU
+    kernel on Hopper) at 1 and 16 tokens: name -> (function, *argument specs)."""
+    from lowprec import _prepared as prep
+
+    n, k = shape
+    tn, tk = prep.tile_counts((n, k))
+    s = jax.ShapeDtypeStruct
+    cases = {}
+    for fmt in prep.FORMATS:
+        w = prep.PreparedWeight(
+            s((tn, tk, prep.THREADS, prep.WORDS_PER_THREAD), jnp.uint32),
+            s((tn, tk, 32 * prep.SCALE_BYTES_PER_QUAD[fmt]), jnp.uint8), s((n,), jnp.bool_),
+            lowprec.mx_format(fmt), (n, k), 1, True, None,
+            s((), jnp.float32) if fmt == "nvfp4" else None)
+        for m in (1, 16):
+            cases[f"weight_only_matmul prepared {fmt} x {m} tokens"] = (
+                lambda t, w: lowprec.weight_only_matmul(t, w), s((m, k), jnp.bfloat16), w)
     return cases
 
 

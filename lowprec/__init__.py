@@ -34,6 +34,8 @@ from ._format import (
 from ._p3109 import p3109
 from ._gpt_oss import from_gpt_oss, to_gpt_oss
 from ._matmul import dot_general, matmul, mxfp4_gemv
+from ._prepared import PreparedWeight, prepare_weight
+from ._gemv import weight_only_matmul
 from ._mx import dequantize, fake_quantize_mx, quantize_mx, shared_exponents
 from ._mxarray import MXArray
 from ._ragged import ragged_dot
@@ -94,6 +96,7 @@ __all__ = [
     "MXArray",
     "MXFormat",
     "MXFormatLike",
+    "PreparedWeight",
     "ScaleRule",
     "ScaleScheme",
     "decode",
@@ -108,6 +111,7 @@ __all__ = [
     "mx_format",
     "mxfp4_gemv",
     "p3109",
+    "prepare_weight",
     "pack_fp4",
     "pack_fp6",
     "quantize",
@@ -120,4 +124,5 @@ __all__ = [
     "to_gpt_oss",
     "unpack_fp4",
     "unpack_fp6",
+    "weight_only_matmul",
 ]

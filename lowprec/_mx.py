@@ -57,8 +57,14 @@ def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel: bool, nati
         return xla(x)
 
     def one_pass_kernel(v):
-        elements, scales = quantize_mx_pallas(v, cast, axis=axis)
-        return MXArray(elements, scales, cast.fmt, axis, tuple(v.shape), cast.scale_rule)
+        ts = None
+        if cast.fmt.scheme.tensor_scale:
+            # NVFP4: one pass given the tensor scale; computed, a first pass for the largest
+            # magnitude (a tensor-wide scale computed from the data reads x twice).
+            elements, scales, ts = quantize_mx_pallas(v, cast, tensor_scale, axis=axis)
+        else:
+            elements, scales = quantize_mx_pallas(v, cast, axis=axis)
+        return MXArray(elements, scales, cast.fmt, axis, tuple(v.shape), cast.scale_rule, ts)
 
     # XLA compiles the block maximum and the encode into two passes over x (a reduction,
     # then a loop that reads x again: 1.9-2.5x the ideal bytes on an H100); the Pallas

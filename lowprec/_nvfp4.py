@@ -31,8 +31,11 @@ least 2^-6) is a positive float32 — below it torchao divides by an underflowed
 
 from __future__ import annotations
 
+import contextlib
+
 from fractions import Fraction
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -67,6 +70,19 @@ def _f32_const_bits(v: float) -> int:
     return int(f.view(np.uint32))
 
 
+def _clz(x):
+    """Leading zeros of uint32 ``x`` (32 for 0) as int32: ``lax.clz``, or in a kernel body a
+    binary search over the top 16, 8, 4, 2, 1 bits."""
+    if _platform_branches:
+        return lax.clz(x).astype(jnp.int32)
+    n = jnp.zeros(x.shape, jnp.int32)
+    for s in (16, 8, 4, 2, 1):
+        top_zero = lax.shift_right_logical(x, jnp.uint32(32 - s)) == 0
+        n = n + jnp.where(top_zero, jnp.int32(s), jnp.int32(0))
+        x = jnp.where(top_zero, lax.shift_left(x, jnp.uint32(s)), x)
+    return n + jnp.where(x == 0, jnp.int32(1), jnp.int32(0))
+
+
 def _split(bits):
     """Finite nonzero float32 bits → (significand in [2^23, 2^24) as uint32, exponent of its
     last bit as int32): value = sig * 2^exp. Subnormals are normalized with clz."""
@@ -74,7 +90,7 @@ def _split(bits):
     efield = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32)
     sig = jnp.where(efield > 0, (mag & F32_MANT) | (1 << F32_MANT_BITS), mag & F32_MANT)
     exp = jnp.maximum(efield, 1) - 150  # 1 - 127 - 23
-    nz = jnp.maximum(lax.clz(sig).astype(jnp.int32) - 8, 0)  # leading bit to position 23
+    nz = jnp.maximum(_clz(sig) - 8, 0)  # leading bit to position 23
     return lax.shift_left(sig, nz.astype(jnp.uint32)), exp - nz
 
 
@@ -82,7 +98,7 @@ def round_to_f32(sig, exp, sign, sticky):
     """float32 bits of sign * (sig + s) * 2^exp, rounded to nearest even, where 0 <= s < 1 is
     nonzero iff ``sticky``; sig < 2^30 (uint32). Subnormal results and overflow to inf are
     handled like IEEE 754."""
-    top = exp + 31 - lax.clz(sig).astype(jnp.int32)  # floor(log2 value) for sig > 0
+    top = exp + 31 - _clz(sig)  # floor(log2 value) for sig > 0
     binade = jnp.maximum(top, -126)
     shift = binade - 23 - exp  # bits to drop (<= 0: the value is exact, shift left)
     # Fold the sticky bit in below the rounding position (one more bit to drop).
@@ -129,6 +145,48 @@ def f32_div(a_bits, b_bits):
     return jnp.where(zero, lax.shift_left(sign, jnp.uint32(31)), out)
 
 
+# False while a Pallas (Triton) kernel body is traced: it lowers for one platform, so
+# f32_div_native divides exactly without platform_dependent, and Triton lowers no count of
+# leading zeros, so _clz searches for it. _ieee_instructions: the body is compiled for an
+# NVIDIA GPU (not run by the Pallas interpreter), so the element steps may use PTX's IEEE
+# instructions instead of the integer ones.
+_platform_branches = True
+_ieee_instructions = False
+
+
+@contextlib.contextmanager
+def one_platform(ieee_instructions: bool = False):
+    """While tracing a Pallas kernel body (one non-CPU platform, Triton): :func:`f32_div_native`
+    is the exact :func:`f32_div`, with no ``platform_dependent``, and leading zeros are
+    counted by a binary search (the same counts). With ``ieee_instructions`` (a body compiled
+    for an NVIDIA GPU), :func:`f32_div_native` is PTX ``div.rn.f32`` and :func:`f32_mul`
+    ``mul.rn.f32``: IEEE 754 round-to-nearest-even operations with subnormals kept (PTX ISA:
+    without ``.ftz``), so the same bits as the integer arithmetic for the operands they get
+    (finite; the division's normal, the product's any), at a few instructions per element
+    instead of ~100."""
+    global _platform_branches, _ieee_instructions
+    previous = _platform_branches, _ieee_instructions
+    _platform_branches, _ieee_instructions = False, ieee_instructions
+    try:
+        yield
+    finally:
+        _platform_branches, _ieee_instructions = previous
+
+
+def _ptx_binary(instruction: str, a_bits, b_bits):
+    """The float32 PTX ``instruction`` ("div.rn.f32", "mul.rn.f32") of two float32 patterns,
+    elementwise, as inline assembly in a Pallas Triton kernel body: bits of the result."""
+    from jax.experimental.pallas import triton as plt
+
+    a_bits, b_bits = jnp.broadcast_arrays(a_bits, b_bits)
+    a = lax.bitcast_convert_type(a_bits, jnp.float32)
+    b = lax.bitcast_convert_type(b_bits, jnp.float32)
+    [out] = plt.elementwise_inline_asm(
+        f"{instruction} $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return lax.bitcast_convert_type(out, jnp.uint32)
+
+
 def f32_div_native(a_bits, b_bits):
     """Bits of the IEEE float32 quotient a / b (a finite; b nonzero, not NaN, an infinite b
     giving a signed zero; one shape): XLA's float32 division on CPU, correctly rounded where
@@ -143,6 +201,10 @@ def f32_div_native(a_bits, b_bits):
         return lax.bitcast_convert_type(lax.bitcast_convert_type(a_bits, jnp.float32) / b,
                                         jnp.uint32)
 
+    if _ieee_instructions:
+        return _ptx_binary("div.rn.f32", a_bits, b_bits)
+    if not _platform_branches:
+        return f32_div(a_bits, b_bits)
     return lax.platform_dependent(a_bits, b_bits, cpu=on_cpu, default=f32_div)
 
 
@@ -162,7 +224,10 @@ def f32_mul_short(a_bits, b_bits):
 def f32_mul(a_bits, b_bits):
     """IEEE float32 a * b from the bits, rounded to nearest even, for finite a and b: the
     exact 48-bit product of the 24-bit significands from 12-bit halves (every partial product
-    and sum below 2^26 in uint32), then one rounding (subnormal results and overflow as IEEE)."""
+    and sum below 2^26 in uint32), then one rounding (subnormal results and overflow as IEEE).
+    In a kernel body compiled for a GPU (:func:`one_platform`), PTX ``mul.rn.f32``."""
+    if _ieee_instructions:
+        return _ptx_binary("mul.rn.f32", a_bits, b_bits)
     sign = lax.shift_right_logical((a_bits ^ b_bits) & jnp.uint32(F32_SIGN), jnp.uint32(31))
     sa, ea = _split(a_bits)
     sb, eb = _split(b_bits)

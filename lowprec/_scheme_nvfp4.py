@@ -164,6 +164,12 @@ class NVFP4Scheme(ScaleScheme):
             ts_bits = _nvfp4.tensor_scale_bits(_finite_amax_bits(bits, amax), q)
         else:
             ts_bits = f32_bits(tensor_scale)
+        return self.clamp_tensor_scale_bits(ts_bits, cast)
+
+    @staticmethod
+    def clamp_tensor_scale_bits(ts_bits, cast):
+        """A tensor scale (computed or given) raised to the least the encoder divides by:
+        2^-143, or 2^-121 for the ``"reciprocal"`` step."""
         ts_bits = _nvfp4.clamp_tensor_scale_bits(ts_bits)
         if cast.nvfp4_step == "reciprocal":
             ts_bits = jnp.maximum(ts_bits, jnp.uint32(_nvfp4.MIN_RECIPROCAL_TENSOR_SCALE_BITS))

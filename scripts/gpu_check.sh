@@ -13,8 +13,9 @@
 # Usage: scripts/gpu_check.sh [OUT_DIR] (default: gpu_check_out). Environment: PYTHON (the
 # interpreter, default python3); FULL=1 (no time limits, the whole suite and benchmark);
 # ALLOW_CPU=1 (run without a GPU: a smoke test of this script); TUNE=1 (also sweep the MXFP4
-# kernel's tiles at one token, $OUT/tune.txt: at most 4 minutes more). Exits non-zero if the
-# tests fail or time out (after the benchmark).
+# kernel's tiles at one token, $OUT/tune.txt: at most 4 minutes more); TUNE_PREPARED=1 (sweep
+# the prepared-weight kernel's launch parameters, $OUT/tune_prepared.txt: at most 4 minutes
+# more). Exits non-zero if the tests fail or time out (after the benchmark).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu_check_out}"
@@ -61,7 +62,8 @@ else
          tests/test_mx_properties.py tests/test_mx_formats.py tests/test_pack.py
          tests/test_scale_schemes.py tests/test_ragged.py tests/test_random_words.py
          tests/test_fast_paths.py tests/test_delayed.py tests/test_nvfp4_train.py
-         tests/test_kernels.py tests/test_matmul.py tests/test_matmul_elision.py tests/test_api.py)
+         tests/test_kernels.py tests/test_matmul.py tests/test_matmul_elision.py tests/test_api.py
+         tests/test_prepared_weight.py)
   MARK=(-m "gpu or not slow")
 fi
 stage 200 tests "$PY" -m pytest -ra -p no:cacheprovider --durations=10 "${XDIST[@]}" \
@@ -74,7 +76,8 @@ BENCH=(--reps 3 --matmul-sizes 4096 8192)
 WEIGHTS=(--weight-shapes 4096x4096 16384x8192 --tokens 1 16 --inner 8)
 [[ "$FULL" == "1" ]] && BENCH=() && WEIGHTS=()
 first=1
-for spec in "quantize 70" "dequantize 45" "nvfp4 40" "mxfp8 70" "weight_only 100" "encode 35"; do
+# weight_only also times the prepared-weight kernel (MXFP4 and NVFP4) against bfloat16.
+for spec in "quantize 70" "dequantize 45" "nvfp4 40" "mxfp8 70" "weight_only 140" "encode 35"; do
   set -- $spec
   extra=()
   [[ $first == 1 ]] && extra=(--pytest-log "$OUT/pytest.log")
@@ -86,6 +89,10 @@ done
 if [[ "${TUNE:-0}" == "1" ]]; then  # the MXFP4 kernel's tiles at one token, 16384 x 8192
   stage 240 "tune" "$PY" benchmarks/bench_gpu.py --tune --reps 3 --weight-shapes 16384x8192 \
     --tokens 1 --inner 8 2>&1 | tee "$OUT/tune.txt"
+fi
+if [[ "${TUNE_PREPARED:-0}" == "1" ]]; then  # the prepared-weight kernel's launch parameters
+  stage 240 "tune prepared" "$PY" benchmarks/bench_gpu.py --tune-prepared --reps 3 \
+    --weight-shapes 4096x4096 16384x8192 --tokens 1 16 --inner 8 2>&1 | tee "$OUT/tune_prepared.txt"
 fi
 
 left=$((560 - (SECONDS - START)))

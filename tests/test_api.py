@@ -294,6 +294,11 @@ def _w4():
     return lowprec.quantize_mx(jnp.ones((8, 64)), "mxfp4")
 
 
+def _pw4():
+    with jax.ensure_compile_time_eval():  # prepared where the weight is loaded: concrete
+        return lowprec.prepare_weight(_w4())
+
+
 def _vjp(f):
     """x, ct -> f's vjp at x applied to ct (the cotangent is an input: no constant seed)."""
     return lambda x, ct: jax.vjp(f, x)[1](ct)[0]
@@ -340,6 +345,7 @@ HALF_CALLS = {
         a.reshape(2, 32), a.reshape(2, 32), lowprec.DelayedScaling(amax_history_len=2).init(),
         _DN, lowprec.DelayedScaling(amax_history_len=2)), x)[1](jnp.ones((2, 2)))[0],
     "mxfp4_gemv": lambda x: lowprec.mxfp4_gemv(_w4(), x),
+    "weight_only_matmul": lambda x: lowprec.weight_only_matmul(x, _pw4()),
 }
 _COTANGENT_SHAPES = {
     "dot_general-vjp-ste": (2, 2), "dot_general-vjp-quantized": (2, 2),
@@ -351,7 +357,7 @@ _NO_FLOAT_IO = {
     "finfo", "resolve_format", "element_format", "mx_format", "pack_fp4", "unpack_fp4",
     "pack_fp6", "unpack_fp6", "p3109",
     "to_gpt_oss", "from_gpt_oss", "MXArray", "ScaleRule", "random_bits", "scale_scheme",
-    "ScaleScheme",
+    "ScaleScheme", "prepare_weight",
 }
 
 
@@ -378,8 +384,8 @@ def test_half_precision_paths_hold_no_float_convert(dtype, name):
     """XLA on GPU turns any half NaN into 0x7fffffff when it converts (sign lost), so no
     compiled lowprec program converts half-precision floats at all: widening and narrowing
     are bitcasts and integer arithmetic (docs/design.md §8), forward and backward."""
-    if name == "mxfp4_gemv" and dtype == jnp.float16:
-        pytest.skip("mxfp4_gemv takes bfloat16 activations only")
+    if name in ("mxfp4_gemv", "weight_only_matmul") and dtype == jnp.float16:
+        pytest.skip(f"{name} takes bfloat16 activations only")
     args = [jax.ShapeDtypeStruct((64,), dtype)]
     if name in _COTANGENT_SHAPES:
         args.append(jax.ShapeDtypeStruct(_COTANGENT_SHAPES[name], dtype))

@@ -10,6 +10,12 @@ Claims checked on XLA's optimized H100 module (not on timings):
 
 * every Pallas kernel (the MX quantizer, the MX fake quantizer, the MXFP4 decode-time
   product for 1, 4 and 16 tokens) compiles to PTX for sm_90a, without register spills;
+* NVFP4 quantize_mx is one Pallas kernel given the tensor scale (1.0x the ideal bytes), two
+  computing it (the largest magnitude first);
+* the decode-time product of a prepared FP4 weight (``weight_only_matmul``, Mosaic GPU)
+  spends at most 4 PTX instructions per weight element in its steady-state loop, at 1 and
+  16 tokens alike, with no shuffles, no ``bar.sync`` and 16-byte fragment loads
+  (``benchmarks/gpu_decode_ptx.py``);
 * quantize_mx (every E8M0 MX format, every scale rule, along the last axis, and along
   axis 0 of a 2-D array for all but FP6; zero padding included), fake_quantize_mx (every E8M0 format) and dequantize (every E8M0 format,
   float32 and bfloat16, either axis) are one pass: one kernel streams the data (XLA sometimes adds a second over the per-block
@@ -24,6 +30,7 @@ Claims checked on XLA's optimized H100 module (not on timings):
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import jax
@@ -131,6 +138,26 @@ def test_nvfp4_dequantize_is_one_pass(dtype, axis):
     assert "conditional" not in hlo
 
 
+@pytest.mark.parametrize("step", ["divide", "reciprocal"])
+def test_nvfp4_quantize_is_one_kernel_given_its_tensor_scale_and_two_computing_it(step, tmp_path):
+    """NVFP4 quantize_mx on CUDA (issue 32 item 5; before: 6 kernels, 3.3x the ideal bytes):
+    given the tensor scale, one Pallas kernel reading x once (1.0x the ideal bytes); computing
+    it, a first kernel for the largest magnitude (x read twice: 8 + 0.56 bytes per element
+    where one pass moves 4.56, 1.9x), no XLA fusion between. No register spills."""
+    for ts, kernels, traffic in ((1.0, 1, MAX_TRAFFIC), (None, 2, 1.9)):
+        dump = tmp_path / f"ts{ts}"
+        hlo = _compile(lambda v: lowprec.quantize_mx(v, "nvfp4", tensor_scale=ts,
+                                                     nvfp4_step=step), X, dump_dir=str(dump))
+        s = report.summarize(hlo)
+        assert s["kernels"] == kernels and s["passes"] == kernels, (ts, s["kinds"], s["notes"])
+        assert s["traffic_over_ideal"] <= traffic, (ts, s["traffic_over_ideal"], s["kinds"])
+        stats = report.ptx_kernel_stats(sorted(map(str, dump.glob("*.ptx"))), "sm_90a")
+        mine = {n: v for n, v in stats.items() if "lowprec_" in n}
+        assert len(mine) == kernels, sorted(stats)
+        for name, (regs, spill_st, spill_ld) in mine.items():
+            assert spill_st == spill_ld == 0, f"{name}: {regs} registers, spills {spill_st}/{spill_ld} B"
+
+
 @pytest.mark.parametrize("fmt", E8M0)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_fake_quantize_mx_is_one_pass(fmt, dtype):
@@ -219,3 +246,67 @@ def test_cast_pair_elision_reproduces_and_lowprec_is_immune():
         kept = s["fused_ops"] > 10 or ("__gpu$xla.gpu.triton" in hlo and "shrui" in hlo)
         assert s["kernels"] >= 1 and kept, f"{name} compiled to nothing: {s}"
         assert "f8e4m3" not in hlo.lower() and "f4e2m1" not in hlo.lower(), name
+
+
+# -- the decode-time product of a prepared FP4 weight (Mosaic GPU, issue 32 item 4) --------------
+
+import gpu_decode_ptx as decode_ptx  # noqa: E402
+
+DECODE_SHAPE = (4096, 4096)
+
+
+@pytest.fixture(scope="module")
+def decode_kernels():
+    """The Mosaic GPU kernel compiled for an H100 per format, scale arithmetic and tokens."""
+    from lowprec.kernels import _weight_only_mgpu
+
+    if not _weight_only_mgpu.mosaic_gpu_available():
+        pytest.skip("this JAX has no Pallas Mosaic GPU backend")
+    return {(fmt, one, m): decode_ptx.mgpu_kernel(fmt, one, m, DECODE_SHAPE)
+            for fmt in ("mxfp4", "nvfp4") for one in (True, False) for m in (1, 16)}
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("one", [True, False], ids=["one-multiply", "two-multiply"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_decode_kernel_loop_is_within_four_ptx_instructions_per_weight_element(
+        fmt, one, m, decode_kernels):
+    """The steady-state loop of the compute warpgroups: at most 4 PTX instructions per weight
+    element (benchmarks/gpu_decode_ptx.py counts them), no register spills, no warp shuffle
+    and no bar.sync (stages are handed over by mbarriers), one 16-byte shared-memory load of
+    weight words per 64×64 tile and thread, and four wgmma per tile (one per k16 slice)."""
+    r = decode_kernels[(fmt, one, m)]
+    loop, tiles = r["loop"], r["config"]["tiles_per_step"]
+    assert r["per_element"] <= decode_ptx.BUDGET, (r["per_element"], loop.summary)
+    assert r["spilled_bytes"] == 0 and 0 < r["registers"] <= 255, r["registers"]
+    assert loop.shuffles == 0 and loop.barriers == 0, loop.summary
+    assert loop.loads_16b == tiles, loop.summary
+    assert loop.tensor_core == 4 * tiles, loop.summary
+    assert not re.search(r"\bld\.shared\.(u|b|s)8\b", r["ptx"]), "byte loads from shared memory"
+
+
+@pytest.mark.parametrize("one", [True, False], ids=["one-multiply", "two-multiply"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_decode_kernel_costs_the_same_for_1_and_16_tokens(fmt, one, decode_kernels):
+    a, b = decode_kernels[(fmt, one, 1)], decode_kernels[(fmt, one, 16)]
+    assert a["loop"].instructions == b["loop"].instructions, (a["loop"].summary, b["loop"].summary)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_weight_only_matmul_streams_the_prepared_weight_once(fmt, m):
+    """weight_only_matmul compiles to the kernel and one small XLA fusion (the K splits' sum,
+    the tensor scale, NaN rows); at one token every kernel together moves at most 1.1x the
+    ideal bytes (weight, tokens, result), at 16 at most 1.5x (the splits' float32 partial
+    sums, M × N each, written and read once)."""
+    from lowprec.kernels import _weight_only_mgpu
+
+    if not _weight_only_mgpu.mosaic_gpu_available():
+        pytest.skip("this JAX has no Pallas Mosaic GPU backend")
+    pw = decode_ptx._spec(fmt, DECODE_SHAPE, True)
+    x = jax.ShapeDtypeStruct((m, DECODE_SHAPE[1]), jnp.bfloat16)
+    hlo = _compile(lambda a, w: lowprec.weight_only_matmul(a, w), x, pw)
+    assert "mosaic_gpu_v2" in hlo
+    s = report.summarize(hlo)
+    assert s["kernels"] <= 2, s["kinds"]
+    assert s["traffic_over_ideal"] <= (1.1 if m == 1 else 1.5), (s["traffic_over_ideal"], s["kinds"])

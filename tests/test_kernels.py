@@ -565,6 +565,78 @@ def test_gpu_compiled_quantize_kernel_is_bit_identical(fmt):
         np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
 
 
+# -- NVFP4 quantize: one pass given the tensor scale, two computing it --------------------------------
+
+# Both element steps, a given and a computed tensor scale, float32 and bfloat16 input (each
+# case compiles the whole NVFP4 core for the interpreter: ~5 s of CPU).
+NVFP4_CASES = [("divide", 0.0123, np.float32), ("divide", None, jnp.bfloat16),
+               ("reciprocal", None, np.float32), ("reciprocal", 0.0123, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("step,ts,dtype", NVFP4_CASES,
+                         ids=[f"{s}-ts={t}-{np.dtype(d).name}" for s, t, d in NVFP4_CASES])
+@pytest.mark.quick_first(1)
+def test_pallas_nvfp4_quantize_is_bit_identical_to_quantize_mx(step, ts, dtype):
+    """The kernel runs quantize_mx's NVFP4 core (torchao's recipe, each float32 step exact on
+    the bits) on its tiles: the same element codes, E4M3 scale codes and tensor scale as
+    XLA's formulation, for a given scale and for the computed float32(amax / 2688) (NaN,
+    inf, zero blocks and subnormals in x)."""
+    x = jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float32 else 4), dtype)
+    cast = MXCast(lowprec.mx_format("nvfp4"), None, "nearest_even", step)
+    elements, scales, t = quantize_mx_pallas(x, cast, ts, block_cols=128, interpret=not ON_GPU)
+    want = lowprec.quantize_mx(x, "nvfp4", tensor_scale=ts, nvfp4_step=step)
+    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+    assert_same_floats(t, want.tensor_scale)
+
+
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in the quick tests above)
+def test_pallas_nvfp4_quantize_pads_keeps_leading_dims_and_reduces_in_several_programs(
+        monkeypatch):
+    """A last axis that is not a multiple of 16 (zero-padded in the load), leading dims, and
+    the largest magnitude reduced over several programs that each loop over row tiles (the
+    last one partly past x's end)."""
+    from lowprec.kernels import _quantize_pallas
+
+    monkeypatch.setattr(_quantize_pallas, "_AMAX_PROGRAMS", 3)
+    x = jnp.asarray(_specials((60, 352), 5, spread=6)[:, :330].reshape(3, 20, 330))
+    x = x.at[2, 19, 7].set(1000.0)  # the largest magnitude, in the last row tile
+    cast = MXCast(lowprec.mx_format("nvfp4"), None, "nearest_even", "divide")
+    elements, scales, t = quantize_mx_pallas(x, cast, interpret=not ON_GPU)
+    want = lowprec.quantize_mx(x, "nvfp4", pad=True)
+    assert elements.shape == (3, 20, 168) and scales.shape == (3, 20, 21)
+    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+    assert_same_floats(t, want.tensor_scale)
+    assert float(t) == float(np.float32(1000.0) / np.float32(2688))
+
+
+@needs_triton_lowering
+@pytest.mark.parametrize("step", ["divide", "reciprocal"])
+def test_pallas_nvfp4_quantize_lowers_to_triton(step):
+    cast = MXCast(lowprec.mx_format("nvfp4"), None, "nearest_even", step)
+    spec = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    assert _lower_for_cuda(lambda v: quantize_mx_pallas(v, cast, jnp.float32(1)),
+                           spec).count(TRITON_CALL) == 1
+    assert _lower_for_cuda(lambda v: quantize_mx_pallas(v, cast), spec).count(TRITON_CALL) == 2
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("step", ["divide", "reciprocal"])
+def test_gpu_compiled_nvfp4_quantize_is_bit_identical_to_the_cpu(step):
+    """On the GPU quantize_mx takes the kernels; the CPU's XLA formulation is the oracle."""
+    x = _specials((1000, 4096), 3, spread=10)
+    cpu = jax.devices("cpu")[0]
+    for ts in (1.0, None):
+        got = lowprec.quantize_mx(jnp.asarray(x), "nvfp4", tensor_scale=ts, nvfp4_step=step)
+        want = jax.jit(lambda v: lowprec.quantize_mx(v, "nvfp4", tensor_scale=ts,
+                                                     nvfp4_step=step))(jax.device_put(x, cpu))
+        np.testing.assert_array_equal(np.asarray(got.elements), np.asarray(want.elements))
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+        assert_same_floats(got.tensor_scale, want.tensor_scale)
+
+
 # -- the one-pass Pallas fake quantization (fake_quantize_mx on CUDA) ------------------------------
 
 FAKE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8")
@@ -610,8 +682,14 @@ def test_quantize_and_fake_quantize_take_the_kernels_on_cuda_only(cuda_branches)
     assert TRITON_CALL not in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), x3)
     assert TRITON_CALL in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=0), x)
     assert TRITON_CALL in _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "mxfp6"), x)
+    # NVFP4: one kernel given the tensor scale, two (the largest magnitude first) computing it.
+    assert _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "nvfp4", tensor_scale=1.0),
+                           x).count(TRITON_CALL) == 1
+    assert _lower_for_cuda(lambda v: lowprec.quantize_mx(v, "nvfp4"), x).count(TRITON_CALL) == 2
     for f in (lambda v: lowprec.quantize_mx(v, "mxfp6", axis=0),  # FP6 along axis 0: XLA
-              lambda v: lowprec.quantize_mx(v, "nvfp4")):
+              lambda v: lowprec.quantize_mx(v, "nvfp4", axis=0),  # NVFP4: the last axis only
+              lambda v: lowprec.quantize_mx(v, "nvfp4", rounding="stochastic",
+                                            key=jax.random.key(0))):
         assert TRITON_CALL not in _lower_for_cuda(f, x)
 
 
@@ -804,14 +882,17 @@ def test_kernel_policy_is_a_static_argument_of_the_jitted_cores(monkeypatch, cud
 
 
 def test_kernels_serve_only_the_scale_scheme_they_were_built_for(cuda_branches):
-    """The kernels hard-wire E8M0 arithmetic: NVFP4 (and any other scheme) keeps XLA's
-    formulation, whatever the shapes."""
+    """The MX kernels hard-wire E8M0 arithmetic with blocks of 32; NVFP4's quantization has
+    its own (the tensor scale an operand, blocks of 16 or 32, the last axis); its fake
+    quantization, and any other scheme, keep XLA's formulation, whatever the shapes."""
     from lowprec._options import MXCast
 
     x = jnp.zeros((64, 256), jnp.float32)
     assert _dispatch.quantize_kernel(x, MXCast("mxfp4"), 1)
     assert _dispatch.quantize_kernel(x, MXCast("mxfp4"), 1, fake=True)
-    assert not _dispatch.quantize_kernel(x, MXCast("nvfp4"), 1)
+    assert _dispatch.quantize_kernel(x, MXCast("nvfp4"), 1)
+    assert not _dispatch.quantize_kernel(x, MXCast("nvfp4"), 0)
+    assert not _dispatch.quantize_kernel(x, MXCast("nvfp4_b64"), 1)
     assert not _dispatch.quantize_kernel(x, MXCast("nvfp4"), 1, fake=True)
     assert not _dispatch.quantize_kernel(x, MXCast("mxfp4", rounding="stochastic"), 1)
     assert not _dispatch.quantize_kernel(x, MXCast("mxfp4_b16"), 1)

@@ -542,6 +542,29 @@ def test_exact_division_is_ieee_float32_division():
     assert_codes_equal(got, want, a.view(np.float32), "a / b")
 
 
+def test_exact_product_is_ieee_float32_multiplication():
+    """_nvfp4.f32_mul, the element product of NVFP4's "reciprocal" step, against NumPy's IEEE
+    float32 product: random finite patterns over every binade (subnormal results, zeros and
+    overflow to inf included). On a GPU the quantize kernel runs PTX mul.rn.f32 in its place
+    (IEEE, subnormals kept), which this equality makes the same bits."""
+    from lowprec._nvfp4 import f32_mul
+
+    rng = np.random.default_rng(12)
+    n = 1 << 16
+    finite = lambda v: v[np.isfinite(v.view(np.float32))]  # noqa: E731
+    a = finite(rng.integers(0, 1 << 32, 4 * n, dtype=np.uint64).astype(np.uint32))[:n]
+    b = finite(rng.integers(0, 1 << 32, 4 * n, dtype=np.uint64).astype(np.uint32))[:n]
+    # Products near the subnormal range and near overflow, where rounding is delicate.
+    near = rng.integers(0x3000_0000, 0x4F00_0000, n, dtype=np.uint64).astype(np.uint32)
+    a = np.concatenate([a, near, near])
+    b = np.concatenate([b, rng.integers(0x0080_0000, 0x1000_0000, n).astype(np.uint32),
+                        rng.integers(0x6F00_0000, 0x7F00_0000, n).astype(np.uint32)])
+    with np.errstate(all="ignore"):
+        want = (a.view(np.float32) * b.view(np.float32)).view(np.uint32)
+    got = np.asarray(jax.jit(f32_mul)(jnp.asarray(a), jnp.asarray(b)))
+    assert_codes_equal(got, want, a.view(np.float32), "a * b")
+
+
 def _delayed_step(x, w):
     cfg = lowprec.DelayedScaling(amax_history_len=2, margin=1)
     dn = (((1,), (0,)), ((), ()))
@@ -565,7 +588,8 @@ _DIVIDING = {
 def test_programs_lowered_for_cuda_divide_no_floats(name):
     """Where XLA lowers for a CUDA GPU (whose float32 division is not correctly rounded), the
     NVFP4 quantizer and delayed scaling hold no float32 division: their quotients are long
-    divisions on the bits. On CPU the same programs do divide floats (the check can fail)."""
+    divisions on the bits (or, inside the NVFP4 quantize kernel, PTX's IEEE div.rn.f32). On
+    CPU the same programs do divide floats (the check can fail)."""
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     w = jax.ShapeDtypeStruct((32, 16), jnp.float32)
     fn = _DIVIDING[name]

@@ -6,11 +6,15 @@ Pallas kernel instead, with the same bits (the dot products: the same exact prod
 in float32 in another order; docs/design.md §8):
 
 * ``quantize_mx`` / ``fake_quantize_mx``: one-pass quantize (and decode) kernels
-  (``_quantize_pallas.py``);
+  (``_quantize_pallas.py``; NVFP4 quantize too, a first pass for the largest magnitude where
+  the tensor scale is computed);
 * ``dot_general``'s bfloat16 branch for two MX operands with 8-bit codes: a GEMM that decodes
   in its operand load (``_mxdot_pallas.py``);
 * ``dot_general`` / ``matmul`` of up to 16 bfloat16 tokens by a packed MXFP4 weight: a split-K
-  product (``_gemv_pallas.py``; also :func:`lowprec.mxfp4_gemv`, which calls it explicitly).
+  product (``_gemv_pallas.py``; also :func:`lowprec.mxfp4_gemv`, which calls it explicitly);
+* :func:`lowprec.weight_only_matmul` of up to 16 bfloat16 tokens by a weight prepared with
+  :func:`lowprec.prepare_weight` (MXFP4 or NVFP4), on Hopper GPUs: a Pallas Mosaic GPU
+  kernel with the weight tile as ``wgmma``'s left operand (``_weight_only_mgpu.py``).
 
 On CPU two C++ kernels registered with XLA's FFI (built at install time where a C++17
 compiler is found; :func:`native_status` says whether they are in use) give the same bits

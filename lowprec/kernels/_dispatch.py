@@ -37,6 +37,8 @@ from . import _cpu_native
 from ._mx_quantize_cpu import serves as native_quantize_serves
 from ._mxdot_pallas import pallas_mxdot_applies
 from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_applies
+from ._weight_only_mgpu import MAX_TOKENS as WEIGHT_ONLY_MAX_TOKENS
+from ._weight_only_mgpu import mosaic_gpu_available
 
 #: ``"auto"``: Pallas kernels where they serve a call (CUDA GPUs); ``"xla"``: never.
 POLICIES: tuple[str, ...] = ("auto", "xla")
@@ -239,6 +241,31 @@ def gemv_weight_side(lhs, rhs, lcast, rcast, kernels: bool) -> Optional[str]:
     if _is_weight(lhs) and _is_activation(rhs, rcast):
         return "lhs"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _only_hopper_gpus() -> bool:
+    """Whether every GPU JAX sees is a Hopper (sm_90: ``wgmma``), or JAX sees none (the
+    CUDA plugin compiling for a compile-only device, which the tests make an H100)."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return True
+    return all(str(getattr(d, "compute_capability", "")).split(".")[0] == "9" for d in gpus)
+
+
+def weight_only_kernel(x, w, kernels: bool) -> bool:
+    """Whether ``weight_only_matmul`` of the tokens ``x`` (bfloat16 [M, K]) by the prepared
+    weight ``w`` takes the Mosaic GPU kernel of ``_weight_only_mgpu.py`` on CUDA (static):
+    the policy (``kernels``), at most 16 tokens, unsharded operands (a single-device call),
+    JAX able to lower Mosaic GPU kernels, and GPUs that have ``wgmma`` (Hopper; on other
+    GPUs the product takes the generic route)."""
+    if not kernels or not 1 <= x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS:
+        return False
+    if not (unsharded(x) and unsharded(w.words) and unsharded(w.scales)):
+        return False
+    return (cuda_kernels_possible() and mosaic_gpu_available() and _no_explicit_mesh()
+            and _only_hopper_gpus())
 
 
 @functools.lru_cache(maxsize=None)

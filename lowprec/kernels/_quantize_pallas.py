@@ -10,7 +10,10 @@ no register spills); the fake-quantization kernel decodes the codes again in reg
 (the bit-built decode of dequantize) and writes values of x's dtype. Blocks run along the
 last axis (any leading dims) or along axis 0 of a 2-D array (tiles transposed in
 registers); a length that is not a multiple of the block size is zero-padded in the load.
-Deterministic rounding modes, E8M0-scaled formats (FP6's packing along the last axis only).
+Deterministic rounding modes, E8M0-scaled formats (FP6's packing along the last axis only),
+and NVFP4 along the last axis: its tensor scale comes in as an operand when given (one pass)
+or, computed, from a first kernel's partial maxima (:func:`_amax_kernel`), which every
+program reduces again (two passes; x is read twice).
 Other backends, and every other case, keep XLA's formulation (``_dispatch.quantize_kernel``
 decides which calls qualify; ``_mx._quantize_mx_jit`` then chooses with
 ``lax.platform_dependent``).
@@ -31,6 +34,8 @@ from .._dtypes import bits_to_dtype, input_bits
 from .._mx_encode import encode_blocks
 from .._options import MXCast
 from .._scheme_e8m0 import E8M0Scheme
+from .._scheme_nvfp4 import NVFP4Scheme
+from .. import _nvfp4
 
 
 def _pack_pairs(codes):
@@ -44,12 +49,15 @@ def pallas_quantize_applies(cast: MXCast, axis0: bool = False) -> bool:
     """Whether the kernel serves this cast (static): E8M0-scaled formats with blocks of 32
     (the tiles are multiples of it) (FP6's three-byte
     groups along the last axis only; ``axis0``: blocks along axis 0 of a 2-D array),
-    deterministic rounding. NVFP4's tensor scale (a whole-array reduction first) is not
-    computed here."""
+    and NVFP4 with blocks of 16 or 32 along the last axis (its tensor scale, a whole-array
+    reduction when it is computed, comes in as an operand); deterministic rounding."""
     fmt = cast.fmt
+    if cast.stochastic:
+        return False
+    if isinstance(fmt.scheme, NVFP4Scheme):
+        return not axis0 and fmt.block_size in (16, 32)
     bits_ok = fmt.element.code_bits in ((4, 8) if axis0 else (4, 6, 8))
-    return (isinstance(fmt.scheme, E8M0Scheme) and fmt.block_size == 32 and bits_ok
-            and not cast.stochastic)
+    return isinstance(fmt.scheme, E8M0Scheme) and fmt.block_size == 32 and bits_ok
 
 
 def pallas_fake_quantize_applies(cast: MXCast) -> bool:
@@ -60,12 +68,34 @@ def pallas_fake_quantize_applies(cast: MXCast) -> bool:
             and not cast.stochastic)
 
 
-def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pcols: int, br: int,
-            bc: int):
+def _kernel(x_ref, *refs, cast: MXCast, rows: int, cols: int, pcols: int, br: int, bc: int,
+            amax_parts: int = 0, ieee: bool = False):
+    """refs: element codes, scale codes; NVFP4: first its tensor scale [1] (float32) or,
+    with ``amax_parts``, the partial maxima [parts] of :func:`_amax_kernel`, and last the
+    tensor scale used [1] (stored by program (0, 0)). ``ieee``: compiled for a GPU (not the
+    interpreter), NVFP4's element division or product is PTX's IEEE instruction."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     i, j = pl.program_id(0), pl.program_id(1)
+    tensor_scale = None
+    if len(refs) == 4:  # NVFP4
+        ts_in, e_ref, s_ref, ts_out = refs
+        if amax_parts:
+            # Every program reduces the partial maxima (a few hundred words, from L2) and
+            # derives the tensor scale float32(amax / 2688) as quantize_mx does.
+            width = pl.next_power_of_2(amax_parts)
+            parts = plt.load(ts_in.at[pl.ds(0, width)],
+                             mask=lax.iota(jnp.int32, width) < amax_parts, other=jnp.uint32(0))
+            with _nvfp4.one_platform():
+                ts_bits = _nvfp4.tensor_scale_bits(jnp.max(parts))
+        else:
+            ts_bits = lax.bitcast_convert_type(ts_in[0], jnp.uint32)
+        ts_bits = NVFP4Scheme.clamp_tensor_scale_bits(ts_bits, cast)
+        tensor_scale = lax.bitcast_convert_type(ts_bits, jnp.float32)
+        plt.store(ts_out.at[pl.ds(0, 1)], tensor_scale[None], mask=((i == 0) & (j == 0))[None])
+    else:
+        e_ref, s_ref = refs
     row_ok = (i * br + lax.iota(jnp.int32, br)) < rows
 
     def cols_ok(width, n=pcols):  # columns of an array whose row holds `width` per tile
@@ -88,7 +118,11 @@ def _kernel(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pcols: i
         plt.store(s_ref.at[pl.ds(i * br, br), pl.ds(j * (bc // 32), bc // 32)], scales,
                   mask=row_ok[:, None] & cols_ok(bc // 32)[None, :])
         return
-    elements, scales, _ = encode_blocks(input_bits(x), cast, 1, None, pack=_pack_pairs)
+    # NVFP4's element step: div.rn.f32 / mul.rn.f32 compiled, the integer versions (the
+    # same bits) in the interpreter.
+    with _nvfp4.one_platform(ieee_instructions=ieee):
+        elements, scales, _ = encode_blocks(input_bits(x), cast, 1, None, tensor_scale,
+                                            pack=_pack_pairs)
     for ref, val in ((e_ref, elements), (s_ref, scales)):
         width = val.shape[1]
         plt.store(ref.at[pl.ds(i * br, br), pl.ds(j * width, width)], val,
@@ -128,12 +162,15 @@ def _kernel_axis0(x_ref, e_ref, s_ref, *, cast: MXCast, rows: int, cols: int, pr
 
 @functools.partial(jax.jit, static_argnames=("cast", "axis", "block_rows", "block_cols",
                                              "interpret"))
-def quantize_mx_pallas(x, cast: MXCast, *, axis: int = -1, block_rows: int = 16,
-                       block_cols: int = 256, interpret: bool = False):
+def quantize_mx_pallas(x, cast: MXCast, tensor_scale=None, *, axis: int = -1,
+                       block_rows: int = None, block_cols: int = 256, interpret: bool = False):
     """(elements, scales) of ``x`` (float32/bfloat16/float16) blocked along its last axis,
     or along axis 0 of a 2-D ``x`` (``axis=0``): the arrays ``quantize_mx(x, cast.fmt,
     axis=axis, ..., pad=True)`` holds (a length that is not a multiple of the block size is
-    zero-padded, in the kernel)."""
+    zero-padded, in the kernel). NVFP4 (last axis) also returns the tensor scale used: the
+    given ``tensor_scale`` (a float32 scalar) raised as ``quantize_mx`` raises it, or, for
+    None, float32(amax / 2688) from a first pass over ``x`` (:func:`_amax_kernel`) — the
+    elements, scales and tensor scale ``quantize_mx(x, "nvfp4", tensor_scale=...)`` gives."""
     from jax.experimental import pallas as pl
 
     if axis == 0 and x.ndim == 2:
@@ -160,16 +197,84 @@ def quantize_mx_pallas(x, cast: MXCast, *, axis: int = -1, block_rows: int = 16,
         from jax.experimental.pallas import triton as plt
 
         params["compiler_params"] = plt.CompilerParams(num_warps=4)
-    elements, scales = pl.pallas_call(
+    if block_rows is None:
+        # NVFP4's element step (operand scaling, an IEEE division or product, the E2M1
+        # rounding) holds ~3x the registers of the MX encode per element: 8 rows keep it
+        # below 70 registers without spills (16: 96-128).
+        block_rows = 8 if isinstance(fmt.scheme, NVFP4Scheme) else 16
+    operands = [x.reshape(rows, cols)]
+    parts = 0
+    if isinstance(fmt.scheme, NVFP4Scheme):
+        if tensor_scale is None:  # computed: the largest finite magnitude first
+            operands.append(_amax_parts(operands[0], interpret))
+            parts = operands[1].shape[0]
+        else:
+            operands.append(jnp.asarray(tensor_scale, jnp.float32).reshape(1))
+        out_shape += (jax.ShapeDtypeStruct((1,), jnp.float32),)
+    out = pl.pallas_call(
         functools.partial(_kernel, cast=cast, rows=rows, cols=cols,
-                          pcols=blocks * fmt.block_size, br=block_rows, bc=block_cols),
+                          pcols=blocks * fmt.block_size, br=block_rows, bc=block_cols,
+                          amax_parts=parts, ieee=not interpret),
         out_shape=out_shape,
         grid=(-(-rows // block_rows), -(-blocks * fmt.block_size // block_cols)),
         interpret=interpret,
         name="lowprec_quantize_mx",
         **params,
-    )(x.reshape(rows, cols))
-    return elements.reshape(*lead, -1), scales.reshape(*lead, -1)
+    )(*operands)
+    codes = (out[0].reshape(*lead, -1), out[1].reshape(*lead, -1))
+    return codes + (out[2].reshape(()),) if len(out) == 3 else codes
+
+
+#: Programs of the NVFP4 maximum pass: each reduces a run of row tiles to one word, which
+#: every program of the quantize pass then reads (a few hundred words).
+_AMAX_PROGRAMS = 256
+
+
+def _amax_kernel(x_ref, o_ref, *, rows: int, cols: int, br: int, bc: int, tiles: int):
+    """Program p: the largest finite magnitude (float32 bits) of row tiles p·tiles .. on."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    p = pl.program_id(0)
+    col_tiles = -(-cols // bc)
+
+    def body(t, acc):
+        ct = jnp.int32(col_tiles)
+        r0 = (p * tiles + lax.div(t, ct)) * br
+        c0 = lax.rem(t, ct) * bc
+        ok = (((r0 + lax.iota(jnp.int32, br)) < rows)[:, None]
+              & ((c0 + lax.iota(jnp.int32, bc)) < cols)[None, :])
+        x = plt.load(x_ref.at[pl.ds(r0, br), pl.ds(c0, bc)], mask=ok,
+                     other=jnp.zeros((), x_ref.dtype))
+        mag = input_bits(x) & jnp.uint32(0x7FFF_FFFF)
+        finite = jnp.where(mag < jnp.uint32(0x7F80_0000), mag, jnp.uint32(0))  # below inf
+        return jnp.maximum(acc, jnp.max(finite))
+
+    acc = lax.fori_loop(0, tiles * col_tiles, body, jnp.uint32(0))
+    plt.store(o_ref.at[pl.ds(p, 1)], acc[None])
+
+
+def _amax_parts(x2, interpret: bool, br: int = 16, bc: int = 256):
+    """[programs] uint32: partial largest finite magnitudes of the rows of ``x2`` (bits)."""
+    from jax.experimental import pallas as pl
+
+    rows, cols = x2.shape
+    row_tiles = -(-rows // br)
+    tiles = -(-row_tiles // _AMAX_PROGRAMS)
+    programs = -(-row_tiles // tiles)
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+
+        params["compiler_params"] = plt.CompilerParams(num_warps=4)
+    return pl.pallas_call(
+        functools.partial(_amax_kernel, rows=rows, cols=cols, br=br, bc=bc, tiles=tiles),
+        out_shape=jax.ShapeDtypeStruct((programs,), jnp.uint32),
+        grid=(programs,),
+        interpret=interpret,
+        name="lowprec_nvfp4_amax",
+        **params,
+    )(x2)
 
 
 def _quantize_axis0(x, cast: MXCast, interpret: bool, br: int = 64, bc: int = 64):
