@@ -45,6 +45,7 @@ class Source:
     others: list = dataclasses.field(default_factory=list)  # relative paths to copy
     skipped: list = dataclasses.field(default_factory=list)  # (relative path, reason)
     inputs: Inputs = dataclasses.field(default_factory=Inputs)
+    home: Optional[str] = None  # the checkpoint's folder: ``folder``, or a single file's model folder
 
     @property
     def is_folder(self) -> bool:
@@ -164,9 +165,9 @@ def open_source(path) -> Source:
     else:
         source = Source(given, None, [given])
         source.inputs.add(given)
-        home = model_folder(given)
-        if home is not None:
-            source.inputs.add_folder(home)
+        source.home = model_folder(given)
+        if source.home is not None:
+            source.inputs.add_folder(source.home)
         return source
     index = None
     if index_name is not None:
@@ -187,7 +188,7 @@ def open_source(path) -> Source:
             raise CheckpointError(
                 f"{folder}: no .safetensors files and no *{INDEX_SUFFIX} in this folder"
             )
-    source = Source(given, folder, shards, index_name, index)
+    source = Source(given, folder, shards, index_name, index, home=folder)
     taken = set(shards) | ({index_name} if index_name else set())
     for root, dirs, files in os.walk(folder):
         dirs.sort()
