@@ -471,3 +471,54 @@ def test_kept_int4_config_is_one_compressed_tensors_reads(tmp_path):
     assert set(parsed.ignore) >= set(ATTN) and len(parsed.config_groups) == 1
     (group,) = parsed.config_groups.values()
     assert group.weights.type == "int" and group.weights.num_bits == 4
+
+
+def test_modelopt_mixed_precision_keeps_the_layers_it_cannot_decode(tmp_path, capsys):
+    """ModelOpt's MIXED_PRECISION: an NVFP4 layer beside an AWQ int4 one (W4A16_AWQ: packed
+    int4 weight, F16 weight_scale per 128, pre_quant_scale). The AWQ layer is refused, or
+    kept as stored with its entry of quantized_layers, the NVFP4 layer decoded and excluded.
+    NVFP4 weights beside a pre_quant_scale (NVFP4_AWQ) are not decoded alone either: the
+    activations' scale is folded into them."""
+    a, b = "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"
+    src = tmp_path / "src"
+    src.mkdir()
+    save(src / "model.safetensors", {a + ".weight": np.linspace(-1, 1, 64 * 64, dtype=np.float32)
+                                     .reshape(64, 64)})
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="modelopt", progress=False)
+    q = tmp_path / "q"
+    tensors, meta = _stored(q / "model.safetensors")
+    awq = {b + ".weight": np.full((64, 32), 0x88, np.uint8),
+           b + ".weight_scale": np.ones((64, 1), np.float16),
+           b + ".pre_quant_scale": np.ones(64, np.float16)}
+    save(q / "model.safetensors", {**tensors, **awq}, meta)
+    layers = {a: {"quant_algo": "NVFP4", "group_size": 16},
+              b: {"quant_algo": "W4A16_AWQ", "group_size": 128}}
+    hf = {"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "MIXED_PRECISION", "exclude_modules": ["lm_head"], "quantized_layers": layers}}
+    (q / "hf_quant_config.json").write_text(json.dumps(hf))
+    (q / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
+        "quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "ignore": ["lm_head"],
+        "quantized_layers": layers}}))
+    with pytest.raises(CheckpointError, match=rf"module {b} .*quant_algo W4A16_AWQ, group_size "
+                                              r"128\), a scheme lowprec does not decode"):
+        load_checkpoint(q)
+    out = tmp_path / "out"
+    assert main(["dequantize", str(q), str(out), "-q", "--keep-undecodable"]) == 0
+    got, _ = _stored(out / "model.safetensors")
+    assert all(got[n].tobytes() == v.tobytes() for n, v in awq.items())
+    assert got[a + ".weight"].dtype == np.float32 and a + ".weight_scale" not in got
+    kept_hf = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert kept_hf["quantized_layers"] == {b: layers[b]}
+    assert kept_hf["exclude_modules"] == ["lm_head", a]
+    kept = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert kept["quantized_layers"] == {b: layers[b]} and kept["ignore"] == ["lm_head", a]
+
+    # No config: NVFP4 codes beside a pre_quant_scale are not decoded as if it were not there.
+    lone = tmp_path / "lone.safetensors"
+    save(lone, {**tensors, a + ".pre_quant_scale": np.ones(64, np.float16)}, meta)
+    with pytest.raises(CheckpointError, match=rf"module {a} \({a}.pre_quant_scale F16 \[64\], "
+                                              rf"{a}.weight U8 \[64, 32\]"):
+        load_checkpoint(lone)
+    assert set(load_checkpoint(lone, keep_undecodable=True)) == set(tensors) | {
+        a + ".pre_quant_scale"}

@@ -49,6 +49,9 @@ from ._safetensors import FLOAT_DTYPES
 QUANTIZED_PARAMS = frozenset({
     "weight_packed", "weight_shape", "weight_zero_point", "weight_g_idx", "weight_global_scale",
     "weight_scale_2", "weight_scale_inv", "qweight", "qzeros", "g_idx", "SCB", "weight_format",
+    # AWQ / SmoothQuant (ModelOpt): activations are multiplied by it, the weights were
+    # divided by it; decoded alone, such weights would be wrong.
+    "pre_quant_scale",
 })
 #: bitsandbytes 4-bit state, stored as ``M.weight.<name>``.
 _BNB_STATE = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.")
@@ -285,7 +288,8 @@ def _scale_data(reader, name, spec, parts) -> None:
         if role in roles:
             check_scales(reader.read(roles[role]), f"{reader.path}: {roles[role]} (the "
                                                    f"{role.replace('_', ' ')} of {name})")
-    if spec.format.name.startswith("nvfp4") and "scales" in roles:
+    scheme = getattr(spec.format, "scheme", None)  # block formats only
+    if scheme is not None and scheme.name == "nvfp4" and "scales" in roles:
         where = f"{reader.path}: {roles['scales']} (the block scales of {name})"
         if "global_scale" in roles:
             gs = np.float32(np.asarray(reader.read(roles["global_scale"])).reshape(-1)[0])
@@ -338,7 +342,8 @@ def check_file(reader, specs: dict, config: Optional[QuantConfig], *, decode: bo
     """Every check of one file (see the module docstring); returns its undecodable modules.
 
     Args:
-      specs: ``{name: (spec, parts)}`` of its recognized quantized tensors.
+      specs: ``{name: (spec, parts)}`` of its recognized quantized tensors; those of an
+        undecodable module are taken out (they are kept, or refused, with their module).
       decode: the caller decodes (stored scales are read and checked, and undecodable
         modules are refused unless ``keep_undecodable``); False for ``inspect``.
     """
@@ -349,6 +354,14 @@ def check_file(reader, specs: dict, config: Optional[QuantConfig], *, decode: bo
             "were plain ones")
     claimed = {stored for _, parts in specs.values() for _, stored, _, _ in parts}
     undecodable = undecodable_modules(reader, claimed, config)
+    for name in [n for n in specs if _module(n) in undecodable]:
+        # A layout lowprec reads, in a module with parts it does not (an AWQ pre_quant_scale):
+        # not decoded either, but kept (or refused) with the rest of its module.
+        _, parts = specs.pop(name)
+        u = undecodable[_module(name)]
+        more = tuple((stored, dt, tuple(shp)) for _, stored, dt, shp in parts)
+        undecodable[u.module] = dataclasses.replace(u, stored=tuple(sorted(u.stored + more)))
+        claimed -= {stored for _, stored, _, _ in parts}
     if decode:
         refuse_undecodable(reader.path, undecodable, keep_undecodable)
     for name, (spec, parts) in specs.items():
