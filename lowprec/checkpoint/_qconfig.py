@@ -155,7 +155,16 @@ def _strings(value, where: str) -> tuple:
 def ct_scheme(weights, fmt) -> tuple:
     """``(scheme or None, description)`` of a compressed-tensors group's weight arguments
     (``QuantizationArgs`` as JSON) stored in ``fmt``: the scheme lowprec decodes them as, or
-    None and what they are."""
+    None and what they are.
+
+    Example:
+        >>> ct_scheme({"type": "float", "num_bits": 4, "strategy": "tensor_group",
+        ...            "group_size": 16}, "nvfp4-pack-quantized")[0]
+        'nvfp4'
+        >>> ct_scheme({"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128},
+        ...           "pack-quantized")
+        (None, 'weights int 4-bit, strategy group, group 128, format pack-quantized')
+    """
     if not isinstance(weights, dict):
         return None, "no weight quantization"
     kind, bits = weights.get("type"), weights.get("num_bits")

@@ -102,7 +102,7 @@ def _quantized_param(reader, name: str) -> bool:
     if param == "weight":  # FP8 / integer codes with a scale of their own beside them
         info = reader.tensors[name]
         return info.dtype not in FLOAT_DTYPES and any(
-            n.startswith(f"{name}_scale") for n in reader.tensors)
+            f"{name}{s}" in reader.tensors for s in ("_scale", "_scale_inv", "_scale_2"))
     for suffix, partner in (("_blocks", "_scales"), ("_elements", "_scales")):
         if name.endswith(suffix) and name[: -len(suffix)] + partner in reader.tensors:
             return True  # gpt-oss / lowprec parts that fit no layout
@@ -164,20 +164,24 @@ def _diagnosis(module: str, infos: dict, hint: Optional[str]) -> Optional[str]:
     if best is None or not best[1]:
         return None
     spec, wrong = best
-    return f"as {spec.label} of shape {list(spec.shape)}: {'; '.join(wrong)}"
+    return f"read as {spec.label} of shape {list(spec.shape)}: {'; '.join(wrong)}"
 
 
 def undecodable_modules(reader, claimed, config: Optional[QuantConfig]) -> dict:
     """``{module: Undecodable}`` for the modules of ``reader`` holding quantized parameters
     that no layout lowprec reads claims (``claimed``: the stored names that one does)."""
-    by_module: dict = {}
-    for name in reader.tensors:
-        if name not in claimed and _quantized_param(reader, name):
-            by_module.setdefault(_module(name), set()).add(name)
+    flagged, members = set(), {}
+    for name, info in reader.tensors.items():
+        if name in claimed:
+            continue
+        module = _module(name)
+        if not name.endswith(".bias"):
+            members.setdefault(module, {})[name] = info
+        if _quantized_param(reader, name):
+            flagged.add(module)
     out = {}
-    for module, names in by_module.items():
-        infos = {n: i for n, i in reader.tensors.items() if _module(n) == module and
-                 n not in claimed and not n.endswith(".bias")}
+    for module in sorted(flagged):
+        infos = members[module]
         group = None
         if config is not None and config.readable:
             group = config.group_of(module)
