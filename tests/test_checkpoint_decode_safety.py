@@ -482,8 +482,8 @@ def test_modelopt_mixed_precision_keeps_the_layers_it_cannot_decode(tmp_path, ca
     a, b = "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"
     src = tmp_path / "src"
     src.mkdir()
-    save(src / "model.safetensors", {a + ".weight": np.linspace(-1, 1, 64 * 64, dtype=np.float32)
-                                     .reshape(64, 64)})
+    save(src / "model.safetensors", {a + ".weight": np.linspace(-1, 1, 64 * 32, dtype=np.float32)
+                                     .reshape(64, 32)})  # (the shape of the tests above)
     (src / "config.json").write_text('{"model_type": "llama"}')
     quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="modelopt", progress=False)
     q = tmp_path / "q"
@@ -516,9 +516,9 @@ def test_modelopt_mixed_precision_keeps_the_layers_it_cannot_decode(tmp_path, ca
 
     # No config: NVFP4 codes beside a pre_quant_scale are not decoded as if it were not there.
     lone = tmp_path / "lone.safetensors"
-    save(lone, {**tensors, a + ".pre_quant_scale": np.ones(64, np.float16)}, meta)
-    with pytest.raises(CheckpointError, match=rf"module {a} \({a}.pre_quant_scale F16 \[64\], "
-                                              rf"{a}.weight U8 \[64, 32\]"):
+    save(lone, {**tensors, a + ".pre_quant_scale": np.ones(32, np.float16)}, meta)
+    with pytest.raises(CheckpointError, match=rf"module {a} \({a}.pre_quant_scale F16 \[32\], "
+                                              rf"{a}.weight U8 \[64, 16\]"):
         load_checkpoint(lone)
     assert set(load_checkpoint(lone, keep_undecodable=True)) == set(tensors) | {
         a + ".pre_quant_scale"}
