@@ -18,13 +18,13 @@ from ._bits import f32_bits
 from ._decode import decode_f32
 from ._dtypes import (
     bits_to_dtype,
-    check_dtype_range,
     check_float_dtype,
     check_input_dtype,
+    check_result_dtype,
     codes_from_storage,
-    exactly_representable,
     host_decode,
     input_bits,
+    value_not_held,
 )
 from ._encode_stochastic import encode_any
 from ._format import ElementFormat, ElementFormatLike, array_then_format, element_format
@@ -169,12 +169,13 @@ def quantize(
 
     Args:
       x, fmt, rounding, overflow, key, random_bits: as for :func:`encode`.
-      dtype: result dtype (float32, float64, bfloat16 or float16). Default: ``x``'s dtype
-        when every value of ``fmt`` is exactly representable in it (float32/float64 always;
-        bfloat16 for the FP8/FP4 formats), otherwise an error asks you to choose (e.g.
-        ``quantize(bf16_array, "fp16")``). An explicit ``dtype`` must span the format's
-        range (a ValueError otherwise: e4m3 as float4_e2m1fn would turn 448 into 6); one with
-        fewer significand bits only is an explicit choice of a second rounding.
+      dtype: result dtype (float32, float64, bfloat16, float16 or an ml_dtypes float). It
+        must hold every value of ``fmt`` exactly — significand bits, range, infinities and
+        NaN — or a ValueError names a value it misses: the result would be rounded a second
+        time (e4m3's 0.1015625 as float8_e5m2 is 0.09375; its 448 as float4_e2m1fn is 6).
+        Default: ``x``'s dtype when it holds them (float32/float64 always; bfloat16 for the
+        FP8/FP4 formats), otherwise the same error asks you to choose (e.g.
+        ``quantize(bf16_array, "fp16")``: pass ``dtype=jnp.float32``).
 
     Example:
         >>> import jax.numpy as jnp
@@ -186,12 +187,12 @@ def quantize(
     x, rng = cast.check_call(x, key=key, random_bits=random_bits)
     if dtype is None:
         dtype = x.dtype
-        if not exactly_representable(cast.fmt, x.dtype):
+        missing = value_not_held(cast.fmt, x.dtype)
+        if missing is not None:
             raise ValueError(
                 f"values of {cast.fmt.name!r} are not all representable in the input dtype "
-                f"{x.dtype}; pass dtype=jnp.float32 (exact) or dtype={x.dtype.name!s} "
-                "explicitly to accept a second rounding"
+                f"{x.dtype} ({missing} is not); pass dtype=jnp.float32 (exact)"
             )
     dtype = check_float_dtype(dtype)
-    check_dtype_range(cast.fmt, dtype)
+    check_result_dtype(cast.fmt, dtype)
     return _quantize_jit(cast, x, rng, dtype)

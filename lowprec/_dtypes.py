@@ -10,6 +10,8 @@ which JAX cannot hold, are decoded on the host.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -209,20 +211,48 @@ def exactly_representable(fmt: ElementFormat, dtype) -> bool:
     )
 
 
-def check_dtype_range(fmt: ElementFormat, dtype) -> None:
-    """ValueError unless ``dtype`` spans ``fmt``'s range: its largest finite value and its
-    smallest subnormal. A narrower dtype would re-round the format's values into other
-    numbers (e4m3's 448 into float4_e2m1fn's 6, or small values into zero); a dtype that only
-    has fewer significand bits (fp16 values as bfloat16) rounds each value to a neighbour and
-    stays an explicit choice."""
-    info = jnp.finfo(dtype)
-    fits = (fmt.emax <= info.maxexp - 1 and fmt.max_finite <= float(info.max)
-            and fmt.min_subnormal >= float(info.smallest_subnormal))
-    if not fits:
-        exact = [n for n in ("bfloat16", "float16", "float32") if exactly_representable(fmt, n)]
-        raise ValueError(
-            f"dtype={np.dtype(dtype).name} cannot hold the values of {fmt.name!r} (largest "
-            f"{fmt.max_finite:g}, smallest {fmt.min_subnormal:g}; {np.dtype(dtype).name} spans "
-            f"{float(info.smallest_subnormal):g} to {float(info.max):g}): they would be "
-            f"rounded again into other numbers. Use dtype={exact[0]} (exact) or any wider float"
-        )
+def value_not_held(fmt: ElementFormat, dtype) -> Optional[str]:
+    """A value of ``fmt`` that the float ``dtype`` does not hold exactly (as text), or None
+    when ``dtype`` holds every value of ``fmt``: its finite values (significand bits, largest
+    value, smallest subnormal) and its infinities and NaN.
+
+    Example:
+        >>> from lowprec._format import element_format
+        >>> value_not_held(element_format("e4m3"), jnp.float8_e5m2)  # 1 + 2^-3
+        '1.125'
+        >>> value_not_held(element_format("e4m3"), jnp.bfloat16) is None
+        True
+    """
+    dt = np.dtype(dtype)
+    info = jnp.finfo(dt)
+    if fmt.mantissa_bits > info.nmant:  # 1 + 2^-m: the format's step above 1
+        return repr(1.0 + 2.0 ** -fmt.mantissa_bits)
+    if fmt.emax > info.maxexp - 1 or fmt.max_finite > float(info.max):
+        return repr(fmt.max_finite)
+    if fmt.emin - fmt.mantissa_bits < info.minexp - info.nmant:
+        return repr(fmt.min_subnormal)
+    if dt in (np.dtype(np.float32), np.dtype(np.float64)):
+        return None
+    held = element_format(WIDENED_AS[dt])
+    if fmt.inf and not held.inf:
+        return "inf"
+    if fmt.nan_code is not None and held.nan_code is None:
+        return "NaN"
+    return None
+
+
+def check_result_dtype(fmt: ElementFormat, dtype) -> None:
+    """ValueError unless ``dtype`` holds every value of ``fmt`` exactly (see
+    :func:`value_not_held`): a result rounded to ``fmt`` and then to ``dtype`` would be
+    rounded twice (e4m3's 0.1015625 becomes float8_e5m2's 0.09375)."""
+    missing = value_not_held(fmt, dtype)
+    if missing is None:
+        return
+    name = np.dtype(dtype).name
+    exact = [n for n in ("bfloat16", "float16") if value_not_held(fmt, n) is None] + ["float32"]
+    raise ValueError(
+        f"dtype={name} cannot hold every value of {fmt.name!r} exactly ({missing} is not a "
+        f"{name} value): the result would be rounded a second time. Use dtype={exact[0]} "
+        "or any float holding them (float32 holds every format); to round twice on purpose, "
+        "convert the result yourself"
+    )

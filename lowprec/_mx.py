@@ -73,6 +73,25 @@ def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel: bool, nati
     return on_cuda(one_pass_kernel, xla, x)
 
 
+def _empty_mxarray(call, cast: MXCast) -> MXArray:
+    """The MXArray of an empty ``x`` (a zero in its shape): it has no blocks, so its codes
+    and scales are empty — computed, they would reduce over nothing — and a tensor scale is
+    the scheme's for amax 0 (or the caller's), as the block encoder would set it."""
+    fmt, axis, shape = cast.fmt, call.axis, tuple(call.x.shape)
+    el, sc = list(shape), list(shape)
+    el[axis] = call.padded * fmt.element.code_bits // 8
+    sc[axis] = call.padded // fmt.block_size
+    ts = _empty_tensor_scale(call.tensor_scale, cast) if fmt.tensor_scale else None
+    return MXArray(jnp.zeros(el, jnp.uint8), jnp.zeros(sc, jnp.uint8), fmt, axis, shape,
+                   cast.scale_rule, ts)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _empty_tensor_scale(tensor_scale, cast: MXCast):
+    ts_bits = cast.fmt.scheme.tensor_scale_bits(jnp.zeros((0,), jnp.uint32), tensor_scale, cast)
+    return lax.bitcast_convert_type(ts_bits, jnp.float32)
+
+
 def quantize_mx(
     x,
     fmt: MXFormatLike,
@@ -149,6 +168,8 @@ def quantize_mx(
     cast = MXCast(mx_format(fmt, block_size), scale_rule, rounding, nvfp4_step)
     call = cast.check_call(x, "quantize_mx", axis=axis, pad=pad, key=key, random_bits=random_bits,
                            tensor_scale=tensor_scale, scale_rule=scale_rule)
+    if call.x.size == 0:
+        return _empty_mxarray(call, cast)
     kernel = quantize_kernel(call.x, cast, call.axis)
     native = cpu_quantize_kernel(call.x, cast, call.axis, call.rng, call.tensor_scale)
     return _quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, native, call.rng,
@@ -197,6 +218,8 @@ def shared_exponents(
     x, fmt = array_then_format(x, fmt, "shared_exponents")
     cast = MXCast(mx_format(fmt, block_size), scale_rule)
     call = cast.check_call(x, "shared_exponents", axis=axis, pad=pad, exponents=True)
+    if call.x.size == 0:
+        return jnp.zeros(_empty_mxarray(call, cast).scales.shape, jnp.int32)
     return _shared_exponents_jit(call.x, cast, call.axis, call.padded)
 
 
@@ -223,6 +246,8 @@ def dequantize(mx: MXArray, dtype=jnp.float32) -> jax.Array:
     if not isinstance(mx, MXArray):
         raise TypeError(f"dequantize takes an MXArray (from quantize_mx), got {type(mx).__name__}")
     dtype = check_float_dtype(dtype)
+    if mx.elements.size == 0:  # no blocks to decode
+        return jnp.zeros(mx.shape, dtype)
     return _dequantize_jit(mx.elements, mx.scales, mx.fmt, mx.axis, mx.shape[mx.axis], dtype,
                            mx.tensor_scale)
 
@@ -288,6 +313,8 @@ def fake_quantize_mx(
     call = cast.check_call(x, "fake_quantize_mx", axis=axis, pad=pad, key=key,
                            random_bits=random_bits, tensor_scale=tensor_scale,
                            scale_rule=scale_rule)
+    if call.x.size == 0:  # no blocks: the (empty) values themselves
+        return call.x
     ts = None if call.tensor_scale is None else lax.stop_gradient(call.tensor_scale)
     kernel = quantize_kernel(call.x, cast, call.axis, fake=True)
     return _fake_quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, call.rng, ts)

@@ -12,6 +12,7 @@ validates again; public functions never call each other for their work.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple, Optional, Union
 
@@ -53,11 +54,40 @@ def _check_key(rounding: str, key, random_bits=None) -> None:
             f"key is only used by rounding='stochastic', but rounding={str(rounding)!r}; "
             "drop the key or choose rounding='stochastic'"
         )
+    if key is not None:
+        check_prng_key(key)
     if rounding != "stochastic" and random_bits is not None:
         raise ValueError(
             f"random_bits is only used by rounding='stochastic', but rounding={str(rounding)!r}; "
             "drop random_bits or choose rounding='stochastic'"
         )
+
+
+@functools.lru_cache(maxsize=None)
+def _raw_key_shape(impl: str) -> tuple:
+    """The shape of a legacy raw key of PRNG implementation ``impl`` (traced, not run)."""
+    return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
+
+
+def check_prng_key(key) -> None:
+    """TypeError unless ``key`` is one PRNG key: a typed key of shape () (``jax.random.key``;
+    a traced one under jit or vmap too), or a legacy raw key of the default implementation
+    (``jax.random.PRNGKey``: uint32 of shape (2,) for threefry). Anything else (``key=0``, a
+    batch of keys) would otherwise surface as JAX's internal PRNG message."""
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if tuple(shape) == ():
+            return
+    elif dtype is not None and np.dtype(dtype) == np.dtype(np.uint32):
+        if tuple(shape) == _raw_key_shape(jax.config.jax_default_prng_impl):
+            return
+    got = (f"{dtype} array of shape {tuple(shape)}" if dtype is not None
+           else f"{type(key).__name__} {key!r}")
+    raise TypeError(
+        f"key must be one PRNG key (jax.random.key(seed), or a legacy "
+        f"jax.random.PRNGKey(seed)), got {got}; for several arrays split it "
+        "(jax.random.split) and pass one key per call"
+    )
 
 
 def check_random_bits(random_bits, shape: tuple, what: str = "x's shape") -> None:

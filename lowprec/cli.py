@@ -10,7 +10,7 @@ Usage::
         [--ignore PATTERN ...] [--scheme PATTERN=FORMAT ...] [--scale-rule RULE] ...
     lowprec convert IN OUT --layout lowprec|compressed-tensors|modelopt [--force] ...
     lowprec dequantize IN OUT [--dtype original|float32|bfloat16|float16|float64] [--saturate]
-        [--report REPORT.json] [--json] [--force] [--quiet]
+        [--keep-undecodable] [--report REPORT.json] [--json] [--force] [--quiet]
     lowprec inspect IN [--json]
 
 IN is a ``.safetensors`` file, a folder of shards, or its ``*.safetensors.index.json``;
@@ -68,7 +68,6 @@ from .checkpoint._formats import (
     FP8_SCALINGS,
     SCALE_RULES,
     check_fp8_scale,
-    check_layout,
     check_scale_rule,
     checkpoint_format,
 )
@@ -104,9 +103,17 @@ def _format_arg(name: str):
 
 
 def _layout_arg(name: str) -> str:
-    if name in ENGINE_LAYOUTS:
+    if name in LAYOUTS + ENGINE_LAYOUTS:
         return name
-    return check_layout(name)
+    raise CheckpointError(f"unknown layout {name!r}; choose one of: "
+                          f"{', '.join(LAYOUTS + ENGINE_LAYOUTS)}")
+
+
+def _convert_layout_arg(name: str) -> str:
+    if name in ("lowprec",) + ENGINE_LAYOUTS:
+        return name
+    raise CheckpointError(f"unknown layout {name!r} for convert; choose one of: lowprec, "
+                          f"{', '.join(ENGINE_LAYOUTS)}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -186,6 +193,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="clamp decoded values beyond the output dtype's range (e.g. > 65504 "
                         "in float16) to its largest finite value, counted in the report; "
                         "without it such a tensor is refused rather than written as inf")
+    d.add_argument("--keep-undecodable", action="store_true",
+                   help="copy modules quantized in a way lowprec does not decode (e.g. an int4 "
+                        "group of llm-compressor) as they are stored, keeping their part of "
+                        "config.json's quantization_config; without it such a checkpoint is "
+                        "refused, naming the module, rather than half decoded")
     _common(d)
 
     c = sub.add_parser(
@@ -196,7 +208,7 @@ def _parser() -> argparse.ArgumentParser:
                     "cannot hold them exactly.")
     c.add_argument("input")
     c.add_argument("output")
-    c.add_argument("--layout", required=True, type=_checked(_layout_arg), metavar="LAYOUT",
+    c.add_argument("--layout", required=True, type=_checked(_convert_layout_arg), metavar="LAYOUT",
                    help="lowprec, compressed-tensors or modelopt")
     _common(c)
 
@@ -316,6 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         args.input, args.output, dtype=args.dtype, force=args.force,
                         progress=progress, report=args.report, saturate=args.saturate,
                         follow_symlinks=args.follow_symlinks, jobs=args.jobs,
+                        keep_undecodable=args.keep_undecodable,
                     )
                 else:
                     report = inspect_checkpoint(args.input)

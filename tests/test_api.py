@@ -310,7 +310,8 @@ def _vjp(f):
 HALF_CALLS = {
     "encode": lambda x: lowprec.encode(x, "e4m3"),
     "decode": lambda x: lowprec.decode(lowprec.encode(x, "e5m2"), "e5m2", dtype=x.dtype),
-    "quantize": lambda x: lowprec.quantize(x, "fp16", dtype=x.dtype),
+    # (e5m2: a format both half dtypes hold exactly, so dtype=x.dtype is no second rounding)
+    "quantize": lambda x: lowprec.quantize(x, "e5m2", dtype=x.dtype),
     "quantize-stochastic": lambda x: lowprec.quantize(
         x, "e4m3", rounding="stochastic", key=jax.random.key(0), dtype=x.dtype),
     "quantize_mx": lambda x: lowprec.quantize_mx(x, "mxfp8_e4m3").scales,
@@ -419,22 +420,47 @@ def test_negative_half_nan_keeps_its_sign_through_encode():
     assert got.tolist() == [0xFF, 0x7F, 0xFF]
 
 
-@pytest.mark.parametrize("fmt,dtype,refused", [
-    ("e4m3", jnp.float4_e2m1fn, True),  # 448 would come back as 6 (float4's largest)
-    ("e5m2", jnp.float8_e4m3fn, True),  # 57344 is beyond 448
-    ("tf32", jnp.float16, True),        # float32's range is beyond 65504
-    ("e4m3", jnp.float8_e5m2, False),   # e5m2 spans 2^-16..57344 ⊇ e4m3's 2^-9..448: a choice
-    ("fp16", jnp.bfloat16, False),      # same range, fewer significand bits: a choice
-])
-def test_quantize_refuses_a_result_dtype_narrower_than_the_format(fmt, dtype, refused):
-    f = lowprec.element_format(fmt)
-    x = jnp.array([f.max_finite, f.min_subnormal], jnp.float32)
-    if not refused:
-        assert np.asarray(lowprec.quantize(x, fmt, dtype=dtype)).dtype == np.dtype(dtype)
-        return
-    with pytest.raises(ValueError, match=rf"dtype={np.dtype(dtype).name} cannot hold the values "
-                                         rf"of '{fmt}'.*Use dtype="):
-        lowprec.quantize(x, fmt, dtype=dtype)
+# Result dtypes of quantize, crossed with every element format of at most 8 bits.
+_RESULT_DTYPES = [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2,
+                  jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz, jnp.float4_e2m1fn]
+_SMALL_FORMATS = [f for f in R.format_names() if lowprec.element_format(f).code_bits <= 8]
+
+
+def _holds_every_value(fmt: str, dtype) -> bool:
+    """Whether ``dtype`` holds every value of ``fmt`` (the reference's decode of every code,
+    infinities and NaN included) exactly: ml_dtypes' cast there and back returns it."""
+    v = R.decode(fmt, R.all_codes(fmt))
+    with np.errstate(invalid="ignore", over="ignore"):
+        back = v.astype(np.dtype(dtype)).astype(np.float64)
+    return bool(np.all((back == v) | (np.isnan(back) & np.isnan(v))))
+
+
+@pytest.mark.parametrize("dtype", _RESULT_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_quantize_refuses_a_result_dtype_that_cannot_hold_every_value(dtype):
+    """quantize rounds to the values of the format; a dtype= missing one of them would round
+    the result a second time (issue 37.4: e4m3 as float8_e5m2 turned 0.1 into 0.09375, not
+    e4m3's 0.1015625), so it is refused — decided for every format against the reference's
+    values (traced only: the check comes before any compilation)."""
+    x = jax.ShapeDtypeStruct((2,), jnp.float32)
+    for fmt in _SMALL_FORMATS:
+        call = lambda v: lowprec.quantize(v, fmt, dtype=dtype)  # noqa: E731
+        if _holds_every_value(fmt, dtype):
+            assert jax.eval_shape(call, x).dtype == np.dtype(dtype), fmt
+            continue
+        with pytest.raises(ValueError, match=rf"dtype={np.dtype(dtype).name} cannot hold every "
+                                             rf"value of '{fmt}' exactly \(.*\).*dtype="):
+            jax.eval_shape(call, x)
+
+
+def test_quantize_result_dtype_double_rounding_repro():
+    x = jnp.array([0.1, 448.0])
+    with pytest.raises(ValueError, match=r"dtype=float8_e5m2 cannot hold every value of 'e4m3' "
+                                         r"exactly \(1.125 is not a float8_e5m2 value\)"):
+        lowprec.quantize(x, "e4m3", dtype=jnp.float8_e5m2)
+    # Exact dtypes give e4m3's values themselves (0.1 -> 13 * 2^-7).
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
+        got = np.asarray(lowprec.quantize(x, "e4m3", dtype=dtype)).astype(np.float64)
+        assert got.tolist() == [13 * 2.0**-7, 448.0]
 
 
 @pytest.mark.parametrize("name,suggestion", [

@@ -26,6 +26,8 @@ from lowprec.checkpoint import (
     quantize_checkpoint,
 )
 from lowprec.checkpoint._engine_layouts import engine_specs
+from lowprec.checkpoint._layout import make_spec
+from lowprec.checkpoint._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY
 from lowprec.checkpoint._safetensors import SafetensorsReader, SafetensorsWriter
 
 SCHEMES = ["nvfp4", "mxfp4", "mxfp8", "fp8", "fp8_channel"]
@@ -109,6 +111,9 @@ def test_mixed_schemes_and_ignore(tmp_path):
         f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("k_proj", "q_proj"))
     assert "model.layers.1.mlp.down_proj" in qc["ignore"]
     assert "model.layers.1.mlp.down_proj" not in by_format["nvfp4-pack-quantized"]
+    # The fields compressed-tensors 0.20's ModelCompressor.update_config writes beside the
+    # groups (run on this config: test_config_has_the_fields_compressed_tensors_writes).
+    assert (qc["version"], qc["sparsity_config"], qc["transform_config"]) == ("0.20.0", {}, {})
     kinds = {t.name: t.format for t in rep.tensors}
     assert kinds["model.layers.1.mlp.down_proj.weight"] == "kept"
     assert kinds["model.layers.0.self_attn.q_proj.weight"].startswith("e4m3")
@@ -176,6 +181,114 @@ def test_quantized_input_is_refused(tmp_path):
     for layout in ("lowprec", "compressed-tensors"):
         with pytest.raises(CheckpointError, match="already quantized"):
             quantize_checkpoint(tmp_path / "c", tmp_path / "again", "mxfp4", layout=layout)
+
+
+@pytest.mark.slow  # imports torch (compressed-tensors)
+def test_config_has_the_fields_compressed_tensors_writes(tmp_path):
+    """Issue 33.9: the config lacked version, sparsity_config, transform_config. The fields
+    are those compressed-tensors itself writes for the same groups (its
+    ModelCompressor.update_config, run here), values included."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors",
+                        schemes=["re:.*self_attn.*=fp8"])
+    ours = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
+    (tmp_path / "ct").mkdir()
+    (tmp_path / "ct/config.json").write_text("{}")
+    ModelCompressor(quantization_config=QuantizationConfig.model_validate(ours)).update_config(
+        str(tmp_path / "ct"))
+    theirs = json.load(open(tmp_path / "ct/config.json"))["quantization_config"]
+    assert set(ours) == set(theirs)
+    top = set(ours) - {"version", "config_groups"}  # (groups: their own arguments' fields)
+    assert {k: ours[k] for k in top} == {k: theirs[k] for k in top}
+    assert theirs["version"] == ct.__version__ and ours["version"] == "0.20.0"
+
+
+def test_quantize_refuses_a_checkpoint_whose_config_says_it_is_quantized(tmp_path):
+    """Issue 33.9: an existing quantization_config was replaced without a word (engine
+    layouts) or copied, still claiming its method, beside lowprec's tensors. A config that
+    says the checkpoint is quantized is refused in every layout: start from the unquantized
+    checkpoint, or delete the stale config."""
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    config = json.load(open(src / "config.json"))
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (src / "config.json").write_text(json.dumps(config))
+    for layout in ("lowprec", "compressed-tensors", "modelopt"):
+        with pytest.raises(CheckpointError, match=r"config.json: already quantized, says its "
+                                                  r"quantization_config \(quant_method "
+                                                  r"'bitsandbytes'\).*delete quantization_config"):
+            quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout=layout)
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_channel"])
+def test_scale_rule_is_refused_where_no_scheme_takes_one(tmp_path, fmt):
+    """Issue 33.9: --scale-rule was ignored for NVFP4 in the engine layouts but an error in
+    lowprec's; it is refused by both when no scheme of the run takes one (MXFP4/MXFP8 do)."""
+    src = tmp_path / "m"
+    _tiny_folder(src)
+    with pytest.raises(CheckpointError, match=rf"applies to the MX schemes \(mxfp4, mxfp8\), "
+                                              rf"not {fmt}"):
+        quantize_checkpoint(src, tmp_path / "q", fmt, layout="compressed-tensors",
+                            scale_rule="rceil")
+    if fmt == "nvfp4":
+        with pytest.raises(CheckpointError, match="takes no scale rule"):
+            quantize_checkpoint(src, tmp_path / "q", fmt, scale_rule="rceil")
+    assert not (tmp_path / "q").exists()
+
+
+def test_convert_refuses_what_it_cannot_move_naming_the_target(tmp_path):
+    """Converting an unquantized checkpoint silently copied it (quantize calls that an
+    error); converting lowprec's own MXFP4 with 16-element blocks, MXFP6 or blocks along axis
+    0 to lowprec named compressed-tensors/ModelOpt as what could not hold it."""
+    src = tmp_path / "m.safetensors"
+    save_tensors(src, {"fc.weight": np.ones((64, 64), np.float32)})
+    with pytest.raises(CheckpointError, match="holds no quantized tensors; nothing to convert"):
+        convert_checkpoint(src, tmp_path / "c.safetensors", "compressed-tensors")
+    for fmt, axis in [("mxfp4_b16", -1), ("mxfp6_e2m3", -1), ("mxfp4", 0)]:
+        # The file as lowprec's writer lays it out (its parts zero: nothing is decoded here).
+        spec = make_spec(fmt, (64, 64), "F32", axis=axis)
+        q = tmp_path / f"{fmt}{axis}.safetensors"
+        save_tensors(q, {stored: np.zeros(shp, np.uint8)
+                         for _, stored, _, shp in spec.parts("fc.weight")},
+                     {METADATA_VERSION_KEY: METADATA_VERSION,
+                      METADATA_KEY: json.dumps({"fc.weight": spec.to_json("fc.weight")})})
+        with pytest.raises(CheckpointError, match="already in the lowprec layout"):
+            convert_checkpoint(q, tmp_path / "c.safetensors", "lowprec")
+        with pytest.raises(CheckpointError, match="no compressed-tensors equivalent"):
+            convert_checkpoint(q, tmp_path / "c.safetensors", "compressed-tensors")
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_engine_layouts_list_empty_weights_and_advise_their_own_option(tmp_path):
+    """A 0-size [out, in] weight was kept but not listed in ignore (so an engine looked for
+    its quantized parts); a name clash advised --exclude, which the engine layouts refuse."""
+    src = tmp_path / "m"
+    os.makedirs(src)
+    save_tensors(src / "model.safetensors", {"model.layers.0.mlp.up_proj.weight":
+                                             np.ones((32, 64), np.float32),
+                                             "model.layers.0.mlp.empty.weight":
+                                             np.ones((0, 64), np.float32)})
+    quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors")
+    qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
+    assert "model.layers.0.mlp.empty" in qc["ignore"]
+    clash = tmp_path / "clash.safetensors"
+    save_tensors(clash, {"fc.weight": np.ones((8, 64), np.float32),
+                         "fc.weight_scale": np.ones((8, 1), np.float32)})
+    with pytest.raises(CheckpointError, match=r"'fc.weight_scale' would be used twice.*--ignore "
+                                              "the module of one of them"):
+        quantize_checkpoint(clash, tmp_path / "c.safetensors", "fp8", layout="compressed-tensors")
+
+
+def test_unknown_layout_lists_every_layout(tmp_path):
+    with pytest.raises(CheckpointError, match="unknown layout 'bogus'; choose one of: lowprec, "
+                                              "gpt-oss, compressed-tensors, modelopt"):
+        quantize_checkpoint(tmp_path / "m", tmp_path / "q", "mxfp4", layout="bogus")
 
 
 def test_per_channel_fp8_has_no_lowprec_layout(tmp_path):
@@ -603,7 +716,7 @@ def test_engine_layouts_never_write_beside_or_over_the_input(tmp_path, op):
     shard = src / "model-00001-of-00002.safetensors"
     sibling = src / "model-00002-of-00002.safetensors"
     if op == "quantize":
-        with pytest.raises(CheckpointError, match="input file"):
+        with pytest.raises(CheckpointError, match="is a file of the input checkpoint"):
             quantize_checkpoint(shard, sibling, "nvfp4", layout="compressed-tensors", force=True,
                                 progress=False)
     assert _digests(src) == before and not (src / "sub").exists()

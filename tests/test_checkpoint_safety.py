@@ -423,3 +423,66 @@ def test_dequantize_follows_the_same_rules(tmp_path, model):
     os.mkfifo(fifo)
     with pytest.raises(CheckpointError, match="FIFO"):
         dequantize_checkpoint(q, fifo, force=True)
+
+
+# -- no file of the input checkpoint is ever an output ---------------------------------------
+def _model_folder(root, quantized: bool):
+    """A Hugging Face style folder: two shards, their index, config.json, a tokenizer file and
+    a file in a subfolder (quantized to MXFP4 in lowprec's layout if ``quantized``)."""
+    src = root / "float"
+    src.mkdir()
+    rng = np.random.default_rng(1)
+    weight_map = {}
+    for i in (1, 2):
+        shard = f"model-0000{i}-of-00002.safetensors"
+        name = f"model.layers.{i}.mlp.up_proj.weight"
+        with SafetensorsWriter(src / shard, [(name, "F32", (64, 64))]) as w:
+            w.write(name, rng.standard_normal((64, 64)).astype(np.float32))
+        weight_map[name] = shard
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src / "sub").mkdir()
+    (src / "sub" / "notes.json").write_text("{}")
+    if not quantized:
+        return src
+    quantize_checkpoint(src, root / "q", "mxfp4", progress=False)
+    return root / "q"
+
+
+def _tree(folder) -> dict:
+    return {os.path.relpath(os.path.join(r, f), folder): digest(os.path.join(r, f))
+            for r, _, files in os.walk(folder) for f in files}
+
+
+@pytest.mark.parametrize("op", ["quantize", "dequantize", "convert"])
+def test_force_never_replaces_a_file_of_the_input_checkpoint(tmp_path, op, capsys):
+    """A single shard's checkpoint is its folder (it holds config.json or an index): none of
+    its files — config.json (which may hold quantization_config), the index, the other
+    shard, tokenizer files, files in subfolders — is ever an output, not even with --force
+    (issue 37.1: `quantize tm/model-00001-of-00002.safetensors tm/config.json --force`
+    turned config.json into a safetensors file)."""
+    folder = _model_folder(tmp_path, quantized=op != "quantize")
+    shard = folder / "model-00001-of-00002.safetensors"
+    extra = {"quantize": ["-f", "mxfp4"], "convert": ["--layout", "compressed-tensors"],
+             "dequantize": []}[op]
+    before = _tree(folder)
+    for victim in ("config.json", "model.safetensors.index.json", "tokenizer.json",
+                   "model-00002-of-00002.safetensors", "sub/notes.json"):
+        for where in ("output", "report"):
+            out, report = str(folder / victim), str(tmp_path / "r.json")
+            if where == "report":
+                out, report = str(tmp_path / "out"), out
+            assert main([op, str(shard), out, *extra, "--force", "-q", "--report", report]) == 1
+            err = capsys.readouterr().err
+            assert f"{folder / victim}: is a file of the input checkpoint {folder}" in err, err
+            assert "not even with --force" in err and len(err.strip().splitlines()) == 1
+    assert _tree(folder) == before
+    # A new file beside the shard is written; once there it is one of the folder's files,
+    # which a later run must not replace.
+    new = folder / "new.safetensors"
+    assert main([op, str(shard), str(new), *extra, "-q"]) == 0
+    written = digest(new)
+    assert main([op, str(shard), str(new), *extra, "--force", "-q"]) == 1
+    assert "is a file of the input checkpoint" in capsys.readouterr().err
+    assert digest(new) == written and set(_tree(folder)) == set(before) | {"new.safetensors"}

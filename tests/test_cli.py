@@ -133,7 +133,11 @@ def test_errors_exit_1_with_message(tmp_path, ckpt, capsys, args, phrase):
     (["quantize", "a", "b", "-f", "ue8m0"], "(e8m0) is not a checkpoint storage format"),
     (["quantize", "a", "b", "-f", "float8_e3m4"], "(e3m4) is not a checkpoint storage format"),
     (["quantize", "a", "b", "-f", "mxfp4", "--block-size", "x"], "--block-size: invalid int"),
-    (["quantize", "a", "b", "-f", "mxfp4", "--layout", "hf"], "unknown layout 'hf'"),
+    # every layout is listed (issue 33.9: only lowprec and gpt-oss were), and convert's own
+    (["quantize", "a", "b", "-f", "mxfp4", "--layout", "hf"],
+     "unknown layout 'hf'; choose one of: lowprec, gpt-oss, compressed-tensors, modelopt"),
+    (["convert", "a", "b", "--layout", "gpt-oss"],
+     "unknown layout 'gpt-oss' for convert; choose one of: lowprec, compressed-tensors, modelopt"),
     (["quantize", "a", "b", "-f", "e4m3", "--fp8-scale", "row"], "unknown fp8_scale 'row'"),
 ])
 def test_usage_errors_exit_2(capsys, args, phrase):

@@ -945,13 +945,18 @@ def test_quantize_float64_with_x64_keeps_float64():
         assert np.asarray(q).tolist() == [1.125, 0.1015625]
 
 
-def test_quantize_with_explicit_narrower_dtype_rounds_twice():
-    # quantize("fp16", x, dtype=bf16) = the fp16 value, then rounded to bf16 (ml_dtypes RNE).
+def test_quantize_never_rounds_twice_into_a_narrower_dtype():
+    # fp16's 1 + 3 * 2^-10 is no bfloat16 (7 significand bits): the result would be rounded
+    # again (to 1 + 2^-8 by ml_dtypes' RNE), so the dtype is refused, naming fp16's step above 1.
     x = np.array([1 + 3 * 2.0**-10, 65504.0, 2.0**-24, -0.1], np.float32)
-    got = np.asarray(lowprec.quantize(x, "fp16", dtype=jnp.bfloat16))
-    want = x.astype(np.float16).astype(np.float32).astype(ml_dtypes.bfloat16)
-    assert got.dtype == want.dtype
-    assert_bits_equal(got, want)
+    assert float(x.astype(np.float16).astype(ml_dtypes.bfloat16)[0]) != float(np.float16(x[0]))
+    with pytest.raises(ValueError, match=r"dtype=bfloat16 cannot hold every value of 'fp16' "
+                                         r"exactly \(1.0009765625 is not a bfloat16 value\)"):
+        lowprec.quantize(x, "fp16", dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"not all representable in the input dtype bfloat16"):
+        lowprec.quantize(jnp.asarray(x, jnp.bfloat16), "fp16")
+    got = np.asarray(lowprec.quantize(x, "fp16", dtype=jnp.float32))
+    assert_bits_equal(got, x.astype(np.float16).astype(np.float32))
 
 
 # ============================================================================================

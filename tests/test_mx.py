@@ -13,6 +13,7 @@ Code layouts used in the derivations: E4M3 = s.eeee.mmm (bias 7), E5M2 = s.eeeee
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -642,6 +643,58 @@ def test_stochastic_needs_a_key_and_other_modes_refuse_one():
         lowprec.fake_quantize_mx(x, "mxfp4", rounding="stochastic")
     with pytest.raises(ValueError, match="key"):
         lowprec.quantize_mx(x, "mxfp4", key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("key,what", [
+    (0, "int 0"), (jnp.uint32(3), "uint32 array of shape ()"),
+    (jnp.ones(3, jnp.uint32), "uint32 array of shape (3,)"),
+    (jax.random.split(jax.random.key(0)), "key<fry> array of shape (2,)"),
+])
+def test_a_key_that_is_no_prng_key_is_refused_naming_it(key, what):
+    """key=0 used to reach JAX's internals ("invalid PRNG key data: expected key_data.ndim
+    >= 1"); every entry point now names what it got and what a key is."""
+    x = jnp.ones(32)
+    phrase = rf"key must be one PRNG key \(jax.random.key\(seed\).*\), got {re.escape(what)}"
+    for call in (lambda: lowprec.quantize(x, "e4m3", rounding="stochastic", key=key),
+                 lambda: lowprec.encode(x, "e4m3", rounding="stochastic", key=key),
+                 lambda: lowprec.quantize_mx(x, "mxfp4", rounding="stochastic", key=key),
+                 lambda: lowprec.fake_quantize_mx(x, "nvfp4", rounding="stochastic", key=key)):
+        with pytest.raises(TypeError, match=phrase):
+            call()
+
+
+def test_legacy_prng_keys_are_accepted_as_typed_ones():
+    x = jnp.linspace(-1.0, 1.0, 64)
+    new = lowprec.quantize_mx(x, "mxfp4", rounding="stochastic", key=jax.random.key(7))
+    old = lowprec.quantize_mx(x, "mxfp4", rounding="stochastic", key=jax.random.PRNGKey(7))
+    np.testing.assert_array_equal(np.asarray(new.elements), np.asarray(old.elements))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4", "mxint8", "nvfp4"])
+def test_zero_size_arrays_give_empty_results(fmt):
+    """An empty array has no blocks: empty codes and scales of the shapes the format's packing
+    gives (NumPy's "zero-size array to reduction operation" used to escape instead), an
+    empty dequantized and fake-quantized array, and NVFP4's tensor scale for amax 0 (1.0:
+    its recipe's scale of an all-zero tensor), eager and under jit."""
+    f = lowprec.mx_format(fmt)
+    for shape, axis in [((0,), -1), ((0, 64), -1), ((4, 0), -1), ((2, 0, 32), 1)]:
+        x = jnp.zeros(shape, jnp.bfloat16)
+        ax = axis % len(shape)
+        n = shape[ax]
+        want_el = shape[:ax] + (n * f.element.code_bits // 8,) + shape[ax + 1:]
+        want_sc = shape[:ax] + (n // f.block_size,) + shape[ax + 1:]
+        for mx in (lowprec.quantize_mx(x, fmt, axis=axis),
+                   jax.jit(lambda v: lowprec.quantize_mx(v, fmt, axis=axis))(x)):
+            assert (mx.elements.shape, mx.scales.shape, mx.shape) == (want_el, want_sc, shape)
+            assert mx.elements.dtype == mx.scales.dtype == jnp.uint8  # MXArray's code dtype
+            if f.tensor_scale:
+                assert float(mx.tensor_scale) == R.nvfp4_tensor_scale(np.zeros(shape, np.float32)) == 1.0
+            back = lowprec.dequantize(mx, jnp.float16)
+            assert (back.shape, back.dtype) == (shape, jnp.float16)
+        fake = lowprec.fake_quantize_mx(x, fmt, axis=axis)
+        assert (fake.shape, fake.dtype) == (shape, jnp.bfloat16)
+        if f.scheme.exponent_scales:
+            assert lowprec.shared_exponents(x, fmt, axis=axis).shape == want_sc
 
 
 def test_bad_axis_and_rank():

@@ -6,6 +6,7 @@ Formats are named as everywhere in lowprec (``"mxfp4"``, ``"mxfp6_e2m3"``, ``"nv
 are listed in :mod:`lowprec.checkpoint._layout` (NVFP4: ``<name>_elements``, ``<name>_scales``
 and the float32 tensor scale ``<name>_scale``).
 Streams every tensor in bounded pieces, never loads pickles, never writes to an input,
+checks every quantized tensor it reads (and refuses what it cannot decode, naming it),
 writes atomically, and reports per-tensor error (SQNR, max abs/rel error, clipped block
 maxima, what happened to NaN/inf values). The command line front end is
 ``lowprec quantize | dequantize | inspect`` (:mod:`lowprec.cli`).
@@ -18,8 +19,9 @@ Modules, one job each: ``_formats`` (which formats, under which names), ``_layou
 (stored parts of a tensor, pieces), ``_chunk`` (encoding/decoding a piece), ``_stats``
 (error statistics), ``_safetensors`` (the container), ``_atomic`` (safe outputs),
 ``_source`` (files, folders, index), ``_logical`` (which stored tensors make up which
-logical tensor), ``_pipeline`` (outputs, readers and the write phase every conversion
-shares), ``_convert`` (quantize, dequantize, load, inspect in lowprec's layouts),
+logical tensor), ``_qconfig`` (what a checkpoint's ``quantization_config`` says),
+``_validate`` (what every reader checks before it decodes), ``_pipeline`` (outputs, readers
+and the write phase every conversion shares), ``_convert`` (quantize, dequantize, load, inspect in lowprec's layouts),
 ``_engine_layouts`` (what compressed-tensors and ModelOpt store, per tensor),
 ``_engine_convert`` (whole checkpoints in those layouts, and moving between layouts),
 ``_report``.

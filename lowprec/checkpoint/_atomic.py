@@ -3,7 +3,9 @@
 The rule every lowprec output follows (checkpoint files, index files, copied files, reports):
 
 * It is never a path that is, or aliases (same device and inode: a hard link or a symbolic
-  link), one of the run's inputs — not even with ``force``.
+  link), one of the run's inputs — not even with ``force``. The inputs are every file of the
+  input checkpoint: an existing file anywhere under its folder (the folder given, or the model
+  folder holding a single shard, :func:`lowprec.checkpoint._source.open_source`) is one.
 * An existing path is replaced only with ``force``, and only if it is a regular file (or a
   symbolic link to one, which is replaced by the new file): directories, FIFOs, devices,
   sockets and dangling links are refused.
@@ -136,28 +138,62 @@ def _kind(mode: int) -> str:
 
 
 class Inputs:
-    """Identities (device, inode) of a run's input files, to refuse outputs aliasing them."""
+    """The files of a run's input checkpoint, to refuse outputs that are or alias one: the
+    identities (device, inode) of its files, and its folder (every existing file under it)."""
 
     def __init__(self, paths: Iterable[str] = ()):
-        self._ids: dict = {}
+        self._ids: dict = {}  # the files given or listed as inputs
+        self._folder_ids: dict = {}  # the top-level files of the folder
+        self.folder: Optional[str] = None  # as given (messages name it so)
+        self._root: Optional[str] = None  # resolved
         for p in paths:
             self.add(p)
 
-    def add(self, path) -> None:
+    def add(self, path, _into=None) -> None:
         path = os.fspath(path)
         try:
             st = os.stat(path)
         except OSError:
             return
-        self._ids.setdefault((st.st_dev, st.st_ino), path)
+        (self._ids if _into is None else _into).setdefault((st.st_dev, st.st_ino), path)
+
+    def add_folder(self, folder) -> None:
+        """Makes every existing file under ``folder`` an input (and registers the identities
+        of its top-level files, for links to them from elsewhere)."""
+        self.folder = os.fspath(folder)
+        self._root = os.path.realpath(self.folder)
+        try:
+            names = os.listdir(self._root)
+        except OSError:
+            return
+        for name in names:
+            self.add(os.path.join(self.folder, name), self._folder_ids)
+
+    def in_folder(self, path) -> bool:
+        """Whether ``path`` exists (or is a link, even dangling) under the input folder, or
+        leads there."""
+        path = os.fspath(path)
+        if self._root is None or not os.path.lexists(path):
+            return False
+        root = self._root.rstrip(os.sep) + os.sep
+        # The path as named (its directory resolved: replacing a link inside the folder
+        # replaces a file of the folder), and where it leads.
+        named = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))),
+                             os.path.basename(path))
+        return named.startswith(root) or os.path.realpath(path).startswith(root)
+
+    def given(self, path) -> bool:
+        """Whether ``path`` is one of the files given (or listed) as the run's inputs."""
+        return any(os.path.abspath(p) == os.path.abspath(path) for p in self._ids.values())
 
     def which(self, path) -> Optional[str]:
-        """The input that ``path`` is or aliases, or None."""
+        """The input file that ``path`` is or aliases (same device and inode), or None."""
         try:
             st = os.stat(path)
         except OSError:
             return None
-        return self._ids.get((st.st_dev, st.st_ino))
+        key = (st.st_dev, st.st_ino)
+        return self._ids.get(key, self._folder_ids.get(key))
 
 
 def check_output(path, *, force: bool, inputs: Optional[Inputs] = None, what: str = "output"):
@@ -169,8 +205,14 @@ def check_output(path, *, force: bool, inputs: Optional[Inputs] = None, what: st
     if not path:
         raise CheckpointError(f"the {what} path is empty")
     source = inputs.which(path) if inputs is not None else None
+    same = source is not None and os.path.abspath(source) == os.path.abspath(path)
+    if inputs is not None and inputs.in_folder(path) and not (same and inputs.given(path)):
+        raise CheckpointError(
+            f"{path}: is a file of the input checkpoint {inputs.folder}; lowprec never writes "
+            f"over a file of its input checkpoint (not even with --force): choose a new "
+            f"{what} path"
+        )
     if source is not None:
-        same = os.path.abspath(source) == os.path.abspath(path)
         raise CheckpointError(
             f"{path}: is {'the' if same else 'a link to the'} input file"
             f"{'' if same else ' ' + source}; lowprec never writes to an input (not even "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -55,17 +56,28 @@ def tensor_scale(amax, spec: TensorSpec) -> np.float32:
         2.0
     """
     if spec.is_mx:
-        # The scheme computes it from the finite max magnitude of what it is given: here a
-        # single value, the whole tensor's amax.
         amax_bits = jnp.asarray([np.float32(amax).view(np.uint32)], jnp.uint32)
-        ts = spec.format.scheme.tensor_scale_bits(amax_bits, None, MXCast(spec.format))
-        return np.uint32(ts).view(np.float32)
+        return np.uint32(_tensor_scale_bits(amax_bits, MXCast(spec.format))).view(np.float32)
     elem = spec.format
     amax = np.float32(amax)
     if not amax > 0:
         return np.float32(1)
     s = amax / np.float32(elem.max_finite)
     return s if np.isfinite(s) and s > 0 else np.float32(1)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _tensor_scale_bits(amax_bits, cast: MXCast):
+    # The scheme computes it from the finite max magnitude of what it is given: here a single
+    # value, the whole tensor's amax. One compiled program (op by op, each of its dozens of
+    # integer steps would be compiled on its own: ~50 MB of peak memory).
+    return cast.fmt.scheme.tensor_scale_bits(amax_bits, None, cast)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _element_scales(fmt, tensor_scale):
+    """What block scale code c multiplies its elements by, for every c (one program)."""
+    return fmt.scheme.element_scale(jnp.arange(256, dtype=jnp.uint8), tensor_scale)
 
 
 def check_scales(values, where: str) -> None:
@@ -122,7 +134,7 @@ def _mx_clipped(x, scales: np.ndarray, fmt, ts=None) -> tuple:
     # elements by: 2^e for shared-exponent scales, else the float32 factor (NVFP4: float32(ts x
     # E4M3 block scale), the quantizer's divisor). Both products are exact in float64; a NaN
     # block (its scale code the scale format's NaN) is never clipped.
-    factor = np.asarray(fmt.scheme.element_scale(jnp.arange(256, dtype=jnp.uint8), ts))
+    factor = np.asarray(_element_scales(fmt, ts))
     if np.issubdtype(factor.dtype, np.integer):
         factor = np.ldexp(1.0, factor)
     limits = factor.astype(np.float64) * fmt.element.max_finite

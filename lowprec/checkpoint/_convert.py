@@ -21,11 +21,12 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ._chunk import check_scales, dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
+from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
 from ._engine_convert import plain_config_texts, quantize_engine_checkpoint
-from ._engine_layouts import ENGINE_LAYOUTS, engine_specs
+from ._engine_layouts import ENGINE_LAYOUTS
 from ._errors import CheckpointError
 from ._formats import (
+    LAYOUTS,
     cast_dtype,
     cast_takes_scale,
     check_fp8_scale,
@@ -41,14 +42,16 @@ from ._layout import (
     make_spec,
     pieces,
 )
-from ._logical import (
-    METADATA_KEY,
-    METADATA_VERSION,
-    METADATA_VERSION_KEY,
-    check_decodable,
-    logical_tensors,
+from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, logical_tensors
+from ._pipeline import (
+    Outputs,
+    check_collisions,
+    check_unquantized,
+    copy_tensor,
+    open_readers,
+    write_outputs,
 )
-from ._pipeline import Outputs, check_collisions, copy_tensor, open_readers, write_outputs
+from ._qconfig import read_quant_config
 from ._report import ConversionReport, TensorReport
 from ._safetensors import FLOAT_DTYPES, dtype_name, nbytes_of, numpy_dtype
 from ._source import Source, open_source
@@ -197,6 +200,9 @@ def quantize_checkpoint(
         >>> t.format, t.bytes_before, t.bytes_after, t.bits_per_param
         ('mxfp4', 16384, 2176, 4.25)
     """
+    if layout not in LAYOUTS + ENGINE_LAYOUTS:
+        raise CheckpointError(f"unknown layout {layout!r}; choose one of: "
+                              f"{', '.join(LAYOUTS + ENGINE_LAYOUTS)}")
     if layout in ENGINE_LAYOUTS:
         if include or exclude or axis is not None or block_size is not None or fp8_scale != "tensor":
             raise CheckpointError(
@@ -240,18 +246,8 @@ def quantize_checkpoint(
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
         plans = {}
+        check_unquantized(source, readers)
         for rel, reader in readers.items():
-            if METADATA_KEY in reader.metadata:
-                raise CheckpointError(
-                    f"{reader.path}: already quantized by lowprec; dequantize it first "
-                    "(lowprec dequantize)"
-                )
-            check_decodable(reader)
-            if engine_specs(reader):
-                raise CheckpointError(
-                    f"{reader.path}: already quantized (compressed-tensors or ModelOpt tensors); "
-                    "lowprec convert changes its layout, lowprec dequantize decodes it"
-                )
             plan, entries = [], []
             for info in reader.tensors.values():
                 chosen, reason = select_tensor(info, fmt, include_re, exclude_re, axis)
@@ -415,12 +411,7 @@ def _decode_regions(reader, spec: TensorSpec, parts, dtype):
         yield from spec.decode_regions(reader, parts, dtype)
         return
     view = spec.view
-    fixed = {}
-    for role, stored, _, _ in parts:
-        if role == "scale":
-            fixed[role] = reader.read(stored)
-            if not spec.is_mx:  # an FP8 cast's scale (NVFP4's tensor scale: MXArray checks it)
-                check_scales(fixed[role], f"{reader.path}: {stored}")
+    fixed = {role: reader.read(stored) for role, stored, _, _ in parts if role == "scale"}
     for rect in pieces(view, spec.align, CHUNK_ELEMENTS):
         arrays = dict(fixed)
         for role, stored, _, _ in parts:
@@ -447,6 +438,7 @@ def dequantize_checkpoint(
     saturate: bool = False,
     follow_symlinks: bool = False,
     jobs: int = 1,
+    keep_undecodable: bool = False,
 ) -> ConversionReport:
     """Writes plain safetensors with the quantized tensors of ``src`` decoded.
 
@@ -469,46 +461,60 @@ def dequantize_checkpoint(
       saturate: decoded finite values beyond the output dtype's range (e.g. > 65504 for
         float16) are clamped to its largest finite value and counted in the report
         (``saturated``); without it such a tensor is refused, never written as inf.
+      keep_undecodable: modules quantized in a way lowprec does not decode (an int4 group of
+        llm-compressor, GPTQ weights, ...) are copied as stored, and a folder's config.json
+        keeps their part of ``quantization_config`` (the decoded modules join its
+        ``ignore``); without it such a checkpoint is refused, naming the module, rather than
+        half decoded. Every tensor is checked first (:mod:`lowprec.checkpoint._validate`).
 
     Raises:
       CheckpointError: a finite decoded value overflows the output dtype (without
-        ``saturate``), or the input is not a quantized checkpoint.
+        ``saturate``), a quantized tensor is damaged or disagrees with the checkpoint's
+        config, or the input is not a quantized checkpoint.
     """
     start = time.perf_counter()
     if not isinstance(saturate, bool):
         raise TypeError(f"saturate must be True or False, got {saturate!r}")
+    if not isinstance(keep_undecodable, bool):
+        raise TypeError(f"keep_undecodable must be True or False, got {keep_undecodable!r}")
     out_dtype = None if dtype in (None, "original") else _dtype_arg(dtype)
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
+    config = read_quant_config(source.home)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans, any_quantized = {}, False
+        plans, decoded, undecodable = {}, [], {}
         for rel, reader in readers.items():
             plan, entries = [], []
-            for name, spec, parts in logical_tensors(reader):
+            found = logical_tensors(reader, config, keep_undecodable=keep_undecodable)
+            undecodable.update(found.undecodable)
+            for name, spec, parts in found:
                 if spec is None:
                     info = reader.tensors[name]
                     entries.append((name, info.dtype, info.shape))
+                    why = ("quantized, not decodable: copied as stored" if name in found.kept
+                           else "not quantized")
                 else:
-                    any_quantized = True
+                    decoded.append(name)
                     entries.append((name, out_dtype or spec.dtype, spec.shape))
-                plan.append((name, spec, parts, entries[-1][1]))
-            check_collisions(entries, reader.path)
+                    why = None
+                plan.append((name, spec, parts, entries[-1][1], why))
+            check_collisions(entries, reader.path, "rename one of them in the input")
             plans[rel] = (plan, entries)
-        if not any_quantized:
+        if not decoded:
             raise CheckpointError(
-                f"{source.given}: holds no quantized tensors (no {METADATA_KEY} metadata, no "
-                "gpt-oss *_blocks/*_scales pairs, no compressed-tensors or ModelOpt weights); "
-                "nothing to decode"
+                f"{source.given}: holds no quantized tensors lowprec decodes (no {METADATA_KEY} "
+                "metadata, no gpt-oss *_blocks/*_scales pairs, no compressed-tensors or ModelOpt "
+                "weights); nothing to decode"
             )
         def convert(reader, writer, item, bar) -> TensorReport:
-            name, spec, parts, st = item
+            name, spec, parts, st, why = item
             bar.set_postfix_str(name[-40:], refresh=False)
             if spec is None:
                 info = reader.tensors[name]
                 copy_tensor(reader, writer, name, bar)
                 return TensorReport(name, info.shape, info.dtype, "kept",
-                                    info.nbytes, info.nbytes, reason="not quantized")
+                                    info.nbytes, info.nbytes, reason=why)
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             target = np.dtype(numpy_dtype(st))
             saturated = nonfinite = 0
@@ -524,15 +530,19 @@ def dequantize_checkpoint(
                 scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts),
                 nonfinite=nonfinite, decoded_nonfinite=nonfinite, saturated=saturated)
 
-        return write_outputs(source, outputs, readers, plans, "dequantize",
-                             {"dtype": dtype or "original", "saturate": saturate}, start,
+        modules = [n[: -len(".weight")] if n.endswith(".weight") else n for n in decoded]
+        texts = plain_config_texts(source, outputs, config, sorted(undecodable), modules)
+        options = {"dtype": dtype or "original", "saturate": saturate}
+        if undecodable:
+            options["kept_undecodable"] = [u.describe() for u in undecodable.values()]
+        return write_outputs(source, outputs, readers, plans, "dequantize", options, start,
                              force=force,
                              progress=progress, metadata=lambda plan: {}, convert=convert,
-                             texts=plain_config_texts(source, outputs))
+                             texts=texts)
 
 
 def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None,
-                    saturate: bool = False) -> dict:
+                    saturate: bool = False, keep_undecodable: bool = False) -> dict:
     """Reads a (possibly quantized) safetensors file or folder into ``{name: np.ndarray}``,
     decoding quantized tensors as :func:`dequantize_checkpoint` does (in memory; for small
     models, tests and analysis).
@@ -543,15 +553,22 @@ def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None,
         not hold raises KeyError (with the closest names it does hold).
       saturate: as in :func:`dequantize_checkpoint` (else a value overflowing ``dtype``
         raises CheckpointError).
+      keep_undecodable: as in :func:`dequantize_checkpoint`: the stored tensors of modules
+        lowprec does not decode come back as stored, under their own names (else such a
+        checkpoint is refused).
     """
+    if not isinstance(keep_undecodable, bool):
+        raise TypeError(f"keep_undecodable must be True or False, got {keep_undecodable!r}")
     out_dtype = None if dtype in (None, "original") else _dtype_arg(dtype)
     if isinstance(names, str):
         names = [names]
     source = open_source(path)
+    config = read_quant_config(source.home)
     result, held = {}, set()
     with contextlib.ExitStack() as stack:
         for reader in open_readers(stack, source).values():
-            for name, spec, parts in logical_tensors(reader):
+            for name, spec, parts in logical_tensors(reader, config,
+                                                     keep_undecodable=keep_undecodable):
                 held.add(name)
                 if names is not None and name not in names:
                     continue
@@ -584,12 +601,16 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
     ``bytes_before`` is the size in the original dtype.
     """
     source = open_source(path)
+    config = read_quant_config(source.home)
     reports = []
     options: dict = {}
+    undecodable = []
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
         for rel, reader in readers.items():
-            for name, spec, parts in logical_tensors(reader, strict=False):
+            found = logical_tensors(reader, config, strict=False)
+            undecodable += [u.describe() for u in found.undecodable.values()]
+            for name, spec, parts in found:
                 if spec is None:
                     info = reader.tensors[name]
                     rep = TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
@@ -607,6 +628,8 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
                 reports.append(rep)
         first = next(iter(readers.values()))
         options["metadata"] = {k: v for k, v in first.metadata.items() if k != METADATA_KEY}
+        if undecodable:
+            options["undecodable"] = undecodable
         if source.is_folder:
             options["shards"] = len(readers)
     return ConversionReport(source.given, None, "inspect", options, reports,

@@ -27,7 +27,6 @@ from ._engine_layouts import (
     EngineSpec,
     ct_quantization_config,
     decode_arrays,
-    engine_specs,
     exact_reciprocal,
     layout_arrays,
     modelopt_quant_config,
@@ -38,14 +37,16 @@ from ._engine_layouts import (
 from ._errors import CheckpointError
 from ._formats import DEFAULT_SCALE_RULE, check_scale_rule
 from ._layout import make_spec
-from ._logical import (
-    METADATA_KEY,
-    METADATA_VERSION,
-    METADATA_VERSION_KEY,
-    check_decodable,
-    logical_tensors,
+from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, logical_tensors
+from ._pipeline import (
+    Outputs,
+    check_collisions,
+    check_unquantized,
+    copy_tensor,
+    open_readers,
+    write_outputs,
 )
-from ._pipeline import Outputs, check_collisions, copy_tensor, open_readers, write_outputs
+from ._qconfig import config_keeping, read_quant_config
 from ._report import TensorReport
 from ._safetensors import FLOAT_DTYPES
 from ._source import open_source
@@ -89,12 +90,10 @@ def plan_modules(names_infos, default: Optional[str], schemes, ignore) -> tuple:
         if not name.endswith(".weight") or len(info.shape) != 2 or info.dtype not in FLOAT_DTYPES:
             continue
         module = name[: -len(".weight")]
-        if info.numel == 0:
-            continue
         scheme = next((s for p, s in schemes if _matches(p, module)), None)
-        if any(_matches(p, module) for p in ignore) or (
+        if info.numel == 0 or any(_matches(p, module) for p in ignore) or (
                 scheme is None and (default is None or re.search(DEFAULT_IGNORE, module, re.I))):
-            kept.append(module)
+            kept.append(module)  # an empty weight has nothing to quantize: kept, and listed
             continue
         scheme = scheme or default
         group = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32}.get(scheme, 1)
@@ -168,17 +167,19 @@ def quantize_engine_checkpoint(
                 f"the ModelOpt layout holds one scheme of {', '.join(MODELOPT_SCHEMES)} per "
                 f"checkpoint, not {', '.join(sorted(used))}; use --layout compressed-tensors"
             )
+    if scale_rule is not None and not used & {"mxfp4", "mxfp8"}:
+        raise CheckpointError(
+            f"--scale-rule / scale_rule applies to the MX schemes (mxfp4, mxfp8), not "
+            f"{', '.join(sorted(used))}: NVFP4 has its own scale recipe and FP8's scale is amax "
+            "/ 448; drop it")
     scale_rule = check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
         plans, groups, kept_all = {}, {}, []
+        check_unquantized(source, readers)
         for rel, reader in readers.items():
-            check_decodable(reader)
-            if METADATA_KEY in reader.metadata or engine_specs(reader):
-                raise CheckpointError(f"{reader.path}: already quantized; use lowprec convert "
-                                      "to change its layout, or dequantize it first")
             chosen, kept = plan_modules(reader.tensors.items(), default, parsed, ignore_p)
             kept_all += kept
             plan, entries = [], []
@@ -192,7 +193,7 @@ def quantize_engine_checkpoint(
                 else:
                     entries.append((info.name, info.dtype, info.shape))
                 plan.append((info, spec))
-            check_collisions(entries, reader.path)
+            check_collisions(entries, reader.path, "--ignore the module of one of them")
             plans[rel] = (plan, entries)
         if not groups:
             raise CheckpointError(f"{source.given}: no Linear weight ([out, in] '*.weight') to "
@@ -284,13 +285,21 @@ def _config_texts(source, outputs, qconfig: Optional[dict], extra: dict) -> dict
     return texts
 
 
-def plain_config_texts(source, outputs) -> dict:
+def plain_config_texts(source, outputs, config=None, kept=(), decoded=()) -> dict:
     """For a dequantized folder: ``config.json`` without ``quantization_config`` (else the
-    engines would look for quantized tensors) and no ``hf_quant_config.json``."""
-    texts = _config_texts(source, outputs, None, {})
-    if source.is_folder and "hf_quant_config.json" in source.others:
-        texts["hf_quant_config.json"] = None
-    return texts
+    engines would look for quantized tensors) and no ``hf_quant_config.json`` — unless
+    modules ``kept`` stay quantized (``keep_undecodable``): then the config keeps their part,
+    and the ``decoded`` modules are listed as kept in high precision
+    (:func:`~lowprec.checkpoint._qconfig.config_keeping`)."""
+    q, hf = config_keeping(config, kept, decoded) if kept and config is not None else (None, None)
+    extra = {}
+    if source.is_folder and ("hf_quant_config.json" in source.others or hf is not None):
+        extra["hf_quant_config.json"] = None if hf is None else json.dumps(hf, indent=2) + "\n"
+    if q is None:
+        texts = _config_texts(source, outputs, None, {})
+        texts.update(extra)
+        return texts
+    return _config_texts(source, outputs, q, extra)
 
 
 def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
@@ -328,15 +337,22 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                               f"{', '.join(ENGINE_LAYOUTS)}")
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
+    config = read_quant_config(source.home)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans, groups, kept = {}, {}, []
+        plans, groups, kept, layouts = {}, {}, [], set()
         for rel, reader in readers.items():
             origin = {}
             with contextlib.suppress(ValueError, TypeError, RecursionError):
                 origin = dict(json.loads(reader.metadata.get(ORIGIN_KEY, "{}")))
             plan, entries = [], []
-            for name, spec, parts in logical_tensors(reader):
+            found = logical_tensors(reader, config)
+            layouts |= {spec.layout for spec, _ in found.specs.values()}
+            if layouts == {"lowprec"} == {layout}:  # (an engine layout's own is rewritten:
+                # FP8 scales become float32)
+                raise CheckpointError(f"{reader.path}: already in the lowprec layout; nothing "
+                                      "to convert")
+            for name, spec, parts in found:
                 if spec is None:
                     info = reader.tensors[name]
                     entries.append((name, info.dtype, info.shape))
@@ -347,7 +363,7 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                 # the tensor-wide parts and the scales: enough to check exactness up front
                 arrays = {role: reader.read(stored) for role, stored, _, _ in parts
                           if role in ("scale", "scales", "global_scale")}
-                scheme, bits = scheme_bits(name, spec, arrays)
+                scheme, bits = scheme_bits(name, spec, arrays, layout)
                 o = origin.get(name, {}) if isinstance(origin.get(name), dict) else {}
                 dtype = o.get("dtype", spec.dtype)
                 rule = o.get("scale_rule", spec.scale_rule)
@@ -372,8 +388,12 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                 plan.append((name, spec, parts, target, scheme))
                 del arrays, bits
                 origin[name] = {"dtype": dtype, "scale_rule": rule}
-            check_collisions(entries, reader.path)
+            check_collisions(entries, reader.path, "rename one of them in the input")
             plans[rel] = (plan, entries)
+        if not layouts:
+            raise CheckpointError(
+                f"{source.given}: holds no quantized tensors; nothing to convert (lowprec "
+                f"quantize --layout {layout} quantizes a high-precision checkpoint)")
         texts = {}
         if layout == "lowprec":
             texts = plain_config_texts(source, outputs)
@@ -419,7 +439,7 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                 else:
                     got = {role: reader.read(stored) if role == "scale"
                            else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
-                out = layout_arrays(name, scheme, scheme_bits(name, spec, got)[1], layout)
+                out = layout_arrays(name, scheme, scheme_bits(name, spec, got, layout)[1], layout)
                 for role, stored, _, _ in tparts:
                     if r0 == 0 or not rows.is_whole(role):
                         writer.write(stored, out[role])

@@ -61,13 +61,14 @@ import numpy as np
 from .._codec import decode, encode
 from .._format import element_format, mx_format
 from .._mx import MXArray, dequantize, quantize_mx
-from ._chunk import check_scales
 from ._errors import CheckpointError
 from ._formats import checkpoint_format
 from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
 
 #: Layouts written for inference engines (``--layout``).
 ENGINE_LAYOUTS = ("compressed-tensors", "modelopt")
+#: The compressed-tensors release whose layout and config lowprec writes (``version``).
+CT_VERSION = "0.20.0"
 
 _E4M3 = element_format("e4m3")
 _E2M1 = element_format("e2m1")
@@ -200,10 +201,7 @@ class EngineSpec:
 
     def decode_regions(self, reader, parts, dtype):
         """Yields ``(rect, values)`` per block of rows, decoded as the engine's loader does
-        (once its per-tensor or per-channel scales are checked: positive and finite)."""
-        for role, stored, _, _ in parts:
-            if role in ("scale", "global_scale"):
-                check_scales(reader.read(stored), f"{reader.path}: {stored}")
+        (its stored scales were checked by the reader: :mod:`lowprec.checkpoint._validate`)."""
         k = self.shape[1]
         for r0, r1 in self.row_blocks():
             rows = dataclasses.replace(self, shape=(r1 - r0, k))
@@ -413,11 +411,18 @@ def ct_quantization_config(groups: dict, ignore: Sequence[str]) -> dict:
     formats = {SCHEMES[s][1] for s in groups}
     return {
         "quant_method": "compressed-tensors",
+        # The compressed-tensors release whose layout this is; its fields, as its
+        # ModelCompressor.update_config writes them (sparsity and transforms: none).
+        "version": CT_VERSION,
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
         "config_groups": config_groups,
         "ignore": sorted(ignore),
         "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "moe_sparsity_config": None,
+        "transform_config": {},
     }
 
 
@@ -443,13 +448,11 @@ def modelopt_quant_config(scheme: str, exclude: Sequence[str]) -> dict:
 # -- converting between layouts without requantizing ------------------------------------
 
 
-def scheme_bits(name, spec, arrays) -> tuple:
+def scheme_bits(name, spec, arrays, target: str = "compressed-tensors") -> tuple:
     """``(scheme, {role: array})`` in the roles of :class:`EngineSpec` (elements/values,
     scales, and ``ts`` = the float32 tensor scale of NVFP4 / FP8, or ``scale`` for per-channel
-    FP8) from a tensor stored in any layout."""
-    for role in ("scale", "global_scale"):
-        if arrays.get(role) is not None:
-            check_scales(arrays[role], f"{name}: its {role.replace('_', ' ')}")
+    FP8) from a tensor stored in any layout (its scales checked by the reader:
+    :mod:`lowprec.checkpoint._validate`), to be moved to the ``target`` layout."""
     if isinstance(spec, EngineSpec):
         bits = dict(arrays)
         if spec.scheme == "nvfp4" and spec.layout == "compressed-tensors":
@@ -464,14 +467,20 @@ def scheme_bits(name, spec, arrays) -> tuple:
             blocks = np.asarray(arrays["elements"])
             arrays["elements"] = blocks.reshape(blocks.shape[0], -1)
     elif spec.layout != "lowprec" or len(spec.shape) != 2 or (spec.is_mx and spec.axis != 1):
-        raise CheckpointError(f"{name}: {spec.format.name} in the {spec.layout} layout blocked along "
-                              f"axis {spec.axis} has no engine equivalent (2-D, last axis only)")
+        shape = "x".join(map(str, spec.shape))
+        raise CheckpointError(
+            f"{name}: {spec.format.name} of shape {shape} in the {spec.layout} layout"
+            + (f", blocked along axis {spec.axis}," if spec.is_mx else "")
+            + (f" has no {target} equivalent (the {target} layout holds [out, in] weights "
+               "blocked along in); dequantize it instead" if target != "lowprec" else
+               " cannot be moved: convert moves [out, in] weights blocked along in; dequantize "
+               "it, or quantize the original weights with --layout lowprec"))
     schemes = {_NVFP4: "nvfp4", _MXFP4: "mxfp4", _MXFP8: "mxfp8", _E4M3: "fp8"}
     scheme = schemes.get(spec.format)
     if scheme is None or (scheme == "fp8" and spec.fp8_scale != "tensor"):
-        raise CheckpointError(f"{name}: lowprec format {spec.format.name} has no compressed-tensors/"
-                              "ModelOpt equivalent (nvfp4, mxfp4, mxfp8_e4m3, e4m3 with a tensor "
-                              "scale have); dequantize it instead")
+        raise CheckpointError(f"{name}: lowprec format {spec.format.name} has no {target} "
+                              "equivalent (nvfp4, mxfp4, mxfp8_e4m3, e4m3 with a tensor scale "
+                              "have); dequantize it instead")
     bits = {"scales": arrays.get("scales")} if spec.is_mx else {}
     bits["elements" if scheme in ("nvfp4", "mxfp4") else "values"] = arrays.get(
         "elements", arrays.get("values"))

@@ -5,17 +5,21 @@ lowprec's metadata (``lowprec.tensors``, versioned by ``lowprec.format_version``
 files without it, recognized by their names, dtypes and shapes: gpt-oss ``*_blocks`` /
 ``*_scales`` MXFP4 pairs and the compressed-tensors / ModelOpt layouts
 (:func:`lowprec.checkpoint._engine_layouts.engine_specs`). Every reader of the package
-(dequantize, load, inspect, convert) walks a file through :func:`logical_tensors`.
+(dequantize, load, inspect, convert) walks a file through :func:`logical_tensors`, which
+checks it (:mod:`lowprec.checkpoint._validate`).
 """
 
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 from ._engine_layouts import engine_specs
 from ._errors import CheckpointError
 from ._layout import GPT_OSS_FORMAT, TensorSpec
+from ._qconfig import QuantConfig
 from ._safetensors import SafetensorsReader
+from ._validate import check_file
 
 METADATA_KEY = "lowprec.tensors"
 METADATA_VERSION_KEY = "lowprec.format_version"
@@ -108,45 +112,40 @@ def quantized_specs(reader: SafetensorsReader) -> dict:
     return out
 
 
-def check_decodable(reader: SafetensorsReader, claimed=None) -> None:
-    """Refuses FP8 codes stored with scales that no layout here claims (block- or group-scaled
-    FP8, e.g. ``M.weight`` with ``M.weight_scale_inv`` [out/128, in/128]): passed on as they
-    are, the codes would stand for weights — decoded without their scales, or listed as kept
-    in high precision in an engine's config. ``claimed``: the stored names of the file's
-    quantized tensors (default: those :func:`quantized_specs` finds)."""
-    if claimed is None:
-        claimed = {stored for _, parts in quantized_specs(reader).values()
-                   for _, stored, _, _ in parts}
-    for info in reader.tensors.values():
-        if not info.dtype.startswith("F8_") or info.name in claimed:
-            continue
-        scale = next((n for n in reader.tensors
-                      if n.startswith(info.name + "_scale") and n not in claimed), None)
-        if scale is not None:
-            s = reader.tensors[scale]
-            raise CheckpointError(
-                f"{reader.path}: {info.name} ({info.dtype} {list(info.shape)}) comes with "
-                f"{scale} ({s.dtype} {list(s.shape)}): quantized weights in a layout lowprec does "
-                "not read (it reads its own, gpt-oss MXFP4, compressed-tensors NVFP4, MXFP4, "
-                "MXFP8 and FP8 per tensor or channel, ModelOpt NVFP4 and FP8; not block- or "
-                "group-scaled FP8); their codes would pass for weights. Start from the "
-                "unquantized checkpoint")
+class FileTensors:
+    """The logical tensors of one file, checked (:func:`logical_tensors`): iterating gives
+    ``(name, spec or None, parts or None)`` in file order; ``specs`` are the quantized ones,
+    ``undecodable`` the modules lowprec does not decode (kept as stored where allowed)."""
+
+    def __init__(self, reader: SafetensorsReader, specs: dict, undecodable: dict):
+        self.reader, self.specs, self.undecodable = reader, specs, undecodable
+        self.kept = {n for u in undecodable.values() for n, _, _ in u.stored}
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the file holds quantized tensors (decodable or not)."""
+        return bool(self.specs or self.undecodable)
+
+    def __iter__(self):
+        owner = {stored: name for name, (_, parts) in self.specs.items()
+                 for _, stored, _, _ in parts}
+        done = set()
+        for info in self.reader.tensors.values():
+            name = owner.get(info.name)
+            if name is None:
+                yield info.name, None, None
+            elif name not in done:
+                done.add(name)
+                yield name, self.specs[name][0], self.specs[name][1]
 
 
-def logical_tensors(reader: SafetensorsReader, *, strict: bool = True):
-    """Yields ``(name, spec or None, parts or None)`` per logical tensor, in file order.
-    ``strict``: first refuse quantized tensors of an unknown layout (:func:`check_decodable`;
-    ``inspect`` lists them as stored instead)."""
+def logical_tensors(reader: SafetensorsReader, config: Optional[QuantConfig] = None, *,
+                    strict: bool = True, keep_undecodable: bool = False) -> FileTensors:
+    """The logical tensors of ``reader``, checked against its layout and the checkpoint's
+    quantization ``config`` (:mod:`lowprec.checkpoint._validate`, the one place every reader
+    goes through). ``strict``: the caller decodes: stored scales are checked too, and modules
+    lowprec cannot decode are refused unless ``keep_undecodable`` (``inspect`` lists them)."""
     specs = quantized_specs(reader)
-    owner = {stored: name for name, (_, parts) in specs.items() for _, stored, _, _ in parts}
-    if strict:
-        check_decodable(reader, owner)
-    done = set()
-    for info in reader.tensors.values():
-        name = owner.get(info.name)
-        if name is None:
-            yield info.name, None, None
-        elif name not in done:
-            done.add(name)
-            yield name, specs[name][0], specs[name][1]
-
+    undecodable = check_file(reader, specs, config, decode=strict,
+                             keep_undecodable=keep_undecodable)
+    return FileTensors(reader, specs, undecodable)

@@ -21,6 +21,8 @@ from typing import Optional
 
 from ._atomic import AtomicFile, OutputSet, check_output
 from ._errors import CheckpointError
+from ._logical import METADATA_KEY, logical_tensors
+from ._qconfig import read_quant_config
 from ._report import ConversionReport
 from ._safetensors import SafetensorsReader, SafetensorsWriter, nbytes_of
 from ._source import Source, check_symlinks
@@ -227,13 +229,41 @@ def open_readers(stack, source: Source) -> dict:
     return readers
 
 
-def check_collisions(entries, src):
+def check_unquantized(source: Source, readers: dict) -> None:
+    """Refuses to quantize a checkpoint that is, or whose config says it is, quantized:
+    quantizing starts from high precision (requantized codes, or quantized parts copied
+    beside new ones, are never what was meant)."""
+    config = read_quant_config(source.home)
+    if config is not None:
+        raise CheckpointError(
+            f"{config.where}: already quantized, says its quantization_config (quant_method "
+            f"{config.method!r}); start from the unquantized checkpoint (lowprec dequantize "
+            "decodes the layouts it reads, lowprec convert changes the layout), or delete "
+            "quantization_config from config.json if it is stale")
+    for reader in readers.values():
+        if METADATA_KEY in reader.metadata:
+            raise CheckpointError(f"{reader.path}: already quantized by lowprec; dequantize "
+                                  "it first (lowprec dequantize)")
+        found = logical_tensors(reader, strict=False)
+        if found.undecodable:
+            first = next(iter(found.undecodable.values()))
+            raise CheckpointError(f"{reader.path}: already quantized: {first.describe()}; start "
+                                  "from the unquantized checkpoint")
+        if found.specs:
+            raise CheckpointError(
+                f"{reader.path}: already quantized (compressed-tensors, ModelOpt or gpt-oss "
+                "tensors); lowprec convert changes its layout, lowprec dequantize decodes it")
+
+
+def check_collisions(entries, src, fix: str = "--exclude one of them"):
+    """Refuses two output tensors of one name; ``fix``: what the caller's user can do (the
+    option keeping a tensor out of quantization in that layout)."""
     seen = set()
     for name, _, _ in entries:
         if name in seen:
             raise CheckpointError(
                 f"{src}: the stored name {name!r} would be used twice (an input tensor already "
-                "has a name lowprec uses for a quantized part); --exclude one of them"
+                f"has a name lowprec uses for a quantized part); {fix}"
             )
         seen.add(name)
 

@@ -290,6 +290,7 @@ class ConversionReport:
             text.append("metadata: " + json.dumps(meta)[:500])
         if self.options.get("shards"):
             text.append(f"{self.options['shards']} shard files")
+        text += [f"not decodable by lowprec: {u}" for u in self.options.get("undecodable", ())]
         text += self._skipped_lines()
         return "\n".join(text)
 

@@ -10,9 +10,13 @@ a link leading anywhere else is refused by the converters unless ``follow_symlin
 target would be read, and copied into the output). Anything that is not a regular file is
 skipped and listed in the report.
 
-A single ``.safetensors`` file that a ``*.safetensors.index.json`` beside it lists is one
-shard of a checkpoint: every shard and index of that checkpoint counts as an input, so an
-output (even with ``--force``) can never replace a sibling shard.
+The input checkpoint is a folder: the folder given, or the folder holding a single
+``.safetensors`` file when that folder is a model folder (it holds a ``config.json`` or a
+``*.safetensors.index.json``: the file is one shard, or the one weights file, of that
+checkpoint). Every existing file under it counts as an input — shards, index, config.json
+(which may hold the ``quantization_config``), tokenizer files, subfolders — so an output, even
+with ``--force``, can never replace one (:class:`lowprec.checkpoint._atomic.Inputs`). A file
+in any other folder is a checkpoint on its own.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Source:
     others: list = dataclasses.field(default_factory=list)  # relative paths to copy
     skipped: list = dataclasses.field(default_factory=list)  # (relative path, reason)
     inputs: Inputs = dataclasses.field(default_factory=Inputs)
+    home: Optional[str] = None  # the checkpoint's folder: ``folder``, or a single file's model folder
 
     @property
     def is_folder(self) -> bool:
@@ -123,25 +128,20 @@ def check_symlinks(source: "Source") -> None:
             )
 
 
-def _sibling_inputs(source: "Source", given: str) -> None:
-    """Adds the whole checkpoint to ``source.inputs`` when ``given`` is one of its shards."""
-    folder = os.path.dirname(os.path.abspath(given))
+MODEL_FOLDER_FILES = ("config.json",)  # besides an index: what makes a folder a model's
+
+
+def model_folder(path: str) -> Optional[str]:
+    """The folder holding the file ``path`` if it is a model folder (it holds config.json or
+    a ``*.safetensors.index.json``), else None."""
+    folder = os.path.dirname(os.path.abspath(path))
     try:
         names = os.listdir(folder)
     except OSError:
-        return
-    for name in names:
-        if not name.endswith(INDEX_SUFFIX):
-            continue
-        try:
-            index = _read_index(os.path.join(folder, name))
-        except CheckpointError:
-            continue  # not a readable index: nothing it lists to protect
-        shards = set(index["weight_map"].values())
-        if os.path.basename(given) in shards:
-            source.inputs.add(os.path.join(folder, name))
-            for shard in shards:
-                source.inputs.add(os.path.join(folder, shard))
+        return None
+    if any(n in MODEL_FOLDER_FILES or n.endswith(INDEX_SUFFIX) for n in names):
+        return os.path.dirname(path) or "."
+    return None
 
 
 def open_source(path) -> Source:
@@ -165,7 +165,9 @@ def open_source(path) -> Source:
     else:
         source = Source(given, None, [given])
         source.inputs.add(given)
-        _sibling_inputs(source, given)
+        source.home = model_folder(given)
+        if source.home is not None:
+            source.inputs.add_folder(source.home)
         return source
     index = None
     if index_name is not None:
@@ -186,7 +188,7 @@ def open_source(path) -> Source:
             raise CheckpointError(
                 f"{folder}: no .safetensors files and no *{INDEX_SUFFIX} in this folder"
             )
-    source = Source(given, folder, shards, index_name, index)
+    source = Source(given, folder, shards, index_name, index, home=folder)
     taken = set(shards) | ({index_name} if index_name else set())
     for root, dirs, files in os.walk(folder):
         dirs.sort()
@@ -210,4 +212,5 @@ def open_source(path) -> Source:
                 source.skipped.append((rel, "not a regular file"))
     for rel in [*shards, *([index_name] if index_name else []), *source.others]:
         source.inputs.add(os.path.join(folder, rel))
+    source.inputs.add_folder(folder)
     return source
