@@ -220,6 +220,10 @@ class GpuTarget:
       hbm_bytes_per_s: datasheet memory bandwidth (XLA's cost model reads it).
       copy_tbs: effective copy bandwidth (TB/s, read + write) the predictions divide by
         traffic/ideal; ``copy_note`` says where it comes from.
+      cuda_version: the CUDA runtime (major, minor) the compile assumes. XLA's GEMM
+        rewriter reads it: below 12.0 it never forms the FP8 cuBLASLt GEMM, and a target
+        description without one reads as 0.0 (every FP8 product then compiled to a
+        bfloat16 or float32 GEMM). Default: the CUDA of the installed plugin's wheels.
     """
 
     name: str
@@ -231,6 +235,7 @@ class GpuTarget:
     memory_bytes: int
     copy_tbs: float
     copy_note: str
+    cuda_version: tuple = dataclasses.field(default_factory=lambda: _plugin_cuda_version())
 
     @property
     def arch(self) -> str:
@@ -276,9 +281,24 @@ class GpuTarget:
 {self._unit_rates()}  device_vendor: "NVIDIA Corporation"
   name: "{self.name}"
 }}
+runtime_version {{ major: {self.cuda_version[0]} minor: {self.cuda_version[1]} patch: 0 }}
 platform_name: "CUDA"
 device_description_str: "{self.name}"
 """
+
+
+def _plugin_cuda_version() -> tuple:
+    """(major, minor) of the CUDA runtime wheel installed with the JAX CUDA plugin; (12, 8)
+    if none is found (any 12.x forms the FP8 GEMM)."""
+    from importlib import metadata
+
+    for dist in ("nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime"):
+        try:
+            major, minor = metadata.version(dist).split(".")[:2]
+            return int(major), int(minor)
+        except (metadata.PackageNotFoundError, ValueError):
+            continue
+    return 12, 8
 
 
 # The H100's copy bandwidth was measured (jit(-x) on 16384² float32 on an H100 SXM, the run whose
