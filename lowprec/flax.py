@@ -196,15 +196,11 @@ class DelayedDotGeneral(nn.Module):
                  preferred_element_type=None, out_sharding=None):
         if not isinstance(self.config, DelayedScaling):
             raise TypeError(f"config must be a lowprec.DelayedScaling, got {self.config!r}")
-        if out_sharding is not None:
-            raise NotImplementedError(
-                "DelayedDotGeneral does not take out_sharding yet; use a Recipe's dot_general "
-                "for sharded contractions")
         init = self.config.init()
         hist = self.variable(OVERWRITE_WITH_GRADIENT, "amax_history", lambda: init.amax_history)
         scale = self.variable(OVERWRITE_WITH_GRADIENT, "scale", lambda: init.scale)
         out = delayed_dot_general(lhs, rhs, DelayedState(hist.value, scale.value),
-                                  dimension_numbers, self.config)
+                                  dimension_numbers, self.config, out_sharding=out_sharding)
         dtype = preferred_element_type or jnp.result_type(lhs, rhs)
         return out.astype(dtype)
 
