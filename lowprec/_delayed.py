@@ -241,12 +241,13 @@ def _bwd(dn, cfg, out_sharding, res, g):
 
     def portable(cl, cr, cg, scales):
         return _transposed_with(lambda c, f, s: _values(c, s, f),
-                                lambda a, b: _f32dot(a, b, dn), cl, cr, cg, scales, ff, fb)
+                                lambda a, b: _f32dot(a, b, dn, out_sharding), cl, cr, cg,
+                                scales, ff, fb)
 
     def gpu(cl, cr, cg, scales):
         return _transposed_with(lambda c, f, s: fp8_values(c, f, _reciprocal(s)),
-                                lambda a, b: fp8_dot_general(a, b, dn), cl, cr, cg, scales,
-                                ff, fb)
+                                lambda a, b: fp8_dot_general(a, b, dn, out_sharding), cl, cr,
+                                cg, scales, ff, fb)
 
     gl, gr = _routed(cfg, gpu, portable, cl, cr, cg, tuple(state.scale))
     rows, scales = [], []
