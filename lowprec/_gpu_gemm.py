@@ -19,8 +19,9 @@ give the GEMM rewriter what it needs instead (docs/design.md §13, "GPU GEMMs"):
   on only at the DEFAULT precision); see docs/design.md §13 for what the accumulation does.
 * **Block formats as bfloat16** (:func:`block_values_bf16`): every E8M0-scaled MX value
   with at most 8 significant bits is a bfloat16 value, decoded in one elementwise pass with
-  no branch (``_mx_decode.mx_values_blockwise``); values below bfloat16's subnormal step
-  (2^-133, only in blocks with scales below 2^-124) are rounded to it. NVFP4's element times
+  no branch (``_mx_decode.mx_values_blockwise``); bits below bfloat16's subnormal step
+  2^-133 are rounded to nearest even (only FP8 elements in blocks with scales below 2^-124,
+  E4M3, or 2^-117, E5M2: the portable route keeps a float32 GEMM for those). NVFP4's element times
   E4M3 block scale has at most 2 + 4 = 6 significant bits within [2^-10, 2688]: always an
   exact normal bfloat16; the float32 tensor scales multiply the GEMM's float32 output
   (:func:`apply_tensor_scales`).

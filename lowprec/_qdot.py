@@ -242,7 +242,7 @@ def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tu
     takes it; elsewhere, and for every other product, the portable formulation."""
     route = None
     if gpu_gemm_routes(kernels):
-        route = _gpu_route(lhs, rhs, lcast, rcast, layout, out_sharding)
+        route = _gpu_route(lhs, rhs, lcast, rcast, layout, out_sharding, kernels)
     portable = functools.partial(_qdot_portable, lcast=lcast, rcast=rcast, layout=layout,
                                  out_sharding=out_sharding, kernels=kernels)
     if route is None:
@@ -264,7 +264,8 @@ def _gpu_kind(x, cast: OperandCast):
     return "bf16" if exactly_representable(cast.fmt, jnp.bfloat16) else None
 
 
-def _gpu_route(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tuple, out_sharding):
+def _gpu_route(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tuple, out_sharding,
+               kernels: bool = True):
     """The CUDA formulation of a canonical quantized dot, or None where the portable one is
     already what the GPU should run (a bfloat16 GEMM of formats bfloat16 holds) or float32
     is needed (docs/design.md §13, GPU GEMMs):
@@ -289,15 +290,21 @@ def _gpu_route(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tuple, 
     if None in kinds or "block" not in kinds:
         return None
 
-    def operand(x, cast, ca):
-        op, _ = _quantize_operand(x, cast, ca)
+    def operand(op):
         if isinstance(op, MXArray):
             return block_values_bf16(op)
         return bits_to_bf16_truncating(op), None  # a format (or dtype) bfloat16 holds
 
     def bf16(a, b):
-        av, af = operand(a, lcast, la)
-        bv, bf = operand(b, rcast, ra)
+        lop, _ = _quantize_operand(a, lcast, la)
+        rop, _ = _quantize_operand(b, rcast, ra)
+        if mxdot_kernel(layout, lop, rop, kernels, out_sharding):
+            # The Pallas GEMM decoding in its operand load (kernels/_mxdot_pallas.py; off by
+            # default, _dispatch.FUSED_MXDOT: measured slower than this route's cuBLAS GEMM).
+            return mxdot_pallas(lop.elements[0], lop.scales[0], rop.elements[0],
+                                rop.scales[0], fa=lop.fmt, fb=rop.fmt)[None]
+        av, af = operand(lop)
+        bv, bf = operand(rop)
         return apply_tensor_scales(_contract(av, la, bv, ra, out_sharding), af, bf)
 
     return bf16
