@@ -49,7 +49,7 @@ def _within(got, a, b):
     DelayedScaling(amax_history_len=3, amax_compute_algo="most_recent"),
 ])
 @pytest.mark.parametrize("route", ["portable", "gpu"])
-@pytest.mark.quick_first(2)
+@pytest.mark.quick_cases(cfg=(DelayedScaling(amax_history_len=2, margin=1),))
 def test_three_steps_match_the_numpy_statement(cfg, route, request):
     """Both formulations of the products: ``"portable"`` (float32 dots of q / scale, every
     backend) and ``"gpu"`` (cuBLASLt's FP8 GEMM of the codes with 1 / scale folded in, its

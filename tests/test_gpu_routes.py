@@ -129,6 +129,7 @@ def test_fp8_pairs_are_cublaslt_s():
 @pytest.mark.parametrize("lf,rf", FP8_PAIRS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(48, 64), (2, 24, 64)], ids=["2d", "3d"])
+@pytest.mark.quick_cases(mode=("jit",), lf=("e4m3",))
 def test_fp8_dot_general_route_is_the_exact_product_of_the_codes(lf, rf, mode, shape,
                                                                  gpu_routes_on_cpu):
     x, w = _data(shape, 0), _data((64, 40), 1)
@@ -141,6 +142,7 @@ def test_fp8_dot_general_route_is_the_exact_product_of_the_codes(lf, rf, mode, s
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.quick_first(1)
 def test_fp8_quantized_backward_route(mode, gpu_routes_on_cpu):
     """dot_general(backward="quantized", grad_format="e5m2") of E4M3 operands: both backward
     products on the FP8 route too (E5M2 cotangent x E4M3 operand), each the exact product of
@@ -172,6 +174,7 @@ def _hybrid_values(v, fmt):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.quick_first(1)
 def test_fp8_hybrid_recipe_route(mode, gpu_routes_on_cpu):
     """FP8_HYBRID (current per-tensor scaling, E4M3 forward, E5M2 cotangent): its three
     products on the FP8 route, each the exact product of the reference's scaled values (a
@@ -214,6 +217,7 @@ def _nvfp4_parts(x, axis):
                                    ("mxfp6_e2m3", "mxfp6_e3m2"), ("mxfp4", "mxfp4"),
                                    ("mxint8", "mxint8"), ("mxfp8_e4m3", None)])
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.quick_cases(mode=("jit",), lf=("mxfp8_e4m3", "mxfp4"))
 def test_mx_route_is_branch_free_and_exact(lf, rf, mode, gpu_routes_on_cpu):
     """E8M0 block formats: each operand decoded to bfloat16 in one pass, no run-time check
     and no conditional (the portable route keeps a lax.cond on bfloat16's exactness), and
@@ -232,6 +236,7 @@ def test_mx_route_is_branch_free_and_exact(lf, rf, mode, gpu_routes_on_cpu):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.quick_first(1)
 def test_nvfp4_route_applies_tensor_scales_to_the_output(mode, gpu_routes_on_cpu):
     """NVFP4: the bfloat16 GEMM of element x block-scale values (exact: <= 6 significant
     bits), its float32 output times each tensor scale: two roundings after the float32 sum,
@@ -243,6 +248,40 @@ def test_nvfp4_route_applies_tensor_scales_to_the_output(mode, gpu_routes_on_cpu
     (a, ta), (b, tb) = _nvfp4_parts(x, 1), _nvfp4_parts(w, 0)
     exact = (a @ b) * ta * tb
     _assert_within(_run(mode, f, x, w), exact, (abs(a) @ abs(b)) * ta * tb, 64, 2 * U)
+
+
+@pytest.mark.slow  # two NVFP4 recipe compiles; the dot_general NVFP4 route is quick
+def test_nvfp4_training_recipe_route(request):
+    """NVIDIA_NVFP4's three products (16 x 16 weight tiles, RHT, stochastic cotangents: the
+    same codes on both routes) through the CUDA formulation against the portable one: each is
+    within (K·2^-23 + 2·2^-24)·S (GPU: exact block products, float32 sum, two tensor-scale
+    roundings) respectively (K·2^-23 + 4·2^-24)·S (portable: each value rounded once more)
+    of the exact product, S = Σ|a b| of the dequantized operands, so within the sum of both."""
+    from lowprec import _nvfp4_train as nt
+
+    x, w, c = _data((64, 128), 19), _data((128, 96), 20), _data((64, 96), 21)
+    recipe = lowprec.NVIDIA_NVFP4
+
+    def products(a, b, g):
+        y, vjp = jax.vjp(lambda a, b: recipe.dot_general(a, b, DN), a, b)
+        return (y,) + vjp(g)
+
+    portable = jax.jit(products)(x, w, c)
+    request.getfixturevalue("gpu_routes_on_cpu")
+    gpu = jax.jit(products)(x, w, c)
+    # The operands each product multiplies (their float32 values, as the portable route's).
+    wq = nt.quantize_2d(jnp.asarray(w.T))  # [N, K]
+    xq = nt.quantize_1d(jnp.asarray(x), 1)
+    wd, ww = nt.grad_words(jnp.asarray(c), recipe.seed)
+    gq = nt.quantize_1d(jnp.asarray(c), 1, wd)
+    signs = nt.rht_signs(recipe.seed)
+    xr = nt.quantize_1d(nt.rht(jnp.asarray(x), signs), 0)
+    gr = nt.quantize_1d(nt.rht(jnp.asarray(c), signs), 0, ww)
+    sizes = [np.abs(np.asarray(xq, np.float64)) @ np.abs(np.asarray(wq, np.float64)).T,
+             np.abs(np.asarray(gq, np.float64)) @ np.abs(np.asarray(wq, np.float64)),
+             np.abs(np.asarray(xr, np.float64)).T @ np.abs(np.asarray(gr, np.float64))]
+    for got, want, size, k in zip(gpu, portable, sizes, (128, 96, 64)):
+        _assert_within(got, np.asarray(want, np.float64), size, 2 * k, 6 * U)
 
 
 def test_nvfp4_block_values_are_exact_bfloat16():
@@ -268,6 +307,7 @@ def test_nvfp4_block_values_are_exact_bfloat16():
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp4", "mxint8"])
+@pytest.mark.quick_cases(fmt=("mxfp8_e4m3", "mxfp4"))
 def test_e8m0_block_values_are_bfloat16_roundings(fmt):
     """E8M0 formats: block_values_bf16 is the exact value where bfloat16 holds it and its
     nearest-even bfloat16 otherwise (bits below bfloat16's subnormal step 2^-133, in FP8
@@ -326,6 +366,7 @@ def _truncate(v, bits):
 
 @pytest.mark.parametrize("lf,rf", FP8_PAIRS)
 @pytest.mark.parametrize("k", [64, 512])
+@pytest.mark.quick_cases(k=(512,))
 def test_fp8_accumulation_model_is_within_the_documented_bound(lf, rf, k):
     """The model's sum of exact FP8 products, then the two scales (one rounding each), is
     within the bound docs/design.md §13 states for the GPU: |y - exact| <= (C·2^(1-p) +
