@@ -581,6 +581,11 @@ def product_cases(n: int = 4096) -> dict:
                    lowprec.NVIDIA_NVFP4):
         cases[f"{recipe.name} fwd + bwd"] = (
             _with_grads(lambda a, b, r=recipe: r.dot_general(a, b, dn)), x, x, x)
+    groups = jax.ShapeDtypeStruct((4,), jnp.int32)
+    experts = jax.ShapeDtypeStruct((4, n, n), jnp.float32)
+    for recipe in (lowprec.NVIDIA_MXFP8, lowprec.FP8_HYBRID):
+        cases[f"{recipe.name} ragged_dot (4 experts)"] = (
+            lambda a, b, g, r=recipe: r.ragged_dot(a, b, g), x, experts, groups)
     cfg = lowprec.DelayedScaling(amax_history_len=16)
     st = jax.eval_shape(cfg.init)
 

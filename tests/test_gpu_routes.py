@@ -75,14 +75,14 @@ def _jaxpr(f, *args) -> str:
     return str(jax.make_jaxpr(f)(*args))
 
 
-def _dot_operand_dtypes(f, *args) -> list:
-    """(lhs, rhs) dtype names of every dot_general the traced ``f`` computes (nested jaxprs
-    included): which GEMM the route feeds."""
+def _dot_operand_dtypes(f, *args, primitive="dot_general") -> list:
+    """(lhs, rhs) dtype names of every ``primitive`` (dot_general, ragged_dot_general) the
+    traced ``f`` computes (nested jaxprs included): which GEMM the route feeds."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
+            if eqn.primitive.name == primitive:
                 found.append(tuple(str(v.aval.dtype) for v in eqn.invars[:2]))
             for p in eqn.params.values():
                 for sub in (p if isinstance(p, (tuple, list)) else (p,)):
@@ -199,9 +199,9 @@ def test_fp8_hybrid_recipe_route(mode, gpu_routes_on_cpu):
 # -- block formats as bfloat16 ------------------------------------------------------------------
 
 
-def _mx_values(x, fmt, axis):
-    """(the reference's exact float64 values of ``x`` quantized to ``fmt`` along ``axis``)."""
-    e, s = ref.quantize_mx(x, fmt, axis=axis)
+def _mx_values(x, fmt, axis, rule="floor"):
+    """The reference's exact float64 values of ``x`` quantized to ``fmt`` along ``axis``."""
+    e, s = ref.quantize_mx(x, fmt, axis=axis, scale_rule=rule)
     return ref.dequantize_mx(e, s, fmt, axis=axis)
 
 
@@ -233,6 +233,28 @@ def test_mx_route_is_branch_free_and_exact(lf, rf, mode, gpu_routes_on_cpu):
     a = _mx_values(x, lf, -1)
     b = _mx_values(wq, rf, 0) if rf is not None else np.asarray(wq, np.float64)
     _assert_within(_run(mode, f, x, win), a @ b, abs(a) @ abs(b), 64)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mx_ragged_route_is_branch_free_and_exact(mode, gpu_routes_on_cpu):
+    """NVIDIA_MXFP8's ragged dot (per-group blocks): one bfloat16 ragged product, no
+    conditional, each group's rows the exact product of the reference's MXFP8 values of its
+    tokens and its expert's weight (both blocked along K) within the float32 bound."""
+    x, w = _data((40, 64), 22), _data((3, 64, 24), 23)
+    sizes = np.array([16, 0, 20], np.int32)  # an empty group, and 4 rows past the last one
+    f = lambda a, b, g: lowprec.NVIDIA_MXFP8.ragged_dot(a, b, g)  # noqa: E731
+    # One ragged product, of bfloat16 operands (the portable route has two: its branches').
+    dots = _dot_operand_dtypes(f, x, w, sizes, primitive="ragged_dot_general")
+    assert dots == [("bfloat16", "bfloat16")], dots
+    got = np.asarray(_run(mode, f, x, w, sizes), np.float64)
+    a = _mx_values(x, "mxfp8_e4m3", 1, "rceil")  # NVIDIA_MXFP8's scale rule
+    start = 0
+    for g, n in enumerate(sizes):
+        b = _mx_values(w[g], "mxfp8_e4m3", 0, "rceil")
+        rows = slice(start, start + n)
+        _assert_within(got[rows], a[rows] @ b, abs(a[rows]) @ abs(b), 64)
+        start += n
+    assert not got[start:].any()  # rows past the last group
 
 
 @pytest.mark.parametrize("mode", MODES)

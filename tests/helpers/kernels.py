@@ -27,11 +27,11 @@ def gpu_routes_on_cpu(monkeypatch):
     products' ``on_cuda`` choices take their CUDA branch everywhere, so that XLA:CPU computes
     the GPU program's math (conversions exact, float32 sums); caches cleared around.
     (Import it into a test module to use it there.)"""
-    from lowprec import _delayed, _nvfp4_train, _qdot
+    from lowprec import _delayed, _nvfp4_train, _qdot, _ragged
 
     jax.clear_caches()
     monkeypatch.setattr(_dispatch, "cuda_kernels_possible", lambda: True)
-    for module in (_qdot, _delayed, _nvfp4_train):
+    for module in (_qdot, _delayed, _nvfp4_train, _ragged):
         monkeypatch.setattr(module, "on_cuda", lambda gpu, portable, *args: gpu(*args))
     yield
     jax.clear_caches()
