@@ -41,7 +41,8 @@ from ._mxarray import MXArray
 from ._ragged import ragged_dot
 from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from ._options import BACKWARD_MODES, OPERAND_FORMAT_NAMES
-from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES, Recipe
+from ._recipe import (FP8_DELAYED, FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES,
+                      Recipe)
 from ._rules import Rule, Rules
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._random import random_bits
@@ -69,6 +70,7 @@ __all__ = [
     "BACKWARD_MODES",
     "BLOCK_SIZES",
     "DEFAULT_SCALE_RULE",
+    "FP8_DELAYED",
     "FP8_HYBRID",
     "NVIDIA_MXFP8",
     "NVIDIA_NVFP4",
