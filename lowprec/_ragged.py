@@ -30,7 +30,8 @@ tokens with its own quantizer:
 Products are exact (every quantized value is a float32, or a bfloat16 where that is exact:
 the same run-time choice as :func:`lowprec.dot_general`, with float32 accumulation), so a
 result is within K·2^-23·Σ|a_i b_i| of the exact dot of the quantized operands; it equals
-``lax.ragged_dot`` of the dequantized operands computed in float32. Gradients come back in
+``lax.ragged_dot`` of the dequantized operands given in the dtype chosen (XLA:CPU sums a
+bfloat16 dot in another order than a float32 one: the two differ by about an ulp). Gradients come back in
 their operands' dtypes; ``group_sizes`` gets none (integers).
 
 Not supported (refused with an error): ``group_offset`` (a slice of the groups, for expert
