@@ -309,3 +309,92 @@ def test_four_over_six_parameters_are_checked():
     np.testing.assert_array_equal(element_codes(mx), codes)
     assert_bits(lowprec.dequantize(mx), R4.dequantize_4over6(codes, scales, np.max(np.abs(x)),
                                                              e4m3_max=448), "448")
+
+
+# ============================================================================================
+# MX+ (docs/design.md §3c): block maxima with their exponent bits spent on the significand.
+
+PLUS_CASES = [("mxfp4", (4, 64), -1), ("mxfp4", (2, 32, 2), 1), ("mxfp6_e2m3", (4, 64), -1),
+              ("mxfp8_e4m3", (64, 4), 0), ("mxfp8_e5m2", (4, 64), -1)]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_plus(fmt, axis):
+    return jax.jit(lambda x: lowprec.quantize_mx_plus(x, fmt, axis=axis))
+
+
+@pytest.mark.quick_cases(fmt=["mxfp4"])
+@pytest.mark.parametrize("fmt, shape, axis", PLUS_CASES, ids=str)
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_mx_plus_matches_reference(fmt, shape, axis, data):
+    x = data.draw(mx_inputs(shape, axis), label="x")
+    rows = as_rows(x, axis)
+    codes, scales, index = R4.quantize_mx_plus(rows, fmt)
+    values = R4.dequantize_mx_plus(codes, scales, index, fmt)
+    for mode in MODES:
+        a = (lowprec.quantize_mx_plus(jnp.asarray(x), fmt, axis=axis) if mode == "eager"
+             else _jitted_plus(fmt, axis)(jnp.asarray(x)))
+        assert isinstance(a, lowprec.MXPlusArray) and a.shape == x.shape
+        mx = lowprec.MXArray(a.elements, a.scales, a.fmt, a.axis, a.shape)
+        np.testing.assert_array_equal(as_rows(a.scales, axis), scales, f"{fmt} {mode}")
+        np.testing.assert_array_equal(as_rows(a.bm_index, axis), index, f"{fmt} {mode}")
+        np.testing.assert_array_equal(as_rows(element_codes(mx), axis), codes, f"{fmt} {mode}")
+        assert_bits(as_rows(lowprec.dequantize_mx_plus(a), axis), values, f"{fmt} {mode}")
+
+
+def test_mx_plus_worked_blocks():
+    """MXFP4+ by hand (block 32, floor rule: shared_exp = floor(log2 amax) - 2):
+    * [7, 1, ...]: shared_exp 0; the BM 7 = 1.75 * 2^2 -> m = 6 (0b110): code 0b0110, exact
+      (MXFP4 clips it to 6);
+    * [-7.9, 1, ...]: 7.9 / 4 = 1.975 rounds to 2 (the carry): saturates at m = 7, -7.5
+      (code 0b1111);
+    * [5.2, 5.2, ...]: two maxima, the first is the BM (index 0); 5.2 / 4 = 1.3 -> 1.25 (m = 2);
+      the second is an ordinary E2M1 element: 5.2 -> 6 (the tie-free nearest);
+    * all zeros: no BM (0xFF); a NaN: scale 0xFF, no BM."""
+    x = np.zeros((4, 64), np.float32)
+    x[0, :32] = [7.0] + [1.0] * 31
+    x[1, :32] = [-7.9] + [1.0] * 31
+    x[2, :2] = [5.2, 5.2]
+    x[3, 32] = np.nan
+    a = lowprec.quantize_mx_plus(jnp.asarray(x), "mxfp4")
+    mx = lowprec.MXArray(a.elements, a.scales, a.fmt, a.axis, a.shape)
+    codes = element_codes(mx)
+    assert np.asarray(a.bm_index).tolist() == [[0, 0xFF], [0, 0xFF], [0, 0xFF], [0xFF, 0xFF]]
+    assert codes[0, 0] == 0b0110 and codes[1, 0] == 0b1111 and codes[2, :2].tolist() == [2, 7]
+    v = np.asarray(lowprec.dequantize_mx_plus(a))
+    assert v[0, 0] == 7.0 and v[1, 0] == -7.5 and v[2, :2].tolist() == [5.0, 6.0]
+    assert np.asarray(a.scales)[3, 1] == 0xFF and np.isnan(v[3, 32:]).all()
+    assert not v[3, :32].any()
+
+
+def test_mx_plus_never_worse_than_mx_and_changes_only_the_maximum():
+    """The BM grid (1 + m/8) * 2^2 contains E2M1's top binade {4, 6}, so MX+'s block maximum
+    is at least as close as MXFP4's, and every other element keeps its MXFP4 code."""
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((4, 64)) * np.exp(rng.standard_normal((4, 64)))).astype(np.float32)
+    a = lowprec.quantize_mx_plus(jnp.asarray(x), "mxfp4")
+    mx = lowprec.quantize_mx(jnp.asarray(x), "mxfp4")
+    plus_codes = element_codes(lowprec.MXArray(a.elements, a.scales, a.fmt, a.axis, a.shape))
+    idx = np.asarray(a.bm_index).astype(int)
+    at_bm = np.zeros(x.shape, bool)
+    for r, b in zip(*np.nonzero(idx != 0xFF)):
+        at_bm[r, b * 32 + idx[r, b]] = True
+    np.testing.assert_array_equal(plus_codes[~at_bm], element_codes(mx)[~at_bm])
+    err_plus = np.abs(np.asarray(lowprec.dequantize_mx_plus(a)) - x)[at_bm]
+    err_mx = np.abs(np.asarray(lowprec.dequantize(mx)) - x)[at_bm]
+    assert at_bm.sum() == 8 and (err_plus <= err_mx).all() and (err_plus < err_mx).any()
+
+
+def test_mx_plus_refuses_what_it_cannot_extend():
+    x = jnp.ones((32,), jnp.float32)
+    for fmt in ("mxint8", "nvfp4", "if4"):
+        with pytest.raises(ValueError, match="MX\\+ extends E8M0-scaled floating-point"):
+            lowprec.quantize_mx_plus(x, fmt)
+    a = lowprec.quantize_mx_plus(x, "mxfp4")
+    with pytest.raises(ValueError, match="bm_index 40 is not a position in a block of 32"):
+        lowprec.MXPlusArray(a.elements, a.scales, jnp.array([40], jnp.uint8), "mxfp4", 0, (32,))
+    with pytest.raises(ValueError, match="bm_index must be uint8 with the scales' shape"):
+        lowprec.MXPlusArray(a.elements, a.scales, jnp.zeros((2,), jnp.uint8), "mxfp4", 0, (32,))
+    with pytest.raises(TypeError, match="takes an MXPlusArray"):
+        lowprec.dequantize_mx_plus(lowprec.quantize_mx(x, "mxfp4"))
