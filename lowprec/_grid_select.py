@@ -141,6 +141,31 @@ def f32_div(a, b):
     return jnp.where(nan, jnp.uint32(F32_QNAN), out)
 
 
+def f32_mul_finite(a, b):
+    """IEEE float32 a · b of finite operands (overflow gives ±inf): the exact product and one
+    rounding, without :func:`f32_mul`'s handling of inf and NaN operands (a smaller program)."""
+    return _nvfp4.f32_mul(jnp.asarray(a, jnp.uint32), jnp.asarray(b, jnp.uint32))
+
+
+def f32_mul_short(a, b):
+    """IEEE float32 a · b of finite a and a finite b with at most 6 significant bits (E2M1
+    and INT4 values, E4M3 scales): :func:`lowprec._nvfp4.f32_mul_short`."""
+    return _nvfp4.f32_mul_short(jnp.asarray(a, jnp.uint32), jnp.asarray(b, jnp.uint32))
+
+
+def f32_mul_positive(a, b):
+    """IEEE float32 a · b for a finite or ±inf and b positive finite (an inf stays inf)."""
+    a = jnp.asarray(a, jnp.uint32)
+    return jnp.where(_is_inf(a), a, _nvfp4.f32_mul(a & ~_inf_or_nan_mask(a), b))
+
+
+def f32_div_positive(a, b):
+    """IEEE float32 a / b for a finite or ±inf and b positive finite (an inf stays inf)."""
+    a = jnp.asarray(a, jnp.uint32)
+    b = jnp.broadcast_to(jnp.asarray(b, jnp.uint32), a.shape)
+    return jnp.where(_is_inf(a), a, _nvfp4.f32_div(a & ~_inf_or_nan_mask(a), b))
+
+
 def f32_min_positive(a, b):
     """The smaller of two non-negative float32 patterns (they order like their values)."""
     return jnp.minimum(jnp.asarray(a, jnp.uint32), jnp.asarray(b, jnp.uint32))

@@ -41,8 +41,12 @@ from ._grid_select import (
     e4m3_codes,
     e4m3_values,
     f32_div,
+    f32_div_positive,
     f32_min_positive,
     f32_mul,
+    f32_mul_finite,
+    f32_mul_positive,
+    f32_mul_short,
     int_bits,
     int_nearest,
     plus_zero,
@@ -97,16 +101,21 @@ class IF4Scheme(GridSelectScheme):
         codes = e4m3_codes(f32_mul(f32_div(amax, _SIX), encode), self.scale)
         codes = jnp.where(ts_bits == 0, 0, codes)  # the authors' zero scales for amax = 0
         s = jnp.expand_dims(e4m3_values(codes, self.scale), inner)
-        factor = f32_div(_ONE, f32_mul(f32_div(_ONE, encode), s))
-        q = jnp.where(s == 0, jnp.uint32(0), f32_mul(xb, factor))
+        factor = f32_div(_ONE, f32_mul_finite(f32_div(_ONE, encode), s))
+        q = jnp.where(s == 0, jnp.uint32(0), f32_mul_finite(xb, factor))
         fp, _ = e2m1_nearest(q)
         fp = plus_zero(q, fp)
-        k = int_nearest(f32_mul(q, _SEVEN_SIXTHS), _INT4_MAX)
-        fp_approx = f32_div(f32_mul(f32_mul(fp, s), ts_bits), _AMAX_DIVISOR)
-        int_approx = f32_div(f32_mul(f32_mul(f32_mul(int_bits(k), s), ts_bits), _SIX_SEVENTHS),
-                             _AMAX_DIVISOR)
-        pick_int = (block_error(int_approx, xb, inner, self.error)
-                    < block_error(fp_approx, xb, inner, self.error))
+        k = int_nearest(f32_mul_finite(q, _SEVEN_SIXTHS), _INT4_MAX)
+        # Both candidates' approximations in one pipeline, stacked on a new leading axis:
+        # (((v * s) * amax) * c) / 2688 with c = 1 for E2M1 (a product by 1 is exact) and
+        # float32(6/7) for INT4.
+        v = jnp.stack([fp, int_bits(k)])
+        c = jnp.asarray([_ONE, _SIX_SEVENTHS], jnp.uint32).reshape((2,) + (1,) * xb.ndim)
+        approx = f32_div_positive(
+            f32_mul_positive(f32_mul_finite(f32_mul_short(s, v), ts_bits), c), _AMAX_DIVISOR)
+        e_fp, e_int = block_error(approx, jnp.broadcast_to(xb, approx.shape), inner + 1,
+                                  self.error)
+        pick_int = e_int < e_fp
         # INT4 blocks: the E2M1 value whose code is the two's-complement nibble of k.
         int_values = e2m1_table_bits()[k & 0xF]
         values = jnp.where(jnp.expand_dims(pick_int, inner), int_values, fp)
