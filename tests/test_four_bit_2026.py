@@ -398,3 +398,19 @@ def test_mx_plus_refuses_what_it_cannot_extend():
         lowprec.MXPlusArray(a.elements, a.scales, jnp.zeros((2,), jnp.uint8), "mxfp4", 0, (32,))
     with pytest.raises(TypeError, match="takes an MXPlusArray"):
         lowprec.dequantize_mx_plus(lowprec.quantize_mx(x, "mxfp4"))
+
+
+def test_mxfp4_at_block_16_is_blackwells_scale_vec_4x():
+    """Blackwell's scale_vec::4X MXFP4: E2M1 elements, an E8M0 scale per 16 (4.5 bits per
+    element) — lowprec's MXFP4 at block size 16, named "mxfp4_b16", equal to the exact
+    reference at k = 16."""
+    fmt = lowprec.mx_format("mxfp4_b16")
+    assert (fmt.element.name, fmt.scale.name, fmt.block_size, fmt.bits_per_element) == (
+        "e2m1", "e8m0", 16, 4.5)
+    x = _fixture_input()
+    mx = lowprec.quantize_mx(jnp.asarray(x), "mxfp4_b16")
+    import lowprec_reference as R
+
+    codes, scales = R.quantize_mx(x, "mxfp4", block_size=16)
+    np.testing.assert_array_equal(np.asarray(mx.scales), scales)
+    np.testing.assert_array_equal(element_codes(mx), codes)
