@@ -159,6 +159,7 @@ PEER_FIXTURES = {
 }
 
 
+@pytest.mark.quick_cases(fmt=["nvfp4_4over6", "if4", "mixfp4"])  # the variants: one compile each
 @pytest.mark.parametrize("fmt", sorted(PEER_FIXTURES))
 def test_selecting_formats_match_their_authors_code(fmt):
     x = _fixture_input()
@@ -291,6 +292,8 @@ def test_selecting_format_fake_quantize_and_matmul():
     assert np.all(np.abs(got - want) <= bound + 1e-30)
 
 
+@pytest.mark.slow  # a scheme of its own, so a compile of its own; e4m3_max is a constant of
+# the same pipeline that the quick tier runs at 256
 def test_four_over_six_parameters_are_checked():
     import dataclasses
 
@@ -414,3 +417,22 @@ def test_mxfp4_at_block_16_is_blackwells_scale_vec_4x():
     codes, scales = R.quantize_mx(x, "mxfp4", block_size=16)
     np.testing.assert_array_equal(np.asarray(mx.scales), scales)
     np.testing.assert_array_equal(element_codes(mx), codes)
+
+
+def test_2026_formats_lower_for_cuda():
+    """Every new path lowers for an NVIDIA GPU (no GPU needed: docs/design.md §8, §15): the
+    exact float32 pipelines are integer arithmetic, and none reaches a CPU-only kernel."""
+    from helpers.kernels import lower_for_cuda
+
+    x = jnp.zeros((4, 64), jnp.float32)
+    calls = {
+        "nvfp4_4over6": lambda v: lowprec.fake_quantize_mx(v, "nvfp4_4over6"),
+        "if4": lambda v: lowprec.dequantize(lowprec.quantize_mx(v, "if4")),
+        "mixfp4": lambda v: lowprec.fake_quantize_mx(v, "mixfp4"),
+        "mx+": lambda v: lowprec.dequantize_mx_plus(lowprec.quantize_mx_plus(v, "mxfp4")),
+        "hif8": lambda v: lowprec.quantize(v, "hif8"),
+    }
+    for name, fn in calls.items():
+        text = lower_for_cuda(fn, x)
+        assert "func.func public @main" in text, name
+        assert "@lowprec_" not in text, name  # the native CPU kernels: lowprec_mx_quantize, ...
