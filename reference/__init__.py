@@ -5,7 +5,7 @@ element encode/decode for every format in :data:`lowprec_formats.ELEMENT_FORMATS
 binary16, bfloat16, TF32, OCP FP8 E4M3/E5M2, the other ml_dtypes FP8s and FP6s, MX FP4 E2M1,
 the MX INT8 element, E8M0 scales) and the IEEE P3109 family, OCP MX v1.0 block quantization
 (MXFP8/6/4, MXINT8, any block size), NVFP4 by torchao's recipe, plus the published gpt-oss
-MXFP4 decoder. It uses no JAX, no ml_dtypes
+MXFP4 decoder and ggml's NVFP4 quantizer (``ggml.py``). It uses no JAX, no ml_dtypes
 arithmetic and no lowprec code: every format is derived from the raw fields of the format table
 and every value is rounded as a :class:`fractions.Fraction`.
 
@@ -28,6 +28,13 @@ from .element import (
     max_finite,
     rounding_modes,
     value_of_code,
+)
+from .ggml import (
+    ggml_nvfp4_blocks,
+    ggml_nvfp4_decode,
+    ggml_ue4m3,
+    ggml_ue4m3_value,
+    quantize_nvfp4_ggml,
 )
 from .mx import (
     FP4_VALUES,
@@ -54,6 +61,10 @@ __all__ = [
     "encode",
     "encode_value",
     "format_names",
+    "ggml_nvfp4_blocks",
+    "ggml_nvfp4_decode",
+    "ggml_ue4m3",
+    "ggml_ue4m3_value",
     "is_negative_code",
     "max_finite",
     "mx_block_size",
@@ -62,6 +73,7 @@ __all__ = [
     "pack_codes",
     "quantize_mx",
     "quantize_nvfp4",
+    "quantize_nvfp4_ggml",
     "random_bits",
     "rounding_modes",
     "shared_exponent",
