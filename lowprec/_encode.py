@@ -51,8 +51,8 @@ def encode_bits(
     if scale_exp is None and np.dtype(udt) == np.uint32 and overflow is Overflow.IEEE:
         if (rounding is Rounding.NEAREST_EVEN or stochastic) and rebias_encodable(fmt):
             return encode_rebias(fmt, u, random_bits if stochastic else None)
-        if rounding.nearest and is_e8m0(fmt):
-            return encode_e8m0_nearest(u)
+        if rounding in (Rounding.NEAREST_EVEN, Rounding.NEAREST_AWAY) and is_e8m0(fmt):
+            return encode_e8m0_nearest(u)  # both take a tie between powers of two up
     in_mant, in_bias = _FLOAT_LAYOUTS[np.dtype(udt)]
     width = jnp.iinfo(udt).bits
     assert fmt.mantissa_bits < in_mant

@@ -73,7 +73,8 @@ RECIPE_BACKWARD_MODES: tuple[str, ...] = ("ste", "quantized")
 #: ``"delayed"`` (Transformer Engine's delayed scaling, state kept per layer by lowprec.flax).
 SCALINGS: tuple[str, ...] = ("none", "tensor", "delayed")
 #: Deterministic rounding modes a recipe accepts (matmul operands are rounded without a key).
-RECIPE_ROUNDINGS: tuple[str, ...] = ("nearest_even", "nearest_away", "toward_zero", "up", "down")
+RECIPE_ROUNDINGS: tuple[str, ...] = ("nearest_even", "nearest_away", "nearest_toward_zero",
+                                      "toward_zero", "up", "down")
 _OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 

@@ -150,8 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--scale-rule", type=_checked(check_scale_rule), default=None,
                    metavar="RULE",
                    help=f"MX scale rule: {', '.join(SCALE_RULES)} (default {DEFAULT_SCALE_RULE}, "
-                        "the OCP MX v1.0 rule; rceil is NVIDIA's); nvfp4 has its own recipe "
-                        "and takes none")
+                        "the OCP MX v1.0 rule; rceil is NVIDIA's, even_e2m1 llm-compressor's "
+                        "for mxfp4/mxfp8, floor_log2f ggml's); nvfp4 has its own recipe and "
+                        "takes none")
     q.add_argument("--layout", type=_checked(_layout_arg), default="lowprec", metavar="LAYOUT",
                    help=f"{', '.join(LAYOUTS + ENGINE_LAYOUTS)}; lowprec: <name>_elements + "
                         "<name>_scales; gpt-oss (mxfp4 only): <name>_blocks [...,K/32,16] + "

@@ -6,7 +6,7 @@ binary16, bfloat16, TF32, OCP FP8 E4M3/E5M2, the other ml_dtypes FP8s and FP6s, 
 the MX INT8 element, E8M0 and UE5M3 scales, the tapered HiFloat8) and the IEEE P3109 family,
 OCP MX v1.0 block quantization (MXFP8/6/4, MXINT8, any block size), NVFP4 by torchao's recipe,
 the 2026 four-bit formats (Four over Six, IF4, MixFP4, MX+) as their authors compute them,
-plus the published gpt-oss MXFP4 decoder. It uses no JAX, no ml_dtypes arithmetic and no
+plus the published gpt-oss MXFP4 decoder and ggml's NVFP4 quantizer (``ggml.py``). It uses no JAX, no ml_dtypes arithmetic and no
 lowprec code: every format is derived from the raw fields of the format table and every value
 is rounded as a :class:`fractions.Fraction` (or, where a recipe is a sequence of float32
 operations, with NumPy float32 scalars).
@@ -30,6 +30,13 @@ from .element import (
     max_finite,
     rounding_modes,
     value_of_code,
+)
+from .ggml import (
+    ggml_nvfp4_blocks,
+    ggml_nvfp4_decode,
+    ggml_ue4m3,
+    ggml_ue4m3_value,
+    quantize_nvfp4_ggml,
 )
 from .mx import (
     FP4_VALUES,
@@ -71,6 +78,10 @@ __all__ = [
     "encode",
     "encode_value",
     "format_names",
+    "ggml_nvfp4_blocks",
+    "ggml_nvfp4_decode",
+    "ggml_ue4m3",
+    "ggml_ue4m3_value",
     "is_negative_code",
     "max_finite",
     "mixfp4_global_scale",
@@ -84,6 +95,7 @@ __all__ = [
     "quantize_mx",
     "quantize_mx_plus",
     "quantize_nvfp4",
+    "quantize_nvfp4_ggml",
     "random_bits",
     "rounding_modes",
     "shared_exponent",

@@ -74,7 +74,7 @@ __all__ = [
 
 Value = Union[Fraction, float]
 
-_NEAREST = ("nearest_even", "nearest_away")
+_NEAREST = ("nearest_even", "nearest_away", "nearest_toward_zero")
 # Extra modes accepted only by E8M0 (the MX scale rules): floor = down, ceil = up.
 _E8M0_ONLY = {"floor": "down", "ceil": "up"}
 _TWO32 = 1 << 32
@@ -483,8 +483,8 @@ def _quantum_exponent(f: _Format, a: Fraction) -> int:
 def _round_magnitude(f: _Format, a: Fraction, direction: str, r: Optional[int]) -> Fraction:
     """Rounds a magnitude a ≥ 0 onto the (upward-unbounded) grid of ``f``.
 
-    ``direction`` is one of "nearest_even", "nearest_away", "in" (toward zero), "out" (away
-    from zero) or "stochastic" (then ``r`` is the 32-bit random word).
+    ``direction`` is one of "nearest_even", "nearest_away", "nearest_toward_zero", "in"
+    (toward zero), "out" (away from zero) or "stochastic" (then ``r`` is the 32-bit random word).
     """
     if a == 0:
         return a
@@ -503,6 +503,8 @@ def _round_magnitude(f: _Format, a: Fraction, direction: str, r: Optional[int]) 
         up = frac > _HALF or (frac == _HALF and odd)
     elif direction == "nearest_away":
         up = frac >= _HALF
+    elif direction == "nearest_toward_zero":
+        up = frac > _HALF  # a tie keeps the smaller magnitude
     elif direction == "in":
         up = False
     elif direction == "out":
@@ -615,7 +617,7 @@ def _encode_one(
         return _signed(f, negative, max_code)
 
     # Direction of the magnitude rounding.
-    if mode in ("nearest_even", "nearest_away", "stochastic"):
+    if mode in _NEAREST or mode == "stochastic":
         direction = mode
     elif mode == "toward_zero":
         direction = "in"
@@ -753,11 +755,12 @@ def encode(
         correctly (ml_dtypes' ``astype`` from float64 rounds through float32 first, so it can
         differ by double rounding).
       rounding: ``"nearest_even"`` (ties to the even code), ``"nearest_away"`` (ties away from
-        zero), ``"toward_zero"``, ``"up"`` (toward +∞), ``"down"`` (toward −∞) or
-        ``"stochastic"``; E8M0 also takes ``"floor"`` (= down) and ``"ceil"`` (= up). For
-        E8M0 the two nearest modes coincide: a tie 1.5 × 2^k lies between the odd
-        significand 1 and the even significand 2 = 1 × 2^(k+1), so both pick 2^(k+1)
-        (3 → 4, 0.75 → 1), as ml_dtypes does.
+        zero), ``"nearest_toward_zero"`` (ties to the smaller magnitude), ``"toward_zero"``,
+        ``"up"`` (toward +∞), ``"down"`` (toward −∞) or ``"stochastic"``; E8M0 also takes
+        ``"floor"`` (= down) and ``"ceil"`` (= up). For E8M0 nearest_even and nearest_away
+        coincide: a tie 1.5 × 2^k lies between the odd significand 1 and the even
+        significand 2 = 1 × 2^(k+1), so both pick 2^(k+1) (3 → 4, 0.75 → 1), as ml_dtypes
+        does; nearest_toward_zero picks 2^k.
       overflow: ``"ieee"`` (default) or ``"saturate"``.
 
         * ``"ieee"``: overflow means the magnitude rounded onto the grid extended past the

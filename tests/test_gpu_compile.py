@@ -16,7 +16,7 @@ Claims checked on XLA's optimized H100 module (not on timings):
   spends at most 4 PTX instructions per weight element in its steady-state loop, at 1 and
   16 tokens alike, with no shuffles, no ``bar.sync`` and 16-byte fragment loads
   (``benchmarks/gpu_decode_ptx.py``);
-* quantize_mx (every E8M0 MX format, every scale rule, along the last axis, and along
+* quantize_mx (every E8M0 MX format, every scale rule, ggml's MXFP4 rule, along the last axis, and along
   axis 0 of a 2-D array for all but FP6; zero padding included), fake_quantize_mx (every E8M0 format) and dequantize (every E8M0 format,
   float32 and bfloat16, either axis) are one pass: one kernel streams the data (XLA sometimes adds a second over the per-block
   scales, 1/32 of the elements) and all move at most 1.1x the ideal bytes (the entry's
@@ -93,11 +93,23 @@ def test_the_compile_is_for_an_h100():
 
 
 @pytest.mark.parametrize("fmt", E8M0)
-@pytest.mark.parametrize("rule", ["floor", "ceil", "even", "rceil"])
+@pytest.mark.parametrize("rule", lowprec.SCALE_RULES)
 def test_quantize_mx_is_one_pass(fmt, rule):
     hlo = _compile(lambda v: lowprec.quantize_mx(v, fmt, scale_rule=rule), X)
     _assert_one_pass(hlo, f"quantize_mx {fmt} {rule}")
     assert "lowprec_quantize_mx" in hlo  # the Pallas kernel, chosen on CUDA
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_ggml_mxfp4_quantize_is_one_pass(axis):
+    """ggml's rule (floor_log2f scales, ties toward zero) runs in the same Pallas kernel."""
+    kw = dict(scale_rule="floor_log2f", rounding="nearest_toward_zero", axis=axis)
+    for f, kernel in ((lambda v: lowprec.quantize_mx(v, "mxfp4", **kw), "lowprec_quantize_mx"),
+                      (lambda v: lowprec.fake_quantize_mx(v, "mxfp4", **kw),
+                       "lowprec_fake_quantize_mx")):
+        hlo = _compile(f, X)
+        _assert_one_pass(hlo, f"ggml mxfp4 axis {axis}")
+        assert kernel in hlo
 
 
 @pytest.mark.parametrize("fmt", ONE_PASS_QUANTIZE)
