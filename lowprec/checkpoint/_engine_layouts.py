@@ -86,7 +86,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .._codec import decode, encode
 from .._format import element_format, mx_format
 from .._mx import MXArray, dequantize, quantize_mx
 from ._engine_schemes import WEIGHTS, engine_scheme
@@ -101,7 +100,6 @@ CT_VERSION = "0.20.0"
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 
 _E4M3 = element_format("e4m3")
-_E2M1 = element_format("e2m1")
 _NVFP4 = mx_format("nvfp4")
 _MXFP4 = mx_format("mxfp4")
 _MXFP6 = mx_format("mxfp6_e2m3")
@@ -281,15 +279,33 @@ def _cast(values: np.ndarray, dtype) -> np.ndarray:
         return values.astype(dtype)
 
 
+# The NumPy side of the engine layouts (no compiled program per tensor shape): E4M3 and
+# E2M1 through ml_dtypes, whose casts are the reference lowprec's codecs match bit for bit
+# (round to nearest even; docs/design.md §2).
 def _e4m3(codes) -> np.ndarray:
-    return np.asarray(decode(jnp.asarray(np.asarray(codes).view(np.uint8)), _E4M3), np.float32)
+    return np.asarray(codes).view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def _to_e4m3(y) -> np.ndarray:
+    """E4M3 codes (uint8) of float32 ``y``, saturating at ±448."""
+    y = np.clip(np.asarray(y, np.float32), -_F8_MAX, _F8_MAX)
+    return y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def _e2m1_values(codes) -> np.ndarray:
+    return (np.asarray(codes, np.uint8) & 0xF).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+
+
+def _to_e2m1(y) -> np.ndarray:
+    """E2M1 codes (uint8, 0..15) of float32 ``y``, saturating at ±6."""
+    return np.asarray(y, np.float32).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
 
 
 def _e2m1_unpacked(packed: np.ndarray) -> np.ndarray:
     """E2M1 values of packed codes (low nibble first along the last axis)."""
     p = np.asarray(packed).view(np.uint8)
     codes = np.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
-    return np.asarray(decode(jnp.asarray(codes), _E2M1), np.float32)
+    return _e2m1_values(codes)
 
 
 def _pack_e2m1(codes: np.ndarray) -> np.ndarray:
@@ -405,10 +421,6 @@ def _finite_abs(x32: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(a), a, np.float32(0))
 
 
-def _encode(y, fmt) -> np.ndarray:
-    return np.asarray(encode(jnp.asarray(np.asarray(y, np.float32)), fmt, overflow="saturate"))
-
-
 def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, dtype: str = "F32",
                     scale_rule=None, amax=None) -> dict:
     """Quantizes one [out, in] weight (or a block of its rows) with the rule of ``layout``'s
@@ -458,7 +470,7 @@ def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, dtype: str = "F3
         with np.errstate(over="ignore", invalid="ignore"):
             y = x32 / s if scheme == "fp8_channel" else _in(writer_dtype(dtype), x32 / s)
         scale = s.reshape(-1) if scheme == "fp8_channel" else s.reshape(())
-    return {"values": _encode(y, _E4M3).view(numpy_dtype("F8_E4M3")), "scale": scale}
+    return {"values": _to_e4m3(y).view(numpy_dtype("F8_E4M3")), "scale": scale}
 
 
 def _block_amax(x32: np.ndarray):
@@ -474,7 +486,7 @@ def _nvfp4_codes(x32, factor, bad) -> dict:
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         q = x32.reshape(out, -1, 16) / factor[..., None]
     q = np.where(bad[..., None], np.float32(0), q)
-    return _pack_e2m1(_encode(q, _E2M1).reshape(out, k))
+    return _pack_e2m1(_to_e2m1(q).reshape(out, k))
 
 
 def _ct_global_scale(amax, d: str) -> np.float32:
@@ -491,7 +503,7 @@ def _ct_nvfp4(x32, d: str, amax) -> dict:
     gs = _ct_global_scale(amax, d)
     bmax, bad = _block_amax(x32)
     s = (gs * _in(d, bmax / _F4_MAX)).astype(np.float32)
-    codes = _encode(np.clip(s, -_F8_MAX, _F8_MAX), _E4M3)
+    codes = _to_e4m3(s)
     codes = np.where(_e4m3(codes) == 0, np.uint8(_E4M3_EIGHTH), codes)  # 0 → 0.125
     codes = np.where(bad, np.uint8(_E4M3_NAN), codes).astype(np.uint8)
     factor = (_e4m3(codes) / gs).astype(np.float32)
@@ -508,7 +520,7 @@ def _modelopt_nvfp4(x32, amax) -> dict:
     with np.errstate(divide="ignore", over="ignore"):
         pbs = (bmax / np.float32(_F4_MAX * ts)).astype(np.float32)
     pbs = np.where(pbs == 0, np.float32(1), pbs)
-    codes = _encode(np.clip(pbs, np.float32(2.0 ** -9), _F8_MAX), _E4M3)
+    codes = _to_e4m3(np.clip(pbs, np.float32(2.0 ** -9), _F8_MAX))
     codes = np.where(bad, np.uint8(_E4M3_NAN), codes).astype(np.uint8)
     factor = (_e4m3(codes) * ts).astype(np.float32)
     return {"elements": _nvfp4_codes(x32, factor, bad),
@@ -711,15 +723,11 @@ def requantize_nvfp4(bits: dict, source_ts: bool) -> tuple:
         before = e * ((ts * s) if source_ts else (s / gs)).astype(np.float32)
         after_f = ((s / gs) if source_ts else (ts * s)).astype(np.float32)
         q = np.where(after_f > 0, before / after_f, np.float32(0))
-    codes = _encode(q, _E2M1)
+    codes = _to_e2m1(q)
     after = _e2m1_values(codes) * after_f
     changed = int(np.count_nonzero(before.astype(np.float32).view(np.uint32)
                                    != after.astype(np.float32).view(np.uint32)))
     return _pack_e2m1(codes.reshape(out, -1)), changed
-
-
-def _e2m1_values(codes) -> np.ndarray:
-    return np.asarray(decode(jnp.asarray(np.asarray(codes, np.uint8)), _E2M1), np.float32)
 
 
 def layout_arrays(name, scheme: str, bits: dict, layout: str, requantize: bool = False) -> tuple:
