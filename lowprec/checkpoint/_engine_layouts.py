@@ -115,10 +115,15 @@ _MX_WEIGHTS = ("mxfp4", "mxfp6", "mxfp8")
 #: The E8M0 scale rule of each MX weight format in the compressed-tensors layout: what
 #: llm-compressor writes (compressed-tensors' ``generate_mx_scales``: the block maximum's
 #: significand rounded half up to E2M1's one fraction bit for MXFP4 and MXFP8, to E2M3's three
-#: for MXFP6, then floor). For E2M1 and E2M3 elements that is lowprec's ``even``; MXFP8's
-#: rounds at E2M1's precision, not E4M3's, which ``even`` does not: it is ``floor`` here until
-#: that rule is a named lowprec rule, then it is the one line to change.
-CT_SCALE_RULES = {"mxfp4": "even", "mxfp6": "even", "mxfp8": "floor"}
+#: for MXFP6, then floor). For E2M1 and E2M3 elements that is lowprec's ``even``. MXFP8's
+#: rounds at E2M1's precision, not E4M3's, so no lowprec rule is it yet: since E4M3's largest
+#: value is 448 = 1.75 × 2^8, its exponent floor(log2(round(amax))) − 8 equals ``rceil``'s
+#: ceil(log2(amax / 448)) except where amax's significand is exactly 1.75, which it scales one
+#: higher (rceil stores that block maximum as 448, exactly). On tests/data/engines 8 of 2304
+#: MXFP8 scales differ from llm-compressor's with ``rceil`` (256 with ``even``, 325 with
+#: ``floor``, which also clips the maxima that it rounds up). When compressed-tensors' rule is
+#: a named lowprec rule, it replaces ``rceil`` here: the one line to change.
+CT_SCALE_RULES = {"mxfp4": "even", "mxfp6": "even", "mxfp8": "rceil"}
 
 #: Safetensors metadata key of the engine layouts lowprec writes: per tensor, the original
 #: dtype and scale rule, kept across layouts (so lowprec → engine → lowprec is byte-identical).
