@@ -215,6 +215,30 @@ def test_text_calibration_uses_the_folders_tokenizer(tmp_path):
     assert rep2.options["activation_amax"] == _amax()
 
 
+@pytest.mark.slow  # imports torch and transformers; one case loads the model
+@pytest.mark.parametrize("name,content,message", [
+    ("c.json", '{"input_ids": [1, 2]}', r"a token calibration file is a JSON list of token id"),
+    ("c.json", "[[1, 2], [3, -4]]", r"a token calibration file is a JSON list"),
+    ("c.json", "[[1, 2], []]", r"a token calibration file is a JSON list"),
+    ("c.json", "[[1, true]]", r"a token calibration file is a JSON list"),
+    ("c.json", "[[1, 2", r"cannot read it as JSON"),
+    ("c.json", "[[1, 2], [3, 128]]", r"sample 1 has token id 128, beyond the vocabulary \(128 ids\)"),
+    ("c.txt", "\n  \n\n", r"no text to calibrate on"),
+    ("absent.json", None, r"no such calibration file"),
+])
+def test_calibration_files_are_checked(tmp_path, name, content, message):
+    """A calibration file that is not token ids or text, or whose ids the model does not
+    have, is refused naming the file and what is wrong; nothing is written."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(CheckpointError, match=message):
+        _quantize(tmp_path / "q", "FP8", calibration=path)
+    assert not (tmp_path / "q").exists()
+
+
 @pytest.mark.parametrize("layout,scheme", [("compressed-tensors", "FP8"),
                                            ("compressed-tensors", "NVFP4"), ("modelopt", "FP8"),
                                            ("modelopt", "NVFP4")])

@@ -125,7 +125,9 @@ def calibrate(folder: str, path, modules, *, max_seq_length: int = 2048,
         if not samples:
             raise CheckpointError(f"{path}: no text to calibrate on (every line is empty)")
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+        # safetensors only, as every lowprec reader: never a pickled checkpoint beside it
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype="auto", use_safetensors=True)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{folder}: transformers cannot load the model to calibrate "
                               f"it ({e})") from None
