@@ -231,9 +231,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="lowprec, compressed-tensors or modelopt")
     c.add_argument("--requantize", action="store_true",
                    help="an NVFP4 tensor whose global scale has no exact reciprocal in the "
-                        "target layout is re-encoded from its decoded values against the "
-                        "nearest scale (the report counts the values that changed), instead "
-                        "of refused")
+                        "target layout, or an FP8 tensor whose float32 scale is no value of "
+                        "the model dtype compressed-tensors stores it in, is re-encoded from "
+                        "its decoded values against the nearest scale (the report counts the "
+                        "values that changed), instead of refused")
     _common(c)
 
     i = sub.add_parser("inspect", help="list tensors, formats, sizes and bits/param",

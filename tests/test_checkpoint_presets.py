@@ -358,6 +358,55 @@ def test_static_schemes_convert_between_the_engine_layouts(tmp_path):
     assert sum(t.changed for t in rep.quantized) > 0
 
 
+def _bf16(x) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def test_fp8_moves_to_compressed_tensors_in_the_model_dtype(tmp_path):
+    """Issue 33 item 2 for convert: compressed-tensors stores FP8 scales in the model dtype
+    (transformers' default loader creates them so), so a float32 scale moved there must be a
+    bfloat16 value. llm-compressor's FP8 files through ModelOpt's layout (float32, widened
+    exactly) and back are llm-compressor's bytes again; ModelOpt's own export (amax / 448 in
+    float32) is refused, or with requantize re-encoded by compressed-tensors' rule against
+    the rounded scale, every changed value (and input scale) counted."""
+    for preset in ("FP8", "FP8_DYNAMIC"):
+        (tmp_path / preset).mkdir()
+        convert_checkpoint(DATA / "llmcompressor" / preset, tmp_path / preset / "mo", "modelopt",
+                           progress=False)
+        convert_checkpoint(tmp_path / preset / "mo", tmp_path / preset / "ct",
+                           "compressed-tensors", progress=False)
+        assert _tensor_differences(tmp_path / preset / "ct/model.safetensors",
+                                   DATA / "llmcompressor" / preset / "model.safetensors") == []
+    src = DATA / "modelopt" / "FP8"
+    with pytest.raises(CheckpointError, match=r"proj.weight: its FP8 scale \S+ is no BF16 value.*"
+                                              r"--requantize"):
+        convert_checkpoint(src, tmp_path / "ct", "compressed-tensors", progress=False)
+    assert not (tmp_path / "ct").exists()
+    rep = convert_checkpoint(src, tmp_path / "ct", "compressed-tensors", requantize=True,
+                             progress=False)
+    theirs, ours = raw_tensors(src / "model.safetensors"), raw_tensors(tmp_path / "ct/model.safetensors")
+    before = load_checkpoint(src, dtype="float32")
+    after = load_checkpoint(tmp_path / "ct", dtype="float32")
+    assert len(rep.quantized) == 14
+    for t in rep.quantized:
+        m = t.name[: -len(".weight")]
+        s = np.float32(theirs[m + ".weight_scale"])
+        assert ours[m + ".weight_scale"].dtype == ml_dtypes.bfloat16
+        assert ours[m + ".weight_scale"].shape == (1,)
+        s2 = _bf16(s)[()]
+        assert np.float32(ours[m + ".weight_scale"][0]) == s2
+        # compressed-tensors' FP8 rule on the decoded values: E4M3(clamp(bf16(x / s'), 448))
+        x = theirs[t.name].astype(np.float32) * s
+        want = np.clip(_bf16(x / s2), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        assert ours[t.name].tobytes() == want.tobytes(), t.name
+        i_s = np.float32(theirs[m + ".input_scale"])
+        assert ours[m + ".input_scale"].dtype == ml_dtypes.bfloat16
+        assert np.float32(ours[m + ".input_scale"][0]) == _bf16(i_s)
+        diff = int(np.count_nonzero(before[t.name].view(np.uint32) != after[t.name].view(np.uint32)))
+        assert t.changed == diff + int(_bf16(i_s) != i_s) and t.changed > 0, t.name
+        assert "an FP8 scale rounded to BF16" in t.reason
+
+
 # -- the fused-layer rule ------------------------------------------------------------------
 @pytest.mark.parametrize("kw,names", [
     ({"schemes": ["re:.*layers\\.0\\.self_attn\\.q_proj=FP8A16"]},
@@ -501,13 +550,14 @@ def _loaded_weights(model) -> dict:
 @pytest.mark.slow  # torch, transformers, compressed-tensors
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
 @pytest.mark.parametrize("case", ["FP8", "FP8_DYNAMIC", "FP8A16", "FP8A16_CHANNEL", "NVFP4",
-                                  "mixed"])
+                                  "mixed", "from-ModelOpt"])
 def test_every_loader_decodes_lowprecs_bits(tmp_path, case):
     """Issue 33 item 2: FP8 scales are stored in the model dtype (BF16), so transformers'
     default from_pretrained (compressed-tensors decompressing on the first forward, scales
     kept as stored), its dequantize=True path and compressed-tensors' decompressors all
     compute e × s of the stored BF16 s — lowprec's decoded value, bit for bit — on files of
-    one scheme and on a mixed one (FP8 W8A8 attention, FP8_DYNAMIC gate/up, NVFP4 down)."""
+    one scheme, on a mixed one (FP8 W8A8 attention, FP8_DYNAMIC gate/up, NVFP4 down) and on
+    ModelOpt's FP8 export converted to compressed-tensors."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from compressed_tensors.compressors import BaseCompressor
@@ -518,6 +568,9 @@ def test_every_loader_decodes_lowprecs_bits(tmp_path, case):
     out = tmp_path / case
     if case == "mixed":
         _quantize(out, "NVFP4", activation_amax=AMAX, **MIXED)
+    elif case == "from-ModelOpt":  # ModelOpt's FP8 export moved over (scales rounded to BF16)
+        convert_checkpoint(DATA / "modelopt" / "FP8", out, "compressed-tensors",
+                           requantize=True, progress=False)
     else:
         _quantize(out, case)
     ours = load_checkpoint(out, dtype="float32")

@@ -29,6 +29,7 @@ from ._engine_layouts import (
     ORIGIN_KEY,
     WEIGHT_FORMATS,
     EngineSpec,
+    ct_fp8_scale_dtype,
     ct_quantization_config,
     decode_arrays,
     exact_reciprocal,
@@ -36,6 +37,7 @@ from ._engine_layouts import (
     layout_arrays,
     modelopt_quant_config,
     quantize_arrays,
+    requantize_fp8,
     scheme_bits,
     writer_dtype,
 )
@@ -54,7 +56,7 @@ from ._pipeline import (
 )
 from ._qconfig import config_keeping, read_quant_config
 from ._report import TensorReport
-from ._safetensors import FLOAT_DTYPES
+from ._safetensors import FLOAT_DTYPES, numpy_dtype
 from ._source import open_source
 from ._stats import ErrorStats
 
@@ -490,9 +492,17 @@ def _move_input_scale(name, value, src: EngineSpec, target: EngineSpec, requanti
                     "it as changed)")
             changed = 1
         v = r
-    dtype = np.float32
+    d = target.input_dtype if target.layout == "compressed-tensors" else "F32"
+    if d != "F32" and src.layout != target.layout:  # FP8's, in the model dtype (as the weight's)
+        if np.float32(np.asarray(v).astype(numpy_dtype(d))) != v:
+            if not requantize:
+                raise CheckpointError(
+                    f"{name}: its FP8 input scale {str(v)} is no {d} value; compressed-tensors "
+                    f"stores it in the model dtype ({d}); --requantize takes the nearest (and "
+                    "counts it as changed)")
+            changed = 1
     shape = () if target.layout == "modelopt" else (1,)
-    return np.asarray(v, dtype).reshape(shape), changed
+    return np.asarray(v, np.float32).astype(numpy_dtype(d)).reshape(shape), changed
 
 
 def _check_fused_scales(plans: dict, layout: str) -> None:
@@ -521,9 +531,10 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
     another of these layouts, moving the stored bits: no requantization, every decoded value
     unchanged. Refused, naming the tensor, where the target cannot hold the bits exactly
     (lowprec has no per-channel FP8, ModelOpt holds NVFP4 and FP8 only, an NVFP4 tensor scale
-    without an exact reciprocal — unless ``requantize``, which re-encodes such a tensor from
-    its decoded values against the nearest scale and reports how many values changed: see
-    :mod:`lowprec.checkpoint._engine_layouts`). Activation schemes move with the weights
+    without an exact reciprocal, a float32 FP8 scale moved to compressed-tensors that is no
+    value of the model dtype, which compressed-tensors stores it in — unless ``requantize``,
+    which re-encodes such a tensor from its decoded values against the nearest scale and
+    reports how many values changed: see :mod:`lowprec.checkpoint._engine_layouts`). Activation schemes move with the weights
     (input scales included); lowprec's own layout holds weights only. Tensors that are not
     quantized and the folder's other files are copied; ``config.json``'s
     ``quantization_config`` (and ModelOpt's ``hf_quant_config.json``) are rewritten for the
@@ -604,14 +615,20 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
                                               f"({names} have); use compressed-tensors")
                     static = scheme.inputs == "static"
                     scale_dtype = "F32"
-                    if layout == "compressed-tensors" and weights.startswith("fp8") \
-                            and isinstance(spec, EngineSpec) and spec.layout == layout:
-                        scale_dtype = spec.scale_dtype  # a compressed-tensors file rewritten
+                    if layout == "compressed-tensors" and weights.startswith("fp8"):
+                        if isinstance(spec, EngineSpec) and spec.layout == layout:
+                            scale_dtype = spec.scale_dtype  # a compressed-tensors file rewritten
+                        else:  # a float32 scale: in the model dtype, as llm-compressor's
+                            scale_dtype, _ = ct_fp8_scale_dtype(
+                                name, bits["ts"] if "ts" in bits else bits["scale"], dtype,
+                                requantize)
+                    input_dtype = getattr(spec, "input_dtype", "F32")
+                    if layout != spec.layout:  # compressed-tensors FP8: the scale's dtype
+                        input_dtype = scale_dtype if weights == "fp8" else "F32"
                     target = EngineSpec(weights, layout, tuple(spec.shape), dtype, rule,
                                         scale_dtype=scale_dtype,
                                         inputs="static" if static else None,
-                                        input_dtype=getattr(spec, "input_dtype", "F32")
-                                        if layout == spec.layout else "F32")
+                                        input_dtype=input_dtype)
                     groups.setdefault(scheme.name, []).append(name[: -len(".weight")])
                     linear[name[: -len(".weight")]] = scheme.name
                 tparts = target.parts(name)
@@ -677,6 +694,11 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
                 w, bits = scheme_bits(name, spec, got, layout, requantize)
                 src_input = bits.pop("input_scale", None)
                 out, n = layout_arrays(name, w, bits, layout, requantize)
+                if getattr(target, "scale_dtype", "F32") != "F32" and not (
+                        isinstance(spec, EngineSpec) and spec.layout == layout):
+                    # a float32 FP8 scale stored in the model dtype (ct_fp8_scale_dtype)
+                    out["values"], out["scale"], n = requantize_fp8(
+                        out["values"], out["scale"], target.scale_dtype)
                 changed += n
                 if getattr(target, "inputs", None) == "static":
                     out["input_scale"], moved = _move_input_scale(name, src_input, spec, target,
@@ -695,8 +717,9 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
             if layout == "lowprec" and getattr(spec, "inputs", None) == "static":
                 reason += "; its input scale is not kept (lowprec's layout holds weights only)"
             if changed:
-                reason += (f"; requantized: {changed} decoded value(s) changed (an NVFP4 scale "
-                           "without an exact reciprocal)")
+                why = ("an NVFP4 scale without an exact reciprocal" if target.format.name ==
+                       "nvfp4" else f"an FP8 scale rounded to {target.scale_dtype}")
+                reason += f"; requantized: {changed} decoded value(s) changed ({why})"
             return TensorReport(name, spec.shape, target.dtype, label,
                                 before, target.nbytes(), reason=reason,
                                 scale_rule=target.scale_rule, stored_as=tuple(p[1] for p in tparts),

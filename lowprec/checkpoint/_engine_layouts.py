@@ -67,6 +67,10 @@ layouts (:func:`~lowprec.checkpoint.convert_checkpoint`) moves the bits only whe
 maps back to the same bits — and otherwise is refused, naming the tensor, unless
 ``requantize``: then the elements are re-encoded from the decoded values against the new
 scale (:func:`requantize_nvfp4`) and the report says how many decoded values changed.
+Likewise a float32 FP8 scale (lowprec's, ModelOpt's) moved to compressed-tensors, which
+stores FP8 scales in the model dtype D (transformers' default loader creates them in D): moved
+when it is a D value (:func:`ct_fp8_scale_dtype`), else refused or re-encoded against D(s)
+(:func:`requantize_fp8`).
 
 Tensors are recognized by their stored names and dtypes (no lowprec metadata needed), so
 ``lowprec dequantize`` / ``inspect`` / :func:`~lowprec.checkpoint.load_checkpoint` read
@@ -711,6 +715,51 @@ def exact_reciprocal(name, x: np.float32, scales, what: str) -> np.float32:
             "re-encodes it against the nearest scale and reports how many values change; or "
             "dequantize it")
     return np.float32(np.float32(1) / np.float32(x))
+
+
+def ct_fp8_scale_dtype(name: str, scale, dtype: str, requantize: bool) -> tuple:
+    """``(stored dtype, re-encode?)`` of a float32 FP8 weight scale (lowprec's or ModelOpt's)
+    moved to compressed-tensors for a ``dtype`` model: the model dtype D, as llm-compressor
+    stores it, since transformers' default loader creates ``weight_scale`` in D and so decodes
+    e × D(s). Exact when every scale is a D value; otherwise refused, naming the tensor, unless
+    ``requantize`` (then :func:`requantize_fp8` re-encodes against D(s)).
+
+    Example:
+        >>> ct_fp8_scale_dtype("w", np.float32(2.0 ** -7), "BF16", False)
+        ('BF16', False)
+        >>> ct_fp8_scale_dtype("w", np.float32(0.1), "F32", False)
+        ('F32', False)
+    """
+    d = writer_dtype(dtype)
+    s = np.asarray(scale, np.float32)
+    if np.array_equal(_in(d, s), s):
+        return d, False
+    if not requantize:
+        bad = s.reshape(-1)[np.flatnonzero(_in(d, s).reshape(-1) != s.reshape(-1))[0]]
+        raise CheckpointError(
+            f"{name}: its FP8 scale {str(bad)} is no {d} value; compressed-tensors stores "
+            f"FP8 scales in the model dtype ({d}), which transformers' default loader reads "
+            "them in, so these bits would decode to other values there; --requantize "
+            "re-encodes the tensor against the rounded scale (and counts the values that "
+            "change), or keep the ModelOpt or lowprec layout")
+    return d, True
+
+
+def requantize_fp8(values, scale, dtype: str) -> tuple:
+    """``(codes, scale in dtype D, changed decoded values)``: FP8 codes ``values`` (E4M3 as
+    uint8 or float8) with their float32 ``scale`` ([1] or [rows, 1]) re-encoded against
+    s' = D(scale) by compressed-tensors' rule (E4M3(clamp(D(x / s'), ±448)) of the decoded
+    x = e × s), as :func:`quantize_arrays` writes FP8 for a D model."""
+    s = np.asarray(scale, np.float32)
+    s2 = _in(dtype, s)
+    e = _e4m3(values)
+    x = (e * s).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        codes = _to_e4m3(_in(dtype, x / s2))
+    after = (_e4m3(codes) * s2).astype(np.float32)
+    changed = int(np.count_nonzero(x.view(np.uint32) != after.view(np.uint32)))
+    return (codes.view(numpy_dtype("F8_E4M3")), s2.astype(_HALF.get(dtype, np.float32)),
+            changed)
 
 
 def requantize_nvfp4(bits: dict, source_ts: bool) -> tuple:
