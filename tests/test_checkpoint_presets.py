@@ -407,6 +407,36 @@ def test_fp8_moves_to_compressed_tensors_in_the_model_dtype(tmp_path):
         assert "an FP8 scale rounded to BF16" in t.reason
 
 
+@pytest.mark.parametrize("dtype,stored", [("float16", np.float16), ("float32", np.float32)])
+def test_fp8_scale_dtype_follows_the_model_dtype(tmp_path, dtype, stored):
+    """ModelOpt's files do not record the model dtype beside the weights; config.json does
+    (``dtype``), and compressed-tensors stores FP8 scales in it: float16 for a float16 model
+    (ModelOpt's float32 scales are no float16 values: refused, or re-encoded against them),
+    float32 for a float32 one (moved exactly, every decoded value the same)."""
+    src = tmp_path / "mo"
+    shutil.copytree(DATA / "modelopt" / "FP8", src)
+    config = json.loads((src / "config.json").read_text())
+    config["dtype"] = dtype
+    (src / "config.json").write_text(json.dumps(config))
+    if dtype == "float16":
+        with pytest.raises(CheckpointError, match=r"is no F16 value"):
+            convert_checkpoint(src, tmp_path / "ct", "compressed-tensors", progress=False)
+    rep = convert_checkpoint(src, tmp_path / "ct", "compressed-tensors", progress=False,
+                             requantize=dtype == "float16")
+    theirs, ours = raw_tensors(src / "model.safetensors"), raw_tensors(tmp_path / "ct/model.safetensors")
+    for t in rep.quantized:
+        m = t.name[: -len(".weight")]
+        s = np.float32(theirs[m + ".weight_scale"])
+        assert ours[m + ".weight_scale"].dtype == stored
+        assert ours[m + ".weight_scale"][0] == s.astype(stored)
+        assert ours[m + ".input_scale"].dtype == stored
+    if dtype == "float32":
+        a = load_checkpoint(src, dtype="float32")
+        b = load_checkpoint(tmp_path / "ct", dtype="float32")
+        assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+        assert {t.changed for t in rep.quantized} == {None}
+
+
 # -- the fused-layer rule ------------------------------------------------------------------
 @pytest.mark.parametrize("kw,names", [
     ({"schemes": ["re:.*layers\\.0\\.self_attn\\.q_proj=FP8A16"]},

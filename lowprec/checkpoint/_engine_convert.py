@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import time
 from typing import Optional, Sequence
@@ -54,7 +55,7 @@ from ._pipeline import (
     open_readers,
     write_outputs,
 )
-from ._qconfig import config_keeping, read_quant_config
+from ._qconfig import _load_json, config_keeping, read_quant_config
 from ._report import TensorReport
 from ._safetensors import FLOAT_DTYPES, numpy_dtype
 from ._source import open_source
@@ -473,6 +474,31 @@ def _source_scheme(name: str, spec, config) -> EngineScheme:
     return SCHEMES[found]
 
 
+_CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def _model_dtype(source) -> Optional[str]:
+    """The model dtype ``config.json`` names (``dtype``; ``torch_dtype`` before transformers
+    5), for tensors whose file does not record their original dtype (other tools' files)."""
+    path = os.path.join(source.home, "config.json") if source.home else None
+    if path is None or not os.path.isfile(path):
+        return None
+    config = _load_json(path)
+    return _CONFIG_DTYPES.get(config.get("dtype", config.get("torch_dtype")))
+
+
+def _original_dtype(spec, origin: dict, model_dtype: Optional[str]) -> str:
+    """A quantized tensor's original (model) dtype: as lowprec recorded it (its own layout's
+    metadata, or ``lowprec.origin``), else what a compressed-tensors FP8 scale is stored in
+    (llm-compressor's model dtype), else the config's, else bfloat16."""
+    if "dtype" in origin or not isinstance(spec, EngineSpec):
+        return origin.get("dtype", spec.dtype)
+    if spec.layout == "compressed-tensors" and spec.scheme.startswith("fp8") \
+            and spec.scale_dtype in ("BF16", "F16"):
+        return spec.scale_dtype
+    return model_dtype or spec.dtype
+
+
 def _move_input_scale(name, value, src: EngineSpec, target: EngineSpec, requantize: bool):
     """The stored input scale of ``target`` from ``src``'s (``value``): FP8's is the scale
     itself in both layouts (widened exactly); NVFP4's is 2688 / amax in compressed-tensors and
@@ -565,6 +591,7 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     config = read_quant_config(source.home)
+    model_dtype = _model_dtype(source)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
         plans, groups, kept, layouts, linear = {}, {}, [], set(), {}
@@ -592,7 +619,7 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
                           if role in ("scale", "scales", "global_scale")}
                 weights, bits = scheme_bits(name, spec, arrays, layout, requantize)
                 o = origin.get(name, {}) if isinstance(origin.get(name), dict) else {}
-                dtype = o.get("dtype", spec.dtype)
+                dtype = _original_dtype(spec, o, model_dtype)
                 rule = o.get("scale_rule", spec.scale_rule)
                 scheme = _source_scheme(name, spec, config)
                 if weights == "nvfp4" and layout == "compressed-tensors" and "ts" in bits \
