@@ -55,7 +55,7 @@ from ._pipeline import (
     open_readers,
     write_outputs,
 )
-from ._qconfig import _load_json, config_keeping, read_quant_config
+from ._qconfig import config_keeping, load_json, read_quant_config
 from ._report import TensorReport
 from ._safetensors import FLOAT_DTYPES, numpy_dtype
 from ._source import open_source
@@ -483,7 +483,7 @@ def _model_dtype(source) -> Optional[str]:
     path = os.path.join(source.home, "config.json") if source.home else None
     if path is None or not os.path.isfile(path):
         return None
-    config = _load_json(path)
+    config = load_json(path)
     return _CONFIG_DTYPES.get(config.get("dtype", config.get("torch_dtype")))
 
 

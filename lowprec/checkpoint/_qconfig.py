@@ -135,7 +135,9 @@ def _is_class_name(target: str) -> bool:
     return target[:1].isupper() and target.isidentifier()
 
 
-def _load_json(path: str) -> dict:
+def load_json(path: str) -> dict:
+    """The JSON object of a checkpoint's config file; a file too large, not UTF-8 JSON or
+    not an object is a :class:`CheckpointError` naming it."""
     try:
         if os.path.getsize(path) > _MAX_CONFIG_BYTES:
             raise CheckpointError(f"{path}: too large for a config file")
@@ -297,10 +299,10 @@ def read_quant_config(folder: Optional[str]) -> Optional[QuantConfig]:
     hf_path = os.path.join(folder, MODELOPT_CONFIG_NAME)
     q = None
     if os.path.isfile(cfg_path):
-        q = _load_json(cfg_path).get("quantization_config")
+        q = load_json(cfg_path).get("quantization_config")
         if q is not None and not isinstance(q, dict):
             raise CheckpointError(f"{cfg_path}: quantization_config is not an object")
-    hf = _load_json(hf_path) if os.path.isfile(hf_path) else None
+    hf = load_json(hf_path) if os.path.isfile(hf_path) else None
     if q is None and hf is None:
         return None
     method = (q or {}).get("quant_method", "modelopt" if hf is not None else None)
