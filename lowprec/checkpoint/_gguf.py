@@ -1,0 +1,862 @@
+"""GGUF, llama.cpp's file: read, requantize, dequantize, inspect and convert (one module, to
+become one checkpoint Layout).
+
+The file is parsed by ``gguf`` (llama.cpp's own Python package, the ``gguf`` extra); every
+tensor lowprec decodes is checked here first. Stored tensors (ggml type: bytes per block of
+values along ne[0], the NumPy last axis):
+
+=======  ====  =====================================================================
+type     id    block
+=======  ====  =====================================================================
+F32      0     float32
+F16      1     float16
+BF16     30    bfloat16
+Q8_0     8     34 bytes / 32: float16 d, int8 q[32]; value d·q (read only)
+MXFP4    39    17 bytes / 32: uint8 e (E8M0, value 2^(e-127)), uint8 qs[16]; byte j holds
+               element j in its low nibble and element j + 16 in its high nibble (not the
+               consecutive pairs of lowprec / gpt-oss / compressed-tensors): a nibble
+               permutation of lowprec's MXFP4, same codes, same scales
+NVFP4    40    36 bytes / 64: uint8 d[4] (UE4M3: E4M3 without sign, one per 16 values),
+               uint8 qs[32]; sub-block s's element j (j < 8) in the low nibble of
+               qs[8s + j], element j + 8 in its high nibble. The float32 tensor scale (the
+               multiplier ModelOpt calls ``weight_scale_2``) is a separate F32 tensor named
+               like the weight with ``.weight`` replaced by ``.scale``, which llama.cpp
+               applies to the matmul's output (``ggml_mul``)
+=======  ====  =====================================================================
+
+What a reader refuses (naming tensor and type): a type it cannot decode, ne[0] not a
+multiple of the block, a byte count that disagrees with the shape, MXFP4's E8M0 0xFF (NaN
+in OCP MX, 2^128 in ggml: no agreed value), UE4M3 sub-scales 0x7F (E4M3's NaN, read as 0 by
+ggml) or with bit 7 set (ignored by ggml, negative in E4M3), and a ``.scale`` that is not
+one finite positive float32. Every metadata key (raw bytes, in order) and every tensor
+not requantized is copied unchanged; outputs are written atomically, the input never.
+
+Requantizing (``quantize_gguf``) selects what llama.cpp's ``llama-quantize`` would: the
+``*.weight`` tensors of 2+ dims whose ne[0] is a multiple of the block, except the token
+embeddings and the output head (kept, as lowprec's safetensors default keeps embeddings and
+lm_head; llama.cpp too gives them its higher-precision types), norms and the MoE router
+(``ffn_gate_inp``, kept float32 by llama.cpp); ``include``/``exclude`` regexes change that.
+Default rule: ggml's own (``scale_rule="floor_log2f"``, ``rounding="nearest_toward_zero"``,
+what ``llama-quantize`` writes), any lowprec rule on request. NVFP4 output uses lowprec's
+NVFP4 (its float32 tensor scale in ``.scale``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import time
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._format import mx_format
+from .._mx import dequantize, quantize_mx
+from .._mxarray import MXArray
+from ._atomic import AtomicFile, Inputs
+from ._errors import CheckpointError
+from ._pipeline import _progress
+from ._report import ConversionReport, TensorReport
+from ._stats import ErrorStats
+
+F32, F16, Q8_0, BF16, MXFP4, NVFP4 = 0, 1, 8, 30, 39, 40
+_BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), MXFP4: (32, 17),
+          NVFP4: (64, 36)}
+_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", MXFP4: "MXFP4", NVFP4: "NVFP4"}
+_FLOATS = (F32, F16, BF16)
+_FORMAT_TYPE = {"mxfp4": MXFP4, "nvfp4": NVFP4}
+_MAGIC = b"GGUF"
+_ROWS = 1 << 20  # elements per piece when encoding or decoding a tensor
+# Kept by default: embeddings, the output head, norms, the MoE router, position tables.
+DEFAULT_GGUF_KEEP = r"(^|\.)(token_embd|output|position_embd|token_types)\.weight$|norm|ffn_gate_inp"
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError("GGUF needs the gguf package (llama.cpp's): "
+                              "pip install 'lowprec[gguf]'") from None
+    if getattr(gguf.GGMLQuantizationType, "NVFP4", None) != NVFP4:
+        raise CheckpointError(f"gguf {getattr(gguf, '__version__', '?')} predates NVFP4 "
+                              "(ggml type 40); pip install 'gguf>=0.19'")
+    return gguf
+
+
+def is_gguf(path) -> bool:
+    """Whether ``path`` names a GGUF file: an existing file starting with ``GGUF``, or a
+    name ending in ``.gguf``."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return f.read(4) == _MAGIC
+    return path.endswith(".gguf")
+
+
+def type_name(t: int) -> str:
+    try:
+        return _gguf().GGMLQuantizationType(t).name
+    except ValueError:
+        return f"ggml type {t}"
+
+
+# -- reading -----------------------------------------------------------------------------
+
+
+class GGUFTensor:
+    """One tensor of a GGUF file: ``name``, ggml ``type``, NumPy-order ``shape`` and its raw
+    bytes ``raw`` (a read-only view of the file)."""
+
+    def __init__(self, name, gtype, shape, raw):
+        self.name, self.type, self.shape, self.raw = name, int(gtype), tuple(shape), raw
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __repr__(self):
+        return f"GGUFTensor({self.name!r}, {type_name(self.type)}, {list(self.shape)})"
+
+
+class GGUFFile:
+    """A GGUF file opened read-only (memory mapped): ``fields`` (name → raw bytes of the
+    key/value pair, in file order), ``tensors`` (name → :class:`GGUFTensor`, in order) and
+    ``alignment``. Nothing is decoded until asked (:meth:`values`, :meth:`mxarray`)."""
+
+    def __init__(self, path):
+        gguf = _gguf()
+        self.path = os.fspath(path)
+        try:
+            r = gguf.GGUFReader(self.path, "r")
+        except (ValueError, OSError, struct.error, IndexError, KeyError) as e:
+            raise CheckpointError(f"{self.path}: not a GGUF file gguf can read: {e}") from None
+        self.reader = r
+        data = r.data
+        self.fields = {}
+        for name, f in r.fields.items():
+            if name.startswith("GGUF."):  # the header (version, counts): rewritten
+                continue
+            size = sum(int(p.nbytes) for p in f.parts)
+            self.fields[name] = bytes(data[f.offset:f.offset + size])
+        self.alignment = int(r.alignment)
+        self.arch = self.value("general.architecture")
+        self.tensors = {}
+        for t in r.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            raw = data[t.data_offset:t.data_offset + int(t.n_bytes)]
+            if raw.size != int(t.n_bytes):
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} runs past the end of the "
+                                      "file (truncated?)")
+            self.tensors[t.name] = GGUFTensor(t.name, int(t.tensor_type), shape, raw)
+
+    def value(self, key, default=None):
+        """A metadata value (strings and numbers; arrays as lists), or ``default``."""
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    # -- checks and decoding
+
+    def check(self, name: str) -> GGUFTensor:
+        """The tensor ``name``, checked as every decoder here needs it (see module doc)."""
+        t = self.tensors[name]
+        if t.type not in _BLOCK:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {type_name(t.type)}; lowprec "
+                                  f"decodes {', '.join(_NAMES.values())} only")
+        block, size = _BLOCK[t.type]
+        if not t.shape or t.shape[-1] % block:
+            raise CheckpointError(f"{self.path}: tensor {name!r} ({_NAMES[t.type]}) has ne[0] = "
+                                  f"{t.shape[-1] if t.shape else 0}, not a multiple of {block}")
+        want = t.numel // block * size
+        if t.raw.size != want:
+            raise CheckpointError(f"{self.path}: tensor {name!r} ({_NAMES[t.type]}, shape "
+                                  f"{list(t.shape)}) holds {t.raw.size} bytes, not {want}")
+        if t.type == MXFP4:
+            e = t.raw.reshape(-1, 17)[:, 0]
+            if (e == 0xFF).any():
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} (MXFP4) has {int((e == 0xFF).sum())} blocks "
+                    "with the E8M0 scale 0xFF (NaN in OCP MX, 2^128 in ggml): refused")
+        if t.type == NVFP4:
+            d = t.raw.reshape(-1, 36)[:, :4]
+            bad = (d == 0x7F) | (d >= 0x80)
+            if bad.any():
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} (NVFP4) has {int(bad.sum())} sub-block scales "
+                    "0x7F (E4M3 NaN) or with the sign bit set: refused")
+        return t
+
+    def tensor_scale(self, name: str) -> Optional[np.float32]:
+        """The float32 ``.scale`` of an NVFP4 weight ``name`` (None: none stored, i.e. 1)."""
+        sname = _scale_name(name)
+        if sname not in self.tensors:
+            return None
+        t = self.tensors[sname]
+        if t.type != F32 or t.numel != 1:
+            raise CheckpointError(f"{self.path}: {sname!r} ({type_name(t.type)}, shape "
+                                  f"{list(t.shape)}) is not one float32, as the tensor scale of "
+                                  f"{name!r} must be")
+        s = np.frombuffer(t.raw.tobytes(), np.float32)[0]
+        if not (np.isfinite(s) and s > 0):
+            raise CheckpointError(f"{self.path}: {sname!r} = {s}, not a finite positive scale")
+        return s
+
+    def mxarray(self, name: str) -> MXArray:
+        """An MXFP4 or NVFP4 tensor as a lowprec ``MXArray`` blocked along its last axis:
+        the same codes and scales, nibbles moved to lowprec's order."""
+        t = self.check(name)
+        if t.type not in (MXFP4, NVFP4):
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {_NAMES[t.type]}, not MXFP4 or NVFP4")
+        codes, scales = ggml_codes(t.raw, t.type, t.shape)
+        if t.type == MXFP4:
+            return MXArray(jnp.asarray(_pack(codes)), jnp.asarray(scales), "mxfp4",
+                           len(t.shape) - 1, t.shape)
+        ts = self.tensor_scale(name)
+        ts = np.float32(1) if ts is None else ts
+        return MXArray(jnp.asarray(_pack(codes)), jnp.asarray(scales), "nvfp4", len(t.shape) - 1,
+                       t.shape, tensor_scale=jnp.float32(ts))
+
+    def values(self, name: str) -> np.ndarray:
+        """The tensor's float32 values (NVFP4 times its ``.scale``)."""
+        t = self.check(name)
+        raw = np.asarray(t.raw)
+        if t.type == F32:
+            return raw.view(np.float32).reshape(t.shape)
+        if t.type == F16:
+            return raw.view(np.float16).astype(np.float32).reshape(t.shape)
+        if t.type == BF16:
+            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
+        if t.type == Q8_0:
+            b = raw.reshape(-1, 34)
+            d = b[:, :2].copy().view(np.float16).astype(np.float32)
+            return (d * b[:, 2:].view(np.int8).astype(np.float32)).reshape(t.shape)
+        return np.asarray(dequantize(self.mxarray(name), jnp.float32)).reshape(t.shape)
+
+    def close(self):
+        self.reader = None
+        self.tensors = {}
+
+
+def _scale_name(name: str) -> str:
+    return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
+
+
+# -- ggml blocks <-> codes ---------------------------------------------------------------
+
+
+def _unpack(p):
+    p = np.asarray(p, np.uint8)
+    return np.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)
+
+
+def _pack(c):
+    c = np.asarray(c, np.uint8)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
+
+
+def ggml_codes(raw, gtype: int, shape) -> tuple:
+    """``(element codes [..., n] uint8 in value order, scale codes [..., n / 32 or n / 16])``
+    of ggml MXFP4 / NVFP4 blocks ``raw`` of a tensor of NumPy ``shape``."""
+    lead, n = tuple(shape[:-1]), shape[-1]
+    raw = np.asarray(raw, np.uint8)
+    if gtype == MXFP4:
+        b = raw.reshape(*lead, n // 32, 17)
+        qs = b[..., 1:]
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # j, then j + 16
+        return codes.reshape(*lead, n), b[..., 0].copy()
+    b = raw.reshape(*lead, n // 64, 36)
+    qs = b[..., 4:].reshape(*lead, n // 64, 4, 8)
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # per sub-block: j, then j + 8
+    return codes.reshape(*lead, n), b[..., :4].reshape(*lead, n // 16).copy()
+
+
+def ggml_blocks(codes, scales, gtype: int) -> np.ndarray:
+    """Inverse of :func:`ggml_codes`: ggml blocks ``[..., n / block, bytes]`` (uint8).
+    lowprec's -0 (code 0x8) is written as ggml's quantizer writes every zero, code 0."""
+    codes = np.asarray(codes, np.uint8)
+    codes = np.where(codes == 0x8, 0, codes).astype(np.uint8)
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    scales = np.asarray(scales, np.uint8)
+    if gtype == MXFP4:
+        c = codes.reshape(*lead, n // 32, 32)
+        qs = c[..., :16] | (c[..., 16:] << 4)
+        return np.concatenate([scales.reshape(*lead, n // 32, 1), qs], axis=-1)
+    c = codes.reshape(*lead, n // 64, 4, 16)
+    qs = (c[..., :8] | (c[..., 8:] << 4)).reshape(*lead, n // 64, 32)
+    return np.concatenate([scales.reshape(*lead, n // 64, 4), qs], axis=-1)
+
+
+def mxarray_blocks(mx: MXArray) -> tuple:
+    """``(ggml type, blocks uint8 [..., n / block, bytes], tensor scale or None)`` of an
+    MXFP4 or NVFP4 ``MXArray`` blocked along its last axis (NVFP4: n a multiple of 64)."""
+    name = mx.fmt.name
+    if name not in _FORMAT_TYPE or mx.axis != len(mx.shape) - 1:
+        raise CheckpointError(f"GGUF holds mxfp4 and nvfp4 blocked along the last axis (ne[0]); "
+                              f"got {name} along axis {mx.axis} of {len(mx.shape)}")
+    scales = np.asarray(mx.scales)
+    if name == "mxfp4" and (scales == 0xFF).any():
+        raise CheckpointError("an MXFP4 block holds NaN or inf (E8M0 0xFF): ggml has no NaN scale")
+    if name == "nvfp4" and ((scales == 0x7F) | (scales >= 0x80)).any():
+        raise CheckpointError("an NVFP4 block holds NaN or inf (E4M3 scale 0x7F): ggml has none")
+    if mx.shape[-1] % _BLOCK[_FORMAT_TYPE[name]][0]:
+        raise CheckpointError(f"ggml {name.upper()} needs ne[0] a multiple of "
+                              f"{_BLOCK[_FORMAT_TYPE[name]][0]}, got {mx.shape[-1]}")
+    gtype = _FORMAT_TYPE[name]
+    ts = None if mx.tensor_scale is None else np.float32(np.asarray(mx.tensor_scale))
+    return gtype, ggml_blocks(_unpack(mx.elements), scales, gtype), ts
+
+
+# -- writing -----------------------------------------------------------------------------
+
+
+def _string(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _pad(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+class _Out:
+    """An output tensor: ``name``, ggml ``type``, NumPy ``shape``, ``nbytes`` and ``data()``
+    (called once, when its bytes are written: one tensor in memory at a time)."""
+
+    def __init__(self, name, gtype, shape, nbytes, data):
+        self.name, self.type, self.shape, self.nbytes, self.data = name, gtype, tuple(shape), nbytes, data
+
+
+def write_gguf(dst, fields: dict, tensors: list, *, alignment: int = 32, force=False,
+               inputs: Optional[Inputs] = None, progress=None) -> None:
+    """Writes a GGUF v3 file atomically: the raw key/value pairs ``fields`` (name → bytes,
+    as :class:`GGUFFile` holds them), then the ``_Out`` tensors, each aligned."""
+    head = [_MAGIC, struct.pack("<IQQ", 3, len(tensors), len(fields))]
+    head += list(fields.values())
+    offset = 0
+    for t in tensors:
+        ne = tuple(reversed(t.shape)) or (1,)
+        head.append(_string(t.name) + struct.pack("<I", len(ne)) +
+                    struct.pack(f"<{len(ne)}Q", *ne) + struct.pack("<IQ", t.type, offset))
+        offset = _pad(offset + t.nbytes, alignment)
+    header = b"".join(head)
+    bar = _progress(sum(t.nbytes for t in tensors), "gguf", progress)
+    try:
+        with AtomicFile(dst, force=force, inputs=inputs) as f:
+            f.write(header + b"\0" * (_pad(len(header), alignment) - len(header)))
+            for t in tensors:
+                data = np.ascontiguousarray(t.data())
+                if data.nbytes != t.nbytes:  # pragma: no cover - a bug here, not bad input
+                    raise AssertionError(f"{t.name}: {data.nbytes} bytes, planned {t.nbytes}")
+                f.write(data.reshape(-1).view(np.uint8))
+                f.write(b"\0" * (_pad(t.nbytes, alignment) - t.nbytes))
+                bar.update(t.nbytes)
+    finally:
+        bar.close()
+
+
+def _raw_out(src: GGUFFile, t: GGUFTensor) -> _Out:
+    return _Out(t.name, t.type, t.shape, t.raw.size, lambda: np.asarray(t.raw))
+
+
+def _scalar_out(name, value) -> _Out:
+    return _Out(name, F32, (1,), 4, lambda: np.asarray([value], np.float32))
+
+
+# -- quantize ----------------------------------------------------------------------------
+
+
+def select_gguf(t: GGUFTensor, fmt: str, include=None, exclude=None) -> tuple:
+    """(quantize?, reason) for one tensor: see the module doc."""
+    if t.type not in _FLOATS:
+        return False, f"stored as {type_name(t.type)}"
+    block = _BLOCK[_FORMAT_TYPE[fmt]][0]
+    if include is not None:
+        if not re.search(include, t.name):
+            return False, "not matched by include"
+    else:
+        if not t.name.endswith(".weight") or len(t.shape) < 2:
+            return False, "not a 2+ dim weight"
+        if re.search(DEFAULT_GGUF_KEEP, t.name):
+            return False, "kept by default (embeddings, output, norms, router)"
+    if exclude is not None and re.search(exclude, t.name):
+        return False, "excluded"
+    if t.shape[-1] % block:
+        return False, f"ne[0] = {t.shape[-1]} is not a multiple of {block}"
+    return True, ""
+
+
+def _rows(x_rows: int, n: int) -> int:
+    return max(1, _ROWS // max(n, 1))
+
+
+def _quantize_tensor(src: GGUFFile, t: GGUFTensor, fmt: str, scale_rule, rounding, stats):
+    """``[_Out, ...]`` for one tensor: its blocks (and NVFP4's ``.scale``), encoded piece
+    by piece (rows of ne[0]) when written; ``stats`` is filled as they are."""
+    gtype = _FORMAT_TYPE[fmt]
+    block, size = _BLOCK[gtype]
+    n = t.shape[-1]
+    rows = t.numel // n
+    nbytes = rows * (n // block) * size
+    ts = None
+    if fmt == "nvfp4":
+        x = src.values(t.name)
+        finite = np.isfinite(x)
+        if not finite.all():
+            raise CheckpointError(f"{src.path}: tensor {t.name!r} holds NaN or inf; GGUF has no "
+                                  "NaN scale: fix the tensor or exclude it")
+        amax = float(np.abs(x).max()) if x.size else 0.0
+        from ._chunk import tensor_scale
+        from ._layout import make_spec
+
+        ts = tensor_scale(amax, make_spec("nvfp4", t.shape, "F32"))
+
+    def data():
+        x = src.values(t.name).reshape(rows, n)
+        out = np.empty((rows, (n // block) * size), np.uint8)
+        step = _rows(rows, n)
+        for r in range(0, rows, step):
+            piece = x[r:r + step]
+            if not np.isfinite(piece).all():
+                raise CheckpointError(f"{src.path}: tensor {t.name!r} holds NaN or inf; GGUF "
+                                      "has no NaN scale: fix the tensor or exclude it")
+            kw = {}
+            if fmt == "mxfp4":
+                kw = dict(scale_rule=scale_rule, rounding=rounding)
+            else:
+                kw = dict(tensor_scale=jnp.float32(ts))
+                if rounding is not None:
+                    kw["rounding"] = rounding
+            mx = quantize_mx(jnp.asarray(piece), fmt, axis=-1, **kw)
+            stats.update(piece, np.asarray(dequantize(mx, jnp.float32)))
+            _, blocks, _ = mxarray_blocks(mx)
+            out[r:r + step] = blocks.reshape(len(piece), -1)
+        return out
+
+    outs = [_Out(t.name, gtype, t.shape, nbytes, data)]
+    if ts is not None:
+        outs.append(_scalar_out(_scale_name(t.name), ts))
+    return outs
+
+
+def _check_format(fmt) -> str:
+    name = getattr(fmt, "name", fmt)
+    if name not in _FORMAT_TYPE:
+        raise CheckpointError(f"GGUF output holds mxfp4 or nvfp4 (ggml types 39, 40), not {name!r}")
+    return name
+
+
+def quantize_gguf(src, dst, fmt="mxfp4", *, include=None, exclude=None, scale_rule=None,
+                  rounding=None, force=False, progress=None, report=None) -> ConversionReport:
+    """Requantizes the float weights of a GGUF file to ggml MXFP4 or NVFP4, every other
+    tensor and every metadata key copied unchanged (see the module doc for the selection).
+
+    ``scale_rule`` / ``rounding`` default to ggml's MXFP4 rule (``floor_log2f``,
+    ``nearest_toward_zero``): what llama.cpp's own quantizer writes, byte for byte.
+    """
+    fmt = _check_format(fmt)
+    if fmt == "mxfp4":
+        scale_rule = "floor_log2f" if scale_rule is None else scale_rule
+        rounding = "nearest_toward_zero" if rounding is None else rounding
+    elif scale_rule is not None:
+        raise CheckpointError("nvfp4 has its own scale recipe and takes no scale_rule")
+    start = time.perf_counter()
+    f = GGUFFile(src)
+    inputs = Inputs([f.path])
+    plans, outs, reports, stats = [], [], [], {}
+    for t in f.tensors.values():
+        if t.name.endswith(".scale") and t.name[:-6] + ".weight" in f.tensors:
+            sel = select_gguf(f.tensors[t.name[:-6] + ".weight"], fmt, include, exclude)[0]
+            if sel:  # the tensor scale of a weight being requantized: replaced
+                continue
+        ok, reason = select_gguf(t, fmt, include, exclude)
+        if not ok:
+            outs.append(_raw_out(f, t))
+            reports.append(TensorReport(t.name, t.shape, type_name(t.type), "kept", t.raw.size,
+                                        t.raw.size, reason=reason))
+            continue
+        f.check(t.name)
+        stats[t.name] = ErrorStats()
+        new = _quantize_tensor(f, t, fmt, scale_rule, rounding, stats[t.name])
+        outs += new
+        plans.append((t, new))
+    if report is not None:
+        from ._atomic import check_output
+
+        check_output(report, force=force, inputs=inputs, what="report")
+    write_gguf(dst, f.fields, outs, alignment=f.alignment, force=force, inputs=inputs,
+               progress=progress)
+    for t, new in plans:
+        s = stats[t.name]
+        reports.append(TensorReport(
+            t.name, t.shape, type_name(t.type), fmt, t.raw.size, sum(o.nbytes for o in new),
+            scale_rule=scale_rule, sqnr_db=s.sqnr_db, max_abs_err=s.max_abs,
+            max_rel_err=s.max_rel, stored_as=tuple(o.name for o in new), exact=s.exact))
+    order = {t.name: i for i, t in enumerate(f.tensors.values())}
+    reports.sort(key=lambda r: order[r.name])
+    rep = ConversionReport(f.path, os.fspath(dst), "quantize",
+                           {"format": fmt, "scale_rule": scale_rule, "rounding": rounding,
+                            "container": "gguf"}, reports, time.perf_counter() - start)
+    _write_report(rep, report, force, inputs)
+    return rep
+
+
+def _write_report(rep, path, force, inputs):
+    if path is None:
+        return
+    with AtomicFile(path, force=force, inputs=inputs, what="report") as f:
+        f.write(rep.to_json().encode())
+
+
+# -- dequantize and inspect --------------------------------------------------------------
+
+_OUT_DTYPES = {"float32": (F32, np.float32), "float16": (F16, np.float16), "bfloat16": (BF16, None)}
+
+
+def _as_dtype(x: np.ndarray, gtype: int) -> np.ndarray:
+    if gtype == F32:
+        return x.astype(np.float32)
+    if gtype == F16:
+        with np.errstate(over="ignore"):
+            y = x.astype(np.float16)
+        if not np.isfinite(y[np.isfinite(x)]).all():
+            raise CheckpointError("a value exceeds float16's range; dequantize to float32")
+        return y
+    b = x.astype(np.float32).view(np.uint32).astype(np.uint64)  # to nearest even
+    b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return b.astype(np.uint16)
+
+
+def dequantize_gguf(src, dst, *, dtype="float32", force=False, progress=None,
+                    report=None) -> ConversionReport:
+    """Decodes the MXFP4 / NVFP4 / Q8_0 tensors of a GGUF file (NVFP4 times its ``.scale``,
+    which is then dropped; any other quantized type is refused, naming it) into a GGUF file of ``dtype`` (float32, float16 or bfloat16) with
+    every metadata key and other tensor unchanged, or, for a ``.safetensors`` ``dst``, into
+    plain safetensors under the GGUF tensor names (every tensor decoded to ``dtype``)."""
+    if dtype in (None, "original"):
+        dtype = "float32"
+    if dtype not in _OUT_DTYPES:
+        raise CheckpointError(f"dequantize GGUF to one of {', '.join(_OUT_DTYPES)}, not {dtype!r}")
+    gtype = _OUT_DTYPES[dtype][0]
+    start = time.perf_counter()
+    f = GGUFFile(src)
+    inputs = Inputs([f.path])
+    scales = {_scale_name(n) for n, t in f.tensors.items() if t.type == NVFP4}
+    reports, outs = [], []
+    for t in f.tensors.values():
+        if t.name in scales:
+            continue
+        f.check(t.name)  # refuses, naming it, a type lowprec does not decode (Q4_K, ...)
+        if t.type in (MXFP4, NVFP4, Q8_0):
+            if t.type == NVFP4:
+                f.tensor_scale(t.name)
+            nbytes = t.numel * np.dtype(np.uint16 if gtype != F32 else np.float32).itemsize
+            outs.append(_Out(t.name, gtype, t.shape, nbytes,
+                             lambda t=t: _as_dtype(f.values(t.name), gtype)))
+            reports.append(TensorReport(t.name, t.shape, type_name(t.type), dtype, t.raw.size,
+                                        nbytes, stored_as=(t.name,)))
+        else:
+            outs.append(_raw_out(f, t))
+            reports.append(TensorReport(t.name, t.shape, type_name(t.type), "kept", t.raw.size,
+                                        t.raw.size, reason="not quantized"))
+    if os.fspath(dst).endswith(".safetensors"):
+        from ._safetensors import SafetensorsWriter
+
+        st = {F32: "F32", F16: "F16", BF16: "BF16"}
+        entries = []
+        for o in outs:
+            if o.type not in st:
+                f.check(o.name)
+            if o.type not in st:  # pragma: no cover - check() refuses these
+                raise CheckpointError(f"{o.name!r}: {type_name(o.type)}")
+            entries.append((o.name, st[gtype], o.shape))
+        with SafetensorsWriter(dst, entries, force=force, inputs=inputs) as w:
+            for o in outs:
+                w.write(o.name, _as_dtype(f.values(o.name), gtype))
+    else:
+        write_gguf(dst, f.fields, outs, alignment=f.alignment, force=force, inputs=inputs,
+                   progress=progress)
+    rep = ConversionReport(f.path, os.fspath(dst), "dequantize", {"dtype": dtype,
+                           "container": "gguf"}, reports, time.perf_counter() - start)
+    _write_report(rep, report, force, inputs)
+    return rep
+
+
+def inspect_gguf(src) -> ConversionReport:
+    """Lists a GGUF file's tensors (ggml types, shapes, bytes); MXFP4 / NVFP4 tensors are
+    checked as a decoder checks them."""
+    f = GGUFFile(src)
+    reports = []
+    scales = {_scale_name(n) for n, t in f.tensors.items() if t.type == NVFP4}
+    for t in f.tensors.values():
+        if t.type in (MXFP4, NVFP4):
+            f.check(t.name)
+            stored = (t.name, _scale_name(t.name)) if t.type == NVFP4 and _scale_name(t.name) in f.tensors else (t.name,)
+            nbytes = t.raw.size + 4 * (len(stored) - 1)
+            reports.append(TensorReport(t.name, t.shape, type_name(t.type), t.type == MXFP4 and "mxfp4" or "nvfp4",
+                                        nbytes, nbytes, stored_as=stored))
+        elif t.name not in scales:
+            reports.append(TensorReport(t.name, t.shape, type_name(t.type), "kept", t.raw.size,
+                                        t.raw.size, reason=type_name(t.type)))
+    return ConversionReport(f.path, None, "inspect",
+                            {"container": "gguf", "architecture": f.arch,
+                             "metadata_keys": len(f.fields)}, reports)
+
+
+# -- convert -----------------------------------------------------------------------------
+
+
+def _hf_to_gguf_name(name: str, arch: str, blocks: int) -> Optional[str]:
+    gguf = _gguf()
+    archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    if arch not in archs:
+        raise CheckpointError(f"gguf {gguf.__name__} knows no architecture {arch!r}")
+    tmap = gguf.get_tensor_name_map(archs[arch], blocks)
+    return tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+
+
+def _permute_rows(codes, scales, n_head: int, n_head_kv: int):
+    """llama.cpp's Q/K row order for ``llama``-family RoPE (convert_hf_to_gguf's
+    ``LlamaModel.permute``): rows regrouped per head, pairs interleaved. Rows are
+    independent blocks, so moving them is exact."""
+    def perm(a, heads):
+        r = a.shape[0]
+        return a.reshape(heads, 2, r // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+    return perm(codes, n_head_kv), perm(scales, n_head_kv)
+
+
+def _lowprec_tensors(src, force_tmp_dir) -> tuple:
+    """The quantized tensors of a safetensors checkpoint in any layout lowprec reads, as
+    ``{name: MXArray}`` (mxfp4 / nvfp4 only; others refused by the caller)."""
+    from ._engine_convert import convert_checkpoint
+    from ._layout import TensorSpec
+    from ._logical import quantized_specs
+    from ._safetensors import SafetensorsReader
+
+    def files(path):
+        if os.path.isdir(path):
+            return [os.path.join(path, n) for n in sorted(os.listdir(path))
+                    if n.endswith(".safetensors")]
+        return [path]
+
+    def read(paths):
+        out = {}
+        for path in paths:
+            with SafetensorsReader(path) as r:
+                specs = quantized_specs(r)
+                if not all(isinstance(s, TensorSpec) for s, _ in specs.values()):
+                    return {}  # an engine layout: converted first
+                out.update(_read_lowprec(r, specs))
+        return out
+
+    src = os.fspath(src)
+    out = read(files(src))  # lowprec's own layout or gpt-oss: read as stored
+    if out:
+        return out
+    tmp = os.path.join(force_tmp_dir, "lowprec" if os.path.isdir(src) else "lowprec.safetensors")
+    convert_checkpoint(src, tmp, "lowprec", progress=False)  # an engine layout
+    return read(files(tmp))
+
+
+def _read_lowprec(r, specs) -> dict:
+    """``{name: MXArray}`` of a lowprec-layout file's mxfp4 / nvfp4 tensors (other formats:
+    ``{name: format name}``, for the caller to refuse)."""
+    out = {}
+    for name, (spec, _) in specs.items():
+        fmt = spec.format.name
+        if fmt not in _FORMAT_TYPE:
+            out[name] = fmt
+            continue
+        roles = {role: stored for role, stored, _, _ in spec.parts(name)}
+        ts = jnp.float32(r.read(roles["scale"]).reshape(())) if "scale" in roles else None
+        scales = r.read(roles["scales"]).reshape(*spec.shape[:-1], -1) if "blocks" in roles \
+            else r.read(roles["scales"])
+        elements = (r.read(roles["blocks"]).reshape(*spec.shape[:-1], -1) if "blocks" in roles
+                    else r.read(roles["elements"]))  # gpt-oss: lowprec's packing in 16-byte rows
+        out[name] = MXArray(jnp.asarray(elements), jnp.asarray(scales), fmt, spec.axis,
+                            spec.shape, tensor_scale=ts)
+    return out
+
+
+def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="lowprec",
+                 force=False, progress=None, report=None) -> ConversionReport:
+    """Moves MXFP4 / NVFP4 weights between safetensors (lowprec, gpt-oss, compressed-tensors,
+    ModelOpt) and GGUF without requantizing (a nibble permutation; NVFP4's tensor scale
+    as ggml's ``.scale``), or casts MXFP4 to NVFP4 exactly where it can (``to="nvfp4"``,
+    :func:`lowprec.mxfp4_to_nvfp4`, the rest requantized and counted).
+
+    * GGUF → GGUF (``to="nvfp4"``): every MXFP4 tensor cast; everything else unchanged.
+    * safetensors → GGUF: needs ``template``, a GGUF of the same model written by llama.cpp's
+      ``convert_hf_to_gguf.py`` (it carries the architecture, hyperparameters, tokenizer
+      and the tensors that are not quantized): each quantized tensor's Hugging Face name is
+      mapped by gguf's ``TensorNameMap`` to the template's tensor, whose shape must match,
+      and replaces it (Q/K rows permuted for ``llama``, as llama.cpp does). A tensor with
+      no GGUF name, and per-expert MoE tensors (llama.cpp stacks them), are refused.
+    * GGUF → safetensors (``layout``): the MXFP4 / NVFP4 tensors under their GGUF names in
+      a lowprec (or compressed-tensors / ModelOpt) file; other tensors decoded to float32.
+    """
+    import tempfile
+
+    start = time.perf_counter()
+    src_gguf = is_gguf(src) and os.path.isfile(os.fspath(src))
+    dst_gguf = os.fspath(dst).endswith(".gguf")
+    if to is not None and to != "nvfp4":
+        raise CheckpointError(f"convert casts to nvfp4 only (--to nvfp4), not {to!r}")
+    if src_gguf and dst_gguf:
+        if template is not None:
+            raise CheckpointError("a template is for safetensors → GGUF only")
+        f = GGUFFile(src)
+        return _rewrite(f, dst, {}, to, force, progress, report, start)
+    if not src_gguf and dst_gguf:
+        if template is None:
+            raise CheckpointError(
+                "safetensors → GGUF needs --template MODEL.gguf: a GGUF of the same model from "
+                "llama.cpp's convert_hf_to_gguf.py (architecture, hyperparameters, tokenizer, "
+                "unquantized tensors); lowprec writes no GGUF metadata of its own")
+        f = GGUFFile(template)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(os.fspath(dst)))) as d:
+            tensors = _lowprec_tensors(src, d)
+        blocks = f.value(f"{f.arch}.block_count")
+        n_head = f.value(f"{f.arch}.attention.head_count")
+        n_head_kv = f.value(f"{f.arch}.attention.head_count_kv", n_head)
+        replace = {}
+        for name, mx in tensors.items():
+            if isinstance(mx, str):
+                raise CheckpointError(f"{name!r} is {mx}; GGUF takes mxfp4 and nvfp4 exactly")
+            if re.search(r"\.experts\.\d+\.", name):
+                raise CheckpointError(f"{name!r}: per-expert tensors are stacked by llama.cpp's "
+                                      "converter; lowprec does not stack them (refused)")
+            g = _hf_to_gguf_name(name, f.arch, int(blocks or 0))
+            if g is None or g not in f.tensors:
+                raise CheckpointError(f"{name!r} has no tensor in the template "
+                                      f"({g or 'no GGUF name for it'} in {f.arch})")
+            if tuple(f.tensors[g].shape) != tuple(mx.shape):
+                raise CheckpointError(f"{name!r} has shape {list(mx.shape)}, the template's "
+                                      f"{g!r} {list(f.tensors[g].shape)}")
+            if f.arch == "llama" and re.search(r"attn_[qk]\.weight$", g):
+                codes, scales = _permute_rows(_unpack(np.asarray(mx.elements)),
+                                              np.asarray(mx.scales), n_head,
+                                              n_head if g.endswith("attn_q.weight") else n_head_kv)
+                mx = MXArray(jnp.asarray(_pack(codes)), jnp.asarray(scales), mx.fmt, mx.axis,
+                             mx.shape, tensor_scale=mx.tensor_scale)
+            replace[g] = mx
+        return _rewrite(f, dst, replace, to, force, progress, report, start, src=os.fspath(src))
+    if src_gguf:
+        return _gguf_to_safetensors(GGUFFile(src), dst, layout, to, force, progress, report, start)
+    raise CheckpointError("convert_gguf: neither side is GGUF")
+
+
+def _cast(mx: MXArray, name: str, to: Optional[str], casts: dict) -> MXArray:
+    if to == "nvfp4" and mx.fmt.name == "mxfp4":
+        from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
+
+        if mx.shape[-1] % 64:
+            raise CheckpointError(f"{name!r}: ggml NVFP4 needs ne[0] a multiple of 64, got {mx.shape[-1]}")
+        mx, casts[name] = mxfp4_to_nvfp4(mx)
+    return mx
+
+
+def _rewrite(f: GGUFFile, dst, replace: dict, to, force, progress, report, start, src=None):
+    """A GGUF like ``f`` with the MXArrays ``replace`` (GGUF name → MXArray) in place of
+    those tensors, and MXFP4 cast to NVFP4 where ``to`` says so."""
+    inputs = Inputs([f.path] + ([src] if src and os.path.isfile(src) else []))
+    outs, reports, casts = [], [], {}
+    scales_of = {}
+    for t in f.tensors.values():
+        mx = replace.get(t.name)
+        if mx is None and to is not None and t.type == MXFP4:
+            mx = f.mxarray(t.name)
+        if mx is None:
+            continue
+        mx = _cast(mx, t.name, to, casts)
+        gtype, blocks, ts = mxarray_blocks(mx)
+        scales_of[t.name] = (gtype, blocks, ts)
+    skip = {_scale_name(n) for n in scales_of}
+    for t in f.tensors.values():
+        if t.name in skip:
+            continue
+        if t.name not in scales_of:
+            outs.append(_raw_out(f, t))
+            reports.append(TensorReport(t.name, t.shape, type_name(t.type), "kept", t.raw.size,
+                                        t.raw.size, reason="unchanged"))
+            continue
+        gtype, blocks, ts = scales_of[t.name]
+        new = [_Out(t.name, gtype, t.shape, blocks.nbytes, lambda b=blocks: b)]
+        if ts is not None:
+            new.append(_scalar_out(_scale_name(t.name), ts))
+        outs += new
+        c = casts.get(t.name)
+        reason = "" if c is None else (f"mxfp4 → nvfp4: {c.exact}/{c.blocks} blocks exact, "
+                                       f"{c.requantized} requantized")
+        reports.append(TensorReport(t.name, t.shape, type_name(t.type), _NAMES[gtype].lower(),
+                                    t.raw.size, sum(o.nbytes for o in new), reason=reason,
+                                    stored_as=tuple(o.name for o in new),
+                                    exact=c is None or c.requantized == 0))
+    write_gguf(dst, f.fields, outs, alignment=f.alignment, force=force, inputs=inputs,
+               progress=progress)
+    rep = ConversionReport(src or f.path, os.fspath(dst), "convert",
+                           {"container": "gguf", "to": to,
+                            "casts": {n: vars(c) for n, c in casts.items()}},
+                           reports, time.perf_counter() - start)
+    _write_report(rep, report, force, inputs)
+    return rep
+
+
+def _gguf_to_safetensors(f: GGUFFile, dst, layout, to, force, progress, report, start):
+    """GGUF → a lowprec-layout safetensors file (then ``layout`` by convert_checkpoint)."""
+    import tempfile
+
+    from ._layout import make_spec
+    from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY
+    from ._safetensors import SafetensorsWriter
+
+    inputs = Inputs([f.path])
+    scales = {_scale_name(n) for n, t in f.tensors.items() if t.type == NVFP4}
+    entries, data, meta, reports, casts = [], {}, {}, [], {}
+    for t in f.tensors.values():
+        if t.name in scales:
+            continue
+        if t.type in (MXFP4, NVFP4):
+            mx = _cast(f.mxarray(t.name), t.name, to, casts)
+            spec = make_spec(mx.fmt.name, t.shape, "F32", axis=len(t.shape) - 1)
+            parts = {"elements": np.asarray(mx.elements), "scales": np.asarray(mx.scales)}
+            if mx.tensor_scale is not None:
+                parts["scale"] = np.asarray(mx.tensor_scale, np.float32).reshape(())
+            for role, stored, dt, shape in spec.parts(t.name):
+                entries.append((stored, dt, shape))
+                data[stored] = parts[role]
+            meta[t.name] = spec.to_json(t.name)
+            reports.append(TensorReport(t.name, t.shape, type_name(t.type), mx.fmt.name,
+                                        t.raw.size, spec.nbytes(),
+                                        stored_as=tuple(p[1] for p in spec.parts(t.name))))
+        else:
+            x = f.values(t.name)
+            entries.append((t.name, "F32", t.shape))
+            data[t.name] = x
+            reports.append(TensorReport(t.name, t.shape, type_name(t.type), "kept", t.raw.size,
+                                        x.nbytes, reason="decoded to float32"))
+    metadata = {METADATA_KEY: json.dumps(meta), METADATA_VERSION_KEY: METADATA_VERSION}
+
+    def write(path, frc):
+        with SafetensorsWriter(path, entries, metadata, force=frc, inputs=inputs) as w:
+            for name, _, _ in entries:
+                w.write(name, data[name])
+
+    if layout in (None, "lowprec"):
+        write(dst, force)
+    else:
+        from ._engine_convert import convert_checkpoint
+
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(os.fspath(dst)))) as d:
+            tmp = os.path.join(d, "lowprec.safetensors")
+            write(tmp, False)
+            convert_checkpoint(tmp, dst, layout, force=force, progress=progress)
+    rep = ConversionReport(f.path, os.fspath(dst), "convert",
+                           {"container": "gguf", "layout": layout, "to": to,
+                            "casts": {n: vars(c) for n, c in casts.items()}},
+                           reports, time.perf_counter() - start)
+    _write_report(rep, report, force, inputs)
+    return rep
