@@ -162,21 +162,22 @@ def test_decode_matches_gguf_dequantize(tmp_path):
 
 def _patched(tmp_path, name, t, mutate):
     x = np.random.default_rng(4).normal(size=(2, 64)).astype(np.float32)
-    if t == T.MXFP4:
-        b = gguf.quants.quantize(x, T.MXFP4)
+    if t in (T.MXFP4, T.Q8_0):
+        b = gguf.quants.quantize(x, t)
     else:
         b = np.full((2, 36), 0x38, np.uint8)
     mutate(b)
     return _write(tmp_path / f"{name}.gguf", {}, raw={"blk.0.w.weight": (b, t)})
 
 
-@pytest.mark.parametrize("case", ["e8m0_nan", "ue4m3_nan", "ue4m3_sign"])
+@pytest.mark.parametrize("case", ["e8m0_nan", "ue4m3_nan", "ue4m3_sign", "q8_inf"])
 def test_reader_refuses_scales_without_a_value(tmp_path, case):
     t, mutate = {"e8m0_nan": (T.MXFP4, lambda b: b.__setitem__((1, 17), 0xFF)),
                  "ue4m3_nan": (T.NVFP4, lambda b: b.__setitem__((0, 2), 0x7F)),
-                 "ue4m3_sign": (T.NVFP4, lambda b: b.__setitem__((1, 0), 0xB8))}[case]
+                 "ue4m3_sign": (T.NVFP4, lambda b: b.__setitem__((1, 0), 0xB8)),
+                 "q8_inf": (T.Q8_0, lambda b: b.__setitem__((1, slice(0, 2)), [0, 0x7C]))}[case]
     src = _patched(tmp_path, case, t, mutate)
-    with pytest.raises(CheckpointError, match=r"blk\.0\.w\.weight.*(0xFF|0x7F)"):
+    with pytest.raises(CheckpointError, match=r"blk\.0\.w\.weight.*(0xFF|0x7F|non-finite)"):
         G.GGUFFile(src).values("blk.0.w.weight")
     with pytest.raises(CheckpointError, match=r"blk\.0\.w\.weight"):
         G.dequantize_gguf(src, tmp_path / "out.gguf")
@@ -494,8 +495,10 @@ def _llama_forward(W, toks, q8, quantized):
     return mm(rms(x, W["output_norm.weight"]), "output.weight")
 
 
-def test_llama_cpp_runs_a_lowprec_mxfp4_gguf(tmp_path):
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_llama_cpp_runs_a_lowprec_gguf(tmp_path, fmt):
     """llama.cpp (llama-cpp-python) loads a tiny random Llama requantized by lowprec to MXFP4
+    (NVFP4: with its ``.scale`` tensors, which llama.cpp multiplies into the matmul outputs)
     and its logits are the NumPy forward pass of the weights gguf's own decoder reads from the
     file. Tolerance: llama.cpp's CPU backend rounds each quantized matmul's input to Q8_0
     (blocks of 32, d = fp16(amax/127)); the reference does the same (the SIMD or the scalar
@@ -506,17 +509,21 @@ def test_llama_cpp_runs_a_lowprec_mxfp4_gguf(tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     rng = np.random.default_rng(11)
     _tiny_llama(tmp_path / "f32.gguf", rng)
-    rep = G.quantize_gguf(tmp_path / "f32.gguf", tmp_path / "mxfp4.gguf", "mxfp4")
+    out = tmp_path / f"{fmt}.gguf"
+    rep = G.quantize_gguf(tmp_path / "f32.gguf", out, fmt)
     assert len(rep.quantized) == 7 * L
-    r = gguf.GGUFReader(str(tmp_path / "mxfp4.gguf"))
+    r = gguf.GGUFReader(str(out))
     W, quantized = {}, set()
     for t in r.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         W[t.name] = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
-        if t.tensor_type == T.MXFP4:
+        if t.tensor_type in (T.MXFP4, T.NVFP4):
             quantized.add(t.name)
+    for name in quantized:  # NVFP4: the weight times its tensor scale
+        if name[:-len("weight")] + "scale" in W:
+            W[name] = W[name].astype(np.float64) * W.pop(name[:-len("weight")] + "scale")[0]
     toks = [1, 5, 9, 33, 60, 7, 2, 40]
-    model = llama_cpp.Llama(str(tmp_path / "mxfp4.gguf"), n_ctx=64, logits_all=True,
+    model = llama_cpp.Llama(str(out), n_ctx=64, logits_all=True,
                             verbose=False, n_threads=1, type_k=0, type_v=0, flash_attn=False)
     try:
         model.eval(toks)

@@ -25,7 +25,8 @@ NVFP4    40    36 bytes / 64: uint8 d[4] (UE4M3: E4M3 without sign, one per 16 v
 =======  ====  =====================================================================
 
 What a reader refuses (naming tensor and type): a type it cannot decode, ne[0] not a
-multiple of the block, a byte count that disagrees with the shape, MXFP4's E8M0 0xFF (NaN
+multiple of the block, a byte count that disagrees with the shape, Q8_0 scales that are not
+finite, MXFP4's E8M0 0xFF (NaN
 in OCP MX, 2^128 in ggml: no agreed value), UE4M3 sub-scales 0x7F (E4M3's NaN, read as 0 by
 ggml) or with bit 7 set (ignored by ggml, negative in E4M3), and a ``.scale`` that is not
 one finite positive float32. Every metadata key (raw bytes, in order) and every tensor
@@ -175,6 +176,11 @@ class GGUFFile:
         if t.raw.size != want:
             raise CheckpointError(f"{self.path}: tensor {name!r} ({_NAMES[t.type]}, shape "
                                   f"{list(t.shape)}) holds {t.raw.size} bytes, not {want}")
+        if t.type == Q8_0:
+            d = np.asarray(t.raw).reshape(-1, 34)[:, :2].copy().view(np.float16)
+            if not np.isfinite(d).all():
+                raise CheckpointError(f"{self.path}: tensor {name!r} (Q8_0) has "
+                                      f"{int((~np.isfinite(d)).sum())} non-finite block scales: refused")
         if t.type == MXFP4:
             e = t.raw.reshape(-1, 17)[:, 0]
             if (e == 0xFF).any():
