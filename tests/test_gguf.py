@@ -274,7 +274,9 @@ def _template(path, hf):
              "model.layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight",
              "model.layers.0.mlp.up_proj.weight": "blk.0.ffn_up.weight",
              "model.layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight"}
-    return _write(path, {gname[n]: a for n, a in hf.items()}), gname
+    perm = {"blk.0.attn_q.weight": _rope_rows(64, 4), "blk.0.attn_k.weight": _rope_rows(32, 2)}
+    out = {gname[n]: a[perm[gname[n]]] if gname[n] in perm else a for n, a in hf.items()}
+    return _write(path, out), gname
 
 
 def _rope_rows(n_rows, n_head):
@@ -331,6 +333,11 @@ def test_convert_refuses_what_cannot_be_exact(tmp_path):
     other = _write(tmp_path / "other.gguf", {"blk.0.attn_q.weight": np.zeros((64, 32))})
     with pytest.raises(CheckpointError, match="shape|no tensor"):
         G.convert_gguf(tmp_path / "q4", tmp_path / "o.gguf", template=other)
+    # a template of another model (same names and shapes): its values disagree, refused
+    fake, _ = _template(tmp_path / "fake.gguf", {n: np.random.default_rng(1).permutation(a)
+                                                 for n, a in hf.items()})
+    with pytest.raises(CheckpointError, match="does not match the template"):
+        G.convert_gguf(tmp_path / "q4", tmp_path / "o.gguf", template=fake)
     assert not (tmp_path / "o.gguf").exists()
 
 

@@ -699,8 +699,11 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
       ``convert_hf_to_gguf.py`` (it carries the architecture, hyperparameters, tokenizer
       and the tensors that are not quantized): each quantized tensor's Hugging Face name is
       mapped by gguf's ``TensorNameMap`` to the template's tensor, whose shape must match,
-      and replaces it (Q/K rows permuted for ``llama``, as llama.cpp does). A tensor with
-      no GGUF name, and per-expert MoE tensors (llama.cpp stacks them), are refused.
+      and replaces it (Q/K rows permuted for ``llama``, as llama.cpp does). Where the
+      template holds that tensor in float (F32/F16/BF16/Q8_0, the usual template) the values
+      must agree with it (SQNR >= 10 dB; for Q/K whichever row order agrees), so another
+      model or another row order is refused, never written. A tensor with no GGUF name, and
+      per-expert MoE tensors (llama.cpp stacks them), are refused.
     * GGUF → safetensors (``layout``): the MXFP4 / NVFP4 tensors under their GGUF names in
       a lowprec (or compressed-tensors / ModelOpt) file; other tensors decoded to float32.
     """
@@ -742,17 +745,50 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
             if tuple(f.tensors[g].shape) != tuple(mx.shape):
                 raise CheckpointError(f"{name!r} has shape {list(mx.shape)}, the template's "
                                       f"{g!r} {list(f.tensors[g].shape)}")
-            if f.arch == "llama" and re.search(r"attn_[qk]\.weight$", g):
+            cands = [mx]
+            if re.search(r"attn_[qk]\.weight$", g) and n_head:
                 codes, scales = _permute_rows(_unpack(np.asarray(mx.elements)),
                                               np.asarray(mx.scales), n_head,
                                               n_head if g.endswith("attn_q.weight") else n_head_kv)
-                mx = MXArray(jnp.asarray(_pack(codes)), jnp.asarray(scales), mx.fmt, mx.axis,
-                             mx.shape, tensor_scale=mx.tensor_scale)
-            replace[g] = mx
+                permuted = MXArray(jnp.asarray(_pack(codes)), jnp.asarray(scales), mx.fmt,
+                                   mx.axis, mx.shape, tensor_scale=mx.tensor_scale)
+                # llama.cpp's converter permutes Q/K for llama (LlamaModel.permute)
+                cands = [permuted, mx] if f.arch == "llama" else [mx, permuted]
+            replace[g] = _agreeing(f, g, name, cands)
         return _rewrite(f, dst, replace, to, force, progress, report, start, src=os.fspath(src))
     if src_gguf:
         return _gguf_to_safetensors(GGUFFile(src), dst, layout, to, force, progress, report, start)
     raise CheckpointError("convert_gguf: neither side is GGUF")
+
+
+_AGREE_DB = 10.0  # MXFP4 / NVFP4 of the same weights: 17-21 dB; other rows or tensors: ~0
+
+
+def _agreeing(f: GGUFFile, g: str, name: str, cands: list) -> MXArray:
+    """The first candidate (row order) whose values agree with the template's float tensor
+    ``g`` (SQNR >= 10 dB, the template being the same weights in F32/F16/BF16/Q8_0), or the
+    first one when the template's tensor holds nothing to compare with (quantized, or zero).
+    Refuses, naming both tensors, when none agrees: another model, or another row order
+    than llama.cpp's converter wrote."""
+    t = f.tensors[g]
+    if t.type not in (F32, F16, BF16, Q8_0):
+        return cands[0]
+    ref = f.values(g).astype(np.float64)
+    power = float((ref ** 2).sum())
+    if not power > 0:
+        return cands[0]
+    got = []
+    for mx in cands:
+        err = float(((np.asarray(dequantize(mx, jnp.float32), np.float64) - ref) ** 2).sum())
+        db = 10 * np.log10(power / err) if err > 0 else np.inf
+        if db >= _AGREE_DB:
+            return mx
+        got.append(f"{db:.1f} dB")
+    raise CheckpointError(
+        f"{name!r} does not match the template's {g!r} (SQNR {' / '.join(got)} for "
+        f"{'the row orders tried' if len(cands) > 1 else 'it'}; the same weights give > "
+        f"{_AGREE_DB:.0f} dB): not the same model, or rows ordered otherwise than llama.cpp's "
+        "converter writes them")
 
 
 def _cast(mx: MXArray, name: str, to: Optional[str], casts: dict) -> MXArray:
