@@ -634,9 +634,11 @@ def _permute_rows(codes, scales, n_head: int, n_head_kv: int):
     return perm(codes, n_head_kv), perm(scales, n_head_kv)
 
 
-def _lowprec_tensors(src, force_tmp_dir) -> tuple:
-    """The quantized tensors of a safetensors checkpoint in any layout lowprec reads, as
-    ``{name: MXArray}`` (mxfp4 / nvfp4 only; others refused by the caller)."""
+def _lowprec_tensors(src, force_tmp_dir) -> dict:
+    """The quantized tensors of a safetensors checkpoint in any layout lowprec reads:
+    ``{name: (format name, shape, load)}``, ``load()`` reading that one tensor as an
+    ``MXArray`` (mxfp4 / nvfp4; other formats are for the caller to refuse). An engine
+    layout is first rewritten in lowprec's under ``force_tmp_dir`` (bits moved, checked)."""
     from ._engine_convert import convert_checkpoint
     from ._layout import TensorSpec
     from ._logical import quantized_specs
@@ -648,14 +650,20 @@ def _lowprec_tensors(src, force_tmp_dir) -> tuple:
                     if n.endswith(".safetensors")]
         return [path]
 
+    def load(path, name, spec):
+        with SafetensorsReader(path) as r:
+            return _read_lowprec(r, {name: (spec, None)})[name]
+
     def read(paths):
         out = {}
         for path in paths:
             with SafetensorsReader(path) as r:
                 specs = quantized_specs(r)
-                if not all(isinstance(s, TensorSpec) for s, _ in specs.values()):
-                    return {}  # an engine layout: converted first
-                out.update(_read_lowprec(r, specs))
+            if not all(isinstance(s, TensorSpec) for s, _ in specs.values()):
+                return {}  # an engine layout: converted first
+            for name, (spec, _) in specs.items():
+                out[name] = (spec.format.name, tuple(spec.shape),
+                             lambda path=path, name=name, spec=spec: load(path, name, spec))
         return out
 
     src = os.fspath(src)
@@ -726,39 +734,49 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
                 "llama.cpp's convert_hf_to_gguf.py (architecture, hyperparameters, tokenizer, "
                 "unquantized tensors); lowprec writes no GGUF metadata of its own")
         f = GGUFFile(template)
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(os.fspath(dst)))) as d:
-            tensors = _lowprec_tensors(src, d)
         blocks = f.value(f"{f.arch}.block_count")
         n_head = f.value(f"{f.arch}.attention.head_count")
         n_head_kv = f.value(f"{f.arch}.attention.head_count_kv", n_head)
-        replace = {}
-        for name, mx in tensors.items():
-            if isinstance(mx, str):
-                raise CheckpointError(f"{name!r} is {mx}; GGUF takes mxfp4 and nvfp4 exactly")
-            if re.search(r"\.experts\.\d+\.", name):
-                raise CheckpointError(f"{name!r}: per-expert tensors are stacked by llama.cpp's "
-                                      "converter; lowprec does not stack them (refused)")
-            g = _hf_to_gguf_name(name, f.arch, int(blocks or 0))
-            if g is None or g not in f.tensors:
-                raise CheckpointError(f"{name!r} has no tensor in the template "
-                                      f"({g or 'no GGUF name for it'} in {f.arch})")
-            if tuple(f.tensors[g].shape) != tuple(mx.shape):
-                raise CheckpointError(f"{name!r} has shape {list(mx.shape)}, the template's "
-                                      f"{g!r} {list(f.tensors[g].shape)}")
-            cands = [mx]
-            if re.search(r"attn_[qk]\.weight$", g) and n_head:
-                codes, scales = _permute_rows(_unpack(np.asarray(mx.elements)),
-                                              np.asarray(mx.scales), n_head,
-                                              n_head if g.endswith("attn_q.weight") else n_head_kv)
-                permuted = MXArray(jnp.asarray(_pack(codes)), jnp.asarray(scales), mx.fmt,
-                                   mx.axis, mx.shape, tensor_scale=mx.tensor_scale)
-                # llama.cpp's converter permutes Q/K for llama (LlamaModel.permute)
-                cands = [permuted, mx] if f.arch == "llama" else [mx, permuted]
-            replace[g] = _agreeing(f, g, name, cands)
-        return _rewrite(f, dst, replace, to, force, progress, report, start, src=os.fspath(src))
+        where = os.path.dirname(os.path.abspath(os.fspath(dst)))
+        with tempfile.TemporaryDirectory(dir=where) as d:
+            replace = {}
+            for name, (fmt, shape, load) in _lowprec_tensors(src, d).items():
+                if fmt not in _FORMAT_TYPE:
+                    raise CheckpointError(f"{name!r} is {fmt}; GGUF takes mxfp4 and nvfp4 exactly")
+                if re.search(r"\.experts\.\d+\.", name):
+                    raise CheckpointError(f"{name!r}: per-expert tensors are stacked by llama.cpp's "
+                                          "converter; lowprec does not stack them (refused)")
+                g = _hf_to_gguf_name(name, f.arch, int(blocks or 0))
+                if g is None or g not in f.tensors:
+                    raise CheckpointError(f"{name!r} has no tensor in the template "
+                                          f"({g or 'no GGUF name for it'} in {f.arch})")
+                if tuple(f.tensors[g].shape) != shape:
+                    raise CheckpointError(f"{name!r} has shape {list(shape)}, the template's "
+                                          f"{g!r} {list(f.tensors[g].shape)}")
+                heads = None
+                if re.search(r"attn_[qk]\.weight$", g) and n_head:
+                    heads = (n_head, n_head if g.endswith("attn_q.weight") else n_head_kv)
+                replace[g] = (fmt, lambda g=g, name=name, load=load, heads=heads:
+                              _placed(f, g, name, load(), heads))
+            return _rewrite(f, dst, replace, to, force, progress, report, start,
+                            src=os.fspath(src))
     if src_gguf:
         return _gguf_to_safetensors(GGUFFile(src), dst, layout, to, force, progress, report, start)
     raise CheckpointError("convert_gguf: neither side is GGUF")
+
+
+def _placed(f: GGUFFile, g: str, name: str, mx: MXArray, heads) -> MXArray:
+    """``mx`` as the template's tensor ``g`` holds it: Q/K rows in llama.cpp's RoPE order
+    where ``heads`` = (n_head, n_head of this tensor) says so, checked by :func:`_agreeing`."""
+    cands = [mx]
+    if heads is not None:
+        codes, scales = _permute_rows(_unpack(np.asarray(mx.elements)), np.asarray(mx.scales),
+                                      *heads)
+        permuted = MXArray(jnp.asarray(_pack(codes)), jnp.asarray(scales), mx.fmt, mx.axis,
+                           mx.shape, tensor_scale=mx.tensor_scale)
+        # llama.cpp's converter permutes Q/K for llama (LlamaModel.permute)
+        cands = [permuted, mx] if f.arch == "llama" else [mx, permuted]
+    return _agreeing(f, g, name, cands)
 
 
 _AGREE_DB = 10.0  # MXFP4 / NVFP4 of the same weights: 17-21 dB; other rows or tensors: ~0
@@ -802,47 +820,64 @@ def _cast(mx: MXArray, name: str, to: Optional[str], casts: dict) -> MXArray:
 
 
 def _rewrite(f: GGUFFile, dst, replace: dict, to, force, progress, report, start, src=None):
-    """A GGUF like ``f`` with the MXArrays ``replace`` (GGUF name → MXArray) in place of
-    those tensors, and MXFP4 cast to NVFP4 where ``to`` says so."""
+    """A GGUF like ``f`` with ``replace`` (GGUF name → (format, load() → MXArray)) in place
+    of those tensors, and MXFP4 cast to NVFP4 where ``to`` says so. Each tensor is loaded,
+    cast and encoded when its bytes are written: one in memory at a time."""
     inputs = Inputs([f.path] + ([src] if src and os.path.isfile(src) else []))
-    outs, reports, casts = [], [], {}
-    scales_of = {}
+    if to is not None:
+        for t in f.tensors.values():
+            if t.type == MXFP4 and t.name not in replace:
+                f.check(t.name)
+                replace[t.name] = ("mxfp4", lambda n=t.name: f.mxarray(n))
+    outs, reports, casts, done = [], [], {}, {}
+    skip = {_scale_name(n) for n in replace}
     for t in f.tensors.values():
-        mx = replace.get(t.name)
-        if mx is None and to is not None and t.type == MXFP4:
-            mx = f.mxarray(t.name)
-        if mx is None:
+        if t.name in skip and t.name not in replace:
             continue
-        mx = _cast(mx, t.name, to, casts)
-        gtype, blocks, ts = mxarray_blocks(mx)
-        scales_of[t.name] = (gtype, blocks, ts)
-    skip = {_scale_name(n) for n in scales_of}
-    for t in f.tensors.values():
-        if t.name in skip:
-            continue
-        if t.name not in scales_of:
+        if t.name not in replace:
             outs.append(_raw_out(f, t))
             reports.append(TensorReport(t.name, t.shape, type_name(t.type), "kept", t.raw.size,
                                         t.raw.size, reason="unchanged"))
             continue
-        gtype, blocks, ts = scales_of[t.name]
-        new = [_Out(t.name, gtype, t.shape, blocks.nbytes, lambda b=blocks: b)]
-        if ts is not None:
-            new.append(_scalar_out(_scale_name(t.name), ts))
+        fmt, load = replace[t.name]
+        fmt = "nvfp4" if to == "nvfp4" else fmt
+        gtype = _FORMAT_TYPE[fmt]
+        block, size = _BLOCK[gtype]
+        if t.shape[-1] % block:
+            raise CheckpointError(f"{t.name!r}: ggml {fmt.upper()} needs ne[0] a multiple of "
+                                  f"{block}, got {t.shape[-1]}")
+
+        def data(name=t.name, load=load):
+            mx = _cast(load(), name, to, casts)
+            _, blocks, ts = mxarray_blocks(mx)
+            done[name] = ts
+            return blocks
+
+        new = [_Out(t.name, gtype, t.shape, t.numel // block * size, data)]
+        if gtype == NVFP4:
+            new.append(_Out(_scale_name(t.name), F32, (1,), 4,
+                            lambda name=t.name: np.asarray([done[name]], np.float32)))
         outs += new
+        reports.append((t, gtype, new))
+    write_gguf(dst, f.fields, outs, alignment=f.alignment, force=force, inputs=inputs,
+               progress=progress)
+    final = []
+    for r in reports:
+        if isinstance(r, TensorReport):
+            final.append(r)
+            continue
+        t, gtype, new = r
         c = casts.get(t.name)
         reason = "" if c is None else (f"mxfp4 → nvfp4: {c.exact}/{c.blocks} blocks exact, "
                                        f"{c.requantized} requantized")
-        reports.append(TensorReport(t.name, t.shape, type_name(t.type), _NAMES[gtype].lower(),
-                                    t.raw.size, sum(o.nbytes for o in new), reason=reason,
-                                    stored_as=tuple(o.name for o in new),
-                                    exact=c is None or c.requantized == 0))
-    write_gguf(dst, f.fields, outs, alignment=f.alignment, force=force, inputs=inputs,
-               progress=progress)
+        final.append(TensorReport(t.name, t.shape, type_name(t.type), _NAMES[gtype].lower(),
+                                  t.raw.size, sum(o.nbytes for o in new), reason=reason,
+                                  stored_as=tuple(o.name for o in new),
+                                  exact=c is None or c.requantized == 0))
     rep = ConversionReport(src or f.path, os.fspath(dst), "convert",
                            {"container": "gguf", "to": to,
                             "casts": {n: vars(c) for n, c in casts.items()}},
-                           reports, time.perf_counter() - start)
+                           final, time.perf_counter() - start)
     _write_report(rep, report, force, inputs)
     return rep
 
