@@ -337,7 +337,14 @@ def _gguf_call(args, progress):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the ``lowprec`` command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "convert" and args.layout is None:
+        from .checkpoint._gguf import is_gguf
+
+        if not (is_gguf(args.input) or str(args.output).endswith(".gguf")):
+            parser.error("convert: the following argument is required: --layout "
+                         "(unless IN or OUT is a GGUF file)")
     progress = False if getattr(args, "quiet", False) else None
     if args.command in ("quantize", "dequantize"):
         # Start JAX's backends before any output is opened: plugin discovery (the CUDA
@@ -362,8 +369,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         follow_symlinks=args.follow_symlinks, jobs=args.jobs,
                     )
                 elif args.command == "convert":
-                    if args.layout is None:
-                        raise CheckpointError("convert needs --layout (or an OUT ending in .gguf)")
                     report = convert_checkpoint(
                         args.input, args.output, args.layout, force=args.force,
                         progress=progress, report=args.report,

@@ -395,54 +395,66 @@ def select_gguf(t: GGUFTensor, fmt: str, include=None, exclude=None) -> tuple:
     return True, ""
 
 
-def _rows(x_rows: int, n: int) -> int:
-    return max(1, _ROWS // max(n, 1))
+def _float_rows(t: GGUFTensor, r0: int, r1: int) -> np.ndarray:
+    """Rows r0:r1 of an F32 / F16 / BF16 tensor seen as [rows, ne[0]], as float32 (reading
+    only those bytes of the mapped file)."""
+    n = t.shape[-1]
+    item = 4 if t.type == F32 else 2
+    raw = np.asarray(t.raw[r0 * n * item:r1 * n * item])
+    if t.type == F32:
+        x = raw.view(np.float32)
+    elif t.type == F16:
+        x = raw.view(np.float16).astype(np.float32)
+    else:
+        x = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return x.reshape(r1 - r0, n)
+
+
+def _nonfinite(src: GGUFFile, t: GGUFTensor):
+    return CheckpointError(f"{src.path}: tensor {t.name!r} holds NaN or inf; ggml has no NaN "
+                           "block scale: fix the tensor or --exclude it")
 
 
 def _quantize_tensor(src: GGUFFile, t: GGUFTensor, fmt: str, scale_rule, rounding, stats):
     """``[_Out, ...]`` for one tensor: its blocks (and NVFP4's ``.scale``), encoded piece
-    by piece (rows of ne[0]) when written; ``stats`` is filled as they are."""
+    by piece (2^20 elements of whole rows of ne[0]) when written; ``stats`` is filled as
+    they are. NVFP4's tensor scale needs the tensor's amax first: one more pass."""
     gtype = _FORMAT_TYPE[fmt]
     block, size = _BLOCK[gtype]
     n = t.shape[-1]
     rows = t.numel // n
-    nbytes = rows * (n // block) * size
+    step = max(1, _ROWS // max(n, 1))
     ts = None
     if fmt == "nvfp4":
-        x = src.values(t.name)
-        finite = np.isfinite(x)
-        if not finite.all():
-            raise CheckpointError(f"{src.path}: tensor {t.name!r} holds NaN or inf; GGUF has no "
-                                  "NaN scale: fix the tensor or exclude it")
-        amax = float(np.abs(x).max()) if x.size else 0.0
+        amax = 0.0
+        for r in range(0, rows, step):
+            piece = _float_rows(t, r, min(r + step, rows))
+            if not np.isfinite(piece).all():
+                raise _nonfinite(src, t)
+            amax = max(amax, float(np.abs(piece).max()))
         from ._chunk import tensor_scale
         from ._layout import make_spec
 
         ts = tensor_scale(amax, make_spec("nvfp4", t.shape, "F32"))
+    if fmt == "mxfp4":
+        kw = dict(scale_rule=scale_rule, rounding=rounding)
+    else:
+        kw = dict(tensor_scale=jnp.float32(ts))
+        if rounding is not None:
+            kw["rounding"] = rounding
 
     def data():
-        x = src.values(t.name).reshape(rows, n)
         out = np.empty((rows, (n // block) * size), np.uint8)
-        step = _rows(rows, n)
         for r in range(0, rows, step):
-            piece = x[r:r + step]
+            piece = _float_rows(t, r, min(r + step, rows))
             if not np.isfinite(piece).all():
-                raise CheckpointError(f"{src.path}: tensor {t.name!r} holds NaN or inf; GGUF "
-                                      "has no NaN scale: fix the tensor or exclude it")
-            kw = {}
-            if fmt == "mxfp4":
-                kw = dict(scale_rule=scale_rule, rounding=rounding)
-            else:
-                kw = dict(tensor_scale=jnp.float32(ts))
-                if rounding is not None:
-                    kw["rounding"] = rounding
+                raise _nonfinite(src, t)
             mx = quantize_mx(jnp.asarray(piece), fmt, axis=-1, **kw)
             stats.update(piece, np.asarray(dequantize(mx, jnp.float32)))
-            _, blocks, _ = mxarray_blocks(mx)
-            out[r:r + step] = blocks.reshape(len(piece), -1)
+            out[r:r + len(piece)] = mxarray_blocks(mx)[1].reshape(len(piece), -1)
         return out
 
-    outs = [_Out(t.name, gtype, t.shape, nbytes, data)]
+    outs = [_Out(t.name, gtype, t.shape, rows * (n // block) * size, data)]
     if ts is not None:
         outs.append(_scalar_out(_scale_name(t.name), ts))
     return outs
