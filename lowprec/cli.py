@@ -317,8 +317,15 @@ def _gguf_call(args, progress):
 
     out = getattr(args, "output", "")
     if not (_gguf.is_gguf(args.input) or str(out).endswith(".gguf")):
-        if getattr(args, "to", None) or getattr(args, "template", None):
-            raise CheckpointError("--to and --template are for GGUF files (IN or OUT .gguf)")
+        if getattr(args, "template", None):
+            raise CheckpointError("--template is for a GGUF output (OUT.gguf)")
+        if getattr(args, "to", None):
+            if args.to != "nvfp4":
+                raise CheckpointError(f"convert casts to nvfp4 only (--to nvfp4), not {args.to!r}")
+            from .checkpoint._cast import cast_checkpoint
+
+            return cast_checkpoint(args.input, args.output, args.layout, force=args.force,
+                                   progress=progress, report=args.report)
         if getattr(args, "rounding", None):
             raise CheckpointError("--rounding is for GGUF output only")
         return None

@@ -544,3 +544,28 @@ def test_llama_cpp_runs_a_lowprec_gguf(tmp_path, fmt):
     W0 = {t.name: np.asarray(t.data).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
           for t in gguf.GGUFReader(str(tmp_path / "f32.gguf")).tensors}
     assert np.abs(got - _llama_forward(W0, toks, _q8_simd, set())).max() > 100 * min(errs) + 1e-3
+
+
+@pytest.mark.parametrize("layout", ["gpt-oss", "compressed-tensors"])
+def test_mxfp4_to_nvfp4_cast_of_a_safetensors_file(tmp_path, layout):
+    """``lowprec convert IN OUT --to nvfp4 --layout ...`` on a safetensors file in any layout:
+    every value kept but those of the counted requantized blocks; other tensors copied."""
+    rng = np.random.default_rng(12)
+    w = rng.normal(size=(64, 128)).astype(np.float32)
+    w[3, 64:96] *= 2.0**-40  # one block 40 binades below the rest: outside E4M3's 18
+    norm = np.linspace(0.5, 1.5, 64, dtype=np.float32)
+    with SafetensorsWriter(tmp_path / "m.safetensors", [("mlp.up.weight", "F32", w.shape),
+                                                        ("norm.weight", "F32", norm.shape)]) as f:
+        f.write("mlp.up.weight", w)
+        f.write("norm.weight", norm)
+    quantize_checkpoint(tmp_path / "m.safetensors", tmp_path / "q.safetensors", "mxfp4",
+                        layout=layout)
+    out = tmp_path / "nv.safetensors"
+    assert main(["convert", str(tmp_path / "q.safetensors"), str(out), "--to", "nvfp4",
+                 "--layout", "modelopt", "-q", "--report", str(tmp_path / "r.json")]) == 0
+    cast = json.load(open(tmp_path / "r.json"))["options"]["casts"]["mlp.up.weight"]
+    assert (cast["blocks"], cast["requantized"]) == (256, 1)
+    a, b = load_checkpoint(tmp_path / "q.safetensors"), load_checkpoint(out)
+    np.testing.assert_array_equal(b["norm.weight"], norm)
+    differ = (a["mlp.up.weight"] != b["mlp.up.weight"]).reshape(-1, 32).any(axis=1)
+    assert np.flatnonzero(differ).tolist() in ([], [3 * 4 + 2])  # only the far block may move
