@@ -474,6 +474,19 @@ def quantize_gguf(src, dst, fmt="mxfp4", *, include=None, exclude=None, scale_ru
 
     ``scale_rule`` / ``rounding`` default to ggml's MXFP4 rule (``floor_log2f``,
     ``nearest_toward_zero``): what llama.cpp's own quantizer writes, byte for byte.
+
+    Example:
+        >>> import gguf, tempfile, numpy as np
+        >>> d = tempfile.mkdtemp()
+        >>> w = gguf.GGUFWriter(f"{d}/m.gguf", "llama")
+        >>> w.add_tensor("blk.0.ffn_up.weight", np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64))
+        >>> w.add_tensor("blk.0.ffn_norm.weight", np.ones(64, np.float32))
+        >>> w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+        >>> rep = quantize_gguf(f"{d}/m.gguf", f"{d}/q.gguf", "mxfp4")
+        >>> [(t.name, t.format) for t in rep.tensors]
+        [('blk.0.ffn_up.weight', 'mxfp4'), ('blk.0.ffn_norm.weight', 'kept')]
+        >>> GGUFFile(f"{d}/q.gguf").tensors["blk.0.ffn_up.weight"]
+        GGUFTensor('blk.0.ffn_up.weight', MXFP4, [64, 64])
     """
     fmt = _check_format(fmt)
     if fmt == "mxfp4":
