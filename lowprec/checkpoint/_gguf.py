@@ -488,15 +488,21 @@ def quantize_gguf(src, dst, fmt="mxfp4", *, include=None, exclude=None, scale_ru
         >>> GGUFFile(f"{d}/q.gguf").tensors["blk.0.ffn_up.weight"]
         GGUFTensor('blk.0.ffn_up.weight', MXFP4, [64, 64])
     """
+    from .._rounding import ROUNDING_MODES
+    from ._formats import check_scale_rule
+
     fmt = _check_format(fmt)
     if fmt == "mxfp4":
-        scale_rule = "floor_log2f" if scale_rule is None else scale_rule
+        scale_rule = "floor_log2f" if scale_rule is None else check_scale_rule(scale_rule)
         rounding = "nearest_toward_zero" if rounding is None else rounding
     elif scale_rule is not None:
         raise CheckpointError("nvfp4 has its own scale recipe and takes no scale_rule")
+    if rounding is not None and rounding not in ROUNDING_MODES:
+        raise CheckpointError(f"unknown rounding {rounding!r}; choose one of: "
+                              f"{', '.join(ROUNDING_MODES)}")
     start = time.perf_counter()
     f = GGUFFile(src)
-    inputs = Inputs([f.path])
+    inputs = _check_outputs(f.path, dst, report, force)
     plans, outs, reports, stats = [], [], [], {}
     for t in f.tensors.values():
         if t.name.endswith(".scale") and t.name[:-6] + ".weight" in f.tensors:
@@ -514,10 +520,6 @@ def quantize_gguf(src, dst, fmt="mxfp4", *, include=None, exclude=None, scale_ru
         new = _quantize_tensor(f, t, fmt, scale_rule, rounding, stats[t.name])
         outs += new
         plans.append((t, new))
-    if report is not None:
-        from ._atomic import check_output
-
-        check_output(report, force=force, inputs=inputs, what="report")
     write_gguf(dst, f.fields, outs, alignment=f.alignment, force=force, inputs=inputs,
                progress=progress)
     for t, new in plans:
@@ -533,6 +535,21 @@ def quantize_gguf(src, dst, fmt="mxfp4", *, include=None, exclude=None, scale_ru
                             "container": "gguf"}, reports, time.perf_counter() - start)
     _write_report(rep, report, force, inputs)
     return rep
+
+
+def _check_outputs(src, dst, report, force, *more) -> Inputs:
+    """The inputs (``src`` and ``more``), with ``dst`` and ``report`` checked against them
+    before any work (never an input, --force for regular files only)."""
+    from ._atomic import check_output
+
+    inputs = Inputs([os.fspath(p) for p in (src, *more) if p and os.path.isfile(os.fspath(p))])
+    for p in (src, *more):
+        if p and os.path.isdir(os.fspath(p)):
+            inputs.add_folder(os.fspath(p))
+    check_output(dst, force=force, inputs=inputs)
+    if report is not None:
+        check_output(report, force=force, inputs=inputs, what="report")
+    return inputs
 
 
 def _write_report(rep, path, force, inputs):
@@ -574,7 +591,7 @@ def dequantize_gguf(src, dst, *, dtype="float32", force=False, progress=None,
     gtype = _OUT_DTYPES[dtype][0]
     start = time.perf_counter()
     f = GGUFFile(src)
-    inputs = Inputs([f.path])
+    inputs = _check_outputs(f.path, dst, report, force)
     scales = {_scale_name(n) for n, t in f.tensors.items() if t.type == NVFP4}
     reports, outs = [], []
     for t in f.tensors.values():
@@ -747,6 +764,7 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
     dst_gguf = os.fspath(dst).endswith(".gguf")
     if to is not None and to != "nvfp4":
         raise CheckpointError(f"convert casts to nvfp4 only (--to nvfp4), not {to!r}")
+    _check_outputs(src, dst, report, force, template)
     if src_gguf and dst_gguf:
         if template is not None:
             raise CheckpointError("a template is for safetensors → GGUF only")
