@@ -581,9 +581,10 @@ def _as_dtype(x: np.ndarray, gtype: int) -> np.ndarray:
 def dequantize_gguf(src, dst, *, dtype="float32", force=False, progress=None,
                     report=None) -> ConversionReport:
     """Decodes the MXFP4 / NVFP4 / Q8_0 tensors of a GGUF file (NVFP4 times its ``.scale``,
-    which is then dropped; any other quantized type is refused, naming it) into a GGUF file of ``dtype`` (float32, float16 or bfloat16) with
-    every metadata key and other tensor unchanged, or, for a ``.safetensors`` ``dst``, into
-    plain safetensors under the GGUF tensor names (every tensor decoded to ``dtype``)."""
+    which is then dropped; any other quantized type is refused, naming it) to ``dtype``
+    (float32, float16 or bfloat16): into a GGUF file with every metadata key and every other
+    tensor unchanged, or, for a ``.safetensors`` ``dst``, into plain safetensors under the
+    GGUF tensor names with every tensor in ``dtype``."""
     if dtype in (None, "original"):
         dtype = "float32"
     if dtype not in _OUT_DTYPES:
