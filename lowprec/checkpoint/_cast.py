@@ -18,7 +18,6 @@ import time
 import numpy as np
 
 from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
-from ._atomic import Inputs, check_output
 from ._errors import CheckpointError
 from ._layout import make_spec
 from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY
@@ -32,17 +31,14 @@ def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
     ``layout``): exact where E4M3 holds the block scale under one power-of-two tensor scale,
     the other blocks requantized and counted (``report.options["casts"]``)."""
     from ._engine_convert import convert_checkpoint
-    from ._gguf import _lowprec_tensors
+    from ._gguf import _check_outputs, _lowprec_tensors
 
     src = os.fspath(src)
     if not os.path.isfile(src):
         raise CheckpointError(f"{src}: --to nvfp4 casts one .safetensors file (or a GGUF); "
                               "for a sharded folder cast each shard")
     start = time.perf_counter()
-    inputs = Inputs([src])
-    check_output(dst, force=force, inputs=inputs)
-    if report is not None:
-        check_output(report, force=force, inputs=inputs, what="report")
+    inputs = _check_outputs(src, dst, report, force)  # the shard's model folder included
     where = os.path.dirname(os.path.abspath(os.fspath(dst)))
     with tempfile.TemporaryDirectory(dir=where) as d:
         quantized = _lowprec_tensors(src, d)

@@ -542,10 +542,20 @@ def _check_outputs(src, dst, report, force, *more) -> Inputs:
     before any work (never an input, --force for regular files only)."""
     from ._atomic import check_output
 
-    inputs = Inputs([os.fspath(p) for p in (src, *more) if p and os.path.isfile(os.fspath(p))])
-    for p in (src, *more):
-        if p and os.path.isdir(os.fspath(p)):
-            inputs.add_folder(os.fspath(p))
+    from ._source import open_source
+
+    paths = [os.fspath(p) for p in (src, *more) if p is not None]
+    inputs = None
+    for p in paths:  # a safetensors input's checkpoint is its model folder (config.json, ...)
+        if os.path.exists(p) and not (os.path.isfile(p) and is_gguf(p)):
+            inputs = open_source(p).inputs
+            break
+    inputs = Inputs() if inputs is None else inputs
+    for p in paths:
+        if os.path.isfile(p):
+            inputs.add(p)
+        elif os.path.isdir(p):
+            inputs.add_folder(p)
     check_output(dst, force=force, inputs=inputs)
     if report is not None:
         check_output(report, force=force, inputs=inputs, what="report")
