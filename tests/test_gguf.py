@@ -569,3 +569,26 @@ def test_mxfp4_to_nvfp4_cast_of_a_safetensors_file(tmp_path, layout):
     np.testing.assert_array_equal(b["norm.weight"], norm)
     differ = (a["mlp.up.weight"] != b["mlp.up.weight"]).reshape(-1, 32).any(axis=1)
     assert np.flatnonzero(differ).tolist() in ([], [3 * 4 + 2])  # only the far block may move
+
+
+def test_outputs_are_never_an_input_or_a_file_of_its_checkpoint(tmp_path, capsys):
+    """A shard's checkpoint is its model folder: none of its files is an output, even with
+    --force, for the GGUF verbs and the cast as for every other; a GGUF input likewise."""
+    os.makedirs(tmp_path / "m")
+    (tmp_path / "m/config.json").write_text('{"model_type": "llama"}')
+    w = np.random.default_rng(13).normal(size=(64, 64)).astype(np.float32)
+    with SafetensorsWriter(tmp_path / "src.safetensors", [("a.weight", "F32", w.shape)]) as f:
+        f.write("a.weight", w)
+    quantize_checkpoint(tmp_path / "src.safetensors", tmp_path / "m/model.safetensors", "mxfp4")
+    shard, config = str(tmp_path / "m/model.safetensors"), str(tmp_path / "m/config.json")
+    g = _write(tmp_path / "t.gguf", {"blk.0.ffn_up.weight": w})
+    for args in (["convert", shard, config, "--to", "nvfp4", "--layout", "lowprec"],
+                 ["convert", str(g), str(g), "--to", "nvfp4"],
+                 ["quantize", str(g), str(g), "-f", "mxfp4"],
+                 ["quantize", str(g), str(tmp_path / "o.gguf"), "-f", "mxfp4", "--report",
+                  str(g)]):
+        assert main([*args, "--force", "-q"]) == 1, args
+        err = capsys.readouterr().err
+        assert "never" in err and "input" in err, err
+    assert (tmp_path / "m/config.json").read_text() == '{"model_type": "llama"}'
+    assert not (tmp_path / "o.gguf").exists()
