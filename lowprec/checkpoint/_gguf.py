@@ -669,22 +669,24 @@ def inspect_gguf(src) -> ConversionReport:
 
 
 def _hf_to_gguf_name(name: str, arch: str, blocks: int) -> Optional[str]:
+    """The GGUF name of a Hugging Face tensor, by gguf's own ``TensorNameMap`` (None: none)."""
     gguf = _gguf()
     archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
     if arch not in archs:
-        raise CheckpointError(f"gguf {gguf.__name__} knows no architecture {arch!r}")
+        raise CheckpointError(f"the template's architecture {arch!r} is unknown to gguf "
+                              f"{getattr(gguf, '__version__', '')}".rstrip())
     tmap = gguf.get_tensor_name_map(archs[arch], blocks)
     return tmap.get_name(name, try_suffixes=(".weight", ".bias"))
 
 
-def _permute_rows(codes, scales, n_head: int, n_head_kv: int):
+def _permute_rows(codes, scales, heads: int):
     """llama.cpp's Q/K row order for ``llama``-family RoPE (convert_hf_to_gguf's
-    ``LlamaModel.permute``): rows regrouped per head, pairs interleaved. Rows are
-    independent blocks, so moving them is exact."""
-    def perm(a, heads):
+    ``LlamaModel.permute``, ``heads`` the tensor's own head count): within each head the rows
+    of its two halves interleaved. Rows hold whole blocks, so moving them is exact."""
+    def perm(a):
         r = a.shape[0]
         return a.reshape(heads, 2, r // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-    return perm(codes, n_head_kv), perm(scales, n_head_kv)
+    return perm(codes), perm(scales)
 
 
 def _lowprec_tensors(src, force_tmp_dir) -> dict:
@@ -808,8 +810,10 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
                     raise CheckpointError(f"{name!r} has shape {list(shape)}, the template's "
                                           f"{g!r} {list(f.tensors[g].shape)}")
                 heads = None
-                if re.search(r"attn_[qk]\.weight$", g) and n_head:
-                    heads = (n_head, n_head if g.endswith("attn_q.weight") else n_head_kv)
+                if re.search(r"attn_[qk]\.weight$", g):
+                    h = n_head if g.endswith("attn_q.weight") else n_head_kv
+                    # per-layer head counts (arrays) are left to the template check
+                    heads = h if isinstance(h, int) and h > 0 and shape[0] % (2 * h) == 0 else None
                 replace[g] = (fmt, lambda g=g, name=name, load=load, heads=heads:
                               _placed(f, g, name, load(), heads))
             return _rewrite(f, dst, replace, to, force, progress, report, start,
@@ -821,11 +825,11 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
 
 def _placed(f: GGUFFile, g: str, name: str, mx: MXArray, heads) -> MXArray:
     """``mx`` as the template's tensor ``g`` holds it: Q/K rows in llama.cpp's RoPE order
-    where ``heads`` = (n_head, n_head of this tensor) says so, checked by :func:`_agreeing`."""
+    where ``heads`` (this tensor's head count) is given, checked by :func:`_agreeing`."""
     cands = [mx]
     if heads is not None:
         codes, scales = _permute_rows(_unpack(np.asarray(mx.elements)), np.asarray(mx.scales),
-                                      *heads)
+                                      heads)
         permuted = MXArray(jnp.asarray(_pack(codes)), jnp.asarray(scales), mx.fmt, mx.axis,
                            mx.shape, tensor_scale=mx.tensor_scale)
         # llama.cpp's converter permutes Q/K for llama (LlamaModel.permute)
