@@ -329,6 +329,19 @@ def _gguf_call(args, progress):
         if getattr(args, "rounding", None):
             raise CheckpointError("--rounding is for GGUF output only")
         return None
+    unused = [opt for opt, used in (
+        ("--layout", getattr(args, "layout", None) not in (None, "lowprec")
+         and args.command == "quantize"),
+        ("--axis", getattr(args, "axis", None) is not None),
+        ("--block-size", getattr(args, "block_size", None) is not None),
+        ("--ignore", bool(getattr(args, "ignore", None))),
+        ("--scheme", bool(getattr(args, "scheme", None))),
+        ("--saturate", bool(getattr(args, "saturate", False))),
+        ("--keep-undecodable", bool(getattr(args, "keep_undecodable", False))),
+        ("--jobs", getattr(args, "jobs", 1) != 1)) if used]
+    if unused:
+        raise CheckpointError(f"{', '.join(unused)}: not for GGUF files (ggml blocks run along "
+                              "ne[0]; one file, one tensor at a time)")
     common = dict(force=args.force, progress=progress, report=args.report) if out else {}
     if args.command == "quantize":
         return _gguf.quantize_gguf(args.input, args.output, args.format, include=args.include,

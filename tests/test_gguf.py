@@ -242,6 +242,10 @@ def test_cli_quantize_inspect_dequantize(tmp_path, capsys):
     assert main(["quantize", str(tmp_path / "d.safetensors"), str(tmp_path / "x.safetensors"),
                  "-f", "mxfp4", "--rounding", "nearest_even", "-q"]) == 1
     assert "GGUF output only" in capsys.readouterr().err
+    for opt in (["--axis", "0"], ["--block-size", "16"], ["--layout", "compressed-tensors"]):
+        assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "-f", "mxfp4", *opt]) == 1
+        assert f"{opt[0]}: not for GGUF files" in capsys.readouterr().err
+    assert not (tmp_path / "o.gguf").exists()
 
 
 # -- convert: safetensors (every layout) <-> GGUF, losslessly -----------------------------
