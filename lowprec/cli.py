@@ -65,6 +65,9 @@ from .checkpoint import (
     inspect_checkpoint,
     quantize_checkpoint,
 )
+from .checkpoint._cast import cast_checkpoint
+from .checkpoint._gguf import (convert_gguf, dequantize_gguf, inspect_gguf, is_gguf,
+                                quantize_gguf)
 from .checkpoint._atomic import (
     Interrupted,
     abort_all,
@@ -354,17 +357,13 @@ def _quantize_scheme(args) -> tuple:
 
 def _gguf_call(args, progress):
     """The GGUF hook: runs the command if IN or OUT is GGUF (None otherwise)."""
-    from .checkpoint import _gguf
-
     out = getattr(args, "output", "")
-    if not (_gguf.is_gguf(args.input) or str(out).endswith(".gguf")):
+    if not (is_gguf(args.input) or str(out).endswith(".gguf")):
         if getattr(args, "template", None):
             raise CheckpointError("--template is for a GGUF output (OUT.gguf)")
         if getattr(args, "to", None):
             if args.to != "nvfp4":
                 raise CheckpointError(f"convert casts to nvfp4 only (--to nvfp4), not {args.to!r}")
-            from .checkpoint._cast import cast_checkpoint
-
             return cast_checkpoint(args.input, args.output, args.layout, force=args.force,
                                    progress=progress, report=args.report)
         if getattr(args, "rounding", None):
@@ -390,15 +389,15 @@ def _gguf_call(args, progress):
     if args.command == "quantize":
         if args.format is None:
             raise CheckpointError("give the GGUF output's format: --format mxfp4 or nvfp4")
-        return _gguf.quantize_gguf(args.input, args.output, args.format, include=args.include,
+        return quantize_gguf(args.input, args.output, args.format, include=args.include,
                                    exclude=args.exclude, scale_rule=args.scale_rule,
                                    rounding=args.rounding, **common)
     if args.command == "dequantize":
-        return _gguf.dequantize_gguf(args.input, args.output, dtype=args.dtype, **common)
+        return dequantize_gguf(args.input, args.output, dtype=args.dtype, **common)
     if args.command == "convert":
-        return _gguf.convert_gguf(args.input, args.output, template=args.template, to=args.to,
+        return convert_gguf(args.input, args.output, template=args.template, to=args.to,
                                   layout=args.layout, **common)
-    return _gguf.inspect_gguf(args.input)
+    return inspect_gguf(args.input)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -406,8 +405,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "convert" and args.layout is None:
-        from .checkpoint._gguf import is_gguf
-
         if not (is_gguf(args.input) or str(args.output).endswith(".gguf")):
             parser.error("convert: the following argument is required: --layout "
                          "(unless IN or OUT is a GGUF file)")

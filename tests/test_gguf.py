@@ -297,9 +297,9 @@ def test_convert_safetensors_to_gguf_is_lossless(tmp_path, fmt, layout):
     hf = _hf_folder(tmp_path / "hf", np.random.default_rng(6))
     tmpl, gname = _template(tmp_path / "t.gguf", hf)
     if layout == "modelopt":
-        quantize_checkpoint(tmp_path / "hf", tmp_path / "lp", fmt)
-        from lowprec.checkpoint import convert_checkpoint
-        convert_checkpoint(tmp_path / "lp", tmp_path / "q", "modelopt")
+        # ModelOpt's weight-only NVFP4 as lowprec writes it (a fused layer's q/k/v share one
+        # tensor scale, as vLLM needs; a lowprec-layout file converted would be refused there).
+        quantize_checkpoint(tmp_path / "hf", tmp_path / "q", "NVFP4A16", layout="modelopt")
     else:
         quantize_checkpoint(tmp_path / "hf", tmp_path / "q", fmt, layout=layout)
     want = load_checkpoint(tmp_path / "q")

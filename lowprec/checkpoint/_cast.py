@@ -18,7 +18,9 @@ import time
 import numpy as np
 
 from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
+from ._engine_convert import convert_checkpoint
 from ._errors import CheckpointError
+from ._gguf import check_outputs, lowprec_tensors, write_report
 from ._layout import make_spec
 from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY
 from ._report import ConversionReport, TensorReport
@@ -30,18 +32,15 @@ def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
     """Casts the MXFP4 tensors of the safetensors file ``src`` to NVFP4 into ``dst`` (in
     ``layout``): exact where E4M3 holds the block scale under one power-of-two tensor scale,
     the other blocks requantized and counted (``report.options["casts"]``)."""
-    from ._engine_convert import convert_checkpoint
-    from ._gguf import _check_outputs, _lowprec_tensors
-
     src = os.fspath(src)
     if not os.path.isfile(src):
         raise CheckpointError(f"{src}: --to nvfp4 casts one .safetensors file (or a GGUF); "
                               "for a sharded folder cast each shard")
     start = time.perf_counter()
-    inputs = _check_outputs(src, dst, report, force)  # the shard's model folder included
+    inputs = check_outputs(src, dst, report, force)  # the shard's model folder included
     where = os.path.dirname(os.path.abspath(os.fspath(dst)))
     with tempfile.TemporaryDirectory(dir=where) as d:
-        quantized = _lowprec_tensors(src, d)
+        quantized = lowprec_tensors(src, d)
         lp = src if not os.path.exists(os.path.join(d, "lowprec.safetensors")) else \
             os.path.join(d, "lowprec.safetensors")
         casts, reports, entries, data = {}, [], [], {}
@@ -99,7 +98,5 @@ def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
                             "casts": {n: vars(c) for n, c in casts.items()}},
                            reports, time.perf_counter() - start)
     if report is not None:
-        from ._gguf import _write_report
-
-        _write_report(rep, report, force, inputs)
+        write_report(rep, report, force, inputs)
     return rep

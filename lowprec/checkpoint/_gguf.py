@@ -57,10 +57,19 @@ import numpy as np
 from .._format import mx_format
 from .._mx import dequantize, quantize_mx
 from .._mxarray import MXArray
-from ._atomic import AtomicFile, Inputs
+from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
+from .._rounding import ROUNDING_MODES
+from ._atomic import AtomicFile, Inputs, check_output
+from ._chunk import tensor_scale
+from ._engine_convert import convert_checkpoint
 from ._errors import CheckpointError
-from ._pipeline import _progress
+from ._formats import check_scale_rule
+from ._layout import TensorSpec, make_spec
+from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, quantized_specs
+from ._pipeline import progress_bar
 from ._report import ConversionReport, TensorReport
+from ._safetensors import SafetensorsReader, SafetensorsWriter
+from ._source import open_source
 from ._stats import ErrorStats
 
 F32, F16, Q8_0, BF16, MXFP4, NVFP4 = 0, 1, 8, 30, 39, 40
@@ -349,7 +358,7 @@ def write_gguf(dst, fields: dict, tensors: list, *, alignment: int = 32, force=F
                     struct.pack(f"<{len(ne)}Q", *ne) + struct.pack("<IQ", t.type, offset))
         offset = _pad(offset + t.nbytes, alignment)
     header = b"".join(head)
-    bar = _progress(sum(t.nbytes for t in tensors), "gguf", progress)
+    bar = progress_bar(sum(t.nbytes for t in tensors), "gguf", progress)
     try:
         with AtomicFile(dst, force=force, inputs=inputs) as f:
             f.write(header + b"\0" * (_pad(len(header), alignment) - len(header)))
@@ -432,9 +441,6 @@ def _quantize_tensor(src: GGUFFile, t: GGUFTensor, fmt: str, scale_rule, roundin
             if not np.isfinite(piece).all():
                 raise _nonfinite(src, t)
             amax = max(amax, float(np.abs(piece).max()))
-        from ._chunk import tensor_scale
-        from ._layout import make_spec
-
         ts = tensor_scale(amax, make_spec("nvfp4", t.shape, "F32"))
     if fmt == "mxfp4":
         kw = dict(scale_rule=scale_rule, rounding=rounding)
@@ -488,9 +494,6 @@ def quantize_gguf(src, dst, fmt="mxfp4", *, include=None, exclude=None, scale_ru
         >>> GGUFFile(f"{d}/q.gguf").tensors["blk.0.ffn_up.weight"]
         GGUFTensor('blk.0.ffn_up.weight', MXFP4, [64, 64])
     """
-    from .._rounding import ROUNDING_MODES
-    from ._formats import check_scale_rule
-
     fmt = _check_format(fmt)
     if fmt == "mxfp4":
         scale_rule = "floor_log2f" if scale_rule is None else check_scale_rule(scale_rule)
@@ -502,7 +505,7 @@ def quantize_gguf(src, dst, fmt="mxfp4", *, include=None, exclude=None, scale_ru
                               f"{', '.join(ROUNDING_MODES)}")
     start = time.perf_counter()
     f = GGUFFile(src)
-    inputs = _check_outputs(f.path, dst, report, force)
+    inputs = check_outputs(f.path, dst, report, force)
     plans, outs, reports, stats = [], [], [], {}
     for t in f.tensors.values():
         if t.name.endswith(".scale") and t.name[:-6] + ".weight" in f.tensors:
@@ -533,17 +536,13 @@ def quantize_gguf(src, dst, fmt="mxfp4", *, include=None, exclude=None, scale_ru
     rep = ConversionReport(f.path, os.fspath(dst), "quantize",
                            {"format": fmt, "scale_rule": scale_rule, "rounding": rounding,
                             "container": "gguf"}, reports, time.perf_counter() - start)
-    _write_report(rep, report, force, inputs)
+    write_report(rep, report, force, inputs)
     return rep
 
 
-def _check_outputs(src, dst, report, force, *more) -> Inputs:
+def check_outputs(src, dst, report, force, *more) -> Inputs:
     """The inputs (``src`` and ``more``), with ``dst`` and ``report`` checked against them
     before any work (never an input, --force for regular files only)."""
-    from ._atomic import check_output
-
-    from ._source import open_source
-
     paths = [os.fspath(p) for p in (src, *more) if p is not None]
     inputs = None
     for p in paths:  # a safetensors input's checkpoint is its model folder (config.json, ...)
@@ -562,7 +561,7 @@ def _check_outputs(src, dst, report, force, *more) -> Inputs:
     return inputs
 
 
-def _write_report(rep, path, force, inputs):
+def write_report(rep, path, force, inputs):
     if path is None:
         return
     with AtomicFile(path, force=force, inputs=inputs, what="report") as f:
@@ -602,7 +601,7 @@ def dequantize_gguf(src, dst, *, dtype="float32", force=False, progress=None,
     gtype = _OUT_DTYPES[dtype][0]
     start = time.perf_counter()
     f = GGUFFile(src)
-    inputs = _check_outputs(f.path, dst, report, force)
+    inputs = check_outputs(f.path, dst, report, force)
     scales = {_scale_name(n) for n, t in f.tensors.items() if t.type == NVFP4}
     reports, outs = [], []
     for t in f.tensors.values():
@@ -622,8 +621,6 @@ def dequantize_gguf(src, dst, *, dtype="float32", force=False, progress=None,
             reports.append(TensorReport(t.name, t.shape, type_name(t.type), "kept", t.raw.size,
                                         t.raw.size, reason="not quantized"))
     if os.fspath(dst).endswith(".safetensors"):
-        from ._safetensors import SafetensorsWriter
-
         st = {F32: "F32", F16: "F16", BF16: "BF16"}
         entries = []
         for o in outs:
@@ -640,7 +637,7 @@ def dequantize_gguf(src, dst, *, dtype="float32", force=False, progress=None,
                    progress=progress)
     rep = ConversionReport(f.path, os.fspath(dst), "dequantize", {"dtype": dtype,
                            "container": "gguf"}, reports, time.perf_counter() - start)
-    _write_report(rep, report, force, inputs)
+    write_report(rep, report, force, inputs)
     return rep
 
 
@@ -689,16 +686,11 @@ def _permute_rows(codes, scales, heads: int):
     return perm(codes), perm(scales)
 
 
-def _lowprec_tensors(src, force_tmp_dir) -> dict:
+def lowprec_tensors(src, force_tmp_dir) -> dict:
     """The quantized tensors of a safetensors checkpoint in any layout lowprec reads:
     ``{name: (format name, shape, load)}``, ``load()`` reading that one tensor as an
     ``MXArray`` (mxfp4 / nvfp4; other formats are for the caller to refuse). An engine
     layout is first rewritten in lowprec's under ``force_tmp_dir`` (bits moved, checked)."""
-    from ._engine_convert import convert_checkpoint
-    from ._layout import TensorSpec
-    from ._logical import quantized_specs
-    from ._safetensors import SafetensorsReader
-
     def files(path):
         if os.path.isdir(path):
             return [os.path.join(path, n) for n in sorted(os.listdir(path))
@@ -777,7 +769,7 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
     dst_gguf = os.fspath(dst).endswith(".gguf")
     if to is not None and to != "nvfp4":
         raise CheckpointError(f"convert casts to nvfp4 only (--to nvfp4), not {to!r}")
-    _check_outputs(src, dst, report, force, template)
+    check_outputs(src, dst, report, force, template)
     if src_gguf and dst_gguf:
         if template is not None:
             raise CheckpointError("a template is for safetensors → GGUF only")
@@ -796,7 +788,7 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
         where = os.path.dirname(os.path.abspath(os.fspath(dst)))
         with tempfile.TemporaryDirectory(dir=where) as d:
             replace = {}
-            for name, (fmt, shape, load) in _lowprec_tensors(src, d).items():
+            for name, (fmt, shape, load) in lowprec_tensors(src, d).items():
                 if fmt not in _FORMAT_TYPE:
                     raise CheckpointError(f"{name!r} is {fmt}; GGUF takes mxfp4 and nvfp4 exactly")
                 if re.search(r"\.experts\.\d+\.", name):
@@ -869,8 +861,6 @@ def _agreeing(f: GGUFFile, g: str, name: str, cands: list) -> MXArray:
 
 def _cast(mx: MXArray, name: str, to: Optional[str], casts: dict) -> MXArray:
     if to == "nvfp4" and mx.fmt.name == "mxfp4":
-        from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
-
         if mx.shape[-1] % 64:
             raise CheckpointError(f"{name!r}: ggml NVFP4 needs ne[0] a multiple of 64, got {mx.shape[-1]}")
         mx, casts[name] = mxfp4_to_nvfp4(mx)
@@ -936,7 +926,7 @@ def _rewrite(f: GGUFFile, dst, replace: dict, to, force, progress, report, start
                            {"container": "gguf", "to": to,
                             "casts": {n: vars(c) for n, c in casts.items()}},
                            final, time.perf_counter() - start)
-    _write_report(rep, report, force, inputs)
+    write_report(rep, report, force, inputs)
     return rep
 
 
@@ -944,9 +934,6 @@ def _gguf_to_safetensors(f: GGUFFile, dst, layout, to, force, progress, report, 
     """GGUF → a lowprec-layout safetensors file (then ``layout`` by convert_checkpoint)."""
     import tempfile
 
-    from ._layout import make_spec
-    from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY
-    from ._safetensors import SafetensorsWriter
 
     inputs = Inputs([f.path])
     scales = {_scale_name(n) for n, t in f.tensors.items() if t.type == NVFP4}
@@ -983,8 +970,6 @@ def _gguf_to_safetensors(f: GGUFFile, dst, layout, to, force, progress, report, 
     if layout in (None, "lowprec"):
         write(dst, force)
     else:
-        from ._engine_convert import convert_checkpoint
-
         with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(os.fspath(dst)))) as d:
             tmp = os.path.join(d, "lowprec.safetensors")
             write(tmp, False)
@@ -993,5 +978,5 @@ def _gguf_to_safetensors(f: GGUFFile, dst, layout, to, force, progress, report, 
                            {"container": "gguf", "layout": layout, "to": to,
                             "casts": {n: vars(c) for n, c in casts.items()}},
                            reports, time.perf_counter() - start)
-    _write_report(rep, report, force, inputs)
+    write_report(rep, report, force, inputs)
     return rep

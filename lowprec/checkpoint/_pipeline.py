@@ -30,7 +30,7 @@ from ._source import Source, check_symlinks
 _COPY_BYTES = 16 * 1024 * 1024
 
 
-def _progress(total: int, desc: str, enabled: Optional[bool]):
+def progress_bar(total: int, desc: str, enabled: Optional[bool]):
     if enabled is None:
         enabled = sys.stderr.isatty()
     try:
@@ -303,7 +303,7 @@ def write_outputs(source, outputs, readers, plans, op, options, start, *, force,
                     for _, dt, shp in entries) + source.other_bytes()
     outputs.check_space(out_bytes)
     in_bytes = sum(i.nbytes for r in readers.values() for i in r.tensors.values())
-    bar = _progress(in_bytes + source.other_bytes(), op, progress)
+    bar = progress_bar(in_bytes + source.other_bytes(), op, progress)
     reports, weight_map = [], {}
     try:
         with outputs.folder(), OutputSet() as outs:
