@@ -20,11 +20,16 @@ in one call with :func:`lowprec.flax.quantize_model`:
 * ``mxfp8_floor``: the same with the OCP ``floor`` scale rule;
 * ``mxfp4_fwd``: MXFP4 forward operands, MXFP8 E4M3 backward (operands and gradients), rceil;
 * not run by default (``--configs``): ``ocp_mxfp8``, ``fp8_hybrid``, ``nvfp4``
-  (:data:`lowprec.NVIDIA_NVFP4`, LM head in high precision) and ``mxfp4`` (MXFP4 forward and
+  (:data:`lowprec.NVIDIA_NVFP4`, LM head in fp32) and ``mxfp4`` (MXFP4 forward and
   backward).
 
+A layer a recipe leaves in high precision (``high_precision``) runs as the model is written:
+float32 here, so the printed description says "fp32".
+
 ``--seeds 3`` trains each configuration from three seeds (initialization and batches) and
-reports mean ± sample standard deviation; curves and the CSV are the first seed's.
+reports mean ± sample standard deviation; curves and the CSV are the first seed's. Every
+seed's final and held-out losses are printed, and the outputs rewritten, as that seed
+finishes, so a long run's finished seeds are on disk before it ends.
 
 Outputs also include ``losses.csv`` (per step: config, train loss, and the held-out loss at
 every ``--eval-every`` steps), drawn as dashed held-out curves in the figure.
@@ -212,8 +217,23 @@ def train(recipe: Optional[lowprec.Recipe], s: Settings, data, vocab_size: int, 
     return losses, curve[s.steps], time.perf_counter() - t0, curve
 
 
-def run(configs=DEFAULT_CONFIGS, settings: Settings = Settings(), verbose: bool = True) -> dict:
-    """Trains every configuration; returns ``{name: {"losses", "final", "val", "seconds"}}``."""
+def describe(recipe: Optional[lowprec.Recipe]) -> str:
+    """The recipe's one-line description, naming what its high-precision layers run in here:
+    float32 (the model's own dtype), hence "fp32"."""
+    if recipe is None:
+        return "float32 matmuls"
+    text = recipe.describe()
+    if recipe.high_precision:
+        text = text.replace("high precision: ", "fp32: ")
+    return text
+
+
+def run(configs=DEFAULT_CONFIGS, settings: Settings = Settings(), verbose: bool = True,
+        out: Optional[pathlib.Path] = None) -> dict:
+    """Trains every configuration; returns ``{name: {"losses", "final", "val", "seconds",
+    "finals", "vals", ...}}`` (``finals``/``vals``: every seed's). As each seed finishes, its
+    numbers are printed (``verbose``) and, with ``out``, every output is rewritten with all
+    the seeds finished so far."""
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configs {unknown}; choose from {sorted(CONFIGS)}")
@@ -224,21 +244,25 @@ def run(configs=DEFAULT_CONFIGS, settings: Settings = Settings(), verbose: bool 
     for name in configs:
         recipe = CONFIGS[name]
         if verbose:
-            print(f"[{name}] {recipe.describe() if recipe else 'float32 matmuls'}", flush=True)
+            print(f"[{name}] {describe(recipe)}", flush=True)
         progress = (lambda i, l, n=name: print(f"  step {i:5d}  loss {l:.4f}", flush=True)) if verbose else None
         finals, vals = [], []
         for k in range(max(settings.seeds, 1)):  # the first seed's curves are kept
-            run_settings = dataclasses.replace(settings, seed=settings.seed + k)
-            out = train(recipe, run_settings, data, len(vocab), progress if k == 0 else None)
+            seed = settings.seed + k
+            run_settings = dataclasses.replace(settings, seed=seed)
+            losses_k, val_k, secs_k, curve_k = train(recipe, run_settings, data, len(vocab),
+                                                     progress if k == 0 else None)
             if k == 0:
-                losses, val, secs, curve = out
-            finals.append(float(out[0][-settings.window:].mean()))
-            vals.append(out[1])
-        final = finals[0]
-        results[name] = {"losses": losses, "final": final, "val": val, "seconds": secs,
-                         "val_curve": curve, "finals": finals, "vals": vals}
-        if verbose:
-            print(f"  final train loss {final:.4f}, held-out loss {val:.4f} ({secs:.0f} s)", flush=True)
+                losses, val, secs, curve = losses_k, val_k, secs_k, curve_k
+            finals.append(float(losses_k[-settings.window:].mean()))
+            vals.append(val_k)
+            results[name] = {"losses": losses, "final": finals[0], "val": val, "seconds": secs,
+                             "val_curve": curve, "finals": list(finals), "vals": list(vals)}
+            if verbose:
+                print(f"  seed {seed}: final train loss {finals[-1]:.4f}, held-out loss "
+                      f"{val_k:.4f} ({secs_k:.0f} s)", flush=True)
+            if out is not None:
+                write_outputs(results, settings, out)
     return results
 
 
@@ -348,7 +372,7 @@ def main(argv=None) -> None:
     if settings.d_model % settings.heads or settings.window > settings.steps:
         parser.error("d_model must be a multiple of heads, and window at most steps")
     print(f"jax {jax.__version__} on {jax.default_backend()}; {settings}", flush=True)
-    results = run(args.configs, settings)
+    results = run(args.configs, settings, out=args.out)  # written as each seed finishes
     print("\n" + table(results, settings))
     for path in write_outputs(results, settings, args.out):
         print(f"wrote {path}")

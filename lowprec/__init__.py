@@ -49,6 +49,7 @@ from ._recipe import (FP8_DELAYED, FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_M
 from ._rules import Rule, Rules
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._random import random_bits
+from ._rounding_key import stochastic_rounding_key
 from ._rounding import OVERFLOW_POLICIES, Overflow, ROUNDING_MODES, Rounding
 from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
 
@@ -131,6 +132,7 @@ __all__ = [
     "resolve_format",
     "scale_scheme",
     "shared_exponents",
+    "stochastic_rounding_key",
     "to_gpt_oss",
     "unpack_fp4",
     "unpack_fp6",

@@ -18,10 +18,14 @@ fields switch on (:data:`~lowprec.NVIDIA_NVFP4` has all three):
 * ``grad_rounding="stochastic"``: cotangents are rounded to E2M1 stochastically (both
   backward GEMMs), activations and weights to nearest even.
 
-Sharding: data parallel on ``Explicit`` and ``Auto`` mesh axes works (tokens split in whole
-16-token blocks; the weight gradient is reduced into the weight's layout;
-tests/sharded_cases.py). Not yet: a contraction split across devices (row-parallel; the
-forward dot takes no ``out_sharding`` here).
+Sharding (tests/sharded_cases.py): data, tensor (column- and row-parallel) and FSDP layouts
+on ``Explicit`` and ``Auto`` mesh axes, as for the other recipes: ``out_sharding`` goes to the
+forward dot (a row-parallel layer's partial sums are reduced there), each gradient comes out
+laid out as its operand, and the reshapes (leading dims into tokens, 16 x 16 tiles, a
+DenseGeneral's weight into 2-D) are given their layouts on ``Explicit`` axes. An axis split
+across devices must hold whole 16-blocks per device (tokens, for the Hadamard transform and
+the weight gradient; K and N, for the blocks and weight tiles), so it is never padded;
+:meth:`~lowprec.Recipe.dot_general` refuses other layouts with an error naming the axis.
 
 Layers to keep in high precision (the paper keeps the last few blocks in BF16) are chosen
 with the recipe's ``high_precision`` patterns or per-layer :class:`~lowprec.Rules`.
@@ -35,24 +39,34 @@ each GEMM is within K·2^-23·Σ|a b| plus one float32 product rounding per term
 dot of the quantized operands.
 
 Steps, for x [T, K] (leading dims flattened), w [K, N] (or [N, K]), cotangent g [T, N];
-every axis zero-padded to a multiple of 16 first (zeros add nothing, and (M 0) = 0 rows do
-not change a block's amax):
+a DenseGeneral-style weight ([D, heads, head_dim], or [heads, head_dim, D] contracted on
+its first two axes) is the 2-D matrix of its contracting axes (K) by its other axes (N),
+each flattened in order, and x's contracting axes are flattened alike; every axis
+zero-padded to a multiple of 16 first (zeros add nothing, and (M 0) = 0 rows do not change a
+block's amax):
 
 1. forward: ``y = Q(x, along K) · Q2(w)``, Q = 16-element blocks, Q2 = 16 x 16 tiles;
 2. grad_x: ``Q(g, along N, SR words w_d) · Q2(w)ᵀ``;
 3. grad_w: ``Q(M x, along T)ᵀ · Q(M g, along T, SR words w_w)`` (without RHT: M = I).
 
 Random-word contract (stochastic rounding of g; ``lowprec.random_bits``' comparison rule):
-h = the uint32 wrapping sum of g's float32 bit patterns (padded), k = fold_in(key(seed), h);
-w_d = random_bits(fold_in(k, 0), padded g.shape) and w_w = random_bits(fold_in(k, 1),
-padded g.shape) (for step 3 indexed as M g, i.e. the same [T, N] layout). The RHT signs are
-s_i = 1 - 2 (random_bits(key(seed), (16,))[i] & 1). ``seed`` is a recipe field. Words
-depend on the data only through h, so a step is reproducible and steps differ.
+the dot's key k is, inside :func:`lowprec.stochastic_rounding_key` (``key``), fold_in(key, i)
+for the i-th such dot traced in the block; elsewhere k = fold_in(key(seed), h) with h the
+uint32 wrapping sum of g's float32 bit patterns (padded). w_d = random_bits(fold_in(k, 0),
+padded g.shape) and w_w = random_bits(fold_in(k, 1), padded g.shape) (for step 3 indexed as
+M g, i.e. the same [T, N] layout). The RHT signs are s_i = 1 - 2 (random_bits(key(seed),
+(16,))[i] & 1). ``seed`` is a recipe field. Either way a step is reproducible and steps
+differ. Keyed words do not depend on the data, as Transformer Engine's come from its random
+state: a data-parallel run on any number of devices then tracks the one-device run. Words
+from h depend on every bit of the cotangent, which float32 summation order changes from one
+device count to another (after the first update), so such runs drift apart by the rounding
+noise itself (docs/design.md §14).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +82,8 @@ from ._format import mx_format
 from ._gpu_gemm import apply_tensor_scales, block_values_bf16
 from ._mx import dequantize, quantize_mx
 from ._random import random_bits
-from ._sharding import explicit_sharding
+from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
+                        split_dims, split_out_sharding)
 from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
 TILE = 16  # NVFP4 block length, and the side of weight tiles and of the Hadamard blocks
@@ -124,11 +139,11 @@ def quantize_2d(w, gemm: bool = False):
     r, c = w.shape
     bits = f32_bits(w)  # w: float32
     ts = _nvfp4.clamp_tensor_scale_bits(_nvfp4.tensor_scale_bits(_nvfp4.finite_amax_bits(bits)))
-    mag = (bits & F32_ABS).reshape(r // TILE, TILE, c // TILE, TILE)
+    mag = split_dims(bits & F32_ABS, (r // TILE, TILE, c // TILE, TILE), [[0, 1], [2, 3]])
     finite = mag < F32_INF
     tile_amax = jnp.max(jnp.where(finite, mag, jnp.uint32(0)), axis=(1, 3))
-    special = jnp.repeat(~jnp.all(finite, axis=(1, 3)), TILE, axis=0)  # [R, C/16]
-    codes_s = jnp.repeat(_nvfp4.block_scale_codes(tile_amax, ts, fmt.scale), TILE, axis=0)
+    special = _tile_rows(~jnp.all(finite, axis=(1, 3)))  # [R, C/16]
+    codes_s = _tile_rows(_nvfp4.block_scale_codes(tile_amax, ts, fmt.scale))
     total = _nvfp4.total_scale_bits(codes_s, ts, fmt.scale)  # [R, C/16]
     quotient = _nvfp4.element_quotient_bits(bits.reshape(r, c // TILE, TILE), total[..., None])
     codes = encode_bits(fmt.element, quotient, "nearest_even", "saturate", None,
@@ -141,6 +156,12 @@ def quantize_2d(w, gemm: bool = False):
                                     fmt.scale)
     values = jnp.where(special[..., None], jnp.uint32(0x7FC0_0000), values)
     return bits_to_f32(values.reshape(r, c))
+
+
+def _tile_rows(a):
+    """[R/16, ...] -> [R, ...], each row repeated for the 16 rows of its tile (laid out as
+    ``a`` on Explicit axes, where jnp.repeat must be told)."""
+    return jnp.repeat(a, TILE, axis=0, out_sharding=explicit_sharding(a))
 
 
 def _f32(v):
@@ -157,6 +178,20 @@ def _pad_to(v, axis: int):
     widths = [(0, 0)] * v.ndim
     widths[axis] = (0, extra)
     return jnp.pad(v, widths)
+
+
+def _unpad(v, rows: int, cols: int):
+    """``v[:rows, :cols]``, written only where padding is dropped (an axis split across
+    devices holds whole 16-blocks, so it is never padded, and is not sliced)."""
+    if v.shape[0] != rows:
+        v = v[:rows]
+    return v if v.shape[1] == cols else v[:, :cols]
+
+
+def _tokens(v):
+    """``v`` [..., C] as [T, C] (leading dims merged; on Explicit axes sharded by theirs)."""
+    nd = v.ndim
+    return merge_dims(v, (math.prod(v.shape[:-1]), v.shape[-1]), [range(nd - 1), [nd - 1]])
 
 
 def _f32dot(a, b, dn, out_sharding=None):
@@ -185,30 +220,71 @@ def _routed(compute, *args):
     return on_cuda(functools.partial(compute, True), portable, *args)
 
 
-def grad_words(g_padded, seed: int):
-    """The random words (w_d, w_w) of a padded cotangent (module docstring)."""
-    h = jnp.sum(f32_bits(g_padded), dtype=jnp.uint32)
-    k = jax.random.fold_in(jax.random.key(seed), h)
-    shape = g_padded.shape
+def grad_words(g_padded, seed: int, key=None):
+    """The random words (w_d, w_w) of a padded cotangent (module docstring): from ``key``
+    (the dot's key from :func:`lowprec.stochastic_rounding_key`), else from the seed and a
+    hash of the cotangent's bits."""
+    if key is None:
+        h = jnp.sum(f32_bits(g_padded), dtype=jnp.uint32)
+        key = jax.random.fold_in(jax.random.key(seed), h)
+    k, shape = key, g_padded.shape
     return (random_bits(jax.random.fold_in(k, 0), shape),
             random_bits(jax.random.fold_in(k, 1), shape))
 
 
 def check_layout(lhs_shape, rhs_shape, dn) -> None:
-    """The recipe's dot is a linear layer's: lhs [..., K] contracted on its last axis with a
-    2-D rhs (weight), no batch dims."""
+    """The recipe's dot is a linear layer's (``Dense``, ``DenseGeneral``, ``nnx.Linear``,
+    ``nnx.LinearGeneral``): lhs [..., K1, .., Kc] contracted on its last c axes, in order,
+    with a weight whose contracting axes are its first c ([K.., N..]) or its last c
+    ([N.., K..]), in the same order, and which has other (output) axes; no batch dims."""
     (lc, rc), (lb, rb) = dn
-    if lb or rb or len(rhs_shape) != 2 or tuple(lc) != (len(lhs_shape) - 1,) or len(rc) != 1:
+    nl, nr, c = len(lhs_shape), len(rhs_shape), len(lc)
+    ok = (not lb and not rb and c >= 1 and len(rc) == c and nr > c
+          and tuple(lc) == tuple(range(nl - c, nl))
+          and tuple(rc) in (tuple(range(c)), tuple(range(nr - c, nr))))
+    if not ok:
         raise ValueError(
             "the NVFP4 training recipe (weight_block_2d / wgrad_rht / stochastic grad_rounding) "
-            "applies to linear layers: lhs [..., K] contracted on its last axis with a 2-D "
-            f"weight, no batch dims; got shapes {tuple(lhs_shape)}, {tuple(rhs_shape)} and "
-            f"dimension numbers {dn}. Keep this layer in another recipe (Rules/high_precision)"
+            "applies to linear layers: lhs [..., K..] contracted on its last axes with a weight "
+            "[K.., N..] or [N.., K..] (the same contracting axes, in order), no batch dims; got "
+            f"shapes {tuple(lhs_shape)}, {tuple(rhs_shape)} and dimension numbers {dn}. Keep "
+            "this layer in another recipe (Rules/high_precision)"
         )
 
 
+def nvfp4_dot(lhs, rhs, dn, recipe, out_dtype, out_sharding=None, sr_key=None):
+    """The recipe's dot of a linear layer (layouts of :func:`check_layout`): the weight seen
+    as 2-D, [K, N] or [N, K], its contracting axes flattened into K and its output axes into
+    N (a DenseGeneral's [D, heads, head_dim] is [D, heads * head_dim]; its 16 x 16 tiles are
+    tiles of that matrix), and lhs's contracting axes into K, in the order given (as the MX
+    dots block a flattened contraction); the result is reshaped back to [..., N..]."""
+    (lc, rc), _ = dn
+    c, nl, nr = len(lc), len(lhs.shape), len(rhs.shape)
+    if c == 1 and nr == 2:  # already a 2-D weight: no reshape
+        return nvfp4_train_dot(lhs, rhs, dn, recipe, out_dtype, out_sharding, sr_key)
+    nlead = nl - c
+    k = math.prod(lhs.shape[nlead:])
+    k_first = tuple(rc) == tuple(range(c))
+    free = tuple(rhs.shape[c:] if k_first else rhs.shape[:nr - c])
+    n = math.prod(free)
+    x = merge_dims(lhs, (*lhs.shape[:nlead], k), [*([d] for d in range(nlead)), range(nlead, nl)])
+    if k_first:
+        w = merge_dims(rhs, (k, n), [range(c), range(c, nr)])
+    else:
+        w = merge_dims(rhs, (n, k), [range(nr - c), range(nr - c, nr)])
+    inner, constraint = split_out_sharding(out_sharding)
+    final = inner if inner is not None else dot_out_sharding(lhs, rhs, dn)
+    groups = [*([d] for d in range(nlead)), range(nlead, nlead + len(free))]
+    y = nvfp4_train_dot(x, w, (((nlead,), (0 if k_first else 1,)), ((), ())), recipe, out_dtype,
+                        merged_sharding(inner, groups), sr_key)
+    y = jnp.reshape(y, (*lhs.shape[:nlead], *free), out_sharding=final)
+    return y if constraint is None else lax.with_sharding_constraint(y, constraint)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def nvfp4_train_dot(x, w, dn, recipe, out_dtype, out_sharding=None):
+def nvfp4_train_dot(x, w, dn, recipe, out_dtype, out_sharding=None, sr_key=None):
+    """The recipe's dot; ``sr_key``: the key of the gradients' stochastic rounding (None:
+    words from the seed and the cotangent's bits)."""
     return _forward(x, w, dn, recipe, out_dtype, out_sharding)
 
 
@@ -225,46 +301,59 @@ def _quantized_weight(wt, recipe, gemm: bool = False):
 
 
 def _forward(x, w, dn, recipe, out_dtype, out_sharding):
-    k = x.shape[-1]
     n = w.shape[1 - dn[0][1][0]]
-    x2 = _pad_to(_f32(x.reshape(-1, k)), 1)
+    x2 = _pad_to(_f32(_tokens(x)), 1)
+    # On Explicit axes: the [T, N] dot takes out_sharding with the leading dims merged (a
+    # row-parallel layer's partial sums are reduced there), and the result is laid out as
+    # asked, or as lax.dot_general lays out these operands.
+    inner, constraint = split_out_sharding(out_sharding)
+    final = inner if inner is not None else dot_out_sharding(x, w, dn)
+    sy = merged_sharding(inner, [range(x.ndim - 1), [x.ndim - 1]])
 
     def product(gemm, x2, wt):
         return _gemm(gemm, quantize_1d(x2, 1, gemm=gemm), _quantized_weight(wt, recipe, gemm),
-                     (((1,), (1,)), ((), ())))
+                     (((1,), (1,)), ((), ())), sy)
 
-    y = _routed(product, x2, _weight_nk(w, dn))[:, :n]
-    return bits_to_dtype(f32_bits(y.reshape(*x.shape[:-1], n)), out_dtype)
+    y = _routed(product, x2, _weight_nk(w, dn))
+    y = _unpad(y, y.shape[0], n)
+    y = jnp.reshape(y, (*x.shape[:-1], n), out_sharding=final)
+    y = y if constraint is None else lax.with_sharding_constraint(y, constraint)
+    return bits_to_dtype(f32_bits(y), out_dtype)
 
 
-def _fwd(x, w, dn, recipe, out_dtype, out_sharding):
-    return nvfp4_train_dot(x, w, dn, recipe, out_dtype, out_sharding), (x, w)
+def _fwd(x, w, dn, recipe, out_dtype, out_sharding, sr_key=None):
+    return nvfp4_train_dot(x, w, dn, recipe, out_dtype, out_sharding, sr_key), (x, w, sr_key)
 
 
 def _bwd(dn, recipe, out_dtype, out_sharding, residuals, g):
-    x, w = residuals
+    x, w, sr_key = residuals
     k = x.shape[-1]
     (_, rc), _ = dn
     n = w.shape[1 - rc[0]]
     t = x.size // k
-    x2 = _pad_to(_pad_to(_f32(x.reshape(t, k)), 0), 1)  # [T16, K16]
-    g2 = _pad_to(_pad_to(_f32(g.reshape(t, n)), 0), 1)  # [T16, N16]
+    x2 = _pad_to(_pad_to(_f32(_tokens(x)), 0), 1)  # [T16, K16]
+    g2 = _pad_to(_pad_to(_f32(_tokens(g)), 0), 1)  # [T16, N16]
     stochastic = recipe.grad_rounding == "stochastic"
-    wd, ww = grad_words(g2, recipe.seed) if stochastic else (None, None)
+    wd, ww = grad_words(g2, recipe.seed, sr_key) if stochastic else (None, None)
+    # Each gradient is laid out as its operand on Explicit axes (lax.dot_general's transpose
+    # rule): a contraction split across devices (N for a column-parallel layer's grad_x,
+    # tokens for a data-parallel grad_w) is reduced into that layout. Axes split across
+    # devices hold whole 16-blocks (checked in Recipe.dot_general), so are never padded.
+    sx = explicit_sharding(x)
+    sx2 = None if sx is None else merged_sharding(sx, [range(x.ndim - 1), [x.ndim - 1]])
 
     # grad_x = Q(g along N) · Q2(w): [T, N] x [N, K].
     def grad_x(gemm, g2, wt, wd):
         return _gemm(gemm, quantize_1d(g2, 1, wd, gemm), _quantized_weight(wt, recipe, gemm),
-                     (((1,), (0,)), ((), ())))
+                     (((1,), (0,)), ((), ())), sx2)
 
-    gx = _routed(grad_x, g2, _weight_nk(w, dn), wd)[:t, :k]
+    gx = _unpad(_routed(grad_x, g2, _weight_nk(w, dn), wd), t, k)
     # grad_w = Q(M x along T)ᵀ · Q(M g along T): [K, N].
     if recipe.wgrad_rht:
         signs = rht_signs(recipe.seed)
         x2, g2 = rht(x2, signs), rht(g2, signs)
-    # Tokens sharded (data parallel, Explicit axes): the sum over them is reduced into the
-    # weight's layout, as lax.dot_general's transpose does (unpadded weights only).
-    sw = explicit_sharding(w) if (k % TILE == 0 and n % TILE == 0) else None
+    # grad_w [K16, N16] in the weight's layout (transposed for a weight stored [N, K]).
+    sw = explicit_sharding(w)
     if sw is not None and rc[0] == 1:
         spec = (tuple(sw.spec) + (None, None))[:2]
         sw = jax.sharding.NamedSharding(sw.mesh, jax.sharding.PartitionSpec(*spec[::-1]))
@@ -273,10 +362,10 @@ def _bwd(dn, recipe, out_dtype, out_sharding, residuals, g):
         return _gemm(gemm, quantize_1d(x2, 0, gemm=gemm), quantize_1d(g2, 0, ww, gemm),
                      (((0,), (0,)), ((), ())), sw)
 
-    gw = _routed(grad_w, x2, g2, ww)[:k, :n]
+    gw = _unpad(_routed(grad_w, x2, g2, ww), k, n)
     gw = gw if rc[0] == 0 else gw.T
-    return (bits_to_dtype(f32_bits(gx.reshape(x.shape)), x.dtype),
-            bits_to_dtype(f32_bits(gw), w.dtype))
+    gx = jnp.reshape(gx, x.shape, out_sharding=sx)
+    return (bits_to_dtype(f32_bits(gx), x.dtype), bits_to_dtype(f32_bits(gw), w.dtype), None)
 
 
 nvfp4_train_dot.defvjp(_fwd, _bwd)

@@ -58,7 +58,8 @@ from ._mx_decode import fast_decode_applies, fast_decode_exact, mx_value_bits, m
 from ._mx_encode import padded_bits, quantize_mxarray
 from ._mxarray import MXArray
 from ._options import DotSpec, MXCast, OperandCast
-from ._sharding import explicit_sharding, merged_sharding, split_out_sharding, without_leading
+from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
+                        split_out_sharding, without_leading)
 from .kernels._dispatch import gpu_gemm_routes, mxdot_kernel, on_cuda
 from .kernels._mxdot_pallas import mxdot_pallas
 
@@ -83,7 +84,9 @@ def _canonicalize(x, contract, batch):
     axis 2, e.g. activations [T, K] — or as (batch, contracting, free) — contraction axis 1,
     e.g. a weight [K, N]: the dot takes either layout as it is. Other orders are transposed
     to (B, M, K). An MXArray must have exactly one contracting dimension, its block axis
-    (checked before), and keeps its codes: only uint8 arrays are reshaped (or moved).
+    (checked before), and keeps its codes: only uint8 arrays are reshaped (or moved). On
+    ``Explicit`` mesh axes each merged dim is sharded by the mesh axes of the dims it merges
+    (:func:`~lowprec._sharding.merge_dims`: [B@x, S, D] gives (1, (B S)@x, D), no data moved).
     """
     shape = shape_of(x)
     nd = len(shape)
@@ -94,14 +97,18 @@ def _canonicalize(x, contract, batch):
     ca = 2
     if perm != list(range(nd)) and list(batch) + list(contract) + free == list(range(nd)):
         perm, ca = list(range(nd)), 1
+    # The dims of the transposed operand, grouped as they merge into its three.
+    nb, nk = len(batch), len(contract)
+    inner = (nb, nd - nk) if ca == 2 else (nb, nb + nk)
+    groups = [range(inner[0]), range(*inner), range(inner[1], nd)]
     if not isinstance(x, MXArray):
         x = jnp.transpose(x, perm)
-        return (x.reshape(b, m, k) if ca == 2 else x.reshape(b, k, m)), ca
+        return merge_dims(x, (b, m, k) if ca == 2 else (b, k, m), groups), ca
 
     def canon(codes):
         codes = jnp.transpose(codes, perm)
         kc = codes.shape[len(batch)] if ca == 1 else codes.shape[-1]  # padded/packed length
-        return codes.reshape((b, m, kc) if ca == 2 else (b, kc, m))
+        return merge_dims(codes, (b, m, kc) if ca == 2 else (b, kc, m), groups)
 
     full = (b, m, k) if ca == 2 else (b, k, m)
     return MXArray(canon(x.elements), canon(x.scales), x.fmt, ca, full, x.scale_rule,
@@ -448,6 +455,10 @@ def dot_general_jit(lhs, rhs, dn, spec: DotSpec, out_sharding=None):
     ``out_sharding`` (a NamedSharding of that layout, or None) is given to the inner dot."""
     (lc, rc), (lb, rb) = dn
     lshape, rshape = shape_of(lhs), shape_of(rhs)
+    inner, constraint = split_out_sharding(out_sharding)
+    # On Explicit axes the output takes the layout asked for, else the one lax.dot_general
+    # gives these operands: the canonical (B, M, N) result is reshaped into it.
+    final = inner if inner is not None else dot_out_sharding(_typed(lhs), _typed(rhs), dn)
     lhs, la = _canonicalize(lhs, lc, lb)
     rhs, ra = _canonicalize(rhs, rc, rb)
     _, lfree = _canon_perm(len(lshape), lc, lb)
@@ -455,10 +466,16 @@ def dot_general_jit(lhs, rhs, dn, spec: DotSpec, out_sharding=None):
     # lax.dot_general's layout: batch dims, then lhs free dims, then rhs free dims.
     nb, nl = len(lb), len(lfree)
     groups = [list(range(nb)), list(range(nb, nb + nl)), list(range(nb + nl, nb + nl + len(rfree)))]
-    inner, constraint = split_out_sharding(out_sharding)
     out = _qdot(lhs, rhs, spec, (la, ra), merged_sharding(inner, groups))
     out_shape = [lshape[d] for d in lb] + [lshape[d] for d in lfree] + [rshape[d] for d in rfree]
-    out = jnp.reshape(out, out_shape, out_sharding=inner)
+    out = jnp.reshape(out, out_shape, out_sharding=final)
     return out if constraint is None else lax.with_sharding_constraint(out, constraint)
+
+
+def _typed(x):
+    """``x``, or for an MXArray the float array it stands for (shape and sharding only)."""
+    if not isinstance(x, MXArray):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=explicit_sharding(x.elements))
 
 

@@ -68,7 +68,7 @@ from ._mx_encode import quantize_mxarray
 from ._mxarray import MXArray
 from ._options import INPUT_DTYPES, DotSpec, ElementCast, MXCast, OperandCast
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, rceil_code
-from ._sharding import check_contraction, explicit_sharding, out_sharding_arg
+from ._sharding import check_contraction, explicit_sharding, out_sharding_arg, replicated
 from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
 # lhs [M, K] x rhs [G, K, N] -> [M, N], rows of lhs ragged (lax.ragged_dot's layout).
@@ -386,9 +386,11 @@ def _row_exponents(bits, gid, groups: int, cast: OperandCast):
 
 
 def _expert_exponents(bits, cast: OperandCast):
-    """[G + 1] exponents of the experts (the last, 0, for rows in no group)."""
+    """[G + 1] exponents of the experts (the last, 0, for rows in no group), on every device:
+    with experts split across devices (expert parallelism, Explicit axes) the G exponents are
+    gathered, as every device's tokens may belong to any expert."""
     e = _exponents(jnp.max(bits & F32_ABS, axis=(1, 2), initial=jnp.uint32(0)), cast)
-    return jnp.concatenate([e, jnp.zeros((1,), jnp.int32)])
+    return jnp.concatenate([replicated(e), jnp.zeros((1,), jnp.int32)])
 
 
 def _scaled(bits, e):

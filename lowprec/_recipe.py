@@ -58,10 +58,11 @@ from ._delayed import DelayedScaling
 from ._format import ElementFormat, MXFormat, element_format
 from ._dtypes import input_bits
 from ._matmul import dot_general
-from ._nvfp4_train import check_layout, nvfp4_train_dot
+from ._nvfp4_train import TILE, check_layout, nvfp4_dot
 from ._options import operand_cast
 from ._ragged import RaggedSpec, ragged_dot_jit
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule, rceil_code
+from ._rounding_key import next_key
 from ._sharding import check_contraction, out_sharding_arg
 
 FormatLike = Union[None, str, ElementFormat, MXFormat]
@@ -377,8 +378,13 @@ class Recipe:
         _check_forward_sharding(lhs, rhs, dn, self)
         if self._nvfp4_training():
             check_layout(lhs.shape, rhs.shape, dn)
-            return nvfp4_train_dot(lhs, rhs, dn, self, out_dtype, out_sharding)
-        if self._needs_own_vjp():
+            if self.weight_block_2d:
+                _check_weight_tiles(rhs, dn, self)
+            sr_key = None
+            if self.grad_rounding == "stochastic":
+                sr_key = next_key(lhs, rhs, what=f"{self.name or 'recipe'} dot_general")
+            out = nvfp4_dot(lhs, rhs, dn, self, out_dtype, out_sharding, sr_key)
+        elif self._needs_own_vjp():
             out = _recipe_dot(lhs, rhs, dn, self, out_dtype, out_sharding)
         else:
             out = _forward_dot(lhs, rhs, dn, self, out_dtype, self.backward, out_sharding)
@@ -565,6 +571,16 @@ def _check_forward_sharding(lhs, rhs, dn, recipe: Recipe) -> None:
     for x, fmt, contract, role in ((lhs, recipe.forward[0], lc, "lhs"), (rhs, recipe.forward[1], rc, "rhs")):
         if isinstance(fmt, MXFormat):
             check_contraction(x, contract, fmt.block_size, f"{name} forward dot, {role} contraction")
+
+
+def _check_weight_tiles(rhs, dn, recipe: Recipe) -> None:
+    """16 x 16 weight tiles (``weight_block_2d``) also run along the weight's output axes
+    (N, flattened): they must not straddle shards there either (K is checked with the
+    forward blocks)."""
+    (_, rc), _ = dn
+    free = tuple(d for d in range(rhs.ndim) if d not in rc)
+    check_contraction(rhs, free, TILE, f"{recipe.name or 'recipe'} 16 x 16 weight tiles along "
+                      f"the weight's output axes {free}")
 
 
 def _check_backward_sharding(lhs, rhs, dn, recipe: Recipe) -> None:

@@ -179,6 +179,87 @@ def merged_sharding(sharding: Optional[NamedSharding], groups: Sequence[Sequence
     return NamedSharding(sharding.mesh, PartitionSpec(*merged))
 
 
+def merge_dims(x, shape: Sequence[int], groups: Sequence[Sequence[int]]):
+    """``x`` reshaped to ``shape``, whose dim i merges the consecutive dims ``groups[i]`` of
+    ``x`` (an empty group: a new dim of length 1).
+
+    On ``Explicit`` mesh axes JAX infers the layout of a reshape only in simple cases
+    (``[8@x, 16, 128]`` to ``(1, 128, 128)`` is refused), so the layout is given: each merged
+    dim is sharded by the mesh axes of its dims (:func:`merged_sharding`). Nothing moves when
+    a group's sharded dims lead it (activations [B@x, S, D] give (B S)@x); otherwise (e.g.
+    [B, S@x, D]) the partitioner moves data into that layout, and the result is the same.
+    Elsewhere (no mesh, ``Auto`` axes) this is ``x.reshape(shape)``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> merge_dims(jnp.ones((2, 3, 4)), (1, 6, 4), [[], [0, 1], [2]]).shape
+        (1, 6, 4)
+    """
+    sharding = explicit_sharding(x)
+    target = None if sharding is None else merged_sharding(sharding, [list(g) for g in groups])
+    return jax.numpy.reshape(x, tuple(shape), out_sharding=target)
+
+
+def split_dims(x, shape: Sequence[int], groups: Sequence[Sequence[int]]):
+    """``x`` reshaped to ``shape``, dim i of ``x`` split into the consecutive dims
+    ``groups[i]`` of the result (the inverse of :func:`merge_dims`).
+
+    On ``Explicit`` mesh axes, dim i's mesh axes shard the first dim of its group (JAX infers
+    this for a single split, not for several at once, such as a weight [R, C] viewed as
+    16 x 16 tiles (R/16, 16, C/16, 16)); callers make each shard hold whole sub-blocks
+    (checked where the layout is chosen). Elsewhere this is ``x.reshape(shape)``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> split_dims(jnp.ones((32, 48)), (2, 16, 3, 16), [[0, 1], [2, 3]]).shape
+        (2, 16, 3, 16)
+    """
+    sharding = explicit_sharding(x)
+    target = None
+    if sharding is not None:
+        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+        out = [None] * len(shape)
+        for entry, group in zip(spec, groups):
+            if group:
+                out[group[0]] = entry
+        target = NamedSharding(sharding.mesh, PartitionSpec(*out))
+    return jax.numpy.reshape(x, tuple(shape), out_sharding=target)
+
+
+def dot_out_sharding(lhs, rhs, dimension_numbers) -> Optional[NamedSharding]:
+    """The sharding ``lax.dot_general(lhs, rhs, dimension_numbers)`` gives its output on
+    ``Explicit`` mesh axes (found by tracing it abstractly, so its rules and its errors, e.g.
+    a contraction sharded on both operands needs ``out_sharding``, are JAX's own); None
+    where neither operand is laid out on ``Explicit`` axes. Operands may be
+    ``jax.ShapeDtypeStruct``s.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> dot_out_sharding(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ()))) is None
+        True
+    """
+    if explicit_sharding(lhs) is None and explicit_sharding(rhs) is None:
+        return None
+    out = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers), lhs, rhs)
+    return out.sharding
+
+
+def replicated(x):
+    """``x`` on every device, where it is laid out over ``Explicit`` mesh axes (an all-gather;
+    for small arrays, such as one scale per expert, that are joined with unsharded ones or
+    indexed by per-token data); ``x`` itself elsewhere.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> replicated(jnp.arange(3)).tolist()
+        [0, 1, 2]
+    """
+    sharding = explicit_sharding(x)
+    if sharding is None or all(e is None for e in sharding.spec):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+
+
 def without_leading(sharding: Optional[NamedSharding]) -> Optional[NamedSharding]:
     """``sharding`` with its first dim dropped (for a 3-D dot computed as a 2-D one)."""
     if sharding is None:

@@ -279,23 +279,34 @@ def test_recipe_dot_general_out_sharding():
 
 # -- training: data, tensor (column + row) and FSDP parallelism, Auto and Explicit axes ------------
 #
-# A two-layer MLP y = relu(x w1) w2 with the loss sum(y * c) for a fixed c, so the cotangent
-# of y is c itself: the quantized gradients do not depend on how y's sums were ordered, and
-# every layout must give the one-device gradients up to float32 summation order.
+# A two-layer MLP y = relu(x w1) w2 on activations x [batch, seq, d] (the transformer
+# layout), with the loss sum(y * c) for a fixed c, so the cotangent of y is c itself: the
+# quantized gradients do not depend on how y's sums were ordered, and every layout must give
+# the one-device gradients up to float32 summation order.
 
-TOKENS, D, H = 128, 128, 128  # 32 tokens per device on 4 devices: whole 32-token blocks
+BATCH, SEQ, D, H = 8, 16, 128, 128  # 32 tokens per device on 4 devices: whole 32-token blocks
+DN3 = (((2,), (0,)), ((), ()))
 LAYOUTS = {
     # name: (mesh shape, names, x spec, w1 spec, w2 spec, h out_sharding, y out_sharding)
-    "data": ((4,), ("x",), P("x", None), P(), P(), None, None),
+    "data": ((4,), ("x",), P("x", None, None), P(), P(), None, None),
     # Megatron: w1 column-parallel (output features split), w2 row-parallel (its
     # contraction split on both operands: out_sharding needed on Explicit axes).
     "tensor": ((4,), ("x",), P(), P(None, "x"), P("x", None), None, P(None, None)),
-    "data_tensor": ((2, 2), ("d", "m"), P("d", None), P(None, "m"), P("m", None), None,
+    "data_tensor": ((2, 2), ("d", "m"), P("d", None, None), P(None, "m"), P("m", None), None,
                     P("d", None)),
     # FSDP: weights stored split along their first axis, gathered for the matmul (reshard;
     # its transpose reduce-scatters the gradient back to the stored layout).
-    "fsdp": ((4,), ("x",), P("x", None), P("x", None), P("x", None), None, None),
+    "fsdp": ((4,), ("x",), P("x", None, None), P("x", None), P("x", None), None, None),
 }
+
+
+# Straight-through MXFP8: the float gradient of the quantized forward (lowprec.dot_general's
+# "ste" backward).
+STE_MXFP8 = lowprec.Recipe(forward="mxfp8_e4m3", scale_rule="rceil", name="ste_mxfp8")
+
+
+def _recipe(name):
+    return STE_MXFP8 if name == "ste_mxfp8" else lowprec.RECIPES[name]
 
 
 def _mlp_loss(recipe, layout, gather=False, sharded=True):
@@ -305,8 +316,8 @@ def _mlp_loss(recipe, layout, gather=False, sharded=True):
         w1, w2 = params
         if gather:
             w1, w2 = jax.sharding.reshard(w1, P()), jax.sharding.reshard(w2, P())
-        h = jax.nn.relu(recipe.dot_general(x, w1, DN, out_sharding=hs))
-        y = recipe.dot_general(h, w2, DN, out_sharding=ys)
+        h = jax.nn.relu(recipe.dot_general(x, w1, DN3, out_sharding=hs))
+        y = recipe.dot_general(h, w2, DN3, out_sharding=ys)
         return jnp.sum(y * c), y
 
     return loss
@@ -315,26 +326,48 @@ def _mlp_loss(recipe, layout, gather=False, sharded=True):
 @pytest.mark.parametrize("kind,layout,recipe", [
     *((k, lay, "nvidia_mxfp8") for k in ("explicit", "auto") for lay in sorted(LAYOUTS)),
     # Kept small: the other backward paths (OCP's E5M2 gradients; per-tensor scaling, which
-    # has its own VJP) on the two layouts whose backward dots reduce across devices.
-    ("explicit", "data", "ocp_mxfp8"), ("explicit", "tensor", "fp8_hybrid"),
+    # has its own VJP; STE) on the two layouts whose backward dots reduce across devices.
+    ("explicit", "data", "ocp_mxfp8"), ("explicit", "data_tensor", "fp8_hybrid"),
+    ("explicit", "data", "ste_mxfp8"), ("explicit", "fsdp", "fp8_hybrid"),
+    # The NVFP4 training recipe (its own VJP; 16 x 16 weight tiles, RHT along tokens), its
+    # words keyed (stochastic_rounding_key): column- and row-parallel (issue 35 item 2),
+    # and data x tensor parallel on Auto axes (data parallel: the transformer block below).
+    # (With words hashed from the cotangent, the tensor-parallel case is 21% off: w1's
+    # cotangent comes from the row-parallel layer's input gradient, whose per-device dot
+    # sums in another order than one device's, so its bits differ, and with them every
+    # word.)
+    ("explicit", "tensor", "nvidia_nvfp4"), ("auto", "data_tensor", "nvidia_nvfp4"),
 ])
 def test_training_matches_one_device(kind, layout, recipe):
-    recipe = lowprec.RECIPES[recipe]
+    recipe = _recipe(recipe)
     ks = jax.random.split(jax.random.key(11), 4)
-    x = jax.random.normal(ks[0], (TOKENS, D))
+    x = jax.random.normal(ks[0], (BATCH, SEQ, D))
     w1 = jax.random.normal(ks[1], (D, H)) / 8
     w2 = jax.random.normal(ks[2], (H, D)) / 8
-    c = jax.random.normal(ks[3], (TOKENS, D))
+    c = jax.random.normal(ks[3], (BATCH, SEQ, D))
     shape, names, xs_, w1s, w2s, _, _ = LAYOUTS[layout]
     fsdp = layout == "fsdp"
-    grad = jax.value_and_grad(_mlp_loss(recipe, layout, sharded=False), has_aux=True)
-    (want_l, want_y), want_g = jax.jit(grad)((w1, w2), x, c)
+    key = jax.random.key(3)
+
+    def grad_of(loss):
+        grad = jax.value_and_grad(loss, has_aux=True)
+        if not recipe._nvfp4_training():
+            return lambda p, x, c, k: grad(p, x, c)
+
+        def keyed(p, x, c, k):
+            with lowprec.stochastic_rounding_key(k):
+                return grad(p, x, c)
+
+        return keyed
+
+    (want_l, want_y), want_g = jax.jit(grad_of(_mlp_loss(recipe, layout, sharded=False)))(
+        (w1, w2), x, c, key)
     mesh = _mesh(kind, shape, names)
     with jax.set_mesh(mesh):
         put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
         args = ((put(w1, w1s), put(w2, w2s)), put(x, xs_), put(c, P(*xs_[:1], None)))
-        f = jax.value_and_grad(_mlp_loss(recipe, layout, fsdp and kind == "explicit"), has_aux=True)
-        (got_l, got_y), got_g = jax.jit(f)(*args)
+        f = grad_of(_mlp_loss(recipe, layout, fsdp and kind == "explicit"))
+        (got_l, got_y), got_g = jax.jit(f)(*args, key)
     # Explicit axes: gradients come back in the parameters' own layouts (as plain JAX's).
     for g, p in zip(got_g, args[0]):
         assert kind == "auto" or _spec_of(g) == _spec_of(p), (g.sharding, p.sharding)
@@ -390,24 +423,45 @@ def test_recipe_einsum_out_sharding_in_output_order():
     assert_bits_equal(got, want)
 
 
-@pytest.mark.parametrize("kind", ["explicit", "auto"])
-def test_nvfp4_recipe_data_parallel(kind):
-    # NVIDIA_NVFP4 with tokens split (32 per device: whole 16-token RHT/quantization blocks):
-    # the random words depend on the cotangent through an integer sum (order-free), so the
-    # gradients equal one device's up to float32 summation order.
-    r = lowprec.NVIDIA_NVFP4
-    ks = jax.random.split(jax.random.key(14), 3)
-    x, w = jax.random.normal(ks[0], (128, 64)), jax.random.normal(ks[1], (64, 32))
-    c = jax.random.normal(ks[2], (128, 32))
-    loss = lambda a, b, cc: jnp.sum(r.dot_general(a, b, DN) * cc)
-    want = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, c)
-    mesh = _mesh(kind)
-    with jax.set_mesh(mesh):
-        args = (jax.device_put(x, P("x", None)), jax.device_put(w, P()), jax.device_put(c, P("x", None)))
-        got = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
-    assert kind == "auto" or _spec_of(got[1]) == (None, None)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+# The forward dot of 3-D activations [B, S, D] (issue 35 item 1: every MX/FP8 recipe once
+# failed here on Explicit axes, in the reshape to the dot's canonical 3-D layout). Each
+# output is per token: the same bits as on one device, laid out as lax.dot_general lays out
+# the same operands. The weights: a Dense kernel [D, N] (replicated, or column-parallel on a
+# second mesh axis) and a DenseGeneral kernel [D, heads, head_dim] with the heads split.
+FORWARD_3D = {  # (x spec, w spec, the weight as [D, N] or [D, heads, head_dim]) on a 2 x 2 mesh
+    "batch": (P("d", None, None), P(), (128, 128)),  # batch split: nothing moves
+    "sequence": (P(None, "d", None), P(), (128, 128)),  # merged tokens relaid out
+    "column": (P("d", None, None), P(None, "m"), (128, 128)),  # data x column-parallel
+    "heads": (P("d", None, None), P(None, "m", None), (128, 4, 32)),  # DenseGeneral, heads split
+}
+
+
+@pytest.mark.parametrize("recipe,layouts", [
+    ("nvidia_mxfp8", tuple(FORWARD_3D)),
+    ("fp8_hybrid", ("batch", "sequence")),
+    ("ste_mxfp8", ("batch", "sequence")),
+    ("nvidia_nvfp4", ("batch", "heads")),  # its own dot: 16 x 16 tiles of [D, heads x head_dim]
+])
+def test_recipe_forward_3d_activations_same_bits(recipe, layouts):
+    r = _recipe(recipe)
+    k1, k2 = jax.random.split(jax.random.key(15))
+    x = jax.random.normal(k1, (8, 16, 128))
+    w = jax.random.normal(k2, (128, 4, 32)) / 8
+    mesh = _mesh("explicit", (2, 2), ("d", "m"))
+    dn = (((2,), (0,)), ((), ()))
+    dot = jax.jit(lambda a, b: r.dot_general(a, b, dn))
+    want = {}
+    for name in layouts:
+        xspec, wspec, wshape = FORWARD_3D[name]
+        wv = w.reshape(wshape)
+        if wshape not in want:
+            want[wshape] = dot(x, wv)
+        with jax.set_mesh(mesh):
+            xs, ws = jax.device_put(x, xspec), jax.device_put(wv, wspec)
+            got = dot(xs, ws)
+            lax_spec = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dn), xs, ws).sharding.spec
+        assert got.sharding.spec == lax_spec, (name, got.sharding.spec, lax_spec)
+        assert_bits_equal(got, want[wshape])
 
 
 def test_sharded_inputs_keep_the_partitionable_formulation():
@@ -536,3 +590,291 @@ def test_delayed_training_matches_one_device(kind, layout, route, request):
     np.testing.assert_allclose(float(got_l), float(want_l), rtol=1e-5)
     for a, b in zip(got_g, want_g):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+
+
+# -- a transformer block: 3-D [B, S, D] activations, MHA + MLP, linen and nnx, every layout ------
+#
+# Pre-LN self-attention (4 heads of 32 over d = 64; no biases: a key bias has no gradient but
+# summation noise, which Adam would turn into steps of either sign) and a 64 -> 128 -> 64
+# GELU MLP, the whole block quantized by quantize_model (linen: interception; nnx: in place).
+# 8 x 16 = 128 tokens: 32 per device on 4 devices (whole 32-token blocks for the weight
+# gradients); tensor parallelism splits the heads (one head of 32 features per device on 4,
+# whole blocks along the output projection's contraction) and the MLP's hidden features.
+#
+# Expected: the same training on one device, three Adam steps (lr 1e-3) from the same
+# parameters on the same batch. What may differ, and the tolerance for each:
+# * float32 summation order: of sums that cross devices (weight gradients, the loss), and of
+#   the unquantized float work (attention's products, LayerNorm), which XLA compiles
+#   differently for another per-device shape (plain float32 Flax gives other bits here).
+#   A relative ~1e-6 change of a gradient, which Adam (dividing each gradient by its own
+#   magnitude) passes on as ~lr * 1e-6: parameters within TOL = 2e-5 (1/50 of one step's
+#   size lr);
+# * an isolated rounding flip: a value that such a change moves across a rounding boundary
+#   of its quantizer changes by one quantization step (at most 1/8 of it for E4M3), and
+#   with it what it multiplies: one token's outputs, for an activation (seen: data parallel,
+#   nnx, LayerNorm's outputs differing in their last bits in 112 of 128 tokens, one MXFP8
+#   code of the attention input flipped, one token's outputs off by up to 0.02, the other
+#   8128 the same bits); one column of one weight gradient, for a cotangent element. The
+#   losses, means over 8192 outputs that a flip moves by ~1e-5 relative (seen up to 2e-4
+#   after three steps), are within a relative LOSS_TOL = 1e-3. Through attention's
+#   backward, that one token's cotangent reaches the keys and values of its whole sequence,
+#   so every attention gradient moves by a few percent of its size (seen up to 6%), and
+#   Adam, dividing each element by its own magnitude, turns that into steps of the other
+#   sign where a gradient is near zero: many elements beyond TOL (seen up to 37%). So the
+#   bound per parameter tensor is on its drift, the norm of its distance from the one-device
+#   run over the norm of the one-device run's own update: DRIFT = 0.2 (seen up to 0.05
+#   with MXFP8; where no flip happened, ~1e-4).
+# A layout error (a block or tile split across devices, a wrong scale, a missing
+# reduction, other random words) changes gradients by their own size, a drift of order 1.
+
+B_, S_, D_, HEADS, QKV, F_ = 8, 16, 64, 4, 128, 128
+LR, STEPS, TOL, FLIPS, DRIFT, LOSS_TOL = 1e-3, 3, 2e-5, 0.01, 0.2, 1e-3
+
+# Megatron tensor parallelism by parameter name: column-parallel q/k/v and up (heads,
+# hidden features split), row-parallel out and down (their contractions split).
+TP_SPECS = {
+    ("query", "kernel"): P(None, "m", None), ("key", "kernel"): P(None, "m", None),
+    ("value", "kernel"): P(None, "m", None), ("out", "kernel"): P("m", None, None),
+    ("up", "kernel"): P(None, "m"), ("up", "bias"): P("m"), ("down", "kernel"): P("m", None),
+}
+MESHES = {  # layout: (mesh shape, axis names, activation spec)
+    "data": ((4,), ("d",), P("d", None, None)),
+    "tensor": ((4,), ("m",), P()),
+    "data_tensor": ((2, 2), ("d", "m"), P("d", None, None)),
+    "fsdp": ((4,), ("d",), P("d", None, None)),
+}
+
+
+def _param_spec(path, layout, ndim):
+    names = tuple(str(k.key) for k in path if hasattr(k, "key"))  # dict keys (nnx: + .value)
+    if layout in ("tensor", "data_tensor"):
+        return TP_SPECS.get(names[-2:], P())
+    if layout == "fsdp":  # stored split along the first axis (64 or 128 rows: 16+ each)
+        return P("d") if ndim >= 2 else P()
+    return P()
+
+
+def _linen_block():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(HEADS, qkv_features=QKV, use_bias=False,
+                                                    name="attn")(h)
+            h = nn.LayerNorm()(x)
+            return x + nn.Dense(D_, name="down")(nn.gelu(nn.Dense(F_, name="up")(h)))
+
+    return Block()
+
+
+def _nnx_block(out_sharding=None):
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.ln1, self.ln2 = nnx.LayerNorm(D_, rngs=rngs), nnx.LayerNorm(D_, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(HEADS, D_, QKV, D_, use_bias=False, decode=False,
+                                               rngs=rngs)
+            self.up = nnx.Linear(D_, F_, rngs=rngs)
+            self.down = nnx.Linear(F_, D_, rngs=rngs)
+
+        def __call__(self, x):
+            # Row-parallel layers (out, down) need out_sharding on Explicit axes, as in
+            # plain Flax: the activations' own layout.
+            x = x + self.attn(self.ln1(x), out_sharding=out_sharding)
+            return x + self.down(nnx.gelu(self.up(self.ln2(x))), out_sharding=out_sharding)
+
+    return Block(nnx.Rngs(0))
+
+
+def _batch():
+    k1, k2 = jax.random.split(jax.random.key(21))
+    return jax.random.normal(k1, (B_, S_, D_)), jax.random.normal(k2, (B_, S_, D_))
+
+
+def _adam_run(loss, params, x, t, keyed):
+    """STEPS Adam steps of ``loss(params, x, t)``; ``keyed``: each step's gradient inside
+    stochastic_rounding_key(fold_in(key, step)), the key an argument of the jitted step.
+    Returns (losses, params, the starting params)."""
+    optax = pytest.importorskip("optax")
+    opt = optax.adam(LR)
+    state, start = opt.init(params), params
+
+    @jax.jit
+    def step(params, state, x, t, key):
+        if keyed:
+            with lowprec.stochastic_rounding_key(key):
+                value, grads = jax.value_and_grad(loss)(params, x, t)
+        else:
+            value, grads = jax.value_and_grad(loss)(params, x, t)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    losses = []
+    for i in range(STEPS):
+        params, state, value = step(params, state, x, t, jax.random.fold_in(jax.random.key(5), i))
+        losses.append(float(value))
+    return losses, params, start
+
+
+def _assert_tracks(got, want, drift=False):
+    """The tolerance of the comment above: losses within a relative LOSS_TOL; per parameter
+    tensor, with ``drift`` (a block with attention) a drift of at most DRIFT, else (no
+    attention to spread a flip) at most FLIPS of its elements beyond TOL."""
+    (got_l, got_p, _), (want_l, want_p, start) = got, want
+    np.testing.assert_allclose(got_l, want_l, rtol=LOSS_TOL)
+    for (path, a), b, p0 in zip(jax.tree_util.tree_leaves_with_path(got_p),
+                                jax.tree.leaves(want_p), jax.tree.leaves(start)):
+        a, b, p0 = (np.asarray(v, np.float64) for v in (a, b, p0))
+        off = np.abs(a - b) > TOL
+        moved = np.linalg.norm(a - b) / np.linalg.norm(b - p0)
+        ok = moved <= DRIFT if drift else off.mean() <= FLIPS
+        assert ok, (jax.tree_util.keystr(path), int(off.sum()), off.size, f"drift {moved:.3g}")
+
+
+NVFP4_OUT = lowprec.Rules([("attn/out", lowprec.NVIDIA_NVFP4), (".*", lowprec.NVIDIA_MXFP8)])
+_ONE_DEVICE = {}  # (flavour, recipe) -> the one-device run, shared by the layouts
+
+
+def _one_device(flavour, recipe, run):
+    key = (flavour, repr(recipe))
+    if key not in _ONE_DEVICE:
+        _ONE_DEVICE[key] = run()
+    return _ONE_DEVICE[key]
+
+
+def _keyed(plan):
+    """Whether a recipe (or Rules) rounds some gradient stochastically: then the steps are
+    keyed (stochastic_rounding_key)."""
+    recipes = [rule.recipe for rule in plan.rules] if isinstance(plan, lowprec.Rules) else [plan]
+    return any(r is not None and r.grad_rounding == "stochastic" for r in recipes)
+
+
+def _put_params(params, mesh, layout):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, v: jax.device_put(v, NamedSharding(mesh, _param_spec(path, layout, v.ndim))),
+        params)
+
+
+def _linen_case(kind, layout, recipe):
+    import lowprec.flax
+
+    model = lowprec.flax.quantize_model(_linen_block(), recipe)
+    x, t = _batch()
+    params = model.init(jax.random.key(0), x)
+    keyed = _keyed(recipe)
+
+    def loss_with(gather):
+        def loss(p, x, t):
+            if gather:  # FSDP on Explicit axes: weights gathered where used (JAX's reshard)
+                p = jax.tree.map(lambda v: jax.sharding.reshard(v, P()), p)
+            return jnp.mean((model.apply(p, x) - t) ** 2)
+
+        return loss
+
+    want = _one_device("linen", recipe, lambda: _adam_run(loss_with(False), params, x, t, keyed))
+    shape, names, xspec = MESHES[layout]
+    mesh = _mesh(kind, shape, names)
+    with jax.set_mesh(mesh):
+        put = lambda v: jax.device_put(v, NamedSharding(mesh, xspec))
+        got = _adam_run(loss_with(layout == "fsdp" and kind == "explicit"),
+                        _put_params(params, mesh, layout), put(x), put(t), keyed)
+    _assert_tracks(got, want, drift=True)
+
+
+def _nnx_case(kind, layout, recipe):
+    nnx = pytest.importorskip("flax.nnx")
+    import lowprec.flax
+
+    x, t = _batch()
+    shape, names, xspec = MESHES[layout]
+    keyed = _keyed(recipe)
+
+    def run(out_sharding=None, mesh=None):
+        model = lowprec.flax.quantize_model(_nnx_block(out_sharding), recipe)
+        graph, params = nnx.split(model)
+
+        def loss(p, x, t):
+            return jnp.mean((nnx.merge(graph, p)(x) - t) ** 2)
+
+        if mesh is None:
+            return _adam_run(loss, params, x, t, keyed)
+        put = lambda v: jax.device_put(v, NamedSharding(mesh, xspec))
+        return _adam_run(loss, _put_params(params, mesh, layout), put(x), put(t), keyed)
+
+    want = _one_device("nnx", recipe, run)
+    mesh = _mesh(kind, shape, names)
+    row_parallel = layout in ("tensor", "data_tensor") and kind == "explicit"
+    with jax.set_mesh(mesh):
+        got = run(xspec if row_parallel else None, mesh)
+    _assert_tracks(got, want, drift=True)
+
+
+@pytest.mark.filterwarnings("ignore:lowprec.flax")  # attention's score/value products
+@pytest.mark.parametrize("flavour,kind,layout,recipe", [
+    # Data parallel on Explicit axes, the layout whose forward dot of [B@d, S, D]
+    # activations once failed for every MX/FP8 recipe (issue 35 item 1). (The other recipes
+    # on 3-D activations: the MLP cases above, and the forward bits.)
+    ("linen", "explicit", "data", "nvidia_mxfp8"),
+    # Data x tensor parallel on a 2 x 2 mesh: nnx passes out_sharding, which the row-parallel
+    # layers need on Explicit axes (linen's layers do not pass it).
+    ("nnx", "explicit", "data_tensor", "nvidia_mxfp8"),
+    # FSDP on Auto axes (GSPMD gathers the weights).
+    ("linen", "auto", "fsdp", "nvidia_mxfp8"),
+    # NVFP4 (its words keyed per step: stochastic_rounding_key) for the attention's output
+    # projection, by Rules (a DenseGeneral weight [heads, head_dim, D] contracted over two
+    # axes; its compiles cost ~15 s of CPU per layer, so the other layers, and the MLP's
+    # 2-D weights in the MLP cases above, are enough), NVIDIA_MXFP8 for the rest: tensor
+    # parallel (issue 35 item 2: row-parallel, heads split), and
+    # data parallel (item 4: with words hashed from the cotangent, as without the key, this
+    # case fails, the attention's key kernel at a drift of 0.30, the cotangents' bits
+    # differing with the device count; in linen form, 67% of the parameters beyond TOL and
+    # the losses 7e-3 apart after three steps; keyed, the linen form had 0 beyond TOL and
+    # its losses 7e-7 apart).
+    ("nnx", "explicit", "tensor", "nvfp4_out"),
+    ("nnx", "explicit", "data", "nvfp4_out"),
+])
+def test_transformer_block_training_matches_one_device(flavour, kind, layout, recipe):
+    plan = NVFP4_OUT if recipe == "nvfp4_out" else _recipe(recipe)
+    (_linen_case if flavour == "linen" else _nnx_case)(kind, layout, plan)
+
+
+# -- a mixture-of-experts layer, expert parallel (Recipe.ragged_dot) ------------------------------
+#
+# Tokens [M, K] on every device, the experts' weights [G, K, N] split over 4 devices (one
+# expert each), group sizes uneven (one expert gets no token). Three Adam steps against one
+# device: nothing but float32 summation order may differ, and with no attention to spread an
+# isolated rounding flip, at most FLIPS of each tensor beyond TOL (the block test's reasoning). FP8_HYBRID's per-expert power-of-two scales once failed here on Explicit axes
+# (issue 35 item 3).
+
+
+@pytest.mark.parametrize("kind,recipe", [
+    ("explicit", "fp8_hybrid"), ("explicit", "nvidia_mxfp8"), ("auto", "fp8_hybrid"),
+])
+def test_ragged_training_expert_parallel_matches_one_device(kind, recipe):
+    r = lowprec.RECIPES[recipe]
+    ks = jax.random.split(jax.random.key(17), 3)
+    x = jax.random.normal(ks[0], (128, 64))
+    w = jax.random.normal(ks[1], (4, 64, 64)) / 8
+    t = jax.random.normal(ks[2], (128, 64))
+    sizes = jnp.array([40, 0, 56, 32], jnp.int32)
+    explicit = kind == "explicit"
+
+    def loss_with(out_sharding):
+        def loss(w, x, t):
+            return jnp.mean((r.ragged_dot(x, w, sizes, out_sharding=out_sharding) - t) ** 2)
+
+        return loss
+
+    want = _adam_run(loss_with(None), w, x, t, keyed=False)
+    mesh = _mesh(kind)
+    with jax.set_mesh(mesh):
+        # On Explicit axes the output's layout (the tokens') is named, as lax.ragged_dot needs.
+        got = _adam_run(loss_with(P() if explicit else None),
+                        jax.device_put(w, NamedSharding(mesh, P("x"))),
+                        *(jax.device_put(v, NamedSharding(mesh, P())) for v in (x, t)), keyed=False)
+        if explicit:
+            assert _spec_of(got[1]) == ("x", None, None)  # weights stay split by expert
+    _assert_tracks(got, want)

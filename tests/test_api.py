@@ -361,7 +361,7 @@ _NO_FLOAT_IO = {
     "finfo", "resolve_format", "element_format", "mx_format", "pack_fp4", "unpack_fp4",
     "pack_fp6", "unpack_fp6", "p3109",
     "to_gpt_oss", "from_gpt_oss", "mxfp4_to_nvfp4", "MXArray", "ScaleRule", "random_bits", "scale_scheme",
-    "ScaleScheme", "prepare_weight",
+    "ScaleScheme", "prepare_weight", "stochastic_rounding_key",
 }
 
 

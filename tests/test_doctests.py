@@ -32,6 +32,7 @@ SLOW_EXAMPLES = (
     "lowprec.analysis._bounds", "lowprec._pack", "lowprec.analysis._stochastic",
     "lowprec.analysis._mx_stats", "lowprec.checkpoint", "lowprec.checkpoint._convert",
     "lowprec.analysis._plots", "lowprec.checkpoint._chunk", "lowprec._bits",
+    "lowprec._rounding_key",
 )
 
 

@@ -7,10 +7,13 @@ rational rounding) for 16-element blocks, and NumPy float32 arithmetic for the 1
 tiles and the Hadamard butterfly. Every quantized operand must equal it bit for bit; each
 GEMM (a float32 dot in lowprec, a float64 one here) within 2·K·2^-23·Σ|a b| (float32
 accumulation plus one product rounding per term). The random words are the recipe's
-documented contract (lowprec.random_bits of keys folded from the seed and the cotangent).
+documented contract (lowprec.random_bits of keys folded from the seed and the cotangent, or
+inside lowprec.stochastic_rounding_key from that key and the dot's index).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +80,12 @@ def np_words(g, seed):
     return [np.asarray(lowprec.random_bits(jax.random.fold_in(k, i), g.shape)) for i in (0, 1)]
 
 
+def np_keyed_words(key, index, shape):
+    """The contract's words inside stochastic_rounding_key(key), for its index-th dot."""
+    k = jax.random.fold_in(key, index)
+    return [np.asarray(lowprec.random_bits(jax.random.fold_in(k, i), shape)) for i in (0, 1)]
+
+
 def _within(got, a, b):
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     exact = a64 @ b64
@@ -109,23 +118,34 @@ def test_building_blocks_bit_exact():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe_kw", [
-    {},  # NVIDIA_NVFP4 itself
-    dict(wgrad_rht=False, weight_block_2d=False, grad_rounding="nearest_even"),  # plain NVFP4
+@pytest.mark.parametrize("recipe_kw,keyed", [
+    ({}, False),  # NVIDIA_NVFP4 itself, words hashed from the cotangent
+    ({}, True),  # ... inside stochastic_rounding_key: words from the key
+    (dict(wgrad_rht=False, weight_block_2d=False, grad_rounding="nearest_even"), False),  # plain
 ])
-def test_recipe_matches_the_numpy_statement(recipe_kw):
+def test_recipe_matches_the_numpy_statement(recipe_kw, keyed):
     base = lowprec.NVIDIA_NVFP4
     recipe = lowprec.Recipe(forward="nvfp4", grad="nvfp4", seed=base.seed, **{
         "weight_block_2d": True, "wgrad_rht": True, "grad_rounding": "stochastic", **recipe_kw})
     x, w, c = _data()  # T = 32, K = 32, N = 16: multiples of 16, no padding
     loss = lambda a, b: jnp.sum(recipe.dot_general(a, b, DN) * c)
+    key = jax.random.key(77)
+
+    def grads(a, b, k):
+        if not keyed:
+            return jax.grad(loss, argnums=(0, 1))(a, b)
+        with lowprec.stochastic_rounding_key(k):
+            return jax.grad(loss, argnums=(0, 1))(a, b)
+
     y = np.asarray(jax.jit(lambda a, b: recipe.dot_general(a, b, DN))(x, w))
-    gx, gw = (np.asarray(v) for v in jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w))
+    gx, gw = (np.asarray(v) for v in jax.jit(grads)(x, w, key))
     # The statement.
     xq = np_q1(x, 1)
     wq = np_q2(w.T).T if recipe.weight_block_2d else np_q1(w, 0)
     _within(y, xq, wq)
-    wd, ww = np_words(c, recipe.seed) if recipe.grad_rounding == "stochastic" else (None, None)
+    wd, ww = (None, None)
+    if recipe.grad_rounding == "stochastic":
+        wd, ww = np_keyed_words(key, 0, c.shape) if keyed else np_words(c, recipe.seed)
     # Without 2-D scales the weight is re-quantized along N for grad_x (lowprec's quantized
     # backward); with them, the forward's quantized weight is the backward's.
     wq_d = wq if recipe.weight_block_2d else np_q1(w, 1)
@@ -155,16 +175,77 @@ def test_padding_and_weight_layouts():
     assert all(bool(jnp.all(jnp.isfinite(v))) for v in g)
 
 
-@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
-def test_stochastic_rounding_is_unbiased_and_varies_with_the_data():
-    # Same layer, cotangents c and c + tiny: different words (h differs), so different grads;
-    # and the mean of grad_x over many cotangents tends to the float gradient's expectation.
-    x, w, c = _data()
+@pytest.mark.parametrize("form", ["qkv", "qkv_nk", "out"])
+def test_dense_general_weights_are_their_2d_matrix(form):
+    # The documented layer view: a DenseGeneral weight is the 2-D matrix of its contracting
+    # axes (K) by its other axes (N), each flattened in order, and x's contracting axes are
+    # flattened alike. So the dot, and both gradients, equal the 2-D recipe's on those
+    # reshapes bit for bit (same quantized operands, same tiles, same words, same GEMMs).
     r = lowprec.NVIDIA_NVFP4
-    gx = lambda cc: jax.jit(jax.grad(lambda a: jnp.sum(r.dot_general(a, w, DN) * cc)))(x)
-    a, b = np.asarray(gx(c)), np.asarray(gx(c * np.float32(1 + 2**-20)))
-    assert not np.array_equal(a, b)
-    np.testing.assert_array_equal(a, np.asarray(gx(c)))  # reproducible
+    ks = jax.random.split(jax.random.key(31), 3)
+    b, s, d, heads, hd = 2, 16, 32, 2, 16
+    if form == "out":  # attention's output projection: [B, S, H, hd] . [H, hd, D]
+        x = jax.random.normal(ks[0], (b, s, heads, hd))
+        w = jax.random.normal(ks[1], (heads, hd, d)) / 4
+        dn = (((2, 3), (0, 1)), ((), ()))
+        x2, w2, dn2 = x.reshape(b, s, heads * hd), w.reshape(heads * hd, d), (((2,), (0,)), ((), ()))
+        out_shape = (b, s, d)
+    else:  # q/k/v: [B, S, D] . [D, H, hd], or the weight stored [H, hd, D]
+        x = jax.random.normal(ks[0], (b, s, d))
+        w = jax.random.normal(ks[1], (d, heads, hd)) / 4
+        x2, w2, dn2 = x, w.reshape(d, heads * hd), (((2,), (0,)), ((), ()))
+        dn = (((2,), (0,)), ((), ()))
+        if form == "qkv_nk":
+            w, dn = jnp.transpose(w, (1, 2, 0)), (((2,), (2,)), ((), ()))
+            w2, dn2 = w.reshape(heads * hd, d), (((2,), (1,)), ((), ()))
+        out_shape = (b, s, heads, hd)
+    c = jax.random.normal(ks[2], out_shape)
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+    _, (gx, gw) = grad(lambda a, v: jnp.sum(r.dot_general(a, v, dn) * c))(x, w)
+    _, (gx2, gw2) = grad(lambda a, v: jnp.sum(r.dot_general(a, v, dn2) * c.reshape(
+        *out_shape[:2], -1)))(x2, w2)
+    fwd = jax.jit(lambda a, v, dn_: r.dot_general(a, v, dn_), static_argnums=2)
+    np.testing.assert_array_equal(np.asarray(fwd(x, w, dn)).reshape(b, s, -1),
+                                  np.asarray(fwd(x2, w2, dn2)))
+    np.testing.assert_array_equal(np.asarray(gx).reshape(x2.shape), np.asarray(gx2))
+    np.testing.assert_array_equal(np.asarray(gw).reshape(w2.shape), np.asarray(gw2))
+    assert gx.shape == x.shape and gw.shape == w.shape
+
+
+@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
+def test_stochastic_rounding_words_hashed_or_keyed():
+    # One cotangent element moved by one ulp, as another summation order moves it (a
+    # data-parallel run on another number of devices). Hashed words (no key) all change:
+    # every element's rounding is redrawn, so the gradients differ throughout. Keyed words
+    # (stochastic_rounding_key) stay: only what that element touches can change, its row of
+    # grad_x (g blocked along N) and its column of grad_w (g blocked along tokens).
+    x, w, c = _data()  # T = 32, N = 16
+    t0, n0 = 5, 3
+    assert abs(c[t0, n0]) < np.abs(c).max()  # not the amax: the tensor scale stays
+    c2 = c.copy()
+    c2[t0, n0] = np.nextafter(c[t0, n0], np.float32(np.inf))
+    r = lowprec.NVIDIA_NVFP4
+    loss = lambda a, b, cc: jnp.sum(r.dot_general(a, b, DN) * cc)
+
+    def grads(cc, key, keyed):
+        if not keyed:
+            return jax.grad(loss, argnums=(0, 1))(x, w, cc)
+        with lowprec.stochastic_rounding_key(key):
+            return jax.grad(loss, argnums=(0, 1))(x, w, cc)
+
+    key = jax.random.key(9)
+    for keyed in (False, True):
+        f = jax.jit(functools.partial(grads, keyed=keyed))
+        (gx, gw), (gx2, gw2) = f(c, key), f(c2, key)
+        np.testing.assert_array_equal(np.asarray(f(c, key)[0]), np.asarray(gx))  # reproducible
+        rows_same = np.all(np.asarray(gx) == np.asarray(gx2), axis=1)
+        cols_same = np.all(np.asarray(gw) == np.asarray(gw2), axis=0)
+        if keyed:
+            assert rows_same[np.arange(32) != t0].all() and cols_same[np.arange(16) != n0].all()
+        else:
+            assert rows_same.mean() < 0.5 and cols_same.mean() < 0.5
+    # Other keys (steps), other words.
+    assert not np.array_equal(np.asarray(f(c, jax.random.key(10))[0]), np.asarray(gx))
 
 
 def test_recipe_validation():
@@ -177,3 +258,41 @@ def test_recipe_validation():
                                          (((2,), (1,)), ((0,), (0,))))
     assert lowprec.RECIPES["nvidia_nvfp4"] is lowprec.NVIDIA_NVFP4
     assert "wgrad RHT" in lowprec.NVIDIA_NVFP4.describe()
+
+
+def test_rounding_key_numbers_the_dots_of_its_block():
+    # The i-th dot inside a block takes fold_in(key, i); blocks nest, each counting from 0;
+    # outside any block there is no key (the words hash the cotangent).
+    from lowprec._rounding_key import next_key
+
+    data = lambda k: np.asarray(jax.random.key_data(k))
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    assert next_key() is None
+    with lowprec.stochastic_rounding_key(k1):
+        first = next_key()
+        with lowprec.stochastic_rounding_key(k2):
+            inner = next_key()
+        second = next_key()
+    assert next_key() is None
+    np.testing.assert_array_equal(data(first), data(jax.random.fold_in(k1, 0)))
+    np.testing.assert_array_equal(data(second), data(jax.random.fold_in(k1, 1)))
+    np.testing.assert_array_equal(data(inner), data(jax.random.fold_in(k2, 0)))
+    raw = jax.random.key_data(k1)  # raw uint32 words are keys too
+    with lowprec.stochastic_rounding_key(raw):
+        np.testing.assert_array_equal(np.asarray(next_key()), np.asarray(jax.random.fold_in(raw, 0)))
+
+
+def test_rounding_key_refuses_what_would_be_wrong():
+    x, w, _ = _data()
+    dot = lambda a: lowprec.NVIDIA_NVFP4.dot_general(a, w, DN)
+    with pytest.raises(TypeError, match="takes one PRNG key"):
+        with lowprec.stochastic_rounding_key(7):
+            pass
+    with pytest.raises(TypeError, match="takes one PRNG key"):
+        with lowprec.stochastic_rounding_key(jax.random.split(jax.random.key(0), 2)):
+            pass
+    # A concrete key met while jit traces the dot would be compiled in as a constant: every
+    # later call would reuse its words. Refused at trace time (nothing is compiled).
+    with lowprec.stochastic_rounding_key(jax.random.key(0)):
+        with pytest.raises(ValueError, match="concrete value.*Pass the key as an argument"):
+            jax.jit(dot).lower(x)

@@ -20,9 +20,9 @@ CASES = pathlib.Path(__file__).with_name("sharded_cases.py")
 
 # The quick tier's share of the cases (one subprocess, ~10 s of CPU): quantize_mx sharded
 # every way, deterministic and stochastic, and the split-block error. The others (the block
-# functions and matmuls, ~40 s; the recipes, ~40 s; training against one device, ~40 s) run
-# as three slow shares, each its own subprocess, so that pytest-xdist can run them side by
-# side; `pytest` runs all four.
+# functions and matmuls; the recipes; training against one device: MLPs and experts; a
+# transformer block in linen and nnx) run as four slow shares, each its own subprocess, so
+# that pytest-xdist can run them side by side; `pytest` runs all five.
 QUICK = ("test_quantize_mx_bits_same_sharded or test_stochastic_quantize_mx_same_sharded"
          " or test_split_block_is_a_clear_error_eager")
 TRAINING = "recipe or training"
@@ -30,7 +30,8 @@ SHARES = {
     "quick": QUICK,
     "blocks_and_matmuls": f"not ({QUICK}) and not ({TRAINING})",
     "recipes": f"not ({QUICK}) and recipe and not training",
-    "training": f"not ({QUICK}) and training",
+    "training": f"not ({QUICK}) and training and not transformer",
+    "transformer": f"not ({QUICK}) and transformer",
 }
 
 
@@ -39,6 +40,7 @@ SHARES = {
     pytest.param("blocks_and_matmuls", marks=pytest.mark.slow),
     pytest.param("recipes", marks=pytest.mark.slow),
     pytest.param("training", marks=pytest.mark.slow),
+    pytest.param("transformer", marks=pytest.mark.slow),
 ])
 def test_sharded_cases_on_four_cpu_devices(share):
     env = dict(os.environ)

@@ -74,3 +74,32 @@ def test_mxfp8_rceil_ends_within_tolerance_of_bf16(train_lm, tmp_path):
 def test_unknown_config_is_a_clear_error(train_lm):
     with pytest.raises(ValueError, match=r"unknown configs \['mxfp7'\]; choose from"):
         train_lm.run(("mxfp7",), verbose=False)
+
+
+def test_every_seed_is_written_as_it_finishes(train_lm, tmp_path, capsys, monkeypatch):
+    # Two seeds of a tiny fp32 run: after each seed, its numbers are printed and the
+    # outputs on disk hold every seed finished so far (a long run loses no finished seed).
+    settings = train_lm.Settings(steps=4, batch=4, seq=16, d_model=32, heads=2, layers=1,
+                                 eval_batches=1, window=2, eval_every=4, seeds=2)
+    on_disk = []
+    write = train_lm.write_outputs
+
+    def recording(results, s, out):
+        paths = write(results, s, out)
+        on_disk.append(json.loads((out / "final_losses.json").read_text()))
+        return paths
+
+    monkeypatch.setattr(train_lm, "write_outputs", recording)
+    results = train_lm.run(("fp32",), settings, out=tmp_path)
+    assert [len(d["results"]["fp32"]["vals"]) for d in on_disk] == [1, 2]
+    assert on_disk[-1]["results"]["fp32"]["vals"] == pytest.approx(results["fp32"]["vals"])
+    printed = capsys.readouterr().out
+    for seed, val in zip((0, 1), results["fp32"]["vals"]):
+        assert f"seed {seed}: final train loss" in printed and f"held-out loss {val:.4f}" in printed
+
+
+def test_high_precision_layers_are_named_fp32(train_lm):
+    # The model is float32, so a layer the recipe leaves out runs float32 matmuls.
+    text = train_lm.describe(train_lm.CONFIGS["nvfp4"])
+    assert "fp32: lm_head" in text and "high precision" not in text
+    assert train_lm.describe(None) == "float32 matmuls"
