@@ -13,6 +13,9 @@ from hypothesis import HealthCheck, settings
 from helpers import tiers
 from helpers.codecs import parametrize_element_cases
 
+# --footprint-log=DIR: CPU seconds and peak RSS per test (scripts/suite_footprint.py --profile).
+pytest_plugins = ["helpers.footprint"]
+
 # --------------------------------------------------------------------------------------------
 # Hypothesis profiles.
 #
