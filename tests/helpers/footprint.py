@@ -11,7 +11,11 @@ test's cost is recorded as what does not depend on load:
 * ``rss``: the process's resident memory after the test, ``peak``: its highest during the test,
   ``child_peak``: the highest summed RSS of its live subprocesses during the test (sampled
   every 0.1 s by a thread);
-* ``wall``: seconds on the clock (compared with ``cpu`` it shows sleeping or waiting tests).
+* ``wall``: seconds on the clock (compared with ``cpu`` it shows sleeping or waiting tests);
+* ``compiles``: XLA compilations in the pytest process (JAX's backend-compile events), and
+  ``compile_s`` their seconds with tracing and lowering: the count does not depend on load,
+  so it shows what sharing compiled programs saves where CPU seconds are noisy;
+  ``cache_hits``: how many of them were read from the persistent compilation cache.
 
 Each process (xdist worker or plain pytest) appends one JSON object per test to
 ``DIR/<worker>.jsonl``, then a ``session`` record with its total CPU seconds and start-up
@@ -96,6 +100,22 @@ class FootprintPlugin:
         self.sampler = _Sampler()
         self.sampler.start()
         self.first_test_cpu = None
+        self.compiles, self.compile_s = 0, 0.0
+        from jax import monitoring
+
+        self.cache_hits = 0
+        monitoring.register_event_duration_secs_listener(self._on_event)
+        monitoring.register_event_listener(self._on_count)
+
+    def _on_count(self, event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self.cache_hits += 1
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        if event.startswith("/jax/core/compile/"):
+            self.compile_s += duration
+            if event.endswith("backend_compile_duration"):
+                self.compiles += 1
 
     def _write(self, record: dict) -> None:
         self.out.write(json.dumps(record) + "\n")
@@ -106,6 +126,7 @@ class FootprintPlugin:
             self.first_test_cpu = time.process_time()
         self.sampler.take()
         cpu0, kids0, wall0 = time.process_time(), _children_cpu(), time.perf_counter()
+        compiles0, compile_s0, hits0 = self.compiles, self.compile_s, self.cache_hits
         yield
         cpu, kids, wall = time.process_time(), _children_cpu(), time.perf_counter()
         peak, child_peak = self.sampler.take()
@@ -115,6 +136,9 @@ class FootprintPlugin:
             "cpu": round(cpu - cpu0, 4),
             "child_cpu": round(kids - kids0, 4),
             "wall": round(wall - wall0, 4),
+            "compiles": self.compiles - compiles0,
+            "compile_s": round(self.compile_s - compile_s0, 4),
+            "cache_hits": self.cache_hits - hits0,
             "rss": rss,
             "peak": max(peak, rss),
             "child_peak": child_peak,
