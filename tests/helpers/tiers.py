@@ -23,6 +23,8 @@ one case of a sweep), so the tier still imports and runs every module.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 #: One element format per code path of the encoders: 16-bit, 19-bit (TF32), 8-bit without
@@ -75,3 +77,83 @@ def _in_quick_cases(item, marker) -> bool:
         if params[name] not in tuple(values):
             return False
     return True
+
+
+# --------------------------------------------------------------------------------------------
+# The default run and the extended sweep.
+#
+# ``pytest`` (the README's command) runs every test function but, of a test parametrized over
+# three or more parameters, only a covering subset of its cases: every pair of values of any
+# two of its parameters (every (format, rounding), (format, implementation), (rounding,
+# overflow), ...) appears in at least one case kept, as JAX's own suite keeps a sample of its
+# cross products (JAX_NUM_GENERATED_CASES). The quick tier's cases are always among those kept
+# (``pytest -m "not slow"`` stays a subset of ``pytest``), and the others are added greedily,
+# each time the case meeting the most pairs still missing (first in collection order on a
+# tie), so the subset is the same on every xdist worker. ``LOWPREC_FULL_SUITE=1 pytest`` runs
+# the full cross product: the extended sweep. A test of one or two parameters keeps every case
+# (its pairs are its cases).
+
+FULL_SUITE_ENV = "LOWPREC_FULL_SUITE"
+
+
+def full_suite() -> bool:
+    """Whether this run is the extended sweep (``LOWPREC_FULL_SUITE=1``)."""
+    return os.environ.get(FULL_SUITE_ENV, "0").strip() not in ("", "0")
+
+
+def _value_key(value):
+    # Equal parameter values must give equal keys within one collection; objects without
+    # value equality (codecs, arrays) are the same object in every case that uses them.
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return ("value", type(value).__name__, repr(value))
+
+
+def _pairs(item) -> frozenset:
+    params = item.callspec.params
+    names = sorted(params)
+    keys = [(n, _value_key(params[n])) for n in names]
+    return frozenset((a, b) for i, a in enumerate(keys) for b in keys[i + 1:])
+
+
+def covering_cases(items) -> list:
+    """The items of the default run: per test function, a pairwise-covering subset of its
+    parametrized cases that includes its quick-tier cases (see above)."""
+    groups: dict = {}
+    for index, item in enumerate(items):
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or len(callspec.params) < 3:
+            continue
+        key = (item.path, getattr(item, "originalname", item.name), tuple(sorted(callspec.params)))
+        groups.setdefault(key, []).append(index)
+    dropped = set()
+    for indices in groups.values():
+        pairs = {i: _pairs(items[i]) for i in indices}
+        needed = set().union(*pairs.values())
+        kept = [i for i in indices if items[i].get_closest_marker("slow") is None]
+        for i in kept:
+            needed -= pairs[i]
+        quick = set(kept)
+        candidates = [i for i in indices if i not in quick]
+        while needed:
+            best = max(candidates, key=lambda i: (len(pairs[i] & needed), -i))
+            needed -= pairs[best]
+            kept.append(best)
+            candidates.remove(best)
+        dropped.update(candidates)
+    return [item for i, item in enumerate(items) if i not in dropped]
+
+
+def deselect_outside_default_run(config, items) -> None:
+    """Leaves the extended sweep's extra cases out of the run unless ``LOWPREC_FULL_SUITE=1``."""
+    if full_suite():
+        return
+    kept = covering_cases(items)
+    if len(kept) == len(items):
+        return
+    kept_ids = {id(item) for item in kept}
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
+    config._lowprec_extended = len(items) - len(kept)
+    items[:] = kept
