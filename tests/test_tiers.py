@@ -41,14 +41,21 @@ def test_every_pair_of_values_is_kept_and_fewer_cases_run():
 def test_quick_cases_are_always_kept_and_small_grids_untouched():
     items = _grid("t", quick=lambda p: p["impl"] == "jit" and p["overflow"] == "ieee",
                   fmt=["a", "b", "c"], overflow=["ieee", "saturate"], impl=["eager", "jit"])
-    two = _grid("u", fmt=["a", "b", "c"], axis=[0, 1])
-    one = [_Item("v", {"fmt": f}) for f in "abc"]
+    two = _grid("u", quick=lambda p: p == {"fmt": "a", "axis": 0}, fmt=["a", "b", "c"], axis=[0, 1])
+    one = [_Item("v", {"fmt": f}, slow=True) for f in "abc"]
     plain = [types.SimpleNamespace(name="w")]        # not parametrized
     kept = tiers.covering_cases(items + two + one + plain)
-    assert [i for i in items if not i._slow] == [i for i in kept if i in items and not i._slow]
     assert all(i in kept for i in items if not i._slow)
-    assert all(i in kept for i in two + one + plain)   # two parameters: the pairs are the cases
     assert _pairs([i for i in kept if i in items]) == _pairs(items)
+    assert all(i in kept for i in two + one + plain)   # two parameters: the pairs are the cases
+
+
+def test_a_two_parameter_sweep_marked_slow_keeps_every_value_once():
+    sweep = _grid("s", fmt=["mxfp4", "mxfp6", "mxfp8", "nvfp4"], budget=[64, 200, 1 << 20])
+    kept = tiers.covering_cases(sweep)
+    assert {i.callspec.params["fmt"] for i in kept} == {"mxfp4", "mxfp6", "mxfp8", "nvfp4"}
+    assert {i.callspec.params["budget"] for i in kept} == {64, 200, 1 << 20}
+    assert len(kept) == 4
 
 
 def test_the_choice_does_not_depend_on_anything_but_collection_order():
