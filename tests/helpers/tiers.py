@@ -170,6 +170,10 @@ def deselect_outside_default_run(config, items) -> None:
     if len(kept) == len(items):
         return
     kept_ids = {id(item) for item in kept}
+    # A case named on the command line (tests/test_x.py::test_y[e4m3-up]) runs as asked.
+    named = ["::" + arg.split("::", 1)[1] for arg in config.args if "::" in arg and "[" in arg]
+    kept_ids |= {id(item) for item in items if any(item.nodeid.endswith(n) for n in named)}
+    kept = [item for item in items if id(item) in kept_ids]
     config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
     config._lowprec_extended = len(items) - len(kept)
     items[:] = kept
