@@ -80,7 +80,13 @@ def execute(path: pathlib.Path):
             resources={"metadata": {"path": str(path.parent)}},
         )
         start = time.perf_counter()
-        client.execute()  # raises CellExecutionError (with the traceback) on a failing cell
+        try:
+            client.execute()  # raises CellExecutionError (with the traceback) on a failing cell
+        finally:
+            # nbclient shuts down only a kernel manager it made itself: given ours, it leaves
+            # the kernel running (each holding 0.3-1 GiB until this process exits).
+            if client.km.has_kernel:
+                client.km.shutdown_kernel(now=True)
         elapsed = time.perf_counter() - start
     for cell in nb.cells:
         cell.metadata.pop("execution", None)

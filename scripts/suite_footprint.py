@@ -1,28 +1,42 @@
-"""Time and peak memory of a test run: the numbers the README states about the suite.
+"""Time, CPU and peak memory of a test run: the numbers the README states about the suite.
 
-Run: ``python scripts/suite_footprint.py [pytest arguments]`` (e.g. ``-m "not slow"``). It
-runs ``python -m pytest`` with those arguments and samples, every 0.2 s, the resident memory
-(RSS) of pytest and every process under it (the xdist workers, the notebook kernels, the
-subprocesses of the CLI and sharding tests). It prints pytest's own output, then the wall
-time, the peak of the summed RSS over the whole tree (what the machine must hold at once) and
-the peak RSS of the largest single process. Needs psutil (installed with the notebooks'
-ipykernel). Exits with pytest's status.
+Run: ``python scripts/suite_footprint.py [--profile DIR] [pytest arguments]`` (e.g.
+``-m "not slow"``). It runs ``python -m pytest`` with those arguments and samples, every 0.2 s,
+the resident memory (RSS) of pytest and every process under it (the xdist workers, the
+notebook kernels, the subprocesses of the CLI and sharding tests). It prints pytest's own
+output, then the wall time, the CPU seconds of the whole process tree, the peak of the summed
+RSS over the tree (what the machine must hold at once) and the peak RSS of the largest single
+process. Exits with pytest's status. Needs psutil (installed with the notebooks' ipykernel).
+
+On a machine others are using, the wall time measures them too; the CPU seconds do not.
+``CPU seconds / cores`` is what the run would take on the same cores left idle, if the work
+divides evenly between the xdist workers; the profile says whether it does.
+
+``--profile DIR`` also records, per test, CPU seconds (its own and its subprocesses'), wall
+seconds and peak RSS (tests/helpers/footprint.py, via ``--footprint-log``) and prints where
+they go: the top files and tests, each worker's share, and an estimate of the idle wall time.
+``python scripts/suite_footprint.py --report DIR`` prints that from an earlier profile (or
+from several, e.g. one per test file: it reads every ``*.jsonl`` under DIR).
 """
 
 from __future__ import annotations
 
+import collections
+import json
+import os
+import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-try:
-    import psutil
-except ImportError:  # pragma: no cover - psutil comes with ipykernel ([test] extra)
-    sys.exit("suite_footprint.py needs psutil: pip install psutil")
+GIB = 2**30
 
 
-def _tree_rss(root: psutil.Process) -> tuple:
+def _tree_rss(root) -> tuple:
     """(summed RSS, largest single RSS) in bytes of ``root`` and its descendants."""
+    import psutil
+
     total = largest = 0
     try:
         procs = [root, *root.children(recursive=True)]
@@ -38,7 +52,96 @@ def _tree_rss(root: psutil.Process) -> tuple:
     return total, largest
 
 
+def _load(directory: Path) -> tuple:
+    """(test records, session records) of every ``*.jsonl`` under ``directory``."""
+    tests, sessions = [], []
+    for path in sorted(directory.rglob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            record["log"] = str(path.relative_to(directory))
+            (sessions if "session" in record else tests).append(record)
+    return tests, sessions
+
+
+def report(directory: Path, cores: int, top: int = 25) -> None:
+    """Prints where the CPU seconds and memory of a profiled run went."""
+    tests, sessions = _load(directory)
+    if not tests:
+        print(f"suite_footprint: no test records under {directory}")
+        return
+    for t in tests:
+        t["total"] = t["cpu"] + t["child_cpu"]
+        t["file"] = t["test"].split("::")[0]
+    files = collections.defaultdict(lambda: dict(n=0, cpu=0.0, child=0.0, peak=0, child_peak=0,
+                                                  quick=0.0, compiles=0))
+    for t in tests:
+        f = files[t["file"]]
+        f["n"] += 1
+        f["cpu"] += t["cpu"]
+        f["child"] += t["child_cpu"]
+        f["compiles"] += t.get("compiles", 0)
+        f["peak"] = max(f["peak"], t["peak"])
+        f["child_peak"] = max(f["child_peak"], t["child_peak"])
+        if not t.get("slow"):
+            f["quick"] += t["total"]
+    test_cpu = sum(t["total"] for t in tests)
+    quick_cpu = sum(t["total"] for t in tests if not t.get("slow"))
+
+    print(f"\n{'file':44} {'tests':>6} {'CPU s':>8} {'subproc':>8} {'quick s':>8} "
+          f"{'compiles':>8} {'peak RSS':>9} {'subproc RSS':>11}")
+    for name, f in sorted(files.items(), key=lambda kv: -(kv[1]["cpu"] + kv[1]["child"]))[:top]:
+        print(f"{name:44} {f['n']:6d} {f['cpu']:8.1f} {f['child']:8.1f} {f['quick']:8.1f} "
+              f"{f['compiles']:8d} {f['peak'] / GIB:8.2f}G {f['child_peak'] / GIB:10.2f}G")
+    print(f"\ntop {top} tests by CPU seconds (own + subprocesses)")
+    for t in sorted(tests, key=lambda t: -t["total"])[:top]:
+        print(f"  {t['total']:7.1f} s  {t['test']}" + ("" if t.get("slow") else "  [quick]"))
+    print(f"\ntop {top // 2} tests by subprocess RSS (summed over its live subprocesses)")
+    for t in sorted(tests, key=lambda t: -t["child_peak"])[: top // 2]:
+        if not t["child_peak"]:
+            break
+        print(f"  {t['child_peak'] / GIB:6.2f} GiB  {t['test']}")
+    print(f"\ntop {top // 2} RSS growths (a test after which its process holds more)")
+    by_log = collections.defaultdict(list)
+    for t in tests:
+        by_log[t["log"]].append(t)
+    growth = []
+    for records in by_log.values():
+        for before, after in zip(records, records[1:]):
+            growth.append((after["rss"] - before["rss"], after["test"]))
+    for delta, name in sorted(growth, reverse=True)[: top // 2]:
+        print(f"  {delta / GIB:+6.2f} GiB  {name}")
+
+    print(f"\nper process ({len(sessions)}): CPU s, of which start-up (imports, collection), "
+          "peak RSS")
+    for s in sessions[:8]:
+        print(f"  {s['log']:40} {s['cpu']:8.1f} {s['startup_cpu']:7.1f} "
+              f"{s['maxrss'] / GIB:6.2f}G")
+    if len(sessions) > 8:
+        print(f"  ... {len(sessions) - 8} more")
+    longest = max(tests, key=lambda t: t["total"])
+    print(f"\n{len(tests)} tests: {test_cpu:.0f} CPU s in tests ({quick_cpu:.0f} in the quick "
+          f"tier), {sum(s['startup_cpu'] for s in sessions):.0f} CPU s of start-up over "
+          f"{len(sessions)} processes; the longest test {longest['total']:.1f} s")
+    print(f"estimated idle wall on {cores} cores = CPU s / {cores} + one worker's start-up: "
+          f"{test_cpu / cores / 60:.1f} min (+ start-up), quick tier "
+          f"{quick_cpu / cores / 60:.1f} min")
+
+
 def main(argv: list) -> int:
+    cores = os.cpu_count() or 1
+    if argv[:1] == ["--report"]:
+        report(Path(argv[1]), cores)
+        return 0
+    profile = None
+    if argv[:1] == ["--profile"]:
+        profile, argv = Path(argv[1]), argv[2:]
+        argv = [*argv, f"--footprint-log={profile}"]
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil comes with ipykernel ([test] extra)
+        sys.exit("suite_footprint.py needs psutil: pip install psutil")
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *argv])
     root = psutil.Process(proc.pid)
@@ -48,9 +151,15 @@ def main(argv: list) -> int:
         peak_total, peak_one = max(peak_total, total), max(peak_one, one)
         time.sleep(0.2)
     wall = time.perf_counter() - start
-    print(f"suite_footprint: {wall / 60:.1f} min wall, peak RSS {peak_total / 2**30:.2f} GiB "
-          f"summed over the process tree, {peak_one / 2**30:.2f} GiB in the largest process "
-          f"({psutil.cpu_count()} cores)")
+    # Every process of the tree was waited for by its parent, so its CPU time is counted here.
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = usage.ru_utime + usage.ru_stime
+    if profile is not None:
+        report(profile, cores)
+    print(f"suite_footprint: {wall / 60:.1f} min wall, {cpu:.0f} CPU s over the process tree "
+          f"({cpu / cores / 60:.1f} min on {cores} idle cores if evenly divided), peak RSS "
+          f"{peak_total / GIB:.2f} GiB summed over the process tree, {peak_one / GIB:.2f} GiB "
+          f"in the largest process ({psutil.cpu_count()} cores)")
     return proc.returncode
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 
-from helpers import tiers
-from helpers.codecs import parametrize_element_cases
+from helpers import jax_memory, tiers
+
+# --footprint-log=DIR: CPU seconds and peak RSS per test (scripts/suite_footprint.py --profile).
+pytest_plugins = ["helpers.footprint"]
 
 # --------------------------------------------------------------------------------------------
 # Hypothesis profiles.
@@ -49,9 +51,31 @@ def pytest_configure(config):
 
 
 def pytest_generate_tests(metafunc):
+    # Imported here, not above: helpers.codecs imports JAX and lowprec, which the xdist
+    # controller (it collects nothing) would otherwise hold in memory for the whole run.
+    from helpers.codecs import parametrize_element_cases
+
     parametrize_element_cases(metafunc)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     tiers.mark_slow_outside_quick_cases(items)
+    tiers.deselect_outside_default_run(config, items)
+
+
+def pytest_report_header(config):
+    if tiers.full_suite():
+        return "lowprec: the extended sweep (LOWPREC_FULL_SUITE=1): every parametrized case"
+    return ("lowprec: pairwise-covering cases of tests with 3+ parameters "
+            "(LOWPREC_FULL_SUITE=1 runs them all; tests/helpers/tiers.py)")
+
+
+_RSS_LIMIT = jax_memory.limit_bytes()
+
+
+@pytest.hookimpl(trylast=True)  # after the test's fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    # A worker keeps every program it compiled: past the limit, JAX's caches are emptied
+    # (tests/helpers/jax_memory.py), so that two workers fit a laptop beside their subprocesses.
+    jax_memory.release(_RSS_LIMIT)

@@ -1,6 +1,13 @@
-"""The quick tier, ``pytest -m "not slow"``: which cases of a parametrized test it keeps.
+"""The suite's three tiers: which cases of a parametrized test each keeps.
 
-``pytest`` runs every test. ``pytest -m "not slow"`` leaves out the cases marked ``slow``:
+* ``pytest -m "not slow"``, the quick tier (about 3 minutes on 2 cores): below;
+* ``pytest``, the default run (the README's command, at most 10 minutes on 2 idle cores):
+  every test function, and of a test parametrized over three or more parameters a
+  pairwise-covering subset of its cases (``covering_cases`` below: each value of every
+  parameter meets each value of every other);
+* ``LOWPREC_FULL_SUITE=1 pytest``, the extended sweep: every case of every cross product.
+
+``pytest -m "not slow"`` leaves out the cases marked ``slow``:
 whole tests marked ``@pytest.mark.slow`` (exhaustive sweeps, notebooks, examples, subprocess
 runs, training loops), and the cases a ``quick_cases`` marker leaves out of a big
 parametrization::
@@ -11,7 +18,7 @@ parametrization::
     def test_something(fmt, axis): ...
 
 keeps, in the quick tier, the cases whose ``fmt`` is in ``QUICK_MX`` and whose ``axis`` is 1;
-every case still runs in the default tier. ``@pytest.mark.quick_first(n)`` keeps the first
+every case still runs in the extended sweep. ``@pytest.mark.quick_first(n)`` keeps the first
 ``n`` cases of a parametrized test (in collection order) where any representative case
 exercises the same code. ``element_cases`` tests are thinned by their own rule
 (``helpers.codecs.in_quick_tier``), which keeps every format and rounding mode.
@@ -22,6 +29,9 @@ one case of a sweep), so the tier still imports and runs every module.
 """
 
 from __future__ import annotations
+
+import itertools
+import os
 
 import pytest
 
@@ -75,3 +85,95 @@ def _in_quick_cases(item, marker) -> bool:
         if params[name] not in tuple(values):
             return False
     return True
+
+
+# --------------------------------------------------------------------------------------------
+# The default run and the extended sweep.
+#
+# ``pytest`` (the README's command) runs every test function but, of a test parametrized over
+# three or more parameters, only a covering subset of its cases: every pair of values of any
+# two of its parameters (every (format, rounding), (format, implementation), (rounding,
+# overflow), ...) appears in at least one case kept, as JAX's own suite keeps a sample of its
+# cross products (JAX_NUM_GENERATED_CASES). The quick tier's cases are always among those kept
+# (``pytest -m "not slow"`` stays a subset of ``pytest``), and the others are added greedily,
+# each time the case meeting the most pairs still missing (first in collection order on a
+# tie), so the subset is the same on every xdist worker. A test of one parameter keeps every
+# case, and so does one of two parameters with cases in the quick tier (its pairs are its
+# cases); a two-parameter sweep its author marked slow as a whole (its code paths run in quick
+# tests) keeps every value of each parameter at least once. ``LOWPREC_FULL_SUITE=1 pytest``
+# runs the full cross products: the extended sweep.
+
+FULL_SUITE_ENV = "LOWPREC_FULL_SUITE"
+
+
+def full_suite() -> bool:
+    """Whether this run is the extended sweep (``LOWPREC_FULL_SUITE=1``)."""
+    return os.environ.get(FULL_SUITE_ENV, "0").strip() not in ("", "0")
+
+
+def _value_key(value):
+    # Equal parameter values must give equal keys within one collection; objects without
+    # value equality (codecs, arrays) are the same object in every case that uses them.
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return ("value", type(value).__name__, repr(value))
+
+
+def _combinations(item, strength: int) -> frozenset:
+    """The (parameter, value) combinations of ``strength`` parameters that ``item`` covers."""
+    params = item.callspec.params
+    keys = [(n, _value_key(params[n])) for n in sorted(params)]
+    return frozenset(itertools.combinations(keys, strength))
+
+
+def covering_cases(items) -> list:
+    """The items of the default run: per test function, a covering subset of its parametrized
+    cases that includes its quick-tier cases (see above)."""
+    groups: dict = {}
+    for index, item in enumerate(items):
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or len(callspec.params) < 2:
+            continue
+        key = (item.path, getattr(item, "originalname", item.name), tuple(sorted(callspec.params)))
+        groups.setdefault(key, []).append(index)
+    dropped = set()
+    for indices in groups.values():
+        kept = [i for i in indices if items[i].get_closest_marker("slow") is None]
+        n_params = len(items[indices[0]].callspec.params)
+        if n_params == 2 and kept:
+            continue  # a grid with quick cases: every pair is a case, all kept
+        # Pairs of values; a two-parameter sweep with no case in the quick tier (a test its
+        # author marked slow as a whole: its code paths run in quick tests) keeps each value.
+        strength = 2 if n_params >= 3 else 1
+        combos = {i: _combinations(items[i], strength) for i in indices}
+        needed = set().union(*combos.values())
+        for i in kept:
+            needed -= combos[i]
+        quick = set(kept)
+        candidates = [i for i in indices if i not in quick]
+        while needed:
+            best = max(candidates, key=lambda i: (len(combos[i] & needed), -i))
+            needed -= combos[best]
+            kept.append(best)
+            candidates.remove(best)
+        dropped.update(candidates)
+    return [item for i, item in enumerate(items) if i not in dropped]
+
+
+def deselect_outside_default_run(config, items) -> None:
+    """Leaves the extended sweep's extra cases out of the run unless ``LOWPREC_FULL_SUITE=1``."""
+    if full_suite():
+        return
+    kept = covering_cases(items)
+    if len(kept) == len(items):
+        return
+    kept_ids = {id(item) for item in kept}
+    # A case named on the command line (tests/test_x.py::test_y[e4m3-up]) runs as asked.
+    named = ["::" + arg.split("::", 1)[1] for arg in config.args if "::" in arg and "[" in arg]
+    kept_ids |= {id(item) for item in items if any(item.nodeid.endswith(n) for n in named)}
+    kept = [item for item in items if id(item) in kept_ids]
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
+    config._lowprec_extended = len(items) - len(kept)
+    items[:] = kept
