@@ -26,7 +26,7 @@ from ._engine_layouts import (
     SCHEMES,
     EngineSpec,
     ct_quantization_config,
-    decode_arrays,
+    add_stats,
     exact_reciprocal,
     layout_arrays,
     modelopt_quant_config,
@@ -209,7 +209,7 @@ def quantize_engine_checkpoint(
             extra = {"hf_quant_config.json": json.dumps(hf, indent=2) + "\n"}
         texts = _config_texts(source, outputs, qconfig, extra)
 
-        def convert(reader, writer, item, bar):
+        def convert(reader, writer, item, bar, runner):
             info, spec = item
             bar.set_postfix_str(info.name[-40:], refresh=False)
             if spec is None:
@@ -220,17 +220,31 @@ def quantize_engine_checkpoint(
             blocks = list(spec.row_blocks())
             amax = None
             if spec.scheme in ("nvfp4", "fp8"):  # one scale for the whole tensor: a first pass
-                amax = max((np.float32(finite_amax(reader.read_rows(info.name, r0, r1)))
-                            for r0, r1 in blocks), default=np.float32(0))
-            stats = ErrorStats()
-            for r0, r1 in blocks:
+                maxima = []
+                runner.run(lambda b: np.float32(finite_amax(reader.read_rows(info.name, *b))),
+                           blocks, lambda b, m: maxima.append(m))
+                amax = max(maxima, default=np.float32(0))
+
+            def piece(block):  # on a worker: each part's rows written at their place
+                r0, r1 = block
                 x = reader.read_rows(info.name, r0, r1)
                 arrays = quantize_arrays(x, spec.scheme, layout, scale_rule=scale_rule, amax=amax)
                 for role, stored, _, _ in parts:
-                    if r0 == 0 or not spec.is_whole(role):
+                    if not spec.is_whole(role):
+                        writer.write_rows(stored, r0, arrays[role])
+                    elif r0 == 0:
                         writer.write(stored, arrays[role])
-                stats.update(x, decode_arrays(arrays, dataclasses.replace(spec, shape=x.shape)))
-                bar.update(x.nbytes)
+                piece_stats = ErrorStats()
+                add_stats(piece_stats, x, arrays, dataclasses.replace(spec, shape=x.shape))
+                return piece_stats, x.nbytes
+
+            stats = ErrorStats()
+
+            def done(block, result):
+                stats.merge(result[0])
+                bar.update(result[1])
+
+            runner.run(piece, blocks, done)
             return TensorReport(
                 info.name, info.shape, info.dtype, spec.label, info.nbytes, spec.nbytes(),
                 reason=f"{layout} " + (SCHEMES[spec.scheme][1] if layout != "modelopt"
@@ -423,7 +437,7 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
             return {ORIGIN_KEY: json.dumps({n: {"dtype": t.dtype, "scale_rule": t.scale_rule}
                                             for n, t in specs.items()}, separators=(",", ":"))}
 
-        def convert(reader, writer, item, bar):
+        def convert(reader, writer, item, bar, runner):
             name, spec, parts, target, scheme = item
             if spec is None:
                 info = reader.tensors[name]
@@ -433,7 +447,8 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
             tparts = target.parts(name)
             rows = EngineSpec(scheme, layout if layout != "lowprec" else "compressed-tensors",
                               tuple(spec.shape))
-            for r0, r1 in rows.row_blocks():  # move the bits a block of rows at a time
+            def piece(block):  # move the bits a block of rows at a time, on a worker
+                r0, r1 = block
                 if isinstance(spec, EngineSpec):
                     got = spec.read_rows(reader, parts, r0, r1)
                 else:
@@ -441,8 +456,12 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                            else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
                 out = layout_arrays(name, scheme, scheme_bits(name, spec, got, layout)[1], layout)
                 for role, stored, _, _ in tparts:
-                    if r0 == 0 or not rows.is_whole(role):
+                    if not rows.is_whole(role):
+                        writer.write_rows(stored, r0, out[role])
+                    elif r0 == 0:
                         writer.write(stored, out[role])
+
+            runner.run(piece, list(rows.row_blocks()), lambda block, result: None)
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             bar.update(before)
             label = getattr(target, "label", target.format.name)

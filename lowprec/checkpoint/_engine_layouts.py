@@ -58,9 +58,24 @@ from typing import Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from .._codec import decode, encode
+from .._codec import decode
 from .._format import element_format, mx_format
-from .._mx import MXArray, dequantize, quantize_mx
+from .._mx import MXArray, dequantize
+from ..kernels import _ckpt_cpu
+from ._chunk import (
+    CodedPiece,
+    count_nonfinite,
+    decode_coded,
+    element_table,
+    encode_blocks,
+    encode_cast,
+    finite_amax,
+    finite_amax_rows,
+    mx_coded,
+    narrow,
+    native,
+    wide_dtype,
+)
 from ._errors import CheckpointError
 from ._formats import checkpoint_format
 from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
@@ -159,6 +174,8 @@ class EngineSpec:
     def view(self) -> tuple:
         return (1, math.prod(self.shape), 1)
 
+    piece_view = view
+
     def parts(self, name: str) -> list:
         """``[(role, stored name, dtype, shape)]``; ``name`` is the weight's (``M.weight``)."""
         out, k = self.shape
@@ -199,14 +216,22 @@ class EngineSpec:
         return {role: reader.read(stored) if self.is_whole(role)
                 else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
 
-    def decode_regions(self, reader, parts, dtype):
-        """Yields ``(rect, values)`` per block of rows, decoded as the engine's loader does
-        (its stored scales were checked by the reader: :mod:`lowprec.checkpoint._validate`)."""
+    def decode_pieces(self, reader, parts) -> list:
+        """``[(rect, decode)]`` per block of rows: ``decode(np_dtype, saturate, name)`` reads
+        the rows and returns ``(values, saturated, non-finite values)``, decoded as the
+        engine's loader does (its stored scales were checked by the reader:
+        :mod:`lowprec.checkpoint._validate`) and narrowed to ``np_dtype``."""
         k = self.shape[1]
-        for r0, r1 in self.row_blocks():
+
+        def task(r0, r1):
             rows = dataclasses.replace(self, shape=(r1 - r0, k))
-            values = decode_arrays(self.read_rows(reader, parts, r0, r1), rows)
-            yield (0, 1, r0 * k, r1 * k, 0, 1), _cast(values, dtype).reshape(1, -1, 1)
+
+            def decode(np_dtype, saturate: bool, name: str):
+                return decode_values(self.read_rows(reader, parts, r0, r1), rows, np_dtype,
+                                     saturate=saturate, name=name)
+            return (0, 1, r0 * k, r1 * k, 0, 1), decode
+
+        return [task(r0, r1) for r0, r1 in self.row_blocks()]
 
 
 def _cast(values: np.ndarray, dtype) -> np.ndarray:
@@ -242,6 +267,63 @@ def decode_arrays(arrays: dict, spec: EngineSpec) -> np.ndarray:
     s = s.reshape((-1, 1) if spec.scheme == "fp8_channel" else ())
     with np.errstate(over="ignore", invalid="ignore"):
         return e * s
+
+
+def coded_arrays(arrays: dict, spec: EngineSpec) -> Optional[CodedPiece]:
+    """The stored ``arrays`` of one tensor (or block of rows) as a
+    :class:`~lowprec.checkpoint._chunk.CodedPiece`: the values :func:`decode_arrays`
+    computes, element for element, as ``table[code] × factor`` (compressed-tensors NVFP4:
+    the factor float32(s / gs) per E4M3 code; FP8: the scale per tensor or per row; the MX
+    schemes and ModelOpt NVFP4: lowprec's decode)."""
+    out, k = spec.shape
+    if spec.scheme in ("fp8", "fp8_channel"):
+        s = np.asarray(arrays["scale"], np.float32).reshape(-1)
+        codes = np.asarray(arrays["values"]).view(np.uint8).reshape(-1)
+        return CodedPiece(codes, 8, element_table(_E4M3), s,
+                          k if spec.scheme == "fp8_channel" else max(codes.size, 1), False)
+    fmt = spec.format
+    elements = np.asarray(arrays.get("elements", arrays.get("values"))).view(np.uint8)
+    scales = np.asarray(arrays["scales"]).view(np.uint8).reshape(-1)
+    want = (out * k * fmt.element.code_bits // 8, out * k // fmt.block_size)
+    if (elements.size, scales.size) != want:
+        raise CheckpointError(
+            f"cannot decode {spec.label} data of shape {list(spec.shape)}: {elements.size} "
+            f"element bytes and {scales.size} scales (need {want[0]} and {want[1]})")
+    if spec.scheme == "nvfp4" and spec.layout == "compressed-tensors":
+        gs = np.float32(np.asarray(arrays["global_scale"]).reshape(-1)[0])
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            table = element_table(_E4M3) / gs  # float32(s / gs), the loader's division
+        return CodedPiece(elements.reshape(-1), 4, element_table(_E2M1), table[scales], 16,
+                          False)
+    ts = np.asarray(arrays["scale"], np.float32).reshape(()) if fmt.tensor_scale else None
+    return mx_coded(elements, scales, fmt, ts)
+
+
+def decode_values(arrays: dict, spec: EngineSpec, np_dtype, *, saturate: bool,
+                  name: str) -> tuple:
+    """``(values, saturated, non-finite values)``: :func:`decode_arrays` narrowed to
+    ``np_dtype`` as the pipeline narrows (:func:`lowprec.checkpoint._chunk.narrow`), in one
+    native pass where it serves."""
+    np_dtype = np.dtype(np_dtype)
+    if native() and np_dtype in _ckpt_cpu.KINDS:
+        coded = coded_arrays(arrays, spec)
+        if coded is not None:
+            return decode_coded(coded, spec.shape, np_dtype, saturate=saturate, name=name)
+    values = _cast(decode_arrays(arrays, spec), wide_dtype(np_dtype))
+    values, n = narrow(values, np_dtype, name, saturate)
+    return values, n, count_nonfinite(values)
+
+
+def add_stats(stats, x: np.ndarray, arrays: dict, spec: EngineSpec) -> None:
+    """Adds the errors of one block of rows ``x`` stored as ``arrays`` to ``stats`` (an
+    :class:`~lowprec.checkpoint._stats.ErrorStats`): from the stored codes by the native
+    pass where it serves, else against :func:`decode_arrays`."""
+    if native() and x.dtype in (np.float32, jnp.bfloat16, np.float16):
+        coded = coded_arrays(arrays, spec)
+        if coded is not None:
+            stats.add_vector(_ckpt_cpu.stats(x, **coded.args()))
+            return
+    stats.update(x, decode_arrays(arrays, spec))
 
 
 def _mxarray(arrays: dict, spec: EngineSpec) -> MXArray:
@@ -328,50 +410,43 @@ def _pow2_at_least(x: np.float32) -> np.float32:
     return np.float32(math.ldexp(1.0, e - 1 if m == 0.5 else e))
 
 
-def _finite_amax(x: np.ndarray, axis=None):
-    a = np.abs(x.astype(np.float32))
-    a = np.where(np.isfinite(a), a, np.float32(0))
-    return a.max(axis=axis) if a.size else np.float32(0)
-
-
 def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, scale_rule=None,
                     amax=None) -> dict:
     """Quantizes one [out, in] weight (or a block of its rows, with ``amax`` the whole
     tensor's finite max magnitude) with lowprec's quantizers; ``{role: array}`` in the
     layout's dtypes (see the table in the module docstring)."""
-    x32 = np.asarray(x).astype(np.float32)
+    x = np.asarray(x)
+    xin = x if x.dtype in (np.float32, jnp.bfloat16, np.float16) else x.astype(np.float32)
     if scheme == "nvfp4":
-        amax = np.float32(_finite_amax(x32) if amax is None else amax)
+        amax = np.float32(finite_amax(xin) if amax is None else amax)
         ts = np.float32(amax / _NVFP4_DIVISOR) if amax > 0 else np.float32(1)
         if layout == "compressed-tensors":
             ts = _pow2_at_least(ts)  # exact reciprocal: see the module docstring
         else:
             ts = max(ts, np.float32(2.0 ** -143))  # lowprec's own floor (docs/design.md §3b)
-        mx = quantize_mx(jnp.asarray(x32), _NVFP4, axis=1, tensor_scale=ts)
-        out = {"elements": np.asarray(mx.elements),
-               "scales": np.asarray(mx.scales).view(numpy_dtype("F8_E4M3"))}
+        elements, scales, _ = encode_blocks(xin, _NVFP4, None, ts)
+        out = {"elements": elements, "scales": scales.view(numpy_dtype("F8_E4M3"))}
         if layout == "compressed-tensors":
             out["global_scale"] = np.array([np.float32(1) / ts], np.float32)
         else:
             out["scale"] = np.asarray(ts, np.float32)
         return out
     if scheme in ("mxfp4", "mxfp8"):
-        mx = quantize_mx(jnp.asarray(x32), SCHEMES[scheme][0], axis=1, scale_rule=scale_rule)
-        el = np.asarray(mx.elements)
+        el, scales, _ = encode_blocks(xin, SCHEMES[scheme][0], scale_rule)
         return {("elements" if scheme == "mxfp4" else "values"):
                 el if scheme == "mxfp4" else el.view(numpy_dtype("F8_E4M3")),
-                "scales": np.asarray(mx.scales)}
+                "scales": scales}
     # FP8: s = amax / 448 (1 for an all-zero tensor or row), codes = E4M3(x / s), saturating
     if scheme == "fp8_channel":
-        amax = np.asarray(_finite_amax(x32, axis=1), np.float32).reshape(-1, 1)
+        amax = finite_amax_rows(xin).reshape(-1, 1)
     else:
-        amax = np.float32(_finite_amax(x32) if amax is None else amax)
+        amax = np.float32(finite_amax(xin) if amax is None else amax)
     s = np.where(amax > 0, amax / np.float32(_F32_MAX_E4M3), np.float32(1)).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        y = x32 / s
-    codes = np.asarray(encode(jnp.asarray(y), _E4M3, overflow="saturate"))
+        y = xin.astype(np.float32) / s
+    codes = encode_cast(y, _E4M3)
     if scheme == "fp8_channel":
-        scale_shape = (x32.shape[0], 1)
+        scale_shape = (x.shape[0], 1)
     else:
         scale_shape = (1,) if layout == "compressed-tensors" else ()
     return {"values": codes.view(numpy_dtype("F8_E4M3")), "scale": s.reshape(scale_shape)}
