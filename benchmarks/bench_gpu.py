@@ -48,10 +48,23 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
   ``jax.nn.scaled_dot_general`` (else ``jax.lax.scaled_dot``) as the peer.
 * **encode**: element ``encode`` (default and the other deterministic modes) vs XLA's
   convert, per format, 2^26 elements.
+* **train_step**: one transformer block (pre-norm attention and a 4x MLP, d = 4096, 2048
+  tokens, 32 heads; ``--train-d``, ``--train-tokens``) forward and backward, its four linear
+  layers in each recipe: bf16 (the baseline: bfloat16 operands, float32 accumulation), FP8
+  delayed (``lowprec.delayed_dot_general``, Transformer Engine's ``DelayedScaling``), FP8
+  current (``FP8_HYBRID``), MXFP8 (``NVIDIA_MXFP8``) and NVFP4 (``NVIDIA_NVFP4``);
+  activations bfloat16, attention's score and value products bfloat16 in every recipe.
+  ``--predict TARGET`` (h100, h200, b200) instead compiles each step for that GPU without
+  one (the CUDA plugin, ``JAX_PLATFORMS=cpu``) and predicts the step time from the compile:
+  every GEMM's kind and FLOPs (Triton GEMM off, as ``gpu_hlo_report.py``'s GEMM view) at a
+  stated fraction of the datasheet peak of its kind, plus the other kernels' bytes at the
+  copy bandwidth.
 
 Flags mark the rows that miss their targets: quantize ≥ 2.0 TB/s (mxfp8) / 1.8 (mxfp4); dequantize ≥
 2.0 TB/s and ≥ 0.95x JAX; weight-only ≥ 3x bf16 (prepared: 3x at one token, 2.5x at 16);
-MXFP8 pre-quantized ≥ 0.95x bf16, in-call quantization ≥ 0.85x.
+MXFP8 pre-quantized ≥ 0.95x bf16, in-call quantization ≥ 0.85x; training step ≥ 1.3x the bf16
+step for per-tensor FP8 (Transformer Engine's published Hopper range), ≥ 0.9x for MXFP8 and
+NVFP4.
 """
 
 from __future__ import annotations
@@ -83,7 +96,7 @@ from lowprec.kernels._weight_only_mgpu import default_config as weight_only_conf
 from lowprec._options import MXCast  # noqa: E402
 from lowprec.kernels._quantize_pallas import quantize_mx_pallas  # noqa: E402
 
-SECTIONS = ("quantize", "dequantize", "nvfp4", "weight_only", "mxfp8", "encode")
+SECTIONS = ("quantize", "dequantize", "nvfp4", "weight_only", "mxfp8", "encode", "train_step")
 RULES = ("floor", "ceil", "even", "rceil")
 DN = (((1,), (1,)), ((), ()))
 # Dense bfloat16 tensor-core peak (TFLOP/s) from the datasheets, by jax device_kind.
@@ -92,7 +105,9 @@ BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
                     "NVIDIA A100-SXM4-40GB": 312.0}
 TARGET = {"quantize mxfp8": 2.0, "quantize mxfp4": 1.8, "dequantize": 2.0, "dequantize_vs_jax": 0.95,
           "weight_only": 3.0, "mxfp8 pre-q": 0.95, "mxfp8 +quant": 0.85,
-          "prepared 1 token": 3.0, "prepared": 2.5}
+          "prepared 1 token": 3.0, "prepared": 2.5,
+          "train fp8_delayed": 1.3, "train fp8_current": 1.3, "train mxfp8": 0.9,
+          "train nvfp4": 0.9}
 #: Most tokens the prepared-weight kernel serves (weight_only_matmul takes the generic dot above).
 PREPARED_MAX_TOKENS = 16
 # --tune sweeps block_n x block_groups x num_warps x num_stages (x both inner products):
@@ -615,6 +630,173 @@ def bench_encode(size: int, roof: Roofline, reps: int) -> list:
     return rows
 
 
+# -- one transformer block's training step, per recipe -----------------------------------------------
+
+#: The recipes of the training-step section: name -> a lowprec Recipe, "delayed" or None (bf16).
+TRAIN_RECIPES = {"bf16": None, "fp8_delayed": "delayed", "fp8_current": lowprec.FP8_HYBRID,
+                 "mxfp8": lowprec.NVIDIA_MXFP8, "nvfp4": lowprec.NVIDIA_NVFP4}
+LINEARS = ("qkv", "out", "up", "down")  # the block's four linear layers
+HEAD_DIM = 128
+
+
+def block_params(key, d: int) -> dict:
+    """float32 master weights of one block: [d, 3d], [d, d], [d, 4d], [4d, d], two norms."""
+    shapes = {"qkv": (d, 3 * d), "out": (d, d), "up": (d, 4 * d), "down": (4 * d, d)}
+    keys = jax.random.split(key, len(shapes))
+    params = {n: jax.random.normal(k, s, jnp.float32) / math.sqrt(s[0])
+              for k, (n, s) in zip(keys, shapes.items())}
+    params["norm1"] = jnp.ones((d,), jnp.float32)
+    params["norm2"] = jnp.ones((d,), jnp.float32)
+    return params
+
+
+def _linear(recipe, x, w, state=None):
+    """x [T, K] bfloat16 times w [K, N] (float32 master, bfloat16 operand) in ``recipe``."""
+    dn = (((1,), (0,)), ((), ()))
+    w = w.astype(jnp.bfloat16)
+    if recipe is None:  # bfloat16 out (float32 accumulation), so its cotangents are bfloat16
+        return lax.dot_general(x, w, dn)
+    if recipe == "delayed":
+        cfg = lowprec.DelayedScaling(amax_history_len=16)
+        return lowprec.delayed_dot_general(x, w, state, dn, cfg).astype(jnp.bfloat16)
+    return recipe.dot_general(x, w, dn)
+
+
+def _rms(x, scale):
+    v = x.astype(jnp.float32)
+    v = v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + 1e-6) * scale
+    return v.astype(jnp.bfloat16)
+
+
+def block_loss(recipe, params, states, x, c):
+    """sum(block(x) * c): pre-norm causal attention and a GELU MLP, residuals; the linear
+    layers in ``recipe``, the rest bfloat16 (softmax and norms in float32)."""
+    t, d = x.shape
+    heads = d // HEAD_DIM
+    lin = lambda name, v: _linear(recipe, v, params[name], states.get(name))  # noqa: E731
+    q, k, v = jnp.split(lin("qkv", _rms(x, params["norm1"])).reshape(t, 3 * heads, HEAD_DIM),
+                        3, axis=1)
+    # bfloat16 products (float32 accumulation) with bfloat16 results, so that their
+    # cotangents, and the backward GEMMs, are bfloat16 too; the softmax in float32.
+    scores = jnp.einsum("qhd,khd->hqk", q, k).astype(jnp.float32)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    p = jax.nn.softmax(jnp.where(causal, scores / math.sqrt(HEAD_DIM), -jnp.inf), axis=-1)
+    att = jnp.einsum("hqk,khd->qhd", p.astype(jnp.bfloat16), v)
+    h = x + lin("out", att.reshape(t, d))
+    y = h + lin("down", jax.nn.gelu(lin("up", _rms(h, params["norm2"]))))
+    return jnp.sum(y.astype(jnp.float32) * c)
+
+
+def train_step(name: str):
+    """The jitted step of recipe ``name``: (params, states, x, c) -> (loss, param grads,
+    next states). Delayed scaling's states (one per linear layer) get their gradient, the
+    next step's state; the other recipes have none."""
+    recipe = TRAIN_RECIPES[name]
+    grad = jax.value_and_grad(functools.partial(block_loss, recipe), argnums=(0, 1))
+
+    @jax.jit
+    def step(params, states, x, c):
+        loss, (g, next_states) = grad(params, states, x, c)
+        return loss, g, next_states
+
+    return step
+
+
+def train_inputs(d: int, tokens: int, name: str, key=None):
+    """(params, states, x, c) of a step: bfloat16 activations and cotangent weights."""
+    key = jax.random.key(21) if key is None else key
+    kp, kx, kc = jax.random.split(key, 3)
+    states = {}
+    if TRAIN_RECIPES[name] == "delayed":
+        states = {n: lowprec.DelayedScaling(amax_history_len=16).init() for n in LINEARS}
+    x = jax.random.normal(kx, (tokens, d), jnp.bfloat16)
+    c = jax.random.normal(kc, (tokens, d), jnp.float32) / tokens
+    return block_params(kp, d), states, x, c
+
+
+def bench_train_step(d: int, tokens: int, roof: Roofline, reps: int) -> tuple:
+    """Each recipe's step time against the bf16 step (interleaved rounds), and the agreement
+    of every recipe's loss and gradients with the bf16 step's (a smoke test of the wiring:
+    relative differences, which low precision makes nonzero)."""
+    cases, outs = {}, {}
+    for name in TRAIN_RECIPES:
+        step, args = train_step(name), train_inputs(d, tokens, name)
+        cases[name] = functools.partial(step, *args)
+        outs[name] = step(*args)
+    t = time_interleaved(cases, reps=reps)
+    flops = 3 * 2.0 * tokens * d * (3 * d + d + 4 * d + 4 * d) + 3 * 2 * 2.0 * tokens**2 * d
+    base_loss, base_g = outs["bf16"][0], outs["bf16"][1]
+    rows, records = [], {}
+    for name in TRAIN_RECIPES:
+        loss, g = outs[name][0], outs[name][1]
+        rel = max(float(jnp.linalg.norm(g[n] - base_g[n]) / jnp.linalg.norm(base_g[n]))
+                  for n in LINEARS)
+        finite = bool(jnp.isfinite(loss)) and all(bool(jnp.all(jnp.isfinite(v)))
+                                                  for v in jax.tree.leaves(g))
+        ratio = speed_ratio(t[name], t["bf16"])
+        target = TARGET.get(f"train {name}")
+        flag = "" if target is None else ("ok" if ratio >= target else f"MISS <{target}x bf16")
+        flag += "" if finite else "; NOT FINITE"
+        rows.append(Row(
+            f"train step {name}, d={d}, {tokens} tokens (ms)", _f(_t(t[name]) * 1e3, 2),
+            f"bf16 step {_f(_t(t['bf16']) * 1e3, 2)} ms; grads vs bf16: {rel:.2g} rel; "
+            f"loss {float(loss):.4g} (bf16 {float(base_loss):.4g})",
+            f"{_f(ratio)}x bf16", _f(roof.pct_matmul(flops, 0, _t(t[name])), 0), flag))
+        records[name] = {"seconds": _t(t[name]), "ratio": ratio, "grad_rel_vs_bf16": rel}
+    return rows, records
+
+
+# Dense datasheet peaks (TFLOP/s) by GEMM kind, for --predict.
+PEAK_TFLOPS = {"h100": {"bf16": 989.4, "f8": 1978.9}, "h200": {"bf16": 989.4, "f8": 1978.9},
+               "b200": {"bf16": 2250.0, "f8": 4500.0}}
+#: The fraction of its kind's peak a large GEMM is assumed to reach (cuBLAS, both kinds).
+GEMM_EFFICIENCY = 0.7
+
+
+def _gemm_kind(g: dict) -> str:
+    return "f8" if g["target"].endswith("$f8") else ("bf16" if g["operands"] == ("bf16", "bf16")
+                                                      else "other")
+
+
+def predict_train_step(target: str, d: int, tokens: int) -> int:
+    """Compile-only prediction of each recipe's step time (see the module docstring); prints
+    the table and returns 0."""
+    import gpu_hlo_report as report
+
+    if not report.cuda_plugin_available():
+        raise SystemExit("--predict needs the JAX CUDA plugin (pip install 'lowprec[gpu-compile]')")
+    spec = report.TARGETS[target]
+    peaks = PEAK_TFLOPS[target]
+    rows, base = [], None
+    for name in TRAIN_RECIPES:
+        args = jax.eval_shape(lambda n=name: train_inputs(d, tokens, n))
+        fn = jax.value_and_grad(functools.partial(block_loss, TRAIN_RECIPES[name]), argnums=(0, 1))
+        hlo = report.compile_gemm_hlo(fn, args, target)
+        gemms = report.gemm_view(hlo)
+        instrs, sizes, _, _ = report.entry_kernels(hlo)
+        other = sum(out + sum(sizes.get(o, 0) for o in set(ops))
+                    for _, _, label, out, ops in instrs if not label.startswith("__cublas"))
+        by_kind = {}
+        for g in gemms:
+            k = _gemm_kind(g)
+            n, f = by_kind.get(k, (0, 0))
+            by_kind[k] = (n + 1, f + g["flops"])
+        t_gemm = sum(f / (peaks.get(k, peaks["bf16"] / 16) * 1e12 * GEMM_EFFICIENCY)
+                     for k, (_, f) in by_kind.items())
+        t_other = other / (spec.copy_tbs * 1e12)
+        total = t_gemm + t_other
+        base = total if name == "bf16" else base
+        kinds = ", ".join(f"{n} {k} ({f / 1e12:.2f} TFLOP)" for k, (n, f) in sorted(by_kind.items()))
+        rows.append([name, kinds, f"{other / 1e9:.2f}", f"{t_gemm * 1e3:.2f}",
+                     f"{t_other * 1e3:.2f}", f"{total * 1e3:.2f}", f"{base / total:.2f}x"])
+    print(f"predicted for {spec.name} (compile only): one block, d={d}, {tokens} tokens, "
+          f"forward + backward; GEMMs at {GEMM_EFFICIENCY:.0%} of the datasheet peak of their "
+          f"kind ({peaks}), other kernels' bytes at {spec.copy_tbs} TB/s\n")
+    print(render_table(["recipe", "GEMMs (Triton off)", "other GB", "GEMM ms", "other ms",
+                        "step ms", "x bf16"], rows, right=(2, 3, 4, 5, 6)))
+    return 0
+
+
 # -- main ---------------------------------------------------------------------------------------------
 
 
@@ -650,12 +832,23 @@ def main(argv=None) -> int:
                         "8192x8192 16384x8192)")
     p.add_argument("--tokens", type=int, nargs="+", metavar="M",
                    help="token counts of the weight_only section (default 1 4 16)")
+    p.add_argument("--train-d", type=int, metavar="D",
+                   help="the train_step section's model width (default 4096; quick 256)")
+    p.add_argument("--train-tokens", type=int, metavar="T",
+                   help="the train_step section's tokens (default 2048; quick 128)")
+    p.add_argument("--predict", choices=("h100", "h200", "b200"), metavar="TARGET",
+                   help="predict the train_step section from a compile for this GPU (no GPU "
+                        "needed: the CUDA plugin and JAX_PLATFORMS=cpu) instead of timing")
     p.add_argument("--inner", type=int, metavar="R",
                    help="products in the larger of the two timed programs per weight_only route "
                         "(default 32; the smaller has R/4; every product is compiled into its "
                         "program, so fewer compile faster)")
     args = p.parse_args(argv)
     reps = args.reps or (3 if args.quick else 9)
+    train_d = args.train_d or (256 if args.quick else 4096)
+    train_tokens = args.train_tokens or (128 if args.quick else 2048)
+    if args.predict:
+        return predict_train_step(args.predict, train_d, train_tokens)
     if args.quick:
         n, shapes, tokens, inner, sizes, enc = 1024, [(256, 288), (320, 256)], [1, 16], 4, [512], 1 << 18
     else:
@@ -702,6 +895,9 @@ def main(argv=None) -> int:
             rows += bench_mxfp8(sizes, roof, reps)
         elif section == "encode":
             rows += bench_encode(enc, roof, reps)
+        elif section == "train_step":
+            new, records["train_step"] = bench_train_step(train_d, train_tokens, roof, reps)
+            rows += new
         print(f"[{section} done, {time.time() - started:.0f} s]", file=sys.stderr, flush=True)
     headers = ["what", "lowprec", "peers (same run)", "ratio", "% roof", "flag"]
     table = [[r.what, r.value, r.peers, r.ratio, r.roof, r.flag] for r in rows]

@@ -36,6 +36,18 @@ kernels' fused computations, a proxy for the work per element. ``regs/spill`` (w
 target): registers per thread and spilled bytes of each Triton (Pallas) kernel, from
 ``ptxas -v`` on the dumped PTX. ``notes`` names materialized transposes/copies, separate
 reductions and conditionals.
+
+The GEMM view (``gemms`` column; the products: ``dot_general`` per operand format, the
+training recipes' forward and backward products, delayed scaling, and peers): a device
+autotunes each dot between a Triton GEMM and cuBLAS, which a compile without one cannot do,
+so every product is compiled a second time with Triton's GEMM off
+(``xla_gpu_enable_triton_gemm=False``). XLA then lowers each dot to the cuBLAS call its GEMM
+rewriter forms, and :func:`gemm_view` lists them: the custom-call target
+(``__cublas$lt$matmul$f8`` is cuBLASLt's FP8 GEMM; ``__cublas$lt$matmul`` and
+``__cublas$gemm`` the others), the dtypes of its two matrix operands (looked up at their
+definitions: ``f8e4m3fn x f8e5m2``, ``bf16 x bf16``, ``f32 x f32``) and the dot's precision
+(``HIGHEST`` turns the FP8 GEMM's fast accumulation off). The compile-only target names its
+CUDA runtime (:attr:`GpuTarget.cuda_version`): XLA forms no FP8 GEMM below CUDA 12.
 """
 
 
@@ -46,16 +58,19 @@ import dataclasses
 import functools
 import glob
 import json
+import math
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections import Counter
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import environment, render_table  # noqa: E402
@@ -178,6 +193,67 @@ def branch_note(hlo: str, computation: str) -> str:
     return f"branch {computation}: {text}" + (f" ({', '.join(sorted(set(pallas)))})" if pallas else "")
 
 
+_CUBLAS = re.compile(r'custom_call_target="(__cublas[^"]*)"')
+
+
+def _dims(shape: str) -> list:
+    """The dimensions of an HLO array shape (the first array of a tuple shape)."""
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def gemm_view(hlo: str) -> list:
+    """Every GEMM of an optimized module (every computation: branches included), as dicts
+    ``{"target", "operands": (lhs dtype, rhs dtype), "precision", "flops"}``; a dot XLA left
+    as a plain ``dot`` (not a library call) has target ``"dot"``; ``flops`` = 2 x the
+    output's elements x the contraction length (0 where the shapes cannot be read). Compile
+    with Triton's GEMM off (:func:`compile_gemm_hlo`) to see the cuBLAS choice."""
+    shapes = {}
+    for line in hlo.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            shapes[m.group(1)] = _split_shape(m.group(2).strip())[0]
+    gemms = []
+    for line in hlo.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        shape, opcode, operands, attrs = _split_shape(m.group(2).strip())
+        target = _CUBLAS.search(attrs)
+        if target is None and opcode != "dot":
+            continue
+        precision = re.search(r'operand_precision"?\s*[:=]\s*\[?"?(\w+)', attrs)
+        if precision is None:
+            precision = re.search(r"operand_precision=\{(\w+)", attrs)
+        contract = re.search(r'lhs_contracting_dimensions"?\s*[:=]\s*[\[{]"?(\d+)', attrs)
+        lhs = _dims(shapes.get(operands[0], "")) if operands else []
+        out = _dims(shape)
+        k = lhs[int(contract.group(1))] if contract and int(contract.group(1)) < len(lhs) else 0
+        gemms.append({
+            "target": target.group(1) if target else "dot",
+            "operands": tuple(shapes.get(o, "?").lstrip("(").split("[")[0] for o in operands[:2]),
+            "precision": precision.group(1) if precision else "DEFAULT",
+            "flops": 2 * math.prod(out) * k if out and k else 0,
+        })
+    return gemms
+
+
+def gemm_label(g: dict) -> str:
+    """``f8e4m3fn x f8e5m2 (cublasLt f8, HIGHEST)``-style text of one :func:`gemm_view`
+    entry (the precision named when it is not the default)."""
+    kind = {"__cublas$lt$matmul$f8": "cublasLt f8", "__cublas$lt$matmul": "cublasLt",
+            "__cublas$gemm": "cublas"}.get(g["target"], g["target"])
+    if g["precision"].upper() != "DEFAULT":
+        kind += f", {g['precision'].upper()}"
+    return f"{' x '.join(g['operands'])} ({kind})"
+
+
+def compile_gemm_hlo(fn, specs, target=None) -> str:
+    """:func:`compile_hlo` with Triton's GEMM off, so that each dot lowers to the cuBLAS
+    call a device's autotuner would weigh against a Triton GEMM (module docstring)."""
+    return compile_hlo(fn, specs, target, options={"xla_gpu_enable_triton_gemm": False})
+
+
 def summarize(hlo: str) -> dict:
     instrs, sizes, params, root = entry_kernels(hlo)
     ops = fused_op_counts(hlo)
@@ -220,6 +296,10 @@ class GpuTarget:
       hbm_bytes_per_s: datasheet memory bandwidth (XLA's cost model reads it).
       copy_tbs: effective copy bandwidth (TB/s, read + write) the predictions divide by
         traffic/ideal; ``copy_note`` says where it comes from.
+      cuda_version: the CUDA runtime (major, minor) the compile assumes. XLA's GEMM
+        rewriter reads it: below 12.0 it never forms the FP8 cuBLASLt GEMM, and a target
+        description without one reads as 0.0 (every FP8 product then compiled to a
+        bfloat16 or float32 GEMM). Default: the CUDA of the installed plugin's wheels.
     """
 
     name: str
@@ -231,6 +311,7 @@ class GpuTarget:
     memory_bytes: int
     copy_tbs: float
     copy_note: str
+    cuda_version: tuple = dataclasses.field(default_factory=lambda: _plugin_cuda_version())
 
     @property
     def arch(self) -> str:
@@ -276,9 +357,24 @@ class GpuTarget:
 {self._unit_rates()}  device_vendor: "NVIDIA Corporation"
   name: "{self.name}"
 }}
+runtime_version {{ major: {self.cuda_version[0]} minor: {self.cuda_version[1]} patch: 0 }}
 platform_name: "CUDA"
 device_description_str: "{self.name}"
 """
+
+
+def _plugin_cuda_version() -> tuple:
+    """(major, minor) of the CUDA runtime wheel installed with the JAX CUDA plugin; (12, 8)
+    if none is found (any 12.x forms the FP8 GEMM)."""
+    from importlib import metadata
+
+    for dist in ("nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime"):
+        try:
+            major, minor = metadata.version(dist).split(".")[:2]
+            return int(major), int(minor)
+        except (metadata.PackageNotFoundError, ValueError):
+            continue
+    return 12, 8
 
 
 # The H100's copy bandwidth was measured (jit(-x) on 16384² float32 on an H100 SXM, the run whose
@@ -321,10 +417,11 @@ def compile_only_device(target: str):
     return topo.devices[0]
 
 
-def compile_hlo(fn, specs, target=None, dump_dir=None) -> str:
+def compile_hlo(fn, specs, target=None, dump_dir=None, options=None) -> str:
     """Optimized HLO text of ``jit(fn)`` for ``specs`` (ShapeDtypeStructs or pytrees of them),
     for the default backend or, with ``target``, for that GPU (compile only). ``dump_dir``:
-    XLA writes the module's passes' HLO and, for a GPU, its PTX there."""
+    XLA writes the module's passes' HLO and, for a GPU, its PTX there; ``options``: more
+    XLA compiler options."""
     if target is None:
         jitted = jax.jit(fn)
     else:
@@ -332,10 +429,10 @@ def compile_hlo(fn, specs, target=None, dump_dir=None) -> str:
 
         where = SingleDeviceSharding(compile_only_device(target))
         jitted = jax.jit(fn, in_shardings=where, out_shardings=where)
-    options = None
+    options = dict(options or {})
     if dump_dir:
-        options = {"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True}
-    return jitted.lower(*specs).compile(compiler_options=options).as_text()
+        options.update({"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True})
+    return jitted.lower(*specs).compile(compiler_options=options or None).as_text()
 
 
 def find_ptxas():
@@ -472,6 +569,117 @@ def prepared_weight_entry_points(shape) -> dict:
     return cases
 
 
+def _with_grads(f):
+    """``(x, w, g) -> (f(x, w), grad_x, grad_w)`` for the cotangent ``g`` (an argument, so
+    that nothing is constant-folded): a linear layer's three products."""
+    def run(x, w, g):
+        y, vjp = jax.vjp(f, x, w)
+        return (y,) + vjp(g)
+
+    return run
+
+
+def product_cases(n: int = 4096) -> dict:
+    """name -> (function, *argument specs) of every low-precision product, for the GEMM
+    view: ``dot_general`` per operand format (n x n x n; activations x [K, N] weight), the
+    recipes' and delayed scaling's three products (forward, grad_x, grad_w; the cotangent an
+    argument), the Flax layers, and the peers (XLA's own float8 dot, Flax's
+    ``Fp8DotGeneralOp``, a bfloat16 dot)."""
+    x = jax.ShapeDtypeStruct((n, n), jnp.float32)
+    dn = (((1,), (0,)), ((), ()))
+    cases = {}
+    for lf, rf in (("e4m3", "e4m3"), ("e4m3", "e5m2"), ("mxfp8_e4m3", "mxfp8_e4m3"),
+                   ("mxfp8_e5m2", "mxfp8_e4m3"), ("mxfp6_e2m3", "mxfp6_e2m3"), ("mxfp4", "mxfp4"),
+                   ("mxint8", "mxint8"), ("nvfp4", "nvfp4")):
+        cases[f"dot_general {lf} x {rf}"] = (
+            lambda a, b, lf=lf, rf=rf: lowprec.dot_general(a, b, dn, lhs_format=lf, rhs_format=rf),
+            x, x)
+    q8 = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), x)
+    q8w = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=0), x)
+    cases["dot_general mxfp8 pre-quantized"] = (lambda p, q: lowprec.dot_general(p, q, dn), q8, q8w)
+    cases["dot_general e4m3 x e4m3, quantized backward (grad e5m2)"] = (_with_grads(
+        lambda a, b: lowprec.dot_general(a, b, dn, lhs_format="e4m3", rhs_format="e4m3",
+                                         backward="quantized", grad_format="e5m2")), x, x, x)
+    for recipe in (lowprec.FP8_HYBRID, lowprec.NVIDIA_MXFP8, lowprec.OCP_MXFP8,
+                   lowprec.NVIDIA_NVFP4):
+        cases[f"{recipe.name} fwd + bwd"] = (
+            _with_grads(lambda a, b, r=recipe: r.dot_general(a, b, dn)), x, x, x)
+    groups = jax.ShapeDtypeStruct((4,), jnp.int32)
+    experts = jax.ShapeDtypeStruct((4, n, n), jnp.float32)
+    for recipe in (lowprec.NVIDIA_MXFP8, lowprec.FP8_HYBRID):
+        cases[f"{recipe.name} ragged_dot (4 experts)"] = (
+            lambda a, b, g, r=recipe: r.ragged_dot(a, b, g), x, experts, groups)
+    cfg = lowprec.DelayedScaling(amax_history_len=16)
+    st = jax.eval_shape(cfg.init)
+
+    def delayed(a, b, s, g):
+        y, vjp = jax.vjp(lambda a, b, s: lowprec.delayed_dot_general(a, b, s, dn, cfg), a, b, s)
+        return (y,) + vjp(g)
+
+    cases["delayed_dot_general fwd + bwd"] = (delayed, x, x, st, x)
+    from flax import linen as nn
+
+    from lowprec import flax as lowprec_flax  # the training extra
+
+    def linen_products(layer):
+        def run(v, a, g):
+            y, vjp = jax.vjp(lambda v, a: layer.apply(v, a), v, a)
+            return (y,) + vjp(g)
+
+        variables = jax.eval_shape(lambda a: layer.init(jax.random.key(0), a), x)
+        return run, variables, x, x
+
+    delayed_dense = nn.Dense(n, use_bias=False, dot_general_cls=functools.partial(
+        lowprec_flax.DelayedDotGeneral, config=cfg))
+    cases["flax linen Dense, DelayedDotGeneral, fwd + bwd"] = linen_products(delayed_dense)
+    hybrid = lowprec_flax.quantize_model(nn.Dense(n, use_bias=False), lowprec.FP8_HYBRID)
+    cases["flax linen Dense, quantize_model FP8_HYBRID, fwd + bwd"] = linen_products(hybrid)
+    from flax import nnx
+
+    linear = nnx.Linear(n, n, use_bias=False, rngs=nnx.Rngs(0),
+                        dot_general=lowprec_flax.DelayedDotGeneralNnx(cfg))
+    graph, state = nnx.split(linear)
+
+    def nnx_products(st, a, g):
+        y, vjp = jax.vjp(lambda st, a: nnx.merge(graph, st)(a), st, a)
+        return (y,) + vjp(g)
+
+    cases["flax nnx Linear, DelayedDotGeneralNnx, fwd + bwd"] = (
+        nnx_products, jax.eval_shape(lambda: state), x, x)
+    from flax.linen import fp8_ops
+
+    peer = nn.Dense(n, use_bias=False, dot_general_cls=fp8_ops.Fp8DotGeneralOp)
+    with warnings.catch_warnings():  # Flax deprecates it (for Fp8DirectDotGeneralOp): still a peer
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cases["peer: flax linen Fp8DotGeneralOp Dense, fwd + bwd"] = linen_products(peer)
+    cases["peer: XLA float8 dot (x.astype(float8_e4m3fn))"] = (
+        lambda a, b: lax.dot_general(a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn),
+                                     dn, preferred_element_type=jnp.float32), x, x)
+    cases["peer: bfloat16 dot"] = (
+        lambda a, b: lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), dn,
+                                     preferred_element_type=jnp.float32), x, x)
+    return cases
+
+
+def gemm_rows(n: int, target=None, only=None) -> list:
+    """One dict per product of :func:`product_cases`: its GEMMs (:func:`gemm_view` of the
+    compile with Triton's GEMM off) and, from the default compile, kernels and traffic."""
+    rows = []
+    for name, (fn, *specs) in product_cases(n).items():
+        if only and only not in name:
+            continue
+        try:
+            gemms = gemm_view(compile_gemm_hlo(fn, specs, target))
+            s = summarize(compile_hlo(fn, specs, target))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            rows.append({"product": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        rows.append({"product": name, "gemms": gemms, "kernels": s["kernels"],
+                     "traffic_over_ideal": s["traffic_over_ideal"],
+                     "conditional": "conditional" in s["notes"]})
+    return rows
+
+
 def report_rows(shape, target=None, only=None, dump=None, full=True):
     """One dict per entry point: the summary columns (see the module docstring)."""
     on_gpu = target is not None or jax.default_backend() == "gpu"
@@ -516,6 +724,11 @@ def main(argv=None) -> int:
     p.add_argument("--only", metavar="SUBSTRING", help="entry points whose name contains this")
     p.add_argument("--short", action="store_true", help="MXFP8/MXFP4 and two rules only")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--gemms", choices=("with", "only", "none"), default="with",
+                   help="the GEMM view of the products (on a GPU or a target): after the "
+                        "entry points (default), alone, or not at all")
+    p.add_argument("--product-n", type=int, default=4096, metavar="N",
+                   help="the products' size (n x n x n; default 4096)")
     args = p.parse_args(argv)
     if args.target and not cuda_plugin_available():
         p.error("--target needs the JAX CUDA plugin: pip install 'lowprec[gpu-compile]' "
@@ -532,6 +745,35 @@ def main(argv=None) -> int:
     print(f"lowprec {env['lowprec']}, jax {env['jax']}, {where}; array {shape} float32\n")
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
+    record = {"shape": shape, "target": args.target}
+    if args.gemms != "only":
+        record["rows"] = _print_entry_points(args, shape)
+    if on_gpu and args.gemms != "none":
+        record["products"] = _print_gemms(args)
+    if args.json:
+        _write_atomic(args.json, json.dumps(record, indent=1))
+    return 0
+
+
+def _print_gemms(args) -> list:
+    rows = gemm_rows(args.product_n, args.target, args.only)
+    print(f"\nGEMMs of each product ({args.product_n}³; second compile, Triton GEMM off; "
+          "precision HIGHEST = FP8 fast accumulation off)\n")
+    table = []
+    for r in rows:
+        if "error" in r:
+            table.append([r["product"], "n/a", r["error"][:80], ""])
+            continue
+        gemms = "; ".join(gemm_label(g) for g in r["gemms"])
+        note = f"{r['kernels']} kernels, {r['traffic_over_ideal']:.2f}x ideal bytes"
+        note += ", conditional" if r["conditional"] else ""
+        table.append([r["product"], str(len(r["gemms"])), gemms, note])
+    print(render_table(["product", "GEMMs", "kinds (operand dtypes)", "Triton-on compile"], table,
+                       right=(1,)))
+    return rows
+
+
+def _print_entry_points(args, shape) -> list:
     rows = report_rows(shape, args.target, args.only, args.dump, full=not args.short)
     headers = ["entry point", "kernels", "passes", "kinds", "traffic/ideal"]
     headers += ["pred TB/s"] if args.target else []
@@ -547,10 +789,7 @@ def main(argv=None) -> int:
         cells += [str(r["fused_ops"]), r["regs/spill"], r["notes"]]
         table.append(cells)
     print(render_table(headers, table, right=(1, 2, 4, 5)))
-    if args.json:
-        _write_atomic(args.json, json.dumps({"shape": shape, "target": args.target, "rows": rows},
-                                            indent=1))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

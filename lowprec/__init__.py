@@ -2,8 +2,9 @@
 
 Element formats (FP16, BF16, TF32, every ml_dtypes FP8/FP6/FP4, E8M0, the MX INT8 element and
 the parametric IEEE P3109 formats) with every rounding mode and overflow policy named, and the
-block formats (OCP MXFP8, MXFP6, MXFP4, MXINT8 at any block size, and NVFP4). Every function
-takes the array first and the format second.
+block formats (OCP MXFP8, MXFP6, MXFP4, MXINT8 at any block size, NVFP4, and the 2026
+four-bit formats Four over Six, IF4, MixFP4 and MX+). Every function takes the array first
+and the format second.
 
 Example:
     >>> import jax.numpy as jnp
@@ -38,10 +39,12 @@ from ._prepared import PreparedWeight, prepare_weight
 from ._gemv import weight_only_matmul
 from ._mx import dequantize, fake_quantize_mx, quantize_mx, shared_exponents
 from ._mxarray import MXArray
+from ._mx_plus import MXPlusArray, dequantize_mx_plus, quantize_mx_plus
 from ._ragged import ragged_dot
 from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from ._options import BACKWARD_MODES, OPERAND_FORMAT_NAMES
-from ._recipe import FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES, Recipe
+from ._recipe import (FP8_DELAYED, FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES,
+                      Recipe)
 from ._rules import Rule, Rules
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._random import random_bits
@@ -69,6 +72,7 @@ __all__ = [
     "BACKWARD_MODES",
     "BLOCK_SIZES",
     "DEFAULT_SCALE_RULE",
+    "FP8_DELAYED",
     "FP8_HYBRID",
     "NVIDIA_MXFP8",
     "NVIDIA_NVFP4",
@@ -95,12 +99,14 @@ __all__ = [
     "FormatLike",
     "MXArray",
     "MXFormat",
+    "MXPlusArray",
     "MXFormatLike",
     "PreparedWeight",
     "ScaleRule",
     "ScaleScheme",
     "decode",
     "dequantize",
+    "dequantize_mx_plus",
     "dot_general",
     "element_format",
     "encode",
@@ -116,6 +122,7 @@ __all__ = [
     "pack_fp6",
     "quantize",
     "quantize_mx",
+    "quantize_mx_plus",
     "ragged_dot",
     "random_bits",
     "resolve_format",

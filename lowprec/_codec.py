@@ -60,8 +60,8 @@ def encode(
         of ``formats/elements.json``, such as the ml_dtypes name ``"float8_e4m3fn"``, or a
         P3109 name such as ``"p3109_k8p3se"``).
       rounding: a :class:`~lowprec.Rounding` member or its name: ``"nearest_even"``
-        (default), ``"nearest_away"``, ``"toward_zero"``, ``"up"``, ``"down"``,
-        ``"stochastic"`` (needs ``key`` or ``random_bits``); for e8m0 also ``"floor"`` and
+        (default), ``"nearest_away"``, ``"nearest_toward_zero"``, ``"toward_zero"``, ``"up"``,
+        ``"down"``, ``"stochastic"`` (needs ``key`` or ``random_bits``); for e8m0 also ``"floor"`` and
         ``"ceil"`` (= down / up to a power of two).
       overflow: an :class:`~lowprec.Overflow` member or its name: ``"ieee"`` (default; equals ml_dtypes ``astype``: e4m3 overflow → NaN,
         e5m2/fp16/bf16/tf32/e4m3ieee/e3m4 → ±inf, the fnuz formats → their NaN 0x80, e2m1 and

@@ -28,6 +28,7 @@ from ._bits import (
     exponent_addend,
     f32_bits,
 )
+from . import _tapered
 from ._format import ElementFormat
 
 
@@ -35,6 +36,8 @@ def decode_bits(fmt: ElementFormat, codes):
     """Codes (any unsigned/signed int array) → exact float32 bit patterns (uint32)."""
     c = codes.astype(jnp.uint32)
     m_bits = fmt.mantissa_bits
+    if fmt.encoding == "tapered":  # HiFloat8: codes do not split into fixed fields
+        return _tapered.decode_bits(fmt, c)
     if fmt.encoding == "twos_complement":
         return _decode_twos_complement(fmt, c)
     mag = c & ((1 << fmt.magnitude_bits) - 1)

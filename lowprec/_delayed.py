@@ -15,8 +15,14 @@ amax_history_len, amax_compute_algo)``):
 So step t uses the scale computed from the amaxes of steps t-1, t-2, ... (1.0 at the first
 step: the state starts with an empty history and scale 1). lowprec computes every step in
 float32 with IEEE operations (``x * scale``, the cast by exact rounding, ``q / scale``), so a
-NumPy statement of the same steps gives the same bits (tests/test_delayed.py); the GEMM is a
-float32 dot of those values (``precision=HIGHEST``).
+NumPy statement of the same steps gives the same bits (tests/test_delayed.py).
+
+The GEMMs (forward, and both backward products, which reuse the forward's codes): on CPU
+(and with the kernel policy ``"xla"``) a float32 dot (``precision=HIGHEST``) of the values
+``q / scale``; on a CUDA GPU cuBLASLt's FP8 GEMM (``_gpu_gemm.py``) of the codes q themselves,
+read as float8, with the exact reciprocals ``1 / scale`` as its ``scale_a``/``scale_b``
+(applied to the float32 accumulator): E4M3 x E4M3 forward, E5M2 cotangent x E4M3 backward,
+as Transformer Engine computes them (docs/design.md §13 states the accumulation's bound).
 
 The state of one matmul is a :class:`DelayedState` (lhs, rhs and cotangent histories and
 scales). :func:`delayed_dot_general` takes it as an argument and returns the updated state as
@@ -36,10 +42,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._bits import bits_to_f32, f32_bits
-from ._codec import quantize
+from ._decode import decode_f32
 from ._dtypes import bits_to_dtype, input_bits
+from ._encode import encode_bits
 from ._format import ElementFormat, element_format
+from ._gpu_gemm import fp8_dot_general, fp8_pair, fp8_values
 from ._nvfp4 import f32_div_native
+from ._sharding import out_sharding_arg
+from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
 __all__ = ["DelayedScaling", "DelayedState", "delayed_dot_general"]
 
@@ -113,10 +123,20 @@ def _divide(a, b):
     return bits_to_f32(f32_div_native(*jnp.broadcast_arrays(f32_bits(a), f32_bits(b))))
 
 
-def _cast(x, scale, fmt: ElementFormat):
-    """q / scale with q = fmt(x * scale), saturating; float32 IEEE steps."""
-    q = quantize(_f32(x) * scale, fmt, overflow="saturate")
-    return _divide(q, scale)
+def _reciprocal(scale):
+    """1 / scale, rounded once (IEEE) on every backend: the factor folded into the FP8 GEMM."""
+    return _divide(jnp.float32(1.0), scale)
+
+
+def _codes(x, scale, fmt: ElementFormat):
+    """The codes of q = fmt(x * scale), rounded to nearest even and saturating (uint8)."""
+    bits = f32_bits(_f32(x) * scale)
+    return encode_bits(fmt, bits, "nearest_even", "saturate", None).astype(jnp.uint8)
+
+
+def _values(codes, scale, fmt: ElementFormat):
+    """q / scale in float32 (IEEE), for the codes of q."""
+    return _divide(decode_f32(fmt, codes), scale)
 
 
 def _update(cfg: DelayedScaling, hist, scale, amax, fmax):
@@ -130,14 +150,26 @@ def _update(cfg: DelayedScaling, hist, scale, amax, fmax):
     return hist, jnp.where(ok, new, scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def delayed_dot_general(lhs, rhs, state: DelayedState, dimension_numbers, cfg: DelayedScaling):
+def delayed_dot_general(lhs, rhs, state: DelayedState, dimension_numbers, cfg: DelayedScaling,
+                        out_sharding=None):
     """``lax.dot_general`` of FP8 operands cast with delayed scales; differentiable.
 
     Returns the float32 dot of ``lhs`` and ``rhs`` cast with ``state.scale[0]`` and
     ``state.scale[1]`` (``cfg.fwd_format``); the backward dots cast the cotangent with
     ``state.scale[2]`` (``cfg.bwd_format``) and reuse the cast operands. The gradient with
-    respect to ``state`` is the next step's state (module docstring).
+    respect to ``state`` is the next step's state (module docstring). On a CUDA GPU each
+    product is cuBLASLt's FP8 GEMM (module docstring; the kernel policy ``"xla"`` keeps the
+    float32 dots of the cast values there too).
+
+    Args:
+      lhs, rhs: float32/bfloat16/float16 arrays.
+      state: the :class:`DelayedState` of this matmul (``cfg.init()`` at the first step).
+      dimension_numbers: as for :func:`jax.lax.dot_general`.
+      cfg: the :class:`DelayedScaling` options.
+      out_sharding: the output's sharding (a PartitionSpec on the mesh of ``jax.set_mesh``,
+        or a NamedSharding), as for :func:`jax.lax.dot_general`: given to the forward dot,
+        so a contraction sharded on both operands (a row-parallel layer) is reduced into it.
+        Gradients are sharded as their operands (JAX's transpose of the dot).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -149,28 +181,75 @@ def delayed_dot_general(lhs, rhs, state: DelayedState, dimension_numbers, cfg: D
         >>> st.scale.tolist()  # 448 / 1, 448 / 0.5, 57344 / 1 (the cotangent of sum is 1)
         [448.0, 896.0, 57344.0]
     """
-    return _fwd(lhs, rhs, state, dimension_numbers, cfg)[0]
+    if not isinstance(cfg, DelayedScaling):
+        raise TypeError(f"cfg must be a lowprec.DelayedScaling, got {cfg!r}")
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        dn = tuple(tuple(tuple(int(d) for d in dims) for dims in pair)
+                   for pair in ((lc, rc), (lb, rb)))
+    except (TypeError, ValueError):
+        raise ValueError(
+            "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
+            f"rhs_batch)) as in lax.dot_general, got {dimension_numbers!r}"
+        ) from None
+    return _delayed_dot(lhs, rhs, state, dn, cfg, out_sharding_arg(out_sharding))
 
 
-def _f32dot(a, b, dn):
+def _fp8_route(cfg: DelayedScaling) -> bool:
+    """Whether the products are built for cuBLASLt's FP8 GEMM where XLA lowers for CUDA
+    (static, read while tracing: the kernel policy, and a pair of formats cuBLASLt has)."""
+    f, b = element_format(cfg.fwd_format), element_format(cfg.bwd_format)
+    return gpu_gemm_routes(kernels_enabled()) and fp8_pair(f, f) and fp8_pair(b, f)
+
+
+def _routed(cfg, gpu, portable, *args):
+    return on_cuda(gpu, portable, *args) if _fp8_route(cfg) else portable(*args)
+
+
+def _f32dot(a, b, dn, out_sharding=None):
     return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+                           preferred_element_type=jnp.float32, out_sharding=out_sharding)
 
 
-def _fwd(lhs, rhs, state, dn, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _delayed_dot(lhs, rhs, state, dn, cfg, out_sharding):
+    return _fwd(lhs, rhs, state, dn, cfg, out_sharding)[0]
+
+
+def _fwd(lhs, rhs, state, dn, cfg, out_sharding):
     f = element_format(cfg.fwd_format)
-    ql, qr = _cast(lhs, state.scale[0], f), _cast(rhs, state.scale[1], f)
-    return _f32dot(ql, qr, dn), (ql, qr, _amax(lhs), _amax(rhs), state, lhs, rhs)
+    cl, cr = _codes(lhs, state.scale[0], f), _codes(rhs, state.scale[1], f)
+
+    def portable(cl, cr, sl, sr):
+        return _f32dot(_values(cl, sl, f), _values(cr, sr, f), dn, out_sharding)
+
+    def gpu(cl, cr, sl, sr):  # the scales' exact reciprocals, folded into the FP8 GEMM
+        return fp8_dot_general(fp8_values(cl, f, _reciprocal(sl)),
+                               fp8_values(cr, f, _reciprocal(sr)), dn, out_sharding)
+
+    out = _routed(cfg, gpu, portable, cl, cr, state.scale[0], state.scale[1])
+    # Residuals: the codes (a byte per element), the amaxes, the state, and the operands'
+    # dtypes (as zero scalars) for the gradients.
+    dtypes = (jnp.zeros((), lhs.dtype), jnp.zeros((), rhs.dtype))
+    return out, (cl, cr, _amax(lhs), _amax(rhs), state, dtypes)
 
 
-def _bwd(dn, cfg, res, g):
-    ql, qr, al, ar, state, lhs, rhs = res
-    fb = element_format(cfg.bwd_format)
-    qg = _cast(g, state.scale[2], fb)  # g: the float32 output's cotangent
-    # The transposes of the forward dot, applied to the cast operands.
-    _, vjp = jax.vjp(lambda a, b: _f32dot(a, b, dn), ql, qr)
-    gl, gr = vjp(qg)
-    ff = element_format(cfg.fwd_format)
+def _bwd(dn, cfg, out_sharding, res, g):
+    cl, cr, al, ar, state, (lhs_t, rhs_t) = res
+    ff, fb = element_format(cfg.fwd_format), element_format(cfg.bwd_format)
+    cg = _codes(g, state.scale[2], fb)  # g: the float32 output's cotangent
+
+    def portable(cl, cr, cg, scales):
+        return _transposed_with(lambda c, f, s: _values(c, s, f),
+                                lambda a, b: _f32dot(a, b, dn, out_sharding), cl, cr, cg,
+                                scales, ff, fb)
+
+    def gpu(cl, cr, cg, scales):
+        return _transposed_with(lambda c, f, s: fp8_values(c, f, _reciprocal(s)),
+                                lambda a, b: fp8_dot_general(a, b, dn, out_sharding), cl, cr,
+                                cg, scales, ff, fb)
+
+    gl, gr = _routed(cfg, gpu, portable, cl, cr, cg, tuple(state.scale))
     rows, scales = [], []
     for i, (amax, fmt) in enumerate(((al, ff), (ar, ff), (_amax(g), fb))):
         h, s = _update(cfg, state.amax_history[i], state.scale[i], amax,
@@ -178,8 +257,18 @@ def _bwd(dn, cfg, res, g):
         rows.append(h)
         scales.append(s)
     new_state = DelayedState(jnp.stack(rows), jnp.stack(scales))
-    return (bits_to_dtype(f32_bits(gl), lhs.dtype), bits_to_dtype(f32_bits(gr), rhs.dtype),
+    return (bits_to_dtype(f32_bits(gl), lhs_t.dtype), bits_to_dtype(f32_bits(gr), rhs_t.dtype),
             new_state)
 
 
-delayed_dot_general.defvjp(_fwd, _bwd)
+def _transposed_with(operand, dot, cl, cr, cg, scales, ff, fb):
+    """Both backward products: the transposes of ``dot`` (the forward product) at the cast
+    operands, applied to the cast cotangent (JAX's transpose rule: each gradient in its
+    operand's layout and, on Explicit mesh axes, sharding); ``operand(codes, fmt, scale)``
+    builds each operand from its codes."""
+    sl, sr, sg = scales
+    _, vjp = jax.vjp(dot, operand(cl, ff, sl), operand(cr, ff, sr))
+    return vjp(operand(cg, fb, sg))
+
+
+_delayed_dot.defvjp(_fwd, _bwd)

@@ -225,7 +225,12 @@ def value_not_held(fmt: ElementFormat, dtype) -> Optional[str]:
     """
     dt = np.dtype(dtype)
     info = jnp.finfo(dt)
-    if fmt.mantissa_bits > info.nmant:  # 1 + 2^-m: the format's step above 1
+    if fmt.exponent_bits == 0:
+        # Integer-like elements (int4, ocp_int8): every value is m x 2^c with m < 2^mantissa_bits,
+        # so the largest, all magnitude bits set, needs mantissa_bits - 1 bits after its leading 1.
+        if fmt.mantissa_bits - 1 > info.nmant:
+            return repr(fmt.max_finite)
+    elif fmt.mantissa_bits > info.nmant:  # 1 + 2^-m: the format's step above 1
         return repr(1.0 + 2.0 ** -fmt.mantissa_bits)
     if fmt.emax > info.maxexp - 1 or fmt.max_finite > float(info.max):
         return repr(fmt.max_finite)

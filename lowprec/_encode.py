@@ -17,6 +17,7 @@ from jax import lax
 
 from ._bits import F32_BIAS, F32_MANT_BITS, F64_BIAS, F64_MANT_BITS, clz
 from ._encode_fast import encode_e8m0_nearest, encode_rebias, is_e8m0, rebias_encodable
+from . import _tapered
 from ._format import ElementFormat
 from ._rounding import Overflow, Rounding, round_shift
 
@@ -42,13 +43,16 @@ def encode_bits(
     NaN/Inf handling (the caller overwrites those results).
     """
     rounding, overflow = Rounding(rounding), Overflow(overflow)
+    if fmt.encoding == "tapered":  # HiFloat8: a binade-dependent mantissa width
+        assert scale_exp is None, "tapered formats are not block elements"
+        return _tapered.encode_bits(fmt, u, rounding, overflow, random_bits)
     stochastic = rounding is Rounding.STOCHASTIC
     udt = u.dtype
     if scale_exp is None and np.dtype(udt) == np.uint32 and overflow is Overflow.IEEE:
         if (rounding is Rounding.NEAREST_EVEN or stochastic) and rebias_encodable(fmt):
             return encode_rebias(fmt, u, random_bits if stochastic else None)
-        if rounding.nearest and is_e8m0(fmt):
-            return encode_e8m0_nearest(u)
+        if rounding in (Rounding.NEAREST_EVEN, Rounding.NEAREST_AWAY) and is_e8m0(fmt):
+            return encode_e8m0_nearest(u)  # both take a tie between powers of two up
     in_mant, in_bias = _FLOAT_LAYOUTS[np.dtype(udt)]
     width = jnp.iinfo(udt).bits
     assert fmt.mantissa_bits < in_mant

@@ -20,6 +20,7 @@ import numpy as np
 
 import lowprec_formats as _data
 
+from . import _tapered
 from ._scheme import ScaleScheme, registered, registered_names, scheme_class
 
 
@@ -50,8 +51,9 @@ class ElementFormat:
     nan_code: Optional[int]
     ml_dtypes_name: Optional[str]
     inf_code: Optional[int] = None  # code of +inf (None without infinities)
-    encoding: str = "sign_magnitude"  # | "twos_complement" (the MX INT8 element)
+    encoding: str = "sign_magnitude"  # | "twos_complement" (MX INT8) | "tapered" (HiFloat8)
     ties: str = "significand"  # | "code": ties to even compare the code's last bit
+    tapered: Optional[tuple] = None  # a tapered format's layout (_tapered.freeze)
 
     def __repr__(self) -> str:
         return f"ElementFormat({self.name!r})"
@@ -87,7 +89,10 @@ class ElementFormat:
 
     @property
     def emin(self) -> int:
-        """Unbiased exponent of the smallest normal binade."""
+        """Unbiased exponent of the smallest normal binade (of a tapered format: the lowest
+        binade with mantissa bits)."""
+        if self.encoding == "tapered":
+            return _tapered.smallest_normal_binade(self)
         return self.min_exponent_field - self.bias
 
     def is_nan_magnitude(self, mag: int) -> bool:
@@ -130,6 +135,12 @@ class ElementFormat:
 
     @property
     def top_quantum_exponent(self) -> int:
+        if self.encoding == "tapered":
+            return _tapered.top_quantum_exponent(self)
+        return self._top_quantum_exponent
+
+    @property
+    def _top_quantum_exponent(self) -> int:
         """log2 of the spacing of the values in the largest finite binade.
 
         ``emax - mantissa_bits`` for a normal top binade; ``emin - mantissa_bits`` when the
@@ -140,6 +151,8 @@ class ElementFormat:
     # -- values ---------------------------------------------------------------
     def magnitude_value(self, mag: int) -> Fraction:
         """Exact value of the finite magnitude code ``mag`` (sign bit clear)."""
+        if self.encoding == "tapered":
+            return _tapered.finite_codes(self).get(mag, Fraction(0))
         e_field, m_field = mag >> self.mantissa_bits, mag & self.mantissa_mask
         if e_field == 0 and self.subnormals:
             return Fraction(m_field) * Fraction(2) ** (self.emin - self.mantissa_bits)
@@ -164,6 +177,8 @@ class ElementFormat:
         """Smallest positive value (the smallest normal when there are no subnormals)."""
         if not self.subnormals:
             return self.min_normal
+        if self.encoding == "tapered":
+            return float(Fraction(2) ** _tapered.smallest_binade(self))
         return float(Fraction(2) ** (self.emin - self.mantissa_bits))
 
     @property
@@ -205,6 +220,8 @@ def _floor_log2(v: Fraction) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _max_magnitude_code(fmt: ElementFormat) -> int:
+    if fmt.encoding == "tapered":  # codes do not order like values
+        return _tapered.max_magnitude_code(fmt)
     mag = (1 << fmt.magnitude_bits) - 1
     while fmt.is_nan_magnitude(mag) or mag == fmt.inf_code:
         mag -= 1
@@ -233,7 +250,7 @@ class MXFormat:
         >>> MXFormat("my_mxfp8", element_format("e4m3"), 32, element_format("e4m3"))
         Traceback (most recent call last):
         ...
-        TypeError: MXFormat my_mxfp8: scheme must be a scale scheme (lowprec.scale_scheme('e8m0'), lowprec.scale_scheme('nvfp4')), got ElementFormat('e4m3'): a bare scale format says nothing of how the block scales are chosen or decoded (E4M3 block scales: scale_scheme('nvfp4'), under a float32 tensor scale)
+        TypeError: MXFormat my_mxfp8: scheme must be a scale scheme (lowprec.scale_scheme('e8m0'), lowprec.scale_scheme('nvfp4'), lowprec.scale_scheme('nvfp4_4over6'), lowprec.scale_scheme('if4'), lowprec.scale_scheme('mixfp4')), got ElementFormat('e4m3'): a bare scale format says nothing of how the block scales are chosen or decoded (E4M3 block scales: scale_scheme('nvfp4'), under a float32 tensor scale)
     """
 
     name: str
@@ -340,6 +357,7 @@ def _element_from_spec(name: str, spec) -> ElementFormat:
         inf_code=code(spec["inf_code"]),
         encoding=spec.get("encoding", "sign_magnitude"),
         ties=spec.get("ties", "significand"),
+        tapered=_tapered.freeze(spec.get("tapered")),
     )
 
 
@@ -495,11 +513,16 @@ def _mx_by_name(name: str, block_size: Optional[int] = None) -> MXFormat:
     element = element_format(spec["element"])
     default = spec["block_size"]
     block = default if block_size is None else check_block_size(block_size, name, element)
+    scheme = scale_scheme(spec["scheme"])
+    if spec.get("scheme_params"):
+        # A variant of its scheme's arithmetic (Four over Six's error metric): the same
+        # registered class with other parameters, which the class checks on construction.
+        scheme = dataclasses.replace(scheme, **spec["scheme_params"])
     return MXFormat(
         name=name if block == default else f"{name}_b{block}",
         element=element,
         block_size=block,
-        scheme=scale_scheme(spec["scheme"]),
+        scheme=scheme,
     )
 
 

@@ -10,8 +10,11 @@ fake quantization and the matmul path (docs/design.md §5).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -164,6 +167,19 @@ def _per_code(v, grouped_shape, axis: int):
     return wide.reshape(grouped_shape)
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_table(element) -> np.ndarray:
+    """decode_bits of the codes in every byte ([256, codes per byte] uint32), computed once per
+    format as a host constant, outside any mesh in context: an abstract one (lowering for a
+    GPU without one) makes JAX refuse to evaluate the table at trace time."""
+    bits = element.code_bits
+    byte = np.arange(256, dtype=np.uint32)[:, None]
+    shifts = np.arange(8 // bits, dtype=np.uint32) * bits
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), \
+            jax.ensure_compile_time_eval():
+        return np.asarray(decode_bits(element, jnp.asarray((byte >> shifts) & ((1 << bits) - 1))))
+
+
 def _decode_by_table(element, elements, codes, axis: int):
     """float32 patterns of the grouped element ``codes`` (see :func:`_grouped_codes`).
 
@@ -176,10 +192,7 @@ def _decode_by_table(element, elements, codes, axis: int):
     if bits not in (4, 8):
         return f32_bits(decode_f32(element, codes))
     per_byte = 8 // bits
-    with jax.ensure_compile_time_eval():
-        byte = jnp.arange(256, dtype=jnp.uint32)
-        shifts = jnp.arange(per_byte, dtype=jnp.uint32) * bits
-        table = decode_bits(element, (byte[:, None] >> shifts) & ((1 << bits) - 1))
+    table = jnp.asarray(_byte_table(element))
     index = elements.astype(jnp.int32)
     if per_byte == 1:
         return _lookup(table[:, 0], index)

@@ -61,13 +61,15 @@ from jax import lax
 
 from . import _nvfp4
 from ._bits import F32_ABS, F32_INF, bits_to_f32, f32_bits
-from ._decode import decode_bits
+from ._decode import decode_bits, decode_f32
 from ._dtypes import bits_to_dtype, input_bits
 from ._encode import encode_bits
 from ._format import mx_format
+from ._gpu_gemm import apply_tensor_scales, block_values_bf16
 from ._mx import dequantize, quantize_mx
 from ._random import random_bits
 from ._sharding import explicit_sharding
+from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
 TILE = 16  # NVFP4 block length, and the side of weight tiles and of the Hadamard blocks
 
@@ -103,18 +105,21 @@ def rht(v, signs):
     return b.reshape(t, c) * jnp.float32(1 / np.sqrt(n))
 
 
-def quantize_1d(v, axis: int, words=None):
-    """float32 values of NVFP4 ``v`` blocked along ``axis`` (words: stochastic rounding)."""
+def quantize_1d(v, axis: int, words=None, gemm: bool = False):
+    """float32 values of NVFP4 ``v`` blocked along ``axis`` (words: stochastic rounding);
+    ``gemm``: instead the GPU GEMM's operand, (bfloat16 block values, tensor scale)."""
     if words is None:
         mx = quantize_mx(v, "nvfp4", axis=axis)
     else:
         mx = quantize_mx(v, "nvfp4", axis=axis, rounding="stochastic", random_bits=words)
-    return dequantize(mx)
+    return block_values_bf16(mx) if gemm else dequantize(mx)
 
 
-def quantize_2d(w):
+def quantize_2d(w, gemm: bool = False):
     """float32 values of NVFP4 ``w`` [R, C] (multiples of 16) with one scale per 16 x 16
-    tile, from the tile's finite amax (a tile holding NaN/inf dequantizes to NaN)."""
+    tile, from the tile's finite amax (a tile holding NaN/inf dequantizes to NaN); ``gemm``:
+    instead the GPU GEMM's operand, (bfloat16 values of element x tile scale, tensor
+    scale)."""
     fmt = mx_format("nvfp4")
     r, c = w.shape
     bits = f32_bits(w)  # w: float32
@@ -128,6 +133,10 @@ def quantize_2d(w):
     quotient = _nvfp4.element_quotient_bits(bits.reshape(r, c // TILE, TILE), total[..., None])
     codes = encode_bits(fmt.element, quotient, "nearest_even", "saturate", None,
                         assume_finite=True)
+    if gemm:  # element x tile scale: <= 6 significant bits, an exact bfloat16 (_gpu_gemm)
+        block = decode_f32(fmt.element, codes) * decode_f32(fmt.scale, codes_s)[..., None]
+        block = jnp.where(special[..., None], jnp.float32(jnp.nan), block)
+        return block.reshape(r, c).astype(jnp.bfloat16), bits_to_f32(ts)
     values = _nvfp4.dequantize_bits(decode_bits(fmt.element, codes), codes_s[..., None], ts,
                                     fmt.scale)
     values = jnp.where(special[..., None], jnp.uint32(0x7FC0_0000), values)
@@ -153,6 +162,27 @@ def _pad_to(v, axis: int):
 def _f32dot(a, b, dn, out_sharding=None):
     return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32, out_sharding=out_sharding)
+
+
+def _gemm(gemm: bool, a, b, dn, out_sharding=None):
+    """The product of two quantized operands: float32 values (a float32 dot) or, for the GPU
+    (``gemm``), (bfloat16 block values, tensor scale) pairs: a bfloat16 GEMM whose float32
+    output is multiplied by the two tensor scales (``_gpu_gemm``)."""
+    if not gemm:
+        return _f32dot(a, b, dn, out_sharding)
+    (av, at), (bv, bt) = a, b
+    out = lax.dot_general(av, bv, dn, preferred_element_type=jnp.float32,
+                          out_sharding=out_sharding)
+    return apply_tensor_scales(out, at, bt)
+
+
+def _routed(compute, *args):
+    """``compute(gemm, *args)``: on CUDA with ``gemm=True`` (bfloat16 GEMMs, no float32 one)
+    unless the kernel policy is ``"xla"``; elsewhere with ``gemm=False``."""
+    portable = functools.partial(compute, False)
+    if not gpu_gemm_routes(kernels_enabled()):
+        return portable(*args)
+    return on_cuda(functools.partial(compute, True), portable, *args)
 
 
 def grad_words(g_padded, seed: int):
@@ -189,18 +219,21 @@ def _weight_nk(w, dn):
     return _pad_to(_pad_to(_f32(wt), 0), 1)
 
 
-def _quantized_weight(w, dn, recipe):
-    wt = _weight_nk(w, dn)
-    return quantize_2d(wt) if recipe.weight_block_2d else quantize_1d(wt, 1)
+def _quantized_weight(wt, recipe, gemm: bool = False):
+    """The quantized weight [N, K] (from :func:`_weight_nk`), as :func:`_gemm` takes it."""
+    return quantize_2d(wt, gemm) if recipe.weight_block_2d else quantize_1d(wt, 1, gemm=gemm)
 
 
 def _forward(x, w, dn, recipe, out_dtype, out_sharding):
     k = x.shape[-1]
     n = w.shape[1 - dn[0][1][0]]
     x2 = _pad_to(_f32(x.reshape(-1, k)), 1)
-    xq = quantize_1d(x2, 1)
-    wq = _quantized_weight(w, dn, recipe)
-    y = _f32dot(xq, wq, (((1,), (1,)), ((), ())))[:, :n]
+
+    def product(gemm, x2, wt):
+        return _gemm(gemm, quantize_1d(x2, 1, gemm=gemm), _quantized_weight(wt, recipe, gemm),
+                     (((1,), (1,)), ((), ())))
+
+    y = _routed(product, x2, _weight_nk(w, dn))[:, :n]
     return bits_to_dtype(f32_bits(y.reshape(*x.shape[:-1], n)), out_dtype)
 
 
@@ -218,9 +251,13 @@ def _bwd(dn, recipe, out_dtype, out_sharding, residuals, g):
     g2 = _pad_to(_pad_to(_f32(g.reshape(t, n)), 0), 1)  # [T16, N16]
     stochastic = recipe.grad_rounding == "stochastic"
     wd, ww = grad_words(g2, recipe.seed) if stochastic else (None, None)
+
     # grad_x = Q(g along N) · Q2(w): [T, N] x [N, K].
-    wq = _quantized_weight(w, dn, recipe)
-    gx = _f32dot(quantize_1d(g2, 1, wd), wq, (((1,), (0,)), ((), ())))[:t, :k]
+    def grad_x(gemm, g2, wt, wd):
+        return _gemm(gemm, quantize_1d(g2, 1, wd, gemm), _quantized_weight(wt, recipe, gemm),
+                     (((1,), (0,)), ((), ())))
+
+    gx = _routed(grad_x, g2, _weight_nk(w, dn), wd)[:t, :k]
     # grad_w = Q(M x along T)ᵀ · Q(M g along T): [K, N].
     if recipe.wgrad_rht:
         signs = rht_signs(recipe.seed)
@@ -231,7 +268,12 @@ def _bwd(dn, recipe, out_dtype, out_sharding, residuals, g):
     if sw is not None and rc[0] == 1:
         spec = (tuple(sw.spec) + (None, None))[:2]
         sw = jax.sharding.NamedSharding(sw.mesh, jax.sharding.PartitionSpec(*spec[::-1]))
-    gw = _f32dot(quantize_1d(x2, 0), quantize_1d(g2, 0, ww), (((0,), (0,)), ((), ())), sw)[:k, :n]
+
+    def grad_w(gemm, x2, g2, ww):
+        return _gemm(gemm, quantize_1d(x2, 0, gemm=gemm), quantize_1d(g2, 0, ww, gemm),
+                     (((0,), (0,)), ((), ())), sw)
+
+    gw = _routed(grad_w, x2, g2, ww)[:k, :n]
     gw = gw if rc[0] == 0 else gw.T
     return (bits_to_dtype(f32_bits(gx.reshape(x.shape)), x.dtype),
             bits_to_dtype(f32_bits(gw), w.dtype))

@@ -196,7 +196,12 @@ class MXCast(_Randomness):
         object.__setattr__(self, "fmt", fmt)
         object.__setattr__(self, "nvfp4_step", fmt.scheme.step_option(self.nvfp4_step, fmt.name))
         object.__setattr__(self, "scale_rule", fmt.scheme.scale_rule_option(self.scale_rule))
-        object.__setattr__(self, "rounding", check_rounding(fmt.element, self.rounding))
+        rounding = check_rounding(fmt.element, self.rounding)
+        if fmt.scheme.roundings is not None and rounding not in fmt.scheme.roundings:
+            raise ValueError(
+                f"{fmt.name} elements round {' or '.join(map(str, fmt.scheme.roundings))} "
+                f"({fmt.scheme.recipe}); got rounding={str(rounding)!r}")
+        object.__setattr__(self, "rounding", rounding)
 
     def check_call(self, x, func: str, *, axis=-1, pad: bool = False, key=None,
                    random_bits=None, tensor_scale=None, scale_rule=None,

@@ -52,12 +52,14 @@ from ._dtypes import bits_to_dtype, exactly_representable, input_bits
 from ._encode import encode_bits
 from ._format import MXFormat
 from ._gemv import decode_time_route
+from ._gpu_gemm import (FP8_DTYPES, apply_tensor_scales, block_bf16_exact, block_values_bf16,
+                        fp8_pair, fp8_values)
 from ._mx_decode import fast_decode_applies, fast_decode_exact, mx_value_bits, mx_value_bits_fast
 from ._mx_encode import padded_bits, quantize_mxarray
 from ._mxarray import MXArray
 from ._options import DotSpec, MXCast, OperandCast
 from ._sharding import explicit_sharding, merged_sharding, split_out_sharding, without_leading
-from .kernels._dispatch import mxdot_kernel, on_cuda
+from .kernels._dispatch import gpu_gemm_routes, mxdot_kernel, on_cuda
 from .kernels._mxdot_pallas import mxdot_pallas
 
 # -- dimension numbers and canonical (B, M, K) layout ------------------------------------------
@@ -235,7 +237,84 @@ def _qdot_canonical(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tu
                     out_sharding=None, kernels: bool = True):
     """Quantized dot of canonical operands contracted over their axes ``layout = (la, ra)``
     (default: (B, M, K) x (B, N, K)) → (B, M, N) float32, no autodiff rule of its own;
-    ``kernels``: whether the kernel policy lets a Pallas kernel serve its bfloat16 branch."""
+    ``kernels``: the kernel policy (a Pallas kernel for the bfloat16 branch, the GPU GEMM
+    routes). Where XLA lowers for CUDA, a product with a GPU route (:func:`_gpu_route`)
+    takes it; elsewhere, and for every other product, the portable formulation."""
+    route = None
+    if gpu_gemm_routes(kernels):
+        route = _gpu_route(lhs, rhs, lcast, rcast, layout, out_sharding, kernels)
+    portable = functools.partial(_qdot_portable, lcast=lcast, rcast=rcast, layout=layout,
+                                 out_sharding=out_sharding, kernels=kernels)
+    if route is None:
+        return portable(lhs, rhs)
+    return on_cuda(route, portable, lhs, rhs)
+
+
+def _gpu_kind(x, cast: OperandCast):
+    """How an operand enters a GPU GEMM (static): ``"fp8"`` (an FP8 element format),
+    ``"block"`` (a block format whose values ``_gpu_gemm.block_values_bf16`` gives as
+    bfloat16), ``"bf16"`` (values bfloat16 holds, known from the format or dtype) or None
+    (float32 is needed: a float32 operand used as it is, FP16/TF32 formats)."""
+    if isinstance(x, MXArray) or isinstance(cast, MXCast):
+        return "block" if block_bf16_exact(x.fmt if isinstance(x, MXArray) else cast.fmt) else None
+    if cast is None:
+        return "bf16" if x.dtype == jnp.bfloat16 else None
+    if cast.fmt.name in FP8_DTYPES:
+        return "fp8"
+    return "bf16" if exactly_representable(cast.fmt, jnp.bfloat16) else None
+
+
+def _gpu_route(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tuple, out_sharding,
+               kernels: bool = True):
+    """The CUDA formulation of a canonical quantized dot, or None where the portable one is
+    already what the GPU should run (a bfloat16 GEMM of formats bfloat16 holds) or float32
+    is needed (docs/design.md §13, GPU GEMMs):
+
+    * two FP8 element formats cuBLASLt pairs (E4M3 x E4M3, E4M3 x E5M2): the codes of
+      lowprec's encoder as float8 operands, FP8 GEMM (``_gpu_gemm.fp8_values``);
+    * otherwise, when one operand is a block format and both enter as bfloat16: each block
+      operand decoded to bfloat16 in one pass with no branch (the portable route checks at
+      run time whether bfloat16 is exact and keeps a float32 GEMM for when it is not; NVFP4
+      always took float32), a bfloat16 GEMM, NVFP4 tensor scales on its float32 output.
+    """
+    la, ra = layout
+    kinds = (_gpu_kind(lhs, lcast), _gpu_kind(rhs, rcast))
+    if kinds == ("fp8", "fp8") and fp8_pair(lcast.fmt, rcast.fmt):
+        def fp8(a, b):
+            ca, cb = (encode_bits(c.fmt, input_bits(v), c.rounding, c.overflow, None)
+                      for v, c in ((a, lcast), (b, rcast)))
+            return _contract(fp8_values(ca, lcast.fmt), la, fp8_values(cb, rcast.fmt), ra,
+                             out_sharding, precision=lax.Precision.HIGHEST)
+
+        return fp8
+    if None in kinds or "block" not in kinds:
+        return None
+
+    def operand(op):
+        if isinstance(op, MXArray):
+            return block_values_bf16(op)
+        return bits_to_bf16_truncating(op), None  # a format (or dtype) bfloat16 holds
+
+    def bf16(a, b):
+        lop, _ = _quantize_operand(a, lcast, la)
+        rop, _ = _quantize_operand(b, rcast, ra)
+        if mxdot_kernel(layout, lop, rop, kernels, out_sharding):
+            # The Pallas GEMM decoding in its operand load (kernels/_mxdot_pallas.py; off by
+            # default, _dispatch.FUSED_MXDOT: measured slower than this route's cuBLAS GEMM).
+            return mxdot_pallas(lop.elements[0], lop.scales[0], rop.elements[0],
+                                rop.scales[0], fa=lop.fmt, fb=rop.fmt)[None]
+        av, af = operand(lop)
+        bv, bf = operand(rop)
+        return apply_tensor_scales(_contract(av, la, bv, ra, out_sharding), af, bf)
+
+    return bf16
+
+
+def _qdot_portable(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tuple,
+                   out_sharding, kernels: bool):
+    """The portable quantized dot (every backend; CUDA where no GPU route applies): exact
+    products of decoded values, bfloat16 when it holds them (a run-time check for block
+    formats), float32 otherwise, summed in float32."""
     la, ra = layout
     lop, lkind = _quantize_operand(lhs, lcast, la)
     rop, rkind = _quantize_operand(rhs, rcast, ra)

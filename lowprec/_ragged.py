@@ -30,7 +30,8 @@ tokens with its own quantizer:
 Products are exact (every quantized value is a float32, or a bfloat16 where that is exact:
 the same run-time choice as :func:`lowprec.dot_general`, with float32 accumulation), so a
 result is within K·2^-23·Σ|a_i b_i| of the exact dot of the quantized operands; it equals
-``lax.ragged_dot`` of the dequantized operands computed in float32. Gradients come back in
+``lax.ragged_dot`` of the dequantized operands given in the dtype chosen (XLA:CPU sums a
+bfloat16 dot in another order than a float32 one: the two differ by about an ulp). Gradients come back in
 their operands' dtypes; ``group_sizes`` gets none (integers).
 
 Not supported (refused with an error): ``group_offset`` (a slice of the groups, for expert
@@ -68,6 +69,7 @@ from ._mxarray import MXArray
 from ._options import INPUT_DTYPES, DotSpec, ElementCast, MXCast, OperandCast
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, rceil_code
 from ._sharding import check_contraction, explicit_sharding, out_sharding_arg
+from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
 # lhs [M, K] x rhs [G, K, N] -> [M, N], rows of lhs ragged (lax.ragged_dot's layout).
 _FORWARD = lax.RaggedDotDimensionNumbers(
@@ -433,11 +435,26 @@ def _product(a, b, group_sizes, dn, kinds=("f32", "f32"), out_sharding=None):
         return f32(a, b)
     if all(k == "bf16" for k in kinds):
         return bf16(a, b)
-    ok = jnp.bool_(True)
-    for x, kind in zip((a, b), kinds):
-        if kind == "dynamic":
-            ok = ok & _bf16_exact(x)
-    return lax.cond(ok, bf16, f32, a, b)
+
+    def portable(a, b):
+        ok = jnp.bool_(True)
+        for x, kind in zip((a, b), kinds):
+            if kind == "dynamic":
+                ok = ok & _bf16_exact(x)
+        return lax.cond(ok, bf16, f32, a, b)
+
+    if not gpu_gemm_routes(kernels_enabled()):
+        return portable(a, b)
+
+    def gpu(a, b):
+        # The GPU route (docs/design.md §13): no run-time check, no float32 GEMM; values below
+        # bfloat16's subnormal step (only in blocks of the smallest E8M0 scales) are rounded
+        # to nearest even, exactly as _gpu_gemm.block_values_bf16 rounds them.
+        return lax.ragged_dot_general(
+            bits_to_f32(a).astype(jnp.bfloat16), bits_to_f32(b).astype(jnp.bfloat16),
+            group_sizes, dn, preferred_element_type=jnp.float32, out_sharding=out_sharding)
+
+    return on_cuda(gpu, portable, a, b)
 
 
 def _group_ids(group_sizes, m: int):

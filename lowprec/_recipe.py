@@ -16,7 +16,9 @@ For ``y = dot(lhs, rhs)`` (activations x weights in a linear layer) a recipe fix
   are either rounded as they are (``"none"``) or scaled per tensor by a power of two
   (``"tensor"``: FP8 "current scaling"; the scale is the smallest power of two with
   amax / scale <= max_elem, rounded up from the float32 quotient as the MX ``rceil`` rule does,
-  so multiplying by it is exact),
+  so multiplying by it is exact), or scaled by Transformer Engine's *delayed* scaling
+  (``"delayed"``: the scale comes from an amax history, state that lives in the model; see
+  ``delayed`` and :mod:`lowprec.flax`, which keeps it per layer),
 * ``high_precision``: glob patterns of layer names (``"lm_head"``, ``"*/attn/*"``) that
   :mod:`lowprec.flax` leaves in their own precision.
 
@@ -33,6 +35,10 @@ Ready-made recipes:
 * :data:`FP8_HYBRID`: FP8 without blocks (Micikevicius et al., "FP8 Formats for Deep
   Learning", 2022; Transformer Engine ``Format.HYBRID``): E4M3 forward, E5M2 gradients,
   each tensor scaled by one power of two computed from its current amax.
+* :data:`FP8_DELAYED`: the same formats with Transformer Engine's ``DelayedScaling`` (scales
+  from the amax history of earlier steps, ``lowprec.DelayedScaling``'s defaults). A layer's
+  dot needs its state, so this recipe is applied by :mod:`lowprec.flax`
+  (``quantize_model``, Rules), not by :meth:`Recipe.dot_general`.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ import numpy as np
 from jax import lax
 
 from ._bits import E8M0_BIAS, bits_to_f32
-from ._format import ElementFormat, MXFormat
+from ._delayed import DelayedScaling
+from ._format import ElementFormat, MXFormat, element_format
 from ._dtypes import input_bits
 from ._matmul import dot_general
 from ._nvfp4_train import check_layout, nvfp4_train_dot
@@ -62,10 +69,12 @@ _Format = Union[None, ElementFormat, MXFormat]
 
 #: ``backward=`` choices of a :class:`Recipe` (as for :func:`lowprec.dot_general`).
 RECIPE_BACKWARD_MODES: tuple[str, ...] = ("ste", "quantized")
-#: ``scaling=`` choices: ``"none"`` or ``"tensor"`` (power-of-two per-tensor, element formats).
-SCALINGS: tuple[str, ...] = ("none", "tensor")
+#: ``scaling=`` choices: ``"none"``, ``"tensor"`` (power-of-two per-tensor, element formats) or
+#: ``"delayed"`` (Transformer Engine's delayed scaling, state kept per layer by lowprec.flax).
+SCALINGS: tuple[str, ...] = ("none", "tensor", "delayed")
 #: Deterministic rounding modes a recipe accepts (matmul operands are rounded without a key).
-RECIPE_ROUNDINGS: tuple[str, ...] = ("nearest_even", "nearest_away", "toward_zero", "up", "down")
+RECIPE_ROUNDINGS: tuple[str, ...] = ("nearest_even", "nearest_away", "nearest_toward_zero",
+                                      "toward_zero", "up", "down")
 _OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
@@ -108,8 +117,14 @@ class Recipe:
       scale_rule: MX scale rule of every block quantization (``"floor"``, ``"ceil"``,
         ``"even"``, ``"rceil"``).
       rounding: element rounding of every quantization (deterministic modes only).
-      scaling: ``"none"`` or ``"tensor"`` (per-tensor power-of-two scaling of element-format
-        operands; not allowed with MX formats, which carry block scales).
+      scaling: ``"none"``, ``"tensor"`` (per-tensor power-of-two scaling of element-format
+        operands; not allowed with MX formats, which carry block scales) or ``"delayed"``
+        (Transformer Engine's delayed scaling of an FP8 layer: ``forward`` one element
+        format for both operands, ``grad`` the cotangent's, ``backward="quantized"``; the
+        options in ``delayed``).
+      delayed: the :class:`~lowprec.DelayedScaling` options of ``scaling="delayed"`` (margin,
+        amax history length and algorithm; its formats must be the recipe's ``forward`` and
+        ``grad``). Default: ``DelayedScaling`` with the recipe's formats.
       high_precision: glob patterns (:func:`fnmatch.fnmatchcase`, ``*`` also crosses ``/``)
         of layer paths such as ``"block_0/mlp/up"`` that stay in their own precision.
       high_precision_wgrad: compute the weight gradient (grad_rhs = lhsᵀ·g, the rhs being the
@@ -151,6 +166,7 @@ class Recipe:
     wgrad_rht: bool = False
     grad_rounding: str = "nearest_even"
     seed: int = 0
+    delayed: Optional[DelayedScaling] = None
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -206,8 +222,48 @@ class Recipe:
         if not isinstance(self.high_precision_wgrad, bool):
             raise TypeError(f"high_precision_wgrad must be a bool, got {self.high_precision_wgrad!r}")
         self._check_nvfp4_training()
+        self._check_delayed(set_)
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a string, got {self.name!r}")
+
+    def _check_delayed(self, set_) -> None:
+        """``scaling="delayed"``: an FP8 layer as Transformer Engine's DelayedScaling runs it;
+        fills in ``delayed`` (the options, with the recipe's formats)."""
+        if self.scaling != "delayed":
+            if self.delayed is not None:
+                raise ValueError("delayed holds the options of scaling='delayed'; got scaling="
+                                 f"{self.scaling!r} (drop delayed, or set scaling='delayed')")
+            return
+        f, g = self.forward[0], self.grad
+        if (not isinstance(f, ElementFormat) or self.forward[1] != f
+                or not isinstance(g, ElementFormat) or self.backward != "quantized"
+                or self.backward_operands != self.forward or self.high_precision_wgrad):
+            raise ValueError(
+                "scaling='delayed' scales an FP8 layer as Transformer Engine's DelayedScaling: "
+                "forward one element format for both operands (e.g. 'e4m3'), grad the "
+                "cotangent's (e.g. 'e5m2'), the backward operands as the forward ones and no "
+                f"high_precision_wgrad; got {self.describe()}")
+        cfg = self.delayed
+        if cfg is None:
+            cfg = DelayedScaling(fwd_format=f.name, bwd_format=g.name)
+        if not isinstance(cfg, DelayedScaling):
+            raise TypeError(f"delayed must be a lowprec.DelayedScaling, got {cfg!r}")
+        formats = (element_format(cfg.fwd_format).name, element_format(cfg.bwd_format).name)
+        if formats != (f.name, g.name):
+            raise ValueError(
+                f"delayed's formats {formats} differ from the recipe's forward {f.name!r} and "
+                f"grad {g.name!r}; pass DelayedScaling(..., fwd_format={f.name!r}, "
+                f"bwd_format={g.name!r})")
+        set_("delayed", cfg)
+
+    def _state_needed(self, what: str) -> None:
+        """Refuses a call that a ``scaling="delayed"`` recipe cannot serve without a state."""
+        if self.scaling == "delayed":
+            raise ValueError(
+                f"{self.name or 'this recipe'} uses delayed scaling: its scales come from the "
+                f"amax history of earlier steps, which {what} has nowhere to keep. Apply it through "
+                "lowprec.flax (quantize_model, or DelayedDotGeneral / DelayedDotGeneralNnx per "
+                "layer), or call lowprec.delayed_dot_general with a DelayedState")
 
     def _nvfp4_training(self) -> bool:
         return self.weight_block_2d or self.wgrad_rht or self.grad_rounding != "nearest_even"
@@ -253,7 +309,11 @@ class Recipe:
         used = (*self.forward, *self.backward_operands, self.grad)
         scaled = [f for f in used if isinstance(f, MXFormat) and f.scheme.takes_scale_rule]
         extra = [self.scale_rule.value] if scaled else []  # NVFP4 has its own scale recipe
-        if self.scaling != "none":
+        if self.scaling == "delayed" and self.delayed is not None:
+            d = self.delayed
+            extra.append(f"delayed scaling (history {d.amax_history_len}, "
+                         f"{d.amax_compute_algo}, margin {d.margin})")
+        elif self.scaling != "none":
             extra.append(f"{self.scaling} scaling")
         if self.high_precision_wgrad:
             extra.append("fp32 wgrad")
@@ -309,6 +369,7 @@ class Recipe:
             [6.5, 6.5, 6.5]
         """
         del precision
+        self._state_needed("a recipe's dot_general")
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         out_dtype = _out_dtype(lhs, rhs, preferred_element_type, "recipe dot")
         dn = _normalize(dimension_numbers)
@@ -351,6 +412,7 @@ class Recipe:
             >>> OCP_MXFP8.einsum("btd,dnh->btnh", x, w).shape
             (2, 5, 4, 3)
         """
+        self._state_needed("a recipe's einsum")
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         plan = _einsum_plan(subscripts, lhs.shape, rhs.shape)
         if plan.lhs_sum:
@@ -432,6 +494,7 @@ class Recipe:
             [6.5, 6.5, 6.5, 64.0, 64.0]
         """
         del precision
+        self._state_needed("a ragged dot")
         if self._nvfp4_training():
             raise ValueError(
                 "ragged_dot does not implement the NVFP4 training recipe's parts "
@@ -751,6 +814,10 @@ NVIDIA_MXFP8 = Recipe(
 #: FP8 E4M3 forward / E5M2 backward with power-of-two per-tensor current scaling.
 FP8_HYBRID = Recipe(forward="e4m3", grad="e5m2", scaling="tensor", name="fp8_hybrid")
 
+#: FP8 E4M3 forward / E5M2 backward with Transformer Engine's delayed scaling (state per layer:
+#: applied by lowprec.flax, e.g. ``quantize_model(model, FP8_DELAYED)``).
+FP8_DELAYED = Recipe(forward="e4m3", grad="e5m2", scaling="delayed", name="fp8_delayed")
+
 #: NVIDIA's NVFP4 training recipe (arXiv 2509.25149; Transformer Engine ``NVFP4BlockScaling``):
 #: NVFP4 operands, 16 x 16 weight scales, RHT on the weight-gradient operands, stochastic
 #: rounding of gradients. Keep the last layers in high precision with ``high_precision``/Rules.
@@ -760,9 +827,10 @@ NVIDIA_NVFP4 = Recipe(
 )
 
 #: The ready-made recipes by name.
-RECIPES = {r.name: r for r in (OCP_MXFP8, NVIDIA_MXFP8, FP8_HYBRID, NVIDIA_NVFP4)}
+RECIPES = {r.name: r for r in (OCP_MXFP8, NVIDIA_MXFP8, FP8_HYBRID, FP8_DELAYED, NVIDIA_NVFP4)}
 
 __all__ = [
+    "FP8_DELAYED",
     "FP8_HYBRID",
     "NVIDIA_MXFP8",
     "NVIDIA_NVFP4",

@@ -63,6 +63,14 @@ class Rounding(DocumentedStr):
         "To the nearer neighbour; a tie to the one of larger magnitude (IEEE 754 "
         "roundTiesToAway; microxcaling's 'nearest'; NVIDIA's cvt.rna.tf32.f32 for TF32).",
     )
+    NEAREST_TOWARD_ZERO = (
+        "nearest_toward_zero",
+        "To the nearer neighbour; a tie to the one of smaller magnitude (round half toward "
+        "zero; no IEEE 754 attribute). ggml's FP4 quantizers (llama.cpp best_index_mxfp4, "
+        "gguf-py gguf.quants.MXFP4: the first of equally near table entries, smaller "
+        "magnitudes first); with ScaleRule.FLOOR_LOG2F, ggml's MXFP4 bit for bit, up to the "
+        "sign of zero (ggml writes every zero as +0). Overflows as the other nearest modes do.",
+    )
     TOWARD_ZERO = (
         "toward_zero",
         "To the neighbour of smaller magnitude (truncation). A finite value beyond the "
@@ -101,8 +109,9 @@ class Rounding(DocumentedStr):
 
     @property
     def nearest(self) -> bool:
-        """Whether the mode rounds to the nearer neighbour (``NEAREST_EVEN``, ``NEAREST_AWAY``)."""
-        return self in (Rounding.NEAREST_EVEN, Rounding.NEAREST_AWAY)
+        """Whether the mode rounds to the nearer neighbour (``NEAREST_EVEN``, ``NEAREST_AWAY``,
+        ``NEAREST_TOWARD_ZERO``)."""
+        return self in (Rounding.NEAREST_EVEN, Rounding.NEAREST_AWAY, Rounding.NEAREST_TOWARD_ZERO)
 
     @property
     def directed(self) -> bool:
@@ -238,6 +247,8 @@ def round_shift(sig, shift, sign, rounding: Union[str, Rounding], random_bits=No
             bias = lax.shift_left(one, s - one) - one + (lax.shift_right_logical(sig, s) & one)
         elif rounding is Rounding.NEAREST_AWAY:
             bias = lax.shift_left(one, s - one)
+        elif rounding is Rounding.NEAREST_TOWARD_ZERO:  # half - 1: a tie stays below
+            bias = lax.shift_left(one, s - one) - one
         elif rounding is Rounding.TOWARD_ZERO:
             bias = jnp.zeros((), udt)
         elif rounding.directed:  # UP, DOWN: all ones below the cut where it rounds away

@@ -42,6 +42,12 @@ class ScaleRule(DocumentedStr):
     (INT8's 6 fractional bits at [1, 2)) first; rceil divides by 127/64. Members are strings, so ``"floor"`` and ``ScaleRule.FLOOR`` are
     interchangeable everywhere. Each member's own docstring says who uses it.
 
+    Two members reproduce other libraries' quantizers bit for bit: ``EVEN_E2M1`` is
+    compressed-tensors' and llm-compressor's rule for MXFP4 and MXFP8 (their MXFP6 E2M3
+    scales, compressed-tensors >= 0.20, are ``EVEN``'s), ``FLOOR_LOG2F`` ggml's (llama.cpp,
+    gguf-py) for MXFP4, whose elements round with ``Rounding.NEAREST_TOWARD_ZERO``
+    (docs/design.md §3).
+
     Example:
         >>> ScaleRule("rceil") is ScaleRule.RCEIL, ScaleRule.FLOOR == "floor"
         (True, True)
@@ -66,6 +72,22 @@ class ScaleRule(DocumentedStr):
         "rceil",
         "amax / max_elem in float32, rounded up to a power of two: NVIDIA cuBLAS/cuDNN, "
         "Transformer Engine, jax.nn's MXFP8 quantizer (bit-exact). Never clips.",
+    )
+    EVEN_E2M1 = (
+        "even_e2m1",
+        "EVEN at E2M1's precision whatever the element: amax's significand rounded half up "
+        "to one fraction bit (1.75 and above go to 2), then floor. compressed-tensors and "
+        "llm-compressor (0.19, 0.20: generate_mx_scales) for MXFP4 and MXFP8, after vLLM's "
+        "MXFP4 reference (bit-exact); the same as EVEN for E2M1 elements. Their MXFP6 (E2M3, "
+        "compressed-tensors >= 0.20) is EVEN.",
+    )
+    FLOOR_LOG2F = (
+        "floor_log2f",
+        "floor of log2(amax) rounded to float32 (C's floorf(log2f(amax))), minus emax_elem: "
+        "ggml (llama.cpp quantize_row_mxfp4_ref, gguf-py gguf.quants.MXFP4; bit-exact with "
+        "rounding='nearest_toward_zero'). FLOOR, except that the 1 to 44 float32 block maxima "
+        "just below each power of two 2^k with |k| >= 3 (|k| >= 2 for k < 0), whose log2 "
+        "rounds up to k, take the next exponent.",
     )
 
 
@@ -132,6 +154,48 @@ def rceil_constants(max_elem: Fraction) -> tuple[int, int, int, int]:
     return (mf >> F32_MANT_BITS) - 127, mf & F32_MANT, small_bits, int(thr.view(np.uint32))
 
 
+def round_half_up_exponent(amax_bits, fraction_bits: int):
+    """floor(log2) of the float32 patterns ``amax_bits`` after rounding their significands
+    half up to ``fraction_bits`` bits (torchao's EVEN step: add half a unit of the last kept
+    bit, clear the dropped bits; a carry reaches the next binade, subnormals included)."""
+    drop = F32_MANT_BITS - fraction_bits
+    keep = ~((1 << drop) - 1) & 0xFFFF_FFFF
+    return floor_log2_bits((amax_bits + jnp.uint32(1 << (drop - 1))) & jnp.uint32(keep))
+
+
+# FLOOR_LOG2F: how many float32 just below 2^k have a log2 that rounds (to nearest even, in
+# float32) up to k. log2(d) for d = 2^k (1 - j 2^-24) (normal d) is k - j 2^-24 / ln 2 + ...;
+# it rounds to k when within half the float32 spacing next to k, 2^(b - 24) with b =
+# floor(log2 |k|) for k < 0 and floor(log2 (k - 1)) for k >= 2 (the binade holding the
+# values just below k), a tie going to k (its significand ends in 0s). So j <= n_b =
+# floor(2^24 (1 - 2^(-2^(b - 24)))) ~ 2^b ln 2: 0, 1, 2, 5, 11, 22, 44, 88 for b = 0..7 (and 0
+# for k = 0, 1). Checked against NumPy's and glibc's float32 log2 for every float32 near a
+# power of two (tests/test_engine_rules.py). Subnormal d are 2^-149 apart, 2^(-126 - e) times
+# the spacing of a normal binade [2^e, 2^(e+1)) would have: their count is n_b >> (-126 - e).
+_LOG2F_ROUNDS_UP = ((128, 88), (64, 44), (32, 22), (16, 11), (8, 5), (4, 2), (2, 1))
+
+
+def log2f_exponent(amax_bits):
+    """floor(float32(log2 v)) (int32) for the float32 patterns ``amax_bits`` of v ≥ 0 (v = 0
+    gives -150): ``floor_log2_bits``, plus one where the correctly rounded float32 log2 of
+    v is the integer above (the table above)."""
+    e = floor_log2_bits(amax_bits)
+    k = e + 1
+    a = jnp.where(k >= 2, k - 1, -k)  # the binade of the float32 next to k: b = floor(log2 a)
+    n = jnp.zeros_like(a)
+    for bound, count in reversed(_LOG2F_ROUNDS_UP):
+        n = jnp.where(a >= bound, count, n)
+    efield = lax.shift_right_logical(amax_bits, jnp.uint32(F32_MANT_BITS)).astype(jnp.int32)
+    subnormal = efield == 0
+    n = jnp.where(subnormal, lax.shift_right_logical(n, jnp.clip(-126 - e, 0, 31)), n)
+    # d's distance below 2^k in units of its spacing: 2^23 - mantissa for a normal d; for a
+    # subnormal one, whose significand is its mantissa field, 2^(e + 150) - mantissa.
+    top = jnp.where(subnormal, lax.shift_left(jnp.int32(1), jnp.clip(e + 150, 0, 23)),
+                    1 << F32_MANT_BITS)
+    mant = (amax_bits & F32_MANT).astype(jnp.int32)
+    return e + (mant >= top - n).astype(jnp.int32)  # never for n = 0: mant < top
+
+
 def shared_exponent_of_amax(amax_bits, fmt: MXFormat, scale_rule: ScaleRule):
     """Unclamped shared exponent (int32) of blocks whose largest magnitude has bits ``amax_bits``."""
     elem = fmt.element
@@ -145,13 +209,32 @@ def shared_exponent_of_amax(amax_bits, fmt: MXFormat, scale_rule: ScaleRule):
     if scale_rule is ScaleRule.EVEN:
         # Round amax's significand to the element's precision in its top binade (its
         # mantissa width; 6 bits for INT8, whose values k/64 are subnormal-like), half up.
-        drop = F32_MANT_BITS - (elem.emax - elem.top_quantum_exponent)
-        keep = ~((1 << drop) - 1) & 0xFFFF_FFFF
-        rounded = (amax_bits + jnp.uint32(1 << (drop - 1))) & jnp.uint32(keep)
-        return floor_log2_bits(rounded) - emax
+        return round_half_up_exponent(amax_bits, even_fraction_bits(fmt, scale_rule)) - emax
     if scale_rule is ScaleRule.RCEIL:
         return rceil_code(amax_bits, elem.max_finite_exact) - E8M0_BIAS
+    if scale_rule is ScaleRule.EVEN_E2M1:
+        return round_half_up_exponent(amax_bits, even_fraction_bits(fmt, scale_rule)) - emax
+    if scale_rule is ScaleRule.FLOOR_LOG2F:
+        return log2f_exponent(amax_bits) - emax
     raise AssertionError(scale_rule)
+
+
+def even_fraction_bits(fmt: MXFormat, scale_rule: ScaleRule) -> int:
+    """The significand bits below the leading one that ``EVEN`` (the element's precision in
+    its top binade: its mantissa width, 6 for INT8) or ``EVEN_E2M1`` (1, E2M1's) keeps of a
+    block maximum.
+
+    Example:
+        >>> from lowprec._format import mx_format
+        >>> even_fraction_bits(mx_format("mxfp8"), ScaleRule.EVEN), even_fraction_bits(
+        ...     mx_format("mxfp8"), ScaleRule.EVEN_E2M1)
+        (3, 1)
+    """
+    if scale_rule is ScaleRule.EVEN_E2M1:
+        return 1  # E2M1's mantissa width (compressed-tensors' FP4_E2M1_DATA.mantissa)
+    assert scale_rule is ScaleRule.EVEN, scale_rule
+    elem = fmt.element
+    return elem.emax - elem.top_quantum_exponent
 
 
 def block_amax_bits(bits, block: int):

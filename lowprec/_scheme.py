@@ -104,6 +104,9 @@ class ScaleScheme(abc.ABC):
     exponent_scales: ClassVar[bool] = False
     #: How the block scales are chosen, in words (for messages).
     recipe: ClassVar[str] = ""
+    #: The element roundings a cast may ask for; None: every mode of the element format. A
+    #: scheme that rounds its elements itself (docs/design.md §3c) names the ones it has.
+    roundings: ClassVar[Optional[tuple]] = None
 
     def __post_init__(self):
         self.check_scale()

@@ -6,9 +6,10 @@ Usage::
         [--scale-rule floor|ceil|even|rceil] [--layout lowprec|gpt-oss] [--axis N]
         [--block-size N] [--fp8-scale tensor|none] [--report REPORT.json] [--json]
         [--force] [--quiet]
-    lowprec quantize IN OUT --layout compressed-tensors|modelopt --format FORMAT
-        [--ignore PATTERN ...] [--scheme PATTERN=FORMAT ...] [--scale-rule RULE] ...
-    lowprec convert IN OUT --layout lowprec|compressed-tensors|modelopt [--force] ...
+    lowprec quantize IN OUT --layout compressed-tensors|modelopt --scheme SCHEME
+        [--ignore PATTERN ...] [--scheme PATTERN=SCHEME ...] [--scale-rule RULE]
+        [--calibration TOKENS.json|TEXT] [--activation-amax AMAX.json] ...
+    lowprec convert IN OUT --layout lowprec|compressed-tensors|modelopt [--requantize] ...
     lowprec dequantize IN OUT [--dtype original|float32|bfloat16|float16|float64] [--saturate]
         [--keep-undecodable] [--report REPORT.json] [--json] [--force] [--quiet]
     lowprec inspect IN [--json]
@@ -17,7 +18,11 @@ IN is a ``.safetensors`` file, a folder of shards, or its ``*.safetensors.index.
 OUT is then a file, or a folder. FORMAT is a lowprec format name: block formats mxfp4,
 mxfp8_e4m3, mxfp8_e5m2, mxfp6_e2m3, mxfp6_e3m2, mxint8, nvfp4 (another block size with
 ``--block-size`` or in the name, mxfp4_b16); casts e4m3, e5m2, e4m3fnuz, e5m2fnuz, bf16, fp16
-(or an alias such as mxfp8, mxfp6, fp8_e4m3, float8_e4m3fnuz, bfloat16).
+(or an alias such as mxfp8, mxfp6, fp8_e4m3, float8_e4m3fnuz, bfloat16). SCHEME (the engine
+layouts) is an llm-compressor preset, any case: NVFP4A16, MXFP4A16, MXFP6A16, MXFP8A16
+(weight-only), MXFP4, MXFP8, FP8_DYNAMIC (dynamic activations), NVFP4, FP8 (static
+activations: give --calibration or --activation-amax); or FP8A16 / FP8A16_CHANNEL
+(weight-only FP8).
 
 Outputs (the checkpoint and the report) are never an input or a link to one, are checked
 before any work, and are written atomically; ``--force`` replaces regular files only.
@@ -63,6 +68,7 @@ from .checkpoint._atomic import (
     record_signal,
 )
 from .checkpoint._engine_layouts import scheme_name
+from .checkpoint._engine_schemes import SCHEMES as ENGINE_SCHEMES
 from .checkpoint._formats import (
     DEFAULT_SCALE_RULE,
     FP8_SCALINGS,
@@ -90,16 +96,16 @@ def _checked(fn):
 
 
 def _format_arg(name: str):
-    """The checkpoint format object for ``name`` (resolved here, once), or an engine scheme
-    name that is no lowprec format (``fp8_channel``)."""
+    """The checkpoint format object for ``name`` (resolved here, once), or the name of an
+    engine scheme (``NVFP4A16``, ``FP8_DYNAMIC``: the engine layouts take those)."""
     try:
         return checkpoint_format(name)
-    except CheckpointError:
+    except CheckpointError as e:
         try:
             return scheme_name(name)
         except CheckpointError:
-            pass
-        raise
+            raise CheckpointError(f"{e} (the engine layouts take a scheme: "
+                                  f"{', '.join(ENGINE_SCHEMES)})") from None
 
 
 def _layout_arg(name: str) -> str:
@@ -140,9 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("input", help="a .safetensors file (pickle .bin/.pt files are refused), a "
                                  "folder of shards, or its *.safetensors.index.json")
     q.add_argument("output", help="output .safetensors file (a folder for a folder input)")
-    q.add_argument("--format", "-f", required=True, metavar="FORMAT",
-                   type=_checked(_format_arg),
-                   help=f"one of: {', '.join(FORMATS)} (library names; aliases accepted)")
+    q.add_argument("--format", "-f", metavar="FORMAT", type=_checked(_format_arg),
+                   help=f"one of: {', '.join(FORMATS)} (library names; aliases accepted); "
+                        "with --layout compressed-tensors or modelopt, a SCHEME (see --scheme)")
     q.add_argument("--include", metavar="REGEX",
                    help="quantize exactly the float tensors whose name matches (re.search); "
                         "replaces the default selection")
@@ -150,8 +156,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--scale-rule", type=_checked(check_scale_rule), default=None,
                    metavar="RULE",
                    help=f"MX scale rule: {', '.join(SCALE_RULES)} (default {DEFAULT_SCALE_RULE}, "
-                        "the OCP MX v1.0 rule; rceil is NVIDIA's); nvfp4 has its own recipe "
-                        "and takes none")
+                        "the OCP MX v1.0 rule; rceil is NVIDIA's, even_e2m1 llm-compressor's "
+                        "for mxfp4/mxfp8, floor_log2f ggml's); nvfp4 has its own recipe and "
+                        "takes none")
     q.add_argument("--layout", type=_checked(_layout_arg), default="lowprec", metavar="LAYOUT",
                    help=f"{', '.join(LAYOUTS + ENGINE_LAYOUTS)}; lowprec: <name>_elements + "
                         "<name>_scales; gpt-oss (mxfp4 only): <name>_blocks [...,K/32,16] + "
@@ -162,9 +169,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="engine layouts: keep these modules in high precision (an exact module "
                         "name or re:REGEX, e.g. 're:.*lm_head'); lm_head, embeddings and norms "
                         "are kept anyway unless a --scheme names them")
-    q.add_argument("--scheme", action="append", default=[], metavar="PATTERN=FORMAT",
-                   help="engine layouts: another format for the modules matching PATTERN "
-                        "(first match wins), e.g. 're:.*self_attn.*=fp8'; mixes groups")
+    q.add_argument("--scheme", action="append", default=[], metavar="[PATTERN=]SCHEME",
+                   help="engine layouts: the scheme of every Linear (an llm-compressor preset, "
+                        f"any case: {', '.join(ENGINE_SCHEMES)}; A16 = weight-only, NVFP4 and "
+                        "FP8 have static activation scales), or, as PATTERN=SCHEME, of the "
+                        "modules matching PATTERN (first match wins), e.g. "
+                        "'re:.*self_attn.*=FP8_DYNAMIC'; q/k/v and gate/up must share one")
+    q.add_argument("--calibration", metavar="FILE",
+                   help="engine layouts, static schemes (FP8, NVFP4): token ids (.json: a list "
+                        "of sequences) or text (one sample a line, the folder's tokenizer) to "
+                        "run through the model with transformers ([interop] extra), measuring "
+                        "each Linear's input amax")
+    q.add_argument("--activation-amax", metavar="FILE.json",
+                   help="engine layouts, static schemes: each Linear's input amax, "
+                        '{"<module>": amax, ...} (or an earlier report: its options)')
+    q.add_argument("--max-seq-length", type=int, default=2048, metavar="N",
+                   help="--calibration: tokens per sample at most (default 2048)")
     q.add_argument("--axis", type=int, default=None,
                    help="MX block axis (default -1: the input features of a [out, in] weight)")
     q.add_argument("--block-size", type=int, default=None, metavar="N",
@@ -210,6 +230,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("output")
     c.add_argument("--layout", required=True, type=_checked(_convert_layout_arg), metavar="LAYOUT",
                    help="lowprec, compressed-tensors or modelopt")
+    c.add_argument("--requantize", action="store_true",
+                   help="an NVFP4 tensor whose global scale has no exact reciprocal in the "
+                        "target layout, or an FP8 tensor whose float32 scale is no value of "
+                        "the model dtype compressed-tensors stores it in, is re-encoded from "
+                        "its decoded values against the nearest scale (the report counts the "
+                        "values that changed), instead of refused")
     _common(c)
 
     i = sub.add_parser("inspect", help="list tensors, formats, sizes and bits/param",
@@ -294,6 +320,22 @@ def _print(text: str, command: str = "") -> int:
     return 0
 
 
+def _quantize_scheme(args) -> tuple:
+    """``(format, per-pattern schemes)``: a ``--scheme`` without ``=`` names the scheme of
+    every module (llm-compressor's ``scheme=``), as ``--format`` does."""
+    whole = [s for s in args.scheme if "=" not in s]
+    fmt = args.format
+    if len(whole) + (fmt is not None) > 1:
+        given = [*(["--format"] if fmt is not None else []), *(f"--scheme {s}" for s in whole)]
+        raise CheckpointError(f"{' and '.join(given)}: give the scheme of every module once")
+    if whole:
+        fmt = scheme_name(whole[0])
+    if fmt is None:
+        raise CheckpointError("give a format (--format FORMAT) or, with --layout "
+                              "compressed-tensors or modelopt, a scheme (--scheme SCHEME)")
+    return fmt, [s for s in args.scheme if "=" in s]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the ``lowprec`` command line; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -309,17 +351,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with _signals_raise():
             try:
                 if args.command == "quantize":
+                    fmt, schemes = _quantize_scheme(args)
                     report = quantize_checkpoint(
-                        args.input, args.output, args.format,
+                        args.input, args.output, fmt,
                         include=args.include, exclude=args.exclude, scale_rule=args.scale_rule,
                         layout=args.layout, axis=args.axis, fp8_scale=args.fp8_scale,
                         block_size=args.block_size, force=args.force, progress=progress, report=args.report,
-                        ignore=args.ignore, schemes=args.scheme,
+                        ignore=args.ignore, schemes=schemes,
                         follow_symlinks=args.follow_symlinks, jobs=args.jobs,
+                        calibration=args.calibration, activation_amax=args.activation_amax,
+                        max_seq_length=args.max_seq_length,
                     )
                 elif args.command == "convert":
                     report = convert_checkpoint(
-                        args.input, args.output, args.layout, force=args.force,
+                        args.input, args.output, args.layout, requantize=args.requantize,
+                        force=args.force,
                         progress=progress, report=args.report,
                         follow_symlinks=args.follow_symlinks, jobs=args.jobs,
                     )

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import warnings
 from typing import Any, Optional
@@ -94,12 +95,15 @@ from ._rules import Rules, recipe_for
 
 __all__ = [
     "DelayedDotGeneral",
+    "DelayedDotGeneralNnx",
+    "DelayedScalingState",
     "RecipeDotGeneral",
     "RecipeEinsum",
     "dot_general",
     "einsum",
     "intercepting",
     "quantize_model",
+    "update_delayed_state",
 ]
 
 
@@ -124,6 +128,12 @@ def _check_recipe(recipe) -> Recipe:
         raise TypeError(
             f"expected a lowprec.Recipe (e.g. lowprec.NVIDIA_MXFP8), got {type(recipe).__name__}"
         )
+    if recipe.scaling == "delayed":
+        raise ValueError(
+            f"{recipe.name or 'the recipe'} uses delayed scaling, whose state lives in the layer: "
+            "give linen layers dot_general_cls=functools.partial(lowprec.flax.DelayedDotGeneral, "
+            "config=recipe.delayed) and nnx layers dot_general=lowprec.flax.DelayedDotGeneralNnx("
+            "recipe.delayed), or use lowprec.flax.quantize_model(model, recipe)")
     return recipe
 
 
@@ -194,19 +204,76 @@ class DelayedDotGeneral(nn.Module):
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
+        """The product (``lax.dot_general``'s arguments; ``precision`` is ignored: the
+        operands are FP8 values, their products exact) in the operands' promoted dtype or
+        ``preferred_element_type``; ``out_sharding`` as for :func:`lowprec.delayed_dot_general`."""
         if not isinstance(self.config, DelayedScaling):
             raise TypeError(f"config must be a lowprec.DelayedScaling, got {self.config!r}")
-        if out_sharding is not None:
-            raise NotImplementedError(
-                "DelayedDotGeneral does not take out_sharding yet; use a Recipe's dot_general "
-                "for sharded contractions")
         init = self.config.init()
         hist = self.variable(OVERWRITE_WITH_GRADIENT, "amax_history", lambda: init.amax_history)
         scale = self.variable(OVERWRITE_WITH_GRADIENT, "scale", lambda: init.scale)
         out = delayed_dot_general(lhs, rhs, DelayedState(hist.value, scale.value),
-                                  dimension_numbers, self.config)
+                                  dimension_numbers, self.config, out_sharding=out_sharding)
         dtype = preferred_element_type or jnp.result_type(lhs, rhs)
         return out.astype(dtype)
+
+
+class DelayedScalingState(nnx.Variable):
+    """The nnx variable type of delayed scaling's state (amax histories and scales): like
+    linen's overwrite-with-gradient collection, its *gradient* is the next step's value
+    (:func:`update_delayed_state` writes it back)."""
+
+
+class DelayedDotGeneralNnx(nnx.Module):
+    """An nnx ``dot_general=`` for FP8 delayed scaling (Transformer Engine semantics): the nnx
+    form of :class:`DelayedDotGeneral`, one instance per layer.
+
+    ``nnx.Linear(..., dot_general=DelayedDotGeneralNnx(config))`` makes it a submodule of the
+    layer, so its :class:`DelayedScalingState` variables (``amax_history`` [3, L] and
+    ``scale`` [3]: lhs, rhs, cotangent) are part of the model's state. A training step
+    differentiates with respect to them too and writes their gradient back as the next
+    state (the cotangent's amax is known only in the backward pass)::
+
+        wrt = nnx.Any(nnx.Param, lowprec.flax.DelayedScalingState)
+        grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, batch)
+        optimizer.update(model, grads)                     # nnx.Optimizer(..., wrt=nnx.Param)
+        lowprec.flax.update_delayed_state(model, grads)    # the next scales
+
+    Attributes:
+      config: the :class:`~lowprec.DelayedScaling` options.
+
+    Example:
+        >>> import jax.numpy as jnp, lowprec
+        >>> from flax import nnx
+        >>> layer = nnx.Linear(8, 3, rngs=nnx.Rngs(0),
+        ...                    dot_general=lowprec.flax.DelayedDotGeneralNnx(
+        ...                        lowprec.DelayedScaling(amax_history_len=16)))
+        >>> layer(jnp.ones((2, 8))).shape, layer.dot_general.amax_history.shape
+        ((2, 3), (3, 16))
+    """
+
+    def __init__(self, config: DelayedScaling = DelayedScaling()):
+        if not isinstance(config, DelayedScaling):
+            raise TypeError(f"config must be a lowprec.DelayedScaling, got {config!r}")
+        init = config.init()
+        self.config = config
+        self.amax_history = DelayedScalingState(init.amax_history)
+        self.scale = DelayedScalingState(init.scale)
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, out_sharding=None):
+        """As :meth:`DelayedDotGeneral.__call__`."""
+        state = DelayedState(self.amax_history[...], self.scale[...])
+        out = delayed_dot_general(lhs, rhs, state, dimension_numbers, self.config,
+                                  out_sharding=out_sharding)
+        return out.astype(preferred_element_type or jnp.result_type(lhs, rhs))
+
+
+def update_delayed_state(model, grads) -> None:
+    """Writes the next step's delayed-scaling state into an nnx ``model``: the gradients of
+    its :class:`DelayedScalingState` variables, taken from ``grads`` (an ``nnx.grad`` result
+    that includes them; see :class:`DelayedDotGeneralNnx`), in place."""
+    nnx.update(model, nnx.state(grads, DelayedScalingState))
 
 
 def dot_general(recipe: Recipe) -> RecipeDotGeneral:
@@ -266,6 +333,8 @@ def _warn_uncovered(kind: str, path: str, recipe) -> None:
     if kind.startswith(("MultiHead",)):
         what = ("runs its projections in the recipe but its score and value products (q·kᵀ, "
                 "p·v) in their own precision, as Transformer Engine's default recipes do,")
+    elif kind.endswith("(delayed scaling)"):
+        what = "has no place for delayed scaling's state and runs in its own precision,"
     else:
         what = "has no dot_general hook and runs in its own precision,"
     warnings.warn(
@@ -285,18 +354,27 @@ def _linen_interceptor(plan):
             recipe = recipe_for(plan, "/".join(module.path))
             if recipe is None:
                 return next_fun(*args, **kwargs)
-            replacement = RecipeDotGeneral(recipe)
-            # A linen layer reads self.dot_general inside __call__; set it on this bound
-            # instance for the duration of this call only (frozen dataclass, hence
+            # A linen layer reads self.dot_general (or instantiates self.dot_general_cls, a
+            # child module holding delayed scaling's state) inside __call__; set it on this
+            # bound instance for the duration of this call only (frozen dataclass, hence
             # object.__setattr__), and put Flax's default back afterwards.
-            object.__setattr__(module, "dot_general", replacement)
+            if recipe.scaling == "delayed":
+                attr = "dot_general_cls"
+                replacement = functools.partial(DelayedDotGeneral, config=recipe.delayed)
+            else:
+                attr, replacement = "dot_general", RecipeDotGeneral(recipe)
+            object.__setattr__(module, attr, replacement)
             try:
                 return next_fun(*args, **kwargs)
             finally:
-                object.__setattr__(module, "dot_general", None)
+                object.__setattr__(module, attr, None)
         if isinstance(module, nn.Embed) and context.method_name == "attend":
-            recipe = recipe_for(plan, "/".join(module.path))
+            path = "/".join(module.path)
+            recipe = recipe_for(plan, path)
             if recipe is None:
+                return next_fun(*args, **kwargs)
+            if recipe.scaling == "delayed":  # no child module can hold state here
+                _warn_uncovered("Embed.attend (delayed scaling)", path, recipe)
                 return next_fun(*args, **kwargs)
             return _linen_attend(module, RecipeDotGeneral(recipe), *args, **kwargs)
         for cls, methods in _LINEN_UNCOVERED.items():
@@ -379,8 +457,8 @@ def _nnx_default(module) -> Optional[str]:
 
 
 def _quantize_nnx(model, plan):
-    ours = (RecipeDotGeneral, RecipeEinsum)
-    for path, module in nnx.iter_modules(model):
+    ours = (RecipeDotGeneral, RecipeEinsum, DelayedDotGeneralNnx)
+    for path, module in list(nnx.iter_modules(model)):
         attr = _nnx_default(module)
         name = "/".join(str(p) for p in path)
         recipe = recipe_for(plan, name)
@@ -399,8 +477,21 @@ def _quantize_nnx(model, plan):
             continue
         if recipe is None:
             new = None if isinstance(module, nnx.LinearGeneral) else default
+        elif recipe.scaling == "delayed":
+            if attr == "einsum_op":  # no delayed einsum: the layer keeps its precision
+                _warn_uncovered("Einsum (delayed scaling)", name, recipe)
+                continue
+            if isinstance(current, DelayedDotGeneralNnx) and current.config == recipe.delayed:
+                continue  # already delayed with these options: keep its state
+            new = DelayedDotGeneralNnx(recipe.delayed)
         else:
             new = RecipeEinsum(recipe) if attr == "einsum_op" else RecipeDotGeneral(recipe)
+        # nnx attributes are data (arrays, submodules: the delayed state) or static (functions):
+        # a change of kind is declared.
+        if isinstance(new, nnx.Module):
+            new = nnx.data(new)
+        elif isinstance(current, nnx.Module):
+            new = nnx.static(new)
         setattr(module, attr, new)
     return model
 

@@ -3,11 +3,13 @@
 ``lowprec_reference`` recomputes, slowly and exactly, everything lowprec promises bit for bit:
 element encode/decode for every format in :data:`lowprec_formats.ELEMENT_FORMATS` (IEEE 754
 binary16, bfloat16, TF32, OCP FP8 E4M3/E5M2, the other ml_dtypes FP8s and FP6s, MX FP4 E2M1,
-the MX INT8 element, E8M0 scales) and the IEEE P3109 family, OCP MX v1.0 block quantization
-(MXFP8/6/4, MXINT8, any block size), NVFP4 by torchao's recipe, plus the published gpt-oss
-MXFP4 decoder. It uses no JAX, no ml_dtypes
-arithmetic and no lowprec code: every format is derived from the raw fields of the format table
-and every value is rounded as a :class:`fractions.Fraction`.
+the MX INT8 element, E8M0 and UE5M3 scales, the tapered HiFloat8) and the IEEE P3109 family,
+OCP MX v1.0 block quantization (MXFP8/6/4, MXINT8, any block size), NVFP4 by torchao's recipe,
+the 2026 four-bit formats (Four over Six, IF4, MixFP4, MX+) as their authors compute them,
+plus the published gpt-oss MXFP4 decoder and ggml's NVFP4 quantizer (``ggml.py``). It uses no JAX, no ml_dtypes arithmetic and no
+lowprec code: every format is derived from the raw fields of the format table and every value
+is rounded as a :class:`fractions.Fraction` (or, where a recipe is a sequence of float32
+operations, with NumPy float32 scalars).
 
 Example:
     >>> import numpy as np
@@ -29,6 +31,13 @@ from .element import (
     rounding_modes,
     value_of_code,
 )
+from .ggml import (
+    ggml_nvfp4_blocks,
+    ggml_nvfp4_decode,
+    ggml_ue4m3,
+    ggml_ue4m3_value,
+    quantize_nvfp4_ggml,
+)
 from .mx import (
     FP4_VALUES,
     decode_gpt_oss,
@@ -42,6 +51,17 @@ from .mx import (
     shared_exponent,
     unpack_codes,
 )
+from .four_bit import (
+    dequantize_4over6,
+    dequantize_if4,
+    dequantize_mixfp4,
+    dequantize_mx_plus,
+    mixfp4_global_scale,
+    quantize_4over6,
+    quantize_if4,
+    quantize_mixfp4,
+    quantize_mx_plus,
+)
 from .random import random_bits, word_hash
 
 __all__ = [
@@ -50,18 +70,32 @@ __all__ = [
     "code_dtype",
     "decode",
     "decode_gpt_oss",
+    "dequantize_4over6",
+    "dequantize_if4",
+    "dequantize_mixfp4",
     "dequantize_mx",
+    "dequantize_mx_plus",
     "encode",
     "encode_value",
     "format_names",
+    "ggml_nvfp4_blocks",
+    "ggml_nvfp4_decode",
+    "ggml_ue4m3",
+    "ggml_ue4m3_value",
     "is_negative_code",
     "max_finite",
+    "mixfp4_global_scale",
     "mx_block_size",
     "mx_element_format",
     "nvfp4_tensor_scale",
     "pack_codes",
+    "quantize_4over6",
+    "quantize_if4",
+    "quantize_mixfp4",
     "quantize_mx",
+    "quantize_mx_plus",
     "quantize_nvfp4",
+    "quantize_nvfp4_ggml",
     "random_bits",
     "rounding_modes",
     "shared_exponent",

@@ -53,7 +53,7 @@ import dataclasses
 import functools
 import math
 from fractions import Fraction
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 
@@ -74,7 +74,7 @@ __all__ = [
 
 Value = Union[Fraction, float]
 
-_NEAREST = ("nearest_even", "nearest_away")
+_NEAREST = ("nearest_even", "nearest_away", "nearest_toward_zero")
 # Extra modes accepted only by E8M0 (the MX scale rules): floor = down, ceil = up.
 _E8M0_ONLY = {"floor": "down", "ceil": "up"}
 _TWO32 = 1 << 32
@@ -108,6 +108,9 @@ class _Format:
     inf_code: Optional[int]  # the code of +inf
     twos_complement: bool  # codes are two's-complement integers of the signed magnitude
     code_parity_ties: bool  # ties to even compare the code's last bit (P3109)
+    # A tapered format (HiFloat8): ((prefix, exponent width, mantissa width), ...) and the
+    # denormal (prefix, exponent offset); None for a fixed layout.
+    tapered: Optional[tuple] = None
 
     @property
     def magnitude_bits(self) -> int:
@@ -170,7 +173,64 @@ def _fmt(name: str) -> _Format:
         inf_code=code(d["inf_code"]),
         twos_complement=d.get("encoding", "sign_magnitude") == "twos_complement",
         code_parity_ties=d.get("ties", "significand") == "code",
+        tapered=_tapered_layout(d),
     )
+
+
+def _tapered_layout(d) -> Optional[tuple]:
+    if d.get("encoding", "sign_magnitude") != "tapered":
+        return None
+    t = d["tapered"]
+    dots = tuple((p, int(e), int(m)) for p, e, m in t["dot"])
+    den = t.get("denormal")
+    return dots, None if den is None else (den["dot"], int(den["exponent_offset"]))
+
+
+def _tapered_magnitude(f: _Format, mag: int, raw: bool = False):
+    """The value of a tapered magnitude code, read bit by bit as the HiFloat8 paper defines
+    it (arXiv 2409.16626 §2): the prefix-coded dot field, then an exponent field of the width
+    it names — sign-magnitude, its first bit the sign, an implicit leading 1 on the magnitude
+    — then the mantissa, value 1.m × 2^E; the denormal dot, then j: 2^(j + offset), j = 0 the
+    zero. Returns a Fraction, or ``"inf"`` for the infinity code (``raw``: the value its bits
+    would spell, for the spacing of the top binade)."""
+    if f.inf and mag == f.inf_code and not raw:
+        return "inf"
+    bits = format(mag, f"0{f.magnitude_bits}b")
+    dots, denormal = f.tapered
+    if denormal is not None and bits.startswith(denormal[0]):
+        j = int(bits[len(denormal[0]):], 2)
+        return Fraction(0) if j == 0 else _pow2(j + denormal[1])
+    for prefix, e_width, m_width in dots:
+        if bits.startswith(prefix):
+            rest = bits[len(prefix):]
+            assert len(rest) == e_width + m_width, (f.name, mag)
+            e = 0
+            if e_width:
+                e = int("1" + rest[1:e_width], 2)
+                e = -e if rest[0] == "1" else e
+            m = Fraction(int(rest[e_width:] or "0", 2), 1 << m_width)
+            return (1 + m) * _pow2(e)
+    raise AssertionError(f"{f.name}: code {mag:#x} matches no dot prefix")
+
+
+@functools.lru_cache(maxsize=None)
+def _tapered_grid(name: str) -> Tuple[Tuple[Fraction, int], ...]:
+    """(value, magnitude code) of every finite nonzero magnitude code, by value."""
+    f = _fmt(name)
+    pairs = []
+    for mag in range(1, 1 << f.magnitude_bits):
+        v = _tapered_magnitude(f, mag)
+        if v != "inf" and v != 0:
+            pairs.append((v, mag))
+    return tuple(sorted(pairs))
+
+
+@functools.lru_cache(maxsize=None)
+def _tapered_raw_values(name: str) -> Tuple[Fraction, ...]:
+    """Every nonzero value the layout spells, the infinity code's included, sorted."""
+    f = _fmt(name)
+    return tuple(sorted(v for v in (_tapered_magnitude(f, m, raw=True)
+                                    for m in range(1, 1 << f.magnitude_bits)) if v != 0))
 
 
 def format_names() -> tuple:
@@ -273,6 +333,8 @@ def value_of_code(fmt: str, code: int) -> Value:
         (Fraction(57344, 1), -inf)
     """
     f = _fmt(fmt)
+    if f.tapered is not None:
+        return _tapered_value_of_code(f, int(code))
     negative, e_field, m_field = _fields(f, int(code))
     kind = _classify(f, e_field, m_field, negative)
     if kind == "nan":
@@ -280,6 +342,16 @@ def value_of_code(fmt: str, code: int) -> Value:
     if kind == "inf":
         return -math.inf if negative else math.inf
     v = _magnitude_of_fields(f, e_field, m_field)
+    return -v if negative else v
+
+
+def _tapered_value_of_code(f: _Format, code: int) -> Value:
+    negative, mag = bool(code & f.sign_bit), code & (f.sign_bit - 1)
+    if negative and mag == 0:
+        return math.nan  # the NaN where -0 would be ("negative_zero")
+    v = _tapered_magnitude(f, mag)
+    if v == "inf":
+        return -math.inf if negative else math.inf
     return -v if negative else v
 
 
@@ -295,6 +367,9 @@ def is_negative_code(fmt: str, code: int) -> bool:
 
 
 def _float_of_code(f: _Format, code: int) -> float:
+    if f.tapered is not None:
+        v = _tapered_value_of_code(f, code)
+        return float(v)
     negative, e_field, m_field = _fields(f, code)
     kind = _classify(f, e_field, m_field, negative)
     if kind == "nan":
@@ -339,8 +414,11 @@ def all_codes(fmt: str) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def _max_magnitude_code(name: str) -> int:
-    """Largest finite magnitude code: scan down from the all-ones magnitude code."""
+    """Largest finite magnitude code: scan down from the all-ones magnitude code (a tapered
+    format's codes do not order like their values: the code of its largest value)."""
     f = _fmt(name)
+    if f.tapered is not None:
+        return _tapered_grid(name)[-1][1]
     code = (1 << f.magnitude_bits) - 1
     while _classify(f, code >> f.mantissa_bits, code & ((1 << f.mantissa_bits) - 1)) != "finite":
         code -= 1
@@ -358,6 +436,8 @@ def max_finite(fmt: str) -> Fraction:
         True
     """
     f = _fmt(fmt)
+    if f.tapered is not None:
+        return _tapered_grid(f.name)[-1][0]
     code = _max_magnitude_code(f.name)
     return _magnitude_of_fields(f, code >> f.mantissa_bits, code & ((1 << f.mantissa_bits) - 1))
 
@@ -385,6 +465,16 @@ def _quantum_exponent(f: _Format, a: Fraction) -> int:
     exponent range, as IEEE 754 §7.4 measures overflow).
     """
     e = _floor_log2(a)
+    if f.tapered is not None:
+        # The spacing of a's binade: the gap from 2^e to the next value the layout spells (the
+        # infinity code's 1.5 x 2^15 included: the top binade's spacing continues past the
+        # largest finite value, IEEE 754 §7.4); below the smallest value 2^lo the grid is
+        # {0, 2^lo}.
+        raw = _tapered_raw_values(f.name)
+        lo, top = _floor_log2(raw[0]), _floor_log2(raw[-1])
+        e = min(max(e, lo), top)
+        nxt = next((v for v in raw if v > _pow2(e)), _pow2(e + 1))
+        return _floor_log2(min(nxt, _pow2(e + 1)) - _pow2(e))
     if e >= f.emin:
         return e - f.mantissa_bits
     return f.emin - f.mantissa_bits if f.subnormals else f.emin
@@ -393,8 +483,8 @@ def _quantum_exponent(f: _Format, a: Fraction) -> int:
 def _round_magnitude(f: _Format, a: Fraction, direction: str, r: Optional[int]) -> Fraction:
     """Rounds a magnitude a ≥ 0 onto the (upward-unbounded) grid of ``f``.
 
-    ``direction`` is one of "nearest_even", "nearest_away", "in" (toward zero), "out" (away
-    from zero) or "stochastic" (then ``r`` is the 32-bit random word).
+    ``direction`` is one of "nearest_even", "nearest_away", "nearest_toward_zero", "in"
+    (toward zero), "out" (away from zero) or "stochastic" (then ``r`` is the 32-bit random word).
     """
     if a == 0:
         return a
@@ -406,13 +496,15 @@ def _round_magnitude(f: _Format, a: Fraction, direction: str, r: Optional[int]) 
         return a  # exactly representable (in the extended grid)
     if direction == "nearest_even":
         odd = lo % 2 == 1
-        if f.code_parity_ties and lo > 0:
+        if f.code_parity_ties and 0 < lo * quantum <= max_finite(f.name):
             # P3109: ties go to the even *code*; without mantissa bits (precision 1) the
             # lower neighbour 2^e has code e + bias, whatever the parity of its significand 1.
             odd = _magnitude_code(f, lo * quantum) % 2 == 1
         up = frac > _HALF or (frac == _HALF and odd)
     elif direction == "nearest_away":
         up = frac >= _HALF
+    elif direction == "nearest_toward_zero":
+        up = frac > _HALF  # a tie keeps the smaller magnitude
     elif direction == "in":
         up = False
     elif direction == "out":
@@ -426,6 +518,8 @@ def _round_magnitude(f: _Format, a: Fraction, direction: str, r: Optional[int]) 
 
 def _magnitude_code(f: _Format, v: Fraction) -> int:
     """Magnitude code of a grid value 0 < v ≤ max finite (inverse of _magnitude_of_fields)."""
+    if f.tapered is not None:
+        return dict(_tapered_grid(f.name))[v]
     e = _floor_log2(v)
     if e < f.emin:  # subnormal: 0.m × 2^emin
         code = v / _pow2(f.emin - f.mantissa_bits)
@@ -523,7 +617,7 @@ def _encode_one(
         return _signed(f, negative, max_code)
 
     # Direction of the magnitude rounding.
-    if mode in ("nearest_even", "nearest_away", "stochastic"):
+    if mode in _NEAREST or mode == "stochastic":
         direction = mode
     elif mode == "toward_zero":
         direction = "in"
@@ -661,11 +755,12 @@ def encode(
         correctly (ml_dtypes' ``astype`` from float64 rounds through float32 first, so it can
         differ by double rounding).
       rounding: ``"nearest_even"`` (ties to the even code), ``"nearest_away"`` (ties away from
-        zero), ``"toward_zero"``, ``"up"`` (toward +∞), ``"down"`` (toward −∞) or
-        ``"stochastic"``; E8M0 also takes ``"floor"`` (= down) and ``"ceil"`` (= up). For
-        E8M0 the two nearest modes coincide: a tie 1.5 × 2^k lies between the odd
-        significand 1 and the even significand 2 = 1 × 2^(k+1), so both pick 2^(k+1)
-        (3 → 4, 0.75 → 1), as ml_dtypes does.
+        zero), ``"nearest_toward_zero"`` (ties to the smaller magnitude), ``"toward_zero"``,
+        ``"up"`` (toward +∞), ``"down"`` (toward −∞) or ``"stochastic"``; E8M0 also takes
+        ``"floor"`` (= down) and ``"ceil"`` (= up). For E8M0 nearest_even and nearest_away
+        coincide: a tie 1.5 × 2^k lies between the odd significand 1 and the even
+        significand 2 = 1 × 2^(k+1), so both pick 2^(k+1) (3 → 4, 0.75 → 1), as ml_dtypes
+        does; nearest_toward_zero picks 2^k.
       overflow: ``"ieee"`` (default) or ``"saturate"``.
 
         * ``"ieee"``: overflow means the magnitude rounded onto the grid extended past the

@@ -11,8 +11,9 @@ formats") gives the reference algorithm:
         "normal numbers that exceed the representable range of the element format after
          scaling are clamped to the maximum representable value of the element format"
 
-This module implements that rule (``scale_rule="floor"``) and three variants in use elsewhere
-(``"ceil"``, ``"even"``, ``"rceil"``; see :func:`shared_exponent`). Elements are rounded
+This module implements that rule (``scale_rule="floor"``) and five variants in use elsewhere
+(``"ceil"``, ``"even"``, ``"rceil"``, ``"even_e2m1"``, ``"floor_log2f"``; see
+:func:`shared_exponent`). Elements are rounded
 exactly from the rational value V_i / 2^shared_exp by :mod:`lowprec_reference.element`. The
 element formats are those of §5.3 — FP8 (E4M3, E5M2), FP6 (E2M3, E3M2), FP4 (E2M1) and INT8
 ("a signed two's complement integer with an implicit scale of 2^-6", emax_elem = 0: the largest
@@ -40,6 +41,8 @@ Example:
 
 from __future__ import annotations
 
+import decimal
+import functools
 import math
 from fractions import Fraction
 from typing import Optional, Tuple
@@ -130,6 +133,28 @@ def _f32_bits(a: float) -> int:
     return int(np.array([a], np.float32).view(np.uint32)[0])
 
 
+_LN2 = None
+
+
+@functools.lru_cache(maxsize=65536)
+def _floor_log2f(a: float) -> int:
+    """floor(RN32(log2 a)) of a float32 value a > 0: the logarithm to 60 decimal digits, then
+    the nearest binary32 (ties to even), then its floor."""
+    global _LN2
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        if _LN2 is None:
+            _LN2 = decimal.Decimal(2).ln()
+        l = decimal.Decimal(a).ln() / _LN2
+        c = np.float32(float(l))
+        near = [np.nextafter(c, np.float32(-np.inf)), c, np.nextafter(c, np.float32(np.inf))]
+
+        def distance(f):  # then an even significand first
+            return abs(decimal.Decimal(float(f)) - l), int(np.float32(f).view(np.uint32)) & 1
+
+        return math.floor(float(min(near, key=distance)))
+
+
 def shared_exponent(amax: float, elem: str, scale_rule: str = "floor") -> int:
     """Shared exponent (before the E8M0 bias) of a finite block maximum, after clamping.
 
@@ -153,12 +178,25 @@ def shared_exponent(amax: float, elem: str, scale_rule: str = "floor") -> int:
       in the input dtype, so for bfloat16 input it rounds q to bfloat16 first; here the
       division is always binary32.)
 
+    * ``"even_e2m1"`` (compressed-tensors and llm-compressor, MXFP4 and MXFP8): ``"even"``
+      with m_elem = 1, E2M1's mantissa width, whatever the element (compressed-tensors'
+      ``round_to_power_2`` adds ``1 << (mantissa − FP4_E2M1_DATA.mantissa − 1)`` to the bits
+      of the block maximum and keeps its sign and exponent fields).
+    * ``"floor_log2f"`` (ggml: ``floorf(log2f(amax)) - 2 + 127`` in llama.cpp's
+      ``quantize_row_mxfp4_ref``): floor of log2(amax) correctly rounded to binary32 (ties
+      to even), here from a 60-digit decimal logarithm, minus emax_elem. (ggml casts a
+      negative result to uint8, which C leaves undefined; here it clamps like every rule.)
+
     The result is clamped to [−127, 127] (E8M0 codes 0..254). amax = 0 gives −127 in every
     rule.
 
     Example:
         >>> [shared_exponent(480.0, "e4m3", r) for r in ("floor", "ceil", "even", "rceil")]
         [0, 1, 0, 1]
+        >>> shared_exponent(448.0, "e4m3", "even_e2m1"), shared_exponent(448.0, "e4m3", "even")
+        (1, 0)
+        >>> shared_exponent(float(np.float32(8 - 2**-21)), "e2m1", "floor_log2f")
+        1
         >>> shared_exponent(496.0, "e4m3", "even"), shared_exponent(2.0**-130, "e4m3")
         (1, -127)
     """
@@ -180,10 +218,13 @@ def shared_exponent(amax: float, elem: str, scale_rule: str = "floor") -> int:
         shared = e - emax_elem
     elif scale_rule == "ceil":
         shared = (e if amax == 2.0**e else e + 1) - emax_elem
-    elif scale_rule == "even":
+    elif scale_rule in ("even", "even_e2m1"):
+        m = m_elem if scale_rule == "even" else 1
         bits = _f32_bits(amax)
-        bits = (bits + (1 << (_F32_MANT - m_elem - 1))) & ~((1 << (_F32_MANT - m_elem)) - 1)
+        bits = (bits + (1 << (_F32_MANT - m - 1))) & ~((1 << (_F32_MANT - m)) - 1)
         shared = ((bits >> _F32_MANT) - 127) - emax_elem
+    elif scale_rule == "floor_log2f":
+        shared = _floor_log2f(amax) - emax_elem
     else:  # rceil
         with np.errstate(all="ignore"):
             q = np.float32(amax) / np.float32(float(max_elem))
@@ -254,7 +295,8 @@ def quantize_mx(
       fmt: an MX format name (``lowprec_formats.MX_FORMATS``, aliases in
         ``lowprec_formats.ALIASES``), optionally with a block-size suffix (``"mxfp4_b16"``).
       axis: the block axis.
-      scale_rule: ``"floor"`` (default, the spec), ``"ceil"``, ``"even"`` or ``"rceil"``.
+      scale_rule: ``"floor"`` (default, the spec), ``"ceil"``, ``"even"``, ``"rceil"``,
+        ``"even_e2m1"`` or ``"floor_log2f"``.
       rounding: element rounding mode (see :func:`lowprec_reference.encode`).
       random_bits: for ``rounding="stochastic"``: uint32 array of the padded x shape (x's
         shape is also accepted when padding; padded elements are zeros, exact anyway).

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check from a machine with a GPU, in one command that fits a short lease
-# (about 5 minutes on an H200, at most about 9; each stage has its own time limit, so a slow
+# (about 7 minutes on an H200, at most about 13 — over a 10-minute device call, so split it there; each stage has its own time limit, so a slow
 # stage costs its own figures, never the later ones):
 #   1. the GPU-relevant tests on the GPU ($OUT/pytest.log): the gpu-marked tests and the quick
 #      tier of the codec, MX, NVFP4, delayed-scaling, packing, kernel and matmul modules
 #      (FULL=1: the whole suite);
 #   2. the GPU benchmark (benchmarks/bench_gpu.py), one process per section so that each
 #      keeps its figures: $OUT/bench_<section>.txt and .json, 3 interleaved rounds, two
-#      matmul sizes and four weight-only cases (FULL=1: 9 rounds, every size);
-#   3. with the time left, the fusion report (kernels per entry point), $OUT/hlo_report.txt,
+#      matmul sizes, four weight-only cases and one transformer block's training step in each
+#      recipe (bf16, FP8 delayed, FP8 current, MXFP8, NVFP4) (FULL=1: 9 rounds, every size);
+#   3. the GEMMs of every product (gpu_hlo_report.py's GEMM view), $OUT/gemms.txt and .json;
+#   4. with the time left, the fusion report (kernels per entry point), $OUT/hlo_report.txt,
 #      the optimized HLO modules packed in $OUT/hlo.tar.gz.
 # Usage: scripts/gpu_check.sh [OUT_DIR] (default: gpu_check_out). Environment: PYTHON (the
 # interpreter, default python3); FULL=1 (no time limits, the whole suite and benchmark);
@@ -63,7 +65,7 @@ else
          tests/test_scale_schemes.py tests/test_ragged.py tests/test_random_words.py
          tests/test_fast_paths.py tests/test_delayed.py tests/test_nvfp4_train.py
          tests/test_kernels.py tests/test_matmul.py tests/test_matmul_elision.py tests/test_api.py
-         tests/test_prepared_weight.py)
+         tests/test_prepared_weight.py tests/test_gpu_routes.py)
   MARK=(-m "gpu or not slow")
 fi
 stage 200 tests "$PY" -m pytest -ra -p no:cacheprovider --durations=10 "${XDIST[@]}" \
@@ -77,7 +79,8 @@ WEIGHTS=(--weight-shapes 4096x4096 16384x8192 --tokens 1 16 --inner 8)
 [[ "$FULL" == "1" ]] && BENCH=() && WEIGHTS=()
 first=1
 # weight_only also times the prepared-weight kernel (MXFP4 and NVFP4) against bfloat16.
-for spec in "quantize 70" "dequantize 45" "nvfp4 40" "mxfp8 70" "weight_only 140" "encode 35"; do
+for spec in "train_step 120" "quantize 70" "dequantize 45" "nvfp4 40" "mxfp8 70" "weight_only 140" \
+            "encode 35"; do
   set -- $spec
   extra=()
   [[ $first == 1 ]] && extra=(--pytest-log "$OUT/pytest.log")
@@ -95,10 +98,14 @@ if [[ "${TUNE_PREPARED:-0}" == "1" ]]; then  # the prepared-weight kernel's laun
     --weight-shapes 4096x4096 16384x8192 --tokens 1 16 --inner 8 2>&1 | tee "$OUT/tune_prepared.txt"
 fi
 
+# Which GEMM every product gets on this device's compiler (the GEMM view, Triton GEMM off).
+stage 60 "GEMM view" "$PY" benchmarks/gpu_hlo_report.py --gemms only --json "$OUT/gemms.json" \
+  2>&1 | tee "$OUT/gemms.txt"
+
 left=$((560 - (SECONDS - START)))
 [[ "$FULL" == "1" ]] && left=0
 if [[ "$FULL" == "1" || $left -gt 30 ]]; then
-  stage "$left" "fusion report" "$PY" benchmarks/gpu_hlo_report.py --dump "$OUT/hlo" 2>&1 \
+  stage "$left" "fusion report" "$PY" benchmarks/gpu_hlo_report.py --gemms none --dump "$OUT/hlo" 2>&1 \
     | tee "$OUT/hlo_report.txt"
   tar -czf "$OUT/hlo.tar.gz" -C "$OUT" hlo 2>/dev/null && rm -rf "$OUT/hlo"
 fi

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import lowprec
 
 from helpers.asserts import assert_bits_equal
+from helpers.kernels import gpu_routes_on_cpu  # noqa: F401  (a fixture)
 
 if jax.device_count() < 4:  # pragma: no cover - guards a direct run without XLA_FLAGS
     pytest.skip("needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4",
@@ -444,3 +445,94 @@ def test_stochastic_rounding_compiles_sharded(kind):
         got_e, got_m = jax.jit(enc)(xs), jax.jit(mx)(xs)
     assert_bits_equal(got_e, want_e)
     _assert_mx_equal(got_m, want_m)
+
+
+# -- the GPU GEMM routes (lowprec/_gpu_gemm.py), computed here on CPU devices -------------------
+#
+# The gpu_routes_on_cpu fixture makes the products take their CUDA formulation (FP8 codes read
+# as float8, block values as bfloat16, NVFP4 tensor scales on the output): the same layouts
+# must train as on one device with that formulation.
+
+
+@pytest.mark.parametrize("kind,layout,recipe", [
+    ("explicit", "data", "fp8_hybrid"), ("explicit", "tensor", "fp8_hybrid"),
+    ("explicit", "tensor", "nvidia_mxfp8"), ("auto", "data_tensor", "nvidia_mxfp8"),
+    ("explicit", "data", "nvidia_nvfp4"),
+])
+def test_gpu_routes_training_matches_one_device(kind, layout, recipe, gpu_routes_on_cpu):
+    test_training_matches_one_device(kind, layout, recipe)
+
+
+# Delayed scaling (lowprec.delayed_dot_general): the MLP above with [batch, seq, d] activations,
+# each layer with its own state; on every layout the outputs, gradients and next states must
+# be those of one device (the amaxes are maxima over every token: the same bits).
+BATCH, SEQ = 4, 32
+
+
+def _tokens_3d(spec):
+    """A [tokens, features] spec for [batch, seq, features]: tokens' axes on the batch."""
+    if spec is None:
+        return None
+    tokens, features = (tuple(spec) + (None, None))[:2]
+    return P(tokens, None, features)
+
+
+def _delayed_loss(layout, sharded=True):
+    *_, hs, ys = LAYOUTS[layout] if sharded else (None, None)
+    cfg = lowprec.DelayedScaling(amax_history_len=4)
+    dn = (((2,), (0,)), ((), ()))
+    hs3, ys3 = _tokens_3d(hs), _tokens_3d(ys)
+
+    def loss(params, states, x, c):
+        (w1, w2), (s1, s2) = params, states
+        h = jax.nn.relu(lowprec.delayed_dot_general(x, w1, s1, dn, cfg, out_sharding=hs3))
+        y = lowprec.delayed_dot_general(h, w2, s2, dn, cfg, out_sharding=ys3)
+        return jnp.sum(y * c), y
+
+    return loss, cfg
+
+
+@pytest.mark.parametrize("kind,layout", [("explicit", "data"), ("explicit", "tensor"),
+                                         ("explicit", "data_tensor"), ("auto", "tensor")])
+@pytest.mark.parametrize("route", ["portable", "gpu"])
+def test_delayed_training_matches_one_device(kind, layout, route, request):
+    if route == "gpu":
+        request.getfixturevalue("gpu_routes_on_cpu")
+    ks = jax.random.split(jax.random.key(13), 4)
+    x = jax.random.normal(ks[0], (BATCH, SEQ, D))
+    w1 = jax.random.normal(ks[1], (D, H)) / 8
+    w2 = jax.random.normal(ks[2], (H, D)) / 8
+    c = jax.random.normal(ks[3], (BATCH, SEQ, D))
+    loss, cfg = _delayed_loss(layout, sharded=False)
+    # Second step's state: scales from a first step's amaxes (not the initial 1.0).
+    states = (cfg.init(), cfg.init())
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    _, (_, states) = grad((w1, w2), states, x, c)
+    (want_l, want_y), (want_g, want_s) = grad((w1, w2), states, x, c)
+    shape, names, xs_, w1s, w2s, _, _ = LAYOUTS[layout]
+    x3 = _tokens_3d(xs_)
+    mesh = _mesh(kind, shape, names)
+    with jax.set_mesh(mesh):
+        put = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp))  # noqa: E731
+        args = ((put(w1, w1s), put(w2, w2s)), jax.tree.map(lambda a: put(a, P()), states),
+                put(x, x3), put(c, x3))
+        f = jax.value_and_grad(_delayed_loss(layout)[0], argnums=(0, 1), has_aux=True)
+        (got_l, got_y), (got_g, got_s) = jax.jit(f)(*args)
+    for g, p in zip(got_g, args[0]):
+        assert kind == "auto" or _spec_of(g) == _spec_of(p), (g.sharding, p.sharding)
+    # Histories and scales come from maxima, which no layout reorders: the rows of tensors
+    # that are inputs (x, w1, w2: layer 1's rows 0 and 1, layer 2's row 1) are the same bits.
+    # The others are maxima of products (h, and the cotangents) whose float32 sums a layout may
+    # order differently: within an ulp or two.
+    exact = ((0, 1), (1,))
+    for layer, (a_state, b_state) in enumerate(zip(got_s, want_s)):
+        for a, b in zip(a_state, b_state):
+            for row in range(3):
+                if row in exact[layer]:
+                    assert_bits_equal(a[row], b[row])
+                else:
+                    np.testing.assert_allclose(np.asarray(a[row]), np.asarray(b[row]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(got_l), float(want_l), rtol=1e-5)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)

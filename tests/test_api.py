@@ -318,6 +318,9 @@ HALF_CALLS = {
     "shared_exponents": lambda x: lowprec.shared_exponents(x, "mxfp4"),
     "dequantize": lambda x: lowprec.dequantize(lowprec.quantize_mx(x, "mxfp8_e5m2"), x.dtype),
     "fake_quantize_mx": lambda x: lowprec.fake_quantize_mx(x, "mxfp4"),
+    "quantize_mx_plus": lambda x: lowprec.quantize_mx_plus(x, "mxfp4").bm_index,
+    "dequantize_mx_plus": lambda x: lowprec.dequantize_mx_plus(
+        lowprec.quantize_mx_plus(x, "mxfp4"), x.dtype),
     "dot_general-as-is": lambda x: lowprec.dot_general(
         x.reshape(2, 32), x.reshape(2, 32), _DN, preferred_element_type=x.dtype),
     "dot_general-mx": lambda x: lowprec.dot_general(

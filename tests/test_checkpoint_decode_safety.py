@@ -137,36 +137,44 @@ def test_unknown_format_version_is_refused(tmp_path, version, phrase):
     assert main(["inspect", str(edited)]) == 1
 
 
-# Every stored scale that multiplies decoded values, in every layout lowprec reads: (layout,
-# format, stored scale). compressed-tensors' global scale divides (e × s / gs), the others
-# multiply; any of them negative, zero, NaN or infinite turns finite weights into flipped
-# signs, ±inf, NaN or zeros.
+# Every stored scale that multiplies decoded values (or, for an activation, the engine's
+# input), in every layout lowprec reads: (layout, format, stored scale: a suffix of the
+# weight's name, or from "." one of its module's). compressed-tensors' global scale divides
+# (e × s / gs), the others multiply; any of them negative, zero, NaN or infinite turns finite
+# weights into flipped signs, ±inf, NaN or zeros.
 SCALES = [
     ("lowprec", "e4m3", "_scale"),
     ("lowprec", "nvfp4", "_scale"),
-    ("compressed-tensors", "nvfp4", "_global_scale"),
-    ("compressed-tensors", "fp8", "_scale"),
-    ("compressed-tensors", "fp8_channel", "_scale"),
-    ("modelopt", "nvfp4", "_scale_2"),
-    ("modelopt", "fp8", "_scale"),
+    ("compressed-tensors", "NVFP4A16", "_global_scale"),
+    ("compressed-tensors", "FP8A16", "_scale"),
+    ("compressed-tensors", "FP8A16_CHANNEL", "_scale"),
+    ("compressed-tensors", "FP8", ".input_scale"),
+    ("compressed-tensors", "NVFP4", ".input_global_scale"),
+    ("modelopt", "NVFP4A16", "_scale_2"),
+    ("modelopt", "FP8", "_scale"),
+    ("modelopt", "FP8_DYNAMIC", "_scale"),
+    ("modelopt", "NVFP4", ".input_scale"),
 ]
 
 
-@pytest.mark.parametrize("layout,fmt,suffix", SCALES, ids=[f"{a}-{b}" for a, b, _ in SCALES])
+@pytest.mark.parametrize("layout,fmt,suffix", SCALES, ids=[f"{a}-{b}-{c}" for a, b, c in SCALES])
 @pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf")])
 @pytest.mark.quick_first(6)
 def test_invalid_scales_are_refused_in_every_layout(tmp_path, capsys, layout, fmt, suffix, bad):
     src, q, edited = (tmp_path / n for n in ("in.safetensors", "q.safetensors", "e.safetensors"))
     save(src, {NAME: np.linspace(-2.0, 2.0, 64 * 32, dtype=np.float32).reshape(64, 32)})
-    quantize_checkpoint(src, q, fmt, layout=layout, progress=False)
+    module = NAME[: -len(".weight")]
+    static = {"activation_amax": {module: 3.5}} if fmt in ("FP8", "NVFP4") else {}
+    quantize_checkpoint(src, q, fmt, layout=layout, progress=False, **static)
     with SafetensorsReader(q) as r:
         tensors = {n: r.read(n) for n in r.tensors}
         metadata = dict(r.metadata)
-    scale = tensors[NAME + suffix]
+    stored = (module if suffix.startswith(".") else NAME) + suffix
+    scale = tensors[stored]
     assert np.all(scale.astype(np.float32) > 0) and np.isfinite(scale).all()
-    tensors[NAME + suffix] = np.full_like(scale, bad)
+    tensors[stored] = np.full_like(scale, bad)
     save(edited, tensors, metadata)
-    where = rf"{NAME}{suffix} \(the (global )?scale of {NAME}\): "
+    where = rf"{stored} \(the (global |input )?scale of {NAME}\): "
     with pytest.raises(CheckpointError, match=where + ".*not positive and finite"):
         load_checkpoint(edited, dtype="float32")
     out = tmp_path / "d.safetensors"
@@ -202,7 +210,7 @@ def test_fp8_with_scales_of_an_unknown_layout_is_refused_not_passed_on(tmp_path,
                  lambda: convert_checkpoint(path, tmp_path / "c.safetensors", "compressed-tensors"),
                  lambda: quantize_checkpoint(path, tmp_path / "q.safetensors", "mxfp4",
                                              include="norm"),
-                 lambda: quantize_checkpoint(path, tmp_path / "e.safetensors", "nvfp4",
+                 lambda: quantize_checkpoint(path, tmp_path / "e.safetensors", "NVFP4A16",
                                              layout="compressed-tensors")):
         with pytest.raises(CheckpointError, match=phrase):
             call()
@@ -240,7 +248,8 @@ def test_nvfp4_block_scales_are_checked_in_every_layout(tmp_path, capsys, layout
     x[5, 3] = np.nan  # block 10 (row 5, first 16 elements) held a NaN
     src, q = tmp_path / "in.safetensors", tmp_path / "q.safetensors"
     save(src, {NAME: x})
-    quantize_checkpoint(src, q, "nvfp4", layout=layout, progress=False)
+    quantize_checkpoint(src, q, "nvfp4" if layout == "lowprec" else "NVFP4A16", layout=layout,
+                        progress=False)
     tensors, meta = _stored(q)
     codes = tensors[NAME + scales].view(np.uint8)
     assert codes.shape == (64, 2) and (codes < 0x80).all() and codes[5, 0] == 0x7F
@@ -283,10 +292,10 @@ def _ct_nvfp4(tmp_path, folder: bool):
     save(src / "model.safetensors", {NAME: x})
     if folder:
         (src / "config.json").write_text('{"model_type": "llama"}')
-        quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors",
+        quantize_checkpoint(src, tmp_path / "q", "NVFP4A16", layout="compressed-tensors",
                             progress=False)
         return tmp_path / "q", tmp_path / "q" / "model.safetensors"
-    quantize_checkpoint(src / "model.safetensors", tmp_path / "q.safetensors", "nvfp4",
+    quantize_checkpoint(src / "model.safetensors", tmp_path / "q.safetensors", "NVFP4A16",
                         layout="compressed-tensors", progress=False)
     return tmp_path / "q.safetensors", tmp_path / "q.safetensors"
 
@@ -354,7 +363,7 @@ CONTRADICTIONS = {  # edit of quantization_config -> what the refusal says
                  rf"{NAME} is stored as nvfp4"),
     "ignored": (lambda q: q["ignore"].append(NAME[:-7]),
                 rf"lists {NAME[:-7]} as kept in high precision"),
-    "modelopt": (lambda q: q.update(quant_method="modelopt", quant_algo="NVFP4"),
+    "modelopt": (lambda q: q.update(quant_method="modelopt", quant_algo="W4A16_NVFP4"),
                  rf"{NAME} is stored as nvfp4 \(compressed-tensors\), but .* says quant_method "
                  "'modelopt'"),
     "gptq": (lambda q: q.update(quant_method="gptq"),
@@ -380,7 +389,7 @@ def test_a_config_that_contradicts_the_tensors_is_refused(tmp_path, capsys, case
                                      "model.layers.0.mlp.up_proj.weight":
                                          rng.standard_normal((8, 64)).astype(np.float32)})
     (src / "config.json").write_text('{"model_type": "llama"}')
-    quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors",
+    quantize_checkpoint(src, tmp_path / "q", "NVFP4A16", layout="compressed-tensors",
                         ignore=["model.layers.0.mlp.up_proj"], progress=False)
     q = tmp_path / "q"
     load_checkpoint(q)  # as written: accepted
@@ -485,14 +494,14 @@ def test_modelopt_mixed_precision_keeps_the_layers_it_cannot_decode(tmp_path, ca
     save(src / "model.safetensors", {a + ".weight": np.linspace(-1, 1, 64 * 32, dtype=np.float32)
                                      .reshape(64, 32)})  # (the shape of the tests above)
     (src / "config.json").write_text('{"model_type": "llama"}')
-    quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="modelopt", progress=False)
+    quantize_checkpoint(src, tmp_path / "q", "NVFP4A16", layout="modelopt", progress=False)
     q = tmp_path / "q"
     tensors, meta = _stored(q / "model.safetensors")
     awq = {b + ".weight": np.full((64, 32), 0x88, np.uint8),
            b + ".weight_scale": np.ones((64, 1), np.float16),
            b + ".pre_quant_scale": np.ones(64, np.float16)}
     save(q / "model.safetensors", {**tensors, **awq}, meta)
-    layers = {a: {"quant_algo": "NVFP4", "group_size": 16},
+    layers = {a: {"quant_algo": "W4A16_NVFP4", "group_size": 16},
               b: {"quant_algo": "W4A16_AWQ", "group_size": 128}}
     hf = {"producer": {"name": "modelopt"}, "quantization": {
         "quant_algo": "MIXED_PRECISION", "exclude_modules": ["lm_head"], "quantized_layers": layers}}

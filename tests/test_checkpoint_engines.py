@@ -30,7 +30,10 @@ from lowprec.checkpoint._layout import make_spec
 from lowprec.checkpoint._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY
 from lowprec.checkpoint._safetensors import SafetensorsReader, SafetensorsWriter
 
-SCHEMES = ["nvfp4", "mxfp4", "mxfp8", "fp8", "fp8_channel"]
+# The weight-only schemes, one per weight format (the presets' own tests, activations included,
+# are in test_checkpoint_presets.py); WEIGHTS: each one's weight format.
+SCHEMES = ["NVFP4A16", "MXFP4A16", "MXFP6A16", "MXFP8A16", "FP8A16", "FP8A16_CHANNEL"]
+WEIGHTS = dict(zip(SCHEMES, ["nvfp4", "mxfp4", "mxfp6", "mxfp8", "fp8", "fp8_channel"]))
 
 
 def _tiny_folder(path, rng=np.random.default_rng(0)):
@@ -63,15 +66,16 @@ def test_engine_layout_names_and_config(tmp_path, scheme):
         specs = engine_specs(r)
         dtypes = {n: i.dtype for n, i in r.tensors.items()}
     w = "model.layers.0.mlp.up_proj.weight"
-    expected = {  # compressed-tensors 0.20's compressors: names and dtypes
+    expected = {  # compressed-tensors 0.20's compressors: names and dtypes (an F32 model)
         "nvfp4": {w + "_packed": "U8", w + "_scale": "F8_E4M3", w + "_global_scale": "F32"},
         "mxfp4": {w + "_packed": "U8", w + "_scale": "U8"},
+        "mxfp6": {w + "_packed": "U8", w + "_scale": "U8"},
         "mxfp8": {w: "F8_E4M3", w + "_scale": "U8"},
         "fp8": {w: "F8_E4M3", w + "_scale": "F32"},
         "fp8_channel": {w: "F8_E4M3", w + "_scale": "F32"},
-    }[scheme]
+    }[WEIGHTS[scheme]]
     assert {n: dtypes[n] for n in expected} == expected
-    assert specs[w].scheme == scheme and specs[w].shape == (128, 64)
+    assert specs[w].scheme == WEIGHTS[scheme] and specs[w].shape == (128, 64)
     assert "lm_head.weight" in names and "model.embed_tokens.weight" in names  # kept
     for kept in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
         assert dtypes[kept] == "F32" and not any(n.startswith(kept + "_") for n in names)
@@ -81,28 +85,16 @@ def test_engine_layout_names_and_config(tmp_path, scheme):
     assert "model.embed_tokens" in qc["ignore"]  # a 2-D weight the loader must not look for
     got = load_checkpoint(tmp_path / "q", dtype="float32")[w]
     err = np.abs(got - x[w]).max() / np.abs(x[w]).max()
-    assert err < {"nvfp4": 0.2, "mxfp4": 0.3, "mxfp8": 0.1, "fp8": 0.07, "fp8_channel": 0.07}[scheme]
-
-
-def test_nvfp4_global_scale_is_exact_power_of_two_reciprocal(tmp_path):
-    src = tmp_path / "m"
-    x = _tiny_folder(src)
-    quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors")
-    w = "model.layers.1.mlp.down_proj.weight"
-    with SafetensorsReader(tmp_path / "q/model.safetensors") as r:
-        gs = r.read(w + "_global_scale")
-    amax = np.float32(np.abs(x[w]).max())
-    # gs = 1 / 2^ceil(log2(amax / 2688)): a power of two, within a factor 2 of 2688 / amax
-    m, e = np.frexp(gs[0])
-    assert gs.shape == (1,) and gs.dtype == np.float32 and m == 0.5
-    assert 2688 / amax / 2 < gs[0] <= 2688 / amax
+    assert err < {"nvfp4": 0.2, "mxfp4": 0.3, "mxfp6": 0.1, "mxfp8": 0.1, "fp8": 0.07,
+                  "fp8_channel": 0.07}[WEIGHTS[scheme]]
+    assert qc["config_groups"]["group_0"]["input_activations"] is None  # weight-only
 
 
 def test_mixed_schemes_and_ignore(tmp_path):
     src = tmp_path / "m"
     _tiny_folder(src)
-    rep = quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors",
-                              schemes=["re:.*self_attn.*=fp8"],
+    rep = quantize_checkpoint(src, tmp_path / "q", "NVFP4A16", layout="compressed-tensors",
+                              schemes=["re:.*self_attn.*=FP8A16"],
                               ignore=["re:.*layers\\.1\\.mlp\\.down_proj"])
     qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
     assert qc["format"] == "mixed-precision"
@@ -119,7 +111,8 @@ def test_mixed_schemes_and_ignore(tmp_path):
     assert kinds["model.layers.0.self_attn.q_proj.weight"].startswith("e4m3")
 
 
-@pytest.mark.parametrize("fmt,scheme", [("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8"), ("e4m3", "fp8")])
+@pytest.mark.parametrize("fmt,scheme", [("mxfp4", "MXFP4A16"), ("mxfp8_e4m3", "MXFP8A16"),
+                                        ("mxfp6_e2m3", "MXFP6A16"), ("e4m3", "FP8A16")])
 @pytest.mark.quick_first(1)
 def test_convert_round_trips_byte_identical(tmp_path, fmt, scheme):
     src = tmp_path / "m"
@@ -143,11 +136,14 @@ def test_convert_round_trips_byte_identical(tmp_path, fmt, scheme):
 def test_nvfp4_modelopt_and_compressed_tensors(tmp_path):
     src = tmp_path / "m"
     _tiny_folder(src)
-    # lowprec's tensor scale amax/2688 is ModelOpt's weight_scale_2: moved as is
-    quantize_checkpoint(src, tmp_path / "lp", "nvfp4")
+    # lowprec's tensor scale amax/2688 is ModelOpt's weight_scale_2: moved as is; lowprec's
+    # layout holds weights only, so ModelOpt's weight-only algorithm. (Not q/k: each has its
+    # own tensor scale in lowprec's layout, but vLLM one per fused layer; refused below.)
+    quantize_checkpoint(src, tmp_path / "lp", "nvfp4", exclude="self_attn")
     convert_checkpoint(tmp_path / "lp", tmp_path / "mo", "modelopt")
     hf = json.load(open(tmp_path / "mo/hf_quant_config.json"))
-    assert hf["quantization"]["quant_algo"] == "NVFP4" and hf["quantization"]["group_size"] == 16
+    assert hf["quantization"]["quant_algo"] == "W4A16_NVFP4"
+    assert hf["quantization"]["group_size"] == 16
     w = "model.layers.0.mlp.up_proj.weight"
     with SafetensorsReader(tmp_path / "mo/model.safetensors") as r, \
             SafetensorsReader(tmp_path / "lp/model.safetensors") as q:
@@ -161,23 +157,21 @@ def test_nvfp4_modelopt_and_compressed_tensors(tmp_path):
     assert not os.path.exists(tmp_path / "plain/hf_quant_config.json")
     assert "quantization_config" not in json.load(open(tmp_path / "plain/config.json"))
     # a tensor scale that is not a power of two has no exact reciprocal: refused, not rounded
-    with pytest.raises(CheckpointError, match="no exact reciprocal"):
+    with pytest.raises(CheckpointError, match="no exact reciprocal.*--requantize"):
         convert_checkpoint(tmp_path / "lp", tmp_path / "ct", "compressed-tensors")
     assert not os.path.exists(tmp_path / "ct")
-    # compressed-tensors NVFP4 (power-of-two scale) converts to lowprec and back exactly
-    quantize_checkpoint(src, tmp_path / "c1", "nvfp4", layout="compressed-tensors")
-    convert_checkpoint(tmp_path / "c1", tmp_path / "l1", "lowprec")
-    convert_checkpoint(tmp_path / "l1", tmp_path / "c2", "compressed-tensors")
-    assert filecmp.cmp(tmp_path / "c1/model.safetensors", tmp_path / "c2/model.safetensors",
-                       shallow=False)
-    a, b = load_checkpoint(tmp_path / "c1"), load_checkpoint(tmp_path / "l1")
-    assert a[w].dtype == b[w].dtype == np.float32 and a[w].tobytes() == b[w].tobytes()
+    # q and k quantized on their own have two tensor scales: vLLM would use one for both
+    quantize_checkpoint(src, tmp_path / "lp3", "nvfp4")
+    with pytest.raises(CheckpointError, match=r"self_attn.k_proj, model.layers.0.self_attn."
+                                              r"q_proj: NVFP4 tensor scales .* differ"):
+        convert_checkpoint(tmp_path / "lp3", tmp_path / "mo3", "modelopt")
+    assert not os.path.exists(tmp_path / "mo3")
 
 
 def test_quantized_input_is_refused(tmp_path):
     src = tmp_path / "m"
     _tiny_folder(src)
-    quantize_checkpoint(src, tmp_path / "c", "fp8", layout="compressed-tensors")
+    quantize_checkpoint(src, tmp_path / "c", "FP8A16", layout="compressed-tensors")
     for layout in ("lowprec", "compressed-tensors"):
         with pytest.raises(CheckpointError, match="already quantized"):
             quantize_checkpoint(tmp_path / "c", tmp_path / "again", "mxfp4", layout=layout)
@@ -194,8 +188,8 @@ def test_config_has_the_fields_compressed_tensors_writes(tmp_path):
 
     src = tmp_path / "m"
     _tiny_folder(src)
-    quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors",
-                        schemes=["re:.*self_attn.*=fp8"])
+    quantize_checkpoint(src, tmp_path / "q", "NVFP4A16", layout="compressed-tensors",
+                        schemes=["re:.*self_attn.*=FP8A16"])
     ours = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
     (tmp_path / "ct").mkdir()
     (tmp_path / "ct/config.json").write_text("{}")
@@ -226,31 +220,31 @@ def test_quantize_refuses_a_checkpoint_whose_config_says_it_is_quantized(tmp_pat
     assert not (tmp_path / "q").exists()
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_channel"])
+@pytest.mark.parametrize("fmt", ["NVFP4A16", "FP8A16", "FP8A16_CHANNEL"])
 def test_scale_rule_is_refused_where_no_scheme_takes_one(tmp_path, fmt):
     """Issue 33.9: --scale-rule was ignored for NVFP4 in the engine layouts but an error in
     lowprec's; it is refused by both when no scheme of the run takes one (MXFP4/MXFP8 do)."""
     src = tmp_path / "m"
     _tiny_folder(src)
-    with pytest.raises(CheckpointError, match=rf"applies to the MX schemes \(mxfp4, mxfp8\), "
-                                              rf"not {fmt}"):
+    with pytest.raises(CheckpointError, match=rf"applies to the MX schemes \(MXFP4, MXFP6, "
+                                              rf"MXFP8\), not {fmt}"):
         quantize_checkpoint(src, tmp_path / "q", fmt, layout="compressed-tensors",
                             scale_rule="rceil")
-    if fmt == "nvfp4":
+    if fmt == "NVFP4A16":
         with pytest.raises(CheckpointError, match="takes no scale rule"):
-            quantize_checkpoint(src, tmp_path / "q", fmt, scale_rule="rceil")
+            quantize_checkpoint(src, tmp_path / "q", "nvfp4", scale_rule="rceil")
     assert not (tmp_path / "q").exists()
 
 
 def test_convert_refuses_what_it_cannot_move_naming_the_target(tmp_path):
     """Converting an unquantized checkpoint silently copied it (quantize calls that an
-    error); converting lowprec's own MXFP4 with 16-element blocks, MXFP6 or blocks along axis
-    0 to lowprec named compressed-tensors/ModelOpt as what could not hold it."""
+    error); converting lowprec's own MXFP4 with 16-element blocks, MXFP6 E3M2 or blocks along
+    axis 0 to lowprec named compressed-tensors/ModelOpt as what could not hold it."""
     src = tmp_path / "m.safetensors"
     save_tensors(src, {"fc.weight": np.ones((64, 64), np.float32)})
     with pytest.raises(CheckpointError, match="holds no quantized tensors; nothing to convert"):
         convert_checkpoint(src, tmp_path / "c.safetensors", "compressed-tensors")
-    for fmt, axis in [("mxfp4_b16", -1), ("mxfp6_e2m3", -1), ("mxfp4", 0)]:
+    for fmt, axis in [("mxfp4_b16", -1), ("mxfp6_e3m2", -1), ("mxfp4", 0)]:
         # The file as lowprec's writer lays it out (its parts zero: nothing is decoded here).
         spec = make_spec(fmt, (64, 64), "F32", axis=axis)
         q = tmp_path / f"{fmt}{axis}.safetensors"
@@ -274,7 +268,7 @@ def test_engine_layouts_list_empty_weights_and_advise_their_own_option(tmp_path)
                                              np.ones((32, 64), np.float32),
                                              "model.layers.0.mlp.empty.weight":
                                              np.ones((0, 64), np.float32)})
-    quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors")
+    quantize_checkpoint(src, tmp_path / "q", "NVFP4A16", layout="compressed-tensors")
     qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
     assert "model.layers.0.mlp.empty" in qc["ignore"]
     clash = tmp_path / "clash.safetensors"
@@ -282,7 +276,8 @@ def test_engine_layouts_list_empty_weights_and_advise_their_own_option(tmp_path)
                          "fc.weight_scale": np.ones((8, 1), np.float32)})
     with pytest.raises(CheckpointError, match=r"'fc.weight_scale' would be used twice.*--ignore "
                                               "the module of one of them"):
-        quantize_checkpoint(clash, tmp_path / "c.safetensors", "fp8", layout="compressed-tensors")
+        quantize_checkpoint(clash, tmp_path / "c.safetensors", "FP8A16",
+                            layout="compressed-tensors")
 
 
 def test_unknown_layout_lists_every_layout(tmp_path):
@@ -294,7 +289,7 @@ def test_unknown_layout_lists_every_layout(tmp_path):
 def test_per_channel_fp8_has_no_lowprec_layout(tmp_path):
     src = tmp_path / "m"
     _tiny_folder(src)
-    quantize_checkpoint(src, tmp_path / "c", "fp8_channel", layout="compressed-tensors")
+    quantize_checkpoint(src, tmp_path / "c", "FP8A16_CHANNEL", layout="compressed-tensors")
     with pytest.raises(CheckpointError, match="per-channel FP8 has no lowprec layout"):
         convert_checkpoint(tmp_path / "c", tmp_path / "l", "lowprec")
 
@@ -348,15 +343,15 @@ def test_transformers_and_compressed_tensors_load_lowprec_output(tmp_path, llama
 def test_compressed_tensors_decompressors_match_lowprec(tmp_path, llama_folder, scheme):
     """compressed-tensors itself, without transformers: its config schema accepts lowprec's
     quantization_config, and each group's decompressor gives lowprec's decoded values (in the
-    decompressor's own output dtype: bfloat16 for the FP4 and MX schemes, float32 for FP8)."""
+    decompressor's own output dtype: bfloat16 for the FP4 and MX schemes, the scale's dtype
+    for FP8: bfloat16 here, the model's)."""
     import torch
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
 
     out = tmp_path / scheme
-    quantize_checkpoint(llama_folder, out, "nvfp4" if scheme == "mixed" else scheme,
-                        layout="compressed-tensors")
+    quantize_checkpoint(llama_folder, out, scheme, layout="compressed-tensors")
     qc = QuantizationConfig.model_validate(json.load(open(out / "config.json"))["quantization_config"])
     (group,) = qc.config_groups.values()
     compressor = BaseCompressor.get_value_from_registry(group.format)
@@ -381,7 +376,7 @@ def test_reads_any_global_scale_as_compressed_tensors_does(tmp_path, llama_folde
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file, save_file
 
-    quantize_checkpoint(llama_folder, tmp_path / "q", "nvfp4", layout="compressed-tensors")
+    quantize_checkpoint(llama_folder, tmp_path / "q", "NVFP4A16", layout="compressed-tensors")
     stored = load_file(tmp_path / "q/model.safetensors")
     for name in stored:
         if name.endswith("_global_scale"):
@@ -404,6 +399,15 @@ def test_reads_any_global_scale_as_compressed_tensors_does(tmp_path, llama_folde
     else:
         back = load_checkpoint(tmp_path / "lp", dtype="float32")
         assert all(back[k].tobytes() == ours[k].tobytes() for k in ours)
+    # with requantize, moved: what changed is counted, and every value moves by at most the
+    # two float32 roundings that separate float32(s / gs) from float32(float32(1 / gs) × s)
+    # (the elements are re-encoded against the latter: they keep their codes)
+    rep = convert_checkpoint(tmp_path / "odd", tmp_path / "lp2", "lowprec", requantize=True)
+    back = load_checkpoint(tmp_path / "lp2", dtype="float32")
+    for t in rep.quantized:
+        diff = np.count_nonzero(back[t.name].view(np.uint32) != ours[t.name].view(np.uint32))
+        assert t.changed == diff
+        assert np.all(np.abs(back[t.name] - ours[t.name]) <= 2.0 ** -22 * np.abs(ours[t.name]))
 
 
 def test_cli_engine_layouts(tmp_path, capsys):
@@ -412,8 +416,9 @@ def test_cli_engine_layouts(tmp_path, capsys):
     src = tmp_path / "m"
     x = _tiny_folder(src)
     ct, lp, back = (str(tmp_path / n) for n in ("ct", "lp", "back"))
-    assert main(["quantize", str(src), ct, "--layout", "compressed-tensors", "-f", "nvfp4",
-                 "--ignore", "re:.*down_proj", "--scheme", "re:.*q_proj=fp8_channel", "-q"]) == 0
+    assert main(["quantize", str(src), ct, "--layout", "compressed-tensors",
+                 "--scheme", "nvfp4a16", "--ignore", "re:.*down_proj",
+                 "--scheme", "re:.*(q|k)_proj=FP8A16_CHANNEL", "-q"]) == 0
     qc = json.load(open(f"{ct}/config.json"))["quantization_config"]
     assert sorted(g["format"] for g in qc["config_groups"].values()) == [
         "float-quantized", "nvfp4-pack-quantized"]
@@ -433,24 +438,33 @@ def test_cli_engine_layouts(tmp_path, capsys):
     assert np.abs(load_checkpoint(back)[w] - x[w]).max() < 0.2 * np.abs(x[w]).max()
     assert main(["quantize", str(src), lp, "--layout", "modelopt", "-f", "mxfp4", "-q"]) == 1
     assert "ModelOpt layout holds" in capsys.readouterr().err
+    # a static scheme without activation statistics: refused, naming the fix
+    assert main(["quantize", str(src), lp, "--layout", "compressed-tensors", "-f", "nvfp4",
+                 "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "static activation scheme" in err and "--calibration" in err and "NVFP4A16" in err
+    assert not os.path.exists(lp)
 
 
-@pytest.mark.parametrize("fmt,scheme", [("nvfp4", "nvfp4"), ("e4m3", "fp8")])
-def test_modelopt_quantize_equals_lowprec_bits(tmp_path, fmt, scheme):
-    """ModelOpt's tensor scale is lowprec's (amax / 2688, amax / 448): quantizing straight to
-    the ModelOpt layout gives the bits of lowprec's own quantizer, moved."""
+def test_modelopt_fp8_channel_moves_to_compressed_tensors(tmp_path):
+    """ModelOpt's per-channel FP8 (FP8_PER_CHANNEL_PER_TOKEN: weight_scale F32 [out]) is
+    compressed-tensors' FP8_DYNAMIC ([out, 1]): the bits move, the values stay."""
     src = tmp_path / "m"
     _tiny_folder(src)
-    quantize_checkpoint(src, tmp_path / "mo", scheme, layout="modelopt")
-    quantize_checkpoint(src, tmp_path / "lp", fmt)
-    convert_checkpoint(tmp_path / "lp", tmp_path / "mo2", "modelopt")
-    with SafetensorsReader(tmp_path / "mo/model.safetensors") as a, \
-            SafetensorsReader(tmp_path / "mo2/model.safetensors") as b:
-        assert a.tensors.keys() == b.tensors.keys()
-        assert all(a.read(n).tobytes() == b.read(n).tobytes() for n in a.tensors)
+    quantize_checkpoint(src, tmp_path / "mo", "FP8_DYNAMIC", layout="modelopt")
     hf = json.load(open(tmp_path / "mo/hf_quant_config.json"))["quantization"]
-    assert hf["quant_algo"] == scheme.upper() and "lm_head" in hf["exclude_modules"]
-    assert json.load(open(tmp_path / "mo/config.json"))["quantization_config"]["quant_method"] == "modelopt"
+    assert hf["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN" and "lm_head" in hf["exclude_modules"]
+    qc = json.load(open(tmp_path / "mo/config.json"))["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and "lm_head" in qc["ignore"]
+    convert_checkpoint(tmp_path / "mo", tmp_path / "ct", "compressed-tensors")
+    groups = json.load(open(tmp_path / "ct/config.json"))["quantization_config"]["config_groups"]
+    (g,) = groups.values()
+    assert g["weights"]["strategy"] == "channel" and g["input_activations"]["strategy"] == "token"
+    a, b = load_checkpoint(tmp_path / "mo"), load_checkpoint(tmp_path / "ct")
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    convert_checkpoint(tmp_path / "ct", tmp_path / "mo2", "modelopt")
+    assert filecmp.cmp(tmp_path / "mo/model.safetensors", tmp_path / "mo2/model.safetensors",
+                       shallow=False)
 
 
 @pytest.mark.slow
@@ -470,7 +484,7 @@ def test_row_blocks_give_the_whole_tensor_bits(tmp_path, monkeypatch, scheme):
                        shallow=False)
     rows = load_checkpoint(tmp_path / "rows", dtype="float32")
     assert all(whole[k].tobytes() == rows[k].tobytes() for k in whole)
-    if scheme != "fp8_channel":
+    if scheme not in ("FP8A16_CHANNEL", "NVFP4A16"):  # (NVFP4: gs has no exact reciprocal)
         convert_checkpoint(tmp_path / "rows", tmp_path / "lp", "lowprec")
         convert_checkpoint(tmp_path / "lp", tmp_path / "back", "compressed-tensors")
         assert filecmp.cmp(tmp_path / "whole/model.safetensors",
@@ -509,8 +523,9 @@ def test_reads_fp8_with_half_precision_scales(tmp_path, scale_dtype):
     got = load_checkpoint(tmp_path / "m.safetensors", dtype="float32")[w]
     want = codes.view(numpy_dtype("F8_E4M3")).astype(np.float64) * scale.astype(np.float64)
     assert np.array_equal(got, want.astype(np.float32))  # the product is exact in float32
-    convert_checkpoint(tmp_path / "m.safetensors", tmp_path / "c.safetensors", "compressed-tensors")
-    assert load_checkpoint(tmp_path / "c.safetensors", dtype="float32")[w].tobytes() == got.tobytes()
+    with pytest.raises(CheckpointError, match="already in the compressed-tensors layout"):
+        convert_checkpoint(tmp_path / "m.safetensors", tmp_path / "c.safetensors",
+                           "compressed-tensors")
 
 
 @pytest.mark.slow
@@ -527,9 +542,9 @@ def test_mixed_groups_load_in_compressed_tensors(tmp_path, llama_folder):
     from safetensors.torch import load_file
 
     out = tmp_path / "mixed"
-    quantize_checkpoint(llama_folder, out, "nvfp4", layout="compressed-tensors",
-                        schemes=["re:.*self_attn.*=fp8_channel", "re:.*down_proj=mxfp8"],
-                        ignore=["re:.*layers\\.1\\.mlp\\.up_proj"])
+    quantize_checkpoint(llama_folder, out, "NVFP4A16", layout="compressed-tensors",
+                        schemes=["re:.*self_attn.*=FP8A16_CHANNEL", "re:.*down_proj=MXFP8A16"],
+                        ignore=["re:.*layers\\.1\\.mlp\\.(gate|up)_proj"])
     qc = QuantizationConfig.model_validate(json.load(open(out / "config.json"))["quantization_config"])
     assert qc.format == "mixed-precision" and len(qc.config_groups) == 3
     target_to_group = {t: g for g in qc.config_groups.values() for t in g.targets}
@@ -539,7 +554,8 @@ def test_mixed_groups_load_in_compressed_tensors(tmp_path, llama_folder):
     for name in ours:
         module = name.rsplit(".weight", 1)[0]
         matched = match_targets(module, torch.nn.Linear(1, 1), list(target_to_group))
-        if module == "model.layers.1.mlp.up_proj" or not name.endswith("proj.weight"):
+        if module in ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj") or \
+                not name.endswith("proj.weight"):
             assert not matched and stored[name].dtype == torch.bfloat16  # kept
             continue
         group = target_to_group[matched[0]]
@@ -563,9 +579,12 @@ def test_tied_head_is_ignored(tmp_path, layout):
     w = np.ones((32, 64), np.float32)
     with SafetensorsWriter(tmp_path / "m/model.safetensors", [("model.layers.0.mlp.up_proj.weight", "F32", w.shape)]) as f:
         f.write("model.layers.0.mlp.up_proj.weight", w)
-    quantize_checkpoint(tmp_path / "m", tmp_path / "q", "nvfp4", layout=layout)
+    quantize_checkpoint(tmp_path / "m", tmp_path / "q", "NVFP4A16", layout=layout)
     qc = json.load(open(tmp_path / "q/config.json"))["quantization_config"]
-    assert "lm_head" in qc["ignore" if layout == "compressed-tensors" else "exclude_modules"]
+    assert "lm_head" in qc["ignore"]  # (ModelOpt 0.47's config.json names it "ignore" too)
+    if layout == "modelopt":
+        hf = json.load(open(tmp_path / "q/hf_quant_config.json"))["quantization"]
+        assert "lm_head" in hf["exclude_modules"]
 
 
 # -- a ModelOpt export as ModelOpt writes it -------------------------------------------------
@@ -622,20 +641,27 @@ def test_reads_a_modelopt_export(tmp_path, algo, ts):
         want = stored[w].astype(np.float32) * ts
     got = load_checkpoint(src, dtype="float32")
     assert got[w].dtype == np.float32 and got[w].tobytes() == want.tobytes()
-    assert got[w.replace("weight", "input_scale")] == np.float32(0.0625)  # kept as stored
+    # its activation input_scale is claimed with the weight: not a weight of the model
+    assert w.replace("weight", "input_scale") not in got
     rep = {t.name: t.format for t in inspect_checkpoint(src).tensors}
-    assert rep[w] == ("nvfp4" if algo == "NVFP4" else "e4m3") + " (modelopt)"
+    assert rep[w] == ("nvfp4" if algo == "NVFP4" else "e4m3") + " (modelopt, static input scale)"
     assert rep["lm_head.weight"] == "kept"
     # to lowprec's layout and to compressed-tensors: the bits move and the values stay, or
     # (NVFP4 to compressed-tensors, whose gs = 1/ts: exact for a power of two, and otherwise
-    # only if every block scale used gives the same float32 both ways) it is refused
+    # only if every block scale used gives the same float32 both ways; FP8 to
+    # compressed-tensors, which stores the scale in the model dtype, bfloat16 here: 0.0123 is
+    # no bfloat16 value) it is refused
     for layout in ("lowprec", "compressed-tensors"):
         dst = tmp_path / layout
         try:
             convert_checkpoint(src, dst, layout, progress=False)
         except CheckpointError as e:
-            assert layout == "compressed-tensors" and algo == "NVFP4" and ts != 2.0 ** -10
-            assert "no exact reciprocal" in str(e) and not dst.exists()
+            assert layout == "compressed-tensors" and not dst.exists()
+            if algo == "NVFP4":
+                assert ts != 2.0 ** -10 and "no exact reciprocal" in str(e)
+            else:
+                assert "FP8 scale 0.0123" in str(e) and "is no BF16 value" in str(e)
+                assert "--requantize" in str(e)
             continue
         assert load_checkpoint(dst, dtype="float32")[w].tobytes() == want.tobytes()
         assert not (dst / "hf_quant_config.json").exists()
@@ -669,7 +695,8 @@ def _digests(folder) -> dict:
 
 
 @pytest.mark.parametrize("layout,fmt,schemes", [
-    ("compressed-tensors", "nvfp4", ["re:.*q_proj=fp8_channel"]), ("modelopt", "fp8", None)])
+    ("compressed-tensors", "NVFP4A16", ["re:.*(q|k)_proj=FP8A16_CHANNEL"]),
+    ("modelopt", "FP8_DYNAMIC", None)])
 def test_engine_layouts_jobs_give_the_same_output(tmp_path, layout, fmt, schemes):
     src = tmp_path / "m"
     _sharded_tiny(src)
@@ -681,15 +708,15 @@ def test_engine_layouts_jobs_give_the_same_output(tmp_path, layout, fmt, schemes
     assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
             "model.safetensors.index.json", "config.json"} <= set(_digests(one))
     assert [t.to_dict() for t in rep1.tensors] == [t.to_dict() for t in rep2.tensors]
-    for op, target in [(convert_checkpoint, "modelopt" if layout != "modelopt" else "lowprec"),
-                       (dequantize_checkpoint, None)]:
-        args = (target,) if target else ()
+    target = "modelopt" if layout != "modelopt" else "compressed-tensors"
+    for op, kw in [(convert_checkpoint, {"layout": target, "requantize": True}),
+                   (dequantize_checkpoint, {})]:
         try:
-            op(one, tmp_path / "a", *args, progress=False)
-        except CheckpointError as e:  # per-channel FP8 has no ModelOpt layout
-            assert "fp8_channel has no ModelOpt layout" in str(e)
+            op(one, tmp_path / "a", progress=False, **kw)
+        except CheckpointError as e:  # weight-only per-channel FP8 has no ModelOpt layout
+            assert "FP8A16_CHANNEL has no ModelOpt layout" in str(e)
             continue
-        op(one, tmp_path / "b", *args, progress=False, jobs=2)
+        op(one, tmp_path / "b", progress=False, jobs=2, **kw)
         assert _digests(tmp_path / "a") == _digests(tmp_path / "b")
         shutil.rmtree(tmp_path / "a"), shutil.rmtree(tmp_path / "b")
 
@@ -699,15 +726,15 @@ def test_engine_layouts_never_write_beside_or_over_the_input(tmp_path, op):
     src = tmp_path / "m"
     _sharded_tiny(src)
     if op == "convert":
-        quantize_checkpoint(src, tmp_path / "q", "nvfp4", layout="compressed-tensors",
+        quantize_checkpoint(src, tmp_path / "q", "NVFP4A16", layout="compressed-tensors",
                             progress=False)
         src = tmp_path / "q"
 
     def run(dst, **kw):
         if op == "quantize":
-            return quantize_checkpoint(src, dst, "nvfp4", layout="compressed-tensors",
+            return quantize_checkpoint(src, dst, "NVFP4A16", layout="compressed-tensors",
                                        progress=False, **kw)
-        return convert_checkpoint(src, dst, "lowprec", progress=False, **kw)
+        return convert_checkpoint(src, dst, "lowprec", progress=False, requantize=True, **kw)
 
     before = _digests(src)
     for dst, words in [(src, "is the input folder"), (src / "sub", "inside the input folder")]:
@@ -717,13 +744,13 @@ def test_engine_layouts_never_write_beside_or_over_the_input(tmp_path, op):
     sibling = src / "model-00002-of-00002.safetensors"
     if op == "quantize":
         with pytest.raises(CheckpointError, match="is a file of the input checkpoint"):
-            quantize_checkpoint(shard, sibling, "nvfp4", layout="compressed-tensors", force=True,
-                                progress=False)
+            quantize_checkpoint(shard, sibling, "NVFP4A16", layout="compressed-tensors",
+                                force=True, progress=False)
     assert _digests(src) == before and not (src / "sub").exists()
 
 
-@pytest.mark.parametrize("layout,fmt", [("compressed-tensors", "nvfp4"), ("compressed-tensors", "fp8"),
-                                        ("modelopt", "nvfp4")])
+@pytest.mark.parametrize("layout,fmt", [("compressed-tensors", "NVFP4A16"),
+                                        ("compressed-tensors", "FP8A16"), ("modelopt", "NVFP4A16")])
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_engine_layouts_peak_memory_does_not_grow_with_the_checkpoint(tmp_path, monkeypatch,
                                                                       layout, fmt):
@@ -748,7 +775,7 @@ def test_engine_layouts_peak_memory_does_not_grow_with_the_checkpoint(tmp_path, 
         quantize_checkpoint(path, tmp_path / f"q{n}.safetensors", fmt, layout=layout,
                             progress=False)
         convert_checkpoint(tmp_path / f"q{n}.safetensors", tmp_path / f"l{n}.safetensors",
-                           "lowprec", progress=False)
+                           "lowprec", progress=False, requantize=True)
         dequantize_checkpoint(tmp_path / f"q{n}.safetensors", tmp_path / f"d{n}.safetensors",
                               progress=False)
         peaks[n] = tracemalloc.get_traced_memory()[1]
@@ -762,15 +789,15 @@ def test_schemes_can_name_the_head_and_ignore_beats_them(tmp_path):
     matching it keeps it whatever the schemes say (ignore is checked first)."""
     src = tmp_path / "m"
     _tiny_folder(src)
-    quantize_checkpoint(src, tmp_path / "a", "nvfp4", layout="compressed-tensors",
-                        schemes=["lm_head=fp8"], progress=False)
+    quantize_checkpoint(src, tmp_path / "a", "NVFP4A16", layout="compressed-tensors",
+                        schemes=["lm_head=FP8A16"], progress=False)
     qc = json.load(open(tmp_path / "a/config.json"))["quantization_config"]
     groups = {g["format"]: g["targets"] for g in qc["config_groups"].values()}
     assert groups["float-quantized"] == ["lm_head"] and "lm_head" not in qc["ignore"]
     with SafetensorsReader(tmp_path / "a/model.safetensors") as r:
         assert r.tensors["lm_head.weight"].dtype == "F8_E4M3"
-    quantize_checkpoint(src, tmp_path / "b", "nvfp4", layout="compressed-tensors",
-                        schemes=["lm_head=fp8"], ignore=["re:.*lm_head"], progress=False)
+    quantize_checkpoint(src, tmp_path / "b", "NVFP4A16", layout="compressed-tensors",
+                        schemes=["lm_head=FP8A16"], ignore=["re:.*lm_head"], progress=False)
     qc = json.load(open(tmp_path / "b/config.json"))["quantization_config"]
     assert "lm_head" in qc["ignore"] and len(qc["config_groups"]) == 1
     with SafetensorsReader(tmp_path / "b/model.safetensors") as r:

@@ -62,6 +62,11 @@ SPEC_MAX_FINITE = {
     "e3m2": Fraction(28),
     "ocp_int8": Fraction(127, 64),
     "int4": Fraction(7),   # INT4 k in [-7, 7] (2510.25602's NVINT4/MXINT4 element)
+    # UE5M3 (CUDA 13.4 __nv_fp8_ue5m3: no sign, E5 bias 15, M3, NaN only 0xFF): 0b11111_110
+    # = 1.75 * 2^(31-15) = 114688. HiFloat8 (arXiv 2409.16626): dot 11, exponent +15, mantissa
+    # 0 (1.5 * 2^15 is the infinity code) = 2^15.
+    "ue5m3": Fraction(114688),
+    "hif8": Fraction(2) ** 15,
 }
 # Smallest positive value: 2^(emin - mantissa bits) = 2^(1 - bias - M), e8m0: 2^-127 (code 0).
 SPEC_MIN_POSITIVE = {
@@ -81,6 +86,8 @@ SPEC_MIN_POSITIVE = {
     "e3m2": Fraction(2) ** -4,  # 1 - 3 - 2
     "ocp_int8": Fraction(2) ** -6,  # the implicit scale of MX INT8
     "int4": Fraction(1),  # integers
+    "ue5m3": Fraction(2) ** -17,  # 1 - 15 - 3
+    "hif8": Fraction(2) ** -22,  # the denormal mode's 2^(1 - 23)
 }
 # README table, "encode returns" column.
 SPEC_CODE_DTYPE = {
@@ -89,6 +96,7 @@ SPEC_CODE_DTYPE = {
     "e4m3ieee": np.uint8, "e3m4": np.uint8, "e4m3fnuz": np.uint8, "e5m2fnuz": np.uint8,
     "e4m3b11fnuz": np.uint8, "e2m3": np.uint8, "e3m2": np.uint8, "ocp_int8": np.uint8,
     "int4": np.uint8,
+    "ue5m3": np.uint8, "hif8": np.uint8,
 }
 
 
@@ -337,12 +345,15 @@ def test_deterministic_modes_are_monotonic(fmt, rounding, overflow, codec):
 
 
 def _in_range(fmt, x):
-    """Finite x with |x| <= max finite (and x >= 2^-127 for e8m0, which has no zero)."""
+    """Finite x with |x| <= max finite (and x >= 2^-127 for e8m0, which has no zero; x >= 0
+    for the other unsigned formats, whose negative inputs encode to NaN)."""
     m = float(SPEC_MAX_FINITE[fmt])
     with np.errstate(invalid="ignore"):
         ok = np.isfinite(x) & (np.abs(x.astype(np.float64)) <= m)
     if fmt == "e8m0":
         ok &= x >= float(SPEC_MIN_POSITIVE["e8m0"])
+    elif lowprec_formats.ELEMENT_FORMATS[fmt]["sign_bits"] == 0:
+        ok &= ~np.signbit(x)
     return ok
 
 

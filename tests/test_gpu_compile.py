@@ -16,7 +16,7 @@ Claims checked on XLA's optimized H100 module (not on timings):
   spends at most 4 PTX instructions per weight element in its steady-state loop, at 1 and
   16 tokens alike, with no shuffles, no ``bar.sync`` and 16-byte fragment loads
   (``benchmarks/gpu_decode_ptx.py``);
-* quantize_mx (every E8M0 MX format, every scale rule, along the last axis, and along
+* quantize_mx (every E8M0 MX format, every scale rule, ggml's MXFP4 rule, along the last axis, and along
   axis 0 of a 2-D array for all but FP6; zero padding included), fake_quantize_mx (every E8M0 format) and dequantize (every E8M0 format,
   float32 and bfloat16, either axis) are one pass: one kernel streams the data (XLA sometimes adds a second over the per-block
   scales, 1/32 of the elements) and all move at most 1.1x the ideal bytes (the entry's
@@ -24,7 +24,13 @@ Claims checked on XLA's optimized H100 module (not on timings):
 * MXFP8 dot_general (pre-quantized or quantized in the call) decodes in the GEMM's operand
   load: its bfloat16 branch is one Pallas kernel (no decoded operand in memory);
 * the naive fake-quant ``x.astype(float8).astype(float32)`` is elided by this compile
-  (openxla/xla#41605) while lowprec's fake quantization keeps its arithmetic.
+  (openxla/xla#41605) while lowprec's fake quantization keeps its arithmetic;
+* every low-precision product's GEMMs (the GEMM view: a second compile with Triton's GEMM off,
+  so that XLA lowers each dot to the cuBLAS call a device would weigh): every per-tensor FP8
+  product is cuBLASLt's FP8 GEMM of float8 operands made from lowprec's codes (E4M3 x E4M3
+  forward, E5M2 x E4M3 gradients, precision HIGHEST), no FP8/MX/NVFP4 product has a float32
+  GEMM or a conditional, and the MXFP8 product is three kernels: two one-pass decodes and the
+  GEMM.
 """
 
 from __future__ import annotations
@@ -87,11 +93,23 @@ def test_the_compile_is_for_an_h100():
 
 
 @pytest.mark.parametrize("fmt", E8M0)
-@pytest.mark.parametrize("rule", ["floor", "ceil", "even", "rceil"])
+@pytest.mark.parametrize("rule", lowprec.SCALE_RULES)
 def test_quantize_mx_is_one_pass(fmt, rule):
     hlo = _compile(lambda v: lowprec.quantize_mx(v, fmt, scale_rule=rule), X)
     _assert_one_pass(hlo, f"quantize_mx {fmt} {rule}")
     assert "lowprec_quantize_mx" in hlo  # the Pallas kernel, chosen on CUDA
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_ggml_mxfp4_quantize_is_one_pass(axis):
+    """ggml's rule (floor_log2f scales, ties toward zero) runs in the same Pallas kernel."""
+    kw = dict(scale_rule="floor_log2f", rounding="nearest_toward_zero", axis=axis)
+    for f, kernel in ((lambda v: lowprec.quantize_mx(v, "mxfp4", **kw), "lowprec_quantize_mx"),
+                      (lambda v: lowprec.fake_quantize_mx(v, "mxfp4", **kw),
+                       "lowprec_fake_quantize_mx")):
+        hlo = _compile(f, X)
+        _assert_one_pass(hlo, f"ggml mxfp4 axis {axis}")
+        assert kernel in hlo
 
 
 @pytest.mark.parametrize("fmt", ONE_PASS_QUANTIZE)
@@ -188,8 +206,8 @@ def test_mxfp4_decode_product_compiles_without_spills(m, tmp_path):
 
 @pytest.mark.parametrize("operands", ["pre-quantized", "quantized in the call"])
 def test_mxfp8_matmul_decodes_in_the_dot_operand_load(operands, tmp_path, fused_mxdot):
-    """dot_general of MXFP8 operands: the branch taken when bfloat16 holds every value (a
-    run-time check on the scales and codes) is one kernel, the Pallas GEMM that decodes
+    """dot_general of MXFP8 operands with the fused kernel turned on: the product (no
+    branch: the GPU route has no run-time check) is one kernel, the Pallas GEMM that decodes
     codes and scales in its operand load; no decoded operand is written to memory. (The kernel
     is off by default, kernels/_dispatch.FUSED_MXDOT; this checks it where it is turned on.)"""
     a = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
@@ -201,10 +219,9 @@ def test_mxfp8_matmul_decodes_in_the_dot_operand_load(operands, tmp_path, fused_
         hlo = _compile(lambda p, r: lowprec.dot_general(p, r, dn, lhs_format="mxfp8",
                                                         rhs_format="mxfp8"), a, a,
                        dump_dir=str(tmp_path))
-    notes = [report.branch_note(hlo, b) for b in report.conditional_branches(hlo)]
-    fused = [n for n in notes if "lowprec_mxdot" in n]
-    assert len(fused) == 1, notes
-    assert fused[0].endswith(": custom-call:__gpu$xla.gpu.triton (lowprec_mxdot)"), fused
+    assert not report.conditional_branches(hlo)
+    assert "lowprec_mxdot" in hlo and hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 1
+    assert " dot(" not in hlo and "__cublas" not in hlo  # no other GEMM
     stats = report.ptx_kernel_stats(sorted(map(str, tmp_path.glob("*.ptx"))), "sm_90a")
     kernels = {name: v for name, v in stats.items() if "lowprec_mxdot" in name}
     assert kernels and all(st == ld == 0 for _, st, ld in kernels.values()), kernels
@@ -310,3 +327,106 @@ def test_weight_only_matmul_streams_the_prepared_weight_once(fmt, m):
     s = report.summarize(hlo)
     assert s["kernels"] <= 2, s["kinds"]
     assert s["traffic_over_ideal"] <= (1.1 if m == 1 else 1.5), (s["traffic_over_ideal"], s["kinds"])
+# -- the GEMM view ---------------------------------------------------------------------------------
+
+PRODUCT_N = 512
+#: Every per-tensor FP8 product of report.product_cases: its GEMMs must be cuBLASLt's FP8 GEMM.
+FP8_PRODUCTS = (
+    "dot_general e4m3 x e4m3", "dot_general e4m3 x e5m2",
+    "dot_general e4m3 x e4m3, quantized backward (grad e5m2)", "fp8_hybrid fwd + bwd",
+    "delayed_dot_general fwd + bwd", "flax linen Dense, DelayedDotGeneral, fwd + bwd",
+    "flax linen Dense, quantize_model FP8_HYBRID, fwd + bwd",
+    "flax nnx Linear, DelayedDotGeneralNnx, fwd + bwd",
+)
+#: The other low-precision products: bfloat16 GEMMs (block formats), no float32 one.
+BLOCK_PRODUCTS = (
+    "dot_general mxfp8_e4m3 x mxfp8_e4m3", "dot_general mxfp8_e5m2 x mxfp8_e4m3",
+    "dot_general mxfp6_e2m3 x mxfp6_e2m3", "dot_general mxfp4 x mxfp4",
+    "dot_general mxint8 x mxint8", "dot_general nvfp4 x nvfp4",
+    "dot_general mxfp8 pre-quantized", "nvidia_mxfp8 fwd + bwd", "ocp_mxfp8 fwd + bwd",
+    "nvidia_nvfp4 fwd + bwd",
+    # Ragged dots: MXFP8's blocks as bfloat16; FP8_HYBRID's scales are per group and per
+    # expert (not per tensor), so its codes stay bfloat16 values (exact) for XLA's ragged dot.
+    "nvidia_mxfp8 ragged_dot (4 experts)", "fp8_hybrid ragged_dot (4 experts)",
+)
+QUICK_PRODUCTS = ("dot_general e4m3 x e5m2", "delayed_dot_general fwd + bwd",
+                  "fp8_hybrid fwd + bwd", "dot_general nvfp4 x nvfp4", "nvidia_mxfp8 fwd + bwd")
+# Float8 values made by a float -> float8 convert (XLA's own rounding, and the cast pair it
+# may fold away), or by a bitcast of integer codes (lowprec's encoder's: XLA lowers the
+# same-width bitcast_convert_type to a bitcast).
+_F8_CONVERT = re.compile(r"= f8e\w+\[[\d,]*\]\{[\d,]*\} convert\(")
+_F8_BITCAST = re.compile(r"= f8e\w+\[[\d,]*\]\{[\d,]*\} bitcast\(")
+
+
+@pytest.fixture(scope="module")
+def products():
+    return report.product_cases(PRODUCT_N)
+
+
+def test_the_product_lists_cover_every_product():
+    """Every lowprec product of the report is held below (and the peers are left out)."""
+    names = set(report.product_cases(64))
+    ours = {n for n in names if not n.startswith("peer:")}
+    listed = set(FP8_PRODUCTS) | set(BLOCK_PRODUCTS)
+    assert ours == listed, ours ^ listed
+
+
+@pytest.mark.quick_cases(name=QUICK_PRODUCTS)
+@pytest.mark.parametrize("name", FP8_PRODUCTS + BLOCK_PRODUCTS)
+def test_low_precision_products_take_low_precision_gemms(name, products):
+    fn, *specs = products[name]
+    hlo = report.compile_gemm_hlo(fn, specs, "h100")
+    gemms = report.gemm_view(hlo)
+    labels = [report.gemm_label(g) for g in gemms]
+    three = "fwd + bwd" in name or "backward" in name
+    assert len(gemms) == (3 if three else 1), labels  # a ragged dot: one GEMM in its loop
+    assert not any("f32" in g["operands"] for g in gemms), labels  # no float32 GEMM
+    assert "conditional" not in hlo  # no run-time branch
+    if name in FP8_PRODUCTS:
+        assert all(g["target"] == "__cublas$lt$matmul$f8" for g in gemms), labels
+        assert all(g["precision"].upper() == "HIGHEST" for g in gemms), labels  # fast acc. off
+        pairs = sorted(tuple(sorted(g["operands"])) for g in gemms)
+        if name == "dot_general e4m3 x e5m2":
+            assert pairs == [("f8e4m3fn", "f8e5m2")]
+        elif three:  # forward E4M3 x E4M3, both gradients E5M2 cotangent x E4M3 operand
+            assert pairs == [("f8e4m3fn", "f8e4m3fn")] + [("f8e4m3fn", "f8e5m2")] * 2, labels
+        else:
+            assert pairs == [("f8e4m3fn", "f8e4m3fn")]
+        assert _F8_BITCAST.search(hlo) and not _F8_CONVERT.search(hlo)
+    else:
+        assert all(g["operands"] == ("bf16", "bf16") for g in gemms), labels
+
+
+def test_peers_take_the_fp8_gemm_too(products):
+    """The comparison the GEMM view rests on: XLA's own float8 dot and Flax's
+    Fp8DotGeneralOp form cuBLASLt's FP8 GEMM in this compile (the target names its CUDA
+    runtime; without one XLA never forms it)."""
+    for name in ("peer: XLA float8 dot (x.astype(float8_e4m3fn))",
+                 "peer: flax linen Fp8DotGeneralOp Dense, fwd + bwd"):
+        fn, *specs = products[name]
+        gemms = report.gemm_view(report.compile_gemm_hlo(fn, specs, "h100"))
+        assert gemms and all(g["target"] == "__cublas$lt$matmul$f8" for g in gemms), gemms
+
+
+@pytest.mark.parametrize("operands", ["pre-quantized", "quantized in the call"])
+def test_mxfp8_product_is_two_decodes_and_a_gemm(operands):
+    """MXFP8 dot_general in the default compile (XLA's Triton GEMM): each operand decoded to
+    bfloat16 in one pass, then the GEMM; no conditional, no reduction over the codes. Before:
+    10 kernels, 1.86x the ideal bytes, 8 reductions and a conditional per call (the run-time
+    bfloat16 check). Pre-quantized the traffic is the decodes' (1 + 1/32 bytes read, 2
+    written per element of each operand) and the GEMM's (2 + 2 read, 4 written): 14.06 / 6.06
+    = 2.32x the ideal (codes, scales and the float32 result)."""
+    a = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
+    dn = (((1,), (1,)), ((), ()))
+    if operands == "pre-quantized":
+        q = jax.eval_shape(lambda v: lowprec.quantize_mx(v, "mxfp8", axis=1), a)
+        fn, specs = (lambda p, r: lowprec.dot_general(p, r, dn)), (q, q)
+    else:
+        fn = lambda p, r: lowprec.dot_general(p, r, dn, lhs_format="mxfp8",  # noqa: E731
+                                              rhs_format="mxfp8")
+        specs = (a, a)
+    s = report.summarize(_compile(fn, *specs))
+    assert "conditional" not in s["notes"], s
+    if operands == "pre-quantized":
+        assert s["kernels"] == 3 and "reduction" not in s["notes"], s
+        assert s["traffic_over_ideal"] <= 2.33, s

@@ -669,7 +669,7 @@ def test_every_block_format_names_a_described_scale_scheme():
     scale (OCP MX v1.0 §5.4.1; docs/design.md §3b)."""
     import lowprec_formats as F
 
-    assert set(F.SCALE_SCHEMES) == {"e8m0", "nvfp4"}
+    assert set(F.SCALE_SCHEMES) == {"e8m0", "nvfp4", "nvfp4_4over6", "if4", "mixfp4"}
     for name, entry in F.SCALE_SCHEMES.items():
         assert set(entry) == {"scale", "tensor_scale", "doc"}, name
         assert entry["scale"] in F.ELEMENT_FORMATS and isinstance(entry["tensor_scale"], bool)
@@ -677,6 +677,13 @@ def test_every_block_format_names_a_described_scale_scheme():
                                                        "doc": None}
     assert dict(F.SCALE_SCHEMES["nvfp4"], doc=None) == {"scale": "e4m3", "tensor_scale": True,
                                                         "doc": None}
+    # The 2026 four-bit formats (docs/design.md §3c): E4M3 block scales under a tensor scalar.
+    for name in ("nvfp4_4over6", "if4", "mixfp4"):
+        assert dict(F.SCALE_SCHEMES[name], doc=None) == {"scale": "e4m3", "tensor_scale": True,
+                                                         "doc": None}
+    schemes = {"nvfp4": "nvfp4", "nvfp4_4over6": "nvfp4_4over6",
+               "nvfp4_4over6_mse": "nvfp4_4over6", "nvfp4_4over6_fp16": "nvfp4_4over6",
+               "if4": "if4", "mixfp4": "mixfp4", "nvint4": "nvfp4"}
     for name, spec in F.MX_FORMATS.items():
         assert "scale" not in spec and "tensor_scale" not in spec, name
-        assert spec["scheme"] == ("nvfp4" if name in ("nvfp4", "nvint4") else "e8m0"), name
+        assert spec["scheme"] == schemes.get(name, "e8m0"), name

@@ -36,7 +36,7 @@ import lowprec.kernels
 from lowprec.kernels import _cpu_native
 
 FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8")
-RULES = ("floor", "ceil", "even", "rceil")
+RULES = ("floor", "ceil", "even", "rceil", "even_e2m1")  # the kernel's (not floor_log2f)
 FILLINGS = 6
 
 needs_vector = pytest.mark.skipif(not _cpu_native.vector_quantizer(),

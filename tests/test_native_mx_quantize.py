@@ -28,7 +28,7 @@ needs_vector = pytest.mark.skipif(not _cpu_native.vector_quantizer(),
                                   reason="quantize_mx takes the kernel only on AVX2 CPUs")
 
 FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8")
-RULES = ("floor", "ceil", "even", "rceil")
+RULES = ("floor", "ceil", "even", "rceil", "even_e2m1")  # the kernel's (not floor_log2f)
 
 
 def inputs(rows: int, cols: int, seed: int) -> dict[str, np.ndarray]:
@@ -150,6 +150,8 @@ def test_calls_it_does_not_serve_keep_xla():
     assert not _takes_kernel(x, "mxfp4_b16")  # not the OCP block of 32
     assert not _takes_kernel(x.T, "mxfp8_e4m3", axis=0)  # not the last axis
     assert not _takes_kernel(x, "nvfp4")  # a tensor scale
+    assert not _takes_kernel(x, "mxfp4", "floor_log2f")  # ggml's rule: XLA's path
+    assert not _takes_kernel(x, "mxfp4", rounding="nearest_toward_zero")  # not nearest even
     previous = lowprec.kernels.set_policy("xla")
     try:
         assert not _takes_kernel(x, "mxfp8_e4m3")

@@ -33,8 +33,8 @@ from helpers.kernels import cuda_branches  # noqa: F401  (a fixture)
 from helpers.kernels import lower_for_cuda
 from lowprec import _prepared as prep
 from lowprec.kernels import _weight_only_mgpu as kern
-from reference import element as ref_element
-from reference import mx as ref_mx
+from lowprec_reference import element as ref_element
+from lowprec_reference import mx as ref_mx
 
 FP4 = ref_mx.FP4_VALUES  # the OCP / gpt-oss E2M1 table (docs/design.md §4)
 FORMATS = ("mxfp4", "nvfp4")

@@ -136,8 +136,14 @@ def test_ready_made_recipes_are_the_published_ones():
     nv4 = lowprec.NVIDIA_NVFP4  # TE NVFP4BlockScaling: 2-D weight scales, RHT, SR (its own tests)
     assert nv4.forward == (lowprec.mx_format("nvfp4"),) * 2 and nv4.grad == lowprec.mx_format("nvfp4")
     assert (nv4.weight_block_2d, nv4.wgrad_rht, nv4.grad_rounding) == (True, True, "stochastic")
+    # FP8 with Transformer Engine's delayed scaling (E4M3 forward, E5M2 gradients; tests in
+    # test_delayed.py: it needs a per-layer state).
+    delayed = lowprec.FP8_DELAYED
+    assert delayed.forward == FP8_HYBRID.forward and delayed.grad == FP8_HYBRID.grad
+    assert delayed.scaling == "delayed" and delayed.delayed == lowprec.DelayedScaling()
     assert lowprec.RECIPES == {"ocp_mxfp8": OCP_MXFP8, "nvidia_mxfp8": NVIDIA_MXFP8,
-                               "fp8_hybrid": FP8_HYBRID, "nvidia_nvfp4": nv4}
+                               "fp8_hybrid": FP8_HYBRID, "fp8_delayed": delayed,
+                               "nvidia_nvfp4": nv4}
 
 
 # -- forward ----------------------------------------------------------------------------------------

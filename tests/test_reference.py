@@ -445,7 +445,18 @@ def test_mx_scale_rules_hand_values():
     # rceil: 448 / 448 = 1 -> 2^0; 449/448 > 1 -> 2^1; 6/6 -> 0.
     assert [se(v, "e4m3", "rceil") for v in (448.0, 449.0, 224.0)] == [0, 1, -1]
     assert se(6.0, "e2m1", "rceil") == 0 and se(57344.0, "e5m2", "rceil") == 0
-    assert [se(0.0, "e4m3", r) for r in lowprec_formats.SCALE_RULES] == [-127] * 4
+    assert [se(0.0, "e4m3", r) for r in lowprec_formats.SCALE_RULES] == [-127] * len(
+        lowprec_formats.SCALE_RULES)
+    # even_e2m1 (compressed-tensors): 448 = 1.75 x 2^8 rounds (to 1 fraction bit) up to 2^9,
+    # 447 = 1.746... stays; for E2M1 it is even: 7 = 1.75 x 4 -> 8.
+    assert [se(v, "e4m3", "even_e2m1") for v in (447.0, 448.0)] == [0, 1]
+    assert [se(v, "e2m1", "even_e2m1") for v in (6.0, 7.0)] == [0, 1]
+    # floor_log2f (ggml): log2 of the float32 just below 8, 8 (1 - 2^-24), is 3 - 8.6e-8,
+    # which rounds to 3.0 in float32 (its spacing below 3 is 2^-22); below 4 it stays 2 -
+    # 1.19e-7 (spacing 2^-23 below 2), so only the first moves up.
+    below = [float(np.nextafter(np.float32(2.0**k), np.float32(0))) for k in (3, 2)]
+    assert [se(v, "e2m1", "floor_log2f") for v in below] == [1, -1]
+    assert [se(v, "e2m1", "floor") for v in below] == [0, -1]
     assert se(3.4028234663852886e38, "e2m1", "floor") == 125
     assert se(3.4028234663852886e38, "e4m3", "even") == 128 - 8  # carry into exponent 255
     # floor(log2) read exactly: a float32 just below 2^k is in binade k-1.

@@ -135,12 +135,18 @@ def test_formats_hold_their_schemes_and_derive_scale_and_tensor_scale():
     for name in lowprec_formats.MX_FORMATS:
         fmt = lowprec.mx_format(name)
         entry = lowprec_formats.SCALE_SCHEMES[lowprec_formats.MX_FORMATS[name]["scheme"]]
-        assert fmt.scheme is lowprec.scale_scheme(lowprec_formats.MX_FORMATS[name]["scheme"])
+        scheme = lowprec.scale_scheme(lowprec_formats.MX_FORMATS[name]["scheme"])
+        params = lowprec_formats.MX_FORMATS[name].get("scheme_params")
+        if params:  # a variant: the same arithmetic with other parameters
+            assert type(fmt.scheme) is type(scheme) and fmt.scheme != scheme
+            assert all(getattr(fmt.scheme, k) == v for k, v in params.items())
+        else:
+            assert fmt.scheme is scheme
         assert fmt.scale == lowprec.element_format(entry["scale"])
         assert fmt.tensor_scale is entry["tensor_scale"]
         with pytest.raises(dataclasses.FrozenInstanceError):
             fmt.scheme = None
-    assert lowprec.SCALE_SCHEME_NAMES == ("e8m0", "nvfp4")
+    assert lowprec.SCALE_SCHEME_NAMES == ("e8m0", "nvfp4", "nvfp4_4over6", "if4", "mixfp4")
 
 
 # -- a scheme registered here is served everywhere -------------------------------------------

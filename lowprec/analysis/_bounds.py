@@ -13,7 +13,7 @@ from ._common import array_first, as_f32
 from .._bits import pow2_f32 as pow2
 from ._ulp import grid, grid_max, is_factor, scaled_ulp, ulp_exponent
 
-_NEAREST = ("nearest_even", "nearest_away")
+_NEAREST = ("nearest_even", "nearest_away", "nearest_toward_zero")
 # NVFP4's recipe rounds twice in float32 around the element's rounding (x / factor, then
 # element × factor), each by at most 2^-24 relative; the bound and its own float32
 # arithmetic add a few more roundings of the same size: 2^-20·|x| covers them all.

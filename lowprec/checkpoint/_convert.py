@@ -132,6 +132,9 @@ def quantize_checkpoint(
     schemes=None,
     follow_symlinks: bool = False,
     jobs: int = 1,
+    calibration=None,
+    activation_amax=None,
+    max_seq_length: int = 2048,
 ) -> ConversionReport:
     """Quantizes the weights of a safetensors checkpoint (a file or a sharded folder).
 
@@ -163,9 +166,10 @@ def quantize_checkpoint(
       layout: ``"lowprec"`` (``<name>_elements`` + ``<name>_scales``) or ``"gpt-oss"``
         (MXFP4 only: ``<name>_blocks`` [..., K/32, 16] + ``<name>_scales`` [..., K/32]).
         ``"compressed-tensors"`` / ``"modelopt"``: the layouts inference engines load
-        (:func:`lowprec.checkpoint.quantize_engine_checkpoint`, which takes ``ignore`` and
-        ``schemes``; ``include``/``exclude``/``axis``/``fp8_scale``/``block_size`` do not
-        apply there).
+        (:func:`lowprec.checkpoint.quantize_engine_checkpoint`: ``format`` is then a scheme,
+        an llm-compressor preset such as ``"NVFP4A16"`` or ``"FP8_DYNAMIC"``, and it takes
+        ``ignore``, ``schemes``, ``calibration``, ``activation_amax``, ``max_seq_length``;
+        ``include``/``exclude``/``axis``/``fp8_scale``/``block_size`` do not apply there).
       axis: MX block axis (default -1: the input-feature axis of a [out, in] weight).
       fp8_scale: FP8 casts: ``"tensor"`` (default; ``<name>_scale`` = amax / max_fp8, the
         vLLM/compressed-tensors convention) or ``"none"`` (saturating cast).
@@ -209,12 +213,21 @@ def quantize_checkpoint(
                 f"the {layout} layout takes --ignore / --scheme, not --include, --exclude, "
                 "--axis, --block-size or --fp8-scale")
         return quantize_engine_checkpoint(src, dst, format, layout=layout, schemes=schemes,
-                                          ignore=ignore, scale_rule=scale_rule, force=force,
+                                          ignore=ignore, scale_rule=scale_rule,
+                                          calibration=calibration,
+                                          activation_amax=activation_amax,
+                                          max_seq_length=max_seq_length, force=force,
                                           progress=progress, report=report,
                                           follow_symlinks=follow_symlinks, jobs=jobs)
     if ignore or schemes:
         raise CheckpointError("--ignore / --scheme apply to --layout compressed-tensors or "
                               "modelopt; the lowprec layout takes --include / --exclude")
+    if calibration is not None or activation_amax is not None:
+        raise CheckpointError("--calibration / --activation-amax apply to the static activation "
+                              "schemes of --layout compressed-tensors or modelopt; lowprec's "
+                              "layout holds weights only")
+    if format is None:
+        raise CheckpointError("give a format (--format)")
     start = time.perf_counter()
     fmt = checkpoint_format(format, block_size)
     mx = is_block_format(fmt)

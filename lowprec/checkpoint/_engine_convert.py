@@ -2,8 +2,10 @@
 folder into compressed-tensors or ModelOpt (:func:`quantize_engine_checkpoint`), and moving a
 quantized checkpoint between lowprec's, compressed-tensors' and ModelOpt's layouts without
 requantizing (:func:`convert_checkpoint`). What each layout stores, and what its loaders
-compute, is :mod:`lowprec.checkpoint._engine_layouts`; the write phase is the one every
-conversion shares (:mod:`lowprec.checkpoint._pipeline`).
+compute, is :mod:`lowprec.checkpoint._engine_layouts`; the schemes (weights and activations)
+:mod:`lowprec.checkpoint._engine_schemes`; activation statistics
+:mod:`lowprec.checkpoint._calibrate`; the write phase is the one every conversion shares
+(:mod:`lowprec.checkpoint._pipeline`).
 """
 
 from __future__ import annotations
@@ -11,31 +13,38 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import time
 from typing import Optional, Sequence
 
 import numpy as np
 
+from ._calibrate import calibrate, read_amax
 from ._chunk import finite_amax
 from ._engine_layouts import (
+    CT_SCALE_RULES,
     DEFAULT_IGNORE,
     ENGINE_LAYOUTS,
-    MODELOPT_SCHEMES,
+    MODELOPT_WEIGHTS,
     ORIGIN_KEY,
-    SCHEMES,
+    WEIGHT_FORMATS,
     EngineSpec,
+    ct_fp8_scale_dtype,
     ct_quantization_config,
     add_stats,
     exact_reciprocal,
+    input_scale,
     layout_arrays,
     modelopt_quant_config,
     quantize_arrays,
+    requantize_fp8,
     scheme_bits,
-    scheme_name,
+    writer_dtype,
 )
+from ._engine_schemes import SCHEMES, EngineScheme, engine_scheme, fused_groups
 from ._errors import CheckpointError
-from ._formats import DEFAULT_SCALE_RULE, check_scale_rule
+from ._formats import check_scale_rule
 from ._layout import make_spec
 from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, logical_tensors
 from ._pipeline import (
@@ -46,24 +55,28 @@ from ._pipeline import (
     open_readers,
     write_outputs,
 )
-from ._qconfig import config_keeping, read_quant_config
+from ._qconfig import config_keeping, load_json, read_quant_config
 from ._report import TensorReport
-from ._safetensors import FLOAT_DTYPES
+from ._safetensors import FLOAT_DTYPES, numpy_dtype
 from ._source import open_source
 from ._stats import ErrorStats
 
+_MX = ("mxfp4", "mxfp6", "mxfp8")
+
 
 def _parse_schemes(schemes) -> list:
-    """``[(compiled pattern, scheme)]`` from ``{pattern: format}`` or ``["PATTERN=FORMAT"]``."""
+    """``[(compiled pattern, EngineScheme)]`` from ``{pattern: scheme}`` or
+    ``["PATTERN=SCHEME", ...]``."""
     items = schemes.items() if isinstance(schemes, dict) else []
     if not isinstance(schemes, dict):
         for s in schemes or ():
             if "=" not in s:
                 raise CheckpointError(
-                    f"--scheme {s!r}: write PATTERN=FORMAT, e.g. 're:.*mlp.*=nvfp4'")
+                    f"--scheme {s!r}: write PATTERN=SCHEME (e.g. 're:.*mlp.*=NVFP4A16'), or "
+                    "give the scheme of every module as --scheme SCHEME / --format SCHEME")
             pat, _, fmt = s.rpartition("=")
             items = [*items, (pat, fmt)]
-    return [(_pattern(p, "--scheme"), scheme_name(f)) for p, f in items]
+    return [(_pattern(p, "--scheme"), engine_scheme(f)) for p, f in items]
 
 
 def _pattern(p: str, what: str):
@@ -83,8 +96,9 @@ def _matches(pattern, module: str) -> bool:
     return pattern.match(module) is not None
 
 
-def plan_modules(names_infos, default: Optional[str], schemes, ignore) -> tuple:
-    """Which Linear weights get which scheme: ``({weight name: scheme}, kept modules)``."""
+def plan_modules(names_infos, default: Optional[EngineScheme], schemes, ignore) -> tuple:
+    """Which Linear weights get which scheme: ``({weight name: EngineScheme}, kept modules)``
+    (kept: the other 2-D float ``*.weight`` modules)."""
     chosen, kept = {}, []
     for name, info in names_infos:
         if not name.endswith(".weight") or len(info.shape) != 2 or info.dtype not in FLOAT_DTYPES:
@@ -96,44 +110,134 @@ def plan_modules(names_infos, default: Optional[str], schemes, ignore) -> tuple:
             kept.append(module)  # an empty weight has nothing to quantize: kept, and listed
             continue
         scheme = scheme or default
-        group = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32}.get(scheme, 1)
+        group = {"nvfp4": 16, "mxfp4": 32, "mxfp6": 32, "mxfp8": 32}.get(scheme.weights, 1)
         if info.shape[1] % group:
             raise CheckpointError(
-                f"{name}: {info.shape[1]} input features are not a multiple of the {scheme} "
+                f"{name}: {info.shape[1]} input features are not a multiple of the {scheme.name} "
                 f"group size {group}; --ignore 're:{re.escape(module)}' keeps it"
             )
         chosen[name] = scheme
     return chosen, kept
 
 
+def check_fused(schemes: dict) -> None:
+    """Refuses a fused layer (:data:`~lowprec.checkpoint._engine_schemes.FUSED_LAYERS`) whose
+    modules do not all have one scheme; ``schemes``: every Linear module → its scheme name,
+    or None where it is kept in high precision."""
+    for group in fused_groups(schemes):
+        got = {m: schemes[m] for m in group}
+        if len(set(got.values())) > 1:
+            listed = ", ".join(f"{m} ({s or 'kept in high precision'})" for m, s in got.items())
+            leaves = "|".join(re.escape(m.rpartition(".")[2]) for m in group)
+            parent = re.escape(group[0].rpartition(".")[0])
+            raise CheckpointError(
+                f"{listed}: vLLM loads these as one fused layer and refuses different schemes "
+                f"within it; give them one scheme (--scheme 're:{parent}\\.({leaves})=SCHEME') "
+                "or keep them all (--ignore)")
+
+
+def _fused_max(values: dict) -> dict:
+    """``values`` (module → number) with every fused layer's members set to the group's
+    largest value (one global or input scale per fused layer, as vLLM keeps one)."""
+    out = dict(values)
+    for group in fused_groups(values):
+        top = max(values[m] for m in group)
+        out.update(dict.fromkeys(group, top))
+    return out
+
+
+def _activation_amax(source, needed: list, linear_modules: set, calibration, activation_amax,
+                     max_seq_length: int, progress) -> dict:
+    """``{module: amax}`` of the inputs of the static-scheme modules ``needed``."""
+    if not needed:
+        if calibration is not None or activation_amax is not None:
+            raise CheckpointError(
+                "--calibration / --activation-amax give activation statistics, which only the "
+                "static schemes (FP8, NVFP4) store; these schemes have none: drop them")
+        return {}
+    if calibration is not None and activation_amax is not None:
+        raise CheckpointError("give activation statistics once: --calibration or "
+                              "--activation-amax, not both")
+    if calibration is None and activation_amax is None:
+        who = needed[0] + (f" (and {len(needed) - 1} more)" if len(needed) > 1 else "")
+        raise CheckpointError(
+            f"{who}: a static activation scheme (FP8 and NVFP4 store the input's scale, "
+            "computed from its largest magnitude); give activation statistics with "
+            "--calibration FILE "
+            "(token ids or text, run through the model with transformers) or "
+            "--activation-amax FILE.json; or choose a weight-only scheme (NVFP4A16, FP8A16, "
+            "...) or a dynamic one (FP8_DYNAMIC, MXFP8, MXFP4)")
+    if activation_amax is not None:
+        if isinstance(activation_amax, dict):
+            amax = {str(k): float(v) for k, v in activation_amax.items()}
+            where = "activation_amax"
+            for m, v in amax.items():
+                if not (np.isfinite(v) and v > 0):
+                    raise CheckpointError(f"{where}: the amax of {m} is {v!r}; an activation "
+                                          "amax must be positive and finite")
+        else:
+            amax, where = read_amax(activation_amax), str(activation_amax)
+        unknown = sorted(set(amax) - linear_modules)
+        if unknown:
+            raise CheckpointError(
+                f"{where}: {unknown[0]} is no Linear module of this checkpoint"
+                + (f" (nor {len(unknown) - 1} other names)" if len(unknown) > 1 else "")
+                + "; the file is for another model, or names modules another way")
+        missing = [m for m in needed if m not in amax]
+        if missing:
+            raise CheckpointError(
+                f"{where}: no amax for {missing[0]}"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                + ", which has a static activation scheme")
+    else:
+        if source.home is None:
+            raise CheckpointError(
+                "calibration runs the model through transformers and needs its folder "
+                "(config.json beside the weights); give the folder, or --activation-amax")
+        amax = calibrate(source.home, calibration, needed, max_seq_length=max_seq_length,
+                         progress=bool(progress))
+    return {m: amax[m] for m in needed}
+
+
 def quantize_engine_checkpoint(
-    src, dst, format: Optional[str] = None, *, layout: str = "compressed-tensors",
+    src, dst, format=None, *, layout: str = "compressed-tensors",
     schemes=None, ignore: Sequence[str] = (), scale_rule: Optional[str] = None,
+    calibration=None, activation_amax=None, max_seq_length: int = 2048,
     force: bool = False, progress: Optional[bool] = None, report=None,
     follow_symlinks: bool = False, jobs: int = 1,
 ):
     """Quantizes the Linear weights of a Hugging Face safetensors checkpoint into a layout
-    vLLM / SGLang / transformers load (see the module docstring for the stored tensors).
+    vLLM / SGLang / transformers load, with the bytes that layout's own tool writes (see
+    :mod:`lowprec.checkpoint._engine_layouts`).
 
     Args:
       src, dst: as :func:`~lowprec.checkpoint.quantize_checkpoint` (a folder gives a folder
         whose ``config.json`` gets ``quantization_config``; ModelOpt also gets
         ``hf_quant_config.json``).
-      format: the scheme of every Linear weight not matched otherwise: ``"nvfp4"``,
-        ``"mxfp4"``, ``"mxfp8"``, ``"fp8"`` (per tensor) or ``"fp8_channel"`` (lowprec names
-        ``"e4m3"``, ``"mxfp8_e4m3"`` too). ModelOpt: ``"nvfp4"`` or ``"fp8"``.
+      format: the scheme of every Linear weight not matched otherwise: an llm-compressor
+        preset — ``"NVFP4A16"``, ``"MXFP4A16"``, ``"MXFP6A16"``, ``"MXFP8A16"`` (weight-only),
+        ``"MXFP4"``, ``"MXFP8"``, ``"FP8_DYNAMIC"`` (dynamic activations), ``"NVFP4"``,
+        ``"FP8"`` (static activations: need ``calibration`` or ``activation_amax``), any case
+        — or ``"FP8A16"`` / ``"FP8A16_CHANNEL"`` (weight-only FP8). ModelOpt: NVFP4,
+        NVFP4A16, FP8, FP8_DYNAMIC, one per checkpoint.
       layout: ``"compressed-tensors"`` or ``"modelopt"``.
-      schemes: per-module schemes, ``{pattern: format}`` or ``["PATTERN=FORMAT", ...]``; a
+      schemes: per-module schemes, ``{pattern: scheme}`` or ``["PATTERN=SCHEME", ...]``; a
         pattern is an exact module name or ``re:REGEX`` (matched from the start, as
         compressed-tensors does); the first match wins. Such modules are quantized even if
-        the default rule would keep them.
+        the default rule would keep them. The modules vLLM fuses (q/k/v, gate/up, ...) must
+        share a scheme.
       ignore: module patterns kept in their original precision (besides the default:
         ``lm_head``, embeddings, norms — :data:`DEFAULT_IGNORE`).
-      scale_rule: MX schemes: the E8M0 scale rule (default ``"floor"``).
+      scale_rule: MX schemes: the E8M0 scale rule (default: the layout's own,
+        :data:`~lowprec.checkpoint._engine_layouts.CT_SCALE_RULES`).
+      calibration: a token (``.json``) or text file to measure activation amax on, running
+        the model with transformers (:func:`~lowprec.checkpoint._calibrate.calibrate`).
+      activation_amax: ``{module: amax}`` or a JSON file of it.
+      max_seq_length: calibration: tokens per sample at most.
 
     Returns:
       The :class:`~lowprec.checkpoint.ConversionReport`; its ``options`` hold the written
-      ``quantization_config``.
+      ``quantization_config`` and the activation amax used.
 
     Example:
         >>> import tempfile, numpy as np
@@ -142,7 +246,8 @@ def quantize_engine_checkpoint(
         >>> w = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32)
         >>> with SafetensorsWriter(f"{d}/m.safetensors", [("fc.weight", "F32", w.shape)]) as f:
         ...     f.write("fc.weight", w)
-        >>> rep = quantize_engine_checkpoint(f"{d}/m.safetensors", f"{d}/q.safetensors", "nvfp4")
+        >>> rep = quantize_engine_checkpoint(f"{d}/m.safetensors", f"{d}/q.safetensors",
+        ...                                  "NVFP4A16")
         >>> rep.tensors[0].stored_as
         ('fc.weight_packed', 'fc.weight_scale', 'fc.weight_global_scale')
         >>> float(np.abs(load_checkpoint(f"{d}/q.safetensors")["fc.weight"] - w).max()) < 0.1
@@ -152,83 +257,118 @@ def quantize_engine_checkpoint(
     if layout not in ENGINE_LAYOUTS:
         raise CheckpointError(
             f"unknown engine layout {layout!r}; choose one of: {', '.join(ENGINE_LAYOUTS)}")
-    default = None if format is None else scheme_name(format)
+    if format is not None and not isinstance(format, (str, EngineScheme)):
+        format = getattr(format, "name", format)  # a lowprec format object: by its name
+    default = None if format is None else engine_scheme(format)
     parsed = _parse_schemes(schemes)
     ignore_p = [_pattern(p, "--ignore") for p in ignore]
     used = {default} | {s for _, s in parsed}
     used.discard(None)
     if not used:
         raise CheckpointError(
-            "give a format (--format) or per-module schemes (--scheme PATTERN=FORMAT)")
+            "give a scheme (--scheme SCHEME or --format SCHEME) or per-module schemes "
+            "(--scheme PATTERN=SCHEME)")
     if layout == "modelopt":
-        bad = used - set(MODELOPT_SCHEMES)
-        if bad or len(used) > 1:
+        bad = sorted(s.name for s in used if s.modelopt is None)
+        algos = {s.modelopt for s in used}
+        if bad or len(algos) > 1:
+            names = ", ".join(n for n, s in SCHEMES.items() if s.modelopt)
             raise CheckpointError(
-                f"the ModelOpt layout holds one scheme of {', '.join(MODELOPT_SCHEMES)} per "
-                f"checkpoint, not {', '.join(sorted(used))}; use --layout compressed-tensors"
-            )
-    if scale_rule is not None and not used & {"mxfp4", "mxfp8"}:
+                f"the ModelOpt layout holds one scheme of {names} per checkpoint, not "
+                f"{', '.join(sorted(s.name for s in used))}; use --layout compressed-tensors")
+    mx_used = {s.weights for s in used} & set(_MX)
+    if scale_rule is not None and not mx_used:
         raise CheckpointError(
-            f"--scale-rule / scale_rule applies to the MX schemes (mxfp4, mxfp8), not "
-            f"{', '.join(sorted(used))}: NVFP4 has its own scale recipe and FP8's scale is amax "
-            "/ 448; drop it")
-    scale_rule = check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
+            f"--scale-rule / scale_rule applies to the MX schemes (MXFP4, MXFP6, MXFP8), not "
+            f"{', '.join(sorted(s.name for s in used))}: NVFP4's scales follow its own rule and "
+            "FP8's scale is amax / 448; drop it")
+    given_rule = None if scale_rule is None else check_scale_rule(scale_rule)
+    rules = {w: given_rule or check_scale_rule(CT_SCALE_RULES[w]) for w in _MX}
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans, groups, kept_all = {}, {}, []
         check_unquantized(source, readers)
+        chosen, kept_all, infos = {}, [], {}
         for rel, reader in readers.items():
-            chosen, kept = plan_modules(reader.tensors.items(), default, parsed, ignore_p)
+            c, kept = plan_modules(reader.tensors.items(), default, parsed, ignore_p)
+            chosen.update(c)
             kept_all += kept
+            infos.update({n: (rel, reader.tensors[n]) for n in c})
+        if not chosen:
+            raise CheckpointError(f"{source.given}: no Linear weight ([out, in] '*.weight') to "
+                                  "quantize with these options")
+        modules = {n[: -len(".weight")]: s.name for n, s in chosen.items()}
+        check_fused({**dict.fromkeys(kept_all), **modules})
+        # Tensor-wide amax (first pass): NVFP4's global scale is one per fused layer.
+        wide = {}
+        for name, scheme in chosen.items():
+            if scheme.weights in ("nvfp4", "fp8"):
+                rel, info = infos[name]
+                spec = EngineSpec(scheme.weights, layout, tuple(info.shape))
+                wide[name[: -len(".weight")]] = max(
+                    (np.float32(finite_amax(readers[rel].read_rows(name, r0, r1)))
+                     for r0, r1 in spec.row_blocks()), default=np.float32(0))
+        nvfp4 = {m: a for m, a in wide.items() if SCHEMES[modules[m]].weights == "nvfp4"}
+        wide.update(_fused_max(nvfp4))
+        needed = sorted(m for m, s in modules.items() if SCHEMES[s].inputs == "static")
+        linear = {n[: -len(".weight")] for r in readers.values() for n, i in r.tensors.items()
+                  if n.endswith(".weight") and len(i.shape) == 2}
+        act = _activation_amax(source, needed, linear, calibration, activation_amax,
+                               max_seq_length, progress)
+        act_used = _fused_max(act)
+
+        plans, groups = {}, {}
+        for rel, reader in readers.items():
             plan, entries = [], []
             for info in reader.tensors.values():
                 scheme = chosen.get(info.name)
                 spec = None
                 if scheme is not None:
-                    spec = EngineSpec(scheme, layout, tuple(info.shape), info.dtype, scale_rule)
+                    module = info.name[: -len(".weight")]
+                    d = writer_dtype(info.dtype)
+                    ct_fp8 = layout == "compressed-tensors" and scheme.weights.startswith("fp8")
+                    spec = EngineSpec(
+                        scheme.weights, layout, tuple(info.shape), info.dtype,
+                        rules[scheme.weights] if scheme.weights in _MX else None,
+                        scale_dtype=d if ct_fp8 else "F32", inputs=scheme.inputs
+                        if scheme.inputs == "static" else None,
+                        input_dtype=d if ct_fp8 else "F32")
                     entries += [(st, dt, shp) for _, st, dt, shp in spec.parts(info.name)]
-                    groups.setdefault(scheme, []).append(info.name[: -len(".weight")])
+                    groups.setdefault(scheme.name, []).append(module)
+                    plan.append((info, spec, scheme, wide.get(module), act_used.get(module)))
                 else:
                     entries.append((info.name, info.dtype, info.shape))
-                plan.append((info, spec))
+                    plan.append((info, None, None, None, None))
             check_collisions(entries, reader.path, "--ignore the module of one of them")
             plans[rel] = (plan, entries)
-        if not groups:
-            raise CheckpointError(f"{source.given}: no Linear weight ([out, in] '*.weight') to "
-                                  "quantize with these options")
         groups = {s: sorted(m) for s, m in groups.items()}
         if layout == "compressed-tensors":
             qconfig = ct_quantization_config(groups, kept_all)
             extra = {}
         else:
-            (scheme,) = groups
-            hf = modelopt_quant_config(scheme, kept_all)
-            qconfig = {"quant_method": "modelopt", **hf["quantization"]}
-            extra = {"hf_quant_config.json": json.dumps(hf, indent=2) + "\n"}
+            (name,) = groups
+            hf, qconfig = modelopt_quant_config(name, kept_all)
+            extra = {"hf_quant_config.json": json.dumps(hf, indent=4) + "\n"}
         texts = _config_texts(source, outputs, qconfig, extra)
 
         def convert(reader, writer, item, bar, runner):
-            info, spec = item
+            info, spec, scheme, amax, act_amax = item
             bar.set_postfix_str(info.name[-40:], refresh=False)
             if spec is None:
                 copy_tensor(reader, writer, info.name, bar)
                 return TensorReport(info.name, info.shape, info.dtype, "kept",
                                     info.nbytes, info.nbytes, reason="kept")
             parts = spec.parts(info.name)
-            blocks = list(spec.row_blocks())
-            amax = None
-            if spec.scheme in ("nvfp4", "fp8"):  # one scale for the whole tensor: a first pass
-                maxima = []
-                runner.run(lambda b: np.float32(finite_amax(reader.read_rows(info.name, *b))),
-                           blocks, lambda b, m: maxima.append(m))
-                amax = max(maxima, default=np.float32(0))
 
             def piece(block):  # on a worker: each part's rows written at their place
                 r0, r1 = block
                 x = reader.read_rows(info.name, r0, r1)
-                arrays = quantize_arrays(x, spec.scheme, layout, scale_rule=scale_rule, amax=amax)
+                arrays = quantize_arrays(x, spec.scheme, layout, dtype=info.dtype,
+                                         scale_rule=spec.scale_rule, amax=amax)
+                if spec.inputs == "static":
+                    arrays["input_scale"] = input_scale(act_amax, spec.scheme, layout,
+                                                        info.dtype)
                 for role, stored, _, _ in parts:
                     if not spec.is_whole(role):
                         writer.write_rows(stored, r0, arrays[role])
@@ -244,21 +384,25 @@ def quantize_engine_checkpoint(
                 stats.merge(result[0])
                 bar.update(result[1])
 
-            runner.run(piece, blocks, done)
+            runner.run(piece, list(spec.row_blocks()), done)
+            what = (f"{layout} {scheme.name}" + (" (weight-only)" if scheme.weight_only else
+                                                 f" ({scheme.inputs} activations)"))
             return TensorReport(
                 info.name, info.shape, info.dtype, spec.label, info.nbytes, spec.nbytes(),
-                reason=f"{layout} " + (SCHEMES[spec.scheme][1] if layout != "modelopt"
-                                       else MODELOPT_SCHEMES[spec.scheme]),
-                scale_rule=scale_rule if spec.scheme in ("mxfp4", "mxfp8") else None,
+                reason=what, scale_rule=spec.scale_rule,
                 sqnr_db=stats.sqnr_db, max_abs_err=stats.max_abs, max_rel_err=stats.max_rel,
                 nonfinite=stats.nonfinite, stored_as=tuple(p[1] for p in parts), exact=stats.exact)
 
-        options = {"layout": layout, "format": default, "schemes": list(schemes or ()),
-                   "ignore": list(ignore), "quantization_config": qconfig}
+        options = {"layout": layout, "format": None if default is None else default.name,
+                   "schemes": list(schemes or ()), "ignore": list(ignore),
+                   "quantization_config": qconfig}
+        if act:
+            options["activation_amax"] = act
+
         def metadata(plan):
-            return {ORIGIN_KEY: json.dumps({i.name: {"dtype": i.dtype, "scale_rule": scale_rule
-                                                     if s.scheme in ("mxfp4", "mxfp8") else None}
-                                            for i, s in plan if s is not None},
+            return {ORIGIN_KEY: json.dumps({i.name: {"dtype": i.dtype, "scale_rule":
+                                                     s.scale_rule}
+                                            for i, s, *_ in plan if s is not None},
                                            separators=(",", ":"))}
 
         return write_outputs(source, outputs, readers, plans, "quantize", options, start,
@@ -283,8 +427,8 @@ def _config_texts(source, outputs, qconfig: Optional[dict], extra: dict) -> dict
             raise CheckpointError(
                 f"{source.path('config.json')}: cannot read it as JSON ({e})") from None
         except RecursionError:
-            raise CheckpointError(
-                f"{source.path('config.json')}: cannot read it as JSON (nested too deeply)") from None
+            raise CheckpointError(f"{source.path('config.json')}: cannot read it as JSON "
+                                  "(nested too deeply)") from None
         if not isinstance(config, dict):
             raise CheckpointError(f"{source.path('config.json')}: is not a JSON object")
     if qconfig is None:
@@ -316,18 +460,125 @@ def plain_config_texts(source, outputs, config=None, kept=(), decoded=()) -> dic
     return _config_texts(source, outputs, q, extra)
 
 
-def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
+# -- convert ------------------------------------------------------------------------------
+_BY_PARTS = {(w, i): n for n, s in SCHEMES.items() for w, i in [(s.weights, s.inputs)]}
+
+
+def _source_scheme(name: str, spec, config) -> EngineScheme:
+    """The scheme a stored tensor is in: its weights, and its activations as its config says
+    (a file without a config: static where it stores an input scale, else weight-only)."""
+    if not isinstance(spec, EngineSpec):  # lowprec's or gpt-oss's layout: weights only
+        return None
+    module = name[: -len(".weight")]
+    group = config.group_of(module) if config is not None and config.readable else None
+    inputs = group.inputs if group is not None else spec.inputs
+    if inputs == "static" and spec.inputs != "static":
+        raise CheckpointError(
+            f"{name}: its config gives it static input activations but no input scale is "
+            "stored beside it; the checkpoint is incomplete (an engine would run with an "
+            "uninitialized scale)")
+    found = _BY_PARTS.get((spec.scheme, inputs))
+    if found is None:
+        raise CheckpointError(
+            f"{name}: {spec.format.name} weights with {inputs or 'no'} input activation "
+            f"quantization ({group.what if group else 'no config'}) are no scheme lowprec "
+            f"writes ({', '.join(SCHEMES)}); dequantize it instead")
+    return SCHEMES[found]
+
+
+_CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def _model_dtype(source) -> Optional[str]:
+    """The model dtype ``config.json`` names (``dtype``; ``torch_dtype`` before transformers
+    5), for tensors whose file does not record their original dtype (other tools' files)."""
+    path = os.path.join(source.home, "config.json") if source.home else None
+    if path is None or not os.path.isfile(path):
+        return None
+    config = load_json(path)
+    return _CONFIG_DTYPES.get(config.get("dtype", config.get("torch_dtype")))
+
+
+def _original_dtype(spec, origin: dict, model_dtype: Optional[str]) -> str:
+    """A quantized tensor's original (model) dtype: as lowprec recorded it (its own layout's
+    metadata, or ``lowprec.origin``), else what a compressed-tensors FP8 scale is stored in
+    (llm-compressor's model dtype), else the config's, else bfloat16."""
+    if "dtype" in origin or not isinstance(spec, EngineSpec):
+        return origin.get("dtype", spec.dtype)
+    if spec.layout == "compressed-tensors" and spec.scheme.startswith("fp8") \
+            and spec.scale_dtype in ("BF16", "F16"):
+        return spec.scale_dtype
+    return model_dtype or spec.dtype
+
+
+def _move_input_scale(name, value, src: EngineSpec, target: EngineSpec, requantize: bool):
+    """The stored input scale of ``target`` from ``src``'s (``value``): FP8's is the scale
+    itself in both layouts (widened exactly); NVFP4's is 2688 / amax in compressed-tensors and
+    amax / 2688 in ModelOpt, moved by a float32 reciprocal when it maps back exactly (else
+    refused, or with ``requantize`` taken and counted). Returns ``(array, changed)``."""
+    v = np.float32(np.asarray(value, np.float32).reshape(-1)[0])
+    flip = src.scheme == "nvfp4" and src.layout != target.layout
+    changed = 0
+    if flip:
+        with np.errstate(divide="ignore", over="ignore"):
+            r = np.float32(np.float32(1) / v)
+        if not (np.isfinite(r) and np.float32(1) / r == v):
+            if not requantize:
+                raise CheckpointError(
+                    f"{name}: its NVFP4 input scale {float(v)!r} has no exact reciprocal for "
+                    f"the {target.layout} layout; --requantize takes the nearest (and counts "
+                    "it as changed)")
+            changed = 1
+        v = r
+    d = target.input_dtype if target.layout == "compressed-tensors" else "F32"
+    if d != "F32" and src.layout != target.layout:  # FP8's, in the model dtype (as the weight's)
+        if np.float32(np.asarray(v).astype(numpy_dtype(d))) != v:
+            if not requantize:
+                raise CheckpointError(
+                    f"{name}: its FP8 input scale {str(v)} is no {d} value; compressed-tensors "
+                    f"stores it in the model dtype ({d}); --requantize takes the nearest (and "
+                    "counts it as changed)")
+            changed = 1
+    shape = () if target.layout == "modelopt" else (1,)
+    return np.asarray(v, np.float32).astype(numpy_dtype(d)).reshape(shape), changed
+
+
+def _check_fused_scales(plans: dict, layout: str) -> None:
+    """Converting to an engine layout: refuses NVFP4 fused layers whose members do not share
+    one tensor scale (vLLM keeps one for the fused layer)."""
+    ts = {}
+    for plan, _ in plans.values():
+        for name, spec, parts, target, scheme, bits in plan:
+            if target is not None and scheme is not None and \
+                    scheme.weights == "nvfp4" and "ts" in bits:
+                ts[name[: -len(".weight")]] = float(bits["ts"])
+    for group in fused_groups(ts):
+        values = {ts[m] for m in group}
+        if len(values) > 1:
+            raise CheckpointError(
+                f"{', '.join(group)}: NVFP4 tensor scales {sorted(values)} differ, but vLLM "
+                f"loads these as one fused layer with one scale, which would decode all but "
+                f"one of them wrongly; quantize the original weights with lowprec quantize "
+                f"--layout {layout} (which gives a fused layer one scale)")
+
+
+def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force: bool = False,
                        progress: Optional[bool] = None, report=None,
                        follow_symlinks: bool = False, jobs: int = 1):
     """Rewrites a quantized checkpoint (lowprec, compressed-tensors or ModelOpt layout) in
     another of these layouts, moving the stored bits: no requantization, every decoded value
     unchanged. Refused, naming the tensor, where the target cannot hold the bits exactly
     (lowprec has no per-channel FP8, ModelOpt holds NVFP4 and FP8 only, an NVFP4 tensor scale
-    without an exact reciprocal; see the module docstring). Tensors that are not quantized
-    and the folder's other files are copied; ``config.json``'s ``quantization_config`` (and
-    ModelOpt's ``hf_quant_config.json``) are rewritten for the target. The original dtype and
-    scale rule of each tensor travel in the safetensors metadata (``lowprec.origin``), so
-    lowprec → compressed-tensors → lowprec gives back the same tensor files byte for byte.
+    without an exact reciprocal, a float32 FP8 scale moved to compressed-tensors that is no
+    value of the model dtype, which compressed-tensors stores it in — unless ``requantize``,
+    which re-encodes such a tensor from its decoded values against the nearest scale and
+    reports how many values changed: see :mod:`lowprec.checkpoint._engine_layouts`). Activation schemes move with the weights
+    (input scales included); lowprec's own layout holds weights only. Tensors that are not
+    quantized and the folder's other files are copied; ``config.json``'s
+    ``quantization_config`` (and ModelOpt's ``hf_quant_config.json``) are rewritten for the
+    target. The original dtype and scale rule of each tensor travel in the safetensors
+    metadata (``lowprec.origin``), so lowprec → compressed-tensors → lowprec gives back the
+    same tensor files byte for byte.
 
     Example:
         >>> import tempfile, numpy as np
@@ -352,9 +603,10 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     config = read_quant_config(source.home)
+    model_dtype = _model_dtype(source)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans, groups, kept, layouts = {}, {}, [], set()
+        plans, groups, kept, layouts, linear = {}, {}, [], set(), {}
         for rel, reader in readers.items():
             origin = {}
             with contextlib.suppress(ValueError, TypeError, RecursionError):
@@ -362,45 +614,65 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
             plan, entries = [], []
             found = logical_tensors(reader, config)
             layouts |= {spec.layout for spec, _ in found.specs.values()}
-            if layouts == {"lowprec"} == {layout}:  # (an engine layout's own is rewritten:
-                # FP8 scales become float32)
-                raise CheckpointError(f"{reader.path}: already in the lowprec layout; nothing "
-                                      "to convert")
+            if layouts == {layout}:
+                raise CheckpointError(f"{reader.path}: already in the {layout} layout; "
+                                      "nothing to convert")
             for name, spec, parts in found:
                 if spec is None:
                     info = reader.tensors[name]
                     entries.append((name, info.dtype, info.shape))
-                    plan.append((name, None, None, None, None))
+                    plan.append((name, None, None, None, None, None))
                     if name.endswith(".weight") and len(info.shape) == 2:
                         kept.append(name[: -len(".weight")])
+                        linear[name[: -len(".weight")]] = None
                     continue
                 # the tensor-wide parts and the scales: enough to check exactness up front
                 arrays = {role: reader.read(stored) for role, stored, _, _ in parts
                           if role in ("scale", "scales", "global_scale")}
-                scheme, bits = scheme_bits(name, spec, arrays, layout)
+                weights, bits = scheme_bits(name, spec, arrays, layout, requantize)
                 o = origin.get(name, {}) if isinstance(origin.get(name), dict) else {}
-                dtype = o.get("dtype", spec.dtype)
+                dtype = _original_dtype(spec, o, model_dtype)
                 rule = o.get("scale_rule", spec.scale_rule)
+                scheme = _source_scheme(name, spec, config)
+                if weights == "nvfp4" and layout == "compressed-tensors" and "ts" in bits \
+                        and "gs" not in bits and not requantize:
+                    exact_reciprocal(name, bits["ts"], bits["scales"], layout)
                 if layout == "lowprec":
-                    if scheme == "fp8_channel":
+                    if weights == "fp8_channel":
                         raise CheckpointError(f"{name}: per-channel FP8 has no lowprec layout; "
                                               "keep it in compressed-tensors or dequantize it")
-                    target = make_spec(SCHEMES[scheme][0], spec.shape, dtype,
-                                       axis=-1 if scheme != "fp8" else None,
-                                       scale_rule=rule if scheme in ("mxfp4", "mxfp8") else None)
-                    tparts = target.parts(name)
+                    target = make_spec(WEIGHT_FORMATS[weights], spec.shape, dtype,
+                                       axis=-1 if weights != "fp8" else None,
+                                       scale_rule=rule if weights in _MX else None)
                 else:
-                    if layout == "modelopt" and scheme not in MODELOPT_SCHEMES:
-                        raise CheckpointError(f"{name}: {scheme} has no ModelOpt layout (NVFP4 "
-                                              "and FP8 per tensor have); use compressed-tensors")
-                    target = EngineSpec(scheme, layout, tuple(spec.shape), dtype, rule)
-                    tparts = target.parts(name)
-                    if scheme == "nvfp4" and layout == "compressed-tensors" and "ts" in bits:
-                        exact_reciprocal(name, bits["ts"], bits["scales"], layout)
-                    groups.setdefault(scheme, []).append(name[: -len(".weight")])
+                    if scheme is None:  # lowprec's / gpt-oss's layout: weight-only
+                        scheme = SCHEMES[_BY_PARTS[(weights, None)]]
+                    if layout == "modelopt" and (scheme.modelopt is None
+                                                 or weights not in MODELOPT_WEIGHTS):
+                        names = ", ".join(n for n, s in SCHEMES.items() if s.modelopt)
+                        raise CheckpointError(f"{name}: {scheme.name} has no ModelOpt layout "
+                                              f"({names} have); use compressed-tensors")
+                    static = scheme.inputs == "static"
+                    scale_dtype = "F32"
+                    if layout == "compressed-tensors" and weights.startswith("fp8"):
+                        if isinstance(spec, EngineSpec) and spec.layout == layout:
+                            scale_dtype = spec.scale_dtype  # a compressed-tensors file rewritten
+                        else:  # a float32 scale: in the model dtype, as llm-compressor's
+                            scale_dtype, _ = ct_fp8_scale_dtype(
+                                name, bits["ts"] if "ts" in bits else bits["scale"], dtype,
+                                requantize)
+                    input_dtype = getattr(spec, "input_dtype", "F32")
+                    if layout != spec.layout:  # compressed-tensors FP8: the scale's dtype
+                        input_dtype = scale_dtype if weights == "fp8" else "F32"
+                    target = EngineSpec(weights, layout, tuple(spec.shape), dtype, rule,
+                                        scale_dtype=scale_dtype,
+                                        inputs="static" if static else None,
+                                        input_dtype=input_dtype)
+                    groups.setdefault(scheme.name, []).append(name[: -len(".weight")])
+                    linear[name[: -len(".weight")]] = scheme.name
+                tparts = target.parts(name)
                 entries += [(st, dt, shp) for _, st, dt, shp in tparts]
-                plan.append((name, spec, parts, target, scheme))
-                del arrays, bits
+                plan.append((name, spec, parts, target, scheme, bits))
                 origin[name] = {"dtype": dtype, "scale_rule": rule}
             check_collisions(entries, reader.path, "rename one of them in the input")
             plans[rel] = (plan, entries)
@@ -412,6 +684,8 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
         if layout == "lowprec":
             texts = plain_config_texts(source, outputs)
         elif groups:
+            check_fused(linear)
+            _check_fused_scales(plans, layout)
             groups = {s: sorted(m) for s, m in groups.items()}
             if layout == "compressed-tensors":
                 qconfig = ct_quantization_config(groups, kept)
@@ -422,18 +696,20 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                 if len(groups) > 1:
                     raise CheckpointError("the ModelOpt layout holds one scheme per checkpoint, "
                                           f"not {', '.join(sorted(groups))}")
-                (scheme,) = groups
-                hf = modelopt_quant_config(scheme, kept)
-                qconfig = {"quant_method": "modelopt", **hf["quantization"]}
-                extra = {"hf_quant_config.json": json.dumps(hf, indent=2) + "\n"}
+                (name,) = groups
+                hf, qconfig = modelopt_quant_config(name, kept)
+                extra = {"hf_quant_config.json": json.dumps(hf, indent=4) + "\n"}
                 texts = _config_texts(source, outputs, qconfig, extra)
+        for plan, _ in plans.values():  # the scales were needed for the checks only
+            for i, item in enumerate(plan):
+                plan[i] = item[:5]
 
         def metadata(plan):
             specs = {n: t for n, s, _, t, _ in plan if t is not None}
             if layout == "lowprec":  # lowprec's own metadata holds dtype and scale rule
                 return {METADATA_VERSION_KEY: METADATA_VERSION,
                         METADATA_KEY: json.dumps({n: t.to_json(n) for n, t in specs.items()},
-                                                    separators=(",", ":"))}
+                                                 separators=(",", ":"))}
             return {ORIGIN_KEY: json.dumps({n: {"dtype": t.dtype, "scale_rule": t.scale_rule}
                                             for n, t in specs.items()}, separators=(",", ":"))}
 
@@ -445,30 +721,70 @@ def convert_checkpoint(src, dst, layout: str, *, force: bool = False,
                 return TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
                                     info.nbytes, reason="not quantized")
             tparts = target.parts(name)
-            rows = EngineSpec(scheme, layout if layout != "lowprec" else "compressed-tensors",
-                              tuple(spec.shape))
+            rows = EngineSpec(_weights_of(spec), layout if layout != "lowprec"
+                              else "compressed-tensors", tuple(spec.shape))
+
             def piece(block):  # move the bits a block of rows at a time, on a worker
                 r0, r1 = block
+                changed = 0
                 if isinstance(spec, EngineSpec):
                     got = spec.read_rows(reader, parts, r0, r1)
                 else:
                     got = {role: reader.read(stored) if role == "scale"
                            else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
-                out = layout_arrays(name, scheme, scheme_bits(name, spec, got, layout)[1], layout)
+                w, bits = scheme_bits(name, spec, got, layout, requantize)
+                src_input = bits.pop("input_scale", None)
+                out, n = layout_arrays(name, w, bits, layout, requantize)
+                if getattr(target, "scale_dtype", "F32") != "F32" and not (
+                        isinstance(spec, EngineSpec) and spec.layout == layout):
+                    # a float32 FP8 scale stored in the model dtype (ct_fp8_scale_dtype)
+                    out["values"], out["scale"], n = requantize_fp8(
+                        out["values"], out["scale"], target.scale_dtype)
+                changed += n
+                if getattr(target, "inputs", None) == "static":
+                    out["input_scale"], moved = _move_input_scale(name, src_input, spec, target,
+                                                                  requantize)
+                    if r0 == 0:
+                        changed += moved
                 for role, stored, _, _ in tparts:
                     if not rows.is_whole(role):
                         writer.write_rows(stored, r0, out[role])
                     elif r0 == 0:
                         writer.write(stored, out[role])
+                return changed
 
-            runner.run(piece, list(rows.row_blocks()), lambda block, result: None)
+            counts = []
+            runner.run(piece, list(rows.row_blocks()), lambda block, n: counts.append(n))
+            changed = sum(counts)
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             bar.update(before)
             label = getattr(target, "label", target.format.name)
+            reason = f"moved from {spec.layout}"
+            if scheme is not None and layout != "lowprec":
+                reason += f" ({scheme.name})"
+            if layout == "lowprec" and getattr(spec, "inputs", None) == "static":
+                reason += "; its input scale is not kept (lowprec's layout holds weights only)"
+            if changed:
+                why = ("an NVFP4 scale without an exact reciprocal" if target.format.name ==
+                       "nvfp4" else f"an FP8 scale rounded to {target.scale_dtype}")
+                reason += f"; requantized: {changed} decoded value(s) changed ({why})"
             return TensorReport(name, spec.shape, target.dtype, label,
-                                before, target.nbytes(), reason=f"moved from {spec.layout}",
-                                scale_rule=target.scale_rule, stored_as=tuple(p[1] for p in tparts))
+                                before, target.nbytes(), reason=reason,
+                                scale_rule=target.scale_rule, stored_as=tuple(p[1] for p in tparts),
+                                changed=changed if requantize else None)
 
-        return write_outputs(source, outputs, readers, plans, "convert", {"layout": layout},
+        return write_outputs(source, outputs, readers, plans, "convert",
+                             {"layout": layout, "requantize": requantize},
                              start, force=force, progress=progress, metadata=metadata,
                              convert=convert, texts=texts)
+
+
+def _weights_of(spec) -> str:
+    """The weight format (:data:`WEIGHT_FORMATS` key) of a stored tensor's spec."""
+    if isinstance(spec, EngineSpec):
+        return spec.scheme
+    for w, fmt in WEIGHT_FORMATS.items():
+        if fmt == spec.format:
+            return w
+    raise AssertionError(spec)
+

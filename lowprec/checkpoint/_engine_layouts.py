@@ -3,43 +3,74 @@
 lowprec's own layout (``<name>_elements`` / ``<name>_scales`` / ``<name>_scale``, see
 :mod:`lowprec.checkpoint._layout`) is read by lowprec only. vLLM, SGLang and transformers
 load two other layouts of the same bits, facts taken from compressed-tensors 0.20 (its
-compressors and ``forward._dequantize``) and ModelOpt's unified Hugging Face export.
-Stored tensors of a Linear ``M`` (weight [out, in]) and the value each loader computes:
+compressors and ``forward._dequantize``), llm-compressor 0.14.0.1 and ModelOpt 0.47's unified
+Hugging Face export. Stored tensors of a Linear ``M`` (weight [out, in]; D is the model's
+dtype, the dtype the weight was stored in) and the value each loader computes:
 
 - compressed-tensors ``nvfp4-pack-quantized``: ``M.weight_packed`` U8 [out, in/2] (E2M1,
   low nibble first), ``M.weight_scale`` F8_E4M3 [out, in/16] (s), ``M.weight_global_scale``
   F32 [1] (gs = 2688 / amax: the *reciprocal* of lowprec's tensor scale); value
-  e × float32(s / gs), then the model dtype (bfloat16).
+  e × float32(s / gs), then D.
 - ``mxfp4-pack-quantized``: ``M.weight_packed`` U8 [out, in/2], ``M.weight_scale`` U8
   [out, in/32] (E8M0 code c); e × 2^(c − 127) in bfloat16 (c = 0xFF reads as inf, not NaN).
+- ``mxfp6-pack-quantized`` (compressed-tensors ≥ 0.20): ``M.weight_packed`` U8 [out, 3 in/4]
+  (E2M3 codes, four to three bytes: code j of a group in bits 6j..6j+5 of the little-endian
+  24-bit word, lowprec's own FP6 packing), ``M.weight_scale`` U8 [out, in/32]; as MXFP4.
 - ``mxfp8-quantized``: ``M.weight`` F8_E4M3 [out, in], ``M.weight_scale`` U8 [out, in/32];
   e × 2^(c − 127) in bfloat16.
-- ``float-quantized`` (FP8): ``M.weight`` F8_E4M3, ``M.weight_scale`` F32 [1] (per tensor)
-  or [out, 1] (per channel); e × s in float32 (BF16/F16 scales, as other tools write them,
-  are read too).
-- ModelOpt ``NVFP4``: ``M.weight`` U8 [out, in/2], ``M.weight_scale`` F8_E4M3 [out, in/16],
-  ``M.weight_scale_2`` F32 [] (ts = amax / 2688, lowprec's tensor scale as is), and
-  ``M.input_scale`` (activations; copied). lowprec decodes it as its own NVFP4,
-  e × float32(ts × s); vLLM's ModelOpt kernels fold ts into the GEMM's alpha (the exact
-  e × s products, summed, times ts), so there is no per-element loader value to match.
-- ModelOpt ``FP8``: ``M.weight`` F8_E4M3, ``M.weight_scale`` F32 []; e × s.
+- ``float-quantized`` (FP8): ``M.weight`` F8_E4M3, ``M.weight_scale`` in D (as llm-compressor
+  writes it: BF16 for a bfloat16 model) [1] (per tensor) or [out, 1] (per channel); e × s.
+- ModelOpt ``NVFP4`` / ``W4A16_NVFP4``: ``M.weight`` U8 [out, in/2], ``M.weight_scale``
+  F8_E4M3 [out, in/16], ``M.weight_scale_2`` F32 [] (ts = amax / 2688, lowprec's tensor
+  scale as is). lowprec decodes it as its own NVFP4, e × float32(ts × s); vLLM's ModelOpt
+  kernels fold ts into the GEMM's alpha (the exact e × s products, summed, times ts), so
+  there is no per-element loader value to match.
+- ModelOpt ``FP8``: ``M.weight`` F8_E4M3, ``M.weight_scale`` F32 []; ``FP8_PER_CHANNEL_PER_TOKEN``:
+  ``M.weight_scale`` F32 [out]; e × s.
 
-The folder's ``config.json`` carries ``quantization_config`` (compressed-tensors:
-``quant_method: "compressed-tensors"``, ``format``, ``quantization_status: "compressed"``,
-``config_groups`` of {targets, weights: QuantizationArgs}, ``ignore``; ModelOpt:
-``hf_quant_config.json`` with ``quantization.quant_algo``, ``group_size`` and
-``exclude_modules``, mirrored in ``config.json`` with ``quant_method: "modelopt"``).
+Activation scales, where the scheme has static ones (:mod:`lowprec.checkpoint._engine_schemes`):
+compressed-tensors FP8 ``M.input_scale`` in D [1] (amax / 448), NVFP4
+``M.input_global_scale`` F32 [1] (2688 / amax, as the weights' gs); ModelOpt ``M.input_scale`` F32 [] (amax / 448
+for FP8, amax / 2688 for NVFP4). A reader claims them as part of their weight (``dequantize``
+drops them with the config; ``convert`` moves them).
+
+**The writers' own rules.** Each layout is written with the arithmetic of the tool whose
+layout it is, so that lowprec's file holds the same bytes as that tool's for the same weights
+and activation statistics (:func:`quantize_arrays`; tests/test_checkpoint_presets.py checks
+them against llm-compressor's and ModelOpt's own outputs):
+
+- compressed-tensors (llm-compressor's ``QuantizationModifier``, compressed-tensors'
+  ``calculate_qparams`` and ``quantize``), D the model dtype: FP8 scale s = D(amax / 448) (a
+  zero one becomes D's epsilon), codes E4M3(clamp(D(x / s), ±448)) — the quotient is rounded
+  to D first, then to E4M3, as torch's bfloat16 division does; NVFP4 global scale gs =
+  float32(D(D(1 / amax) × 2688)) over the whole fused layer (torch divides a number by a
+  tensor through the tensor's reciprocal), block scale s = E4M3(clamp(float32(gs ×
+  D(block_amax / 6)), ±448)) (0 becomes 0.125), codes E2M1(clamp(float32(x / float32(s / gs)),
+  ±6)); MX schemes: lowprec's MX quantizer with the scale rule of :data:`CT_SCALE_RULES`
+  (round to nearest even elements, saturating).
+- ModelOpt (``NVFP4QTensor`` and the FP8 export): FP8 s = float32(amax / 448), codes
+  E4M3(D(x / s)) per tensor (torch's type promotion ignores the 0-d scale) and
+  E4M3(float32(x / s)) per channel; NVFP4 ts = float32(amax / 2688) over the fused layer, block scale
+  E4M3(clamp(float32(block_amax / float32(6 × ts)), 2^-9, 448)) (0 becomes 1), codes
+  E2M1(float32(x / float32(s × ts))).
+
+Where these differ from lowprec's own recipes (docs/design.md §3, §3b), the layout's rule wins
+in that layout: the same weights give other bits in lowprec's layout. Non-finite weights (no
+tool defines them) follow lowprec's conventions: amax is the largest finite magnitude, FP8 and
+E2M1 codes saturate, an NVFP4 block holding NaN or inf gets the E4M3 NaN scale 0x7F.
 
 **The reciprocal global scale.** lowprec (and ModelOpt) decode NVFP4 as e × float32(ts × s);
 compressed-tensors as e × float32(s / gs). With gs = float32(1 / ts) the two differ in the last
-bit for some (ts, s) unless ts is a power of two. So :func:`~lowprec.checkpoint.quantize_engine_checkpoint` writing
-compressed-tensors NVFP4 rounds the tensor scale *up to a power of two* (ts = 2^⌈log2(amax /
-2688)⌉, at least 2^-126 so that gs is a finite float32): the block scales keep their E4M3
-precision (they only move down a binade at most), and every value the loader computes equals
-lowprec's bit for bit. Converting an existing NVFP4 tensor between the layouts
-(:func:`~lowprec.checkpoint.convert_checkpoint`) is done only when it is exact — for every block-scale code s the
-tensor uses, float32(s / gs) = float32(ts × s) and gs ↔ ts maps back to the same bits — and
-refused otherwise, naming the tensor (dequantize, or requantize from the original weights).
+bit for some (ts, s) unless ts is a power of two. So converting an NVFP4 tensor between the
+layouts (:func:`~lowprec.checkpoint.convert_checkpoint`) moves the bits only when it is exact
+— for every block-scale code s the tensor uses, float32(s / gs) = float32(ts × s), and gs ↔ ts
+maps back to the same bits — and otherwise is refused, naming the tensor, unless
+``requantize``: then the elements are re-encoded from the decoded values against the new
+scale (:func:`requantize_nvfp4`) and the report says how many decoded values changed.
+Likewise a float32 FP8 scale (lowprec's, ModelOpt's) moved to compressed-tensors, which
+stores FP8 scales in the model dtype D (transformers' default loader creates them in D): moved
+when it is a D value (:func:`ct_fp8_scale_dtype`), else refused or re-encoded against D(s)
+(:func:`requantize_fp8`).
 
 Tensors are recognized by their stored names and dtypes (no lowprec metadata needed), so
 ``lowprec dequantize`` / ``inspect`` / :func:`~lowprec.checkpoint.load_checkpoint` read
@@ -56,9 +87,9 @@ import math
 from typing import Optional, Sequence
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
-from .._codec import decode
 from .._format import element_format, mx_format
 from .._mx import MXArray, dequantize
 from ..kernels import _ckpt_cpu
@@ -68,40 +99,45 @@ from ._chunk import (
     decode_coded,
     element_table,
     encode_blocks,
-    encode_cast,
-    finite_amax,
-    finite_amax_rows,
     mx_coded,
     narrow,
     native,
     wide_dtype,
 )
+from ._engine_schemes import WEIGHTS, engine_scheme
 from ._errors import CheckpointError
-from ._formats import checkpoint_format
 from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
 
 #: Layouts written for inference engines (``--layout``).
 ENGINE_LAYOUTS = ("compressed-tensors", "modelopt")
 #: The compressed-tensors release whose layout and config lowprec writes (``version``).
 CT_VERSION = "0.20.0"
+#: ModelOpt's ``producer`` as lowprec writes it (the release whose export lowprec's matches).
+MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 
 _E4M3 = element_format("e4m3")
 _E2M1 = element_format("e2m1")
 _NVFP4 = mx_format("nvfp4")
 _MXFP4 = mx_format("mxfp4")
+_MXFP6 = mx_format("mxfp6_e2m3")
 _MXFP8 = mx_format("mxfp8_e4m3")
 
-#: Schemes an engine layout can hold: scheme → (lowprec format, compressed-tensors format).
-SCHEMES = {
-    "nvfp4": (_NVFP4, "nvfp4-pack-quantized"),
-    "mxfp4": (_MXFP4, "mxfp4-pack-quantized"),
-    "mxfp8": (_MXFP8, "mxfp8-quantized"),
-    "fp8": (_E4M3, "float-quantized"),
-    "fp8_channel": (_E4M3, "float-quantized"),
-}
-_SCHEME_ALIASES = {"e4m3_channel": "fp8_channel", "fp8_per_channel": "fp8_channel"}
-#: Schemes the ModelOpt layout holds: scheme → its ``quant_algo``.
-MODELOPT_SCHEMES = {"nvfp4": "NVFP4", "fp8": "FP8"}
+#: Weight formats of the engine layouts: name → lowprec format of the stored codes.
+WEIGHT_FORMATS = {"nvfp4": _NVFP4, "mxfp4": _MXFP4, "mxfp6": _MXFP6, "mxfp8": _MXFP8,
+                  "fp8": _E4M3, "fp8_channel": _E4M3}
+#: Weight formats the ModelOpt layout holds.
+MODELOPT_WEIGHTS = ("nvfp4", "fp8", "fp8_channel")
+_MX_WEIGHTS = ("mxfp4", "mxfp6", "mxfp8")
+
+#: The E8M0 scale rule of each MX weight format in the compressed-tensors layout: what
+#: llm-compressor writes (compressed-tensors' ``generate_mx_scales``: the block maximum's
+#: significand rounded half up to E2M1's one fraction bit for MXFP4 and MXFP8, to E2M3's three
+#: for MXFP6, then floor). For E2M1 and E2M3 elements that is lowprec's ``even``; for MXFP8 it is
+#: ``even_e2m1`` (E2M1's rounding whatever the element). Since E4M3's largest value is
+#: 448 = 1.75 × 2^8, that differs from ``rceil`` only where a block maximum's significand is
+#: exactly 1.75 (scaled one higher; rceil stores it as 448): 8 of 2304 MXFP8 scales of
+#: tests/data/engines (256 with ``even``, 325 with ``floor``, which also clips).
+CT_SCALE_RULES = {"mxfp4": "even", "mxfp6": "even", "mxfp8": "even_e2m1"}
 
 #: Safetensors metadata key of the engine layouts lowprec writes: per tensor, the original
 #: dtype and scale rule, kept across layouts (so lowprec → engine → lowprec is byte-identical).
@@ -111,64 +147,84 @@ ORIGIN_KEY = "lowprec.origin"
 #: output head, embeddings, norms; only 2-D ``*.weight`` tensors (Linear layers) are quantized.
 DEFAULT_IGNORE = r"lm_head|embed|norm|(^|[._])(wte|wpe|ln_\w*)([._]|$)"
 
-_F32_MAX_E4M3 = 448.0
+_F8_MAX = np.float32(448.0)
+_F4_MAX = np.float32(6.0)
 #: Elements per block of rows that a conversion holds at once (as lowprec's own layout's
 #: pieces, :data:`lowprec.checkpoint._convert.CHUNK_ELEMENTS`).
 ROW_BLOCK_ELEMENTS = 1 << 20
-_WHOLE = ("global_scale",)
 _NVFP4_DIVISOR = np.float32(2688)  # 448 · 6 = F8E4M3_MAX · F4E2M1_MAX
-_MIN_TS = np.float32(2.0 ** -126)  # 1 / ts must be a finite float32
+_E4M3_NAN = 0x7F
+_E4M3_EIGHTH = 0b0_0100_000  # 0.125 = 2^(4 - 7): compressed-tensors' "eps" for an FP8 scale
+# torch.finfo(D).tiny and .eps of the model dtypes (compressed-tensors clamps amax to tiny
+# before dividing, and replaces a zero FP8 scale by eps).
+_TINY = {"BF16": np.float32(2.0 ** -126), "F16": np.float32(2.0 ** -14),
+         "F32": np.float32(2.0 ** -126)}
+_EPS = {"BF16": np.float32(2.0 ** -7), "F16": np.float32(2.0 ** -10),
+        "F32": np.float32(2.0 ** -23)}
+_HALF = {"BF16": ml_dtypes.bfloat16, "F16": np.float16}
+
+
+def writer_dtype(dtype: str) -> str:
+    """The dtype compressed-tensors computes and stores FP8 scales in for weights stored as
+    ``dtype`` (the model dtype; float64 weights are taken as float32)."""
+    return dtype if dtype in ("BF16", "F16") else "F32"
+
+
+def _in(dtype: str, x) -> np.ndarray:
+    """float32 ``x`` rounded (to nearest even) to the model dtype, as float32 again: the
+    result of a torch operation in ``dtype`` (computed in float32, then rounded)."""
+    x = np.asarray(x, np.float32)
+    half = _HALF.get(dtype)
+    return x if half is None else x.astype(half).astype(np.float32)
 
 
 def scheme_name(fmt) -> str:
-    """The engine scheme for a scheme name or a format: ``"nvfp4"``, ``"mxfp4"``,
-    ``"mxfp8"`` (E4M3 elements), ``"fp8"`` (E4M3, one scale per tensor) or ``"fp8_channel"``
-    (one per row); lowprec format objects, names and aliases are accepted (``"e4m3"``,
-    ``"mxfp8_e4m3"``).
+    """The engine scheme name (:mod:`lowprec.checkpoint._engine_schemes`) of ``fmt``: an
+    llm-compressor preset in any case (``"nvfp4a16"``, ``"FP8_DYNAMIC"``), ``FP8A16``,
+    ``FP8A16_CHANNEL``, or an :class:`EngineScheme`.
 
     Example:
-        >>> scheme_name("e4m3"), scheme_name("MXFP8"), scheme_name("fp8_channel")
-        ('fp8', 'mxfp8', 'fp8_channel')
+        >>> scheme_name("nvfp4"), scheme_name("mxfp8a16"), scheme_name("fp8_dynamic")
+        ('NVFP4', 'MXFP8A16', 'FP8_DYNAMIC')
     """
-    if isinstance(fmt, str) and (fmt in SCHEMES or fmt in _SCHEME_ALIASES):
-        return _SCHEME_ALIASES.get(fmt, fmt)
-    resolved = checkpoint_format(fmt)
-    for name, (lp, _) in SCHEMES.items():
-        if lp == resolved:
-            return name
-    given = fmt if isinstance(fmt, str) else resolved.name
-    raise CheckpointError(
-        f"format {given!r} has no compressed-tensors/ModelOpt scheme; choose one of: "
-        f"{', '.join(SCHEMES)}"
-    )
+    return engine_scheme(fmt).name
 
 
 # -- one tensor: the stored parts ------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """A Linear weight stored in an engine layout (duck-types :class:`TensorSpec` for the
-    readers in :mod:`lowprec.checkpoint._logical` and :mod:`lowprec.checkpoint._convert`)."""
+    readers in :mod:`lowprec.checkpoint._logical` and :mod:`lowprec.checkpoint._convert`).
+
+    ``scheme`` is the weight format (a key of :data:`WEIGHT_FORMATS`); ``inputs`` is
+    ``"static"`` when the module stores its activation scale (``input_scale`` /
+    ``input_global_scale``) beside the weight, else None; ``scale_dtype`` and
+    ``input_dtype`` the dtypes of FP8's ``weight_scale`` and of ``input_scale``."""
 
     scheme: str
     layout: str
     shape: tuple
     dtype: str = "BF16"
     scale_rule: Optional[str] = None
-    scale_dtype: str = "F32"  # FP8's weight_scale: F32 as lowprec writes; BF16/F16 are read too
+    scale_dtype: str = "F32"
+    inputs: Optional[str] = None
+    input_dtype: str = "F32"
 
     @property
     def format(self):
         """The lowprec format of the stored codes (its object)."""
-        return SCHEMES[self.scheme][0]
+        return WEIGHT_FORMATS[self.scheme]
 
     @property
     def label(self) -> str:
         channel = ", per channel" if self.scheme == "fp8_channel" else ""
-        return f"{self.format.name} ({self.layout}{channel})"
+        inputs = ", static input scale" if self.inputs == "static" else ""
+        return f"{self.format.name} ({self.layout}{channel}{inputs})"
 
     def is_whole(self, role: str) -> bool:
         """Whether part ``role`` is one number for the whole tensor (not cut into rows)."""
-        return role in _WHOLE or (role == "scale" and self.scheme != "fp8_channel")
+        return role in ("global_scale", "input_scale") or (
+            role == "scale" and self.scheme != "fp8_channel")
 
     @property
     def view(self) -> tuple:
@@ -179,30 +235,43 @@ class EngineSpec:
     def parts(self, name: str) -> list:
         """``[(role, stored name, dtype, shape)]``; ``name`` is the weight's (``M.weight``)."""
         out, k = self.shape
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        parts = self._weight_parts(name, out, k)
+        if self.inputs == "static":
+            if self.layout == "modelopt":
+                parts.append(("input_scale", f"{module}.input_scale", "F32", ()))
+            elif self.scheme == "nvfp4":
+                parts.append(("input_scale", f"{module}.input_global_scale", "F32", (1,)))
+            else:
+                parts.append(("input_scale", f"{module}.input_scale", self.input_dtype, (1,)))
+        return parts
+
+    def _weight_parts(self, name, out, k) -> list:
         if self.layout == "modelopt":
             if self.scheme == "nvfp4":
                 return [("elements", name, "U8", (out, k // 2)),
                         ("scales", f"{name}_scale", "F8_E4M3", (out, k // 16)),
                         ("scale", f"{name}_scale_2", "F32", ())]
+            shape = (out,) if self.scheme == "fp8_channel" else ()
             return [("values", name, "F8_E4M3", (out, k)),
-                    ("scale", f"{name}_scale", self.scale_dtype, ())]
+                    ("scale", f"{name}_scale", self.scale_dtype, shape)]
         if self.scheme == "nvfp4":
             return [("elements", f"{name}_packed", "U8", (out, k // 2)),
                     ("scales", f"{name}_scale", "F8_E4M3", (out, k // 16)),
                     ("global_scale", f"{name}_global_scale", "F32", (1,))]
-        if self.scheme == "mxfp4":
-            return [("elements", f"{name}_packed", "U8", (out, k // 2)),
+        if self.scheme in ("mxfp4", "mxfp6"):
+            packed = k // 2 if self.scheme == "mxfp4" else 3 * k // 4
+            return [("elements", f"{name}_packed", "U8", (out, packed)),
                     ("scales", f"{name}_scale", "U8", (out, k // 32))]
         if self.scheme == "mxfp8":
             return [("values", name, "F8_E4M3", (out, k)),
                     ("scales", f"{name}_scale", "U8", (out, k // 32))]
-        rows = out if self.scheme == "fp8_channel" else 1
-        shape = (rows, 1) if self.scheme == "fp8_channel" else (1,)
+        shape = (out, 1) if self.scheme == "fp8_channel" else (1,)
         return [("values", name, "F8_E4M3", (out, k)),
                 ("scale", f"{name}_scale", self.scale_dtype, shape)]
 
     def nbytes(self) -> int:
-        return sum(nbytes_of(dt, shp) for _, _, dt, shp in self.parts("x"))
+        return sum(nbytes_of(dt, shp) for _, _, dt, shp in self.parts("x.weight"))
 
     def row_blocks(self):
         """``(r0, r1)`` ranges of about :data:`ROW_BLOCK_ELEMENTS` elements (at least a row)."""
@@ -239,15 +308,38 @@ def _cast(values: np.ndarray, dtype) -> np.ndarray:
         return values.astype(dtype)
 
 
+# The NumPy side of the engine layouts (no compiled program per tensor shape): E4M3 and
+# E2M1 through ml_dtypes, whose casts are the reference lowprec's codecs match bit for bit
+# (round to nearest even; docs/design.md §2).
 def _e4m3(codes) -> np.ndarray:
-    return np.asarray(decode(jnp.asarray(np.asarray(codes).view(np.uint8)), _E4M3), np.float32)
+    return np.asarray(codes).view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def _to_e4m3(y) -> np.ndarray:
+    """E4M3 codes (uint8) of float32 ``y``, saturating at ±448."""
+    y = np.clip(np.asarray(y, np.float32), -_F8_MAX, _F8_MAX)
+    return y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def _e2m1_values(codes) -> np.ndarray:
+    return (np.asarray(codes, np.uint8) & 0xF).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+
+
+def _to_e2m1(y) -> np.ndarray:
+    """E2M1 codes (uint8, 0..15) of float32 ``y``, saturating at ±6."""
+    return np.asarray(y, np.float32).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF
 
 
 def _e2m1_unpacked(packed: np.ndarray) -> np.ndarray:
     """E2M1 values of packed codes (low nibble first along the last axis)."""
     p = np.asarray(packed).view(np.uint8)
     codes = np.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
-    return np.asarray(decode(jnp.asarray(codes), _E2M1), np.float32)
+    return _e2m1_values(codes)
+
+
+def _pack_e2m1(codes: np.ndarray) -> np.ndarray:
+    c = np.asarray(codes, np.uint8)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
 
 
 def decode_arrays(arrays: dict, spec: EngineSpec) -> np.ndarray:
@@ -260,7 +352,7 @@ def decode_arrays(arrays: dict, spec: EngineSpec) -> np.ndarray:
         gs = np.float32(np.asarray(arrays["global_scale"]).reshape(-1)[0])
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             return (e * (s / gs)).reshape(out, k)
-    if spec.scheme in ("nvfp4", "mxfp4", "mxfp8"):
+    if spec.scheme in ("nvfp4",) + _MX_WEIGHTS:
         return np.asarray(dequantize(_mxarray(arrays, spec)), np.float32)
     e = _e4m3(arrays["values"])
     s = np.asarray(arrays["scale"], np.float32)
@@ -362,16 +454,18 @@ def engine_specs(reader) -> dict:
             w = name[: -len("_packed")]
             if w in t:
                 continue
-            out, half = info.shape
+            out, packed = info.shape
             sc = get(f"{w}_scale", ("F8_E4M3", "U8"), 2)
             if sc is None or sc.shape[0] != out:
                 continue
             gs = get(f"{w}_global_scale", ("F32",))
             nvfp4 = sc.dtype == "F8_E4M3" and gs is not None and gs.numel == 1
-            if nvfp4 and sc.shape[1] * 8 == half:
-                found[w] = EngineSpec("nvfp4", "compressed-tensors", (out, 2 * half))
-            elif sc.dtype == "U8" and gs is None and sc.shape[1] * 16 == half:
-                found[w] = EngineSpec("mxfp4", "compressed-tensors", (out, 2 * half))
+            if nvfp4 and sc.shape[1] * 8 == packed:
+                found[w] = EngineSpec("nvfp4", "compressed-tensors", (out, 2 * packed))
+            elif sc.dtype == "U8" and gs is None and sc.shape[1] * 16 == packed:
+                found[w] = EngineSpec("mxfp4", "compressed-tensors", (out, 2 * packed))
+            elif sc.dtype == "U8" and gs is None and sc.shape[1] * 24 == packed:
+                found[w] = EngineSpec("mxfp6", "compressed-tensors", (out, sc.shape[1] * 32))
         elif name.endswith(".weight") and len(info.shape) == 2:
             out, k = info.shape
             sc = t.get(f"{name}_scale")
@@ -384,14 +478,19 @@ def engine_specs(reader) -> dict:
                     and sc.shape == (out, k // 32):
                 found[name] = EngineSpec("mxfp8", "compressed-tensors", (out, k))
             elif info.dtype == "F8_E4M3" and sc.dtype in ("F32", "BF16", "F16"):
-                sd = sc.dtype
-                if sc.shape == ():
-                    found[name] = EngineSpec("fp8", "modelopt", (out, k), scale_dtype=sd)
-                elif sc.shape == (1,):
-                    found[name] = EngineSpec("fp8", "compressed-tensors", (out, k), scale_dtype=sd)
-                elif sc.shape == (out, 1):
-                    found[name] = EngineSpec("fp8_channel", "compressed-tensors", (out, k),
-                                             scale_dtype=sd)
+                kind = {(): ("fp8", "modelopt"), (1,): ("fp8", "compressed-tensors"),
+                        (out, 1): ("fp8_channel", "compressed-tensors"),
+                        (out,): ("fp8_channel", "modelopt")}.get(tuple(sc.shape))
+                if kind is not None:
+                    found[name] = EngineSpec(kind[0], kind[1], (out, k), scale_dtype=sc.dtype)
+    for name, spec in list(found.items()):  # a static activation scale beside the weight
+        (_, stored, _, shape), = [p for p in dataclasses.replace(spec, inputs="static")
+                                  .parts(name) if p[0] == "input_scale"]
+        info = t.get(stored)
+        halves = spec.layout == "compressed-tensors" and spec.scheme != "nvfp4"
+        if info is not None and tuple(info.shape) == shape and (
+                info.dtype == "F32" or halves and info.dtype in ("BF16", "F16")):
+            found[name] = dataclasses.replace(spec, inputs="static", input_dtype=info.dtype)
     origin = {}
     with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
         origin = dict(json.loads(reader.metadata.get(ORIGIN_KEY, "{}")))
@@ -402,102 +501,171 @@ def engine_specs(reader) -> dict:
     return found
 
 
-# -- quantizing one tensor ----------------------------------------------------------------
-def _pow2_at_least(x: np.float32) -> np.float32:
-    """The smallest power of two ≥ x (x a positive finite float32), at least 2^-126."""
-    x = max(np.float32(x), _MIN_TS)
-    m, e = math.frexp(float(x))  # x = m · 2^e, m in [0.5, 1)
-    return np.float32(math.ldexp(1.0, e - 1 if m == 0.5 else e))
+# -- quantizing one tensor: the writers' own rules --------------------------------------
+def _finite_abs(x32: np.ndarray) -> np.ndarray:
+    a = np.abs(x32)
+    return np.where(np.isfinite(a), a, np.float32(0))
 
 
-def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, scale_rule=None,
-                    amax=None) -> dict:
-    """Quantizes one [out, in] weight (or a block of its rows, with ``amax`` the whole
-    tensor's finite max magnitude) with lowprec's quantizers; ``{role: array}`` in the
-    layout's dtypes (see the table in the module docstring)."""
-    x = np.asarray(x)
-    xin = x if x.dtype in (np.float32, jnp.bfloat16, np.float16) else x.astype(np.float32)
-    if scheme == "nvfp4":
-        amax = np.float32(finite_amax(xin) if amax is None else amax)
-        ts = np.float32(amax / _NVFP4_DIVISOR) if amax > 0 else np.float32(1)
-        if layout == "compressed-tensors":
-            ts = _pow2_at_least(ts)  # exact reciprocal: see the module docstring
-        else:
-            ts = max(ts, np.float32(2.0 ** -143))  # lowprec's own floor (docs/design.md §3b)
-        elements, scales, _ = encode_blocks(xin, _NVFP4, None, ts)
-        out = {"elements": elements, "scales": scales.view(numpy_dtype("F8_E4M3"))}
-        if layout == "compressed-tensors":
-            out["global_scale"] = np.array([np.float32(1) / ts], np.float32)
-        else:
-            out["scale"] = np.asarray(ts, np.float32)
-        return out
-    if scheme in ("mxfp4", "mxfp8"):
-        el, scales, _ = encode_blocks(xin, SCHEMES[scheme][0], scale_rule)
-        return {("elements" if scheme == "mxfp4" else "values"):
-                el if scheme == "mxfp4" else el.view(numpy_dtype("F8_E4M3")),
+def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, dtype: str = "F32",
+                    scale_rule=None, amax=None) -> dict:
+    """Quantizes one [out, in] weight (or a block of its rows) with the rule of ``layout``'s
+    own writer (see the module docstring); ``{role: array}`` in the layout's dtypes.
+
+    Args:
+      x: the weight's values (of dtype ``dtype``, the model dtype).
+      scheme: the weight format (a key of :data:`WEIGHT_FORMATS`).
+      scale_rule: MX formats: the E8M0 scale rule.
+      amax: NVFP4 and per-tensor FP8: the largest finite magnitude of the whole tensor (of the
+        whole fused layer, for NVFP4); computed from ``x`` if None.
+    """
+    x32 = np.asarray(x).astype(np.float32)
+    if scheme in ("mxfp4", "nvfp4"):
+        # Both writers' E2M1 casts take the sign from the rounded value's sign, which torch
+        # gives −0.0 only for a negative input: a stored −0.0 weight becomes code 0, not 8.
+        x32 = np.where(x32 == 0, np.float32(0), x32)
+    if scheme in _MX_WEIGHTS:
+        # quantize_mx along axis 1, block for block (one compiled program per power of two)
+        el, scales, _ = encode_blocks(x32, WEIGHT_FORMATS[scheme], scale_rule)
+        key = "values" if scheme == "mxfp8" else "elements"
+        return {key: el.view(numpy_dtype("F8_E4M3")) if scheme == "mxfp8" else el,
                 "scales": scales}
-    # FP8: s = amax / 448 (1 for an all-zero tensor or row), codes = E4M3(x / s), saturating
+    if scheme == "nvfp4":
+        amax = np.float32(_finite_abs(x32).max(initial=0) if amax is None else amax)
+        if layout == "compressed-tensors":
+            return _ct_nvfp4(x32, writer_dtype(dtype), amax)
+        return _modelopt_nvfp4(x32, amax)
     if scheme == "fp8_channel":
-        amax = finite_amax_rows(xin).reshape(-1, 1)
+        amax = _finite_abs(x32).max(axis=1, initial=0).reshape(-1, 1)
     else:
-        amax = np.float32(finite_amax(xin) if amax is None else amax)
-    s = np.where(amax > 0, amax / np.float32(_F32_MAX_E4M3), np.float32(1)).astype(np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):
-        y = xin.astype(np.float32) / s
-    codes = encode_cast(y, _E4M3)
-    if scheme == "fp8_channel":
-        scale_shape = (x.shape[0], 1)
-    else:
-        scale_shape = (1,) if layout == "compressed-tensors" else ()
-    return {"values": codes.view(numpy_dtype("F8_E4M3")), "scale": s.reshape(scale_shape)}
+        amax = np.float32(_finite_abs(x32).max(initial=0) if amax is None else amax)
+    if layout == "compressed-tensors":  # scale and quotient in the model dtype D
+        d = writer_dtype(dtype)
+        s = _in(d, np.asarray(amax, np.float32) / _F8_MAX)
+        s = np.where(s == 0, _EPS[d], s).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            y = _in(d, x32 / s)
+        shape = (-1, 1) if scheme == "fp8_channel" else (1,)
+        scale = s.reshape(shape).astype(numpy_dtype(d))
+    else:  # ModelOpt: float32 scale (1 for an all-zero tensor or row); the quotient by a
+        # per-tensor scale (a 0-d tensor, which torch's type promotion ignores) is in D, by
+        # per-channel scales in float32
+        s = np.asarray(amax, np.float32) / _F8_MAX
+        s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            y = x32 / s if scheme == "fp8_channel" else _in(writer_dtype(dtype), x32 / s)
+        scale = s.reshape(-1) if scheme == "fp8_channel" else s.reshape(())
+    return {"values": _to_e4m3(y).view(numpy_dtype("F8_E4M3")), "scale": scale}
+
+
+def _block_amax(x32: np.ndarray):
+    """(finite block maxima [out, in/16], blocks holding a NaN or inf)."""
+    blocks = x32.reshape(x32.shape[0], -1, 16)
+    return _finite_abs(blocks).max(axis=-1), ~np.isfinite(blocks).all(axis=-1)
+
+
+def _nvfp4_codes(x32, factor, bad) -> dict:
+    """E2M1 codes of ``x32`` / ``factor`` (per block, float32), rounded to nearest even and
+    saturating; blocks ``bad`` (holding NaN or inf) get zero codes."""
+    out, k = x32.shape
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        q = x32.reshape(out, -1, 16) / factor[..., None]
+    q = np.where(bad[..., None], np.float32(0), q)
+    return _pack_e2m1(_to_e2m1(q).reshape(out, k))
+
+
+def _ct_global_scale(amax, d: str) -> np.float32:
+    """compressed-tensors' ``generate_gparam``: 2688 / amax in D, amax at least D's tiny,
+    an infinite result 1. torch computes a number over a tensor as the tensor's reciprocal
+    times the number, each rounded to D: D(D(1 / amax) × 2688)."""
+    with np.errstate(over="ignore", divide="ignore"):
+        gs = _in(d, _in(d, np.float32(1) / max(_in(d, amax), _TINY[d])) * _NVFP4_DIVISOR)
+    return np.float32(gs if np.isfinite(gs) else 1)  # torch.nan_to_num(posinf=1)
+
+
+def _ct_nvfp4(x32, d: str, amax) -> dict:
+    """compressed-tensors' NVFP4 (``generate_gparam``, ``calculate_qparams``, ``quantize``)."""
+    gs = _ct_global_scale(amax, d)
+    bmax, bad = _block_amax(x32)
+    s = (gs * _in(d, bmax / _F4_MAX)).astype(np.float32)
+    codes = _to_e4m3(s)
+    codes = np.where(_e4m3(codes) == 0, np.uint8(_E4M3_EIGHTH), codes)  # 0 → 0.125
+    codes = np.where(bad, np.uint8(_E4M3_NAN), codes).astype(np.uint8)
+    factor = (_e4m3(codes) / gs).astype(np.float32)
+    return {"elements": _nvfp4_codes(x32, factor, bad),
+            "scales": codes.view(numpy_dtype("F8_E4M3")),
+            "global_scale": np.array([gs], np.float32)}
+
+
+def _modelopt_nvfp4(x32, amax) -> dict:
+    """ModelOpt's NVFP4 (``NVFP4QTensor.get_weights_scaling_factor(_2)``, ``quantize``); an
+    all-zero tensor gets ts = 1 (ModelOpt divides by zero)."""
+    ts = np.float32(amax) / _NVFP4_DIVISOR if amax > 0 else np.float32(1)
+    bmax, bad = _block_amax(x32)
+    with np.errstate(divide="ignore", over="ignore"):
+        pbs = (bmax / np.float32(_F4_MAX * ts)).astype(np.float32)
+    pbs = np.where(pbs == 0, np.float32(1), pbs)
+    codes = _to_e4m3(np.clip(pbs, np.float32(2.0 ** -9), _F8_MAX))
+    codes = np.where(bad, np.uint8(_E4M3_NAN), codes).astype(np.uint8)
+    factor = (_e4m3(codes) * ts).astype(np.float32)
+    return {"elements": _nvfp4_codes(x32, factor, bad),
+            "scales": codes.view(numpy_dtype("F8_E4M3")), "scale": np.asarray(ts, np.float32)}
+
+
+def input_scale(amax, weights: str, layout: str, dtype: str) -> np.ndarray:
+    """The stored activation scale of a static scheme from the largest magnitude ``amax`` of
+    the Linear's input (over the whole fused layer), with the layout's writer's arithmetic:
+    compressed-tensors FP8 D(D(amax) / 448) in D (0 → eps), NVFP4 as the weights' global
+    scale, float32(D(D(1 / D(amax)) × 2688));
+    ModelOpt float32(amax / 448) (FP8) or float32(amax / 2688) (NVFP4)."""
+    a = np.float32(amax)
+    if layout == "modelopt":
+        return np.asarray(a / (_NVFP4_DIVISOR if weights == "nvfp4" else _F8_MAX), np.float32)
+    d = writer_dtype(dtype)
+    if weights == "nvfp4":
+        return np.array([_ct_global_scale(a, d)], np.float32)
+    s = _in(d, _in(d, a) / _F8_MAX)
+    return np.array([s if s != 0 else _EPS[d]], np.float32).astype(numpy_dtype(d))
 
 
 # -- configs -------------------------------------------------------------------------------
-def _ct_weights_args(scheme: str) -> dict:
-    """compressed-tensors ``QuantizationArgs`` of the weights (weight-only schemes)."""
-    base = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
-    if scheme == "nvfp4":
-        return {**base, "num_bits": 4, "group_size": 16, "strategy": "tensor_group",
-                "scale_dtype": "torch.float8_e4m3fn"}
-    if scheme == "mxfp4":
-        return {**base, "num_bits": 4, "group_size": 32, "strategy": "group",
-                "scale_dtype": "torch.uint8"}
-    if scheme == "mxfp8":
-        return {**base, "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"}
-    return {**base, "strategy": "channel" if scheme == "fp8_channel" else "tensor"}
-
-
 def ct_quantization_config(groups: dict, ignore: Sequence[str]) -> dict:
-    """``config.json``'s ``quantization_config`` for compressed-tensors. ``groups``: scheme →
-    sorted module names. One scheme: targets ``["Linear"]`` and the kept Linear modules in
-    ``ignore``; several: each group targets its exact module names (compressed-tensors
+    """``config.json``'s ``quantization_config`` for compressed-tensors, field for field as
+    llm-compressor 0.14.0.1 writes it, but ``version`` and ``moe_sparsity_config`` (the
+    layout is compressed-tensors 0.20's, which MXFP6 needs, and these are the fields its
+    ``ModelCompressor.update_config`` writes) and ``ignore``, which names every module kept in high
+    precision, not the user's patterns: lowprec cannot tell a Linear from an embedding by its
+    stored weight (GPT-NeoX's output ``Linear`` is ``embed_out``), so it lists every kept
+    2-D weight. ``groups``: scheme name → sorted module names. One scheme: targets
+    ``["Linear"]``; several: each group targets its exact module names (compressed-tensors
     prefers exact names over patterns, so no module can land in another group)."""
     single = len(groups) == 1
     ignore = _with_head(groups, ignore)
     config_groups = {}
-    for i, (scheme, modules) in enumerate(sorted(groups.items())):
+    for i, (name, modules) in enumerate(sorted(groups.items())):
+        scheme = engine_scheme(name)
         config_groups[f"group_{i}"] = {
-            "targets": ["Linear"] if single else list(modules),
-            "weights": _ct_weights_args(scheme),
-            "input_activations": None,
+            "format": WEIGHTS[scheme.weights],
+            "input_activations": scheme.ct_input_args(),
             "output_activations": None,
-            "format": SCHEMES[scheme][1],
+            "targets": ["Linear"] if single else list(modules),
+            "weights": scheme.ct_weight_args(),
         }
-    formats = {SCHEMES[s][1] for s in groups}
+    formats = {WEIGHTS[engine_scheme(s).weights] for s in groups}
     return {
-        "quant_method": "compressed-tensors",
-        # The compressed-tensors release whose layout this is; its fields, as its
-        # ModelCompressor.update_config writes them (sparsity and transforms: none).
-        "version": CT_VERSION,
-        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-        "quantization_status": "compressed",
         "config_groups": config_groups,
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "global_compression_ratio": None,
         "ignore": sorted(ignore),
         "kv_cache_scheme": None,
-        "global_compression_ratio": None,
-        "sparsity_config": {},
+        # ModelCompressor.update_config's fields: no sparsity, no transforms
+        # (moe_sparsity_config is compressed-tensors 0.20's; 0.19 has none).
         "moe_sparsity_config": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
         "transform_config": {},
+        "version": CT_VERSION,
     }
 
 
@@ -511,28 +679,53 @@ def _with_head(groups: dict, ignore) -> set:
     return ignore
 
 
-def modelopt_quant_config(scheme: str, exclude: Sequence[str]) -> dict:
-    """``hf_quant_config.json`` of a ModelOpt export (``quantization`` section)."""
-    q = {"quant_algo": MODELOPT_SCHEMES[scheme], "kv_cache_quant_algo": None,
-         "exclude_modules": sorted(_with_head({scheme: ()}, exclude))}
-    if scheme == "nvfp4":
+def modelopt_quant_config(scheme, exclude: Sequence[str]) -> tuple:
+    """``(hf_quant_config.json, config.json's quantization_config)`` of a ModelOpt 0.47
+    export of one ``scheme``: the first with ``producer`` and ``quantization`` {quant_algo,
+    kv_cache_quant_algo, group_size (NVFP4), exclude_modules}; the second what ModelOpt's
+    ``convert_hf_quant_config_format`` makes of it (``config_groups`` for the algorithms it
+    maps, ``ignore`` — the key vLLM reads there —, ``quant_algo``, ``producer``,
+    ``quant_method``)."""
+    scheme = engine_scheme(scheme)
+    algo = scheme.modelopt
+    q = {"quant_algo": algo, "kv_cache_quant_algo": None}
+    if scheme.weights == "nvfp4":
         q["group_size"] = 16
-    return {"producer": {"name": "lowprec"}, "quantization": q}
+    q["exclude_modules"] = sorted(_with_head({algo: ()}, exclude))
+    hf = {"producer": dict(MODELOPT_PRODUCER), "quantization": q}
+    weights = {"dynamic": False, "num_bits": 4 if scheme.weights == "nvfp4" else 8,
+               "type": "float"}
+    inputs = dict(weights)
+    if scheme.weights == "nvfp4":
+        weights["group_size"] = inputs["group_size"] = 16
+    config = {}
+    if algo in ("FP8", "NVFP4", "W4A16_NVFP4"):
+        group = {"input_activations": inputs, "weights": weights, "targets": ["Linear"]}
+        if algo == "W4A16_NVFP4":
+            del group["input_activations"]
+        config["config_groups"] = {"group_0": group}
+    config.update(ignore=list(q["exclude_modules"]), quant_algo=algo,
+                  producer=dict(MODELOPT_PRODUCER), quant_method="modelopt")
+    return hf, config
 
 
 # -- converting between layouts without requantizing ------------------------------------
-
-
-def scheme_bits(name, spec, arrays, target: str = "compressed-tensors") -> tuple:
-    """``(scheme, {role: array})`` in the roles of :class:`EngineSpec` (elements/values,
-    scales, and ``ts`` = the float32 tensor scale of NVFP4 / FP8, or ``scale`` for per-channel
-    FP8) from a tensor stored in any layout (its scales checked by the reader:
-    :mod:`lowprec.checkpoint._validate`), to be moved to the ``target`` layout."""
+def scheme_bits(name, spec, arrays, target: str = "compressed-tensors",
+                requantize: bool = False) -> tuple:
+    """``(weights, {role: array})`` in the roles of :class:`EngineSpec` (elements/values,
+    scales, ``ts`` = the float32 tensor scale of NVFP4 / FP8, or ``scale`` for per-channel
+    FP8, and ``input_scale`` as stored) from a tensor stored in any layout (its scales checked
+    by the reader: :mod:`lowprec.checkpoint._validate`), to be moved to the ``target`` layout.
+    A compressed-tensors NVFP4 global scale without an exact reciprocal is refused unless
+    ``requantize`` (then ``ts`` is float32(1 / gs) and ``gs`` is kept for the re-encoding)."""
     if isinstance(spec, EngineSpec):
         bits = dict(arrays)
         if spec.scheme == "nvfp4" and spec.layout == "compressed-tensors":
             gs = np.float32(np.asarray(bits.pop("global_scale")).reshape(-1)[0])
-            bits["ts"] = exact_reciprocal(name, gs, bits["scales"], "lowprec")
+            if requantize and not reciprocal_is_exact(gs, bits["scales"], "lowprec"):
+                bits["ts"], bits["gs"] = np.float32(np.float32(1) / gs), gs
+            else:
+                bits["ts"] = exact_reciprocal(name, gs, bits["scales"], "lowprec")
         elif "scale" in bits and spec.scheme != "fp8_channel":
             bits["ts"] = np.float32(np.asarray(bits.pop("scale")).reshape(-1)[0])
         return spec.scheme, bits
@@ -550,18 +743,39 @@ def scheme_bits(name, spec, arrays, target: str = "compressed-tensors") -> tuple
                "blocked along in); dequantize it instead" if target != "lowprec" else
                " cannot be moved: convert moves [out, in] weights blocked along in; dequantize "
                "it, or quantize the original weights with --layout lowprec"))
-    schemes = {_NVFP4: "nvfp4", _MXFP4: "mxfp4", _MXFP8: "mxfp8", _E4M3: "fp8"}
+    schemes = {_NVFP4: "nvfp4", _MXFP4: "mxfp4", _MXFP6: "mxfp6", _MXFP8: "mxfp8",
+               _E4M3: "fp8"}
     scheme = schemes.get(spec.format)
     if scheme is None or (scheme == "fp8" and spec.fp8_scale != "tensor"):
         raise CheckpointError(f"{name}: lowprec format {spec.format.name} has no {target} "
-                              "equivalent (nvfp4, mxfp4, mxfp8_e4m3, e4m3 with a tensor scale "
-                              "have); dequantize it instead")
+                              "equivalent (nvfp4, mxfp4, mxfp6_e2m3, mxfp8_e4m3, e4m3 with a "
+                              "tensor scale have); dequantize it instead")
     bits = {"scales": arrays.get("scales")} if spec.is_mx else {}
-    bits["elements" if scheme in ("nvfp4", "mxfp4") else "values"] = arrays.get(
+    bits["elements" if scheme in ("nvfp4", "mxfp4", "mxfp6") else "values"] = arrays.get(
         "elements", arrays.get("values"))
     if "scale" in arrays:
         bits["ts"] = np.float32(np.asarray(arrays["scale"]).reshape(()))
     return scheme, bits
+
+
+def _factors_equal(gs: np.float32, ts: np.float32, scales) -> bool:
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        s = np.unique(_e4m3(np.asarray(scales)))
+        s = s[np.isfinite(s)]
+        return np.array_equal((s / gs).astype(np.float32).view(np.uint32),
+                              (ts * s).astype(np.float32).view(np.uint32))
+
+
+def reciprocal_is_exact(x: np.float32, scales, what: str) -> bool:
+    """Whether 1 / ``x`` (gs from ts for ``what`` = compressed-tensors, else ts from gs)
+    changes no decoded value of a tensor with block ``scales`` and maps back to x's bits."""
+    x = np.float32(x)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        r = np.float32(1) / x
+    if not (np.isfinite(r) and r > 0 and x > 0 and np.float32(1) / r == x):
+        return False
+    gs, ts = (r, x) if what == "compressed-tensors" else (x, r)
+    return _factors_equal(gs, ts, scales)
 
 
 def exact_reciprocal(name, x: np.float32, scales, what: str) -> np.float32:
@@ -569,35 +783,107 @@ def exact_reciprocal(name, x: np.float32, scales, what: str) -> np.float32:
     changes no decoded value — float32(s / gs) = float32(ts × s) for every block-scale code s
     the tensor uses — and maps back to x's bits (the rule in the module docstring);
     otherwise a CheckpointError naming the tensor. ``what``: the target layout."""
-    x = np.float32(x)
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        r = np.float32(1) / x
-        gs, ts = (r, x) if what == "compressed-tensors" else (x, r)
-        s = np.unique(_e4m3(np.asarray(scales)))
-        s = s[np.isfinite(s)]
-        ok = (np.isfinite(r) and r > 0 and x > 0 and np.float32(1) / r == x
-              and np.array_equal((s / gs).astype(np.float32).view(np.uint32),
-                                 (ts * s).astype(np.float32).view(np.uint32)))
-    if not ok:
+    if not reciprocal_is_exact(x, scales, what):
         raise CheckpointError(
             f"{name}: NVFP4 tensor scale {float(x)!r} has no exact reciprocal for the "
             f"{what} layout (float32(s / gs) differs from float32(ts * s) for some block scale "
-            "s): converting would change decoded values. Dequantize it, or requantize the "
-            "original weights with --layout compressed-tensors (which uses a power-of-two "
-            "tensor scale)")
-    return r
+            "s): converting would change decoded values. --requantize (requantize=True) "
+            "re-encodes it against the nearest scale and reports how many values change; or "
+            "dequantize it")
+    return np.float32(np.float32(1) / np.float32(x))
 
 
-def layout_arrays(name, scheme: str, bits: dict, layout: str) -> dict:
-    out = {k: v for k, v in bits.items() if k != "ts"}
+def ct_fp8_scale_dtype(name: str, scale, dtype: str, requantize: bool) -> tuple:
+    """``(stored dtype, re-encode?)`` of a float32 FP8 weight scale (lowprec's or ModelOpt's)
+    moved to compressed-tensors for a ``dtype`` model: the model dtype D, as llm-compressor
+    stores it, since transformers' default loader creates ``weight_scale`` in D and so decodes
+    e × D(s). Exact when every scale is a D value; otherwise refused, naming the tensor, unless
+    ``requantize`` (then :func:`requantize_fp8` re-encodes against D(s)).
+
+    Example:
+        >>> ct_fp8_scale_dtype("w", np.float32(2.0 ** -7), "BF16", False)
+        ('BF16', False)
+        >>> ct_fp8_scale_dtype("w", np.float32(0.1), "F32", False)
+        ('F32', False)
+    """
+    d = writer_dtype(dtype)
+    s = np.asarray(scale, np.float32)
+    if np.array_equal(_in(d, s), s):
+        return d, False
+    if not requantize:
+        bad = s.reshape(-1)[np.flatnonzero(_in(d, s).reshape(-1) != s.reshape(-1))[0]]
+        raise CheckpointError(
+            f"{name}: its FP8 scale {str(bad)} is no {d} value; compressed-tensors stores "
+            f"FP8 scales in the model dtype ({d}), which transformers' default loader reads "
+            "them in, so these bits would decode to other values there; --requantize "
+            "re-encodes the tensor against the rounded scale (and counts the values that "
+            "change), or keep the ModelOpt or lowprec layout")
+    return d, True
+
+
+def requantize_fp8(values, scale, dtype: str) -> tuple:
+    """``(codes, scale in dtype D, changed decoded values)``: FP8 codes ``values`` (E4M3 as
+    uint8 or float8) with their float32 ``scale`` ([1] or [rows, 1]) re-encoded against
+    s' = D(scale) by compressed-tensors' rule (E4M3(clamp(D(x / s'), ±448)) of the decoded
+    x = e × s), as :func:`quantize_arrays` writes FP8 for a D model."""
+    s = np.asarray(scale, np.float32)
+    s2 = _in(dtype, s)
+    e = _e4m3(values)
+    x = (e * s).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        codes = _to_e4m3(_in(dtype, x / s2))
+    after = (_e4m3(codes) * s2).astype(np.float32)
+    changed = int(np.count_nonzero(x.view(np.uint32) != after.view(np.uint32)))
+    return (codes.view(numpy_dtype("F8_E4M3")), s2.astype(_HALF.get(dtype, np.float32)),
+            changed)
+
+
+def requantize_nvfp4(bits: dict, source_ts: bool) -> tuple:
+    """Re-encodes an NVFP4 block of rows whose tensor scale moves to its float32 reciprocal:
+    the decoded values (e × float32(s / gs) or e × float32(ts × s), ``source_ts`` saying
+    which) are encoded again against the target's factors with the same block scales, E2M1
+    rounding to nearest even. Returns ``(elements, changed)``: the new packed codes and how
+    many decoded values differ (bitwise) from the source's."""
+    el = np.asarray(bits["elements"]).view(np.uint8)
+    out = el.shape[0]
+    e = _e2m1_unpacked(el).reshape(out, -1, 16)
+    s = _e4m3(bits["scales"]).reshape(out, -1, 1)
+    gs, ts = np.float32(bits["gs"]), np.float32(bits["ts"])
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        before = e * ((ts * s) if source_ts else (s / gs)).astype(np.float32)
+        after_f = ((s / gs) if source_ts else (ts * s)).astype(np.float32)
+        q = np.where(after_f > 0, before / after_f, np.float32(0))
+    codes = _to_e2m1(q)
+    after = _e2m1_values(codes) * after_f
+    changed = int(np.count_nonzero(before.astype(np.float32).view(np.uint32)
+                                   != after.astype(np.float32).view(np.uint32)))
+    return _pack_e2m1(codes.reshape(out, -1)), changed
+
+
+def layout_arrays(name, scheme: str, bits: dict, layout: str, requantize: bool = False) -> tuple:
+    """``({role: array} in ``layout``'s dtypes, changed decoded values)`` for the bits of
+    :func:`scheme_bits`; NVFP4 moving to compressed-tensors without an exact reciprocal is
+    refused unless ``requantize`` (:func:`requantize_nvfp4`)."""
+    out = {k: v for k, v in bits.items() if k not in ("ts", "gs")}
+    changed = 0
     if "scale" in out:  # per-channel FP8 scales (BF16/F16 ones widen exactly)
         out["scale"] = np.asarray(out["scale"]).astype(np.float32)
+        if layout == "modelopt":
+            out["scale"] = out["scale"].reshape(-1)
+        elif layout == "compressed-tensors":
+            out["scale"] = out["scale"].reshape(-1, 1)
     if "ts" in bits:
         ts = np.float32(bits["ts"])
         if scheme == "nvfp4" and layout == "compressed-tensors":
-            out["global_scale"] = np.array([exact_reciprocal(name, ts, bits["scales"], layout)],
-                                           np.float32)
+            if requantize and not reciprocal_is_exact(ts, bits["scales"], layout):
+                gs = np.float32(np.float32(1) / ts)
+                out["elements"], changed = requantize_nvfp4(dict(bits, gs=gs), True)
+            else:
+                gs = exact_reciprocal(name, ts, bits["scales"], layout)
+            out["global_scale"] = np.array([gs], np.float32)
         else:
+            if "gs" in bits:  # compressed-tensors → ts without an exact reciprocal
+                out["elements"], changed = requantize_nvfp4(bits, False)
             shape = (1,) if layout == "compressed-tensors" else ()
             out["scale"] = np.asarray(ts, np.float32).reshape(shape)
     if scheme == "nvfp4":
@@ -606,4 +892,5 @@ def layout_arrays(name, scheme: str, bits: dict, layout: str) -> dict:
         out["values"] = np.asarray(out["values"]).view(numpy_dtype("F8_E4M3"))
         if layout == "lowprec" and scheme == "mxfp8":  # lowprec stores MX codes as U8 elements
             out["elements"] = out.pop("values").view(np.uint8)
-    return out
+    return out, changed
+

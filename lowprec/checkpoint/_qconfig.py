@@ -39,12 +39,17 @@ _MAX_CONFIG_BYTES = 64 * 1024 * 1024
 CT_FORMATS = {
     "nvfp4": ("nvfp4-pack-quantized",),
     "mxfp4": ("mxfp4-pack-quantized",),
+    "mxfp6": ("mxfp6-pack-quantized",),
     "mxfp8": ("mxfp8-quantized",),
     "fp8": ("float-quantized", "naive-quantized"),
     "fp8_channel": ("float-quantized", "naive-quantized"),
 }
 #: ModelOpt ``quant_algo`` values lowprec decodes, and their schemes (NVFP4 with group 16).
-MODELOPT_ALGOS = {"NVFP4": "nvfp4", "FP8": "fp8"}
+MODELOPT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8",
+                  "FP8_PER_CHANNEL_PER_TOKEN": "fp8_channel"}
+#: What each ModelOpt algorithm does to activations (see :attr:`Group.inputs`).
+MODELOPT_INPUTS = {"NVFP4": "static", "W4A16_NVFP4": None, "FP8": "static",
+                   "FP8_PER_CHANNEL_PER_TOKEN": "dynamic"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +57,18 @@ class Group:
     """One group of a quantization config: what it targets and what its weights are.
 
     ``scheme`` is the lowprec scheme its weights decode as (``"nvfp4"``, ``"mxfp4"``,
-    ``"mxfp8"``, ``"fp8"``, ``"fp8_channel"``; ``"gpt-oss"`` for transformers' MXFP4), or None
-    when lowprec does not decode them; ``what`` says what they are, in the config's words."""
+    ``"mxfp6"``, ``"mxfp8"``, ``"fp8"``, ``"fp8_channel"``; ``"gpt-oss"`` for transformers'
+    MXFP4), or None when lowprec does not decode them; ``what`` says what they are, in the
+    config's words. ``inputs``: what the engine does to the modules' input: None (nothing),
+    ``"dynamic"`` (a scale computed at run time), ``"static"`` (a stored scale: FP8's per-tensor
+    ``input_scale``, NVFP4's ``input_global_scale``, ModelOpt's ``input_scale``) or
+    ``"other"`` (anything else, e.g. integer activations)."""
 
     name: str
     targets: tuple
     scheme: Optional[str]
     what: str
+    inputs: Optional[str] = None
 
     @property
     def label(self) -> str:
@@ -125,7 +135,9 @@ def _is_class_name(target: str) -> bool:
     return target[:1].isupper() and target.isidentifier()
 
 
-def _load_json(path: str) -> dict:
+def load_json(path: str) -> dict:
+    """The JSON object of a checkpoint's config file; a file too large, not UTF-8 JSON or
+    not an object is a :class:`CheckpointError` naming it."""
     try:
         if os.path.getsize(path) > _MAX_CONFIG_BYTES:
             raise CheckpointError(f"{path}: too large for a config file")
@@ -180,6 +192,8 @@ def ct_scheme(weights, fmt) -> tuple:
             scheme = "nvfp4"
         elif bits == 4 and strategy == "group" and group == 32:
             scheme = "mxfp4"
+        elif bits == 6 and strategy == "group" and group == 32:
+            scheme = "mxfp6"
         elif bits == 8 and strategy == "group" and group == 32 and fmt == "mxfp8-quantized":
             scheme = "mxfp8"
         elif bits == 8 and strategy == "tensor":
@@ -189,6 +203,30 @@ def ct_scheme(weights, fmt) -> tuple:
     if scheme is not None and fmt is not None and fmt not in CT_FORMATS[scheme]:
         scheme = None  # e.g. an int-style packing of float values
     return scheme, what
+
+
+def ct_inputs(args) -> Optional[str]:
+    """What a compressed-tensors group's ``input_activations`` do (see :attr:`Group.inputs`).
+
+    Example:
+        >>> ct_inputs(None), ct_inputs({"type": "float", "num_bits": 8, "dynamic": True})
+        (None, 'dynamic')
+        >>> ct_inputs({"type": "float", "num_bits": 4, "dynamic": "local",
+        ...            "strategy": "tensor_group", "group_size": 16})
+        'static'
+    """
+    if args is None:
+        return None
+    if not isinstance(args, dict) or args.get("type") != "float":
+        return "other"
+    bits, dynamic, strategy = args.get("num_bits"), args.get("dynamic"), args.get("strategy")
+    if dynamic is True:
+        return "dynamic"
+    if bits == 8 and dynamic is False and strategy in ("tensor", None):
+        return "static"  # FP8's input_scale
+    if bits == 4 and dynamic == "local" and args.get("group_size") == 16:
+        return "static"  # NVFP4's input_global_scale (its block scales are dynamic)
+    return "other"
 
 
 def _ct_config(q: dict, where: str) -> QuantConfig:
@@ -203,7 +241,10 @@ def _ct_config(q: dict, where: str) -> QuantConfig:
         targets = _strings(g.get("targets"), f"{where}: config group {name!r}'s targets")
         fmt = g.get("format") or (top if top != "mixed-precision" else None)
         scheme, what = ct_scheme(g.get("weights"), fmt)
-        groups.append(Group(str(name), targets, scheme, what))
+        inputs = ct_inputs(g.get("input_activations"))
+        if inputs is not None:
+            what += f"; input activations {inputs}"
+        groups.append(Group(str(name), targets, scheme, what, inputs))
     ignore = _strings(q.get("ignore"), f"{where}: quantization_config.ignore")
     return QuantConfig("compressed-tensors", where, groups, ignore, q)
 
@@ -232,7 +273,7 @@ def _modelopt_config(q: Optional[dict], hf: Optional[dict], where: str) -> Quant
         if scheme == "nvfp4" and size not in (None, 16):
             scheme = None
         what = f"quant_algo {algo}" + (f", group_size {size}" if size is not None else "")
-        return Group(name, targets, scheme, what)
+        return Group(name, targets, scheme, what, MODELOPT_INPUTS.get(algo, "other"))
 
     if algo == "MIXED_PRECISION":
         layers = section.get("quantized_layers", (q or {}).get("quantized_layers")) or {}
@@ -258,10 +299,10 @@ def read_quant_config(folder: Optional[str]) -> Optional[QuantConfig]:
     hf_path = os.path.join(folder, MODELOPT_CONFIG_NAME)
     q = None
     if os.path.isfile(cfg_path):
-        q = _load_json(cfg_path).get("quantization_config")
+        q = load_json(cfg_path).get("quantization_config")
         if q is not None and not isinstance(q, dict):
             raise CheckpointError(f"{cfg_path}: quantization_config is not an object")
-    hf = _load_json(hf_path) if os.path.isfile(hf_path) else None
+    hf = load_json(hf_path) if os.path.isfile(hf_path) else None
     if q is None and hf is None:
         return None
     method = (q or {}).get("quant_method", "modelopt" if hf is not None else None)

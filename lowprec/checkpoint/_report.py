@@ -34,7 +34,8 @@ class TensorReport:
     themselves. ``shard``: the file of a sharded checkpoint holding the tensor.
     Dequantize: ``decoded_nonfinite`` NaN/±inf values written (NaN blocks; also counted in
     ``nonfinite``), ``saturated`` finite values clamped to the output dtype's largest finite
-    value (only with ``saturate=True``; otherwise such a tensor is refused).
+    value (only with ``saturate=True``; otherwise such a tensor is refused). Convert with
+    ``requantize``: ``changed`` decoded values that differ from the input's (None otherwise).
     """
 
     name: str
@@ -61,6 +62,7 @@ class TensorReport:
     shard: Optional[str] = None
     decoded_nonfinite: int = 0
     saturated: int = 0
+    changed: Optional[int] = None
 
     @property
     def numel(self) -> int:

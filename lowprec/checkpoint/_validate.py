@@ -52,12 +52,15 @@ QUANTIZED_PARAMS = frozenset({
     # AWQ / SmoothQuant (ModelOpt): activations are multiplied by it, the weights were
     # divided by it; decoded alone, such weights would be wrong.
     "pre_quant_scale",
+    # activation scales: beside a weight lowprec reads they are claimed with it
+    "input_scale", "input_global_scale", "input_zero_point",
 })
 #: bitsandbytes 4-bit state, stored as ``M.weight.<name>``.
 _BNB_STATE = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.")
 _SCALE_CHUNK = 1 << 22  # bytes of block scales read at a time
 _READS = ("lowprec's own (its metadata), gpt-oss MXFP4 (*_blocks/*_scales), compressed-tensors "
-          "NVFP4, MXFP4, MXFP8 and FP8 per tensor or channel, ModelOpt NVFP4 and FP8")
+          "NVFP4, MXFP4, MXFP6, MXFP8 and FP8 per tensor or channel, ModelOpt NVFP4 and FP8 "
+          "per tensor or channel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +115,14 @@ def _quantized_param(reader, name: str) -> bool:
 def _candidates(names: set, hint: Optional[str]) -> list:
     """The (scheme, layout) a module holding ``names`` (its parameters) would be in."""
     if "weight_packed" in names:
-        out = [("nvfp4", "compressed-tensors"), ("mxfp4", "compressed-tensors")]
+        out = [("nvfp4", "compressed-tensors"), ("mxfp4", "compressed-tensors"),
+               ("mxfp6", "compressed-tensors")]
     elif "weight_scale_2" in names:
         out = [("nvfp4", "modelopt")]
     elif "weight" in names and "weight_scale" in names:
         out = [("mxfp8", "compressed-tensors"), ("fp8", "compressed-tensors"),
-               ("fp8_channel", "compressed-tensors"), ("fp8", "modelopt")]
+               ("fp8_channel", "compressed-tensors"), ("fp8", "modelopt"),
+               ("fp8_channel", "modelopt")]
     else:
         return []
     return [c for c in out if hint is None or c[0] == hint] or out
@@ -134,8 +139,7 @@ def _implied_shape(probe_parts, infos) -> Optional[tuple]:
         info = infos.get(stored)
         if info is None or len(info.shape) != 2:
             continue
-        per = {"scales": 4096 // shp[1], "elements": 2, "values": 1}[role]
-        return (info.shape[0], info.shape[1] * per)
+        return (info.shape[0], info.shape[1] * 4096 // shp[1])
     return None
 
 
@@ -250,6 +254,17 @@ def _config_agrees(reader, name, spec, config: Optional[QuantConfig], methods) -
         raise CheckpointError(
             f"{reader.path}: {config.where} says group {group.label} is {says}, but {name} is "
             f"stored as {label}; the config and the tensors disagree")
+    stored = getattr(spec, "inputs", None) == "static"
+    if group.inputs == "static" and not stored:
+        raise CheckpointError(
+            f"{reader.path}: {config.where} gives {module} static input activations (group "
+            f"{group.label}), but no input scale is stored beside {name}; an engine would run "
+            "it with an uninitialized scale: the checkpoint is incomplete")
+    if stored and group.inputs in (None, "dynamic"):
+        raise CheckpointError(
+            f"{reader.path}: {name} has a stored input scale, but {config.where} gives its "
+            f"group {group.label} {group.inputs or 'no'} input activation quantization; the "
+            "config and the tensors disagree")
 
 
 def _e4m3_block_scales(reader, stored: str, where: str, factor) -> None:
@@ -288,7 +303,7 @@ def _e4m3_block_scales(reader, stored: str, where: str, factor) -> None:
 def _scale_data(reader, name, spec, parts) -> None:
     """The stored scales of one tensor (see the module docstring)."""
     roles = {role: stored for role, stored, _, _ in parts}
-    for role in ("scale", "global_scale"):
+    for role in ("scale", "global_scale", "input_scale"):
         if role in roles:
             check_scales(reader.read(roles[role]), f"{reader.path}: {roles[role]} (the "
                                                    f"{role.replace('_', ' ')} of {name})")

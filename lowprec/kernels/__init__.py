@@ -23,8 +23,11 @@ pass (``_mx_quantize_cpu.cc``: E8M0 scales, blocks of 32, round to nearest even;
 x twice), and FP6 packing and unpacking along the last axis (``_fp6_cpu.cc``; XLA:CPU runs
 its formulation of the 3-byte groups 5-10x slower than a copy).
 
-``_dispatch.py`` decides, for each call, whether a kernel serves it. The policy turns them
-off: :func:`set_policy` ``("xla")``, or the environment variable ``LOWPREC_KERNELS=xla``;
+``_dispatch.py`` decides, for each call, whether a kernel serves it, and whether the
+quantized products build their operands for the GPU's FP8/bfloat16 GEMMs on CUDA
+(``lowprec/_gpu_gemm.py``: XLA programs, not kernels, but summed differently from the
+portable products). The policy turns them off: :func:`set_policy` ``("xla")``, or the
+environment variable ``LOWPREC_KERNELS=xla``;
 ``"auto"`` (the default) lets them run where they serve. Each public function reads the
 policy when it is called (or traced, inside your ``jax.jit``) and hands its jitted core the
 decision as a static argument, so a program traced under one policy is never reused under

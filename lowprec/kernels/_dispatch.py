@@ -15,6 +15,11 @@ then the call picks the kernel or XLA's formulation where XLA lowers the program
 public functions read the policy when they are called and hand the decision (or the policy,
 for the dot's inner choices) to their jitted cores as a static argument.
 
+The GPU GEMM routes of the quantized products (:func:`gpu_gemm_routes`: FP8 per-tensor
+products on cuBLASLt's FP8 GEMM, block formats as bfloat16 GEMM operands; ``_gpu_gemm.py``)
+follow the policy too: they are XLA programs, not kernels, but they change how a product
+is summed on the GPU, and ``"xla"`` keeps the portable one.
+
 The native CPU kernels (``_cpu_native``) follow the same policy: :func:`cpu_fp6_kernel` for
 FP6 packing, read while ``_pack.py`` traces, and :func:`cpu_quantize_kernel` for
 ``quantize_mx``, decided when it is called; each picks with :func:`on_cpu`.
@@ -40,7 +45,8 @@ from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_appl
 from ._weight_only_mgpu import MAX_TOKENS as WEIGHT_ONLY_MAX_TOKENS
 from ._weight_only_mgpu import mosaic_gpu_available
 
-#: ``"auto"``: Pallas kernels where they serve a call (CUDA GPUs); ``"xla"``: never.
+#: ``"auto"``: Pallas kernels where they serve a call and the GPU GEMM routes of the
+#: quantized products (CUDA GPUs); ``"xla"``: neither.
 POLICIES: tuple[str, ...] = ("auto", "xla")
 #: The environment variable read when no policy was set in the process.
 ENV_VAR = "LOWPREC_KERNELS"
@@ -68,12 +74,15 @@ def _check_policy(policy, where: str) -> str:
 
 
 def set_policy(policy: Optional[str]) -> Optional[str]:
-    """Sets whether lowprec's functions may run Pallas kernels, for this process.
+    """Sets whether lowprec's functions may run Pallas kernels and the GPU GEMM routes, for
+    this process.
 
     Args:
-      policy: ``"auto"`` (kernels where they serve a call, on CUDA GPUs), ``"xla"`` (XLA's
-        formulation everywhere: the same bits, other speed) or None (back to the environment
-        variable ``LOWPREC_KERNELS``, else ``"auto"``).
+      policy: ``"auto"`` (kernels where they serve a call, and the quantized products on the
+        GPU's FP8/bfloat16 GEMMs, on CUDA GPUs), ``"xla"`` (the portable formulation
+        everywhere: the same bits, or for the products the same exact products summed in
+        float32, at another speed) or None (back to the environment variable
+        ``LOWPREC_KERNELS``, else ``"auto"``).
 
     Returns:
       The policy set before (None if none was), to restore it.
@@ -209,6 +218,16 @@ def mxdot_kernel(layout, lop, rop, kernels: bool, out_sharding=None) -> bool:
     if not _kernels_can_run():
         return False
     return pallas_mxdot_applies(lop.fmt, rop.fmt)
+
+
+def gpu_gemm_routes(kernels: bool) -> bool:
+    """Whether the quantized products build their operands for a GPU's low-precision GEMMs
+    where XLA lowers for CUDA (``_gpu_gemm.py``: FP8 per-tensor products on cuBLASLt's FP8
+    GEMM, block formats as bfloat16; static): the policy (``kernels``: ``"xla"`` keeps the
+    portable formulation, exact products summed in float32, on every backend) and JAX able
+    to compile for CUDA. No Pallas kernel is involved, so Explicit meshes and sharded
+    operands are served too (XLA partitions these GEMMs like any other)."""
+    return kernels and cuda_kernels_possible()
 
 
 def _is_weight(op) -> bool:

@@ -22,11 +22,15 @@ from jax import lax
 from .._bits import F32_MANT_BITS
 from .._format import MXFormat, mx_format
 from .._mx_native import native_element
-from .._scale_rules import ScaleRule, rceil_constants
+from .._scale_rules import ScaleRule, even_fraction_bits, rceil_constants
 from . import _cpu_native
 from ._cpu_native import TARGETS
 
-_RULES = {ScaleRule.FLOOR: 0, ScaleRule.CEIL: 1, ScaleRule.EVEN: 2, ScaleRule.RCEIL: 3}
+# The kernel's rule numbers. EVEN_E2M1 is its EVEN with E2M1's one fraction bit
+# (``even_drop``). FLOOR_LOG2F stays on XLA's path: ggml's rule goes with ggml's element
+# ties (rounding="nearest_toward_zero"), which the kernel (nearest even) does not round.
+_RULES = {ScaleRule.FLOOR: 0, ScaleRule.CEIL: 1, ScaleRule.EVEN: 2, ScaleRule.RCEIL: 3,
+          ScaleRule.EVEN_E2M1: 2}
 _MAX_BLOCK = 256  # the kernel's per-block buffer
 
 
@@ -58,6 +62,7 @@ def attributes(fmt, scale_rule) -> tuple[tuple[str, object], ...]:
     integers the element encode and the scale rule read, derived from the format."""
     fmt = fmt if isinstance(fmt, MXFormat) else mx_format(fmt)
     el = fmt.element
+    rule = ScaleRule(scale_rule)
     k, mant, small, thr = rceil_constants(el.max_finite_exact)
     return (
         ("mantissa_bits", el.mantissa_bits),
@@ -66,10 +71,12 @@ def attributes(fmt, scale_rule) -> tuple[tuple[str, object], ...]:
         ("max_code", el.max_magnitude_code),
         ("code_bits", el.code_bits),
         ("twos_complement", el.encoding == "twos_complement"),
-        ("rule", _RULES[ScaleRule(scale_rule)]),
+        ("rule", _RULES[rule]),
         ("block", fmt.block_size),
-        # EVEN rounds amax to the element's precision in its top binade (_scale_rules.py).
-        ("even_drop", F32_MANT_BITS - (el.emax - el.top_quantum_exponent)),
+        # EVEN rounds amax to the element's precision in its top binade, EVEN_E2M1 to one
+        # fraction bit (_scale_rules.py); the other rules ignore it.
+        ("even_drop", F32_MANT_BITS - even_fraction_bits(
+            fmt, rule if rule in (ScaleRule.EVEN, ScaleRule.EVEN_E2M1) else ScaleRule.EVEN)),
         ("rceil_k", k),
         ("rceil_mant", mant),
         ("rceil_small", small),

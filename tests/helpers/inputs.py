@@ -85,13 +85,20 @@ def adversarial_float32(fmt: str) -> np.ndarray:
             return Fraction(t, 1 << m) * Fraction(2) ** f.emin
         return (1 + Fraction(t, 1 << m)) * Fraction(2) ** (e - f.bias)
 
+    if f.encoding == "tapered":  # codes do not order like values: walk the sorted values
+        grid = sorted(f.magnitude_value(c) for c in range(1, 1 << f.magnitude_bits)
+                      if c != f.inf_code)
+        value = dict(zip(range(1, len(grid) + 1), grid)).__getitem__
+        codes, top = range(1, len(grid) + 1), len(grid)
+    else:
+        top = f.max_magnitude_code
     near, quarter = [], []  # near: grid values and ties, also with their float32 neighbours
     for c in codes:
         v = value(c)
-        w = value(c + 1) if c < f.max_magnitude_code else v + Fraction(2) ** (f.emax - m)
+        w = value(c + 1) if c < top else v + Fraction(2) ** f.top_quantum_exponent
         near += [v, (v + w) / 2]
         quarter += [v + (w - v) / 4, v + 3 * (w - v) / 4]
-        if c == f.max_magnitude_code:
+        if c == top:
             near += [w, 2 * v]
     if f.zero:  # the tie between 0 and the smallest positive value, and either side of it
         s = value(1)

@@ -20,6 +20,24 @@ def cuda_branches(monkeypatch):
 
 
 @pytest.fixture
+def gpu_routes_on_cpu(monkeypatch):
+    """Runs the quantized products' CUDA formulations (lowprec/_gpu_gemm.py: codes read as
+    float8 for the FP8 GEMM, block values as bfloat16, tensor scales on the output) on this
+    backend: the GPU GEMM routes are enabled as where JAX can compile for CUDA, and the
+    products' ``on_cuda`` choices take their CUDA branch everywhere, so that XLA:CPU computes
+    the GPU program's math (conversions exact, float32 sums); caches cleared around.
+    (Import it into a test module to use it there.)"""
+    from lowprec import _delayed, _nvfp4_train, _qdot, _ragged
+
+    jax.clear_caches()
+    monkeypatch.setattr(_dispatch, "cuda_kernels_possible", lambda: True)
+    for module in (_qdot, _delayed, _nvfp4_train, _ragged):
+        monkeypatch.setattr(module, "on_cuda", lambda gpu, portable, *args: gpu(*args))
+    yield
+    jax.clear_caches()
+
+
+@pytest.fixture
 def fused_mxdot(monkeypatch):
     """Turns on the fused MX dot kernel (off by default: kernels/_dispatch.FUSED_MXDOT), so that
     a test can check that it is taken and what it computes; caches cleared around."""

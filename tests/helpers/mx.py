@@ -23,8 +23,9 @@ from .codecs import reference_words, replay_random_bits
 MX_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
 #: The other E8M0-scaled block formats: MXFP6 (E2M3, E3M2) and MXINT8 (tests/test_mx_formats.py).
 NEW_MX_FORMATS = ("mxfp6_e2m3", "mxfp6_e3m2", "mxint8")
-SCALE_RULES = ("floor", "ceil", "even", "rceil")
-ROUNDINGS = ("nearest_even", "nearest_away", "toward_zero", "up", "down", "stochastic")
+SCALE_RULES = ("floor", "ceil", "even", "rceil", "even_e2m1", "floor_log2f")
+ROUNDINGS = ("nearest_even", "nearest_away", "nearest_toward_zero", "toward_zero", "up", "down",
+             "stochastic")
 MODES = ("eager", "jit")
 BLOCK = 32
 ELEMENT = {"mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp4": "e2m1"}

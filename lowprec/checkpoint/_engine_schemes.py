@@ -1,0 +1,178 @@
+"""The schemes of the engine layouts: which weights, and which activation quantization, a
+module carries — llm-compressor's preset names, and what each writes into a config.
+
+A scheme is a weight format (:data:`WEIGHTS`: how the weight is stored, in
+:mod:`lowprec.checkpoint._engine_layouts`) plus what the engine does to the Linear's input:
+nothing (weight-only, ``A16``: vLLM runs Marlin-style weight-only kernels), a *dynamic*
+quantization computed at run time from the activations themselves (data-free: FP8 per token,
+MX per block of 32), or a *static* one whose scale is stored in the checkpoint and so needs
+activation statistics (FP8's ``input_scale``, NVFP4's ``input_global_scale``, ModelOpt's
+``input_scale``). The names are llm-compressor's presets (compressed-tensors 0.20's
+``PRESET_SCHEMES``), matched without regard to case as llm-compressor matches them — so
+``NVFP4`` is W4A4 with a static input global scale and ``NVFP4A16`` weight-only — plus
+``FP8A16`` and ``FP8A16_CHANNEL`` for weight-only FP8, which has no preset.
+
+Each scheme's ``QuantizationArgs`` are written field for field as llm-compressor 0.14.0.1
+writes them (compressed-tensors 0.19 serializes every field, nulls included; 0.20 reads
+them), and its ModelOpt ``quant_algo`` as ModelOpt 0.47 exports it.
+
+vLLM loads the projections that read one input as one fused layer (q/k/v, gate/up, DeepSeek's
+q_a/kv_a, an MoE expert's w1/w3: :data:`FUSED_LAYERS`, llm-compressor's ``FUSED_LAYER_NAMES``)
+and refuses different schemes within one; NVFP4's global (tensor) scale and the input scales
+must be one number for the whole fused layer, since vLLM keeps the largest of the stored ones
+(``weight_global_scale.max()``) for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ._errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineScheme:
+    """A named scheme: ``weights`` (a key of :data:`WEIGHTS`) and ``inputs``: None
+    (weight-only), ``"dynamic"`` or ``"static"`` (a stored input scale, from activation
+    statistics); ``modelopt``: its ModelOpt ``quant_algo`` (None: not in that layout)."""
+
+    name: str
+    weights: str
+    inputs: Optional[str]
+    modelopt: Optional[str]
+    what: str
+
+    @property
+    def weight_only(self) -> bool:
+        return self.inputs is None
+
+    def ct_input_args(self) -> Optional[dict]:
+        """compressed-tensors ``input_activations`` (None for a weight-only scheme)."""
+        return None if self.inputs is None else dict(_CT_INPUTS[self.name])
+
+    def ct_weight_args(self) -> dict:
+        """compressed-tensors ``weights`` ``QuantizationArgs``."""
+        return dict(_CT_WEIGHTS[self.weights])
+
+
+def _args(num_bits, strategy, *, group_size=None, scale_dtype=None, dynamic=False,
+          observer="memoryless_minmax") -> dict:
+    """A ``QuantizationArgs`` of symmetric floats, every field as compressed-tensors 0.19
+    serializes it (llm-compressor 0.14.0.1's output)."""
+    return {"actorder": None, "block_structure": None, "dynamic": dynamic,
+            "group_size": group_size, "num_bits": num_bits, "observer": observer,
+            "observer_kwargs": {}, "scale_dtype": scale_dtype, "strategy": strategy,
+            "symmetric": True, "type": "float", "zp_dtype": None}
+
+
+_E4M3 = "torch.float8_e4m3fn"
+_U8 = "torch.uint8"
+#: Weight formats: name -> (its compressed-tensors format, weights' QuantizationArgs).
+WEIGHTS = {
+    "nvfp4": "nvfp4-pack-quantized",
+    "mxfp4": "mxfp4-pack-quantized",
+    "mxfp6": "mxfp6-pack-quantized",
+    "mxfp8": "mxfp8-quantized",
+    "fp8": "float-quantized",
+    "fp8_channel": "float-quantized",
+}
+_CT_WEIGHTS = {
+    "nvfp4": _args(4, "tensor_group", group_size=16, scale_dtype=_E4M3),
+    "mxfp4": _args(4, "group", group_size=32, scale_dtype=_U8),
+    "mxfp6": _args(6, "group", group_size=32, scale_dtype=_U8),
+    "mxfp8": _args(8, "group", group_size=32, scale_dtype=_U8),
+    "fp8": _args(8, "tensor"),
+    "fp8_channel": _args(8, "channel"),
+}
+
+_SCHEMES = (
+    # name, weights, inputs, ModelOpt quant_algo, what
+    ("NVFP4A16", "nvfp4", None, "W4A16_NVFP4", "NVFP4 weights, weight-only"),
+    ("NVFP4", "nvfp4", "static", "NVFP4",
+     "NVFP4 weights and activations (static input global scale, dynamic block scales)"),
+    ("MXFP4A16", "mxfp4", None, None, "MXFP4 weights, weight-only"),
+    ("MXFP4", "mxfp4", "dynamic", None, "MXFP4 weights and dynamic MXFP4 activations"),
+    ("MXFP6A16", "mxfp6", None, None, "MXFP6 (E2M3) weights, weight-only"),
+    ("MXFP8A16", "mxfp8", None, None, "MXFP8 weights, weight-only"),
+    ("MXFP8", "mxfp8", "dynamic", None, "MXFP8 weights and dynamic MXFP8 activations"),
+    ("FP8", "fp8", "static", "FP8",
+     "FP8 weights (one scale per tensor) and activations (static input scale)"),
+    ("FP8_DYNAMIC", "fp8_channel", "dynamic", "FP8_PER_CHANNEL_PER_TOKEN",
+     "FP8 weights (one scale per output channel) and dynamic per-token FP8 activations"),
+    ("FP8A16", "fp8", None, None, "FP8 weights (one scale per tensor), weight-only"),
+    ("FP8A16_CHANNEL", "fp8_channel", None, None,
+     "FP8 weights (one scale per output channel), weight-only"),
+)
+#: The schemes by name (upper case).
+SCHEMES = {n: EngineScheme(n, w, i, m, what) for n, w, i, m, what in _SCHEMES}
+
+_CT_INPUTS = {
+    "NVFP4": _args(4, "tensor_group", group_size=16, scale_dtype=_E4M3, dynamic="local",
+                   observer="static_minmax"),
+    "MXFP4": _args(4, "group", group_size=32, scale_dtype=_U8, dynamic=True, observer=None),
+    "MXFP8": _args(8, "group", group_size=32, scale_dtype=_U8, dynamic=True, observer=None),
+    "FP8": _args(8, "tensor", observer="static_minmax"),
+    "FP8_DYNAMIC": _args(8, "token", dynamic=True, observer=None),
+}
+
+#: Names of the projections vLLM loads as one layer, per parent module (llm-compressor's
+#: ``FUSED_LAYER_NAMES``).
+FUSED_LAYERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
+
+# lowprec's format names, which the engine layouts do not take (a scheme says more): the
+# scheme an llm-compressor user would pick for each, for the error message.
+_HINTS = {
+    "nvfp4": "NVFP4 (W4A4) or NVFP4A16 (weight-only)",
+    "mxfp4": "MXFP4 (W4A4, dynamic activations) or MXFP4A16",
+    "mxfp6": "MXFP6A16", "mxfp6_e2m3": "MXFP6A16",
+    "mxfp8": "MXFP8 (W8A8, dynamic activations) or MXFP8A16", "mxfp8_e4m3": "MXFP8 or MXFP8A16",
+    "e4m3": "FP8 (W8A8, static), FP8_DYNAMIC, FP8A16 or FP8A16_CHANNEL",
+    "fp8_channel": "FP8_DYNAMIC (dynamic per-token activations) or FP8A16_CHANNEL (weight-only)",
+}
+
+
+def engine_scheme(name) -> EngineScheme:
+    """The scheme called ``name`` (an :class:`EngineScheme` passes through): an llm-compressor
+    preset, any case, or ``FP8A16`` / ``FP8A16_CHANNEL``.
+
+    Example:
+        >>> s = engine_scheme("nvfp4a16")
+        >>> s.name, s.weights, s.inputs, s.modelopt
+        ('NVFP4A16', 'nvfp4', None, 'W4A16_NVFP4')
+        >>> engine_scheme("FP8_DYNAMIC").inputs
+        'dynamic'
+    """
+    if isinstance(name, EngineScheme):
+        return name
+    if isinstance(name, str) and name.upper() in SCHEMES:
+        return SCHEMES[name.upper()]
+    hint = _HINTS.get(name.lower()) if isinstance(name, str) else None
+    raise CheckpointError(
+        f"unknown scheme {name!r} for the engine layouts; choose one of: {', '.join(SCHEMES)} "
+        "(llm-compressor's preset names: A16 = weight-only)"
+        + (f"; for lowprec's format {name!r}: {hint}" if hint else ""))
+
+
+def fused_partners(module: str, modules) -> tuple:
+    """The modules of ``modules`` that vLLM fuses with ``module`` (``module`` included, sorted;
+    ``(module,)`` if it fuses with none)."""
+    parent, _, leaf = module.rpartition(".")
+    for names in FUSED_LAYERS:
+        if leaf in names:
+            found = [f"{parent}.{n}" if parent else n for n in names]
+            return tuple(sorted(m for m in found if m in modules or m == module))
+    return (module,)
+
+
+def fused_groups(modules) -> list:
+    """The fused layers among ``modules`` with more than one member, each sorted."""
+    modules = set(modules)
+    seen, out = set(), []
+    for m in sorted(modules):
+        group = fused_partners(m, modules)
+        if len(group) > 1 and group not in seen:
+            seen.add(group)
+            out.append(group)
+    return out
