@@ -55,7 +55,8 @@ def finite_amax(x: np.ndarray) -> float:
     x = np.asarray(x)
     if x.size and native() and x.dtype in _ckpt_cpu.KINDS:
         return float(_ckpt_cpu.amax(x)[0])
-    a = np.abs(np.asarray(x, np.float32).reshape(-1))
+    with np.errstate(over="ignore"):  # float64 beyond float32's range: inf, not counted
+        a = np.abs(np.asarray(x, np.float32).reshape(-1))
     a = a[np.isfinite(a)]
     return float(a.max()) if a.size else 0.0
 
@@ -71,7 +72,8 @@ def finite_amax_rows(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x)
     if x.size and native() and x.dtype in _ckpt_cpu.KINDS:
         return _ckpt_cpu.amax(x, rows=x.shape[0])
-    a = np.abs(x.astype(np.float32))
+    with np.errstate(over="ignore"):
+        a = np.abs(x.astype(np.float32))
     a = np.where(np.isfinite(a), a, np.float32(0))
     return a.max(axis=1) if a.size else np.zeros(x.shape[0], np.float32)
 
