@@ -38,6 +38,7 @@ from ._matmul import dot_general, matmul, mxfp4_gemv
 from ._prepared import PreparedWeight, prepare_weight
 from ._gemv import weight_only_matmul
 from ._mx import dequantize, fake_quantize_mx, quantize_mx, shared_exponents
+from ._mxfp4_nvfp4 import CastReport, mxfp4_to_nvfp4
 from ._mxarray import MXArray
 from ._mx_plus import MXPlusArray, dequantize_mx_plus, quantize_mx_plus
 from ._ragged import ragged_dot
@@ -93,6 +94,7 @@ __all__ = [
     "ROUNDING_MODES",
     "SCALE_RULES",
     "SCALE_SCHEME_NAMES",
+    "CastReport",
     "ElementFormat",
     "ElementFormatLike",
     "FormatInfo",
@@ -115,6 +117,7 @@ __all__ = [
     "from_gpt_oss",
     "matmul",
     "mx_format",
+    "mxfp4_to_nvfp4",
     "mxfp4_gemv",
     "p3109",
     "prepare_weight",

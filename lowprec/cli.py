@@ -13,6 +13,11 @@ Usage::
     lowprec dequantize IN OUT [--dtype original|float32|bfloat16|float16|float64] [--saturate]
         [--keep-undecodable] [--report REPORT.json] [--json] [--force] [--quiet]
     lowprec inspect IN [--json]
+    lowprec quantize MODEL.gguf OUT.gguf -f mxfp4|nvfp4 [--scale-rule R] [--rounding M]
+    lowprec convert IN.safetensors OUT.gguf --template MODEL.gguf [--to nvfp4]
+    lowprec convert IN.gguf OUT.gguf --to nvfp4 | OUT.safetensors --layout LAYOUT
+
+GGUF (llama.cpp; the ``gguf`` extra) in or out: :mod:`lowprec.checkpoint._gguf`.
 
 IN is a ``.safetensors`` file, a folder of shards, or its ``*.safetensors.index.json``;
 OUT is then a file, or a folder. FORMAT is a lowprec format name: block formats mxfp4,
@@ -159,6 +164,10 @@ def _parser() -> argparse.ArgumentParser:
                         "the OCP MX v1.0 rule; rceil is NVIDIA's, even_e2m1 llm-compressor's "
                         "for mxfp4/mxfp8, floor_log2f ggml's); nvfp4 has its own recipe and "
                         "takes none")
+    q.add_argument("--rounding", default=None, metavar="MODE",
+                   help="GGUF output: element rounding (default nearest_toward_zero with "
+                        "--scale-rule floor_log2f: ggml's own MXFP4 rule, what llama-quantize "
+                        "writes; nearest_even is lowprec's)")
     q.add_argument("--layout", type=_checked(_layout_arg), default="lowprec", metavar="LAYOUT",
                    help=f"{', '.join(LAYOUTS + ENGINE_LAYOUTS)}; lowprec: <name>_elements + "
                         "<name>_scales; gpt-oss (mxfp4 only): <name>_blocks [...,K/32,16] + "
@@ -228,8 +237,15 @@ def _parser() -> argparse.ArgumentParser:
                     "cannot hold them exactly.")
     c.add_argument("input")
     c.add_argument("output")
-    c.add_argument("--layout", required=True, type=_checked(_convert_layout_arg), metavar="LAYOUT",
-                   help="lowprec, compressed-tensors or modelopt")
+    c.add_argument("--layout", default=None, type=_checked(_convert_layout_arg), metavar="LAYOUT",
+                   help="lowprec, compressed-tensors or modelopt (required unless OUT is .gguf)")
+    c.add_argument("--template", metavar="MODEL.gguf",
+                   help="safetensors -> GGUF: a GGUF of the same model from llama.cpp's "
+                        "convert_hf_to_gguf.py, whose metadata and other tensors are kept")
+    c.add_argument("--to", default=None, metavar="nvfp4",
+                   help="cast MXFP4 tensors to NVFP4 keeping every E2M1 code (exact where the "
+                        "block scale fits E4M3 under one power-of-two tensor scale; the other "
+                        "blocks requantized and counted)")
     c.add_argument("--requantize", action="store_true",
                    help="an NVFP4 tensor whose global scale has no exact reciprocal in the "
                         "target layout, or an FP8 tensor whose float32 scale is no value of "
@@ -336,9 +352,65 @@ def _quantize_scheme(args) -> tuple:
     return fmt, [s for s in args.scheme if "=" in s]
 
 
+def _gguf_call(args, progress):
+    """The GGUF hook: runs the command if IN or OUT is GGUF (None otherwise)."""
+    from .checkpoint import _gguf
+
+    out = getattr(args, "output", "")
+    if not (_gguf.is_gguf(args.input) or str(out).endswith(".gguf")):
+        if getattr(args, "template", None):
+            raise CheckpointError("--template is for a GGUF output (OUT.gguf)")
+        if getattr(args, "to", None):
+            if args.to != "nvfp4":
+                raise CheckpointError(f"convert casts to nvfp4 only (--to nvfp4), not {args.to!r}")
+            from .checkpoint._cast import cast_checkpoint
+
+            return cast_checkpoint(args.input, args.output, args.layout, force=args.force,
+                                   progress=progress, report=args.report)
+        if getattr(args, "rounding", None):
+            raise CheckpointError("--rounding is for GGUF output only")
+        return None
+    unused = [opt for opt, used in (
+        ("--layout", getattr(args, "layout", None) not in (None, "lowprec")
+         and args.command == "quantize"),
+        ("--axis", getattr(args, "axis", None) is not None),
+        ("--block-size", getattr(args, "block_size", None) is not None),
+        ("--ignore", bool(getattr(args, "ignore", None))),
+        ("--scheme", bool(getattr(args, "scheme", None))),
+        ("--saturate", bool(getattr(args, "saturate", False))),
+        ("--keep-undecodable", bool(getattr(args, "keep_undecodable", False))),
+        ("--jobs", getattr(args, "jobs", 1) != 1),
+        ("--requantize", bool(getattr(args, "requantize", False))),
+        ("--calibration", getattr(args, "calibration", None) is not None),
+        ("--activation-amax", getattr(args, "activation_amax", None) is not None)) if used]
+    if unused:
+        raise CheckpointError(f"{', '.join(unused)}: not for GGUF files (ggml blocks run along "
+                              "ne[0]; one file, one tensor at a time)")
+    common = dict(force=args.force, progress=progress, report=args.report) if out else {}
+    if args.command == "quantize":
+        if args.format is None:
+            raise CheckpointError("give the GGUF output's format: --format mxfp4 or nvfp4")
+        return _gguf.quantize_gguf(args.input, args.output, args.format, include=args.include,
+                                   exclude=args.exclude, scale_rule=args.scale_rule,
+                                   rounding=args.rounding, **common)
+    if args.command == "dequantize":
+        return _gguf.dequantize_gguf(args.input, args.output, dtype=args.dtype, **common)
+    if args.command == "convert":
+        return _gguf.convert_gguf(args.input, args.output, template=args.template, to=args.to,
+                                  layout=args.layout, **common)
+    return _gguf.inspect_gguf(args.input)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the ``lowprec`` command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "convert" and args.layout is None:
+        from .checkpoint._gguf import is_gguf
+
+        if not (is_gguf(args.input) or str(args.output).endswith(".gguf")):
+            parser.error("convert: the following argument is required: --layout "
+                         "(unless IN or OUT is a GGUF file)")
     progress = False if getattr(args, "quiet", False) else None
     if args.command in ("quantize", "dequantize"):
         # Start JAX's backends before any output is opened: plugin discovery (the CUDA
@@ -350,7 +422,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with _signals_raise():
             try:
-                if args.command == "quantize":
+                gguf = _gguf_call(args, progress)
+                if gguf is not None:
+                    report = gguf
+                elif args.command == "quantize":
                     fmt, schemes = _quantize_scheme(args)
                     report = quantize_checkpoint(
                         args.input, args.output, fmt,

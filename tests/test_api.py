@@ -360,7 +360,7 @@ _COTANGENT_SHAPES = {
 _NO_FLOAT_IO = {
     "finfo", "resolve_format", "element_format", "mx_format", "pack_fp4", "unpack_fp4",
     "pack_fp6", "unpack_fp6", "p3109",
-    "to_gpt_oss", "from_gpt_oss", "MXArray", "ScaleRule", "random_bits", "scale_scheme",
+    "to_gpt_oss", "from_gpt_oss", "mxfp4_to_nvfp4", "MXArray", "ScaleRule", "random_bits", "scale_scheme",
     "ScaleScheme", "prepare_weight",
 }
 

@@ -24,7 +24,8 @@ logical tensor), ``_qconfig`` (what a checkpoint's ``quantization_config`` says)
 and the write phase every conversion shares), ``_convert`` (quantize, dequantize, load, inspect in lowprec's layouts),
 ``_engine_layouts`` (what compressed-tensors and ModelOpt store, per tensor),
 ``_engine_convert`` (whole checkpoints in those layouts, and moving between layouts),
-``_report``.
+``_gguf`` (llama.cpp's GGUF files: ``quantize_gguf``, ``dequantize_gguf``, ``inspect_gguf``,
+``convert_gguf``; the ``gguf`` extra), ``_report``.
 
 Example:
     >>> import tempfile, numpy as np
@@ -65,6 +66,7 @@ from ._formats import (
     canonical_format,
     checkpoint_format,
 )
+from ._gguf import convert_gguf, dequantize_gguf, inspect_gguf, quantize_gguf
 from ._layout import TensorSpec, make_spec, pieces
 from ._logical import METADATA_KEY, quantized_specs
 from ._report import ConversionReport, TensorReport
@@ -92,16 +94,20 @@ __all__ = [
     "canonical_format",
     "checkpoint_format",
     "convert_checkpoint",
+    "convert_gguf",
     "dequantize_checkpoint",
     "dequantize_chunk",
+    "dequantize_gguf",
     "finite_amax",
     "inspect_checkpoint",
+    "inspect_gguf",
     "load_checkpoint",
     "make_spec",
     "pieces",
     "quantize_checkpoint",
     "quantize_chunk",
     "quantize_engine_checkpoint",
+    "quantize_gguf",
     "quantized_specs",
     "remove_stale_temps",
     "select_tensor",

@@ -1,0 +1,105 @@
+"""MXFP4 → NVFP4 of a safetensors checkpoint file, keeping every E2M1 code
+(:func:`lowprec.mxfp4_to_nvfp4`; ``lowprec convert IN OUT --to nvfp4 --layout LAYOUT``).
+
+The file is read in any layout lowprec reads (an engine layout is first rewritten in
+lowprec's, moving bits), its MXFP4 tensors are cast (exact blocks kept code for code, the
+others requantized and counted in the report), every other tensor is copied, and the
+result is written in ``layout`` (lowprec's, or an engine's through ``convert_checkpoint``).
+GGUF files take the same cast through :mod:`lowprec.checkpoint._gguf`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
+from ._errors import CheckpointError
+from ._layout import make_spec
+from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY
+from ._report import ConversionReport, TensorReport
+from ._safetensors import SafetensorsReader, SafetensorsWriter
+
+
+def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
+                    progress=None, report=None) -> ConversionReport:
+    """Casts the MXFP4 tensors of the safetensors file ``src`` to NVFP4 into ``dst`` (in
+    ``layout``): exact where E4M3 holds the block scale under one power-of-two tensor scale,
+    the other blocks requantized and counted (``report.options["casts"]``)."""
+    from ._engine_convert import convert_checkpoint
+    from ._gguf import _check_outputs, _lowprec_tensors
+
+    src = os.fspath(src)
+    if not os.path.isfile(src):
+        raise CheckpointError(f"{src}: --to nvfp4 casts one .safetensors file (or a GGUF); "
+                              "for a sharded folder cast each shard")
+    start = time.perf_counter()
+    inputs = _check_outputs(src, dst, report, force)  # the shard's model folder included
+    where = os.path.dirname(os.path.abspath(os.fspath(dst)))
+    with tempfile.TemporaryDirectory(dir=where) as d:
+        quantized = _lowprec_tensors(src, d)
+        lp = src if not os.path.exists(os.path.join(d, "lowprec.safetensors")) else \
+            os.path.join(d, "lowprec.safetensors")
+        casts, reports, entries, data = {}, [], [], {}
+        with SafetensorsReader(lp) as r:
+            meta = json.loads(r.metadata.get(METADATA_KEY, "{}"))
+            stored = set()
+            for name, (fmt, shape, load) in quantized.items():
+                if fmt != "mxfp4":
+                    continue
+                mx = load()
+                if mx.axis != len(shape) - 1 or shape[-1] % 32:
+                    raise CheckpointError(f"{name!r}: cast along the last axis only")
+                nv, casts[name] = mxfp4_to_nvfp4(mx)
+                spec = make_spec("nvfp4", shape, meta.get(name, {}).get("dtype", "F32"),
+                                 axis=len(shape) - 1)
+                lay = meta.get(name, {}).get("layout", "gpt-oss")  # gpt-oss: no metadata
+                old = make_spec("mxfp4", shape, "F32", axis=len(shape) - 1, layout=lay).parts(name)
+                stored |= {s for _, s, _, _ in old}
+                parts = {"elements": np.asarray(nv.elements), "scales": np.asarray(nv.scales),
+                         "scale": np.asarray(nv.tensor_scale, np.float32).reshape(())}
+                for role, s, dt, sh in spec.parts(name):
+                    entries.append((s, dt, sh))
+                    data[s] = parts[role]
+                meta[name] = spec.to_json(name)
+                c = casts[name]
+                reports.append(TensorReport(name, shape, "mxfp4", "nvfp4", 0, spec.nbytes(),
+                                            reason=f"{c.exact}/{c.blocks} blocks exact, "
+                                                   f"{c.requantized} requantized",
+                                            stored_as=tuple(p[1] for p in spec.parts(name)),
+                                            exact=c.requantized == 0))
+            if not casts:
+                raise CheckpointError(f"{src}: no MXFP4 tensor to cast to NVFP4")
+            kept = [(n, info.dtype, info.shape) for n, info in r.tensors.items()
+                    if n not in stored]
+            for n, _, _ in kept:
+                data[n] = r.read(n)
+            entries = kept + entries
+            metadata = {k: v for k, v in r.metadata.items()}
+        metadata[METADATA_KEY] = json.dumps(meta)
+        metadata[METADATA_VERSION_KEY] = METADATA_VERSION
+
+        def write(path, frc):
+            with SafetensorsWriter(path, entries, metadata, force=frc, inputs=inputs) as w:
+                for n, _, _ in entries:
+                    w.write(n, data[n])
+
+        if layout in (None, "lowprec"):
+            write(dst, force)
+        else:
+            tmp = os.path.join(d, "cast.safetensors")
+            write(tmp, False)
+            convert_checkpoint(tmp, dst, layout, force=force, progress=progress)
+    rep = ConversionReport(src, os.fspath(dst), "convert",
+                           {"to": "nvfp4", "layout": layout,
+                            "casts": {n: vars(c) for n, c in casts.items()}},
+                           reports, time.perf_counter() - start)
+    if report is not None:
+        from ._gguf import _write_report
+
+        _write_report(rep, report, force, inputs)
+    return rep
