@@ -1,6 +1,7 @@
 """Builds lowprec's one optional native part: its CPU kernels (``lowprec/kernels/*.cc``:
-FP6 packing, one-pass MX quantization), XLA FFI handlers compiled against the FFI headers
-that jaxlib ships, in one plain shared library. Everything else is in pyproject.toml.
+FP6 packing, one-pass MX quantization, and the checkpoint pipeline's passes over host
+memory), XLA FFI handlers and plain C functions compiled against the FFI headers that jaxlib
+ships, in one plain shared library. Everything else is in pyproject.toml.
 
 The library uses no CPython API: ``lowprec/kernels/_cpu_native.py`` loads it with ctypes, so
 one build serves every CPython version, and a wheel holding it is tagged
@@ -79,7 +80,7 @@ if _include is not None and os.name == "posix":
     _ext.append(Extension(
         _NATIVE,
         sources=["lowprec/kernels/_cpu_lib.cc", "lowprec/kernels/_fp6_cpu.cc",
-                 "lowprec/kernels/_mx_quantize_cpu.cc"],
+                 "lowprec/kernels/_mx_quantize_cpu.cc", "lowprec/kernels/_ckpt_cpu.cc"],
         depends=["lowprec/kernels/_cpu_common.h"],
         include_dirs=[_include],
         define_macros=[("LOWPREC_JAXLIB_VERSION", f'"{_jaxlib_version}"')],

@@ -6,7 +6,17 @@ Cases (each a checkpoint of one float32 tensor of ``--size-mib`` MiB, default 10
 * ``axis-1``: a square matrix, blocks along the last axis (pieces = whole rows);
 * ``axis0``: the same file with ``--axis 0`` (blocks down the columns: pieces = block-aligned
   row ranges, or column slabs one block high for very wide matrices);
-* ``1d``: a 1-D tensor (``--include``; pieces = whole blocks).
+* ``1d``: a 1-D tensor (``--include``; pieces = whole blocks);
+* ``shards``: a sharded folder (``model.safetensors.index.json`` and ``--shards`` files) of
+  bfloat16 [k, k] ``*.weight`` matrices of ``--size-mib`` MiB in all, the shape of a real
+  model's checkpoint (many tensors: compilations and per-tensor costs show here). Its copy
+  peer copies every shard.
+
+Each row also gives the command's CPU seconds (user + system, the child's ``ru_utime +
+ru_stime``, start-up included) and ``idle MB/s``: the bytes over CPU seconds / cores, what
+the command would reach on an idle machine of ``os.cpu_count()`` cores if it kept them all
+busy (an upper estimate for a shared machine, where the wall time counts other people's
+work; the bytes over the CPU seconds alone would be the serial lower one).
 
 Every conversion runs as ``python -m lowprec ...`` in a subprocess; its peak resident set
 size is the child's ``ru_maxrss`` from ``os.wait4`` (the import of JAX and lowprec
@@ -58,6 +68,34 @@ def make_checkpoint(path: str, name: str, shape, seed: int) -> None:
             w.write(name, rng.standard_normal(n, dtype=np.float32))
 
 
+def make_sharded(folder: str, total_bytes: int, shards: int, seed: int) -> None:
+    """A folder of ``shards`` files of bfloat16 [k, k] matrices (four per shard, k a
+    multiple of 32) of about ``total_bytes`` in all, with its index."""
+    import ml_dtypes
+
+    from lowprec.checkpoint import SafetensorsWriter
+
+    os.makedirs(folder, exist_ok=True)
+    per = 4
+    k = max(32, int(math.isqrt(total_bytes // (2 * shards * per))) // 32 * 32)
+    rng = np.random.default_rng(seed)
+    weight_map, total = {}, 0
+    for i in range(shards):
+        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        names = [f"model.layers.{i}.mlp.proj{j}.weight" for j in range(per)]
+        with SafetensorsWriter(os.path.join(folder, shard),
+                               [(n, "BF16", (k, k)) for n in names]) as w:
+            for n in names:
+                for r0 in range(0, k, max(1, (1 << 22) // k)):
+                    r1 = min(k, r0 + max(1, (1 << 22) // k))
+                    w.write(n, rng.standard_normal((r1 - r0) * k, dtype=np.float32)
+                            .astype(ml_dtypes.bfloat16))
+        weight_map.update(dict.fromkeys(names, shard))
+        total += per * k * k * 2
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+
+
 def run(cmd, pythonpath=None, cwd=None) -> dict:
     """Runs ``cmd`` in ``cwd`` (not the repository root, whose ``lowprec/`` would shadow
     ``pythonpath`` under ``python -m``); returns wall seconds, peak RSS bytes and the load."""
@@ -75,7 +113,8 @@ def run(cmd, pythonpath=None, cwd=None) -> dict:
     proc.stderr.close()
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err}")
-    return {"seconds": seconds, "peak_rss": usage.ru_maxrss * 1024, "load": load}
+    return {"seconds": seconds, "peak_rss": usage.ru_maxrss * 1024, "load": load,
+            "cpu": usage.ru_utime + usage.ru_stime}
 
 
 def median(values):
@@ -89,7 +128,8 @@ def main(argv=None):
     ap.add_argument("--size-mib", type=int, default=1024, help="tensor size (float32 MiB)")
     ap.add_argument("--formats", nargs="+", default=["mxfp8_e4m3", "mxfp4"])
     ap.add_argument("--cases", nargs="+", default=["axis-1", "axis0", "1d"],
-                    choices=["axis-1", "axis0", "1d"])
+                    choices=["axis-1", "axis0", "1d", "shards"])
+    ap.add_argument("--shards", type=int, default=16, help="files of the 'shards' case")
     ap.add_argument("--dir", default=None, help="work folder (default: new folder in /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
     ap.add_argument("--json", default=None, help="also save the results here")
@@ -116,28 +156,44 @@ def main(argv=None):
         if "1d" in args.cases:
             files["1d"] = os.path.join(work, "vector.safetensors")
             make_checkpoint(files["1d"], "layer.weight", (n // 32 * 32,), 1)
+        if "shards" in args.cases:
+            files["shards"] = os.path.join(work, "sharded")
+            make_sharded(files["shards"], args.size_mib * 2**20, args.shards, 2)
         floor = run([sys.executable, "-c", "import lowprec.cli"])
         copy_s = {}
         for key, path in files.items():
             t0 = time.perf_counter()
-            shutil.copyfile(path, os.path.join(work, "copy.tmp"))
-            copy_s[key] = time.perf_counter() - t0
-            os.unlink(os.path.join(work, "copy.tmp"))
+            if os.path.isdir(path):
+                shutil.copytree(path, os.path.join(work, "copy.tmp"))
+                copy_s[key] = time.perf_counter() - t0
+                shutil.rmtree(os.path.join(work, "copy.tmp"))
+            else:
+                shutil.copyfile(path, os.path.join(work, "copy.tmp"))
+                copy_s[key] = time.perf_counter() - t0
+                os.unlink(os.path.join(work, "copy.tmp"))
         print(f"tensor: {args.size_mib} MiB float32 ({side}x{side} matrix, {n // 32 * 32:,}-vector); "
               f"import-only peak RSS {floor['peak_rss'] / 1e6:.0f} MB; "
               f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
-        header = ("case", "format", "op", "MB/s", "copy MB/s", "peak RSS MB", "bound MB", "ok",
-                  "vs baseline", "baseline peak RSS MB", "load")
+        header = ("case", "format", "op", "MB/s", "copy MB/s", "CPU s", "idle MB/s",
+                  "peak RSS MB", "bound MB", "ok", "vs baseline", "baseline peak RSS MB", "load")
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
         for case in args.cases:
-            src = files["1d" if case == "1d" else "2d"]
-            tensor_bytes = os.path.getsize(src)  # header is tiny
-            extra = {"axis-1": [], "axis0": ["--axis", "0"], "1d": ["--include", "weight"]}[case]
+            key = case if case in ("1d", "shards") else "2d"
+            src = files[key]
+            if case == "shards":  # every shard's bytes; the bound is per largest tensor
+                tensor_bytes = sum(os.path.getsize(os.path.join(src, f))
+                                   for f in os.listdir(src) if f.endswith(".safetensors"))
+                largest = tensor_bytes // (4 * args.shards)
+            else:
+                tensor_bytes = largest = os.path.getsize(src)  # header is tiny
+            extra = {"axis-1": [], "axis0": ["--axis", "0"], "1d": ["--include", "weight"],
+                     "shards": []}[case]
             base = args.baseline if case in args.baseline_cases else None
             for fmt in args.formats:
-                q = os.path.join(work, f"{case}-{fmt}.safetensors")
-                d = os.path.join(work, f"{case}-{fmt}-back.safetensors")
+                suffix = "" if case == "shards" else ".safetensors"
+                q = os.path.join(work, f"{case}-{fmt}{suffix}")
+                d = os.path.join(work, f"{case}-{fmt}-back{suffix}")
                 ops = [("quantize", py + ["quantize", src, q, "-f", fmt, "-q", "--force", *extra]),
                        ("dequantize", py + ["dequantize", q, d, "-q", "--force"])]
                 for op, cmd in ops:
@@ -150,11 +206,13 @@ def main(argv=None):
                             run(cmd)
                     r = {"seconds": median([x["seconds"] for x in ours]),
                          "peak_rss": max(x["peak_rss"] for x in ours),
-                         "load": median([x["load"] for x in ours])}
-                    bound = tensor_bytes + BOUND_EXTRA
+                         "load": median([x["load"] for x in ours]),
+                         "cpu": median([x["cpu"] for x in ours])}
+                    bound = largest + BOUND_EXTRA
+                    idle = tensor_bytes / (r["cpu"] / os.cpu_count()) / 1e6
                     row = {"case": case, "format": fmt, "op": op, "tensor_bytes": tensor_bytes,
                            "MBps": tensor_bytes / r["seconds"] / 1e6,
-                           "copy_MBps": tensor_bytes / copy_s["1d" if case == "1d" else "2d"] / 1e6,
+                           "copy_MBps": tensor_bytes / copy_s[key] / 1e6, "idle_MBps": idle,
                            "bound_bytes": bound, "ok": r["peak_rss"] <= bound, **r,
                            "runs": ours, "baseline_runs": theirs}
                     ratio = rss_base = ""
@@ -166,11 +224,12 @@ def main(argv=None):
                         rss_base = f"{row['baseline_peak_rss'] / 1e6:.0f}"
                     rows.append(row)
                     print(f"| {case} | {fmt} | {op} | {row['MBps']:.0f} | {row['copy_MBps']:.0f} | "
+                          f"{r['cpu']:.2f} | {idle:.0f} | "
                           f"{r['peak_rss'] / 1e6:.0f} | {bound / 1e6:.0f} | "
                           f"{'yes' if row['ok'] else 'NO'} | {ratio} | {rss_base} | "
                           f"{r['load']:.2f} |", flush=True)
-                os.unlink(d)
-                os.unlink(q)
+                for path in (d, q):
+                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
     finally:
         if not args.keep and args.dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -538,7 +538,12 @@ def test_streaming_peak_memory_does_not_grow_with_checkpoint(tmp_path, monkeypat
     """Peak (NumPy) memory stays near one piece, not the checkpoint: 2 vs 12 tensors."""
     import tracemalloc
 
+    import lowprec.checkpoint._pipeline as pipeline_mod
+
     monkeypatch.setattr(convert_mod, "CHUNK_ELEMENTS", 1 << 14)
+    # One piece worker: with N, up to 2N pieces are in flight, and how many are at once
+    # depends on thread timing, so the two runs' peaks would not compare like with like.
+    monkeypatch.setattr(pipeline_mod, "WORKERS", 1)
     rng = np.random.default_rng(4)
     w = rng.standard_normal((256, 256)).astype(np.float32)  # 256 KiB each
     peaks = {}
@@ -554,7 +559,10 @@ def test_streaming_peak_memory_does_not_grow_with_checkpoint(tmp_path, monkeypat
         dequantize_checkpoint(tmp_path / f"q{n}.safetensors", tmp_path / f"d{n}.safetensors")
         peaks[n] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    assert peaks[12] < 1.3 * peaks[2]
+    # What a tensor adds is its entries (report, header, metadata: ~3 KB measured), not its
+    # data: far less than 1/32 of its 256 KiB per extra tensor. (A ratio of the two peaks,
+    # 1.3x, tripped once a piece took ~110 KB at peak: the entries are then a third of it.)
+    assert peaks[12] - peaks[2] < (12 - 2) * w.nbytes / 32
     assert peaks[12] < 12 * w.nbytes / 2
 
 

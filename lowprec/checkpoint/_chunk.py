@@ -8,23 +8,38 @@ tensor has any shape. The codecs are the library's: :func:`lowprec.quantize_mx`,
 the in-memory API on the whole tensor: blocks never straddle pieces, and a per-tensor scale
 (FP8 casts, NVFP4) is computed over the whole tensor first (:func:`finite_amax`,
 :func:`tensor_scale`) and passed to every piece (NVFP4: ``quantize_mx(..., tensor_scale=)``).
+
+At disk speed: a piece blocked along its last axis is a run of whole blocks, so it is
+encoded as ``(blocks, block size)`` padded to a power of two of blocks (:func:`encode_blocks`:
+a handful of compiled programs serve every tensor; half-precision input widened inside the
+program, where the native one-pass quantizer reads it). Its error statistics and its
+decoding read the stored codes as a :class:`CodedPiece` (``value = table[code] × factor``,
+the library's decode bit for bit) in one native pass each
+(:mod:`lowprec.kernels._ckpt_cpu`), with no second quantize or dequantize; where that library
+is not built the NumPy code here computes the same numbers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .._codec import decode, encode
-from .._gpt_oss import from_gpt_oss, to_gpt_oss
+from .._dtypes import input_bits
+from .._gpt_oss import from_gpt_oss
 from .._mx import MXArray, dequantize, quantize_mx
 from .._options import MXCast
+from ..kernels import _ckpt_cpu
 from ._errors import CheckpointError
+from ._formats import cast_dtype
 from ._layout import TensorSpec
+from ._safetensors import numpy_dtype
 from ._stats import ErrorStats
 
 _NATIVE = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -37,9 +52,30 @@ def finite_amax(x: np.ndarray) -> float:
         >>> finite_amax(np.array([1.0, -3.0, np.inf, np.nan]))
         3.0
     """
-    a = np.abs(np.asarray(x, np.float32).reshape(-1))
+    x = np.asarray(x)
+    if x.size and native() and x.dtype in _ckpt_cpu.KINDS:
+        return float(_ckpt_cpu.amax(x)[0])
+    with np.errstate(over="ignore"):  # float64 beyond float32's range: inf, not counted
+        a = np.abs(np.asarray(x, np.float32).reshape(-1))
     a = a[np.isfinite(a)]
     return float(a.max()) if a.size else 0.0
+
+
+def finite_amax_rows(x: np.ndarray) -> np.ndarray:
+    """float32 max |x| over the finite elements of each row of the 2-D ``x`` (0 for a row
+    with none).
+
+    Example:
+        >>> finite_amax_rows(np.array([[1.0, -3.0], [np.inf, 0.5]], np.float32)).tolist()
+        [3.0, 0.5]
+    """
+    x = np.asarray(x)
+    if x.size and native() and x.dtype in _ckpt_cpu.KINDS:
+        return _ckpt_cpu.amax(x, rows=x.shape[0])
+    with np.errstate(over="ignore"):
+        a = np.abs(x.astype(np.float32))
+    a = np.where(np.isfinite(a), a, np.float32(0))
+    return a.max(axis=1) if a.size else np.zeros(x.shape[0], np.float32)
 
 
 def tensor_scale(amax, spec: TensorSpec) -> np.float32:
@@ -144,13 +180,150 @@ def _mx_clipped(x, scales: np.ndarray, fmt, ts=None) -> tuple:
     return int(np.count_nonzero(clipped)), int(scales.size)
 
 
+# -- a piece as codes: what the native passes read ---------------------------------------
+@functools.lru_cache(maxsize=None)
+def element_table(elem) -> np.ndarray:
+    """float32 value of every code of an element format of at most 8 bits (FP4: 16 values,
+    FP6: 64, FP8 and INT8: 256), by the library's decode: a decoded element is
+    ``table[code]``."""
+    codes = jnp.arange(1 << elem.code_bits, dtype=jnp.uint8)
+    return np.asarray(decode(codes, elem), np.float32)
+
+
+def factor_table(fmt, ts=None) -> np.ndarray:
+    """float32 factor of every uint8 scale code of block format ``fmt`` (NVFP4: under the
+    tensor scale ``ts``): what the code multiplies its block's elements by (E8M0: 2^(c −
+    127); NVFP4: float32(ts × E4M3 block scale)), NaN for the scale format's NaN codes (a
+    block that held a NaN or an infinity decodes to NaN). A decoded value is ``element ×
+    factor`` rounded to float32, which is the library's decode bit for bit."""
+    key = None if ts is None else int(np.float32(ts).view(np.uint32))
+    return _factor_table(fmt, key)
+
+
+@functools.lru_cache(maxsize=256)
+def _factor_table(fmt, ts_bits) -> np.ndarray:
+    ts = None if ts_bits is None else np.uint32(ts_bits).view(np.float32)
+    factor = np.asarray(_element_scales(fmt, ts))
+    with np.errstate(over="ignore"):
+        if np.issubdtype(factor.dtype, np.integer):  # shared exponents: exact powers of two
+            factor = np.ldexp(np.float64(1), factor)
+        table = factor.astype(np.float32)
+    table[_scale_nan(fmt.scale)] = np.nan
+    table.setflags(write=False)
+    return table
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CodedPiece:
+    """A piece as its stored codes: value i is ``table[code i] × factors[i // block]``,
+    one float32 multiply rounded to nearest even (``factors`` None: the table value), NaN
+    results made the library's canonical NaN if ``canonical_nan`` (the MX decode does so;
+    NumPy arithmetic, as the FP8 casts' ``values × scale``, keeps them). ``codes``: packed
+    uint8 (``code_bits`` 4, 6 or 8 per element) in the piece's C order. What every layout
+    reduces a piece to for the native passes (:mod:`lowprec.kernels._ckpt_cpu`)."""
+
+    codes: np.ndarray
+    code_bits: int
+    table: np.ndarray
+    factors: Optional[np.ndarray]
+    block: int
+    canonical_nan: bool
+
+    @property
+    def size(self) -> int:
+        return self.codes.size * 8 // self.code_bits
+
+    def args(self) -> dict:
+        return dict(codes=self.codes, code_bits=self.code_bits, elut=self.table,
+                    factors=self.factors, block=self.block)
+
+
+def native() -> bool:
+    """Whether the native passes serve the pipeline here (see :mod:`lowprec.kernels._ckpt_cpu`;
+    else the NumPy code below, the same numbers)."""
+    return _ckpt_cpu.available()
+
+
+def mx_coded(elements, scales, fmt, ts=None) -> Optional[CodedPiece]:
+    """The :class:`CodedPiece` of MX codes blocked along the last axis (``elements``: their
+    packed bytes, ``scales``: their scale codes, in C order), or None where the native
+    passes do not read the element codes."""
+    el = fmt.element
+    if el.code_bits not in (4, 6, 8):
+        return None
+    scales = np.asarray(scales).view(np.uint8).reshape(-1)
+    return CodedPiece(np.asarray(elements).view(np.uint8).reshape(-1), el.code_bits,
+                      element_table(el), factor_table(fmt, ts)[scales], fmt.block_size, True)
+
+
+# -- encoding a piece -------------------------------------------------------------------
+_MIN_ROWS = 64  # fewest blocks (or cast elements / 32) a program is compiled for
+
+
+def _bucket(n: int) -> int:
+    """The padded length a piece of ``n`` rows is encoded at: the next power of two (at
+    least :data:`_MIN_ROWS`), so every tensor of a checkpoint reuses a few compiled programs
+    (one per power of two up to the piece size) instead of one per tensor shape."""
+    return max(_MIN_ROWS, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _padded(x: np.ndarray, rows: int) -> np.ndarray:
+    """``x`` (rows first) zero-padded to ``rows`` rows."""
+    if x.shape[0] == rows:
+        return x
+    out = np.zeros((rows, *x.shape[1:]), x.dtype)
+    out[: x.shape[0]] = x
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _blocks_program(x, fmt, scale_rule, ts):
+    # Half-precision input widened to float32 patterns here, with integer operations (exact,
+    # NaN payloads kept), so the native one-pass quantizer serves it too.
+    if x.dtype != jnp.float32:
+        x = lax.bitcast_convert_type(input_bits(x), jnp.float32)
+    mx = quantize_mx(x, fmt, scale_rule=scale_rule, tensor_scale=ts)
+    return mx.elements, mx.scales, mx.tensor_scale
+
+
+def encode_blocks(x: np.ndarray, fmt, scale_rule=None, ts=None) -> tuple:
+    """``(elements, scales, tensor scale used)`` of ``x`` (float32, bfloat16 or float16)
+    blocked along its last axis, as :func:`lowprec.quantize_mx` gives them (the same bits:
+    blocks are independent, and NVFP4's tensor scale ``ts`` is given), in ``x``'s shape
+    with the last axis in bytes and in blocks. Runs one compiled program per block format
+    and power-of-two number of blocks (:func:`_bucket`), whatever ``x``'s shape."""
+    *lead, a = x.shape
+    block = fmt.block_size
+    nb = x.size // block
+    blocks = _padded(np.ascontiguousarray(x).reshape(nb, block), _bucket(nb))
+    el, sc, ts_used = _blocks_program(jnp.asarray(blocks), fmt, scale_rule,
+                                      None if ts is None else np.float32(ts))
+    el = np.asarray(el)[:nb].reshape(*lead, a * fmt.element.code_bits // 8)
+    return el, np.asarray(sc)[:nb].reshape(*lead, a // block), ts_used
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _cast_program(y, elem):
+    return encode(y, elem, overflow="saturate")
+
+
+def encode_cast(y: np.ndarray, elem) -> np.ndarray:
+    """Codes of float32 ``y`` in element format ``elem``, saturating (any shape), by one
+    compiled program per power-of-two size."""
+    flat = y.reshape(-1)
+    n = flat.size
+    codes = _cast_program(jnp.asarray(_padded(flat, 32 * _bucket(-(-n // 32)))), elem)
+    return np.asarray(codes)[:n].reshape(y.shape)
+
+
 def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
                    stats: Optional[ErrorStats] = None) -> dict:
     """Quantizes one piece ``x`` of a tensor stored as ``spec``.
 
     Returns ``{role: stored array}`` in the piece's shape (without the per-tensor scale,
     which the caller passes as ``scale``: the whole tensor's :func:`tensor_scale`, needed for
-    NVFP4 and FP8 with ``fp8_scale="tensor"``); updates ``stats``.
+    NVFP4 and FP8 with ``fp8_scale="tensor"``); updates ``stats``. The statistics come from
+    the stored codes (no second decode pass), by the native pass where it serves.
 
     Example:
         >>> from lowprec.checkpoint._layout import make_spec
@@ -160,36 +333,78 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
     """
     x = np.asarray(x)
     if spec.is_mx:
-        x = _as_piece(x)
-        xin = x if x.dtype in _NATIVE else x.astype(np.float32)
-        fmt = spec.format
-        if fmt.tensor_scale and scale is None:
-            raise ValueError(f"{fmt.name}: pass the whole tensor's scale (tensor_scale())")
-        ts = np.float32(scale) if fmt.tensor_scale else None
+        return _quantize_mx_piece(_as_piece(x), spec, scale, stats)
+    return _quantize_cast_piece(x, spec, scale, stats)
+
+
+def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
+    fmt = spec.format
+    if fmt.tensor_scale and scale is None:
+        raise ValueError(f"{fmt.name}: pass the whole tensor's scale (tensor_scale())")
+    ts = np.float32(scale) if fmt.tensor_scale else None
+    xin = x if x.dtype in _NATIVE else x.astype(np.float32)
+    mx = None
+    if x.ndim == 2:  # blocks along the last axis: a run of whole blocks
+        elements, scales, ts = encode_blocks(xin, fmt, spec.scale_rule, ts)
+    else:  # blocks along axis 1 of (p, a, s)
         mx = quantize_mx(jnp.asarray(xin), fmt, axis=1, scale_rule=spec.scale_rule,
                          tensor_scale=ts)
-        scales = np.asarray(mx.scales)
-        if stats is not None:
+        elements, scales, ts = np.asarray(mx.elements), np.asarray(mx.scales), mx.tensor_scale
+    ts = None if ts is None else np.float32(ts)
+    if stats is not None:
+        coded = mx_coded(elements, scales, fmt, ts) if x.ndim == 2 else None
+        if native() and x.dtype in _NATIVE:
+            factors = factor_table(fmt, ts)[scales]
+            clip = dict(clip=1, max_finite=fmt.element.max_finite,
+                        view=x.shape if x.ndim == 3 else (*x.shape, 1))
+            if coded is not None:
+                v = _ckpt_cpu.stats(x, **coded.args(), **clip)
+            else:
+                if mx is None:
+                    mx = MXArray(jnp.asarray(elements), jnp.asarray(scales), fmt, 1, x.shape,
+                                 spec.scale_rule, ts)
+                v = _ckpt_cpu.stats(x, np.asarray(dequantize(mx)), factors=factors,
+                                    block=fmt.block_size, **clip)
+            stats.add_vector(v)
+            stats.nan_blocks += int(np.count_nonzero(np.isnan(factors)))
+        else:
+            if mx is None:
+                mx = MXArray(jnp.asarray(elements), jnp.asarray(scales), fmt, 1, x.shape,
+                             spec.scale_rule, ts)
             stats.update(x, np.asarray(dequantize(mx)))
             stats.add_clipped(*_mx_clipped(xin, scales, fmt, ts))
             stats.add_nan_blocks(scales, _scale_nan(fmt.scale))
-        if spec.layout == "gpt-oss":
-            blocks, scales = to_gpt_oss(mx)
-            return {"blocks": np.asarray(blocks), "scales": np.asarray(scales)}
-        return {"elements": np.asarray(mx.elements), "scales": scales}
+    if spec.layout == "gpt-oss":  # the same bytes, [..., K/32, 16] (lowprec.to_gpt_oss)
+        return {"blocks": elements.reshape(*scales.shape, fmt.block_size // 2),
+                "scales": scales}
+    return {"elements": elements, "scales": scales}
+
+
+def _quantize_cast_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
     elem = spec.format
     x32 = x.astype(np.float32)
     if spec.fp8_scale == "tensor":
         scale = np.float32(1) if scale is None else np.float32(scale)
         with np.errstate(over="ignore", invalid="ignore"):
-            y = x32 / scale
+            y = np.divide(x32, scale, out=x32)  # float32 division, as ever (not XLA's)
     else:
-        y = x32
-    codes = np.asarray(encode(jnp.asarray(y), elem, overflow="saturate"))
+        scale, y = None, x32
+    codes = encode_cast(y, elem)
     if stats is not None:
-        stats.update(x, _decode_values(codes, spec, scale))
-        with np.errstate(invalid="ignore"):
-            stats.add_clipped(np.count_nonzero(np.abs(y) > elem.max_finite), y.size)
+        if native() and x.dtype in _NATIVE:
+            if elem.code_bits == 8:
+                decoded = dict(codes=codes, code_bits=8, elut=element_table(elem),
+                               factors=None if scale is None else np.float32([scale]),
+                               block=max(codes.size, 1))
+            else:  # BF16 / FP16: the codes are the values
+                decoded = dict(q=codes.view(numpy_dtype(cast_dtype(elem))))
+            stats.add_vector(_ckpt_cpu.stats(
+                x, **decoded, clip=2, max_finite=elem.max_finite,
+                cast_scale=np.float32(1) if scale is None else scale))
+        else:
+            stats.update(x, _decode_values(codes, spec, scale))
+            with np.errstate(invalid="ignore"):
+                stats.add_clipped(np.count_nonzero(np.abs(y) > elem.max_finite), y.size)
     return {"values": codes}
 
 
@@ -200,6 +415,52 @@ def _decode_values(codes: np.ndarray, spec: TensorSpec, scale) -> np.ndarray:
         with np.errstate(over="ignore"):
             values = values * np.float32(scale)
     return values
+
+
+# -- decoding a piece -------------------------------------------------------------------
+def coded_piece(parts: dict, spec: TensorSpec, shape) -> Optional[CodedPiece]:
+    """The :class:`CodedPiece` of the stored ``parts`` of one piece (see
+    :func:`dequantize_chunk`), or None where the native passes do not decode it (blocks along
+    a strided axis, BF16/FP16 casts); raises CheckpointError for parts of the wrong size."""
+    if not spec.is_mx:
+        elem = spec.format
+        if elem.code_bits != 8:
+            return None
+        factors = None
+        if spec.fp8_scale == "tensor":
+            factors = np.asarray(parts["scale"], np.float32).reshape(1)
+        codes = np.asarray(parts["values"]).view(np.uint8).reshape(-1)
+        return CodedPiece(codes, 8, element_table(elem), factors, max(codes.size, 1), False)
+    p, a, s = (int(d) for d in shape)
+    fmt = spec.format
+    if s != 1:
+        return None
+    code = "blocks" if spec.layout == "gpt-oss" else "elements"
+    elements, scales = np.asarray(parts[code]), np.asarray(parts["scales"])
+    want = (p * spec.part_length("elements", a), p * spec.part_length("scales", a))
+    if (elements.size, scales.size) != want:
+        raise CheckpointError(
+            f"cannot decode {fmt.name} data of shape {list(spec.shape)}: {elements.size} element "
+            f"bytes and {scales.size} scales for a piece of {p} x {a} values (need {want[0]} and "
+            f"{want[1]})")
+    ts = None
+    if fmt.tensor_scale:
+        ts = np.asarray(parts["scale"], np.float32).reshape(())
+    return mx_coded(elements, scales, fmt, ts)
+
+
+def decode_coded(coded: CodedPiece, shape, dtype, *, saturate: bool = False,
+                 name: str = "") -> tuple:
+    """``(values, saturated, non-finite values)``: ``coded`` decoded into a new array of
+    ``shape`` and NumPy ``dtype`` (float32, bfloat16, float16 or float64) by the native pass,
+    narrowed as :func:`narrow` does (refused, or clamped with ``saturate``)."""
+    out = np.empty(shape, dtype)
+    nonfinite, over, top = _ckpt_cpu.decode(out, **coded.args(),
+                                            canonical_nan=coded.canonical_nan,
+                                            saturate=saturate)
+    if over and not saturate:
+        raise _overflow_error(name, over, top, out.dtype)
+    return out, over, nonfinite
 
 
 def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
@@ -218,6 +479,10 @@ def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
         ((1, 32, 1), True)
     """
     dtype = np.dtype(dtype)
+    if native() and dtype in _ckpt_cpu.KINDS:
+        coded = coded_piece(parts, spec, shape)
+        if coded is not None:
+            return _decode_unchecked(coded, shape, dtype)
     if not spec.is_mx:
         values = _decode_values(np.asarray(parts["values"]), spec, parts.get("scale"))
         return values.astype(dtype).reshape(shape)
@@ -245,3 +510,88 @@ def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
     except (ValueError, TypeError) as e:  # wrong sizes; MXArray's own validation
         raise CheckpointError(f"cannot decode {spec.format.name} data of shape {list(spec.shape)}: {e}") from None
     return np.asarray(values).reshape(p, a, s)
+
+
+def _decode_unchecked(coded: CodedPiece, shape, dtype) -> np.ndarray:
+    """``coded`` decoded into ``dtype`` as astype would narrow it (overflow to inf)."""
+    out = np.empty(shape, dtype)
+    _ckpt_cpu.decode(out, **coded.args(), canonical_nan=coded.canonical_nan, saturate=False)
+    return out
+
+
+def wide_dtype(np_dtype) -> np.dtype:
+    """The dtype decoding happens in before narrowing: float64 for F64, else float32 (every
+    decoded value is exact or defined there: MX/NVFP4 values, FP8 value × scale)."""
+    return np.dtype(np.float64) if np.dtype(np_dtype) == np.float64 else np.dtype(np.float32)
+
+
+class _Overflow(CheckpointError):
+    """Decoded values that do not fit the output dtype (the message names the tensor)."""
+
+
+def _overflow_error(name: str, n: int, top: float, np_dtype) -> CheckpointError:
+    np_dtype = np.dtype(np_dtype)
+    limit = float(np.finfo(np_dtype).max) if np_dtype != np.dtype("bfloat16") else float.fromhex("0x1.fep127")
+    return _Overflow(
+        f"{name}: {n} finite value(s) up to {top:.6g} do not fit {np_dtype.name} "
+        f"(largest finite {limit:.6g}) and would become inf; decode to a wider dtype "
+        "(--dtype float32 or bfloat16) or pass --saturate (saturate=True) to clamp them "
+        "to the largest finite value (counted in the report)")
+
+
+def narrow(values: np.ndarray, np_dtype, name: str, saturate: bool) -> tuple:
+    """``values`` (float32/float64) as ``np_dtype``; returns ``(narrowed, saturated)``.
+
+    Finite values beyond the dtype's largest finite value (65504 in float16) would round to
+    ±inf: that is refused (CheckpointError naming the tensor, its largest magnitude and the
+    fixes) unless ``saturate``, which clamps them to ±max finite and counts them.
+    NaN/±inf decoded values (NaN blocks) stay what they are.
+    """
+    np_dtype = np.dtype(np_dtype)
+    if np_dtype == values.dtype:
+        return values, 0
+    if (native() and values.dtype == np.float32 and np_dtype in _ckpt_cpu.KINDS):
+        out = np.empty(values.shape, np_dtype)
+        _, n, top = _ckpt_cpu.decode(out, values, saturate=saturate)
+        if n and not saturate:
+            raise _overflow_error(name, n, top, np_dtype)
+        return out, n
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = values.astype(np_dtype)
+        overflow = np.isinf(out) & np.isfinite(values)
+    n = int(np.count_nonzero(overflow))
+    if not n:
+        return out, 0
+    top = float(np.max(np.abs(values[overflow])))
+    if not saturate:
+        raise _overflow_error(name, n, top, np_dtype)
+    limit = float(np.finfo(np_dtype).max) if np_dtype != np.dtype("bfloat16") else float.fromhex("0x1.fep127")
+    out[overflow] = np.where(values[overflow] > 0, limit, -limit).astype(np_dtype)
+    return out, n
+
+
+def count_nonfinite(values: np.ndarray) -> int:
+    """NaN and ±inf values of a decoded piece."""
+    return int(values.size - np.count_nonzero(np.isfinite(values)))
+
+
+def decode_piece(parts: dict, spec: TensorSpec, shape, np_dtype, *, saturate: bool,
+                 name: str, where: str = "") -> tuple:
+    """``(values, saturated, non-finite values)`` of one piece's stored ``parts`` (see
+    :func:`dequantize_chunk`) in the output dtype ``np_dtype``: decoded (in float32, or
+    float64 for F64) and narrowed as :func:`narrow` does, in one native pass where it serves
+    (else :func:`dequantize_chunk`, :func:`narrow` and a count: the same values). ``where``
+    prefixes the errors of parts that do not decode (the file's path)."""
+    np_dtype = np.dtype(np_dtype)
+    try:
+        if native() and np_dtype in _ckpt_cpu.KINDS:
+            coded = coded_piece(parts, spec, shape)
+            if coded is not None:
+                return decode_coded(coded, shape, np_dtype, saturate=saturate, name=name)
+        values = dequantize_chunk(parts, spec, shape, wide_dtype(np_dtype))
+    except _Overflow:
+        raise
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}{e}") from None
+    values, saturated = narrow(np.asarray(values), np_dtype, name, saturate)
+    return values, saturated, count_nonfinite(values)

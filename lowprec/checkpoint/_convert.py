@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ._chunk import dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
+from ._chunk import decode_piece, dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
 from ._engine_convert import plain_config_texts, quantize_engine_checkpoint
 from ._engine_layouts import ENGINE_LAYOUTS
 from ._errors import CheckpointError
@@ -283,14 +283,14 @@ def quantize_checkpoint(
             return {METADATA_VERSION_KEY: METADATA_VERSION,
                     METADATA_KEY: json.dumps(specs, separators=(",", ":"))}
 
-        def convert(reader, writer, item, bar) -> TensorReport:
+        def convert(reader, writer, item, bar, runner) -> TensorReport:
             info, spec, reason = item
             bar.set_postfix_str(info.name[-40:], refresh=False)
             if spec is None:
                 copy_tensor(reader, writer, info.name, bar)
                 return TensorReport(info.name, info.shape, info.dtype, "kept",
                                     info.nbytes, info.nbytes, reason=reason)
-            return _quantize_one(reader, writer, info, spec, reason, bar)
+            return _quantize_one(reader, writer, info, spec, reason, bar, runner)
 
         return write_outputs(source, outputs, readers, plans, "quantize", options, start,
                              force=force, progress=progress, metadata=metadata,
@@ -326,31 +326,41 @@ def _check_selection(source: Source, plans: dict, include, axis, fmt) -> None:
     )
 
 
-def _quantize_one(reader, writer, info, spec: TensorSpec, reason, bar) -> TensorReport:
-    """Quantizes one tensor piece by piece: read a region, encode it, write each part's
-    region of the output (a per-tensor scale, FP8 or NVFP4, needs a first pass for the
-    amax: the whole tensor's, so that every piece is encoded as the whole tensor is)."""
-    view = spec.view
+def _quantize_one(reader, writer, info, spec: TensorSpec, reason, bar, runner) -> TensorReport:
+    """Quantizes one tensor piece by piece on the runner's workers: read a region, encode
+    it, write each part's region of the output (a per-tensor scale, FP8 or NVFP4, needs a
+    first pass for the amax: the whole tensor's, so that every piece is encoded as the whole
+    tensor is). Each piece's statistics are merged in the tensor's order."""
+    view = spec.piece_view
     regions = list(pieces(view, spec.align, CHUNK_ELEMENTS))
     parts = spec.parts(info.name)
+    itemsize = np.dtype(numpy_dtype(info.dtype)).itemsize
     scale = None
     if spec.has_tensor_scale:
-        amax = 0.0
-        for rect in regions:
-            amax = max(amax, finite_amax(reader.read_region(info.name, view, rect)))
-        scale = tensor_scale(amax, spec)
-    stats = ErrorStats()
-    itemsize = np.dtype(numpy_dtype(info.dtype)).itemsize
-    for rect in regions:
+        maxima = []
+        runner.run(lambda rect: finite_amax(reader.read_region(info.name, view, rect)), regions,
+                   lambda rect, amax: maxima.append(amax))
+        scale = tensor_scale(max(maxima, default=0.0), spec)
+
+    def piece(rect):
         x = reader.read_region(info.name, view, rect)
-        out = quantize_chunk(x, spec, scale, stats)
+        piece_stats = ErrorStats()
+        out = quantize_chunk(x, spec, scale, piece_stats)
         del x
         for role, stored, _, _ in parts:
             if role in out:
-                part_view, part_rect = spec.part_region(role, rect)
+                part_view, part_rect = spec.part_region(role, rect, view)
                 writer.write_region(stored, part_view, part_rect, out[role])
+        return piece_stats
+
+    stats = ErrorStats()
+
+    def done(rect, piece_stats):
+        stats.merge(piece_stats)
         p0, p1, a0, a1, s0, s1 = rect
         bar.update((p1 - p0) * (a1 - a0) * (s1 - s0) * itemsize)
+
+    runner.run(piece, regions, done)
     for role, stored, _, _ in parts:
         if role == "scale":
             writer.write(stored, np.asarray(scale, np.float32))
@@ -383,61 +393,28 @@ def _dtype_arg(dtype) -> str:
     )
 
 
-def _wide_dtype(np_dtype) -> np.dtype:
-    """The dtype decoding happens in before narrowing: float64 for F64, else float32 (every
-    decoded value is exact or defined there: MX/NVFP4 values, FP8 value × scale)."""
-    return np.dtype(np.float64) if np.dtype(np_dtype) == np.float64 else np.dtype(np.float32)
-
-
-def _narrow(values: np.ndarray, np_dtype, name: str, saturate: bool) -> tuple:
-    """``values`` (float32/float64) as ``np_dtype``; returns ``(narrowed, saturated)``.
-
-    Finite values beyond the dtype's largest finite value (65504 in float16) would round to
-    ±inf: that is refused (CheckpointError naming the tensor, its largest magnitude and the
-    fixes) unless ``saturate``, which clamps them to ±max finite and counts them.
-    NaN/±inf decoded values (NaN blocks) stay what they are.
-    """
-    np_dtype = np.dtype(np_dtype)
-    if np_dtype == values.dtype:
-        return values, 0
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = values.astype(np_dtype)
-        overflow = np.isinf(out) & np.isfinite(values)
-    n = int(np.count_nonzero(overflow))
-    if not n:
-        return out, 0
-    top = float(np.max(np.abs(values[overflow])))
-    limit = float(np.finfo(np_dtype).max) if np_dtype != np.dtype("bfloat16") else float.fromhex("0x1.fep127")
-    if not saturate:
-        raise CheckpointError(
-            f"{name}: {n} finite value(s) up to {top:.6g} do not fit {np_dtype.name} "
-            f"(largest finite {limit:.6g}) and would become inf; decode to a wider dtype "
-            "(--dtype float32 or bfloat16) or pass --saturate (saturate=True) to clamp them "
-            "to the largest finite value (counted in the report)")
-    out[overflow] = np.where(values[overflow] > 0, limit, -limit).astype(np_dtype)
-    return out, n
-
-
-def _decode_regions(reader, spec: TensorSpec, parts, dtype):
-    """Yields ``(rect, values)``: the decoded tensor, piece by piece, in its (P, A, S) view."""
-    if hasattr(spec, "decode_regions"):  # an engine layout (_engine_layouts): blocks of rows
-        yield from spec.decode_regions(reader, parts, dtype)
-        return
-    view = spec.view
+def _decode_pieces(reader, spec: TensorSpec, parts) -> list:
+    """``[(rect, decode)]``: the tensor's pieces in its ``piece_view``, each with
+    ``decode(np_dtype, saturate, name) -> (values, saturated, non-finite values)``, which
+    reads the piece's stored parts and decodes them (:func:`~._chunk.decode_piece`)."""
+    if hasattr(spec, "decode_pieces"):  # an engine layout (_engine_layouts): blocks of rows
+        return spec.decode_pieces(reader, parts)
+    view = spec.piece_view
     fixed = {role: reader.read(stored) for role, stored, _, _ in parts if role == "scale"}
-    for rect in pieces(view, spec.align, CHUNK_ELEMENTS):
-        arrays = dict(fixed)
-        for role, stored, _, _ in parts:
-            if role != "scale":
-                part_view, part_rect = spec.part_region(role, rect)
-                arrays[role] = reader.read_region(stored, part_view, part_rect)
-        p0, p1, a0, a1, s0, s1 = rect
-        shape = (p1 - p0, a1 - a0, s1 - s0)
-        try:
-            values = dequantize_chunk(arrays, spec, shape, dtype)
-        except CheckpointError as e:
-            raise CheckpointError(f"{reader.path}: {e}") from None
-        yield rect, values
+
+    def task(rect):
+        def decode(np_dtype, saturate: bool, name: str):
+            arrays = dict(fixed)
+            for role, stored, _, _ in parts:
+                if role != "scale":
+                    part_view, part_rect = spec.part_region(role, rect, view)
+                    arrays[role] = reader.read_region(stored, part_view, part_rect)
+            p0, p1, a0, a1, s0, s1 = rect
+            return decode_piece(arrays, spec, (p1 - p0, a1 - a0, s1 - s0), np_dtype,
+                                saturate=saturate, name=name, where=f"{reader.path}: ")
+        return rect, decode
+
+    return [task(rect) for rect in pieces(view, spec.align, CHUNK_ELEMENTS)]
 
 
 def dequantize_checkpoint(
@@ -520,7 +497,7 @@ def dequantize_checkpoint(
                 "metadata, no gpt-oss *_blocks/*_scales pairs, no compressed-tensors or ModelOpt "
                 "weights); nothing to decode"
             )
-        def convert(reader, writer, item, bar) -> TensorReport:
+        def convert(reader, writer, item, bar, runner) -> TensorReport:
             name, spec, parts, st, why = item
             bar.set_postfix_str(name[-40:], refresh=False)
             if spec is None:
@@ -530,12 +507,20 @@ def dequantize_checkpoint(
                                     info.nbytes, info.nbytes, reason=why)
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             target = np.dtype(numpy_dtype(st))
-            saturated = nonfinite = 0
-            for rect, values in _decode_regions(reader, spec, parts, _wide_dtype(target)):
-                values, n = _narrow(np.asarray(values), target, name, saturate)
-                saturated += n
-                nonfinite += int(np.count_nonzero(~np.isfinite(values)))
-                writer.write_region(name, spec.view, rect, values)
+            counts = [0, 0]  # saturated, non-finite
+
+            def piece(task):
+                rect, decode = task
+                values, n, bad = decode(target, saturate, name)
+                writer.write_region(name, spec.piece_view, rect, values)
+                return n, bad
+
+            def done(task, result):
+                counts[0] += result[0]
+                counts[1] += result[1]
+
+            runner.run(piece, _decode_pieces(reader, spec, parts), done)
+            saturated, nonfinite = counts
             bar.update(before)
             return TensorReport(
                 name, spec.shape, st, spec.format.name, before, nbytes_of(st, spec.shape),
@@ -589,11 +574,10 @@ def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None,
                     result[name] = reader.read(name)
                     continue
                 np_dtype = np.dtype(numpy_dtype(out_dtype or spec.dtype))
-                out = np.empty(spec.view, np_dtype)
-                for (p0, p1, a0, a1, s0, s1), values in _decode_regions(
-                        reader, spec, parts, _wide_dtype(np_dtype)):
-                    out[p0:p1, a0:a1, s0:s1] = _narrow(np.asarray(values), np_dtype, name,
-                                                       saturate)[0]
+                out = np.empty(spec.piece_view, np_dtype)
+                for (p0, p1, a0, a1, s0, s1), decode in _decode_pieces(reader, spec, parts):
+                    values = decode(np_dtype, saturate, name)[0]
+                    out[p0:p1, a0:a1, s0:s1] = values.reshape(p1 - p0, a1 - a0, s1 - s0)
                 result[name] = out.reshape(spec.shape)
     missing = [n for n in names if n not in result] if names is not None else []
     if missing:

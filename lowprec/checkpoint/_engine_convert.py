@@ -32,7 +32,7 @@ from ._engine_layouts import (
     EngineSpec,
     ct_fp8_scale_dtype,
     ct_quantization_config,
-    decode_arrays,
+    add_stats,
     exact_reciprocal,
     input_scale,
     layout_arrays,
@@ -352,7 +352,7 @@ def quantize_engine_checkpoint(
             extra = {"hf_quant_config.json": json.dumps(hf, indent=4) + "\n"}
         texts = _config_texts(source, outputs, qconfig, extra)
 
-        def convert(reader, writer, item, bar):
+        def convert(reader, writer, item, bar, runner):
             info, spec, scheme, amax, act_amax = item
             bar.set_postfix_str(info.name[-40:], refresh=False)
             if spec is None:
@@ -360,8 +360,9 @@ def quantize_engine_checkpoint(
                 return TensorReport(info.name, info.shape, info.dtype, "kept",
                                     info.nbytes, info.nbytes, reason="kept")
             parts = spec.parts(info.name)
-            stats = ErrorStats()
-            for r0, r1 in spec.row_blocks():
+
+            def piece(block):  # on a worker: each part's rows written at their place
+                r0, r1 = block
                 x = reader.read_rows(info.name, r0, r1)
                 arrays = quantize_arrays(x, spec.scheme, layout, dtype=info.dtype,
                                          scale_rule=spec.scale_rule, amax=amax)
@@ -369,10 +370,21 @@ def quantize_engine_checkpoint(
                     arrays["input_scale"] = input_scale(act_amax, spec.scheme, layout,
                                                         info.dtype)
                 for role, stored, _, _ in parts:
-                    if r0 == 0 or not spec.is_whole(role):
+                    if not spec.is_whole(role):
+                        writer.write_rows(stored, r0, arrays[role])
+                    elif r0 == 0:
                         writer.write(stored, arrays[role])
-                stats.update(x, decode_arrays(arrays, dataclasses.replace(spec, shape=x.shape)))
-                bar.update(x.nbytes)
+                piece_stats = ErrorStats()
+                add_stats(piece_stats, x, arrays, dataclasses.replace(spec, shape=x.shape))
+                return piece_stats, x.nbytes
+
+            stats = ErrorStats()
+
+            def done(block, result):
+                stats.merge(result[0])
+                bar.update(result[1])
+
+            runner.run(piece, list(spec.row_blocks()), done)
             what = (f"{layout} {scheme.name}" + (" (weight-only)" if scheme.weight_only else
                                                  f" ({scheme.inputs} activations)"))
             return TensorReport(
@@ -701,7 +713,7 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
             return {ORIGIN_KEY: json.dumps({n: {"dtype": t.dtype, "scale_rule": t.scale_rule}
                                             for n, t in specs.items()}, separators=(",", ":"))}
 
-        def convert(reader, writer, item, bar):
+        def convert(reader, writer, item, bar, runner):
             name, spec, parts, target, scheme = item
             if spec is None:
                 info = reader.tensors[name]
@@ -711,8 +723,10 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
             tparts = target.parts(name)
             rows = EngineSpec(_weights_of(spec), layout if layout != "lowprec"
                               else "compressed-tensors", tuple(spec.shape))
-            changed = 0
-            for r0, r1 in rows.row_blocks():  # move the bits a block of rows at a time
+
+            def piece(block):  # move the bits a block of rows at a time, on a worker
+                r0, r1 = block
+                changed = 0
                 if isinstance(spec, EngineSpec):
                     got = spec.read_rows(reader, parts, r0, r1)
                 else:
@@ -733,8 +747,15 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
                     if r0 == 0:
                         changed += moved
                 for role, stored, _, _ in tparts:
-                    if r0 == 0 or not rows.is_whole(role):
+                    if not rows.is_whole(role):
+                        writer.write_rows(stored, r0, out[role])
+                    elif r0 == 0:
                         writer.write(stored, out[role])
+                return changed
+
+            counts = []
+            runner.run(piece, list(rows.row_blocks()), lambda block, n: counts.append(n))
+            changed = sum(counts)
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             bar.update(before)
             label = getattr(target, "label", target.format.name)

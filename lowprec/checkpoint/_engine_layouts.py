@@ -91,7 +91,19 @@ import ml_dtypes
 import numpy as np
 
 from .._format import element_format, mx_format
-from .._mx import MXArray, dequantize, quantize_mx
+from .._mx import MXArray, dequantize
+from ..kernels import _ckpt_cpu
+from ._chunk import (
+    CodedPiece,
+    count_nonfinite,
+    decode_coded,
+    element_table,
+    encode_blocks,
+    mx_coded,
+    narrow,
+    native,
+    wide_dtype,
+)
 from ._engine_schemes import WEIGHTS, engine_scheme
 from ._errors import CheckpointError
 from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
@@ -104,6 +116,7 @@ CT_VERSION = "0.20.0"
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 
 _E4M3 = element_format("e4m3")
+_E2M1 = element_format("e2m1")
 _NVFP4 = mx_format("nvfp4")
 _MXFP4 = mx_format("mxfp4")
 _MXFP6 = mx_format("mxfp6_e2m3")
@@ -217,6 +230,8 @@ class EngineSpec:
     def view(self) -> tuple:
         return (1, math.prod(self.shape), 1)
 
+    piece_view = view
+
     def parts(self, name: str) -> list:
         """``[(role, stored name, dtype, shape)]``; ``name`` is the weight's (``M.weight``)."""
         out, k = self.shape
@@ -270,14 +285,22 @@ class EngineSpec:
         return {role: reader.read(stored) if self.is_whole(role)
                 else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
 
-    def decode_regions(self, reader, parts, dtype):
-        """Yields ``(rect, values)`` per block of rows, decoded as the engine's loader does
-        (its stored scales were checked by the reader: :mod:`lowprec.checkpoint._validate`)."""
+    def decode_pieces(self, reader, parts) -> list:
+        """``[(rect, decode)]`` per block of rows: ``decode(np_dtype, saturate, name)`` reads
+        the rows and returns ``(values, saturated, non-finite values)``, decoded as the
+        engine's loader does (its stored scales were checked by the reader:
+        :mod:`lowprec.checkpoint._validate`) and narrowed to ``np_dtype``."""
         k = self.shape[1]
-        for r0, r1 in self.row_blocks():
+
+        def task(r0, r1):
             rows = dataclasses.replace(self, shape=(r1 - r0, k))
-            values = decode_arrays(self.read_rows(reader, parts, r0, r1), rows)
-            yield (0, 1, r0 * k, r1 * k, 0, 1), _cast(values, dtype).reshape(1, -1, 1)
+
+            def decode(np_dtype, saturate: bool, name: str):
+                return decode_values(self.read_rows(reader, parts, r0, r1), rows, np_dtype,
+                                     saturate=saturate, name=name)
+            return (0, 1, r0 * k, r1 * k, 0, 1), decode
+
+        return [task(r0, r1) for r0, r1 in self.row_blocks()]
 
 
 def _cast(values: np.ndarray, dtype) -> np.ndarray:
@@ -336,6 +359,63 @@ def decode_arrays(arrays: dict, spec: EngineSpec) -> np.ndarray:
     s = s.reshape((-1, 1) if spec.scheme == "fp8_channel" else ())
     with np.errstate(over="ignore", invalid="ignore"):
         return e * s
+
+
+def coded_arrays(arrays: dict, spec: EngineSpec) -> Optional[CodedPiece]:
+    """The stored ``arrays`` of one tensor (or block of rows) as a
+    :class:`~lowprec.checkpoint._chunk.CodedPiece`: the values :func:`decode_arrays`
+    computes, element for element, as ``table[code] × factor`` (compressed-tensors NVFP4:
+    the factor float32(s / gs) per E4M3 code; FP8: the scale per tensor or per row; the MX
+    schemes and ModelOpt NVFP4: lowprec's decode)."""
+    out, k = spec.shape
+    if spec.scheme in ("fp8", "fp8_channel"):
+        s = np.asarray(arrays["scale"], np.float32).reshape(-1)
+        codes = np.asarray(arrays["values"]).view(np.uint8).reshape(-1)
+        return CodedPiece(codes, 8, element_table(_E4M3), s,
+                          k if spec.scheme == "fp8_channel" else max(codes.size, 1), False)
+    fmt = spec.format
+    elements = np.asarray(arrays.get("elements", arrays.get("values"))).view(np.uint8)
+    scales = np.asarray(arrays["scales"]).view(np.uint8).reshape(-1)
+    want = (out * k * fmt.element.code_bits // 8, out * k // fmt.block_size)
+    if (elements.size, scales.size) != want:
+        raise CheckpointError(
+            f"cannot decode {spec.label} data of shape {list(spec.shape)}: {elements.size} "
+            f"element bytes and {scales.size} scales (need {want[0]} and {want[1]})")
+    if spec.scheme == "nvfp4" and spec.layout == "compressed-tensors":
+        gs = np.float32(np.asarray(arrays["global_scale"]).reshape(-1)[0])
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            table = element_table(_E4M3) / gs  # float32(s / gs), the loader's division
+        return CodedPiece(elements.reshape(-1), 4, element_table(_E2M1), table[scales], 16,
+                          False)
+    ts = np.asarray(arrays["scale"], np.float32).reshape(()) if fmt.tensor_scale else None
+    return mx_coded(elements, scales, fmt, ts)
+
+
+def decode_values(arrays: dict, spec: EngineSpec, np_dtype, *, saturate: bool,
+                  name: str) -> tuple:
+    """``(values, saturated, non-finite values)``: :func:`decode_arrays` narrowed to
+    ``np_dtype`` as the pipeline narrows (:func:`lowprec.checkpoint._chunk.narrow`), in one
+    native pass where it serves."""
+    np_dtype = np.dtype(np_dtype)
+    if native() and np_dtype in _ckpt_cpu.KINDS:
+        coded = coded_arrays(arrays, spec)
+        if coded is not None:
+            return decode_coded(coded, spec.shape, np_dtype, saturate=saturate, name=name)
+    values = _cast(decode_arrays(arrays, spec), wide_dtype(np_dtype))
+    values, n = narrow(values, np_dtype, name, saturate)
+    return values, n, count_nonfinite(values)
+
+
+def add_stats(stats, x: np.ndarray, arrays: dict, spec: EngineSpec) -> None:
+    """Adds the errors of one block of rows ``x`` stored as ``arrays`` to ``stats`` (an
+    :class:`~lowprec.checkpoint._stats.ErrorStats`): from the stored codes by the native
+    pass where it serves, else against :func:`decode_arrays`."""
+    if native() and x.dtype in (np.float32, jnp.bfloat16, np.float16):
+        coded = coded_arrays(arrays, spec)
+        if coded is not None:
+            stats.add_vector(_ckpt_cpu.stats(x, **coded.args()))
+            return
+    stats.update(x, decode_arrays(arrays, spec))
 
 
 def _mxarray(arrays: dict, spec: EngineSpec) -> MXArray:
@@ -445,12 +525,11 @@ def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, dtype: str = "F3
         # gives −0.0 only for a negative input: a stored −0.0 weight becomes code 0, not 8.
         x32 = np.where(x32 == 0, np.float32(0), x32)
     if scheme in _MX_WEIGHTS:
-        mx = quantize_mx(jnp.asarray(x32), WEIGHT_FORMATS[scheme], axis=1,
-                         scale_rule=scale_rule)
-        el = np.asarray(mx.elements)
+        # quantize_mx along axis 1, block for block (one compiled program per power of two)
+        el, scales, _ = encode_blocks(x32, WEIGHT_FORMATS[scheme], scale_rule)
         key = "values" if scheme == "mxfp8" else "elements"
         return {key: el.view(numpy_dtype("F8_E4M3")) if scheme == "mxfp8" else el,
-                "scales": np.asarray(mx.scales)}
+                "scales": scales}
     if scheme == "nvfp4":
         amax = np.float32(_finite_abs(x32).max(initial=0) if amax is None else amax)
         if layout == "compressed-tensors":

@@ -39,7 +39,9 @@ its own factor (elements: code bits / 8, e.g. 1/2 for FP4, 3/4 for FP6; scales: 
 size; a block is a whole number of bytes). :func:`pieces` cuts a tensor into
 such regions of a bounded number of elements: whole rows of P when they fit, else
 block-aligned ranges of A, else (a huge S) slabs of S one block high — for every axis and
-for 1-D tensors, reading only the bytes of the piece. Per-tensor scales are computed over
+for 1-D tensors, reading only the bytes of the piece. Where blocks run along the last axis
+(S = 1) conversions cut the tensor as (1, P·A, 1) instead (:attr:`TensorSpec.piece_view`):
+a run of whole blocks, in pieces of exactly the budget. Per-tensor scales are computed over
 the whole tensor first (a pass over the pieces for its amax), so every piece is encoded
 exactly as the whole tensor would be.
 """
@@ -117,6 +119,15 @@ class TensorSpec:
         return (math.prod(shape[: self.axis]), shape[self.axis], math.prod(shape[self.axis + 1:]))
 
     @property
+    def piece_view(self) -> tuple:
+        """The view a conversion cuts pieces from: (1, P·A, 1) when blocks run along the
+        last axis (S = 1: the tensor is then a run of whole blocks, so a piece may be any
+        block-aligned range, and every piece but the last holds exactly the budget, the size
+        the compiled programs are built for), else :attr:`view`."""
+        P, A, S = self.view
+        return (1, P * A, 1) if S == 1 else (P, A, S)
+
+    @property
     def align(self) -> int:
         """Piece boundaries along A are multiples of this (the block size for MX)."""
         return self.block_size
@@ -159,9 +170,10 @@ class TensorSpec:
             return a * self.format.element.code_bits // 8
         return a
 
-    def part_region(self, role: str, rect) -> tuple:
-        """``(view, rect)`` of part ``role`` holding the tensor region ``rect``."""
-        P, A, S = self.view
+    def part_region(self, role: str, rect, view=None) -> tuple:
+        """``(view, rect)`` of part ``role`` holding the region ``rect`` of the tensor seen
+        as ``view`` (default :attr:`view`; or :attr:`piece_view`)."""
+        P, A, S = self.view if view is None else view
         p0, p1, a0, a1, s0, s1 = rect
         n = functools.partial(self.part_length, role)
         return (P, n(A), S), (p0, p1, n(a0), n(a1), s0, s1)

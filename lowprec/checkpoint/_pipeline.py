@@ -5,19 +5,28 @@ writer per shard and publishes every output together (see :mod:`lowprec.checkpoi
 
 A driver plans each shard as ``(plan, entries)`` — its own items, and the ``(stored name,
 dtype, shape)`` of everything the output shard holds — then hands :func:`write_outputs` a
-``convert(reader, writer, item, bar) -> TensorReport`` for its items.
+``convert(reader, writer, item, bar, runner) -> TensorReport`` for its items.
+
+Pieces run on worker threads (:class:`PieceRunner`): reading with ``pread``, the compiled
+programs, the native passes and ``pwrite`` all release the GIL, so a piece is read while
+another is quantized and a third written, on every core. At most two pieces per worker are
+in flight (memory stays a few pieces, whatever the checkpoint), each is written at its own
+place in the output, and results come back in order, so reports do not depend on the
+number of threads. A finished shard is made durable (fsync) in the background while the
+next one converts.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
 import shutil
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Iterable, Optional
 
 from ._atomic import AtomicFile, OutputSet, check_output
 from ._errors import CheckpointError
@@ -28,6 +37,76 @@ from ._safetensors import SafetensorsReader, SafetensorsWriter, nbytes_of
 from ._source import Source, check_symlinks
 
 _COPY_BYTES = 16 * 1024 * 1024
+
+
+#: Worker threads converting pieces (None: one per CPU this process may run on, at most 8).
+WORKERS: Optional[int] = None
+
+
+def default_workers() -> int:
+    """The number of piece workers: :data:`WORKERS`, else the CPUs this process may use
+    (at most 8: two cores already reach the disk's speed for most formats, and each worker
+    holds up to two pieces)."""
+    if WORKERS is not None:
+        return max(1, int(WORKERS))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
+class PieceRunner:
+    """Runs the pieces of a conversion on worker threads (see the module docstring).
+
+    :meth:`run` calls ``fn(item)`` for each item on the workers, at most two per worker at
+    once, and ``consume(item, result)`` in this thread in the items' order. An exception in
+    either (or a signal's, raised here: the command line's SIGTERM) cancels the pieces not
+    started and waits for those running before it propagates: no worker touches an output
+    after its file is aborted.
+
+    Example:
+        >>> got = []
+        >>> with PieceRunner(2) as runner:
+        ...     runner.run(lambda i: i * i, range(5), lambda i, r: got.append(r))
+        >>> got
+        [0, 1, 4, 9, 16]
+    """
+
+    def __init__(self, workers: int):
+        self.workers = max(1, int(workers))
+        self._pool = (ThreadPoolExecutor(self.workers, thread_name_prefix="lowprec-piece")
+                      if self.workers > 1 else None)
+
+    def run(self, fn: Callable, items: Iterable, consume: Callable) -> None:
+        if self._pool is None:
+            for item in items:
+                consume(item, fn(item))
+            return
+        pending: collections.deque = collections.deque()
+        try:
+            for item in items:
+                pending.append((item, self._pool.submit(fn, item)))
+                if len(pending) >= 2 * self.workers:
+                    done, future = pending.popleft()
+                    consume(done, future.result())
+            while pending:
+                done, future = pending.popleft()
+                consume(done, future.result())
+        finally:
+            for _, future in pending:
+                future.cancel()
+            wait([future for _, future in pending])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def progress_bar(total: int, desc: str, enabled: Optional[bool]):
@@ -305,8 +384,14 @@ def write_outputs(source, outputs, readers, plans, op, options, start, *, force,
     in_bytes = sum(i.nbytes for r in readers.values() for i in r.tensors.values())
     bar = progress_bar(in_bytes + source.other_bytes(), op, progress)
     reports, weight_map = [], {}
+    staged = []  # shards being made durable in the background
+    runner = PieceRunner(default_workers())
     try:
-        with outputs.folder(), OutputSet() as outs:
+        with outputs.folder(), OutputSet() as outs, contextlib.ExitStack() as stack:
+            # Left first: every background fsync has ended before any output is aborted
+            # (an aborted file's descriptor must not be used again).
+            stack.callback(wait, staged)
+            stager = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="lowprec-fsync"))
             writers = {}
             for rel, reader in readers.items():
                 plan, entries = plans[rel]
@@ -321,11 +406,11 @@ def write_outputs(source, outputs, readers, plans, op, options, start, *, force,
             def shard(rel):
                 shard_reports = []
                 for item in plans[rel][0]:
-                    rep = convert(readers[rel], writers[rel], item, bar)
+                    rep = convert(readers[rel], writers[rel], item, bar, runner)
                     if source.is_folder:
                         rep.shard = rel
                     shard_reports.append(rep)
-                writers[rel].stage()
+                staged.append(stager.submit(writers[rel].stage))
                 return shard_reports
 
             if outputs.jobs > 1 and len(readers) > 1:
@@ -336,6 +421,8 @@ def write_outputs(source, outputs, readers, plans, op, options, start, *, force,
             else:
                 done = [shard(rel) for rel in readers]
             reports = [rep for shard_reports in done for rep in shard_reports]
+            for future in list(staged):
+                future.result()
             _finish(source, outputs, outs, weight_map, out_bytes - source.other_bytes(), bar,
                     texts)
             result = ConversionReport(source.given, outputs.dst, op, options, reports,
@@ -343,6 +430,7 @@ def write_outputs(source, outputs, readers, plans, op, options, start, *, force,
             if outputs.report is not None:
                 _write_text(outputs.report, result.to_json() + "\n", outs, outputs, "report")
     finally:
+        runner.close()
         bar.close()
     return result
 

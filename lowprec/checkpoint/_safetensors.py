@@ -17,6 +17,7 @@ import json
 import math
 import os
 import struct
+import threading
 from typing import Iterator, Optional
 
 import ml_dtypes
@@ -195,6 +196,7 @@ class SafetensorsReader:
         if not os.path.isfile(self.path):
             raise CheckpointError(f"{self.path}: not a regular file")
         self._file = open(self.path, "rb")
+        self._seek_lock = threading.Lock()  # where there is no pread: seek + read in one go
         try:
             self._parse()
         except BaseException:
@@ -337,8 +339,9 @@ class SafetensorsReader:
             if hasattr(os, "preadv"):
                 got = os.preadv(self._file.fileno(), [buf[done:]], offset + done)
             else:  # pragma: no cover - Windows
-                self._file.seek(offset + done)
-                got = self._file.readinto(buf[done:])
+                with self._seek_lock:
+                    self._file.seek(offset + done)
+                    got = self._file.readinto(buf[done:])
             if got <= 0:
                 raise CheckpointError(
                     f"{self.path}: short read at byte {offset + done} (file changed or truncated?)"
@@ -429,6 +432,7 @@ class SafetensorsWriter(Transaction):
         self._sizes = {}
         self._begin = {}
         self._filled = {}
+        self._rows = {}
         offset = 0
         for name, dtype, shape in entries:
             if name == "__metadata__" or name in self._sizes:
@@ -440,6 +444,7 @@ class SafetensorsWriter(Transaction):
             header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
             self._order.append(name)
             self._sizes[name] = size
+            self._rows[name] = shape[0] if shape else 1
             self._filled[name] = 0
             offset += size
         self._dtypes = {name: header[name]["dtype"] for name in self._order}
@@ -452,6 +457,9 @@ class SafetensorsWriter(Transaction):
         self._file = AtomicFile(self.path, force=force, inputs=inputs)
         self._file.pwrite(struct.pack("<Q", len(text)) + text, 0)
         self._cursor = dict.fromkeys(self._order, 0)
+        # Pieces of a tensor are written by worker threads at their own offsets; the byte
+        # counts behind the completeness check are updated under this lock.
+        self._lock = threading.Lock()
 
     @staticmethod
     def _bytes(data) -> memoryview:
@@ -469,7 +477,8 @@ class SafetensorsWriter(Transaction):
                 f"{self._sizes[name]} bytes"
             )
         self._file.pwrite(buf, self._begin[name] + offset)
-        self._filled[name] += len(buf)
+        with self._lock:
+            self._filled[name] += len(buf)
 
     def _check_name(self, name: str) -> None:
         if name not in self._sizes:
@@ -479,8 +488,21 @@ class SafetensorsWriter(Transaction):
         """Appends ``data`` (array or bytes, C order) to tensor ``name`` (whole or in pieces)."""
         self._check_name(name)
         buf = self._bytes(data)
-        self._put(name, self._cursor[name], buf)
-        self._cursor[name] += len(buf)
+        with self._lock:  # appends of one tensor come from one thread, in order
+            offset = self._cursor[name]
+            self._cursor[name] += len(buf)
+        self._put(name, offset, buf)
+
+    def write_rows(self, name: str, start: int, data) -> None:
+        """Writes ``data`` (whole rows along axis 0 of tensor ``name``, C order) as its rows
+        ``start``, ``start + 1``, ...: at their place, in any order (from worker threads)."""
+        self._check_name(name)
+        buf = self._bytes(data)
+        row = self._sizes[name] // max(self._rows[name], 1)
+        if row and len(buf) % row:
+            raise CheckpointError(f"tensor {name!r}: {len(buf)} bytes are not whole rows of "
+                                  f"{row} bytes")
+        self._put(name, start * row, buf)
 
     def write_region(self, name: str, view, rect, data) -> None:
         """Writes ``data`` (shape (p1−p0, a1−a0, s1−s0), C order) into region ``rect`` of

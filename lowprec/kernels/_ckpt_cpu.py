@@ -1,0 +1,189 @@
+"""The checkpoint pipeline's native passes over host memory (``_ckpt_cpu.cc``): which calls
+they serve, a check before first use, and the calls.
+
+They are plain C functions of lowprec's native library (no XLA handler: they read and write
+NumPy buffers between the pipeline's XLA programs), called through :mod:`ctypes`, which
+releases the GIL, so the pipeline's worker threads run them at once. Each computes what NumPy
+code in :mod:`lowprec.checkpoint` computes (the fallback where the library is not built, its
+check fails, or the kernel policy is ``"xla"``); ``tests/test_checkpoint_native.py`` compares
+them. They depend on no XLA FFI version, so they serve wherever the library loads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Optional
+
+import ml_dtypes
+import numpy as np
+
+from ._cpu_native import LIBRARY
+
+#: The slots of :func:`stats`' result, in order (ErrorStats' fields, then the clipped count).
+STATS = ("count", "sum_x2", "sum_e2", "max_abs", "max_rel", "nonfinite", "nan_in", "inf_in",
+         "inf_saturated", "finite_to_nonfinite", "nonfinite_changed", "clipped", "clip_total")
+#: Input and output dtypes the passes read or write, by their code in the library.
+KINDS = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.float16): 2,
+         np.dtype(np.float64): 3}
+_P, _I32, _I64, _F64, _F32 = (ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_double,
+                              ctypes.c_float)
+_SIGNATURES = {
+    "lowprec_ckpt_stats": [_P, _I32, _I64, _P, _I32, _P, _I32, _P, _P, _I64, _I32, _F64, _F32,
+                           _I64, _I64, _I64, _P],
+    "lowprec_ckpt_decode": [_P, _P, _I32, _P, _P, _I64, _I32, _I64, _I32, _P, _I32, _P],
+    "lowprec_ckpt_amax": [_P, _I32, _I64, _I64, _P],
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> tuple[Optional[ctypes.CDLL], str]:
+    if not LIBRARY.is_file():
+        return None, "the native library was not built"
+    try:
+        lib = ctypes.CDLL(str(LIBRARY))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int32
+    except (OSError, AttributeError) as error:
+        return None, f"the native library at {LIBRARY} lacks them ({error}): reinstall lowprec"
+    problem = _self_check(lib)
+    if problem:
+        return None, f"they failed their check: {problem}"
+    return lib, f"the checkpoint passes run natively ({LIBRARY})"
+
+
+def available() -> bool:
+    """Whether the native passes serve the checkpoint pipeline here: the kernel policy
+    (:func:`lowprec.kernels.set_policy`: ``"xla"`` turns them off, for the NumPy code), the
+    library built, and its check passed (once per process)."""
+    from ._dispatch import kernels_enabled  # noqa: PLC0415 - _dispatch imports this package
+
+    return kernels_enabled() and _library()[0] is not None
+
+
+def status() -> str:
+    """Why :func:`available` is what it is (the policy aside), in a few words."""
+    return _library()[1]
+
+
+def _ptr(a) -> Optional[int]:
+    return None if a is None else a.ctypes.data
+
+
+def _kind(a: np.ndarray, what: str) -> int:
+    try:
+        return KINDS[a.dtype]
+    except KeyError:
+        raise TypeError(f"{what}: dtype {a.dtype} is not one the native passes read") from None
+
+
+def _codes_args(codes, code_bits, elut, factors, block):
+    if factors is not None:
+        factors = np.ascontiguousarray(factors, np.float32)
+    if codes is None:
+        return None, 0, None, factors, block
+    codes = np.ascontiguousarray(codes).view(np.uint8)
+    elut = np.ascontiguousarray(elut, np.float32)
+    if elut.size < 1 << code_bits:
+        raise ValueError(f"the code table holds {elut.size} values, not {1 << code_bits}")
+    return codes, code_bits, elut, factors, block
+
+
+def stats(x: np.ndarray, q: Optional[np.ndarray] = None, *, codes=None, code_bits: int = 8,
+          elut=None, factors=None, block: int = 0, clip: int = 0, max_finite: float = 0.0,
+          cast_scale: float = 1.0, view=None, lib=None) -> np.ndarray:
+    """float64[13] (:data:`STATS`) of a piece: its input ``x`` (float32, bfloat16 or float16)
+    against its decoded values, ``q`` (same dtypes) or the packed ``codes`` (``code_bits`` 4,
+    6 or 8 per element) decoded as ``elut[code] * factors[i // block]`` in float32.
+    ``clip``: 1 counts the blocks of ``block`` elements along A of ``view`` = (P, A, S) whose
+    largest magnitude exceeds factor x ``max_finite``; 2 the elements with
+    ``|float32(x / cast_scale)| > max_finite``."""
+    lib = lib or _library()[0]
+    x = np.ascontiguousarray(x)
+    n = x.size
+    qk = 0
+    if q is not None:
+        q = np.ascontiguousarray(q)
+        if q.size != n:
+            raise ValueError(f"q holds {q.size} values for {n} inputs")
+        qk = _kind(q, "q")
+    codes, code_bits, elut, factors, block = _codes_args(codes, code_bits, elut, factors, block)
+    if clip == 1 and factors is None:
+        raise ValueError("counting clipped blocks needs each block's factor")
+    P, A, S = view if view is not None else (1, n, 1)
+    out = np.zeros(len(STATS), np.float64)
+    status = lib.lowprec_ckpt_stats(
+        _ptr(x), _kind(x, "x"), n, _ptr(q), qk, _ptr(codes), code_bits, _ptr(elut),
+        _ptr(factors), block, clip, float(max_finite), float(cast_scale), P, A, S, _ptr(out))
+    if status:
+        raise ValueError("lowprec_ckpt_stats refused its arguments")
+    return out
+
+
+def decode(out: np.ndarray, q: Optional[np.ndarray] = None, *, codes=None, code_bits: int = 8,
+           elut=None, factors=None, block: int = 0, canonical_nan: bool = False,
+           saturate: bool = False, lib=None) -> tuple[int, int, float]:
+    """Writes decoded values into ``out`` (float32, bfloat16, float16 or float64; C order):
+    ``q`` (float32) narrowed, or the packed ``codes`` decoded as :func:`stats` does (NaN made
+    lowprec's canonical NaN if ``canonical_nan``). Returns (non-finite values written, finite
+    values that overflowed ``out``'s dtype, the largest overflowing magnitude); overflowed
+    values are clamped to the largest finite value only with ``saturate`` (else ``out`` is
+    partly written and the caller refuses the tensor)."""
+    lib = lib or _library()[0]
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    n = out.size
+    if q is not None:
+        q = np.ascontiguousarray(q, np.float32)
+        if q.size != n:
+            raise ValueError(f"q holds {q.size} values for {n} outputs")
+    codes, code_bits, elut, factors, block = _codes_args(codes, code_bits, elut, factors, block)
+    counts = np.zeros(4, np.float64)
+    status = lib.lowprec_ckpt_decode(
+        _ptr(q), _ptr(codes), code_bits, _ptr(elut), _ptr(factors), block, int(canonical_nan),
+        n, _kind(out, "out"), _ptr(out), int(saturate), _ptr(counts))
+    if status == 1:
+        raise ValueError("lowprec_ckpt_decode refused its arguments")
+    return int(counts[0]), int(counts[1]), float(counts[2])
+
+
+def amax(x: np.ndarray, rows: int = 1, lib=None) -> np.ndarray:
+    """float32[rows]: the largest finite magnitude of each of ``rows`` equal rows of ``x``
+    (float64 rounded to float32 first), 0 where a row has none."""
+    lib = lib or _library()[0]
+    x = np.ascontiguousarray(x)
+    out = np.zeros(rows, np.float32)
+    if lib.lowprec_ckpt_amax(_ptr(x), _kind(x, "x"), x.size, rows, _ptr(out)):
+        raise ValueError("lowprec_ckpt_amax refused its arguments")
+    return out
+
+
+def _self_check(lib) -> str:
+    """'' if the passes give the results derived here, else the problem."""
+    # Statistics: x = (1, 2, -3, 0.5, inf, nan) against q = (1, 2.5, -3, 0, max, nan).
+    # Finite pairs: 4 (count), sum x^2 = 1 + 4 + 9 + 0.25 = 14.25, errors (0, -0.5, 0, 0.5)
+    # so sum e^2 = 0.5, max |e| = 0.5, max |e|/|x| = 0.5 / 0.5 = 1; inf -> max is saturated,
+    # NaN stays NaN (not changed); two non-finite, one NaN in, one inf in.
+    x = np.array([1, 2, -3, 0.5, np.inf, np.nan], np.float32)
+    q = np.array([1, 2.5, -3, 0, 448, np.nan], np.float32)
+    want = [4, 14.25, 0.5, 0.5, 1, 2, 1, 1, 1, 0, 1, 0, 0]
+    # Decoding: FP4 bytes 0x21 (low nibble first: codes 1, 2 = 0.5, 1.0) and 0xF7 (codes 7,
+    # 15 = 6.0, -6.0) times a factor 4, to bfloat16: 2, 4, 24, -24 (0x4000, 0x4080, 0x41C0,
+    # 0xC1C0).
+    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    out = np.zeros(4, ml_dtypes.bfloat16)
+    try:
+        got = stats(x, q, lib=lib)
+        counts = decode(out, codes=np.array([0x21, 0xF7], np.uint8), code_bits=4, elut=e2m1,
+                        factors=np.array([4], np.float32), block=4, lib=lib)
+        top = amax(np.array([[-3, np.inf], [np.nan, 0.25]], ml_dtypes.bfloat16), rows=2, lib=lib)
+    except (ValueError, TypeError, ctypes.ArgumentError) as error:
+        return f"{type(error).__name__}: {error}"
+    if got.tolist() != want:
+        return f"statistics {got.tolist()} differ from the derived {want}"
+    if out.view(np.uint16).tolist() != [0x4000, 0x4080, 0x41C0, 0xC1C0] or counts != (0, 0, 0.0):
+        return "decoded FP4 values differ from the derived ones"
+    if top.tolist() != [3.0, 0.25]:
+        return "largest finite magnitudes differ from the derived ones"
+    return ""

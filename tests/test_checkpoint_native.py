@@ -1,0 +1,271 @@
+"""The checkpoint pipeline's native passes (``lowprec/kernels/_ckpt_cpu.cc``) against the
+NumPy code they replace, bit for bit, on adversarial pieces.
+
+The expected values never come from the native passes: decoded values are the library's
+``dequantize`` of ``quantize_mx``'s codes (which the rest of the suite checks against the
+independent reference), narrowed by NumPy's casts (``lowprec.checkpoint._chunk.narrow`` with
+the native passes turned off); statistics are :meth:`ErrorStats.update` on those values and the
+clipped-block count of ``_mx_clipped``; largest magnitudes are NumPy's. Inputs hold NaN, ±inf,
+−0, float32 and half-precision subnormals, values past float16's and bfloat16's range (the
+overflow on narrowing), blocks of zeros, and odd numbers of blocks and elements. Every
+format the pipeline stores is covered (MXFP4/6/8, MXINT8, NVFP4 with its tensor scale, the
+FP8 casts), from float32, bfloat16 and float16 inputs, decoded to float32, bfloat16, float16
+and float64. Cost: about a second (a few small compiled programs per format).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import lowprec
+from lowprec.checkpoint import _chunk
+from lowprec.checkpoint._errors import CheckpointError
+from lowprec.checkpoint._stats import ErrorStats
+from lowprec.kernels import _ckpt_cpu
+
+pytestmark = pytest.mark.skipif(not _ckpt_cpu.available(), reason=_ckpt_cpu.status())
+
+MX_FORMATS = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxint8",
+              "nvfp4")
+INPUTS = (np.float32, ml_dtypes.bfloat16, np.float16)
+OUTPUTS = (np.float32, ml_dtypes.bfloat16, np.float16, np.float64)
+_INT_OF = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@pytest.fixture
+def numpy_only(monkeypatch):
+    """The NumPy code of the pipeline (what runs where the library is not built)."""
+    monkeypatch.setattr(_chunk, "native", lambda: False)
+
+
+def adversarial(rows: int, cols: int, dtype, seed: str) -> np.ndarray:
+    """``rows`` x ``cols`` values of ``dtype``: Gaussian rows over binades from 2^-30 to
+    2^20 (past float16's and into bfloat16's subnormal range), one row of zeros of both
+    signs, one row of float32 subnormals, one of huge values (past float16 and near float32's
+    max), with NaN, ±inf, −0 and tiny values sprinkled in."""
+    rng = np.random.default_rng(zlib.crc32(seed.encode()))
+    x = rng.standard_normal((rows, cols)) * np.exp2(rng.integers(-30, 21, (rows, 1)))
+    x[0] = np.where(rng.integers(0, 2, cols) == 1, -0.0, 0.0)
+    x[1] = rng.standard_normal(cols) * 2.0 ** -140  # float32 subnormals (0 in half types)
+    x[2] = rng.standard_normal(cols) * 3e38 * rng.random(cols)  # past half ranges
+    flat = x.reshape(-1)
+    picks = rng.choice(flat.size, size=min(flat.size, max(8, flat.size // 40)),
+                       replace=False)
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 2.0 ** -24, -(2.0 ** -133), 65520.0,
+                         -1e6])
+    flat[picks] = specials[rng.integers(0, specials.size, picks.size)]
+    with np.errstate(over="ignore"):
+        return flat.reshape(rows, cols).astype(np.float32).astype(dtype)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(_INT_OF[a.dtype.itemsize])
+
+
+def quantized(fmt_name: str, x: np.ndarray):
+    """(the library's codes as a CodedPiece, its decoded float32 values, its clipped-block
+    count by the NumPy code) of ``x`` quantized along its last axis."""
+    fmt = lowprec.mx_format(fmt_name)
+    mx = lowprec.quantize_mx(jnp.asarray(x.astype(np.float32)), fmt, axis=-1)
+    ts = None if mx.tensor_scale is None else np.float32(mx.tensor_scale)
+    elements, scales = np.asarray(mx.elements), np.asarray(mx.scales)
+    coded = _chunk.mx_coded(elements, scales, fmt, ts)
+    assert coded is not None
+    clipped = _chunk._mx_clipped(x.astype(np.float32), scales, fmt, ts)
+    return coded, np.asarray(lowprec.dequantize(mx), np.float32), clipped
+
+
+def expected_narrowing(values: np.ndarray, dtype, saturate: bool):
+    """(narrowed values, saturated count) by the NumPy code, or the CheckpointError it raises."""
+    wide = values.astype(_chunk.wide_dtype(dtype))
+    saved = _chunk.native
+    _chunk.native = lambda: False
+    try:
+        return _chunk.narrow(wide, dtype, "t", saturate)
+    except CheckpointError as e:
+        return e
+    finally:
+        _chunk.native = saved
+
+
+def assert_stats_equal(got: ErrorStats, want: ErrorStats) -> None:
+    for field in ("count", "max_abs", "max_rel", "nonfinite", "nan_in", "inf_in",
+                  "inf_saturated", "finite_to_nonfinite", "nonfinite_changed", "clipped",
+                  "clip_total"):
+        assert getattr(got, field) == getattr(want, field), field
+    # Sums: the same float64 terms in another order (eight lanes vs NumPy's pairwise sum);
+    # each of at most 2^12 terms carries a relative rounding of 2^-53, so 1e-12 bounds them.
+    for field in ("sum_x2", "sum_e2"):
+        assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("in_dtype", INPUTS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt_name", MX_FORMATS)
+def test_mx_stats_and_decode_match_numpy(fmt_name, in_dtype):
+    block = lowprec.mx_format(fmt_name).block_size
+    x = adversarial(7, 3 * 32, in_dtype, f"{fmt_name} {in_dtype}")  # 21 or 42 blocks: odd
+    coded, values, clipped = quantized(fmt_name, x)
+    assert values.size == x.size and x.size % block == 0
+
+    got = ErrorStats()
+    got.add_vector(_ckpt_cpu.stats(x, **coded.args(), clip=1,
+                                   max_finite=lowprec.mx_format(fmt_name).element.max_finite,
+                                   view=(*x.shape, 1)))
+    want = ErrorStats()
+    want.update(x, values)
+    want.add_clipped(*clipped)
+    assert_stats_equal(got, want)
+    assert want.nonfinite > 0 and want.count > 0  # the specials reached the statistics
+
+    for out_dtype in OUTPUTS:
+        for saturate in (False, True):
+            expected = expected_narrowing(values, out_dtype, saturate)
+            if isinstance(expected, CheckpointError):
+                with pytest.raises(CheckpointError) as raised:
+                    _chunk.decode_coded(coded, x.shape, out_dtype, saturate=saturate, name="t")
+                assert str(raised.value) == str(expected)
+                continue
+            out, n, nonfinite = _chunk.decode_coded(coded, x.shape, out_dtype,
+                                                    saturate=saturate, name="t")
+            assert out.dtype == np.dtype(out_dtype)
+            np.testing.assert_array_equal(bits(out), bits(expected[0]))
+            assert n == expected[1]
+            assert nonfinite == _chunk.count_nonfinite(expected[0])
+
+
+def test_overflow_on_narrowing_is_reached():
+    """The adversarial MXFP8 piece overflows float16 (so the test above checks the refusal
+    and the clamping) and not float32."""
+    _, values, _ = quantized("mxfp8_e4m3", adversarial(7, 96, np.float32, "overflow"))
+    assert isinstance(expected_narrowing(values, np.float16, False), CheckpointError)
+    saturated = expected_narrowing(values, np.float16, True)
+    assert saturated[1] > 0 and np.abs(saturated[0][np.isfinite(saturated[0])]).max() == 65504
+    assert expected_narrowing(values, np.float32, False)[1] == 0
+
+
+@pytest.mark.parametrize("elem_name", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("in_dtype", INPUTS, ids=lambda d: np.dtype(d).name)
+def test_cast_stats_and_decode_match_numpy(elem_name, in_dtype, numpy_only):
+    """FP8 casts with a per-tensor scale (an odd number of elements): the native statistics
+    (clip 2: |x / scale| > max) and decoding against the NumPy code of ``_chunk``."""
+    elem = lowprec.element_format(elem_name)
+    x = adversarial(5, 41, in_dtype, f"cast {elem_name} {in_dtype}")
+    scale = np.float32(2.0 ** -3)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = x.astype(np.float32) / scale
+    codes = _chunk.encode_cast(y, elem)
+    values = (np.asarray(lowprec.decode(jnp.asarray(codes.view(elem.code_dtype)), elem))
+              .astype(np.float32))
+    with np.errstate(over="ignore"):
+        values = values * scale
+    coded = _chunk.CodedPiece(codes.view(np.uint8).reshape(-1), 8, _chunk.element_table(elem),
+                              np.float32([scale]), codes.size, False)
+    got = ErrorStats()
+    got.add_vector(_ckpt_cpu.stats(x, **coded.args(), clip=2, max_finite=elem.max_finite,
+                                   cast_scale=scale))
+    want = ErrorStats()
+    want.update(x, values)
+    with np.errstate(invalid="ignore"):
+        want.add_clipped(np.count_nonzero(np.abs(y) > elem.max_finite), y.size)
+    assert_stats_equal(got, want)
+
+    for out_dtype in OUTPUTS:
+        expected = _chunk.narrow(values.astype(_chunk.wide_dtype(out_dtype)), out_dtype, "t",
+                                 True)
+        out = np.empty(x.shape, out_dtype)
+        _, n, _ = _ckpt_cpu.decode(out, **coded.args(), saturate=True)
+        np.testing.assert_array_equal(bits(out), bits(expected[0]))
+        assert n == expected[1]
+
+
+@pytest.mark.parametrize("q_dtype", INPUTS, ids=lambda d: np.dtype(d).name)
+def test_stats_of_given_values_match_numpy(q_dtype):
+    """Statistics of x against decoded values given as an array (1,001 elements: no lane
+    multiple), every pairing of finite and non-finite on both sides."""
+    x = adversarial(7, 143, np.float32, "given x").reshape(-1)
+    rng = np.random.default_rng(1)
+    q = (x * (1 + rng.standard_normal(x.size) * 2.0 ** -8)).astype(np.float32)
+    q[rng.choice(x.size, 60, replace=False)] = np.nan
+    q[rng.choice(x.size, 60, replace=False)] = np.inf
+    q[np.isinf(x)] = 448.0  # inf inputs stored as a number (saturated)
+    with np.errstate(over="ignore"):
+        q = q.astype(q_dtype)
+    got = ErrorStats()
+    got.add_vector(_ckpt_cpu.stats(x, q))
+    want = ErrorStats()
+    want.update(x, q.astype(np.float32))
+    assert_stats_equal(got, want)
+    assert want.finite_to_nonfinite > 0 and want.inf_saturated > 0
+
+
+@pytest.mark.parametrize("in_dtype", INPUTS + (np.float64,), ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 1001), (4, 0)])
+def test_amax_matches_numpy(in_dtype, shape, numpy_only):
+    x = adversarial(max(shape[0], 3), max(shape[1], 1), np.float64, f"amax {shape}")
+    x = x[: shape[0], : shape[1]]
+    if in_dtype == np.float64 and x.size > 2:
+        x.reshape(-1)[:2] = [1e300, float.fromhex("0x1.fffffefp127")]  # inf / max in float32
+    with np.errstate(over="ignore"):
+        x = np.ascontiguousarray(x.astype(in_dtype))
+    want = _chunk.finite_amax_rows(x)  # NumPy (the fixture)
+    got = _ckpt_cpu.amax(x, rows=shape[0])
+    np.testing.assert_array_equal(bits(got), bits(want.astype(np.float32)))
+    whole = _ckpt_cpu.amax(x)[0]
+    assert whole == (want.max() if want.size else 0)
+    if x.size:
+        assert whole == _chunk.finite_amax(x)
+
+
+def test_bad_arguments_refused():
+    x = np.ones(64, np.float32)
+    codes = np.zeros(32, np.uint8)
+    e2m1 = _chunk.element_table(lowprec.element_format("e2m1"))
+    with pytest.raises(ValueError, match="q holds 3 values for 64"):
+        _ckpt_cpu.stats(x, np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="int32 is not one"):
+        _ckpt_cpu.stats(x.astype(np.int32))
+    with pytest.raises(ValueError, match="refused"):  # x and q: no float64 (decode's only)
+        _ckpt_cpu.stats(x, np.ones(64))
+    with pytest.raises(ValueError, match="refused"):
+        _ckpt_cpu.stats(np.ones(64), x)
+    with pytest.raises(ValueError, match="table holds 8 values, not 16"):
+        _ckpt_cpu.stats(x, codes=codes, code_bits=4, elut=e2m1[:8])
+    with pytest.raises(ValueError, match="clipped blocks needs"):
+        _ckpt_cpu.stats(x, codes=codes, code_bits=4, elut=e2m1, clip=1)
+    with pytest.raises(ValueError, match="refused"):  # factors without a block length
+        _ckpt_cpu.stats(x, codes=codes, code_bits=4, elut=e2m1, factors=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="refused"):  # a code width the passes do not read
+        _ckpt_cpu.stats(x, codes=codes, code_bits=5, elut=np.zeros(32, np.float32))
+    with pytest.raises(ValueError, match="refused"):
+        _ckpt_cpu.stats(x, codes=codes, code_bits=4, elut=e2m1, clip=3)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _ckpt_cpu.decode(np.empty((8, 16), np.float32)[:, ::2], codes=codes, code_bits=4,
+                         elut=e2m1)
+    with pytest.raises(ValueError, match="q holds 64 values for 32"):
+        _ckpt_cpu.decode(np.empty(32, np.float32), x)
+    with pytest.raises(TypeError, match="int16 is not one"):
+        _ckpt_cpu.decode(np.empty(64, np.int16), codes=codes, code_bits=4, elut=e2m1)
+    with pytest.raises(ValueError, match="refused"):
+        _ckpt_cpu.decode(np.empty(64, np.float32), codes=codes, code_bits=4, elut=e2m1,
+                         factors=np.ones(2, np.float32), block=0)
+    with pytest.raises(ValueError, match="refused"):  # 64 values in 3 equal rows
+        _ckpt_cpu.amax(x, rows=3)
+    with pytest.raises(ValueError, match="refused"):
+        _ckpt_cpu.amax(x, rows=0)
+    with pytest.raises(TypeError, match="uint8 is not one"):
+        _ckpt_cpu.amax(codes)
+
+
+def test_fallback_when_policy_is_xla():
+    """Kernel policy "xla" hands the pipeline to the NumPy code (the same numbers)."""
+    previous = lowprec.kernels.set_policy("xla")
+    try:
+        assert not _chunk.native()
+    finally:
+        lowprec.kernels.set_policy(previous)
+    assert _chunk.native()
