@@ -18,13 +18,12 @@ import time
 import numpy as np
 
 from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
-from ._engine_convert import convert_checkpoint
 from ._errors import CheckpointError
-from ._gguf import check_outputs, lowprec_tensors, write_report
+from ._gguf import check_outputs, lowprec_tensors, write_in_layout, write_report
 from ._layout import make_spec
 from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY
 from ._report import ConversionReport, TensorReport
-from ._safetensors import SafetensorsReader, SafetensorsWriter
+from ._safetensors import SafetensorsReader
 
 
 def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
@@ -82,17 +81,8 @@ def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
         metadata[METADATA_KEY] = json.dumps(meta)
         metadata[METADATA_VERSION_KEY] = METADATA_VERSION
 
-        def write(path, frc):
-            with SafetensorsWriter(path, entries, metadata, force=frc, inputs=inputs) as w:
-                for n, _, _ in entries:
-                    w.write(n, data[n])
-
-        if layout in (None, "lowprec"):
-            write(dst, force)
-        else:
-            tmp = os.path.join(d, "cast.safetensors")
-            write(tmp, False)
-            convert_checkpoint(tmp, dst, layout, force=force, progress=progress)
+        write_in_layout(dst, layout, entries, metadata, data, force=force, inputs=inputs,
+                        progress=progress, tmp_dir=d)
     rep = ConversionReport(src, os.fspath(dst), "convert",
                            {"to": "nvfp4", "layout": layout,
                             "casts": {n: vars(c) for n, c in casts.items()}},

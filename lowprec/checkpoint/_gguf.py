@@ -48,6 +48,7 @@ import json
 import os
 import re
 import struct
+import tempfile
 import time
 from typing import Optional
 
@@ -762,8 +763,6 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
     * GGUF → safetensors (``layout``): the MXFP4 / NVFP4 tensors under their GGUF names in
       a lowprec (or compressed-tensors / ModelOpt) file; other tensors decoded to float32.
     """
-    import tempfile
-
     start = time.perf_counter()
     src_gguf = is_gguf(src) and os.path.isfile(os.fspath(src))
     dst_gguf = os.fspath(dst).endswith(".gguf")
@@ -930,11 +929,32 @@ def _rewrite(f: GGUFFile, dst, replace: dict, to, force, progress, report, start
     return rep
 
 
+def write_in_layout(dst, layout, entries, metadata, data, *, force: bool, inputs, progress,
+                    tmp_dir=None) -> None:
+    """Writes ``entries`` (name, dtype, shape; values in ``data``) in lowprec's layout to
+    ``dst``, or, for another ``layout``, to a temporary lowprec file in ``tmp_dir`` (a new
+    one beside ``dst`` if None) that :func:`convert_checkpoint` writes to ``dst``."""
+    def write(path, frc):
+        with SafetensorsWriter(path, entries, metadata, force=frc, inputs=inputs) as w:
+            for name, _, _ in entries:
+                w.write(name, data[name])
+
+    if layout in (None, "lowprec"):
+        write(dst, force)
+        return
+    if tmp_dir is None:
+        where = os.path.dirname(os.path.abspath(os.fspath(dst)))
+        with tempfile.TemporaryDirectory(dir=where) as d:
+            write_in_layout(dst, layout, entries, metadata, data, force=force, inputs=inputs,
+                            progress=progress, tmp_dir=d)
+        return
+    tmp = os.path.join(tmp_dir, "layout-input.safetensors")
+    write(tmp, False)
+    convert_checkpoint(tmp, dst, layout, force=force, progress=progress)
+
+
 def _gguf_to_safetensors(f: GGUFFile, dst, layout, to, force, progress, report, start):
     """GGUF → a lowprec-layout safetensors file (then ``layout`` by convert_checkpoint)."""
-    import tempfile
-
-
     inputs = Inputs([f.path])
     scales = {_scale_name(n) for n, t in f.tensors.items() if t.type == NVFP4}
     entries, data, meta, reports, casts = [], {}, {}, [], {}
@@ -962,18 +982,8 @@ def _gguf_to_safetensors(f: GGUFFile, dst, layout, to, force, progress, report, 
                                         x.nbytes, reason="decoded to float32"))
     metadata = {METADATA_KEY: json.dumps(meta), METADATA_VERSION_KEY: METADATA_VERSION}
 
-    def write(path, frc):
-        with SafetensorsWriter(path, entries, metadata, force=frc, inputs=inputs) as w:
-            for name, _, _ in entries:
-                w.write(name, data[name])
-
-    if layout in (None, "lowprec"):
-        write(dst, force)
-    else:
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(os.fspath(dst)))) as d:
-            tmp = os.path.join(d, "lowprec.safetensors")
-            write(tmp, False)
-            convert_checkpoint(tmp, dst, layout, force=force, progress=progress)
+    write_in_layout(dst, layout, entries, metadata, data, force=force, inputs=inputs,
+                    progress=progress)
     rep = ConversionReport(f.path, os.fspath(dst), "convert",
                            {"container": "gguf", "layout": layout, "to": to,
                             "casts": {n: vars(c) for n, c in casts.items()}},
