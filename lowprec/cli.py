@@ -50,31 +50,23 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 from typing import Optional, Sequence
 
 from . import __version__
 from .checkpoint import (
     DEFAULT_KEEP_PATTERN,
-    ENGINE_LAYOUTS,
     FORMATS,
-    LAYOUTS,
     CheckpointError,
     convert_checkpoint,
     dequantize_checkpoint,
+    get_layout,
     inspect_checkpoint,
+    layout_names,
     quantize_checkpoint,
 )
+from .checkpoint._atomic import Interrupted, interruptible, pending_signal
 from .checkpoint._cast import cast_checkpoint
-from .checkpoint._gguf import (convert_gguf, dequantize_gguf, inspect_gguf, is_gguf,
-                                quantize_gguf)
-from .checkpoint._atomic import (
-    Interrupted,
-    abort_all,
-    clear_signal,
-    pending_signal,
-    record_signal,
-)
+from .checkpoint._layouts import layout_of_path
 from .checkpoint._engine_layouts import scheme_name
 from .checkpoint._engine_schemes import SCHEMES as ENGINE_SCHEMES
 from .checkpoint._formats import (
@@ -86,7 +78,6 @@ from .checkpoint._formats import (
     checkpoint_format,
 )
 
-_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 _EXIT_BROKEN_PIPE = 128 + 13  # as a process killed by SIGPIPE
 
 
@@ -117,17 +108,13 @@ def _format_arg(name: str):
 
 
 def _layout_arg(name: str) -> str:
-    if name in LAYOUTS + ENGINE_LAYOUTS:
-        return name
-    raise CheckpointError(f"unknown layout {name!r}; choose one of: "
-                          f"{', '.join(LAYOUTS + ENGINE_LAYOUTS)}")
+    """A registered layout's name (:func:`lowprec.checkpoint.get_layout`)."""
+    return get_layout(name).name
 
 
 def _convert_layout_arg(name: str) -> str:
-    if name in ("lowprec",) + ENGINE_LAYOUTS:
-        return name
-    raise CheckpointError(f"unknown layout {name!r} for convert; choose one of: lowprec, "
-                          f"{', '.join(ENGINE_LAYOUTS)}")
+    """A registered layout that ``convert`` writes."""
+    return get_layout(name, writes="convert").name
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -172,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
                         "--scale-rule floor_log2f: ggml's own MXFP4 rule, what llama-quantize "
                         "writes; nearest_even is lowprec's)")
     q.add_argument("--layout", type=_checked(_layout_arg), default="lowprec", metavar="LAYOUT",
-                   help=f"{', '.join(LAYOUTS + ENGINE_LAYOUTS)}; lowprec: <name>_elements + "
+                   help=f"{', '.join(layout_names())}; lowprec: <name>_elements + "
                         "<name>_scales; gpt-oss (mxfp4 only): <name>_blocks [...,K/32,16] + "
                         "<name>_scales [...,K/32]; compressed-tensors (formats nvfp4, mxfp4, "
                         "mxfp8, fp8, fp8_channel) and modelopt (nvfp4, fp8): what vLLM, SGLang "
@@ -283,41 +270,6 @@ def _common(p):
     p.add_argument("--json", action="store_true", help="print the report as JSON, not a table")
 
 
-@contextlib.contextmanager
-def _signals_raise():
-    """While active, SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted` in the main thread
-    (once: further ones are ignored so that cleanup finishes). The signal is also recorded,
-    and every output write checks it: an exception raised while Python runs a gc callback
-    is dropped, not propagated."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        for s in _SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
-        record_signal(signum)  # in case the exception below gets swallowed
-        raise Interrupted(signum)
-
-    hook = sys.unraisablehook
-
-    def quiet_hook(unraisable):  # the dropped Interrupted is handled via the flag: no noise
-        if not isinstance(unraisable.exc_value, Interrupted):
-            hook(unraisable)
-
-    previous = {s: signal.getsignal(s) for s in _SIGNALS}
-    try:
-        sys.unraisablehook = quiet_hook
-        for s in _SIGNALS:
-            signal.signal(s, handler)
-        yield
-    finally:
-        clear_signal()
-        for s, h in previous.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
-        sys.unraisablehook = hook
-
-
 def _print(text: str, command: str = "") -> int:
     """Prints to stdout; 0, the broken-pipe status if the reader went away, or 1 (with one
     line on stderr) if stdout cannot take it (a full device). The output files are complete
@@ -355,10 +307,12 @@ def _quantize_scheme(args) -> tuple:
     return fmt, [s for s in args.scheme if "=" in s]
 
 
-def _gguf_call(args, progress):
-    """The GGUF hook: runs the command if IN or OUT is GGUF (None otherwise)."""
+def _container_call(args, progress):
+    """A layout with its own container (GGUF): runs the command if IN or OUT is one of its
+    files (None otherwise)."""
     out = getattr(args, "output", "")
-    if not (is_gguf(args.input) or str(out).endswith(".gguf")):
+    own = layout_of_path(args.input, out or None)  # GGUF: IN's magic, or OUT named .gguf
+    if own is None:
         if getattr(args, "template", None):
             raise CheckpointError("--template is for a GGUF output (OUT.gguf)")
         if getattr(args, "to", None):
@@ -383,21 +337,54 @@ def _gguf_call(args, progress):
         ("--calibration", getattr(args, "calibration", None) is not None),
         ("--activation-amax", getattr(args, "activation_amax", None) is not None)) if used]
     if unused:
-        raise CheckpointError(f"{', '.join(unused)}: not for GGUF files (ggml blocks run along "
-                              "ne[0]; one file, one tensor at a time)")
+        raise CheckpointError(f"{', '.join(unused)}: not for {own.name.upper()} files "
+                              f"({own.why_not})")
     common = dict(force=args.force, progress=progress, report=args.report) if out else {}
     if args.command == "quantize":
         if args.format is None:
             raise CheckpointError("give the GGUF output's format: --format mxfp4 or nvfp4")
-        return quantize_gguf(args.input, args.output, args.format, include=args.include,
-                                   exclude=args.exclude, scale_rule=args.scale_rule,
-                                   rounding=args.rounding, **common)
+        return own.quantize(args.input, args.output, args.format, include=args.include,
+                            exclude=args.exclude, scale_rule=args.scale_rule,
+                            rounding=args.rounding, **common)
     if args.command == "dequantize":
-        return dequantize_gguf(args.input, args.output, dtype=args.dtype, **common)
+        return own.dequantize(args.input, args.output, dtype=args.dtype, **common)
     if args.command == "convert":
-        return convert_gguf(args.input, args.output, template=args.template, to=args.to,
-                                  layout=args.layout, **common)
-    return inspect_gguf(args.input)
+        return own.convert(args.input, args.output, template=args.template, to=args.to,
+                           layout=args.layout, **common)
+    return own.inspect(args.input)
+
+
+def _quantize(args, progress):
+    fmt, schemes = _quantize_scheme(args)
+    return quantize_checkpoint(
+        args.input, args.output, fmt, include=args.include, exclude=args.exclude,
+        scale_rule=args.scale_rule, layout=args.layout, axis=args.axis,
+        fp8_scale=args.fp8_scale, block_size=args.block_size, force=args.force,
+        progress=progress, report=args.report, ignore=args.ignore, schemes=schemes,
+        follow_symlinks=args.follow_symlinks, jobs=args.jobs, calibration=args.calibration,
+        activation_amax=args.activation_amax, max_seq_length=args.max_seq_length)
+
+
+def _convert(args, progress):
+    return convert_checkpoint(args.input, args.output, args.layout, requantize=args.requantize,
+                              force=args.force, progress=progress, report=args.report,
+                              follow_symlinks=args.follow_symlinks, jobs=args.jobs)
+
+
+def _dequantize(args, progress):
+    return dequantize_checkpoint(
+        args.input, args.output, dtype=args.dtype, force=args.force, progress=progress,
+        report=args.report, saturate=args.saturate, follow_symlinks=args.follow_symlinks,
+        jobs=args.jobs, keep_undecodable=args.keep_undecodable)
+
+
+def _inspect(args, progress):
+    return inspect_checkpoint(args.input)
+
+
+#: The verbs on safetensors checkpoints (a container layout's files go to the layout).
+_VERBS = {"quantize": _quantize, "convert": _convert, "dequantize": _dequantize,
+          "inspect": _inspect}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -405,7 +392,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "convert" and args.layout is None:
-        if not (is_gguf(args.input) or str(args.output).endswith(".gguf")):
+        if layout_of_path(args.input, args.output) is None:
             parser.error("convert: the following argument is required: --layout "
                          "(unless IN or OUT is a GGUF file)")
     progress = False if getattr(args, "quiet", False) else None
@@ -417,42 +404,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         jax.devices()
     try:
-        with _signals_raise():
-            try:
-                gguf = _gguf_call(args, progress)
-                if gguf is not None:
-                    report = gguf
-                elif args.command == "quantize":
-                    fmt, schemes = _quantize_scheme(args)
-                    report = quantize_checkpoint(
-                        args.input, args.output, fmt,
-                        include=args.include, exclude=args.exclude, scale_rule=args.scale_rule,
-                        layout=args.layout, axis=args.axis, fp8_scale=args.fp8_scale,
-                        block_size=args.block_size, force=args.force, progress=progress, report=args.report,
-                        ignore=args.ignore, schemes=schemes,
-                        follow_symlinks=args.follow_symlinks, jobs=args.jobs,
-                        calibration=args.calibration, activation_amax=args.activation_amax,
-                        max_seq_length=args.max_seq_length,
-                    )
-                elif args.command == "convert":
-                    report = convert_checkpoint(
-                        args.input, args.output, args.layout, requantize=args.requantize,
-                        force=args.force,
-                        progress=progress, report=args.report,
-                        follow_symlinks=args.follow_symlinks, jobs=args.jobs,
-                    )
-                elif args.command == "dequantize":
-                    report = dequantize_checkpoint(
-                        args.input, args.output, dtype=args.dtype, force=args.force,
-                        progress=progress, report=args.report, saturate=args.saturate,
-                        follow_symlinks=args.follow_symlinks, jobs=args.jobs,
-                        keep_undecodable=args.keep_undecodable,
-                    )
-                else:
-                    report = inspect_checkpoint(args.input)
-            except Interrupted:
-                abort_all()
-                raise
+        with interruptible():
+            report = _container_call(args, progress)
+            if report is None:
+                report = _VERBS[args.command](args, progress)
             late = pending_signal()  # caught, but its exception was dropped
         if late is not None:
             print(f"lowprec {args.command}: interrupted by {signal.Signals(late).name} after "

@@ -14,6 +14,10 @@ maxima, what happened to NaN/inf values). The command line front end is
 ``quantize_checkpoint(..., layout="compressed-tensors" | "modelopt")`` and
 :func:`convert_checkpoint` write the layouts inference engines load (vLLM, SGLang,
 transformers; :mod:`lowprec.checkpoint._engine_layouts`), which every reader here also reads.
+A layout is a registered :class:`Layout` object (:func:`get_layout`, :func:`layout_names`,
+:func:`register`; :mod:`lowprec.checkpoint._layouts` says what one provides), one module
+each: ``_layout_lowprec``, ``_layout_gpt_oss``, ``_layout_ct``, ``_layout_modelopt``,
+``_layout_gguf``; ``_layout_codes`` is the base of a new layout of block formats.
 
 Modules, one job each: ``_formats`` (which formats, under which names), ``_layout``
 (stored parts of a tensor, pieces), ``_chunk`` (encoding/decoding a piece), ``_stats``
@@ -68,6 +72,11 @@ from ._formats import (
 )
 from ._gguf import convert_gguf, dequantize_gguf, inspect_gguf, quantize_gguf
 from ._layout import TensorSpec, make_spec, pieces
+
+# The layouts, one module each, registered in the order readers ask them in.
+from . import _layout_lowprec, _layout_gpt_oss, _layout_ct, _layout_modelopt  # noqa: E402,F401,I001
+from . import _layout_gguf  # noqa: E402,F401
+from ._layouts import Layout, get_layout, layout_names, register  # noqa: E402
 from ._logical import METADATA_KEY, quantized_specs
 from ._report import ConversionReport, TensorReport
 from ._safetensors import SafetensorsReader, SafetensorsWriter, TensorInfo
@@ -84,6 +93,7 @@ __all__ = [
     "MX_FORMATS",
     "AtomicFile",
     "CheckpointError",
+    "Layout",
     "ConversionReport",
     "ErrorStats",
     "SafetensorsReader",
@@ -99,8 +109,10 @@ __all__ = [
     "dequantize_chunk",
     "dequantize_gguf",
     "finite_amax",
+    "get_layout",
     "inspect_checkpoint",
     "inspect_gguf",
+    "layout_names",
     "load_checkpoint",
     "make_spec",
     "pieces",
@@ -109,6 +121,7 @@ __all__ = [
     "quantize_engine_checkpoint",
     "quantize_gguf",
     "quantized_specs",
+    "register",
     "remove_stale_temps",
     "select_tensor",
     "temp_path",

@@ -21,8 +21,12 @@ The rule every lowprec output follows (checkpoint files, index files, copied fil
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import stat
+import sys
+import threading
 import weakref
 from typing import Iterable, Optional
 
@@ -38,7 +42,7 @@ _TMPFILE_OK: dict = {}  # st_dev of a directory -> whether O_TMPFILE + linkat wo
 
 
 class Interrupted(BaseException):
-    """A caught SIGINT/SIGTERM/SIGHUP (see :mod:`lowprec.cli`): unfinished outputs are
+    """A caught SIGINT/SIGTERM/SIGHUP (:func:`interruptible`): unfinished outputs are
     aborted on the way out."""
 
     def __init__(self, signum: int):
@@ -457,6 +461,54 @@ def abort_all() -> None:
     for f in list(_LIVE):
         if f.state in ("open", "staged"):
             f.abort()
+
+
+_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def interruptible():
+    """While active, SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted` in the main thread
+    (once: further ones are ignored so that cleanup finishes), and every unfinished output is
+    aborted before it propagates. The signal is also recorded, and every output write checks
+    it: an exception raised while Python runs a gc callback is dropped, not propagated (then
+    :func:`pending_signal` says so after the block). Elsewhere than the main thread it only
+    aborts the outputs on :class:`Interrupted`."""
+    if threading.current_thread() is not threading.main_thread():
+        try:
+            yield
+        except Interrupted:
+            abort_all()
+            raise
+        return
+
+    def handler(signum, frame):
+        for s in _SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        record_signal(signum)  # in case the exception below gets swallowed
+        raise Interrupted(signum)
+
+    hook = sys.unraisablehook
+
+    def quiet_hook(unraisable):  # the dropped Interrupted is handled via the flag: no noise
+        if not isinstance(unraisable.exc_value, Interrupted):
+            hook(unraisable)
+
+    previous = {s: signal.getsignal(s) for s in _SIGNALS}
+    try:
+        sys.unraisablehook = quiet_hook
+        for s in _SIGNALS:
+            signal.signal(s, handler)
+        try:
+            yield
+        except Interrupted:
+            abort_all()
+            raise
+    finally:
+        clear_signal()
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        sys.unraisablehook = hook
 
 
 class OutputSet(Transaction):

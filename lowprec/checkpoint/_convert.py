@@ -22,26 +22,23 @@ from typing import Optional, Union
 import numpy as np
 
 from ._chunk import decode_piece, dequantize_chunk, finite_amax, quantize_chunk, tensor_scale
-from ._engine_convert import plain_config_texts, quantize_engine_checkpoint
-from ._engine_layouts import ENGINE_LAYOUTS
+from ._engine_convert import plain_config_texts, source_scheme
 from ._errors import CheckpointError
 from ._formats import (
-    LAYOUTS,
     cast_dtype,
     cast_takes_scale,
     check_fp8_scale,
-    check_layout,
     checkpoint_format,
     is_block_format,
 )
 from ._layout import (
-    GPT_OSS_FORMAT,
     TensorSpec,
     check_block_scale_rule,
     check_options_for_cast,
     make_spec,
     pieces,
 )
+from ._layouts import get_layout, is_default
 from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, logical_tensors
 from ._pipeline import (
     Outputs,
@@ -67,7 +64,7 @@ CHUNK_ELEMENTS = 1 << 20
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def _compile(pattern, what):
+def compile_pattern(pattern, what):
     if pattern is None or isinstance(pattern, re.Pattern):
         return pattern
     try:
@@ -204,21 +201,32 @@ def quantize_checkpoint(
         >>> t.format, t.bytes_before, t.bytes_after, t.bits_per_param
         ('mxfp4', 16384, 2176, 4.25)
     """
-    if layout not in LAYOUTS + ENGINE_LAYOUTS:
-        raise CheckpointError(f"unknown layout {layout!r}; choose one of: "
-                              f"{', '.join(LAYOUTS + ENGINE_LAYOUTS)}")
-    if layout in ENGINE_LAYOUTS:
-        if include or exclude or axis is not None or block_size is not None or fp8_scale != "tensor":
-            raise CheckpointError(
-                f"the {layout} layout takes --ignore / --scheme, not --include, --exclude, "
-                "--axis, --block-size or --fp8-scale")
-        return quantize_engine_checkpoint(src, dst, format, layout=layout, schemes=schemes,
-                                          ignore=ignore, scale_rule=scale_rule,
-                                          calibration=calibration,
-                                          activation_amax=activation_amax,
-                                          max_seq_length=max_seq_length, force=force,
-                                          progress=progress, report=report,
-                                          follow_symlinks=follow_symlinks, jobs=jobs)
+    options = {k: v for k, v in dict(
+        include=include, exclude=exclude, scale_rule=scale_rule, axis=axis,
+        fp8_scale=fp8_scale, block_size=block_size, force=force, progress=progress,
+        report=report, ignore=ignore, schemes=schemes, follow_symlinks=follow_symlinks,
+        jobs=jobs, calibration=calibration, activation_amax=activation_amax,
+        max_seq_length=max_seq_length).items() if not is_default(v, _QUANTIZE_DEFAULTS[k])}
+    return get_layout(layout).quantize(src, dst, format, **options)
+
+
+#: The defaults of :func:`quantize_checkpoint`'s options: a layout is handed only the
+#: options the caller set (and refuses those it does not take).
+_QUANTIZE_DEFAULTS = dict(
+    include=None, exclude=None, scale_rule=None, axis=None, fp8_scale="tensor",
+    block_size=None, force=False, progress=None, report=None, ignore=(), schemes=None,
+    follow_symlinks=False, jobs=1, calibration=None, activation_amax=None,
+    max_seq_length=2048)
+
+
+def quantize_lowprec(
+    src, dst, format, *, layout: str = "lowprec", include=None, exclude=None,
+    scale_rule=None, axis=None, fp8_scale="tensor", block_size=None, force=False,
+    progress=None, report=None, ignore=(), schemes=None, follow_symlinks=False, jobs=1,
+    calibration=None, activation_amax=None, max_seq_length=2048,
+) -> ConversionReport:
+    """:func:`quantize_checkpoint` into lowprec's layout or gpt-oss's (the ``quantize`` of
+    :mod:`lowprec.checkpoint._layout_lowprec` and ``_layout_gpt_oss``)."""
     if ignore or schemes:
         raise CheckpointError("--ignore / --scheme apply to --layout compressed-tensors or "
                               "modelopt; the lowprec layout takes --include / --exclude")
@@ -231,24 +239,18 @@ def quantize_checkpoint(
     start = time.perf_counter()
     fmt = checkpoint_format(format, block_size)
     mx = is_block_format(fmt)
-    include_re = _compile(include, "--include")
-    exclude_re = _compile(exclude, "--exclude")
-    check_layout(layout)
+    include_re = compile_pattern(include, "--include")
+    exclude_re = compile_pattern(exclude, "--exclude")
     if mx:
         scale_rule = check_block_scale_rule(fmt, scale_rule)
         if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
             raise CheckpointError(f"axis must be an int, got {axis!r}")
-        if layout == "gpt-oss":
-            if fmt != GPT_OSS_FORMAT:
-                raise CheckpointError(
-                    f"the gpt-oss layout holds MXFP4 only, not {fmt.name}; use --layout lowprec"
-                )
-            if axis not in (None, -1):
-                raise CheckpointError("the gpt-oss layout blocks the last axis; use axis=-1")
-        axis = -1 if axis is None else axis
     else:
-        check_options_for_cast(fmt, axis=axis, scale_rule=scale_rule, layout=layout)
+        check_options_for_cast(fmt, axis=axis, scale_rule=scale_rule)
         check_fp8_scale(fp8_scale)
+    get_layout(layout).check_format(fmt, axis=axis)
+    if mx:
+        axis = -1 if axis is None else axis
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     options = dict(format=fmt.name, include=include, exclude=exclude, layout=layout)
@@ -275,7 +277,7 @@ def quantize_checkpoint(
                 plan.append((info, spec, reason))
             check_collisions(entries, reader.path)
             plans[rel] = (plan, entries)
-        _check_selection(source, plans, include, axis if mx else None, fmt)
+        check_selection(source, plans, include, axis if mx else None, fmt)
 
         def metadata(plan) -> dict:
             specs = {info.name: spec.to_json(info.name) for info, spec, _ in plan
@@ -297,7 +299,7 @@ def quantize_checkpoint(
                              convert=convert)
 
 
-def _check_selection(source: Source, plans: dict, include, axis, fmt) -> None:
+def check_selection(source: Source, plans: dict, include, axis, fmt) -> None:
     """Refuses a run that would quantize nothing, saying why."""
     infos = [info for plan, _ in plans.values() for info, _, _ in plan]
     if any(spec is not None for plan, _ in plans.values() for _, spec, _ in plan):
@@ -589,9 +591,21 @@ def load_checkpoint(path: PathLike, *, dtype: Optional[str] = None, names=None,
     return result
 
 
+def _preset(name, spec, config) -> Optional[str]:
+    """The engine scheme (llm-compressor preset) tensor ``name`` was written with, where its
+    layout has them and the checkpoint says (None otherwise)."""
+    if not hasattr(spec, "scheme"):
+        return None
+    try:
+        return source_scheme(name, spec, config).name
+    except CheckpointError:  # inspect lists what it cannot name too
+        return None
+
+
 def inspect_checkpoint(path: PathLike) -> ConversionReport:
     """Lists the logical tensors of a safetensors file or folder: shape, dtype, format,
-    bytes, bits/param.
+    bytes, bits/param; ``options["layouts"]``: the layouts they are stored in, each with the
+    presets (engine schemes) they were written with where known.
 
     Quantized tensors (lowprec metadata, or gpt-oss ``*_blocks``/``*_scales`` pairs) are
     shown once under their original name, with the bytes of all their stored parts;
@@ -602,6 +616,7 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
     reports = []
     options: dict = {}
     undecodable = []
+    written: dict = {}  # layout -> the presets (engine schemes) its tensors were written with
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
         for rel, reader in readers.items():
@@ -620,11 +635,15 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
                                        nbytes_of(spec.dtype, spec.shape), stored,
                                        scale_rule=spec.scale_rule,
                                        stored_as=tuple(p[1] for p in parts))
+                    written.setdefault(spec.layout, set()).add(_preset(name, spec, config))
                 if source.is_folder:
                     rep.shard = rel
                 reports.append(rep)
         first = next(iter(readers.values()))
         options["metadata"] = {k: v for k, v in first.metadata.items() if k != METADATA_KEY}
+        if written:
+            options["layouts"] = {lay: sorted(p for p in presets if p)
+                                  for lay, presets in written.items()}
         if undecodable:
             options["undecodable"] = undecodable
         if source.is_folder:

@@ -46,6 +46,7 @@ from ._engine_schemes import SCHEMES, EngineScheme, engine_scheme, fused_groups
 from ._errors import CheckpointError
 from ._formats import check_scale_rule
 from ._layout import make_spec
+from ._layouts import get_layout, is_default
 from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, logical_tensors
 from ._pipeline import (
     Outputs,
@@ -464,7 +465,7 @@ def plain_config_texts(source, outputs, config=None, kept=(), decoded=()) -> dic
 _BY_PARTS = {(w, i): n for n, s in SCHEMES.items() for w, i in [(s.weights, s.inputs)]}
 
 
-def _source_scheme(name: str, spec, config) -> EngineScheme:
+def source_scheme(name: str, spec, config) -> EngineScheme:
     """The scheme a stored tensor is in: its weights, and its activations as its config says
     (a file without a config: static where it stores an input scale, else weight-only)."""
     if not isinstance(spec, EngineSpec):  # lowprec's or gpt-oss's layout: weights only
@@ -596,9 +597,26 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
         >>> bool(np.array_equal(a["fc.weight"], b["fc.weight"]))
         True
     """
+    options = {k: v for k, v in dict(requantize=requantize, force=force, progress=progress,
+                                     report=report, follow_symlinks=follow_symlinks,
+                                     jobs=jobs).items()
+               if not is_default(v, _CONVERT_DEFAULTS[k])}
+    return get_layout(layout, writes="convert").convert(src, dst, **options)
+
+
+#: The defaults of :func:`convert_checkpoint`'s options (a layout is handed the set ones).
+_CONVERT_DEFAULTS = dict(requantize=False, force=False, progress=None, report=None,
+                         follow_symlinks=False, jobs=1)
+
+
+def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: bool = False,
+                    progress: Optional[bool] = None, report=None,
+                    follow_symlinks: bool = False, jobs: int = 1):
+    """:func:`convert_checkpoint` into lowprec's, compressed-tensors' or ModelOpt's layout
+    (their ``convert``)."""
     start = time.perf_counter()
     if layout not in ENGINE_LAYOUTS + ("lowprec",):
-        raise CheckpointError(f"unknown layout {layout!r}; choose one of: lowprec, "
+        raise CheckpointError(f"unknown layout {layout!r} for convert; choose one of: lowprec, "
                               f"{', '.join(ENGINE_LAYOUTS)}")
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
@@ -633,7 +651,7 @@ def convert_checkpoint(src, dst, layout: str, *, requantize: bool = False, force
                 o = origin.get(name, {}) if isinstance(origin.get(name), dict) else {}
                 dtype = _original_dtype(spec, o, model_dtype)
                 rule = o.get("scale_rule", spec.scale_rule)
-                scheme = _source_scheme(name, spec, config)
+                scheme = source_scheme(name, spec, config)
                 if weights == "nvfp4" and layout == "compressed-tensors" and "ts" in bits \
                         and "gs" not in bits and not requantize:
                     exact_reciprocal(name, bits["ts"], bits["scales"], layout)

@@ -79,6 +79,8 @@ _BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), MXFP4: (32, 17
 _NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", MXFP4: "MXFP4", NVFP4: "NVFP4"}
 _FLOATS = (F32, F16, BF16)
 _FORMAT_TYPE = {"mxfp4": MXFP4, "nvfp4": NVFP4}
+#: The formats a GGUF file holds quantized (ggml types 39, 40).
+GGUF_FORMATS = tuple(_FORMAT_TYPE)
 _MAGIC = b"GGUF"
 _ROWS = 1 << 20  # elements per piece when encoding or decoding a tensor
 # Kept by default: embeddings, the output head, norms, the MoE router, position tables.

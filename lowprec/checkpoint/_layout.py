@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 from typing import Iterator, Optional
 
@@ -66,6 +67,7 @@ from ._formats import (
     checkpoint_format,
     is_block_format,
 )
+from ._layouts import get_layout
 from ._safetensors import FLOAT_DTYPES, nbytes_of
 
 BLOCK = 32  # the block size of the OCP MX formats (OCP MX v1.0); others carry theirs
@@ -280,15 +282,10 @@ def make_spec(
                 f"axis {axis} has length {shape[axis]}, not a multiple of the {fmt.name} block "
                 f"size {fmt.block_size}"
             )
-        if layout == "gpt-oss":
-            if fmt != GPT_OSS_FORMAT:
-                raise CheckpointError(
-                    f"the gpt-oss layout holds MXFP4 only, not {fmt.name}; use --layout lowprec"
-                )
-            if axis != len(shape) - 1:
-                raise CheckpointError("the gpt-oss layout blocks the last axis; use axis=-1")
+        _check_in_layout(layout, fmt, axis - len(shape))
         return TensorSpec(fmt, shape, dtype, axis=axis, scale_rule=scale_rule, layout=layout)
-    check_options_for_cast(fmt, axis=axis, scale_rule=scale_rule, layout=layout)
+    check_options_for_cast(fmt, axis=axis, scale_rule=scale_rule)
+    _check_in_layout(layout, fmt, None)
     check_fp8_scale(fp8_scale)
     return TensorSpec(fmt, shape, dtype, fp8_scale=fp8_scale if cast_takes_scale(fmt) else None)
 
@@ -306,14 +303,17 @@ def check_block_scale_rule(fmt: MXFormat, scale_rule) -> Optional[str]:
     return check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
 
 
-def check_options_for_cast(fmt: ElementFormat, *, axis, scale_rule, layout) -> None:
+def check_options_for_cast(fmt: ElementFormat, *, axis, scale_rule) -> None:
     """Refuses MX-only options given with an element (cast) format."""
     if scale_rule is not None:
         raise CheckpointError(f"scale rules apply to MX formats only, not {fmt.name}")
     if axis is not None:
         raise CheckpointError(f"a block axis applies to MX formats only, not {fmt.name}")
-    if layout != "lowprec":
-        raise CheckpointError(f"the {layout} layout holds MXFP4 only, not {fmt.name}")
+
+
+def _check_in_layout(layout: str, fmt, axis) -> None:
+    """Refuses what the layout (lowprec's metadata records lowprec or gpt-oss) cannot hold."""
+    get_layout(check_layout(layout)).check_format(fmt, axis=axis)
 
 
 def pieces(view, align: int, budget: int) -> Iterator[tuple]:
@@ -350,3 +350,37 @@ def pieces(view, align: int, budget: int) -> Iterator[tuple]:
             for a in range(0, A, align):
                 for s in range(0, S, width):
                     yield (p, p + 1, a, a + align, s, min(s + width, S))
+
+
+# -- lowprec's metadata: the table of a file's quantized tensors ------------------------
+METADATA_KEY = "lowprec.tensors"
+METADATA_VERSION_KEY = "lowprec.format_version"
+METADATA_VERSION = "1"
+
+
+def metadata_table(reader):
+    """The ``lowprec.tensors`` table of ``reader`` as ``{name: TensorSpec}`` (None without
+    one), checked: version, JSON, each entry (:meth:`TensorSpec.from_json`)."""
+    raw = reader.metadata.get(METADATA_KEY)
+    version = reader.metadata.get(METADATA_VERSION_KEY)
+    if raw is not None and version not in (None, METADATA_VERSION):
+        # An older file written before the key existed has none; any other value is a layout
+        # this lowprec does not know (a newer one), and reading it as version 1 could decode
+        # wrong values.
+        newer = version.isdigit() and int(version) > int(METADATA_VERSION)
+        raise CheckpointError(
+            f"{reader.path}: {METADATA_VERSION_KEY} is {version!r}; this lowprec reads version "
+            f"{METADATA_VERSION} only" + ("; the file was written by a newer lowprec: upgrade "
+                                          "(pip install -U lowprec)" if newer else ""))
+    if raw is None:
+        return None
+    try:
+        table = json.loads(raw)
+    except RecursionError:
+        raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is nested too deeply "
+                              "(not lowprec's)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is not JSON ({e})") from None
+    if not isinstance(table, dict):
+        raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is not a JSON object")
+    return {name: TensorSpec.from_json(name, entry, reader.path) for name, entry in table.items()}

@@ -2,88 +2,49 @@
 
 A quantized tensor is stored as several parts (:mod:`lowprec.checkpoint._layout`), named in
 lowprec's metadata (``lowprec.tensors``, versioned by ``lowprec.format_version``) or, in
-files without it, recognized by their names, dtypes and shapes: gpt-oss ``*_blocks`` /
-``*_scales`` MXFP4 pairs and the compressed-tensors / ModelOpt layouts
-(:func:`lowprec.checkpoint._engine_layouts.engine_specs`). Every reader of the package
+files without it, recognized by their names, dtypes and shapes by the registered layouts
+(:class:`~lowprec.checkpoint.Layout`'s ``recognize``: gpt-oss ``*_blocks`` / ``*_scales``
+MXFP4 pairs, compressed-tensors, ModelOpt). Every reader of the package
 (dequantize, load, inspect, convert) walks a file through :func:`logical_tensors`, which
 checks it (:mod:`lowprec.checkpoint._validate`).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
-from ._engine_layouts import engine_specs
 from ._errors import CheckpointError
-from ._layout import GPT_OSS_FORMAT, TensorSpec
+from ._layout import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY
+from ._layouts import layouts
 from ._qconfig import QuantConfig
 from ._safetensors import SafetensorsReader
 from ._validate import check_file
 
-METADATA_KEY = "lowprec.tensors"
-METADATA_VERSION_KEY = "lowprec.format_version"
-METADATA_VERSION = "1"
-
-
-_GPT_OSS_SUFFIXES = (("_blocks", "_scales"), (".blocks", ".scales"))
+__all__ = ["METADATA_KEY", "METADATA_VERSION", "METADATA_VERSION_KEY", "FileTensors",
+           "logical_tensors", "quantized_specs"]
 
 
 def quantized_specs(reader: SafetensorsReader) -> dict:
-    """Logical tensors stored in quantized form: ``{name: (TensorSpec, parts)}``, checked
-    against the file. Reads lowprec metadata, and also recognizes gpt-oss
-    ``*_blocks``/``*_scales`` pairs in files without it (e.g. published gpt-oss
-    checkpoints; original dtype taken as BF16, as gpt-oss and Hugging Face decode them)."""
+    """Logical tensors stored in quantized form: ``{name: (spec, parts)}``, checked
+    against the file. Each registered layout (:mod:`lowprec.checkpoint._layouts`) recognizes
+    its own tensors, in registration order: lowprec's metadata names every quantized tensor
+    of its files (then no other layout is asked); files without it are recognized by their
+    stored names, dtypes and shapes (gpt-oss ``*_blocks``/``*_scales`` pairs, published
+    gpt-oss checkpoints; compressed-tensors; ModelOpt), a name claimed once."""
     specs = {}
-    raw = reader.metadata.get(METADATA_KEY)
-    version = reader.metadata.get(METADATA_VERSION_KEY)
-    if raw is not None and version not in (None, METADATA_VERSION):
-        # An older file written before the key existed has none; any other value is a layout
-        # this lowprec does not know (a newer one), and reading it as version 1 could decode
-        # wrong values.
-        newer = version.isdigit() and int(version) > int(METADATA_VERSION)
-        raise CheckpointError(
-            f"{reader.path}: {METADATA_VERSION_KEY} is {version!r}; this lowprec reads version "
-            f"{METADATA_VERSION} only" + ("; the file was written by a newer lowprec: upgrade "
-                                          "(pip install -U lowprec)" if newer else ""))
-    if raw is not None:
-        try:
-            table = json.loads(raw)
-        except RecursionError:
-            raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is nested too deeply "
-                                  "(not lowprec's)") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is not JSON ({e})") from None
-        if not isinstance(table, dict):
-            raise CheckpointError(f"{reader.path}: metadata {METADATA_KEY} is not a JSON object")
-        for name, entry in table.items():
-            specs[name] = TensorSpec.from_json(name, entry, reader.path)
-    else:
-        for info in reader.tensors.values():
-            for bsuf, ssuf in _GPT_OSS_SUFFIXES:
-                if not info.name.endswith(bsuf):
-                    continue
-                base = info.name[: -len(bsuf)]
-                sc = reader.tensors.get(base + ssuf)
-                if (
-                    sc is not None and info.dtype == "U8" and sc.dtype == "U8"
-                    and len(info.shape) >= 2 and info.shape[-1] == 16
-                    and info.shape[:-1] == sc.shape and base not in reader.tensors
-                    and base not in specs
-                ):
-                    shape = info.shape[:-2] + (info.shape[-2] * 32,)
-                    spec = TensorSpec(GPT_OSS_FORMAT, shape, "BF16", axis=len(shape) - 1,
-                                      scale_rule=None, layout="gpt-oss")
-                    specs[base] = (spec, {"blocks": info.name, "scales": sc.name})
-        for name, spec in engine_specs(reader).items():  # compressed-tensors / ModelOpt
-            if name not in specs:
-                specs[name] = (spec, {role: stored for role, stored, _, _ in spec.parts(name)})
+    for layout in layouts():
+        found = layout.recognize(reader)
+        if found is None:
+            continue
+        for name, item in found.items():
+            specs.setdefault(name, item)
+        if layout.exclusive:
+            break
     out = {}
     owner = {}
-    for name, item in specs.items():
-        spec, names = item if isinstance(item, tuple) else (item, None)
+    for name, (spec, names) in specs.items():
         parts = spec.parts(name)
-        if names is not None:  # gpt-oss pair with '.blocks' naming
+        if names is not None:  # stored names of the layout's own (gpt-oss's '.blocks')
             parts = [(role, names[role], dt, shp) for role, _, dt, shp in parts]
         for role, stored, dt, shp in parts:
             info = reader.tensors.get(stored)

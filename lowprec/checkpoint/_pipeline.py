@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Optional
 
 from ._atomic import AtomicFile, OutputSet, check_output
 from ._errors import CheckpointError
+from ._layouts import layouts
 from ._logical import METADATA_KEY, logical_tensors
 from ._qconfig import read_quant_config
 from ._report import ConversionReport
@@ -393,9 +394,12 @@ def write_outputs(source, outputs, readers, plans, op, options, start, *, force,
             stack.callback(wait, staged)
             stager = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="lowprec-fsync"))
             writers = {}
+            # Another layout's table of its tensors describes the input, not the output.
+            layout_keys = {getattr(lay, "metadata_key", None) for lay in layouts()}
             for rel, reader in readers.items():
                 plan, entries = plans[rel]
-                meta = {k: v for k, v in reader.metadata.items() if not k.startswith("lowprec.")}
+                meta = {k: v for k, v in reader.metadata.items()
+                        if not k.startswith("lowprec.") and k not in layout_keys}
                 meta.update(metadata(plan))
                 writers[rel] = SafetensorsWriter(outputs.path(rel), entries, meta, force=force,
                                                  inputs=source.inputs)

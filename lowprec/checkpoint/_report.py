@@ -287,6 +287,8 @@ class ConversionReport:
                 for k, (n, b) in by_format.items()
             )
         )
+        for lay, presets in self.options.get("layouts", {}).items():
+            text.append(f"layout: {lay}" + (f" (preset {', '.join(presets)})" if presets else ""))
         meta = self.options.get("metadata")
         if meta:
             text.append("metadata: " + json.dumps(meta)[:500])

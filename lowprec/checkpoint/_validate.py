@@ -4,7 +4,8 @@ Every reader of the package (dequantize, convert, load_checkpoint; inspect, whic
 nothing, all but the stored scales) walks a file through
 :func:`lowprec.checkpoint._logical.logical_tensors`, which calls this module once per file:
 
-* **Each quantized tensor, by its layout** (one function per layout, :data:`CHECKS`): its
+* **Each quantized tensor, by its layout** (the layout's ``check``, one function per layout
+  here, :class:`~lowprec.checkpoint.Layout`): its
   stored parts have the dtypes and shapes its format needs (checked where the parts are
   named, :func:`~lowprec.checkpoint._logical.quantized_specs`); it agrees with the
   checkpoint's quantization config (:mod:`lowprec.checkpoint._qconfig`): the config's
@@ -41,6 +42,7 @@ import numpy as np
 from ._chunk import check_scales
 from ._engine_layouts import EngineSpec
 from ._errors import CheckpointError
+from ._layouts import get_layout
 from ._qconfig import QuantConfig
 from ._safetensors import FLOAT_DTYPES
 
@@ -318,7 +320,7 @@ def _scale_data(reader, name, spec, parts) -> None:
             _e4m3_block_scales(reader, roles["scales"], where, lambda s: ts * s)
 
 
-def _check_lowprec(reader, name, spec, parts, config, data):
+def check_lowprec(reader, name, spec, parts, config, data):
     if config is not None:
         raise CheckpointError(
             f"{reader.path}: {name} is stored in lowprec's layout, which has no "
@@ -328,11 +330,11 @@ def _check_lowprec(reader, name, spec, parts, config, data):
         _scale_data(reader, name, spec, parts)
 
 
-def _check_gpt_oss(reader, name, spec, parts, config, data):
+def check_gpt_oss(reader, name, spec, parts, config, data):
     _config_agrees(reader, name, spec, config, ("mxfp4",))
 
 
-def _check_compressed_tensors(reader, name, spec, parts, config, data):
+def check_compressed_tensors(reader, name, spec, parts, config, data):
     # FP8 per tensor is the same bits with a scale of shape [] (ModelOpt) or [1]: either reads.
     fp8 = ("modelopt",) if spec.scheme == "fp8" else ()
     _config_agrees(reader, name, spec, config, ("compressed-tensors", *fp8))
@@ -340,20 +342,11 @@ def _check_compressed_tensors(reader, name, spec, parts, config, data):
         _scale_data(reader, name, spec, parts)
 
 
-def _check_modelopt(reader, name, spec, parts, config, data):
+def check_modelopt(reader, name, spec, parts, config, data):
     fp8 = ("compressed-tensors",) if spec.scheme == "fp8" else ()
     _config_agrees(reader, name, spec, config, ("modelopt", *fp8))
     if data:
         _scale_data(reader, name, spec, parts)
-
-
-#: layout -> check(reader, name, spec, parts, config, data): one function per layout.
-CHECKS = {
-    "lowprec": _check_lowprec,
-    "gpt-oss": _check_gpt_oss,
-    "compressed-tensors": _check_compressed_tensors,
-    "modelopt": _check_modelopt,
-}
 
 
 def check_file(reader, specs: dict, config: Optional[QuantConfig], *, decode: bool,
@@ -384,7 +377,7 @@ def check_file(reader, specs: dict, config: Optional[QuantConfig], *, decode: bo
     if decode:
         refuse_undecodable(reader.path, undecodable, keep_undecodable)
     for name, (spec, parts) in specs.items():
-        CHECKS[layout_of(spec)](reader, name, spec, parts, config, decode)
+        get_layout(layout_of(spec)).check(reader, name, spec, parts, config, decode)
     if config is not None and config.readable:
         _targets_are_quantized(reader, claimed, undecodable, config)
     return undecodable

@@ -1,0 +1,58 @@
+"""compressed-tensors' layout (vLLM, SGLang, transformers load it), as llm-compressor 0.14
+writes it: ``M.weight_packed`` / ``M.weight_scale`` / ``M.weight_global_scale``, FP8 and
+MXFP8 under ``M.weight``, and the ``quantization_config`` of config.json. What each tensor
+stores and how it is computed is :mod:`lowprec.checkpoint._engine_layouts`; holds the engine
+schemes (:mod:`lowprec.checkpoint._engine_schemes`), not lowprec's other formats."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._engine_convert import convert_layouts, quantize_engine_checkpoint
+from ._engine_layouts import WEIGHT_FORMATS, engine_specs
+from ._engine_schemes import SCHEMES
+from ._errors import CheckpointError
+from ._layouts import Layout, register
+from ._validate import check_compressed_tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLayout(Layout):
+    """A layout an inference engine loads: recognized by stored names and dtypes
+    (:func:`~lowprec.checkpoint._engine_layouts.engine_specs`), written with the bytes of the
+    engine's own tool, weights given as schemes (llm-compressor presets)."""
+
+    def holds(self, fmt) -> bool:
+        return fmt in {WEIGHT_FORMATS[s.weights] for s in self._schemes()}
+
+    def holdable(self) -> str:
+        return "the schemes " + ", ".join(s.name for s in self._schemes())
+
+    def _schemes(self):
+        return SCHEMES.values()
+
+    def recognize(self, reader):
+        return {n: (s, None) for n, s in engine_specs(reader).items() if s.layout == self.name}
+
+    def quantize(self, src, dst, fmt, *, include=None, exclude=None, axis=None,
+                 block_size=None, fp8_scale="tensor", **options):
+        if include or exclude or axis is not None or block_size is not None \
+                or fp8_scale != "tensor":
+            raise CheckpointError(
+                f"the {self.name} layout takes --ignore / --scheme, not --include, --exclude, "
+                "--axis, --block-size or --fp8-scale")
+        return quantize_engine_checkpoint(src, dst, fmt, layout=self.name, **options)
+
+    def convert(self, src, dst, **options):
+        return convert_layouts(src, dst, self.name, **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedTensorsLayout(EngineLayout):
+    def check(self, reader, name, spec, parts, config, data):
+        check_compressed_tensors(reader, name, spec, parts, config, data)
+
+
+COMPRESSED_TENSORS = register(CompressedTensorsLayout(
+    "compressed-tensors", "M.weight_packed + M.weight_scale (+ M.weight_global_scale), "
+                          "config.json quantization_config (llm-compressor's)"))

@@ -1,0 +1,85 @@
+"""lowprec's own layout: ``<name>_elements`` / ``<name>_scales`` (/ ``<name>_scale``) or a
+cast tensor under its own name, described in the ``lowprec.tensors`` metadata
+(:class:`~lowprec.checkpoint._layout.TensorSpec`, :func:`~._layout.metadata_table`). Holds
+every checkpoint format; read by lowprec only."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+
+import numpy as np
+
+from ._convert import quantize_lowprec
+from ._engine_convert import convert_layouts
+from ._formats import FORMATS
+from ._layout import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, make_spec, metadata_table
+from ._layout_codes import CodesLayout, convert_codes
+from ._layouts import Layout, layouts, register
+from ._pipeline import open_readers
+from ._source import check_symlinks, open_source
+from ._validate import check_lowprec
+
+
+@dataclasses.dataclass(frozen=True)
+class LowprecLayout(Layout):
+    """lowprec's layout (and the base of gpt-oss's, which its metadata also records)."""
+
+    exclusive = True  # the metadata names every quantized tensor of the file
+
+    def holds(self, fmt) -> bool:
+        return True
+
+    def holdable(self) -> str:
+        return ", ".join(FORMATS)
+
+    def recognize(self, reader):
+        table = metadata_table(reader)
+        return None if table is None else {n: (spec, None) for n, spec in table.items()}
+
+    def check(self, reader, name, spec, parts, config, data):
+        check_lowprec(reader, name, spec, parts, config, data)
+
+    def quantize(self, src, dst, fmt, **options):
+        return quantize_lowprec(src, dst, fmt, layout=self.name, **options)
+
+    def convert(self, src, dst, **options):
+        if _holds_codes_layout(src, options.get("follow_symlinks", False)):
+            return convert_codes(self, src, dst, **options)  # bits moved, as for the engines'
+        return convert_layouts(src, dst, self.name, **options)
+
+    # What convert_codes asks of its target (a codes layout moved into lowprec's).
+    def spec_for(self, fmt, shape, dtype, scale_rule):
+        return make_spec(fmt, shape, dtype, axis=-1, scale_rule=scale_rule, layout=self.name)
+
+    def pack(self, mx) -> dict:
+        out = {"elements": np.asarray(mx.elements), "scales": np.asarray(mx.scales)}
+        if mx.tensor_scale is not None:
+            out["scale"] = np.asarray(mx.tensor_scale, np.float32).reshape(())
+        return out
+
+    def table(self, specs: dict) -> dict:
+        return {METADATA_VERSION_KEY: METADATA_VERSION,
+                METADATA_KEY: json.dumps({n: s.to_json(n) for n, s in specs.items()},
+                                         separators=(",", ":"))}
+
+
+def _holds_codes_layout(src, follow_symlinks: bool) -> bool:
+    """Whether the checkpoint ``src`` holds tensors of a codes layout
+    (:mod:`lowprec.checkpoint._layout_codes`; reads the headers only)."""
+    codes = [lay for lay in layouts() if isinstance(lay, CodesLayout)]
+    if not codes:
+        return False
+    source = open_source(src)
+    if not follow_symlinks:
+        check_symlinks(source)  # refused before any header is read, as the conversion would
+    with contextlib.ExitStack() as stack:
+        for reader in open_readers(stack, source).values():
+            if any(lay.recognize(reader) for lay in codes):
+                return True
+    return False
+
+
+LOWPREC = register(LowprecLayout("lowprec", "<name>_elements + <name>_scales (+ <name>_scale), "
+                                            "described in the lowprec.tensors metadata"))
