@@ -31,12 +31,10 @@ from ._engine_layouts import (
     WEIGHT_FORMATS,
     EngineSpec,
     ct_fp8_scale_dtype,
-    ct_quantization_config,
     add_stats,
     exact_reciprocal,
     input_scale,
     layout_arrays,
-    modelopt_quant_config,
     quantize_arrays,
     requantize_fp8,
     scheme_bits,
@@ -344,14 +342,7 @@ def quantize_engine_checkpoint(
             check_collisions(entries, reader.path, "--ignore the module of one of them")
             plans[rel] = (plan, entries)
         groups = {s: sorted(m) for s, m in groups.items()}
-        if layout == "compressed-tensors":
-            qconfig = ct_quantization_config(groups, kept_all)
-            extra = {}
-        else:
-            (name,) = groups
-            hf, qconfig = modelopt_quant_config(name, kept_all)
-            extra = {"hf_quant_config.json": json.dumps(hf, indent=4) + "\n"}
-        texts = _config_texts(source, outputs, qconfig, extra)
+        qconfig, texts = get_layout(layout).config(source, outputs, groups, kept_all)
 
         def convert(reader, writer, item, bar, runner):
             info, spec, scheme, amax, act_amax = item
@@ -411,7 +402,7 @@ def quantize_engine_checkpoint(
                              convert=convert, texts=texts)
 
 
-def _config_texts(source, outputs, qconfig: Optional[dict], extra: dict) -> dict:
+def config_texts(source, outputs, qconfig: Optional[dict], extra: dict) -> dict:
     """``{relative path: text}`` replacing or adding the folder's config files (a single-file
     output has none: the config is in the report)."""
     if not source.is_folder:
@@ -455,10 +446,10 @@ def plain_config_texts(source, outputs, config=None, kept=(), decoded=()) -> dic
     if source.is_folder and ("hf_quant_config.json" in source.others or hf is not None):
         extra["hf_quant_config.json"] = None if hf is None else json.dumps(hf, indent=2) + "\n"
     if q is None:
-        texts = _config_texts(source, outputs, None, {})
+        texts = config_texts(source, outputs, None, {})
         texts.update(extra)
         return texts
-    return _config_texts(source, outputs, q, extra)
+    return config_texts(source, outputs, q, extra)
 
 
 # -- convert ------------------------------------------------------------------------------
@@ -705,19 +696,7 @@ def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: b
             check_fused(linear)
             _check_fused_scales(plans, layout)
             groups = {s: sorted(m) for s, m in groups.items()}
-            if layout == "compressed-tensors":
-                qconfig = ct_quantization_config(groups, kept)
-                texts = _config_texts(source, outputs, qconfig, {})
-                if source.is_folder and "hf_quant_config.json" in source.others:
-                    texts["hf_quant_config.json"] = None  # ModelOpt's, no longer true
-            else:
-                if len(groups) > 1:
-                    raise CheckpointError("the ModelOpt layout holds one scheme per checkpoint, "
-                                          f"not {', '.join(sorted(groups))}")
-                (name,) = groups
-                hf, qconfig = modelopt_quant_config(name, kept)
-                extra = {"hf_quant_config.json": json.dumps(hf, indent=4) + "\n"}
-                texts = _config_texts(source, outputs, qconfig, extra)
+            _, texts = get_layout(layout).config(source, outputs, groups, kept)
         for plan, _ in plans.values():  # the scales were needed for the checks only
             for i, item in enumerate(plan):
                 plan[i] = item[:5]

@@ -106,6 +106,7 @@ from ._chunk import (
 )
 from ._engine_schemes import WEIGHTS, engine_scheme
 from ._errors import CheckpointError
+from ._layouts import get_layout
 from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
 
 #: Layouts written for inference engines (``--layout``).
@@ -233,42 +234,9 @@ class EngineSpec:
     piece_view = view
 
     def parts(self, name: str) -> list:
-        """``[(role, stored name, dtype, shape)]``; ``name`` is the weight's (``M.weight``)."""
-        out, k = self.shape
-        module = name[: -len(".weight")] if name.endswith(".weight") else name
-        parts = self._weight_parts(name, out, k)
-        if self.inputs == "static":
-            if self.layout == "modelopt":
-                parts.append(("input_scale", f"{module}.input_scale", "F32", ()))
-            elif self.scheme == "nvfp4":
-                parts.append(("input_scale", f"{module}.input_global_scale", "F32", (1,)))
-            else:
-                parts.append(("input_scale", f"{module}.input_scale", self.input_dtype, (1,)))
-        return parts
-
-    def _weight_parts(self, name, out, k) -> list:
-        if self.layout == "modelopt":
-            if self.scheme == "nvfp4":
-                return [("elements", name, "U8", (out, k // 2)),
-                        ("scales", f"{name}_scale", "F8_E4M3", (out, k // 16)),
-                        ("scale", f"{name}_scale_2", "F32", ())]
-            shape = (out,) if self.scheme == "fp8_channel" else ()
-            return [("values", name, "F8_E4M3", (out, k)),
-                    ("scale", f"{name}_scale", self.scale_dtype, shape)]
-        if self.scheme == "nvfp4":
-            return [("elements", f"{name}_packed", "U8", (out, k // 2)),
-                    ("scales", f"{name}_scale", "F8_E4M3", (out, k // 16)),
-                    ("global_scale", f"{name}_global_scale", "F32", (1,))]
-        if self.scheme in ("mxfp4", "mxfp6"):
-            packed = k // 2 if self.scheme == "mxfp4" else 3 * k // 4
-            return [("elements", f"{name}_packed", "U8", (out, packed)),
-                    ("scales", f"{name}_scale", "U8", (out, k // 32))]
-        if self.scheme == "mxfp8":
-            return [("values", name, "F8_E4M3", (out, k)),
-                    ("scales", f"{name}_scale", "U8", (out, k // 32))]
-        shape = (out, 1) if self.scheme == "fp8_channel" else (1,)
-        return [("values", name, "F8_E4M3", (out, k)),
-                ("scale", f"{name}_scale", self.scale_dtype, shape)]
+        """``[(role, stored name, dtype, shape)]``; ``name`` is the weight's (``M.weight``):
+        what its layout stores (:meth:`~lowprec.checkpoint._layout_ct.EngineLayout.parts`)."""
+        return get_layout(self.layout).parts(self, name)
 
     def nbytes(self) -> int:
         return sum(nbytes_of(dt, shp) for _, _, dt, shp in self.parts("x.weight"))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._engine_convert import convert_layouts, quantize_engine_checkpoint
-from ._engine_layouts import WEIGHT_FORMATS, engine_specs
+from ._engine_convert import config_texts, convert_layouts, quantize_engine_checkpoint
+from ._engine_layouts import WEIGHT_FORMATS, ct_quantization_config, engine_specs
 from ._engine_schemes import SCHEMES
 from ._errors import CheckpointError
 from ._layouts import Layout, register
@@ -33,6 +33,46 @@ class EngineLayout(Layout):
 
     def recognize(self, reader):
         return {n: (s, None) for n, s in engine_specs(reader).items() if s.layout == self.name}
+
+    def parts(self, spec, name: str) -> list:
+        """The stored parts of the engine tensor ``spec`` named ``name`` (``M.weight``):
+        ``[(role, stored name, dtype, shape)]``, its weight's and its input scale's."""
+        out, k = spec.shape
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        parts = self.weight_parts(spec, name, out, k)
+        if spec.inputs == "static":
+            parts.append(self.input_scale_part(spec, module))
+        return parts
+
+    def weight_parts(self, spec, name, out, k) -> list:
+        if spec.scheme == "nvfp4":
+            return [("elements", f"{name}_packed", "U8", (out, k // 2)),
+                    ("scales", f"{name}_scale", "F8_E4M3", (out, k // 16)),
+                    ("global_scale", f"{name}_global_scale", "F32", (1,))]
+        if spec.scheme in ("mxfp4", "mxfp6"):
+            packed = k // 2 if spec.scheme == "mxfp4" else 3 * k // 4
+            return [("elements", f"{name}_packed", "U8", (out, packed)),
+                    ("scales", f"{name}_scale", "U8", (out, k // 32))]
+        if spec.scheme == "mxfp8":
+            return [("values", name, "F8_E4M3", (out, k)),
+                    ("scales", f"{name}_scale", "U8", (out, k // 32))]
+        shape = (out, 1) if spec.scheme == "fp8_channel" else (1,)
+        return [("values", name, "F8_E4M3", (out, k)),
+                ("scale", f"{name}_scale", spec.scale_dtype, shape)]
+
+    def input_scale_part(self, spec, module) -> tuple:
+        if spec.scheme == "nvfp4":
+            return ("input_scale", f"{module}.input_global_scale", "F32", (1,))
+        return ("input_scale", f"{module}.input_scale", spec.input_dtype, (1,))
+
+    def config(self, source, outputs, groups: dict, kept) -> tuple:
+        """``(quantization_config, {relative path: text})``: the folder's config files for
+        modules ``groups`` (``{scheme: [module]}``) and ``kept`` (kept in high precision)."""
+        qconfig = ct_quantization_config(groups, kept)
+        texts = config_texts(source, outputs, qconfig, {})
+        if source.is_folder and "hf_quant_config.json" in source.others:
+            texts["hf_quant_config.json"] = None  # ModelOpt's, no longer true
+        return qconfig, texts
 
     def quantize(self, src, dst, fmt, *, include=None, exclude=None, axis=None,
                  block_size=None, fp8_scale="tensor", **options):
