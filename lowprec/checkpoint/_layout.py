@@ -59,7 +59,6 @@ from ._errors import CheckpointError
 from ._formats import (
     DEFAULT_SCALE_RULE,
     CheckpointFormat,
-    cast_dtype,
     cast_takes_scale,
     check_fp8_scale,
     check_layout,
@@ -135,29 +134,9 @@ class TensorSpec:
         return self.block_size
 
     def parts(self, name: str) -> list:
-        """``[(role, stored name, safetensors dtype, stored shape), ...]`` in file order."""
-        shape = tuple(self.shape)
-        if self.is_mx:
-            n = shape[self.axis]
-            groups = n // self.block_size
-            if self.layout == "gpt-oss":
-                return [
-                    ("blocks", f"{name}_blocks", "U8", shape[:-1] + (groups, BLOCK // 2)),
-                    ("scales", f"{name}_scales", "U8", shape[:-1] + (groups,)),
-                ]
-            elem = list(shape)
-            elem[self.axis] = self.part_length("elements", n)
-            scales = list(shape)
-            scales[self.axis] = groups
-            parts = [
-                ("elements", f"{name}_elements", "U8", tuple(elem)),
-                ("scales", f"{name}_scales", "U8", tuple(scales)),
-            ]
-        else:
-            parts = [("values", name, cast_dtype(self.format), shape)]
-        if self.has_tensor_scale:
-            parts.append(("scale", f"{name}_scale", "F32", ()))
-        return parts
+        """``[(role, stored name, safetensors dtype, stored shape), ...]`` in file order: what
+        its layout stores (:mod:`~lowprec.checkpoint._layout_lowprec`, ``_layout_gpt_oss``)."""
+        return get_layout(self.layout).parts(self, name)
 
     def part_length(self, role: str, a: int) -> int:
         """Entries of part ``role`` along A that hold ``a`` elements of the tensor (``a`` a

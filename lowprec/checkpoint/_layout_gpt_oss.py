@@ -34,6 +34,12 @@ class GptOssLayout(LowprecLayout):
         if axis not in (None, -1):
             raise CheckpointError("the gpt-oss layout blocks the last axis; use axis=-1")
 
+    def parts(self, spec, name: str) -> list:
+        """``<name>_blocks`` U8 [..., K/32, 16] and ``<name>_scales`` U8 [..., K/32]."""
+        shape, groups = tuple(spec.shape), spec.shape[-1] // BLOCK
+        return [("blocks", f"{name}_blocks", "U8", shape[:-1] + (groups, BLOCK // 2)),
+                ("scales", f"{name}_scales", "U8", shape[:-1] + (groups,))]
+
     def recognize(self, reader):
         found = {}
         for info in reader.tensors.values():

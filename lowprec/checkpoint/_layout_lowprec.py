@@ -13,7 +13,7 @@ import numpy as np
 
 from ._convert import quantize_lowprec
 from ._engine_convert import convert_layouts
-from ._formats import FORMATS
+from ._formats import FORMATS, cast_dtype
 from ._layout import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, make_spec, metadata_table
 from ._layout_codes import CodesLayout, convert_codes
 from ._layouts import Layout, layouts, register
@@ -33,6 +33,24 @@ class LowprecLayout(Layout):
 
     def holdable(self) -> str:
         return ", ".join(FORMATS)
+
+    def parts(self, spec, name: str) -> list:
+        """The stored parts of ``spec`` (a :class:`~._layout.TensorSpec`) named ``name``:
+        ``<name>_elements`` (codes packed along the block axis) and ``<name>_scales``, or a
+        cast's values under ``name``; ``<name>_scale`` (float32) where there is a tensor
+        scale."""
+        shape = tuple(spec.shape)
+        if spec.is_mx:
+            elem, scales = list(shape), list(shape)
+            elem[spec.axis] = spec.part_length("elements", shape[spec.axis])
+            scales[spec.axis] = shape[spec.axis] // spec.block_size
+            parts = [("elements", f"{name}_elements", "U8", tuple(elem)),
+                     ("scales", f"{name}_scales", "U8", tuple(scales))]
+        else:
+            parts = [("values", name, cast_dtype(spec.format), shape)]
+        if spec.has_tensor_scale:
+            parts.append(("scale", f"{name}_scale", "F32", ()))
+        return parts
 
     def recognize(self, reader):
         table = metadata_table(reader)
