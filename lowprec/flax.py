@@ -56,6 +56,9 @@ methods cannot be swapped per instance), and attention or conv layers under dela
 Nested :func:`intercepting` blocks (and a :class:`QuantizedLinen` used as a child of a model
 that is itself quantized) compose: the innermost plan with a rule for a layer decides it.
 
+Post-training quantization (serving from low-precision weights stored in the model's state):
+:func:`ptq` (``lowprec/_flax_ptq.py``).
+
 Matmuls written in a model's own code (``jnp.einsum``/``@`` calls) are invisible to any
 interception and stay as they are.
 
@@ -106,10 +109,16 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._recipe import Recipe
+from ._flax_ptq import PtqLinear, PtqLinen, QuantizedWeight, params_nbytes, ptq
 from ._recipe_conv import recipe_conv_general_dilated
 from ._rules import Rules, match
 
 __all__ = [
+    "PtqLinear",
+    "PtqLinen",
+    "QuantizedWeight",
+    "params_nbytes",
+    "ptq",
     "RecipeAttention",
     "RecipeConv",
     "DelayedDotGeneral",
