@@ -44,14 +44,15 @@ What is covered, each kind of product opted in or out per path by :class:`~lowpr
   with ``Rule(".*", None, ops=("attention",))`` first in the rules).
 * ``"conv"``: ``nn.Conv``/``nnx.Conv``, as the recipe's dot of the input's patches
   (:func:`conv_general_dilated`; grouped convolutions are refused with the fix named).
-* ``"attend"``: linen's ``Embed.attend`` (tied output embeddings).
+* ``"attend"``: ``Embed.attend`` (tied output embeddings): linen by interception; a plain
+  nnx ``Embed`` is given a subclass whose ``attend`` runs the recipe (same state; nnx's
+  ``attend`` has no hook), and its class back by ``quantize_model(model, None)``.
 
 What is not, and is reported with a ``UserWarning`` once per layer path and recipe (silenced
 by a rule or ``high_precision`` keeping the path in its own precision, which is where it
 stays anyway): linen ``nn.Einsum`` (no injection point), ``ConvTranspose``/``ConvLocal``
-(``lax.conv_transpose``/local convs: no hook), nnx ``Embed.attend`` (no hook; an nnx module's
-methods cannot be swapped per instance), and attention or conv layers under delayed scaling
-(no place for its state).
+(``lax.conv_transpose``/local convs: no hook), and attention, conv or ``attend`` products
+under delayed scaling (no place for its state).
 
 Nested :func:`intercepting` blocks (and a :class:`QuantizedLinen` used as a child of a model
 that is itself quantized) compose: the innermost plan with a rule for a layer decides it.
@@ -426,7 +427,6 @@ _LINEN_UNCOVERED = {
 }
 _NNX_UNCOVERED = (
     (nnx.ConvTranspose, "ConvTranspose", "conv"),
-    (nnx.Embed, "Embed.attend (if the model calls it)", "attend"),
 )
 _warned = set()
 _warn_lock = threading.Lock()
@@ -656,6 +656,33 @@ class QuantizedLinen(nn.Module):
 # -- nnx: in-place replacement ----------------------------------------------------------------
 
 
+class _RecipeEmbed(nnx.Embed):
+    """nnx ``Embed`` whose ``attend`` (tied logits, ``query · embeddingᵀ``) runs in the
+    recipe it holds. ``nnx.Embed.attend`` has no hook, so :func:`quantize_model` gives a plain
+    ``nnx.Embed`` this class (the same state; ``quantize_model(model, None)`` gives it back)."""
+
+    def attend(self, query, *, out_sharding=None):
+        query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+        return self.lowprec_recipe.dot_general(
+            query, embedding, (((query.ndim - 1,), (1,)), ((), ())), out_sharding=out_sharding)
+
+
+def _quantize_nnx_embed(module, name, plan) -> None:
+    if type(module) not in (nnx.Embed, _RecipeEmbed):
+        return  # a user's subclass keeps its own attend
+    recipe = match(plan, name, "attend")[1]
+    if recipe is not None and recipe.scaling == "delayed":
+        _warn_uncovered("Embed.attend (delayed scaling)", name, recipe)
+        recipe = None
+    if recipe is None:
+        if type(module) is _RecipeEmbed:
+            del module.lowprec_recipe
+            object.__setattr__(module, "__class__", nnx.Embed)
+        return
+    object.__setattr__(module, "__class__", _RecipeEmbed)
+    module.lowprec_recipe = nnx.static(recipe)
+
+
 def _nnx_slot(module):
     """(attribute to replace, Flax's default for it, kind of product, our type), or None (not a
     covered type / user-chosen op)."""
@@ -679,6 +706,9 @@ def _quantize_nnx(model, plan):
     for path, module in list(nnx.iter_modules(model)):
         slot = _nnx_slot(module)
         name = "/".join(str(p) for p in path)
+        if isinstance(module, nnx.Embed):
+            _quantize_nnx_embed(module, name, plan)
+            continue
         if slot is None:
             for cls, kind, op in _NNX_UNCOVERED:
                 if isinstance(module, cls):

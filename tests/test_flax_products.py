@@ -268,6 +268,25 @@ def test_conv_layers_linen_and_nnx_and_grouped_refusal():
         lf.quantize_model(Net(), NVIDIA_MXFP8).init(jax.random.key(0), _x((2, 5, 32)))
 
 
+def test_nnx_embed_attend_runs_in_the_recipe_and_is_restored():
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(96, 64, rngs=rngs)
+
+        def __call__(self, t):
+            return self.embed.attend(self.embed(t) * 0.5)
+
+    lm, t = LM(nnx.Rngs(0)), jnp.arange(16).reshape(2, 8) % 96
+    float_out = lm(t)
+    lf.quantize_model(lm, MX4)
+    table = lm.embed.embedding[...]
+    want = MX4.dot_general(table[t] * 0.5, table, (((2,), (1,)), ((), ())))
+    assert_bits_equal(nnx.jit(lambda m, t: m(t))(lm, t), want)
+    lf.quantize_model(lm, lowprec.Rules([lowprec.Rule(".*", None, ops="attend"), (".*", MX4)]))
+    assert type(lm.embed) is nnx.Embed  # opted out: Flax's own class and attend again
+    assert_bits_equal(lm(t), float_out)
+
+
 # -- nesting and submodules ----------------------------------------------------------------------
 
 
