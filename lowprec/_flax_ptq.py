@@ -188,6 +188,11 @@ class PtqLinen:
                 raise ValueError(f"lowprec.flax.ptq: {'/'.join(module.path)} holds a quantized "
                                  "kernel but the plan gives it no recipe")
             recipe, (n_in, features) = got
+            if kernel.fmt != recipe.forward[1]:
+                raise ValueError(
+                    f"lowprec.flax.ptq: the kernel at {'/'.join(module.path)} is stored in "
+                    f"{kernel.fmt.name} but the plan's recipe has weights in "
+                    f"{recipe.forward[1].name}: quantize_params with this plan")
             bias = module.get_variable("params", "bias") if module.use_bias else None
             (x,) = a
             dtype = module.dtype or jnp.result_type(x, module.param_dtype)
@@ -245,8 +250,12 @@ def _ptq_nnx(model, plan):
 
     replaced = []
     for path, module in list(nnx.iter_modules(model)):
-        if not isinstance(module, (nnx.Linear, nnx.LinearGeneral)) or not path:
+        if not isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
             continue
+        if not path:
+            raise ValueError(
+                "lowprec.flax.ptq replaces linear layers in place inside a model; the model "
+                f"given is itself an nnx.{type(module).__name__}: wrap it in a module")
         current = module.dot_general
         if not (current is None or current is jax.lax.dot_general
                 or isinstance(current, lf.RecipeDotGeneral)) or \

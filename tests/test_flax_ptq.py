@@ -78,7 +78,10 @@ def test_linen_ptq_layer_is_the_reference_quantized_product(name, mode):
     assert (np.abs(got - want) <= bound).all()
 
 
-@pytest.mark.parametrize("name", PLANS)
+@pytest.mark.parametrize("name", [
+    pytest.param("mxfp8", marks=pytest.mark.slow),  # the MXFP8 kernel path: the layer test
+    "mxfp8xmxfp4",
+])
 def test_linen_ptq_model_equals_the_recipe_forward_and_stores_fewer_bytes(name):
     recipe = PLANS[name]
     x = _x()
@@ -163,3 +166,14 @@ def test_ptq_refuses_what_one_mxarray_cannot_store(recipe, match):
     params = MLP().init(jax.random.key(1), x)
     with pytest.raises(ValueError, match=match):
         lf.ptq(MLP(), recipe).quantize_params(params, x)
+
+
+def test_ptq_refuses_a_bare_layer_and_a_mismatched_plan():
+    with pytest.raises(ValueError, match=r"itself an nnx.Linear: wrap it in a module"):
+        lf.ptq(nnx.Linear(64, 8, rngs=nnx.Rngs(0)), PLANS["mxfp8"])
+    x = _x()
+    params = MLP().init(jax.random.key(1), x)
+    qparams = lf.ptq(MLP(), _rules(PLANS["mxfp8xmxfp4"])).quantize_params(params, x)
+    with pytest.raises(ValueError, match=r"kernel at up is stored in mxfp4 but the plan's "
+                                         r"recipe has weights in mxfp8_e4m3"):
+        lf.ptq(MLP(), _rules(PLANS["mxfp8"])).apply(qparams, x)
