@@ -6,7 +6,10 @@ for the layers it matches, or ``None`` to keep them in their own precision. As i
 ``QuantizationRule`` (``module_path`` matched with :func:`re.fullmatch`), rules are tried in
 order and the first whose pattern matches the whole path decides; a layer no rule matches is
 left in its own precision. A recipe's own ``high_precision`` globs still apply inside a rule.
-Formats, scale rules, backward modes and the weight-gradient choice are all fields of the
+A rule may name the kinds of product it covers (``ops``, as qwix's ``op_names``): ``"linear"``
+(Dense/Linear/Einsum layers), ``"attention"`` (an attention layer's score and value products),
+``"conv"`` (convolutions) and ``"attend"`` (tied output embeddings, ``Embed.attend``); a rule
+without ``ops`` covers all of them. Formats, scale rules, backward modes and the weight-gradient choice are all fields of the
 recipe, so any of them can differ per layer.
 """
 
@@ -18,21 +21,28 @@ from typing import Optional, Tuple, Union
 
 from ._recipe import Recipe
 
-__all__ = ["Rule", "Rules", "recipe_for"]
+__all__ = ["OPS", "Rule", "Rules", "match", "recipe_for"]
+
+#: The kinds of product a rule can name in ``Rule.ops``.
+OPS = ("linear", "attention", "conv", "attend")
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One rule: layers whose whole path matches ``module_path`` (a regular expression, as
     :func:`re.fullmatch`) run in ``recipe``; ``recipe=None`` keeps them in their own precision.
+    ``ops`` limits the rule to those kinds of product (:data:`OPS`); empty: every kind.
 
     Example:
         >>> Rule("block_[0-9]+/mlp/.*", None).matches("block_3/mlp/up")
         True
+        >>> Rule(".*", None, ops=("attention",)).matches("b0/attn", "linear")
+        False
     """
 
     module_path: str
     recipe: Optional[Recipe]
+    ops: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.module_path, str):
@@ -45,9 +55,17 @@ class Rule:
             raise TypeError(
                 f"a rule's recipe must be a lowprec.Recipe or None, got {type(self.recipe).__name__}"
             )
+        ops = (self.ops,) if isinstance(self.ops, str) else tuple(self.ops)
+        unknown = [o for o in ops if o not in OPS]
+        if unknown:
+            raise ValueError(f"unknown ops {unknown} in rule {self.module_path!r}; valid: {OPS}")
+        object.__setattr__(self, "ops", ops)
 
-    def matches(self, path: str) -> bool:
-        """Whether ``path`` (names joined by ``/``) matches the whole pattern."""
+    def matches(self, path: str, op: Optional[str] = None) -> bool:
+        """Whether ``path`` (names joined by ``/``) matches the whole pattern and, when ``op``
+        is given, the rule covers that kind of product."""
+        if op is not None and self.ops and op not in self.ops:
+            return False
         return re.fullmatch(self.module_path, path) is not None
 
 
@@ -80,20 +98,18 @@ class Rules:
         for r in rules:
             if isinstance(r, Rule):
                 out.append(r)
-            elif isinstance(r, (tuple, list)) and len(r) == 2:
+            elif isinstance(r, (tuple, list)) and len(r) in (2, 3):
                 out.append(Rule(*r))
             else:
-                raise TypeError(f"each rule must be a Rule or a (module_path, recipe) pair, got {r!r}")
+                raise TypeError(
+                    f"each rule must be a Rule or a (module_path, recipe[, ops]) tuple, got {r!r}")
         object.__setattr__(self, "rules", tuple(out))
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a string, got {self.name!r}")
 
-    def recipe_for(self, path: str) -> Optional[Recipe]:
-        """The recipe of the layer at ``path``, or None (own precision)."""
-        for rule in self.rules:
-            if rule.matches(path):
-                return recipe_for(rule.recipe, path)
-        return None
+    def recipe_for(self, path: str, op: Optional[str] = None) -> Optional[Recipe]:
+        """The recipe of the product of kind ``op`` at ``path``, or None (own precision)."""
+        return match(self, path, op)[1]
 
     def describe(self) -> str:
         """One line per rule."""
@@ -103,16 +119,39 @@ class Rules:
         )
 
 
-def recipe_for(plan: Union[None, Recipe, Rules], path: str) -> Optional[Recipe]:
-    """The recipe a layer at ``path`` runs in under ``plan`` (a Recipe, Rules or None).
+def match(plan: Union[None, Recipe, Rules], path: str,
+          op: Optional[str] = None) -> Tuple[bool, Optional[Recipe]]:
+    """Whether ``plan`` decides the product of kind ``op`` at ``path``, and its recipe (None:
+    own precision). A Recipe decides every path (its ``high_precision`` globs keep a path in its
+    own precision); Rules decide the paths one of their rules matches; None decides nothing.
+    Nested :func:`lowprec.flax.intercepting` blocks ask the innermost plan first and the next
+    one out only where it decides nothing.
+
+    Example:
+        >>> import lowprec
+        >>> match(Rules([("head", None)]), "head"), match(Rules([("head", None)]), "up")
+        ((True, None), (False, None))
+    """
+    if op is not None and op not in OPS:
+        raise ValueError(f"unknown op {op!r}; valid: {OPS}")
+    if plan is None:
+        return False, None
+    if isinstance(plan, Rules):
+        for rule in plan.rules:
+            if rule.matches(path, op):
+                return True, recipe_for(rule.recipe, path)
+        return False, None
+    return True, (None if plan.keeps_high_precision(path) else plan)
+
+
+def recipe_for(plan: Union[None, Recipe, Rules], path: str,
+               op: Optional[str] = None) -> Optional[Recipe]:
+    """The recipe the product of kind ``op`` (:data:`OPS`; None: any) at ``path`` runs in
+    under ``plan`` (a Recipe, Rules or None); None: its own precision.
 
     Example:
         >>> import lowprec
         >>> recipe_for(lowprec.Recipe(forward="mxfp8", high_precision=("head",)), "head") is None
         True
     """
-    if plan is None:
-        return None
-    if isinstance(plan, Rules):
-        return plan.recipe_for(path)
-    return None if plan.keeps_high_precision(path) else plan
+    return match(plan, path, op)[1]

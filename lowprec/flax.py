@@ -27,20 +27,38 @@ Two levels (flax is an optional extra: ``pip install 'lowprec[training]'``):
     ``nnx.jit`` retraces when the recipe changes. ``quantize_model(model, None)`` puts the
     defaults back.
 
-What is covered: the weight matmuls of Flax's linear layers, attention projections included
-(``MultiHeadDotProductAttention``/``MultiHeadAttention`` build them from ``DenseGeneral``/
-``LinearGeneral``), and linen's ``Embed.attend``. What is not, and is reported with a
-``UserWarning`` once per layer path and recipe (silenced by adding the path to the recipe's
-``high_precision``, which is where it stays anyway):
+What is covered, each kind of product opted in or out per path by :class:`~lowprec.Rules`
+(``Rule(path, recipe, ops=(...))`` with the kinds ``"linear"``, ``"attention"``, ``"conv"``,
+``"attend"``; a recipe's ``high_precision`` globs by path):
 
-* linen ``nn.Einsum`` (no injection point), ``nn.Conv``/``nn.ConvTranspose``/``nn.ConvLocal``
-  (convolutions: no recipe convolution), warned when called;
-* nnx ``Conv``/``ConvTranspose`` and ``Embed`` (its ``attend`` has no hook; an nnx module's
-  methods cannot be swapped per instance), warned by :func:`quantize_model`;
-* attention's score and value products (``q·kᵀ``, ``p·v``), computed by the attention
-  function rather than a layer: they stay in their own precision, as in Transformer Engine's
-  default recipes (FP8 attention is a separate option there); warned once per attention
-  layer.
+* ``"linear"``: the weight matmuls of Flax's linear layers, attention projections included
+  (``MultiHeadDotProductAttention``/``MultiHeadAttention`` build them from ``DenseGeneral``/
+  ``LinearGeneral``).
+* ``"attention"``: attention's score and value products (``q·kᵀ`` with batch dims
+  ``[b, h]`` and blocks along the head depth, ``p·v`` with blocks along the keys), through
+  linen's ``qk_attn_weights_einsum_cls``/``attn_weights_value_einsum_cls`` hooks and nnx's
+  ``attention_fn`` (:class:`RecipeAttention`). On by default, as qwix 0.1.8 does: its
+  providers intercept every ``einsum`` inside a module a rule matches, and with an
+  activation type set quantize both operands of these activation x activation products
+  (Transformer Engine keeps them in high precision unless FP8 attention is asked for: opt out
+  with ``Rule(".*", None, ops=("attention",))`` first in the rules).
+* ``"conv"``: ``nn.Conv``/``nnx.Conv``, as the recipe's dot of the input's patches
+  (:func:`conv_general_dilated`; grouped convolutions are refused with the fix named).
+* ``"attend"``: ``Embed.attend`` (tied output embeddings): linen by interception; a plain
+  nnx ``Embed`` is given a subclass whose ``attend`` runs the recipe (same state; nnx's
+  ``attend`` has no hook), and its class back by ``quantize_model(model, None)``.
+
+What is not, and is reported with a ``UserWarning`` once per layer path and recipe (silenced
+by a rule or ``high_precision`` keeping the path in its own precision, which is where it
+stays anyway): linen ``nn.Einsum`` (no injection point), ``ConvTranspose``/``ConvLocal``
+(``lax.conv_transpose``/local convs: no hook), and attention, conv or ``attend`` products
+under delayed scaling (no place for its state).
+
+Nested :func:`intercepting` blocks (and a :class:`QuantizedLinen` used as a child of a model
+that is itself quantized) compose: the innermost plan with a rule for a layer decides it.
+
+Post-training quantization (serving from low-precision weights stored in the model's state):
+:func:`ptq` (``lowprec/_flax_ptq.py``).
 
 Matmuls written in a model's own code (``jnp.einsum``/``@`` calls) are invisible to any
 interception and stay as they are.
@@ -74,6 +92,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 import warnings
 from typing import Any, Optional
@@ -91,14 +110,25 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._recipe import Recipe
-from ._rules import Rules, recipe_for
+from ._flax_ptq import PtqLinear, PtqLinen, QuantizedWeight, params_nbytes, ptq
+from ._recipe_conv import recipe_conv_general_dilated
+from ._rules import Rules, match
 
 __all__ = [
+    "PtqLinear",
+    "PtqLinen",
+    "QuantizedWeight",
+    "params_nbytes",
+    "ptq",
+    "RecipeAttention",
+    "RecipeConv",
     "DelayedDotGeneral",
     "DelayedDotGeneralNnx",
     "DelayedScalingState",
     "RecipeDotGeneral",
     "RecipeEinsum",
+    "attention",
+    "conv_general_dilated",
     "dot_general",
     "einsum",
     "intercepting",
@@ -169,6 +199,56 @@ class RecipeEinsum:
             subscripts, lhs, rhs, precision=precision,
             preferred_element_type=preferred_element_type, out_sharding=out_sharding,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeConv:
+    """A ``lax.conv_general_dilated`` replacement running in ``recipe`` (for linen's and nnx's
+    ``Conv(conv_general_dilated=...)``): the recipe's dot over the input's patches, see
+    :func:`lowprec.flax.conv_general_dilated`."""
+
+    recipe: Recipe
+
+    def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                 dimension_numbers=None, feature_group_count=1, batch_group_count=1,
+                 precision=None, preferred_element_type=None, out_sharding=None):
+        return recipe_conv_general_dilated(
+            self.recipe, lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+            dimension_numbers, feature_group_count, batch_group_count, precision,
+            preferred_element_type, out_sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeAttention:
+    """An ``attention_fn`` for ``nnx.MultiHeadAttention`` whose score and value products
+    (``q·kᵀ`` per head, ``p·v``) run in ``recipe`` (:meth:`Recipe.einsum`, blocks along the
+    head depth and along the keys); the softmax, mask, bias and dropout are Flax's
+    (``flax.linen.dot_product_attention`` with its einsum hooks). Grouped-query attention
+    repeats the key/value heads (the same products); ``is_causal`` adds the causal mask."""
+
+    recipe: Recipe
+
+    def __call__(self, query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                 dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                 precision=None, module=None, promote_dtype=None, is_causal=False):
+        del precision  # the recipe's products ignore it, as Recipe.dot_general does
+        if module is not None:
+            raise ValueError(
+                "sow_weights=True is not supported with a recipe attention_fn: call the layer "
+                "without it, or keep the attention products in their own precision (a rule "
+                "with ops=('attention',) and recipe None)")
+        if key.shape[-2] != query.shape[-2]:  # grouped-query attention: repeat kv heads
+            rep = query.shape[-2] // key.shape[-2]
+            key, value = jnp.repeat(key, rep, axis=-2), jnp.repeat(value, rep, axis=-2)
+        if is_causal:
+            causal = jnp.tril(jnp.ones((query.shape[-3], key.shape[-3]), bool))
+            mask = causal if mask is None else jnp.logical_and(mask, causal)
+        kwargs = {} if promote_dtype is None else {"promote_dtype": promote_dtype}
+        ein = RecipeEinsum(self.recipe)
+        return nn.dot_product_attention(
+            query, key, value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+            dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
+            dtype=dtype, qk_attn_weights_einsum=ein, attn_weights_value_einsum=ein, **kwargs)
 
 
 # Flax's name for a variable collection whose gradient replaces the variable
@@ -304,39 +384,64 @@ def einsum(recipe: Recipe) -> RecipeEinsum:
     return RecipeEinsum(_check_recipe(recipe))
 
 
+def conv_general_dilated(recipe: Recipe) -> RecipeConv:
+    """A ``conv_general_dilated=`` argument for ``nn.Conv`` and ``nnx.Conv``: the convolution
+    as the recipe's dot of the input's patches (window positions, then input features
+    innermost) and the flattened kernel, forward and backward (``lowprec/_recipe_conv.py``).
+    Grouped convolutions are refused.
+
+    Example:
+        >>> import jax.numpy as jnp, lowprec
+        >>> from flax import nnx
+        >>> conv = nnx.Conv(32, 8, (3, 3), rngs=nnx.Rngs(0),
+        ...                 conv_general_dilated=lowprec.flax.conv_general_dilated(lowprec.NVIDIA_MXFP8))
+        >>> conv(jnp.ones((2, 6, 6, 32))).shape
+        (2, 6, 6, 8)
+    """
+    return RecipeConv(_check_recipe(recipe))
+
+
+def attention(recipe: Recipe) -> RecipeAttention:
+    """An ``attention_fn=`` argument for ``nnx.MultiHeadAttention`` (linen's
+    ``MultiHeadDotProductAttention`` takes ``qk_attn_weights_einsum_cls`` /
+    ``attn_weights_value_einsum_cls``: pass ``lambda: lowprec.flax.einsum(recipe)`` to both).
+
+    Example:
+        >>> import jax.numpy as jnp, lowprec
+        >>> from flax import nnx
+        >>> mha = nnx.MultiHeadAttention(2, 64, rngs=nnx.Rngs(0), decode=False,
+        ...                              attention_fn=lowprec.flax.attention(lowprec.NVIDIA_MXFP8))
+        >>> mha(jnp.ones((2, 5, 64))).shape
+        (2, 5, 64)
+    """
+    return RecipeAttention(_check_recipe(recipe))
+
+
 # -- linen: interception ------------------------------------------------------------------------
 
 _LINEN_COVERED = (nn.Dense, nn.DenseGeneral)
 _LINEN_UNCOVERED = {
     nn.Einsum: ("__call__",),
-    nn.Conv: ("__call__",),
     nn.ConvTranspose: ("__call__",),
     nn.ConvLocal: ("__call__",),
-    nn.MultiHeadDotProductAttention: ("__call__",),
 }
 _NNX_UNCOVERED = (
-    (nnx.Conv, "Conv"),
-    (nnx.ConvTranspose, "ConvTranspose"),
-    (nnx.Embed, "Embed.attend (if the model calls it)"),
-    (nnx.MultiHeadAttention, "MultiHeadAttention"),
+    (nnx.ConvTranspose, "ConvTranspose", "conv"),
 )
 _warned = set()
 _warn_lock = threading.Lock()
 
 
-def _warn_uncovered(kind: str, path: str, recipe) -> None:
+def _warn_uncovered(kind: str, path: str, recipe, why: str = "") -> None:
     key = (kind, path, recipe)
     with _warn_lock:
         if key in _warned:
             return
         _warned.add(key)
-    if kind.startswith(("MultiHead",)):
-        what = ("runs its projections in the recipe but its score and value products (q·kᵀ, "
-                "p·v) in their own precision, as Transformer Engine's default recipes do,")
-    elif kind.endswith("(delayed scaling)"):
+    if kind.endswith("(delayed scaling)"):
         what = "has no place for delayed scaling's state and runs in its own precision,"
     else:
-        what = "has no dot_general hook and runs in its own precision,"
+        what = why or "has no dot_general hook and runs in its own precision,"
     warnings.warn(
         f"lowprec.flax: {kind} at {path or '<root>'} {what} not in recipe "
         f"{_label(recipe)!r} (add its path to high_precision, or a rule keeping it in its own "
@@ -345,48 +450,119 @@ def _warn_uncovered(kind: str, path: str, recipe) -> None:
     )
 
 
-def _linen_interceptor(plan):
-    def interceptor(next_fun, args, kwargs, context):
-        module = context.module
-        if isinstance(module, _LINEN_COVERED) and context.method_name == "__call__":
-            if module.dot_general is not None or module.dot_general_cls is not None:
-                return next_fun(*args, **kwargs)  # the layer chose its own dot_general
-            recipe = recipe_for(plan, "/".join(module.path))
-            if recipe is None:
-                return next_fun(*args, **kwargs)
-            # A linen layer reads self.dot_general (or instantiates self.dot_general_cls, a
-            # child module holding delayed scaling's state) inside __call__; set it on this
-            # bound instance for the duration of this call only (frozen dataclass, hence
-            # object.__setattr__), and put Flax's default back afterwards.
-            if recipe.scaling == "delayed":
-                attr = "dot_general_cls"
-                replacement = functools.partial(DelayedDotGeneral, config=recipe.delayed)
-            else:
-                attr, replacement = "dot_general", RecipeDotGeneral(recipe)
-            object.__setattr__(module, attr, replacement)
-            try:
-                return next_fun(*args, **kwargs)
-            finally:
-                object.__setattr__(module, attr, None)
-        if isinstance(module, nn.Embed) and context.method_name == "attend":
-            path = "/".join(module.path)
-            recipe = recipe_for(plan, path)
-            if recipe is None:
-                return next_fun(*args, **kwargs)
-            if recipe.scaling == "delayed":  # no child module can hold state here
-                _warn_uncovered("Embed.attend (delayed scaling)", path, recipe)
-                return next_fun(*args, **kwargs)
-            return _linen_attend(module, RecipeDotGeneral(recipe), *args, **kwargs)
-        for cls, methods in _LINEN_UNCOVERED.items():
-            if isinstance(module, cls) and context.method_name in methods:
-                path = "/".join(module.path)
-                recipe = recipe_for(plan, path)
-                if recipe is not None:
-                    _warn_uncovered(f"{cls.__name__}.{context.method_name}", path, recipe)
-                break
-        return next_fun(*args, **kwargs)
+# The plans of the active intercepting() blocks of this thread, outermost first. One linen
+# interceptor (installed by the outermost block) asks them innermost first: nested blocks
+# compose like nested contexts, the inner one deciding every layer it has a rule for.
+_plans = threading.local()
 
-    return interceptor
+
+def _stack() -> list:
+    if not hasattr(_plans, "stack"):
+        _plans.stack = []
+    return _plans.stack
+
+
+def _decide(path: str, op: str) -> Optional[Recipe]:
+    """The recipe of the product of kind ``op`` at ``path``: the innermost plan that has a rule
+    for it decides; None (own precision) when none has."""
+    for plan in reversed(_stack()):
+        matched, recipe = match(plan, path, op)
+        if matched:
+            return recipe
+    return None
+
+
+@contextlib.contextmanager
+def _set_for_call(module, **attrs):
+    """Sets attributes of a bound linen module for one call (frozen dataclass, hence
+    object.__setattr__), putting the old values back afterwards."""
+    old = {k: getattr(module, k) for k in attrs}
+    for k, v in attrs.items():
+        object.__setattr__(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            object.__setattr__(module, k, v)
+
+
+def _linen_interceptor(next_fun, args, kwargs, context):
+    module, method = context.module, context.method_name
+    if isinstance(module, _LINEN_COVERED) and method == "__call__":
+        if module.dot_general is not None or module.dot_general_cls is not None:
+            return next_fun(*args, **kwargs)  # the layer chose its own dot_general
+        recipe = _decide("/".join(module.path), "linear")
+        if recipe is None:
+            return next_fun(*args, **kwargs)
+        # A linen layer reads self.dot_general (or instantiates self.dot_general_cls, a child
+        # module holding delayed scaling's state) inside __call__.
+        if recipe.scaling == "delayed":
+            with _set_for_call(module, dot_general_cls=functools.partial(
+                    DelayedDotGeneral, config=recipe.delayed)):
+                return next_fun(*args, **kwargs)
+        with _set_for_call(module, dot_general=RecipeDotGeneral(recipe)):
+            return next_fun(*args, **kwargs)
+    if isinstance(module, nn.MultiHeadDotProductAttention) and method == "__call__":
+        path = "/".join(module.path)
+        recipe = _decide(path, "attention")
+        if recipe is None or module.qk_attn_weights_einsum_cls is not None \
+                or module.attn_weights_value_einsum_cls is not None:
+            return next_fun(*args, **kwargs)  # own precision, or the layer's own einsums
+        kind = "MultiHeadDotProductAttention score/value products"
+        takes = inspect.signature(module.attention_fn).parameters
+        if recipe.scaling == "delayed":
+            _warn_uncovered(kind + " (delayed scaling)", path, recipe)
+        elif module.precision is not None:  # Flax refuses precision together with the hooks
+            _warn_uncovered(kind, path, recipe, "set precision=, which Flax's einsum hooks "
+                            "exclude; they run in their own precision,")
+        elif not {"qk_attn_weights_einsum", "attn_weights_value_einsum"} <= set(takes):
+            _warn_uncovered(kind, path, recipe, "have an attention_fn without einsum hooks "
+                            "and run in their own precision,")
+        else:
+            einsum_cls = functools.partial(RecipeEinsum, recipe)
+            with _set_for_call(module, qk_attn_weights_einsum_cls=einsum_cls,
+                               attn_weights_value_einsum_cls=einsum_cls):
+                return next_fun(*args, **kwargs)
+        return next_fun(*args, **kwargs)
+    if isinstance(module, nn.Conv) and method == "__call__":
+        if module.conv_general_dilated is not None or module.conv_general_dilated_cls is not None:
+            return next_fun(*args, **kwargs)
+        path = "/".join(module.path)
+        recipe = _decide(path, "conv")
+        if recipe is None:
+            return next_fun(*args, **kwargs)
+        if recipe.scaling == "delayed":
+            _warn_uncovered("Conv (delayed scaling)", path, recipe)
+            return next_fun(*args, **kwargs)
+        _check_conv(module.feature_group_count, path)
+        with _set_for_call(module, conv_general_dilated=RecipeConv(recipe)):
+            return next_fun(*args, **kwargs)
+    if isinstance(module, nn.Embed) and method == "attend":
+        path = "/".join(module.path)
+        recipe = _decide(path, "attend")
+        if recipe is None:
+            return next_fun(*args, **kwargs)
+        if recipe.scaling == "delayed":  # no child module can hold state here
+            _warn_uncovered("Embed.attend (delayed scaling)", path, recipe)
+            return next_fun(*args, **kwargs)
+        return _linen_attend(module, RecipeDotGeneral(recipe), *args, **kwargs)
+    for cls, methods in _LINEN_UNCOVERED.items():
+        if isinstance(module, cls) and method in methods:
+            path = "/".join(module.path)
+            recipe = _decide(path, "conv" if cls is not nn.Einsum else "linear")
+            if recipe is not None:
+                _warn_uncovered(f"{cls.__name__}.{method}", path, recipe)
+            break
+    return next_fun(*args, **kwargs)
+
+
+def _check_conv(groups: int, path: str) -> None:
+    if groups != 1:
+        raise ValueError(
+            f"lowprec.flax: the grouped convolution at {path or '<root>'} (feature_group_count="
+            f"{groups}) has no exact recipe product (each group is its own contraction); keep it "
+            f"in its own precision with a rule (lowprec.Rules([({path!r}, None), ...]) or "
+            "Rule(..., ops=('conv',)) with recipe None) or the recipe's high_precision")
 
 
 def _linen_attend(module, dot, query):
@@ -398,9 +574,16 @@ def _linen_attend(module, dot, query):
 
 @contextlib.contextmanager
 def intercepting(recipe):
-    """Context manager: linen ``nn.Dense``/``nn.DenseGeneral`` calls traced inside it run in
-    ``recipe`` (a Recipe, or :class:`~lowprec.Rules` per layer path; what
-    :func:`quantize_model` wraps around ``init``/``apply``).
+    """Context manager: linen layers traced inside it run in ``recipe`` (a Recipe, or
+    :class:`~lowprec.Rules` per layer path; what :func:`quantize_model` wraps around
+    ``init``/``apply``): ``Dense``/``DenseGeneral``, ``MultiHeadDotProductAttention``'s score
+    and value products, ``Conv`` and ``Embed.attend``.
+
+    Blocks nest like other contexts: the innermost block decides every layer it has a rule for
+    (a Recipe has one for every layer; Rules for the paths they match), and a layer it has no
+    rule for is asked of the next block out. (qwix 0.1.8 lets the outermost provider with a
+    matching rule decide; lowprec follows the innermost-wins order of nested Python contexts
+    and of the issue that asked for it.) A layer given its own ``dot_general`` keeps it.
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, lowprec
@@ -411,18 +594,43 @@ def intercepting(recipe):
         >>> y.shape
         (1, 2)
     """
-    with nn.intercept_methods(_linen_interceptor(_check_plan(recipe))):
-        yield
+    plan = _check_plan(recipe)
+    stack = _stack()
+    stack.append(plan)
+    try:
+        if len(stack) == 1:
+            with nn.intercept_methods(_linen_interceptor):
+                yield
+        else:
+            yield
+    finally:
+        stack.pop()
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantizedLinen:
-    """A linen model whose ``init``/``apply`` run under :func:`intercepting` (from
-    :func:`quantize_model`). Parameters are the model's own: interchangeable with the float
-    model's. Other attributes are the model's."""
+class QuantizedLinen(nn.Module):
+    """A linen model run under :func:`intercepting` (from :func:`quantize_model`).
+
+    Its ``init``/``apply`` are the model's, run under the recipe, and its parameters are the
+    model's own (the wrapper shares the model's scope: no extra level), interchangeable with
+    the float model's. It is also a linen module: as a child of another module it runs the
+    wrapped model's ``__call__`` under the recipe, its parameters under the child's name; a
+    wrapper inside a wrapper decides the layers its rules match (:func:`intercepting`). Other
+    attributes are the model's.
+
+    Attributes:
+      module: the wrapped linen model.
+      recipe: a :class:`~lowprec.Recipe` or :class:`~lowprec.Rules`.
+    """
 
     module: nn.Module
-    recipe: Any  # a Recipe or Rules
+    recipe: Any
+
+    def setup(self):
+        nn.share_scope(self, self.module)
+
+    def __call__(self, *args, **kwargs):
+        with intercepting(self.recipe):
+            return self.module(*args, **kwargs)
 
     def init(self, *args, **kwargs):
         with intercepting(self.recipe):
@@ -437,55 +645,98 @@ class QuantizedLinen:
             return self.module.apply(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("module", "recipe"):  # not yet set (copy/pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.module, name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("module", "recipe") or name.startswith("_"):
+                raise
+            return getattr(self.module, name)
 
 
 # -- nnx: in-place replacement ----------------------------------------------------------------
 
 
-def _nnx_default(module) -> Optional[str]:
-    """Which attribute of ``module`` to replace, or None (not a covered type / user-chosen op)."""
+class _RecipeEmbed(nnx.Embed):
+    """nnx ``Embed`` whose ``attend`` (tied logits, ``query · embeddingᵀ``) runs in the
+    recipe it holds. ``nnx.Embed.attend`` has no hook, so :func:`quantize_model` gives a plain
+    ``nnx.Embed`` this class (the same state; ``quantize_model(model, None)`` gives it back)."""
+
+    def attend(self, query, *, out_sharding=None):
+        query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+        return self.lowprec_recipe.dot_general(
+            query, embedding, (((query.ndim - 1,), (1,)), ((), ())), out_sharding=out_sharding)
+
+
+def _quantize_nnx_embed(module, name, plan) -> None:
+    if type(module) not in (nnx.Embed, _RecipeEmbed):
+        return  # a user's subclass keeps its own attend
+    recipe = match(plan, name, "attend")[1]
+    if recipe is not None and recipe.scaling == "delayed":
+        _warn_uncovered("Embed.attend (delayed scaling)", name, recipe)
+        recipe = None
+    if recipe is None:
+        if type(module) is _RecipeEmbed:
+            del module.lowprec_recipe
+            object.__setattr__(module, "__class__", nnx.Embed)
+        return
+    object.__setattr__(module, "__class__", _RecipeEmbed)
+    module.lowprec_recipe = nnx.static(recipe)
+
+
+def _nnx_slot(module):
+    """(attribute to replace, Flax's default for it, kind of product, our type), or None (not a
+    covered type / user-chosen op)."""
     if isinstance(module, nnx.Linear):
-        return "dot_general"
+        return "dot_general", lax.dot_general, "linear", RecipeDotGeneral
     if isinstance(module, nnx.LinearGeneral):
-        return None if module.dot_general_cls is not None else "dot_general"
+        if module.dot_general_cls is not None:
+            return None
+        return "dot_general", None, "linear", RecipeDotGeneral  # None means lax.dot_general
     if isinstance(module, nnx.Einsum):
-        return "einsum_op"
+        return "einsum_op", jnp.einsum, "linear", RecipeEinsum
+    if isinstance(module, nnx.Conv):
+        return "conv_general_dilated", lax.conv_general_dilated, "conv", RecipeConv
+    if isinstance(module, nnx.MultiHeadAttention):
+        return "attention_fn", nnx.dot_product_attention, "attention", RecipeAttention
     return None
 
 
 def _quantize_nnx(model, plan):
-    ours = (RecipeDotGeneral, RecipeEinsum, DelayedDotGeneralNnx)
+    ours = (RecipeDotGeneral, RecipeEinsum, RecipeConv, RecipeAttention, DelayedDotGeneralNnx)
     for path, module in list(nnx.iter_modules(model)):
-        attr = _nnx_default(module)
+        slot = _nnx_slot(module)
         name = "/".join(str(p) for p in path)
-        recipe = recipe_for(plan, name)
-        if attr is None:
-            if recipe is not None:
-                for cls, kind in _NNX_UNCOVERED:
-                    if isinstance(module, cls):
-                        _warn_uncovered(kind, name, recipe)
-                        break
+        if isinstance(module, nnx.Embed):
+            _quantize_nnx_embed(module, name, plan)
             continue
+        if slot is None:
+            for cls, kind, op in _NNX_UNCOVERED:
+                if isinstance(module, cls):
+                    recipe = match(plan, name, op)[1]
+                    if recipe is not None:
+                        _warn_uncovered(kind, name, recipe)
+                    break
+            continue
+        attr, default, op, ours_cls = slot
+        recipe = match(plan, name, op)[1]
         current = getattr(module, attr)
-        default = jnp.einsum if attr == "einsum_op" else lax.dot_general
-        # LinearGeneral's default is None (= lax.dot_general); anything else but one of
-        # ours is the user's choice and is kept.
-        if not (current is default or current is None or isinstance(current, ours)):
+        # Anything but Flax's default or one of ours is the user's choice and is kept.
+        if not (current is default or current is None or current is lax.dot_general
+                or isinstance(current, ours)):
             continue
         if recipe is None:
-            new = None if isinstance(module, nnx.LinearGeneral) else default
+            new = default
         elif recipe.scaling == "delayed":
-            if attr == "einsum_op":  # no delayed einsum: the layer keeps its precision
-                _warn_uncovered("Einsum (delayed scaling)", name, recipe)
+            if op != "linear" or attr == "einsum_op":  # no delayed state there: own precision
+                _warn_uncovered(f"{type(module).__name__} (delayed scaling)", name, recipe)
                 continue
             if isinstance(current, DelayedDotGeneralNnx) and current.config == recipe.delayed:
                 continue  # already delayed with these options: keep its state
             new = DelayedDotGeneralNnx(recipe.delayed)
         else:
-            new = RecipeEinsum(recipe) if attr == "einsum_op" else RecipeDotGeneral(recipe)
+            if op == "conv":
+                _check_conv(module.feature_group_count, name)
+            new = ours_cls(recipe)
         # nnx attributes are data (arrays, submodules: the delayed state) or static (functions):
         # a change of kind is declared.
         if isinstance(new, nnx.Module):
