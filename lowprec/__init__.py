@@ -36,13 +36,13 @@ from ._p3109 import p3109
 from ._gpt_oss import from_gpt_oss, to_gpt_oss
 from ._matmul import dot_general, matmul, mxfp4_gemv
 from ._prepared import PreparedWeight, prepare_weight
-from ._gemv import weight_only_matmul
+from ._weight_only import weight_only_matmul
 from ._mx import dequantize, fake_quantize_mx, quantize_mx, shared_exponents
 from ._mxfp4_nvfp4 import CastReport, mxfp4_to_nvfp4
 from ._mxarray import MXArray
 from ._mx_plus import MXPlusArray, dequantize_mx_plus, quantize_mx_plus
 from ._ragged import ragged_dot
-from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
+from ._pack_api import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from ._options import BACKWARD_MODES, OPERAND_FORMAT_NAMES
 from ._recipe import (FP8_DELAYED, FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES,
                       Recipe)

@@ -24,6 +24,7 @@ from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along
 from ._scale_rules import block_amax_bits
+from .kernels._dispatch import fp6_packer
 
 
 def padded_bits(x, axis: int, padded: int):
@@ -138,7 +139,7 @@ def _pack_codes(codes, fmt, inner: int, pack):
         return codes
     if pack is None:
         # Packing groups never straddle blocks (a block is whole bytes): pack while split.
-        return pack_along(codes, inner, fmt.element.code_bits)
+        return pack_along(codes, inner, fmt.element.code_bits, fp6_packer(codes, inner))
     assert inner == codes.ndim - 1, "a caller's pack works along the last axis"
     return pack(codes)
 

@@ -20,8 +20,8 @@ products on cuBLASLt's FP8 GEMM, block formats as bfloat16 GEMM operands; ``_gpu
 follow the policy too: they are XLA programs, not kernels, but they change how a product
 is summed on the GPU, and ``"xla"`` keeps the portable one.
 
-The native CPU kernels (``_cpu_native``) follow the same policy: :func:`cpu_fp6_kernel` for
-FP6 packing, read while ``_pack.py`` traces, and :func:`cpu_quantize_kernel` for
+The native CPU kernels (``_cpu_native``) follow the same policy: :func:`fp6_packer` /
+:func:`fp6_unpacker` give the FP6 kernel to ``_pack.py`` (which chooses nothing), and :func:`cpu_quantize_kernel` for
 ``quantize_mx``, decided when it is called; each picks with :func:`on_cpu`.
 """
 
@@ -38,10 +38,12 @@ from jax import lax
 
 from .._format import mx_format
 from .._mxarray import MXArray
-from . import _cpu_native
+from .._pack import pack6_xla, unpack6_xla
+from .._scheme_e8m0 import E8M0Scheme
+from .._scheme_nvfp4 import NVFP4Scheme
+from . import _cpu_native, _fp6_cpu
 from ._mx_quantize_cpu import serves as native_quantize_serves
 from ._mxdot_pallas import pallas_mxdot_applies
-from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_applies
 from ._weight_only_mgpu import MAX_TOKENS as WEIGHT_ONLY_MAX_TOKENS
 from ._weight_only_mgpu import mosaic_gpu_available
 
@@ -184,6 +186,32 @@ def unsharded(x) -> bool:
     return all(s is None for s in spec)
 
 
+# What the Pallas quantize kernels (_quantize_pallas.py, which checks its calls against these)
+# serve; kept here so that this module does not import the kernels, which use the encoder.
+
+def pallas_quantize_applies(cast: MXCast, axis0: bool = False) -> bool:
+    """Whether the kernel serves this cast (static): E8M0-scaled formats with blocks of 32
+    (the tiles are multiples of it) (FP6's three-byte
+    groups along the last axis only; ``axis0``: blocks along axis 0 of a 2-D array),
+    and NVFP4 with blocks of 16 or 32 along the last axis (its tensor scale, a whole-array
+    reduction when it is computed, comes in as an operand); deterministic rounding."""
+    fmt = cast.fmt
+    if cast.stochastic:
+        return False
+    if isinstance(fmt.scheme, NVFP4Scheme):
+        return not axis0 and fmt.block_size in (16, 32)
+    bits_ok = fmt.element.code_bits in ((4, 8) if axis0 else (4, 6, 8))
+    return isinstance(fmt.scheme, E8M0Scheme) and fmt.block_size == 32 and bits_ok
+
+
+def pallas_fake_quantize_applies(cast: MXCast) -> bool:
+    """Whether the fake-quantization kernel serves this cast (static): E8M0-scaled formats
+    with blocks of 32 (codes stay unpacked in registers, so FP6 too), deterministic
+    rounding."""
+    return (isinstance(cast.fmt.scheme, E8M0Scheme) and cast.fmt.block_size == 32
+            and not cast.stochastic)
+
+
 def quantize_kernel(x, cast, axis: int, fake: bool = False) -> bool:
     """Whether ``quantize_mx`` (``fake``: ``fake_quantize_mx``) of the validated input ``x``
     takes its one-pass kernel on CUDA (static): the policy, an unsharded input, blocks along
@@ -311,6 +339,28 @@ def cpu_fp6_kernel(x) -> bool:
     CPU backend (it is a single-device custom call, which XLA's partitioner would run on
     gathered inputs)."""
     return _native_cpu_can_run(x)
+
+
+def fp6_kernel(x, axis: int) -> bool:
+    """Whether FP6 packing or unpacking of ``x`` along ``axis`` takes the native CPU kernel
+    where XLA lowers for CPU (static): along the last axis, as :func:`cpu_fp6_kernel` says."""
+    return axis == x.ndim - 1 and cpu_fp6_kernel(x)
+
+
+def fp6_packer(x, axis: int):
+    """The FP6 packer ``_pack.pack_along`` is given for codes ``x`` packed along ``axis``:
+    the native CPU kernel (XLA's formulation on other backends) where :func:`fp6_kernel`
+    says, else None (``_pack``'s XLA formulation)."""
+    if not fp6_kernel(x, axis):
+        return None
+    return lambda c: on_cpu(_fp6_cpu.pack_last, lambda c: pack6_xla(c, c.ndim - 1), c)
+
+
+def fp6_unpacker(p, axis: int):
+    """The inverse of :func:`fp6_packer` for bytes ``p`` unpacked along ``axis``."""
+    if not fp6_kernel(p, axis):
+        return None
+    return lambda b: on_cpu(_fp6_cpu.unpack_last, lambda b: unpack6_xla(b, b.ndim - 1), b)
 
 
 def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:
