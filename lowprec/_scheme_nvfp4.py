@@ -24,17 +24,34 @@ from . import _nvfp4
 from ._bits import F32_ABS, F32_INF, f32_bits
 from ._decode import decode_bits
 from ._format import ElementFormat
+from ._rounding import DocumentedStr
 from ._scheme import ScaleScheme, register
 
-# How an NVFP4 element is brought to E2M1's range before rounding (docs/design.md §3b). The
-# two differ only where the float32 quotient lands exactly on an E2M1 rounding boundary.
-NVFP4_STEPS = {
-    # torchao <= 0.16 (nvfp4_tensor.nvfp4_quantize): one division by float32(ts * s).
-    "divide": "x / float32(tensor_scale * block_scale)  (torchao <= 0.16)",
-    # torchao >= 0.17 (its PR #4031, as NVIDIA's MSLK kernels): a product with a reciprocal.
-    "reciprocal": "x * float32(float32(1 / tensor_scale) / block_scale)  (torchao >= 0.17)",
-}
-DEFAULT_NVFP4_STEP = "divide"
+
+
+class NVFP4Step(DocumentedStr):
+    """How an NVFP4 element is brought to E2M1's range before rounding (``nvfp4_step=`` of
+    :func:`lowprec.quantize_mx`; docs/design.md §3b). The two differ only where the float32
+    quotient lands exactly on an E2M1 rounding boundary.
+
+    Example:
+        >>> NVFP4Step("reciprocal") is NVFP4Step.RECIPROCAL
+        True
+    """
+
+    DIVIDE = (
+        "divide",
+        "x / float32(tensor_scale * block_scale): torchao <= 0.16 "
+        "(nvfp4_tensor.nvfp4_quantize), and lowprec's default.",
+    )
+    RECIPROCAL = (
+        "reciprocal",
+        "x * float32(float32(1 / tensor_scale) / block_scale): torchao >= 0.17 (its PR "
+        "#4031, as NVIDIA's MSLK kernels).",
+    )
+
+
+DEFAULT_NVFP4_STEP = NVFP4Step.DIVIDE
 
 # The recipe's constants are those of E4M3 block scales (clamped to [2^-6, 448]); block
 # maxima are divided by the element's largest value Q (6 for E2M1, 7 for INT4).
@@ -70,7 +87,7 @@ class NVFP4Scheme(ScaleScheme):
         >>> import lowprec
         >>> s = lowprec.scale_scheme("nvfp4")
         >>> s.scale.name, s.tensor_scale, s.takes_scale_rule, s.step_option(None, "nvfp4")
-        ('e4m3', True, False, 'divide')
+        ('e4m3', True, False, <NVFP4Step.DIVIDE: 'divide'>)
     """
 
     tensor_scale = True
@@ -106,11 +123,12 @@ class NVFP4Scheme(ScaleScheme):
     def step_option(self, step, fmt_name: str):
         if step is None:
             return DEFAULT_NVFP4_STEP
-        if step not in NVFP4_STEPS:
+        try:
+            return NVFP4Step(step)
+        except ValueError:
             raise ValueError(
                 f"unknown nvfp4_step {step!r}; choose one of: "
-                + "; ".join(f"{k!r} = {v}" for k, v in NVFP4_STEPS.items()))
-        return step
+                + "; ".join(f"{m.value!r} = {m.__doc__}" for m in NVFP4Step)) from None
 
     def tensor_scale_option(self, tensor_scale, fmt_name: str, func: str):
         if tensor_scale is None:

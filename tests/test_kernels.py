@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import lowprec
+import lowprec.kernels
 from helpers.kernels import cuda_branches, fused_mxdot  # noqa: F401  (fixtures)
 from helpers.kernels import lower_for_cuda as _lower_for_cuda
 from lowprec import _gemv
@@ -373,7 +374,7 @@ def test_mxfp4_gemv_shapes(x_shape):
     rng = np.random.default_rng(len(x_shape))
     w = make_weight(rng, 20, 96)
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.bfloat16)
-    y = lowprec.mxfp4_gemv(w.mx, x)
+    y = lowprec.kernels.mxfp4_gemv(w.mx, x)
     assert y.shape == x_shape[:-1] + (20,) and y.dtype == jnp.float32
     assert_within_bound(np.asarray(y).reshape(-1, 20), f64(x).reshape(-1, 96), w.values)
 
@@ -382,21 +383,21 @@ def test_mxfp4_gemv_block_rows():
     rng = np.random.default_rng(1)
     w = make_weight(rng, 20, 96)
     x = make_tokens(rng, 1, 96)[0]
-    assert_within_bound(lowprec.mxfp4_gemv(w.mx, x, block_rows=16)[None], f64(x)[None], w.values)
+    assert_within_bound(lowprec.kernels.mxfp4_gemv(w.mx, x, block_rows=16)[None], f64(x)[None], w.values)
     with pytest.raises(ValueError, match="block_rows: KernelConfig.block_n must be a power of two"):
-        lowprec.mxfp4_gemv(w.mx, x, block_rows=24)
+        lowprec.kernels.mxfp4_gemv(w.mx, x, block_rows=24)
 
 
 def test_mxfp4_gemv_errors():
     w = lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp4")
     with pytest.raises(TypeError, match=r"bfloat16 array of shape \(64,\) or \(\.\.\., 64\)"):
-        lowprec.mxfp4_gemv(w, jnp.ones(64))
+        lowprec.kernels.mxfp4_gemv(w, jnp.ones(64))
     with pytest.raises(TypeError, match=r"got bfloat16\[63\]"):
-        lowprec.mxfp4_gemv(w, jnp.ones(63, jnp.bfloat16))
+        lowprec.kernels.mxfp4_gemv(w, jnp.ones(63, jnp.bfloat16))
     with pytest.raises(ValueError, match=r"MXFP4 MXArray of shape \[N, K\] blocked along axis 1"):
-        lowprec.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp8"), jnp.ones(64, jnp.bfloat16))
+        lowprec.kernels.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp8"), jnp.ones(64, jnp.bfloat16))
     with pytest.raises(ValueError, match="blocked along axis 1"):
-        lowprec.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((64, 4)), "mxfp4", axis=0), jnp.ones(64, jnp.bfloat16))
+        lowprec.kernels.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((64, 4)), "mxfp4", axis=0), jnp.ones(64, jnp.bfloat16))
 
 
 # -- on a GPU ---------------------------------------------------------------------------------------
