@@ -35,14 +35,14 @@ from .kernels._quantize_pallas import fake_quantize_mx_pallas, quantize_mx_palla
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel: bool, native: bool, rng,
+def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel: bool, cpu_kernel: bool, rng,
                      tensor_scale):
     def xla(v):
         return quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
                                 tensor_scale)
 
-    if native:  # decided by lowprec.kernels (_dispatch.cpu_quantize_kernel)
-        # On CPU one native pass over x (XLA makes two: the block maxima, then the encode
+    if cpu_kernel:  # decided by lowprec.kernels (_dispatch.cpu_quantize_kernel)
+        # On CPU one C++ pass over x (XLA makes two: the block maxima, then the encode
         # reading x again), with the same integer definitions, so the same bits.
         def one_pass_cpu(v):
             # float32 input as it is (the kernel reads its bits): a bitcast to uint32 here
@@ -171,8 +171,8 @@ def quantize_mx(
     if call.x.size == 0:
         return _empty_mxarray(call, cast)
     kernel = quantize_kernel(call.x, cast, call.axis)
-    native = cpu_quantize_kernel(call.x, cast, call.axis, call.rng, call.tensor_scale)
-    return _quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, native, call.rng,
+    cpu_kernel = cpu_quantize_kernel(call.x, cast, call.axis, call.rng, call.tensor_scale)
+    return _quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, cpu_kernel, call.rng,
                             call.tensor_scale)
 
 

@@ -119,7 +119,7 @@ def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canon
         return value_bits(codes, _per_code(f, codes.shape, axis))
 
     if fp6_kernel(elements, axis):
-        # On CPU the native kernel unpacks the codes one per byte (at copy speed), which are
+        # On CPU the C++ FP6 kernel unpacks the codes one per byte (at copy speed), which are
         # then decoded in a loop as wide as 8-bit codes' (3.1-3.7x faster at 4096 x 4096).
         return lax.platform_dependent(elements, factor, cpu=ungrouped, default=grouped)
     return grouped(elements, factor)
@@ -306,7 +306,7 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_
         # The block factors are built from the scale codes inside the fast branch, where XLA
         # computes them in the element loop (a few integer operations per block, amortized
         # over its vectorized elements: 5-25% faster than writing them out before the branch,
-        # the most along axis 0), except for FP6 along the last axis decoded in XLA (no native
+        # the most along axis 0), except for FP6 along the last axis decoded in XLA (no C++
         # kernel), whose loop runs over a group's four codes and pays them per code there
         # (12-18% slower, measured).
         ahead = fmt.element.code_bits == 6 and axis == e.ndim - 1 and not fp6_kernel(e, axis)

@@ -204,15 +204,15 @@ class NVFP4Scheme(ScaleScheme):
             quotient = _nvfp4.element_quotient_bits(xb, total)
         return jnp.where(special, self.scale.nan_code, codes), special, quotient, None
 
-    # The native path (CPU): the same float32 steps by float arithmetic, exact for a tensor
+    # The hardware-float path (CPU): the same float32 steps by float arithmetic, exact for a tensor
     # scale in [2^-118, 2^116] (_nvfp4.py says why), i.e. for any tensor whose largest
     # magnitude lies between ~2^-107 and ~2^127 when the scale is computed.
 
-    has_native_path = True
+    has_hwfloat_path = True
 
-    def native_scales(self, amax, ts_bits, cast):
+    def hwfloat_scales(self, amax, ts_bits, cast):
         special = amax >= F32_INF
-        codes = _nvfp4.native_scale_codes(amax, ts_bits, self.scale, cast.fmt.element.max_finite)
+        codes = _nvfp4.hwfloat_scale_codes(amax, ts_bits, self.scale, cast.fmt.element.max_finite)
         codes = jnp.where(special, self.scale.nan_code, codes).astype(jnp.uint8)
         # The check stays a runtime value even for a tensor scale known at compile time:
         # folded, it would remove the encoder's branch, whose boundary is what keeps XLA from
@@ -223,17 +223,17 @@ class NVFP4Scheme(ScaleScheme):
                  & (t <= jnp.uint32(_nvfp4.NATIVE_TS_MAX_BITS)))
         return codes, exact
 
-    def native_operands(self, scale_codes, ts_bits, cast):
+    def hwfloat_operands(self, scale_codes, ts_bits, cast):
         codes = scale_codes.astype(jnp.uint32)
         special = codes == jnp.uint32(self.scale.nan_code)
         if cast.nvfp4_step == "reciprocal":
-            return special, _nvfp4.native_factors(codes, ts_bits, self.scale)
-        return special, _nvfp4.native_divisors(codes, ts_bits, self.scale)
+            return special, _nvfp4.hwfloat_factors(codes, ts_bits, self.scale)
+        return special, _nvfp4.hwfloat_divisors(codes, ts_bits, self.scale)
 
-    def native_quotients(self, magnitudes, operand, x_bits, cast):
+    def hwfloat_quotients(self, magnitudes, operand, x_bits, cast):
         if cast.nvfp4_step == "reciprocal":
             return magnitudes * operand
-        return _nvfp4.native_quotients(magnitudes, operand, x_bits)
+        return _nvfp4.hwfloat_quotients(magnitudes, operand, x_bits)
 
     # -- decode ----------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from jax import lax
 
 from .._bits import F32_MANT_BITS
 from .._format import MXFormat, mx_format
-from .._mx_native import native_element
+from .._mx_hwfloat import hwfloat_element
 from .._scale_rules import ScaleRule, even_fraction_bits, rceil_constants
 from . import _cpu_native
 
@@ -38,7 +38,7 @@ _MAX_BLOCK = 256  # the kernel's per-block buffer
 def computes(fmt, rounding: str = "nearest_even") -> bool:
     """Whether the kernel computes MX quantization of ``fmt`` (static): E8M0-scaled blocks
     (every OCP MX format; no tensor scale) of 4 to 256 elements, a sign-magnitude or MX INT8
-    element that the native encode serves (``_mx_native.native_element``: FP8, FP6, FP4,
+    element that the native encode serves (``_mx_hwfloat.hwfloat_element``: FP8, FP6, FP4,
     INT8), round to nearest even."""
     el = fmt.element
     scheme = fmt.scheme
@@ -46,7 +46,7 @@ def computes(fmt, rounding: str = "nearest_even") -> bool:
     # cast's ScaleRule picks, with no tensor scale; the scheme says whether that is its scale.
     ocp_scales = (scheme.takes_scale_rule and scheme.exponent_scales and not scheme.tensor_scale
                   and scheme.scale.name == "e8m0")
-    return (ocp_scales and rounding == "nearest_even" and native_element(el)
+    return (ocp_scales and rounding == "nearest_even" and hwfloat_element(el)
             and el.code_bits in (4, 6, 8)
             # its two's-complement encode writes 8-bit codes (INT8) only, not INT4's nibbles
             and (el.encoding != "twos_complement" or el.code_bits == 8)
