@@ -10,9 +10,9 @@ the time is its size, 4.25 bits per element when it stays packed. Two routes com
   :func:`mxfp4_matmul_xla` — feeding a bfloat16 dot, leaving it to XLA to fuse the decode
   into the dot's operand load.
 
-:func:`lowprec.dot_general` (and so :func:`lowprec.matmul`) sends such products to
-``kernels._dispatch.GPU_ROUTE`` when it runs on a CUDA GPU (``lax.platform_dependent``,
-decided when XLA lowers the program); ``kernels._dispatch.gemv_weight_side`` says which
+:func:`lowprec.dot_general` (and so :func:`lowprec.matmul`) sends such products to the
+policy's ``gpu_route`` (``kernels._dispatch.current_policy``; the knob is ``GPU_ROUTE``) when it
+runs on a CUDA GPU (``lax.platform_dependent``, decided when XLA lowers the program); ``kernels._dispatch.gemv_weight_side`` says which
 calls qualify (and the kernel policy may turn the Pallas route off). Every other backend,
 and every other shape, takes the generic quantized dot of ``_qdot.py``. All of them
 compute exact products with float32 sums, so they agree to within K·2^-23·Σ|w_i x_i|
@@ -32,7 +32,7 @@ from ._bits import bits_to_bf16_truncating
 from ._format import mx_format
 from ._mx_decode import mx_value_bits
 from ._mxarray import MXArray
-from .kernels._dispatch import GPU_ROUTE, gemv_weight_side
+from .kernels._dispatch import current_policy, gemv_weight_side
 from .kernels._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
 
 ROUTES = ("pallas", "xla")
@@ -75,13 +75,14 @@ def decode_time_route(lhs, rhs, lcast, rcast, kernels: bool):
     weight-only case, and the kernel policy ``kernels``) says the call keeps the generic dot.
     """
     side = gemv_weight_side(lhs, rhs, lcast, rcast, kernels)
+    route = current_policy().gpu_route
     if side == "rhs":
         def fast(a, w):
-            return mxfp4_matmul(a[0], _as_2d(w), GPU_ROUTE)[None]
+            return mxfp4_matmul(a[0], _as_2d(w), route)[None]
         return fast
     if side == "lhs":
         def fast_t(w, a):
-            return mxfp4_matmul(a[0], _as_2d(w), GPU_ROUTE).T[None]
+            return mxfp4_matmul(a[0], _as_2d(w), route).T[None]
         return fast_t
     return None
 

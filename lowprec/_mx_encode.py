@@ -19,12 +19,12 @@ from ._bits import F32_ABS, bits_to_f32, f32_bits
 from ._blocks import merge_blocks, split_blocks
 from ._dtypes import input_bits
 from ._encode_stochastic import encode_any
-from ._mx_hwfloat import encode_magnitudes, magnitudes_f32, hwfloat_element, signed_codes
+from ._mx_hwfloat import encode_magnitudes, magnitudes_f32, signed_codes
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along
 from ._scale_rules import block_amax_bits
-from .kernels._dispatch import fp6_packer
+from .kernels._dispatch import fp6_packer, hwfloat_serves
 
 
 def padded_bits(x, axis: int, padded: int):
@@ -84,8 +84,8 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
         codes = jnp.where(jnp.expand_dims(special, inner), 0, codes).astype(jnp.uint8)
         return _pack_codes(codes, fmt, inner, pack), scale_codes.astype(jnp.uint8)
 
-    hwfloat = (pack is None and cast.rounding == "nearest_even" and bits.dtype == jnp.uint32
-              and hwfloat_element(fmt.element) and scheme.has_hwfloat_path)
+    # Formulation.HWFLOAT beside EXACT where lowprec.kernels says (not inside a Pallas kernel)
+    hwfloat = pack is None and bits.dtype == jnp.uint32 and hwfloat_serves(cast)
     if not hwfloat:
         codes, scale_codes = exact(xb, amax)
     else:

@@ -897,3 +897,38 @@ def test_kernels_serve_only_the_scale_scheme_they_were_built_for(cuda_branches):
     assert not _dispatch.quantize_kernel(x, MXCast("nvfp4"), 1, fake=True)
     assert not _dispatch.quantize_kernel(x, MXCast("mxfp4", rounding="stochastic"), 1)
     assert not _dispatch.quantize_kernel(x, MXCast("mxfp4_b16"), 1)
+
+
+# -- one decision point: the formulations of a call, the policy as one value -------------------
+
+
+def test_quantize_formulations_name_every_candidate_of_a_call(monkeypatch):
+    """The dispatch returns what a quantize_mx call may take: EXACT always; HWFLOAT only for
+    nearest-even rounding of a scheme with that path (the scheme's proof is for round to
+    nearest even, docs/design.md §12); the kernels where their predicates say; the C++
+    kernel never for fake quantization; neither kernel under LOWPREC_KERNELS=xla."""
+    F = _dispatch.Formulation
+    x = jnp.zeros((4, 8, 64), jnp.float32)  # [batch, seq, d], blocked along d
+    for fmt in ("mxfp8", "mxfp6_e2m3", "mxfp4", "nvfp4"):
+        cast = MXCast(fmt)
+        forms = _dispatch.quantize_formulations(x, cast, 2)
+        assert {F.EXACT, F.HWFLOAT} <= forms, fmt
+        assert (F.CPU_KERNEL in forms) == _dispatch.cpu_quantize_kernel(x, cast, 2, None, None)
+        assert (F.PALLAS in forms) == _dispatch.quantize_kernel(x, cast, 2)
+        assert F.CPU_KERNEL not in _dispatch.quantize_formulations(x, cast, 2, fake=True)
+        up = _dispatch.quantize_formulations(x, MXCast(fmt, rounding="up"), 2)
+        assert F.HWFLOAT not in up and F.CPU_KERNEL not in up
+    assert F.HWFLOAT not in _dispatch.quantize_formulations(x, MXCast("mixfp4"), 2)
+    monkeypatch.setenv("LOWPREC_KERNELS", "xla")
+    assert _dispatch.quantize_formulations(x, MXCast("mxfp8"), 2) == {F.EXACT, F.HWFLOAT}
+
+
+def test_policy_is_one_frozen_value_reading_the_old_knobs(monkeypatch):
+    p = _dispatch.current_policy()
+    assert (p.gpu_route, p.fused_mxdot) == ("pallas", False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.gpu_route = "xla"
+    monkeypatch.setattr(_dispatch, "GPU_ROUTE", "xla")
+    monkeypatch.setattr(_dispatch, "FUSED_MXDOT", True)
+    monkeypatch.setenv("LOWPREC_KERNELS", "xla")
+    assert _dispatch.current_policy() == _dispatch.Policy("xla", "xla", True)

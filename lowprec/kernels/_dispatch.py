@@ -1,4 +1,6 @@
-"""Whether a Pallas kernel serves a call: the one place lowprec decides it.
+"""Which formulation computes a call (:class:`Formulation`: XLA's exact or hardware-float
+one, a C++ kernel, a Pallas kernel) and whether a kernel serves it: the one place lowprec
+decides it, under one :class:`Policy`.
 
 A kernel serves a call when
 
@@ -8,7 +10,8 @@ A kernel serves a call when
   imports (elsewhere the CUDA branches are left out, so CPU-only installs never trace kernels
   they cannot run), and no mesh with Explicit axes is in context (JAX 0.11's Triton lowering
   fails there), and
-* the kernel serves the call's layout and formats (each kernel module's ``*_applies``);
+* the kernel serves the call's layout and formats (each kernel module's ``*_applies``;
+  the Pallas quantize kernels' are here);
 
 then the call picks the kernel or XLA's formulation where XLA lowers the program
 (:func:`on_cuda`: ``lax.platform_dependent``), so one program runs on every backend. The
@@ -27,6 +30,8 @@ The native CPU kernels (``_cpu_native``) follow the same policy: :func:`fp6_pack
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import importlib.util
 import os
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._format import mx_format
+from .._mx_hwfloat import hwfloat_element
 from .._mxarray import MXArray
 from .._pack import pack6_xla, unpack6_xla
 from .._scheme_e8m0 import E8M0Scheme
@@ -66,6 +72,44 @@ GPU_ROUTE = "pallas"
 FUSED_MXDOT = False
 #: Most tokens (product of the activation's free dims) sent to the decode-time route.
 MAX_TOKENS = 16
+
+
+class Formulation(enum.Enum):
+    """How a block format's encode is computed: lowprec's four formulations, named once.
+    Every one gives the same bits; :func:`quantize_formulations` says which a call may take
+    (XLA then lowers, per platform, the one for its backend)."""
+
+    #: XLA, integer arithmetic on the bits: every backend, every call.
+    EXACT = "exact"
+    #: XLA, float32 hardware arithmetic where the scale scheme proves it exact (``_mx_hwfloat``;
+    #: CPU, picked per array by one ``lax.cond`` beside EXACT).
+    HWFLOAT = "hwfloat"
+    #: A C++ kernel registered with XLA's FFI (``_mx_quantize_cpu.cc``; CPU).
+    CPU_KERNEL = "cpu_kernel"
+    #: A Pallas kernel (``_quantize_pallas.py``; CUDA).
+    PALLAS = "pallas"
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Everything that decides which kernels and routes run, as one value
+    (:func:`current_policy`): the kernel policy (:func:`set_policy` / ``LOWPREC_KERNELS``),
+    the decode-time MXFP4 route on CUDA (:data:`GPU_ROUTE`) and whether the fused MX dot
+    kernel runs (:data:`FUSED_MXDOT`). The two module globals stay the knobs they were."""
+
+    kernels: str = "auto"
+    gpu_route: str = "pallas"
+    fused_mxdot: bool = False
+
+
+def current_policy() -> Policy:
+    """The :class:`Policy` in force (read while tracing, as the globals were).
+
+    Example:
+        >>> current_policy().gpu_route in ("pallas", "xla")
+        True
+    """
+    return Policy(get_policy(), GPU_ROUTE, FUSED_MXDOT)
 
 
 def _check_policy(policy, where: str) -> str:
@@ -235,7 +279,7 @@ def mxdot_kernel(layout, lop, rop, kernels: bool, out_sharding=None) -> bool:
     (static): :data:`FUSED_MXDOT`, the policy (``kernels``), no requested output sharding (the
     kernel is a single-device call), two MX operands with 8-bit codes in the (1, M, K) x
     (1, N, K) layout, and JAX able to lower it."""
-    if not (FUSED_MXDOT and kernels) or out_sharding is not None:
+    if not (current_policy().fused_mxdot and kernels) or out_sharding is not None:
         return False
     if layout != (2, 2) or not (isinstance(lop, MXArray) and isinstance(rop, MXArray)):
         return False
@@ -281,7 +325,7 @@ def gemv_weight_side(lhs, rhs, lcast, rcast, kernels: bool) -> Optional[str]:
     most :data:`MAX_TOKENS` rows; for the ``"pallas"`` route also the policy (``kernels``)
     and JAX able to lower it.
     """
-    if GPU_ROUTE == "pallas" and not (kernels and _kernels_can_run()):
+    if current_policy().gpu_route == "pallas" and not (kernels and _kernels_can_run()):
         return None
     if _is_activation(lhs, lcast) and _is_weight(rhs):
         return "rhs"
@@ -339,6 +383,30 @@ def cpu_fp6_kernel(x) -> bool:
     CPU backend (it is a single-device custom call, which XLA's partitioner would run on
     gathered inputs)."""
     return _native_cpu_can_run(x)
+
+
+def hwfloat_serves(cast) -> bool:
+    """Whether XLA's block encode of ``cast`` may take the hardware-float formulation (static;
+    the scheme then decides per array, at run time, on CPU): nearest-even rounding, an
+    element the short encode serves and a scheme with that path."""
+    return (cast.rounding == "nearest_even" and hwfloat_element(cast.fmt.element)
+            and cast.fmt.scheme.has_hwfloat_path)
+
+
+def quantize_formulations(x, cast, axis: int, rng=None, tensor_scale=None,
+                          fake: bool = False) -> frozenset:
+    """The :class:`Formulation` s a ``quantize_mx`` (``fake``: ``fake_quantize_mx``) call of
+    the validated input ``x`` may take (static): EXACT always, HWFLOAT where
+    :func:`hwfloat_serves`, PALLAS where :func:`quantize_kernel`, CPU_KERNEL where
+    :func:`cpu_quantize_kernel` (quantize only)."""
+    forms = {Formulation.EXACT}
+    if hwfloat_serves(cast):
+        forms.add(Formulation.HWFLOAT)
+    if quantize_kernel(x, cast, axis, fake=fake):
+        forms.add(Formulation.PALLAS)
+    if not fake and cpu_quantize_kernel(x, cast, axis, rng, tensor_scale):
+        forms.add(Formulation.CPU_KERNEL)
+    return frozenset(forms)
 
 
 def fp6_kernel(x, axis: int) -> bool:
