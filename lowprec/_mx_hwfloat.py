@@ -24,6 +24,8 @@ flushes it, so the hardware-float quotients may be flushed there.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -32,6 +34,7 @@ from ._bits import F32_ABS, F32_BIAS, F32_EMAX, F32_EMIN, F32_MANT_BITS, F32_SIG
 from ._format import ElementFormat
 
 
+@functools.lru_cache(maxsize=None)  # read per call by the dispatch; the format's properties cost
 def hwfloat_element(el: ElementFormat) -> bool:
     """Whether :func:`encode_magnitudes` encodes ``el`` (static): a signed element format with
     zero and subnormals whose ties go by the significand, a narrower exponent range than
