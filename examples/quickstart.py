@@ -37,7 +37,7 @@ def main() -> None:
     print("\nMX block quantization of a 256x1024 Gaussian matrix (blocks of 32 along the last axis):")
     for fmt in lowprec.MX_FORMAT_NAMES:
         # NVFP4 has its own scale recipe (E4M3 block scales under a tensor scale): no rule.
-        rules = (None,) if lowprec.mx_format(fmt).tensor_scale else lowprec.SCALE_RULES
+        rules = (None,) if lowprec.mx_format(fmt).tensor_scale else tuple(lowprec.ScaleRule)
         for rule in rules:
             mx = lowprec.quantize_mx(w, fmt, scale_rule=rule)
             sqnr = float(lowprec.analysis.sqnr_db(w, lowprec.dequantize(mx)))

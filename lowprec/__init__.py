@@ -15,7 +15,7 @@ Example:
 
 import lowprec_formats as _formats_data
 
-from ._scheme import ScaleScheme
+from ._scheme import ScaleScheme, register as register_scale_scheme
 from ._codec import decode, encode, quantize
 from ._finfo import FormatInfo, finfo
 from ._format import (
@@ -34,24 +34,25 @@ from ._format import (
 )
 from ._p3109 import p3109
 from ._gpt_oss import from_gpt_oss, to_gpt_oss
-from ._matmul import dot_general, matmul, mxfp4_gemv
+from ._matmul import dot_general, matmul
 from ._prepared import PreparedWeight, prepare_weight
-from ._gemv import weight_only_matmul
+from ._weight_only import weight_only_matmul
 from ._mx import dequantize, fake_quantize_mx, quantize_mx, shared_exponents
 from ._mxfp4_nvfp4 import CastReport, mxfp4_to_nvfp4
 from ._mxarray import MXArray
 from ._mx_plus import MXPlusArray, dequantize_mx_plus, quantize_mx_plus
 from ._ragged import ragged_dot
-from ._pack import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
-from ._options import BACKWARD_MODES, OPERAND_FORMAT_NAMES
+from ._pack_api import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
+from ._options import OPERAND_FORMAT_NAMES, BackwardMode
 from ._recipe import (FP8_DELAYED, FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES,
                       Recipe)
 from ._rules import Rule, Rules
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._random import random_bits
 from ._rounding_key import stochastic_rounding_key
-from ._rounding import OVERFLOW_POLICIES, Overflow, ROUNDING_MODES, Rounding
-from ._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, ScaleRule
+from ._rounding import Overflow, Rounding
+from ._scale_rules import ScaleRule
+from ._scheme_nvfp4 import NVFP4Step
 
 #: Block sizes every block format accepts (``mx_format(fmt, block_size=...)``).
 BLOCK_SIZES: tuple[int, ...] = _formats_data.BLOCK_SIZES
@@ -61,19 +62,45 @@ __version__ = "0.1.0"
 _OPTIONAL_SUBMODULES = ("flax", "optim")  # need the `training` extra (flax, optax)
 
 
+# Old second spellings of a vocabulary (and a kernel entry now in lowprec.kernels): what to
+# use instead, and the value, still returned with a DeprecationWarning.
+_DEPRECATED = {
+    "ROUNDING_MODES": ("lowprec.Rounding (its members are the mode names)",
+                       lambda: _formats_data.ROUNDING_MODES),
+    "OVERFLOW_POLICIES": ("lowprec.Overflow", lambda: tuple(p.value for p in Overflow)),
+    "SCALE_RULES": ("lowprec.ScaleRule", lambda: tuple(r.value for r in ScaleRule)),
+    "DEFAULT_SCALE_RULE": ("lowprec.ScaleRule.FLOOR, the default of every scale_rule=",
+                           lambda: ScaleRule.FLOOR),
+    "BACKWARD_MODES": ("lowprec.BackwardMode", lambda: tuple(m.value for m in BackwardMode)),
+    "mxfp4_gemv": ("lowprec.kernels.mxfp4_gemv", lambda: _kernels_mxfp4_gemv()),
+}
+
+
+def _kernels_mxfp4_gemv():
+    from .kernels import mxfp4_gemv
+
+    return mxfp4_gemv
+
+
 def __getattr__(name):
     # `lowprec.flax` / `lowprec.optim` import on first use, so `import lowprec` needs neither.
     if name in _OPTIONAL_SUBMODULES:
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _DEPRECATED:
+        import warnings
+
+        use, value = _DEPRECATED[name]
+        warnings.warn(f"lowprec.{name} is deprecated; use {use}", DeprecationWarning,
+                      stacklevel=2)
+        return value()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "BACKWARD_MODES",
     "BLOCK_SIZES",
-    "DEFAULT_SCALE_RULE",
+    "BackwardMode",
     "FP8_DELAYED",
     "FP8_HYBRID",
     "NVIDIA_MXFP8",
@@ -90,10 +117,7 @@ __all__ = [
     "ELEMENT_FORMAT_NAMES",
     "MX_FORMAT_NAMES",
     "OPERAND_FORMAT_NAMES",
-    "OVERFLOW_POLICIES",
     "Overflow",
-    "ROUNDING_MODES",
-    "SCALE_RULES",
     "SCALE_SCHEME_NAMES",
     "CastReport",
     "ElementFormat",
@@ -104,6 +128,7 @@ __all__ = [
     "MXFormat",
     "MXPlusArray",
     "MXFormatLike",
+    "NVFP4Step",
     "PreparedWeight",
     "ScaleRule",
     "ScaleScheme",
@@ -119,7 +144,6 @@ __all__ = [
     "matmul",
     "mx_format",
     "mxfp4_to_nvfp4",
-    "mxfp4_gemv",
     "p3109",
     "prepare_weight",
     "pack_fp4",
@@ -129,6 +153,7 @@ __all__ = [
     "quantize_mx_plus",
     "ragged_dot",
     "random_bits",
+    "register_scale_scheme",
     "resolve_format",
     "scale_scheme",
     "shared_exponents",

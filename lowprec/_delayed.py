@@ -47,7 +47,7 @@ from ._dtypes import bits_to_dtype, input_bits
 from ._encode import encode_bits
 from ._format import ElementFormat, element_format
 from ._gpu_gemm import fp8_dot_general, fp8_pair, fp8_values
-from ._nvfp4 import f32_div_native
+from ._nvfp4 import f32_div_hwfloat
 from ._sharding import out_sharding_arg
 from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
@@ -119,8 +119,8 @@ def _amax(x):
 def _divide(a, b):
     """IEEE float32 a / b (a finite; b nonzero, not NaN: a scale that overflowed to inf, for
     an amax below ~2^-112, divides to zero) on every backend: XLA:GPU's float32 division is
-    not correctly rounded (``_nvfp4.f32_div_native``)."""
-    return bits_to_f32(f32_div_native(*jnp.broadcast_arrays(f32_bits(a), f32_bits(b))))
+    not correctly rounded (``_nvfp4.f32_div_hwfloat``)."""
+    return bits_to_f32(f32_div_hwfloat(*jnp.broadcast_arrays(f32_bits(a), f32_bits(b))))
 
 
 def _reciprocal(scale):

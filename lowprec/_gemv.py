@@ -1,5 +1,4 @@
-"""Weight-only products for decode-time shapes: MXFP4 MXArrays' two routes, and
-:func:`weight_only_matmul` of a prepared FP4 weight (the Mosaic GPU kernel on Hopper).
+"""Weight-only products for decode-time shapes: MXFP4 MXArrays' two routes.
 
 Decoding a model multiplies a few tokens (M ≤ 16) of bfloat16 activations by an MXFP4
 weight [N, K] quantized along K. The product is memory-bound: the weight is read once, so
@@ -11,23 +10,18 @@ the time is its size, 4.25 bits per element when it stays packed. Two routes com
   :func:`mxfp4_matmul_xla` — feeding a bfloat16 dot, leaving it to XLA to fuse the decode
   into the dot's operand load.
 
-:func:`lowprec.dot_general` (and so :func:`lowprec.matmul`) sends such products to
-``kernels._dispatch.GPU_ROUTE`` when it runs on a CUDA GPU (``lax.platform_dependent``,
-decided when XLA lowers the program); ``kernels._dispatch.gemv_weight_side`` says which
+:func:`lowprec.dot_general` (and so :func:`lowprec.matmul`) sends such products to the
+policy's ``gpu_route`` (``kernels._dispatch.current_policy``; the knob is ``GPU_ROUTE``) when it
+runs on a CUDA GPU (``lax.platform_dependent``, decided when XLA lowers the program); ``kernels._dispatch.gemv_weight_side`` says which
 calls qualify (and the kernel policy may turn the Pallas route off). Every other backend,
 and every other shape, takes the generic quantized dot of ``_qdot.py``. All of them
 compute exact products with float32 sums, so they agree to within K·2^-23·Σ|w_i x_i|
 (docs/design.md §5).
 
-A weight prepared once by :func:`lowprec.prepare_weight` (``_prepared.py``) is multiplied by
-:func:`weight_only_matmul`: on a Hopper GPU, up to 16 tokens, the kernel of
-``kernels/_weight_only_mgpu.py`` (``kernels._dispatch.weight_only_kernel`` decides;
-``lax.platform_dependent`` picks it where XLA lowers for CUDA); elsewhere the generic dot of
-the same codes.
+:func:`lowprec.weight_only_matmul` of a prepared weight is ``_weight_only.py``.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import jax
@@ -38,10 +32,7 @@ from ._bits import bits_to_bf16_truncating
 from ._format import mx_format
 from ._mx_decode import mx_value_bits
 from ._mxarray import MXArray
-from ._prepared import PreparedWeight, row_mxarray
-from .kernels import _weight_only_mgpu
-from .kernels._dispatch import GPU_ROUTE, gemv_weight_side, kernels_enabled, on_cuda
-from .kernels._dispatch import weight_only_kernel
+from .kernels._dispatch import current_policy, gemv_weight_side
 from .kernels._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
 
 ROUTES = ("pallas", "xla")
@@ -84,13 +75,14 @@ def decode_time_route(lhs, rhs, lcast, rcast, kernels: bool):
     weight-only case, and the kernel policy ``kernels``) says the call keeps the generic dot.
     """
     side = gemv_weight_side(lhs, rhs, lcast, rcast, kernels)
+    route = current_policy().gpu_route
     if side == "rhs":
         def fast(a, w):
-            return mxfp4_matmul(a[0], _as_2d(w), GPU_ROUTE)[None]
+            return mxfp4_matmul(a[0], _as_2d(w), route)[None]
         return fast
     if side == "lhs":
         def fast_t(w, a):
-            return mxfp4_matmul(a[0], _as_2d(w), GPU_ROUTE).T[None]
+            return mxfp4_matmul(a[0], _as_2d(w), route).T[None]
         return fast_t
     return None
 
@@ -99,77 +91,3 @@ def _as_2d(w: MXArray) -> MXArray:
     """A canonical (1, N, K) MXArray as the [N, K] weight the routes take."""
     n, k = w.shape[1], w.shape[2]
     return MXArray(w.elements[0], w.scales[0], w.fmt, 1, (n, k), w.scale_rule)
-
-
-# -- prepared FP4 weights: the Mosaic GPU kernel on Hopper, the generic dot elsewhere ------------
-
-_ROW_DN = (((1,), (1,)), ((), ()))
-
-
-def _generic_weight_only(x, w: PreparedWeight):
-    """x [M, K] @ W.T by lowprec's quantized dot of the weight as an MXArray (exact products,
-    float32 sums; NVFP4 values with their tensor scale, docs/design.md §5)."""
-    from ._matmul import dot_general  # _matmul imports this module
-
-    return dot_general(x, row_mxarray(w), _ROW_DN)
-
-
-@jax.jit(static_argnames=("kernel", "cfg"))
-def _weight_only_2d(x, w: PreparedWeight, kernel: bool, cfg):
-    if not kernel:
-        return _generic_weight_only(x, w)
-    return on_cuda(lambda a, b: _weight_only_mgpu.weight_only_mgpu(a, b, cfg),
-                   _generic_weight_only, x, w)
-
-
-def weight_only_matmul(x, w: PreparedWeight, *, config=None) -> jax.Array:
-    """``x @ W.T`` for bfloat16 tokens x [..., K] and a prepared FP4 weight W [N, K]: the
-    decode-time product (float32 [..., N]).
-
-    On a Hopper GPU, up to 16 tokens take the Mosaic GPU kernel of
-    ``lowprec/kernels/_weight_only_mgpu.py``: the weight, stored once by
-    :func:`prepare_weight` in the layout of the tensor-core product's left operand, is
-    streamed once and decoded in registers (docs/design.md §15). Elsewhere, and for more
-    tokens, the product is lowprec's quantized dot of the same codes (:func:`dot_general`).
-    Both compute exact products of the weight's values and the tokens with float32 sums:
-    |y − exact| ≤ K·2^-23·Σ_k|w_k x_k| (plus K·2^-149 where partial sums are float32
-    subnormals); on the kernel, an NVFP4 weight's tensor scale multiplies the float32 sum
-    (one rounding more, 2^-24 relative), where :func:`dequantize` rounds it into each value.
-    Rows holding a NaN block (scale code 0xFF; NVFP4 0x7F) give NaN.
-
-    Args:
-      x: bfloat16 array [..., K] (the leading dimensions are the tokens).
-      w: a :class:`PreparedWeight` of logical shape (N, K).
-      config: kernel launch parameters (``kernels._weight_only_mgpu.WeightOnlyConfig``;
-        default: chosen from the shape). Ignored where the kernel does not run.
-
-    Returns:
-      float32 array [..., N].
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> import lowprec
-        >>> w = lowprec.prepare_weight(lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp4"))
-        >>> weight_only_matmul(jnp.full((2, 64), 0.5, jnp.bfloat16), w).tolist()
-        [[32.0, 32.0, 32.0, 32.0], [32.0, 32.0, 32.0, 32.0]]
-    """
-    if not isinstance(w, PreparedWeight):
-        raise TypeError(f"weight_only_matmul takes a PreparedWeight (lowprec.prepare_weight), "
-                        f"got {type(w).__name__}")
-    x = jnp.asarray(x)
-    n, k = w.shape
-    if x.dtype != jnp.bfloat16 or x.ndim == 0 or x.shape[-1] != k:
-        raise TypeError(f"x must be a bfloat16 array of shape (..., {k}), got "
-                        f"{x.dtype}{list(x.shape)} (cast with x.astype(jnp.bfloat16))")
-    lead = x.shape[:-1]
-    m = math.prod(lead)
-    if m == 0:
-        return jnp.zeros((*lead, n), jnp.float32)
-    x2 = x.reshape(m, k)
-    kernel = weight_only_kernel(x2, w, kernels_enabled())
-    cfg = None
-    if kernel:
-        cfg = config or _weight_only_mgpu.default_config(m, w.shape)
-        if cfg.tokens < m:
-            raise ValueError(f"config.tokens = {cfg.tokens} is fewer than the {m} tokens of x")
-    return _weight_only_2d(x2, w, kernel, cfg).reshape(*lead, n)

@@ -1,4 +1,4 @@
-"""Quantized matrix products: :func:`dot_general`, :func:`matmul`, :func:`mxfp4_gemv`.
+"""Quantized matrix products: :func:`dot_general`, :func:`matmul`.
 
 The public entry points validate their arguments once (a :class:`~lowprec._options.DotSpec`
 and its ``check_call``) and hand them to the quantized dot of ``_qdot.py`` (forward and
@@ -7,20 +7,17 @@ training path) or to the decode-time MXFP4 routes of ``_gemv.py``.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
 
-from ._format import FormatLike, mx_format
-from ._gemv import mxfp4_matmul
+from ._format import FormatLike
 from ._mxarray import MXArray
 from ._options import DotSpec
 from ._qdot import dot_general_jit, shape_of
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule
 from .kernels._dispatch import kernels_enabled
-from .kernels._gemv_pallas import default_config
 
 Operand = Union[jax.Array, MXArray]
 
@@ -141,61 +138,3 @@ def matmul(a: Operand, b: Operand, **kwargs: Any) -> jax.Array:
             "for other layouts"
         )
     return dot_general(a, b, dn, **kwargs)
-
-
-def mxfp4_gemv(
-    w: MXArray, x, *, block_rows: Optional[int] = None, interpret: Optional[bool] = None
-) -> jax.Array:
-    """``x @ W.T`` for an MXFP4 weight W [N, K] and bfloat16 activations x [..., K], as a
-    Pallas kernel (the decode-time product: a vector or a few tokens).
-
-    The weight stays packed (4.25 bits per element) all the way into a split-K kernel that
-    decodes nibbles and scales in registers; any K works (tiles are masked, nothing is
-    padded in memory). On a CUDA GPU, :func:`dot_general` and :func:`matmul` take this
-    route by themselves for up to 16 tokens of bfloat16 activations without a format.
-    Accuracy is that of :func:`dot_general` (exact products, float32 sums):
-    |y − exact| ≤ K·2^-23·Σ|w_i x_i|, plus K·2^-149 for scales near 2^-127.
-
-    Args:
-      w: MXFP4 :class:`~lowprec.MXArray` of shape [N, K], blocked along axis 1 (the gpt-oss
-        layout: ``quantize_mx(w, "mxfp4", axis=-1)`` or ``from_gpt_oss``).
-      x: bfloat16 array of shape [K] (a vector: W x) or [..., K] (tokens).
-      block_rows: weight rows per program (a power of two); default: chosen from the shape.
-      interpret: run the kernel in the Pallas interpreter. Default: on unless the default
-        backend is a GPU (the interpreter is slow; on CPU :func:`dot_general` is faster).
-
-    Returns:
-      float32 array [N] for a vector x, else [..., N].
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> import lowprec
-        >>> w = lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp4")
-        >>> mxfp4_gemv(w, jnp.full((64,), 0.5, jnp.bfloat16)).tolist()
-        [32.0, 32.0, 32.0, 32.0]
-        >>> mxfp4_gemv(w, jnp.ones((2, 64), jnp.bfloat16)).shape
-        (2, 4)
-    """
-    if not isinstance(w, MXArray) or w.fmt != mx_format("mxfp4") or w.ndim != 2 or w.axis != 1:
-        raise ValueError(
-            "mxfp4_gemv takes an MXFP4 MXArray of shape [N, K] blocked along axis 1 "
-            "(quantize_mx(w, 'mxfp4', axis=-1)); use dot_general for other operands"
-        )
-    x = jnp.asarray(x)
-    n, k = w.shape
-    if x.dtype != jnp.bfloat16 or x.ndim == 0 or x.shape[-1] != k:
-        raise TypeError(
-            f"x must be a bfloat16 array of shape ({k},) or (..., {k}), got "
-            f"{x.dtype}{list(x.shape)}"
-        )
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    x2 = x.reshape(-1, k)
-    cfg = default_config(x2.shape[0], n, k)
-    if block_rows is not None:
-        try:
-            cfg = dataclasses.replace(cfg, block_n=block_rows)
-        except ValueError as e:
-            raise ValueError(f"block_rows: {e}") from None
-    y = mxfp4_matmul(x2, w, "pallas", cfg=cfg, interpret=bool(interpret))
-    return y.reshape(*x.shape[:-1], n)

@@ -28,21 +28,21 @@ from ._mx_encode import block_exponents, padded_bits, quantize_mxarray, zero_pad
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._scale_rules import ScaleRule
-from .kernels._dispatch import cpu_quantize_kernel, on_cpu, on_cuda, quantize_kernel
+from .kernels._dispatch import Formulation, on_cpu, on_cuda, quantize_formulations
 from .kernels._mx_quantize_cpu import attributes as quantize_attributes
 from .kernels._mx_quantize_cpu import quantize_last
 from .kernels._quantize_pallas import fake_quantize_mx_pallas, quantize_mx_pallas
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel: bool, native: bool, rng,
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, forms: frozenset, rng,
                      tensor_scale):
     def xla(v):
         return quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
                                 tensor_scale)
 
-    if native:  # decided by lowprec.kernels (_dispatch.cpu_quantize_kernel)
-        # On CPU one native pass over x (XLA makes two: the block maxima, then the encode
+    if Formulation.CPU_KERNEL in forms:  # decided by lowprec.kernels._dispatch
+        # On CPU one C++ pass over x (XLA makes two: the block maxima, then the encode
         # reading x again), with the same integer definitions, so the same bits.
         def one_pass_cpu(v):
             # float32 input as it is (the kernel reads its bits): a bitcast to uint32 here
@@ -53,7 +53,7 @@ def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, kernel: bool, nati
 
         xla = functools.partial(on_cpu, one_pass_cpu, xla)
 
-    if not kernel:  # decided by lowprec.kernels (_dispatch.quantize_kernel)
+    if Formulation.PALLAS not in forms:  # decided by lowprec.kernels._dispatch
         return xla(x)
 
     def one_pass_kernel(v):
@@ -170,9 +170,8 @@ def quantize_mx(
                            tensor_scale=tensor_scale, scale_rule=scale_rule)
     if call.x.size == 0:
         return _empty_mxarray(call, cast)
-    kernel = quantize_kernel(call.x, cast, call.axis)
-    native = cpu_quantize_kernel(call.x, cast, call.axis, call.rng, call.tensor_scale)
-    return _quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, native, call.rng,
+    forms = quantize_formulations(call.x, cast, call.axis, call.rng, call.tensor_scale)
+    return _quantize_mx_jit(call.x, cast, call.axis, call.padded, forms, call.rng,
                             call.tensor_scale)
 
 
@@ -316,5 +315,5 @@ def fake_quantize_mx(
     if call.x.size == 0:  # no blocks: the (empty) values themselves
         return call.x
     ts = None if call.tensor_scale is None else lax.stop_gradient(call.tensor_scale)
-    kernel = quantize_kernel(call.x, cast, call.axis, fake=True)
+    kernel = Formulation.PALLAS in quantize_formulations(call.x, cast, call.axis, fake=True)
     return _fake_quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, call.rng, ts)

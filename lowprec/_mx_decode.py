@@ -24,13 +24,14 @@ from ._decode import decode_bits, decode_f32
 from ._dtypes import bits_to_dtype
 from ._format import MXFormat
 from ._nvfp4 import PER_BLOCK
-from ._pack import native_fp6, unpack_along
+from ._pack import unpack_along
+from .kernels._dispatch import fp6_kernel, fp6_unpacker
 
 
 def element_codes(elements, fmt: MXFormat, axis: int):
     """Element codes split in place into blocks along ``axis`` (FP4/FP6 unpacked)."""
     codes = split_blocks(elements, axis, fmt.bytes_per_block)
-    return unpack_along(codes, axis + 1, fmt.element.code_bits)
+    return unpack_along(codes, axis + 1, fmt.element.code_bits, fp6_unpacker(codes, axis + 1))
 
 
 def mx_value_bits(elements, scales, fmt: MXFormat, axis: int, n: int, tensor_scale=None,
@@ -117,8 +118,8 @@ def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canon
         codes = _grouped_codes(e, fmt, axis)
         return value_bits(codes, _per_code(f, codes.shape, axis))
 
-    if native_fp6(elements, axis):
-        # On CPU the native kernel unpacks the codes one per byte (at copy speed), which are
+    if fp6_kernel(elements, axis):
+        # On CPU the C++ FP6 kernel unpacks the codes one per byte (at copy speed), which are
         # then decoded in a loop as wide as 8-bit codes' (3.1-3.7x faster at 4096 x 4096).
         return lax.platform_dependent(elements, factor, cpu=ungrouped, default=grouped)
     return grouped(elements, factor)
@@ -305,10 +306,10 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_
         # The block factors are built from the scale codes inside the fast branch, where XLA
         # computes them in the element loop (a few integer operations per block, amortized
         # over its vectorized elements: 5-25% faster than writing them out before the branch,
-        # the most along axis 0), except for FP6 along the last axis decoded in XLA (no native
+        # the most along axis 0), except for FP6 along the last axis decoded in XLA (no C++
         # kernel), whose loop runs over a group's four codes and pays them per code there
         # (12-18% slower, measured).
-        ahead = fmt.element.code_bits == 6 and axis == e.ndim - 1 and not native_fp6(e, axis)
+        ahead = fmt.element.code_bits == 6 and axis == e.ndim - 1 and not fp6_kernel(e, axis)
         factor = fmt.scheme.scale_factors(s) if ahead else None
         return lax.cond(fast_decode_exact(e, s, fmt, axis), fast, exact, e, s, factor)
 

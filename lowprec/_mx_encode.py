@@ -19,11 +19,12 @@ from ._bits import F32_ABS, bits_to_f32, f32_bits
 from ._blocks import merge_blocks, split_blocks
 from ._dtypes import input_bits
 from ._encode_stochastic import encode_any
-from ._mx_native import encode_magnitudes, magnitudes_f32, native_element, signed_codes
+from ._mx_hwfloat import encode_magnitudes, magnitudes_f32, signed_codes
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along
 from ._scale_rules import block_amax_bits
+from .kernels._dispatch import fp6_packer, hwfloat_serves
 
 
 def padded_bits(x, axis: int, padded: int):
@@ -83,44 +84,44 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
         codes = jnp.where(jnp.expand_dims(special, inner), 0, codes).astype(jnp.uint8)
         return _pack_codes(codes, fmt, inner, pack), scale_codes.astype(jnp.uint8)
 
-    native = (pack is None and cast.rounding == "nearest_even" and bits.dtype == jnp.uint32
-              and native_element(fmt.element) and scheme.has_native_path)
-    if not native:
+    # Formulation.HWFLOAT beside EXACT where lowprec.kernels says (not inside a Pallas kernel)
+    hwfloat = pack is None and bits.dtype == jnp.uint32 and hwfloat_serves(cast)
+    if not hwfloat:
         codes, scale_codes = exact(xb, amax)
     else:
 
-        def native_codes(xb, operand, special, at):
+        def hwfloat_codes(xb, operand, special, at):
             """uint32 codes of float32 patterns ``xb`` whose blocks' values are per block at
             axis ``at`` (expanded there)."""
-            q = scheme.native_quotients(magnitudes_f32(xb), jnp.expand_dims(operand, at), xb,
+            q = scheme.hwfloat_quotients(magnitudes_f32(xb), jnp.expand_dims(operand, at), xb,
                                          cast)
             mag = encode_magnitudes(fmt.element, lax.bitcast_convert_type(q, jnp.uint32))
             codes = signed_codes(fmt.element, mag, xb)
             return jnp.where(jnp.expand_dims(special, at), jnp.uint32(0), codes)
 
-        def native_path(xb, operand, special):
+        def hwfloat_path(xb, operand, special):
             # Every code of a block in one loop, then packed (FP4 pairs through a 16-bit
             # view, which XLA fuses into the same loop). Encoding the even and the odd
             # elements of FP4 pairs side by side instead loops over half-blocks: at 16-element
             # blocks XLA:CPU's loop emitter then runs 8-iteration inner loops ~7x slower.
-            codes = native_codes(xb, operand, special, inner).astype(jnp.uint8)
+            codes = hwfloat_codes(xb, operand, special, inner).astype(jnp.uint8)
             return _pack_codes(codes, fmt, inner, None)
 
         def on_cpu(xf, amax):
-            # The scheme's block values by native arithmetic too, computed on CPU only (so
+            # The scheme's block values by hardware float arithmetic too, computed on CPU only (so
             # with CPU's float semantics); XLA runs the taken branch only, and both give the
-            # same codes (the scheme's native_scales says when). Only x, the block maxima
+            # same codes (the scheme's hwfloat_scales says when). Only x, the block maxima
             # and the scale codes enter the branches (a conditional's operands are written
             # out first): the per-block operands are derived from the codes inside, where
             # XLA can fuse them into the element loop. The branches take x as float32: a
             # conditional's uint32 operand would be a materialized copy of x.
-            scale_codes, native_exact = scheme.native_scales(amax, ts_bits, cast)
+            scale_codes, hwfloat_exact = scheme.hwfloat_scales(amax, ts_bits, cast)
 
-            def native_branch():
-                special, operand = scheme.native_operands(scale_codes, ts_bits, cast)
-                return native_path(f32_bits(xf), operand, special), scale_codes
+            def hwfloat_branch():
+                special, operand = scheme.hwfloat_operands(scale_codes, ts_bits, cast)
+                return hwfloat_path(f32_bits(xf), operand, special), scale_codes
 
-            return lax.cond(native_exact, native_branch, lambda: exact(f32_bits(xf), amax))
+            return lax.cond(hwfloat_exact, hwfloat_branch, lambda: exact(f32_bits(xf), amax))
 
         def elsewhere(xf, amax):
             # A GPU would sync with the host to branch: keep the one exact formulation.
@@ -138,7 +139,7 @@ def _pack_codes(codes, fmt, inner: int, pack):
         return codes
     if pack is None:
         # Packing groups never straddle blocks (a block is whole bytes): pack while split.
-        return pack_along(codes, inner, fmt.element.code_bits)
+        return pack_along(codes, inner, fmt.element.code_bits, fp6_packer(codes, inner))
     assert inner == codes.ndim - 1, "a caller's pack works along the last axis"
     return pack(codes)
 

@@ -49,6 +49,7 @@ from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along, unpack_along
 from ._rounding import round_shift
+from .kernels._dispatch import fp6_packer, fp6_unpacker
 
 #: The bm_index of a block without a BM (all zero, clamped, or NaN/inf).
 NO_BM = 0xFF
@@ -158,12 +159,13 @@ def _quantize_jit(x, cast: MXCast, axis: int, padded: int):
     bm_x = jnp.take_along_axis(xb, jnp.expand_dims(index, inner), axis=inner)
     sign = lax.shift_right_logical(jnp.squeeze(bm_x, inner), jnp.uint32(31)).astype(jnp.int32)
     bm_code = (m | (sign << width)).astype(jnp.uint8)
-    codes = unpack_along(split_blocks(elements, axis, fmt.bytes_per_block), inner,
-                         el.code_bits)
+    packed = split_blocks(elements, axis, fmt.bytes_per_block)
+    codes = unpack_along(packed, inner, el.code_bits, fp6_unpacker(packed, inner))
     at_bm = (lax.broadcasted_iota(jnp.int32, codes.shape, inner)
              == jnp.expand_dims(index, inner)) & jnp.expand_dims(has_bm, inner)
     codes = jnp.where(at_bm, jnp.expand_dims(bm_code, inner), codes)
-    elements = merge_blocks(pack_along(codes, inner, el.code_bits), axis)
+    elements = merge_blocks(pack_along(codes, inner, el.code_bits, fp6_packer(codes, inner)),
+                            axis)
     bm_index = jnp.where(has_bm, index, NO_BM).astype(jnp.uint8)
     return elements, scales, bm_index
 
@@ -210,8 +212,9 @@ def _dequantize_jit(elements, scales, bm_index, fmt: MXFormat, axis: int, n: int
     inner = axis + 1
     block = fmt.block_size
     vb = split_blocks(bits, axis, block)
-    codes = unpack_along(split_blocks(elements, axis, fmt.bytes_per_block), inner,
-                         fmt.element.code_bits).astype(jnp.uint32)
+    packed = split_blocks(elements, axis, fmt.bytes_per_block)
+    codes = unpack_along(packed, inner, fmt.element.code_bits,
+                         fp6_unpacker(packed, inner)).astype(jnp.uint32)
     width = _extended_bits(fmt)
     bm = jnp.take_along_axis(codes, jnp.expand_dims(bm_index.astype(jnp.int32) % block, inner),
                              axis=inner)

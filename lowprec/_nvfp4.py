@@ -146,7 +146,7 @@ def f32_div(a_bits, b_bits):
 
 
 # False while a Pallas (Triton) kernel body is traced: it lowers for one platform, so
-# f32_div_native divides exactly without platform_dependent, and Triton lowers no count of
+# f32_div_hwfloat divides exactly without platform_dependent, and Triton lowers no count of
 # leading zeros, so _clz searches for it. _ieee_instructions: the body is compiled for an
 # NVIDIA GPU (not run by the Pallas interpreter), so the element steps may use PTX's IEEE
 # instructions instead of the integer ones.
@@ -156,10 +156,10 @@ _ieee_instructions = False
 
 @contextlib.contextmanager
 def one_platform(ieee_instructions: bool = False):
-    """While tracing a Pallas kernel body (one non-CPU platform, Triton): :func:`f32_div_native`
+    """While tracing a Pallas kernel body (one non-CPU platform, Triton): :func:`f32_div_hwfloat`
     is the exact :func:`f32_div`, with no ``platform_dependent``, and leading zeros are
     counted by a binary search (the same counts). With ``ieee_instructions`` (a body compiled
-    for an NVIDIA GPU), :func:`f32_div_native` is PTX ``div.rn.f32`` and :func:`f32_mul`
+    for an NVIDIA GPU), :func:`f32_div_hwfloat` is PTX ``div.rn.f32`` and :func:`f32_mul`
     ``mul.rn.f32``: IEEE 754 round-to-nearest-even operations with subnormals kept (PTX ISA:
     without ``.ftz``), so the same bits as the integer arithmetic for the operands they get
     (finite; the division's normal, the product's any), at a few instructions per element
@@ -187,7 +187,7 @@ def _ptx_binary(instruction: str, a_bits, b_bits):
     return lax.bitcast_convert_type(out, jnp.uint32)
 
 
-def f32_div_native(a_bits, b_bits):
+def f32_div_hwfloat(a_bits, b_bits):
     """Bits of the IEEE float32 quotient a / b (a finite; b nonzero, not NaN, an infinite b
     giving a signed zero; one shape): XLA's float32 division on CPU, correctly rounded where
     operands and quotient are normal (it flushes subnormals), with the divisor behind an
@@ -292,7 +292,7 @@ def total_scale_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
     return f32_mul_short(ts_bits, decode_bits(scale_fmt, scale_codes))
 
 
-# -- the native path (CPU) ---------------------------------------------------------------
+# -- the hardware-float path (CPU) ---------------------------------------------------------------
 # The same float32 steps by XLA:CPU's float arithmetic (which flushes subnormal operands and
 # results to zero), exact for every block when the tensor scale ts lies in [2^-118, 2^116]:
 # * (block_amax / 6) / ts: a quotient below 2^-126 at either step is at most 2^-126 / 2^-118,
@@ -312,7 +312,7 @@ NATIVE_TS_MIN_BITS = (127 - 118) << 23  # 2^-118
 NATIVE_TS_MAX_BITS = (127 + 116) << 23  # 2^116
 
 
-def native_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat,
+def hwfloat_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat,
                        element_max: float = _E2M1_MAX):
     """:func:`block_scale_codes` by float32 division (CPU; exact for a tensor scale in
     [2^-118, 2^116], see above)."""
@@ -326,13 +326,13 @@ def native_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat,
     return encode_bits(scale_fmt, clamped, "nearest_even", "saturate", None)
 
 
-def native_divisors(scale_codes, ts_bits, scale_fmt: ElementFormat):
+def hwfloat_divisors(scale_codes, ts_bits, scale_fmt: ElementFormat):
     """float32(tensor_scale * block_scale) by a float32 product (CPU; see above)."""
     ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
     return ts * lax.bitcast_convert_type(decode_bits(scale_fmt, scale_codes), jnp.float32)
 
 
-def native_factors(scale_codes, ts_bits, scale_fmt: ElementFormat):
+def hwfloat_factors(scale_codes, ts_bits, scale_fmt: ElementFormat):
     """float32(float32(1 / tensor_scale) / block_scale) by float32 division (CPU; see
     above): the divisors are per block, never a broadcast, and the reciprocal is
     materialized first (XLA rewrites (1 / t) / s as 1 / (t * s))."""
@@ -340,7 +340,7 @@ def native_factors(scale_codes, ts_bits, scale_fmt: ElementFormat):
     return inverse / lax.bitcast_convert_type(decode_bits(scale_fmt, scale_codes), jnp.float32)
 
 
-def native_quotients(magnitudes, divisors, x_bits):
+def hwfloat_quotients(magnitudes, divisors, x_bits):
     """float32 |x| / total per element (CPU; see above), ``divisors`` broadcast per block.
     The divisor is made per-element by a select on x's bits (all-ones, a NaN, belongs to a
     NaN block whose codes are discarded), so no reciprocal replaces the division.
@@ -370,7 +370,7 @@ def element_quotient_bits(x_bits, total_bits):
     [1, 2); numerators are kept in [2^-100, 2^126], where the quotient is a float32 normal
     (no flush to zero on CPU) and rounds to E2M1 exactly as the unclamped one would, except
     for quotients that underflow to zero in float32, which are decided exactly on the
-    integers. Those normal operands then go to :func:`f32_div_native`: one float32 division
+    integers. Those normal operands then go to :func:`f32_div_hwfloat`: one float32 division
     per element on CPU, the long division elsewhere (measured on an H200, XLA's own float32
     division changed 2-14% of the E2M1 codes of near-tie blocks).
     """
@@ -391,7 +391,7 @@ def element_quotient_bits(x_bits, total_bits):
     underflow = (d < 0) | ((d == 0) & (sig_x <= sig_t))
     scaled = jnp.where(((x_bits & F32_ABS) == 0) | underflow, jnp.uint32(0), scaled)
     x_scaled = scaled | sign
-    return f32_div_native(x_scaled, jnp.broadcast_to(t_scaled.astype(jnp.uint32), x_scaled.shape))
+    return f32_div_hwfloat(x_scaled, jnp.broadcast_to(t_scaled.astype(jnp.uint32), x_scaled.shape))
 
 
 PER_BLOCK = "per_block"  # dequantize_bits' route: the formulation chosen block by block

@@ -33,7 +33,7 @@ from ._format import (
 )
 from ._dtypes import check_input_dtype, host_decode
 from ._mxarray import MXArray
-from ._rounding import check_overflow, check_rounding
+from ._rounding import DocumentedStr, check_overflow, check_rounding
 from ._scale_rules import ScaleRule, check_scale_rule
 from ._sharding import check_block_axis, check_contraction, out_sharding_arg
 
@@ -174,7 +174,7 @@ class MXCast(_Randomness):
     under a float32 tensor scale) records None, whatever rule is passed, so that one rule can
     be given for all the operands of a dot — the public quantizers refuse an explicit rule
     for such a format (:meth:`check_call`) — and NVFP4's ``nvfp4_step``
-    (``_scheme_nvfp4.NVFP4_STEPS``; default ``"divide"``) says how elements are divided by
+    (a :class:`~lowprec.NVFP4Step`; default ``"divide"``) says how elements are divided by
     their scales.
 
     Example:
@@ -183,7 +183,7 @@ class MXCast(_Randomness):
                rounding=<Rounding.NEAREST_EVEN: 'nearest_even'>, nvfp4_step=None)
         >>> c = MXCast("nvfp4")
         >>> c.scale_rule is None, c.nvfp4_step
-        (True, 'divide')
+        (True, <NVFP4Step.DIVIDE: 'divide'>)
     """
 
     fmt: MXFormat
@@ -293,8 +293,33 @@ OPERAND_ELEMENT_FORMATS: tuple[str, ...] = tuple(
 )
 #: Every accepted operand format name (``None`` = leave the operand as it is).
 OPERAND_FORMAT_NAMES: tuple[str, ...] = tuple(_data.MX_FORMATS) + OPERAND_ELEMENT_FORMATS
-#: ``backward=`` choices of :func:`lowprec.dot_general`.
-BACKWARD_MODES: tuple[str, ...] = ("ste", "quantized")
+
+
+class BackwardMode(DocumentedStr):
+    """What the backward pass of a quantized product computes (``backward=`` of
+    :func:`lowprec.dot_general`, :func:`lowprec.matmul` and :class:`lowprec.Recipe`).
+
+    Members are strings, so ``"ste"`` and ``BackwardMode.STE`` are interchangeable.
+
+    Example:
+        >>> BackwardMode("quantized") is BackwardMode.QUANTIZED, BackwardMode.STE == "ste"
+        (True, True)
+    """
+
+    STE = (
+        "ste",
+        "The straight-through estimator: the exact float gradient of the quantized forward "
+        "(quantization has derivative one), from the float operands.",
+    )
+    QUANTIZED = (
+        "quantized",
+        "Both backward dots quantized: the cotangent in the grad format and the operands "
+        "re-quantized, each blocked along the reduction axis of its own backward dot.",
+    )
+
+
+#: The values of :class:`BackwardMode` (``lowprec.BACKWARD_MODES``, deprecated).
+BACKWARD_MODES: tuple[str, ...] = tuple(m.value for m in BackwardMode)
 OUTPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 INPUT_DTYPES = OUTPUT_DTYPES
 

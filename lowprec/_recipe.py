@@ -59,7 +59,7 @@ from ._format import ElementFormat, MXFormat, element_format
 from ._dtypes import input_bits
 from ._matmul import dot_general
 from ._nvfp4_train import TILE, check_layout, nvfp4_dot
-from ._options import operand_cast
+from ._options import BACKWARD_MODES, operand_cast
 from ._ragged import RaggedSpec, ragged_dot_jit
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule, rceil_code
 from ._rounding_key import next_key
@@ -69,7 +69,7 @@ FormatLike = Union[None, str, ElementFormat, MXFormat]
 _Format = Union[None, ElementFormat, MXFormat]
 
 #: ``backward=`` choices of a :class:`Recipe` (as for :func:`lowprec.dot_general`).
-RECIPE_BACKWARD_MODES: tuple[str, ...] = ("ste", "quantized")
+RECIPE_BACKWARD_MODES: tuple[str, ...] = BACKWARD_MODES
 #: ``scaling=`` choices: ``"none"``, ``"tensor"`` (power-of-two per-tensor, element formats) or
 #: ``"delayed"`` (Transformer Engine's delayed scaling, state kept per layer by lowprec.flax).
 SCALINGS: tuple[str, ...] = ("none", "tensor", "delayed")

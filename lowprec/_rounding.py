@@ -12,14 +12,15 @@ up; the encoders ask the members what else depends on the mode (:attr:`Rounding.
 from __future__ import annotations
 
 import enum
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import jax.numpy as jnp
 from jax import lax
 
 import lowprec_formats as _data
 
-from ._format import ElementFormat
+if TYPE_CHECKING:  # type-only: _format imports this module (through _tapered)
+    from ._format import ElementFormat
 
 
 class DocumentedStr(str, enum.Enum):

@@ -178,38 +178,38 @@ class ScaleScheme(abc.ABC):
         """
         raise NotImplementedError
 
-    #: Whether the scheme has the block encoder's native path (:meth:`native_scales`).
-    has_native_path: ClassVar[bool] = False
+    #: Whether the scheme has the block encoder's hardware-float path (:meth:`hwfloat_scales`).
+    has_hwfloat_path: ClassVar[bool] = False
 
-    def native_scales(self, amax, ts_bits, cast):
-        """The blocks' scale codes for the block encoder's native path (``_mx_native.py``),
-        for schemes with :attr:`has_native_path`: ``(scale_codes, exact)``, uint8 codes.
+    def hwfloat_scales(self, amax, ts_bits, cast):
+        """The blocks' scale codes for the block encoder's hardware-float path (``_mx_hwfloat.py``),
+        for schemes with :attr:`has_hwfloat_path`: ``(scale_codes, exact)``, uint8 codes.
 
         Runs on CPU only (XLA:CPU's float semantics: subnormal operands and results flushed
         to zero, a division by a broadcast turned into a product with the reciprocal).
         ``exact`` (a scalar bool) says that the path is right for every block:
         ``scale_codes`` equal those of :meth:`encode_blocks` bit for bit, and so do the
-        ``special`` flags of :meth:`native_operands`; and for every element of a block not
-        ``special``, :meth:`native_quotients` with the ``operand`` of
-        :meth:`native_operands` gives the float32 quotient that the exact path rounds, or,
+        ``special`` flags of :meth:`hwfloat_operands`; and for every element of a block not
+        ``special``, :meth:`hwfloat_quotients` with the ``operand`` of
+        :meth:`hwfloat_operands` gives the float32 quotient that the exact path rounds, or,
         where that quotient is below 2^-126, anything below 2^-126 (under nearest-even
         rounding both give a zero element). Where it is False the block encoder takes the
         exact path for the whole array.
         """
-        raise NotImplementedError(f"{self.name} scales have no native path")
+        raise NotImplementedError(f"{self.name} scales have no hardware-float path")
 
-    def native_operands(self, scale_codes, ts_bits, cast):
-        """``(special, operand)`` per block from the codes of :meth:`native_scales`: the
-        blocks holding a NaN or an infinity, and what :meth:`native_quotients` divides or
-        multiplies by. Called inside the native branch, so that XLA may compute them in the
+    def hwfloat_operands(self, scale_codes, ts_bits, cast):
+        """``(special, operand)`` per block from the codes of :meth:`hwfloat_scales`: the
+        blocks holding a NaN or an infinity, and what :meth:`hwfloat_quotients` divides or
+        multiplies by. Called inside the hardware-float branch, so that XLA may compute them in the
         element loop instead of writing them out before the branch."""
-        raise NotImplementedError(f"{self.name} scales have no native path")
+        raise NotImplementedError(f"{self.name} scales have no hardware-float path")
 
-    def native_quotients(self, magnitudes, operand, x_bits, cast):
+    def hwfloat_quotients(self, magnitudes, operand, x_bits, cast):
         """float32 quotients of float32 ``magnitudes`` (blocks split; their patterns with
-        the signs are ``x_bits``) by their blocks' scales, by native arithmetic with
-        ``operand`` from :meth:`native_operands` (expanded to broadcast against them)."""
-        raise NotImplementedError(f"{self.name} scales have no native path")
+        the signs are ``x_bits``) by their blocks' scales, by hardware float arithmetic with
+        ``operand`` from :meth:`hwfloat_operands` (expanded to broadcast against them)."""
+        raise NotImplementedError(f"{self.name} scales have no hardware-float path")
 
     def exponents_of_amax(self, amax, cast):
         """The shared exponents (int32) of blocks with largest magnitudes ``amax``, for

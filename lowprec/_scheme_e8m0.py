@@ -27,7 +27,7 @@ from ._bits import (
     scale_bits_by_e8m0,
 )
 from ._format import ElementFormat
-from ._mx_native import half_quantum_exponent
+from ._mx_hwfloat import half_quantum_exponent
 from ._scale_rules import DEFAULT_SCALE_RULE, check_scale_rule, scale_codes_of_amax
 from ._scheme import ScaleScheme, register
 
@@ -77,7 +77,7 @@ class E8M0Scheme(ScaleScheme):
         codes, _ = scale_codes_of_amax(amax, cast.fmt, cast.scale_rule)
         return codes - E8M0_BIAS
 
-    # The native path: |x| times the float32 2^-s of the block's shared exponent s, one
+    # The hardware-float path: |x| times the float32 2^-s of the block's shared exponent s, one
     # multiply. The product of a float32 with a power of two is exact whenever it is normal;
     # it is below 2^-126 only for elements that round to 0 anyway. What a backend that flushes
     # subnormal operands gets wrong is a subnormal x in a block whose scale lifts it to an
@@ -87,9 +87,9 @@ class E8M0Scheme(ScaleScheme):
     # subnormal; INT8 blocks near float32's top) send the array to the exact path; all-zero
     # blocks (s = -127) have no subnormal to lift.
 
-    has_native_path = True
+    has_hwfloat_path = True
 
-    def native_scales(self, amax, ts_bits, cast):
+    def hwfloat_scales(self, amax, ts_bits, cast):
         codes, _ = scale_codes_of_amax(amax, cast.fmt, cast.scale_rule)
         # Materialized once as bytes (the output), then read by the check below and by the
         # element loop: XLA would otherwise recompute the scale rule in each.
@@ -100,14 +100,14 @@ class E8M0Scheme(ScaleScheme):
         # A max over bytes: XLA:CPU's fastest reduction to a scalar here.
         return codes, jnp.max(outside.astype(jnp.uint8)) == 0
 
-    def native_operands(self, scale_codes, ts_bits, cast):
+    def hwfloat_operands(self, scale_codes, ts_bits, cast):
         # 2^-s from the code's bits (exponent field 127 - s = 254 - code), a few integer
         # operations that XLA computes in the element loop.
         field = jnp.clip(2 * E8M0_BIAS - scale_codes.astype(jnp.int32), 1, F32_EXP_MAX - 1)
         factor = bits_to_f32(lax.shift_left(field.astype(jnp.uint32), jnp.uint32(F32_MANT_BITS)))
         return scale_codes == E8M0_NAN, factor
 
-    def native_quotients(self, magnitudes, operand, x_bits, cast):
+    def hwfloat_quotients(self, magnitudes, operand, x_bits, cast):
         return magnitudes * operand
 
     # -- decode ----------------------------------------------------------------------------

@@ -24,17 +24,34 @@ from . import _nvfp4
 from ._bits import F32_ABS, F32_INF, f32_bits
 from ._decode import decode_bits
 from ._format import ElementFormat
+from ._rounding import DocumentedStr
 from ._scheme import ScaleScheme, register
 
-# How an NVFP4 element is brought to E2M1's range before rounding (docs/design.md §3b). The
-# two differ only where the float32 quotient lands exactly on an E2M1 rounding boundary.
-NVFP4_STEPS = {
-    # torchao <= 0.16 (nvfp4_tensor.nvfp4_quantize): one division by float32(ts * s).
-    "divide": "x / float32(tensor_scale * block_scale)  (torchao <= 0.16)",
-    # torchao >= 0.17 (its PR #4031, as NVIDIA's MSLK kernels): a product with a reciprocal.
-    "reciprocal": "x * float32(float32(1 / tensor_scale) / block_scale)  (torchao >= 0.17)",
-}
-DEFAULT_NVFP4_STEP = "divide"
+
+
+class NVFP4Step(DocumentedStr):
+    """How an NVFP4 element is brought to E2M1's range before rounding (``nvfp4_step=`` of
+    :func:`lowprec.quantize_mx`; docs/design.md §3b). The two differ only where the float32
+    quotient lands exactly on an E2M1 rounding boundary.
+
+    Example:
+        >>> NVFP4Step("reciprocal") is NVFP4Step.RECIPROCAL
+        True
+    """
+
+    DIVIDE = (
+        "divide",
+        "x / float32(tensor_scale * block_scale): torchao <= 0.16 "
+        "(nvfp4_tensor.nvfp4_quantize), and lowprec's default.",
+    )
+    RECIPROCAL = (
+        "reciprocal",
+        "x * float32(float32(1 / tensor_scale) / block_scale): torchao >= 0.17 (its PR "
+        "#4031, as NVIDIA's MSLK kernels).",
+    )
+
+
+DEFAULT_NVFP4_STEP = NVFP4Step.DIVIDE
 
 # The recipe's constants are those of E4M3 block scales (clamped to [2^-6, 448]); block
 # maxima are divided by the element's largest value Q (6 for E2M1, 7 for INT4).
@@ -70,7 +87,7 @@ class NVFP4Scheme(ScaleScheme):
         >>> import lowprec
         >>> s = lowprec.scale_scheme("nvfp4")
         >>> s.scale.name, s.tensor_scale, s.takes_scale_rule, s.step_option(None, "nvfp4")
-        ('e4m3', True, False, 'divide')
+        ('e4m3', True, False, <NVFP4Step.DIVIDE: 'divide'>)
     """
 
     tensor_scale = True
@@ -106,11 +123,12 @@ class NVFP4Scheme(ScaleScheme):
     def step_option(self, step, fmt_name: str):
         if step is None:
             return DEFAULT_NVFP4_STEP
-        if step not in NVFP4_STEPS:
+        try:
+            return NVFP4Step(step)
+        except ValueError:
             raise ValueError(
                 f"unknown nvfp4_step {step!r}; choose one of: "
-                + "; ".join(f"{k!r} = {v}" for k, v in NVFP4_STEPS.items()))
-        return step
+                + "; ".join(f"{m.value!r} = {m.__doc__}" for m in NVFP4Step)) from None
 
     def tensor_scale_option(self, tensor_scale, fmt_name: str, func: str):
         if tensor_scale is None:
@@ -186,15 +204,15 @@ class NVFP4Scheme(ScaleScheme):
             quotient = _nvfp4.element_quotient_bits(xb, total)
         return jnp.where(special, self.scale.nan_code, codes), special, quotient, None
 
-    # The native path (CPU): the same float32 steps by float arithmetic, exact for a tensor
+    # The hardware-float path (CPU): the same float32 steps by float arithmetic, exact for a tensor
     # scale in [2^-118, 2^116] (_nvfp4.py says why), i.e. for any tensor whose largest
     # magnitude lies between ~2^-107 and ~2^127 when the scale is computed.
 
-    has_native_path = True
+    has_hwfloat_path = True
 
-    def native_scales(self, amax, ts_bits, cast):
+    def hwfloat_scales(self, amax, ts_bits, cast):
         special = amax >= F32_INF
-        codes = _nvfp4.native_scale_codes(amax, ts_bits, self.scale, cast.fmt.element.max_finite)
+        codes = _nvfp4.hwfloat_scale_codes(amax, ts_bits, self.scale, cast.fmt.element.max_finite)
         codes = jnp.where(special, self.scale.nan_code, codes).astype(jnp.uint8)
         # The check stays a runtime value even for a tensor scale known at compile time:
         # folded, it would remove the encoder's branch, whose boundary is what keeps XLA from
@@ -205,17 +223,17 @@ class NVFP4Scheme(ScaleScheme):
                  & (t <= jnp.uint32(_nvfp4.NATIVE_TS_MAX_BITS)))
         return codes, exact
 
-    def native_operands(self, scale_codes, ts_bits, cast):
+    def hwfloat_operands(self, scale_codes, ts_bits, cast):
         codes = scale_codes.astype(jnp.uint32)
         special = codes == jnp.uint32(self.scale.nan_code)
         if cast.nvfp4_step == "reciprocal":
-            return special, _nvfp4.native_factors(codes, ts_bits, self.scale)
-        return special, _nvfp4.native_divisors(codes, ts_bits, self.scale)
+            return special, _nvfp4.hwfloat_factors(codes, ts_bits, self.scale)
+        return special, _nvfp4.hwfloat_divisors(codes, ts_bits, self.scale)
 
-    def native_quotients(self, magnitudes, operand, x_bits, cast):
+    def hwfloat_quotients(self, magnitudes, operand, x_bits, cast):
         if cast.nvfp4_step == "reciprocal":
             return magnitudes * operand
-        return _nvfp4.native_quotients(magnitudes, operand, x_bits)
+        return _nvfp4.hwfloat_quotients(magnitudes, operand, x_bits)
 
     # -- decode ----------------------------------------------------------------------------
 

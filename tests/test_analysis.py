@@ -216,7 +216,7 @@ ANALYSIS_MX = [f for f in lowprec.MX_FORMAT_NAMES if not lowprec.mx_format(f).te
 
 
 @pytest.mark.parametrize("fmt", ANALYSIS_MX)
-@pytest.mark.parametrize("rule", lowprec.SCALE_RULES)
+@pytest.mark.parametrize("rule", [r.value for r in lowprec.ScaleRule])
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_mx_quantization_error_bound_holds(fmt, rule):
     key = jax.random.key(5)

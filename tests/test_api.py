@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import lowprec
+import lowprec.kernels
 import lowprec_formats
 import lowprec_reference as R
 from helpers.asserts import bit_pattern
@@ -65,7 +66,6 @@ def test_scale_rule_members_are_the_data_table_rules_and_documented():
         assert rule == rule.value and str(rule) == rule.value and f"{rule}" == rule.value
         assert lowprec.ScaleRule(rule.value) is rule
         assert rule.__doc__ and rule.__doc__ != lowprec.ScaleRule.__doc__
-    assert lowprec.DEFAULT_SCALE_RULE is lowprec.ScaleRule.FLOOR
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -348,7 +348,7 @@ HALF_CALLS = {
     "delayed_dot_general-vjp": lambda x: jax.vjp(lambda a: lowprec.delayed_dot_general(
         a.reshape(2, 32), a.reshape(2, 32), lowprec.DelayedScaling(amax_history_len=2).init(),
         _DN, lowprec.DelayedScaling(amax_history_len=2)), x)[1](jnp.ones((2, 2)))[0],
-    "mxfp4_gemv": lambda x: lowprec.mxfp4_gemv(_w4(), x),
+    "mxfp4_gemv": lambda x: lowprec.kernels.mxfp4_gemv(_w4(), x),
     "weight_only_matmul": lambda x: lowprec.weight_only_matmul(x, _pw4()),
 }
 _COTANGENT_SHAPES = {
@@ -361,7 +361,7 @@ _NO_FLOAT_IO = {
     "finfo", "resolve_format", "element_format", "mx_format", "pack_fp4", "unpack_fp4",
     "pack_fp6", "unpack_fp6", "p3109",
     "to_gpt_oss", "from_gpt_oss", "mxfp4_to_nvfp4", "MXArray", "ScaleRule", "random_bits", "scale_scheme",
-    "ScaleScheme", "prepare_weight", "stochastic_rounding_key",
+    "ScaleScheme", "register_scale_scheme", "prepare_weight", "stochastic_rounding_key",
 }
 
 
@@ -405,7 +405,7 @@ def test_half_precision_paths_lowered_for_cuda_hold_no_float_convert(name, cuda_
     pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
     fn = HALF_CALLS[name]
     if name == "mxfp4_gemv":
-        fn = lambda x: lowprec.mxfp4_gemv(_w4(), x, interpret=False)  # noqa: E731
+        fn = lambda x: lowprec.kernels.mxfp4_gemv(_w4(), x, interpret=False)  # noqa: E731
     arg = jax.ShapeDtypeStruct((64,), jnp.bfloat16)
     hlo = lower_for_cuda(fn, arg)
     assert "__gpu$xla.gpu.triton" in hlo

@@ -578,15 +578,15 @@ def test_contracting_leading_axes_forward_and_gradients(backward):
         assert np.max(np.abs(ga - gb)) <= 8 * 2.0**-23 * (np.abs(ga).max() + np.abs(gb).max())
 
 
-# -- the block encoder's native path (CPU) at the edges of where it is taken ----------------
-# _mx_native.py: on CPU the block encoder divides by float arithmetic when a scheme proves the
+# -- the block encoder's hardware-float path (CPU) at the edges of where it is taken ---------
+# _mx_hwfloat.py: on CPU the block encoder divides by float arithmetic when a scheme proves the
 # result is the exact path's bits for the whole array, and takes the exact path otherwise.
 # Each case below builds an array right at one edge of that decision, with float32
 # subnormals (which XLA:CPU flushes in arithmetic) in every block, and checks both the
 # decision and the codes against the reference.
 
-def _native_decision(x, fmt, rule=None, tensor_scale=None):
-    """Whether the native path serves quantize_mx(x, fmt) along the last axis."""
+def _hwfloat_decision(x, fmt, rule=None, tensor_scale=None):
+    """Whether the hardware-float path serves quantize_mx(x, fmt) along the last axis."""
     from lowprec._mx_encode import block_amax
     from lowprec._options import MXCast
 
@@ -594,7 +594,7 @@ def _native_decision(x, fmt, rule=None, tensor_scale=None):
     bits = jnp.asarray(np.asarray(x, np.float32).view(np.uint32))
     amax = block_amax(bits, 1, cast.fmt.block_size)
     ts = cast.fmt.scheme.tensor_scale_bits(bits, tensor_scale, cast, amax)
-    return bool(cast.fmt.scheme.native_scales(amax, ts, cast)[1])
+    return bool(cast.fmt.scheme.hwfloat_scales(amax, ts, cast)[1])
 
 
 def _blocks_with_subnormals(top_exponent: int, n_blocks: int = 4, block: int = 32):
@@ -634,8 +634,8 @@ E8M0_NATIVE = [f for f in lowprec_formats.COLLECTIONS["e8m0_scaled_mx"]]
 @pytest.mark.quick_cases(fmt=["mxfp8_e4m3", "mxfp4"])
 @pytest.mark.parametrize("fmt", E8M0_NATIVE)
 @pytest.mark.quick_first(1)
-def test_native_block_path_edges_e8m0(fmt):
-    """E8M0 schemes: the native multiply by 2^-s is taken down to the smallest shared
+def test_hwfloat_block_path_edges_e8m0(fmt):
+    """E8M0 schemes: the hardware-float multiply by 2^-s is taken down to the smallest shared
     exponent s_min = -126 - (emin - M - 1) (below it a flushed subnormal could have become
     a nonzero element) and up to s = 126 (2^-127 is itself subnormal). Derivation in
     _scheme_e8m0.py; s of a block with largest magnitude 2^k under "floor" is k - emax."""
@@ -643,7 +643,7 @@ def test_native_block_path_edges_e8m0(fmt):
     el = f.element
     s_min = -126 - (el.emin - el.mantissa_bits - 1)
     emax = R.shared_exponent(1.0, f.element.name, "floor")  # s of amax = 1 is -emax
-    for s, native in ((s_min, True), (s_min - 1, False), (126, True)):
+    for s, hwfloat in ((s_min, True), (s_min - 1, False), (126, True)):
         top = s - emax
         if top > 127:
             continue  # no float32 block maximum gives this exponent for this element
@@ -651,17 +651,17 @@ def test_native_block_path_edges_e8m0(fmt):
         assert R.shared_exponent(float(np.abs(x).max()), f.element.name, "floor") == s
         if s == s_min - 1:  # one block past the edge sends the whole array the exact way
             x = np.concatenate([_blocks_with_subnormals(top + 1), x[:1]])
-        assert _native_decision(x, fmt, "floor") == native, (fmt, s)
+        assert _hwfloat_decision(x, fmt, "floor") == hwfloat, (fmt, s)
         _assert_quantize_mx_is_the_reference(x, fmt, "floor")
 
 
-@pytest.mark.parametrize("tensor_scale,native", [
+@pytest.mark.parametrize("tensor_scale,hwfloat", [
     (2.0 ** -118, True), (np.nextafter(np.float32(2.0 ** -118), np.float32(0)), False),
     (2.0 ** 116, True), (np.nextafter(np.float32(2.0 ** 116), np.float32(np.inf)), False),
     (1.0, True),
 ], ids=["ts_min", "below_ts_min", "ts_max", "above_ts_max", "one"])
 @pytest.mark.quick_first(1)
-def test_native_block_path_edges_nvfp4(tensor_scale, native):
+def test_hwfloat_block_path_edges_nvfp4(tensor_scale, hwfloat):
     """NVFP4: float32 division serves tensor scales in [2^-118, 2^116] (_nvfp4.py derives
     the bounds); blocks sized so their E4M3 scales span the clamp at both ends, with float32
     subnormals in every block."""
@@ -671,13 +671,13 @@ def test_native_block_path_edges_nvfp4(tensor_scale, native):
     tops = np.clip(np.round(np.log2(ts * 6)) + np.arange(-12, 10, 3), -140, 127).astype(int)
     x = np.concatenate([_blocks_with_subnormals(int(t), n_blocks=2, block=16).reshape(2, 16)
                         for t in tops]).reshape(-1, 32)
-    assert _native_decision(x, "nvfp4", tensor_scale=jnp.float32(ts)) == native
+    assert _hwfloat_decision(x, "nvfp4", tensor_scale=jnp.float32(ts)) == hwfloat
     _assert_quantize_mx_is_the_reference(x, "nvfp4", tensor_scale=ts)
 
 
-# What the native path compiles to on CPU: every quotient stays inside the element loop.
+# What the hardware-float path compiles to on CPU: every quotient stays inside the element loop.
 # XLA writes a division's results out first (a whole extra pass over memory) when the loop
-# that consumes them reads each twice; _nvfp4.native_quotients hands them over through abs
+# that consumes them reads each twice; _nvfp4.hwfloat_quotients hands them over through abs
 # for that reason. A float32 array of the input's size among the fusions' outputs is that
 # pass (the codes are bytes; the exact path's intermediates are integers).
 
@@ -702,21 +702,21 @@ def _large_fusions(fn, shape, kinds, *args):
     return big
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU native path")
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU hardware-float path")
 @pytest.mark.parametrize("fmt,kw", [
     ("nvfp4", {}), ("mxfp4_b16", {}), ("nvfp4", {"nvfp4_step": "reciprocal"}),
     ("nvfp4", {"axis": 0}), ("mxfp4", {}), ("mxfp8_e4m3", {}), ("mxfp6_e2m3", {"axis": 0}),
 ], ids=["nvfp4", "mxfp4_b16", "nvfp4_reciprocal", "nvfp4_axis0", "mxfp4", "mxfp8_e4m3",
         "mxfp6_axis0"])
 @pytest.mark.quick_first(2)
-def test_native_path_keeps_quotients_in_the_element_loop(fmt, kw):
+def test_hwfloat_path_keeps_quotients_in_the_element_loop(fmt, kw):
     assert _large_fusions(lambda x: lowprec.quantize_mx(x, fmt, **kw), (256, 512), {"f32"}) == []
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU native path")
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU hardware-float path")
 def test_constant_tensor_scale_compiles_the_same_element_loop():
     """A tensor scale known at compile time (a Python float) must not change the element
-    loop: folding the native path's range check away once let XLA fuse the per-block scale
+    loop: folding the hardware-float path's range check away once let XLA fuse the per-block scale
     computation (an E4M3 encode and decode) into the loop over elements, recomputing it for
     every element (~5x slower)."""
     shape = (256, 512)
@@ -724,6 +724,6 @@ def test_constant_tensor_scale_compiles_the_same_element_loop():
                             {"u8"}, jnp.float32(0.5))
     folded = _large_fusions(lambda x: lowprec.quantize_mx(x, "nvfp4", tensor_scale=0.5), shape,
                             {"u8"})
-    # The native branch's loop is the shortest one (the exact branch's is ~4x longer).
+    # The hardware-float branch's loop is the shortest one (the exact branch's is ~4x longer).
     assert traced and folded
     assert min(n for *_, n in folded) <= min(n for *_, n in traced), (folded, traced)

@@ -93,7 +93,7 @@ def test_the_compile_is_for_an_h100():
 
 
 @pytest.mark.parametrize("fmt", E8M0)
-@pytest.mark.parametrize("rule", lowprec.SCALE_RULES)
+@pytest.mark.parametrize("rule", [r.value for r in lowprec.ScaleRule])
 def test_quantize_mx_is_one_pass(fmt, rule):
     hlo = _compile(lambda v: lowprec.quantize_mx(v, fmt, scale_rule=rule), X)
     _assert_one_pass(hlo, f"quantize_mx {fmt} {rule}")

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import lowprec
+import lowprec.kernels
 from helpers.kernels import cuda_branches, fused_mxdot  # noqa: F401  (fixtures)
 from helpers.kernels import lower_for_cuda as _lower_for_cuda
 from lowprec import _gemv
@@ -373,7 +374,7 @@ def test_mxfp4_gemv_shapes(x_shape):
     rng = np.random.default_rng(len(x_shape))
     w = make_weight(rng, 20, 96)
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.bfloat16)
-    y = lowprec.mxfp4_gemv(w.mx, x)
+    y = lowprec.kernels.mxfp4_gemv(w.mx, x)
     assert y.shape == x_shape[:-1] + (20,) and y.dtype == jnp.float32
     assert_within_bound(np.asarray(y).reshape(-1, 20), f64(x).reshape(-1, 96), w.values)
 
@@ -382,21 +383,21 @@ def test_mxfp4_gemv_block_rows():
     rng = np.random.default_rng(1)
     w = make_weight(rng, 20, 96)
     x = make_tokens(rng, 1, 96)[0]
-    assert_within_bound(lowprec.mxfp4_gemv(w.mx, x, block_rows=16)[None], f64(x)[None], w.values)
+    assert_within_bound(lowprec.kernels.mxfp4_gemv(w.mx, x, block_rows=16)[None], f64(x)[None], w.values)
     with pytest.raises(ValueError, match="block_rows: KernelConfig.block_n must be a power of two"):
-        lowprec.mxfp4_gemv(w.mx, x, block_rows=24)
+        lowprec.kernels.mxfp4_gemv(w.mx, x, block_rows=24)
 
 
 def test_mxfp4_gemv_errors():
     w = lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp4")
     with pytest.raises(TypeError, match=r"bfloat16 array of shape \(64,\) or \(\.\.\., 64\)"):
-        lowprec.mxfp4_gemv(w, jnp.ones(64))
+        lowprec.kernels.mxfp4_gemv(w, jnp.ones(64))
     with pytest.raises(TypeError, match=r"got bfloat16\[63\]"):
-        lowprec.mxfp4_gemv(w, jnp.ones(63, jnp.bfloat16))
+        lowprec.kernels.mxfp4_gemv(w, jnp.ones(63, jnp.bfloat16))
     with pytest.raises(ValueError, match=r"MXFP4 MXArray of shape \[N, K\] blocked along axis 1"):
-        lowprec.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp8"), jnp.ones(64, jnp.bfloat16))
+        lowprec.kernels.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp8"), jnp.ones(64, jnp.bfloat16))
     with pytest.raises(ValueError, match="blocked along axis 1"):
-        lowprec.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((64, 4)), "mxfp4", axis=0), jnp.ones(64, jnp.bfloat16))
+        lowprec.kernels.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((64, 4)), "mxfp4", axis=0), jnp.ones(64, jnp.bfloat16))
 
 
 # -- on a GPU ---------------------------------------------------------------------------------------
@@ -896,3 +897,38 @@ def test_kernels_serve_only_the_scale_scheme_they_were_built_for(cuda_branches):
     assert not _dispatch.quantize_kernel(x, MXCast("nvfp4"), 1, fake=True)
     assert not _dispatch.quantize_kernel(x, MXCast("mxfp4", rounding="stochastic"), 1)
     assert not _dispatch.quantize_kernel(x, MXCast("mxfp4_b16"), 1)
+
+
+# -- one decision point: the formulations of a call, the policy as one value -------------------
+
+
+def test_quantize_formulations_name_every_candidate_of_a_call(monkeypatch):
+    """The dispatch returns what a quantize_mx call may take: EXACT always; HWFLOAT only for
+    nearest-even rounding of a scheme with that path (the scheme's proof is for round to
+    nearest even, docs/design.md §12); the kernels where their predicates say; the C++
+    kernel never for fake quantization; neither kernel under LOWPREC_KERNELS=xla."""
+    F = _dispatch.Formulation
+    x = jnp.zeros((4, 8, 64), jnp.float32)  # [batch, seq, d], blocked along d
+    for fmt in ("mxfp8", "mxfp6_e2m3", "mxfp4", "nvfp4"):
+        cast = MXCast(fmt)
+        forms = _dispatch.quantize_formulations(x, cast, 2)
+        assert {F.EXACT, F.HWFLOAT} <= forms, fmt
+        assert (F.CPU_KERNEL in forms) == _dispatch.cpu_quantize_kernel(x, cast, 2, None, None)
+        assert (F.PALLAS in forms) == _dispatch.quantize_kernel(x, cast, 2)
+        assert F.CPU_KERNEL not in _dispatch.quantize_formulations(x, cast, 2, fake=True)
+        up = _dispatch.quantize_formulations(x, MXCast(fmt, rounding="up"), 2)
+        assert F.HWFLOAT not in up and F.CPU_KERNEL not in up
+    assert F.HWFLOAT not in _dispatch.quantize_formulations(x, MXCast("mixfp4"), 2)
+    monkeypatch.setenv("LOWPREC_KERNELS", "xla")
+    assert _dispatch.quantize_formulations(x, MXCast("mxfp8"), 2) == {F.EXACT, F.HWFLOAT}
+
+
+def test_policy_is_one_frozen_value_reading_the_old_knobs(monkeypatch):
+    p = _dispatch.current_policy()
+    assert (p.gpu_route, p.fused_mxdot) == ("pallas", False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.gpu_route = "xla"
+    monkeypatch.setattr(_dispatch, "GPU_ROUTE", "xla")
+    monkeypatch.setattr(_dispatch, "FUSED_MXDOT", True)
+    monkeypatch.setenv("LOWPREC_KERNELS", "xla")
+    assert _dispatch.current_policy() == _dispatch.Policy("xla", "xla", True)

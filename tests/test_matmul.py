@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import lowprec
 import lowprec_formats
-from lowprec import BACKWARD_MODES, OPERAND_FORMAT_NAMES, dot_general, matmul
+from lowprec import OPERAND_FORMAT_NAMES, BackwardMode, dot_general, matmul
 
 MX = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
 ELEMENTS = ("e4m3", "e5m2", "bf16", "fp16", "tf32")
@@ -547,6 +547,6 @@ def test_shape_and_layout_errors():
 
 
 def test_public_constants():
-    assert BACKWARD_MODES == ("ste", "quantized")
+    assert tuple(BackwardMode) == ("ste", "quantized")
     assert set(MX) | set(ELEMENTS) <= set(OPERAND_FORMAT_NAMES)
     assert "e8m0" not in OPERAND_FORMAT_NAMES

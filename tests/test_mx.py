@@ -708,7 +708,7 @@ def test_aliases_and_defaults():
     x = jnp.linspace(-3.0, 3.0, 64)
     a = lowprec.quantize_mx(x, "mxfp8")
     b = lowprec.quantize_mx(x, "mxfp8_e4m3", scale_rule="floor")
-    assert a.fmt == b.fmt and a.scale_rule == "floor" == lowprec.DEFAULT_SCALE_RULE
+    assert a.fmt == b.fmt and a.scale_rule == "floor" == lowprec.ScaleRule.FLOOR
     np.testing.assert_array_equal(np.asarray(a.elements), np.asarray(b.elements))
-    assert set(lowprec.SCALE_RULES) == set(SCALE_RULES)
-    assert set(ROUNDINGS) <= set(lowprec.ROUNDING_MODES)
+    assert {r.value for r in lowprec.ScaleRule} == set(SCALE_RULES)
+    assert set(ROUNDINGS) <= set(lowprec.Rounding)

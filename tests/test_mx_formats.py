@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowprec
+import lowprec.kernels
 import lowprec_reference as R
 from helpers.asserts import assert_bits_equal, assert_codes_equal, assert_same_floats, bit_pattern
 from helpers.kernels import lower_for_cuda
@@ -259,7 +260,7 @@ def test_block_size_errors():
     with pytest.raises(ValueError, match="gpt-oss layout holds MXFP4 only"):
         lowprec.to_gpt_oss(lowprec.quantize_mx(jnp.ones((2, 32)), "mxfp4", block_size=16))
     with pytest.raises(ValueError, match="mxfp4_gemv takes an MXFP4"):
-        lowprec.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((2, 32)), "mxfp4_b16"),
+        lowprec.kernels.mxfp4_gemv(lowprec.quantize_mx(jnp.ones((2, 32)), "mxfp4_b16"),
                            jnp.ones(32, jnp.bfloat16))
 
 

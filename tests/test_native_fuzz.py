@@ -149,7 +149,7 @@ def structure(rng: np.random.Generator):
 @pytest.mark.quick_first(3)
 def test_quantize_mx_fuzz(name, rule):
     """quantize_mx (and, for FP6, dequantize, whose unpacking is the other kernel) of a
-    random view of random fillings: the native path's bits are the XLA path's."""
+    random view of random fillings: the hardware-float path's bits are the XLA path's."""
     rng = np.random.default_rng(_seed("quantize", name, rule))
     shape, ops, view = structure(rng)
     # dequantize of FP6 along the last axis unpacks with the other kernel (the scale rule

@@ -207,7 +207,7 @@ def test_kernel_refuses_attributes_no_format_has(attribute, value):
     attrs[attribute] = value
     x = jnp.zeros((4, 64), jnp.float32)
     with pytest.raises(Exception, match="unsupported format attributes"):
-        call = jax.ffi.ffi_call(_cpu_native.TARGETS["mx_quantize"],
+        call = jax.ffi.ffi_call(_mx_quantize_cpu.TARGET,
                                 (jax.ShapeDtypeStruct((4, 64), jnp.uint8),
                                  jax.ShapeDtypeStruct((4, 2), jnp.uint8)))
         kw = {k: v if isinstance(v, bool) else np.int64(v) for k, v in attrs.items()}

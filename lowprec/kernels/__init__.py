@@ -11,7 +11,7 @@ in float32 in another order; docs/design.md §8):
 * ``dot_general``'s bfloat16 branch for two MX operands with 8-bit codes: a GEMM that decodes
   in its operand load (``_mxdot_pallas.py``);
 * ``dot_general`` / ``matmul`` of up to 16 bfloat16 tokens by a packed MXFP4 weight: a split-K
-  product (``_gemv_pallas.py``; also :func:`lowprec.mxfp4_gemv`, which calls it explicitly);
+  product (``_gemv_pallas.py``; also :func:`lowprec.kernels.mxfp4_gemv`, which calls it explicitly);
 * :func:`lowprec.weight_only_matmul` of up to 16 bfloat16 tokens by a weight prepared with
   :func:`lowprec.prepare_weight` (MXFP4 or NVFP4), on Hopper GPUs: a Pallas Mosaic GPU
   kernel with the weight tile as ``wgmma``'s left operand (``_weight_only_mgpu.py``).
@@ -44,5 +44,6 @@ Example:
 """
 
 from ._dispatch import ENV_VAR, POLICIES, get_policy, native_status, set_policy
+from ._gemv_pallas import mxfp4_gemv
 
-__all__ = ["ENV_VAR", "POLICIES", "get_policy", "native_status", "set_policy"]
+__all__ = ["ENV_VAR", "POLICIES", "get_policy", "mxfp4_gemv", "native_status", "set_policy"]

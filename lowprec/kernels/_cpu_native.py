@@ -15,9 +15,9 @@ CPython version). The first call of :func:`available`
 * starts the CPU backend, then hands each handler to XLA as a capsule
   (``jax.ffi.pycapsule``) registered as a CPU target, so that XLA's own refusal, if any, is
   an error of that call and not of the backend;
-* runs the kernels once on inputs whose results are derived here from the formats'
-  definitions, so that a jaxlib whose FFI misbehaves shows up as "not available", never
-  inside a user's program.
+* runs each kernel's own check (declared by its module with :func:`register_kernel`,
+  on inputs whose results that module derives from the formats' definitions), so that a
+  jaxlib whose FFI misbehaves shows up as "not available", never inside a user's program.
 
 Where the library was not built, does not load, was built for another FFI version or fails
 the check, every call keeps XLA's formulation (the same bits) and :func:`status` says why.
@@ -26,11 +26,12 @@ the check, every call keeps XLA's formulation (the same bits) and :func:`status`
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import re
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -40,12 +41,32 @@ import jaxlib
 #: The library setup.py builds (its ``_NATIVE_FILE``), beside this module.
 LIBRARY = Path(__file__).with_name(
     "liblowprec_cpu" + (".dylib" if sys.platform == "darwin" else ".so"))
-#: XLA target name of each handler, by kernel.
-TARGETS = {"fp6_pack": "lowprec_fp6_pack", "fp6_unpack": "lowprec_fp6_unpack",
-           "mx_quantize": "lowprec_mx_quantize"}
-#: The library's exported handler symbol of each target.
-SYMBOLS = {"lowprec_fp6_pack": "LowprecFp6Pack", "lowprec_fp6_unpack": "LowprecFp6Unpack",
-           "lowprec_mx_quantize": "LowprecMxQuantize"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A kernel of the library, as its module declares it (:func:`register_kernel`): this
+    module knows none of them."""
+
+    #: What it serves, in words (for :func:`status`).
+    serves: str
+    #: XLA target name -> the library's exported handler symbol.
+    handlers: tuple
+    #: '' if its registered handlers give the results the kernel's module derives, else the
+    #: problem (run once, after registration, before any use).
+    check: Callable[[], str]
+
+
+_KERNELS: list = []
+
+
+def register_kernel(serves: str, handlers: dict, check: Callable[[], str]) -> None:
+    """Declares a kernel of the library (at its module's import, before first use): its
+    handlers are registered with XLA and its ``check`` run when the library loads."""
+    if _load.cache_info().currsize:
+        raise RuntimeError(f"kernel {serves!r} declared after the native library was loaded; "
+                           "import its module from lowprec.kernels._dispatch")
+    _KERNELS.append(Kernel(serves, tuple(handlers.items()), check))
 _REBUILD = ("reinstall lowprec in this environment to rebuild them against its jaxlib "
             "(from a checkout: pip install --no-build-isolation -e .)")
 
@@ -124,7 +145,7 @@ def _probe(path: Path, running: Optional[tuple[int, int]] = None) -> tuple[bool,
         built, built_jaxlib = built_ffi_api_version(library)
         avx2 = bool(library.lowprec_cpu_has_avx2())
         handlers = {target: ffi.pycapsule(getattr(library, symbol))
-                    for target, symbol in SYMBOLS.items()}
+                    for kernel in _KERNELS for target, symbol in kernel.handlers}
     except (OSError, AttributeError, TypeError, ValueError) as error:
         return False, (f"the native CPU kernels at {path} did not load ({error}); "
                        f"{_REBUILD}; XLA's formulations run"), False
@@ -154,44 +175,23 @@ def _probe(path: Path, running: Optional[tuple[int, int]] = None) -> tuple[bool,
     problem = _self_check()
     if problem:
         return False, f"the native CPU kernels at {path} failed their check: {problem}", False
-    return True, (f"the native CPU kernels serve FP6 packing and MX quantization ({path}; "
+    serves = " and ".join(k.serves for k in _KERNELS) or "nothing (no kernel declared)"
+    return True, (f"the native CPU kernels serve {serves} ({path}; "
                   f"XLA FFI API {built[0]}.{built[1]})"), avx2
 
 
 def _self_check() -> str:
-    """'' if the registered kernels give the results derived here, else the problem."""
-    from . import _fp6_cpu, _mx_quantize_cpu  # noqa: PLC0415 - they call back into here
-
+    """'' if every declared kernel passes its own check, else the first problem."""
     try:
-        cpu = jax.devices("cpu")[0]
+        jax.devices("cpu")
     except RuntimeError as error:
         return f"no CPU device ({error})"
-    # FP6: 41 groups (the vector loop's steps and the scalar tail), by the layout's rule.
-    codes = np.arange(164, dtype=np.uint8) * np.uint8(37)
-    low = codes.astype(np.uint32).reshape(-1, 4) & 0x3F
-    words = low[:, 0] | low[:, 1] << 6 | low[:, 2] << 12 | low[:, 3] << 18
-    want = np.stack([(words >> s) & 0xFF for s in (0, 8, 16)], axis=1).astype(np.uint8).ravel()
-    # MXFP8 E4M3, floor rule, one block: 31 ones and a -0. amax 1 = 2^0 gives the shared
-    # exponent 0 - 8 (E4M3's largest binade), code 127 - 8 = 119; 1 x 2^8 is E4M3's
-    # exponent field 8 + 7 = 15, code 0x78; -0 keeps its sign, 0x80.
-    x = np.ones(32, np.float32)
-    x[-1] = -0.0
-    want_el = np.full(32, 0x78, np.uint8)
-    want_el[-1] = 0x80
-    try:
-        with jax.ensure_compile_time_eval():
-            packed = np.asarray(jax.jit(_fp6_cpu.pack_last)(jax.device_put(codes, cpu)))
-            back = np.asarray(jax.jit(_fp6_cpu.unpack_last)(jax.device_put(packed, cpu)))
-            el, sc = jax.jit(lambda v: _mx_quantize_cpu.quantize_last(
-                v, _mx_quantize_cpu.attributes("mxfp8_e4m3", "floor")))(
-                    jax.device_put(x, cpu))
-            el, sc = np.asarray(el), np.asarray(sc)
-    except Exception as error:  # noqa: BLE001 - any failure means: do not use them
-        return f"{type(error).__name__}: {error}"
-    if not np.array_equal(packed, want):
-        return "FP6 packed bytes differ from the layout's"
-    if not np.array_equal(back, codes & 0x3F):
-        return "FP6 unpacked codes differ from the packed ones"
-    if not (np.array_equal(el, want_el) and sc.tolist() == [119]):
-        return "MXFP8 codes of a known block differ from the derived ones"
+    for kernel in _KERNELS:
+        try:
+            with jax.ensure_compile_time_eval():
+                problem = kernel.check()
+        except Exception as error:  # noqa: BLE001 - any failure means: do not use them
+            problem = f"{type(error).__name__}: {error}"
+        if problem:
+            return f"{kernel.serves}: {problem}"
     return ""

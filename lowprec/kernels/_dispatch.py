@@ -1,4 +1,6 @@
-"""Whether a Pallas kernel serves a call: the one place lowprec decides it.
+"""Which formulation computes a call (:class:`Formulation`: XLA's exact or hardware-float
+one, a C++ kernel, a Pallas kernel) and whether a kernel serves it: the one place lowprec
+decides it, under one :class:`Policy`.
 
 A kernel serves a call when
 
@@ -8,7 +10,8 @@ A kernel serves a call when
   imports (elsewhere the CUDA branches are left out, so CPU-only installs never trace kernels
   they cannot run), and no mesh with Explicit axes is in context (JAX 0.11's Triton lowering
   fails there), and
-* the kernel serves the call's layout and formats (each kernel module's ``*_applies``);
+* the kernel serves the call's layout and formats (each kernel module's ``*_applies``;
+  the Pallas quantize kernels' are here);
 
 then the call picks the kernel or XLA's formulation where XLA lowers the program
 (:func:`on_cuda`: ``lax.platform_dependent``), so one program runs on every backend. The
@@ -20,13 +23,15 @@ products on cuBLASLt's FP8 GEMM, block formats as bfloat16 GEMM operands; ``_gpu
 follow the policy too: they are XLA programs, not kernels, but they change how a product
 is summed on the GPU, and ``"xla"`` keeps the portable one.
 
-The native CPU kernels (``_cpu_native``) follow the same policy: :func:`cpu_fp6_kernel` for
-FP6 packing, read while ``_pack.py`` traces, and :func:`cpu_quantize_kernel` for
+The native CPU kernels (``_cpu_native``) follow the same policy: :func:`fp6_packer` /
+:func:`fp6_unpacker` give the FP6 kernel to ``_pack.py`` (which chooses nothing), and :func:`cpu_quantize_kernel` for
 ``quantize_mx``, decided when it is called; each picks with :func:`on_cpu`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import importlib.util
 import os
@@ -37,11 +42,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._format import mx_format
+from .._mx_hwfloat import hwfloat_element
 from .._mxarray import MXArray
-from . import _cpu_native
+from .._pack import pack6_xla, unpack6_xla
+from .._scheme_e8m0 import E8M0Scheme
+from .._scheme_nvfp4 import NVFP4Scheme
+from . import _cpu_native, _fp6_cpu
 from ._mx_quantize_cpu import serves as native_quantize_serves
 from ._mxdot_pallas import pallas_mxdot_applies
-from ._quantize_pallas import pallas_fake_quantize_applies, pallas_quantize_applies
 from ._weight_only_mgpu import MAX_TOKENS as WEIGHT_ONLY_MAX_TOKENS
 from ._weight_only_mgpu import mosaic_gpu_available
 
@@ -64,6 +72,44 @@ GPU_ROUTE = "pallas"
 FUSED_MXDOT = False
 #: Most tokens (product of the activation's free dims) sent to the decode-time route.
 MAX_TOKENS = 16
+
+
+class Formulation(enum.Enum):
+    """How a block format's encode is computed: lowprec's four formulations, named once.
+    Every one gives the same bits; :func:`quantize_formulations` says which a call may take
+    (XLA then lowers, per platform, the one for its backend)."""
+
+    #: XLA, integer arithmetic on the bits: every backend, every call.
+    EXACT = "exact"
+    #: XLA, float32 hardware arithmetic where the scale scheme proves it exact (``_mx_hwfloat``;
+    #: CPU, picked per array by one ``lax.cond`` beside EXACT).
+    HWFLOAT = "hwfloat"
+    #: A C++ kernel registered with XLA's FFI (``_mx_quantize_cpu.cc``; CPU).
+    CPU_KERNEL = "cpu_kernel"
+    #: A Pallas kernel (``_quantize_pallas.py``; CUDA).
+    PALLAS = "pallas"
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Everything that decides which kernels and routes run, as one value
+    (:func:`current_policy`): the kernel policy (:func:`set_policy` / ``LOWPREC_KERNELS``),
+    the decode-time MXFP4 route on CUDA (:data:`GPU_ROUTE`) and whether the fused MX dot
+    kernel runs (:data:`FUSED_MXDOT`). The two module globals stay the knobs they were."""
+
+    kernels: str = "auto"
+    gpu_route: str = "pallas"
+    fused_mxdot: bool = False
+
+
+def current_policy() -> Policy:
+    """The :class:`Policy` in force (read while tracing, as the globals were).
+
+    Example:
+        >>> current_policy().gpu_route in ("pallas", "xla")
+        True
+    """
+    return Policy(get_policy(), GPU_ROUTE, FUSED_MXDOT)
 
 
 def _check_policy(policy, where: str) -> str:
@@ -184,6 +230,32 @@ def unsharded(x) -> bool:
     return all(s is None for s in spec)
 
 
+# What the Pallas quantize kernels (_quantize_pallas.py, which checks its calls against these)
+# serve; kept here so that this module does not import the kernels, which use the encoder.
+
+def pallas_quantize_applies(cast: MXCast, axis0: bool = False) -> bool:
+    """Whether the kernel serves this cast (static): E8M0-scaled formats with blocks of 32
+    (the tiles are multiples of it) (FP6's three-byte
+    groups along the last axis only; ``axis0``: blocks along axis 0 of a 2-D array),
+    and NVFP4 with blocks of 16 or 32 along the last axis (its tensor scale, a whole-array
+    reduction when it is computed, comes in as an operand); deterministic rounding."""
+    fmt = cast.fmt
+    if cast.stochastic:
+        return False
+    if isinstance(fmt.scheme, NVFP4Scheme):
+        return not axis0 and fmt.block_size in (16, 32)
+    bits_ok = fmt.element.code_bits in ((4, 8) if axis0 else (4, 6, 8))
+    return isinstance(fmt.scheme, E8M0Scheme) and fmt.block_size == 32 and bits_ok
+
+
+def pallas_fake_quantize_applies(cast: MXCast) -> bool:
+    """Whether the fake-quantization kernel serves this cast (static): E8M0-scaled formats
+    with blocks of 32 (codes stay unpacked in registers, so FP6 too), deterministic
+    rounding."""
+    return (isinstance(cast.fmt.scheme, E8M0Scheme) and cast.fmt.block_size == 32
+            and not cast.stochastic)
+
+
 def quantize_kernel(x, cast, axis: int, fake: bool = False) -> bool:
     """Whether ``quantize_mx`` (``fake``: ``fake_quantize_mx``) of the validated input ``x``
     takes its one-pass kernel on CUDA (static): the policy, an unsharded input, blocks along
@@ -207,7 +279,7 @@ def mxdot_kernel(layout, lop, rop, kernels: bool, out_sharding=None) -> bool:
     (static): :data:`FUSED_MXDOT`, the policy (``kernels``), no requested output sharding (the
     kernel is a single-device call), two MX operands with 8-bit codes in the (1, M, K) x
     (1, N, K) layout, and JAX able to lower it."""
-    if not (FUSED_MXDOT and kernels) or out_sharding is not None:
+    if not (current_policy().fused_mxdot and kernels) or out_sharding is not None:
         return False
     if layout != (2, 2) or not (isinstance(lop, MXArray) and isinstance(rop, MXArray)):
         return False
@@ -253,7 +325,7 @@ def gemv_weight_side(lhs, rhs, lcast, rcast, kernels: bool) -> Optional[str]:
     most :data:`MAX_TOKENS` rows; for the ``"pallas"`` route also the policy (``kernels``)
     and JAX able to lower it.
     """
-    if GPU_ROUTE == "pallas" and not (kernels and _kernels_can_run()):
+    if current_policy().gpu_route == "pallas" and not (kernels and _kernels_can_run()):
         return None
     if _is_activation(lhs, lcast) and _is_weight(rhs):
         return "rhs"
@@ -311,6 +383,52 @@ def cpu_fp6_kernel(x) -> bool:
     CPU backend (it is a single-device custom call, which XLA's partitioner would run on
     gathered inputs)."""
     return _native_cpu_can_run(x)
+
+
+def hwfloat_serves(cast) -> bool:
+    """Whether XLA's block encode of ``cast`` may take the hardware-float formulation (static;
+    the scheme then decides per array, at run time, on CPU): nearest-even rounding, an
+    element the short encode serves and a scheme with that path."""
+    return (cast.rounding == "nearest_even" and hwfloat_element(cast.fmt.element)
+            and cast.fmt.scheme.has_hwfloat_path)
+
+
+def quantize_formulations(x, cast, axis: int, rng=None, tensor_scale=None,
+                          fake: bool = False) -> frozenset:
+    """The :class:`Formulation` s a ``quantize_mx`` (``fake``: ``fake_quantize_mx``) call of
+    the validated input ``x`` may take (static): EXACT always, HWFLOAT where
+    :func:`hwfloat_serves`, PALLAS where :func:`quantize_kernel`, CPU_KERNEL where
+    :func:`cpu_quantize_kernel` (quantize only)."""
+    forms = {Formulation.EXACT}
+    if hwfloat_serves(cast):
+        forms.add(Formulation.HWFLOAT)
+    if quantize_kernel(x, cast, axis, fake=fake):
+        forms.add(Formulation.PALLAS)
+    if not fake and cpu_quantize_kernel(x, cast, axis, rng, tensor_scale):
+        forms.add(Formulation.CPU_KERNEL)
+    return frozenset(forms)
+
+
+def fp6_kernel(x, axis: int) -> bool:
+    """Whether FP6 packing or unpacking of ``x`` along ``axis`` takes the native CPU kernel
+    where XLA lowers for CPU (static): along the last axis, as :func:`cpu_fp6_kernel` says."""
+    return axis == x.ndim - 1 and cpu_fp6_kernel(x)
+
+
+def fp6_packer(x, axis: int):
+    """The FP6 packer ``_pack.pack_along`` is given for codes ``x`` packed along ``axis``:
+    the native CPU kernel (XLA's formulation on other backends) where :func:`fp6_kernel`
+    says, else None (``_pack``'s XLA formulation)."""
+    if not fp6_kernel(x, axis):
+        return None
+    return lambda c: on_cpu(_fp6_cpu.pack_last, lambda c: pack6_xla(c, c.ndim - 1), c)
+
+
+def fp6_unpacker(p, axis: int):
+    """The inverse of :func:`fp6_packer` for bytes ``p`` unpacked along ``axis``."""
+    if not fp6_kernel(p, axis):
+        return None
+    return lambda b: on_cpu(_fp6_cpu.unpack_last, lambda b: unpack6_xla(b, b.ndim - 1), b)
 
 
 def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:

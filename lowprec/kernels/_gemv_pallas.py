@@ -11,7 +11,7 @@ nibbles and scales of a [block_n, block_groups, 16]-byte tile in registers and a
 products into float32 sums. The K splits give the GPU enough programs when N is small;
 their partial sums [splits, M, N] are added by XLA.
 
-Arithmetic (the accuracy claim of :func:`lowprec.mxfp4_gemv`): an E2M1 value has at most
+Arithmetic (the accuracy claim of :func:`lowprec.kernels.mxfp4_gemv`): an E2M1 value has at most
 2 significant bits and a bfloat16 value 8, so each product v·x is exact in float32; each
 block's 32 products are summed in float32 and the sum is multiplied by the block's
 2^(scale − 127), exact unless the result falls below 2^-126; blocks and splits are then
@@ -38,7 +38,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from typing import Optional
+
 from .._bits import E8M0_BIAS, E8M0_NAN, F32_QNAN
+from .._format import mx_format
+from .._mxarray import MXArray
 
 MX_BLOCK = 32  # elements per E8M0 scale
 _BYTES_PER_BLOCK = MX_BLOCK // 2  # packed E2M1: two elements per byte
@@ -256,3 +260,66 @@ def mxfp4_matmul_pallas(x, elements, scales, *, k: int, cfg: KernelConfig, inter
         **params,
     )(x, w3, scales)
     return partial[0] if cfg.splits == 1 else jnp.sum(partial, axis=0)
+
+
+# -- the explicit entry point (lowprec.kernels.mxfp4_gemv) ---------------------------------------
+
+
+def mxfp4_gemv(
+    w: MXArray, x, *, block_rows: Optional[int] = None, interpret: Optional[bool] = None
+) -> jax.Array:
+    """``x @ W.T`` for an MXFP4 weight W [N, K] and bfloat16 activations x [..., K], as a
+    Pallas kernel (the decode-time product: a vector or a few tokens).
+
+    The weight stays packed (4.25 bits per element) all the way into a split-K kernel that
+    decodes nibbles and scales in registers; any K works (tiles are masked, nothing is
+    padded in memory). On a CUDA GPU, :func:`lowprec.dot_general` and
+    :func:`lowprec.matmul` take this route by themselves for up to 16 tokens of bfloat16 activations without a format.
+    Accuracy is that of :func:`lowprec.dot_general` (exact products, float32 sums):
+    |y − exact| ≤ K·2^-23·Σ|w_i x_i|, plus K·2^-149 for scales near 2^-127.
+
+    Args:
+      w: MXFP4 :class:`~lowprec.MXArray` of shape [N, K], blocked along axis 1 (the gpt-oss
+        layout: ``quantize_mx(w, "mxfp4", axis=-1)`` or ``from_gpt_oss``).
+      x: bfloat16 array of shape [K] (a vector: W x) or [..., K] (tokens).
+      block_rows: weight rows per program (a power of two); default: chosen from the shape.
+      interpret: run the kernel in the Pallas interpreter. Default: on unless the default
+        backend is a GPU (the interpreter is slow; on CPU :func:`lowprec.dot_general` is
+        faster).
+
+    Returns:
+      float32 array [N] for a vector x, else [..., N].
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import lowprec
+        >>> w = lowprec.quantize_mx(jnp.ones((4, 64)), "mxfp4")
+        >>> lowprec.kernels.mxfp4_gemv(w, jnp.full((64,), 0.5, jnp.bfloat16)).tolist()
+        [32.0, 32.0, 32.0, 32.0]
+        >>> lowprec.kernels.mxfp4_gemv(w, jnp.ones((2, 64), jnp.bfloat16)).shape
+        (2, 4)
+    """
+    if not isinstance(w, MXArray) or w.fmt != mx_format("mxfp4") or w.ndim != 2 or w.axis != 1:
+        raise ValueError(
+            "mxfp4_gemv takes an MXFP4 MXArray of shape [N, K] blocked along axis 1 "
+            "(quantize_mx(w, 'mxfp4', axis=-1)); use dot_general for other operands"
+        )
+    x = jnp.asarray(x)
+    n, k = w.shape
+    if x.dtype != jnp.bfloat16 or x.ndim == 0 or x.shape[-1] != k:
+        raise TypeError(
+            f"x must be a bfloat16 array of shape ({k},) or (..., {k}), got "
+            f"{x.dtype}{list(x.shape)}"
+        )
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    x2 = x.reshape(-1, k)
+    cfg = default_config(x2.shape[0], n, k)
+    if block_rows is not None:
+        try:
+            cfg = dataclasses.replace(cfg, block_n=block_rows)
+        except ValueError as e:
+            raise ValueError(f"block_rows: {e}") from None
+    y = mxfp4_matmul_pallas(x2, w.elements, w.scales, k=k, cfg=cfg,
+                            interpret=bool(interpret))
+    return y.reshape(*x.shape[:-1], n)

@@ -6,7 +6,7 @@
 // again (it fuses no reduction into its consumer), plus a packing pass for FP6: two or three
 // passes over the data. This loop reads each block once. It computes what the XLA path
 // computes, from the same definitions (docs/design.md §3, §5; lowprec/_scale_rules.py,
-// lowprec/_mx_native.py): the block's largest magnitude from the float32 bits, its shared
+// lowprec/_mx_hwfloat.py): the block's largest magnitude from the float32 bits, its shared
 // exponent s by the scale rule in integers, clamped to [-127, 127] (code 0xFF for a block
 // holding a NaN or an infinity, whose elements are all code 0), then each element
 // RNE(|x| 2^-s) in the element format, saturated at its largest finite magnitude, with x's
@@ -96,7 +96,7 @@ inline uint32_t ScaleCode(uint32_t amax, const Format& f) {
 struct ElementParams {
   int32_t m, emin, top_max;  // mantissa bits, smallest normal exponent, emax_elem + 2
   uint32_t max_code, sign_shift, code_mask;
-  // The fast encode (_mx_native.encode_magnitudes): float32 exponent field moved to the
+  // The fast encode (_mx_hwfloat.encode_magnitudes): float32 exponent field moved to the
   // element's bias with half an ulp less one added; results below 2^emin by adding a float
   // whose ulp is the element's subnormal quantum.
   uint32_t shift, rebias, magic_bits, sub_below;

@@ -6,8 +6,8 @@ XLA:CPU compiles ``quantize_mx`` to a block-max reduction and an encode that rea
 of one pass. The C++ loop reads each block once, computing the block's scale by the same
 rule and each element by the same exact rounding as ``_mx_encode.encode_blocks`` (integers
 only), and writes packed codes and scales: the same bits, checked against the XLA path by
-``tests/test_native_mx_quantize.py``. Loading and the check before first use:
-``_cpu_native.py``.
+``tests/test_native_mx_quantize.py``. Loading: ``_cpu_native.py``; the check
+before first use: :func:`_check` here.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from jax import lax
 
 from .._bits import F32_MANT_BITS
 from .._format import MXFormat, mx_format
-from .._mx_native import native_element
+from .._mx_hwfloat import hwfloat_element
 from .._scale_rules import ScaleRule, even_fraction_bits, rceil_constants
 from . import _cpu_native
-from ._cpu_native import TARGETS
+
+TARGET = "lowprec_mx_quantize"
 
 # The kernel's rule numbers. EVEN_E2M1 is its EVEN with E2M1's one fraction bit
 # (``even_drop``). FLOOR_LOG2F stays on XLA's path: ggml's rule goes with ggml's element
@@ -37,10 +38,15 @@ _MAX_BLOCK = 256  # the kernel's per-block buffer
 def computes(fmt, rounding: str = "nearest_even") -> bool:
     """Whether the kernel computes MX quantization of ``fmt`` (static): E8M0-scaled blocks
     (every OCP MX format; no tensor scale) of 4 to 256 elements, a sign-magnitude or MX INT8
-    element that the native encode serves (``_mx_native.native_element``: FP8, FP6, FP4,
+    element that the native encode serves (``_mx_hwfloat.hwfloat_element``: FP8, FP6, FP4,
     INT8), round to nearest even."""
     el = fmt.element
-    return (fmt.scheme.name == "e8m0" and rounding == "nearest_even" and native_element(el)
+    scheme = fmt.scheme
+    # What the kernel computes for a block scale: the E8M0 code of the shared exponent the
+    # cast's ScaleRule picks, with no tensor scale; the scheme says whether that is its scale.
+    ocp_scales = (scheme.takes_scale_rule and scheme.exponent_scales and not scheme.tensor_scale
+                  and scheme.scale.name == "e8m0")
+    return (ocp_scales and rounding == "nearest_even" and hwfloat_element(el)
             and el.code_bits in (4, 6, 8)
             # its two's-complement encode writes 8-bit codes (INT8) only, not INT4's nibbles
             and (el.encoding != "twos_complement" or el.code_bits == 8)
@@ -94,7 +100,27 @@ def quantize_last(x, attrs):
            jax.ShapeDtypeStruct((*x.shape[:-1], n // a["block"]), jnp.uint8))
     # The handler binds int64 attributes and one bool.
     kw = {k: v if isinstance(v, bool) else np.int64(v) for k, v in attrs}
-    call = jax.ffi.ffi_call(TARGETS["mx_quantize"], out, vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(TARGET, out, vmap_method="broadcast_all")
     # Codes are piecewise constant in x: zero derivative, as XLA's integer path gives (the
     # custom call has no differentiation rule; a stopped gradient needs none).
     return call(lax.stop_gradient(x), **kw)
+
+
+def _check() -> str:
+    """'' if the registered handler quantizes a known MXFP8 block as derived here: E4M3,
+    floor rule, 31 ones and a -0. amax 1 = 2^0 gives the shared exponent 0 - 8 (E4M3's
+    largest binade), code 127 - 8 = 119; 1 x 2^8 is E4M3's exponent field 8 + 7 = 15, code
+    0x78; -0 keeps its sign, 0x80."""
+    cpu = jax.devices("cpu")[0]
+    x = np.ones(32, np.float32)
+    x[-1] = -0.0
+    want = np.full(32, 0x78, np.uint8)
+    want[-1] = 0x80
+    el, sc = jax.jit(lambda v: quantize_last(v, attributes("mxfp8_e4m3", "floor")))(
+        jax.device_put(x, cpu))
+    if not (np.array_equal(np.asarray(el), want) and np.asarray(sc).tolist() == [119]):
+        return "MXFP8 codes of a known block differ from the derived ones"
+    return ""
+
+
+_cpu_native.register_kernel("MX quantization", {TARGET: "LowprecMxQuantize"}, _check)

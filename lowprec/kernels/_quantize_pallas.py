@@ -33,9 +33,9 @@ from .._decode import decode_bits
 from .._dtypes import bits_to_dtype, input_bits
 from .._mx_encode import encode_blocks
 from .._options import MXCast
-from .._scheme_e8m0 import E8M0Scheme
 from .._scheme_nvfp4 import NVFP4Scheme
 from .. import _nvfp4
+from ._dispatch import pallas_fake_quantize_applies, pallas_quantize_applies
 
 
 def _pack_pairs(codes):
@@ -43,29 +43,6 @@ def _pack_pairs(codes):
     (the XLA path's uint16 view is a bitcast between widths, which Triton refuses)."""
     lo, hi = jnp.unstack(codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2), axis=-1)
     return lo | lax.shift_left(hi, jnp.uint8(4))
-
-
-def pallas_quantize_applies(cast: MXCast, axis0: bool = False) -> bool:
-    """Whether the kernel serves this cast (static): E8M0-scaled formats with blocks of 32
-    (the tiles are multiples of it) (FP6's three-byte
-    groups along the last axis only; ``axis0``: blocks along axis 0 of a 2-D array),
-    and NVFP4 with blocks of 16 or 32 along the last axis (its tensor scale, a whole-array
-    reduction when it is computed, comes in as an operand); deterministic rounding."""
-    fmt = cast.fmt
-    if cast.stochastic:
-        return False
-    if isinstance(fmt.scheme, NVFP4Scheme):
-        return not axis0 and fmt.block_size in (16, 32)
-    bits_ok = fmt.element.code_bits in ((4, 8) if axis0 else (4, 6, 8))
-    return isinstance(fmt.scheme, E8M0Scheme) and fmt.block_size == 32 and bits_ok
-
-
-def pallas_fake_quantize_applies(cast: MXCast) -> bool:
-    """Whether the fake-quantization kernel serves this cast (static): E8M0-scaled formats
-    with blocks of 32 (codes stay unpacked in registers, so FP6 too), deterministic
-    rounding."""
-    return (isinstance(cast.fmt.scheme, E8M0Scheme) and cast.fmt.block_size == 32
-            and not cast.stochastic)
 
 
 def _kernel(x_ref, *refs, cast: MXCast, rows: int, cols: int, pcols: int, br: int, bc: int,

@@ -1,5 +1,5 @@
-"""The block encoder's native path: element quotients by float32 hardware arithmetic where
-that is provably exact, then a short saturating round-to-nearest-even encode.
+"""The block encoder's hardware-float path: element quotients by float32 hardware arithmetic
+where that is provably exact, then a short saturating round-to-nearest-even encode.
 
 The exact encoder (``_encode.encode_bits`` with ``scale_exp``, NVFP4's integer float32
 steps) never relies on float arithmetic, because XLA on CPU flushes float32 subnormals and
@@ -8,21 +8,23 @@ costs ~40 integer operations per element. Yet for almost every block the quotien
 is one correctly rounded float32 operation whose operands and result are normal: then the
 hardware gives the exact float32 quotient, and where its operands or result would be
 subnormal, the element rounds to zero whatever the backend does with them. A scheme states
-when that holds (``ScaleScheme.native_scales``: one flag for the whole array, and
-``native_operands``: a per-block operand); the block encoder (``_mx_encode.py``) then takes
+when that holds (``ScaleScheme.hwfloat_scales``: one flag for the whole array, and
+``hwfloat_operands``: a per-block operand); the block encoder (``_mx_encode.py``) then takes
 this path on CPU and the exact one otherwise, so the codes are the same bits either way.
 
 The element encode here serves nearest-even rounding with saturation (quantize_mx's default)
-of the MX element formats (:func:`native_element`): from the float32 magnitude q, a normal
+of the MX element formats (:func:`hwfloat_element`): from the float32 magnitude q, a normal
 result is a rebias of the exponent field and a rounding add (the carry moves into the
 exponent), a result below the element's smallest normal is one float32 add of a "magic"
 power of two whose ulp is the element's subnormal quantum (the add rounds q to that quantum,
 to nearest even), and a min saturates. Every q below 2^-126 rounds to code 0 in every MX
 element format (their subnormal quanta are 2^-17 at the smallest), whether or not a backend
-flushes it, so the native quotients may be flushed there.
+flushes it, so the hardware-float quotients may be flushed there.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +34,8 @@ from ._bits import F32_ABS, F32_BIAS, F32_EMAX, F32_EMIN, F32_MANT_BITS, F32_SIG
 from ._format import ElementFormat
 
 
-def native_element(el: ElementFormat) -> bool:
+@functools.lru_cache(maxsize=None)  # read per call by the dispatch; the format's properties cost
+def hwfloat_element(el: ElementFormat) -> bool:
     """Whether :func:`encode_magnitudes` encodes ``el`` (static): a signed element format with
     zero and subnormals whose ties go by the significand, a narrower exponent range than
     float32 and half a subnormal quantum above 2^-126 (so every float32 below 2^-126 rounds
@@ -58,7 +61,7 @@ def encode_magnitudes(el: ElementFormat, q):
     """Magnitude codes (uint32) of the float32 magnitudes with bit patterns ``q`` (uint32, sign
     bit clear; +inf allowed), rounded to nearest even and saturated at ``el``'s largest finite
     magnitude. Exactly ``encode_bits(el, q, "nearest_even", "saturate", None)`` for such q,
-    for the formats of :func:`native_element`, except that a q below 2^-126 may come flushed
+    for the formats of :func:`hwfloat_element`, except that a q below 2^-126 may come flushed
     to zero (it gives code 0 either way)."""
     m = el.mantissa_bits
     shift = F32_MANT_BITS - m
