@@ -94,7 +94,9 @@ class RaggedSpec:
     (``backward="quantized"``); ``tensor_scaling``: per-group power-of-two scaling of
     element-format operands (a recipe's ``scaling="tensor"``; element casts then saturate);
     ``high_precision_wgrad``: grad_rhs as a float32 ragged dot of the unquantized lhs and
-    cotangent; ``pad``: zero-pad K (and N in the backward dots) to whole blocks.
+    cotangent; ``high_precision_dgrad``: grad_lhs as a float32 ragged dot of the unquantized
+    cotangent and rhs (both: a recipe's ``backward_override="high_precision"``); ``pad``:
+    zero-pad K (and N in the backward dots) to whole blocks.
 
     Example:
         >>> spec = RaggedSpec.from_dot_spec(DotSpec.create(
@@ -113,6 +115,7 @@ class RaggedSpec:
     high_precision_wgrad: bool
     pad: bool
     out_dtype: np.dtype
+    high_precision_dgrad: bool = False
 
     @classmethod
     def from_dot_spec(cls, spec: DotSpec) -> "RaggedSpec":
@@ -539,6 +542,9 @@ def _ragged_bwd(spec: RaggedSpec, out_sharding, residuals, g):
         # The weight gradient of the float layer: a float32 ragged dot of the unquantized
         # tokens and cotangent (XLA drops the one computed above).
         grad_r = _product(lb, gb, group_sizes, _PER_GROUP, out_sharding=shardings[1])
+    if spec.high_precision_dgrad:  # likewise the input gradient
+        grad_l = _product(gb, jnp.swapaxes(rb, 1, 2), group_sizes, _FORWARD,
+                          out_sharding=shardings[0])
     return (bits_to_dtype(f32_bits(grad_l), lhs.dtype), bits_to_dtype(f32_bits(grad_r), rhs.dtype),
             None)
 

@@ -58,7 +58,7 @@ from ._delayed import DelayedScaling
 from ._format import ElementFormat, MXFormat, element_format
 from ._dtypes import input_bits
 from ._matmul import dot_general
-from ._nvfp4_train import TILE, check_layout, nvfp4_dot
+from ._nvfp4_train import BACKWARD_OVERRIDES, RHT_DTYPES, TILE, check_layout, nvfp4_dot
 from ._options import BACKWARD_MODES, operand_cast
 from ._ragged import RaggedSpec, ragged_dot_jit
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule, rceil_code
@@ -139,6 +139,22 @@ class Recipe:
         operands along tokens; ``grad_rounding="stochastic"`` rounds cotangents to E2M1
         stochastically (random words from ``seed`` and the cotangent's bits). They need every
         format NVFP4 and apply to linear layers (lhs [..., K] x a 2-D weight).
+      nvfp4_step: ``"divide"`` or ``"reciprocal"``: how every NVFP4 quantization of the NVFP4
+        training recipe divides elements by their scales (see :func:`lowprec.quantize_mx`);
+        ``"reciprocal"`` is Transformer Engine's (and makes the recipe an NVFP4 training
+        recipe, as the parts above do).
+      rht_signs: the signs of ``wgrad_rht``'s transform: None (drawn from ``seed``),
+        ``"transformer_engine"`` (TE's fixed vector) or 16 ints ±1.
+      rht_dtype: ``"float32"`` or ``"bfloat16"`` (the transform's operands and result rounded
+        to bfloat16, as TE's bfloat16 RHT GEMM); with ``wgrad_rht``.
+        ``dataclasses.replace(NVIDIA_NVFP4, **lowprec._nvfp4_train.TE_NVFP4_OPTIONS)`` sets
+        the three as TE does.
+      backward_override: Transformer Engine's ``backward_override``: None (the backward
+        products as ``backward`` says), ``"high_precision"`` (both backward products float32
+        dots of the unquantized cotangent and operands) or ``"dequantized"`` (of the
+        unquantized cotangent and the operands as the forward quantized them: the exact
+        gradient of the quantized forward, as ``backward="ste"``). Any recipe but delayed
+        scaling; the NVFP4 training recipe included.
       pad: zero-pad contractions whose length is not a multiple of 32 (exact: zeros add
         nothing). Default True, since a model's backward dots reduce over output features
         and vocabulary sizes rarely are multiples of 32.
@@ -168,6 +184,10 @@ class Recipe:
     grad_rounding: str = "nearest_even"
     seed: int = 0
     delayed: Optional[DelayedScaling] = None
+    nvfp4_step: str = "divide"
+    rht_signs: Union[None, str, Tuple[int, ...]] = None
+    rht_dtype: str = "float32"
+    backward_override: Optional[str] = None
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -222,6 +242,7 @@ class Recipe:
         set_("pad", bool(self.pad))
         if not isinstance(self.high_precision_wgrad, bool):
             raise TypeError(f"high_precision_wgrad must be a bool, got {self.high_precision_wgrad!r}")
+        self._check_te_options(set_)
         self._check_nvfp4_training()
         self._check_delayed(set_)
         if not isinstance(self.name, str):
@@ -266,8 +287,37 @@ class Recipe:
                 "lowprec.flax (quantize_model, or DelayedDotGeneral / DelayedDotGeneralNnx per "
                 "layer), or call lowprec.delayed_dot_general with a DelayedState")
 
+    def _check_te_options(self, set_) -> None:
+        """nvfp4_step, rht_signs, rht_dtype and backward_override (Transformer Engine's)."""
+        if self.nvfp4_step not in ("divide", "reciprocal"):
+            raise ValueError(f"unknown nvfp4_step {self.nvfp4_step!r}; valid: 'divide', 'reciprocal'")
+        if self.rht_dtype not in RHT_DTYPES:
+            raise ValueError(f"unknown rht_dtype {self.rht_dtype!r}; valid: {RHT_DTYPES}")
+        signs = self.rht_signs
+        if signs is not None and signs != "transformer_engine":
+            if isinstance(signs, str) or not all(s in (1, -1) for s in np.ravel(signs)) \
+                    or np.shape(signs) != (TILE,):
+                raise ValueError(
+                    f"rht_signs takes None (signs from seed), 'transformer_engine' or {TILE} "
+                    f"ints ±1; got {signs!r}")
+            set_("rht_signs", tuple(int(s) for s in signs))
+        if (signs is not None or self.rht_dtype != "float32") and not self.wgrad_rht:
+            raise ValueError("rht_signs and rht_dtype describe wgrad_rht's Hadamard transform; "
+                             "set wgrad_rht=True (or drop them)")
+        if self.backward_override not in BACKWARD_OVERRIDES:
+            raise ValueError(f"unknown backward_override {self.backward_override!r}; valid: "
+                             f"{BACKWARD_OVERRIDES}")
+        if self.backward_override is not None and self.high_precision_wgrad:
+            raise ValueError(
+                "backward_override sets both backward products; high_precision_wgrad sets the "
+                "weight gradient's: use one (backward_override='high_precision' includes it)")
+        if self.backward_override is not None and self.scaling == "delayed":
+            raise ValueError("delayed scaling takes no backward_override (as in Transformer "
+                             "Engine, whose DelayedScaling only supports None)")
+
     def _nvfp4_training(self) -> bool:
-        return self.weight_block_2d or self.wgrad_rht or self.grad_rounding != "nearest_even"
+        return (self.weight_block_2d or self.wgrad_rht or self.grad_rounding != "nearest_even"
+                or self.nvfp4_step != "divide")
 
     def _check_nvfp4_training(self) -> None:
         if self.grad_rounding not in ("nearest_even", "stochastic"):
@@ -282,9 +332,10 @@ class Recipe:
         if (names != {"nvfp4"} or self.backward != "quantized" or self.scaling != "none"
                 or self.high_precision_wgrad):
             raise ValueError(
-                "weight_block_2d, wgrad_rht and grad_rounding='stochastic' are parts of the NVFP4 "
-                "training recipe: they need forward='nvfp4', grad='nvfp4' (backward "
-                "'quantized'), scaling='none' and no high_precision_wgrad; got "
+                "weight_block_2d, wgrad_rht, grad_rounding='stochastic' and nvfp4_step="
+                "'reciprocal' are parts of the NVFP4 training recipe: they need forward='nvfp4', "
+                "grad='nvfp4' (backward 'quantized'), scaling='none' and no "
+                "high_precision_wgrad (backward_override='high_precision' instead); got "
                 f"{self.describe()} (start from lowprec.NVIDIA_NVFP4)"
             )
 
@@ -322,8 +373,17 @@ class Recipe:
             extra.append("16x16 weight scales")
         if self.wgrad_rht:
             extra.append("wgrad RHT")
+        if self.rht_signs is not None:
+            extra.append("RHT signs " + (self.rht_signs if isinstance(self.rht_signs, str)
+                                         else "".join("+-"[s < 0] for s in self.rht_signs)))
+        if self.rht_dtype != "float32":
+            extra.append(f"{self.rht_dtype} RHT")
         if self.grad_rounding != "nearest_even":
             extra.append(f"{self.grad_rounding} grad rounding")
+        if self.nvfp4_step != "divide":
+            extra.append(f"{self.nvfp4_step} NVFP4 step")
+        if self.backward_override is not None:
+            extra.append(f"{self.backward_override} backward")
         if self.high_precision:
             extra.append("high precision: " + ", ".join(self.high_precision))
         return " | ".join([fwd, bwd] + ([", ".join(extra)] if extra else []))
@@ -381,14 +441,16 @@ class Recipe:
             if self.weight_block_2d:
                 _check_weight_tiles(rhs, dn, self)
             sr_key = None
-            if self.grad_rounding == "stochastic":
+            if self.grad_rounding == "stochastic" and self.backward_override is None:
                 sr_key = next_key(lhs, rhs, what=f"{self.name or 'recipe'} dot_general")
             out = nvfp4_dot(lhs, rhs, dn, self, out_dtype, out_sharding, sr_key)
+        elif self.backward_override == "dequantized":  # the quantized forward's own gradient
+            out = _forward_dot(lhs, rhs, dn, self, out_dtype, "ste", out_sharding)
         elif self._needs_own_vjp():
             out = _recipe_dot(lhs, rhs, dn, self, out_dtype, out_sharding)
         else:
             out = _forward_dot(lhs, rhs, dn, self, out_dtype, self.backward, out_sharding)
-        if self.backward == "quantized":
+        if self.backward == "quantized" and self.backward_override is None:
             try:
                 _check_backward_sharding(lhs, rhs, dn, self)
             except ValueError as e:  # refuse the backward pass only: inference is fine
@@ -504,20 +566,28 @@ class Recipe:
         if self._nvfp4_training():
             raise ValueError(
                 "ragged_dot does not implement the NVFP4 training recipe's parts "
-                "(weight_block_2d, wgrad_rht, grad_rounding='stochastic'); use a recipe without "
-                "them, e.g. dataclasses.replace(recipe, weight_block_2d=False, wgrad_rht=False, "
-                "grad_rounding='nearest_even'), or keep the expert layers in high precision"
+                "(weight_block_2d, wgrad_rht, grad_rounding='stochastic', nvfp4_step="
+                "'reciprocal'); use a recipe without them, e.g. dataclasses.replace(recipe, "
+                "weight_block_2d=False, wgrad_rht=False, grad_rounding='nearest_even', "
+                "rht_signs=None, rht_dtype='float32', nvfp4_step='divide'), or keep the expert "
+                "layers in high precision"
             )
         overflow = "saturate" if self.scaling == "tensor" else "ieee"  # as _dot_kwargs
 
         def cast(fmt, role):
             return operand_cast(fmt, role, self.scale_rule, self.rounding, overflow)
 
+        # backward_override: both backward products from the forward's quantized values
+        # ("ste"), or float32 products of the unquantized ones.
+        override = self.backward_override
+        backward = self.backward if override is None else "ste"
+        hp = override == "high_precision"
         spec = RaggedSpec(
             cast(self.forward[0], "forward[0]"), cast(self.forward[1], "forward[1]"),
             cast(self.grad, "grad"), cast(self.backward_operands[0], "backward_operands[0]"),
-            cast(self.backward_operands[1], "backward_operands[1]"), self.backward,
-            self.scaling == "tensor", self.high_precision_wgrad, self.pad, np.dtype(np.float32),
+            cast(self.backward_operands[1], "backward_operands[1]"), backward,
+            self.scaling == "tensor", self.high_precision_wgrad or hp, self.pad,
+            np.dtype(np.float32), hp,
         )
         call = spec.check_call(lhs, rhs, group_sizes, group_offset, out_sharding,
                                f"{self.name or 'recipe'} ragged_dot")
@@ -527,7 +597,7 @@ class Recipe:
 
     def _needs_own_vjp(self) -> bool:
         """Whether lowprec.dot_general's own VJP cannot express the backward pass."""
-        if self.high_precision_wgrad:
+        if self.high_precision_wgrad or self.backward_override == "high_precision":
             return True
         if self.backward == "ste":
             return False
@@ -679,6 +749,9 @@ def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, out_sharding, residuals, g):
     # multiplied back: grad_lhs = g . rhs^T = 2^(eg + er) (g_s . rhs_s^T), likewise for rhs.
     lhs, rhs = residuals
     g = g.astype(jnp.float32)
+    if recipe.backward_override == "high_precision":  # the float layer's own VJP
+        grad_l, grad_r = _float_grads(dn, out_sharding, lhs, rhs, g)
+        return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype)
     if recipe.backward == "ste":  # here only for high_precision_wgrad
         _, vjp = jax.vjp(
             lambda a, b: _forward_dot(a, b, dn, recipe, jnp.float32, "ste", out_sharding), lhs, rhs)
@@ -688,13 +761,19 @@ def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, out_sharding, residuals, g):
     if recipe.high_precision_wgrad:
         # The weight gradient as a float32 dot of the unquantized operands (the float
         # layer's own VJP); XLA drops the quantized grad_rhs computed above.
-        def fdot(b):
-            return lax.dot_general(_widen(lhs), b, dn, precision=lax.Precision.HIGHEST,
-                                   preferred_element_type=jnp.float32, out_sharding=out_sharding)
-
-        _, vjp = jax.vjp(fdot, _widen(rhs))
-        (grad_r,) = vjp(g)
+        _, grad_r = _float_grads(dn, out_sharding, lhs, rhs, g)
     return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype)
+
+
+def _float_grads(dn, out_sharding, lhs, rhs, g):
+    """Both gradients of the float32 dot (``precision=HIGHEST``) of the unquantized operands
+    (XLA drops the one a caller does not use)."""
+    def fdot(a, b):
+        return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32, out_sharding=out_sharding)
+
+    _, vjp = jax.vjp(fdot, _widen(lhs), _widen(rhs))
+    return vjp(g)
 
 
 def _widen(x):

@@ -13,10 +13,12 @@ inside lowprec.stochastic_rounding_key from that key and the dot's index).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -56,6 +58,33 @@ def np_q2(w):
                 q = (tile / total).astype(np.float32)
                 codes = ref.encode("e2m1", q, "nearest_even", "saturate")
                 out[i:i + 16, j:j + 16] = (ref.decode("e2m1", codes).astype(np.float32) * total)
+    return out
+
+
+def np_q_tiles(w, tile, step="divide"):
+    """NVFP4 values of w [R, C] with one E4M3 scale per ``tile`` (rows, cols) from its amax:
+    (1, 16) blocks along C, (16, 1) along R, (16, 16) the weight tiles. ``step``: the element
+    step, x / float32(ts * s) ("divide") or x * float32(float32(1 / ts) / s) ("reciprocal",
+    Transformer Engine's and torchao >= 0.17's), every step a NumPy float32 operation."""
+    w = np.asarray(w, np.float32)
+    ts = ref.nvfp4_tensor_scale(w)
+    out = np.empty_like(w)
+    tr, tc = tile
+    with np.errstate(all="ignore"):
+        for i in range(0, w.shape[0], tr):
+            for j in range(0, w.shape[1], tc):
+                blk = w[i:i + tr, j:j + tc]
+                amax = np.float32(np.abs(blk).max())
+                s = np.float32(np.float32(amax / np.float32(6)) / ts)
+                s = min(max(s, E4M3_EPS), E4M3_MAX)
+                s = np.float32(ref.decode("e4m3", ref.encode("e4m3", np.array([s])))[0])
+                total = np.float32(ts * s)
+                if step == "reciprocal":
+                    q = (blk * np.float32(np.float32(np.float32(1) / ts) / s)).astype(np.float32)
+                else:
+                    q = (blk / total).astype(np.float32)
+                codes = ref.encode("e2m1", q, "nearest_even", "saturate")
+                out[i:i + tr, j:j + tc] = ref.decode("e2m1", codes).astype(np.float32) * total
     return out
 
 
@@ -246,6 +275,78 @@ def test_stochastic_rounding_words_hashed_or_keyed():
             assert rows_same.mean() < 0.5 and cols_same.mean() < 0.5
     # Other keys (steps), other words.
     assert not np.array_equal(np.asarray(f(c, jax.random.key(10))[0]), np.asarray(gx))
+
+
+# Transformer Engine's source, as data: its fixed sign vector of the NVFP4 weight-gradient
+# RHT (transformer_engine/jax/quantize/hadamard.py, get_wgrad_sign_vector; the same in its
+# PyTorch module), and its RHT matrix diag(s) @ H16 / sqrt(16), applied to each 16 consecutive
+# values v as the row vector v @ matrix.
+TE_WGRAD_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
+
+
+def test_te_rht_signs_are_transformer_engines():
+    signs = np.asarray(nt.recipe_rht_signs(
+        dataclasses.replace(lowprec.NVIDIA_NVFP4, rht_signs="transformer_engine")))
+    np.testing.assert_array_equal(signs, np.asarray(TE_WGRAD_SIGNS, np.float32))
+    # The transform is TE's matrix: v @ (diag(s) H / 4) for each block of 16 tokens (exact
+    # here: small integers times 1/4 and their sums are float32 numbers).
+    h = np.array([[1.0]])
+    while h.shape[0] < 16:
+        h = np.block([[h, h], [h, -h]])  # Sylvester's construction (scipy.linalg.hadamard)
+    te_matrix = np.diag(TE_WGRAD_SIGNS) @ h / 4
+    v = np.arange(-48, 48, dtype=np.float32).reshape(32, 3)  # [tokens, features]
+    got = np.asarray(nt.rht(jnp.asarray(v), jnp.asarray(signs)))
+    want = np.concatenate([(v[i:i + 16].T @ te_matrix).T for i in (0, 16)])
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    # Own signs: 16 ints ±1, kept as given.
+    own = tuple(int(s) for s in -signs)
+    r = dataclasses.replace(lowprec.NVIDIA_NVFP4, rht_signs=own)
+    np.testing.assert_array_equal(np.asarray(nt.recipe_rht_signs(r)), -signs)
+
+
+@pytest.fixture(scope="module")
+def te_grads():
+    """The NVFP4 recipe with Transformer Engine's options (gradients rounded to nearest, so
+    that the statement needs no random words), on [batch, seq, d] activations."""
+    recipe = dataclasses.replace(lowprec.NVIDIA_NVFP4, grad_rounding="nearest_even",
+                                 **nt.TE_NVFP4_OPTIONS)
+    x, w, c = _data()
+    dn = (((2,), (0,)), ((), ()))
+    x3, c3 = x.reshape(2, 16, 32), c.reshape(2, 16, 16)
+    y = jax.jit(lambda a, b: recipe.dot_general(a, b, dn))(x3, w)
+    loss = lambda a, b: jnp.sum(recipe.dot_general(a, b, dn) * c3)
+    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x3, w)
+    return recipe, (x, w, c), [np.asarray(v).reshape(-1, v.shape[-1]) for v in (y, gx, gw)]
+
+
+def test_te_options_match_the_numpy_statement(te_grads):
+    # nvfp4_step="reciprocal" in every quantization (1-D blocks and 16 x 16 tiles), TE's
+    # signs, and the transform in bfloat16: operands and result rounded to nearest even
+    # (ml_dtypes), as TE's bfloat16 GEMM with its bfloat16 matrix gives.
+    recipe, (x, w, c), (y, gx, gw) = te_grads
+    assert "reciprocal NVFP4 step" in recipe.describe() and "bfloat16 RHT" in recipe.describe()
+    wq = np_q_tiles(w.T, (16, 16), "reciprocal").T
+    _within(y, np_q_tiles(x, (1, 16), "reciprocal"), wq)
+    _within(gx, np_q_tiles(c, (1, 16), "reciprocal"), wq.T)
+    bf16 = lambda v: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    signs = np.asarray(TE_WGRAD_SIGNS, np.float32)
+    xr, cr = bf16(np_rht(bf16(x), signs)), bf16(np_rht(bf16(c), signs))
+    _within(gw, np_q_tiles(xr, (16, 1), "reciprocal").T, np_q_tiles(cr, (16, 1), "reciprocal"))
+
+
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_backward_override_of_the_nvfp4_recipe(override):
+    # TE's backward_override with its NVFP4 recipe: the backward products are float32 dots of
+    # the unquantized cotangent and of the operands unquantized ("high_precision") or as the
+    # forward read them ("dequantized": Q(x) along K, the 16 x 16-tiled weight).
+    recipe = dataclasses.replace(lowprec.NVIDIA_NVFP4, backward_override=override)
+    assert f"{override} backward" in recipe.describe()
+    x, w, c = _data()
+    loss = lambda a, b: jnp.sum(recipe.dot_general(a, b, DN) * c)
+    gx, gw = (np.asarray(v) for v in jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w))
+    xs, ws = (x, w) if override == "high_precision" else (np_q_tiles(x, (1, 16)), np_q2(w.T).T)
+    _within(gx, c, ws.T)
+    _within(gw, xs.T, c)
 
 
 def test_recipe_validation():

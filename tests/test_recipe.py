@@ -101,6 +101,15 @@ def test_formats_are_normalized_and_recipes_hashable():
     (dict(forward="mxfp8", scaling="tensor"), r"MX formats \['mxfp8_e4m3'\] carry their own"),
     (dict(forward="e4m3", scaling="block"), "unknown scaling 'block'"),
     (dict(forward="mxfp8", scale_rule="round"), "unknown scale_rule 'round'"),
+    (dict(forward="mxfp8", backward_override="fp32"), "unknown backward_override 'fp32'"),
+    (dict(forward="mxfp8", backward_override="dequantized", high_precision_wgrad=True),
+     "use one"),
+    (dict(forward="e4m3", grad="e5m2", scaling="delayed", backward_override="dequantized"),
+     "delayed scaling takes no backward_override"),
+    (dict(forward="mxfp8", nvfp4_step="reciprocal"), "parts of the NVFP4 training recipe"),
+    (dict(forward="nvfp4", grad="nvfp4", rht_signs="transformer_engine"), "set wgrad_rht=True"),
+    (dict(forward="nvfp4", grad="nvfp4", wgrad_rht=True, rht_signs=(1, -1)), "16 ints"),
+    (dict(forward="nvfp4", grad="nvfp4", wgrad_rht=True, rht_dtype="fp16"), "unknown rht_dtype"),
 ])
 def test_bad_recipes_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -374,3 +383,75 @@ def test_high_precision_wgrad_is_the_float32_weight_gradient():
         if base.backward == "quantized":
             _, gwq = jax.jit(jax.grad(loss(base), argnums=(0, 1)))(x, w)
             assert not np.array_equal(np.asarray(gw), np.asarray(gwq))
+
+
+_OVERRIDE_RECIPES = [NVIDIA_MXFP8, FP8_HYBRID, lowprec.NVIDIA_NVFP4]
+
+
+@pytest.fixture(scope="module")
+def override_data():
+    k1, k2, k3 = jax.random.split(jax.random.key(23), 3)
+    x = jax.random.normal(k1, (2, 16, 64))  # [batch, seq, d] activations
+    w = jax.random.normal(k2, (64, 32)) / 8
+    c = jax.random.normal(k3, (2, 16, 32))
+    return x, w, c
+
+
+def _override_grads(recipe, x, w, c):
+    dn = (((2,), (0,)), ((), ()))
+    loss = lambda a, b: jnp.sum(recipe.dot_general(a, b, dn) * c)
+    return [np.asarray(v) for v in jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)]
+
+
+@pytest.mark.parametrize("recipe", _OVERRIDE_RECIPES, ids=lambda r: r.name)
+def test_backward_override_high_precision_is_the_float_layers_gradient(recipe, override_data):
+    # Transformer Engine's backward_override="high_precision": both backward products from
+    # the unquantized cotangent and operands (float32 dots, within the accumulation bound of
+    # the float64 products), whatever the recipe's backward formats.
+    x, w, c = override_data
+    hp = dataclasses.replace(recipe, backward_override="high_precision")
+    assert "high_precision backward" in hp.describe()
+    gx, gw = _override_grads(hp, x, w, c)
+    x64 = np.asarray(x, np.float64).reshape(32, 64)
+    w64, c64 = np.asarray(w, np.float64), np.asarray(c, np.float64).reshape(32, 32)
+    _assert_close(gx.reshape(32, 64), c64 @ w64.T, c64, w64.T, 32)
+    _assert_close(gw, x64.T @ c64, x64.T, c64, 32)
+
+
+@pytest.mark.parametrize("recipe", [NVIDIA_MXFP8, FP8_HYBRID], ids=lambda r: r.name)
+def test_backward_override_dequantized_is_the_straight_through_gradient(recipe, override_data):
+    # "dequantized": the backward products read the operands as the forward quantized them
+    # and the cotangent unquantized: the exact gradient of the quantized forward, which is
+    # what lowprec's backward="ste" computes: the same program, bit for bit. (The NVFP4
+    # recipe's is held to its NumPy statement in test_nvfp4_train.)
+    x, w, c = override_data
+    dq = dataclasses.replace(recipe, backward_override="dequantized")
+    ste = dataclasses.replace(recipe, grad=None, backward="ste", backward_operands="forward")
+    got = _override_grads(dq, x, w, c)
+    for g, want in zip(got, _override_grads(ste, x, w, c)):
+        assert_bits_equal(g, want)
+    # ... and not the recipe's quantized backward (the option did something)
+    assert not np.array_equal(_override_grads(recipe, x, w, c)[1], got[1])
+
+
+def test_ragged_dot_backward_override(override_data):
+    # Each group's gradients as its own dot's: float32 ragged products of the unquantized
+    # values ("high_precision"), or the straight-through ragged gradient ("dequantized").
+    x, w, c = override_data
+    x2, c2 = x.reshape(32, 64), c.reshape(32, 32)
+    ws = jnp.stack([w, -2 * w])
+    sizes = jnp.array([20, 12])
+
+    def grads(r):
+        loss = lambda a, b: jnp.sum(r.ragged_dot(a, b, sizes) * c2)
+        return [np.asarray(v) for v in jax.jit(jax.grad(loss, argnums=(0, 1)))(x2, ws)]
+
+    gx, gw = grads(dataclasses.replace(NVIDIA_MXFP8, backward_override="high_precision"))
+    x64, c64, w64 = (np.asarray(v, np.float64) for v in (x2, c2, ws))
+    for g, rows in enumerate((slice(0, 20), slice(20, 32))):
+        _assert_close(gx[rows], c64[rows] @ w64[g].T, c64[rows], w64[g].T, 32)
+        _assert_close(gw[g], x64[rows].T @ c64[rows], x64[rows].T, c64[rows], 32)
+    ste = Recipe(forward="mxfp8_e4m3", scale_rule="rceil")
+    for got, want in zip(grads(dataclasses.replace(NVIDIA_MXFP8, backward_override="dequantized")),
+                         grads(ste)):
+        assert_bits_equal(got, want)

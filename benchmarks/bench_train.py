@@ -1,0 +1,118 @@
+"""CPU cost of a training step per recipe: the small model of ``examples/train_lm.py``.
+
+For each recipe, in one process: the jitted step's trace + lower and compile CPU seconds
+(``time.process_time``, so other processes' load does not count), its optimized HLO's
+instruction count, and the step's CPU seconds per call (median of interleaved rounds,
+``_timing.time_interleaved``'s order rotation; CPU time of this process, XLA's threads
+included). Ratios are against the fp32 step of the same process. The issue-35 goal: the
+NVFP4 recipe's step <= 1.5x fp32's and its compile <= 2x fp32's.
+
+Usage::
+
+    python benchmarks/bench_train.py                      # fp32, nvidia_mxfp8, nvidia_nvfp4
+    python benchmarks/bench_train.py --configs fp32 nvfp4 --rounds 5 --json out.json
+
+``--xla-single-thread`` runs XLA:CPU on one thread (steadier CPU seconds on a loaded machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import statistics
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=["fp32", "mxfp8_rceil", "nvfp4"],
+                   help="names from examples/train_lm.py's CONFIGS")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per config")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--xla-single-thread", action="store_true")
+    p.add_argument("--json", type=pathlib.Path, default=None, help="write the numbers here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    if args.xla_single_thread:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen"
+                                   "=false intra_op_parallelism_threads=1").strip()
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import lowprec.flax
+    import train_lm
+
+    s = dataclasses.replace(train_lm.Settings(), batch=args.batch, seq=args.seq,
+                            d_model=args.d_model, layers=args.layers)
+    vocab = 96
+    data = jax.random.randint(jax.random.key(0), (200_000,), 0, vocab).astype(jnp.int32)
+    model = train_lm.CharLM(vocab, s.seq, s.d_model, s.heads, s.layers)
+    params = model.init(jax.random.key(1), jnp.zeros((1, s.seq), jnp.int32))
+    opt = optax.adamw(1e-3)
+    opt_state = opt.init(params)
+    steps, rows = {}, {}
+    for name in args.configs:
+        recipe = train_lm.CONFIGS[name]
+        runner = model if recipe is None else lowprec.flax.quantize_model(model, recipe)
+
+        def step(p, o, i, runner=runner):
+            x, y = train_lm.batch_at(data, jax.random.fold_in(jax.random.key(2), i), s.batch, s.seq)
+            loss, grads = jax.value_and_grad(
+                lambda q: train_lm.cross_entropy(runner.apply(q, x), y))(p)
+            updates, o = opt.update(grads, o, p)
+            return optax.apply_updates(p, updates), o, loss
+
+        t0 = time.process_time()
+        lowered = jax.jit(step).lower(params, opt_state, 0)
+        t1 = time.process_time()
+        compiled = lowered.compile()
+        t2 = time.process_time()
+        hlo = compiled.as_text()
+        ops = len(re.findall(r"^\s+(?:ROOT )?%?[\w.\-]+ = ", hlo, flags=re.M))
+        jax.block_until_ready(compiled(params, opt_state, 0))  # warm-up, never timed
+        steps[name] = compiled
+        rows[name] = {"trace_lower_cpu_s": t1 - t0, "compile_cpu_s": t2 - t1, "hlo_ops": ops,
+                      "step_cpu_s": []}
+        print(f"{name}: compiled in {t2 - t1:.1f} CPU s ({ops} HLO instructions)", flush=True)
+    names = list(steps)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t = time.process_time()
+            jax.block_until_ready(steps[name](params, opt_state, r))
+            rows[name]["step_cpu_s"].append(time.process_time() - t)
+    base = rows.get("fp32")
+    print(f"\nmodel: batch {s.batch}, seq {s.seq}, d {s.d_model}, {s.layers} layers; "
+          f"{args.rounds} rounds; XLA single thread: {args.xla_single_thread}")
+    print("| config | step CPU s (median) | step / fp32 | compile CPU s | compile / fp32 | "
+          "trace+lower CPU s | HLO instructions |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, row in rows.items():
+        row["step_cpu_s_median"] = statistics.median(row["step_cpu_s"])
+        ratio = lambda k: (f"{row[k] / base[k]:.2f}x" if base else "n/a")
+        print(f"| {name} | {row['step_cpu_s_median']:.3f} | {ratio('step_cpu_s_median')} | "
+              f"{row['compile_cpu_s']:.1f} | {ratio('compile_cpu_s')} | "
+              f"{row['trace_lower_cpu_s']:.1f} | {row['hlo_ops']:,} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
