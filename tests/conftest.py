@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 
-from helpers import jax_memory, sharded, tiers
+from helpers import jax_memory, sharded, tiers, xla_opt
+
+# Before any test starts JAX's backend: compile at XLA:CPU's level 0 (tests/helpers/xla_opt.py).
+xla_opt.apply()
 
 # --footprint-log=DIR: CPU seconds and peak RSS per test (scripts/suite_footprint.py --profile).
 pytest_plugins = ["helpers.footprint"]
