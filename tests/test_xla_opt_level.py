@@ -17,14 +17,21 @@ TESTS = pathlib.Path(__file__).parent
 
 def test_the_run_compiles_at_level_0_unless_told_otherwise():
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    xla_opt.apply(env)
+    xla_opt.apply(env, gpu=False)
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 " + xla_opt.FLAG + "=0"
     kept = {"XLA_FLAGS": xla_opt.FLAG + "=2", xla_opt.ENV: "0"}
-    xla_opt.apply(kept)
+    xla_opt.apply(kept, gpu=False)
     assert kept["XLA_FLAGS"] == xla_opt.FLAG + "=2"
     default = {xla_opt.ENV: "default"}
-    xla_opt.apply(default)
+    xla_opt.apply(default, gpu=False)
     assert "XLA_FLAGS" not in default
+    # A GPU plugin: the PTX checks need LLVM's optimized code, unless the level is asked for.
+    gpu = {}
+    xla_opt.apply(gpu, gpu=True)
+    assert "XLA_FLAGS" not in gpu
+    asked = {xla_opt.ENV: "1"}
+    xla_opt.apply(asked, gpu=True)
+    assert asked["XLA_FLAGS"] == xla_opt.FLAG + "=1"
     with pytest.raises(ValueError, match="LOWPREC_TEST_XLA_OPT='fast'"):
         xla_opt.apply({xla_opt.ENV: "fast"})
     assert xla_opt.without_flag(env["XLA_FLAGS"]) == "--xla_force_host_platform_device_count=4"
@@ -33,8 +40,8 @@ def test_the_run_compiles_at_level_0_unless_told_otherwise():
 @pytest.mark.slow
 def test_bits_do_not_depend_on_the_optimization_level():
     """The same digest of quantizer, dequantizer and matmul outputs compiled at this run's
-    level (0 unless LOWPREC_TEST_XLA_OPT says otherwise) and, in a subprocess, at XLA's
-    default level."""
+    level (0 unless LOWPREC_TEST_XLA_OPT or a GPU plugin says otherwise) and, in a
+    subprocess, at XLA's default level."""
     here = xla_opt.digest()
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{xla_opt.ENV: "default"})
     env["XLA_FLAGS"] = xla_opt.without_flag(env.get("XLA_FLAGS", ""))

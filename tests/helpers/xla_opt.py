@@ -11,6 +11,9 @@ and integer code (the encoders' bit manipulation) has one meaning; flushing of s
 a runtime setting, not a compile one. ``tests/test_xla_opt_level.py`` checks this on the
 library's paths (element and block quantizers, stochastic rounding, the MX matmul): the same bits at the default level in a subprocess as at level 0 here.
 
+The level is an XLA-wide option, so it is left alone where a GPU backend is installed (a
+``jax_plugins`` CUDA or ROCm plugin: a GPU machine, or CI's compile-only GPU checks, which
+read the optimized PTX's instructions and register spills).
 ``LOWPREC_TEST_XLA_OPT=default`` compiles at XLA's default level instead (or ``=N`` at level
 N); an ``--xla_backend_optimization_level`` already in ``XLA_FLAGS`` is kept as it is. Set in
 ``os.environ`` before JAX starts its backend, so every worker and subprocess (CLI runs, the
@@ -26,11 +29,32 @@ ENV = "LOWPREC_TEST_XLA_OPT"
 FLAG = "--xla_backend_optimization_level"
 
 
-def apply(environ=os.environ) -> None:
+def gpu_plugin_installed() -> bool:
+    """Whether a JAX GPU plugin (``jax_plugins.xla_cuda12``, ``xla_cuda13``, ``xla_rocm*``)
+    is installed; found without importing it."""
+    import importlib.util
+    import pkgutil
+
+    try:
+        spec = importlib.util.find_spec("jax_plugins")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(m.name.startswith(("xla_cuda", "xla_rocm"))
+               for m in pkgutil.iter_modules(spec.submodule_search_locations))
+
+
+def apply(environ=os.environ, gpu: bool | None = None) -> None:
     """Adds ``--xla_backend_optimization_level`` (0 unless ``LOWPREC_TEST_XLA_OPT`` says
-    otherwise) to ``XLA_FLAGS``."""
-    level = environ.get(ENV, "0")
+    otherwise) to ``XLA_FLAGS``, unless a GPU plugin is installed (``gpu``: whether one is;
+    looked up when None) and the level was not asked for."""
+    level = environ.get(ENV)
     flags = environ.get("XLA_FLAGS", "")
+    if level is None:
+        if gpu_plugin_installed() if gpu is None else gpu:
+            return
+        level = "0"
     if level == "default" or FLAG in flags:
         return
     if not level.isdigit():
