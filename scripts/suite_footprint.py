@@ -17,6 +17,10 @@ seconds and peak RSS (tests/helpers/footprint.py, via ``--footprint-log``) and p
 they go: the top files and tests, each worker's share, and an estimate of the idle wall time.
 ``python scripts/suite_footprint.py --report DIR`` prints that from an earlier profile (or
 from several, e.g. one per test file: it reads every ``*.jsonl`` under DIR).
+``python scripts/suite_footprint.py --per-file DIR [files] [pytest arguments]`` profiles each test
+file (every tests/test_*.py unless files are named) in its own serial run (``-n 0``, one process at a time: for a shared machine, where CPU
+seconds per file are what can be measured) into ``DIR/<file>/`` and prints the same report
+plus each file's whole-tree CPU seconds, wall time and peak memory.
 """
 
 from __future__ import annotations
@@ -129,19 +133,12 @@ def report(directory: Path, cores: int, top: int = 25) -> None:
           f"{quick_cpu / cores / 60:.1f} min")
 
 
-def main(argv: list) -> int:
-    cores = os.cpu_count() or 1
-    if argv[:1] == ["--report"]:
-        report(Path(argv[1]), cores)
-        return 0
-    profile = None
-    if argv[:1] == ["--profile"]:
-        profile, argv = Path(argv[1]), argv[2:]
-        argv = [*argv, f"--footprint-log={profile}"]
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - psutil comes with ipykernel ([test] extra)
-        sys.exit("suite_footprint.py needs psutil: pip install psutil")
+def _measure(argv: list) -> tuple:
+    """Runs ``python -m pytest *argv``; returns (returncode, wall s, CPU s of the process tree,
+    peak summed RSS, peak RSS of one process)."""
+    import psutil
+
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "pytest", *argv])
     root = psutil.Process(proc.pid)
@@ -153,14 +150,59 @@ def main(argv: list) -> int:
     wall = time.perf_counter() - start
     # Every process of the tree was waited for by its parent, so its CPU time is counted here.
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = usage.ru_utime + usage.ru_stime
+    cpu = usage.ru_utime + usage.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+    return proc.returncode, wall, cpu, peak_total, peak_one
+
+
+def per_file(directory: Path, argv: list, cores: int) -> int:
+    """Profiles each tests/test_*.py (or each test file named in ``argv``) in its own serial
+    pytest run (``-n 0``; one process at a time, for a machine others are using), into
+    ``directory/<file>/``, then reports them together. The per-file table's CPU seconds add up to the default run's, less the xdist
+    workers' start-up."""
+    files = [Path(a) for a in argv if a.endswith(".py") and Path(a).is_file()]
+    argv = [a for a in argv if Path(a) not in files]
+    files = files or sorted((Path(__file__).resolve().parents[1] / "tests").glob("test_*.py"))
+    status, rows = 0, []
+    for path in files:
+        log = directory / path.stem
+        rc, wall, cpu, peak_total, _ = _measure(
+            [str(path), "-n", "0", "-q", "-p", "no:cacheprovider", f"--footprint-log={log}", *argv])
+        if rc not in (0, 5):  # 5: every test deselected (e.g. -m "not slow")
+            status = status or rc
+        rows.append((path.name, rc, wall, cpu, peak_total))
+    report(directory, cores)
+    print(f"\n{'file':44} {'rc':>3} {'wall s':>8} {'CPU s':>8} {'peak RSS':>9}  (whole process tree)")
+    for name, rc, wall, cpu, peak in sorted(rows, key=lambda r: -r[3]):
+        print(f"{name:44} {rc:3d} {wall:8.1f} {cpu:8.1f} {peak / GIB:8.2f}G")
+    total = sum(r[3] for r in rows)
+    print(f"suite_footprint: {len(rows)} files, {total:.0f} CPU s in all "
+          f"({total / cores / 60:.1f} min on {cores} idle cores if evenly divided)")
+    return status
+
+
+def main(argv: list) -> int:
+    cores = os.cpu_count() or 1
+    if argv[:1] == ["--report"]:
+        report(Path(argv[1]), cores)
+        return 0
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil comes with ipykernel ([test] extra)
+        sys.exit("suite_footprint.py needs psutil: pip install psutil")
+    if argv[:1] == ["--per-file"]:
+        return per_file(Path(argv[1]), argv[2:], cores)
+    profile = None
+    if argv[:1] == ["--profile"]:
+        profile, argv = Path(argv[1]), argv[2:]
+        argv = [*argv, f"--footprint-log={profile}"]
+    rc, wall, cpu, peak_total, peak_one = _measure(argv)
     if profile is not None:
         report(profile, cores)
     print(f"suite_footprint: {wall / 60:.1f} min wall, {cpu:.0f} CPU s over the process tree "
           f"({cpu / cores / 60:.1f} min on {cores} idle cores if evenly divided), peak RSS "
           f"{peak_total / GIB:.2f} GiB summed over the process tree, {peak_one / GIB:.2f} GiB "
           f"in the largest process ({psutil.cpu_count()} cores)")
-    return proc.returncode
+    return rc
 
 
 if __name__ == "__main__":

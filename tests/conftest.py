@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 
-from helpers import jax_memory, tiers
+from helpers import jax_memory, sharded, tiers, xla_opt
+
+# Before any test starts JAX's backend: compile at XLA:CPU's level 0 (tests/helpers/xla_opt.py).
+xla_opt.apply()
 
 # --footprint-log=DIR: CPU seconds and peak RSS per test (scripts/suite_footprint.py --profile).
 pytest_plugins = ["helpers.footprint"]
@@ -62,6 +65,8 @@ def pytest_generate_tests(metafunc):
 def pytest_collection_modifyitems(config, items):
     tiers.mark_slow_outside_quick_cases(items)
     tiers.deselect_outside_default_run(config, items)
+    sharded.deselect_other_shares(config, items)  # tests/test_sharding.py's subprocess
+    sharded.run_first(items)
 
 
 def pytest_report_header(config):

@@ -5,34 +5,82 @@ The cases live in ``tests/sharded_cases.py``; they run in a subprocess because
 initializes, and this process has initialized it with one device (the rest of the suite
 must keep seeing one). The subprocess is an ordinary pytest run, so its report names each
 failing case.
+
+One subprocess runs the cases of every share the session selected (one JAX start-up and
+collection instead of one per share), once per test run: the first share test to need the
+results runs it, under a file lock that the other xdist workers wait on, and leaves the
+outcome of every case in a JSON file beside the lock; each share test then passes or fails on
+its own cases (tests/helpers/sharded.py sorts them).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 
 import pytest
 
+from helpers import sharded
+
 CASES = pathlib.Path(__file__).with_name("sharded_cases.py")
 
-# The quick tier's share of the cases (one subprocess, ~10 s of CPU): quantize_mx sharded
-# every way, deterministic and stochastic, and the split-block error. The others (the block
-# functions and matmuls; the recipes; training against one device: MLPs and experts; a
-# transformer block in linen and nnx) run as four slow shares, each its own subprocess, so
-# that pytest-xdist can run them side by side; `pytest` runs all five.
-QUICK = ("test_quantize_mx_bits_same_sharded or test_stochastic_quantize_mx_same_sharded"
-         " or test_split_block_is_a_clear_error_eager")
-TRAINING = "recipe or training"
-SHARES = {
-    "quick": QUICK,
-    "blocks_and_matmuls": f"not ({QUICK}) and not ({TRAINING})",
-    "recipes": f"not ({QUICK}) and recipe and not training",
-    "training": f"not ({QUICK}) and training and not transformer",
-    "transformer": f"not ({QUICK}) and transformer",
-}
+
+def _run_batch(shares: list, junit: pathlib.Path) -> dict:
+    """Runs the cases of ``shares`` in one subprocess on 4 CPU devices; returns
+    {"cases": {name: [outcome, message]}, "returncode", "report"}."""
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=4".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env[sharded.ENV] = ",".join(shares)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-rfEs",
+         "-n", "0", f"--junitxml={junit}"],
+        capture_output=True, text=True, env=env, cwd=CASES.parent.parent, timeout=1800,
+    )
+    cases = {}
+    if junit.exists():
+        for case in ET.parse(junit).iter("testcase"):
+            outcome, message = "passed", ""
+            for child in case:
+                if child.tag in ("failure", "error", "skipped"):
+                    outcome = child.tag
+                    message = (child.get("message") or "") + "\n" + (child.text or "")
+                    break
+            cases[case.get("name")] = [outcome, message[-3000:]]
+    return {"cases": cases, "returncode": proc.returncode,
+            "report": proc.stdout[-6000:] + proc.stderr[-2000:]}
+
+
+def _selected_shares(session) -> list:
+    return sorted({item.callspec.params["share"] for item in session.items
+                   if item.originalname == "test_sharded_cases_on_four_cpu_devices"})
+
+
+@pytest.fixture(scope="session")
+def sharded_results(request, tmp_path_factory):
+    """The batch's results: run here, or read from the run another xdist worker made."""
+    shares = _selected_shares(request.session)
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return _run_batch(shares, tmp_path_factory.mktemp("sharded") / "junit.xml")
+    import fcntl
+
+    # The workers' base temporary directories share this parent, unique to the test run.
+    root = tmp_path_factory.getbasetemp().parent
+    done = root / "sharded_cases.json"
+    with open(root / "sharded_cases.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if done.exists():
+            return json.loads(done.read_text())
+        results = _run_batch(shares, root / "sharded_cases.xml")
+        tmp = done.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results))
+        tmp.replace(done)
+        return results
 
 
 @pytest.mark.parametrize("share", [
@@ -42,19 +90,15 @@ SHARES = {
     pytest.param("training", marks=pytest.mark.slow),
     pytest.param("transformer", marks=pytest.mark.slow),
 ])
-def test_sharded_cases_on_four_cpu_devices(share):
-    env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "")
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=4".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    select = SHARES[share]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-rfEs",
-         "-n", "0", "-k", select],
-        capture_output=True, text=True, env=env, cwd=CASES.parent.parent, timeout=600,
-    )
-    report = proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, f"sharded cases failed:\n{report}"
-    # Guard against a vacuous pass (e.g. everything skipped for lack of devices).
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, report
-
+def test_sharded_cases_on_four_cpu_devices(share, sharded_results):
+    mine = {name: result for name, result in sharded_results["cases"].items()
+            if sharded.share_of(name.split("[")[0]) == share}
+    report = sharded_results["report"]
+    # Guard against a vacuous pass (the subprocess failing before its cases ran).
+    assert mine, f"no {share} case ran:\n{report}"
+    everything_passed = all(r[0] == "passed" for r in sharded_results["cases"].values())
+    assert sharded_results["returncode"] == 0 or not everything_passed, (
+        f"the subprocess failed outside its cases:\n{report}")
+    bad = {name: result for name, result in mine.items() if result[0] != "passed"}
+    assert not bad, f"{len(bad)} of {len(mine)} {share} cases did not pass:\n" + "\n".join(
+        f"{name}: {outcome}: {message}" for name, (outcome, message) in bad.items())
