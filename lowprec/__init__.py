@@ -46,6 +46,7 @@ from ._pack_api import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from ._options import OPERAND_FORMAT_NAMES, BackwardMode
 from ._recipe import (FP8_DELAYED, FP8_HYBRID, NVIDIA_MXFP8, NVIDIA_NVFP4, OCP_MXFP8, RECIPES,
                       Recipe)
+from ._nvfp4_train import TE_NVFP4_OPTIONS
 from ._rules import Rule, Rules
 from ._delayed import DelayedScaling, DelayedState, delayed_dot_general
 from ._random import random_bits
@@ -105,6 +106,7 @@ __all__ = [
     "FP8_HYBRID",
     "NVIDIA_MXFP8",
     "NVIDIA_NVFP4",
+    "TE_NVFP4_OPTIONS",
     "OCP_MXFP8",
     "RECIPES",
     "Recipe",

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx, serialization
 import flax.linen as nn
 
+from ._flax_ops import RecipeDotGeneral
 from ._format import MXFormat
 from ._matmul import dot_general as _lp_dot_general
 from ._mx import quantize_mx
@@ -246,8 +247,6 @@ def _nnx_layout(module):
 
 
 def _ptq_nnx(model, plan):
-    import lowprec.flax as lf  # the recipe ops a layer may already hold
-
     replaced = []
     for path, module in list(nnx.iter_modules(model)):
         if not isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
@@ -258,7 +257,7 @@ def _ptq_nnx(model, plan):
                 f"given is itself an nnx.{type(module).__name__}: wrap it in a module")
         current = module.dot_general
         if not (current is None or current is jax.lax.dot_general
-                or isinstance(current, lf.RecipeDotGeneral)) or \
+                or isinstance(current, RecipeDotGeneral)) or \
                 getattr(module, "dot_general_cls", None) is not None:
             continue
         name = "/".join(str(p) for p in path)

@@ -147,7 +147,7 @@ class Recipe:
         ``"transformer_engine"`` (TE's fixed vector) or 16 ints ±1.
       rht_dtype: ``"float32"`` or ``"bfloat16"`` (the transform's operands and result rounded
         to bfloat16, as TE's bfloat16 RHT GEMM); with ``wgrad_rht``.
-        ``dataclasses.replace(NVIDIA_NVFP4, **lowprec._nvfp4_train.TE_NVFP4_OPTIONS)`` sets
+        ``dataclasses.replace(NVIDIA_NVFP4, **lowprec.TE_NVFP4_OPTIONS)`` sets
         the three as TE does.
       backward_override: Transformer Engine's ``backward_override``: None (the backward
         products as ``backward`` says), ``"high_precision"`` (both backward products float32
