@@ -51,6 +51,7 @@ def pytest_configure(config):
     )
     config.addinivalue_line("markers", tiers.MARKER)
     config.addinivalue_line("markers", tiers.QUICK_FIRST_MARKER)
+    config.addinivalue_line("markers", tiers.EXTENDED_MARKER)
 
 
 def pytest_generate_tests(metafunc):

@@ -33,6 +33,17 @@ if jax.device_count() < 4:  # pragma: no cover - guards a direct run without XLA
 AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 
 
+def extended(*values):
+    """A case that only the extended sweep (LOWPREC_FULL_SUITE=1) runs (tests/helpers/tiers.py).
+
+    The default run keeps a sample of the costly training cases: every test function, recipe,
+    kind of mesh axes, layout (data, tensor, data x tensor, FSDP, expert) and both Flax APIs'
+    transformer blocks (tests/test_sharding.py checks this of each run); a case marked here
+    repeats one of those in another combination (the NVFP4 compiles cost 20-50 s of CPU each).
+    """
+    return pytest.param(*values, marks=pytest.mark.extended)
+
+
 def _mesh(kind, shape=(4,), names=("x",)):
     return jax.make_mesh(shape, names, axis_types=(AXIS_TYPES[kind],) * len(shape))
 
@@ -217,7 +228,7 @@ def test_split_block_under_jit_auto_is_unchecked_but_exact():
 
 # With Explicit axes the weight-gradient dot contracts over the sharded token axis; its
 # output is sharded as the weight (JAX's transpose rule), so the partial sums are reduced.
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("kind", [extended("auto"), "explicit"])
 def test_flax_recipe_data_parallel(kind):
     # 128 tokens on 4 devices: 32 per device, so the weight gradient's blocks (along tokens)
     # stay on one device each.
@@ -324,7 +335,11 @@ def _mlp_loss(recipe, layout, gather=False, sharded=True):
 
 
 @pytest.mark.parametrize("kind,layout,recipe", [
-    *((k, lay, "nvidia_mxfp8") for k in ("explicit", "auto") for lay in sorted(LAYOUTS)),
+    # The default run keeps tensor parallel on Explicit axes and FSDP on Auto axes (data
+    # parallel and data x tensor: the other recipes below; the transformer block).
+    *((k, lay, "nvidia_mxfp8") if (k, lay) in (("explicit", "tensor"), ("auto", "fsdp"))
+      else extended(k, lay, "nvidia_mxfp8")
+      for k in ("explicit", "auto") for lay in sorted(LAYOUTS)),
     # Kept small: the other backward paths (OCP's E5M2 gradients; per-tensor scaling, which
     # has its own VJP; STE) on the two layouts whose backward dots reduce across devices.
     ("explicit", "data", "ocp_mxfp8"), ("explicit", "data_tensor", "fp8_hybrid"),
@@ -336,7 +351,8 @@ def _mlp_loss(recipe, layout, gather=False, sharded=True):
     # cotangent comes from the row-parallel layer's input gradient, whose per-device dot
     # sums in another order than one device's, so its bits differ, and with them every
     # word.)
-    ("explicit", "tensor", "nvidia_nvfp4"), ("auto", "data_tensor", "nvidia_nvfp4"),
+    # (The default run keeps the second, 20 s of CPU; the first costs 43 s.)
+    extended("explicit", "tensor", "nvidia_nvfp4"), ("auto", "data_tensor", "nvidia_nvfp4"),
 ])
 def test_training_matches_one_device(kind, layout, recipe):
     recipe = _recipe(recipe)
@@ -510,8 +526,8 @@ def test_stochastic_rounding_compiles_sharded(kind):
 
 @pytest.mark.parametrize("kind,layout,recipe", [
     ("explicit", "data", "fp8_hybrid"), ("explicit", "tensor", "fp8_hybrid"),
-    ("explicit", "tensor", "nvidia_mxfp8"), ("auto", "data_tensor", "nvidia_mxfp8"),
-    ("explicit", "data", "nvidia_nvfp4"),
+    extended("explicit", "tensor", "nvidia_mxfp8"), ("auto", "data_tensor", "nvidia_mxfp8"),
+    extended("explicit", "data", "nvidia_nvfp4"),  # 20 s of CPU
 ])
 def test_gpu_routes_training_matches_one_device(kind, layout, recipe, gpu_routes_on_cpu):
     test_training_matches_one_device(kind, layout, recipe)
@@ -824,7 +840,7 @@ def _nnx_case(kind, layout, recipe):
     # layers need on Explicit axes (linen's layers do not pass it).
     ("nnx", "explicit", "data_tensor", "nvidia_mxfp8"),
     # FSDP on Auto axes (GSPMD gathers the weights).
-    ("linen", "auto", "fsdp", "nvidia_mxfp8"),
+    extended("linen", "auto", "fsdp", "nvidia_mxfp8"),
     # NVFP4 (its words keyed per step: stochastic_rounding_key) for the attention's output
     # projection, by Rules (a DenseGeneral weight [heads, head_dim, D] contracted over two
     # axes; its compiles cost ~15 s of CPU per layer, so the other layers, and the MLP's
@@ -835,8 +851,10 @@ def _nnx_case(kind, layout, recipe):
     # differing with the device count; in linen form, 67% of the parameters beyond TOL and
     # the losses 7e-3 apart after three steps; keyed, the linen form had 0 beyond TOL and
     # its losses 7e-7 apart).
-    ("nnx", "explicit", "tensor", "nvfp4_out"),
-    ("nnx", "explicit", "data", "nvfp4_out"),
+    # (The default run keeps the first two, 35 s of CPU each, one per Flax API; the NVFP4
+    # cases cost 80 s, and NVFP4 training runs sharded in the MLP case above.)
+    extended("nnx", "explicit", "tensor", "nvfp4_out"),
+    extended("nnx", "explicit", "data", "nvfp4_out"),
 ])
 def test_transformer_block_training_matches_one_device(flavour, kind, layout, recipe):
     plan = NVFP4_OUT if recipe == "nvfp4_out" else _recipe(recipe)
@@ -853,7 +871,7 @@ def test_transformer_block_training_matches_one_device(flavour, kind, layout, re
 
 
 @pytest.mark.parametrize("kind,recipe", [
-    ("explicit", "fp8_hybrid"), ("explicit", "nvidia_mxfp8"), ("auto", "fp8_hybrid"),
+    ("explicit", "fp8_hybrid"), extended("explicit", "nvidia_mxfp8"), ("auto", "fp8_hybrid"),
 ])
 def test_ragged_training_expert_parallel_matches_one_device(kind, recipe):
     r = lowprec.RECIPES[recipe]

@@ -15,6 +15,7 @@ its own cases (tests/helpers/sharded.py sorts them).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pathlib
@@ -102,3 +103,39 @@ def test_sharded_cases_on_four_cpu_devices(share, sharded_results):
     bad = {name: result for name, result in mine.items() if result[0] != "passed"}
     assert not bad, f"{len(bad)} of {len(mine)} {share} cases did not pass:\n" + "\n".join(
         f"{name}: {outcome}: {message}" for name, (outcome, message) in bad.items())
+
+
+# What the default run's sample of the cases (tests/helpers/tiers.py: the cases of
+# sharded_cases.py marked ``extended`` run only with LOWPREC_FULL_SUITE=1) must still cover,
+# each value in the parameters of some case that ran: every recipe, both kinds of mesh axes,
+# every mesh layout (the expert-parallel layout: the ragged test), and both Flax APIs in the
+# transformer block.
+COVERED = {
+    "recipe": {"nvidia_mxfp8", "ocp_mxfp8", "fp8_hybrid", "ste_mxfp8", "nvidia_nvfp4"},
+    "mesh axes": {"explicit", "auto"},
+    "layout": {"data", "tensor", "data_tensor", "fsdp"},
+}
+
+
+def _functions() -> set:
+    tree = ast.parse(CASES.read_text(encoding="utf-8"))
+    return {node.name for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+
+
+def test_the_sample_covers_every_function_recipe_layout_and_flax_api(request):
+    if set(_selected_shares(request.session)) != set(sharded.SHARES):
+        pytest.skip("covers the whole batch: run with every share selected (the default run)")
+    sharded_results = request.getfixturevalue("sharded_results")
+    ran = sorted(sharded_results["cases"])
+    listing = "\n".join(ran)
+    # Every test function (each exact-bits check, each error, each training form) ran.
+    missing = _functions() - {name.split("[")[0] for name in ran}
+    assert not missing, f"functions with no case in this run: {sorted(missing)}\n{listing}"
+    values = {v for name in ran if "[" in name for v in name.split("[")[1].rstrip("]").split("-")}
+    for what, wanted in COVERED.items():
+        assert wanted <= values, f"no case with {what} {sorted(wanted - values)}:\n{listing}"
+    blocks = {name.split("[")[1].split("-")[0] for name in ran
+              if name.startswith("test_transformer_block_training_matches_one_device[")}
+    assert blocks == {"linen", "nnx"}, listing
+    print(f"{len(ran)} sharded cases ran:\n{listing}")

@@ -8,13 +8,14 @@ from helpers import tiers
 
 
 class _Item:
-    def __init__(self, name, params, slow=False):
+    def __init__(self, name, params, slow=False, extended=False):
         self.path, self.originalname, self.name = "tests/test_x.py", name, name
         self.callspec = types.SimpleNamespace(params=params)
-        self._slow = slow
+        self._slow, self._extended = slow, extended
 
     def get_closest_marker(self, name):
-        return object() if name == "slow" and self._slow else None
+        wanted = {"slow": self._slow, "extended": self._extended}.get(name, False)
+        return object() if wanted else None
 
 
 def _grid(name, quick=lambda p: False, **axes):
@@ -43,7 +44,7 @@ def test_quick_cases_are_always_kept_and_small_grids_untouched():
                   fmt=["a", "b", "c"], overflow=["ieee", "saturate"], impl=["eager", "jit"])
     two = _grid("u", quick=lambda p: p == {"fmt": "a", "axis": 0}, fmt=["a", "b", "c"], axis=[0, 1])
     one = [_Item("v", {"fmt": f}, slow=True) for f in "abc"]
-    plain = [types.SimpleNamespace(name="w")]        # not parametrized
+    plain = [types.SimpleNamespace(name="w", get_closest_marker=lambda name: None)]  # plain
     kept = tiers.covering_cases(items + two + one + plain)
     assert all(i in kept for i in items if not i._slow)
     assert _pairs([i for i in kept if i in items]) == _pairs(items)
@@ -56,6 +57,19 @@ def test_a_two_parameter_sweep_marked_slow_keeps_every_value_once():
     assert {i.callspec.params["fmt"] for i in kept} == {"mxfp4", "mxfp6", "mxfp8", "nvfp4"}
     assert {i.callspec.params["budget"] for i in kept} == {64, 200, 1 << 20}
     assert len(kept) == 4
+
+
+def test_cases_marked_extended_are_left_to_the_extended_sweep():
+    # A hand-picked list of (kind, layout, recipe) cases, two of them marked extended; the
+    # others are all kept, quick or not (each was picked for what it checks).
+    cases = [("explicit", "data", "a"), ("auto", "tensor", "a"), ("explicit", "fsdp", "b"),
+             ("auto", "data", "b"), ("explicit", "tensor", "c")]
+    items = [_Item("t", dict(zip(("kind", "layout", "recipe"), c)), slow=True,
+                   extended=c in (("auto", "data", "b"), ("explicit", "tensor", "c")))
+             for c in cases]
+    plain = _Item("p", {"fmt": "a"}, extended=True)  # one parameter: dropped all the same
+    kept = tiers.covering_cases(items + [plain])
+    assert kept == [i for i in items if not i._extended]
 
 
 def test_the_choice_does_not_depend_on_anything_but_collection_order():

@@ -5,7 +5,8 @@
   every test function, and of a test parametrized over three or more parameters a
   pairwise-covering subset of its cases (``covering_cases`` below: each value of every
   parameter meets each value of every other);
-* ``LOWPREC_FULL_SUITE=1 pytest``, the extended sweep: every case of every cross product.
+* ``LOWPREC_FULL_SUITE=1 pytest``, the extended sweep: every case of every cross product,
+  and the cases marked ``extended`` (below).
 
 ``pytest -m "not slow"`` leaves out the cases marked ``slow``:
 whole tests marked ``@pytest.mark.slow`` (exhaustive sweeps, notebooks, examples, subprocess
@@ -51,6 +52,13 @@ MARKER = (
 QUICK_FIRST_MARKER = (
     "quick_first(n): in the quick tier (-m 'not slow') keep only the first n cases of this "
     "parametrized test (see tests/helpers/tiers.py)"
+)
+
+
+EXTENDED_MARKER = (
+    "extended: a case of a hand-picked list that only the extended sweep (LOWPREC_FULL_SUITE=1) "
+    "runs: other cases of the default run cover each of its parameter values "
+    "(see tests/helpers/tiers.py)"
 )
 
 
@@ -102,6 +110,12 @@ def _in_quick_cases(item, marker) -> bool:
 # cases); a two-parameter sweep its author marked slow as a whole (its code paths run in quick
 # tests) keeps every value of each parameter at least once. ``LOWPREC_FULL_SUITE=1 pytest``
 # runs the full cross products: the extended sweep.
+#
+# A hand-picked list of cases (not a cross product: ``parametrize("kind,layout,recipe",
+# [...])``, each case chosen for what it checks) is thinned by hand instead: a case marked
+# ``pytest.param(..., marks=pytest.mark.extended)`` runs only in the extended sweep, and its
+# author keeps each of its parameter values in some case of the default run (the sharded
+# batch checks this of its own cases: tests/test_sharding.py).
 
 FULL_SUITE_ENV = "LOWPREC_FULL_SUITE"
 
@@ -132,13 +146,15 @@ def covering_cases(items) -> list:
     """The items of the default run: per test function, a covering subset of its parametrized
     cases that includes its quick-tier cases (see above)."""
     groups: dict = {}
+    dropped = {i for i, item in enumerate(items) if item.get_closest_marker("extended") is not None}
     for index, item in enumerate(items):
+        if index in dropped:
+            continue
         callspec = getattr(item, "callspec", None)
         if callspec is None or len(callspec.params) < 2:
             continue
         key = (item.path, getattr(item, "originalname", item.name), tuple(sorted(callspec.params)))
         groups.setdefault(key, []).append(index)
-    dropped = set()
     for indices in groups.values():
         kept = [i for i in indices if items[i].get_closest_marker("slow") is None]
         n_params = len(items[indices[0]].callspec.params)
