@@ -525,7 +525,7 @@ def test_stochastic_rounding_compiles_sharded(kind):
 
 
 @pytest.mark.parametrize("kind,layout,recipe", [
-    ("explicit", "data", "fp8_hybrid"), ("explicit", "tensor", "fp8_hybrid"),
+    extended("explicit", "data", "fp8_hybrid"), ("explicit", "tensor", "fp8_hybrid"),
     extended("explicit", "tensor", "nvidia_mxfp8"), ("auto", "data_tensor", "nvidia_mxfp8"),
     extended("explicit", "data", "nvidia_nvfp4"),  # 20 s of CPU
 ])
@@ -562,9 +562,14 @@ def _delayed_loss(layout, sharded=True):
     return loss, cfg
 
 
-@pytest.mark.parametrize("kind,layout", [("explicit", "data"), ("explicit", "tensor"),
-                                         ("explicit", "data_tensor"), ("auto", "tensor")])
-@pytest.mark.parametrize("route", ["portable", "gpu"])
+# The default run: each layout and kind of axes once, the GPU route on the tensor-parallel
+# ones and the portable route on the others (all eight cases: LOWPREC_FULL_SUITE=1).
+@pytest.mark.parametrize("kind,layout,route", [
+    (kind, layout, route) if (layout == "tensor") == (route == "gpu")
+    else extended(kind, layout, route)
+    for kind, layout in (("explicit", "data"), ("explicit", "tensor"),
+                         ("explicit", "data_tensor"), ("auto", "tensor"))
+    for route in ("portable", "gpu")])
 def test_delayed_training_matches_one_device(kind, layout, route, request):
     if route == "gpu":
         request.getfixturevalue("gpu_routes_on_cpu")
