@@ -413,7 +413,8 @@ _SHARDED = textwrap.dedent("""
 
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_sharded_ragged_dot_matches_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    flags = os.environ.get("XLA_FLAGS", "")  # the suite's compile flags (helpers/xla_opt.py)
+    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4".strip(),
                JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
                          env=env, cwd=pathlib.Path(__file__).parent, timeout=600)
