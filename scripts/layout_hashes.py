@@ -134,10 +134,9 @@ def _hash_tree(root, out):
             data = f.read()
         if p.endswith(".report.json"):
             rep = json.loads(data)
-            rep.pop("seconds", None)
-            rep.pop("elapsed", None)
-            rep.pop("source", None)
-            rep.pop("output", None)
+            for key in ("source", "destination"):  # temporary paths
+                rep.pop(key, None)
+            rep.get("totals", {}).pop("seconds", None)  # timing
             data = json.dumps(rep, sort_keys=True).encode()
         lines.append(f"{os.path.relpath(p, out)} {hashlib.sha256(data).hexdigest()[:24]}")
     return lines

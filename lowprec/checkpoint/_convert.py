@@ -629,8 +629,7 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
                                        info.nbytes)
                 else:
                     stored = sum(reader.tensors[p[1]].nbytes for p in parts)
-                    label = getattr(spec, "label", None) or (
-                        spec.format.name + (" (gpt-oss)" if spec.layout == "gpt-oss" else ""))
+                    label = getattr(spec, "label", None) or get_layout(spec.layout).label(spec)
                     rep = TensorReport(name, spec.shape, spec.dtype, label,
                                        nbytes_of(spec.dtype, spec.shape), stored,
                                        scale_rule=spec.scale_rule,

@@ -25,8 +25,6 @@ from ._chunk import finite_amax
 from ._engine_layouts import (
     CT_SCALE_RULES,
     DEFAULT_IGNORE,
-    ENGINE_LAYOUTS,
-    MODELOPT_WEIGHTS,
     ORIGIN_KEY,
     WEIGHT_FORMATS,
     EngineSpec,
@@ -38,14 +36,12 @@ from ._engine_layouts import (
     quantize_arrays,
     requantize_fp8,
     scheme_bits,
-    writer_dtype,
 )
-from ._engine_schemes import SCHEMES, EngineScheme, engine_scheme, fused_groups
+from ._engine_schemes import SCHEMES, WEIGHT_SCHEMES, EngineScheme, engine_scheme, fused_groups
 from ._errors import CheckpointError
 from ._formats import check_scale_rule
-from ._layout import make_spec
-from ._layouts import get_layout, is_default
-from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, logical_tensors
+from ._layouts import get_layout, is_default, layouts
+from ._logical import logical_tensors
 from ._pipeline import (
     Outputs,
     check_collisions,
@@ -60,7 +56,6 @@ from ._safetensors import FLOAT_DTYPES, numpy_dtype
 from ._source import open_source
 from ._stats import ErrorStats
 
-_MX = ("mxfp4", "mxfp6", "mxfp8")
 
 
 def _parse_schemes(schemes) -> list:
@@ -109,7 +104,7 @@ def plan_modules(names_infos, default: Optional[EngineScheme], schemes, ignore) 
             kept.append(module)  # an empty weight has nothing to quantize: kept, and listed
             continue
         scheme = scheme or default
-        group = {"nvfp4": 16, "mxfp4": 32, "mxfp6": 32, "mxfp8": 32}.get(scheme.weights, 1)
+        group = scheme.w.block_size
         if info.shape[1] % group:
             raise CheckpointError(
                 f"{name}: {info.shape[1]} input features are not a multiple of the {scheme.name} "
@@ -253,9 +248,11 @@ def quantize_engine_checkpoint(
         True
     """
     start = time.perf_counter()
-    if layout not in ENGINE_LAYOUTS:
+    lay = get_layout(layout)
+    if not hasattr(lay, "encode_fp8"):
+        engine = [l.name for l in layouts() if hasattr(l, "encode_fp8")]
         raise CheckpointError(
-            f"unknown engine layout {layout!r}; choose one of: {', '.join(ENGINE_LAYOUTS)}")
+            f"unknown engine layout {layout!r}; choose one of: {', '.join(engine)}")
     if format is not None and not isinstance(format, (str, EngineScheme)):
         format = getattr(format, "name", format)  # a lowprec format object: by its name
     default = None if format is None else engine_scheme(format)
@@ -267,22 +264,14 @@ def quantize_engine_checkpoint(
         raise CheckpointError(
             "give a scheme (--scheme SCHEME or --format SCHEME) or per-module schemes "
             "(--scheme PATTERN=SCHEME)")
-    if layout == "modelopt":
-        bad = sorted(s.name for s in used if s.modelopt is None)
-        algos = {s.modelopt for s in used}
-        if bad or len(algos) > 1:
-            names = ", ".join(n for n, s in SCHEMES.items() if s.modelopt)
-            raise CheckpointError(
-                f"the ModelOpt layout holds one scheme of {names} per checkpoint, not "
-                f"{', '.join(sorted(s.name for s in used))}; use --layout compressed-tensors")
-    mx_used = {s.weights for s in used} & set(_MX)
-    if scale_rule is not None and not mx_used:
+    lay.check_schemes(used)
+    if scale_rule is not None and not any(s.w.mx for s in used):
         raise CheckpointError(
             f"--scale-rule / scale_rule applies to the MX schemes (MXFP4, MXFP6, MXFP8), not "
             f"{', '.join(sorted(s.name for s in used))}: NVFP4's scales follow its own rule and "
             "FP8's scale is amax / 448; drop it")
     given_rule = None if scale_rule is None else check_scale_rule(scale_rule)
-    rules = {w: given_rule or check_scale_rule(CT_SCALE_RULES[w]) for w in _MX}
+    rules = {w: given_rule or check_scale_rule(CT_SCALE_RULES[w]) for w in CT_SCALE_RULES}
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     with contextlib.ExitStack() as stack:
@@ -302,13 +291,13 @@ def quantize_engine_checkpoint(
         # Tensor-wide amax (first pass): NVFP4's global scale is one per fused layer.
         wide = {}
         for name, scheme in chosen.items():
-            if scheme.weights in ("nvfp4", "fp8"):
+            if scheme.w.tensor_scale:
                 rel, info = infos[name]
                 spec = EngineSpec(scheme.weights, layout, tuple(info.shape))
                 wide[name[: -len(".weight")]] = max(
                     (np.float32(finite_amax(readers[rel].read_rows(name, r0, r1)))
                      for r0, r1 in spec.row_blocks()), default=np.float32(0))
-        nvfp4 = {m: a for m, a in wide.items() if SCHEMES[modules[m]].weights == "nvfp4"}
+        nvfp4 = {m: a for m, a in wide.items() if SCHEMES[modules[m]].w.global_scale}
         wide.update(_fused_max(nvfp4))
         needed = sorted(m for m, s in modules.items() if SCHEMES[s].inputs == "static")
         linear = {n[: -len(".weight")] for r in readers.values() for n, i in r.tensors.items()
@@ -325,14 +314,12 @@ def quantize_engine_checkpoint(
                 spec = None
                 if scheme is not None:
                     module = info.name[: -len(".weight")]
-                    d = writer_dtype(info.dtype)
-                    ct_fp8 = layout == "compressed-tensors" and scheme.weights.startswith("fp8")
+                    d = lay.fp8_scale_dtype(scheme.w, info.dtype)
                     spec = EngineSpec(
                         scheme.weights, layout, tuple(info.shape), info.dtype,
-                        rules[scheme.weights] if scheme.weights in _MX else None,
-                        scale_dtype=d if ct_fp8 else "F32", inputs=scheme.inputs
-                        if scheme.inputs == "static" else None,
-                        input_dtype=d if ct_fp8 else "F32")
+                        rules.get(scheme.weights), scale_dtype=d,
+                        inputs=scheme.inputs if scheme.inputs == "static" else None,
+                        input_dtype=d)
                     entries += [(st, dt, shp) for _, st, dt, shp in spec.parts(info.name)]
                     groups.setdefault(scheme.name, []).append(module)
                     plan.append((info, spec, scheme, wide.get(module), act_used.get(module)))
@@ -342,7 +329,7 @@ def quantize_engine_checkpoint(
             check_collisions(entries, reader.path, "--ignore the module of one of them")
             plans[rel] = (plan, entries)
         groups = {s: sorted(m) for s, m in groups.items()}
-        qconfig, texts = get_layout(layout).config(source, outputs, groups, kept_all)
+        qconfig, texts = lay.config(source, outputs, groups, kept_all)
 
         def convert(reader, writer, item, bar, runner):
             info, spec, scheme, amax, act_amax = item
@@ -392,10 +379,7 @@ def quantize_engine_checkpoint(
             options["activation_amax"] = act
 
         def metadata(plan):
-            return {ORIGIN_KEY: json.dumps({i.name: {"dtype": i.dtype, "scale_rule":
-                                                     s.scale_rule}
-                                            for i, s, *_ in plan if s is not None},
-                                           separators=(",", ":"))}
+            return lay.table({i.name: s for i, s, *_ in plan if s is not None})
 
         return write_outputs(source, outputs, readers, plans, "quantize", options, start,
                              force=force, progress=progress, metadata=metadata,
@@ -497,9 +481,8 @@ def _original_dtype(spec, origin: dict, model_dtype: Optional[str]) -> str:
     (llm-compressor's model dtype), else the config's, else bfloat16."""
     if "dtype" in origin or not isinstance(spec, EngineSpec):
         return origin.get("dtype", spec.dtype)
-    if spec.layout == "compressed-tensors" and spec.scheme.startswith("fp8") \
-            and spec.scale_dtype in ("BF16", "F16"):
-        return spec.scale_dtype
+    if spec.lay.scales_in_model_dtype and spec.scale_dtype in ("BF16", "F16"):
+        return spec.scale_dtype  # an FP8 scale (the only kind not stored in float32)
     return model_dtype or spec.dtype
 
 
@@ -509,7 +492,8 @@ def _move_input_scale(name, value, src: EngineSpec, target: EngineSpec, requanti
     amax / 2688 in ModelOpt, moved by a float32 reciprocal when it maps back exactly (else
     refused, or with ``requantize`` taken and counted). Returns ``(array, changed)``."""
     v = np.float32(np.asarray(value, np.float32).reshape(-1)[0])
-    flip = src.scheme == "nvfp4" and src.layout != target.layout
+    flip = src.w.global_scale and \
+        src.lay.reciprocal_global_scale != target.lay.reciprocal_global_scale
     changed = 0
     if flip:
         with np.errstate(divide="ignore", over="ignore"):
@@ -522,8 +506,8 @@ def _move_input_scale(name, value, src: EngineSpec, target: EngineSpec, requanti
                     "it as changed)")
             changed = 1
         v = r
-    d = target.input_dtype if target.layout == "compressed-tensors" else "F32"
-    if d != "F32" and src.layout != target.layout:  # FP8's, in the model dtype (as the weight's)
+    d = target.input_dtype if target.lay.scales_in_model_dtype else "F32"
+    if d != "F32" and not src.lay.scales_in_model_dtype:  # FP8's, in the model dtype (as the weight's)
         if np.float32(np.asarray(v).astype(numpy_dtype(d))) != v:
             if not requantize:
                 raise CheckpointError(
@@ -531,7 +515,7 @@ def _move_input_scale(name, value, src: EngineSpec, target: EngineSpec, requanti
                     f"stores it in the model dtype ({d}); --requantize takes the nearest (and "
                     "counts it as changed)")
             changed = 1
-    shape = () if target.layout == "modelopt" else (1,)
+    shape = target.lay.scalar_shape
     return np.asarray(v, np.float32).astype(numpy_dtype(d)).reshape(shape), changed
 
 
@@ -542,7 +526,7 @@ def _check_fused_scales(plans: dict, layout: str) -> None:
     for plan, _ in plans.values():
         for name, spec, parts, target, scheme, bits in plan:
             if target is not None and scheme is not None and \
-                    scheme.weights == "nvfp4" and "ts" in bits:
+                    scheme.w.global_scale and "ts" in bits:
                 ts[name[: -len(".weight")]] = float(bits["ts"])
     for group in fused_groups(ts):
         values = {ts[m] for m in group}
@@ -603,27 +587,32 @@ _CONVERT_DEFAULTS = dict(requantize=False, force=False, progress=None, report=No
 def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: bool = False,
                     progress: Optional[bool] = None, report=None,
                     follow_symlinks: bool = False, jobs: int = 1):
-    """:func:`convert_checkpoint` into lowprec's, compressed-tensors' or ModelOpt's layout
-    (their ``convert``)."""
+    """:func:`convert_checkpoint` into a layout that moves NVFP4, MX and FP8 bits (its
+    ``convert``: lowprec's, compressed-tensors', ModelOpt's). The target layout says what is
+    its own (``convert_target``: the spec of a moved tensor, or a refusal; ``table``: its
+    metadata; ``convert_texts``: its config files; how it stores tensor-wide scales); this
+    plans, checks exactness up front and moves the bits a block of rows at a time."""
     start = time.perf_counter()
-    if layout not in ENGINE_LAYOUTS + ("lowprec",):
-        raise CheckpointError(f"unknown layout {layout!r} for convert; choose one of: lowprec, "
-                              f"{', '.join(ENGINE_LAYOUTS)}")
+    lay = get_layout(layout)
+    if not hasattr(lay, "convert_target"):
+        names = [l.name for l in layouts() if l.converts and hasattr(l, "convert_target")]
+        raise CheckpointError(f"unknown layout {layout!r} for convert; choose one of: "
+                              f"{', '.join(names)}")
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     config = read_quant_config(source.home)
     model_dtype = _model_dtype(source)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans, groups, kept, layouts, linear = {}, {}, [], set(), {}
+        plans, groups, kept, found_in, linear = {}, {}, [], set(), {}
         for rel, reader in readers.items():
             origin = {}
             with contextlib.suppress(ValueError, TypeError, RecursionError):
                 origin = dict(json.loads(reader.metadata.get(ORIGIN_KEY, "{}")))
             plan, entries = [], []
             found = logical_tensors(reader, config)
-            layouts |= {spec.layout for spec, _ in found.specs.values()}
-            if layouts == {layout}:
+            found_in |= {spec.layout for spec, _ in found.specs.values()}
+            if found_in == {lay.name}:
                 raise CheckpointError(f"{reader.path}: already in the {layout} layout; "
                                       "nothing to convert")
             for name, spec, parts in found:
@@ -639,44 +628,17 @@ def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: b
                 arrays = {role: reader.read(stored) for role, stored, _, _ in parts
                           if role in ("scale", "scales", "global_scale")}
                 weights, bits = scheme_bits(name, spec, arrays, layout, requantize)
+                w = WEIGHT_SCHEMES[weights]
                 o = origin.get(name, {}) if isinstance(origin.get(name), dict) else {}
                 dtype = _original_dtype(spec, o, model_dtype)
                 rule = o.get("scale_rule", spec.scale_rule)
                 scheme = source_scheme(name, spec, config)
-                if weights == "nvfp4" and layout == "compressed-tensors" and "ts" in bits \
+                if w.global_scale and lay.reciprocal_global_scale and "ts" in bits \
                         and "gs" not in bits and not requantize:
-                    exact_reciprocal(name, bits["ts"], bits["scales"], layout)
-                if layout == "lowprec":
-                    if weights == "fp8_channel":
-                        raise CheckpointError(f"{name}: per-channel FP8 has no lowprec layout; "
-                                              "keep it in compressed-tensors or dequantize it")
-                    target = make_spec(WEIGHT_FORMATS[weights], spec.shape, dtype,
-                                       axis=-1 if weights != "fp8" else None,
-                                       scale_rule=rule if weights in _MX else None)
-                else:
-                    if scheme is None:  # lowprec's / gpt-oss's layout: weight-only
-                        scheme = SCHEMES[_BY_PARTS[(weights, None)]]
-                    if layout == "modelopt" and (scheme.modelopt is None
-                                                 or weights not in MODELOPT_WEIGHTS):
-                        names = ", ".join(n for n, s in SCHEMES.items() if s.modelopt)
-                        raise CheckpointError(f"{name}: {scheme.name} has no ModelOpt layout "
-                                              f"({names} have); use compressed-tensors")
-                    static = scheme.inputs == "static"
-                    scale_dtype = "F32"
-                    if layout == "compressed-tensors" and weights.startswith("fp8"):
-                        if isinstance(spec, EngineSpec) and spec.layout == layout:
-                            scale_dtype = spec.scale_dtype  # a compressed-tensors file rewritten
-                        else:  # a float32 scale: in the model dtype, as llm-compressor's
-                            scale_dtype, _ = ct_fp8_scale_dtype(
-                                name, bits["ts"] if "ts" in bits else bits["scale"], dtype,
-                                requantize)
-                    input_dtype = getattr(spec, "input_dtype", "F32")
-                    if layout != spec.layout:  # compressed-tensors FP8: the scale's dtype
-                        input_dtype = scale_dtype if weights == "fp8" else "F32"
-                    target = EngineSpec(weights, layout, tuple(spec.shape), dtype, rule,
-                                        scale_dtype=scale_dtype,
-                                        inputs="static" if static else None,
-                                        input_dtype=input_dtype)
+                    exact_reciprocal(name, bits["ts"], bits["scales"], layout, True)
+                target, scheme = lay.convert_target(name, spec, w, bits, scheme, dtype, rule,
+                                                    requantize)
+                if scheme is not None:
                     groups.setdefault(scheme.name, []).append(name[: -len(".weight")])
                     linear[name[: -len(".weight")]] = scheme.name
                 tparts = target.parts(name)
@@ -685,30 +647,17 @@ def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: b
                 origin[name] = {"dtype": dtype, "scale_rule": rule}
             check_collisions(entries, reader.path, "rename one of them in the input")
             plans[rel] = (plan, entries)
-        if not layouts:
+        if not found_in:
             raise CheckpointError(
                 f"{source.given}: holds no quantized tensors; nothing to convert (lowprec "
                 f"quantize --layout {layout} quantizes a high-precision checkpoint)")
-        texts = {}
-        if layout == "lowprec":
-            texts = plain_config_texts(source, outputs)
-        elif groups:
-            check_fused(linear)
-            _check_fused_scales(plans, layout)
-            groups = {s: sorted(m) for s, m in groups.items()}
-            _, texts = get_layout(layout).config(source, outputs, groups, kept)
+        texts = lay.convert_texts(source, outputs, plans, groups, kept, linear, config)
         for plan, _ in plans.values():  # the scales were needed for the checks only
             for i, item in enumerate(plan):
                 plan[i] = item[:5]
 
         def metadata(plan):
-            specs = {n: t for n, s, _, t, _ in plan if t is not None}
-            if layout == "lowprec":  # lowprec's own metadata holds dtype and scale rule
-                return {METADATA_VERSION_KEY: METADATA_VERSION,
-                        METADATA_KEY: json.dumps({n: t.to_json(n) for n, t in specs.items()},
-                                                 separators=(",", ":"))}
-            return {ORIGIN_KEY: json.dumps({n: {"dtype": t.dtype, "scale_rule": t.scale_rule}
-                                            for n, t in specs.items()}, separators=(",", ":"))}
+            return lay.table({n: t for n, s, _, t, _ in plan if t is not None})
 
         def convert(reader, writer, item, bar, runner):
             name, spec, parts, target, scheme = item
@@ -718,8 +667,10 @@ def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: b
                 return TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
                                     info.nbytes, reason="not quantized")
             tparts = target.parts(name)
-            rows = EngineSpec(_weights_of(spec), layout if layout != "lowprec"
-                              else "compressed-tensors", tuple(spec.shape))
+            rows = EngineSpec(_weights_of(spec), spec.layout, tuple(spec.shape))
+            # a float32 FP8 scale stored in the model dtype (ct_fp8_scale_dtype)
+            refit = getattr(target, "scale_dtype", "F32") != "F32" and \
+                not get_layout(spec.layout).scales_in_model_dtype
 
             def piece(block):  # move the bits a block of rows at a time, on a worker
                 r0, r1 = block
@@ -731,10 +682,8 @@ def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: b
                            else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
                 w, bits = scheme_bits(name, spec, got, layout, requantize)
                 src_input = bits.pop("input_scale", None)
-                out, n = layout_arrays(name, w, bits, layout, requantize)
-                if getattr(target, "scale_dtype", "F32") != "F32" and not (
-                        isinstance(spec, EngineSpec) and spec.layout == layout):
-                    # a float32 FP8 scale stored in the model dtype (ct_fp8_scale_dtype)
+                out, n = layout_arrays(name, w, bits, lay, requantize)
+                if refit:
                     out["values"], out["scale"], n = requantize_fp8(
                         out["values"], out["scale"], target.scale_dtype)
                 changed += n
@@ -757,13 +706,16 @@ def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: b
             bar.update(before)
             label = getattr(target, "label", target.format.name)
             reason = f"moved from {spec.layout}"
-            if scheme is not None and layout != "lowprec":
+            if scheme is not None:
                 reason += f" ({scheme.name})"
-            if layout == "lowprec" and getattr(spec, "inputs", None) == "static":
-                reason += "; its input scale is not kept (lowprec's layout holds weights only)"
+            if getattr(spec, "inputs", None) == "static" and \
+                    getattr(target, "inputs", None) != "static":
+                reason += (f"; its input scale is not kept ({lay.name}'s layout holds weights "
+                           "only)")
             if changed:
-                why = ("an NVFP4 scale without an exact reciprocal" if target.format.name ==
-                       "nvfp4" else f"an FP8 scale rounded to {target.scale_dtype}")
+                why = ("an NVFP4 scale without an exact reciprocal"
+                       if WEIGHT_SCHEMES[_weights_of(target)].global_scale
+                       else f"an FP8 scale rounded to {target.scale_dtype}")
                 reason += f"; requantized: {changed} decoded value(s) changed ({why})"
             return TensorReport(name, spec.shape, target.dtype, label,
                                 before, target.nbytes(), reason=reason,
@@ -774,6 +726,13 @@ def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: b
                              {"layout": layout, "requantize": requantize},
                              start, force=force, progress=progress, metadata=metadata,
                              convert=convert, texts=texts)
+
+
+def check_engine_fused(plans: dict, linear: dict, layout: str) -> None:
+    """Converting to an engine layout: refuses fused layers of several schemes, or of NVFP4
+    tensor scales that differ (:func:`check_fused`, :func:`_check_fused_scales`)."""
+    check_fused(linear)
+    _check_fused_scales(plans, layout)
 
 
 def _weights_of(spec) -> str:

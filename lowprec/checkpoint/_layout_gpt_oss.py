@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ._errors import CheckpointError
 from ._layout import BLOCK, GPT_OSS_FORMAT, TensorSpec
 from ._layout_lowprec import LowprecLayout
@@ -59,6 +61,17 @@ class GptOssLayout(LowprecLayout):
                                       scale_rule=None, layout=self.name)
                     found[base] = (spec, {"blocks": info.name, "scales": sc.name})
         return found
+
+    def label(self, spec) -> str:
+        return f"{spec.format.name} ({self.name})"
+
+    def lowprec_arrays(self, spec, arrays: dict) -> dict:
+        """``<name>_blocks`` [out, K/32, 16] are lowprec's packed elements [out, K/2]."""
+        arrays = {"elements" if k == "blocks" else k: v for k, v in arrays.items()}
+        if arrays.get("elements") is not None and len(spec.shape) == 2:
+            blocks = np.asarray(arrays["elements"])
+            arrays["elements"] = blocks.reshape(blocks.shape[0], -1)
+        return arrays
 
     def check(self, reader, name, spec, parts, config, data):
         check_gpt_oss(reader, name, spec, parts, config, data)

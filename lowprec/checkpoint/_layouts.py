@@ -106,6 +106,26 @@ class Layout:
         """Whether ``convert`` can write this layout."""
         return type(self).convert is not Layout.convert
 
+    def label(self, spec) -> str:
+        """How ``inspect`` names the format of a tensor stored in this layout."""
+        return f"{spec.format.name} ({self.name})"
+
+    # -- moving NVFP4 / MX / FP8 bits between layouts (lowprec convert) ---------------
+    # What :func:`~lowprec.checkpoint._engine_convert.convert_layouts` asks of a layout it
+    # moves bits out of or into (the engine layouts and lowprec's say more).
+    #: NVFP4's tensor scale stored as its reciprocal (compressed-tensors' global scale).
+    reciprocal_global_scale: ClassVar[bool] = False
+    #: FP8 scales stored in the model dtype (compressed-tensors), not float32.
+    scales_in_model_dtype: ClassVar[bool] = False
+    #: The stored shape of a tensor-wide number.
+    scalar_shape: ClassVar[tuple] = ()
+
+    def lowprec_arrays(self, spec, arrays: dict) -> Optional[dict]:
+        """A recognized tensor's stored ``arrays`` (``{role: array}``) in the roles of
+        lowprec's layout (elements, scales, scale, values), for moving them to another
+        layout; None: its tensors are not moved that way."""
+        return None
+
     # -- a container of its own ------------------------------------------------------
     def owns_path(self, path, *, output: bool = False) -> bool:
         """Whether ``path`` is a file in this layout's own container (not safetensors); an
