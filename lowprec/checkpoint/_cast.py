@@ -50,7 +50,7 @@ def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
                 if fmt != "mxfp4":
                     continue
                 mx = load()
-                if mx.axis != len(shape) - 1 or shape[-1] % 32:
+                if mx.axis != len(shape) - 1 or shape[-1] % mx.fmt.block_size:
                     raise CheckpointError(f"{name!r}: cast along the last axis only")
                 nv, casts[name] = mxfp4_to_nvfp4(mx)
                 spec = make_spec("nvfp4", shape, meta.get(name, {}).get("dtype", "F32"),

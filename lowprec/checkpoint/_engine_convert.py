@@ -28,7 +28,6 @@ from ._engine_layouts import (
     ORIGIN_KEY,
     WEIGHT_FORMATS,
     EngineSpec,
-    ct_fp8_scale_dtype,
     add_stats,
     exact_reciprocal,
     input_scale,

@@ -519,7 +519,7 @@ _NVFP4_BLOCK = _NVFP4.block_size
 
 
 def _block_amax(x32: np.ndarray):
-    """(finite block maxima [out, in/16], blocks holding a NaN or inf)."""
+    """(finite block maxima [out, in / block], blocks holding a NaN or inf)."""
     blocks = x32.reshape(x32.shape[0], -1, _NVFP4_BLOCK)
     return _finite_abs(blocks).max(axis=-1), ~np.isfinite(blocks).all(axis=-1)
 
@@ -655,16 +655,16 @@ def modelopt_quant_config(scheme, exclude: Sequence[str]) -> tuple:
     ``quant_method``)."""
     scheme = engine_scheme(scheme)
     algo = scheme.modelopt
+    w = scheme.w
     q = {"quant_algo": algo, "kv_cache_quant_algo": None}
-    if scheme.weights == "nvfp4":
-        q["group_size"] = 16
+    if w.blocks:
+        q["group_size"] = w.block_size
     q["exclude_modules"] = sorted(_with_head({algo: ()}, exclude))
     hf = {"producer": dict(MODELOPT_PRODUCER), "quantization": q}
-    weights = {"dynamic": False, "num_bits": 4 if scheme.weights == "nvfp4" else 8,
-               "type": "float"}
+    weights = {"dynamic": False, "num_bits": w.code_bits, "type": "float"}
     inputs = dict(weights)
-    if scheme.weights == "nvfp4":
-        weights["group_size"] = inputs["group_size"] = 16
+    if w.blocks:
+        weights["group_size"] = inputs["group_size"] = w.block_size
     config = {}
     if algo in ("FP8", "NVFP4", "W4A16_NVFP4"):
         group = {"input_activations": inputs, "weights": weights, "targets": ["Linear"]}

@@ -89,9 +89,27 @@ class WeightScheme:
         """The safetensors dtype of the block scales (E8M0 as U8, or E4M3)."""
         return "U8" if self.mx else "F8_E4M3"
 
+    @property
+    def code_bits(self) -> int:
+        """Bits of one element code."""
+        return (self.format.element if self.blocks else self.format).code_bits
+
+    @property
+    def ct_strategy(self) -> str:
+        """compressed-tensors' ``strategy`` of its scales."""
+        if self.blocks:
+            return "tensor_group" if self.global_scale else "group"
+        return "channel" if self.per_channel else "tensor"
+
+    def ct_weight_args(self) -> dict:
+        """compressed-tensors ``weights`` ``QuantizationArgs`` (as llm-compressor writes)."""
+        return _args(self.code_bits, self.ct_strategy,
+                     group_size=self.block_size if self.blocks else None,
+                     scale_dtype=(_U8 if self.mx else _E4M3) if self.blocks else None)
+
     def packed_length(self, k: int) -> int:
         """Bytes of ``k`` packed codes."""
-        return k * self.format.element.code_bits // 8
+        return k * self.code_bits // 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +139,7 @@ class EngineScheme:
 
     def ct_weight_args(self) -> dict:
         """compressed-tensors ``weights`` ``QuantizationArgs``."""
-        return dict(_CT_WEIGHTS[self.weights])
+        return self.w.ct_weight_args()
 
 
 def _args(num_bits, strategy, *, group_size=None, scale_dtype=None, dynamic=False,
@@ -156,14 +174,6 @@ WEIGHT_SCHEMES = {w.name: w for w in (
                  per_channel=True),
 )}
 
-_CT_WEIGHTS = {
-    "nvfp4": _args(4, "tensor_group", group_size=16, scale_dtype=_E4M3),
-    "mxfp4": _args(4, "group", group_size=32, scale_dtype=_U8),
-    "mxfp6": _args(6, "group", group_size=32, scale_dtype=_U8),
-    "mxfp8": _args(8, "group", group_size=32, scale_dtype=_U8),
-    "fp8": _args(8, "tensor"),
-    "fp8_channel": _args(8, "channel"),
-}
 
 _SCHEMES = (
     # name, weights, inputs, ModelOpt quant_algo, what
@@ -186,11 +196,11 @@ _SCHEMES = (
 #: The schemes by name (upper case).
 SCHEMES = {n: EngineScheme(n, w, i, m, what) for n, w, i, m, what in _SCHEMES}
 
-_CT_INPUTS = {
-    "NVFP4": _args(4, "tensor_group", group_size=16, scale_dtype=_E4M3, dynamic="local",
-                   observer="static_minmax"),
-    "MXFP4": _args(4, "group", group_size=32, scale_dtype=_U8, dynamic=True, observer=None),
-    "MXFP8": _args(8, "group", group_size=32, scale_dtype=_U8, dynamic=True, observer=None),
+_CT_INPUTS = {  # the activations' arguments: the weights' blocks, computed at run time
+    "NVFP4": dict(WEIGHT_SCHEMES["nvfp4"].ct_weight_args(), dynamic="local",
+                  observer="static_minmax"),
+    "MXFP4": dict(WEIGHT_SCHEMES["mxfp4"].ct_weight_args(), dynamic=True, observer=None),
+    "MXFP8": dict(WEIGHT_SCHEMES["mxfp8"].ct_weight_args(), dynamic=True, observer=None),
     "FP8": _args(8, "tensor", observer="static_minmax"),
     "FP8_DYNAMIC": _args(8, "token", dynamic=True, observer=None),
 }

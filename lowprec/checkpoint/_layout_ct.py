@@ -20,7 +20,6 @@ from ._engine_convert import (
     check_engine_fused,
     config_texts,
     convert_layouts,
-    ct_fp8_scale_dtype,
     quantize_engine_checkpoint,
 )
 from ._engine_layouts import (
@@ -28,6 +27,7 @@ from ._engine_layouts import (
     EngineSpec,
     complete_specs,
     ct_fp8,
+    ct_fp8_scale_dtype,
     ct_input_scale,
     ct_nvfp4,
     ct_quantization_config,
@@ -36,6 +36,7 @@ from ._engine_layouts import (
 from ._engine_schemes import SCHEMES, WEIGHT_SCHEMES
 from ._errors import CheckpointError
 from ._layouts import Layout, get_layout, register
+from ._qconfig import ct_config, ct_keeping
 from ._validate import check_engine
 
 
@@ -218,6 +219,7 @@ def _engine_layouts() -> list:
 
 @dataclasses.dataclass(frozen=True)
 class CompressedTensorsLayout(EngineLayout):
+    quant_method = "compressed-tensors"
     reciprocal_global_scale = True
     scales_in_model_dtype = True
     scalar_shape = (1,)
@@ -284,6 +286,12 @@ class CompressedTensorsLayout(EngineLayout):
 
     def input_scale(self, amax, w, dtype):
         return ct_input_scale(amax, w, dtype)
+
+    def read_config(self, q, hf, where):
+        return ct_config(q, where)
+
+    def keep_config(self, config, groups, decoded) -> tuple:
+        return ct_keeping(config, groups, decoded)
 
     def config(self, source, outputs, groups: dict, kept) -> tuple:
         qconfig = ct_quantization_config(groups, kept)

@@ -12,17 +12,21 @@ import dataclasses
 import numpy as np
 
 from ._errors import CheckpointError
-from ._layout import BLOCK, GPT_OSS_FORMAT, TensorSpec
+from ._layout import GPT_OSS_FORMAT, TensorSpec
 from ._layout_lowprec import LowprecLayout
 from ._layouts import Layout, register
+from ._qconfig import gpt_oss_config
 from ._validate import check_gpt_oss
 
 _SUFFIXES = (("_blocks", "_scales"), (".blocks", ".scales"))
+BLOCK = GPT_OSS_FORMAT.block_size  # 32 FP4 codes per scale, 16 bytes a row
 
 
 @dataclasses.dataclass(frozen=True)
 class GptOssLayout(LowprecLayout):
     exclusive = False
+    quant_method = "mxfp4"  # transformers' Mxfp4Config
+    code_role = "blocks"  # lowprec's packed elements, in rows of 16 bytes
     instead = "use --layout lowprec"
 
     def holds(self, fmt) -> bool:
@@ -72,6 +76,9 @@ class GptOssLayout(LowprecLayout):
             blocks = np.asarray(arrays["elements"])
             arrays["elements"] = blocks.reshape(blocks.shape[0], -1)
         return arrays
+
+    def read_config(self, q, hf, where):
+        return gpt_oss_config(q, where)
 
     def check(self, reader, name, spec, parts, config, data):
         check_gpt_oss(reader, name, spec, parts, config, data)

@@ -20,10 +20,12 @@ from ._engine_schemes import SCHEMES, WEIGHT_SCHEMES
 from ._errors import CheckpointError
 from ._layout_ct import EngineLayout
 from ._layouts import register
+from ._qconfig import modelopt_config
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptLayout(EngineLayout):
+    quant_method = "modelopt"
     one_scheme = True
     title = "ModelOpt"
 
@@ -76,6 +78,9 @@ class ModelOptLayout(EngineLayout):
 
     def input_scale(self, amax, w, dtype):
         return modelopt_input_scale(amax, w, dtype)
+
+    def read_config(self, q, hf, where):
+        return modelopt_config(q, hf, where)
 
     def config(self, source, outputs, groups: dict, kept) -> tuple:
         """config.json's ``quantization_config`` and ``hf_quant_config.json``, as ModelOpt's

@@ -126,6 +126,23 @@ class Layout:
         layout; None: its tensors are not moved that way."""
         return None
 
+    # -- the checkpoint's quantization config (config.json) ----------------------------
+    #: The ``quant_method`` of config.json's ``quantization_config`` that says this layout
+    #: (None: the layout has no config; lowprec's own records its tensors in metadata).
+    quant_method: ClassVar[Optional[str]] = None
+
+    def read_config(self, q: Optional[dict], hf: Optional[dict], where: str):
+        """The :class:`~lowprec.checkpoint._qconfig.QuantConfig` of config.json's
+        ``quantization_config`` ``q`` (and ModelOpt's ``hf_quant_config.json`` ``hf``)."""
+        raise NotImplementedError
+
+    def keep_config(self, config, groups, decoded) -> tuple:
+        """``(quantization_config, hf_quant_config)`` after decoding modules ``decoded``
+        while the ``groups`` claiming the others stay
+        (:func:`~lowprec.checkpoint._qconfig.config_keeping`)."""
+        from ._qconfig import modelopt_keeping
+        return modelopt_keeping(config, groups, decoded)
+
     # -- a container of its own ------------------------------------------------------
     def owns_path(self, path, *, output: bool = False) -> bool:
         """Whether ``path`` is a file in this layout's own container (not safetensors); an
