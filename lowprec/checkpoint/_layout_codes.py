@@ -31,6 +31,7 @@ from .._mx import dequantize, quantize_mx
 from .._mxarray import MXArray
 from ._chunk import count_nonfinite, narrow
 from ._convert import check_selection, compile_pattern, select_tensor
+from ._engine_layouts import EngineSpec, layout_arrays, scheme_bits
 from ._errors import CheckpointError
 from ._formats import checkpoint_format, is_block_format
 from ._layout import TensorSpec, check_block_scale_rule
@@ -46,11 +47,11 @@ from ._pipeline import (
 )
 from ._qconfig import read_quant_config
 from ._report import TensorReport
-from ._safetensors import FLOAT_DTYPES, nbytes_of
+from ._safetensors import FLOAT_DTYPES, SafetensorsReader, nbytes_of
 from ._source import open_source
 from ._stats import ErrorStats
 
-__all__ = ["CodesLayout", "CodesSpec", "read_mxarray"]
+__all__ = ["CodesLayout", "CodesSpec", "checkpoint_mxarrays", "read_mxarray"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +100,20 @@ class CodesSpec:
 
 
 def read_mxarray(reader, name, spec, parts) -> MXArray:
-    """The ``MXArray`` of one recognized block-format tensor of lowprec's, gpt-oss's or a
-    codes layout (an engine layout is moved to lowprec's first: ``lowprec convert``)."""
+    """The ``MXArray`` of one recognized block-format tensor of any layout: lowprec's,
+    gpt-oss's, a codes layout's, or an engine layout's (its bits moved to lowprec's roles as
+    ``lowprec convert`` moves them: refused where that is not exact)."""
     if isinstance(spec, CodesSpec):
         return spec.mxarray(reader, parts)
+    if isinstance(spec, EngineSpec) and spec.w.blocks:
+        arrays = {role: reader.read(stored) for role, stored, _, _ in parts}
+        w, bits = scheme_bits(name, spec, arrays, "lowprec")
+        bits.pop("input_scale", None)
+        out, _ = layout_arrays(name, w, bits, "lowprec")
+        ts = jnp.float32(out["scale"].reshape(())) if "scale" in out else None
+        return MXArray(jnp.asarray(out["elements"].view(np.uint8)),
+                       jnp.asarray(np.asarray(out["scales"]).view(np.uint8)), spec.format, 1,
+                       tuple(spec.shape), tensor_scale=ts)
     if isinstance(spec, TensorSpec) and spec.is_mx:
         roles = {role: stored for role, stored, _, _ in parts}
         ts = jnp.float32(reader.read(roles["scale"]).reshape(())) if "scale" in roles else None
@@ -114,9 +125,31 @@ def read_mxarray(reader, name, spec, parts) -> MXArray:
         return MXArray(jnp.asarray(elements), jnp.asarray(scales), spec.format, spec.axis,
                        spec.shape, tensor_scale=ts)
     raise CheckpointError(
-        f"{reader.path}: {name} is {getattr(spec, 'label', spec.format.name)}; a codes layout "
-        "moves block-format tensors of lowprec's, gpt-oss's or another codes layout (move an "
-        "engine layout to lowprec's first: lowprec convert IN OUT --layout lowprec)")
+        f"{reader.path}: {name} is {getattr(spec, 'label', spec.format.name)}, not a block "
+        "format: there are no block codes to move")
+
+
+def checkpoint_mxarrays(src) -> dict:
+    """The quantized tensors of a safetensors checkpoint in any layout lowprec reads, each
+    checked by its layout (:func:`~._logical.logical_tensors`): ``{name: (format name, shape,
+    load)}``, ``load()`` reading that one tensor as an ``MXArray`` (:func:`read_mxarray`;
+    the caller refuses what is not a block format before loading it)."""
+    source = open_source(src)
+    config = read_quant_config(source.home)
+    out = {}
+    with contextlib.ExitStack() as stack:
+        for rel, reader in open_readers(stack, source).items():
+            for name, spec, parts in logical_tensors(reader, config):
+                if spec is not None:
+                    out[name] = (spec.format.name, tuple(spec.shape),
+                                 lambda path=source.path(rel), name=name, spec=spec,
+                                 parts=parts: _load(path, name, spec, parts))
+    return out
+
+
+def _load(path, name, spec, parts) -> MXArray:
+    with SafetensorsReader(path) as reader:
+        return read_mxarray(reader, name, spec, parts)
 
 
 @dataclasses.dataclass(frozen=True)
