@@ -113,6 +113,14 @@ class EngineLayout(Layout):
             parts.append(self.input_scale_part(spec, module))
         return parts
 
+    def weight_parts(self, spec, name: str, out: int, k: int) -> list:
+        """The stored parts of the weight ``name`` [out, k] (``spec`` an EngineSpec)."""
+        raise NotImplementedError
+
+    def input_scale_part(self, spec, module: str) -> tuple:
+        """The stored part of a static scheme's input scale of ``module``."""
+        raise NotImplementedError
+
     def check(self, reader, name, spec, parts, config, data):
         # FP8 per tensor is the same bits in every engine layout (a scale of shape [] or
         # [1]): a config of any of them reads it.
