@@ -45,8 +45,9 @@ from ._pipeline import (
     Outputs,
     check_collisions,
     check_unquantized,
-    copy_tensor,
+    keep_tensor,
     open_readers,
+    plan_shards,
     write_outputs,
 )
 from ._qconfig import config_keeping, load_json, read_quant_config
@@ -252,25 +253,8 @@ def quantize_engine_checkpoint(
         engine = [l.name for l in layouts() if hasattr(l, "encode_fp8")]
         raise CheckpointError(
             f"unknown engine layout {layout!r}; choose one of: {', '.join(engine)}")
-    if format is not None and not isinstance(format, (str, EngineScheme)):
-        format = getattr(format, "name", format)  # a lowprec format object: by its name
-    default = None if format is None else engine_scheme(format)
-    parsed = _parse_schemes(schemes)
+    default, parsed, rules = _scheme_options(lay, format, schemes, scale_rule)
     ignore_p = [_pattern(p, "--ignore") for p in ignore]
-    used = {default} | {s for _, s in parsed}
-    used.discard(None)
-    if not used:
-        raise CheckpointError(
-            "give a scheme (--scheme SCHEME or --format SCHEME) or per-module schemes "
-            "(--scheme PATTERN=SCHEME)")
-    lay.check_schemes(used)
-    if scale_rule is not None and not any(s.w.mx for s in used):
-        raise CheckpointError(
-            f"--scale-rule / scale_rule applies to the MX schemes (MXFP4, MXFP6, MXFP8), not "
-            f"{', '.join(sorted(s.name for s in used))}: NVFP4's scales follow its own rule and "
-            "FP8's scale is amax / 448; drop it")
-    given_rule = None if scale_rule is None else check_scale_rule(scale_rule)
-    rules = {w: given_rule or check_scale_rule(CT_SCALE_RULES[w]) for w in CT_SCALE_RULES}
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     with contextlib.ExitStack() as stack:
@@ -287,17 +271,7 @@ def quantize_engine_checkpoint(
                                   "quantize with these options")
         modules = {n[: -len(".weight")]: s.name for n, s in chosen.items()}
         check_fused({**dict.fromkeys(kept_all), **modules})
-        # Tensor-wide amax (first pass): NVFP4's global scale is one per fused layer.
-        wide = {}
-        for name, scheme in chosen.items():
-            if scheme.w.tensor_scale:
-                rel, info = infos[name]
-                spec = EngineSpec(scheme.weights, layout, tuple(info.shape))
-                wide[name[: -len(".weight")]] = max(
-                    (np.float32(finite_amax(readers[rel].read_rows(name, r0, r1)))
-                     for r0, r1 in spec.row_blocks()), default=np.float32(0))
-        nvfp4 = {m: a for m, a in wide.items() if SCHEMES[modules[m]].w.global_scale}
-        wide.update(_fused_max(nvfp4))
+        wide = _tensor_amax(readers, chosen, infos, layout)
         needed = sorted(m for m, s in modules.items() if SCHEMES[s].inputs == "static")
         linear = {n[: -len(".weight")] for r in readers.values() for n, i in r.tensors.items()
                   if n.endswith(".weight") and len(i.shape) == 2}
@@ -305,28 +279,24 @@ def quantize_engine_checkpoint(
                                max_seq_length, progress)
         act_used = _fused_max(act)
 
-        plans, groups = {}, {}
-        for rel, reader in readers.items():
-            plan, entries = [], []
+        groups = {}
+
+        def plan_file(reader):
             for info in reader.tensors.values():
                 scheme = chosen.get(info.name)
-                spec = None
-                if scheme is not None:
-                    module = info.name[: -len(".weight")]
-                    d = lay.fp8_scale_dtype(scheme.w, info.dtype)
-                    spec = EngineSpec(
-                        scheme.weights, layout, tuple(info.shape), info.dtype,
-                        rules.get(scheme.weights), scale_dtype=d,
-                        inputs=scheme.inputs if scheme.inputs == "static" else None,
-                        input_dtype=d)
-                    entries += [(st, dt, shp) for _, st, dt, shp in spec.parts(info.name)]
-                    groups.setdefault(scheme.name, []).append(module)
-                    plan.append((info, spec, scheme, wide.get(module), act_used.get(module)))
-                else:
-                    entries.append((info.name, info.dtype, info.shape))
-                    plan.append((info, None, None, None, None))
-            check_collisions(entries, reader.path, "--ignore the module of one of them")
-            plans[rel] = (plan, entries)
+                if scheme is None:
+                    yield (info, None, None, None, None), [(info.name, info.dtype, info.shape)]
+                    continue
+                module = info.name[: -len(".weight")]
+                d = lay.fp8_scale_dtype(scheme.w, info.dtype)
+                spec = EngineSpec(scheme.weights, layout, tuple(info.shape), info.dtype,
+                                  rules.get(scheme.weights), scale_dtype=d, input_dtype=d,
+                                  inputs=scheme.inputs if scheme.inputs == "static" else None)
+                groups.setdefault(scheme.name, []).append(module)
+                yield ((info, spec, scheme, wide.get(module), act_used.get(module)),
+                       [(st, dt, shp) for _, st, dt, shp in spec.parts(info.name)])
+
+        plans = plan_shards(readers, plan_file, "--ignore the module of one of them")
         groups = {s: sorted(m) for s, m in groups.items()}
         qconfig, texts = lay.config(source, outputs, groups, kept_all)
 
@@ -334,42 +304,9 @@ def quantize_engine_checkpoint(
             info, spec, scheme, amax, act_amax = item
             bar.set_postfix_str(info.name[-40:], refresh=False)
             if spec is None:
-                copy_tensor(reader, writer, info.name, bar)
-                return TensorReport(info.name, info.shape, info.dtype, "kept",
-                                    info.nbytes, info.nbytes, reason="kept")
-            parts = spec.parts(info.name)
-
-            def piece(block):  # on a worker: each part's rows written at their place
-                r0, r1 = block
-                x = reader.read_rows(info.name, r0, r1)
-                arrays = quantize_arrays(x, spec.scheme, layout, dtype=info.dtype,
-                                         scale_rule=spec.scale_rule, amax=amax)
-                if spec.inputs == "static":
-                    arrays["input_scale"] = input_scale(act_amax, spec.scheme, layout,
-                                                        info.dtype)
-                for role, stored, _, _ in parts:
-                    if not spec.is_whole(role):
-                        writer.write_rows(stored, r0, arrays[role])
-                    elif r0 == 0:
-                        writer.write(stored, arrays[role])
-                piece_stats = ErrorStats()
-                add_stats(piece_stats, x, arrays, dataclasses.replace(spec, shape=x.shape))
-                return piece_stats, x.nbytes
-
-            stats = ErrorStats()
-
-            def done(block, result):
-                stats.merge(result[0])
-                bar.update(result[1])
-
-            runner.run(piece, list(spec.row_blocks()), done)
-            what = (f"{layout} {scheme.name}" + (" (weight-only)" if scheme.weight_only else
-                                                 f" ({scheme.inputs} activations)"))
-            return TensorReport(
-                info.name, info.shape, info.dtype, spec.label, info.nbytes, spec.nbytes(),
-                reason=what, scale_rule=spec.scale_rule,
-                sqnr_db=stats.sqnr_db, max_abs_err=stats.max_abs, max_rel_err=stats.max_rel,
-                nonfinite=stats.nonfinite, stored_as=tuple(p[1] for p in parts), exact=stats.exact)
+                return keep_tensor(reader, writer, info.name, bar, "kept")
+            return _quantize_engine_tensor(reader, writer, info, spec, scheme, amax, act_amax,
+                                           bar, runner)
 
         options = {"layout": layout, "format": None if default is None else default.name,
                    "schemes": list(schemes or ()), "ignore": list(ignore),
@@ -383,6 +320,85 @@ def quantize_engine_checkpoint(
         return write_outputs(source, outputs, readers, plans, "quantize", options, start,
                              force=force, progress=progress, metadata=metadata,
                              convert=convert, texts=texts)
+
+
+def _scheme_options(lay, format, schemes, scale_rule) -> tuple:
+    """``(default scheme, [(pattern, scheme)], {MX weights: scale rule})`` of
+    :func:`quantize_engine_checkpoint`'s options, refused where the layout cannot hold them
+    or a scale rule is given without an MX scheme."""
+    if format is not None and not isinstance(format, (str, EngineScheme)):
+        format = getattr(format, "name", format)  # a lowprec format object: by its name
+    default = None if format is None else engine_scheme(format)
+    parsed = _parse_schemes(schemes)
+    used = {default} | {s for _, s in parsed}
+    used.discard(None)
+    if not used:
+        raise CheckpointError(
+            "give a scheme (--scheme SCHEME or --format SCHEME) or per-module schemes "
+            "(--scheme PATTERN=SCHEME)")
+    lay.check_schemes(used)
+    if scale_rule is not None and not any(s.w.mx for s in used):
+        raise CheckpointError(
+            f"--scale-rule / scale_rule applies to the MX schemes (MXFP4, MXFP6, MXFP8), not "
+            f"{', '.join(sorted(s.name for s in used))}: NVFP4's scales follow its own rule and "
+            "FP8's scale is amax / 448; drop it")
+    given_rule = None if scale_rule is None else check_scale_rule(scale_rule)
+    rules = {w: given_rule or check_scale_rule(CT_SCALE_RULES[w]) for w in CT_SCALE_RULES}
+    return default, parsed, rules
+
+
+def _tensor_amax(readers, chosen: dict, infos: dict, layout: str) -> dict:
+    """``{module: amax}`` of the weights with a tensor-wide scale (a first pass); NVFP4's
+    global scale is one per fused layer, so its members share the group's largest."""
+    wide = {}
+    for name, scheme in chosen.items():
+        if scheme.w.tensor_scale:
+            rel, info = infos[name]
+            spec = EngineSpec(scheme.weights, layout, tuple(info.shape))
+            wide[name[: -len(".weight")]] = max(
+                (np.float32(finite_amax(readers[rel].read_rows(name, r0, r1)))
+                 for r0, r1 in spec.row_blocks()), default=np.float32(0))
+    nvfp4 = {m: a for m, a in wide.items() if chosen[m + ".weight"].w.global_scale}
+    wide.update(_fused_max(nvfp4))
+    return wide
+
+
+def _quantize_engine_tensor(reader, writer, info, spec, scheme, amax, act_amax, bar,
+                            runner) -> TensorReport:
+    """Quantizes one Linear weight a block of rows at a time on the runner's workers, with
+    its layout's writer rules, each part's rows written at their place; its report."""
+    parts = spec.parts(info.name)
+
+    def piece(block):
+        r0, r1 = block
+        x = reader.read_rows(info.name, r0, r1)
+        arrays = quantize_arrays(x, spec.scheme, spec.layout, dtype=info.dtype,
+                                 scale_rule=spec.scale_rule, amax=amax)
+        if spec.inputs == "static":
+            arrays["input_scale"] = input_scale(act_amax, spec.scheme, spec.layout, info.dtype)
+        for role, stored, _, _ in parts:
+            if not spec.is_whole(role):
+                writer.write_rows(stored, r0, arrays[role])
+            elif r0 == 0:
+                writer.write(stored, arrays[role])
+        piece_stats = ErrorStats()
+        add_stats(piece_stats, x, arrays, dataclasses.replace(spec, shape=x.shape))
+        return piece_stats, x.nbytes
+
+    stats = ErrorStats()
+
+    def done(block, result):
+        stats.merge(result[0])
+        bar.update(result[1])
+
+    runner.run(piece, list(spec.row_blocks()), done)
+    what = (f"{spec.layout} {scheme.name}" + (" (weight-only)" if scheme.weight_only else
+                                             f" ({scheme.inputs} activations)"))
+    return TensorReport(
+        info.name, info.shape, info.dtype, spec.label, info.nbytes, spec.nbytes(),
+        reason=what, scale_rule=spec.scale_rule,
+        sqnr_db=stats.sqnr_db, max_abs_err=stats.max_abs, max_rel_err=stats.max_rel,
+        nonfinite=stats.nonfinite, stored_as=tuple(p[1] for p in parts), exact=stats.exact)
 
 
 def config_texts(source, outputs, qconfig: Optional[dict], extra: dict) -> dict:
@@ -623,27 +639,14 @@ def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: b
                         kept.append(name[: -len(".weight")])
                         linear[name[: -len(".weight")]] = None
                     continue
-                # the tensor-wide parts and the scales: enough to check exactness up front
-                arrays = {role: reader.read(stored) for role, stored, _, _ in parts
-                          if role in ("scale", "scales", "global_scale")}
-                weights, bits = scheme_bits(name, spec, arrays, layout, requantize)
-                w = WEIGHT_SCHEMES[weights]
-                o = origin.get(name, {}) if isinstance(origin.get(name), dict) else {}
-                dtype = _original_dtype(spec, o, model_dtype)
-                rule = o.get("scale_rule", spec.scale_rule)
-                scheme = source_scheme(name, spec, config)
-                if w.global_scale and lay.reciprocal_global_scale and "ts" in bits \
-                        and "gs" not in bits and not requantize:
-                    exact_reciprocal(name, bits["ts"], bits["scales"], layout, True)
-                target, scheme = lay.convert_target(name, spec, w, bits, scheme, dtype, rule,
-                                                    requantize)
+                o = origin.get(name) if isinstance(origin.get(name), dict) else {}
+                target, scheme, bits = _move_target(reader, name, spec, parts, lay, o,
+                                                    model_dtype, config, requantize)
                 if scheme is not None:
                     groups.setdefault(scheme.name, []).append(name[: -len(".weight")])
                     linear[name[: -len(".weight")]] = scheme.name
-                tparts = target.parts(name)
-                entries += [(st, dt, shp) for _, st, dt, shp in tparts]
+                entries += [(st, dt, shp) for _, st, dt, shp in target.parts(name)]
                 plan.append((name, spec, parts, target, scheme, bits))
-                origin[name] = {"dtype": dtype, "scale_rule": rule}
             check_collisions(entries, reader.path, "rename one of them in the input")
             plans[rel] = (plan, entries)
         if not found_in:
@@ -661,70 +664,96 @@ def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: b
         def convert(reader, writer, item, bar, runner):
             name, spec, parts, target, scheme = item
             if spec is None:
-                info = reader.tensors[name]
-                copy_tensor(reader, writer, name, bar)
-                return TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
-                                    info.nbytes, reason="not quantized")
-            tparts = target.parts(name)
-            rows = EngineSpec(_weights_of(spec), spec.layout, tuple(spec.shape))
-            # a float32 FP8 scale stored in the model dtype (ct_fp8_scale_dtype)
-            refit = getattr(target, "scale_dtype", "F32") != "F32" and \
-                not get_layout(spec.layout).scales_in_model_dtype
-
-            def piece(block):  # move the bits a block of rows at a time, on a worker
-                r0, r1 = block
-                changed = 0
-                if isinstance(spec, EngineSpec):
-                    got = spec.read_rows(reader, parts, r0, r1)
-                else:
-                    got = {role: reader.read(stored) if role == "scale"
-                           else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
-                w, bits = scheme_bits(name, spec, got, layout, requantize)
-                src_input = bits.pop("input_scale", None)
-                out, n = layout_arrays(name, w, bits, lay, requantize)
-                if refit:
-                    out["values"], out["scale"], n = requantize_fp8(
-                        out["values"], out["scale"], target.scale_dtype)
-                changed += n
-                if getattr(target, "inputs", None) == "static":
-                    out["input_scale"], moved = _move_input_scale(name, src_input, spec, target,
-                                                                  requantize)
-                    if r0 == 0:
-                        changed += moved
-                for role, stored, _, _ in tparts:
-                    if not rows.is_whole(role):
-                        writer.write_rows(stored, r0, out[role])
-                    elif r0 == 0:
-                        writer.write(stored, out[role])
-                return changed
-
-            counts = []
-            runner.run(piece, list(rows.row_blocks()), lambda block, n: counts.append(n))
-            changed = sum(counts)
-            before = sum(reader.tensors[p[1]].nbytes for p in parts)
-            bar.update(before)
-            label = getattr(target, "label", target.format.name)
-            reason = f"moved from {spec.layout}"
-            if scheme is not None:
-                reason += f" ({scheme.name})"
-            if getattr(spec, "inputs", None) == "static" and \
-                    getattr(target, "inputs", None) != "static":
-                reason += (f"; its input scale is not kept ({lay.name}'s layout holds weights "
-                           "only)")
-            if changed:
-                why = ("an NVFP4 scale without an exact reciprocal"
-                       if WEIGHT_SCHEMES[_weights_of(target)].global_scale
-                       else f"an FP8 scale rounded to {target.scale_dtype}")
-                reason += f"; requantized: {changed} decoded value(s) changed ({why})"
-            return TensorReport(name, spec.shape, target.dtype, label,
-                                before, target.nbytes(), reason=reason,
-                                scale_rule=target.scale_rule, stored_as=tuple(p[1] for p in tparts),
-                                changed=changed if requantize else None)
+                return keep_tensor(reader, writer, name, bar, "not quantized")
+            return _move_tensor(reader, writer, name, spec, parts, target, scheme, lay,
+                                requantize, bar, runner)
 
         return write_outputs(source, outputs, readers, plans, "convert",
                              {"layout": layout, "requantize": requantize},
                              start, force=force, progress=progress, metadata=metadata,
                              convert=convert, texts=texts)
+
+
+def _move_tensor(reader, writer, name, spec, parts, target, scheme, lay, requantize, bar,
+                 runner) -> TensorReport:
+    """Moves one tensor's bits into ``target`` (of layout ``lay``) a block of rows at a
+    time on the runner's workers (re-encoded only where ``requantize`` allows it, counted);
+    its report."""
+    layout = lay.name
+    tparts = target.parts(name)
+    rows = EngineSpec(_weights_of(spec), spec.layout, tuple(spec.shape))
+    # a float32 FP8 scale stored in the model dtype (ct_fp8_scale_dtype)
+    refit = getattr(target, "scale_dtype", "F32") != "F32" and \
+        not get_layout(spec.layout).scales_in_model_dtype
+
+    def piece(block):  # move the bits a block of rows at a time, on a worker
+        r0, r1 = block
+        changed = 0
+        if isinstance(spec, EngineSpec):
+            got = spec.read_rows(reader, parts, r0, r1)
+        else:
+            got = {role: reader.read(stored) if role == "scale"
+                   else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
+        w, bits = scheme_bits(name, spec, got, layout, requantize)
+        src_input = bits.pop("input_scale", None)
+        out, n = layout_arrays(name, w, bits, lay, requantize)
+        if refit:
+            out["values"], out["scale"], n = requantize_fp8(
+                out["values"], out["scale"], target.scale_dtype)
+        changed += n
+        if getattr(target, "inputs", None) == "static":
+            out["input_scale"], moved = _move_input_scale(name, src_input, spec, target,
+                                                          requantize)
+            if r0 == 0:
+                changed += moved
+        for role, stored, _, _ in tparts:
+            if not rows.is_whole(role):
+                writer.write_rows(stored, r0, out[role])
+            elif r0 == 0:
+                writer.write(stored, out[role])
+        return changed
+
+    counts = []
+    runner.run(piece, list(rows.row_blocks()), lambda block, n: counts.append(n))
+    changed = sum(counts)
+    before = sum(reader.tensors[p[1]].nbytes for p in parts)
+    bar.update(before)
+    label = getattr(target, "label", target.format.name)
+    reason = f"moved from {spec.layout}"
+    if scheme is not None:
+        reason += f" ({scheme.name})"
+    if getattr(spec, "inputs", None) == "static" and \
+            getattr(target, "inputs", None) != "static":
+        reason += (f"; its input scale is not kept ({lay.name}'s layout holds weights "
+                   "only)")
+    if changed:
+        why = ("an NVFP4 scale without an exact reciprocal"
+               if WEIGHT_SCHEMES[_weights_of(target)].global_scale
+               else f"an FP8 scale rounded to {target.scale_dtype}")
+        reason += f"; requantized: {changed} decoded value(s) changed ({why})"
+    return TensorReport(name, spec.shape, target.dtype, label,
+                        before, target.nbytes(), reason=reason,
+                        scale_rule=target.scale_rule, stored_as=tuple(p[1] for p in tparts),
+                        changed=changed if requantize else None)
+
+
+def _move_target(reader, name, spec, parts, lay, origin: dict, model_dtype, config,
+                 requantize: bool) -> tuple:
+    """``(target spec, scheme or None, bits)`` of a tensor moved into layout ``lay``: its
+    tensor-wide parts and scales read (enough to check exactness up front), the target's
+    ``convert_target`` asked, an inexact reciprocal refused."""
+    arrays = {role: reader.read(stored) for role, stored, _, _ in parts
+              if role in ("scale", "scales", "global_scale")}
+    weights, bits = scheme_bits(name, spec, arrays, lay.name, requantize)
+    w = WEIGHT_SCHEMES[weights]
+    dtype = _original_dtype(spec, origin, model_dtype)
+    rule = origin.get("scale_rule", spec.scale_rule)
+    scheme = source_scheme(name, spec, config)
+    if w.global_scale and lay.reciprocal_global_scale and "ts" in bits \
+            and "gs" not in bits and not requantize:
+        exact_reciprocal(name, bits["ts"], bits["scales"], lay.name, True)
+    target, scheme = lay.convert_target(name, spec, w, bits, scheme, dtype, rule, requantize)
+    return target, scheme, bits
 
 
 def check_engine_fused(plans: dict, linear: dict, layout: str) -> None:

@@ -41,7 +41,7 @@ from ._pipeline import (
     Outputs,
     check_collisions,
     check_unquantized,
-    copy_tensor,
+    keep_tensor,
     open_readers,
     write_outputs,
 )
@@ -302,9 +302,7 @@ def quantize_codes(layout: CodesLayout, src, dst, fmt, *, include=None, exclude=
         def convert(reader, writer, it, bar, runner):
             info, spec, reason = it
             if spec is None:
-                copy_tensor(reader, writer, info.name, bar)
-                return TensorReport(info.name, info.shape, info.dtype, "kept", info.nbytes,
-                                    info.nbytes, reason=reason)
+                return keep_tensor(reader, writer, info.name, bar, reason)
             x = np.asarray(reader.read(info.name), np.float32)
             mx = quantize_mx(jnp.asarray(x), fmt, axis=-1, **(
                 {"scale_rule": scale_rule} if scale_rule is not None else {}))
@@ -371,10 +369,7 @@ def convert_codes(layout, src, dst, *, force=False, progress=None, report=None,
         def convert(reader, writer, it, bar, runner):
             name, spec, parts, target = it
             if spec is None:
-                info = reader.tensors[name]
-                copy_tensor(reader, writer, name, bar)
-                return TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
-                                    info.nbytes, reason="not quantized")
+                return keep_tensor(reader, writer, name, bar, "not quantized")
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             write_parts(writer, name, target, layout.pack(read_mxarray(reader, name, spec, parts)))
             bar.update(before)

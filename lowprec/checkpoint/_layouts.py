@@ -21,6 +21,11 @@ toy one). What a layout provides (docs/design.md §16):
   metadata are written there.
 - A layout with its own container (GGUF) says which paths are its files (``owns_path``) and
   serves ``dequantize`` / ``inspect`` of them too.
+- Its config: ``quant_method`` (config.json's, None for none), ``read_config``,
+  ``keep_config``; moving bits between layouts: ``lowprec_arrays`` and the scale
+  conventions (``reciprocal_global_scale``, ``scales_in_model_dtype``, ``scalar_shape``);
+  ``label`` names a tensor's format in ``inspect``. No code outside a layout's module
+  branches on its name: it asks the object.
 
 Example:
     >>> from lowprec.checkpoint import get_layout, layout_names

@@ -4,8 +4,8 @@ Every reader of the package (dequantize, convert, load_checkpoint; inspect, whic
 nothing, all but the stored scales) walks a file through
 :func:`lowprec.checkpoint._logical.logical_tensors`, which calls this module once per file:
 
-* **Each quantized tensor, by its layout** (the layout's ``check``, one function per layout
-  here, :class:`~lowprec.checkpoint.Layout`): its
+* **Each quantized tensor, by its layout** (the layout's ``check``,
+  :class:`~lowprec.checkpoint.Layout`, calling the functions here): its
   stored parts have the dtypes and shapes its format needs (checked where the parts are
   named, :func:`~lowprec.checkpoint._logical.quantized_specs`); it agrees with the
   checkpoint's quantization config (:mod:`lowprec.checkpoint._qconfig`): the config's
