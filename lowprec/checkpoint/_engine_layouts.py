@@ -106,7 +106,7 @@ from ._chunk import (
 )
 from ._engine_schemes import WEIGHT_SCHEMES, WEIGHTS, engine_scheme
 from ._errors import CheckpointError
-from ._layouts import get_layout
+from ._layouts import get_layout, layouts
 from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
 
 #: Layouts written for inference engines (``--layout``).
@@ -417,7 +417,6 @@ def engine_specs(reader) -> dict:
     """``{weight name: EngineSpec}`` for the tensors of ``reader`` stored in an engine
     layout (each registered engine layout's ``recognize``, by stored names, dtypes and
     shapes; nothing else is claimed)."""
-    from ._layouts import layouts
     found = {}
     for lay in layouts():
         if hasattr(lay, "recognize_weights"):

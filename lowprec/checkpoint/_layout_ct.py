@@ -35,7 +35,7 @@ from ._engine_layouts import (
 )
 from ._engine_schemes import SCHEMES, WEIGHT_SCHEMES
 from ._errors import CheckpointError
-from ._layouts import Layout, get_layout, register
+from ._layouts import Layout, get_layout, layouts, register
 from ._qconfig import ct_config, ct_keeping
 from ._validate import check_engine
 
@@ -221,7 +221,6 @@ class EngineLayout(Layout):
 
 
 def _engine_layouts() -> list:
-    from ._layouts import layouts
     return [l for l in layouts() if isinstance(l, EngineLayout)]
 
 

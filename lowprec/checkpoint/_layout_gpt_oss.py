@@ -15,7 +15,7 @@ from ._errors import CheckpointError
 from ._layout import GPT_OSS_FORMAT, TensorSpec
 from ._layout_lowprec import LowprecLayout
 from ._layouts import Layout, register
-from ._qconfig import gpt_oss_config
+from ._qconfig import gpt_oss_config, modelopt_keeping
 from ._validate import check_gpt_oss
 
 _SUFFIXES = (("_blocks", "_scales"), (".blocks", ".scales"))
@@ -79,6 +79,9 @@ class GptOssLayout(LowprecLayout):
 
     def read_config(self, q, hf, where):
         return gpt_oss_config(q, where)
+
+    def keep_config(self, config, groups, decoded) -> tuple:
+        return modelopt_keeping(config, groups, decoded)  # its ignore list, as ModelOpt's
 
     def check(self, reader, name, spec, parts, config, data):
         check_gpt_oss(reader, name, spec, parts, config, data)

@@ -20,7 +20,7 @@ from ._engine_schemes import SCHEMES, WEIGHT_SCHEMES
 from ._errors import CheckpointError
 from ._layout_ct import EngineLayout
 from ._layouts import register
-from ._qconfig import modelopt_config
+from ._qconfig import modelopt_config, modelopt_keeping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,9 @@ class ModelOptLayout(EngineLayout):
 
     def read_config(self, q, hf, where):
         return modelopt_config(q, hf, where)
+
+    def keep_config(self, config, groups, decoded) -> tuple:
+        return modelopt_keeping(config, groups, decoded)
 
     def config(self, source, outputs, groups: dict, kept) -> tuple:
         """config.json's ``quantization_config`` and ``hf_quant_config.json``, as ModelOpt's

@@ -145,8 +145,7 @@ class Layout:
         """``(quantization_config, hf_quant_config)`` after decoding modules ``decoded``
         while the ``groups`` claiming the others stay
         (:func:`~lowprec.checkpoint._qconfig.config_keeping`)."""
-        from ._qconfig import modelopt_keeping
-        return modelopt_keeping(config, groups, decoded)
+        raise NotImplementedError
 
     # -- a container of its own ------------------------------------------------------
     def owns_path(self, path, *, output: bool = False) -> bool:

@@ -30,6 +30,7 @@ from typing import Optional
 
 from ._engine_schemes import WEIGHT_SCHEMES
 from ._errors import CheckpointError
+from ._layouts import layouts
 
 CONFIG_NAME = "config.json"
 MODELOPT_CONFIG_NAME = "hf_quant_config.json"
@@ -321,7 +322,6 @@ def read_quant_config(folder: Optional[str]) -> Optional[QuantConfig]:
 
 def config_layout(method: str):
     """The registered layout whose config says ``quant_method`` ``method`` (None: none)."""
-    from ._layouts import layouts  # the layouts import this module
     return next((l for l in layouts() if l.quant_method == method), None)
 
 
