@@ -202,11 +202,6 @@ class EngineLayout(Layout):
         check_engine_fused(plans, linear, self.name)
         return self.config(source, outputs, {s: sorted(m) for s, m in groups.items()}, kept)[1]
 
-    @property
-    def title(self) -> str:
-        """The layout's name in messages."""
-        return self.name
-
     def quantize(self, src, dst, fmt, *, include=None, exclude=None, axis=None,
                  block_size=None, fp8_scale="tensor", **options):
         if include or exclude or axis is not None or block_size is not None \

@@ -20,12 +20,13 @@ from ._engine_schemes import SCHEMES, WEIGHT_SCHEMES
 from ._errors import CheckpointError
 from ._layout_ct import EngineLayout
 from ._layouts import register
-from ._qconfig import modelopt_config, modelopt_keeping
+from ._qconfig import MODELOPT_CONFIG_NAME, modelopt_config, modelopt_keeping
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptLayout(EngineLayout):
     quant_method = "modelopt"
+    config_file = MODELOPT_CONFIG_NAME
     one_scheme = True
     title = "ModelOpt"
 

@@ -111,6 +111,11 @@ class Layout:
         """Whether ``convert`` can write this layout."""
         return type(self).convert is not Layout.convert
 
+    @property
+    def title(self) -> str:
+        """The layout's name in messages (its registered name, or how its tool spells it)."""
+        return self.name
+
     def label(self, spec) -> str:
         """How ``inspect`` names the format of a tensor stored in this layout."""
         return f"{spec.format.name} ({self.name})"
@@ -135,6 +140,8 @@ class Layout:
     #: The ``quant_method`` of config.json's ``quantization_config`` that says this layout
     #: (None: the layout has no config; lowprec's own records its tensors in metadata).
     quant_method: ClassVar[Optional[str]] = None
+    #: A config file of its own beside config.json (ModelOpt's ``hf_quant_config.json``).
+    config_file: ClassVar[Optional[str]] = None
 
     def read_config(self, q: Optional[dict], hf: Optional[dict], where: str):
         """The :class:`~lowprec.checkpoint._qconfig.QuantConfig` of config.json's

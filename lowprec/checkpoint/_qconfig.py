@@ -297,21 +297,24 @@ def read_quant_config(folder: Optional[str]) -> Optional[QuantConfig]:
     if folder is None:
         return None
     cfg_path = os.path.join(folder, CONFIG_NAME)
-    hf_path = os.path.join(folder, MODELOPT_CONFIG_NAME)
     q = None
     if os.path.isfile(cfg_path):
         q = load_json(cfg_path).get("quantization_config")
         if q is not None and not isinstance(q, dict):
             raise CheckpointError(f"{cfg_path}: quantization_config is not an object")
-    hf = load_json(hf_path) if os.path.isfile(hf_path) else None
+    # a layout's own config file beside config.json (ModelOpt's hf_quant_config.json)
+    side = next((l for l in layouts() if l.config_file is not None
+                 and os.path.isfile(os.path.join(folder, l.config_file))), None)
+    hf_path = os.path.join(folder, side.config_file) if side is not None else None
+    hf = load_json(hf_path) if side is not None else None
     if q is None and hf is None:
         return None
-    method = (q or {}).get("quant_method", "modelopt" if hf is not None else None)
+    method = (q or {}).get("quant_method", side.quant_method if side is not None else None)
     if not isinstance(method, str):
         raise CheckpointError(f"{cfg_path}: quantization_config has no quant_method")
-    if hf is not None and method != "modelopt":
+    if side is not None and method != side.quant_method:
         raise CheckpointError(
-            f"{folder}: {MODELOPT_CONFIG_NAME} is ModelOpt's, but config.json's "
+            f"{folder}: {side.config_file} is {side.title}'s, but config.json's "
             f"quantization_config says quant_method {method!r}: which one is right?")
     where = cfg_path if hf is None else f"{cfg_path} / {hf_path}" if q is not None else hf_path
     layout = config_layout(method)
