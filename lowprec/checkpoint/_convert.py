@@ -41,7 +41,6 @@ from ._layouts import get_layout, is_default
 from ._logical import METADATA_KEY, logical_tensors
 from ._pipeline import (
     Outputs,
-    check_collisions,
     check_unquantized,
     keep_tensor,
     open_readers,
@@ -467,24 +466,23 @@ def dequantize_checkpoint(
     config = read_quant_config(source.home)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans, decoded, undecodable = {}, [], {}
-        for rel, reader in readers.items():
-            plan, entries = [], []
+        decoded, undecodable = [], {}
+
+        def plan_file(reader):
             found = logical_tensors(reader, config, keep_undecodable=keep_undecodable)
             undecodable.update(found.undecodable)
             for name, spec, parts in found:
                 if spec is None:
                     info = reader.tensors[name]
-                    entries.append((name, info.dtype, info.shape))
                     why = ("quantized, not decodable: copied as stored" if name in found.kept
                            else "not quantized")
-                else:
-                    decoded.append(name)
-                    entries.append((name, out_dtype or spec.dtype, spec.shape))
-                    why = None
-                plan.append((name, spec, parts, entries[-1][1], why))
-            check_collisions(entries, reader.path, "rename one of them in the input")
-            plans[rel] = (plan, entries)
+                    yield (name, None, parts, info.dtype, why), [(name, info.dtype, info.shape)]
+                    continue
+                decoded.append(name)
+                dt = out_dtype or spec.dtype
+                yield (name, spec, parts, dt, None), [(name, dt, spec.shape)]
+
+        plans = plan_shards(readers, plan_file, "rename one of them in the input")
         if not decoded:
             raise CheckpointError(
                 f"{source.given}: holds no quantized tensors lowprec decodes (no {METADATA_KEY} "

@@ -39,10 +39,10 @@ from ._layouts import Layout, get_layout
 from ._logical import logical_tensors
 from ._pipeline import (
     Outputs,
-    check_collisions,
     check_unquantized,
     keep_tensor,
     open_readers,
+    plan_shards,
     write_outputs,
 )
 from ._qconfig import read_quant_config
@@ -247,22 +247,6 @@ def _refuse(layout, options: dict) -> None:
                               f"{layout.name} layout")
 
 
-def _plans(layout, readers, item):
-    """``{rel: (plan, entries)}`` with ``item(reader, info) -> (spec or None, reason)``."""
-    plans = {}
-    for rel, reader in readers.items():
-        plan, entries = [], []
-        for info in reader.tensors.values():
-            spec, reason = item(reader, info)
-            if spec is None:
-                entries.append((info.name, info.dtype, info.shape))
-            else:
-                entries += [(s, dt, shp) for _, s, dt, shp in spec.parts(info.name)]
-            plan.append((info, spec, reason))
-        plans[rel] = (plan, entries)
-    return plans
-
-
 def write_parts(writer, name, spec, arrays: dict) -> None:
     """Writes ``arrays`` (``{role: array}``) as the stored parts of ``spec``."""
     for role, stored, dt, shp in spec.parts(name):
@@ -286,17 +270,19 @@ def quantize_codes(layout: CodesLayout, src, dst, fmt, *, include=None, exclude=
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
 
-    def item(reader, info):
-        chosen, reason = select_tensor(info, fmt, inc, exc, -1)
-        spec = CodesSpec(layout.name, fmt, tuple(info.shape), info.dtype, scale_rule)
-        return (spec if chosen else None), reason
+    def plan_file(reader):
+        for info in reader.tensors.values():
+            chosen, reason = select_tensor(info, fmt, inc, exc, -1)
+            if not chosen:
+                yield (info, None, reason), [(info.name, info.dtype, info.shape)]
+                continue
+            spec = CodesSpec(layout.name, fmt, tuple(info.shape), info.dtype, scale_rule)
+            yield (info, spec, reason), [(s, dt, shp) for _, s, dt, shp in spec.parts(info.name)]
 
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
         check_unquantized(source, readers)
-        plans = _plans(layout, readers, item)
-        for rel, (_, entries) in plans.items():
-            check_collisions(entries, readers[rel].path)
+        plans = plan_shards(readers, plan_file)
         check_selection(source, plans, include, -1, fmt)
 
         def convert(reader, writer, it, bar, runner):
@@ -339,14 +325,12 @@ def convert_codes(layout, src, dst, *, force=False, progress=None, report=None,
     config = read_quant_config(source.home)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans, moved = {}, 0
-        for rel, reader in readers.items():
-            plan, entries = [], []
+
+        def plan_file(reader):
             for name, spec, parts in logical_tensors(reader, config):
                 if spec is None:
                     info = reader.tensors[name]
-                    entries.append((name, info.dtype, info.shape))
-                    plan.append((name, None, None, None))
+                    yield (name, None, None, None), [(name, info.dtype, info.shape)]
                     continue
                 if spec.layout == layout.name:
                     raise CheckpointError(f"{reader.path}: already in the {layout.name} layout")
@@ -358,12 +342,11 @@ def convert_codes(layout, src, dst, *, force=False, progress=None, report=None,
                                           "last axis")
                 target = layout.spec_for(spec.format, tuple(spec.shape), spec.dtype,
                                          spec.scale_rule)
-                entries += [(s, dt, shp) for _, s, dt, shp in target.parts(name)]
-                plan.append((name, spec, parts, target))
-                moved += 1
-            check_collisions(entries, reader.path)
-            plans[rel] = (plan, entries)
-        if not moved:
+                yield (name, spec, parts, target), [(s, dt, shp) for _, s, dt, shp in
+                                                    target.parts(name)]
+
+        plans = plan_shards(readers, plan_file)
+        if not any(it[1] is not None for plan, _ in plans.values() for it in plan):
             raise CheckpointError(f"{source.given}: holds no quantized tensors to move")
 
         def convert(reader, writer, it, bar, runner):
