@@ -34,7 +34,10 @@ from lowprec.checkpoint import (
     quantize_checkpoint,
     register,
 )
+from lowprec.checkpoint._engine_layouts import EngineSpec, modelopt_nvfp4
+from lowprec.checkpoint._engine_schemes import engine_scheme
 from lowprec.checkpoint._layout_codes import CodesLayout
+from lowprec.checkpoint._layout_ct import EngineLayout
 from lowprec.checkpoint._layouts import unregister
 from lowprec.cli import main
 
@@ -75,11 +78,57 @@ TOY = ToyLayout("toy", "one element code per byte + int16 scale exponents")
 FORMATS = ["mxfp4", "mxfp8_e4m3"]
 
 
+# -- a toy engine layout: an inference engine's NVFP4 under names of its own --------------
+@dataclasses.dataclass(frozen=True)
+class ToyEngineLayout(EngineLayout):
+    """NVFP4 weight-only as ``M.weight.codes`` U8 [out, K/2], ``M.weight.bscale`` F8_E4M3
+    [out, K/16], ``M.weight.tscale`` F32 [] (the tensor scale as is), written with
+    ModelOpt's arithmetic; no config files (a single safetensors file)."""
+
+    one_scheme = True
+
+    def schemes(self):
+        return [engine_scheme("NVFP4A16")]
+
+    def recognize_weights(self, reader):
+        t, found = reader.tensors, {}
+        for name, info in t.items():
+            if name.endswith(".weight.codes") and info.dtype == "U8" and len(info.shape) == 2:
+                w = name[: -len(".codes")]
+                if f"{w}.bscale" in t and f"{w}.tscale" in t:
+                    found[w] = EngineSpec("nvfp4", self.name, (info.shape[0], 2 * info.shape[1]))
+        return found
+
+    def weight_parts(self, spec, name, out, k):
+        return [("elements", f"{name}.codes", "U8", (out, k // 2)),
+                ("scales", f"{name}.bscale", "F8_E4M3", (out, k // 16)),
+                ("scale", f"{name}.tscale", "F32", ())]
+
+    def input_scale_part(self, spec, module):
+        return ("input_scale", f"{module}.input_scale", "F32", ())
+
+    def encode_nvfp4(self, x32, dtype, amax):
+        return modelopt_nvfp4(x32, dtype, amax)
+
+    def config(self, source, outputs, groups, kept):
+        return None, {}
+
+
+TOY_ENGINE = ToyEngineLayout("toy-engine", "NVFP4 as .codes / .bscale / .tscale")
+
+
 @pytest.fixture
 def toy():
     register(TOY)
     yield TOY
     unregister(TOY.name)
+
+
+@pytest.fixture
+def toy_engine():
+    register(TOY_ENGINE)
+    yield TOY_ENGINE
+    unregister(TOY_ENGINE.name)
 
 
 @pytest.fixture
@@ -248,3 +297,61 @@ def test_inspect_names_the_layout_and_preset(model, tmp_path, capsys, layout, sc
     assert main(["inspect", str(q)]) == 0
     line = f"layout: {layout}" + (f" (preset {scheme})" if presets else "")
     assert line in capsys.readouterr().out.splitlines()
+
+
+# -- a new layout is one module ---------------------------------------------------------
+@pytest.mark.parametrize("toy_class, base", [(ToyLayout, CodesLayout),
+                                             (ToyEngineLayout, EngineLayout)])
+def test_a_new_layout_implements_only_what_its_base_declares(toy_class, base):
+    """Each toy defines no method or attribute its base class does not declare: what a
+    layout says is the Layout protocol (docs/design.md §16), and the package asks nothing
+    else of it (the verbs below run with the toys registered and no other edit)."""
+    own = {k for k in vars(toy_class) if not k.startswith("__")}
+    declared = {k for k in dir(base) if not k.startswith("__")}
+    assert own and own <= declared, own - declared
+
+
+def test_toy_engine_layout_quantize_dequantize_inspect_convert(toy_engine, tmp_path, capsys):
+    """An engine layout in one class: quantize writes ModelOpt's NVFP4 bytes under the
+    toy's names, every reader decodes them as ModelOpt's, inspect names layout and preset,
+    and convert moves the bits to lowprec's layout and back, byte for byte."""
+    rng = np.random.default_rng(3)
+    t = {"model.layers.0.mlp.up_proj.weight": rng.normal(size=(32, 64)).astype(np.float32),
+         "model.layers.0.mlp.down_proj.weight": (rng.normal(size=(64, 32)) * 3).astype(
+             np.float32),
+         "model.norm.weight": np.ones(64, np.float32)}
+    src = tmp_path / "m.safetensors"
+    with SafetensorsWriter(src, [(n, "F32", v.shape) for n, v in t.items()]) as f:
+        for n, v in t.items():
+            f.write(n, v)
+    q, mo = tmp_path / "toy.safetensors", tmp_path / "mo.safetensors"
+    assert main(["quantize", str(src), str(q), "-f", "NVFP4A16", "--layout", "toy-engine",
+                 "-q"]) == 0
+    quantize_checkpoint(src, mo, "NVFP4A16", layout="modelopt")  # ModelOpt's own names
+    stored, theirs = _stored(q), _stored(mo)
+    for w in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        for ours, other in ((".codes", ""), (".bscale", "_scale"), (".tscale", "_scale_2")):
+            assert stored[w + ours][:2] == theirs[w + other][:2]
+            assert stored[w + ours][2].tobytes() == theirs[w + other][2].tobytes()
+    np.testing.assert_array_equal(stored["model.norm.weight"][2], t["model.norm.weight"])
+
+    # every reader: the same values as ModelOpt's layout, bit for bit
+    want = load_checkpoint(mo)
+    dequantize_checkpoint(q, tmp_path / "deq.safetensors")
+    for got in (load_checkpoint(q), load_checkpoint(tmp_path / "deq.safetensors")):
+        for n in want:
+            assert got[n].tobytes() == want[n].tobytes(), n
+    assert inspect_checkpoint(q).options["layouts"] == {"toy-engine": ["NVFP4A16"]}
+
+    # convert: to lowprec's layout as ModelOpt's file converts, and back to the toy's bytes
+    lp, lp_mo, back = (tmp_path / f"{n}.safetensors" for n in ("lp", "lp_mo", "back"))
+    convert_checkpoint(q, lp, "lowprec")
+    convert_checkpoint(mo, lp_mo, "lowprec")
+    a, b = _stored(lp), _stored(lp_mo)
+    assert a.keys() == b.keys() and all(a[n][2].tobytes() == b[n][2].tobytes() for n in a)
+    assert main(["convert", str(lp), str(back), "--layout", "toy-engine", "-q"]) == 0
+    c = _stored(back)
+    assert c.keys() == stored.keys()
+    assert all(c[n][:2] == stored[n][:2] and c[n][2].tobytes() == stored[n][2].tobytes()
+               for n in c)
+    capsys.readouterr()

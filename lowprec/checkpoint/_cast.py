@@ -19,11 +19,25 @@ import numpy as np
 
 from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
 from ._errors import CheckpointError
-from ._gguf import check_outputs, lowprec_tensors, write_in_layout, write_report
-from ._layout import make_spec
-from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY
+from ._engine_convert import convert_checkpoint
+from ._gguf import check_outputs, write_in_layout, write_report
+from ._layout import TensorSpec, make_spec
+from ._layout_codes import checkpoint_mxarrays
+from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, quantized_specs
 from ._report import ConversionReport, TensorReport
 from ._safetensors import SafetensorsReader
+
+
+def _as_lowprec(src: str, tmp_dir: str) -> str:
+    """``src`` if its quantized tensors are in lowprec's or gpt-oss's layout (cast as
+    stored), else a file in ``tmp_dir`` with its bits moved to lowprec's (``convert``)."""
+    with SafetensorsReader(src) as r:
+        specs = quantized_specs(r)
+    if specs and all(isinstance(s, TensorSpec) for s, _ in specs.values()):
+        return src
+    tmp = os.path.join(tmp_dir, "lowprec.safetensors")
+    convert_checkpoint(src, tmp, "lowprec", progress=False)  # an engine layout
+    return tmp
 
 
 def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
@@ -39,9 +53,8 @@ def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
     inputs = check_outputs(src, dst, report, force)  # the shard's model folder included
     where = os.path.dirname(os.path.abspath(os.fspath(dst)))
     with tempfile.TemporaryDirectory(dir=where) as d:
-        quantized = lowprec_tensors(src, d)
-        lp = src if not os.path.exists(os.path.join(d, "lowprec.safetensors")) else \
-            os.path.join(d, "lowprec.safetensors")
+        lp = _as_lowprec(src, d)
+        quantized = checkpoint_mxarrays(lp)
         casts, reports, entries, data = {}, [], [], {}
         with SafetensorsReader(lp) as r:
             meta = json.loads(r.metadata.get(METADATA_KEY, "{}"))
@@ -50,7 +63,7 @@ def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
                 if fmt != "mxfp4":
                     continue
                 mx = load()
-                if mx.axis != len(shape) - 1 or shape[-1] % 32:
+                if mx.axis != len(shape) - 1 or shape[-1] % mx.fmt.block_size:
                     raise CheckpointError(f"{name!r}: cast along the last axis only")
                 nv, casts[name] = mxfp4_to_nvfp4(mx)
                 spec = make_spec("nvfp4", shape, meta.get(name, {}).get("dtype", "F32"),

@@ -32,7 +32,6 @@ from jax import lax
 
 from .._codec import decode, encode
 from .._dtypes import input_bits
-from .._gpt_oss import from_gpt_oss
 from .._mx import MXArray, dequantize, quantize_mx
 from .._options import MXCast
 from ..kernels import _ckpt_cpu
@@ -374,10 +373,8 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
             stats.update(x, np.asarray(dequantize(mx)))
             stats.add_clipped(*_mx_clipped(xin, scales, fmt, ts))
             stats.add_nan_blocks(scales, _scale_nan(fmt.scale))
-    if spec.layout == "gpt-oss":  # the same bytes, [..., K/32, 16] (lowprec.to_gpt_oss)
-        return {"blocks": elements.reshape(*scales.shape, fmt.block_size // 2),
-                "scales": scales}
-    return {"elements": elements, "scales": scales}
+    # gpt-oss's blocks are the same bytes, [..., K/32, 16] (lowprec.to_gpt_oss)
+    return {spec.code_role: elements, "scales": scales}
 
 
 def _quantize_cast_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
@@ -435,8 +432,7 @@ def coded_piece(parts: dict, spec: TensorSpec, shape) -> Optional[CodedPiece]:
     fmt = spec.format
     if s != 1:
         return None
-    code = "blocks" if spec.layout == "gpt-oss" else "elements"
-    elements, scales = np.asarray(parts[code]), np.asarray(parts["scales"])
+    elements, scales = np.asarray(parts[spec.code_role]), np.asarray(parts["scales"])
     want = (p * spec.part_length("elements", a), p * spec.part_length("scales", a))
     if (elements.size, scales.size) != want:
         raise CheckpointError(
@@ -490,22 +486,17 @@ def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
     try:
         fmt = spec.format
         scales = np.asarray(parts["scales"]).reshape(p, spec.part_length("scales", a), s)
-        if spec.layout == "gpt-oss":
-            if s != 1:
-                raise ValueError("the gpt-oss layout blocks the last axis")
-            blocks = np.asarray(parts["blocks"]).reshape(p, a // 32, 16)
-            mx = from_gpt_oss(blocks, scales.reshape(p, a // 32), scale_rule=spec.scale_rule)
-        else:
-            elements = np.asarray(parts["elements"]).reshape(
-                p, spec.part_length("elements", a), s)
-            piece = (p, a, s)
-            if s == 1:
-                elements, scales, piece = elements[..., 0], scales[..., 0], (p, a)
-            ts = None
-            if fmt.tensor_scale:
-                ts = jnp.asarray(np.asarray(parts["scale"], np.float32).reshape(()))
-            mx = MXArray(elements=jnp.asarray(elements), scales=jnp.asarray(scales), fmt=fmt,
-                         axis=1, shape=piece, scale_rule=spec.scale_rule, tensor_scale=ts)
+        # gpt-oss's blocks [.., K/32, 16] are lowprec's packed elements, in rows of 16
+        elements = np.asarray(parts[spec.code_role]).reshape(
+            p, spec.part_length("elements", a), s)
+        piece = (p, a, s)
+        if s == 1:
+            elements, scales, piece = elements[..., 0], scales[..., 0], (p, a)
+        ts = None
+        if fmt.tensor_scale:
+            ts = jnp.asarray(np.asarray(parts["scale"], np.float32).reshape(()))
+        mx = MXArray(elements=jnp.asarray(elements), scales=jnp.asarray(scales), fmt=fmt,
+                     axis=1, shape=piece, scale_rule=spec.scale_rule, tensor_scale=ts)
         values = dequantize(mx, dtype) if dtype in _NATIVE else np.asarray(dequantize(mx)).astype(dtype)
     except (ValueError, TypeError) as e:  # wrong sizes; MXArray's own validation
         raise CheckpointError(f"cannot decode {spec.format.name} data of shape {list(spec.shape)}: {e}") from None

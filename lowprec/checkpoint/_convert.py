@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import json
 import os
 import re
 import time
@@ -39,13 +38,13 @@ from ._layout import (
     pieces,
 )
 from ._layouts import get_layout, is_default
-from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, logical_tensors
+from ._logical import METADATA_KEY, logical_tensors
 from ._pipeline import (
     Outputs,
-    check_collisions,
     check_unquantized,
-    copy_tensor,
+    keep_tensor,
     open_readers,
+    plan_shards,
     write_outputs,
 )
 from ._qconfig import read_quant_config
@@ -260,38 +259,30 @@ def quantize_lowprec(
         options["fp8_scale"] = fp8_scale
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans = {}
         check_unquantized(source, readers)
-        for rel, reader in readers.items():
-            plan, entries = [], []
+
+        def plan_file(reader):
             for info in reader.tensors.values():
                 chosen, reason = select_tensor(info, fmt, include_re, exclude_re, axis)
-                spec = None
-                if chosen:
-                    spec = make_spec(fmt, info.shape, info.dtype,
-                                     axis=axis if mx else None,
-                                     scale_rule=scale_rule, layout=layout, fp8_scale=fp8_scale)
-                    entries += [(stored, dt, shp) for _, stored, dt, shp in spec.parts(info.name)]
-                else:
-                    entries.append((info.name, info.dtype, info.shape))
-                plan.append((info, spec, reason))
-            check_collisions(entries, reader.path)
-            plans[rel] = (plan, entries)
+                if not chosen:
+                    yield (info, None, reason), [(info.name, info.dtype, info.shape)]
+                    continue
+                spec = make_spec(fmt, info.shape, info.dtype, axis=axis if mx else None,
+                                 scale_rule=scale_rule, layout=layout, fp8_scale=fp8_scale)
+                yield (info, spec, reason), [(s, dt, shp) for _, s, dt, shp in
+                                             spec.parts(info.name)]
+
+        plans = plan_shards(readers, plan_file)
         check_selection(source, plans, include, axis if mx else None, fmt)
 
         def metadata(plan) -> dict:
-            specs = {info.name: spec.to_json(info.name) for info, spec, _ in plan
-                     if spec is not None}
-            return {METADATA_VERSION_KEY: METADATA_VERSION,
-                    METADATA_KEY: json.dumps(specs, separators=(",", ":"))}
+            return get_layout(layout).table({i.name: s for i, s, _ in plan if s is not None})
 
         def convert(reader, writer, item, bar, runner) -> TensorReport:
             info, spec, reason = item
             bar.set_postfix_str(info.name[-40:], refresh=False)
             if spec is None:
-                copy_tensor(reader, writer, info.name, bar)
-                return TensorReport(info.name, info.shape, info.dtype, "kept",
-                                    info.nbytes, info.nbytes, reason=reason)
+                return keep_tensor(reader, writer, info.name, bar, reason)
             return _quantize_one(reader, writer, info, spec, reason, bar, runner)
 
         return write_outputs(source, outputs, readers, plans, "quantize", options, start,
@@ -475,24 +466,23 @@ def dequantize_checkpoint(
     config = read_quant_config(source.home)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans, decoded, undecodable = {}, [], {}
-        for rel, reader in readers.items():
-            plan, entries = [], []
+        decoded, undecodable = [], {}
+
+        def plan_file(reader):
             found = logical_tensors(reader, config, keep_undecodable=keep_undecodable)
             undecodable.update(found.undecodable)
             for name, spec, parts in found:
                 if spec is None:
                     info = reader.tensors[name]
-                    entries.append((name, info.dtype, info.shape))
                     why = ("quantized, not decodable: copied as stored" if name in found.kept
                            else "not quantized")
-                else:
-                    decoded.append(name)
-                    entries.append((name, out_dtype or spec.dtype, spec.shape))
-                    why = None
-                plan.append((name, spec, parts, entries[-1][1], why))
-            check_collisions(entries, reader.path, "rename one of them in the input")
-            plans[rel] = (plan, entries)
+                    yield (name, None, parts, info.dtype, why), [(name, info.dtype, info.shape)]
+                    continue
+                decoded.append(name)
+                dt = out_dtype or spec.dtype
+                yield (name, spec, parts, dt, None), [(name, dt, spec.shape)]
+
+        plans = plan_shards(readers, plan_file, "rename one of them in the input")
         if not decoded:
             raise CheckpointError(
                 f"{source.given}: holds no quantized tensors lowprec decodes (no {METADATA_KEY} "
@@ -503,10 +493,7 @@ def dequantize_checkpoint(
             name, spec, parts, st, why = item
             bar.set_postfix_str(name[-40:], refresh=False)
             if spec is None:
-                info = reader.tensors[name]
-                copy_tensor(reader, writer, name, bar)
-                return TensorReport(name, info.shape, info.dtype, "kept",
-                                    info.nbytes, info.nbytes, reason=why)
+                return keep_tensor(reader, writer, name, bar, why)
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             target = np.dtype(numpy_dtype(st))
             counts = [0, 0]  # saturated, non-finite
@@ -629,8 +616,7 @@ def inspect_checkpoint(path: PathLike) -> ConversionReport:
                                        info.nbytes)
                 else:
                     stored = sum(reader.tensors[p[1]].nbytes for p in parts)
-                    label = getattr(spec, "label", None) or (
-                        spec.format.name + (" (gpt-oss)" if spec.layout == "gpt-oss" else ""))
+                    label = getattr(spec, "label", None) or get_layout(spec.layout).label(spec)
                     rep = TensorReport(name, spec.shape, spec.dtype, label,
                                        nbytes_of(spec.dtype, spec.shape), stored,
                                        scale_rule=spec.scale_rule,

@@ -25,12 +25,9 @@ from ._chunk import finite_amax
 from ._engine_layouts import (
     CT_SCALE_RULES,
     DEFAULT_IGNORE,
-    ENGINE_LAYOUTS,
-    MODELOPT_WEIGHTS,
     ORIGIN_KEY,
     WEIGHT_FORMATS,
     EngineSpec,
-    ct_fp8_scale_dtype,
     add_stats,
     exact_reciprocal,
     input_scale,
@@ -38,20 +35,19 @@ from ._engine_layouts import (
     quantize_arrays,
     requantize_fp8,
     scheme_bits,
-    writer_dtype,
 )
-from ._engine_schemes import SCHEMES, EngineScheme, engine_scheme, fused_groups
+from ._engine_schemes import SCHEMES, WEIGHT_SCHEMES, EngineScheme, engine_scheme, fused_groups
 from ._errors import CheckpointError
 from ._formats import check_scale_rule
-from ._layout import make_spec
-from ._layouts import get_layout, is_default
-from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, logical_tensors
+from ._layouts import get_layout, is_default, layouts
+from ._logical import logical_tensors
 from ._pipeline import (
     Outputs,
     check_collisions,
     check_unquantized,
-    copy_tensor,
+    keep_tensor,
     open_readers,
+    plan_shards,
     write_outputs,
 )
 from ._qconfig import config_keeping, load_json, read_quant_config
@@ -60,7 +56,6 @@ from ._safetensors import FLOAT_DTYPES, numpy_dtype
 from ._source import open_source
 from ._stats import ErrorStats
 
-_MX = ("mxfp4", "mxfp6", "mxfp8")
 
 
 def _parse_schemes(schemes) -> list:
@@ -109,7 +104,7 @@ def plan_modules(names_infos, default: Optional[EngineScheme], schemes, ignore) 
             kept.append(module)  # an empty weight has nothing to quantize: kept, and listed
             continue
         scheme = scheme or default
-        group = {"nvfp4": 16, "mxfp4": 32, "mxfp6": 32, "mxfp8": 32}.get(scheme.weights, 1)
+        group = scheme.w.block_size
         if info.shape[1] % group:
             raise CheckpointError(
                 f"{name}: {info.shape[1]} input features are not a multiple of the {scheme.name} "
@@ -253,36 +248,13 @@ def quantize_engine_checkpoint(
         True
     """
     start = time.perf_counter()
-    if layout not in ENGINE_LAYOUTS:
+    lay = get_layout(layout)
+    if not hasattr(lay, "encode_fp8"):
+        engine = [l.name for l in layouts() if hasattr(l, "encode_fp8")]
         raise CheckpointError(
-            f"unknown engine layout {layout!r}; choose one of: {', '.join(ENGINE_LAYOUTS)}")
-    if format is not None and not isinstance(format, (str, EngineScheme)):
-        format = getattr(format, "name", format)  # a lowprec format object: by its name
-    default = None if format is None else engine_scheme(format)
-    parsed = _parse_schemes(schemes)
+            f"unknown engine layout {layout!r}; choose one of: {', '.join(engine)}")
+    default, parsed, rules = _scheme_options(lay, format, schemes, scale_rule)
     ignore_p = [_pattern(p, "--ignore") for p in ignore]
-    used = {default} | {s for _, s in parsed}
-    used.discard(None)
-    if not used:
-        raise CheckpointError(
-            "give a scheme (--scheme SCHEME or --format SCHEME) or per-module schemes "
-            "(--scheme PATTERN=SCHEME)")
-    if layout == "modelopt":
-        bad = sorted(s.name for s in used if s.modelopt is None)
-        algos = {s.modelopt for s in used}
-        if bad or len(algos) > 1:
-            names = ", ".join(n for n, s in SCHEMES.items() if s.modelopt)
-            raise CheckpointError(
-                f"the ModelOpt layout holds one scheme of {names} per checkpoint, not "
-                f"{', '.join(sorted(s.name for s in used))}; use --layout compressed-tensors")
-    mx_used = {s.weights for s in used} & set(_MX)
-    if scale_rule is not None and not mx_used:
-        raise CheckpointError(
-            f"--scale-rule / scale_rule applies to the MX schemes (MXFP4, MXFP6, MXFP8), not "
-            f"{', '.join(sorted(s.name for s in used))}: NVFP4's scales follow its own rule and "
-            "FP8's scale is amax / 448; drop it")
-    given_rule = None if scale_rule is None else check_scale_rule(scale_rule)
-    rules = {w: given_rule or check_scale_rule(CT_SCALE_RULES[w]) for w in _MX}
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     with contextlib.ExitStack() as stack:
@@ -299,17 +271,7 @@ def quantize_engine_checkpoint(
                                   "quantize with these options")
         modules = {n[: -len(".weight")]: s.name for n, s in chosen.items()}
         check_fused({**dict.fromkeys(kept_all), **modules})
-        # Tensor-wide amax (first pass): NVFP4's global scale is one per fused layer.
-        wide = {}
-        for name, scheme in chosen.items():
-            if scheme.weights in ("nvfp4", "fp8"):
-                rel, info = infos[name]
-                spec = EngineSpec(scheme.weights, layout, tuple(info.shape))
-                wide[name[: -len(".weight")]] = max(
-                    (np.float32(finite_amax(readers[rel].read_rows(name, r0, r1)))
-                     for r0, r1 in spec.row_blocks()), default=np.float32(0))
-        nvfp4 = {m: a for m, a in wide.items() if SCHEMES[modules[m]].weights == "nvfp4"}
-        wide.update(_fused_max(nvfp4))
+        wide = _tensor_amax(readers, chosen, infos, layout)
         needed = sorted(m for m, s in modules.items() if SCHEMES[s].inputs == "static")
         linear = {n[: -len(".weight")] for r in readers.values() for n, i in r.tensors.items()
                   if n.endswith(".weight") and len(i.shape) == 2}
@@ -317,73 +279,34 @@ def quantize_engine_checkpoint(
                                max_seq_length, progress)
         act_used = _fused_max(act)
 
-        plans, groups = {}, {}
-        for rel, reader in readers.items():
-            plan, entries = [], []
+        groups = {}
+
+        def plan_file(reader):
             for info in reader.tensors.values():
                 scheme = chosen.get(info.name)
-                spec = None
-                if scheme is not None:
-                    module = info.name[: -len(".weight")]
-                    d = writer_dtype(info.dtype)
-                    ct_fp8 = layout == "compressed-tensors" and scheme.weights.startswith("fp8")
-                    spec = EngineSpec(
-                        scheme.weights, layout, tuple(info.shape), info.dtype,
-                        rules[scheme.weights] if scheme.weights in _MX else None,
-                        scale_dtype=d if ct_fp8 else "F32", inputs=scheme.inputs
-                        if scheme.inputs == "static" else None,
-                        input_dtype=d if ct_fp8 else "F32")
-                    entries += [(st, dt, shp) for _, st, dt, shp in spec.parts(info.name)]
-                    groups.setdefault(scheme.name, []).append(module)
-                    plan.append((info, spec, scheme, wide.get(module), act_used.get(module)))
-                else:
-                    entries.append((info.name, info.dtype, info.shape))
-                    plan.append((info, None, None, None, None))
-            check_collisions(entries, reader.path, "--ignore the module of one of them")
-            plans[rel] = (plan, entries)
+                if scheme is None:
+                    yield (info, None, None, None, None), [(info.name, info.dtype, info.shape)]
+                    continue
+                module = info.name[: -len(".weight")]
+                d = lay.fp8_scale_dtype(scheme.w, info.dtype)
+                spec = EngineSpec(scheme.weights, layout, tuple(info.shape), info.dtype,
+                                  rules.get(scheme.weights), scale_dtype=d, input_dtype=d,
+                                  inputs=scheme.inputs if scheme.inputs == "static" else None)
+                groups.setdefault(scheme.name, []).append(module)
+                yield ((info, spec, scheme, wide.get(module), act_used.get(module)),
+                       [(st, dt, shp) for _, st, dt, shp in spec.parts(info.name)])
+
+        plans = plan_shards(readers, plan_file, "--ignore the module of one of them")
         groups = {s: sorted(m) for s, m in groups.items()}
-        qconfig, texts = get_layout(layout).config(source, outputs, groups, kept_all)
+        qconfig, texts = lay.config(source, outputs, groups, kept_all)
 
         def convert(reader, writer, item, bar, runner):
             info, spec, scheme, amax, act_amax = item
             bar.set_postfix_str(info.name[-40:], refresh=False)
             if spec is None:
-                copy_tensor(reader, writer, info.name, bar)
-                return TensorReport(info.name, info.shape, info.dtype, "kept",
-                                    info.nbytes, info.nbytes, reason="kept")
-            parts = spec.parts(info.name)
-
-            def piece(block):  # on a worker: each part's rows written at their place
-                r0, r1 = block
-                x = reader.read_rows(info.name, r0, r1)
-                arrays = quantize_arrays(x, spec.scheme, layout, dtype=info.dtype,
-                                         scale_rule=spec.scale_rule, amax=amax)
-                if spec.inputs == "static":
-                    arrays["input_scale"] = input_scale(act_amax, spec.scheme, layout,
-                                                        info.dtype)
-                for role, stored, _, _ in parts:
-                    if not spec.is_whole(role):
-                        writer.write_rows(stored, r0, arrays[role])
-                    elif r0 == 0:
-                        writer.write(stored, arrays[role])
-                piece_stats = ErrorStats()
-                add_stats(piece_stats, x, arrays, dataclasses.replace(spec, shape=x.shape))
-                return piece_stats, x.nbytes
-
-            stats = ErrorStats()
-
-            def done(block, result):
-                stats.merge(result[0])
-                bar.update(result[1])
-
-            runner.run(piece, list(spec.row_blocks()), done)
-            what = (f"{layout} {scheme.name}" + (" (weight-only)" if scheme.weight_only else
-                                                 f" ({scheme.inputs} activations)"))
-            return TensorReport(
-                info.name, info.shape, info.dtype, spec.label, info.nbytes, spec.nbytes(),
-                reason=what, scale_rule=spec.scale_rule,
-                sqnr_db=stats.sqnr_db, max_abs_err=stats.max_abs, max_rel_err=stats.max_rel,
-                nonfinite=stats.nonfinite, stored_as=tuple(p[1] for p in parts), exact=stats.exact)
+                return keep_tensor(reader, writer, info.name, bar, "kept")
+            return _quantize_engine_tensor(reader, writer, info, spec, scheme, amax, act_amax,
+                                           bar, runner)
 
         options = {"layout": layout, "format": None if default is None else default.name,
                    "schemes": list(schemes or ()), "ignore": list(ignore),
@@ -392,14 +315,90 @@ def quantize_engine_checkpoint(
             options["activation_amax"] = act
 
         def metadata(plan):
-            return {ORIGIN_KEY: json.dumps({i.name: {"dtype": i.dtype, "scale_rule":
-                                                     s.scale_rule}
-                                            for i, s, *_ in plan if s is not None},
-                                           separators=(",", ":"))}
+            return lay.table({i.name: s for i, s, *_ in plan if s is not None})
 
         return write_outputs(source, outputs, readers, plans, "quantize", options, start,
                              force=force, progress=progress, metadata=metadata,
                              convert=convert, texts=texts)
+
+
+def _scheme_options(lay, format, schemes, scale_rule) -> tuple:
+    """``(default scheme, [(pattern, scheme)], {MX weights: scale rule})`` of
+    :func:`quantize_engine_checkpoint`'s options, refused where the layout cannot hold them
+    or a scale rule is given without an MX scheme."""
+    if format is not None and not isinstance(format, (str, EngineScheme)):
+        format = getattr(format, "name", format)  # a lowprec format object: by its name
+    default = None if format is None else engine_scheme(format)
+    parsed = _parse_schemes(schemes)
+    used = {default} | {s for _, s in parsed}
+    used.discard(None)
+    if not used:
+        raise CheckpointError(
+            "give a scheme (--scheme SCHEME or --format SCHEME) or per-module schemes "
+            "(--scheme PATTERN=SCHEME)")
+    lay.check_schemes(used)
+    if scale_rule is not None and not any(s.w.mx for s in used):
+        raise CheckpointError(
+            f"--scale-rule / scale_rule applies to the MX schemes (MXFP4, MXFP6, MXFP8), not "
+            f"{', '.join(sorted(s.name for s in used))}: NVFP4's scales follow its own rule and "
+            "FP8's scale is amax / 448; drop it")
+    given_rule = None if scale_rule is None else check_scale_rule(scale_rule)
+    rules = {w: given_rule or check_scale_rule(CT_SCALE_RULES[w]) for w in CT_SCALE_RULES}
+    return default, parsed, rules
+
+
+def _tensor_amax(readers, chosen: dict, infos: dict, layout: str) -> dict:
+    """``{module: amax}`` of the weights with a tensor-wide scale (a first pass); NVFP4's
+    global scale is one per fused layer, so its members share the group's largest."""
+    wide = {}
+    for name, scheme in chosen.items():
+        if scheme.w.tensor_scale:
+            rel, info = infos[name]
+            spec = EngineSpec(scheme.weights, layout, tuple(info.shape))
+            wide[name[: -len(".weight")]] = max(
+                (np.float32(finite_amax(readers[rel].read_rows(name, r0, r1)))
+                 for r0, r1 in spec.row_blocks()), default=np.float32(0))
+    nvfp4 = {m: a for m, a in wide.items() if chosen[m + ".weight"].w.global_scale}
+    wide.update(_fused_max(nvfp4))
+    return wide
+
+
+def _quantize_engine_tensor(reader, writer, info, spec, scheme, amax, act_amax, bar,
+                            runner) -> TensorReport:
+    """Quantizes one Linear weight a block of rows at a time on the runner's workers, with
+    its layout's writer rules, each part's rows written at their place; its report."""
+    parts = spec.parts(info.name)
+
+    def piece(block):
+        r0, r1 = block
+        x = reader.read_rows(info.name, r0, r1)
+        arrays = quantize_arrays(x, spec.scheme, spec.layout, dtype=info.dtype,
+                                 scale_rule=spec.scale_rule, amax=amax)
+        if spec.inputs == "static":
+            arrays["input_scale"] = input_scale(act_amax, spec.scheme, spec.layout, info.dtype)
+        for role, stored, _, _ in parts:
+            if not spec.is_whole(role):
+                writer.write_rows(stored, r0, arrays[role])
+            elif r0 == 0:
+                writer.write(stored, arrays[role])
+        piece_stats = ErrorStats()
+        add_stats(piece_stats, x, arrays, dataclasses.replace(spec, shape=x.shape))
+        return piece_stats, x.nbytes
+
+    stats = ErrorStats()
+
+    def done(block, result):
+        stats.merge(result[0])
+        bar.update(result[1])
+
+    runner.run(piece, list(spec.row_blocks()), done)
+    what = (f"{spec.layout} {scheme.name}" + (" (weight-only)" if scheme.weight_only else
+                                             f" ({scheme.inputs} activations)"))
+    return TensorReport(
+        info.name, info.shape, info.dtype, spec.label, info.nbytes, spec.nbytes(),
+        reason=what, scale_rule=spec.scale_rule,
+        sqnr_db=stats.sqnr_db, max_abs_err=stats.max_abs, max_rel_err=stats.max_rel,
+        nonfinite=stats.nonfinite, stored_as=tuple(p[1] for p in parts), exact=stats.exact)
 
 
 def config_texts(source, outputs, qconfig: Optional[dict], extra: dict) -> dict:
@@ -497,9 +496,8 @@ def _original_dtype(spec, origin: dict, model_dtype: Optional[str]) -> str:
     (llm-compressor's model dtype), else the config's, else bfloat16."""
     if "dtype" in origin or not isinstance(spec, EngineSpec):
         return origin.get("dtype", spec.dtype)
-    if spec.layout == "compressed-tensors" and spec.scheme.startswith("fp8") \
-            and spec.scale_dtype in ("BF16", "F16"):
-        return spec.scale_dtype
+    if spec.lay.scales_in_model_dtype and spec.scale_dtype in ("BF16", "F16"):
+        return spec.scale_dtype  # an FP8 scale (the only kind not stored in float32)
     return model_dtype or spec.dtype
 
 
@@ -509,7 +507,8 @@ def _move_input_scale(name, value, src: EngineSpec, target: EngineSpec, requanti
     amax / 2688 in ModelOpt, moved by a float32 reciprocal when it maps back exactly (else
     refused, or with ``requantize`` taken and counted). Returns ``(array, changed)``."""
     v = np.float32(np.asarray(value, np.float32).reshape(-1)[0])
-    flip = src.scheme == "nvfp4" and src.layout != target.layout
+    flip = src.w.global_scale and \
+        src.lay.reciprocal_global_scale != target.lay.reciprocal_global_scale
     changed = 0
     if flip:
         with np.errstate(divide="ignore", over="ignore"):
@@ -522,8 +521,8 @@ def _move_input_scale(name, value, src: EngineSpec, target: EngineSpec, requanti
                     "it as changed)")
             changed = 1
         v = r
-    d = target.input_dtype if target.layout == "compressed-tensors" else "F32"
-    if d != "F32" and src.layout != target.layout:  # FP8's, in the model dtype (as the weight's)
+    d = target.input_dtype if target.lay.scales_in_model_dtype else "F32"
+    if d != "F32" and not src.lay.scales_in_model_dtype:  # FP8's, in the model dtype (as the weight's)
         if np.float32(np.asarray(v).astype(numpy_dtype(d))) != v:
             if not requantize:
                 raise CheckpointError(
@@ -531,7 +530,7 @@ def _move_input_scale(name, value, src: EngineSpec, target: EngineSpec, requanti
                     f"stores it in the model dtype ({d}); --requantize takes the nearest (and "
                     "counts it as changed)")
             changed = 1
-    shape = () if target.layout == "modelopt" else (1,)
+    shape = target.lay.scalar_shape
     return np.asarray(v, np.float32).astype(numpy_dtype(d)).reshape(shape), changed
 
 
@@ -542,7 +541,7 @@ def _check_fused_scales(plans: dict, layout: str) -> None:
     for plan, _ in plans.values():
         for name, spec, parts, target, scheme, bits in plan:
             if target is not None and scheme is not None and \
-                    scheme.weights == "nvfp4" and "ts" in bits:
+                    scheme.w.global_scale and "ts" in bits:
                 ts[name[: -len(".weight")]] = float(bits["ts"])
     for group in fused_groups(ts):
         values = {ts[m] for m in group}
@@ -603,27 +602,32 @@ _CONVERT_DEFAULTS = dict(requantize=False, force=False, progress=None, report=No
 def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: bool = False,
                     progress: Optional[bool] = None, report=None,
                     follow_symlinks: bool = False, jobs: int = 1):
-    """:func:`convert_checkpoint` into lowprec's, compressed-tensors' or ModelOpt's layout
-    (their ``convert``)."""
+    """:func:`convert_checkpoint` into a layout that moves NVFP4, MX and FP8 bits (its
+    ``convert``: lowprec's, compressed-tensors', ModelOpt's). The target layout says what is
+    its own (``convert_target``: the spec of a moved tensor, or a refusal; ``table``: its
+    metadata; ``convert_texts``: its config files; how it stores tensor-wide scales); this
+    plans, checks exactness up front and moves the bits a block of rows at a time."""
     start = time.perf_counter()
-    if layout not in ENGINE_LAYOUTS + ("lowprec",):
-        raise CheckpointError(f"unknown layout {layout!r} for convert; choose one of: lowprec, "
-                              f"{', '.join(ENGINE_LAYOUTS)}")
+    lay = get_layout(layout)
+    if not hasattr(lay, "convert_target"):
+        names = [l.name for l in layouts() if l.converts and hasattr(l, "convert_target")]
+        raise CheckpointError(f"unknown layout {layout!r} for convert; choose one of: "
+                              f"{', '.join(names)}")
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
     config = read_quant_config(source.home)
     model_dtype = _model_dtype(source)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans, groups, kept, layouts, linear = {}, {}, [], set(), {}
+        plans, groups, kept, found_in, linear = {}, {}, [], set(), {}
         for rel, reader in readers.items():
             origin = {}
             with contextlib.suppress(ValueError, TypeError, RecursionError):
                 origin = dict(json.loads(reader.metadata.get(ORIGIN_KEY, "{}")))
             plan, entries = [], []
             found = logical_tensors(reader, config)
-            layouts |= {spec.layout for spec, _ in found.specs.values()}
-            if layouts == {layout}:
+            found_in |= {spec.layout for spec, _ in found.specs.values()}
+            if found_in == {lay.name}:
                 raise CheckpointError(f"{reader.path}: already in the {layout} layout; "
                                       "nothing to convert")
             for name, spec, parts in found:
@@ -635,145 +639,128 @@ def convert_layouts(src, dst, layout: str, *, requantize: bool = False, force: b
                         kept.append(name[: -len(".weight")])
                         linear[name[: -len(".weight")]] = None
                     continue
-                # the tensor-wide parts and the scales: enough to check exactness up front
-                arrays = {role: reader.read(stored) for role, stored, _, _ in parts
-                          if role in ("scale", "scales", "global_scale")}
-                weights, bits = scheme_bits(name, spec, arrays, layout, requantize)
-                o = origin.get(name, {}) if isinstance(origin.get(name), dict) else {}
-                dtype = _original_dtype(spec, o, model_dtype)
-                rule = o.get("scale_rule", spec.scale_rule)
-                scheme = source_scheme(name, spec, config)
-                if weights == "nvfp4" and layout == "compressed-tensors" and "ts" in bits \
-                        and "gs" not in bits and not requantize:
-                    exact_reciprocal(name, bits["ts"], bits["scales"], layout)
-                if layout == "lowprec":
-                    if weights == "fp8_channel":
-                        raise CheckpointError(f"{name}: per-channel FP8 has no lowprec layout; "
-                                              "keep it in compressed-tensors or dequantize it")
-                    target = make_spec(WEIGHT_FORMATS[weights], spec.shape, dtype,
-                                       axis=-1 if weights != "fp8" else None,
-                                       scale_rule=rule if weights in _MX else None)
-                else:
-                    if scheme is None:  # lowprec's / gpt-oss's layout: weight-only
-                        scheme = SCHEMES[_BY_PARTS[(weights, None)]]
-                    if layout == "modelopt" and (scheme.modelopt is None
-                                                 or weights not in MODELOPT_WEIGHTS):
-                        names = ", ".join(n for n, s in SCHEMES.items() if s.modelopt)
-                        raise CheckpointError(f"{name}: {scheme.name} has no ModelOpt layout "
-                                              f"({names} have); use compressed-tensors")
-                    static = scheme.inputs == "static"
-                    scale_dtype = "F32"
-                    if layout == "compressed-tensors" and weights.startswith("fp8"):
-                        if isinstance(spec, EngineSpec) and spec.layout == layout:
-                            scale_dtype = spec.scale_dtype  # a compressed-tensors file rewritten
-                        else:  # a float32 scale: in the model dtype, as llm-compressor's
-                            scale_dtype, _ = ct_fp8_scale_dtype(
-                                name, bits["ts"] if "ts" in bits else bits["scale"], dtype,
-                                requantize)
-                    input_dtype = getattr(spec, "input_dtype", "F32")
-                    if layout != spec.layout:  # compressed-tensors FP8: the scale's dtype
-                        input_dtype = scale_dtype if weights == "fp8" else "F32"
-                    target = EngineSpec(weights, layout, tuple(spec.shape), dtype, rule,
-                                        scale_dtype=scale_dtype,
-                                        inputs="static" if static else None,
-                                        input_dtype=input_dtype)
+                o = origin.get(name) if isinstance(origin.get(name), dict) else {}
+                target, scheme, bits = _move_target(reader, name, spec, parts, lay, o,
+                                                    model_dtype, config, requantize)
+                if scheme is not None:
                     groups.setdefault(scheme.name, []).append(name[: -len(".weight")])
                     linear[name[: -len(".weight")]] = scheme.name
-                tparts = target.parts(name)
-                entries += [(st, dt, shp) for _, st, dt, shp in tparts]
+                entries += [(st, dt, shp) for _, st, dt, shp in target.parts(name)]
                 plan.append((name, spec, parts, target, scheme, bits))
-                origin[name] = {"dtype": dtype, "scale_rule": rule}
             check_collisions(entries, reader.path, "rename one of them in the input")
             plans[rel] = (plan, entries)
-        if not layouts:
+        if not found_in:
             raise CheckpointError(
                 f"{source.given}: holds no quantized tensors; nothing to convert (lowprec "
                 f"quantize --layout {layout} quantizes a high-precision checkpoint)")
-        texts = {}
-        if layout == "lowprec":
-            texts = plain_config_texts(source, outputs)
-        elif groups:
-            check_fused(linear)
-            _check_fused_scales(plans, layout)
-            groups = {s: sorted(m) for s, m in groups.items()}
-            _, texts = get_layout(layout).config(source, outputs, groups, kept)
+        texts = lay.convert_texts(source, outputs, plans, groups, kept, linear, config)
         for plan, _ in plans.values():  # the scales were needed for the checks only
             for i, item in enumerate(plan):
                 plan[i] = item[:5]
 
         def metadata(plan):
-            specs = {n: t for n, s, _, t, _ in plan if t is not None}
-            if layout == "lowprec":  # lowprec's own metadata holds dtype and scale rule
-                return {METADATA_VERSION_KEY: METADATA_VERSION,
-                        METADATA_KEY: json.dumps({n: t.to_json(n) for n, t in specs.items()},
-                                                 separators=(",", ":"))}
-            return {ORIGIN_KEY: json.dumps({n: {"dtype": t.dtype, "scale_rule": t.scale_rule}
-                                            for n, t in specs.items()}, separators=(",", ":"))}
+            return lay.table({n: t for n, s, _, t, _ in plan if t is not None})
 
         def convert(reader, writer, item, bar, runner):
             name, spec, parts, target, scheme = item
             if spec is None:
-                info = reader.tensors[name]
-                copy_tensor(reader, writer, name, bar)
-                return TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
-                                    info.nbytes, reason="not quantized")
-            tparts = target.parts(name)
-            rows = EngineSpec(_weights_of(spec), layout if layout != "lowprec"
-                              else "compressed-tensors", tuple(spec.shape))
-
-            def piece(block):  # move the bits a block of rows at a time, on a worker
-                r0, r1 = block
-                changed = 0
-                if isinstance(spec, EngineSpec):
-                    got = spec.read_rows(reader, parts, r0, r1)
-                else:
-                    got = {role: reader.read(stored) if role == "scale"
-                           else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
-                w, bits = scheme_bits(name, spec, got, layout, requantize)
-                src_input = bits.pop("input_scale", None)
-                out, n = layout_arrays(name, w, bits, layout, requantize)
-                if getattr(target, "scale_dtype", "F32") != "F32" and not (
-                        isinstance(spec, EngineSpec) and spec.layout == layout):
-                    # a float32 FP8 scale stored in the model dtype (ct_fp8_scale_dtype)
-                    out["values"], out["scale"], n = requantize_fp8(
-                        out["values"], out["scale"], target.scale_dtype)
-                changed += n
-                if getattr(target, "inputs", None) == "static":
-                    out["input_scale"], moved = _move_input_scale(name, src_input, spec, target,
-                                                                  requantize)
-                    if r0 == 0:
-                        changed += moved
-                for role, stored, _, _ in tparts:
-                    if not rows.is_whole(role):
-                        writer.write_rows(stored, r0, out[role])
-                    elif r0 == 0:
-                        writer.write(stored, out[role])
-                return changed
-
-            counts = []
-            runner.run(piece, list(rows.row_blocks()), lambda block, n: counts.append(n))
-            changed = sum(counts)
-            before = sum(reader.tensors[p[1]].nbytes for p in parts)
-            bar.update(before)
-            label = getattr(target, "label", target.format.name)
-            reason = f"moved from {spec.layout}"
-            if scheme is not None and layout != "lowprec":
-                reason += f" ({scheme.name})"
-            if layout == "lowprec" and getattr(spec, "inputs", None) == "static":
-                reason += "; its input scale is not kept (lowprec's layout holds weights only)"
-            if changed:
-                why = ("an NVFP4 scale without an exact reciprocal" if target.format.name ==
-                       "nvfp4" else f"an FP8 scale rounded to {target.scale_dtype}")
-                reason += f"; requantized: {changed} decoded value(s) changed ({why})"
-            return TensorReport(name, spec.shape, target.dtype, label,
-                                before, target.nbytes(), reason=reason,
-                                scale_rule=target.scale_rule, stored_as=tuple(p[1] for p in tparts),
-                                changed=changed if requantize else None)
+                return keep_tensor(reader, writer, name, bar, "not quantized")
+            return _move_tensor(reader, writer, name, spec, parts, target, scheme, lay,
+                                requantize, bar, runner)
 
         return write_outputs(source, outputs, readers, plans, "convert",
                              {"layout": layout, "requantize": requantize},
                              start, force=force, progress=progress, metadata=metadata,
                              convert=convert, texts=texts)
+
+
+def _move_tensor(reader, writer, name, spec, parts, target, scheme, lay, requantize, bar,
+                 runner) -> TensorReport:
+    """Moves one tensor's bits into ``target`` (of layout ``lay``) a block of rows at a
+    time on the runner's workers (re-encoded only where ``requantize`` allows it, counted);
+    its report."""
+    layout = lay.name
+    tparts = target.parts(name)
+    rows = EngineSpec(_weights_of(spec), spec.layout, tuple(spec.shape))
+    # a float32 FP8 scale stored in the model dtype (ct_fp8_scale_dtype)
+    refit = getattr(target, "scale_dtype", "F32") != "F32" and \
+        not get_layout(spec.layout).scales_in_model_dtype
+
+    def piece(block):  # move the bits a block of rows at a time, on a worker
+        r0, r1 = block
+        changed = 0
+        if isinstance(spec, EngineSpec):
+            got = spec.read_rows(reader, parts, r0, r1)
+        else:
+            got = {role: reader.read(stored) if role == "scale"
+                   else reader.read_rows(stored, r0, r1) for role, stored, _, _ in parts}
+        w, bits = scheme_bits(name, spec, got, layout, requantize)
+        src_input = bits.pop("input_scale", None)
+        out, n = layout_arrays(name, w, bits, lay, requantize)
+        if refit:
+            out["values"], out["scale"], n = requantize_fp8(
+                out["values"], out["scale"], target.scale_dtype)
+        changed += n
+        if getattr(target, "inputs", None) == "static":
+            out["input_scale"], moved = _move_input_scale(name, src_input, spec, target,
+                                                          requantize)
+            if r0 == 0:
+                changed += moved
+        for role, stored, _, _ in tparts:
+            if not rows.is_whole(role):
+                writer.write_rows(stored, r0, out[role])
+            elif r0 == 0:
+                writer.write(stored, out[role])
+        return changed
+
+    counts = []
+    runner.run(piece, list(rows.row_blocks()), lambda block, n: counts.append(n))
+    changed = sum(counts)
+    before = sum(reader.tensors[p[1]].nbytes for p in parts)
+    bar.update(before)
+    label = getattr(target, "label", target.format.name)
+    reason = f"moved from {spec.layout}"
+    if scheme is not None:
+        reason += f" ({scheme.name})"
+    if getattr(spec, "inputs", None) == "static" and \
+            getattr(target, "inputs", None) != "static":
+        reason += (f"; its input scale is not kept ({lay.name}'s layout holds weights "
+                   "only)")
+    if changed:
+        why = ("an NVFP4 scale without an exact reciprocal"
+               if WEIGHT_SCHEMES[_weights_of(target)].global_scale
+               else f"an FP8 scale rounded to {target.scale_dtype}")
+        reason += f"; requantized: {changed} decoded value(s) changed ({why})"
+    return TensorReport(name, spec.shape, target.dtype, label,
+                        before, target.nbytes(), reason=reason,
+                        scale_rule=target.scale_rule, stored_as=tuple(p[1] for p in tparts),
+                        changed=changed if requantize else None)
+
+
+def _move_target(reader, name, spec, parts, lay, origin: dict, model_dtype, config,
+                 requantize: bool) -> tuple:
+    """``(target spec, scheme or None, bits)`` of a tensor moved into layout ``lay``: its
+    tensor-wide parts and scales read (enough to check exactness up front), the target's
+    ``convert_target`` asked, an inexact reciprocal refused."""
+    arrays = {role: reader.read(stored) for role, stored, _, _ in parts
+              if role in ("scale", "scales", "global_scale")}
+    weights, bits = scheme_bits(name, spec, arrays, lay.name, requantize)
+    w = WEIGHT_SCHEMES[weights]
+    dtype = _original_dtype(spec, origin, model_dtype)
+    rule = origin.get("scale_rule", spec.scale_rule)
+    scheme = source_scheme(name, spec, config)
+    if w.global_scale and lay.reciprocal_global_scale and "ts" in bits \
+            and "gs" not in bits and not requantize:
+        exact_reciprocal(name, bits["ts"], bits["scales"], lay.name, True)
+    target, scheme = lay.convert_target(name, spec, w, bits, scheme, dtype, rule, requantize)
+    return target, scheme, bits
+
+
+def check_engine_fused(plans: dict, linear: dict, layout: str) -> None:
+    """Converting to an engine layout: refuses fused layers of several schemes, or of NVFP4
+    tensor scales that differ (:func:`check_fused`, :func:`_check_fused_scales`)."""
+    check_fused(linear)
+    _check_fused_scales(plans, layout)
 
 
 def _weights_of(spec) -> str:

@@ -104,9 +104,9 @@ from ._chunk import (
     native,
     wide_dtype,
 )
-from ._engine_schemes import WEIGHTS, engine_scheme
+from ._engine_schemes import WEIGHT_SCHEMES, WEIGHTS, engine_scheme
 from ._errors import CheckpointError
-from ._layouts import get_layout
+from ._layouts import get_layout, layouts
 from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
 
 #: Layouts written for inference engines (``--layout``).
@@ -119,16 +119,9 @@ MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 _E4M3 = element_format("e4m3")
 _E2M1 = element_format("e2m1")
 _NVFP4 = mx_format("nvfp4")
-_MXFP4 = mx_format("mxfp4")
-_MXFP6 = mx_format("mxfp6_e2m3")
-_MXFP8 = mx_format("mxfp8_e4m3")
 
 #: Weight formats of the engine layouts: name → lowprec format of the stored codes.
-WEIGHT_FORMATS = {"nvfp4": _NVFP4, "mxfp4": _MXFP4, "mxfp6": _MXFP6, "mxfp8": _MXFP8,
-                  "fp8": _E4M3, "fp8_channel": _E4M3}
-#: Weight formats the ModelOpt layout holds.
-MODELOPT_WEIGHTS = ("nvfp4", "fp8", "fp8_channel")
-_MX_WEIGHTS = ("mxfp4", "mxfp6", "mxfp8")
+WEIGHT_FORMATS = {n: w.format for n, w in WEIGHT_SCHEMES.items()}
 
 #: The E8M0 scale rule of each MX weight format in the compressed-tensors layout: what
 #: llm-compressor writes (compressed-tensors' ``generate_mx_scales``: the block maximum's
@@ -212,20 +205,36 @@ class EngineSpec:
     input_dtype: str = "F32"
 
     @property
+    def w(self):
+        """The weight format (a :class:`~lowprec.checkpoint._engine_schemes.WeightScheme`)."""
+        return WEIGHT_SCHEMES[self.scheme]
+
+    @property
+    def lay(self):
+        """The layout object (:class:`~lowprec.checkpoint._layout_ct.EngineLayout`)."""
+        return get_layout(self.layout)
+
+    @property
+    def reciprocal(self) -> bool:
+        """Whether its tensor scale is stored as a reciprocal global scale (compressed-tensors'
+        NVFP4 ``weight_global_scale``): decoded e × float32(s / gs)."""
+        return self.w.global_scale and self.lay.reciprocal_global_scale
+
+    @property
     def format(self):
         """The lowprec format of the stored codes (its object)."""
-        return WEIGHT_FORMATS[self.scheme]
+        return self.w.format
 
     @property
     def label(self) -> str:
-        channel = ", per channel" if self.scheme == "fp8_channel" else ""
+        channel = ", per channel" if self.w.per_channel else ""
         inputs = ", static input scale" if self.inputs == "static" else ""
         return f"{self.format.name} ({self.layout}{channel}{inputs})"
 
     def is_whole(self, role: str) -> bool:
         """Whether part ``role`` is one number for the whole tensor (not cut into rows)."""
         return role in ("global_scale", "input_scale") or (
-            role == "scale" and self.scheme != "fp8_channel")
+            role == "scale" and not self.w.per_channel)
 
     @property
     def view(self) -> tuple:
@@ -236,7 +245,7 @@ class EngineSpec:
     def parts(self, name: str) -> list:
         """``[(role, stored name, dtype, shape)]``; ``name`` is the weight's (``M.weight``):
         what its layout stores (:meth:`~lowprec.checkpoint._layout_ct.EngineLayout.parts`)."""
-        return get_layout(self.layout).parts(self, name)
+        return self.lay.parts(self, name)
 
     def nbytes(self) -> int:
         return sum(nbytes_of(dt, shp) for _, _, dt, shp in self.parts("x.weight"))
@@ -314,17 +323,18 @@ def decode_arrays(arrays: dict, spec: EngineSpec) -> np.ndarray:
     """float32 values of one tensor from its stored ``arrays`` (``{role: array}``), with the
     arithmetic of the layout's loader (before its cast to the model dtype)."""
     out, k = spec.shape
-    if spec.scheme == "nvfp4" and spec.layout == "compressed-tensors":
-        e = _e2m1_unpacked(arrays["elements"]).reshape(out, k // 16, 16)
-        s = _e4m3(arrays["scales"]).reshape(out, k // 16, 1)
+    if spec.reciprocal:
+        b = spec.w.block_size
+        e = _e2m1_unpacked(arrays["elements"]).reshape(out, k // b, b)
+        s = _e4m3(arrays["scales"]).reshape(out, k // b, 1)
         gs = np.float32(np.asarray(arrays["global_scale"]).reshape(-1)[0])
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             return (e * (s / gs)).reshape(out, k)
-    if spec.scheme in ("nvfp4",) + _MX_WEIGHTS:
+    if spec.w.blocks:
         return np.asarray(dequantize(_mxarray(arrays, spec)), np.float32)
     e = _e4m3(arrays["values"])
     s = np.asarray(arrays["scale"], np.float32)
-    s = s.reshape((-1, 1) if spec.scheme == "fp8_channel" else ())
+    s = s.reshape((-1, 1) if spec.w.per_channel else ())
     with np.errstate(over="ignore", invalid="ignore"):
         return e * s
 
@@ -336,11 +346,11 @@ def coded_arrays(arrays: dict, spec: EngineSpec) -> Optional[CodedPiece]:
     the factor float32(s / gs) per E4M3 code; FP8: the scale per tensor or per row; the MX
     schemes and ModelOpt NVFP4: lowprec's decode)."""
     out, k = spec.shape
-    if spec.scheme in ("fp8", "fp8_channel"):
+    if not spec.w.blocks:
         s = np.asarray(arrays["scale"], np.float32).reshape(-1)
         codes = np.asarray(arrays["values"]).view(np.uint8).reshape(-1)
-        return CodedPiece(codes, 8, element_table(_E4M3), s,
-                          k if spec.scheme == "fp8_channel" else max(codes.size, 1), False)
+        return CodedPiece(codes, 8, element_table(spec.format), s,
+                          k if spec.w.per_channel else max(codes.size, 1), False)
     fmt = spec.format
     elements = np.asarray(arrays.get("elements", arrays.get("values"))).view(np.uint8)
     scales = np.asarray(arrays["scales"]).view(np.uint8).reshape(-1)
@@ -349,12 +359,12 @@ def coded_arrays(arrays: dict, spec: EngineSpec) -> Optional[CodedPiece]:
         raise CheckpointError(
             f"cannot decode {spec.label} data of shape {list(spec.shape)}: {elements.size} "
             f"element bytes and {scales.size} scales (need {want[0]} and {want[1]})")
-    if spec.scheme == "nvfp4" and spec.layout == "compressed-tensors":
+    if spec.reciprocal:
         gs = np.float32(np.asarray(arrays["global_scale"]).reshape(-1)[0])
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             table = element_table(_E4M3) / gs  # float32(s / gs), the loader's division
-        return CodedPiece(elements.reshape(-1), 4, element_table(_E2M1), table[scales], 16,
-                          False)
+        return CodedPiece(elements.reshape(-1), fmt.element.code_bits,
+                          element_table(fmt.element), table[scales], fmt.block_size, False)
     ts = np.asarray(arrays["scale"], np.float32).reshape(()) if fmt.tensor_scale else None
     return mx_coded(elements, scales, fmt, ts)
 
@@ -405,59 +415,29 @@ def _mxarray(arrays: dict, spec: EngineSpec) -> MXArray:
 # -- recognizing engine tensors in a file ----------------------------------------------
 def engine_specs(reader) -> dict:
     """``{weight name: EngineSpec}`` for the tensors of ``reader`` stored in an engine
-    layout, recognized by stored names, dtypes and shapes (nothing else is claimed)."""
-    t = reader.tensors
+    layout (each registered engine layout's ``recognize``, by stored names, dtypes and
+    shapes; nothing else is claimed)."""
     found = {}
+    for lay in layouts():
+        if hasattr(lay, "recognize_weights"):
+            for name, (spec, _) in (lay.recognize(reader) or {}).items():
+                found.setdefault(name, spec)
+    return found
 
-    def get(name, dtype=None, ndim=None):
-        info = t.get(name)
-        if info is None or (dtype and info.dtype not in dtype):
-            return None
-        if ndim is not None and len(info.shape) != ndim:
-            return None
-        return info
 
-    for name, info in t.items():
-        if name.endswith(".weight_packed") and info.dtype == "U8" and len(info.shape) == 2:
-            w = name[: -len("_packed")]
-            if w in t:
-                continue
-            out, packed = info.shape
-            sc = get(f"{w}_scale", ("F8_E4M3", "U8"), 2)
-            if sc is None or sc.shape[0] != out:
-                continue
-            gs = get(f"{w}_global_scale", ("F32",))
-            nvfp4 = sc.dtype == "F8_E4M3" and gs is not None and gs.numel == 1
-            if nvfp4 and sc.shape[1] * 8 == packed:
-                found[w] = EngineSpec("nvfp4", "compressed-tensors", (out, 2 * packed))
-            elif sc.dtype == "U8" and gs is None and sc.shape[1] * 16 == packed:
-                found[w] = EngineSpec("mxfp4", "compressed-tensors", (out, 2 * packed))
-            elif sc.dtype == "U8" and gs is None and sc.shape[1] * 24 == packed:
-                found[w] = EngineSpec("mxfp6", "compressed-tensors", (out, sc.shape[1] * 32))
-        elif name.endswith(".weight") and len(info.shape) == 2:
-            out, k = info.shape
-            sc = t.get(f"{name}_scale")
-            if sc is None:
-                continue
-            if info.dtype == "U8" and sc.dtype == "F8_E4M3" and sc.shape == (out, k // 8) \
-                    and get(f"{name}_scale_2", ("F32",), 0) is not None:
-                found[name] = EngineSpec("nvfp4", "modelopt", (out, 2 * k))
-            elif info.dtype == "F8_E4M3" and sc.dtype == "U8" and k % 32 == 0 \
-                    and sc.shape == (out, k // 32):
-                found[name] = EngineSpec("mxfp8", "compressed-tensors", (out, k))
-            elif info.dtype == "F8_E4M3" and sc.dtype in ("F32", "BF16", "F16"):
-                kind = {(): ("fp8", "modelopt"), (1,): ("fp8", "compressed-tensors"),
-                        (out, 1): ("fp8_channel", "compressed-tensors"),
-                        (out,): ("fp8_channel", "modelopt")}.get(tuple(sc.shape))
-                if kind is not None:
-                    found[name] = EngineSpec(kind[0], kind[1], (out, k), scale_dtype=sc.dtype)
+def complete_specs(reader, found: dict) -> dict:
+    """``found`` (``{weight name: EngineSpec}`` a layout recognized) with what a file holds
+    beside the weights: a static activation scale stored next to one (its layout's
+    ``input_scale_part``, in a dtype ``input_dtypes`` allows), and the original dtype where
+    lowprec wrote the file (``lowprec.origin``)."""
+    t = reader.tensors
     for name, spec in list(found.items()):  # a static activation scale beside the weight
-        (_, stored, _, shape), = [p for p in dataclasses.replace(spec, inputs="static")
-                                  .parts(name) if p[0] == "input_scale"]
+        static = dataclasses.replace(spec, inputs="static")
+        module = name[: -len(".weight")] if name.endswith(".weight") else name
+        _, stored, _, shape = spec.lay.input_scale_part(static, module)
         info = t.get(stored)
-        halves = spec.layout == "compressed-tensors" and spec.scheme != "nvfp4"
-        if info is not None and tuple(info.shape) == shape and (
-                info.dtype == "F32" or halves and info.dtype in ("BF16", "F16")):
+        if info is not None and tuple(info.shape) == shape and \
+                info.dtype in spec.lay.input_dtypes(spec.w):
             found[name] = dataclasses.replace(spec, inputs="static", input_dtype=info.dtype)
     origin = {}
     with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
@@ -475,60 +455,71 @@ def _finite_abs(x32: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(a), a, np.float32(0))
 
 
-def quantize_arrays(x: np.ndarray, scheme: str, layout: str, *, dtype: str = "F32",
+def quantize_arrays(x: np.ndarray, scheme: str, layout, *, dtype: str = "F32",
                     scale_rule=None, amax=None) -> dict:
     """Quantizes one [out, in] weight (or a block of its rows) with the rule of ``layout``'s
-    own writer (see the module docstring); ``{role: array}`` in the layout's dtypes.
+    own writer (see the module docstring; its ``encode_nvfp4`` / ``encode_fp8``);
+    ``{role: array}`` in the layout's dtypes.
 
     Args:
       x: the weight's values (of dtype ``dtype``, the model dtype).
       scheme: the weight format (a key of :data:`WEIGHT_FORMATS`).
+      layout: the layout (its name, or the object).
       scale_rule: MX formats: the E8M0 scale rule.
       amax: NVFP4 and per-tensor FP8: the largest finite magnitude of the whole tensor (of the
         whole fused layer, for NVFP4); computed from ``x`` if None.
     """
+    w, lay = WEIGHT_SCHEMES[scheme], get_layout(layout)
     x32 = np.asarray(x).astype(np.float32)
-    if scheme in ("mxfp4", "nvfp4"):
+    if w.blocks and w.format.element == _E2M1:
         # Both writers' E2M1 casts take the sign from the rounded value's sign, which torch
         # gives −0.0 only for a negative input: a stored −0.0 weight becomes code 0, not 8.
         x32 = np.where(x32 == 0, np.float32(0), x32)
-    if scheme in _MX_WEIGHTS:
+    if w.mx:
         # quantize_mx along axis 1, block for block (one compiled program per power of two)
-        el, scales, _ = encode_blocks(x32, WEIGHT_FORMATS[scheme], scale_rule)
-        key = "values" if scheme == "mxfp8" else "elements"
-        return {key: el.view(numpy_dtype("F8_E4M3")) if scheme == "mxfp8" else el,
+        el, scales, _ = encode_blocks(x32, w.format, scale_rule)
+        return {w.code_role: el if w.packed else el.view(numpy_dtype("F8_E4M3")),
                 "scales": scales}
-    if scheme == "nvfp4":
-        amax = np.float32(_finite_abs(x32).max(initial=0) if amax is None else amax)
-        if layout == "compressed-tensors":
-            return _ct_nvfp4(x32, writer_dtype(dtype), amax)
-        return _modelopt_nvfp4(x32, amax)
-    if scheme == "fp8_channel":
+    if w.per_channel:
         amax = _finite_abs(x32).max(axis=1, initial=0).reshape(-1, 1)
     else:
         amax = np.float32(_finite_abs(x32).max(initial=0) if amax is None else amax)
-    if layout == "compressed-tensors":  # scale and quotient in the model dtype D
-        d = writer_dtype(dtype)
-        s = _in(d, np.asarray(amax, np.float32) / _F8_MAX)
-        s = np.where(s == 0, _EPS[d], s).astype(np.float32)
-        with np.errstate(over="ignore", invalid="ignore"):
-            y = _in(d, x32 / s)
-        shape = (-1, 1) if scheme == "fp8_channel" else (1,)
-        scale = s.reshape(shape).astype(numpy_dtype(d))
-    else:  # ModelOpt: float32 scale (1 for an all-zero tensor or row); the quotient by a
-        # per-tensor scale (a 0-d tensor, which torch's type promotion ignores) is in D, by
-        # per-channel scales in float32
-        s = np.asarray(amax, np.float32) / _F8_MAX
-        s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
-        with np.errstate(over="ignore", invalid="ignore"):
-            y = x32 / s if scheme == "fp8_channel" else _in(writer_dtype(dtype), x32 / s)
-        scale = s.reshape(-1) if scheme == "fp8_channel" else s.reshape(())
-    return {"values": _to_e4m3(y).view(numpy_dtype("F8_E4M3")), "scale": scale}
+    if w.global_scale:
+        return lay.encode_nvfp4(x32, dtype, amax)
+    return lay.encode_fp8(x32, w, dtype, amax)
+
+
+def ct_fp8(x32, w, dtype: str, amax) -> dict:
+    """compressed-tensors' FP8: scale and quotient in the model dtype D (see the module
+    docstring); ``amax`` per tensor, or per row [out, 1]."""
+    d = writer_dtype(dtype)
+    s = _in(d, np.asarray(amax, np.float32) / _F8_MAX)
+    s = np.where(s == 0, _EPS[d], s).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = _in(d, x32 / s)
+    shape = (-1, 1) if w.per_channel else (1,)
+    return {"values": _to_e4m3(y).view(numpy_dtype("F8_E4M3")),
+            "scale": s.reshape(shape).astype(numpy_dtype(d))}
+
+
+def modelopt_fp8(x32, w, dtype: str, amax) -> dict:
+    """ModelOpt's FP8: a float32 scale (1 for an all-zero tensor or row); the quotient by a
+    per-tensor scale (a 0-d tensor, which torch's type promotion ignores) is in D, by
+    per-channel scales in float32."""
+    s = np.asarray(amax, np.float32) / _F8_MAX
+    s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = x32 / s if w.per_channel else _in(writer_dtype(dtype), x32 / s)
+    return {"values": _to_e4m3(y).view(numpy_dtype("F8_E4M3")),
+            "scale": s.reshape(-1) if w.per_channel else s.reshape(())}
+
+
+_NVFP4_BLOCK = _NVFP4.block_size
 
 
 def _block_amax(x32: np.ndarray):
-    """(finite block maxima [out, in/16], blocks holding a NaN or inf)."""
-    blocks = x32.reshape(x32.shape[0], -1, 16)
+    """(finite block maxima [out, in / block], blocks holding a NaN or inf)."""
+    blocks = x32.reshape(x32.shape[0], -1, _NVFP4_BLOCK)
     return _finite_abs(blocks).max(axis=-1), ~np.isfinite(blocks).all(axis=-1)
 
 
@@ -537,7 +528,7 @@ def _nvfp4_codes(x32, factor, bad) -> dict:
     saturating; blocks ``bad`` (holding NaN or inf) get zero codes."""
     out, k = x32.shape
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        q = x32.reshape(out, -1, 16) / factor[..., None]
+        q = x32.reshape(out, -1, _NVFP4_BLOCK) / factor[..., None]
     q = np.where(bad[..., None], np.float32(0), q)
     return _pack_e2m1(_to_e2m1(q).reshape(out, k))
 
@@ -551,8 +542,9 @@ def _ct_global_scale(amax, d: str) -> np.float32:
     return np.float32(gs if np.isfinite(gs) else 1)  # torch.nan_to_num(posinf=1)
 
 
-def _ct_nvfp4(x32, d: str, amax) -> dict:
+def ct_nvfp4(x32, dtype: str, amax) -> dict:
     """compressed-tensors' NVFP4 (``generate_gparam``, ``calculate_qparams``, ``quantize``)."""
+    d = writer_dtype(dtype)
     gs = _ct_global_scale(amax, d)
     bmax, bad = _block_amax(x32)
     s = (gs * _in(d, bmax / _F4_MAX)).astype(np.float32)
@@ -565,7 +557,7 @@ def _ct_nvfp4(x32, d: str, amax) -> dict:
             "global_scale": np.array([gs], np.float32)}
 
 
-def _modelopt_nvfp4(x32, amax) -> dict:
+def modelopt_nvfp4(x32, dtype: str, amax) -> dict:
     """ModelOpt's NVFP4 (``NVFP4QTensor.get_weights_scaling_factor(_2)``, ``quantize``); an
     all-zero tensor gets ts = 1 (ModelOpt divides by zero)."""
     ts = np.float32(amax) / _NVFP4_DIVISOR if amax > 0 else np.float32(1)
@@ -580,17 +572,23 @@ def _modelopt_nvfp4(x32, amax) -> dict:
             "scales": codes.view(numpy_dtype("F8_E4M3")), "scale": np.asarray(ts, np.float32)}
 
 
-def input_scale(amax, weights: str, layout: str, dtype: str) -> np.ndarray:
+def input_scale(amax, weights: str, layout, dtype: str) -> np.ndarray:
     """The stored activation scale of a static scheme from the largest magnitude ``amax`` of
-    the Linear's input (over the whole fused layer), with the layout's writer's arithmetic:
-    compressed-tensors FP8 D(D(amax) / 448) in D (0 → eps), NVFP4 as the weights' global
-    scale, float32(D(D(1 / D(amax)) × 2688));
-    ModelOpt float32(amax / 448) (FP8) or float32(amax / 2688) (NVFP4)."""
-    a = np.float32(amax)
-    if layout == "modelopt":
-        return np.asarray(a / (_NVFP4_DIVISOR if weights == "nvfp4" else _F8_MAX), np.float32)
+    the Linear's input (over the whole fused layer), with the layout's writer's arithmetic
+    (its ``input_scale``: :func:`ct_input_scale`, :func:`modelopt_input_scale`)."""
+    return get_layout(layout).input_scale(np.float32(amax), WEIGHT_SCHEMES[weights], dtype)
+
+
+def modelopt_input_scale(a: np.float32, w, dtype: str) -> np.ndarray:
+    """ModelOpt's input scale: float32(amax / 448) (FP8) or float32(amax / 2688) (NVFP4)."""
+    return np.asarray(a / (_NVFP4_DIVISOR if w.global_scale else _F8_MAX), np.float32)
+
+
+def ct_input_scale(a: np.float32, w, dtype: str) -> np.ndarray:
+    """compressed-tensors' input scale: FP8 D(D(amax) / 448) in D (0 → eps), NVFP4 as the
+    weights' global scale, float32(D(D(1 / D(amax)) × 2688))."""
     d = writer_dtype(dtype)
-    if weights == "nvfp4":
+    if w.global_scale:
         return np.array([_ct_global_scale(a, d)], np.float32)
     s = _in(d, _in(d, a) / _F8_MAX)
     return np.array([s if s != 0 else _EPS[d]], np.float32).astype(numpy_dtype(d))
@@ -656,16 +654,16 @@ def modelopt_quant_config(scheme, exclude: Sequence[str]) -> tuple:
     ``quant_method``)."""
     scheme = engine_scheme(scheme)
     algo = scheme.modelopt
+    w = scheme.w
     q = {"quant_algo": algo, "kv_cache_quant_algo": None}
-    if scheme.weights == "nvfp4":
-        q["group_size"] = 16
+    if w.blocks:
+        q["group_size"] = w.block_size
     q["exclude_modules"] = sorted(_with_head({algo: ()}, exclude))
     hf = {"producer": dict(MODELOPT_PRODUCER), "quantization": q}
-    weights = {"dynamic": False, "num_bits": 4 if scheme.weights == "nvfp4" else 8,
-               "type": "float"}
+    weights = {"dynamic": False, "num_bits": w.code_bits, "type": "float"}
     inputs = dict(weights)
-    if scheme.weights == "nvfp4":
-        weights["group_size"] = inputs["group_size"] = 16
+    if w.blocks:
+        weights["group_size"] = inputs["group_size"] = w.block_size
     config = {}
     if algo in ("FP8", "NVFP4", "W4A16_NVFP4"):
         group = {"input_activations": inputs, "weights": weights, "targets": ["Linear"]}
@@ -688,21 +686,18 @@ def scheme_bits(name, spec, arrays, target: str = "compressed-tensors",
     ``requantize`` (then ``ts`` is float32(1 / gs) and ``gs`` is kept for the re-encoding)."""
     if isinstance(spec, EngineSpec):
         bits = dict(arrays)
-        if spec.scheme == "nvfp4" and spec.layout == "compressed-tensors":
+        if spec.reciprocal:
             gs = np.float32(np.asarray(bits.pop("global_scale")).reshape(-1)[0])
-            if requantize and not reciprocal_is_exact(gs, bits["scales"], "lowprec"):
+            if requantize and not reciprocal_is_exact(gs, bits["scales"], False):
                 bits["ts"], bits["gs"] = np.float32(np.float32(1) / gs), gs
             else:
-                bits["ts"] = exact_reciprocal(name, gs, bits["scales"], "lowprec")
-        elif "scale" in bits and spec.scheme != "fp8_channel":
+                bits["ts"] = exact_reciprocal(name, gs, bits["scales"], "lowprec", False)
+        elif "scale" in bits and not spec.w.per_channel:
             bits["ts"] = np.float32(np.asarray(bits.pop("scale")).reshape(-1)[0])
         return spec.scheme, bits
-    if spec.layout == "gpt-oss" and len(spec.shape) == 2:  # [out, K/32, 16]: the packed bytes
-        arrays = {"elements" if k == "blocks" else k: v for k, v in arrays.items()}
-        if arrays.get("elements") is not None:
-            blocks = np.asarray(arrays["elements"])
-            arrays["elements"] = blocks.reshape(blocks.shape[0], -1)
-    elif spec.layout != "lowprec" or len(spec.shape) != 2 or (spec.is_mx and spec.axis != 1):
+    # lowprec's own roles (gpt-oss's [out, K/32, 16] blocks are its packed elements)
+    moved = get_layout(spec.layout).lowprec_arrays(spec, arrays)
+    if moved is None or len(spec.shape) != 2 or (spec.is_mx and spec.axis != 1):
         shape = "x".join(map(str, spec.shape))
         raise CheckpointError(
             f"{name}: {spec.format.name} of shape {shape} in the {spec.layout} layout"
@@ -711,19 +706,23 @@ def scheme_bits(name, spec, arrays, target: str = "compressed-tensors",
                "blocked along in); dequantize it instead" if target != "lowprec" else
                " cannot be moved: convert moves [out, in] weights blocked along in; dequantize "
                "it, or quantize the original weights with --layout lowprec"))
-    schemes = {_NVFP4: "nvfp4", _MXFP4: "mxfp4", _MXFP6: "mxfp6", _MXFP8: "mxfp8",
-               _E4M3: "fp8"}
-    scheme = schemes.get(spec.format)
-    if scheme is None or (scheme == "fp8" and spec.fp8_scale != "tensor"):
+    arrays = moved
+    w = _BY_FORMAT.get(spec.format)
+    if w is None or (not w.blocks and not spec.has_tensor_scale):
         raise CheckpointError(f"{name}: lowprec format {spec.format.name} has no {target} "
                               "equivalent (nvfp4, mxfp4, mxfp6_e2m3, mxfp8_e4m3, e4m3 with a "
                               "tensor scale have); dequantize it instead")
     bits = {"scales": arrays.get("scales")} if spec.is_mx else {}
-    bits["elements" if scheme in ("nvfp4", "mxfp4", "mxfp6") else "values"] = arrays.get(
-        "elements", arrays.get("values"))
+    bits[w.code_role] = arrays.get("elements", arrays.get("values"))
     if "scale" in arrays:
         bits["ts"] = np.float32(np.asarray(arrays["scale"]).reshape(()))
-    return scheme, bits
+    return w.name, bits
+
+
+#: The engine weight format of each lowprec format (per-tensor FP8 for E4M3).
+_BY_FORMAT = {}
+for _w in WEIGHT_SCHEMES.values():
+    _BY_FORMAT.setdefault(_w.format, _w)
 
 
 def _factors_equal(gs: np.float32, ts: np.float32, scales) -> bool:
@@ -734,24 +733,24 @@ def _factors_equal(gs: np.float32, ts: np.float32, scales) -> bool:
                               (ts * s).astype(np.float32).view(np.uint32))
 
 
-def reciprocal_is_exact(x: np.float32, scales, what: str) -> bool:
-    """Whether 1 / ``x`` (gs from ts for ``what`` = compressed-tensors, else ts from gs)
-    changes no decoded value of a tensor with block ``scales`` and maps back to x's bits."""
+def reciprocal_is_exact(x: np.float32, scales, to_global: bool) -> bool:
+    """Whether 1 / ``x`` (gs from ts where ``to_global``, else ts from gs) changes no decoded
+    value of a tensor with block ``scales`` and maps back to x's bits."""
     x = np.float32(x)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         r = np.float32(1) / x
     if not (np.isfinite(r) and r > 0 and x > 0 and np.float32(1) / r == x):
         return False
-    gs, ts = (r, x) if what == "compressed-tensors" else (x, r)
+    gs, ts = (r, x) if to_global else (x, r)
     return _factors_equal(gs, ts, scales)
 
 
-def exact_reciprocal(name, x: np.float32, scales, what: str) -> np.float32:
-    """1 / x (a global scale gs from a tensor scale ts, or ts from gs) when swapping them
-    changes no decoded value — float32(s / gs) = float32(ts × s) for every block-scale code s
-    the tensor uses — and maps back to x's bits (the rule in the module docstring);
-    otherwise a CheckpointError naming the tensor. ``what``: the target layout."""
-    if not reciprocal_is_exact(x, scales, what):
+def exact_reciprocal(name, x: np.float32, scales, what: str, to_global: bool) -> np.float32:
+    """1 / x (a global scale gs from a tensor scale ts where ``to_global``, or ts from gs)
+    when swapping them changes no decoded value — float32(s / gs) = float32(ts × s) for every
+    block-scale code s the tensor uses — and maps back to x's bits (the rule in the module
+    docstring); otherwise a CheckpointError naming the tensor. ``what``: the target layout."""
+    if not reciprocal_is_exact(x, scales, to_global):
         raise CheckpointError(
             f"{name}: NVFP4 tensor scale {float(x)!r} has no exact reciprocal for the "
             f"{what} layout (float32(s / gs) differs from float32(ts * s) for some block scale "
@@ -814,7 +813,7 @@ def requantize_nvfp4(bits: dict, source_ts: bool) -> tuple:
     many decoded values differ (bitwise) from the source's."""
     el = np.asarray(bits["elements"]).view(np.uint8)
     out = el.shape[0]
-    e = _e2m1_unpacked(el).reshape(out, -1, 16)
+    e = _e2m1_unpacked(el).reshape(out, -1, _NVFP4_BLOCK)
     s = _e4m3(bits["scales"]).reshape(out, -1, 1)
     gs, ts = np.float32(bits["gs"]), np.float32(bits["ts"])
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
@@ -828,37 +827,33 @@ def requantize_nvfp4(bits: dict, source_ts: bool) -> tuple:
     return _pack_e2m1(codes.reshape(out, -1)), changed
 
 
-def layout_arrays(name, scheme: str, bits: dict, layout: str, requantize: bool = False) -> tuple:
+def layout_arrays(name, scheme: str, bits: dict, layout, requantize: bool = False) -> tuple:
     """``({role: array} in ``layout``'s dtypes, changed decoded values)`` for the bits of
-    :func:`scheme_bits`; NVFP4 moving to compressed-tensors without an exact reciprocal is
-    refused unless ``requantize`` (:func:`requantize_nvfp4`)."""
+    :func:`scheme_bits`; NVFP4 moving to a layout storing the reciprocal global scale without
+    an exact reciprocal is refused unless ``requantize`` (:func:`requantize_nvfp4`)."""
+    w, lay = WEIGHT_SCHEMES[scheme], get_layout(layout)
     out = {k: v for k, v in bits.items() if k not in ("ts", "gs")}
     changed = 0
     if "scale" in out:  # per-channel FP8 scales (BF16/F16 ones widen exactly)
         out["scale"] = np.asarray(out["scale"]).astype(np.float32)
-        if layout == "modelopt":
-            out["scale"] = out["scale"].reshape(-1)
-        elif layout == "compressed-tensors":
-            out["scale"] = out["scale"].reshape(-1, 1)
+        out["scale"] = out["scale"].reshape(lay.channel_shape(-1))
     if "ts" in bits:
         ts = np.float32(bits["ts"])
-        if scheme == "nvfp4" and layout == "compressed-tensors":
-            if requantize and not reciprocal_is_exact(ts, bits["scales"], layout):
+        if w.global_scale and lay.reciprocal_global_scale:
+            if requantize and not reciprocal_is_exact(ts, bits["scales"], True):
                 gs = np.float32(np.float32(1) / ts)
                 out["elements"], changed = requantize_nvfp4(dict(bits, gs=gs), True)
             else:
-                gs = exact_reciprocal(name, ts, bits["scales"], layout)
+                gs = exact_reciprocal(name, ts, bits["scales"], lay.name, True)
             out["global_scale"] = np.array([gs], np.float32)
         else:
             if "gs" in bits:  # compressed-tensors → ts without an exact reciprocal
                 out["elements"], changed = requantize_nvfp4(bits, False)
-            shape = (1,) if layout == "compressed-tensors" else ()
-            out["scale"] = np.asarray(ts, np.float32).reshape(shape)
-    if scheme == "nvfp4":
+            out["scale"] = np.asarray(ts, np.float32).reshape(lay.scalar_shape)
+    if w.blocks and w.scales_dtype == "F8_E4M3":
         out["scales"] = np.asarray(out["scales"]).view(numpy_dtype("F8_E4M3"))
     if "values" in out:
         out["values"] = np.asarray(out["values"]).view(numpy_dtype("F8_E4M3"))
-        if layout == "lowprec" and scheme == "mxfp8":  # lowprec stores MX codes as U8 elements
+        if not lay.stores_values(w):  # lowprec stores MX codes as U8 elements
             out["elements"] = out.pop("values").view(np.uint8)
     return out, changed
-

@@ -28,7 +28,88 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from .._format import element_format, mx_format
 from ._errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightScheme:
+    """How an engine layout stores one weight format: data every layout reads instead of
+    branching on the format's name (:data:`WEIGHT_SCHEMES`).
+
+    Attributes:
+      name: the key (``"nvfp4"``, ``"mxfp4"``, ``"mxfp6"``, ``"mxfp8"``, ``"fp8"``,
+        ``"fp8_channel"``).
+      format: the lowprec format of the stored codes (its object).
+      ct_format: compressed-tensors' ``format`` of a group of it.
+      packed: codes packed into U8 bytes (``weight_packed``; E2M1, E2M3), else stored as
+        F8_E4M3 values under the weight's own name.
+      per_channel: FP8 with one scale per output row (else one per tensor).
+    """
+
+    name: str
+    format: object
+    ct_format: str
+    packed: bool
+    per_channel: bool = False
+
+    @property
+    def blocks(self) -> bool:
+        """A block format (block scales stored beside the codes)."""
+        return hasattr(self.format, "block_size")
+
+    @property
+    def block_size(self) -> int:
+        """Elements per block scale (1 for FP8: a whole row or tensor shares it)."""
+        return self.format.block_size if self.blocks else 1
+
+    @property
+    def global_scale(self) -> bool:
+        """A block format with a float32 tensor scale over its block scales (NVFP4): the
+        number compressed-tensors stores as its reciprocal (``weight_global_scale``)."""
+        return self.blocks and bool(self.format.tensor_scale)
+
+    @property
+    def mx(self) -> bool:
+        """An OCP MX format (E8M0 block scales, no tensor scale)."""
+        return self.blocks and not self.format.tensor_scale
+
+    @property
+    def tensor_scale(self) -> bool:
+        """One float32 scale for the whole tensor (NVFP4's, per-tensor FP8's)."""
+        return self.global_scale or not (self.blocks or self.per_channel)
+
+    @property
+    def code_role(self) -> str:
+        """The role of the stored codes: ``"elements"`` (packed) or ``"values"``."""
+        return "elements" if self.packed else "values"
+
+    @property
+    def scales_dtype(self) -> str:
+        """The safetensors dtype of the block scales (E8M0 as U8, or E4M3)."""
+        return "U8" if self.mx else "F8_E4M3"
+
+    @property
+    def code_bits(self) -> int:
+        """Bits of one element code."""
+        return (self.format.element if self.blocks else self.format).code_bits
+
+    @property
+    def ct_strategy(self) -> str:
+        """compressed-tensors' ``strategy`` of its scales."""
+        if self.blocks:
+            return "tensor_group" if self.global_scale else "group"
+        return "channel" if self.per_channel else "tensor"
+
+    def ct_weight_args(self) -> dict:
+        """compressed-tensors ``weights`` ``QuantizationArgs`` (as llm-compressor writes)."""
+        return _args(self.code_bits, self.ct_strategy,
+                     group_size=self.block_size if self.blocks else None,
+                     scale_dtype=(_U8 if self.mx else _E4M3) if self.blocks else None)
+
+    def packed_length(self, k: int) -> int:
+        """Bytes of ``k`` packed codes."""
+        return k * self.code_bits // 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +125,11 @@ class EngineScheme:
     what: str
 
     @property
+    def w(self) -> WeightScheme:
+        """Its weight format (:data:`WEIGHT_SCHEMES`)."""
+        return WEIGHT_SCHEMES[self.weights]
+
+    @property
     def weight_only(self) -> bool:
         return self.inputs is None
 
@@ -53,7 +139,7 @@ class EngineScheme:
 
     def ct_weight_args(self) -> dict:
         """compressed-tensors ``weights`` ``QuantizationArgs``."""
-        return dict(_CT_WEIGHTS[self.weights])
+        return self.w.ct_weight_args()
 
 
 def _args(num_bits, strategy, *, group_size=None, scale_dtype=None, dynamic=False,
@@ -77,14 +163,17 @@ WEIGHTS = {
     "fp8": "float-quantized",
     "fp8_channel": "float-quantized",
 }
-_CT_WEIGHTS = {
-    "nvfp4": _args(4, "tensor_group", group_size=16, scale_dtype=_E4M3),
-    "mxfp4": _args(4, "group", group_size=32, scale_dtype=_U8),
-    "mxfp6": _args(6, "group", group_size=32, scale_dtype=_U8),
-    "mxfp8": _args(8, "group", group_size=32, scale_dtype=_U8),
-    "fp8": _args(8, "tensor"),
-    "fp8_channel": _args(8, "channel"),
-}
+#: The weight formats of the engine layouts, by name.
+WEIGHT_SCHEMES = {w.name: w for w in (
+    WeightScheme("nvfp4", mx_format("nvfp4"), WEIGHTS["nvfp4"], packed=True),
+    WeightScheme("mxfp4", mx_format("mxfp4"), WEIGHTS["mxfp4"], packed=True),
+    WeightScheme("mxfp6", mx_format("mxfp6_e2m3"), WEIGHTS["mxfp6"], packed=True),
+    WeightScheme("mxfp8", mx_format("mxfp8_e4m3"), WEIGHTS["mxfp8"], packed=False),
+    WeightScheme("fp8", element_format("e4m3"), WEIGHTS["fp8"], packed=False),
+    WeightScheme("fp8_channel", element_format("e4m3"), WEIGHTS["fp8_channel"], packed=False,
+                 per_channel=True),
+)}
+
 
 _SCHEMES = (
     # name, weights, inputs, ModelOpt quant_algo, what
@@ -107,11 +196,11 @@ _SCHEMES = (
 #: The schemes by name (upper case).
 SCHEMES = {n: EngineScheme(n, w, i, m, what) for n, w, i, m, what in _SCHEMES}
 
-_CT_INPUTS = {
-    "NVFP4": _args(4, "tensor_group", group_size=16, scale_dtype=_E4M3, dynamic="local",
-                   observer="static_minmax"),
-    "MXFP4": _args(4, "group", group_size=32, scale_dtype=_U8, dynamic=True, observer=None),
-    "MXFP8": _args(8, "group", group_size=32, scale_dtype=_U8, dynamic=True, observer=None),
+_CT_INPUTS = {  # the activations' arguments: the weights' blocks, computed at run time
+    "NVFP4": dict(WEIGHT_SCHEMES["nvfp4"].ct_weight_args(), dynamic="local",
+                  observer="static_minmax"),
+    "MXFP4": dict(WEIGHT_SCHEMES["mxfp4"].ct_weight_args(), dynamic=True, observer=None),
+    "MXFP8": dict(WEIGHT_SCHEMES["mxfp8"].ct_weight_args(), dynamic=True, observer=None),
     "FP8": _args(8, "tensor", observer="static_minmax"),
     "FP8_DYNAMIC": _args(8, "token", dynamic=True, observer=None),
 }

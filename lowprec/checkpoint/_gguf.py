@@ -44,7 +44,6 @@ NVFP4 (its float32 tensor scale in ``.scale``).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
@@ -55,7 +54,6 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from .._format import mx_format
 from .._mx import dequantize, quantize_mx
 from .._mxarray import MXArray
 from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
@@ -65,11 +63,12 @@ from ._chunk import tensor_scale
 from ._engine_convert import convert_checkpoint
 from ._errors import CheckpointError
 from ._formats import check_scale_rule
-from ._layout import TensorSpec, make_spec
-from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, quantized_specs
+from ._layout import make_spec
+from ._layout_codes import checkpoint_mxarrays
 from ._pipeline import progress_bar
 from ._report import ConversionReport, TensorReport
-from ._safetensors import SafetensorsReader, SafetensorsWriter
+from ._layouts import get_layout
+from ._safetensors import SafetensorsWriter
 from ._source import open_source
 from ._stats import ErrorStats
 
@@ -689,62 +688,6 @@ def _permute_rows(codes, scales, heads: int):
     return perm(codes), perm(scales)
 
 
-def lowprec_tensors(src, force_tmp_dir) -> dict:
-    """The quantized tensors of a safetensors checkpoint in any layout lowprec reads:
-    ``{name: (format name, shape, load)}``, ``load()`` reading that one tensor as an
-    ``MXArray`` (mxfp4 / nvfp4; other formats are for the caller to refuse). An engine
-    layout is first rewritten in lowprec's under ``force_tmp_dir`` (bits moved, checked)."""
-    def files(path):
-        if os.path.isdir(path):
-            return [os.path.join(path, n) for n in sorted(os.listdir(path))
-                    if n.endswith(".safetensors")]
-        return [path]
-
-    def load(path, name, spec):
-        with SafetensorsReader(path) as r:
-            return _read_lowprec(r, {name: (spec, None)})[name]
-
-    def read(paths):
-        out = {}
-        for path in paths:
-            with SafetensorsReader(path) as r:
-                specs = quantized_specs(r)
-            if not all(isinstance(s, TensorSpec) for s, _ in specs.values()):
-                return {}  # an engine layout: converted first
-            for name, (spec, _) in specs.items():
-                out[name] = (spec.format.name, tuple(spec.shape),
-                             lambda path=path, name=name, spec=spec: load(path, name, spec))
-        return out
-
-    src = os.fspath(src)
-    out = read(files(src))  # lowprec's own layout or gpt-oss: read as stored
-    if out:
-        return out
-    tmp = os.path.join(force_tmp_dir, "lowprec" if os.path.isdir(src) else "lowprec.safetensors")
-    convert_checkpoint(src, tmp, "lowprec", progress=False)  # an engine layout
-    return read(files(tmp))
-
-
-def _read_lowprec(r, specs) -> dict:
-    """``{name: MXArray}`` of a lowprec-layout file's mxfp4 / nvfp4 tensors (other formats:
-    ``{name: format name}``, for the caller to refuse)."""
-    out = {}
-    for name, (spec, _) in specs.items():
-        fmt = spec.format.name
-        if fmt not in _FORMAT_TYPE:
-            out[name] = fmt
-            continue
-        roles = {role: stored for role, stored, _, _ in spec.parts(name)}
-        ts = jnp.float32(r.read(roles["scale"]).reshape(())) if "scale" in roles else None
-        scales = r.read(roles["scales"]).reshape(*spec.shape[:-1], -1) if "blocks" in roles \
-            else r.read(roles["scales"])
-        elements = (r.read(roles["blocks"]).reshape(*spec.shape[:-1], -1) if "blocks" in roles
-                    else r.read(roles["elements"]))  # gpt-oss: lowprec's packing in 16-byte rows
-        out[name] = MXArray(jnp.asarray(elements), jnp.asarray(scales), fmt, spec.axis,
-                            spec.shape, tensor_scale=ts)
-    return out
-
-
 def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="lowprec",
                  force=False, progress=None, report=None) -> ConversionReport:
     """Moves MXFP4 / NVFP4 weights between safetensors (lowprec, gpt-oss, compressed-tensors,
@@ -786,31 +729,29 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
         blocks = f.value(f"{f.arch}.block_count")
         n_head = f.value(f"{f.arch}.attention.head_count")
         n_head_kv = f.value(f"{f.arch}.attention.head_count_kv", n_head)
-        where = os.path.dirname(os.path.abspath(os.fspath(dst)))
-        with tempfile.TemporaryDirectory(dir=where) as d:
-            replace = {}
-            for name, (fmt, shape, load) in lowprec_tensors(src, d).items():
-                if fmt not in _FORMAT_TYPE:
-                    raise CheckpointError(f"{name!r} is {fmt}; GGUF takes mxfp4 and nvfp4 exactly")
-                if re.search(r"\.experts\.\d+\.", name):
-                    raise CheckpointError(f"{name!r}: per-expert tensors are stacked by llama.cpp's "
-                                          "converter; lowprec does not stack them (refused)")
-                g = _hf_to_gguf_name(name, f.arch, int(blocks or 0))
-                if g is None or g not in f.tensors:
-                    raise CheckpointError(f"{name!r} has no tensor in the template "
-                                          f"({g or 'no GGUF name for it'} in {f.arch})")
-                if tuple(f.tensors[g].shape) != shape:
-                    raise CheckpointError(f"{name!r} has shape {list(shape)}, the template's "
-                                          f"{g!r} {list(f.tensors[g].shape)}")
-                heads = None
-                if re.search(r"attn_[qk]\.weight$", g):
-                    h = n_head if g.endswith("attn_q.weight") else n_head_kv
-                    # per-layer head counts (arrays) are left to the template check
-                    heads = h if isinstance(h, int) and h > 0 and shape[0] % (2 * h) == 0 else None
-                replace[g] = (fmt, lambda g=g, name=name, load=load, heads=heads:
-                              _placed(f, g, name, load(), heads))
-            return _rewrite(f, dst, replace, to, force, progress, report, start,
-                            src=os.fspath(src))
+        replace = {}
+        for name, (fmt, shape, load) in checkpoint_mxarrays(src).items():
+            if fmt not in _FORMAT_TYPE:
+                raise CheckpointError(f"{name!r} is {fmt}; GGUF takes mxfp4 and nvfp4 exactly")
+            if re.search(r"\.experts\.\d+\.", name):
+                raise CheckpointError(f"{name!r}: per-expert tensors are stacked by llama.cpp's "
+                                      "converter; lowprec does not stack them (refused)")
+            g = _hf_to_gguf_name(name, f.arch, int(blocks or 0))
+            if g is None or g not in f.tensors:
+                raise CheckpointError(f"{name!r} has no tensor in the template "
+                                      f"({g or 'no GGUF name for it'} in {f.arch})")
+            if tuple(f.tensors[g].shape) != shape:
+                raise CheckpointError(f"{name!r} has shape {list(shape)}, the template's "
+                                      f"{g!r} {list(f.tensors[g].shape)}")
+            heads = None
+            if re.search(r"attn_[qk]\.weight$", g):
+                h = n_head if g.endswith("attn_q.weight") else n_head_kv
+                # per-layer head counts (arrays) are left to the template check
+                heads = h if isinstance(h, int) and h > 0 and shape[0] % (2 * h) == 0 else None
+            replace[g] = (fmt, lambda g=g, name=name, load=load, heads=heads:
+                          _placed(f, g, name, load(), heads))
+        return _rewrite(f, dst, replace, to, force, progress, report, start,
+                        src=os.fspath(src))
     if src_gguf:
         return _gguf_to_safetensors(GGUFFile(src), dst, layout, to, force, progress, report, start)
     raise CheckpointError("convert_gguf: neither side is GGUF")
@@ -934,14 +875,16 @@ def _rewrite(f: GGUFFile, dst, replace: dict, to, force, progress, report, start
 def write_in_layout(dst, layout, entries, metadata, data, *, force: bool, inputs, progress,
                     tmp_dir=None) -> None:
     """Writes ``entries`` (name, dtype, shape; values in ``data``) in lowprec's layout to
-    ``dst``, or, for another ``layout``, to a temporary lowprec file in ``tmp_dir`` (a new
-    one beside ``dst`` if None) that :func:`convert_checkpoint` writes to ``dst``."""
+    ``dst``, or, for another ``layout`` (any registered one ``convert`` writes), to a
+    temporary lowprec file in ``tmp_dir`` (a new one beside ``dst`` if None) that
+    :func:`convert_checkpoint` moves into ``layout`` at ``dst``: the path every layout's
+    conversion takes."""
     def write(path, frc):
         with SafetensorsWriter(path, entries, metadata, force=frc, inputs=inputs) as w:
             for name, _, _ in entries:
                 w.write(name, data[name])
 
-    if layout in (None, "lowprec"):
+    if layout is None or get_layout(layout, writes="convert") is _hub():
         write(dst, force)
         return
     if tmp_dir is None:
@@ -959,20 +902,18 @@ def _gguf_to_safetensors(f: GGUFFile, dst, layout, to, force, progress, report, 
     """GGUF → a lowprec-layout safetensors file (then ``layout`` by convert_checkpoint)."""
     inputs = Inputs([f.path])
     scales = {_scale_name(n) for n, t in f.tensors.items() if t.type == NVFP4}
-    entries, data, meta, reports, casts = [], {}, {}, [], {}
+    entries, data, specs, reports, casts = [], {}, {}, [], {}
+    hub = _hub()  # lowprec's layout, which convert moves into any other
     for t in f.tensors.values():
         if t.name in scales:
             continue
         if t.type in (MXFP4, NVFP4):
             mx = _cast(f.mxarray(t.name), t.name, to, casts)
-            spec = make_spec(mx.fmt.name, t.shape, "F32", axis=len(t.shape) - 1)
-            parts = {"elements": np.asarray(mx.elements), "scales": np.asarray(mx.scales)}
-            if mx.tensor_scale is not None:
-                parts["scale"] = np.asarray(mx.tensor_scale, np.float32).reshape(())
+            spec = specs[t.name] = hub.spec_for(mx.fmt, t.shape, "F32", None)
+            parts = hub.pack(mx)
             for role, stored, dt, shape in spec.parts(t.name):
                 entries.append((stored, dt, shape))
                 data[stored] = parts[role]
-            meta[t.name] = spec.to_json(t.name)
             reports.append(TensorReport(t.name, t.shape, type_name(t.type), mx.fmt.name,
                                         t.raw.size, spec.nbytes(),
                                         stored_as=tuple(p[1] for p in spec.parts(t.name))))
@@ -982,9 +923,7 @@ def _gguf_to_safetensors(f: GGUFFile, dst, layout, to, force, progress, report, 
             data[t.name] = x
             reports.append(TensorReport(t.name, t.shape, type_name(t.type), "kept", t.raw.size,
                                         x.nbytes, reason="decoded to float32"))
-    metadata = {METADATA_KEY: json.dumps(meta), METADATA_VERSION_KEY: METADATA_VERSION}
-
-    write_in_layout(dst, layout, entries, metadata, data, force=force, inputs=inputs,
+    write_in_layout(dst, layout, entries, hub.table(specs), data, force=force, inputs=inputs,
                     progress=progress)
     rep = ConversionReport(f.path, os.fspath(dst), "convert",
                            {"container": "gguf", "layout": layout, "to": to,
@@ -992,3 +931,9 @@ def _gguf_to_safetensors(f: GGUFFile, dst, layout, to, force, progress, report, 
                            reports, time.perf_counter() - start)
     write_report(rep, report, force, inputs)
     return rep
+
+
+def _hub():
+    """lowprec's layout: what GGUF tensors are written in before ``convert`` moves them into
+    another layout."""
+    return get_layout("lowprec")

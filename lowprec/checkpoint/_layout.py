@@ -69,7 +69,6 @@ from ._formats import (
 from ._layouts import get_layout
 from ._safetensors import FLOAT_DTYPES, nbytes_of
 
-BLOCK = 32  # the block size of the OCP MX formats (OCP MX v1.0); others carry theirs
 #: The one format of the gpt-oss layout.
 GPT_OSS_FORMAT = mx_format("mxfp4")
 
@@ -92,6 +91,12 @@ class TensorSpec:
         if not isinstance(self.format, (MXFormat, ElementFormat)):
             raise TypeError(f"TensorSpec takes a format object, got {self.format!r}; "
                             "make_spec(name, ...) resolves a name")
+
+    @property
+    def code_role(self) -> str:
+        """The role of a block format's stored codes in its layout (``"elements"``; gpt-oss:
+        ``"blocks"``, the same bytes in rows of 16)."""
+        return getattr(get_layout(self.layout), "code_role", "elements")
 
     @property
     def is_mx(self) -> bool:
@@ -208,8 +213,8 @@ class TensorSpec:
                 )
                 if not 0 <= axis < len(shape) or shape[axis] % spec.block_size:
                     raise ValueError(f"axis {axis} does not fit shape {list(shape)}")
-                if spec.layout == "gpt-oss" and (fmt != GPT_OSS_FORMAT or axis != len(shape) - 1):
-                    raise ValueError("the gpt-oss layout holds MXFP4 along the last axis only")
+                # the layout recorded (gpt-oss: MXFP4 along the last axis only)
+                get_layout(spec.layout).check_format(fmt, axis=axis - len(shape))
             else:
                 fp8_scale = entry.get("fp8_scale")
                 if fp8_scale is not None:

@@ -31,6 +31,7 @@ from .._mx import dequantize, quantize_mx
 from .._mxarray import MXArray
 from ._chunk import count_nonfinite, narrow
 from ._convert import check_selection, compile_pattern, select_tensor
+from ._engine_layouts import EngineSpec, layout_arrays, scheme_bits
 from ._errors import CheckpointError
 from ._formats import checkpoint_format, is_block_format
 from ._layout import TensorSpec, check_block_scale_rule
@@ -38,19 +39,19 @@ from ._layouts import Layout, get_layout
 from ._logical import logical_tensors
 from ._pipeline import (
     Outputs,
-    check_collisions,
     check_unquantized,
-    copy_tensor,
+    keep_tensor,
     open_readers,
+    plan_shards,
     write_outputs,
 )
 from ._qconfig import read_quant_config
 from ._report import TensorReport
-from ._safetensors import FLOAT_DTYPES, nbytes_of
+from ._safetensors import FLOAT_DTYPES, SafetensorsReader, nbytes_of
 from ._source import open_source
 from ._stats import ErrorStats
 
-__all__ = ["CodesLayout", "CodesSpec", "read_mxarray"]
+__all__ = ["CodesLayout", "CodesSpec", "checkpoint_mxarrays", "read_mxarray"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +100,20 @@ class CodesSpec:
 
 
 def read_mxarray(reader, name, spec, parts) -> MXArray:
-    """The ``MXArray`` of one recognized block-format tensor of lowprec's, gpt-oss's or a
-    codes layout (an engine layout is moved to lowprec's first: ``lowprec convert``)."""
+    """The ``MXArray`` of one recognized block-format tensor of any layout: lowprec's,
+    gpt-oss's, a codes layout's, or an engine layout's (its bits moved to lowprec's roles as
+    ``lowprec convert`` moves them: refused where that is not exact)."""
     if isinstance(spec, CodesSpec):
         return spec.mxarray(reader, parts)
+    if isinstance(spec, EngineSpec) and spec.w.blocks:
+        arrays = {role: reader.read(stored) for role, stored, _, _ in parts}
+        w, bits = scheme_bits(name, spec, arrays, "lowprec")
+        bits.pop("input_scale", None)
+        out, _ = layout_arrays(name, w, bits, "lowprec")
+        ts = jnp.float32(out["scale"].reshape(())) if "scale" in out else None
+        return MXArray(jnp.asarray(out["elements"].view(np.uint8)),
+                       jnp.asarray(np.asarray(out["scales"]).view(np.uint8)), spec.format, 1,
+                       tuple(spec.shape), tensor_scale=ts)
     if isinstance(spec, TensorSpec) and spec.is_mx:
         roles = {role: stored for role, stored, _, _ in parts}
         ts = jnp.float32(reader.read(roles["scale"]).reshape(())) if "scale" in roles else None
@@ -114,9 +125,31 @@ def read_mxarray(reader, name, spec, parts) -> MXArray:
         return MXArray(jnp.asarray(elements), jnp.asarray(scales), spec.format, spec.axis,
                        spec.shape, tensor_scale=ts)
     raise CheckpointError(
-        f"{reader.path}: {name} is {getattr(spec, 'label', spec.format.name)}; a codes layout "
-        "moves block-format tensors of lowprec's, gpt-oss's or another codes layout (move an "
-        "engine layout to lowprec's first: lowprec convert IN OUT --layout lowprec)")
+        f"{reader.path}: {name} is {getattr(spec, 'label', spec.format.name)}, not a block "
+        "format: there are no block codes to move")
+
+
+def checkpoint_mxarrays(src) -> dict:
+    """The quantized tensors of a safetensors checkpoint in any layout lowprec reads, each
+    checked by its layout (:func:`~._logical.logical_tensors`): ``{name: (format name, shape,
+    load)}``, ``load()`` reading that one tensor as an ``MXArray`` (:func:`read_mxarray`;
+    the caller refuses what is not a block format before loading it)."""
+    source = open_source(src)
+    config = read_quant_config(source.home)
+    out = {}
+    with contextlib.ExitStack() as stack:
+        for rel, reader in open_readers(stack, source).items():
+            for name, spec, parts in logical_tensors(reader, config):
+                if spec is not None:
+                    out[name] = (spec.format.name, tuple(spec.shape),
+                                 lambda path=source.path(rel), name=name, spec=spec,
+                                 parts=parts: _load(path, name, spec, parts))
+    return out
+
+
+def _load(path, name, spec, parts) -> MXArray:
+    with SafetensorsReader(path) as reader:
+        return read_mxarray(reader, name, spec, parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,22 +247,6 @@ def _refuse(layout, options: dict) -> None:
                               f"{layout.name} layout")
 
 
-def _plans(layout, readers, item):
-    """``{rel: (plan, entries)}`` with ``item(reader, info) -> (spec or None, reason)``."""
-    plans = {}
-    for rel, reader in readers.items():
-        plan, entries = [], []
-        for info in reader.tensors.values():
-            spec, reason = item(reader, info)
-            if spec is None:
-                entries.append((info.name, info.dtype, info.shape))
-            else:
-                entries += [(s, dt, shp) for _, s, dt, shp in spec.parts(info.name)]
-            plan.append((info, spec, reason))
-        plans[rel] = (plan, entries)
-    return plans
-
-
 def write_parts(writer, name, spec, arrays: dict) -> None:
     """Writes ``arrays`` (``{role: array}``) as the stored parts of ``spec``."""
     for role, stored, dt, shp in spec.parts(name):
@@ -253,25 +270,25 @@ def quantize_codes(layout: CodesLayout, src, dst, fmt, *, include=None, exclude=
     source = open_source(src)
     outputs = Outputs(source, dst, report, force, follow_symlinks, jobs)
 
-    def item(reader, info):
-        chosen, reason = select_tensor(info, fmt, inc, exc, -1)
-        spec = CodesSpec(layout.name, fmt, tuple(info.shape), info.dtype, scale_rule)
-        return (spec if chosen else None), reason
+    def plan_file(reader):
+        for info in reader.tensors.values():
+            chosen, reason = select_tensor(info, fmt, inc, exc, -1)
+            if not chosen:
+                yield (info, None, reason), [(info.name, info.dtype, info.shape)]
+                continue
+            spec = CodesSpec(layout.name, fmt, tuple(info.shape), info.dtype, scale_rule)
+            yield (info, spec, reason), [(s, dt, shp) for _, s, dt, shp in spec.parts(info.name)]
 
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
         check_unquantized(source, readers)
-        plans = _plans(layout, readers, item)
-        for rel, (_, entries) in plans.items():
-            check_collisions(entries, readers[rel].path)
+        plans = plan_shards(readers, plan_file)
         check_selection(source, plans, include, -1, fmt)
 
         def convert(reader, writer, it, bar, runner):
             info, spec, reason = it
             if spec is None:
-                copy_tensor(reader, writer, info.name, bar)
-                return TensorReport(info.name, info.shape, info.dtype, "kept", info.nbytes,
-                                    info.nbytes, reason=reason)
+                return keep_tensor(reader, writer, info.name, bar, reason)
             x = np.asarray(reader.read(info.name), np.float32)
             mx = quantize_mx(jnp.asarray(x), fmt, axis=-1, **(
                 {"scale_rule": scale_rule} if scale_rule is not None else {}))
@@ -308,14 +325,12 @@ def convert_codes(layout, src, dst, *, force=False, progress=None, report=None,
     config = read_quant_config(source.home)
     with contextlib.ExitStack() as stack:
         readers = open_readers(stack, source)
-        plans, moved = {}, 0
-        for rel, reader in readers.items():
-            plan, entries = [], []
+
+        def plan_file(reader):
             for name, spec, parts in logical_tensors(reader, config):
                 if spec is None:
                     info = reader.tensors[name]
-                    entries.append((name, info.dtype, info.shape))
-                    plan.append((name, None, None, None))
+                    yield (name, None, None, None), [(name, info.dtype, info.shape)]
                     continue
                 if spec.layout == layout.name:
                     raise CheckpointError(f"{reader.path}: already in the {layout.name} layout")
@@ -327,21 +342,17 @@ def convert_codes(layout, src, dst, *, force=False, progress=None, report=None,
                                           "last axis")
                 target = layout.spec_for(spec.format, tuple(spec.shape), spec.dtype,
                                          spec.scale_rule)
-                entries += [(s, dt, shp) for _, s, dt, shp in target.parts(name)]
-                plan.append((name, spec, parts, target))
-                moved += 1
-            check_collisions(entries, reader.path)
-            plans[rel] = (plan, entries)
-        if not moved:
+                yield (name, spec, parts, target), [(s, dt, shp) for _, s, dt, shp in
+                                                    target.parts(name)]
+
+        plans = plan_shards(readers, plan_file)
+        if not any(it[1] is not None for plan, _ in plans.values() for it in plan):
             raise CheckpointError(f"{source.given}: holds no quantized tensors to move")
 
         def convert(reader, writer, it, bar, runner):
             name, spec, parts, target = it
             if spec is None:
-                info = reader.tensors[name]
-                copy_tensor(reader, writer, name, bar)
-                return TensorReport(name, info.shape, info.dtype, "kept", info.nbytes,
-                                    info.nbytes, reason="not quantized")
+                return keep_tensor(reader, writer, name, bar, "not quantized")
             before = sum(reader.tensors[p[1]].nbytes for p in parts)
             write_parts(writer, name, target, layout.pack(read_mxarray(reader, name, spec, parts)))
             bar.update(before)

@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ._errors import CheckpointError
-from ._layout import BLOCK, GPT_OSS_FORMAT, TensorSpec
+from ._layout import GPT_OSS_FORMAT, TensorSpec
 from ._layout_lowprec import LowprecLayout
 from ._layouts import Layout, register
+from ._qconfig import gpt_oss_config, modelopt_keeping
 from ._validate import check_gpt_oss
 
 _SUFFIXES = (("_blocks", "_scales"), (".blocks", ".scales"))
+BLOCK = GPT_OSS_FORMAT.block_size  # 32 FP4 codes per scale, 16 bytes a row
 
 
 @dataclasses.dataclass(frozen=True)
 class GptOssLayout(LowprecLayout):
     exclusive = False
+    quant_method = "mxfp4"  # transformers' Mxfp4Config
+    code_role = "blocks"  # lowprec's packed elements, in rows of 16 bytes
     instead = "use --layout lowprec"
 
     def holds(self, fmt) -> bool:
@@ -59,6 +65,23 @@ class GptOssLayout(LowprecLayout):
                                       scale_rule=None, layout=self.name)
                     found[base] = (spec, {"blocks": info.name, "scales": sc.name})
         return found
+
+    def label(self, spec) -> str:
+        return f"{spec.format.name} ({self.name})"
+
+    def lowprec_arrays(self, spec, arrays: dict) -> dict:
+        """``<name>_blocks`` [out, K/32, 16] are lowprec's packed elements [out, K/2]."""
+        arrays = {"elements" if k == "blocks" else k: v for k, v in arrays.items()}
+        if arrays.get("elements") is not None and len(spec.shape) == 2:
+            blocks = np.asarray(arrays["elements"])
+            arrays["elements"] = blocks.reshape(blocks.shape[0], -1)
+        return arrays
+
+    def read_config(self, q, hf, where):
+        return gpt_oss_config(q, where)
+
+    def keep_config(self, config, groups, decoded) -> tuple:
+        return modelopt_keeping(config, groups, decoded)  # its ignore list, as ModelOpt's
 
     def check(self, reader, name, spec, parts, config, data):
         check_gpt_oss(reader, name, spec, parts, config, data)

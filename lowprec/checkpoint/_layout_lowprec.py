@@ -12,7 +12,8 @@ import json
 import numpy as np
 
 from ._convert import quantize_lowprec
-from ._engine_convert import convert_layouts
+from ._engine_convert import convert_layouts, plain_config_texts
+from ._errors import CheckpointError
 from ._formats import FORMATS, cast_dtype
 from ._layout import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, make_spec, metadata_table
 from ._layout_codes import CodesLayout, convert_codes
@@ -66,6 +67,30 @@ class LowprecLayout(Layout):
         if _holds_codes_layout(src, options.get("follow_symlinks", False)):
             return convert_codes(self, src, dst, **options)  # bits moved, as for the engines'
         return convert_layouts(src, dst, self.name, **options)
+
+    def label(self, spec) -> str:
+        return spec.format.name
+
+    def lowprec_arrays(self, spec, arrays: dict) -> dict:
+        return arrays
+
+    # What convert_layouts asks of its target (NVFP4 / MX / FP8 bits moved into lowprec's).
+    def stores_values(self, w) -> bool:
+        """Whether the codes of engine weight format ``w`` are stored as values (a cast's)
+        rather than U8 elements (every block format's)."""
+        return not w.blocks
+
+    def convert_target(self, name, spec, w, bits, scheme, dtype, rule, requantize) -> tuple:
+        """``(spec, None)`` of a tensor moved into lowprec's layout (weights only)."""
+        if w.per_channel:
+            raise CheckpointError(f"{name}: per-channel FP8 has no lowprec layout; "
+                                  "keep it in compressed-tensors or dequantize it")
+        return make_spec(w.format, spec.shape, dtype, axis=-1 if w.blocks else None,
+                         scale_rule=rule if w.mx else None), None
+
+    def convert_texts(self, source, outputs, plans, groups, kept, linear, config) -> dict:
+        """A folder's config.json without ``quantization_config`` (no engine config)."""
+        return plain_config_texts(source, outputs)
 
     # What convert_codes asks of its target (a codes layout moved into lowprec's).
     def spec_for(self, fmt, shape, dtype, scale_rule):

@@ -21,6 +21,11 @@ toy one). What a layout provides (docs/design.md §16):
   metadata are written there.
 - A layout with its own container (GGUF) says which paths are its files (``owns_path``) and
   serves ``dequantize`` / ``inspect`` of them too.
+- Its config: ``quant_method`` (config.json's, None for none), ``read_config``,
+  ``keep_config``; moving bits between layouts: ``lowprec_arrays`` and the scale
+  conventions (``reciprocal_global_scale``, ``scales_in_model_dtype``, ``scalar_shape``);
+  ``label`` names a tensor's format in ``inspect``. No code outside a layout's module
+  branches on its name: it asks the object.
 
 Example:
     >>> from lowprec.checkpoint import get_layout, layout_names
@@ -105,6 +110,49 @@ class Layout:
     def converts(self) -> bool:
         """Whether ``convert`` can write this layout."""
         return type(self).convert is not Layout.convert
+
+    @property
+    def title(self) -> str:
+        """The layout's name in messages (its registered name, or how its tool spells it)."""
+        return self.name
+
+    def label(self, spec) -> str:
+        """How ``inspect`` names the format of a tensor stored in this layout."""
+        return f"{spec.format.name} ({self.name})"
+
+    # -- moving NVFP4 / MX / FP8 bits between layouts (lowprec convert) ---------------
+    # What :func:`~lowprec.checkpoint._engine_convert.convert_layouts` asks of a layout it
+    # moves bits out of or into (the engine layouts and lowprec's say more).
+    #: NVFP4's tensor scale stored as its reciprocal (compressed-tensors' global scale).
+    reciprocal_global_scale: ClassVar[bool] = False
+    #: FP8 scales stored in the model dtype (compressed-tensors), not float32.
+    scales_in_model_dtype: ClassVar[bool] = False
+    #: The stored shape of a tensor-wide number.
+    scalar_shape: ClassVar[tuple] = ()
+
+    def lowprec_arrays(self, spec, arrays: dict) -> Optional[dict]:
+        """A recognized tensor's stored ``arrays`` (``{role: array}``) in the roles of
+        lowprec's layout (elements, scales, scale, values), for moving them to another
+        layout; None: its tensors are not moved that way."""
+        return None
+
+    # -- the checkpoint's quantization config (config.json) ----------------------------
+    #: The ``quant_method`` of config.json's ``quantization_config`` that says this layout
+    #: (None: the layout has no config; lowprec's own records its tensors in metadata).
+    quant_method: ClassVar[Optional[str]] = None
+    #: A config file of its own beside config.json (ModelOpt's ``hf_quant_config.json``).
+    config_file: ClassVar[Optional[str]] = None
+
+    def read_config(self, q: Optional[dict], hf: Optional[dict], where: str):
+        """The :class:`~lowprec.checkpoint._qconfig.QuantConfig` of config.json's
+        ``quantization_config`` ``q`` (and ModelOpt's ``hf_quant_config.json`` ``hf``)."""
+        raise NotImplementedError
+
+    def keep_config(self, config, groups, decoded) -> tuple:
+        """``(quantization_config, hf_quant_config)`` after decoding modules ``decoded``
+        while the ``groups`` claiming the others stay
+        (:func:`~lowprec.checkpoint._qconfig.config_keeping`)."""
+        raise NotImplementedError
 
     # -- a container of its own ------------------------------------------------------
     def owns_path(self, path, *, output: bool = False) -> bool:

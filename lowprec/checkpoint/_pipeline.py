@@ -33,7 +33,7 @@ from ._errors import CheckpointError
 from ._layouts import layouts
 from ._logical import METADATA_KEY, logical_tensors
 from ._qconfig import read_quant_config
-from ._report import ConversionReport
+from ._report import ConversionReport, TensorReport
 from ._safetensors import SafetensorsReader, SafetensorsWriter, nbytes_of
 from ._source import Source, check_symlinks
 
@@ -352,6 +352,29 @@ def copy_tensor(reader, writer, name: str, bar) -> None:
     for piece in reader.iter_raw(name):
         writer.write(name, piece)
         bar.update(len(piece))
+
+
+def keep_tensor(reader, writer, name: str, bar, reason: str):
+    """Copies tensor ``name`` unchanged; its report line (format ``kept``)."""
+    info = reader.tensors[name]
+    copy_tensor(reader, writer, name, bar)
+    return TensorReport(name, info.shape, info.dtype, "kept", info.nbytes, info.nbytes,
+                        reason=reason)
+
+
+def plan_shards(readers: dict, plan_file, fix: str = "--exclude one of them") -> dict:
+    """``{rel: (plan, entries)}`` of every shard: ``plan_file(reader)`` gives its items, each
+    with the ``(stored name, dtype, shape)`` entries it writes; two entries of one name are
+    refused (:func:`check_collisions`, ``fix`` saying how)."""
+    plans = {}
+    for rel, reader in readers.items():
+        plan, entries = [], []
+        for item, stored in plan_file(reader):
+            plan.append(item)
+            entries += stored
+        check_collisions(entries, reader.path, fix)
+        plans[rel] = (plan, entries)
+    return plans
 
 
 

@@ -28,7 +28,9 @@ import os
 import re
 from typing import Optional
 
+from ._engine_schemes import WEIGHT_SCHEMES
 from ._errors import CheckpointError
+from ._layouts import layouts
 
 CONFIG_NAME = "config.json"
 MODELOPT_CONFIG_NAME = "hf_quant_config.json"
@@ -85,15 +87,16 @@ class QuantConfig:
     ignore: tuple  # module patterns kept in high precision
     raw: dict  # config.json's quantization_config (or the ModelOpt file's section)
     modelopt: Optional[dict] = None  # hf_quant_config.json, when there is one
+    globs: bool = False  # module patterns are shell globs (ModelOpt's), not ``re:`` ones
 
     @property
     def readable(self) -> bool:
-        """Whether the quant_method is a layout lowprec reads."""
-        return self.method in ("compressed-tensors", "modelopt", "mxfp4")
+        """Whether the quant_method is a layout lowprec reads (a registered layout's)."""
+        return config_layout(self.method) is not None
 
     def _match(self, module: str, pattern: str, *, classes: bool = True) -> Optional[int]:
         """0 (exact name), 1 (regex) or 2 (class) if ``pattern`` matches ``module``."""
-        if self.method == "modelopt":
+        if self.globs:
             if classes and _is_class_name(pattern):
                 return 2
             return 0 if module == pattern or fnmatch.fnmatchcase(module, pattern) else None
@@ -188,18 +191,13 @@ def ct_scheme(weights, fmt) -> tuple:
             + (f", format {fmt}" if fmt else ""))
     scheme = None
     if kind == "float" and weights.get("symmetric", True) and not weights.get("dynamic"):
-        if bits == 4 and strategy == "tensor_group" and group == 16:
-            scheme = "nvfp4"
-        elif bits == 4 and strategy == "group" and group == 32:
-            scheme = "mxfp4"
-        elif bits == 6 and strategy == "group" and group == 32:
-            scheme = "mxfp6"
-        elif bits == 8 and strategy == "group" and group == 32 and fmt == "mxfp8-quantized":
-            scheme = "mxfp8"
-        elif bits == 8 and strategy == "tensor":
-            scheme = "fp8"
-        elif bits == 8 and strategy == "channel":
-            scheme = "fp8_channel"
+        for w in WEIGHT_SCHEMES.values():  # the arguments lowprec writes for each
+            a = w.ct_weight_args()
+            if (bits, strategy) == (a["num_bits"], a["strategy"]) and (
+                    not w.blocks or group == w.block_size) and (
+                    w.packed or not w.blocks or fmt == w.ct_format):  # MXFP8 vs int8 groups
+                scheme = w.name
+                break
     if scheme is not None and fmt is not None and fmt not in CT_FORMATS[scheme]:
         scheme = None  # e.g. an int-style packing of float values
     return scheme, what
@@ -224,12 +222,14 @@ def ct_inputs(args) -> Optional[str]:
         return "dynamic"
     if bits == 8 and dynamic is False and strategy in ("tensor", None):
         return "static"  # FP8's input_scale
-    if bits == 4 and dynamic == "local" and args.get("group_size") == 16:
+    nvfp4 = next(w for w in WEIGHT_SCHEMES.values() if w.global_scale)
+    if bits == nvfp4.code_bits and dynamic == "local" \
+            and args.get("group_size") == nvfp4.block_size:
         return "static"  # NVFP4's input_global_scale (its block scales are dynamic)
     return "other"
 
 
-def _ct_config(q: dict, where: str) -> QuantConfig:
+def ct_config(q: dict, where: str) -> QuantConfig:
     groups_raw = q.get("config_groups") or {}
     if not isinstance(groups_raw, dict):
         raise CheckpointError(f"{where}: quantization_config.config_groups is not an object")
@@ -249,7 +249,7 @@ def _ct_config(q: dict, where: str) -> QuantConfig:
     return QuantConfig("compressed-tensors", where, groups, ignore, q)
 
 
-def _modelopt_config(q: Optional[dict], hf: Optional[dict], where: str) -> QuantConfig:
+def modelopt_config(q: Optional[dict], hf: Optional[dict], where: str) -> QuantConfig:
     section = {}
     if hf is not None:
         section = hf.get("quantization")
@@ -270,7 +270,8 @@ def _modelopt_config(q: Optional[dict], hf: Optional[dict], where: str) -> Quant
 
     def group(name, targets, algo, size):
         scheme = MODELOPT_ALGOS.get(algo)
-        if scheme == "nvfp4" and size not in (None, 16):
+        if scheme is not None and WEIGHT_SCHEMES[scheme].blocks \
+                and size not in (None, WEIGHT_SCHEMES[scheme].block_size):
             scheme = None
         what = f"quant_algo {algo}" + (f", group_size {size}" if size is not None else "")
         return Group(name, targets, scheme, what, MODELOPT_INPUTS.get(algo, "other"))
@@ -283,7 +284,7 @@ def _modelopt_config(q: Optional[dict], hf: Optional[dict], where: str) -> Quant
                   for name, cfg in layers.items()]
     else:
         groups = [group(f"quant_algo {algo}", ("Linear",), algo, group_size)]
-    return QuantConfig("modelopt", where, groups, ignore, q or section, hf)
+    return QuantConfig("modelopt", where, groups, ignore, q or section, hf, globs=True)
 
 
 def read_quant_config(folder: Optional[str]) -> Optional[QuantConfig]:
@@ -296,31 +297,41 @@ def read_quant_config(folder: Optional[str]) -> Optional[QuantConfig]:
     if folder is None:
         return None
     cfg_path = os.path.join(folder, CONFIG_NAME)
-    hf_path = os.path.join(folder, MODELOPT_CONFIG_NAME)
     q = None
     if os.path.isfile(cfg_path):
         q = load_json(cfg_path).get("quantization_config")
         if q is not None and not isinstance(q, dict):
             raise CheckpointError(f"{cfg_path}: quantization_config is not an object")
-    hf = load_json(hf_path) if os.path.isfile(hf_path) else None
+    # a layout's own config file beside config.json (ModelOpt's hf_quant_config.json)
+    side = next((l for l in layouts() if l.config_file is not None
+                 and os.path.isfile(os.path.join(folder, l.config_file))), None)
+    hf_path = os.path.join(folder, side.config_file) if side is not None else None
+    hf = load_json(hf_path) if side is not None else None
     if q is None and hf is None:
         return None
-    method = (q or {}).get("quant_method", "modelopt" if hf is not None else None)
+    method = (q or {}).get("quant_method", side.quant_method if side is not None else None)
     if not isinstance(method, str):
         raise CheckpointError(f"{cfg_path}: quantization_config has no quant_method")
-    if hf is not None and method != "modelopt":
+    if side is not None and method != side.quant_method:
         raise CheckpointError(
-            f"{folder}: {MODELOPT_CONFIG_NAME} is ModelOpt's, but config.json's "
+            f"{folder}: {side.config_file} is {side.title}'s, but config.json's "
             f"quantization_config says quant_method {method!r}: which one is right?")
     where = cfg_path if hf is None else f"{cfg_path} / {hf_path}" if q is not None else hf_path
-    if method == "compressed-tensors":
-        return _ct_config(q, where)
-    if method == "modelopt":
-        return _modelopt_config(q, hf, where)
-    if method == "mxfp4":  # transformers' Mxfp4Config: gpt-oss blocks / scales
-        return QuantConfig("mxfp4", where, [Group("mxfp4", ("Linear",), "gpt-oss",
-                                                  "gpt-oss MXFP4")], (), q)
+    layout = config_layout(method)
+    if layout is not None:  # its layout reads it (read_config)
+        return layout.read_config(q, hf, where)
     return QuantConfig(method, where, [], (), q)
+
+
+def config_layout(method: str):
+    """The registered layout whose config says ``quant_method`` ``method`` (None: none)."""
+    return next((l for l in layouts() if l.quant_method == method), None)
+
+
+def gpt_oss_config(q: dict, where: str) -> QuantConfig:
+    """transformers' Mxfp4Config (quant_method ``mxfp4``): gpt-oss blocks / scales."""
+    return QuantConfig("mxfp4", where, [Group("mxfp4", ("Linear",), "gpt-oss",
+                                              "gpt-oss MXFP4")], (), q)
 
 
 def config_keeping(config: QuantConfig, kept, decoded) -> tuple:
@@ -334,16 +345,27 @@ def config_keeping(config: QuantConfig, kept, decoded) -> tuple:
     groups = {g.name for g in (config.group_of(m) for m in kept) if g is not None}
     if not groups or not config.readable:
         return None, None
-    decoded = sorted(set(decoded))
+    return config_layout(config.method).keep_config(config, groups, sorted(set(decoded)))
+
+
+def ct_keeping(config: QuantConfig, groups, decoded) -> tuple:
+    """:func:`config_keeping` of a compressed-tensors config: the ``groups`` claiming kept
+    modules, the ``decoded`` ones added to ``ignore``."""
     q = json.loads(json.dumps(config.raw))
-    if config.method == "compressed-tensors":
-        q["config_groups"] = {k: v for k, v in (q.get("config_groups") or {}).items()
-                              if k in groups}
-        formats = {g.get("format") for g in q["config_groups"].values()}
-        if len(formats) == 1 and None not in formats:
-            q["format"] = formats.pop()
-        q["ignore"] = sorted(set(q.get("ignore") or ()) | set(decoded))
-        return q, None
+    q["config_groups"] = {k: v for k, v in (q.get("config_groups") or {}).items()
+                          if k in groups}
+    formats = {g.get("format") for g in q["config_groups"].values()}
+    if len(formats) == 1 and None not in formats:
+        q["format"] = formats.pop()
+    q["ignore"] = sorted(set(q.get("ignore") or ()) | set(decoded))
+    return q, None
+
+
+def modelopt_keeping(config: QuantConfig, groups, decoded) -> tuple:
+    """:func:`config_keeping` of a ModelOpt (or transformers MXFP4) config: the ``decoded``
+    modules added to ``exclude_modules`` / ``ignore`` and taken out of ``quantized_layers``
+    and group targets."""
+    q = json.loads(json.dumps(config.raw))
     hf = json.loads(json.dumps(config.modelopt)) if config.modelopt is not None else None
     for section in (q, (hf or {}).get("quantization")):
         if not isinstance(section, dict):

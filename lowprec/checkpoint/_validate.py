@@ -4,8 +4,8 @@ Every reader of the package (dequantize, convert, load_checkpoint; inspect, whic
 nothing, all but the stored scales) walks a file through
 :func:`lowprec.checkpoint._logical.logical_tensors`, which calls this module once per file:
 
-* **Each quantized tensor, by its layout** (the layout's ``check``, one function per layout
-  here, :class:`~lowprec.checkpoint.Layout`): its
+* **Each quantized tensor, by its layout** (the layout's ``check``,
+  :class:`~lowprec.checkpoint.Layout`, calling the functions here): its
   stored parts have the dtypes and shapes its format needs (checked where the parts are
   named, :func:`~lowprec.checkpoint._logical.quantized_specs`); it agrees with the
   checkpoint's quantization config (:mod:`lowprec.checkpoint._qconfig`): the config's
@@ -230,9 +230,11 @@ def refuse_undecodable(path: str, undecodable: dict, keep: bool) -> None:
 
 
 # -- the checks of one quantized tensor, by layout ------------------------------------------
-def _config_agrees(reader, name, spec, config: Optional[QuantConfig], methods) -> None:
-    """Refuses a tensor stored in a layout the config does not say, or whose module the config
-    ignores, gives no group, or gives another scheme."""
+def _config_agrees(reader, name, spec, config: Optional[QuantConfig], methods,
+                   scheme: Optional[str]) -> None:
+    """Refuses a tensor stored in a layout the config does not say (``methods``: the
+    ``quant_method`` values that describe it), or whose module the config ignores, gives no
+    group, or gives another scheme than ``scheme`` (a :class:`~._qconfig.Group`'s)."""
     if config is None:
         return
     label = getattr(spec, "label", None) or f"{spec.format.name} ({spec.layout})"
@@ -245,7 +247,6 @@ def _config_agrees(reader, name, spec, config: Optional[QuantConfig], methods) -
         raise CheckpointError(
             f"{reader.path}: {name} is stored as {label}, but {config.where} lists {module} "
             "as kept in high precision (ignore); the config and the tensors disagree")
-    scheme = "gpt-oss" if spec.layout == "gpt-oss" else getattr(spec, "scheme", None)
     group = config.group_of(module)
     if group is None:
         raise CheckpointError(
@@ -331,20 +332,14 @@ def check_lowprec(reader, name, spec, parts, config, data):
 
 
 def check_gpt_oss(reader, name, spec, parts, config, data):
-    _config_agrees(reader, name, spec, config, ("mxfp4",))
+    # transformers' Mxfp4Config (quant_method mxfp4), whose group :mod:`._qconfig` calls gpt-oss
+    _config_agrees(reader, name, spec, config, ("mxfp4",), "gpt-oss")
 
 
-def check_compressed_tensors(reader, name, spec, parts, config, data):
-    # FP8 per tensor is the same bits with a scale of shape [] (ModelOpt) or [1]: either reads.
-    fp8 = ("modelopt",) if spec.scheme == "fp8" else ()
-    _config_agrees(reader, name, spec, config, ("compressed-tensors", *fp8))
-    if data:
-        _scale_data(reader, name, spec, parts)
-
-
-def check_modelopt(reader, name, spec, parts, config, data):
-    fp8 = ("compressed-tensors",) if spec.scheme == "fp8" else ()
-    _config_agrees(reader, name, spec, config, ("modelopt", *fp8))
+def check_engine(reader, name, spec, parts, config, data, methods):
+    """An engine layout's checks (its ``check``): the config is one of ``methods`` and gives
+    the tensor's module its scheme; the stored scales."""
+    _config_agrees(reader, name, spec, config, methods, spec.scheme)
     if data:
         _scale_data(reader, name, spec, parts)
 
