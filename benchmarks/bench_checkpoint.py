@@ -96,6 +96,61 @@ def make_sharded(folder: str, total_bytes: int, shards: int, seed: int) -> None:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
 
 
+#: The shapes of one decoder layer of the ``model`` case (a Llama-7B-like layer: d 4096,
+#: MLP 11008): the 2-D ``*.weight`` matrices are quantized, the norms kept.
+MODEL_D, MODEL_FF = 4096, 11008
+
+
+def model_layer(i: int, d: int = MODEL_D, ff: int = MODEL_FF) -> list:
+    p = f"model.layers.{i}."
+    return ([(p + f"self_attn.{n}_proj.weight", (d, d)) for n in "qkvo"]
+            + [(p + "mlp.gate_proj.weight", (ff, d)), (p + "mlp.up_proj.weight", (ff, d)),
+               (p + "mlp.down_proj.weight", (d, ff)),
+               (p + "input_layernorm.weight", (d,)), (p + "post_attention_layernorm.weight", (d,))])
+
+
+def make_model(folder: str, total_bytes: int, dtype: str, seed: int,
+               layers_per_shard: int = 2) -> int:
+    """A sharded folder shaped like a real model's checkpoint (``dtype`` "BF16" or "F32"):
+    decoder layers of :func:`model_layer` (seven 4096-wide ``*.weight`` matrices, two norms)
+    until about ``total_bytes``, ``layers_per_shard`` to a shard, a final norm and an
+    index; values N(0, 0.02²). Returns the bytes of its tensors."""
+    import ml_dtypes
+
+    from lowprec.checkpoint import SafetensorsWriter
+
+    os.makedirs(folder, exist_ok=True)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "BF16" else np.dtype(np.float32)
+    per_layer = sum(math.prod(s) for _, s in model_layer(0)) * np_dtype.itemsize
+    layers = max(1, round(total_bytes / per_layer))
+    shards = -(-layers // layers_per_shard)
+    rng = np.random.default_rng(seed)
+    weight_map, total = {}, 0
+    for k in range(shards):
+        shard = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        entries = [e for i in range(k * layers_per_shard, min(layers, (k + 1) * layers_per_shard))
+                   for e in model_layer(i)]
+        if k == shards - 1:
+            entries.append(("model.norm.weight", (MODEL_D,)))
+        with SafetensorsWriter(os.path.join(folder, shard),
+                               [(n, dtype, s) for n, s in entries]) as w:
+            for n, s in entries:
+                size = math.prod(s)
+                for start in range(0, size, 1 << 24):
+                    x = rng.standard_normal(min(1 << 24, size - start), dtype=np.float32)
+                    x *= np.float32(0.02)
+                    w.write(n, x.astype(np_dtype))
+                total += size * np_dtype.itemsize
+        weight_map.update({n: shard for n, _ in entries})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": MODEL_D,
+                   "intermediate_size": MODEL_FF, "num_hidden_layers": layers,
+                   "torch_dtype": "bfloat16" if dtype == "BF16" else "float32"}, f)
+    return total
+
+
 def run(cmd, pythonpath=None, cwd=None) -> dict:
     """Runs ``cmd`` in ``cwd`` (not the repository root, whose ``lowprec/`` would shadow
     ``pythonpath`` under ``python -m``); returns wall seconds, peak RSS bytes and the load."""

@@ -35,7 +35,7 @@ from .._dtypes import input_bits
 from .._gpt_oss import from_gpt_oss
 from .._mx import MXArray, dequantize, quantize_mx
 from .._options import MXCast
-from ..kernels import _ckpt_cpu
+from ..kernels import _ckpt_cpu, _mx_quantize_cpu
 from ._errors import CheckpointError
 from ._formats import cast_dtype
 from ._layout import TensorSpec
@@ -337,11 +337,45 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
     return _quantize_cast_piece(x, spec, scale, stats)
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_attributes(fmt, scale_rule) -> Optional[tuple]:
+    """The MX quantization kernel's attributes where its loops encode this block format and
+    rule on this CPU (:func:`lowprec.kernels._mx_quantize_cpu.serves`: what
+    ``quantize_mx`` itself runs for float32 blocked along the last axis), else None."""
+    cast = MXCast(fmt, scale_rule=scale_rule)
+    # serves() without its vector_quantizer() (that loads and checks the XLA handlers,
+    # ~0.3 s of compiles, which this pass does not call): the library's own AVX2 test.
+    if not (_mx_quantize_cpu.computes(fmt, cast.rounding) and fmt.block_size == 32
+            and cast.scale_rule in _mx_quantize_cpu._RULES and _ckpt_cpu.has_avx2()):
+        return None
+    return _mx_quantize_cpu.attributes(fmt, cast.scale_rule)
+
+
+def _parts(elements, scales, spec: TensorSpec) -> dict:
+    if spec.layout == "gpt-oss":  # the same bytes, [..., K/32, 16] (lowprec.to_gpt_oss)
+        return {"blocks": elements.reshape(*scales.shape, spec.format.block_size // 2),
+                "scales": scales}
+    return {"elements": elements, "scales": scales}
+
+
 def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
     fmt = spec.format
     if fmt.tensor_scale and scale is None:
         raise ValueError(f"{fmt.name}: pass the whole tensor's scale (tensor_scale())")
     ts = np.float32(scale) if fmt.tensor_scale else None
+    if x.ndim == 2 and x.dtype in _NATIVE and native():
+        attrs = _kernel_attributes(fmt, spec.scale_rule)
+        if attrs is not None:
+            # One native pass: the kernel's codes (bf16/f16 widened exactly on the way) and,
+            # from them, the statistics the separate pass below would compute, bit for bit.
+            ftable = factor_table(fmt)
+            elements, scales, v = _ckpt_cpu.quantize(
+                x, attrs, elut=element_table(fmt.element), ftable=ftable,
+                max_finite=fmt.element.max_finite, stats=stats is not None)
+            if stats is not None:
+                stats.add_vector(v)
+                stats.nan_blocks += int(np.count_nonzero(np.isnan(ftable)[scales]))
+            return _parts(elements, scales, spec)
     xin = x if x.dtype in _NATIVE else x.astype(np.float32)
     mx = None
     if x.ndim == 2:  # blocks along the last axis: a run of whole blocks
@@ -374,10 +408,7 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
             stats.update(x, np.asarray(dequantize(mx)))
             stats.add_clipped(*_mx_clipped(xin, scales, fmt, ts))
             stats.add_nan_blocks(scales, _scale_nan(fmt.scale))
-    if spec.layout == "gpt-oss":  # the same bytes, [..., K/32, 16] (lowprec.to_gpt_oss)
-        return {"blocks": elements.reshape(*scales.shape, fmt.block_size // 2),
-                "scales": scales}
-    return {"elements": elements, "scales": scales}
+    return _parts(elements, scales, spec)
 
 
 def _quantize_cast_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:

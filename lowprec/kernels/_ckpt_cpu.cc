@@ -209,6 +209,61 @@ __attribute__((target("avx2"))) int64_t DecodeAvx2(const uint8_t* codes, int32_t
   }
   return i;
 }
+
+// Non-finite float32 patterns among v[0..len), 8 at a time; *done receives how many were
+// looked at (a multiple of 8).
+__attribute__((target("avx2"))) int64_t NonfiniteAvx2(const uint32_t* v, int64_t len,
+                                                      int64_t* done) {
+  const __m256i e = _mm256_set1_epi32(static_cast<int>(kExp));
+  __m256i count = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+    count = _mm256_sub_epi32(count, _mm256_cmpeq_epi32(_mm256_and_si256(b, e), e));
+  }
+  alignas(32) int32_t c[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), count);
+  *done = i;
+  return static_cast<int64_t>(c[0]) + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
+}
+
+// FloatBitsToBf16 of v[0..len) into o, 8 at a time, counting the non-finite results; stops
+// before the first group of 8 holding a finite value that overflows (the scalar loop counts
+// and, if asked, saturates those). Returns how many were done; *nonfinite is increased.
+__attribute__((target("avx2"))) int64_t NarrowBf16Avx2(const uint32_t* v, int64_t len,
+                                                       uint16_t* o, int64_t* nonfinite) {
+  const __m256i abs = _mm256_set1_epi32(static_cast<int>(kAbs));
+  const __m256i e = _mm256_set1_epi32(static_cast<int>(kExp));
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i round = _mm256_set1_epi32(0x7FFF);
+  const __m256i qnan = _mm256_set1_epi32(0x7FC0);
+  const __m256i sign16 = _mm256_set1_epi32(0x8000);
+  const __m256i inf16 = _mm256_set1_epi32(0x7F80);
+  const __m256i abs16 = _mm256_set1_epi32(0x7FFF);
+  __m256i count = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+    const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, abs), e);  // |b| > inf
+    // Round to nearest even on the top 16 bits (a NaN's sum may wrap: replaced below).
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, round), lsb), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(b, 16), sign16), qnan);
+    const __m256i h = _mm256_blendv_epi8(rounded, nan, is_nan);
+    const __m256i finite_in = _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_and_si256(b, e), e),
+                                               _mm256_set1_epi32(-1));
+    const __m256i over = _mm256_and_si256(
+        _mm256_cmpeq_epi32(_mm256_and_si256(h, abs16), inf16), finite_in);
+    if (!_mm256_testz_si256(over, over)) break;  // the scalar loop takes it from here
+    count = _mm256_sub_epi32(count, _mm256_cmpeq_epi32(_mm256_and_si256(h, inf16), inf16));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0b1000);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm256_castsi256_si128(packed));
+  }
+  alignas(32) int32_t c[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), count);
+  *nonfinite += static_cast<int64_t>(c[0]) + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
+  return i;
+}
 #endif
 
 // Largest finite magnitude pattern of float32 patterns v[0..len) (0 if none).
@@ -473,6 +528,48 @@ void ClippedBlocks(const void* x, int32_t kind, const float* factors, int64_t bl
   a.v[kClipTotal] += static_cast<double>(P * per * S);
 }
 
+// Clipped blocks among the `len / block` whole blocks of float32 patterns xv (S = 1): those
+// whose largest |x| exceeds factors[b] x max_finite. A NaN amax (a block holding a NaN) or a
+// NaN factor (the scale's NaN code) compares false: never clipped.
+double ClippedInChunk(const uint32_t* xv, int64_t len, const float* factors, int64_t block,
+                      double max_finite) {
+  double clipped = 0;
+  for (int64_t b0 = 0; b0 < len; b0 += block) {
+    uint32_t amax = 0;
+#ifdef LOWPREC_X86_AVX2
+    if (block % 8 == 0 && lowprec_native::HasAvx2()) {
+      amax = AmaxAvx2(xv + b0, block);
+    } else
+#endif
+    {
+      for (int64_t k = 0; k < block; ++k) amax = std::max(amax, xv[b0 + k] & kAbs);
+    }
+    clipped += static_cast<double>(FromBits(amax)) >
+               static_cast<double>(factors[b0 / block]) * max_finite;
+  }
+  return clipped;
+}
+
+// One chunk's pairs (input patterns xv, decoded patterns qv) into the lanes and counts:
+// the order every caller keeps (chunks of kChunk from the piece's start), so a piece's
+// statistics do not depend on which pass computed them.
+void ChunkStats(const uint32_t* xv, const uint32_t* qv, int64_t len, Lanes& lanes, Acc& a) {
+  if (FiniteStats(xv, qv, len, lanes)) {
+    a.v[kCount] += static_cast<double>(len);
+  } else {
+    ScalarStats(xv, qv, len, a);
+  }
+}
+
+void AddLanes(const Lanes& lanes, Acc& a) {  // the lanes in order, after the scalar sums
+  for (int k = 0; k < 8; ++k) {
+    a.v[kSumX2] += lanes.x2[k];
+    a.v[kSumE2] += lanes.e2[k];
+    a.v[kMaxAbs] = std::max(a.v[kMaxAbs], lanes.ma[k]);
+    a.v[kMaxRel] = std::max(a.v[kMaxRel], lanes.mr[k]);
+  }
+}
+
 }  // namespace
 
 // Error statistics of one piece: its input x (n elements of `kind`: 0 float32, 1 bfloat16,
@@ -515,20 +612,7 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_stats(const void* x, int32_t kind, int64_t n
       WidenChunk(x, kind, i0, len, xb);
     }
     if (fused && clip == 1) {
-      for (int64_t b0 = 0; b0 < len; b0 += block) {
-        uint32_t amax = 0;
-#ifdef LOWPREC_X86_AVX2
-        if (block % 8 == 0 && lowprec_native::HasAvx2()) {
-          amax = AmaxAvx2(xv + b0, block);
-        } else
-#endif
-        {
-          for (int64_t k = 0; k < block; ++k) amax = std::max(amax, xv[b0 + k] & kAbs);
-        }
-        // NaN amax (a block holding a NaN) or NaN factor (the scale's NaN code): false.
-        clipped += static_cast<double>(FromBits(amax)) >
-                   static_cast<double>(factors[(i0 + b0) / block]) * max_finite;
-      }
+      clipped += ClippedInChunk(xv, len, factors + i0 / block, block, max_finite);
     } else if (clip == 2) {
       for (int64_t k = 0; k < len; ++k) clipped += std::fabs(FromBits(xv[k]) / cast_scale) > cast_top;
     }
@@ -540,18 +624,9 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_stats(const void* x, int32_t kind, int64_t n
     } else {
       DecodeChunk(codes, code_bits, elut, factors, block, false, i0, len, qb);
     }
-    if (FiniteStats(xv, qv, len, lanes)) {
-      a.v[kCount] += static_cast<double>(len);
-    } else {
-      ScalarStats(xv, qv, len, a);
-    }
+    ChunkStats(xv, qv, len, lanes, a);
   }
-  for (int k = 0; k < 8; ++k) {  // the lanes in order, after the scalar elements' sums
-    a.v[kSumX2] += lanes.x2[k];
-    a.v[kSumE2] += lanes.e2[k];
-    a.v[kMaxAbs] = std::max(a.v[kMaxAbs], lanes.ma[k]);
-    a.v[kMaxRel] = std::max(a.v[kMaxRel], lanes.mr[k]);
-  }
+  AddLanes(lanes, a);
   if (fused) {
     a.v[kClipped] = clipped;
     a.v[kClipTotal] = static_cast<double>(clip == 2 ? n : n / block);
@@ -559,6 +634,62 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_stats(const void* x, int32_t kind, int64_t n
     ClippedBlocks(x, kind, factors, block, P, A, S, max_finite, a);
   }
   std::memcpy(out, a.v, sizeof a.v);
+  return 0;
+}
+
+// MX quantization of a piece fused with its error statistics: x (n elements of `kind`: 0
+// float32, 1 bfloat16, 2 float16) blocked along its last axis in blocks of `block` (dividing
+// kChunk), quantized by _mx_quantize_cpu.cc's loops (`attrs`: the 13 integers of
+// _mx_quantize_cpu.attributes) into the packed `elements` (code_bits per element) and the
+// E8M0 `scales`, a chunk at a time; with `out` not null, each chunk's codes are decoded
+// while at hand (elut[code] x ftable[scale code]) and its statistics and clipped blocks
+// computed as lowprec_ckpt_stats computes them for the stored codes (clip = 1): the same
+// chunks, lanes and order, so the same float64 results bit for bit. One read of x instead
+// of a quantize pass and a statistics pass. Returns 0, or 1 for arguments it does not take.
+LOWPREC_EXPORT int32_t lowprec_ckpt_quantize(const void* x, int32_t kind, int64_t n,
+                                             const int64_t* attrs, uint8_t* elements,
+                                             uint8_t* scales, const float* elut,
+                                             const float* ftable, double max_finite,
+                                             double* out) {
+  if (kind < kF32 || kind > kF16 || n < 0 || attrs == nullptr || elements == nullptr ||
+      scales == nullptr)
+    return 1;
+  const int64_t code_bits = attrs[4], block = attrs[7];
+  if (block <= 0 || kChunk % block != 0 || n % block != 0) return 1;
+  if (out != nullptr && (elut == nullptr || ftable == nullptr)) return 1;
+  ExactFloats exact;
+  Acc a;
+  Lanes lanes;
+  alignas(32) uint32_t xb[kChunk];
+  uint32_t qb[kChunk];
+  float factors[kChunk];
+  double clipped = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - i0);
+    const uint32_t* xv = xb;
+    if (kind == kF32) {
+      xv = static_cast<const uint32_t*>(x) + i0;
+    } else {
+      WidenChunk(x, kind, i0, len, xb);
+    }
+    uint8_t* el = elements + i0 * code_bits / 8;
+    uint8_t* sc = scales + i0 / block;
+    if (!lowprec_native::MxQuantizeBlocks(reinterpret_cast<const float*>(xv),
+                                          static_cast<size_t>(len / block), attrs, el, sc)) {
+      return 1;
+    }
+    if (out == nullptr) continue;
+    for (int64_t b = 0; b < len / block; ++b) factors[b] = ftable[sc[b]];
+    clipped += ClippedInChunk(xv, len, factors, block, max_finite);
+    DecodeChunk(el, static_cast<int32_t>(code_bits), elut, factors, block, false, 0, len, qb);
+    ChunkStats(xv, qb, len, lanes, a);
+  }
+  if (out != nullptr) {
+    AddLanes(lanes, a);
+    a.v[kClipped] = clipped;
+    a.v[kClipTotal] = static_cast<double>(n / block);
+    std::memcpy(out, a.v, sizeof a.v);
+  }
   return 0;
 }
 
@@ -597,7 +728,11 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes,
     }
     if (out_kind == kF32) {
       std::memcpy(static_cast<float*>(out) + i0, vb, static_cast<size_t>(len) * 4);
-      for (int64_t k = 0; k < len; ++k) nonfinite += (vb[k] & kExp) == kExp;
+      int64_t k = 0;
+#ifdef LOWPREC_X86_AVX2
+      if (lowprec_native::HasAvx2()) nonfinite += static_cast<double>(NonfiniteAvx2(vb, len, &k));
+#endif
+      for (; k < len; ++k) nonfinite += (vb[k] & kExp) == kExp;
     } else if (out_kind == kF64) {
       double* o = static_cast<double*>(out) + i0;
       for (int64_t k = 0; k < len; ++k) {
@@ -609,7 +744,15 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes,
       const bool bf16 = out_kind == kBF16;
       const uint16_t inf = bf16 ? 0x7F80u : 0x7C00u;
       const uint16_t largest = bf16 ? 0x7F7Fu : 0x7BFFu;
-      for (int64_t k = 0; k < len; ++k) {
+      int64_t k = 0;
+#ifdef LOWPREC_X86_AVX2
+      if (bf16 && lowprec_native::HasAvx2()) {
+        int64_t bad = 0;
+        k = NarrowBf16Avx2(vb, len, o, &bad);
+        nonfinite += static_cast<double>(bad);
+      }
+#endif
+      for (; k < len; ++k) {
         uint16_t h = bf16 ? FloatBitsToBf16(vb[k]) : FloatBitsToHalf(vb[k]);
         if ((h & 0x7FFFu) == inf && (vb[k] & kExp) != kExp) {  // a finite value overflowed
           overflow += 1;

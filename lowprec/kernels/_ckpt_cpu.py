@@ -33,6 +33,8 @@ _SIGNATURES = {
                            _I64, _I64, _I64, _P],
     "lowprec_ckpt_decode": [_P, _P, _I32, _P, _P, _I64, _I32, _I64, _I32, _P, _I32, _P],
     "lowprec_ckpt_amax": [_P, _I32, _I64, _I64, _P],
+    "lowprec_ckpt_quantize": [_P, _I32, _I64, _P, _P, _P, _P, _P, _F64, _P],
+    "lowprec_cpu_has_avx2": [],
 }
 
 
@@ -60,6 +62,14 @@ def available() -> bool:
     from ._dispatch import kernels_enabled  # noqa: PLC0415 - _dispatch imports this package
 
     return kernels_enabled() and _library()[0] is not None
+
+
+def has_avx2() -> bool:
+    """Whether this CPU runs the library's AVX2 loops (the MX quantization kernel's among
+    them: :func:`quantize` serves only where it does, as ``quantize_mx`` takes that kernel
+    only there)."""
+    lib = _library()[0]
+    return lib is not None and bool(lib.lowprec_cpu_has_avx2())
 
 
 def status() -> str:
@@ -121,6 +131,37 @@ def stats(x: np.ndarray, q: Optional[np.ndarray] = None, *, codes=None, code_bit
     return out
 
 
+def quantize(x: np.ndarray, attrs, *, elut=None, ftable=None, max_finite: float = 0.0,
+             stats: bool = True, lib=None) -> tuple:
+    """``(elements, scales, statistics or None)``: MX quantization of ``x`` (float32,
+    bfloat16 or float16; blocks along its last axis, a whole number of them) by the MX
+    quantization kernel's loops (``attrs``: :func:`lowprec.kernels._mx_quantize_cpu.attributes`),
+    packed codes and E8M0 scale codes in ``x``'s shape with the last axis in bytes and in
+    blocks; with ``stats``, float64[13] (:data:`STATS`) of the codes against ``x`` computed in
+    the same pass, as :func:`stats` computes them for those codes (``elut``: the element
+    format's value per code; ``ftable``: float32[256], each scale code's factor; clip = 1)."""
+    lib = lib or _library()[0]
+    x = np.ascontiguousarray(x)
+    a = dict(attrs)
+    bits, block = int(a["code_bits"]), int(a["block"])
+    *lead, n = x.shape
+    elements = np.empty((*lead, n * bits // 8), np.uint8)
+    scales = np.empty((*lead, n // block), np.uint8)
+    ints = np.array([int(v) for _, v in attrs], np.int64)
+    out = np.zeros(len(STATS), np.float64) if stats else None
+    if stats:
+        elut = np.ascontiguousarray(elut, np.float32)
+        ftable = np.ascontiguousarray(ftable, np.float32)
+        if elut.size < 1 << bits or ftable.size != 256:
+            raise ValueError("the element table or the factor table has the wrong size")
+    if n % block or lib.lowprec_ckpt_quantize(
+            _ptr(x), _kind(x, "x"), x.size, _ptr(ints), _ptr(elements), _ptr(scales),
+            _ptr(elut) if stats else None, _ptr(ftable) if stats else None, float(max_finite),
+            _ptr(out)):
+        raise ValueError("lowprec_ckpt_quantize refused its arguments")
+    return elements, scales, out
+
+
 def decode(out: np.ndarray, q: Optional[np.ndarray] = None, *, codes=None, code_bits: int = 8,
            elut=None, factors=None, block: int = 0, canonical_nan: bool = False,
            saturate: bool = False, lib=None) -> tuple[int, int, float]:
@@ -178,6 +219,7 @@ def _self_check(lib) -> str:
         counts = decode(out, codes=np.array([0x21, 0xF7], np.uint8), code_bits=4, elut=e2m1,
                         factors=np.array([4], np.float32), block=4, lib=lib)
         top = amax(np.array([[-3, np.inf], [np.nan, 0.25]], ml_dtypes.bfloat16), rows=2, lib=lib)
+        fused = _check_quantize(lib)
     except (ValueError, TypeError, ctypes.ArgumentError) as error:
         return f"{type(error).__name__}: {error}"
     if got.tolist() != want:
@@ -186,4 +228,30 @@ def _self_check(lib) -> str:
         return "decoded FP4 values differ from the derived ones"
     if top.tolist() != [3.0, 0.25]:
         return "largest finite magnitudes differ from the derived ones"
+    return fused
+
+
+def _check_quantize(lib) -> str:
+    """'' if :func:`quantize` gives a known MXFP8 block as derived here, else the problem.
+    E4M3 under the floor rule, bfloat16 input: 30 ones, a 1.5 and a -0. amax 1.5 has
+    floor(log2) 0, so the shared exponent is 0 - 8 (E4M3's largest binade), scale code
+    127 - 8 = 119; 1 x 2^8 is E4M3's exponent field 8 + 7 = 15, code 0x78; 1.5 x 2^8 adds
+    the top mantissa bit, 0x7C; -0 keeps its sign, 0x80. Decoded, every element is exact:
+    sum x^2 = 30 + 2.25 = 32.25, no error, no clipped block (1.5 <= 448 x 2^-8)."""
+    from ._mx_quantize_cpu import attributes  # noqa: PLC0415 - imports JAX
+
+    x = np.ones(32, ml_dtypes.bfloat16)
+    x[3], x[-1] = 1.5, -0.0
+    e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    with np.errstate(over="ignore"):  # code 255 (2^128) is the NaN code, set below
+        ftable = np.ldexp(1.0, np.arange(256) - 127).astype(np.float32)
+    ftable[255] = np.nan
+    elements, scales, got = quantize(x, attributes("mxfp8_e4m3", "floor"), elut=e4m3,
+                                     ftable=ftable, max_finite=448.0, lib=lib)
+    want = np.full(32, 0x78, np.uint8)
+    want[3], want[-1] = 0x7C, 0x80
+    if not (np.array_equal(elements, want) and scales.tolist() == [119]):
+        return "MXFP8 codes of a known block differ from the derived ones"
+    if got.tolist() != [32, 32.25, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]:
+        return f"the fused statistics {got.tolist()} differ from the derived ones"
     return ""
