@@ -146,7 +146,8 @@ def _as_piece(x: np.ndarray) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def _scale_values(scale_fmt) -> np.ndarray:
     """The value of each uint8 scale code (float64; decoded once per scale format)."""
-    return np.asarray(decode(jnp.arange(256, dtype=jnp.uint8), scale_fmt), np.float64)
+    # The codes as a NumPy array: jnp.arange would compile a program of its own.
+    return np.asarray(decode(np.arange(256, dtype=np.uint8), scale_fmt), np.float64)
 
 
 def _scale_nan(scale_fmt) -> np.ndarray:
@@ -186,7 +187,7 @@ def element_table(elem) -> np.ndarray:
     """float32 value of every code of an element format of at most 8 bits (FP4: 16 values,
     FP6: 64, FP8 and INT8: 256), by the library's decode: a decoded element is
     ``table[code]``."""
-    codes = jnp.arange(1 << elem.code_bits, dtype=jnp.uint8)
+    codes = np.arange(1 << elem.code_bits, dtype=np.uint8)  # not jnp: no program of its own
     return np.asarray(decode(codes, elem), np.float32)
 
 
@@ -337,18 +338,33 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
     return _quantize_cast_piece(x, spec, scale, stats)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _FusedPlan:
+    """What the fused native pass needs for one block format and rule, computed once."""
+
+    attrs: np.ndarray  # the MX kernel's attributes, int64
+    elut: np.ndarray  # float32 value of each element code
+    ftable: np.ndarray  # float32 factor of each scale code (NaN: the scale's NaN codes)
+    nan_codes: np.ndarray  # bool per scale code: marks a NaN block
+    max_finite: float
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel_attributes(fmt, scale_rule) -> Optional[tuple]:
-    """The MX quantization kernel's attributes where its loops encode this block format and
-    rule on this CPU (:func:`lowprec.kernels._mx_quantize_cpu.serves`: what
-    ``quantize_mx`` itself runs for float32 blocked along the last axis), else None."""
+def _fused_plan(fmt, scale_rule) -> Optional[_FusedPlan]:
+    """The fused pass's plan where the MX quantization kernel's loops encode this block
+    format and rule on this CPU (what ``quantize_mx`` itself runs for float32 blocked along
+    the last axis: :func:`lowprec.kernels._mx_quantize_cpu.serves`), else None."""
     cast = MXCast(fmt, scale_rule=scale_rule)
     # serves() without its vector_quantizer() (that loads and checks the XLA handlers,
     # ~0.3 s of compiles, which this pass does not call): the library's own AVX2 test.
     if not (_mx_quantize_cpu.computes(fmt, cast.rounding) and fmt.block_size == 32
             and cast.scale_rule in _mx_quantize_cpu._RULES and _ckpt_cpu.has_avx2()):
         return None
-    return _mx_quantize_cpu.attributes(fmt, cast.scale_rule)
+    ftable = factor_table(fmt)
+    attrs = np.array([int(v) for _, v in _mx_quantize_cpu.attributes(fmt, cast.scale_rule)],
+                     np.int64)
+    return _FusedPlan(attrs, element_table(fmt.element), ftable, np.isnan(ftable),
+                      float(fmt.element.max_finite))
 
 
 def _parts(elements, scales, spec: TensorSpec) -> dict:
@@ -364,17 +380,16 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
         raise ValueError(f"{fmt.name}: pass the whole tensor's scale (tensor_scale())")
     ts = np.float32(scale) if fmt.tensor_scale else None
     if x.ndim == 2 and x.dtype in _NATIVE and native():
-        attrs = _kernel_attributes(fmt, spec.scale_rule)
-        if attrs is not None:
+        plan = _fused_plan(fmt, spec.scale_rule)
+        if plan is not None:
             # One native pass: the kernel's codes (bf16/f16 widened exactly on the way) and,
             # from them, the statistics the separate pass below would compute, bit for bit.
-            ftable = factor_table(fmt)
             elements, scales, v = _ckpt_cpu.quantize(
-                x, attrs, elut=element_table(fmt.element), ftable=ftable,
-                max_finite=fmt.element.max_finite, stats=stats is not None)
+                x, plan.attrs, elut=plan.elut, ftable=plan.ftable, max_finite=plan.max_finite,
+                stats=stats is not None)
             if stats is not None:
                 stats.add_vector(v)
-                stats.nan_blocks += int(np.count_nonzero(np.isnan(ftable)[scales]))
+                stats.nan_blocks += int(np.count_nonzero(plan.nan_codes[scales]))
             return _parts(elements, scales, spec)
     xin = x if x.dtype in _NATIVE else x.astype(np.float32)
     mx = None

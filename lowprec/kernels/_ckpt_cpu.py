@@ -131,6 +131,9 @@ def stats(x: np.ndarray, q: Optional[np.ndarray] = None, *, codes=None, code_bit
     return out
 
 
+_CODE_BITS, _BLOCK = 4, 7  # places in the MX kernel's attributes (_mx_quantize_cpu.attributes)
+
+
 def quantize(x: np.ndarray, attrs, *, elut=None, ftable=None, max_finite: float = 0.0,
              stats: bool = True, lib=None) -> tuple:
     """``(elements, scales, statistics or None)``: MX quantization of ``x`` (float32,
@@ -139,19 +142,22 @@ def quantize(x: np.ndarray, attrs, *, elut=None, ftable=None, max_finite: float 
     packed codes and E8M0 scale codes in ``x``'s shape with the last axis in bytes and in
     blocks; with ``stats``, float64[13] (:data:`STATS`) of the codes against ``x`` computed in
     the same pass, as :func:`stats` computes them for those codes (``elut``: the element
-    format's value per code; ``ftable``: float32[256], each scale code's factor; clip = 1)."""
+    format's value per code; ``ftable``: float32[256], each scale code's factor; clip = 1).
+    ``attrs`` may also be their values in order as an int64 array."""
     lib = lib or _library()[0]
     x = np.ascontiguousarray(x)
-    a = dict(attrs)
-    bits, block = int(a["code_bits"]), int(a["block"])
+    if isinstance(attrs, np.ndarray):  # the values in order, as int64
+        ints = attrs
+    else:
+        ints = np.array([int(v) for _, v in attrs], np.int64)
+    bits, block = int(ints[_CODE_BITS]), int(ints[_BLOCK])
     *lead, n = x.shape
     elements = np.empty((*lead, n * bits // 8), np.uint8)
     scales = np.empty((*lead, n // block), np.uint8)
-    ints = np.array([int(v) for _, v in attrs], np.int64)
     out = np.zeros(len(STATS), np.float64) if stats else None
     if stats:
-        elut = np.ascontiguousarray(elut, np.float32)
-        ftable = np.ascontiguousarray(ftable, np.float32)
+        if elut.dtype != np.float32 or ftable.dtype != np.float32:
+            elut, ftable = np.ascontiguousarray(elut, np.float32), np.ascontiguousarray(ftable, np.float32)
         if elut.size < 1 << bits or ftable.size != 256:
             raise ValueError("the element table or the factor table has the wrong size")
     if n % block or lib.lowprec_ckpt_quantize(
