@@ -35,6 +35,7 @@ from .._dtypes import input_bits
 from .._gpt_oss import from_gpt_oss
 from .._mx import MXArray, dequantize, quantize_mx
 from .._options import MXCast
+from .._scheme_nvfp4 import NVFP4Scheme, NVFP4Step
 from ..kernels import _ckpt_cpu, _mx_quantize_cpu
 from ._errors import CheckpointError
 from ._formats import cast_dtype
@@ -349,6 +350,14 @@ class _FusedPlan:
     max_finite: float
 
 
+def _is_nvfp4(fmt) -> bool:
+    """Whether ``fmt`` is lowprec's NVFP4 quantized by the "divide" step, which the native
+    NVFP4 pass computes: E2M1 elements in blocks of 16 under E4M3 scales and a tensor scale."""
+    return (isinstance(fmt.scheme, NVFP4Scheme) and fmt.block_size == 16
+            and fmt.element.name == "e2m1" and fmt.scheme.scale.name == "e4m3"
+            and MXCast(fmt).nvfp4_step == NVFP4Step.DIVIDE)
+
+
 @functools.lru_cache(maxsize=None)
 def _fused_plan(fmt, scale_rule) -> Optional[_FusedPlan]:
     """The fused pass's plan where the MX quantization kernel's loops encode this block
@@ -379,6 +388,18 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
     if fmt.tensor_scale and scale is None:
         raise ValueError(f"{fmt.name}: pass the whole tensor's scale (tensor_scale())")
     ts = np.float32(scale) if fmt.tensor_scale else None
+    lo, hi = _ckpt_cpu.NVFP4_TENSOR_SCALES
+    if (x.ndim == 2 and x.dtype in _NATIVE and ts is not None and lo <= ts <= hi and native()
+            and _is_nvfp4(fmt)):
+        # NVFP4 in one native pass too, where its IEEE float32 steps are the exact ones.
+        ftable = factor_table(fmt, ts)
+        elements, scales, v = _ckpt_cpu.quantize_nvfp4(
+            x, ts, elut=element_table(fmt.element), ftable=ftable,
+            max_finite=float(fmt.element.max_finite), stats=stats is not None)
+        if stats is not None:
+            stats.add_vector(v)
+            stats.nan_blocks += int(np.count_nonzero(np.isnan(ftable)[scales]))
+        return _parts(elements, scales, spec)
     if x.ndim == 2 and x.dtype in _NATIVE and native():
         plan = _fused_plan(fmt, spec.scale_rule)
         if plan is not None:

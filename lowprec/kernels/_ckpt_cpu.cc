@@ -637,6 +637,132 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_stats(const void* x, int32_t kind, int64_t n
   return 0;
 }
 
+namespace {
+
+// NVFP4 (lowprec's recipe, the "divide" step) of `blocks` blocks of 16 float32 patterns
+// under the tensor scale ts, by IEEE float32 arithmetic (subnormals kept): for a block of
+// largest magnitude amax, its E4M3 scale code is RNE(clamp((amax / 6) / ts, 2^-6, 448)) (two
+// correctly rounded divisions, in that order), its divisor float32(ts x that scale), each
+// element's E2M1 code RNE(|x| / divisor) saturated at 6 with x's sign bit (-0 keeps it),
+// two per byte, element 2k in the low nibble; a block holding a NaN or an infinity gets the
+// E4M3 NaN code 0x7F and zero elements. That is _nvfp4.py's exact formulation step by step:
+// its software divisions and product round as IEEE float32 does, which the caller relies on
+// only for ts in [2^-118, 2^116] (where _nvfp4.py shows every product normal).
+constexpr uint32_t kE4m3Eps = 0x3C80'0000u;  // 2^-6, the smallest normal E4M3
+constexpr uint32_t kE4m3Max = 0x43E0'0000u;  // 448 = 1.75 x 2^8
+constexpr uint32_t kE4m3Nan = 0x7Fu;
+
+// E2M1 magnitude code of a float32 magnitude q >= 0 (NaN excluded): RNE onto 0, 0.5, 1, 1.5,
+// 2, 3, 4, 6, saturating; ties go to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+// 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4).
+inline uint32_t E2m1Magnitude(float q) {
+  return (q > 0.25f) + (q >= 0.75f) + (q > 1.25f) + (q >= 1.75f) + (q > 2.5f) + (q >= 3.5f) +
+         (q > 5.0f);
+}
+
+#ifdef LOWPREC_X86_AVX2
+// E2m1Magnitude's codes, with x's sign bit as bit 3, of 8 float32 patterns over `divisor`.
+__attribute__((target("avx2"))) inline __m256i E2m1Codes8(__m256i b, __m256 divisor) {
+  const __m256 q = _mm256_div_ps(
+      _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(kAbs)))),
+      divisor);
+  __m256i m = _mm256_setzero_si256();
+  // Each true comparison is all ones (-1): subtracting it adds one.
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(0.25f), _CMP_GT_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(0.75f), _CMP_GE_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(1.25f), _CMP_GT_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(1.75f), _CMP_GE_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(2.5f), _CMP_GT_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(3.5f), _CMP_GE_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(5.0f), _CMP_GT_OQ)));
+  return _mm256_or_si256(m, _mm256_slli_epi32(_mm256_srli_epi32(b, 31), 3));
+}
+
+// The 16 codes of a block of float32 patterns xb over `divisor` into c.
+__attribute__((target("avx2"))) void Nvfp4CodesAvx2(const uint32_t* xb, float divisor,
+                                                    uint32_t* c) {
+  const __m256 d = _mm256_set1_ps(divisor);
+  for (int h = 0; h < 2; ++h) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 8 * h),
+                        E2m1Codes8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 8 * h)), d));
+  }
+}
+#endif
+
+void Nvfp4Blocks(const uint32_t* xv, int64_t blocks, float ts, uint8_t* elements,
+                 uint8_t* scales) {
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const uint32_t* xb = xv + 16 * blk;
+    uint8_t* out = elements + 8 * blk;
+    uint32_t amax = 0;
+    for (int k = 0; k < 16; ++k) amax = std::max(amax, xb[k] & kAbs);
+    if (amax >= kExp) {
+      scales[blk] = kE4m3Nan;
+      std::memset(out, 0, 8);
+      continue;
+    }
+    const float quotient = (FromBits(amax) / 6.0f) / ts;
+    const uint32_t qb = std::min(std::max(ToBits(quotient), kE4m3Eps), kE4m3Max);
+    // RNE of the float32 mantissa to E4M3's 3 bits; the carry moves into the exponent.
+    const uint32_t code = ((qb + 0x7'FFFFu + ((qb >> 20) & 1u)) >> 20) - (120u << 3);
+    scales[blk] = static_cast<uint8_t>(code);
+    const float divisor = ts * FromBits((code + (120u << 3)) << 20);
+    alignas(32) uint32_t c[16];
+#ifdef LOWPREC_X86_AVX2
+    if (lowprec_native::HasAvx2()) {
+      Nvfp4CodesAvx2(xb, divisor, c);
+    } else
+#endif
+    {
+      for (int k = 0; k < 16; ++k) {
+        c[k] = E2m1Magnitude(FromBits(xb[k] & kAbs) / divisor) | ((xb[k] >> 31) << 3);
+      }
+    }
+    for (int j = 0; j < 8; ++j) out[j] = static_cast<uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
+  }
+}
+
+// The fused pass of lowprec_ckpt_quantize and lowprec_ckpt_quantize_nvfp4: `encode(xv,
+// blocks, el, sc)` writes a chunk's codes; the statistics follow as described there.
+template <typename Encode>
+int32_t QuantizeFused(const void* x, int32_t kind, int64_t n, int64_t code_bits, int64_t block,
+                      uint8_t* elements, uint8_t* scales, const float* elut, const float* ftable,
+                      double max_finite, double* out, const Encode& encode) {
+  ExactFloats exact;
+  Acc a;
+  Lanes lanes;
+  alignas(32) uint32_t xb[kChunk];
+  uint32_t qb[kChunk];
+  float factors[kChunk];
+  double clipped = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - i0);
+    const uint32_t* xv = xb;
+    if (kind == kF32) {
+      xv = static_cast<const uint32_t*>(x) + i0;
+    } else {
+      WidenChunk(x, kind, i0, len, xb);
+    }
+    uint8_t* el = elements + i0 * code_bits / 8;
+    uint8_t* sc = scales + i0 / block;
+    if (!encode(xv, len / block, el, sc)) return 1;
+    if (out == nullptr) continue;
+    for (int64_t b = 0; b < len / block; ++b) factors[b] = ftable[sc[b]];
+    clipped += ClippedInChunk(xv, len, factors, block, max_finite);
+    DecodeChunk(el, static_cast<int32_t>(code_bits), elut, factors, block, false, 0, len, qb);
+    ChunkStats(xv, qb, len, lanes, a);
+  }
+  if (out != nullptr) {
+    AddLanes(lanes, a);
+    a.v[kClipped] = clipped;
+    a.v[kClipTotal] = static_cast<double>(n / block);
+    std::memcpy(out, a.v, sizeof a.v);
+  }
+  return 0;
+}
+
+}  // namespace
+
 // MX quantization of a piece fused with its error statistics: x (n elements of `kind`: 0
 // float32, 1 bfloat16, 2 float16) blocked along its last axis in blocks of `block` (dividing
 // kChunk), quantized by _mx_quantize_cpu.cc's loops (`attrs`: the 13 integers of
@@ -657,40 +783,31 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_quantize(const void* x, int32_t kind, int64_
   const int64_t code_bits = attrs[4], block = attrs[7];
   if (block <= 0 || kChunk % block != 0 || n % block != 0) return 1;
   if (out != nullptr && (elut == nullptr || ftable == nullptr)) return 1;
-  ExactFloats exact;
-  Acc a;
-  Lanes lanes;
-  alignas(32) uint32_t xb[kChunk];
-  uint32_t qb[kChunk];
-  float factors[kChunk];
-  double clipped = 0;
-  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
-    const int64_t len = std::min(kChunk, n - i0);
-    const uint32_t* xv = xb;
-    if (kind == kF32) {
-      xv = static_cast<const uint32_t*>(x) + i0;
-    } else {
-      WidenChunk(x, kind, i0, len, xb);
-    }
-    uint8_t* el = elements + i0 * code_bits / 8;
-    uint8_t* sc = scales + i0 / block;
-    if (!lowprec_native::MxQuantizeBlocks(reinterpret_cast<const float*>(xv),
-                                          static_cast<size_t>(len / block), attrs, el, sc)) {
-      return 1;
-    }
-    if (out == nullptr) continue;
-    for (int64_t b = 0; b < len / block; ++b) factors[b] = ftable[sc[b]];
-    clipped += ClippedInChunk(xv, len, factors, block, max_finite);
-    DecodeChunk(el, static_cast<int32_t>(code_bits), elut, factors, block, false, 0, len, qb);
-    ChunkStats(xv, qb, len, lanes, a);
-  }
-  if (out != nullptr) {
-    AddLanes(lanes, a);
-    a.v[kClipped] = clipped;
-    a.v[kClipTotal] = static_cast<double>(n / block);
-    std::memcpy(out, a.v, sizeof a.v);
-  }
-  return 0;
+  return QuantizeFused(x, kind, n, code_bits, block, elements, scales, elut, ftable, max_finite,
+                       out, [attrs](const uint32_t* xv, int64_t blocks, uint8_t* el, uint8_t* sc) {
+                         return lowprec_native::MxQuantizeBlocks(
+                             reinterpret_cast<const float*>(xv), static_cast<size_t>(blocks),
+                             attrs, el, sc);
+                       });
+}
+
+// lowprec_ckpt_quantize for NVFP4 (Nvfp4Blocks: blocks of 16 under the tensor scale ts,
+// packed E2M1 elements and E4M3 scale codes; `ftable` then holds float32(ts x scale) per
+// scale code). Returns 0, or 1 for arguments it does not take (ts outside [2^-118, 2^116]).
+LOWPREC_EXPORT int32_t lowprec_ckpt_quantize_nvfp4(const void* x, int32_t kind, int64_t n,
+                                                   float ts, uint8_t* elements, uint8_t* scales,
+                                                   const float* elut, const float* ftable,
+                                                   double max_finite, double* out) {
+  if (kind < kF32 || kind > kF16 || n < 0 || n % 16 != 0 || elements == nullptr ||
+      scales == nullptr)
+    return 1;
+  if (!(ts >= 0x1p-118f && ts <= 0x1p116f)) return 1;
+  if (out != nullptr && (elut == nullptr || ftable == nullptr)) return 1;
+  return QuantizeFused(x, kind, n, 4, 16, elements, scales, elut, ftable, max_finite, out,
+                       [ts](const uint32_t* xv, int64_t blocks, uint8_t* el, uint8_t* sc) {
+                         Nvfp4Blocks(xv, blocks, ts, el, sc);
+                         return true;
+                       });
 }
 
 // Decodes n values into out (out_kind: 0 float32, 1 bfloat16, 2 float16, 3 float64): from q

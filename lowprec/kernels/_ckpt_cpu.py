@@ -34,8 +34,12 @@ _SIGNATURES = {
     "lowprec_ckpt_decode": [_P, _P, _I32, _P, _P, _I64, _I32, _I64, _I32, _P, _I32, _P],
     "lowprec_ckpt_amax": [_P, _I32, _I64, _I64, _P],
     "lowprec_ckpt_quantize": [_P, _I32, _I64, _P, _P, _P, _P, _P, _F64, _P],
+    "lowprec_ckpt_quantize_nvfp4": [_P, _I32, _I64, _F32, _P, _P, _P, _P, _F64, _P],
     "lowprec_cpu_has_avx2": [],
 }
+#: The tensor scales :func:`quantize_nvfp4` takes: [2^-118, 2^116], where lowprec's NVFP4
+#: products are normal floats (lowprec/_nvfp4.py), so IEEE float32 steps are its exact ones.
+NVFP4_TENSOR_SCALES = (float.fromhex("0x1p-118"), float.fromhex("0x1p116"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,6 +169,28 @@ def quantize(x: np.ndarray, attrs, *, elut=None, ftable=None, max_finite: float 
             _ptr(elut) if stats else None, _ptr(ftable) if stats else None, float(max_finite),
             _ptr(out)):
         raise ValueError("lowprec_ckpt_quantize refused its arguments")
+    return elements, scales, out
+
+
+def quantize_nvfp4(x: np.ndarray, ts, *, elut=None, ftable=None, max_finite: float = 0.0,
+                   stats: bool = True, lib=None) -> tuple:
+    """:func:`quantize` for NVFP4 (lowprec's recipe, the "divide" step) under the float32
+    tensor scale ``ts`` (in :data:`NVFP4_TENSOR_SCALES`): blocks of 16 along the last axis,
+    packed E2M1 codes and E4M3 scale codes; ``ftable``: float32(ts x scale) per scale code."""
+    lib = lib or _library()[0]
+    x = np.ascontiguousarray(x)
+    *lead, n = x.shape
+    elements = np.empty((*lead, n // 2), np.uint8)
+    scales = np.empty((*lead, n // 16), np.uint8)
+    out = np.zeros(len(STATS), np.float64) if stats else None
+    if stats and (elut.dtype != np.float32 or ftable.dtype != np.float32 or elut.size < 16
+                  or ftable.size != 256):
+        raise ValueError("the element table or the factor table has the wrong size or dtype")
+    if n % 16 or lib.lowprec_ckpt_quantize_nvfp4(
+            _ptr(x), _kind(x, "x"), x.size, float(np.float32(ts)), _ptr(elements),
+            _ptr(scales), _ptr(elut) if stats else None, _ptr(ftable) if stats else None,
+            float(max_finite), _ptr(out)):
+        raise ValueError("lowprec_ckpt_quantize_nvfp4 refused its arguments")
     return elements, scales, out
 
 
