@@ -121,7 +121,7 @@ def commands(inp: dict) -> list:
         out.append((q, ["quantize", inp["sharded"], q, "-f", scheme, "--layout",
                         "compressed-tensors"]))
         out.append((f"d-ct-{scheme}", ["dequantize", "@" + q, f"d-ct-{scheme}"]))
-    for scheme in ("NVFP4A16", "FP8A16"):
+    for scheme in ("NVFP4A16", "FP8_DYNAMIC"):
         q = f"q-mo-{scheme}"
         out.append((q, ["quantize", inp["sharded"], q, "-f", scheme, "--layout", "modelopt"]))
         out.append((f"d-mo-{scheme}", ["dequantize", "@" + q, f"d-mo-{scheme}"]))
@@ -185,6 +185,9 @@ def worker(work: str) -> None:
                 status = cli([*argv[:2], out, *argv[3:], "-q", "--force", "--report", report])
             except SystemExit as e:
                 status = e.code
+            except Exception as e:  # noqa: BLE001 - an uncaught error is a result too
+                results[label] = ("exception", f"{type(e).__name__}: {e}".replace(work, "WORK"))
+                continue
         if status:
             lines = err.getvalue().replace(work, "WORK").strip().splitlines()
             results[label] = ("error", lines[-1] if lines else f"exit status {status}")

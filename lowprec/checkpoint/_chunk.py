@@ -9,14 +9,18 @@ the in-memory API on the whole tensor: blocks never straddle pieces, and a per-t
 (FP8 casts, NVFP4) is computed over the whole tensor first (:func:`finite_amax`,
 :func:`tensor_scale`) and passed to every piece (NVFP4: ``quantize_mx(..., tensor_scale=)``).
 
-At disk speed: a piece blocked along its last axis is a run of whole blocks, so it is
-encoded as ``(blocks, block size)`` padded to a power of two of blocks (:func:`encode_blocks`:
-a handful of compiled programs serve every tensor; half-precision input widened inside the
-program, where the native one-pass quantizer reads it). Its error statistics and its
-decoding read the stored codes as a :class:`CodedPiece` (``value = table[code] × factor``,
-the library's decode bit for bit) in one native pass each
-(:mod:`lowprec.kernels._ckpt_cpu`), with no second quantize or dequantize; where that library
-is not built the NumPy code here computes the same numbers.
+At disk speed: a piece blocked along its last axis is a run of whole blocks. Where the
+native library serves (:mod:`lowprec.kernels._ckpt_cpu`), one pass reads it once: the MX
+quantization kernel's loops (the code ``quantize_mx`` runs; NVFP4 by its IEEE float32
+steps, for tensor scales where those are its exact ones) write the codes a chunk at a time,
+and the chunk's error statistics are computed from those codes while they are at hand,
+exactly as the separate statistics pass would compute them: no compiled program, no copy.
+Elsewhere it is encoded as ``(blocks, block size)`` padded to a power of two of blocks
+(:func:`encode_blocks`: a handful of compiled programs serve every tensor; half-precision
+input widened inside the program), and its error statistics and its decoding read the
+stored codes as a :class:`CodedPiece` (``value = table[code] × factor``, the library's
+decode bit for bit) in one native pass each, with no second quantize or dequantize; where
+that library is not built the NumPy code here computes the same numbers.
 """
 
 from __future__ import annotations

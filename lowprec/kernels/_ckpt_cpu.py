@@ -6,7 +6,11 @@ NumPy buffers between the pipeline's XLA programs), called through :mod:`ctypes`
 releases the GIL, so the pipeline's worker threads run them at once. Each computes what NumPy
 code in :mod:`lowprec.checkpoint` computes (the fallback where the library is not built, its
 check fails, or the kernel policy is ``"xla"``); ``tests/test_checkpoint_native.py`` compares
-them. They depend on no XLA FFI version, so they serve wherever the library loads.
+them. They depend on no XLA FFI version, so they serve wherever the library loads. The
+fused quantize passes (:func:`quantize`, :func:`quantize_nvfp4`) compute what the library's
+``quantize_mx`` and then :func:`stats` would: the MX kernel's own loops on the calling thread
+(no XLA call), NVFP4's steps in IEEE float32, and the statistics of each chunk in the same
+order as :func:`stats` (``tests/test_checkpoint_native.py`` compares them bit for bit).
 """
 
 from __future__ import annotations
