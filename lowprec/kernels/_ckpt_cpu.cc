@@ -678,20 +678,55 @@ __attribute__((target("avx2"))) inline __m256i E2m1Codes8(__m256i b, __m256 divi
   return _mm256_or_si256(m, _mm256_slli_epi32(_mm256_srli_epi32(b, 31), 3));
 }
 
-// The 16 codes of a block of float32 patterns xb over `divisor` into c.
-__attribute__((target("avx2"))) void Nvfp4CodesAvx2(const uint32_t* xb, float divisor,
-                                                    uint32_t* c) {
-  const __m256 d = _mm256_set1_ps(divisor);
-  for (int h = 0; h < 2; ++h) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 8 * h),
-                        E2m1Codes8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 8 * h)), d));
+// The 32 codes of two consecutive blocks of float32 patterns xb (16 each) over their
+// divisors, packed two per byte (element 2k in the low nibble) into 16 bytes at out: the
+// codes narrowed to bytes in order, then each byte pair merged.
+__attribute__((target("avx2"))) void Nvfp4PairAvx2(const uint32_t* xb, float d0, float d1,
+                                                   uint8_t* out) {
+  __m256i c[4];
+  for (int j = 0; j < 4; ++j) {
+    c[j] = E2m1Codes8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 8 * j)),
+                      _mm256_set1_ps(j < 2 ? d0 : d1));
   }
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i pair = _mm256_or_si256(
+      _mm256_and_si256(bytes, _mm256_set1_epi16(0x000F)),
+      _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi16(0x00F0)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
 }
 #endif
 
+// The E4M3 scale code of a block of largest magnitude pattern amax (finite) under ts, and
+// its divisor float32(ts x scale).
+inline uint32_t Nvfp4Scale(uint32_t amax, float ts, float* divisor) {
+  const float quotient = (FromBits(amax) / 6.0f) / ts;
+  const uint32_t qb = std::min(std::max(ToBits(quotient), kE4m3Eps), kE4m3Max);
+  // RNE of the float32 mantissa to E4M3's 3 bits; the carry moves into the exponent.
+  const uint32_t code = ((qb + 0x7'FFFFu + ((qb >> 20) & 1u)) >> 20) - (120u << 3);
+  *divisor = ts * FromBits((code + (120u << 3)) << 20);
+  return code;
+}
+
 void Nvfp4Blocks(const uint32_t* xv, int64_t blocks, float ts, uint8_t* elements,
                  uint8_t* scales) {
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+  int64_t blk = 0;
+#ifdef LOWPREC_X86_AVX2
+  if (lowprec_native::HasAvx2()) {  // two blocks at a time, unless one holds a NaN or inf
+    for (; blk + 2 <= blocks; blk += 2) {
+      const uint32_t* xb = xv + 16 * blk;
+      const uint32_t a0 = AmaxAvx2(xb, 16), a1 = AmaxAvx2(xb + 16, 16);
+      if (a0 >= kExp || a1 >= kExp) break;  // the loop below takes these blocks
+      float d0, d1;
+      scales[blk] = static_cast<uint8_t>(Nvfp4Scale(a0, ts, &d0));
+      scales[blk + 1] = static_cast<uint8_t>(Nvfp4Scale(a1, ts, &d1));
+      Nvfp4PairAvx2(xb, d0, d1, elements + 8 * blk);
+    }
+  }
+#endif
+  for (; blk < blocks; ++blk) {
     const uint32_t* xb = xv + 16 * blk;
     uint8_t* out = elements + 8 * blk;
     uint32_t amax = 0;
@@ -701,24 +736,14 @@ void Nvfp4Blocks(const uint32_t* xv, int64_t blocks, float ts, uint8_t* elements
       std::memset(out, 0, 8);
       continue;
     }
-    const float quotient = (FromBits(amax) / 6.0f) / ts;
-    const uint32_t qb = std::min(std::max(ToBits(quotient), kE4m3Eps), kE4m3Max);
-    // RNE of the float32 mantissa to E4M3's 3 bits; the carry moves into the exponent.
-    const uint32_t code = ((qb + 0x7'FFFFu + ((qb >> 20) & 1u)) >> 20) - (120u << 3);
-    scales[blk] = static_cast<uint8_t>(code);
-    const float divisor = ts * FromBits((code + (120u << 3)) << 20);
-    alignas(32) uint32_t c[16];
-#ifdef LOWPREC_X86_AVX2
-    if (lowprec_native::HasAvx2()) {
-      Nvfp4CodesAvx2(xb, divisor, c);
-    } else
-#endif
-    {
-      for (int k = 0; k < 16; ++k) {
-        c[k] = E2m1Magnitude(FromBits(xb[k] & kAbs) / divisor) | ((xb[k] >> 31) << 3);
-      }
+    float divisor;
+    scales[blk] = static_cast<uint8_t>(Nvfp4Scale(amax, ts, &divisor));
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t lo = E2m1Magnitude(FromBits(xb[2 * j] & kAbs) / divisor) | ((xb[2 * j] >> 31) << 3);
+      const uint32_t hi =
+          E2m1Magnitude(FromBits(xb[2 * j + 1] & kAbs) / divisor) | ((xb[2 * j + 1] >> 31) << 3);
+      out[j] = static_cast<uint8_t>(lo | (hi << 4));
     }
-    for (int j = 0; j < 8; ++j) out[j] = static_cast<uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
   }
 }
 
