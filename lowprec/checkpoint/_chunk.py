@@ -371,7 +371,7 @@ def _fused_plan(fmt, scale_rule) -> Optional[_FusedPlan]:
     # serves() without its vector_quantizer() (that loads and checks the XLA handlers,
     # ~0.3 s of compiles, which this pass does not call): the library's own AVX2 test.
     if not (_mx_quantize_cpu.computes(fmt, cast.rounding) and fmt.block_size == 32
-            and cast.scale_rule in _mx_quantize_cpu._RULES and _ckpt_cpu.has_avx2()):
+            and _mx_quantize_cpu.takes_rule(cast.scale_rule) and _ckpt_cpu.has_avx2()):
         return None
     ftable = factor_table(fmt)
     attrs = np.array([int(v) for _, v in _mx_quantize_cpu.attributes(fmt, cast.scale_rule)],
