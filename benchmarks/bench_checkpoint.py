@@ -11,6 +11,10 @@ Cases (each a checkpoint of one float32 tensor of ``--size-mib`` MiB, default 10
   bfloat16 [k, k] ``*.weight`` matrices of ``--size-mib`` MiB in all, the shape of a real
   model's checkpoint (many tensors: compilations and per-tensor costs show here). Its copy
   peer copies every shard.
+* ``model-bf16`` / ``model-f32``: a multi-GiB sharded folder shaped like a Llama-7B-like
+  model's checkpoint (:func:`make_model`: decoder layers of seven 4096-wide ``*.weight``
+  matrices, 4096 x 4096 and 11008 x 4096, plus kept norms, two layers to a shard, an index
+  and a config.json) of about ``--model-mib`` MiB of bfloat16 or float32 values.
 
 Each row also gives the command's CPU seconds (user + system, the child's ``ru_utime +
 ru_stime``, start-up included) and ``idle MB/s``: the bytes over CPU seconds / cores, what
@@ -96,6 +100,61 @@ def make_sharded(folder: str, total_bytes: int, shards: int, seed: int) -> None:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
 
 
+#: The shapes of one decoder layer of the ``model`` case (a Llama-7B-like layer: d 4096,
+#: MLP 11008): the 2-D ``*.weight`` matrices are quantized, the norms kept.
+MODEL_D, MODEL_FF = 4096, 11008
+
+
+def model_layer(i: int, d: int = MODEL_D, ff: int = MODEL_FF) -> list:
+    p = f"model.layers.{i}."
+    return ([(p + f"self_attn.{n}_proj.weight", (d, d)) for n in "qkvo"]
+            + [(p + "mlp.gate_proj.weight", (ff, d)), (p + "mlp.up_proj.weight", (ff, d)),
+               (p + "mlp.down_proj.weight", (d, ff)),
+               (p + "input_layernorm.weight", (d,)), (p + "post_attention_layernorm.weight", (d,))])
+
+
+def make_model(folder: str, total_bytes: int, dtype: str, seed: int,
+               layers_per_shard: int = 2) -> int:
+    """A sharded folder shaped like a real model's checkpoint (``dtype`` "BF16" or "F32"):
+    decoder layers of :func:`model_layer` (seven 4096-wide ``*.weight`` matrices, two norms)
+    until about ``total_bytes``, ``layers_per_shard`` to a shard, a final norm and an
+    index; values N(0, 0.02²). Returns the bytes of its tensors."""
+    import ml_dtypes
+
+    from lowprec.checkpoint import SafetensorsWriter
+
+    os.makedirs(folder, exist_ok=True)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "BF16" else np.dtype(np.float32)
+    per_layer = sum(math.prod(s) for _, s in model_layer(0)) * np_dtype.itemsize
+    layers = max(1, round(total_bytes / per_layer))
+    shards = -(-layers // layers_per_shard)
+    rng = np.random.default_rng(seed)
+    weight_map, total = {}, 0
+    for k in range(shards):
+        shard = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        entries = [e for i in range(k * layers_per_shard, min(layers, (k + 1) * layers_per_shard))
+                   for e in model_layer(i)]
+        if k == shards - 1:
+            entries.append(("model.norm.weight", (MODEL_D,)))
+        with SafetensorsWriter(os.path.join(folder, shard),
+                               [(n, dtype, s) for n, s in entries]) as w:
+            for n, s in entries:
+                size = math.prod(s)
+                for start in range(0, size, 1 << 24):
+                    x = rng.standard_normal(min(1 << 24, size - start), dtype=np.float32)
+                    x *= np.float32(0.02)
+                    w.write(n, x.astype(np_dtype))
+                total += size * np_dtype.itemsize
+        weight_map.update({n: shard for n, _ in entries})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": MODEL_D,
+                   "intermediate_size": MODEL_FF, "num_hidden_layers": layers,
+                   "torch_dtype": "bfloat16" if dtype == "BF16" else "float32"}, f)
+    return total
+
+
 def run(cmd, pythonpath=None, cwd=None) -> dict:
     """Runs ``cmd`` in ``cwd`` (not the repository root, whose ``lowprec/`` would shadow
     ``pythonpath`` under ``python -m``); returns wall seconds, peak RSS bytes and the load."""
@@ -128,7 +187,9 @@ def main(argv=None):
     ap.add_argument("--size-mib", type=int, default=1024, help="tensor size (float32 MiB)")
     ap.add_argument("--formats", nargs="+", default=["mxfp8_e4m3", "mxfp4"])
     ap.add_argument("--cases", nargs="+", default=["axis-1", "axis0", "1d"],
-                    choices=["axis-1", "axis0", "1d", "shards"])
+                    choices=["axis-1", "axis0", "1d", "shards", "model-bf16", "model-f32"])
+    ap.add_argument("--model-mib", type=int, default=4096,
+                    help="input size of the model-* cases (MiB)")
     ap.add_argument("--shards", type=int, default=16, help="files of the 'shards' case")
     ap.add_argument("--dir", default=None, help="work folder (default: new folder in /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
@@ -159,6 +220,11 @@ def main(argv=None):
         if "shards" in args.cases:
             files["shards"] = os.path.join(work, "sharded")
             make_sharded(files["shards"], args.size_mib * 2**20, args.shards, 2)
+        for case, dt in (("model-bf16", "BF16"), ("model-f32", "F32")):
+            if case in args.cases:
+                files[case] = os.path.join(work, case)
+                if not os.path.exists(os.path.join(files[case], "config.json")):
+                    make_model(files[case], args.model_mib * 2**20, dt, 3)
         floor = run([sys.executable, "-c", "import lowprec.cli"])
         copy_s = {}
         for key, path in files.items():
@@ -172,26 +238,31 @@ def main(argv=None):
                 copy_s[key] = time.perf_counter() - t0
                 os.unlink(os.path.join(work, "copy.tmp"))
         print(f"tensor: {args.size_mib} MiB float32 ({side}x{side} matrix, {n // 32 * 32:,}-vector); "
-              f"import-only peak RSS {floor['peak_rss'] / 1e6:.0f} MB; "
+              f"import-only peak RSS {floor['peak_rss'] / 1e6:.0f} MB, CPU {floor['cpu']:.2f} s; "
               f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
         header = ("case", "format", "op", "MB/s", "copy MB/s", "CPU s", "idle MB/s",
-                  "peak RSS MB", "bound MB", "ok", "vs baseline", "baseline peak RSS MB", "load")
+                  "peak RSS MB", "bound MB", "ok", "vs baseline", "baseline CPU s",
+                  "baseline idle MB/s", "CPU ratio", "baseline peak RSS MB", "load")
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
         for case in args.cases:
-            key = case if case in ("1d", "shards") else "2d"
+            key = case if case in ("1d", "shards", "model-bf16", "model-f32") else "2d"
             src = files[key]
             if case == "shards":  # every shard's bytes; the bound is per largest tensor
                 tensor_bytes = sum(os.path.getsize(os.path.join(src, f))
                                    for f in os.listdir(src) if f.endswith(".safetensors"))
                 largest = tensor_bytes // (4 * args.shards)
+            elif case.startswith("model"):  # the tensors' bytes (headers aside)
+                with open(os.path.join(src, "model.safetensors.index.json")) as f:
+                    tensor_bytes = json.load(f)["metadata"]["total_size"]
+                largest = MODEL_D * MODEL_FF * (2 if case == "model-bf16" else 4)
             else:
                 tensor_bytes = largest = os.path.getsize(src)  # header is tiny
             extra = {"axis-1": [], "axis0": ["--axis", "0"], "1d": ["--include", "weight"],
-                     "shards": []}[case]
+                     "shards": [], "model-bf16": [], "model-f32": []}[case]
             base = args.baseline if case in args.baseline_cases else None
             for fmt in args.formats:
-                suffix = "" if case == "shards" else ".safetensors"
+                suffix = "" if case == "shards" or case.startswith("model") else ".safetensors"
                 q = os.path.join(work, f"{case}-{fmt}{suffix}")
                 d = os.path.join(work, f"{case}-{fmt}-back{suffix}")
                 ops = [("quantize", py + ["quantize", src, q, "-f", fmt, "-q", "--force", *extra]),
@@ -215,24 +286,37 @@ def main(argv=None):
                            "copy_MBps": tensor_bytes / copy_s[key] / 1e6, "idle_MBps": idle,
                            "bound_bytes": bound, "ok": r["peak_rss"] <= bound, **r,
                            "runs": ours, "baseline_runs": theirs}
-                    ratio = rss_base = ""
+                    ratio = rss_base = cpu_base = idle_base = cpu_ratio = ""
                     if theirs:
                         row["speed_vs_baseline"] = median(
                             [b["seconds"] / a["seconds"] for a, b in zip(ours, theirs)])
                         row["baseline_peak_rss"] = max(b["peak_rss"] for b in theirs)
+                        row["baseline_cpu"] = median([b["cpu"] for b in theirs])
+                        row["cpu_vs_baseline"] = median(
+                            [b["cpu"] / a["cpu"] for a, b in zip(ours, theirs)])
                         ratio = f"{row['speed_vs_baseline']:.2f}x"
                         rss_base = f"{row['baseline_peak_rss'] / 1e6:.0f}"
+                        cpu_base = f"{row['baseline_cpu']:.2f}"
+                        idle_base = f"{tensor_bytes / (row['baseline_cpu'] / os.cpu_count()) / 1e6:.0f}"
+                        cpu_ratio = f"{row['cpu_vs_baseline']:.2f}x"
                     rows.append(row)
                     print(f"| {case} | {fmt} | {op} | {row['MBps']:.0f} | {row['copy_MBps']:.0f} | "
                           f"{r['cpu']:.2f} | {idle:.0f} | "
                           f"{r['peak_rss'] / 1e6:.0f} | {bound / 1e6:.0f} | "
-                          f"{'yes' if row['ok'] else 'NO'} | {ratio} | {rss_base} | "
-                          f"{r['load']:.2f} |", flush=True)
+                          f"{'yes' if row['ok'] else 'NO'} | {ratio} | {cpu_base} | {idle_base} | "
+                          f"{cpu_ratio} | {rss_base} | {r['load']:.2f} |", flush=True)
                 for path in (d, q):
                     shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
     finally:
         if not args.keep and args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
+        elif not args.keep:  # a given folder: keep its inputs (slow to make), drop outputs
+            for case in args.cases:
+                for fmt in args.formats:
+                    for suffix in ("", "-back", ".safetensors", "-back.safetensors"):
+                        path = os.path.join(work, f"{case}-{fmt}{suffix}")
+                        if os.path.isdir(path):
+                            shutil.rmtree(path, ignore_errors=True)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

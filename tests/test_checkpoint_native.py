@@ -25,6 +25,7 @@ import pytest
 import lowprec
 from lowprec.checkpoint import _chunk
 from lowprec.checkpoint._errors import CheckpointError
+from lowprec.checkpoint._layout import make_spec
 from lowprec.checkpoint._stats import ErrorStats
 from lowprec.kernels import _ckpt_cpu
 
@@ -269,3 +270,50 @@ def test_fallback_when_policy_is_xla():
     finally:
         lowprec.kernels.set_policy(previous)
     assert _chunk.native()
+
+
+@pytest.mark.parametrize("in_dtype", INPUTS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt_name,rule", [(f, "floor") for f in MX_FORMATS]
+                         + [("mxfp4", "rceil"), ("mxfp8_e4m3", "even")])
+def test_fused_quantize_matches_library_and_stats_pass(fmt_name, rule, in_dtype, monkeypatch):
+    """The fused pass (quantize and statistics in one, ``lowprec_ckpt_quantize`` and its
+    NVFP4 twin) through ``quantize_chunk``: the codes are ``quantize_mx``'s, and the
+    statistics are the separate statistics pass's on those codes, bit for bit (the same
+    chunks, lanes and order; that pass is tied to NumPy above). Five rows of 1024: blocks
+    across two 2048-element chunk boundaries and a partial last chunk. NVFP4 runs natively
+    for tensor scales in [2^-118, 2^116] only: the adversarial rows' ~3e38 (a tensor scale
+    ~1e35) take the XLA path, with the same results; scaled by 2^-20 they take the native
+    one."""
+    fmt = lowprec.mx_format(fmt_name)
+    rule = None if fmt.tensor_scale else rule
+    x = adversarial(5, 1024, in_dtype, f"fused {fmt_name} {rule} {in_dtype}")
+    calls = []
+    for name in ("quantize", "quantize_nvfp4"):
+        real = getattr(_ckpt_cpu, name)
+        monkeypatch.setattr(_ckpt_cpu, name,
+                            lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    spec = make_spec(fmt_name, x.shape, {np.float32: "F32", ml_dtypes.bfloat16: "BF16",
+                                         np.float16: "F16"}[in_dtype], scale_rule=rule)
+    huge = fmt.tensor_scale and in_dtype != np.float16  # float16 holds inf instead
+    for scale in ((1.0, 2.0 ** -20) if huge else (1.0,)):
+        x = (x.astype(np.float32) * np.float32(scale)).astype(in_dtype)
+        mx = lowprec.quantize_mx(jnp.asarray(x.astype(np.float32)), fmt, axis=-1,
+                                 scale_rule=rule)
+        ts = None if mx.tensor_scale is None else np.float32(mx.tensor_scale)
+        calls.clear()
+        got = ErrorStats()
+        parts = _chunk.quantize_chunk(x, spec, ts, got)
+        assert calls == ([] if huge and scale == 1.0 else [1]), "the expected pass did not run"
+        elements, scales = np.asarray(mx.elements), np.asarray(mx.scales)
+        np.testing.assert_array_equal(parts["elements"], elements)
+        np.testing.assert_array_equal(parts["scales"], scales)
+
+        coded = _chunk.mx_coded(elements, scales, fmt, ts)
+        want = ErrorStats()
+        want.add_vector(_ckpt_cpu.stats(x, **coded.args(), clip=1,
+                                        max_finite=fmt.element.max_finite, view=(*x.shape, 1)))
+        want.nan_blocks = int(np.count_nonzero(np.isnan(coded.factors)))
+        for field in vars(want):
+            if field != "_buf":
+                assert getattr(got, field) == getattr(want, field), field
+        assert want.nonfinite > 0 and want.count > 0 and want.nan_blocks > 0

@@ -9,14 +9,18 @@ the in-memory API on the whole tensor: blocks never straddle pieces, and a per-t
 (FP8 casts, NVFP4) is computed over the whole tensor first (:func:`finite_amax`,
 :func:`tensor_scale`) and passed to every piece (NVFP4: ``quantize_mx(..., tensor_scale=)``).
 
-At disk speed: a piece blocked along its last axis is a run of whole blocks, so it is
-encoded as ``(blocks, block size)`` padded to a power of two of blocks (:func:`encode_blocks`:
-a handful of compiled programs serve every tensor; half-precision input widened inside the
-program, where the native one-pass quantizer reads it). Its error statistics and its
-decoding read the stored codes as a :class:`CodedPiece` (``value = table[code] × factor``,
-the library's decode bit for bit) in one native pass each
-(:mod:`lowprec.kernels._ckpt_cpu`), with no second quantize or dequantize; where that library
-is not built the NumPy code here computes the same numbers.
+At disk speed: a piece blocked along its last axis is a run of whole blocks. Where the
+native library serves (:mod:`lowprec.kernels._ckpt_cpu`), one pass reads it once: the MX
+quantization kernel's loops (the code ``quantize_mx`` runs; NVFP4 by its IEEE float32
+steps, for tensor scales where those are its exact ones) write the codes a chunk at a time,
+and the chunk's error statistics are computed from those codes while they are at hand,
+exactly as the separate statistics pass would compute them: no compiled program, no copy.
+Elsewhere it is encoded as ``(blocks, block size)`` padded to a power of two of blocks
+(:func:`encode_blocks`: a handful of compiled programs serve every tensor; half-precision
+input widened inside the program), and its error statistics and its decoding read the
+stored codes as a :class:`CodedPiece` (``value = table[code] × factor``, the library's
+decode bit for bit) in one native pass each, with no second quantize or dequantize; where
+that library is not built the NumPy code here computes the same numbers.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from .._codec import decode, encode
 from .._dtypes import input_bits
 from .._mx import MXArray, dequantize, quantize_mx
 from .._options import MXCast
-from ..kernels import _ckpt_cpu
+from .._scheme_nvfp4 import NVFP4Scheme, NVFP4Step
+from ..kernels import _ckpt_cpu, _mx_quantize_cpu
 from ._errors import CheckpointError
 from ._formats import cast_dtype
 from ._layout import TensorSpec
@@ -145,7 +150,8 @@ def _as_piece(x: np.ndarray) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def _scale_values(scale_fmt) -> np.ndarray:
     """The value of each uint8 scale code (float64; decoded once per scale format)."""
-    return np.asarray(decode(jnp.arange(256, dtype=jnp.uint8), scale_fmt), np.float64)
+    # The codes as a NumPy array: jnp.arange would compile a program of its own.
+    return np.asarray(decode(np.arange(256, dtype=np.uint8), scale_fmt), np.float64)
 
 
 def _scale_nan(scale_fmt) -> np.ndarray:
@@ -185,7 +191,7 @@ def element_table(elem) -> np.ndarray:
     """float32 value of every code of an element format of at most 8 bits (FP4: 16 values,
     FP6: 64, FP8 and INT8: 256), by the library's decode: a decoded element is
     ``table[code]``."""
-    codes = jnp.arange(1 << elem.code_bits, dtype=jnp.uint8)
+    codes = np.arange(1 << elem.code_bits, dtype=np.uint8)  # not jnp: no program of its own
     return np.asarray(decode(codes, elem), np.float32)
 
 
@@ -336,11 +342,77 @@ def quantize_chunk(x: np.ndarray, spec: TensorSpec, scale=None,
     return _quantize_cast_piece(x, spec, scale, stats)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _FusedPlan:
+    """What the fused native pass needs for one block format and rule, computed once."""
+
+    attrs: np.ndarray  # the MX kernel's attributes, int64
+    elut: np.ndarray  # float32 value of each element code
+    ftable: np.ndarray  # float32 factor of each scale code (NaN: the scale's NaN codes)
+    nan_codes: np.ndarray  # bool per scale code: marks a NaN block
+    max_finite: float
+
+
+def _is_nvfp4(fmt) -> bool:
+    """Whether ``fmt`` is lowprec's NVFP4 quantized by the "divide" step, which the native
+    NVFP4 pass computes: E2M1 elements in blocks of 16 under E4M3 scales and a tensor scale."""
+    return (isinstance(fmt.scheme, NVFP4Scheme) and fmt.block_size == 16
+            and fmt.element.name == "e2m1" and fmt.scheme.scale.name == "e4m3"
+            and MXCast(fmt).nvfp4_step == NVFP4Step.DIVIDE)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_plan(fmt, scale_rule) -> Optional[_FusedPlan]:
+    """The fused pass's plan where the MX quantization kernel's loops encode this block
+    format and rule on this CPU (what ``quantize_mx`` itself runs for float32 blocked along
+    the last axis: :func:`lowprec.kernels._mx_quantize_cpu.serves`), else None."""
+    cast = MXCast(fmt, scale_rule=scale_rule)
+    # serves() without its vector_quantizer() (that loads and checks the XLA handlers,
+    # ~0.3 s of compiles, which this pass does not call): the library's own AVX2 test.
+    if not (_mx_quantize_cpu.computes(fmt, cast.rounding) and fmt.block_size == 32
+            and _mx_quantize_cpu.takes_rule(cast.scale_rule) and _ckpt_cpu.has_avx2()):
+        return None
+    ftable = factor_table(fmt)
+    attrs = np.array([int(v) for _, v in _mx_quantize_cpu.attributes(fmt, cast.scale_rule)],
+                     np.int64)
+    return _FusedPlan(attrs, element_table(fmt.element), ftable, np.isnan(ftable),
+                      float(fmt.element.max_finite))
+
+
+def _parts(elements, scales, spec: TensorSpec) -> dict:
+    # gpt-oss's blocks are the same bytes, [..., K/32, 16] (lowprec.to_gpt_oss)
+    return {spec.code_role: elements, "scales": scales}
+
+
 def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
     fmt = spec.format
     if fmt.tensor_scale and scale is None:
         raise ValueError(f"{fmt.name}: pass the whole tensor's scale (tensor_scale())")
     ts = np.float32(scale) if fmt.tensor_scale else None
+    lo, hi = _ckpt_cpu.NVFP4_TENSOR_SCALES
+    if (x.ndim == 2 and x.dtype in _NATIVE and ts is not None and lo <= ts <= hi and native()
+            and _is_nvfp4(fmt)):
+        # NVFP4 in one native pass too, where its IEEE float32 steps are the exact ones.
+        ftable = factor_table(fmt, ts)
+        elements, scales, v = _ckpt_cpu.quantize_nvfp4(
+            x, ts, elut=element_table(fmt.element), ftable=ftable,
+            max_finite=float(fmt.element.max_finite), stats=stats is not None)
+        if stats is not None:
+            stats.add_vector(v)
+            stats.nan_blocks += int(np.count_nonzero(np.isnan(ftable)[scales]))
+        return _parts(elements, scales, spec)
+    if x.ndim == 2 and x.dtype in _NATIVE and native():
+        plan = _fused_plan(fmt, spec.scale_rule)
+        if plan is not None:
+            # One native pass: the kernel's codes (bf16/f16 widened exactly on the way) and,
+            # from them, the statistics the separate pass below would compute, bit for bit.
+            elements, scales, v = _ckpt_cpu.quantize(
+                x, plan.attrs, elut=plan.elut, ftable=plan.ftable, max_finite=plan.max_finite,
+                stats=stats is not None)
+            if stats is not None:
+                stats.add_vector(v)
+                stats.nan_blocks += int(np.count_nonzero(plan.nan_codes[scales]))
+            return _parts(elements, scales, spec)
     xin = x if x.dtype in _NATIVE else x.astype(np.float32)
     mx = None
     if x.ndim == 2:  # blocks along the last axis: a run of whole blocks
@@ -373,8 +445,7 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
             stats.update(x, np.asarray(dequantize(mx)))
             stats.add_clipped(*_mx_clipped(xin, scales, fmt, ts))
             stats.add_nan_blocks(scales, _scale_nan(fmt.scale))
-    # gpt-oss's blocks are the same bytes, [..., K/32, 16] (lowprec.to_gpt_oss)
-    return {spec.code_role: elements, "scales": scales}
+    return _parts(elements, scales, spec)
 
 
 def _quantize_cast_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:

@@ -209,6 +209,61 @@ __attribute__((target("avx2"))) int64_t DecodeAvx2(const uint8_t* codes, int32_t
   }
   return i;
 }
+
+// Non-finite float32 patterns among v[0..len), 8 at a time; *done receives how many were
+// looked at (a multiple of 8).
+__attribute__((target("avx2"))) int64_t NonfiniteAvx2(const uint32_t* v, int64_t len,
+                                                      int64_t* done) {
+  const __m256i e = _mm256_set1_epi32(static_cast<int>(kExp));
+  __m256i count = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+    count = _mm256_sub_epi32(count, _mm256_cmpeq_epi32(_mm256_and_si256(b, e), e));
+  }
+  alignas(32) int32_t c[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), count);
+  *done = i;
+  return static_cast<int64_t>(c[0]) + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
+}
+
+// FloatBitsToBf16 of v[0..len) into o, 8 at a time, counting the non-finite results; stops
+// before the first group of 8 holding a finite value that overflows (the scalar loop counts
+// and, if asked, saturates those). Returns how many were done; *nonfinite is increased.
+__attribute__((target("avx2"))) int64_t NarrowBf16Avx2(const uint32_t* v, int64_t len,
+                                                       uint16_t* o, int64_t* nonfinite) {
+  const __m256i abs = _mm256_set1_epi32(static_cast<int>(kAbs));
+  const __m256i e = _mm256_set1_epi32(static_cast<int>(kExp));
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i round = _mm256_set1_epi32(0x7FFF);
+  const __m256i qnan = _mm256_set1_epi32(0x7FC0);
+  const __m256i sign16 = _mm256_set1_epi32(0x8000);
+  const __m256i inf16 = _mm256_set1_epi32(0x7F80);
+  const __m256i abs16 = _mm256_set1_epi32(0x7FFF);
+  __m256i count = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+    const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, abs), e);  // |b| > inf
+    // Round to nearest even on the top 16 bits (a NaN's sum may wrap: replaced below).
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, round), lsb), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(b, 16), sign16), qnan);
+    const __m256i h = _mm256_blendv_epi8(rounded, nan, is_nan);
+    const __m256i finite_in = _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_and_si256(b, e), e),
+                                               _mm256_set1_epi32(-1));
+    const __m256i over = _mm256_and_si256(
+        _mm256_cmpeq_epi32(_mm256_and_si256(h, abs16), inf16), finite_in);
+    if (!_mm256_testz_si256(over, over)) break;  // the scalar loop takes it from here
+    count = _mm256_sub_epi32(count, _mm256_cmpeq_epi32(_mm256_and_si256(h, inf16), inf16));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0b1000);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm256_castsi256_si128(packed));
+  }
+  alignas(32) int32_t c[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(c), count);
+  *nonfinite += static_cast<int64_t>(c[0]) + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
+  return i;
+}
 #endif
 
 // Largest finite magnitude pattern of float32 patterns v[0..len) (0 if none).
@@ -473,6 +528,48 @@ void ClippedBlocks(const void* x, int32_t kind, const float* factors, int64_t bl
   a.v[kClipTotal] += static_cast<double>(P * per * S);
 }
 
+// Clipped blocks among the `len / block` whole blocks of float32 patterns xv (S = 1): those
+// whose largest |x| exceeds factors[b] x max_finite. A NaN amax (a block holding a NaN) or a
+// NaN factor (the scale's NaN code) compares false: never clipped.
+double ClippedInChunk(const uint32_t* xv, int64_t len, const float* factors, int64_t block,
+                      double max_finite) {
+  double clipped = 0;
+  for (int64_t b0 = 0; b0 < len; b0 += block) {
+    uint32_t amax = 0;
+#ifdef LOWPREC_X86_AVX2
+    if (block % 8 == 0 && lowprec_native::HasAvx2()) {
+      amax = AmaxAvx2(xv + b0, block);
+    } else
+#endif
+    {
+      for (int64_t k = 0; k < block; ++k) amax = std::max(amax, xv[b0 + k] & kAbs);
+    }
+    clipped += static_cast<double>(FromBits(amax)) >
+               static_cast<double>(factors[b0 / block]) * max_finite;
+  }
+  return clipped;
+}
+
+// One chunk's pairs (input patterns xv, decoded patterns qv) into the lanes and counts:
+// the order every caller keeps (chunks of kChunk from the piece's start), so a piece's
+// statistics do not depend on which pass computed them.
+void ChunkStats(const uint32_t* xv, const uint32_t* qv, int64_t len, Lanes& lanes, Acc& a) {
+  if (FiniteStats(xv, qv, len, lanes)) {
+    a.v[kCount] += static_cast<double>(len);
+  } else {
+    ScalarStats(xv, qv, len, a);
+  }
+}
+
+void AddLanes(const Lanes& lanes, Acc& a) {  // the lanes in order, after the scalar sums
+  for (int k = 0; k < 8; ++k) {
+    a.v[kSumX2] += lanes.x2[k];
+    a.v[kSumE2] += lanes.e2[k];
+    a.v[kMaxAbs] = std::max(a.v[kMaxAbs], lanes.ma[k]);
+    a.v[kMaxRel] = std::max(a.v[kMaxRel], lanes.mr[k]);
+  }
+}
+
 }  // namespace
 
 // Error statistics of one piece: its input x (n elements of `kind`: 0 float32, 1 bfloat16,
@@ -515,20 +612,7 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_stats(const void* x, int32_t kind, int64_t n
       WidenChunk(x, kind, i0, len, xb);
     }
     if (fused && clip == 1) {
-      for (int64_t b0 = 0; b0 < len; b0 += block) {
-        uint32_t amax = 0;
-#ifdef LOWPREC_X86_AVX2
-        if (block % 8 == 0 && lowprec_native::HasAvx2()) {
-          amax = AmaxAvx2(xv + b0, block);
-        } else
-#endif
-        {
-          for (int64_t k = 0; k < block; ++k) amax = std::max(amax, xv[b0 + k] & kAbs);
-        }
-        // NaN amax (a block holding a NaN) or NaN factor (the scale's NaN code): false.
-        clipped += static_cast<double>(FromBits(amax)) >
-                   static_cast<double>(factors[(i0 + b0) / block]) * max_finite;
-      }
+      clipped += ClippedInChunk(xv, len, factors + i0 / block, block, max_finite);
     } else if (clip == 2) {
       for (int64_t k = 0; k < len; ++k) clipped += std::fabs(FromBits(xv[k]) / cast_scale) > cast_top;
     }
@@ -540,18 +624,9 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_stats(const void* x, int32_t kind, int64_t n
     } else {
       DecodeChunk(codes, code_bits, elut, factors, block, false, i0, len, qb);
     }
-    if (FiniteStats(xv, qv, len, lanes)) {
-      a.v[kCount] += static_cast<double>(len);
-    } else {
-      ScalarStats(xv, qv, len, a);
-    }
+    ChunkStats(xv, qv, len, lanes, a);
   }
-  for (int k = 0; k < 8; ++k) {  // the lanes in order, after the scalar elements' sums
-    a.v[kSumX2] += lanes.x2[k];
-    a.v[kSumE2] += lanes.e2[k];
-    a.v[kMaxAbs] = std::max(a.v[kMaxAbs], lanes.ma[k]);
-    a.v[kMaxRel] = std::max(a.v[kMaxRel], lanes.mr[k]);
-  }
+  AddLanes(lanes, a);
   if (fused) {
     a.v[kClipped] = clipped;
     a.v[kClipTotal] = static_cast<double>(clip == 2 ? n : n / block);
@@ -560,6 +635,204 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_stats(const void* x, int32_t kind, int64_t n
   }
   std::memcpy(out, a.v, sizeof a.v);
   return 0;
+}
+
+namespace {
+
+// NVFP4 (lowprec's recipe, the "divide" step) of `blocks` blocks of 16 float32 patterns
+// under the tensor scale ts, by IEEE float32 arithmetic (subnormals kept): for a block of
+// largest magnitude amax, its E4M3 scale code is RNE(clamp((amax / 6) / ts, 2^-6, 448)) (two
+// correctly rounded divisions, in that order), its divisor float32(ts x that scale), each
+// element's E2M1 code RNE(|x| / divisor) saturated at 6 with x's sign bit (-0 keeps it),
+// two per byte, element 2k in the low nibble; a block holding a NaN or an infinity gets the
+// E4M3 NaN code 0x7F and zero elements. That is _nvfp4.py's exact formulation step by step:
+// its software divisions and product round as IEEE float32 does, which the caller relies on
+// only for ts in [2^-118, 2^116] (where _nvfp4.py shows every product normal).
+constexpr uint32_t kE4m3Eps = 0x3C80'0000u;  // 2^-6, the smallest normal E4M3
+constexpr uint32_t kE4m3Max = 0x43E0'0000u;  // 448 = 1.75 x 2^8
+constexpr uint32_t kE4m3Nan = 0x7Fu;
+
+// E2M1 magnitude code of a float32 magnitude q >= 0 (NaN excluded): RNE onto 0, 0.5, 1, 1.5,
+// 2, 3, 4, 6, saturating; ties go to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+// 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4).
+inline uint32_t E2m1Magnitude(float q) {
+  return (q > 0.25f) + (q >= 0.75f) + (q > 1.25f) + (q >= 1.75f) + (q > 2.5f) + (q >= 3.5f) +
+         (q > 5.0f);
+}
+
+#ifdef LOWPREC_X86_AVX2
+// E2m1Magnitude's codes, with x's sign bit as bit 3, of 8 float32 patterns over `divisor`.
+__attribute__((target("avx2"))) inline __m256i E2m1Codes8(__m256i b, __m256 divisor) {
+  const __m256 q = _mm256_div_ps(
+      _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(kAbs)))),
+      divisor);
+  __m256i m = _mm256_setzero_si256();
+  // Each true comparison is all ones (-1): subtracting it adds one.
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(0.25f), _CMP_GT_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(0.75f), _CMP_GE_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(1.25f), _CMP_GT_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(1.75f), _CMP_GE_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(2.5f), _CMP_GT_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(3.5f), _CMP_GE_OQ)));
+  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(5.0f), _CMP_GT_OQ)));
+  return _mm256_or_si256(m, _mm256_slli_epi32(_mm256_srli_epi32(b, 31), 3));
+}
+
+// The 32 codes of two consecutive blocks of float32 patterns xb (16 each) over their
+// divisors, packed two per byte (element 2k in the low nibble) into 16 bytes at out: the
+// codes narrowed to bytes in order, then each byte pair merged.
+__attribute__((target("avx2"))) void Nvfp4PairAvx2(const uint32_t* xb, float d0, float d1,
+                                                   uint8_t* out) {
+  __m256i c[4];
+  for (int j = 0; j < 4; ++j) {
+    c[j] = E2m1Codes8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 8 * j)),
+                      _mm256_set1_ps(j < 2 ? d0 : d1));
+  }
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i pair = _mm256_or_si256(
+      _mm256_and_si256(bytes, _mm256_set1_epi16(0x000F)),
+      _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi16(0x00F0)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+#endif
+
+// The E4M3 scale code of a block of largest magnitude pattern amax (finite) under ts, and
+// its divisor float32(ts x scale).
+inline uint32_t Nvfp4Scale(uint32_t amax, float ts, float* divisor) {
+  const float quotient = (FromBits(amax) / 6.0f) / ts;
+  const uint32_t qb = std::min(std::max(ToBits(quotient), kE4m3Eps), kE4m3Max);
+  // RNE of the float32 mantissa to E4M3's 3 bits; the carry moves into the exponent.
+  const uint32_t code = ((qb + 0x7'FFFFu + ((qb >> 20) & 1u)) >> 20) - (120u << 3);
+  *divisor = ts * FromBits((code + (120u << 3)) << 20);
+  return code;
+}
+
+void Nvfp4Blocks(const uint32_t* xv, int64_t blocks, float ts, uint8_t* elements,
+                 uint8_t* scales) {
+  int64_t blk = 0;
+#ifdef LOWPREC_X86_AVX2
+  if (lowprec_native::HasAvx2()) {  // two blocks at a time, unless one holds a NaN or inf
+    for (; blk + 2 <= blocks; blk += 2) {
+      const uint32_t* xb = xv + 16 * blk;
+      const uint32_t a0 = AmaxAvx2(xb, 16), a1 = AmaxAvx2(xb + 16, 16);
+      if (a0 >= kExp || a1 >= kExp) break;  // the loop below takes these blocks
+      float d0, d1;
+      scales[blk] = static_cast<uint8_t>(Nvfp4Scale(a0, ts, &d0));
+      scales[blk + 1] = static_cast<uint8_t>(Nvfp4Scale(a1, ts, &d1));
+      Nvfp4PairAvx2(xb, d0, d1, elements + 8 * blk);
+    }
+  }
+#endif
+  for (; blk < blocks; ++blk) {
+    const uint32_t* xb = xv + 16 * blk;
+    uint8_t* out = elements + 8 * blk;
+    uint32_t amax = 0;
+    for (int k = 0; k < 16; ++k) amax = std::max(amax, xb[k] & kAbs);
+    if (amax >= kExp) {
+      scales[blk] = kE4m3Nan;
+      std::memset(out, 0, 8);
+      continue;
+    }
+    float divisor;
+    scales[blk] = static_cast<uint8_t>(Nvfp4Scale(amax, ts, &divisor));
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t lo = E2m1Magnitude(FromBits(xb[2 * j] & kAbs) / divisor) | ((xb[2 * j] >> 31) << 3);
+      const uint32_t hi =
+          E2m1Magnitude(FromBits(xb[2 * j + 1] & kAbs) / divisor) | ((xb[2 * j + 1] >> 31) << 3);
+      out[j] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+// The fused pass of lowprec_ckpt_quantize and lowprec_ckpt_quantize_nvfp4: `encode(xv,
+// blocks, el, sc)` writes a chunk's codes; the statistics follow as described there.
+template <typename Encode>
+int32_t QuantizeFused(const void* x, int32_t kind, int64_t n, int64_t code_bits, int64_t block,
+                      uint8_t* elements, uint8_t* scales, const float* elut, const float* ftable,
+                      double max_finite, double* out, const Encode& encode) {
+  ExactFloats exact;
+  Acc a;
+  Lanes lanes;
+  alignas(32) uint32_t xb[kChunk];
+  uint32_t qb[kChunk];
+  float factors[kChunk];
+  double clipped = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - i0);
+    const uint32_t* xv = xb;
+    if (kind == kF32) {
+      xv = static_cast<const uint32_t*>(x) + i0;
+    } else {
+      WidenChunk(x, kind, i0, len, xb);
+    }
+    uint8_t* el = elements + i0 * code_bits / 8;
+    uint8_t* sc = scales + i0 / block;
+    if (!encode(xv, len / block, el, sc)) return 1;
+    if (out == nullptr) continue;
+    for (int64_t b = 0; b < len / block; ++b) factors[b] = ftable[sc[b]];
+    clipped += ClippedInChunk(xv, len, factors, block, max_finite);
+    DecodeChunk(el, static_cast<int32_t>(code_bits), elut, factors, block, false, 0, len, qb);
+    ChunkStats(xv, qb, len, lanes, a);
+  }
+  if (out != nullptr) {
+    AddLanes(lanes, a);
+    a.v[kClipped] = clipped;
+    a.v[kClipTotal] = static_cast<double>(n / block);
+    std::memcpy(out, a.v, sizeof a.v);
+  }
+  return 0;
+}
+
+}  // namespace
+
+// MX quantization of a piece fused with its error statistics: x (n elements of `kind`: 0
+// float32, 1 bfloat16, 2 float16) blocked along its last axis in blocks of `block` (dividing
+// kChunk), quantized by _mx_quantize_cpu.cc's loops (`attrs`: the 13 integers of
+// _mx_quantize_cpu.attributes) into the packed `elements` (code_bits per element) and the
+// E8M0 `scales`, a chunk at a time; with `out` not null, each chunk's codes are decoded
+// while at hand (elut[code] x ftable[scale code]) and its statistics and clipped blocks
+// computed as lowprec_ckpt_stats computes them for the stored codes (clip = 1): the same
+// chunks, lanes and order, so the same float64 results bit for bit. One read of x instead
+// of a quantize pass and a statistics pass. Returns 0, or 1 for arguments it does not take.
+LOWPREC_EXPORT int32_t lowprec_ckpt_quantize(const void* x, int32_t kind, int64_t n,
+                                             const int64_t* attrs, uint8_t* elements,
+                                             uint8_t* scales, const float* elut,
+                                             const float* ftable, double max_finite,
+                                             double* out) {
+  if (kind < kF32 || kind > kF16 || n < 0 || attrs == nullptr || elements == nullptr ||
+      scales == nullptr)
+    return 1;
+  const int64_t code_bits = attrs[4], block = attrs[7];
+  if (block <= 0 || kChunk % block != 0 || n % block != 0) return 1;
+  if (out != nullptr && (elut == nullptr || ftable == nullptr)) return 1;
+  return QuantizeFused(x, kind, n, code_bits, block, elements, scales, elut, ftable, max_finite,
+                       out, [attrs](const uint32_t* xv, int64_t blocks, uint8_t* el, uint8_t* sc) {
+                         return lowprec_native::MxQuantizeBlocks(
+                             reinterpret_cast<const float*>(xv), static_cast<size_t>(blocks),
+                             attrs, el, sc);
+                       });
+}
+
+// lowprec_ckpt_quantize for NVFP4 (Nvfp4Blocks: blocks of 16 under the tensor scale ts,
+// packed E2M1 elements and E4M3 scale codes; `ftable` then holds float32(ts x scale) per
+// scale code). Returns 0, or 1 for arguments it does not take (ts outside [2^-118, 2^116]).
+LOWPREC_EXPORT int32_t lowprec_ckpt_quantize_nvfp4(const void* x, int32_t kind, int64_t n,
+                                                   float ts, uint8_t* elements, uint8_t* scales,
+                                                   const float* elut, const float* ftable,
+                                                   double max_finite, double* out) {
+  if (kind < kF32 || kind > kF16 || n < 0 || n % 16 != 0 || elements == nullptr ||
+      scales == nullptr)
+    return 1;
+  if (!(ts >= 0x1p-118f && ts <= 0x1p116f)) return 1;
+  if (out != nullptr && (elut == nullptr || ftable == nullptr)) return 1;
+  return QuantizeFused(x, kind, n, 4, 16, elements, scales, elut, ftable, max_finite, out,
+                       [ts](const uint32_t* xv, int64_t blocks, uint8_t* el, uint8_t* sc) {
+                         Nvfp4Blocks(xv, blocks, ts, el, sc);
+                         return true;
+                       });
 }
 
 // Decodes n values into out (out_kind: 0 float32, 1 bfloat16, 2 float16, 3 float64): from q
@@ -597,7 +870,11 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes,
     }
     if (out_kind == kF32) {
       std::memcpy(static_cast<float*>(out) + i0, vb, static_cast<size_t>(len) * 4);
-      for (int64_t k = 0; k < len; ++k) nonfinite += (vb[k] & kExp) == kExp;
+      int64_t k = 0;
+#ifdef LOWPREC_X86_AVX2
+      if (lowprec_native::HasAvx2()) nonfinite += static_cast<double>(NonfiniteAvx2(vb, len, &k));
+#endif
+      for (; k < len; ++k) nonfinite += (vb[k] & kExp) == kExp;
     } else if (out_kind == kF64) {
       double* o = static_cast<double*>(out) + i0;
       for (int64_t k = 0; k < len; ++k) {
@@ -609,7 +886,15 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes,
       const bool bf16 = out_kind == kBF16;
       const uint16_t inf = bf16 ? 0x7F80u : 0x7C00u;
       const uint16_t largest = bf16 ? 0x7F7Fu : 0x7BFFu;
-      for (int64_t k = 0; k < len; ++k) {
+      int64_t k = 0;
+#ifdef LOWPREC_X86_AVX2
+      if (bf16 && lowprec_native::HasAvx2()) {
+        int64_t bad = 0;
+        k = NarrowBf16Avx2(vb, len, o, &bad);
+        nonfinite += static_cast<double>(bad);
+      }
+#endif
+      for (; k < len; ++k) {
         uint16_t h = bf16 ? FloatBitsToBf16(vb[k]) : FloatBitsToHalf(vb[k]);
         if ((h & 0x7FFFu) == inf && (vb[k] & kExp) != kExp) {  // a finite value overflowed
           overflow += 1;

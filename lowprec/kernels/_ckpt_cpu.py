@@ -6,7 +6,11 @@ NumPy buffers between the pipeline's XLA programs), called through :mod:`ctypes`
 releases the GIL, so the pipeline's worker threads run them at once. Each computes what NumPy
 code in :mod:`lowprec.checkpoint` computes (the fallback where the library is not built, its
 check fails, or the kernel policy is ``"xla"``); ``tests/test_checkpoint_native.py`` compares
-them. They depend on no XLA FFI version, so they serve wherever the library loads.
+them. They depend on no XLA FFI version, so they serve wherever the library loads. The
+fused quantize passes (:func:`quantize`, :func:`quantize_nvfp4`) compute what the library's
+``quantize_mx`` and then :func:`stats` would: the MX kernel's own loops on the calling thread
+(no XLA call), NVFP4's steps in IEEE float32, and the statistics of each chunk in the same
+order as :func:`stats` (``tests/test_checkpoint_native.py`` compares them bit for bit).
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ _SIGNATURES = {
                            _I64, _I64, _I64, _P],
     "lowprec_ckpt_decode": [_P, _P, _I32, _P, _P, _I64, _I32, _I64, _I32, _P, _I32, _P],
     "lowprec_ckpt_amax": [_P, _I32, _I64, _I64, _P],
+    "lowprec_ckpt_quantize": [_P, _I32, _I64, _P, _P, _P, _P, _P, _F64, _P],
+    "lowprec_ckpt_quantize_nvfp4": [_P, _I32, _I64, _F32, _P, _P, _P, _P, _F64, _P],
+    "lowprec_cpu_has_avx2": [],
 }
+#: The tensor scales :func:`quantize_nvfp4` takes: [2^-118, 2^116], where lowprec's NVFP4
+#: products are normal floats (lowprec/_nvfp4.py), so IEEE float32 steps are its exact ones.
+NVFP4_TENSOR_SCALES = (float.fromhex("0x1p-118"), float.fromhex("0x1p116"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,6 +70,14 @@ def available() -> bool:
     from ._dispatch import kernels_enabled  # noqa: PLC0415 - _dispatch imports this package
 
     return kernels_enabled() and _library()[0] is not None
+
+
+def has_avx2() -> bool:
+    """Whether this CPU runs the library's AVX2 loops (the MX quantization kernel's among
+    them: :func:`quantize` serves only where it does, as ``quantize_mx`` takes that kernel
+    only there)."""
+    lib = _library()[0]
+    return lib is not None and bool(lib.lowprec_cpu_has_avx2())
 
 
 def status() -> str:
@@ -121,6 +139,65 @@ def stats(x: np.ndarray, q: Optional[np.ndarray] = None, *, codes=None, code_bit
     return out
 
 
+_CODE_BITS, _BLOCK = 4, 7  # places in the MX kernel's attributes (_mx_quantize_cpu.attributes)
+
+
+def quantize(x: np.ndarray, attrs, *, elut=None, ftable=None, max_finite: float = 0.0,
+             stats: bool = True, lib=None) -> tuple:
+    """``(elements, scales, statistics or None)``: MX quantization of ``x`` (float32,
+    bfloat16 or float16; blocks along its last axis, a whole number of them) by the MX
+    quantization kernel's loops (``attrs``: :func:`lowprec.kernels._mx_quantize_cpu.attributes`),
+    packed codes and E8M0 scale codes in ``x``'s shape with the last axis in bytes and in
+    blocks; with ``stats``, float64[13] (:data:`STATS`) of the codes against ``x`` computed in
+    the same pass, as :func:`stats` computes them for those codes (``elut``: the element
+    format's value per code; ``ftable``: float32[256], each scale code's factor; clip = 1).
+    ``attrs`` may also be their values in order as an int64 array."""
+    lib = lib or _library()[0]
+    x = np.ascontiguousarray(x)
+    if isinstance(attrs, np.ndarray):  # the values in order, as int64
+        ints = attrs
+    else:
+        ints = np.array([int(v) for _, v in attrs], np.int64)
+    bits, block = int(ints[_CODE_BITS]), int(ints[_BLOCK])
+    *lead, n = x.shape
+    elements = np.empty((*lead, n * bits // 8), np.uint8)
+    scales = np.empty((*lead, n // block), np.uint8)
+    out = np.zeros(len(STATS), np.float64) if stats else None
+    if stats:
+        if elut.dtype != np.float32 or ftable.dtype != np.float32:
+            elut, ftable = np.ascontiguousarray(elut, np.float32), np.ascontiguousarray(ftable, np.float32)
+        if elut.size < 1 << bits or ftable.size != 256:
+            raise ValueError("the element table or the factor table has the wrong size")
+    if n % block or lib.lowprec_ckpt_quantize(
+            _ptr(x), _kind(x, "x"), x.size, _ptr(ints), _ptr(elements), _ptr(scales),
+            _ptr(elut) if stats else None, _ptr(ftable) if stats else None, float(max_finite),
+            _ptr(out)):
+        raise ValueError("lowprec_ckpt_quantize refused its arguments")
+    return elements, scales, out
+
+
+def quantize_nvfp4(x: np.ndarray, ts, *, elut=None, ftable=None, max_finite: float = 0.0,
+                   stats: bool = True, lib=None) -> tuple:
+    """:func:`quantize` for NVFP4 (lowprec's recipe, the "divide" step) under the float32
+    tensor scale ``ts`` (in :data:`NVFP4_TENSOR_SCALES`): blocks of 16 along the last axis,
+    packed E2M1 codes and E4M3 scale codes; ``ftable``: float32(ts x scale) per scale code."""
+    lib = lib or _library()[0]
+    x = np.ascontiguousarray(x)
+    *lead, n = x.shape
+    elements = np.empty((*lead, n // 2), np.uint8)
+    scales = np.empty((*lead, n // 16), np.uint8)
+    out = np.zeros(len(STATS), np.float64) if stats else None
+    if stats and (elut.dtype != np.float32 or ftable.dtype != np.float32 or elut.size < 16
+                  or ftable.size != 256):
+        raise ValueError("the element table or the factor table has the wrong size or dtype")
+    if n % 16 or lib.lowprec_ckpt_quantize_nvfp4(
+            _ptr(x), _kind(x, "x"), x.size, float(np.float32(ts)), _ptr(elements),
+            _ptr(scales), _ptr(elut) if stats else None, _ptr(ftable) if stats else None,
+            float(max_finite), _ptr(out)):
+        raise ValueError("lowprec_ckpt_quantize_nvfp4 refused its arguments")
+    return elements, scales, out
+
+
 def decode(out: np.ndarray, q: Optional[np.ndarray] = None, *, codes=None, code_bits: int = 8,
            elut=None, factors=None, block: int = 0, canonical_nan: bool = False,
            saturate: bool = False, lib=None) -> tuple[int, int, float]:
@@ -178,6 +255,7 @@ def _self_check(lib) -> str:
         counts = decode(out, codes=np.array([0x21, 0xF7], np.uint8), code_bits=4, elut=e2m1,
                         factors=np.array([4], np.float32), block=4, lib=lib)
         top = amax(np.array([[-3, np.inf], [np.nan, 0.25]], ml_dtypes.bfloat16), rows=2, lib=lib)
+        fused = _check_quantize(lib)
     except (ValueError, TypeError, ctypes.ArgumentError) as error:
         return f"{type(error).__name__}: {error}"
     if got.tolist() != want:
@@ -186,4 +264,30 @@ def _self_check(lib) -> str:
         return "decoded FP4 values differ from the derived ones"
     if top.tolist() != [3.0, 0.25]:
         return "largest finite magnitudes differ from the derived ones"
+    return fused
+
+
+def _check_quantize(lib) -> str:
+    """'' if :func:`quantize` gives a known MXFP8 block as derived here, else the problem.
+    E4M3 under the floor rule, bfloat16 input: 30 ones, a 1.5 and a -0. amax 1.5 has
+    floor(log2) 0, so the shared exponent is 0 - 8 (E4M3's largest binade), scale code
+    127 - 8 = 119; 1 x 2^8 is E4M3's exponent field 8 + 7 = 15, code 0x78; 1.5 x 2^8 adds
+    the top mantissa bit, 0x7C; -0 keeps its sign, 0x80. Decoded, every element is exact:
+    sum x^2 = 30 + 2.25 = 32.25, no error, no clipped block (1.5 <= 448 x 2^-8)."""
+    from ._mx_quantize_cpu import attributes  # noqa: PLC0415 - imports JAX
+
+    x = np.ones(32, ml_dtypes.bfloat16)
+    x[3], x[-1] = 1.5, -0.0
+    e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    with np.errstate(over="ignore"):  # code 255 (2^128) is the NaN code, set below
+        ftable = np.ldexp(1.0, np.arange(256) - 127).astype(np.float32)
+    ftable[255] = np.nan
+    elements, scales, got = quantize(x, attributes("mxfp8_e4m3", "floor"), elut=e4m3,
+                                     ftable=ftable, max_finite=448.0, lib=lib)
+    want = np.full(32, 0x78, np.uint8)
+    want[3], want[-1] = 0x7C, 0x80
+    if not (np.array_equal(elements, want) and scales.tolist() == [119]):
+        return "MXFP8 codes of a known block differ from the derived ones"
+    if got.tolist() != [32, 32.25, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]:
+        return f"the fused statistics {got.tolist()} differ from the derived ones"
     return ""

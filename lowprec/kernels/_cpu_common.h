@@ -156,6 +156,12 @@ inline XLA_FFI_Error* Guarded(XLA_FFI_Handler* handler, XLA_FFI_CallFrame* frame
   return ErrorOf(frame, message);
 }
 
+// MX quantization of blocks [0, blocks) of float32 x on the calling thread, by the loops of
+// _mx_quantize_cpu.cc; `attrs`: the 13 integers of _mx_quantize_cpu.attributes. False (nothing
+// written) for attributes those loops do not take.
+bool MxQuantizeBlocks(const float* x, size_t blocks, const int64_t* attrs, uint8_t* elements,
+                      uint8_t* scales) noexcept;
+
 }  // namespace lowprec_native
 
 // Defines the exported C symbol `symbol`, the XLA FFI handler of `target` binding `impl` as

@@ -388,15 +388,15 @@ void RunBlocks(const float* x, uint8_t* elements, uint8_t* scales, size_t first,
   QuantizeBlocks(x, elements, scales, first, count, f);
 }
 
-ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::U8> elements,
-                    ffi::ResultBuffer<ffi::U8> scales, int64_t mantissa_bits, int64_t emin,
-                    int64_t emax_elem, int64_t max_code, int64_t code_bits, bool twos_complement,
-                    int64_t rule, int64_t block, int64_t even_drop, int64_t rceil_k,
-                    int64_t rceil_mant, int64_t rceil_small, int64_t rceil_thr) {
-  // Attributes come from _mx_quantize_cpu.attributes; any other call of the target gets an
-  // error rather than shifts of 32 bits or more and float32 patterns out of their fields.
-  // Every OCP MX format lies well inside these bounds (codes of at most 8 bits, element
-  // quanta that are float32 normals).
+// The format from its integer attributes (_mx_quantize_cpu.attributes), or false for
+// attributes outside the bounds the loops take: any other caller gets a refusal rather than
+// shifts of 32 bits or more and float32 patterns out of their fields. Every OCP MX format
+// lies well inside these bounds (codes of at most 8 bits, element quanta that are float32
+// normals).
+bool MakeFormat(int64_t mantissa_bits, int64_t emin, int64_t emax_elem, int64_t max_code,
+                int64_t code_bits, bool twos_complement, int64_t rule, int64_t block,
+                int64_t even_drop, int64_t rceil_k, int64_t rceil_mant, int64_t rceil_small,
+                int64_t rceil_thr, Format* f) {
   const bool sizes_ok = block > 0 && block <= 256 && block % 4 == 0 &&
                         (code_bits == 8 || code_bits == 6 || code_bits == 4) &&
                         (!twos_complement || code_bits == 8);
@@ -409,7 +409,25 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
                        rceil_mant < (int64_t{1} << 23) && rceil_small >= 0 &&
                        rceil_small < (int64_t{1} << 31) && rceil_thr >= 0 &&
                        rceil_thr < (int64_t{1} << 31);
-  if (!(element_ok && rule_ok)) {
+  if (!(element_ok && rule_ok)) return false;
+  *f = Format{static_cast<int32_t>(mantissa_bits), static_cast<int32_t>(emin),
+              static_cast<int32_t>(emax_elem),     static_cast<uint32_t>(max_code),
+              static_cast<int32_t>(code_bits),     twos_complement,
+              rule,                                static_cast<int32_t>(block),
+              static_cast<uint32_t>(even_drop),    static_cast<int32_t>(rceil_k),
+              static_cast<uint32_t>(rceil_mant),   static_cast<uint32_t>(rceil_small),
+              static_cast<uint32_t>(rceil_thr)};
+  return true;
+}
+
+ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::U8> elements,
+                    ffi::ResultBuffer<ffi::U8> scales, int64_t mantissa_bits, int64_t emin,
+                    int64_t emax_elem, int64_t max_code, int64_t code_bits, bool twos_complement,
+                    int64_t rule, int64_t block, int64_t even_drop, int64_t rceil_k,
+                    int64_t rceil_mant, int64_t rceil_small, int64_t rceil_thr) {
+  Format f;
+  if (!MakeFormat(mantissa_bits, emin, emax_elem, max_code, code_bits, twos_complement, rule,
+                  block, even_drop, rceil_k, rceil_mant, rceil_small, rceil_thr, &f)) {
     return ffi::Error::InvalidArgument("lowprec_mx_quantize: unsupported format attributes");
   }
   const size_t n = x.element_count();
@@ -418,13 +436,6 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
       elements->element_count() != n * static_cast<size_t>(code_bits) / 8) {
     return ffi::Error::InvalidArgument("lowprec_mx_quantize: buffer sizes do not match the blocks");
   }
-  const Format f{static_cast<int32_t>(mantissa_bits), static_cast<int32_t>(emin),
-                 static_cast<int32_t>(emax_elem),     static_cast<uint32_t>(max_code),
-                 static_cast<int32_t>(code_bits),     twos_complement,
-                 rule,                                static_cast<int32_t>(block),
-                 static_cast<uint32_t>(even_drop),    static_cast<int32_t>(rceil_k),
-                 static_cast<uint32_t>(rceil_mant),   static_cast<uint32_t>(rceil_small),
-                 static_cast<uint32_t>(rceil_thr)};
   const float* in = x.typed_data();
   uint8_t* el = elements->typed_data();
   uint8_t* sc = scales->typed_data();
@@ -438,6 +449,23 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBu
 }
 
 }  // namespace
+
+// The same loops for a caller on host memory (the checkpoint pipeline's fused pass,
+// _ckpt_cpu.cc): blocks [0, blocks) of x quantized on the calling thread, `attrs` the 13
+// integers of _mx_quantize_cpu.attributes in their order (twos_complement as 0 or 1).
+// Returns false, writing nothing, for attributes the loops do not take.
+namespace lowprec_native {
+bool MxQuantizeBlocks(const float* x, size_t blocks, const int64_t* attrs, uint8_t* elements,
+                      uint8_t* scales) noexcept {
+  Format f;
+  if (!MakeFormat(attrs[0], attrs[1], attrs[2], attrs[3], attrs[4], attrs[5] != 0, attrs[6],
+                  attrs[7], attrs[8], attrs[9], attrs[10], attrs[11], attrs[12], &f)) {
+    return false;
+  }
+  RunBlocks(x, elements, scales, 0, blocks, f);
+  return true;
+}
+}  // namespace lowprec_native
 
 LOWPREC_FFI_HANDLER(LowprecMxQuantize, "lowprec_mx_quantize", Quantize,
                     ffi::Ffi::Bind()

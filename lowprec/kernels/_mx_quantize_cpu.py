@@ -54,6 +54,11 @@ def computes(fmt, rounding: str = "nearest_even") -> bool:
             and fmt.block_size % 4 == 0 and 4 <= fmt.block_size <= _MAX_BLOCK)
 
 
+def takes_rule(scale_rule) -> bool:
+    """Whether the kernel computes block scales by ``scale_rule`` (a :class:`ScaleRule`)."""
+    return scale_rule in _RULES
+
+
 def serves(cast) -> bool:
     """Whether ``quantize_mx`` takes the kernel for this cast (static): one it
     :func:`computes`, with the OCP MX block of 32, on a CPU with AVX2 (elsewhere its
