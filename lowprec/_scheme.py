@@ -335,11 +335,12 @@ class FastDecoder:
         return None
 
     def route(self, scale_codes, tensor_scale):
-        """For a decoder that :attr:`routes`, ``(serves, blocks)``: a scalar bool choosing between two formulations of
-        :meth:`routed_values` for the whole array, and the per-block values both use, from
-        the scales alone. On CPU the block decoder computes them once and branches before
-        decoding any element, so that each branch decodes in one loop (a branch inside
-        ``decode_values`` would have the element values written out first)."""
+        """For a decoder that :attr:`routes`, ``(serves, blocks)``: a scalar bool choosing
+        between two formulations of :meth:`routed_values` for the whole array, and the
+        per-block values both use, from the scales alone. On CPU the block decoder computes
+        them once and branches before decoding any element, so that each branch decodes in
+        one loop (a branch inside ``decode_values`` would have the element values written
+        out first)."""
         raise NotImplementedError
 
     def routed_values(self, value_bits, scale_codes, tensor_scale, route):
