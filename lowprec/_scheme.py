@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import importlib
 import re
 from typing import TYPE_CHECKING, ClassVar, Optional
@@ -154,17 +155,17 @@ class ScaleScheme(abc.ABC):
         public ``keywords`` that are not None set on it (each a field of :attr:`Options`;
         any other raises a ValueError naming the keyword and the schemes it applies to)."""
         cls = self.Options
-        if given is None:
-            given = {}
+        fields = {k: v for k, v in keywords.items() if v is not None}
+        if given is None and not fields:
+            return _default_options(cls)  # the common call: built and checked once
         if isinstance(given, cls):
-            fields = {}
-        elif isinstance(given, dict):
-            fields = dict(given)
+            pass
+        elif given is None or isinstance(given, dict):
+            fields = {**(given or {}), **fields}
             given = None
         else:
             raise TypeError(f"{fmt_name}: scale_options must be a {cls.__name__} (the options "
                             f"of {self.name!r} scales) or a dict of its fields, got {given!r}")
-        fields.update({k: v for k, v in keywords.items() if v is not None})
         names = self.option_names()
         for k in fields:
             if k not in names:
@@ -266,8 +267,14 @@ class ScaleScheme(abc.ABC):
         raise NotImplementedError
 
 
+@functools.lru_cache(maxsize=None)
 def _field_names(options_cls) -> tuple:
     return tuple(f.name for f in dataclasses.fields(options_cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _default_options(options_cls):
+    return options_cls()
 
 
 class FastEncoder(abc.ABC):
