@@ -105,6 +105,7 @@ def quantize_mx(
     block_size: Optional[int] = None,
     tensor_scale=None,
     nvfp4_step: Optional[str] = None,
+    scale_options=None,
 ) -> MXArray:
     """Block-quantizes ``x`` to an OCP MX format or NVFP4.
 
@@ -148,6 +149,10 @@ def quantize_mx(
         float32(1 / tensor_scale) / block_scale). Both are bit-exact against their torchao
         version; they differ only where the float32 quotient lands on an E2M1 rounding
         boundary. The default keeps the codes of earlier lowprec releases and checkpoints.
+      scale_options: the options value of the format's scale scheme (an instance of
+        ``fmt.scheme.Options``, or a dict of its fields; None: its defaults). ``scale_rule``
+        and ``nvfp4_step`` are two of those fields, given by name; a scheme's other options
+        (a registered scheme of your own) are given here.
 
     Returns:
       An :class:`MXArray`. A block holding any NaN or ±inf gets the scale format's NaN code
@@ -165,7 +170,8 @@ def quantize_mx(
         ((2,), True)
     """
     x, fmt = array_then_format(x, fmt, "quantize_mx")
-    cast = MXCast(mx_format(fmt, block_size), scale_rule, rounding, nvfp4_step)
+    cast = MXCast(mx_format(fmt, block_size), scale_rule, rounding, nvfp4_step,
+                  scale_options=scale_options)
     call = cast.check_call(x, "quantize_mx", axis=axis, pad=pad, key=key, random_bits=random_bits,
                            tensor_scale=tensor_scale, scale_rule=scale_rule)
     if call.x.size == 0:
@@ -294,6 +300,7 @@ def fake_quantize_mx(
     block_size: Optional[int] = None,
     tensor_scale=None,
     nvfp4_step: Optional[str] = None,
+    scale_options=None,
 ) -> jax.Array:
     """``dequantize(quantize_mx(x, fmt, ...), x.dtype)`` with a straight-through gradient.
 
@@ -308,7 +315,8 @@ def fake_quantize_mx(
         [1.0, 1.0, 1.0]
     """
     x, fmt = array_then_format(x, fmt, "fake_quantize_mx")
-    cast = MXCast(mx_format(fmt, block_size), scale_rule, rounding, nvfp4_step)
+    cast = MXCast(mx_format(fmt, block_size), scale_rule, rounding, nvfp4_step,
+                  scale_options=scale_options)
     call = cast.check_call(x, "fake_quantize_mx", axis=axis, pad=pad, key=key,
                            random_bits=random_bits, tensor_scale=tensor_scale,
                            scale_rule=scale_rule)

@@ -25,7 +25,7 @@ from ._dtypes import bits_to_dtype
 from ._format import MXFormat
 from ._nvfp4 import PER_BLOCK
 from ._pack import unpack_along
-from .kernels._dispatch import fp6_kernel, fp6_unpacker
+from .kernels._dispatch import fp6_kernel, fp6_unpacker, one_multiply_decoder, routed_decoder
 
 
 def element_codes(elements, fmt: MXFormat, axis: int):
@@ -46,21 +46,29 @@ def mx_value_bits(elements, scales, fmt: MXFormat, axis: int, n: int, tensor_sca
     vb = (decode_bits(fmt.element, codes) if route is None
           else f32_bits(decode_f32(fmt.element, codes)))
     sb = jnp.expand_dims(scales, axis + 1)
-    kw = {} if route is None else {"route": route}
-    bits = merge_blocks(fmt.scheme.decode_values(vb, sb, tensor_scale, **kw), axis)
-    return lax.slice_in_dim(bits, 0, n, axis=axis)
+    if route is None:
+        bits = fmt.scheme.decode_values(vb, sb, tensor_scale)
+    else:
+        bits = fmt.scheme.fast_decoder().routed_values(vb, sb, tensor_scale, route)
+    return lax.slice_in_dim(merge_blocks(bits, axis), 0, n, axis=axis)
 
 
 def fast_decode_applies(fmt: MXFormat) -> bool:
-    """Whether the one-multiply decode serves ``fmt`` (static): its scale scheme has one
-    (E8M0: element value × 2^(s − 127)) for its element format."""
-    return fmt.scheme.fast_decode_applies(fmt.element)
+    """Whether the one-multiply decode serves ``fmt`` (static; ``kernels/_dispatch`` decides:
+    its scale scheme's fast decoder has one for its element format, as E8M0's: element
+    value × 2^(s − 127))."""
+    return one_multiply_decoder(fmt) is not None
 
 
 def fast_scale_min(fmt: MXFormat) -> int:
     """The smallest scale code at which the one-multiply decode of every element value is
     a float32 normal or zero (E8M0: 10 for E4M3, 17 for E5M2, 2 for E2M1)."""
-    return fmt.scheme.fast_scale_min(fmt.element)
+    return fmt.scheme.fast_decoder().scale_min(fmt.element)
+
+
+def scale_factors(fmt: MXFormat, scales):
+    """float32 factor of each scale code, for the one-multiply decode of ``fmt``."""
+    return fmt.scheme.fast_decoder().scale_factors(scales)
 
 
 def fast_decode_exact(elements, scales, fmt: MXFormat, axis: int):
@@ -94,10 +102,10 @@ def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canon
                        factor=None):
     """:func:`mx_value_bits` by one float multiply per element; exact (bit for bit, NaN
     made the canonical quiet NaN as there unless ``canonical_nan`` is False) when
-    :func:`fast_decode_exact` holds. ``factor``: the scheme's ``scale_factors(scales)``
-    computed by the caller (else here)."""
+    :func:`fast_decode_exact` holds. ``factor``: :func:`scale_factors` computed by the
+    caller (else here)."""
     if factor is None:
-        factor = fmt.scheme.scale_factors(scales)
+        factor = scale_factors(fmt, scales)
 
     def value_bits(codes, factor):
         bits = f32_bits(decode_f32(fmt.element, codes) * factor)
@@ -219,8 +227,8 @@ def mx_values_blockwise(elements, scales, fmt: MXFormat, axis: int, n: int, dtyp
     """:func:`mx_values` in one elementwise pass (no branch, no reduction over elements):
     exact for every element and scale, the NaN code and subnormal results included. E8M0
     formats (``fast_decode_applies``): the element's float32 value read from a table, its
-    exponent moved by the block's scale on the output's own bits
-    (``decode_values_narrow``: float32 or bfloat16). With a ``tensor_scale`` (NVFP4): the
+    exponent moved by the block's scale on the output's own bits (the fast decoder's
+    ``narrow``: float32 or bfloat16). With a ``tensor_scale`` (NVFP4): the
     product with each block's factor, lifted where it is tiny (_nvfp4.lifted_product).
 
     This is the GPU formulation: XLA's GPU pipeline turns the ``lax.cond`` of
@@ -239,20 +247,21 @@ def mx_values_blockwise(elements, scales, fmt: MXFormat, axis: int, n: int, dtyp
     value_bits = _decode_by_table(fmt.element, elements, codes, axis)
     per_code = _per_code(scales, codes.shape, axis)
     out_bits = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 16}.get(jnp.dtype(dtype))
-    narrow = None if out_bits is None or tensor_scale is not None else (
-        fmt.scheme.decode_values_narrow(value_bits, per_code, fmt.element, out_bits))
+    fast = fmt.scheme.fast_decoder()
+    narrow = None if out_bits is None or tensor_scale is not None or fast is None else (
+        fast.narrow(value_bits, per_code, fmt.element, out_bits))
     if narrow is not None:  # float32/bfloat16 patterns directly: 30-40% fewer operations
         values = lax.bitcast_convert_type(narrow.astype(jnp.dtype(f"uint{out_bits}")), dtype)
     else:
-        kw = {}
-        if tensor_scale is not None:  # each block's formulation chosen in the same pass
+        routed = routed_decoder(fmt) if tensor_scale is not None else None
+        if routed is not None:  # each block's formulation chosen in the same pass
             # The per-block values computed on the blocks, then broadcast: computed on the
             # broadcast scales, XLA wrote them out at the elements' size (4 bytes each).
-            route = fmt.scheme.decode_route(scales, tensor_scale)
-            if route is not None:
-                blocks = tuple(_per_code(b, codes.shape, axis) for b in route[1])
-                kw = {"route": (PER_BLOCK, blocks)}
-        bits = fmt.scheme.decode_values(value_bits, per_code, tensor_scale, **kw)
+            _, blocks = routed.route(scales, tensor_scale)
+            blocks = tuple(_per_code(b, codes.shape, axis) for b in blocks)
+            bits = routed.routed_values(value_bits, per_code, tensor_scale, (PER_BLOCK, blocks))
+        else:
+            bits = fmt.scheme.decode_values(value_bits, per_code, tensor_scale)
         if out_bits == 16:  # the encoder's bfloat16 in fewer operations: on a GPU XLA wrote
             # the encoder's float32 operand out in a pass of its own (on CPU this one was
             # 1.1-3x slower: keep the encoder there)
@@ -282,10 +291,10 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_
             # A scheme with two formulations (NVFP4's one-multiply product or the exact one)
             # branches here, before any element is decoded, on per-block values computed
             # once; each branch then decodes, scales and converts in one loop.
-            route = fmt.scheme.decode_route(jnp.expand_dims(s, axis + 1), tensor_scale)
-            if route is None:
+            decoder = routed_decoder(fmt)
+            if decoder is None:
                 return exact(e, s, None)
-            serves, blocks = route
+            serves, blocks = decoder.route(jnp.expand_dims(s, axis + 1), tensor_scale)
 
             def branch(flag):
                 return lambda e, s: bits_to_dtype(
@@ -310,7 +319,7 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_
         # kernel), whose loop runs over a group's four codes and pays them per code there
         # (12-18% slower, measured).
         ahead = fmt.element.code_bits == 6 and axis == e.ndim - 1 and not fp6_kernel(e, axis)
-        factor = fmt.scheme.scale_factors(s) if ahead else None
+        factor = scale_factors(fmt, s) if ahead else None
         return lax.cond(fast_decode_exact(e, s, fmt, axis), fast, exact, e, s, factor)
 
     def blockwise(e, s):

@@ -24,7 +24,7 @@ from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along
 from ._scale_rules import block_amax_bits
-from .kernels._dispatch import fp6_packer, hwfloat_serves
+from .kernels._dispatch import fp6_packer, hwfloat_encoder
 
 
 def padded_bits(x, axis: int, padded: int):
@@ -84,17 +84,17 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
         codes = jnp.where(jnp.expand_dims(special, inner), 0, codes).astype(jnp.uint8)
         return _pack_codes(codes, fmt, inner, pack), scale_codes.astype(jnp.uint8)
 
-    # Formulation.HWFLOAT beside EXACT where lowprec.kernels says (not inside a Pallas kernel)
-    hwfloat = pack is None and bits.dtype == jnp.uint32 and hwfloat_serves(cast)
-    if not hwfloat:
+    # Formulation.HWFLOAT beside EXACT where lowprec.kernels says (not inside a Pallas kernel):
+    # the scheme's fast encoder
+    fast = hwfloat_encoder(cast) if pack is None and bits.dtype == jnp.uint32 else None
+    if fast is None:
         codes, scale_codes = exact(xb, amax)
     else:
 
         def hwfloat_codes(xb, operand, special, at):
             """uint32 codes of float32 patterns ``xb`` whose blocks' values are per block at
             axis ``at`` (expanded there)."""
-            q = scheme.hwfloat_quotients(magnitudes_f32(xb), jnp.expand_dims(operand, at), xb,
-                                         cast)
+            q = fast.quotients(magnitudes_f32(xb), jnp.expand_dims(operand, at), xb, cast)
             mag = encode_magnitudes(fmt.element, lax.bitcast_convert_type(q, jnp.uint32))
             codes = signed_codes(fmt.element, mag, xb)
             return jnp.where(jnp.expand_dims(special, at), jnp.uint32(0), codes)
@@ -110,15 +110,15 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
         def on_cpu(xf, amax):
             # The scheme's block values by hardware float arithmetic too, computed on CPU only (so
             # with CPU's float semantics); XLA runs the taken branch only, and both give the
-            # same codes (the scheme's hwfloat_scales says when). Only x, the block maxima
+            # same codes (the fast encoder's scales say when). Only x, the block maxima
             # and the scale codes enter the branches (a conditional's operands are written
             # out first): the per-block operands are derived from the codes inside, where
             # XLA can fuse them into the element loop. The branches take x as float32: a
             # conditional's uint32 operand would be a materialized copy of x.
-            scale_codes, hwfloat_exact = scheme.hwfloat_scales(amax, ts_bits, cast)
+            scale_codes, hwfloat_exact = fast.scales(amax, ts_bits, cast)
 
             def hwfloat_branch():
-                special, operand = scheme.hwfloat_operands(scale_codes, ts_bits, cast)
+                special, operand = fast.operands(scale_codes, ts_bits, cast)
                 return hwfloat_path(f32_bits(xf), operand, special), scale_codes
 
             return lax.cond(hwfloat_exact, hwfloat_branch, lambda: exact(f32_bits(xf), amax))

@@ -8,9 +8,10 @@ costs ~40 integer operations per element. Yet for almost every block the quotien
 is one correctly rounded float32 operation whose operands and result are normal: then the
 hardware gives the exact float32 quotient, and where its operands or result would be
 subnormal, the element rounds to zero whatever the backend does with them. A scheme states
-when that holds (``ScaleScheme.hwfloat_scales``: one flag for the whole array, and
-``hwfloat_operands``: a per-block operand); the block encoder (``_mx_encode.py``) then takes
-this path on CPU and the exact one otherwise, so the codes are the same bits either way.
+when that holds (its ``fast_encoder()``, a ``_scheme.FastEncoder``: ``scales`` gives one
+flag for the whole array, ``operands`` a per-block operand); the block encoder
+(``_mx_encode.py``) then takes this path on CPU and the exact one otherwise, so the codes
+are the same bits either way.
 
 The element encode here serves nearest-even rounding with saturation (quantize_mx's default)
 of the MX element formats (:func:`hwfloat_element`): from the float32 magnitude q, a normal

@@ -27,6 +27,7 @@ from ._format import (
     ElementFormat,
     FormatLike,
     MXFormat,
+    MXFormatLike,
     element_format,
     mx_format,
     resolve_format,
@@ -164,44 +165,61 @@ class ElementInput(NamedTuple):
     rng: tuple
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class MXCast(_Randomness):
     """How an array is block-quantized (the options of ``quantize_mx``/``fake_quantize_mx``).
 
-    Elements always saturate to ± the element maximum (OCP MX v1.0). The format's scale
-    scheme canonicalizes the options: ``scale_rule`` chooses E8M0 block scales (None: the
-    default, ``ScaleRule.FLOOR``); a scheme with its own recipe (NVFP4: E4M3 block scales
-    under a float32 tensor scale) records None, whatever rule is passed, so that one rule can
-    be given for all the operands of a dot — the public quantizers refuse an explicit rule
-    for such a format (:meth:`check_call`) — and NVFP4's ``nvfp4_step``
-    (a :class:`~lowprec.NVFP4Step`; default ``"divide"``) says how elements are divided by
-    their scales.
+    Elements always saturate to ± the element maximum (OCP MX v1.0). ``scale_options`` is
+    the format's scale scheme's options value (``fmt.scheme.Options``: E8M0's
+    :class:`~lowprec.ScaleRule`, NVFP4's :class:`~lowprec.NVFP4Step`, none for others),
+    built from ``scale_options=`` (that value, or a dict of its fields) and the public
+    keywords that are its fields (``scale_rule=``, ``nvfp4_step=``; None: the default).
+    ``scale_rule`` is the one keyword a format whose scheme has no such field ignores (so
+    that one rule can be given for all the operands of a dot; the public quantizers refuse
+    an explicit rule for such a format, :meth:`check_call`); any other refuses it.
 
     Example:
         >>> MXCast("mxfp8", scale_rule="rceil")
-        MXCast(fmt=MXFormat('mxfp8_e4m3'), scale_rule=<ScaleRule.RCEIL: 'rceil'>,
-               rounding=<Rounding.NEAREST_EVEN: 'nearest_even'>, nvfp4_step=None)
+        MXCast(fmt=MXFormat('mxfp8_e4m3'), rounding=<Rounding.NEAREST_EVEN: 'nearest_even'>,
+               scale_options=E8M0Options(scale_rule=<ScaleRule.RCEIL: 'rceil'>))
         >>> c = MXCast("nvfp4")
         >>> c.scale_rule is None, c.nvfp4_step
         (True, <NVFP4Step.DIVIDE: 'divide'>)
     """
 
     fmt: MXFormat
-    scale_rule: Optional[ScaleRule] = None
-    rounding: str = "nearest_even"
-    nvfp4_step: Optional[str] = None
+    rounding: str
+    scale_options: object
 
-    def __post_init__(self):
-        fmt = mx_format(self.fmt)
-        object.__setattr__(self, "fmt", fmt)
-        object.__setattr__(self, "nvfp4_step", fmt.scheme.step_option(self.nvfp4_step, fmt.name))
-        object.__setattr__(self, "scale_rule", fmt.scheme.scale_rule_option(self.scale_rule))
-        rounding = check_rounding(fmt.element, self.rounding)
-        if fmt.scheme.roundings is not None and rounding not in fmt.scheme.roundings:
+    def __init__(self, fmt: MXFormatLike, scale_rule: Union[str, ScaleRule, None] = None,
+                 rounding: str = "nearest_even", nvfp4_step: Optional[str] = None, *,
+                 scale_options=None):
+        fmt = mx_format(fmt)
+        scheme = fmt.scheme
+        if scale_rule is not None and not scheme.takes("scale_rule"):
+            scale_rule = None  # one rule for every operand of a dot (see the docstring)
+        options = scheme.options(scale_options, fmt.name, scale_rule=scale_rule,
+                                 nvfp4_step=nvfp4_step)
+        rounding = check_rounding(fmt.element, rounding)
+        if scheme.roundings is not None and rounding not in scheme.roundings:
             raise ValueError(
-                f"{fmt.name} elements round {' or '.join(map(str, fmt.scheme.roundings))} "
-                f"({fmt.scheme.recipe}); got rounding={str(rounding)!r}")
+                f"{fmt.name} elements round {' or '.join(map(str, scheme.roundings))} "
+                f"({scheme.recipe}); got rounding={str(rounding)!r}")
+        object.__setattr__(self, "fmt", fmt)
         object.__setattr__(self, "rounding", rounding)
+        object.__setattr__(self, "scale_options", options)
+
+    @property
+    def scale_rule(self) -> Optional[ScaleRule]:
+        """The cast's scale rule (``scale_options.scale_rule``), None where the scheme
+        takes none."""
+        return getattr(self.scale_options, "scale_rule", None)
+
+    @property
+    def nvfp4_step(self):
+        """The cast's NVFP4 step (``scale_options.nvfp4_step``), None where the scheme
+        takes none."""
+        return getattr(self.scale_options, "nvfp4_step", None)
 
     def check_call(self, x, func: str, *, axis=-1, pad: bool = False, key=None,
                    random_bits=None, tensor_scale=None, scale_rule=None,
@@ -224,7 +242,7 @@ class MXCast(_Randomness):
                 + (" under a tensor scale" if scheme.tensor_scale else "")
                 + ", not shared exponents; quantize_mx(x, ...).scales holds them"
             )
-        if scale_rule is not None and not scheme.takes_scale_rule:
+        if scale_rule is not None and not scheme.takes("scale_rule"):
             raise ValueError(
                 f"{func}: {fmt.name} block scales follow {scheme.recipe}, so scale_rule does "
                 f"not apply; got scale_rule={str(scale_rule)!r}. Drop it (scale rules choose "

@@ -210,7 +210,7 @@ def _factor(op):
     """An MX operand's block factors 2^(s - 127), computed once before the branch that uses
     them (else None)."""
     if isinstance(op, MXArray) and _bf16_capable(op.fmt):
-        return op.fmt.scheme.scale_factors(op.scales)
+        return op.fmt.scheme.fast_decoder().scale_factors(op.scales)
     return None
 
 

@@ -11,6 +11,8 @@ bits, or, where it is exact, multiplies the element value by the float32 2^(s �
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -28,8 +30,24 @@ from ._bits import (
 )
 from ._format import ElementFormat
 from ._mx_hwfloat import half_quantum_exponent
-from ._scale_rules import DEFAULT_SCALE_RULE, check_scale_rule, scale_codes_of_amax
-from ._scheme import ScaleScheme, register
+from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule, scale_codes_of_amax
+from ._scheme import FastDecoder, FastEncoder, ScaleScheme, register
+
+
+@dataclasses.dataclass(frozen=True)
+class E8M0Options:
+    """The options of an E8M0 cast: the :class:`~lowprec.ScaleRule` that picks each block's
+    shared exponent (``scale_rule=``; default ``"floor"``, OCP MX v1.0 §6.3).
+
+    Example:
+        >>> E8M0Options("rceil")
+        E8M0Options(scale_rule=<ScaleRule.RCEIL: 'rceil'>)
+    """
+
+    scale_rule: ScaleRule = DEFAULT_SCALE_RULE
+
+    def __post_init__(self):
+        object.__setattr__(self, "scale_rule", check_scale_rule(self.scale_rule))
 
 
 @register("e8m0")
@@ -39,11 +57,11 @@ class E8M0Scheme(ScaleScheme):
     Example:
         >>> import lowprec
         >>> s = lowprec.scale_scheme("e8m0")
-        >>> s.takes_scale_rule, s.tensor_scale, s.fast_scale_min(lowprec.element_format("e4m3"))
-        (True, False, 10)
+        >>> s.option_names(), s.tensor_scale, s.Options()
+        (('scale_rule',), False, E8M0Options(scale_rule=<ScaleRule.FLOOR: 'floor'>))
     """
 
-    takes_scale_rule = True
+    Options = E8M0Options
     exponent_scales = True
     recipe = "a scale rule (the shared exponent of the block maximum)"
 
@@ -64,18 +82,35 @@ class E8M0Scheme(ScaleScheme):
                 f"{fmt_name}: E8M0-scaled blocks hold signed elements with a zero (OCP MX "
                 f"v1.0 §5.3: FP8, FP6, FP4, INT8), got {element.name}")
 
-    def scale_rule_option(self, scale_rule):
-        return DEFAULT_SCALE_RULE if scale_rule is None else check_scale_rule(scale_rule)
-
     # -- encode ----------------------------------------------------------------------------
 
     def encode_blocks(self, xb, amax, ts_bits, cast, inner: int):
-        codes, special = scale_codes_of_amax(amax, cast.fmt, cast.scale_rule)
+        codes, special = scale_codes_of_amax(amax, cast.fmt, cast.scale_options.scale_rule)
         return codes, special, xb, jnp.expand_dims(codes - E8M0_BIAS, inner)
 
     def exponents_of_amax(self, amax, cast):
-        codes, _ = scale_codes_of_amax(amax, cast.fmt, cast.scale_rule)
+        codes, _ = scale_codes_of_amax(amax, cast.fmt, cast.scale_options.scale_rule)
         return codes - E8M0_BIAS
+
+    def fast_encoder(self):
+        return _HWFLOAT_ENCODER
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def decode_values(self, value_bits, scale_codes, tensor_scale):
+        return scale_bits_by_e8m0(value_bits, scale_codes)
+
+    def fast_decoder(self):
+        return _FAST_DECODER
+
+    # -- analysis --------------------------------------------------------------------------
+
+    def element_scale(self, scale_codes, tensor_scale):
+        return scale_codes.astype(jnp.int32) - E8M0_BIAS
+
+
+class _E8M0HwFloat(FastEncoder):
+    """E8M0's hardware-float encode (:class:`~lowprec._scheme.FastEncoder`)."""
 
     # The hardware-float path: |x| times the float32 2^-s of the block's shared exponent s, one
     # multiply. The product of a float32 with a power of two is exact whenever it is normal;
@@ -87,10 +122,8 @@ class E8M0Scheme(ScaleScheme):
     # subnormal; INT8 blocks near float32's top) send the array to the exact path; all-zero
     # blocks (s = -127) have no subnormal to lift.
 
-    has_hwfloat_path = True
-
-    def hwfloat_scales(self, amax, ts_bits, cast):
-        codes, _ = scale_codes_of_amax(amax, cast.fmt, cast.scale_rule)
+    def scales(self, amax, ts_bits, cast):
+        codes, _ = scale_codes_of_amax(amax, cast.fmt, cast.scale_options.scale_rule)
         # Materialized once as bytes (the output), then read by the check below and by the
         # element loop: XLA would otherwise recompute the scale rule in each.
         codes = lax.optimization_barrier(codes.astype(jnp.uint8))
@@ -100,23 +133,25 @@ class E8M0Scheme(ScaleScheme):
         # A max over bytes: XLA:CPU's fastest reduction to a scalar here.
         return codes, jnp.max(outside.astype(jnp.uint8)) == 0
 
-    def hwfloat_operands(self, scale_codes, ts_bits, cast):
+    def operands(self, scale_codes, ts_bits, cast):
         # 2^-s from the code's bits (exponent field 127 - s = 254 - code), a few integer
         # operations that XLA computes in the element loop.
         field = jnp.clip(2 * E8M0_BIAS - scale_codes.astype(jnp.int32), 1, F32_EXP_MAX - 1)
         factor = bits_to_f32(lax.shift_left(field.astype(jnp.uint32), jnp.uint32(F32_MANT_BITS)))
         return scale_codes == E8M0_NAN, factor
 
-    def hwfloat_quotients(self, magnitudes, operand, x_bits, cast):
+    def quotients(self, magnitudes, operand, x_bits, cast):
         return magnitudes * operand
 
-    # -- decode ----------------------------------------------------------------------------
 
-    def decode_values(self, value_bits, scale_codes, tensor_scale, route=None):
-        return scale_bits_by_e8m0(value_bits, scale_codes)
+_HWFLOAT_ENCODER = _E8M0HwFloat()
 
-    def decode_values_narrow(self, value_bits, scale_codes, element: ElementFormat,
-                             out_bits: int):
+
+class _E8M0FastDecoder(FastDecoder):
+    """E8M0's faster decodes (:class:`~lowprec._scheme.FastDecoder`): bfloat16/float32 output
+    bits moved by the scale directly, and the one-multiply decode."""
+
+    def narrow(self, value_bits, scale_codes, element: ElementFormat, out_bits: int):
         # bfloat16 holds every normal result of elements of at most 8 significant bits.
         if out_bits == 16 and element.mantissa_bits > BF16_MANT_BITS:
             return None
@@ -127,15 +162,15 @@ class E8M0Scheme(ScaleScheme):
     # at most 24 significant bits and a power of two is exact whenever it is a float32 normal,
     # and overflows to inf exactly as the bit-built path does. What it cannot do on every
     # backend is a subnormal result (XLA on CPU flushes them, docs/design.md §8), so it is
-    # used only where no block can produce one (see fast_scale_min).
+    # used only where no block can produce one (see scale_min).
 
-    def fast_decode_applies(self, element: ElementFormat) -> bool:
+    def one_multiply(self, element: ElementFormat) -> bool:
         """Elements of at most 8 bits whose every nonzero value is a float32 normal (so no
         operand of the multiply can be flushed)."""
         lowest = element.emin - (element.mantissa_bits if element.subnormals else 0)
         return element.code_bits <= 8 and element.mantissa_bits < F32_MANT_BITS and lowest >= -126
 
-    def fast_scale_min(self, element: ElementFormat) -> int:
+    def scale_min(self, element: ElementFormat) -> int:
         """The smallest scale code at which even the element's smallest nonzero magnitude,
         2^(emin - M) (2^emin without subnormals), times 2^(s - 127) is at least 2^-126, a
         float32 (and bfloat16) normal: s >= 1 - (emin - M). 10 for E4M3, 17 for E5M2, 2 for
@@ -151,7 +186,5 @@ class E8M0Scheme(ScaleScheme):
         low = jnp.where((s == 0) | (s == E8M0_NAN), jnp.uint32(1 << 22), jnp.uint32(0))
         return bits_to_f32(lax.shift_left(s, jnp.uint32(F32_MANT_BITS)) | low)
 
-    # -- analysis --------------------------------------------------------------------------
 
-    def element_scale(self, scale_codes, tensor_scale):
-        return scale_codes.astype(jnp.int32) - E8M0_BIAS
+_FAST_DECODER = _E8M0FastDecoder()

@@ -126,7 +126,7 @@ class IF4Scheme(GridSelectScheme):
         for INT4 blocks, the product with 6/7), NaN for a NaN block."""
         return f32_mul(e4m3_values(scale_codes & 0x7F, self.scale), f32_bits(tensor_scale))
 
-    def decode_values(self, value_bits, scale_codes, tensor_scale, route=None):
+    def decode_values(self, value_bits, scale_codes, tensor_scale):
         """((e * s) * amax) / 2688 for an E2M1 block, (((k * s) * amax) * 6/7) / 2688 for an
         INT4 block (k the nibble as a two's-complement integer); NaN for a NaN scale."""
         ts = f32_bits(tensor_scale)

@@ -118,7 +118,7 @@ class MixFP4Scheme(GridSelectScheme):
         """float32(s / gs) of each block (NaN for a NaN block)."""
         return f32_div(e4m3_values(scale_codes & 0x7F, self.scale), f32_bits(tensor_scale))
 
-    def decode_values(self, value_bits, scale_codes, tensor_scale, route=None):
+    def decode_values(self, value_bits, scale_codes, tensor_scale):
         """nibble value * float32(s / gs): the E2M1 value, or for a flagged block the
         sign-magnitude integer of the nibble (compressed-tensors' unpacker)."""
         eff = self.block_factors(scale_codes, tensor_scale)

@@ -12,6 +12,7 @@ largest value, instead of 6: 2688 becomes 448 * 7 = 3136.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from fractions import Fraction
 
@@ -25,8 +26,7 @@ from ._bits import F32_ABS, F32_INF, f32_bits
 from ._decode import decode_bits
 from ._format import ElementFormat
 from ._rounding import DocumentedStr
-from ._scheme import ScaleScheme, register
-
+from ._scheme import FastDecoder, FastEncoder, ScaleScheme, register
 
 
 class NVFP4Step(DocumentedStr):
@@ -52,6 +52,28 @@ class NVFP4Step(DocumentedStr):
 
 
 DEFAULT_NVFP4_STEP = NVFP4Step.DIVIDE
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Options:
+    """The options of an NVFP4 cast: the :class:`~lowprec.NVFP4Step` that brings elements to
+    E2M1's range (``nvfp4_step=``; default ``"divide"``).
+
+    Example:
+        >>> NVFP4Options("reciprocal")
+        NVFP4Options(nvfp4_step=<NVFP4Step.RECIPROCAL: 'reciprocal'>)
+    """
+
+    nvfp4_step: NVFP4Step = DEFAULT_NVFP4_STEP
+
+    def __post_init__(self):
+        try:
+            step = NVFP4Step(self.nvfp4_step)
+        except ValueError:
+            raise ValueError(
+                f"unknown nvfp4_step {self.nvfp4_step!r}; choose one of: "
+                + "; ".join(f"{m.value!r} = {m.__doc__}" for m in NVFP4Step)) from None
+        object.__setattr__(self, "nvfp4_step", step)
 
 # The recipe's constants are those of E4M3 block scales (clamped to [2^-6, 448]); block
 # maxima are divided by the element's largest value Q (6 for E2M1, 7 for INT4).
@@ -86,10 +108,11 @@ class NVFP4Scheme(ScaleScheme):
     Example:
         >>> import lowprec
         >>> s = lowprec.scale_scheme("nvfp4")
-        >>> s.scale.name, s.tensor_scale, s.takes_scale_rule, s.step_option(None, "nvfp4")
-        ('e4m3', True, False, <NVFP4Step.DIVIDE: 'divide'>)
+        >>> s.scale.name, s.tensor_scale, s.option_names(), s.options(fmt_name="nvfp4")
+        ('e4m3', True, ('nvfp4_step',), NVFP4Options(nvfp4_step=<NVFP4Step.DIVIDE: 'divide'>))
     """
 
+    Options = NVFP4Options
     tensor_scale = True
     recipe = "the NVFP4 recipe (E4M3 of amax / 6 / tensor_scale)"
 
@@ -119,16 +142,6 @@ class NVFP4Scheme(ScaleScheme):
                 f"maxima by the element's largest value), got {element.name}")
 
     # -- options ---------------------------------------------------------------------------
-
-    def step_option(self, step, fmt_name: str):
-        if step is None:
-            return DEFAULT_NVFP4_STEP
-        try:
-            return NVFP4Step(step)
-        except ValueError:
-            raise ValueError(
-                f"unknown nvfp4_step {step!r}; choose one of: "
-                + "; ".join(f"{m.value!r} = {m.__doc__}" for m in NVFP4Step)) from None
 
     def tensor_scale_option(self, tensor_scale, fmt_name: str, func: str):
         if tensor_scale is None:
@@ -189,14 +202,14 @@ class NVFP4Scheme(ScaleScheme):
         """A tensor scale (computed or given) raised to the least the encoder divides by:
         2^-143, or 2^-121 for the ``"reciprocal"`` step."""
         ts_bits = _nvfp4.clamp_tensor_scale_bits(ts_bits)
-        if cast.nvfp4_step == "reciprocal":
+        if cast.scale_options.nvfp4_step == "reciprocal":
             ts_bits = jnp.maximum(ts_bits, jnp.uint32(_nvfp4.MIN_RECIPROCAL_TENSOR_SCALE_BITS))
         return ts_bits
 
     def encode_blocks(self, xb, amax, ts_bits, cast, inner: int):
         special = amax >= F32_INF
         codes = _nvfp4.block_scale_codes(amax, ts_bits, self.scale, cast.fmt.element.max_finite)
-        if cast.nvfp4_step == "reciprocal":
+        if cast.scale_options.nvfp4_step == "reciprocal":
             factor = _nvfp4.reciprocal_factor_bits(codes, ts_bits, self.scale)
             quotient = _nvfp4.f32_mul(xb, jnp.expand_dims(factor, inner))
         else:
@@ -204,49 +217,19 @@ class NVFP4Scheme(ScaleScheme):
             quotient = _nvfp4.element_quotient_bits(xb, total)
         return jnp.where(special, self.scale.nan_code, codes), special, quotient, None
 
-    # The hardware-float path (CPU): the same float32 steps by float arithmetic, exact for a tensor
-    # scale in [2^-118, 2^116] (_nvfp4.py says why), i.e. for any tensor whose largest
-    # magnitude lies between ~2^-107 and ~2^127 when the scale is computed.
-
-    has_hwfloat_path = True
-
-    def hwfloat_scales(self, amax, ts_bits, cast):
-        special = amax >= F32_INF
-        codes = _nvfp4.hwfloat_scale_codes(amax, ts_bits, self.scale, cast.fmt.element.max_finite)
-        codes = jnp.where(special, self.scale.nan_code, codes).astype(jnp.uint8)
-        # The check stays a runtime value even for a tensor scale known at compile time:
-        # folded, it would remove the encoder's branch, whose boundary is what keeps XLA from
-        # fusing the per-block scale computation into the element loop (recomputed there for
-        # every element, ~5x slower; tests/test_fast_paths.py).
-        t = lax.optimization_barrier(ts_bits)
-        exact = ((t >= jnp.uint32(_nvfp4.NATIVE_TS_MIN_BITS))
-                 & (t <= jnp.uint32(_nvfp4.NATIVE_TS_MAX_BITS)))
-        return codes, exact
-
-    def hwfloat_operands(self, scale_codes, ts_bits, cast):
-        codes = scale_codes.astype(jnp.uint32)
-        special = codes == jnp.uint32(self.scale.nan_code)
-        if cast.nvfp4_step == "reciprocal":
-            return special, _nvfp4.hwfloat_factors(codes, ts_bits, self.scale)
-        return special, _nvfp4.hwfloat_divisors(codes, ts_bits, self.scale)
-
-    def hwfloat_quotients(self, magnitudes, operand, x_bits, cast):
-        if cast.nvfp4_step == "reciprocal":
-            return magnitudes * operand
-        return _nvfp4.hwfloat_quotients(magnitudes, operand, x_bits)
+    def fast_encoder(self):
+        return _NVFP4HwFloat(self)
 
     # -- decode ----------------------------------------------------------------------------
 
-    def decode_values(self, value_bits, scale_codes, tensor_scale, route=None):
+    def decode_values(self, value_bits, scale_codes, tensor_scale):
         """element × float32(tensor_scale × block scale), rounded to float32 (torchao's
-        ``NVFP4Tensor.to_dtype``); ``route``: see :meth:`decode_route`."""
+        ``NVFP4Tensor.to_dtype``)."""
         ts_bits = f32_bits(tensor_scale)
-        return _nvfp4.dequantize_bits(value_bits, scale_codes, ts_bits, self.scale, route)
+        return _nvfp4.dequantize_bits(value_bits, scale_codes, ts_bits, self.scale)
 
-    def decode_route(self, scale_codes, tensor_scale):
-        ts_bits = f32_bits(tensor_scale)
-        blocks = _nvfp4.decode_blocks(scale_codes, ts_bits, self.scale)
-        return _nvfp4.fast_product_serves(blocks), blocks
+    def fast_decoder(self):
+        return _NVFP4FastDecoder(self)
 
     # -- analysis --------------------------------------------------------------------------
 
@@ -257,3 +240,59 @@ class NVFP4Scheme(ScaleScheme):
         total = _nvfp4.total_scale_bits(scale_codes, ts_bits, self.scale)
         nan = (decode_bits(self.scale, scale_codes) & F32_ABS) > F32_INF
         return jnp.where(nan, jnp.nan, lax.bitcast_convert_type(total, jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _NVFP4HwFloat(FastEncoder):
+    """NVFP4's hardware-float encode (:class:`~lowprec._scheme.FastEncoder`)."""
+
+    scheme: NVFP4Scheme
+
+    # The same float32 steps by float arithmetic, exact for a tensor scale in [2^-118, 2^116]
+    # (_nvfp4.py says why), i.e. for any tensor whose largest magnitude lies between ~2^-107
+    # and ~2^127 when the scale is computed.
+
+    def scales(self, amax, ts_bits, cast):
+        special = amax >= F32_INF
+        sc = self.scheme.scale
+        codes = _nvfp4.hwfloat_scale_codes(amax, ts_bits, sc, cast.fmt.element.max_finite)
+        codes = jnp.where(special, sc.nan_code, codes).astype(jnp.uint8)
+        # The check stays a runtime value even for a tensor scale known at compile time:
+        # folded, it would remove the encoder's branch, whose boundary is what keeps XLA from
+        # fusing the per-block scale computation into the element loop (recomputed there for
+        # every element, ~5x slower; tests/test_fast_paths.py).
+        t = lax.optimization_barrier(ts_bits)
+        exact = ((t >= jnp.uint32(_nvfp4.NATIVE_TS_MIN_BITS))
+                 & (t <= jnp.uint32(_nvfp4.NATIVE_TS_MAX_BITS)))
+        return codes, exact
+
+    def operands(self, scale_codes, ts_bits, cast):
+        codes = scale_codes.astype(jnp.uint32)
+        special = codes == jnp.uint32(self.scheme.scale.nan_code)
+        if cast.scale_options.nvfp4_step == "reciprocal":
+            return special, _nvfp4.hwfloat_factors(codes, ts_bits, self.scheme.scale)
+        return special, _nvfp4.hwfloat_divisors(codes, ts_bits, self.scheme.scale)
+
+    def quotients(self, magnitudes, operand, x_bits, cast):
+        if cast.scale_options.nvfp4_step == "reciprocal":
+            return magnitudes * operand
+        return _nvfp4.hwfloat_quotients(magnitudes, operand, x_bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NVFP4FastDecoder(FastDecoder):
+    """NVFP4's routed decode (:class:`~lowprec._scheme.FastDecoder`): the one-multiply
+    product where every block's factor allows it, chosen for the whole array (CPU) or per
+    block (the one-pass GPU layout), before any element is decoded."""
+
+    scheme: NVFP4Scheme
+    routes = True
+
+    def route(self, scale_codes, tensor_scale):
+        ts_bits = f32_bits(tensor_scale)
+        blocks = _nvfp4.decode_blocks(scale_codes, ts_bits, self.scheme.scale)
+        return _nvfp4.fast_product_serves(blocks), blocks
+
+    def routed_values(self, value_bits, scale_codes, tensor_scale, route):
+        ts_bits = f32_bits(tensor_scale)
+        return _nvfp4.dequantize_bits(value_bits, scale_codes, ts_bits, self.scheme.scale, route)

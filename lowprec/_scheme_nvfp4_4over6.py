@@ -133,7 +133,7 @@ class FourOverSixScheme(GridSelectScheme):
         ts = f32_bits(tensor_scale)
         return f32_mul(f32_mul(e4m3_values(scale_codes, self.scale), ts), inverse)
 
-    def decode_values(self, value_bits, scale_codes, tensor_scale, route=None):
+    def decode_values(self, value_bits, scale_codes, tensor_scale):
         """q * ((s * amax) * float32(1 / (6 E))), as TE's ``dequantize_fp4_kernel``; a NaN
         scale code gives NaN."""
         return f32_mul(value_bits, self.block_factors(scale_codes, tensor_scale))

@@ -53,6 +53,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import __version__
+from ._scale_rules import ScaleRule
 from .checkpoint import (
     DEFAULT_KEEP_PATTERN,
     FORMATS,
@@ -70,9 +71,7 @@ from .checkpoint._layouts import layout_of_path
 from .checkpoint._engine_layouts import scheme_name
 from .checkpoint._engine_schemes import SCHEMES as ENGINE_SCHEMES
 from .checkpoint._formats import (
-    DEFAULT_SCALE_RULE,
     FP8_SCALINGS,
-    SCALE_RULES,
     check_fp8_scale,
     check_scale_rule,
     checkpoint_format,
@@ -150,7 +149,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--exclude", metavar="REGEX", help="never quantize names matching this")
     q.add_argument("--scale-rule", type=_checked(check_scale_rule), default=None,
                    metavar="RULE",
-                   help=f"MX scale rule: {', '.join(SCALE_RULES)} (default {DEFAULT_SCALE_RULE}, "
+                   help=f"MX scale rule: {', '.join(r.value for r in ScaleRule)} (default "
+                        f"{ScaleRule.FLOOR.value}, "
                         "the OCP MX v1.0 rule; rceil is NVIDIA's, even_e2m1 llm-compressor's "
                         "for mxfp4/mxfp8, floor_log2f ggml's); nvfp4 has its own recipe and "
                         "takes none")

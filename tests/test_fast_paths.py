@@ -611,7 +611,7 @@ def _hwfloat_decision(x, fmt, rule=None, tensor_scale=None):
     bits = jnp.asarray(np.asarray(x, np.float32).view(np.uint32))
     amax = block_amax(bits, 1, cast.fmt.block_size)
     ts = cast.fmt.scheme.tensor_scale_bits(bits, tensor_scale, cast, amax)
-    return bool(cast.fmt.scheme.hwfloat_scales(amax, ts, cast)[1])
+    return bool(cast.fmt.scheme.fast_encoder().scales(amax, ts, cast)[1])
 
 
 def _blocks_with_subnormals(top_exponent: int, n_blocks: int = 4, block: int = 32):

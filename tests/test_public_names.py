@@ -42,20 +42,27 @@ def test_every_vocabulary_is_one_exported_enum():
         assert all(m.__doc__ and m.__doc__ != enums[name].__doc__ for m in members), name
 
 
-def test_no_second_spelling_of_a_vocabulary():
+@pytest.mark.parametrize("module", ["lowprec", "lowprec.checkpoint",
+                                    "lowprec.checkpoint._formats"])
+def test_no_second_spelling_of_a_vocabulary(module):
+    """Neither lowprec nor lowprec.checkpoint (nor the checkpoint module the CLI reads its
+    vocabularies from) exports a vocabulary's names a second time."""
+    import importlib
+
+    mod = importlib.import_module(module)
     enums = _enums()
     values = {n: {m.value for m in e} for n, e in enums.items()}
-    for name, obj in _public().items():
+    for name, obj in {n: getattr(mod, n) for n in mod.__all__}.items():
         if name in enums:
             continue
         for enum_name, enum_cls in enums.items():
             # a member exported under a name of its own (the old DEFAULT_SCALE_RULE)
-            assert not isinstance(obj, enum_cls), f"lowprec.{name} is a {enum_name} member"
+            assert not isinstance(obj, enum_cls), f"{module}.{name} is a {enum_name} member"
             # a tuple (or set, list, dict) of the enum's names
             if isinstance(obj, (tuple, list, set, frozenset, dict)) and obj and all(
                     isinstance(v, str) for v in obj):
                 assert not set(obj) <= values[enum_name], (
-                    f"lowprec.{name} spells {enum_name}'s names a second time")
+                    f"{module}.{name} spells {enum_name}'s names a second time")
 
 
 def test_no_public_object_has_two_names():
@@ -101,6 +108,20 @@ def test_old_spellings_warn_and_still_work(name, now):
     assert value == now()
     if isinstance(value, tuple):  # what was given before: the names in the data's order
         assert value == tuple(v.value if isinstance(v, enum.Enum) else v for v in value)
+
+
+@pytest.mark.parametrize("name, now", DEPRECATED[2:4], ids=[d[0] for d in DEPRECATED[2:4]])
+def test_checkpoint_scale_rule_tuples_are_deprecated(name, now):
+    """The CLI's module of checkpoint vocabularies exported SCALE_RULES / DEFAULT_SCALE_RULE
+    beside lowprec.ScaleRule: the same deprecation path as lowprec's."""
+    from lowprec.checkpoint import _formats
+
+    assert name not in _formats.__all__
+    with pytest.warns(DeprecationWarning, match=f"lowprec.checkpoint._formats.{name} is "
+                                                "deprecated; use lowprec.ScaleRule"):
+        assert getattr(_formats, name) == now()
+    with pytest.raises(AttributeError, match="no attribute 'NO_SUCH_NAME'"):
+        _formats.NO_SUCH_NAME  # noqa: B018
 
 
 def test_old_spellings_are_not_star_imported():

@@ -1,12 +1,14 @@
 """Scale schemes: a block format holds one, refuses any other combination, and the block
 encoder, decoder, option objects and MXArray ask it (never a flag).
 
-A toy scheme registered here — a block's scale is 2^floor(log2 amax), the block maximum's
-own binade, stored as an E8M0 code — must be served by quantize_mx, dequantize,
-fake_quantize_mx, shared_exponents' refusal, MXArray and dot_general without any other file
-knowing of it. Its expected values are derived in the test: x / 2^e rounded to E4M3 with
-saturation by ``lowprec.quantize`` (the element codec, tested on its own against ml_dtypes),
-times 2^e, in float64.
+A toy scheme registered here — a block's scale is 2^(floor(log2 amax) + headroom), the block
+maximum's own binade raised by its one option, stored as an E8M0 code — must be served by
+quantize_mx, dequantize, fake_quantize_mx, shared_exponents' refusal, MXArray and
+dot_general without any other file knowing of it: its class is the semantic methods of a
+scheme and its options value, nothing else (adding its knob touched this definition only).
+Its expected values are derived in the test: x / 2^e rounded to E4M3 with saturation by
+``lowprec.quantize`` (the element codec, tested on its own against ml_dtypes), times 2^e, in
+float64.
 """
 
 from __future__ import annotations
@@ -21,18 +23,32 @@ import pytest
 import lowprec
 import lowprec_formats
 from lowprec import _scheme
+from lowprec._options import MXCast
 from lowprec._bits import E8M0_BIAS, E8M0_NAN, F32_INF, floor_log2_bits, scale_bits_by_e8m0
 
 E4M3 = lowprec.element_format("e4m3")
 E8M0 = lowprec.element_format("e8m0")
 
 
+@dataclasses.dataclass(frozen=True)
+class ToyOptions:
+    """The toy scheme's one option: ``headroom`` binades added to every block's scale."""
+
+    headroom: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.headroom, int) and 0 <= self.headroom <= 8):
+            raise ValueError(f"headroom must be an int from 0 to 8, got {self.headroom!r}")
+
+
 @_scheme.register("toy_binade")
 class ToyBinadeScheme(_scheme.ScaleScheme):
-    """E8M0 codes of 2^floor(log2 amax): elements land in [1, 2) of their grid at the block
-    maximum (a deliberately poor scale for E4M3, which then uses only its two lowest binades
-    above 1; what matters here is that it is not what any real scheme computes)."""
+    """E8M0 codes of 2^(floor(log2 amax) + headroom): with no headroom elements land in
+    [1, 2) of their grid at the block maximum (a deliberately poor scale for E4M3, which then
+    uses only its two lowest binades above 1; what matters here is that it is not what any
+    real scheme computes)."""
 
+    Options = ToyOptions
     recipe = "the toy rule (the block maximum's binade)"
 
     def check_scale(self):
@@ -41,18 +57,22 @@ class ToyBinadeScheme(_scheme.ScaleScheme):
 
     def encode_blocks(self, xb, amax, ts_bits, cast, inner):
         special = amax >= F32_INF
-        e = jnp.clip(floor_log2_bits(amax), -127, 127)
+        e = jnp.clip(floor_log2_bits(amax) + cast.scale_options.headroom, -127, 127)
         codes = jnp.where(special, E8M0_NAN, e + E8M0_BIAS)
         return codes, special, xb, jnp.expand_dims(codes - E8M0_BIAS, inner)
 
     def decode_values(self, value_bits, scale_codes, tensor_scale):
         return scale_bits_by_e8m0(value_bits, scale_codes)
 
+    def element_scale(self, scale_codes, tensor_scale):
+        e = scale_codes.astype(jnp.int32) - E8M0_BIAS
+        return jnp.where(scale_codes == E8M0_NAN, jnp.nan, jnp.exp2(e.astype(jnp.float32)))
+
 
 TOY = lowprec.MXFormat("toy_fp8", E4M3, 32, ToyBinadeScheme(E8M0))
 
 
-def _toy_values(x: np.ndarray) -> np.ndarray:
+def _toy_values(x: np.ndarray, headroom: int = 0) -> np.ndarray:
     """float64 values of TOY-quantized rows of 32 (the derivation in the module docstring)."""
     x = np.asarray(x, np.float32).reshape(-1, 32)
     out = np.empty(x.shape, np.float64)
@@ -61,7 +81,7 @@ def _toy_values(x: np.ndarray) -> np.ndarray:
             out[i] = np.nan
             continue
         amax = float(np.max(np.abs(row)))
-        e = int(np.clip(np.frexp(amax)[1] - 1, -127, 127)) if amax > 0 else -127
+        e = int(np.clip(np.frexp(amax)[1] - 1 + headroom, -127, 127)) if amax > 0 else -127
         scaled = (row.astype(np.float64) * 2.0 ** -e).astype(np.float32)  # exact: a power of 2
         q = lowprec.quantize(jnp.asarray(scaled), "e4m3", overflow="saturate")
         out[i] = np.asarray(q, np.float64) * 2.0 ** e
@@ -188,7 +208,7 @@ def test_toy_scheme_options_array_checks_and_matmul():
         lowprec.quantize_mx(x, TOY, scale_rule="rceil")
     with pytest.raises(ValueError, match="toy_fp8 has no tensor scale"):
         lowprec.fake_quantize_mx(x, TOY, tensor_scale=1.0)
-    with pytest.raises(ValueError, match="nvfp4_step applies to NVFP4"):
+    with pytest.raises(ValueError, match="nvfp4_step applies to NVFP4 scales, not to toy_fp8"):
         lowprec.quantize_mx(x, TOY, nvfp4_step="divide")
     with pytest.raises(ValueError, match="toy_fp8 block scales are E8M0 values, not shared exponents"):
         lowprec.shared_exponents(x, TOY)
@@ -225,3 +245,104 @@ def test_every_registered_scheme_serves_the_block_functions(name):
     fake = np.asarray(lowprec.fake_quantize_mx(x, fmt, pad=True))
     np.testing.assert_array_equal(deq.view(np.uint32), fake.view(np.uint32))
     assert (mx.tensor_scale is not None) == fmt.scheme.tensor_scale
+
+
+# -- what a scheme is made of ----------------------------------------------------------------
+
+
+def test_a_scheme_is_its_meaning_and_one_options_value():
+    """The base class requires the three semantic methods and knows no scheme's knob or
+    acceleration hook by name; the toy is those methods, element_scale and its Options."""
+    assert _scheme.ScaleScheme.__abstractmethods__ == {"check_scale", "encode_blocks",
+                                                       "decode_values"}
+    base = {n for n in vars(_scheme.ScaleScheme) if not n.startswith("__")}
+    for word in ("nvfp4", "step", "hwfloat", "native", "route", "narrow", "factor"):
+        assert not [n for n in base if word in n], (word, sorted(base))
+    toy = {n for n, v in vars(ToyBinadeScheme).items() if callable(v) and not n.startswith("_")}
+    assert toy == {"check_scale", "encode_blocks", "decode_values", "element_scale", "Options"}
+    assert TOY.scheme.fast_encoder() is None and TOY.scheme.fast_decoder() is None
+    # Each scheme's keywords are its options' fields (the public spellings); hashable values.
+    assert TOY.scheme.option_names() == ("headroom",)
+    assert lowprec.scale_scheme("e8m0").option_names() == ("scale_rule",)
+    assert lowprec.scale_scheme("nvfp4").option_names() == ("nvfp4_step",)
+    assert lowprec.mx_format("if4").scheme.option_names() == ()
+    casts = {MXCast(TOY), MXCast(TOY, scale_options=ToyOptions(0)),
+             MXCast(TOY, scale_options={"headroom": 2})}
+    assert len(casts) == 2
+    assert MXCast("mxfp8", "rceil") == MXCast("mxfp8", scale_options={"scale_rule": "rceil"})
+    assert MXCast("mxfp8", "rceil").scale_options.scale_rule is lowprec.ScaleRule.RCEIL
+    assert MXCast("nvfp4", nvfp4_step="reciprocal").nvfp4_step is lowprec.NVFP4Step.RECIPROCAL
+
+
+@pytest.mark.parametrize("headroom", [0, 2])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_toy_option_runs_through_every_entry_point(headroom, mode):
+    x = _rows(4)
+    want = _toy_values(x, headroom).reshape(x.shape)
+    opts = ToyOptions(headroom)
+    q = (lambda v, o: lowprec.quantize_mx(v, TOY, scale_options=o))
+    fq = (lambda v, o: lowprec.fake_quantize_mx(v, TOY, scale_options=o))
+    if mode == "jit":
+        q, fq = jax.jit(q, static_argnums=1), jax.jit(fq, static_argnums=1)
+    mx = q(jnp.asarray(x), opts)
+    assert mx.fmt is TOY and mx.scale_rule is None
+    amax = np.max(np.abs(np.where(np.isfinite(x), x, 0.0)), axis=1)
+    binade = np.where(amax > 0, np.frexp(np.where(amax > 0, amax, 1.0))[1] - 1 + headroom, -127)
+    np.testing.assert_array_equal(np.asarray(mx.scales)[:, 0],
+                                  np.where(np.all(np.isfinite(x), axis=1), binade + 127, 0xFF))
+    got = np.asarray(lowprec.dequantize(mx), np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
+    np.testing.assert_array_equal(np.asarray(fq(jnp.asarray(x), opts), np.float64), got)
+    # The dict spelling, through MXArray's checks, and a pre-quantized dot operand (small
+    # integers: every product and sum exact, so the float64 dot of the toy values is exact).
+    again = lowprec.quantize_mx(jnp.asarray(x), TOY, scale_options={"headroom": headroom})
+    np.testing.assert_array_equal(np.asarray(again.scales), np.asarray(mx.scales))
+    lowprec.MXArray(mx.elements, mx.scales, TOY, mx.axis, mx.shape)
+    a = np.random.default_rng(5).integers(-8, 9, (3, 64)).astype(np.float32)
+    w = np.random.default_rng(6).integers(-8, 9, (64, 2)).astype(np.float32)
+    pre = lowprec.quantize_mx(jnp.asarray(a), TOY, scale_options=opts)
+    np.testing.assert_array_equal(
+        np.asarray(lowprec.matmul(pre, jnp.asarray(w)), np.float64),
+        _toy_values(a, headroom).reshape(a.shape) @ w.astype(np.float64))
+
+
+def test_scale_options_are_checked_where_they_are_given():
+    x = jnp.asarray(_rows(1)[4:5])
+    with pytest.raises(ValueError, match="headroom must be an int from 0 to 8, got 9"):
+        lowprec.quantize_mx(x, TOY, scale_options={"headroom": 9})
+    with pytest.raises(ValueError, match="bogus is no option of any scale scheme.*'toy_binade' "
+                                         "options: headroom"):
+        lowprec.fake_quantize_mx(x, TOY, scale_options={"bogus": 1})
+    with pytest.raises(ValueError, match="headroom applies to TOY_BINADE scales, not to "
+                                         "mxfp8_e4m3.*'e8m0' options: scale_rule"):
+        lowprec.quantize_mx(x, "mxfp8", scale_options={"headroom": 1})
+    with pytest.raises(ValueError, match="headroom applies to TOY_BINADE.*'if4' scales take no"):
+        lowprec.quantize_mx(x[:, :16], "if4", scale_options={"headroom": 1})
+    with pytest.raises(TypeError, match="scale_options must be a NVFP4Options.*ToyOptions"):
+        lowprec.quantize_mx(x, "nvfp4", scale_options=ToyOptions(1))
+    with pytest.raises(ValueError, match="unknown scale_rule 'nope'"):
+        lowprec.quantize_mx(x, "mxfp8", scale_options={"scale_rule": "nope"})
+    # The keyword spelling and the options value set the same field; the keyword wins.
+    assert MXCast("mxfp4", "rceil", scale_options={"scale_rule": "floor"}).scale_rule == "rceil"
+
+
+def test_the_dispatch_asks_the_scheme_for_its_fast_formulations():
+    """kernels/_dispatch offers HWFLOAT only where the scheme returns a fast encoder or
+    decoder: the toy (none) is computed exactly everywhere; E8M0 and NVFP4 have both."""
+    from lowprec.kernels import _dispatch
+
+    F = _dispatch.Formulation
+    x = jnp.zeros((2, 64), jnp.float32)
+    assert _dispatch.quantize_formulations(x, MXCast(TOY), 1) == {F.EXACT}
+    assert _dispatch.decode_formulations(TOY) == {F.EXACT}
+    assert _dispatch.hwfloat_encoder(MXCast(TOY)) is None
+    for name in ("mxfp8", "mxfp4", "nvfp4"):
+        fmt = lowprec.mx_format(name)
+        assert F.HWFLOAT in _dispatch.quantize_formulations(x, MXCast(fmt), 1), name
+        assert F.HWFLOAT in _dispatch.decode_formulations(fmt), name
+    # Stochastic rounding has no hardware-float encode; a scheme that rounds its own elements
+    # (IF4) has no fast path at all.
+    assert F.HWFLOAT not in _dispatch.quantize_formulations(
+        x, MXCast("mxfp8", rounding="stochastic"), 1)
+    assert _dispatch.decode_formulations(lowprec.mx_format("if4")) == {F.EXACT}

@@ -27,7 +27,7 @@ from typing import Union
 import lowprec_formats
 
 from .._format import ElementFormat, MXFormat, element_format, mx_format, resolve_format
-from .._scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES
+from .._scale_rules import ScaleRule
 from .._scale_rules import check_scale_rule as _check_scale_rule
 from ._errors import CheckpointError
 
@@ -59,12 +59,10 @@ _CASTS = {element_format(elem): (dtype, scaled) for elem, dtype, scaled in CAST_
 
 __all__ = [
     "CAST_FORMATS",
-    "DEFAULT_SCALE_RULE",
     "FORMATS",
     "FP8_SCALINGS",
     "LAYOUTS",
     "MX_FORMATS",
-    "SCALE_RULES",
     "CheckpointFormat",
     "canonical_format",
     "cast_dtype",
@@ -203,3 +201,23 @@ def check_fp8_scale(fp8_scale) -> str:
             f"unknown fp8_scale {fp8_scale!r}; choose one of: {', '.join(FP8_SCALINGS)}"
         )
     return fp8_scale
+
+
+# The scale rule's old second spellings (lowprec.ScaleRule is the one): what to use instead,
+# and the value, still returned with a DeprecationWarning.
+_DEPRECATED = {
+    "SCALE_RULES": ("lowprec.ScaleRule", lambda: tuple(r.value for r in ScaleRule)),
+    "DEFAULT_SCALE_RULE": ("lowprec.ScaleRule.FLOOR, the default of every scale_rule=",
+                           lambda: ScaleRule.FLOOR),
+}
+
+
+def __getattr__(name):
+    if name in _DEPRECATED:
+        import warnings
+
+        use, value = _DEPRECATED[name]
+        warnings.warn(f"{__name__}.{name} is deprecated; use {use}", DeprecationWarning,
+                      stacklevel=2)
+        return value()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -55,9 +55,9 @@ import math
 from typing import Iterator, Optional
 
 from .._format import ElementFormat, MXFormat, mx_format
+from .._scale_rules import ScaleRule
 from ._errors import CheckpointError
 from ._formats import (
-    DEFAULT_SCALE_RULE,
     CheckpointFormat,
     cast_takes_scale,
     check_fp8_scale,
@@ -284,7 +284,7 @@ def check_block_scale_rule(fmt: MXFormat, scale_rule) -> Optional[str]:
                 "rule; drop --scale-rule / scale_rule"
             )
         return None
-    return check_scale_rule(DEFAULT_SCALE_RULE if scale_rule is None else scale_rule)
+    return check_scale_rule(ScaleRule.FLOOR if scale_rule is None else scale_rule)
 
 
 def check_options_for_cast(fmt: ElementFormat, *, axis, scale_rule) -> None:

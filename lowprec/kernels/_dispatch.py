@@ -75,14 +75,16 @@ MAX_TOKENS = 16
 
 
 class Formulation(enum.Enum):
-    """How a block format's encode is computed: lowprec's four formulations, named once.
-    Every one gives the same bits; :func:`quantize_formulations` says which a call may take
-    (XLA then lowers, per platform, the one for its backend)."""
+    """How a block format's encode or decode is computed: lowprec's four formulations, named
+    once. Every one gives the same bits; :func:`quantize_formulations` and
+    :func:`decode_formulations` say which a call may take (XLA then lowers, per platform,
+    the one for its backend)."""
 
     #: XLA, integer arithmetic on the bits: every backend, every call.
     EXACT = "exact"
-    #: XLA, float32 hardware arithmetic where the scale scheme proves it exact (``_mx_hwfloat``;
-    #: CPU, picked per array by one ``lax.cond`` beside EXACT).
+    #: XLA, float32 hardware arithmetic where the scale scheme proves it exact (its
+    #: ``fast_encoder()`` / ``fast_decoder()``; ``_mx_hwfloat``; picked per array on CPU by
+    #: one ``lax.cond`` beside EXACT).
     HWFLOAT = "hwfloat"
     #: A C++ kernel registered with XLA's FFI (``_mx_quantize_cpu.cc``; CPU).
     CPU_KERNEL = "cpu_kernel"
@@ -385,22 +387,57 @@ def cpu_fp6_kernel(x) -> bool:
     return _native_cpu_can_run(x)
 
 
-def hwfloat_serves(cast) -> bool:
-    """Whether XLA's block encode of ``cast`` may take the hardware-float formulation (static;
-    the scheme then decides per array, at run time, on CPU): nearest-even rounding, an
-    element the short encode serves and a scheme with that path."""
-    return (cast.rounding == "nearest_even" and hwfloat_element(cast.fmt.element)
-            and cast.fmt.scheme.has_hwfloat_path)
+def hwfloat_encoder(cast):
+    """The scheme's :class:`~lowprec._scheme.FastEncoder` where XLA's block encode of
+    ``cast`` may take the hardware-float formulation (static; the encoder then decides per
+    array, at run time, on CPU), else None: nearest-even rounding, an element the short
+    encode serves and a scheme with a fast encoder."""
+    if cast.rounding != "nearest_even" or not hwfloat_element(cast.fmt.element):
+        return None
+    return cast.fmt.scheme.fast_encoder()
+
+
+def one_multiply_decoder(fmt):
+    """The scheme's :class:`~lowprec._scheme.FastDecoder` where the block decode of ``fmt``
+    may take the one-multiply formulation (HWFLOAT: element value times a float32 factor per
+    block, picked per array at run time where it is exact; E8M0 scales), else None (static)."""
+    fast = fmt.scheme.fast_decoder()
+    return fast if fast is not None and fast.one_multiply(fmt.element) else None
+
+
+def routed_decoder(fmt):
+    """The scheme's :class:`~lowprec._scheme.FastDecoder` where the block decode of ``fmt``
+    with its tensor scale chooses between two formulations by the scales alone (HWFLOAT: a
+    float32 product where every block's factor allows it; NVFP4), else None (static)."""
+    if not fmt.scheme.tensor_scale or one_multiply_decoder(fmt) is not None:
+        return None
+    fast = fmt.scheme.fast_decoder()
+    return fast if fast is not None and fast.routes else None
+
+
+def decode_formulations(fmt) -> frozenset:
+    """The :class:`Formulation` s the block decode of ``fmt`` (``dequantize``, fake
+    quantization, the dots' decodes) may take (static): EXACT always (every value built from
+    bits; on CUDA laid out in one pass, ``_mx_decode.mx_values_blockwise``), HWFLOAT where
+    :func:`one_multiply_decoder` or :func:`routed_decoder` gives a fast decoder (on CPU one
+    ``lax.cond`` beside EXACT picks it per array, where it is exact), CPU_KERNEL for FP6
+    codes (unpacked by the C++ kernel along the last axis where :func:`fp6_kernel` says)."""
+    forms = {Formulation.EXACT}
+    if one_multiply_decoder(fmt) is not None or routed_decoder(fmt) is not None:
+        forms.add(Formulation.HWFLOAT)
+    if fmt.element.code_bits == 6 and kernels_enabled() and _cpu_native.available():
+        forms.add(Formulation.CPU_KERNEL)
+    return frozenset(forms)
 
 
 def quantize_formulations(x, cast, axis: int, rng=None, tensor_scale=None,
                           fake: bool = False) -> frozenset:
     """The :class:`Formulation` s a ``quantize_mx`` (``fake``: ``fake_quantize_mx``) call of
     the validated input ``x`` may take (static): EXACT always, HWFLOAT where
-    :func:`hwfloat_serves`, PALLAS where :func:`quantize_kernel`, CPU_KERNEL where
+    :func:`hwfloat_encoder` gives one, PALLAS where :func:`quantize_kernel`, CPU_KERNEL where
     :func:`cpu_quantize_kernel` (quantize only)."""
     forms = {Formulation.EXACT}
-    if hwfloat_serves(cast):
+    if hwfloat_encoder(cast) is not None:
         forms.add(Formulation.HWFLOAT)
     if quantize_kernel(x, cast, axis, fake=fake):
         forms.add(Formulation.PALLAS)

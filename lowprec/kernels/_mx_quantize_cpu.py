@@ -44,7 +44,7 @@ def computes(fmt, rounding: str = "nearest_even") -> bool:
     scheme = fmt.scheme
     # What the kernel computes for a block scale: the E8M0 code of the shared exponent the
     # cast's ScaleRule picks, with no tensor scale; the scheme says whether that is its scale.
-    ocp_scales = (scheme.takes_scale_rule and scheme.exponent_scales and not scheme.tensor_scale
+    ocp_scales = (scheme.takes("scale_rule") and scheme.exponent_scales and not scheme.tensor_scale
                   and scheme.scale.name == "e8m0")
     return (ocp_scales and rounding == "nearest_even" and hwfloat_element(el)
             and el.code_bits in (4, 6, 8)
