@@ -254,6 +254,57 @@ def reciprocal_factor_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
     return f32_div(inverse, decode_bits(scale_fmt, scale_codes))
 
 
+def _on_cpu(cpu, default, *args):
+    """``cpu(*args)`` where XLA lowers for CPU, ``default(*args)`` elsewhere and in a Pallas
+    kernel body (one platform, no ``platform_dependent``)."""
+    if not _platform_branches:
+        return default(*args)
+    return lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
+def div_by_integer(a_bits, d: int):
+    """Bits of the IEEE float32 quotient a / d, rounded to nearest even, for non-negative
+    finite float32 patterns ``a_bits`` and a positive integer constant ``d`` below 2^12 (the
+    NVFP4 divisors 6, 7, 2688, 3136): :func:`f32_div` where XLA does not lower for CPU;
+    on CPU in a few operations:
+
+    * where a >= d * 2^-126 the quotient is a float32 normal and so is a: XLA:CPU's float32
+      division is correctly rounded there (the divisor behind an optimization barrier, so that
+      XLA cannot multiply by a rounded reciprocal instead);
+    * below, the quotient is a subnormal (or 2^-126 after rounding): its pattern is
+      rint(A / d) for the integer A = a * 2^149 < d * 2^23, with d = o * 2^p (o odd): A is
+      sig * 2^s (sig the 24-bit significand, s <= 11 + 12), so n = floor(A / 2^p) and the p
+      bits dropped are shifts of sig, n < o * 2^23 < 2^32, and n = o q + r (a division by
+      the constant o, which compilers strength-reduce); the fraction of A / d is
+      (r 2^p + dropped) / d, compared with 1/2 on the integers (ties to even).
+    """
+    p = (d & -d).bit_length() - 1
+    odd = d >> p
+    assert 0 < d < (1 << 12), d
+
+    def cpu(a_bits):
+        a = lax.bitcast_convert_type(a_bits, jnp.float32)
+        divisor = lax.optimization_barrier(jnp.full(jnp.shape(a), d, jnp.float32))
+        normal = lax.bitcast_convert_type(a / divisor, jnp.uint32)
+        efield = lax.shift_right_logical(a_bits, jnp.uint32(F32_MANT_BITS))
+        sig = jnp.where(efield > 0, (a_bits & F32_MANT) | F32_IMPLICIT, a_bits & F32_MANT)
+        s = jnp.maximum(efield, jnp.uint32(1)) - jnp.uint32(1)  # A = sig * 2^s
+        up_shift = jnp.clip(s.astype(jnp.int32) - p, 0, 31).astype(jnp.uint32)
+        down_shift = jnp.clip(p - s.astype(jnp.int32), 0, 31).astype(jnp.uint32)
+        n = jnp.where(s >= p, lax.shift_left(sig, up_shift), lax.shift_right_logical(
+            sig, down_shift))
+        dropped = jnp.where(s >= p, jnp.uint32(0),
+                            lax.shift_left(sig, jnp.minimum(s, jnp.uint32(31)))
+                            & jnp.uint32((1 << p) - 1))
+        q = n // jnp.uint32(odd)
+        frac2 = 2 * (lax.shift_left(n - q * jnp.uint32(odd), jnp.uint32(p)) + dropped)
+        up = (frac2 > d) | ((frac2 == d) & ((q & 1) == 1))
+        tiny = q + up.astype(jnp.uint32)
+        return jnp.where(a_bits >= jnp.uint32(_f32_const_bits(d * 2.0**-126)), normal, tiny)
+
+    return _on_cpu(cpu, lambda a: f32_div(a, jnp.uint32(_f32_const_bits(float(d)))), a_bits)
+
+
 def finite_amax_bits(bits):
     """Bits of the largest finite magnitude of float32 patterns (0 if there is none)."""
     mag = bits & F32_ABS
@@ -266,7 +317,7 @@ def tensor_scale_bits(amax_bits, element_max: float = _E2M1_MAX):
     all-zero tensor (then raised to 2^-143 by :func:`clamp_tensor_scale_bits`, like a given
     one)."""
     divisor = 448.0 * element_max   # exact in float32 (torchao: F8E4M3_MAX * F4_E2M1_MAX)
-    ts = f32_div(amax_bits, jnp.uint32(_f32_const_bits(divisor)))
+    ts = div_by_integer(amax_bits, int(divisor))
     return jnp.where(amax_bits == 0, jnp.uint32(_F32_ONE), ts)
 
 
@@ -280,8 +331,10 @@ def block_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat,
                       element_max: float = _E2M1_MAX):
     """E4M3 codes (int32) of e4m3(clamp((block_amax / Q) / tensor_scale, 2^-6, 448)), Q the
     element's largest value ``element_max`` (6 for E2M1)."""
-    q = jnp.uint32(_f32_const_bits(element_max))
-    quotient = f32_div(f32_div(block_amax_bits, q), ts_bits)
+    quotient = _on_cpu(
+        lambda a, t: element_quotient_bits(div_by_integer(a, int(element_max)), t),
+        lambda a, t: f32_div(f32_div(a, jnp.uint32(_f32_const_bits(element_max))), t),
+        block_amax_bits, jnp.broadcast_to(ts_bits, jnp.shape(block_amax_bits)))
     # Non-negative float32 bit patterns order like their values: clamp on the bits.
     clamped = jnp.clip(quotient, jnp.uint32(_E4M3_EPS_BITS), jnp.uint32(_E4M3_MAX_BITS))
     return encode_bits(scale_fmt, clamped, "nearest_even", "saturate", None)
