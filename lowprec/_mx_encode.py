@@ -19,13 +19,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _nvfp4
-from ._bits import F32_ABS, F32_QNAN, bits_to_f32, f32_bits
+from ._bits import F32_ABS, F32_QNAN, F32_SIGN, bits_to_f32, f32_bits
 from ._blocks import merge_blocks, split_blocks
 from ._decode import decode_bits, decode_f32
 from ._dtypes import input_bits
 from ._encode_stochastic import encode_any
 from ._format import mx_format
-from ._mx_hwfloat import encode_magnitudes, magnitudes_f32, signed_codes
+from ._mx_hwfloat import encode_magnitudes, hwfloat_element, magnitudes_f32, signed_codes
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along
@@ -203,7 +203,12 @@ def encode_values(bits, cast: MXCast, axis: int, rng=None):
         route = (_nvfp4.PER_BLOCK, _nvfp4_blocks(scheme, sb, ts))
         return scheme.decode_values(decode_bits(fmt.element, codes), sb, ts, route)
 
-    if not (bits.dtype == jnp.uint32 and hwfloat_serves(cast)):
+    # Stochastic rounding takes the hardware-float branch too (given words, "divide" step):
+    # its quotients by _nvfp4.hwfloat_sr_quotients.
+    stochastic_hw = (cast.stochastic and cast.nvfp4_step != "reciprocal" and rng is not None
+                     and rng[1] is not None and hwfloat_element(fmt.element)
+                     and scheme.has_hwfloat_path)
+    if not (bits.dtype == jnp.uint32 and (hwfloat_serves(cast) or stochastic_hw)):
         return merge_blocks(exact(xb, amax), axis)
 
     def on_cpu(xf, amax):
@@ -212,10 +217,17 @@ def encode_values(bits, cast: MXCast, axis: int, rng=None):
         def hwfloat_branch():
             xb = f32_bits(xf)
             special, operand = scheme.hwfloat_operands(scale_codes, ts_bits, cast)
-            q = scheme.hwfloat_quotients(magnitudes_f32(xb), jnp.expand_dims(operand, inner), xb,
-                                         cast)
-            mag = encode_magnitudes(fmt.element, lax.bitcast_convert_type(q, jnp.uint32))
-            codes = signed_codes(fmt.element, mag, xb)
+            if cast.stochastic:
+                q = _nvfp4.hwfloat_sr_quotients(xb, jnp.expand_dims(operand, inner))
+                words = split_blocks(rng[1], axis, fmt.block_size)
+                codes = encode_any(fmt.element, q | (xb & jnp.uint32(F32_SIGN)), cast.rounding,
+                                   "saturate", (None, words), assume_finite=True)
+                codes = codes.astype(jnp.uint32)
+            else:
+                q = scheme.hwfloat_quotients(magnitudes_f32(xb), jnp.expand_dims(operand, inner),
+                                             xb, cast)
+                mag = encode_magnitudes(fmt.element, lax.bitcast_convert_type(q, jnp.uint32))
+                codes = signed_codes(fmt.element, mag, xb)
             total = (operand if cast.nvfp4_step != "reciprocal" else _nvfp4.hwfloat_divisors(
                 scale_codes.astype(jnp.uint32), ts_bits, scheme.scale))
             values = decode_f32(fmt.element, codes) * jnp.expand_dims(total, inner)

@@ -407,6 +407,52 @@ def hwfloat_quotients(magnitudes, divisors, x_bits):
     return jnp.abs(magnitudes / d)
 
 
+def hwfloat_sr_quotients(x_bits, divisors):
+    """Bits of float32(|x| / total) for stochastic rounding to E2M1 (CPU; a tensor scale in
+    the hardware-float range, so every divisor is a normal float32 in [2^-124, 2^125]),
+    ``divisors`` broadcast per block: exact wherever the quotient is at least 2^-126, and
+    below that a quotient that every rounding mode treats alike (any float32 quotient in
+    (0, 2^-33) rounds up iff its word is 0, a zero one never; the representative is 2^-100).
+
+    XLA:CPU flushes subnormal operands and results, so the one division |x| / total is exact
+    where x is normal and the quotient is at least 2^-126. The other lanes divide
+    X = |x| * 2^64 instead (built on the bits: exponent + 64 for a normal x below 2^64, the
+    integer significand times 2^-85 for a subnormal one; both exact and normal): X / total
+    = q 2^64 rounded to 24 bits, normal for q >= 2^-190. Where that is at least 2^-62, q is
+    at least 2^-126 (rounding is monotone and 2^-62 a float32) and the float32 quotient is
+    its exponent less 64; below, the float32 quotient is nonzero iff q > 2^-150 (2^-150
+    itself is a tie that rounds to the even 0), i.e. iff X / total rounds above 2^-86, or to
+    2^-86 without being exactly 2^-86 (same significands, exponents 86 apart).
+    """
+    d = jnp.where(x_bits == jnp.uint32(0xFFFF_FFFF), jnp.float32(1), divisors)
+    mag = x_bits & jnp.uint32(F32_ABS)
+    q = f32_bits_of(bits_f32(mag) / d)
+    efield = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS))
+    lifted = jnp.where(efield > 0, bits_f32(mag + jnp.uint32(64 << F32_MANT_BITS)),
+                       (mag & F32_MANT).astype(jnp.float32) * np.float32(2.0**-85))
+    q64 = f32_bits_of(lifted / d)
+    db = f32_bits_of(d)
+    lb = f32_bits_of(lifted)
+    at_tie = (q64 == jnp.uint32(_f32_const_bits(2.0**-86))) & (
+        (lb & F32_MANT) == (db & F32_MANT)) & (
+        lax.shift_right_logical(lb, jnp.uint32(F32_MANT_BITS)) + jnp.uint32(86)
+        == lax.shift_right_logical(db, jnp.uint32(F32_MANT_BITS)))
+    nonzero = (q64 > jnp.uint32(_f32_const_bits(2.0**-86))) | (
+        (q64 == jnp.uint32(_f32_const_bits(2.0**-86))) & ~at_tie)
+    small = jnp.where(nonzero, jnp.uint32(_f32_const_bits(2.0**-100)), jnp.uint32(0))
+    big = q64 >= jnp.uint32(_f32_const_bits(2.0**-62))
+    fixed = jnp.where(big, q64 - jnp.uint32(64 << F32_MANT_BITS), small)
+    return jnp.where((efield > 0) & (q >= jnp.uint32(F32_IMPLICIT)), q, fixed)
+
+
+def bits_f32(b):
+    return lax.bitcast_convert_type(b, jnp.float32)
+
+
+def f32_bits_of(v):
+    return lax.bitcast_convert_type(v, jnp.uint32)
+
+
 # Quotients below 2^-100 (or above 2^126) round like any other of their kind in every mode:
 # to 0 / 0.5 / 6 by direction, and stochastic rounding of q < 2^-33 goes up iff its word is 0.
 _TINY_BITS = (127 - 100) << 23  # 2^-100

@@ -37,11 +37,44 @@ def _inputs():
                  .view(np.float32))  # float32 subnormals (and zeros)
     huge = (np.clip(normal, -1, 1) * np.float32(2.0**127)).astype(np.float32)  # amax >= 2^127
     return {"normal": normal, "specials": specials, "ties": ties, "tiny": tiny, "huge": huge,
-            "zeros": np.zeros(SHAPE, np.float32)}
+            "zeros": np.zeros(SHAPE, np.float32), "underflow": _underflow(rng),
+            "subnormal_elements": _subnormal_elements(rng)}
+
+
+def _subnormal_elements(rng):
+    """A tensor in the hardware-float range (amax ~2^-95: block factors down to ~2^-124)
+    whose blocks hold float32 subnormals, so that their quotients span (0, 1/4]."""
+    x = (rng.standard_normal(SHAPE) * np.float32(2.0**-95)).astype(np.float32)
+    sub = rng.integers(1, 1 << 23, SHAPE).astype(np.int32).view(np.float32)
+    x[:, 1::3] = sub[:, 1::3] * np.where(rng.random((SHAPE[0], len(range(1, SHAPE[1], 3)))) < 0.5,
+                                          -1, 1).astype(np.float32)
+    return x
+
+
+def _underflow(rng):
+    """A tensor in the hardware-float range whose blocks hold, beside their largest value,
+    elements whose quotient x / float32(ts * s) lies at float32's underflow boundaries: 2^-150
+    (a tie that rounds to 0), just above it, 2^-149, just below and at 2^-126, 2^-33, 2^-2;
+    and float32 subnormal elements (flushed by XLA:CPU's arithmetic)."""
+    x = (rng.standard_normal(SHAPE) * np.float32(2.0**90)).astype(np.float32)
+    blocks = x.reshape(SHAPE[0], -1, 16)
+    blocks[:, :, 0] = np.abs(blocks[:, :, 0]) * 1e6  # each block's largest magnitude
+    e, s, ts = ref.quantize_nvfp4(x)
+    total = (np.float32(ts) * ref.decode("e4m3", s).astype(np.float32)).astype(np.float64)
+    factors = np.array([2.0**-150, 2.0**-150 * (1 + 2.0**-20), 2.0**-149, 2.0**-126 * (1 - 2.0**-20),
+                        2.0**-126, 2.0**-33, 2.0**-2, 1.5 * 2.0**-149])
+    for j, f in enumerate(factors):  # positions 1.. of every block (position 0 keeps its value)
+        v = (total * f).astype(np.float32)
+        blocks[:, :, 1 + j] = np.where(blocks[:, :, 0] != 0, v, 0) * np.where(j % 2, -1, 1)
+    out = blocks.reshape(SHAPE)
+    out[1::4, 9::16] = np.float32(1e-40)  # subnormal elements
+    return out
 
 
 INPUTS = _inputs()
-WORDS = np.asarray(jax.random.bits(jax.random.key(9), SHAPE, jnp.uint32))
+WORDS = np.array(jax.random.bits(jax.random.key(9), SHAPE, jnp.uint32))
+WORDS[:, ::3] = 0  # a zero word rounds every nonzero quotient up, however small
+WORDS[:, 1::5] >>= 28  # small words: quotients just above a grid point round up
 
 
 def _pair(x, axis, words, step):
