@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 
 from ._bits import (F32_ABS, F32_IMPLICIT, F32_INF, F32_MANT, F32_MANT_BITS, F32_QNAN, F32_SIGN,
-                    rint_small)
+                    bits_to_f32, f32_bits, rint_small)
 from ._decode import decode_bits
 from ._encode import encode_bits
 from ._format import ElementFormat
@@ -426,13 +426,13 @@ def hwfloat_sr_quotients(x_bits, divisors):
     """
     d = jnp.where(x_bits == jnp.uint32(0xFFFF_FFFF), jnp.float32(1), divisors)
     mag = x_bits & jnp.uint32(F32_ABS)
-    q = f32_bits_of(bits_f32(mag) / d)
+    q = f32_bits(bits_to_f32(mag) / d)
     efield = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS))
-    lifted = jnp.where(efield > 0, bits_f32(mag + jnp.uint32(64 << F32_MANT_BITS)),
+    lifted = jnp.where(efield > 0, bits_to_f32(mag + jnp.uint32(64 << F32_MANT_BITS)),
                        (mag & F32_MANT).astype(jnp.float32) * np.float32(2.0**-85))
-    q64 = f32_bits_of(lifted / d)
-    db = f32_bits_of(d)
-    lb = f32_bits_of(lifted)
+    q64 = f32_bits(lifted / d)
+    db = f32_bits(d)
+    lb = f32_bits(lifted)
     at_tie = (q64 == jnp.uint32(_f32_const_bits(2.0**-86))) & (
         (lb & F32_MANT) == (db & F32_MANT)) & (
         lax.shift_right_logical(lb, jnp.uint32(F32_MANT_BITS)) + jnp.uint32(86)
@@ -443,14 +443,6 @@ def hwfloat_sr_quotients(x_bits, divisors):
     big = q64 >= jnp.uint32(_f32_const_bits(2.0**-62))
     fixed = jnp.where(big, q64 - jnp.uint32(64 << F32_MANT_BITS), small)
     return jnp.where((efield > 0) & (q >= jnp.uint32(F32_IMPLICIT)), q, fixed)
-
-
-def bits_f32(b):
-    return lax.bitcast_convert_type(b, jnp.float32)
-
-
-def f32_bits_of(v):
-    return lax.bitcast_convert_type(v, jnp.uint32)
 
 
 # Quotients below 2^-100 (or above 2^126) round like any other of their kind in every mode:
