@@ -14,6 +14,10 @@ Every one of those operations is carried out here on float32 *bit patterns* with
 arithmetic (long division for the quotients), so the result is the IEEE one on every backend:
 XLA on CPU would flush subnormal operands and rewrite ``a / broadcast(c)`` as
 ``a * (1 / c)`` under ``jit`` (docs/design.md §8), which changes quotients in the last bit.
+On CPU the quotients take XLA's float32 division wherever it is provably the IEEE one (normal
+operands and quotient, the divisor per element or behind a barrier) and integer steps for the
+rest (:func:`div_by_integer`, :func:`element_quotient_bits`): a few operations instead of the
+long division, which made most of the NVFP4 training step's program (benchmarks/README.md).
 
 NVINT4 (INT4 elements k ∈ [−7, 7], Chen et al. 2025) takes the same steps with its element's
 largest value Q = 7 in place of 6: tensor scale amax / (448 * 7), block scale
