@@ -49,9 +49,8 @@ over 4 CPU devices give one device's result up to float32 summation order).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import NamedTuple, Optional, Union
+from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -66,9 +65,10 @@ from ._format import FormatLike
 from ._mx_decode import fast_decode_applies, mx_value_bits
 from ._mx_encode import quantize_mxarray
 from ._mxarray import MXArray
-from ._options import INPUT_DTYPES, DotSpec, ElementCast, MXCast, OperandCast
+from ._options import DotSpec, ElementCast, MXCast, OperandCast
+from ._qdot import register_family, training_dot
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, rceil_code
-from ._sharding import check_contraction, explicit_sharding, out_sharding_arg, replicated
+from ._sharding import explicit_sharding, replicated
 from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
 # lhs [M, K] x rhs [G, K, N] -> [M, N], rows of lhs ragged (lax.ragged_dot's layout).
@@ -82,144 +82,11 @@ _PER_GROUP = lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[])
 
 
-# -- the options ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RaggedSpec:
-    """Static, validated description of one quantized ragged dot (a jit-static argument).
-
-    ``lhs``/``rhs``: the forward operand casts; ``grad``: the cotangent's cast and
-    ``backward_lhs``/``backward_rhs`` the operands' re-quantization in the backward dots
-    (``backward="quantized"``); ``tensor_scaling``: per-group power-of-two scaling of
-    element-format operands (a recipe's ``scaling="tensor"``; element casts then saturate);
-    ``high_precision_wgrad``: grad_rhs as a float32 ragged dot of the unquantized lhs and
-    cotangent; ``high_precision_dgrad``: grad_lhs as a float32 ragged dot of the unquantized
-    cotangent and rhs (both: a recipe's ``backward_override="high_precision"``); ``pad``:
-    zero-pad K (and N in the backward dots) to whole blocks.
-
-    Example:
-        >>> spec = RaggedSpec.from_dot_spec(DotSpec.create(
-        ...     "mxfp8", "mxfp8", None, "rceil", "nearest_even", "ieee", False, "ste", "float32"))
-        >>> spec.lhs.fmt.name, spec.backward, spec.out_dtype
-        ('mxfp8_e4m3', 'ste', dtype('float32'))
-    """
-
-    lhs: OperandCast
-    rhs: OperandCast
-    grad: OperandCast
-    backward_lhs: OperandCast
-    backward_rhs: OperandCast
-    backward: str
-    tensor_scaling: bool
-    high_precision_wgrad: bool
-    pad: bool
-    out_dtype: np.dtype
-    high_precision_dgrad: bool = False
-
-    @classmethod
-    def from_dot_spec(cls, spec: DotSpec) -> "RaggedSpec":
-        """The ragged dot with :func:`lowprec.dot_general`'s validated options (its backward
-        dots re-quantize the operands in their forward formats)."""
-        return cls(spec.lhs, spec.rhs, spec.grad, spec.lhs, spec.rhs, spec.backward, False,
-                   False, spec.pad, spec.out_dtype)
-
-    def check_call(self, lhs, rhs, group_sizes, group_offset=None, out_sharding=None,
-                   func: str = "ragged_dot") -> "RaggedInput":
-        """Every entry check of a ragged dot of ``lhs`` [M, K] and ``rhs`` [G, K, N] with
-        ``group_sizes`` [G]; returns the call's input for the core.
-
-        Checks: no ``group_offset``; float operands (no MXArray) of ranks 2 and 3 sharing K;
-        integer group sizes of shape [G] (non-negative, where they are concrete); whole
-        blocks along K (or ``pad``); that no MX block along K straddles a shard boundary;
-        ``out_sharding``.
-        """
-        if group_offset is not None:
-            raise NotImplementedError(
-                f"{func}: group_offset (computing only some of the groups, for experts sharded "
-                "across devices) is not supported; call it without group_offset on the groups "
-                "this device holds"
-            )
-        for role, x in (("lhs", lhs), ("rhs", rhs)):
-            if isinstance(x, MXArray):
-                raise TypeError(
-                    f"{func}: {role} is an MXArray; a ragged dot takes float arrays and "
-                    f"quantizes them itself (pass the float values, or dequantize({role}))"
-                )
-        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        for role, x in (("lhs", lhs), ("rhs", rhs)):
-            if np.dtype(x.dtype) not in INPUT_DTYPES:
-                raise TypeError(
-                    f"{func}: {role} must be a float32, bfloat16 or float16 array, got dtype "
-                    f"{x.dtype}; convert it with .astype(jnp.float32)"
-                )
-        if lhs.ndim != 2 or rhs.ndim != 3:
-            raise ValueError(
-                f"{func} takes lhs [M, K] (tokens x features) and rhs [G, K, N] (one [K, N] "
-                f"weight per group), as lax.ragged_dot; got shapes {tuple(lhs.shape)} and "
-                f"{tuple(rhs.shape)}"
-            )
-        if lhs.shape[1] != rhs.shape[1]:
-            raise ValueError(
-                f"{func}: lhs has K = {lhs.shape[1]} features but rhs has K = {rhs.shape[1]} "
-                f"(shapes {tuple(lhs.shape)} and {tuple(rhs.shape)})"
-            )
-        groups = rhs.shape[0]
-        if groups == 0:
-            raise ValueError(f"{func}: rhs holds no groups (shape {tuple(rhs.shape)})")
-        group_sizes = _check_group_sizes(group_sizes, groups, func)
-        k = lhs.shape[1]
-        for role, x, cast in (("lhs", lhs, self.lhs), ("rhs", rhs, self.rhs)):
-            if isinstance(cast, MXCast):
-                check_contraction(x, (1,), cast.fmt.block_size, f"{func} {role} contraction")
-                _blocks_fit(cast, k, self.pad, f"{func} {role}", "K")
-        return RaggedInput(lhs, rhs, group_sizes, out_sharding_arg(out_sharding))
-
-    def check_backward(self, n: int) -> None:
-        """The entry check of ``backward="quantized"`` (run when the backward pass is
-        traced): grad_lhs blocks the cotangent and rhs along N, so each quantized one needs
-        whole blocks there (or ``pad``). Token blocks are padded per group anyway."""
-        for cast, what in ((self.grad, "cotangent"), (self.backward_rhs, "rhs")):
-            _blocks_fit(cast, n, self.pad, f"ragged_dot backward grad_lhs (reduces over N), {what}",
-                        "N")
-
-
-class RaggedInput(NamedTuple):
-    """A validated ragged dot: the operands (JAX arrays), int32 group sizes and the output
-    sharding (a NamedSharding or None)."""
-
-    lhs: jax.Array
-    rhs: jax.Array
-    group_sizes: jax.Array
-    out_sharding: object
-
-
-def _check_group_sizes(group_sizes, groups: int, func: str):
-    gs = jnp.asarray(group_sizes)
-    if not jnp.issubdtype(gs.dtype, jnp.integer):
-        raise TypeError(
-            f"{func}: group_sizes must be an integer array (tokens per group), got dtype "
-            f"{gs.dtype}"
-        )
-    if gs.shape != (groups,):
-        raise ValueError(
-            f"{func}: group_sizes must have shape ({groups},), one size per group of rhs, got "
-            f"shape {tuple(gs.shape)}"
-        )
-    if not isinstance(gs, jax.core.Tracer):
-        sizes = np.asarray(gs)
-        if np.any(sizes < 0):
-            raise ValueError(f"{func}: group_sizes must be non-negative, got {sizes.tolist()}")
-    return gs.astype(jnp.int32)
-
-
-def _blocks_fit(cast: OperandCast, length: int, pad: bool, what: str, axis: str) -> None:
-    if isinstance(cast, MXCast) and length % cast.fmt.block_size and not pad:
-        raise ValueError(
-            f"{what}: {axis} = {length} is not a multiple of the {cast.fmt.name} block size "
-            f"{cast.fmt.block_size}; pass pad=True to zero-pad the blocks (zeros add nothing to "
-            "the dot)"
-        )
+#: The former name of the ragged dot's options: a ragged dot takes the one options object of
+#: lowprec's training dots, :class:`~lowprec._options.DotSpec` (its fields ``backward_lhs``,
+#: ``backward_rhs``, ``tensor_scaling``, ``high_precision_wgrad`` and ``high_precision_dgrad``
+#: were RaggedSpec's). Deprecated: use DotSpec.
+RaggedSpec = DotSpec
 
 
 # -- the public function -------------------------------------------------------------------------
@@ -280,18 +147,19 @@ def ragged_dot(
         >>> y[:, 0].tolist()  # MXFP4 holds 0.1 as 0.09375 and 0.3 as 0.25
         [6.0, 6.0, 6.0, 16.0, 16.0]
     """
-    spec = RaggedSpec.from_dot_spec(DotSpec.create(
+    spec = DotSpec.create(
         lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad, backward,
         preferred_element_type,
-    ))
-    call = spec.check_call(lhs, rhs, group_sizes, group_offset, out_sharding)
+    )
+    call = spec.check_ragged_call(lhs, rhs, group_sizes, group_offset, out_sharding)
     return ragged_dot_jit(call.lhs, call.rhs, call.group_sizes, spec, call.out_sharding)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def ragged_dot_jit(lhs, rhs, group_sizes, spec: RaggedSpec, out_sharding=None):
-    """The quantized ragged dot of validated operands (see :meth:`RaggedSpec.check_call`)."""
-    return _ragged(lhs, rhs, group_sizes, spec, out_sharding)
+def ragged_dot_jit(lhs, rhs, group_sizes, spec: DotSpec, out_sharding=None):
+    """The quantized ragged dot of validated operands (see :meth:`DotSpec.check_ragged_call`):
+    lowprec's training dot in the ragged layout family."""
+    return training_dot(lhs, rhs, group_sizes, spec, ("ragged", out_sharding))
 
 
 # -- quantized values ----------------------------------------------------------------------------
@@ -499,11 +367,11 @@ def _gathered(bits, source):
     return jnp.take(bits, source, axis=0, mode="fill", fill_value=0)
 
 
-# -- the dot and its VJP -------------------------------------------------------------------------
+# -- the ragged layout family of the training dot -------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ragged(lhs, rhs, group_sizes, spec: RaggedSpec, out_sharding=None):
+def _ragged_fwd(lhs, rhs, group_sizes, spec: DotSpec, layout: tuple):
+    _, out_sharding = layout
     m, groups = lhs.shape[0], rhs.shape[0]
     gid = _group_ids(group_sizes, m)
     lb, rb = input_bits(lhs), input_bits(rhs)
@@ -516,15 +384,11 @@ def _ragged(lhs, rhs, group_sizes, spec: RaggedSpec, out_sharding=None):
     out = _product(lv, rv, group_sizes, _FORWARD, kinds, out_sharding)
     if spec.tensor_scaling:  # each row's group: 2^(el_g + er_g), as its own dot would
         out = out * pow2_f32(el[gid])[:, None] * pow2_f32(er[gid])[:, None]
-    return bits_to_dtype(f32_bits(out), spec.out_dtype)
-
-
-def _ragged_fwd(lhs, rhs, group_sizes, spec, out_sharding=None):
     # Residuals are the inputs; quantized values are recomputed in the backward pass.
-    return _ragged(lhs, rhs, group_sizes, spec, out_sharding), (lhs, rhs, group_sizes)
+    return bits_to_dtype(f32_bits(out), spec.out_dtype), (lhs, rhs, group_sizes)
 
 
-def _ragged_bwd(spec: RaggedSpec, out_sharding, residuals, g):
+def _ragged_bwd(spec: DotSpec, layout: tuple, residuals, g):
     lhs, rhs, group_sizes = residuals
     m, groups = lhs.shape[0], rhs.shape[0]
     gid = _group_ids(group_sizes, m)
@@ -535,7 +399,7 @@ def _ragged_bwd(spec: RaggedSpec, out_sharding, residuals, g):
     if spec.backward == "ste":
         grad_l, grad_r = _ste_backward(spec, lb, rb, gb, group_sizes, gid, groups, shardings)
     else:
-        spec.check_backward(rhs.shape[2])
+        spec.check_ragged_backward(rhs.shape[2])
         grad_l, grad_r = _quantized_backward(spec, lhs, rhs, gb, group_sizes, gid, groups,
                                              shardings)
     if spec.high_precision_wgrad:
@@ -549,7 +413,7 @@ def _ragged_bwd(spec: RaggedSpec, out_sharding, residuals, g):
             None)
 
 
-def _ste_backward(spec: RaggedSpec, lb, rb, gb, group_sizes, gid, groups: int, shardings):
+def _ste_backward(spec: DotSpec, lb, rb, gb, group_sizes, gid, groups: int, shardings):
     """The exact float32 gradient of the ragged dot of the quantized values."""
     el = er = None
     if spec.tensor_scaling:
@@ -566,12 +430,12 @@ def _ste_backward(spec: RaggedSpec, lb, rb, gb, group_sizes, gid, groups: int, s
     return grad_l, grad_r
 
 
-def _quantized_backward(spec: RaggedSpec, lhs, rhs, gb, group_sizes, gid, groups: int,
+def _quantized_backward(spec: DotSpec, lhs, rhs, gb, group_sizes, gid, groups: int,
                         shardings):
     """Both backward dots quantized, each operand along that dot's reduction axis, per group."""
     m = lhs.shape[0]
     lb, rb = input_bits(lhs), input_bits(rhs)
-    bl, br, cg = spec.backward_lhs, spec.backward_rhs, spec.grad
+    bl, br, cg = spec.bwd_lhs, spec.bwd_rhs, spec.grad
     if spec.tensor_scaling:
         el, er = _row_exponents(lb, gid, groups, bl), _expert_exponents(rb, br)
         eg = _row_exponents(gb, gid, groups, cg)
@@ -602,6 +466,6 @@ def _quantized_backward(spec: RaggedSpec, lhs, rhs, gb, group_sizes, gid, groups
     return grad_l, grad_r
 
 
-_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+register_family("ragged", _ragged_fwd, _ragged_bwd)
 
 __all__ = ["ragged_dot"]
