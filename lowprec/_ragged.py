@@ -34,6 +34,11 @@ result is within K·2^-23·Σ|a_i b_i| of the exact dot of the quantized operand
 bfloat16 dot in another order than a float32 one: the two differ by about an ulp). Gradients come back in
 their operands' dtypes; ``group_sizes`` gets none (integers).
 
+The NVFP4 training recipe (:data:`~lowprec.NVIDIA_NVFP4`, ``DotSpec.nvfp4``): each group is
+the recipe's own dot too (16 x 16 tiles per expert, the Hadamard transform and token blocks
+in the per-group padded layout; see the section "the NVFP4 training recipe, per group"
+below), its stochastic-rounding words drawn once for the whole cotangent.
+
 Not supported (refused with an error): ``group_offset`` (a slice of the groups, for expert
 sharding), :class:`~lowprec.MXArray` operands, other ``ragged_dot_general`` layouts.
 
@@ -65,7 +70,9 @@ from ._format import FormatLike
 from ._mx_decode import fast_decode_applies, mx_value_bits
 from ._mx_encode import quantize_mxarray
 from ._mxarray import MXArray
-from ._options import DotSpec, ElementCast, MXCast, OperandCast
+from ._nvfp4_train import quantize_2d, recipe_rht, recipe_rht_signs
+from ._options import NVFP4_TILE, DotSpec, ElementCast, MXCast, OperandCast
+from ._random import random_bits
 from ._qdot import register_family, training_dot
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, rceil_code
 from ._sharding import explicit_sharding, replicated
@@ -156,10 +163,12 @@ def ragged_dot(
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def ragged_dot_jit(lhs, rhs, group_sizes, spec: DotSpec, out_sharding=None):
+def ragged_dot_jit(lhs, rhs, group_sizes, spec: DotSpec, out_sharding=None, sr_key=None):
     """The quantized ragged dot of validated operands (see :meth:`DotSpec.check_ragged_call`):
-    lowprec's training dot in the ragged layout family."""
-    return training_dot(lhs, rhs, group_sizes, spec, ("ragged", out_sharding))
+    lowprec's training dot in the ragged layout family (``sr_key``: the NVFP4 recipe's
+    stochastic-rounding key, or None)."""
+    aux = group_sizes if spec.nvfp4 is None else (group_sizes, sr_key)
+    return training_dot(lhs, rhs, aux, spec, ("ragged", out_sharding))
 
 
 # -- quantized values ----------------------------------------------------------------------------
@@ -173,10 +182,10 @@ def _elementwise(bits, cast: OperandCast):
     return decode_bits(cast.fmt, codes)
 
 
-def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None):
+def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None, words=None):
     """float32 patterns of ``bits`` block-quantized along ``axis`` (zero-padded to whole
     blocks, padding dropped); ``tensor_scale``: a float32 scalar for schemes with one (None:
-    computed from ``bits``)."""
+    computed from ``bits``); ``words``: stochastic rounding's words (the padded shape)."""
     n, shape = bits.shape[axis], tuple(bits.shape)
     block = cast.fmt.block_size
     padded = -(-n // block) * block
@@ -184,7 +193,8 @@ def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None):
         widths = [(0, 0)] * bits.ndim
         widths[axis] = (0, padded - n)
         bits = jnp.pad(bits, widths)  # +0.0
-    mx = quantize_mxarray(bits, cast, axis, shape, None, tensor_scale)
+    rng = None if words is None else (None, words)
+    mx = quantize_mxarray(bits, cast, axis, shape, rng, tensor_scale)
     return mx_value_bits(mx.elements, mx.scales, cast.fmt, axis, n, mx.tensor_scale)
 
 
@@ -201,14 +211,16 @@ def _group_tensor_scales(bits, rows_group, num: int, cast: MXCast):
     return lax.bitcast_convert_type(jax.vmap(scale_of)(amax), jnp.float32)
 
 
-def _row_values(bits, cast: OperandCast, gid, groups: int):
+def _row_values(bits, cast: OperandCast, gid, groups: int, words=None):
     """Rows [M, C] of a token operand quantized along C (axis 1), each with its group's
-    tensor scale where the format has one."""
+    tensor scale where the format has one (``words``: [M, C padded], stochastic rounding)."""
     if not isinstance(cast, MXCast):
         return _elementwise(bits, cast)
     if not cast.fmt.scheme.tensor_scale:
         return _mx_bits(bits, cast, 1)
     ts = _group_tensor_scales(bits, gid, groups + 1, cast)[gid]
+    if words is not None:
+        return jax.vmap(lambda row, t, wd: _mx_bits(row, cast, 0, t, wd))(bits, ts, words)
     return jax.vmap(lambda row, t: _mx_bits(row, cast, 0, t))(bits, ts)
 
 
@@ -221,10 +233,12 @@ def _expert_values(bits, cast: OperandCast, axis: int):
     return jax.vmap(lambda w: _mx_bits(w, cast, axis - 1))(bits)
 
 
-def _token_block_values(bits, cast: OperandCast, unit_group, groups: int, unit: int):
+def _token_block_values(bits, cast: OperandCast, unit_group, groups: int, unit: int,
+                        words=None):
     """A token operand in the per-group padded layout [Mp, C] (every group starting at a
     multiple of ``unit``) quantized along tokens (axis 0); ``unit_group``: the group of each
-    run of ``unit`` rows (``groups`` for the trailing zeros)."""
+    run of ``unit`` rows (``groups`` for the trailing zeros); ``words``: [Mp, C], stochastic
+    rounding (a format with a tensor scale)."""
     if not isinstance(cast, MXCast):
         return _elementwise(bits, cast)
     if not cast.fmt.scheme.tensor_scale:
@@ -233,7 +247,11 @@ def _token_block_values(bits, cast: OperandCast, unit_group, groups: int, unit: 
     units = bits.reshape(mp // unit, unit, c)
     rows_group = jnp.repeat(unit_group, unit)
     ts = _group_tensor_scales(bits, rows_group, groups + 1, cast)[unit_group]
-    values = jax.vmap(lambda u, t: _mx_bits(u, cast, 0, t))(units, ts)
+    if words is not None:
+        values = jax.vmap(lambda u, t, wd: _mx_bits(u, cast, 0, t, wd))(
+            units, ts, words.reshape(mp // unit, unit, c))
+    else:
+        values = jax.vmap(lambda u, t: _mx_bits(u, cast, 0, t))(units, ts)
     return values.reshape(mp, c)
 
 
@@ -372,6 +390,8 @@ def _gathered(bits, source):
 
 def _ragged_fwd(lhs, rhs, group_sizes, spec: DotSpec, layout: tuple):
     _, out_sharding = layout
+    if spec.nvfp4 is not None:
+        return _nvfp4_fwd(lhs, rhs, group_sizes, spec, out_sharding)
     m, groups = lhs.shape[0], rhs.shape[0]
     gid = _group_ids(group_sizes, m)
     lb, rb = input_bits(lhs), input_bits(rhs)
@@ -389,6 +409,8 @@ def _ragged_fwd(lhs, rhs, group_sizes, spec: DotSpec, layout: tuple):
 
 
 def _ragged_bwd(spec: DotSpec, layout: tuple, residuals, g):
+    if spec.nvfp4 is not None:
+        return _nvfp4_bwd(spec, residuals, g)
     lhs, rhs, group_sizes = residuals
     m, groups = lhs.shape[0], rhs.shape[0]
     gid = _group_ids(group_sizes, m)
@@ -464,6 +486,97 @@ def _quantized_backward(spec: DotSpec, lhs, rhs, gb, group_sizes, gid, groups: i
         grad_r = (grad_r * pow2_f32(el[:groups])[:, None, None]
                   * pow2_f32(eg[:groups])[:, None, None])
     return grad_l, grad_r
+
+
+# -- the NVFP4 training recipe, per group ----------------------------------------------------------
+#
+# Each group is the recipe's own dot (_nvfp4_train.py) of its tokens and its expert: tokens
+# quantized along K under the group's tensor scale, each expert's weight in 16 x 16 tiles
+# (weight_block_2d) under its own; grad_x = Q(g along N, SR words) . Q2(w_g)^T; grad_w =
+# Q(M x_g along T)^T . Q(M g_g along T, SR words), the Hadamard transform M and the token
+# blocks running in the per-group padded layout (every group starting at a multiple of 16,
+# zero rows after it: a 16-block never mixes two groups, and the zero rows are the zero
+# padding of the group's own dot). Random words (stochastic rounding): k as the recipe's
+# (the dot's key inside stochastic_rounding_key, else fold_in(key(seed), h) with h the
+# wrapping sum of the cotangent's bits), w_d = random_bits(fold_in(k, 0), [M, N16]) for
+# the cotangent's rows and w_w = random_bits(fold_in(k, 1), [Mp, N16]) in the padded layout.
+
+
+def _nvfp4_casts(spec: DotSpec):
+    """The recipe's NVFP4 casts: round to nearest even, and the cotangent's rounding."""
+    opts = spec.nvfp4
+    rn = MXCast("nvfp4", None, "nearest_even", opts.nvfp4_step)
+    grad = MXCast("nvfp4", None, opts.grad_rounding, opts.nvfp4_step)
+    return rn, grad
+
+
+def _nvfp4_weights(rb, spec: DotSpec):
+    """[G, K, N] float32 patterns: each expert's weight quantized as the recipe reads it
+    (16 x 16 tiles of its [N, K] matrix with ``weight_block_2d``, else 16-blocks along K),
+    under its own tensor scale."""
+    opts = spec.nvfp4
+    if not opts.weight_block_2d:
+        return _expert_values(rb, _nvfp4_casts(spec)[0], 1)
+    _, k, n = rb.shape
+
+    def one(w):  # [K, N] -> the tiles of its [N16, K16] matrix, back to [K, N]
+        wt = jnp.pad(bits_to_f32(w).T, ((0, -n % NVFP4_TILE), (0, -k % NVFP4_TILE)))
+        return f32_bits(quantize_2d(wt, step=opts.nvfp4_step)[:n, :k].T)
+
+    return jax.vmap(one)(rb)
+
+
+def _nvfp4_fwd(lhs, rhs, aux, spec: DotSpec, out_sharding):
+    group_sizes, sr_key = aux
+    m, groups = lhs.shape[0], rhs.shape[0]
+    gid = _group_ids(group_sizes, m)
+    lv = _row_values(input_bits(lhs), _nvfp4_casts(spec)[0], gid, groups)
+    rv = _nvfp4_weights(input_bits(rhs), spec)
+    out = _product(lv, rv, group_sizes, _FORWARD, out_sharding=out_sharding)
+    return bits_to_dtype(f32_bits(out), spec.out_dtype), (lhs, rhs, group_sizes, sr_key)
+
+
+def _nvfp4_bwd(spec: DotSpec, residuals, g):
+    lhs, rhs, group_sizes, sr_key = residuals
+    opts = spec.nvfp4
+    (m, _), (groups, _, n) = lhs.shape, rhs.shape
+    gid = _group_ids(group_sizes, m)
+    lb, rb, gb = input_bits(lhs), input_bits(rhs), input_bits(g)
+    sl, sr = explicit_sharding(lhs), explicit_sharding(rhs)
+    rn, gcast = _nvfp4_casts(spec)
+    override = opts.backward_override
+    if override is not None:  # float32 products of g and the operands as the forward read them
+        if override == "dequantized":
+            lb, rb = _row_values(lb, rn, gid, groups), _nvfp4_weights(rb, spec)
+        grad_l = _product(gb, jnp.swapaxes(rb, 1, 2), group_sizes, _FORWARD, out_sharding=sl)
+        grad_r = _product(lb, gb, group_sizes, _PER_GROUP, out_sharding=sr)
+    else:
+        wd = ww = None
+        n16 = -(-n // NVFP4_TILE) * NVFP4_TILE
+        source, unit_group, padded_sizes = _padded_layout(group_sizes, m, NVFP4_TILE)
+        if opts.grad_rounding == "stochastic":
+            key = sr_key
+            if key is None:
+                h = jnp.sum(gb, dtype=jnp.uint32)  # padding adds zeros
+                key = jax.random.fold_in(jax.random.key(opts.seed), h)
+            wd = random_bits(jax.random.fold_in(key, 0), (m, n16))
+            ww = random_bits(jax.random.fold_in(key, 1), (source.shape[0], n16))
+        # grad_x: each row of g along N (its group's tensor scale) . the expert's weight.
+        gv = _row_values(gb, gcast, gid, groups, wd)
+        rv = jnp.swapaxes(_nvfp4_weights(rb, spec), 1, 2)  # [G, N, K]
+        grad_l = _product(gv, rv, group_sizes, _FORWARD, out_sharding=sl)
+        # grad_w: tokens and cotangent in the per-group padded layout, transformed and
+        # quantized along tokens.
+        xp, gp = bits_to_f32(_gathered(lb, source)), bits_to_f32(_gathered(gb, source))
+        if opts.wgrad_rht:
+            signs = recipe_rht_signs(opts)
+            xp, gp = recipe_rht(xp, opts, signs, 0), recipe_rht(gp, opts, signs, 0)
+        xv = _token_block_values(f32_bits(xp), rn, unit_group, groups, NVFP4_TILE)
+        gv2 = _token_block_values(f32_bits(gp), gcast, unit_group, groups, NVFP4_TILE,
+                                  None if ww is None else ww[:, :n])
+        grad_r = _product(xv, gv2, padded_sizes, _PER_GROUP, out_sharding=sr)
+    return (bits_to_dtype(f32_bits(grad_l), lhs.dtype), bits_to_dtype(f32_bits(grad_r), rhs.dtype),
+            (None, None))
 
 
 register_family("ragged", _ragged_fwd, _ragged_bwd)

@@ -557,8 +557,12 @@ class Recipe:
         tokens under one scale); :data:`FP8_HYBRID` (``scaling="tensor"``) and NVFP4 formats
         also differ in the forward and input gradient, with one scale per group and per
         expert instead of one per operand (each expert's GEMM is scaled for its own
-        values). :data:`NVIDIA_NVFP4`'s parts (``weight_block_2d``, ``wgrad_rht``,
-        stochastic ``grad_rounding``) are not implemented for ragged dots: refused.
+        values). :data:`NVIDIA_NVFP4` (its 16 x 16 weight tiles, per expert; the Hadamard
+        transform of the weight-gradient operands and their 16-blocks along tokens, in the
+        per-group layout, so a block never mixes two groups; stochastic rounding of the
+        cotangent, its words as ``lowprec/_ragged.py`` states) is each group's
+        :meth:`dot_general` too, but for the random words, which are drawn for the whole
+        cotangent; ``four_over_six`` is refused.
 
         Args:
           lhs: [M, K] float32/bfloat16/float16 tokens, grouped by expert.
@@ -579,21 +583,22 @@ class Recipe:
         """
         del precision
         self._state_needed("a ragged dot")
-        if self._nvfp4_training():
+        if self.four_over_six:
             raise ValueError(
-                "ragged_dot does not implement the NVFP4 training recipe's parts "
-                "(weight_block_2d, wgrad_rht, grad_rounding='stochastic', nvfp4_step="
-                "'reciprocal', four_over_six); use a recipe without them, e.g. "
-                "dataclasses.replace(recipe, weight_block_2d=False, wgrad_rht=False, "
-                "grad_rounding='nearest_even', rht_signs=None, rht_dtype='float32', "
-                "nvfp4_step='divide'), or keep the expert layers in high precision"
-            )
+                "ragged_dot does not implement four_over_six (Four over Six in the NVFP4 "
+                "recipe's forward); use dataclasses.replace(recipe, four_over_six=False) for "
+                "the expert layers, or keep them in high precision")
         spec = self.dot_spec(np.dtype(np.float32))
         call = spec.check_ragged_call(lhs, rhs, group_sizes, group_offset, out_sharding,
                                f"{self.name or 'recipe'} ragged_dot")
         out_dtype = _out_dtype(call.lhs, call.rhs, preferred_element_type, "recipe ragged_dot")
         spec = dataclasses.replace(spec, out_dtype=out_dtype)
-        return ragged_dot_jit(call.lhs, call.rhs, call.group_sizes, spec, call.out_sharding)
+        sr_key = None
+        if (spec.nvfp4 is not None and self.grad_rounding == "stochastic"
+                and self.backward_override is None):
+            sr_key = next_key(call.lhs, call.rhs, what=f"{self.name or 'recipe'} ragged_dot")
+        return ragged_dot_jit(call.lhs, call.rhs, call.group_sizes, spec, call.out_sharding,
+                              sr_key)
 
     def dot_spec(self, out_dtype=np.float32) -> DotSpec:
         """The options of this recipe's dots (the one options object of lowprec's training
