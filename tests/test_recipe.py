@@ -501,7 +501,7 @@ def test_ragged_spec_is_the_dot_spec():
     spec = FP8_HYBRID.dot_spec()
     assert spec.tensor_scaling and spec.bwd_lhs == spec.lhs and spec.grad.fmt.name == "e5m2"
     spec = Recipe(forward="mxfp8", grad="mxfp8", backward_operands=("mxfp4", None)).dot_spec()
-    assert spec.bwd_lhs.fmt.name == "mxfp4_e2m1" and spec.bwd_rhs is None
+    assert spec.bwd_lhs.fmt.name == "mxfp4" and spec.bwd_rhs is None
     hp = dataclasses.replace(NVIDIA_MXFP8, backward_override="high_precision").dot_spec()
     assert hp.high_precision_wgrad and hp.high_precision_dgrad and hp.backward == "ste"
     nv = lowprec.NVIDIA_NVFP4.dot_spec()
