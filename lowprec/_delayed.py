@@ -34,7 +34,6 @@ respect to the state and use that gradient as the next step's state, as Flax's
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -48,6 +47,9 @@ from ._encode import encode_bits
 from ._format import ElementFormat, element_format
 from ._gpu_gemm import fp8_dot_general, fp8_pair, fp8_values
 from ._nvfp4 import f32_div_hwfloat
+from ._options import DotSpec
+from ._qdot import register_family, training_dot
+from ._scale_rules import DEFAULT_SCALE_RULE
 from ._sharding import out_sharding_arg
 from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
@@ -192,7 +194,17 @@ def delayed_dot_general(lhs, rhs, state: DelayedState, dimension_numbers, cfg: D
             "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
             f"rhs_batch)) as in lax.dot_general, got {dimension_numbers!r}"
         ) from None
-    return _delayed_dot(lhs, rhs, state, dn, cfg, out_sharding_arg(out_sharding))
+    return training_dot(lhs, rhs, state, delayed_spec(cfg), ("delayed", dn,
+                                                            out_sharding_arg(out_sharding)))
+
+
+def delayed_spec(cfg: DelayedScaling) -> DotSpec:
+    """The training dot's options of delayed scaling ``cfg``: FP8 casts of the operands
+    (``fwd_format``) and of the cotangent (``bwd_format``), saturating, both backward dots
+    quantized (``DotSpec.delayed`` holds ``cfg``; the scales come from the state)."""
+    spec = DotSpec.create(cfg.fwd_format, cfg.fwd_format, cfg.bwd_format, DEFAULT_SCALE_RULE,
+                          "nearest_even", "saturate", False, "quantized", jnp.float32)
+    return dataclasses.replace(spec, delayed=cfg)
 
 
 def _fp8_route(cfg: DelayedScaling) -> bool:
@@ -211,12 +223,12 @@ def _f32dot(a, b, dn, out_sharding=None):
                            preferred_element_type=jnp.float32, out_sharding=out_sharding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _delayed_dot(lhs, rhs, state, dn, cfg, out_sharding):
-    return _fwd(lhs, rhs, state, dn, cfg, out_sharding)[0]
+# -- the delayed layout family of the training dot --------------------------------------------------
 
 
-def _fwd(lhs, rhs, state, dn, cfg, out_sharding):
+def _fwd(lhs, rhs, state, spec: DotSpec, layout: tuple):
+    _, dn, out_sharding = layout
+    cfg = spec.delayed
     f = element_format(cfg.fwd_format)
     cl, cr = _codes(lhs, state.scale[0], f), _codes(rhs, state.scale[1], f)
 
@@ -234,7 +246,9 @@ def _fwd(lhs, rhs, state, dn, cfg, out_sharding):
     return out, (cl, cr, _amax(lhs), _amax(rhs), state, dtypes)
 
 
-def _bwd(dn, cfg, out_sharding, res, g):
+def _bwd(spec: DotSpec, layout: tuple, res, g):
+    _, dn, out_sharding = layout
+    cfg = spec.delayed
     cl, cr, al, ar, state, (lhs_t, rhs_t) = res
     ff, fb = element_format(cfg.fwd_format), element_format(cfg.bwd_format)
     cg = _codes(g, state.scale[2], fb)  # g: the float32 output's cotangent
@@ -271,4 +285,4 @@ def _transposed_with(operand, dot, cl, cr, cg, scales, ff, fb):
     return vjp(operand(cg, fb, sg))
 
 
-_delayed_dot.defvjp(_fwd, _bwd)
+register_family("delayed", _fwd, _bwd)

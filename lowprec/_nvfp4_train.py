@@ -99,12 +99,14 @@ from ._format import mx_format
 from ._gpu_gemm import apply_tensor_scales, block_values_bf16
 from ._mx import dequantize, quantize_mx
 from ._mx_encode import nvfp4_values
+from ._options import BACKWARD_OVERRIDES, NVFP4_TILE, RHT_DTYPES, DotSpec  # noqa: F401 (re-exported)
+from ._qdot import register_family, training_dot
 from ._random import random_bits
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
                         split_dims, split_out_sharding)
 from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
-TILE = 16  # NVFP4 block length, and the side of weight tiles and of the Hadamard blocks
+TILE = NVFP4_TILE  # NVFP4 block length, and the side of weight tiles and of the Hadamard blocks
 
 #: Transformer Engine's fixed RHT sign vector for NVFP4 weight gradients, as a mask: bit i set
 #: where sign i is -1 (TE's ``get_sign_from_vector``). TE's vector (``get_wgrad_sign_vector``)
@@ -114,10 +116,6 @@ TE_RHT_SIGN_MASK = 0b1101_0111_1110_1000
 #: ``NVFP4BlockScaling`` does: ``dataclasses.replace(lowprec.NVIDIA_NVFP4, **TE_NVFP4_OPTIONS)``.
 TE_NVFP4_OPTIONS = types.MappingProxyType(
     {"nvfp4_step": "reciprocal", "rht_signs": "transformer_engine", "rht_dtype": "bfloat16"})
-#: ``backward_override=`` choices (Transformer Engine's ``NVTE_BACKWARD_OVERRIDE``).
-BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
-#: ``rht_dtype=`` choices: the dtype the Hadamard transform's operands and result are rounded to.
-RHT_DTYPES = ("float32", "bfloat16")
 
 
 def rht_signs(seed: int, n: int = TILE) -> jax.Array:
@@ -194,10 +192,15 @@ def rht(v, signs, axis: int = 0):
     return b.reshape(r, c) * jnp.float32(1 / np.sqrt(n))
 
 
-def quantize_1d(v, axis: int, words=None, gemm: bool = False, step=None):
+def quantize_1d(v, axis: int, words=None, gemm: bool = False, step=None,
+                four_over_six: bool = False):
     """float32 values of NVFP4 ``v`` blocked along ``axis`` (words: stochastic rounding;
     ``step``: the ``nvfp4_step``); ``gemm``: instead the GPU GEMM's operand, (bfloat16 block
-    values, tensor scale)."""
+    values, tensor scale). ``four_over_six``: the blocks scaled to 4 or to 6 by the
+    ``nvfp4_4over6`` format's own quantizer (round to nearest; its own element step)."""
+    if four_over_six:
+        return dequantize(quantize_mx(v, "nvfp4_4over6", axis=axis))
+
     def portable(v, words):
         if words is None:
             mx = quantize_mx(v, "nvfp4", axis=axis, nvfp4_step=step)
@@ -346,7 +349,7 @@ def check_layout(lhs_shape, rhs_shape, dn) -> None:
         )
 
 
-def nvfp4_dot(lhs, rhs, dn, recipe, out_dtype, out_sharding=None, sr_key=None):
+def nvfp4_dot(lhs, rhs, dn, spec: DotSpec, out_sharding=None, sr_key=None):
     """The recipe's dot of a linear layer (layouts of :func:`check_layout`): the weight seen
     as 2-D, [K, N] or [N, K], its contracting axes flattened into K and its output axes into
     N (a DenseGeneral's [D, heads, head_dim] is [D, heads * head_dim]; its 16 x 16 tiles are
@@ -355,7 +358,7 @@ def nvfp4_dot(lhs, rhs, dn, recipe, out_dtype, out_sharding=None, sr_key=None):
     (lc, rc), _ = dn
     c, nl, nr = len(lc), len(lhs.shape), len(rhs.shape)
     if c == 1 and nr == 2:  # already a 2-D weight: no reshape
-        return nvfp4_train_dot(lhs, rhs, dn, recipe, out_dtype, out_sharding, sr_key)
+        return nvfp4_train_dot(lhs, rhs, dn, spec, out_sharding, sr_key)
     nlead = nl - c
     k = math.prod(lhs.shape[nlead:])
     k_first = tuple(rc) == tuple(range(c))
@@ -369,17 +372,17 @@ def nvfp4_dot(lhs, rhs, dn, recipe, out_dtype, out_sharding=None, sr_key=None):
     inner, constraint = split_out_sharding(out_sharding)
     final = inner if inner is not None else dot_out_sharding(lhs, rhs, dn)
     groups = [*([d] for d in range(nlead)), range(nlead, nlead + len(free))]
-    y = nvfp4_train_dot(x, w, (((nlead,), (0 if k_first else 1,)), ((), ())), recipe, out_dtype,
+    y = nvfp4_train_dot(x, w, (((nlead,), (0 if k_first else 1,)), ((), ())), spec,
                         merged_sharding(inner, groups), sr_key)
     y = jnp.reshape(y, (*lhs.shape[:nlead], *free), out_sharding=final)
     return y if constraint is None else lax.with_sharding_constraint(y, constraint)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def nvfp4_train_dot(x, w, dn, recipe, out_dtype, out_sharding=None, sr_key=None):
-    """The recipe's dot; ``sr_key``: the key of the gradients' stochastic rounding (None:
-    words from the seed and the cotangent's bits)."""
-    return _forward(x, w, dn, recipe, out_dtype, out_sharding)
+def nvfp4_train_dot(x, w, dn, spec: DotSpec, out_sharding=None, sr_key=None):
+    """The recipe's dot (lowprec's training dot in the "nvfp4" layout family: x [..., K] and a
+    2-D weight); ``sr_key``: the key of the gradients' stochastic rounding (None: words from
+    the seed and the cotangent's bits)."""
+    return training_dot(x, w, sr_key, spec, ("nvfp4", dn, out_sharding))
 
 
 def _weight_nk(w, dn):
@@ -389,12 +392,15 @@ def _weight_nk(w, dn):
     return _pad_to(_pad_to(_f32(wt), 0), 1)
 
 
-def _quantized_weight(wt, recipe, gemm: bool = False):
-    """The quantized weight [N, K] (from :func:`_weight_nk`), as :func:`_gemm` takes it."""
+def _quantized_weight(wt, recipe, gemm: bool = False, forward: bool = False):
+    """The quantized weight [N, K] (from :func:`_weight_nk`), as :func:`_gemm` takes it;
+    ``forward``: as the forward product reads it (Four over Six's 16-element blocks where the
+    recipe asks for them; 16 x 16 tiles keep their map-to-6 scales)."""
     step = recipe.nvfp4_step
     if recipe.weight_block_2d:
         return quantize_2d(wt, gemm, step)
-    return quantize_1d(wt, 1, gemm=gemm, step=step)
+    return quantize_1d(wt, 1, gemm=gemm, step=step,
+                       four_over_six=forward and recipe.four_over_six)
 
 
 def _forward(x, w, dn, recipe, out_dtype, out_sharding):
@@ -408,22 +414,29 @@ def _forward(x, w, dn, recipe, out_dtype, out_sharding):
     sy = merged_sharding(inner, [range(x.ndim - 1), [x.ndim - 1]])
 
     def product(gemm, x2, wt):
-        xq = quantize_1d(x2, 1, gemm=gemm, step=recipe.nvfp4_step)
-        return _gemm(gemm, xq, _quantized_weight(wt, recipe, gemm),
+        xq = quantize_1d(x2, 1, gemm=gemm, step=recipe.nvfp4_step,
+                         four_over_six=recipe.four_over_six)
+        return _gemm(gemm, xq, _quantized_weight(wt, recipe, gemm, forward=True),
                      (((1,), (1,)), ((), ())), sy)
 
-    y = _routed(product, x2, _weight_nk(w, dn))
+    if recipe.four_over_six:  # its values are not the GPU GEMM's (bfloat16 values, scale)
+        y = product(False, x2, _weight_nk(w, dn))
+    else:
+        y = _routed(product, x2, _weight_nk(w, dn))
     y = _unpad(y, y.shape[0], n)
     y = jnp.reshape(y, (*x.shape[:-1], n), out_sharding=final)
     y = y if constraint is None else lax.with_sharding_constraint(y, constraint)
     return bits_to_dtype(f32_bits(y), out_dtype)
 
 
-def _fwd(x, w, dn, recipe, out_dtype, out_sharding, sr_key=None):
-    return nvfp4_train_dot(x, w, dn, recipe, out_dtype, out_sharding, sr_key), (x, w, sr_key)
+def _fwd(x, w, sr_key, spec: DotSpec, layout: tuple):
+    _, dn, out_sharding = layout
+    return _forward(x, w, dn, spec.nvfp4, spec.out_dtype, out_sharding), (x, w, sr_key)
 
 
-def _bwd(dn, recipe, out_dtype, out_sharding, residuals, g):
+def _bwd(spec: DotSpec, layout: tuple, residuals, g):
+    _, dn, _ = layout
+    recipe = spec.nvfp4
     x, w, sr_key = residuals
     k = x.shape[-1]
     (_, rc), _ = dn
@@ -440,15 +453,16 @@ def _bwd(dn, recipe, out_dtype, out_sharding, residuals, g):
     # grad_w [K16, N16] in the weight's layout (transposed for a weight stored [N, K]).
     sw = explicit_sharding(w)
     if sw is not None and rc[0] == 1:
-        spec = (tuple(sw.spec) + (None, None))[:2]
-        sw = jax.sharding.NamedSharding(sw.mesh, jax.sharding.PartitionSpec(*spec[::-1]))
+        axes = (tuple(sw.spec) + (None, None))[:2]
+        sw = jax.sharding.NamedSharding(sw.mesh, jax.sharding.PartitionSpec(*axes[::-1]))
     wt = _weight_nk(w, dn)
     override = recipe.backward_override
     if override is None:
         gx, gw = _quantized_grads(recipe, x2, g2, wt, sx2, sw, sr_key)
     else:  # float32 dots of g and the operands, unquantized or as the forward read them
         if override == "dequantized":
-            x2, wt = quantize_1d(x2, 1, step=recipe.nvfp4_step), _quantized_weight(wt, recipe)
+            x2 = quantize_1d(x2, 1, step=recipe.nvfp4_step, four_over_six=recipe.four_over_six)
+            wt = _quantized_weight(wt, recipe, forward=True)
         gx = _f32dot(g2, wt, (((1,), (0,)), ((), ())), sx2)
         gw = _f32dot(x2, g2, (((0,), (0,)), ((), ())), sw)
     gx = _unpad(gx, t, k)
@@ -487,4 +501,4 @@ def _quantized_grads(recipe, x2, g2, wt, sx2, sw, sr_key):
     return gx, _routed(grad_w, x2, g2t, wwt)
 
 
-nvfp4_train_dot.defvjp(_fwd, _bwd)
+register_family("nvfp4", _fwd, _bwd)

@@ -34,8 +34,9 @@ from ._format import (
 )
 from ._dtypes import check_input_dtype, host_decode
 from ._mxarray import MXArray
-from ._rounding import DocumentedStr, check_overflow, check_rounding
+from ._rounding import DocumentedStr, Rounding, check_overflow, check_rounding
 from ._scale_rules import ScaleRule, check_scale_rule
+from ._scheme_nvfp4 import NVFP4Step
 from ._sharding import check_block_axis, check_contraction, out_sharding_arg
 
 
@@ -417,15 +418,75 @@ def _blocks_fit(cast: OperandCast, length: int, pad: bool, what: str) -> None:
         )
 
 
+#: ``backward_override=`` choices (Transformer Engine's ``NVTE_BACKWARD_OVERRIDE``): None (the
+#: backward products as ``backward`` says), ``"high_precision"`` (float32 dots of the
+#: unquantized cotangent and operands) or ``"dequantized"`` (of the unquantized cotangent and
+#: the operands as the forward quantized them).
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+#: ``rht_dtype=`` choices: the dtype the Hadamard transform's operands and result are rounded to.
+RHT_DTYPES = ("float32", "bfloat16")
+#: The side of NVFP4's blocks, weight tiles and Hadamard blocks.
+NVFP4_TILE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Training:
+    """The parts of NVIDIA's NVFP4 training recipe a dot applies (``DotSpec.nvfp4``): the
+    :class:`~lowprec.Recipe` fields of the same names, validated there
+    (``lowprec/_nvfp4_train.py`` states the steps).
+
+    Example:
+        >>> NVFP4Training(weight_block_2d=True).nvfp4_step
+        <NVFP4Step.DIVIDE: 'divide'>
+    """
+
+    weight_block_2d: bool = False
+    wgrad_rht: bool = False
+    grad_rounding: Rounding = Rounding.NEAREST_EVEN
+    seed: int = 0
+    nvfp4_step: NVFP4Step = NVFP4Step.DIVIDE
+    rht_signs: Union[None, str, tuple] = None
+    rht_dtype: str = "float32"
+    backward_override: Optional[str] = None
+    four_over_six: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "grad_rounding", Rounding(self.grad_rounding))
+        object.__setattr__(self, "nvfp4_step", NVFP4Step(self.nvfp4_step))
+
+
+#: A ``DotSpec`` field default: the backward dots re-quantize an operand in its forward cast.
+FORWARD = "forward"
+
+
 @dataclasses.dataclass(frozen=True)
 class DotSpec:
-    """Static, validated description of one quantized dot (dot_general's keyword arguments).
+    """Static, validated description of one quantized training dot: the one options object
+    of :func:`lowprec.dot_general`, :func:`lowprec.ragged_dot`, the :class:`~lowprec.Recipe`
+    dots, delayed scaling and the NVFP4 training recipe (all differentiated by the one
+    custom VJP of ``_qdot.py``, :func:`~lowprec._qdot.training_dot`).
 
     ``lhs``/``rhs``/``grad`` are the operand casts (None: the operand is used as it is),
     built from the formats with ``scale_rule``/``rounding``/``overflow``; those three are
     kept for MXArray operands, whose casts are filled in from their own format
     (:meth:`check_call`). ``kernels``: whether the kernel policy of the call
     (``lowprec.kernels``) lets Pallas kernels serve it, a static part of the dot.
+
+    What the recipes add (defaults: a plain ``dot_general``):
+
+    * ``backward_lhs``/``backward_rhs``: the operands' casts in the ``backward="quantized"``
+      dots (default ``"forward"``: their forward casts, :attr:`bwd_lhs`/:attr:`bwd_rhs`);
+    * ``tensor_scaling``: each operand (and the cotangent) divided by its own power of two
+      before an element cast (a recipe's ``scaling="tensor"``; the casts then saturate);
+      a ragged dot's per group of tokens and per expert;
+    * ``high_precision_wgrad``/``high_precision_dgrad``: the weight (rhs) / input (lhs)
+      gradient as a float32 dot of the unquantized operand and cotangent (both: a recipe's
+      ``backward_override="high_precision"``);
+    * ``nvfp4``: the NVFP4 training recipe's parts (:class:`NVFP4Training`), or None;
+    * ``delayed``: Transformer Engine's delayed scaling (a ``lowprec.DelayedScaling``), or
+      None; the dot then takes a ``DelayedState`` and returns the next one as its gradient.
+
+    A ragged dot takes the same object (``RaggedSpec`` is its former name).
 
     Example:
         >>> spec = DotSpec.create("mxfp8", None, None, "rceil", "nearest_even", "ieee", False,
@@ -444,6 +505,23 @@ class DotSpec:
     backward: str
     out_dtype: np.dtype
     kernels: bool = True
+    backward_lhs: Union[OperandCast, str] = FORWARD
+    backward_rhs: Union[OperandCast, str] = FORWARD
+    tensor_scaling: bool = False
+    high_precision_wgrad: bool = False
+    high_precision_dgrad: bool = False
+    nvfp4: Optional[NVFP4Training] = None
+    delayed: Optional[object] = None
+
+    @property
+    def bwd_lhs(self) -> OperandCast:
+        """The lhs cast of the ``backward="quantized"`` dots."""
+        return self.lhs if isinstance(self.backward_lhs, str) else self.backward_lhs
+
+    @property
+    def bwd_rhs(self) -> OperandCast:
+        """The rhs cast of the ``backward="quantized"`` dots."""
+        return self.rhs if isinstance(self.backward_rhs, str) else self.backward_rhs
 
     @classmethod
     def create(
@@ -552,11 +630,109 @@ class DotSpec:
         lhs along m, so each quantized one needs whole blocks there (or ``pad``)."""
         for cast, length, what in (
             (self.grad, n, "backward grad_lhs (reduces over rhs's free dims), cotangent"),
-            (self.rhs, n, "backward grad_lhs (reduces over rhs's free dims), rhs"),
+            (self.bwd_rhs, n, "backward grad_lhs (reduces over rhs's free dims), rhs"),
             (self.grad, m, "backward grad_rhs (reduces over lhs's free dims), cotangent"),
-            (self.lhs, m, "backward grad_rhs (reduces over lhs's free dims), lhs"),
+            (self.bwd_lhs, m, "backward grad_rhs (reduces over lhs's free dims), lhs"),
         ):
             _blocks_fit(cast, length, self.pad, what)
+
+
+    def check_ragged_call(self, lhs, rhs, group_sizes, group_offset=None, out_sharding=None,
+                          func: str = "ragged_dot") -> "RaggedInput":
+        """Every entry check of a ragged dot of ``lhs`` [M, K] and ``rhs`` [G, K, N] with
+        ``group_sizes`` [G] with this spec; returns the call's input for the core.
+
+        Checks: no ``group_offset``; float operands (no MXArray) of ranks 2 and 3 sharing K;
+        integer group sizes of shape [G] (non-negative, where they are concrete); whole
+        blocks along K (or ``pad``); that no MX block along K straddles a shard boundary;
+        ``out_sharding``.
+        """
+        if group_offset is not None:
+            raise NotImplementedError(
+                f"{func}: group_offset (computing only some of the groups, for experts sharded "
+                "across devices) is not supported; call it without group_offset on the groups "
+                "this device holds"
+            )
+        for role, x in (("lhs", lhs), ("rhs", rhs)):
+            if isinstance(x, MXArray):
+                raise TypeError(
+                    f"{func}: {role} is an MXArray; a ragged dot takes float arrays and "
+                    f"quantizes them itself (pass the float values, or dequantize({role}))"
+                )
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        for role, x in (("lhs", lhs), ("rhs", rhs)):
+            if np.dtype(x.dtype) not in INPUT_DTYPES:
+                raise TypeError(
+                    f"{func}: {role} must be a float32, bfloat16 or float16 array, got dtype "
+                    f"{x.dtype}; convert it with .astype(jnp.float32)"
+                )
+        if lhs.ndim != 2 or rhs.ndim != 3:
+            raise ValueError(
+                f"{func} takes lhs [M, K] (tokens x features) and rhs [G, K, N] (one [K, N] "
+                f"weight per group), as lax.ragged_dot; got shapes {tuple(lhs.shape)} and "
+                f"{tuple(rhs.shape)}"
+            )
+        if lhs.shape[1] != rhs.shape[1]:
+            raise ValueError(
+                f"{func}: lhs has K = {lhs.shape[1]} features but rhs has K = {rhs.shape[1]} "
+                f"(shapes {tuple(lhs.shape)} and {tuple(rhs.shape)})"
+            )
+        groups = rhs.shape[0]
+        if groups == 0:
+            raise ValueError(f"{func}: rhs holds no groups (shape {tuple(rhs.shape)})")
+        group_sizes = _check_group_sizes(group_sizes, groups, func)
+        k = lhs.shape[1]
+        for role, x, cast in (("lhs", lhs, self.lhs), ("rhs", rhs, self.rhs)):
+            if isinstance(cast, MXCast):
+                check_contraction(x, (1,), cast.fmt.block_size, f"{func} {role} contraction")
+                _ragged_blocks_fit(cast, k, self.pad, f"{func} {role}", "K")
+        return RaggedInput(lhs, rhs, group_sizes, out_sharding_arg(out_sharding))
+
+    def check_ragged_backward(self, n: int) -> None:
+        """The entry check of a ragged dot's ``backward="quantized"`` (run when the backward
+        pass is traced): grad_lhs blocks the cotangent and rhs along N, so each quantized one
+        needs whole blocks there (or ``pad``). Token blocks are padded per group anyway."""
+        for cast, what in ((self.grad, "cotangent"), (self.bwd_rhs, "rhs")):
+            _ragged_blocks_fit(cast, n, self.pad,
+                               f"ragged_dot backward grad_lhs (reduces over N), {what}", "N")
+
+
+class RaggedInput(NamedTuple):
+    """A validated ragged dot: the operands (JAX arrays), int32 group sizes and the output
+    sharding (a NamedSharding or None)."""
+
+    lhs: jax.Array
+    rhs: jax.Array
+    group_sizes: jax.Array
+    out_sharding: object
+
+
+def _check_group_sizes(group_sizes, groups: int, func: str):
+    gs = jnp.asarray(group_sizes)
+    if not jnp.issubdtype(gs.dtype, jnp.integer):
+        raise TypeError(
+            f"{func}: group_sizes must be an integer array (tokens per group), got dtype "
+            f"{gs.dtype}"
+        )
+    if gs.shape != (groups,):
+        raise ValueError(
+            f"{func}: group_sizes must have shape ({groups},), one size per group of rhs, got "
+            f"shape {tuple(gs.shape)}"
+        )
+    if not isinstance(gs, jax.core.Tracer):
+        sizes = np.asarray(gs)
+        if np.any(sizes < 0):
+            raise ValueError(f"{func}: group_sizes must be non-negative, got {sizes.tolist()}")
+    return gs.astype(jnp.int32)
+
+
+def _ragged_blocks_fit(cast: OperandCast, length: int, pad: bool, what: str, axis: str) -> None:
+    if isinstance(cast, MXCast) and length % cast.fmt.block_size and not pad:
+        raise ValueError(
+            f"{what}: {axis} = {length} is not a multiple of the {cast.fmt.name} block size "
+            f"{cast.fmt.block_size}; pass pad=True to zero-pad the blocks (zeros add nothing to "
+            "the dot)"
+        )
 
 
 class DotInput(NamedTuple):

@@ -28,7 +28,8 @@ Subnormal caveat: XLA on CPU flushes float32 subnormals in arithmetic, so values
 products below 2^-126 become zero there on either path; GPUs keep them, which is where
 the float32 fallback matters.
 
-Training: a custom VJP. ``backward="ste"`` differentiates the float dot of the quantized
+Training: :func:`training_dot`, the one custom VJP of every lowprec training dot (below;
+its dense family is this dot). ``backward="ste"`` differentiates the float dot of the quantized
 values (straight-through the quantizers). ``backward="quantized"`` makes both backward
 dots quantized dots as in MX training recipes (microxcaling's linear layer): for
 y = x·w with x [T, K], w [K, N] and cotangent g [T, N], grad_x = Q(g)·Q(w)ᵀ with g and
@@ -39,14 +40,16 @@ float values along these new axes (a pre-quantized operand is dequantized first)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from ._bits import bits_to_bf16_truncating, bits_to_f32, f32_bits
+from ._bits import E8M0_BIAS, bits_to_bf16_truncating, bits_to_f32, f32_bits
 from ._decode import decode_bits
 from ._dtypes import bits_to_dtype, exactly_representable, input_bits
 from ._encode import encode_bits
@@ -57,7 +60,8 @@ from ._gpu_gemm import (FP8_DTYPES, apply_tensor_scales, block_bf16_exact, block
 from ._mx_decode import fast_decode_applies, fast_decode_exact, mx_value_bits, mx_value_bits_fast
 from ._mx_encode import padded_bits, quantize_mxarray
 from ._mxarray import MXArray
-from ._options import DotSpec, MXCast, OperandCast
+from ._options import DotSpec, ElementCast, MXCast, OperandCast
+from ._scale_rules import rceil_code
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
                         split_out_sharding, without_leading)
 from .kernels._dispatch import gpu_gemm_routes, mxdot_kernel, on_cuda
@@ -354,8 +358,57 @@ def _quantized_values(x, cast: OperandCast, ca: int):
     return bits_to_f32(_operand_bits(op))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _qdot(lhs, rhs, spec: DotSpec, layout: tuple, out_sharding=None):
+# -- the one training dot ------------------------------------------------------------------------
+#
+# Every quantized training dot of lowprec (dot_general, ragged_dot, the recipes, delayed
+# scaling, the NVFP4 training recipe) is ``training_dot``: one custom VJP, one options object
+# (the DotSpec), and a *layout family* that says how the three products of a linear layer
+# (forward, grad_lhs, grad_rhs) are laid out: "dense" (below: canonical (B, M, K) operands),
+# "ragged" (_ragged.py: lhs [M, K] grouped over rhs [G, K, N]), "nvfp4" (_nvfp4_train.py: a
+# linear layer's [T, K] x 2-D weight with 16 x 16 tiles and the Hadamard transform) and
+# "delayed" (_delayed.py: FP8 codes under scales from an amax history). A family is a pair of
+# functions, registered by its module (this module imports none of them):
+#
+#   forward(lhs, rhs, aux, spec, layout) -> (out, residuals)
+#   backward(spec, layout, residuals, g) -> (grad_lhs, grad_rhs, grad_aux)
+#
+# ``aux`` is the dot's third input (None; a ragged dot's group sizes; the NVFP4 recipe's
+# stochastic-rounding key; delayed scaling's state, whose "gradient" is the next state);
+# ``layout`` a hashable tuple whose first item names the family (the rest is static data of
+# the call: contraction axes, output sharding, dimension numbers).
+
+_FAMILIES: dict = {}
+
+
+def register_family(name: str, forward, backward) -> None:
+    """Registers a layout family of :func:`training_dot` (see the comment above)."""
+    _FAMILIES[name] = (forward, backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def training_dot(lhs, rhs, aux, spec: DotSpec, layout: tuple):
+    """The quantized training dot of ``spec`` in the layout family ``layout[0]``: its
+    forward product, and (as its VJP) its two backward products."""
+    return _FAMILIES[layout[0]][0](lhs, rhs, aux, spec, layout)[0]
+
+
+def _training_fwd(lhs, rhs, aux, spec: DotSpec, layout: tuple):
+    return _FAMILIES[layout[0]][0](lhs, rhs, aux, spec, layout)
+
+
+def _training_bwd(spec: DotSpec, layout: tuple, residuals, g):
+    return _FAMILIES[layout[0]][1](spec, layout, residuals, g)
+
+
+training_dot.defvjp(_training_fwd, _training_bwd)
+
+
+# -- the dense family: canonical (B, M, K) / (B, K, M) operands -----------------------------------
+
+
+def _dense_product(lhs, rhs, spec: DotSpec, layout: tuple, out_sharding):
+    """The forward product of canonical operands contracted over ``layout = (la, ra)``:
+    (B, M, N) float32."""
     def generic(a, b):
         return _qdot_canonical(a, b, spec.lhs, spec.rhs, layout, out_sharding, spec.kernels)
 
@@ -366,10 +419,44 @@ def _qdot(lhs, rhs, spec: DotSpec, layout: tuple, out_sharding=None):
     route = decode_time_route(_k_last_view(lhs, la), _k_last_view(rhs, ra), spec.lhs, spec.rhs,
                               spec.kernels)
     if route is None:
-        out = generic(lhs, rhs)
+        return generic(lhs, rhs)
+    return on_cuda(lambda a, b: route(_k_last(a, la), _k_last(b, ra)), generic, lhs, rhs)
+
+
+def _pow2(e):
+    """2^e as float32 for int32 e in [-126, 127], built from its bits (exact)."""
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, 23), jnp.float32)
+
+
+def _tensor_exponent(x, cast: OperandCast):
+    """Per-tensor scale exponent e (int32 scalar, in [-126, 127]) of ``tensor_scaling``: the
+    MX ``rceil`` rule applied to the whole tensor, so that amax * 2^-e <= max_elem. 0 for
+    operands not rounded to an element format."""
+    if not isinstance(cast, ElementCast):
+        return jnp.int32(0)
+    amax_bits = jnp.max(lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) & 0x7FFF_FFFF)
+    e = rceil_code(amax_bits, cast.fmt.max_finite_exact) - E8M0_BIAS
+    return jnp.clip(e, -126, 127).astype(jnp.int32)
+
+
+def _scaled(x, e):
+    """x * 2^-e in float32 (exact while the result stays a normal float)."""
+    return x.astype(jnp.float32) * _pow2(-e)
+
+
+def _dense_forward(lhs, rhs, aux, spec: DotSpec, layout: tuple):
+    _, lay, out_sharding = layout
+    if spec.tensor_scaling:
+        # Each operand divided by its power of two, the product multiplied back (exact).
+        el, er = _tensor_exponent(lhs, spec.lhs), _tensor_exponent(rhs, spec.rhs)
+        out = _dense_product(_scaled(lhs, el), _scaled(rhs, er), spec, lay, out_sharding)
+        out = (out * _pow2(el) * _pow2(er)).astype(spec.out_dtype)
     else:
-        out = on_cuda(lambda a, b: route(_k_last(a, la), _k_last(b, ra)), generic, lhs, rhs)
-    return bits_to_dtype(f32_bits(out), spec.out_dtype)
+        out = bits_to_dtype(f32_bits(_dense_product(lhs, rhs, spec, lay, out_sharding)),
+                            spec.out_dtype)
+    # Residuals are the inputs themselves (float or codes); quantized values are recomputed
+    # in the backward pass, which costs O(size) next to the O(size * N) dots.
+    return out, (lhs, rhs)
 
 
 def _k_last(op, ca: int):
@@ -398,55 +485,142 @@ def _k_last_view(op, ca: int):
     return swapped(op)
 
 
-def _qdot_fwd(lhs, rhs, spec: DotSpec, layout: tuple, out_sharding=None):
-    # Residuals are the inputs themselves (float or codes); quantized values are recomputed
-    # in the backward pass, which costs O(size) next to the O(size * N) dots.
-    return _qdot(lhs, rhs, spec, layout, out_sharding), (lhs, rhs)
-
-
 def _cotangent(primal, grad):
     if isinstance(primal, MXArray):
         return None  # integer codes: no gradient
     return bits_to_dtype(f32_bits(grad), primal.dtype)
 
 
-def _qdot_bwd(spec: DotSpec, layout: tuple, out_sharding, residuals, g):
-    lhs, rhs = residuals
+def _gradient_shardings(lhs, rhs):
+    """On Explicit mesh axes each gradient is sharded as its operand, as lax.dot_general's
+    transpose rule does (the weight gradient of a data-parallel layer sums over sharded
+    tokens: reduced here)."""
+    return tuple(None if isinstance(x, MXArray) else explicit_sharding(x) for x in (lhs, rhs))
+
+
+def _ste_grads(spec: DotSpec, layout: tuple, lhs, rhs, g, values=None):
+    """float32 (grad_lhs, grad_rhs) of the float dot of the operands' ``values`` (default:
+    quantized as the forward quantized them): g [B, M, N] float32. Each gradient comes out
+    in its operand's own layout: grad_lhs is (B, M, K) when the lhs is (la == 2), (B, K, M)
+    otherwise; likewise for the rhs."""
     la, ra = layout
     fl, fr = _free(la), _free(ra)  # the free axes: M of lhs, N of rhs
-    g = bits_to_f32(input_bits(g))  # (B, M, N)
-    # Each gradient comes out in its operand's own layout: grad_lhs is (B, M, K) when the
-    # lhs is (la == 2), (B, K, M) otherwise; likewise for the rhs. On Explicit mesh axes it
-    # is also sharded as its operand, as lax.dot_general's transpose rule does (the weight
-    # gradient of a data-parallel layer sums over sharded tokens: reduced here).
-    sl, sr = (None if isinstance(x, MXArray) else explicit_sharding(x) for x in (lhs, rhs))
-    if spec.backward == "ste":
+    sl, sr = _gradient_shardings(lhs, rhs)
+    if values is None:
         ql = _quantized_values(lhs, spec.lhs, la)
         qr = _quantized_values(rhs, spec.rhs, ra)
-        f32 = dict(precision=lax.Precision.HIGHEST)
-        # grad_lhs[b,m,k] = sum_n g[b,m,n] rhs[b,n,k]; grad_rhs[b,n,k] = sum_m g[b,m,n] lhs[b,m,k].
-        grad_l = (_contract(g, 2, qr, fr, sl, **f32) if la == 2
-                  else _contract(qr, fr, g, 2, sl, **f32))
-        grad_r = (_contract(g, 1, ql, fl, sr, **f32) if ra == 2
-                  else _contract(ql, fl, g, 1, sr, **f32))
     else:
-        spec.check_backward(g.shape[1], g.shape[2])
-        vl, vr = _float_values(lhs), _float_values(rhs)
-        # grad_lhs: g and rhs both blocked along N (g's axis 2, rhs's free axis).
-        k = spec.kernels
-        if la == 2:
-            grad_l = _qdot_canonical(g, vr, spec.grad, spec.rhs, (2, fr), sl, k)
-        else:
-            grad_l = _qdot_canonical(vr, g, spec.rhs, spec.grad, (fr, 2), sl, k)
-        # grad_rhs: g and lhs both blocked along M (g's axis 1, lhs's free axis).
-        if ra == 2:
-            grad_r = _qdot_canonical(g, vl, spec.grad, spec.lhs, (1, fl), sr, k)
-        else:
-            grad_r = _qdot_canonical(vl, g, spec.lhs, spec.grad, (fl, 1), sr, k)
-    return _cotangent(lhs, grad_l), _cotangent(rhs, grad_r)
+        ql, qr = values
+    f32 = dict(precision=lax.Precision.HIGHEST)
+    # grad_lhs[b,m,k] = sum_n g[b,m,n] rhs[b,n,k]; grad_rhs[b,n,k] = sum_m g[b,m,n] lhs[b,m,k].
+    grad_l = (_contract(g, 2, qr, fr, sl, **f32) if la == 2
+              else _contract(qr, fr, g, 2, sl, **f32))
+    grad_r = (_contract(g, 1, ql, fl, sr, **f32) if ra == 2
+              else _contract(ql, fl, g, 1, sr, **f32))
+    return grad_l, grad_r
 
 
-_qdot.defvjp(_qdot_fwd, _qdot_bwd)
+def _quantized_grads(spec: DotSpec, layout: tuple, lhs, rhs, g):
+    """float32 (grad_lhs, grad_rhs) of ``backward="quantized"``: the cotangent in the grad
+    cast and the operands re-quantized in their backward casts, each blocked along the
+    reduction axis of its own backward dot (g [B, M, N] float32)."""
+    la, ra = layout
+    fl, fr = _free(la), _free(ra)
+    sl, sr = _gradient_shardings(lhs, rhs)
+    spec.check_backward(g.shape[1], g.shape[2])
+    vl, vr = _float_values(lhs), _float_values(rhs)
+    bl, br, k = spec.bwd_lhs, spec.bwd_rhs, spec.kernels
+    # grad_lhs: g and rhs both blocked along N (g's axis 2, rhs's free axis).
+    if la == 2:
+        grad_l = _qdot_canonical(g, vr, spec.grad, br, (2, fr), sl, k)
+    else:
+        grad_l = _qdot_canonical(vr, g, br, spec.grad, (fr, 2), sl, k)
+    # grad_rhs: g and lhs both blocked along M (g's axis 1, lhs's free axis).
+    if ra == 2:
+        grad_r = _qdot_canonical(g, vl, spec.grad, bl, (1, fl), sr, k)
+    else:
+        grad_r = _qdot_canonical(vl, g, bl, spec.grad, (fl, 1), sr, k)
+    return grad_l, grad_r
+
+
+def _rule_grads(spec: DotSpec, layout: tuple, lhs, rhs, g):
+    """The gradients of ``spec.backward`` ("ste" or "quantized"), in the operands' dtypes
+    (None for an MXArray): what differentiating the forward product gives, the per-tensor
+    scales of ``tensor_scaling`` included (the chain rule through x * 2^-e and the product's
+    2^(el + er), written out: every factor a power of two)."""
+    if not spec.tensor_scaling:
+        g = bits_to_f32(input_bits(g))  # (B, M, N)
+        grads = (_ste_grads if spec.backward == "ste" else _quantized_grads)(
+            spec, layout, lhs, rhs, g)
+        return _cotangent(lhs, grads[0]), _cotangent(rhs, grads[1])
+    el, er = _tensor_exponent(lhs, spec.lhs), _tensor_exponent(rhs, spec.rhs)
+    ls, rs = _scaled(lhs, el), _scaled(rhs, er)
+    g = g.astype(jnp.float32) * _pow2(er) * _pow2(el)
+    inner = dataclasses.replace(spec, tensor_scaling=False, out_dtype=np.dtype(np.float32))
+    gl, gr = _rule_grads(inner, layout, ls, rs, g)
+    return (gl * _pow2(-el)).astype(lhs.dtype), (gr * _pow2(-er)).astype(rhs.dtype)
+
+
+def _float_grads(layout: tuple, lhs, rhs, g):
+    """float32 (grad_lhs, grad_rhs) of the float32 dot (``precision=HIGHEST``) of the
+    unquantized operands (the float layer's own VJP; XLA drops the one a caller does not
+    use)."""
+    return _ste_grads(None, layout, lhs, rhs, g, (_float_values(lhs), _float_values(rhs)))
+
+
+def _scaled_quantized_grads(spec: DotSpec, layout: tuple, lhs, rhs, g):
+    """``backward="quantized"`` with ``tensor_scaling`` or backward casts of their own
+    (float32 gradients; g float32): each of lhs, rhs, g is divided by its own power of two
+    first (from its backward cast) and the gradients are multiplied back: grad_lhs = g . rhs^T
+    = 2^(eg + er) (g_s . rhs_s^T), likewise for rhs."""
+    bl, br = spec.bwd_lhs, spec.bwd_rhs
+    el, er, eg = (_tensor_exponent(lhs, bl), _tensor_exponent(rhs, br),
+                  _tensor_exponent(g, spec.grad))
+    if spec.tensor_scaling:
+        lhs, rhs, g = _scaled(lhs, el), _scaled(rhs, er), _scaled(g, eg)
+    inner = dataclasses.replace(spec, lhs=bl, rhs=br, tensor_scaling=False,
+                                out_dtype=np.dtype(np.float32))
+    grad_l, grad_r = _rule_grads(inner, layout, lhs, rhs, g)
+    if spec.tensor_scaling:
+        grad_l = grad_l.astype(jnp.float32) * _pow2(er) * _pow2(eg)
+        grad_r = grad_r.astype(jnp.float32) * _pow2(el) * _pow2(eg)
+    return grad_l.astype(jnp.float32), grad_r.astype(jnp.float32)
+
+
+def _own_rule(spec: DotSpec) -> bool:
+    """Whether the backward products are not the plain rule of ``spec.backward``: a float32
+    gradient (``high_precision_wgrad``/``dgrad``), or quantized backward dots with per-tensor
+    scales or backward casts of their own."""
+    if spec.high_precision_wgrad or spec.high_precision_dgrad:
+        return True
+    return spec.backward == "quantized" and (
+        spec.tensor_scaling or spec.bwd_lhs != spec.lhs or spec.bwd_rhs != spec.rhs)
+
+
+def _dense_backward(spec: DotSpec, layout: tuple, residuals, g):
+    _, lay, _ = layout
+    lhs, rhs = residuals
+    if not _own_rule(spec):
+        grad_l, grad_r = _rule_grads(spec, lay, lhs, rhs, g)
+        return grad_l, grad_r, None
+    g = g.astype(jnp.float32)
+    if spec.high_precision_wgrad and spec.high_precision_dgrad:
+        grad_l, grad_r = _float_grads(lay, lhs, rhs, g)
+    elif spec.backward == "ste":  # with high_precision_wgrad
+        grad_l, grad_r = _rule_grads(dataclasses.replace(spec, out_dtype=np.dtype(np.float32)),
+                                     lay, lhs, rhs, g)
+    else:
+        grad_l, grad_r = _scaled_quantized_grads(spec, lay, lhs, rhs, g)
+    if spec.high_precision_wgrad:
+        # The weight gradient as a float32 dot of the unquantized operands (the float
+        # layer's own VJP); XLA drops the one computed above.
+        _, grad_r = _float_grads(lay, lhs, rhs, g)
+    if spec.high_precision_dgrad:
+        grad_l, _ = _float_grads(lay, lhs, rhs, g)
+    return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype), None
+
+
+register_family("dense", _dense_forward, _dense_backward)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -466,7 +640,7 @@ def dot_general_jit(lhs, rhs, dn, spec: DotSpec, out_sharding=None):
     # lax.dot_general's layout: batch dims, then lhs free dims, then rhs free dims.
     nb, nl = len(lb), len(lfree)
     groups = [list(range(nb)), list(range(nb, nb + nl)), list(range(nb + nl, nb + nl + len(rfree)))]
-    out = _qdot(lhs, rhs, spec, (la, ra), merged_sharding(inner, groups))
+    out = training_dot(lhs, rhs, None, spec, ("dense", (la, ra), merged_sharding(inner, groups)))
     out_shape = [lshape[d] for d in lb] + [lshape[d] for d in lfree] + [rshape[d] for d in rfree]
     out = jnp.reshape(out, out_shape, out_sharding=final)
     return out if constraint is None else lax.with_sharding_constraint(out, constraint)

@@ -34,6 +34,11 @@ result is within K·2^-23·Σ|a_i b_i| of the exact dot of the quantized operand
 bfloat16 dot in another order than a float32 one: the two differ by about an ulp). Gradients come back in
 their operands' dtypes; ``group_sizes`` gets none (integers).
 
+The NVFP4 training recipe (:data:`~lowprec.NVIDIA_NVFP4`, ``DotSpec.nvfp4``): each group is
+the recipe's own dot too (16 x 16 tiles per expert, the Hadamard transform and token blocks
+in the per-group padded layout; see the section "the NVFP4 training recipe, per group"
+below), its stochastic-rounding words drawn once for the whole cotangent.
+
 Not supported (refused with an error): ``group_offset`` (a slice of the groups, for expert
 sharding), :class:`~lowprec.MXArray` operands, other ``ragged_dot_general`` layouts.
 
@@ -49,9 +54,8 @@ over 4 CPU devices give one device's result up to float32 summation order).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import NamedTuple, Optional, Union
+from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -66,9 +70,12 @@ from ._format import FormatLike
 from ._mx_decode import fast_decode_applies, mx_value_bits
 from ._mx_encode import quantize_mxarray
 from ._mxarray import MXArray
-from ._options import INPUT_DTYPES, DotSpec, ElementCast, MXCast, OperandCast
+from ._nvfp4_train import quantize_2d, recipe_rht, recipe_rht_signs
+from ._options import NVFP4_TILE, DotSpec, ElementCast, MXCast, OperandCast
+from ._random import random_bits
+from ._qdot import register_family, training_dot
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, rceil_code
-from ._sharding import check_contraction, explicit_sharding, out_sharding_arg, replicated
+from ._sharding import explicit_sharding, replicated
 from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
 # lhs [M, K] x rhs [G, K, N] -> [M, N], rows of lhs ragged (lax.ragged_dot's layout).
@@ -82,144 +89,11 @@ _PER_GROUP = lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[])
 
 
-# -- the options ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RaggedSpec:
-    """Static, validated description of one quantized ragged dot (a jit-static argument).
-
-    ``lhs``/``rhs``: the forward operand casts; ``grad``: the cotangent's cast and
-    ``backward_lhs``/``backward_rhs`` the operands' re-quantization in the backward dots
-    (``backward="quantized"``); ``tensor_scaling``: per-group power-of-two scaling of
-    element-format operands (a recipe's ``scaling="tensor"``; element casts then saturate);
-    ``high_precision_wgrad``: grad_rhs as a float32 ragged dot of the unquantized lhs and
-    cotangent; ``high_precision_dgrad``: grad_lhs as a float32 ragged dot of the unquantized
-    cotangent and rhs (both: a recipe's ``backward_override="high_precision"``); ``pad``:
-    zero-pad K (and N in the backward dots) to whole blocks.
-
-    Example:
-        >>> spec = RaggedSpec.from_dot_spec(DotSpec.create(
-        ...     "mxfp8", "mxfp8", None, "rceil", "nearest_even", "ieee", False, "ste", "float32"))
-        >>> spec.lhs.fmt.name, spec.backward, spec.out_dtype
-        ('mxfp8_e4m3', 'ste', dtype('float32'))
-    """
-
-    lhs: OperandCast
-    rhs: OperandCast
-    grad: OperandCast
-    backward_lhs: OperandCast
-    backward_rhs: OperandCast
-    backward: str
-    tensor_scaling: bool
-    high_precision_wgrad: bool
-    pad: bool
-    out_dtype: np.dtype
-    high_precision_dgrad: bool = False
-
-    @classmethod
-    def from_dot_spec(cls, spec: DotSpec) -> "RaggedSpec":
-        """The ragged dot with :func:`lowprec.dot_general`'s validated options (its backward
-        dots re-quantize the operands in their forward formats)."""
-        return cls(spec.lhs, spec.rhs, spec.grad, spec.lhs, spec.rhs, spec.backward, False,
-                   False, spec.pad, spec.out_dtype)
-
-    def check_call(self, lhs, rhs, group_sizes, group_offset=None, out_sharding=None,
-                   func: str = "ragged_dot") -> "RaggedInput":
-        """Every entry check of a ragged dot of ``lhs`` [M, K] and ``rhs`` [G, K, N] with
-        ``group_sizes`` [G]; returns the call's input for the core.
-
-        Checks: no ``group_offset``; float operands (no MXArray) of ranks 2 and 3 sharing K;
-        integer group sizes of shape [G] (non-negative, where they are concrete); whole
-        blocks along K (or ``pad``); that no MX block along K straddles a shard boundary;
-        ``out_sharding``.
-        """
-        if group_offset is not None:
-            raise NotImplementedError(
-                f"{func}: group_offset (computing only some of the groups, for experts sharded "
-                "across devices) is not supported; call it without group_offset on the groups "
-                "this device holds"
-            )
-        for role, x in (("lhs", lhs), ("rhs", rhs)):
-            if isinstance(x, MXArray):
-                raise TypeError(
-                    f"{func}: {role} is an MXArray; a ragged dot takes float arrays and "
-                    f"quantizes them itself (pass the float values, or dequantize({role}))"
-                )
-        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-        for role, x in (("lhs", lhs), ("rhs", rhs)):
-            if np.dtype(x.dtype) not in INPUT_DTYPES:
-                raise TypeError(
-                    f"{func}: {role} must be a float32, bfloat16 or float16 array, got dtype "
-                    f"{x.dtype}; convert it with .astype(jnp.float32)"
-                )
-        if lhs.ndim != 2 or rhs.ndim != 3:
-            raise ValueError(
-                f"{func} takes lhs [M, K] (tokens x features) and rhs [G, K, N] (one [K, N] "
-                f"weight per group), as lax.ragged_dot; got shapes {tuple(lhs.shape)} and "
-                f"{tuple(rhs.shape)}"
-            )
-        if lhs.shape[1] != rhs.shape[1]:
-            raise ValueError(
-                f"{func}: lhs has K = {lhs.shape[1]} features but rhs has K = {rhs.shape[1]} "
-                f"(shapes {tuple(lhs.shape)} and {tuple(rhs.shape)})"
-            )
-        groups = rhs.shape[0]
-        if groups == 0:
-            raise ValueError(f"{func}: rhs holds no groups (shape {tuple(rhs.shape)})")
-        group_sizes = _check_group_sizes(group_sizes, groups, func)
-        k = lhs.shape[1]
-        for role, x, cast in (("lhs", lhs, self.lhs), ("rhs", rhs, self.rhs)):
-            if isinstance(cast, MXCast):
-                check_contraction(x, (1,), cast.fmt.block_size, f"{func} {role} contraction")
-                _blocks_fit(cast, k, self.pad, f"{func} {role}", "K")
-        return RaggedInput(lhs, rhs, group_sizes, out_sharding_arg(out_sharding))
-
-    def check_backward(self, n: int) -> None:
-        """The entry check of ``backward="quantized"`` (run when the backward pass is
-        traced): grad_lhs blocks the cotangent and rhs along N, so each quantized one needs
-        whole blocks there (or ``pad``). Token blocks are padded per group anyway."""
-        for cast, what in ((self.grad, "cotangent"), (self.backward_rhs, "rhs")):
-            _blocks_fit(cast, n, self.pad, f"ragged_dot backward grad_lhs (reduces over N), {what}",
-                        "N")
-
-
-class RaggedInput(NamedTuple):
-    """A validated ragged dot: the operands (JAX arrays), int32 group sizes and the output
-    sharding (a NamedSharding or None)."""
-
-    lhs: jax.Array
-    rhs: jax.Array
-    group_sizes: jax.Array
-    out_sharding: object
-
-
-def _check_group_sizes(group_sizes, groups: int, func: str):
-    gs = jnp.asarray(group_sizes)
-    if not jnp.issubdtype(gs.dtype, jnp.integer):
-        raise TypeError(
-            f"{func}: group_sizes must be an integer array (tokens per group), got dtype "
-            f"{gs.dtype}"
-        )
-    if gs.shape != (groups,):
-        raise ValueError(
-            f"{func}: group_sizes must have shape ({groups},), one size per group of rhs, got "
-            f"shape {tuple(gs.shape)}"
-        )
-    if not isinstance(gs, jax.core.Tracer):
-        sizes = np.asarray(gs)
-        if np.any(sizes < 0):
-            raise ValueError(f"{func}: group_sizes must be non-negative, got {sizes.tolist()}")
-    return gs.astype(jnp.int32)
-
-
-def _blocks_fit(cast: OperandCast, length: int, pad: bool, what: str, axis: str) -> None:
-    if isinstance(cast, MXCast) and length % cast.fmt.block_size and not pad:
-        raise ValueError(
-            f"{what}: {axis} = {length} is not a multiple of the {cast.fmt.name} block size "
-            f"{cast.fmt.block_size}; pass pad=True to zero-pad the blocks (zeros add nothing to "
-            "the dot)"
-        )
+#: The former name of the ragged dot's options: a ragged dot takes the one options object of
+#: lowprec's training dots, :class:`~lowprec._options.DotSpec` (its fields ``backward_lhs``,
+#: ``backward_rhs``, ``tensor_scaling``, ``high_precision_wgrad`` and ``high_precision_dgrad``
+#: were RaggedSpec's). Deprecated: use DotSpec.
+RaggedSpec = DotSpec
 
 
 # -- the public function -------------------------------------------------------------------------
@@ -280,18 +154,21 @@ def ragged_dot(
         >>> y[:, 0].tolist()  # MXFP4 holds 0.1 as 0.09375 and 0.3 as 0.25
         [6.0, 6.0, 6.0, 16.0, 16.0]
     """
-    spec = RaggedSpec.from_dot_spec(DotSpec.create(
+    spec = DotSpec.create(
         lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad, backward,
         preferred_element_type,
-    ))
-    call = spec.check_call(lhs, rhs, group_sizes, group_offset, out_sharding)
+    )
+    call = spec.check_ragged_call(lhs, rhs, group_sizes, group_offset, out_sharding)
     return ragged_dot_jit(call.lhs, call.rhs, call.group_sizes, spec, call.out_sharding)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def ragged_dot_jit(lhs, rhs, group_sizes, spec: RaggedSpec, out_sharding=None):
-    """The quantized ragged dot of validated operands (see :meth:`RaggedSpec.check_call`)."""
-    return _ragged(lhs, rhs, group_sizes, spec, out_sharding)
+def ragged_dot_jit(lhs, rhs, group_sizes, spec: DotSpec, out_sharding=None, sr_key=None):
+    """The quantized ragged dot of validated operands (see :meth:`DotSpec.check_ragged_call`):
+    lowprec's training dot in the ragged layout family (``sr_key``: the NVFP4 recipe's
+    stochastic-rounding key, or None)."""
+    aux = group_sizes if spec.nvfp4 is None else (group_sizes, sr_key)
+    return training_dot(lhs, rhs, aux, spec, ("ragged", out_sharding))
 
 
 # -- quantized values ----------------------------------------------------------------------------
@@ -305,10 +182,10 @@ def _elementwise(bits, cast: OperandCast):
     return decode_bits(cast.fmt, codes)
 
 
-def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None):
+def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None, words=None):
     """float32 patterns of ``bits`` block-quantized along ``axis`` (zero-padded to whole
     blocks, padding dropped); ``tensor_scale``: a float32 scalar for schemes with one (None:
-    computed from ``bits``)."""
+    computed from ``bits``); ``words``: stochastic rounding's words (the padded shape)."""
     n, shape = bits.shape[axis], tuple(bits.shape)
     block = cast.fmt.block_size
     padded = -(-n // block) * block
@@ -316,7 +193,8 @@ def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None):
         widths = [(0, 0)] * bits.ndim
         widths[axis] = (0, padded - n)
         bits = jnp.pad(bits, widths)  # +0.0
-    mx = quantize_mxarray(bits, cast, axis, shape, None, tensor_scale)
+    rng = None if words is None else (None, words)
+    mx = quantize_mxarray(bits, cast, axis, shape, rng, tensor_scale)
     return mx_value_bits(mx.elements, mx.scales, cast.fmt, axis, n, mx.tensor_scale)
 
 
@@ -333,14 +211,16 @@ def _group_tensor_scales(bits, rows_group, num: int, cast: MXCast):
     return lax.bitcast_convert_type(jax.vmap(scale_of)(amax), jnp.float32)
 
 
-def _row_values(bits, cast: OperandCast, gid, groups: int):
+def _row_values(bits, cast: OperandCast, gid, groups: int, words=None):
     """Rows [M, C] of a token operand quantized along C (axis 1), each with its group's
-    tensor scale where the format has one."""
+    tensor scale where the format has one (``words``: [M, C padded], stochastic rounding)."""
     if not isinstance(cast, MXCast):
         return _elementwise(bits, cast)
     if not cast.fmt.scheme.tensor_scale:
         return _mx_bits(bits, cast, 1)
     ts = _group_tensor_scales(bits, gid, groups + 1, cast)[gid]
+    if words is not None:
+        return jax.vmap(lambda row, t, wd: _mx_bits(row, cast, 0, t, wd))(bits, ts, words)
     return jax.vmap(lambda row, t: _mx_bits(row, cast, 0, t))(bits, ts)
 
 
@@ -353,10 +233,12 @@ def _expert_values(bits, cast: OperandCast, axis: int):
     return jax.vmap(lambda w: _mx_bits(w, cast, axis - 1))(bits)
 
 
-def _token_block_values(bits, cast: OperandCast, unit_group, groups: int, unit: int):
+def _token_block_values(bits, cast: OperandCast, unit_group, groups: int, unit: int,
+                        words=None):
     """A token operand in the per-group padded layout [Mp, C] (every group starting at a
     multiple of ``unit``) quantized along tokens (axis 0); ``unit_group``: the group of each
-    run of ``unit`` rows (``groups`` for the trailing zeros)."""
+    run of ``unit`` rows (``groups`` for the trailing zeros); ``words``: [Mp, C], stochastic
+    rounding (a format with a tensor scale)."""
     if not isinstance(cast, MXCast):
         return _elementwise(bits, cast)
     if not cast.fmt.scheme.tensor_scale:
@@ -365,7 +247,11 @@ def _token_block_values(bits, cast: OperandCast, unit_group, groups: int, unit: 
     units = bits.reshape(mp // unit, unit, c)
     rows_group = jnp.repeat(unit_group, unit)
     ts = _group_tensor_scales(bits, rows_group, groups + 1, cast)[unit_group]
-    values = jax.vmap(lambda u, t: _mx_bits(u, cast, 0, t))(units, ts)
+    if words is not None:
+        values = jax.vmap(lambda u, t, wd: _mx_bits(u, cast, 0, t, wd))(
+            units, ts, words.reshape(mp // unit, unit, c))
+    else:
+        values = jax.vmap(lambda u, t: _mx_bits(u, cast, 0, t))(units, ts)
     return values.reshape(mp, c)
 
 
@@ -499,11 +385,13 @@ def _gathered(bits, source):
     return jnp.take(bits, source, axis=0, mode="fill", fill_value=0)
 
 
-# -- the dot and its VJP -------------------------------------------------------------------------
+# -- the ragged layout family of the training dot -------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ragged(lhs, rhs, group_sizes, spec: RaggedSpec, out_sharding=None):
+def _ragged_fwd(lhs, rhs, group_sizes, spec: DotSpec, layout: tuple):
+    _, out_sharding = layout
+    if spec.nvfp4 is not None:
+        return _nvfp4_fwd(lhs, rhs, group_sizes, spec, out_sharding)
     m, groups = lhs.shape[0], rhs.shape[0]
     gid = _group_ids(group_sizes, m)
     lb, rb = input_bits(lhs), input_bits(rhs)
@@ -516,15 +404,13 @@ def _ragged(lhs, rhs, group_sizes, spec: RaggedSpec, out_sharding=None):
     out = _product(lv, rv, group_sizes, _FORWARD, kinds, out_sharding)
     if spec.tensor_scaling:  # each row's group: 2^(el_g + er_g), as its own dot would
         out = out * pow2_f32(el[gid])[:, None] * pow2_f32(er[gid])[:, None]
-    return bits_to_dtype(f32_bits(out), spec.out_dtype)
-
-
-def _ragged_fwd(lhs, rhs, group_sizes, spec, out_sharding=None):
     # Residuals are the inputs; quantized values are recomputed in the backward pass.
-    return _ragged(lhs, rhs, group_sizes, spec, out_sharding), (lhs, rhs, group_sizes)
+    return bits_to_dtype(f32_bits(out), spec.out_dtype), (lhs, rhs, group_sizes)
 
 
-def _ragged_bwd(spec: RaggedSpec, out_sharding, residuals, g):
+def _ragged_bwd(spec: DotSpec, layout: tuple, residuals, g):
+    if spec.nvfp4 is not None:
+        return _nvfp4_bwd(spec, residuals, g)
     lhs, rhs, group_sizes = residuals
     m, groups = lhs.shape[0], rhs.shape[0]
     gid = _group_ids(group_sizes, m)
@@ -535,7 +421,7 @@ def _ragged_bwd(spec: RaggedSpec, out_sharding, residuals, g):
     if spec.backward == "ste":
         grad_l, grad_r = _ste_backward(spec, lb, rb, gb, group_sizes, gid, groups, shardings)
     else:
-        spec.check_backward(rhs.shape[2])
+        spec.check_ragged_backward(rhs.shape[2])
         grad_l, grad_r = _quantized_backward(spec, lhs, rhs, gb, group_sizes, gid, groups,
                                              shardings)
     if spec.high_precision_wgrad:
@@ -549,7 +435,7 @@ def _ragged_bwd(spec: RaggedSpec, out_sharding, residuals, g):
             None)
 
 
-def _ste_backward(spec: RaggedSpec, lb, rb, gb, group_sizes, gid, groups: int, shardings):
+def _ste_backward(spec: DotSpec, lb, rb, gb, group_sizes, gid, groups: int, shardings):
     """The exact float32 gradient of the ragged dot of the quantized values."""
     el = er = None
     if spec.tensor_scaling:
@@ -566,12 +452,12 @@ def _ste_backward(spec: RaggedSpec, lb, rb, gb, group_sizes, gid, groups: int, s
     return grad_l, grad_r
 
 
-def _quantized_backward(spec: RaggedSpec, lhs, rhs, gb, group_sizes, gid, groups: int,
+def _quantized_backward(spec: DotSpec, lhs, rhs, gb, group_sizes, gid, groups: int,
                         shardings):
     """Both backward dots quantized, each operand along that dot's reduction axis, per group."""
     m = lhs.shape[0]
     lb, rb = input_bits(lhs), input_bits(rhs)
-    bl, br, cg = spec.backward_lhs, spec.backward_rhs, spec.grad
+    bl, br, cg = spec.bwd_lhs, spec.bwd_rhs, spec.grad
     if spec.tensor_scaling:
         el, er = _row_exponents(lb, gid, groups, bl), _expert_exponents(rb, br)
         eg = _row_exponents(gb, gid, groups, cg)
@@ -602,6 +488,97 @@ def _quantized_backward(spec: RaggedSpec, lhs, rhs, gb, group_sizes, gid, groups
     return grad_l, grad_r
 
 
-_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+# -- the NVFP4 training recipe, per group ----------------------------------------------------------
+#
+# Each group is the recipe's own dot (_nvfp4_train.py) of its tokens and its expert: tokens
+# quantized along K under the group's tensor scale, each expert's weight in 16 x 16 tiles
+# (weight_block_2d) under its own; grad_x = Q(g along N, SR words) . Q2(w_g)^T; grad_w =
+# Q(M x_g along T)^T . Q(M g_g along T, SR words), the Hadamard transform M and the token
+# blocks running in the per-group padded layout (every group starting at a multiple of 16,
+# zero rows after it: a 16-block never mixes two groups, and the zero rows are the zero
+# padding of the group's own dot). Random words (stochastic rounding): k as the recipe's
+# (the dot's key inside stochastic_rounding_key, else fold_in(key(seed), h) with h the
+# wrapping sum of the cotangent's bits), w_d = random_bits(fold_in(k, 0), [M, N16]) for
+# the cotangent's rows and w_w = random_bits(fold_in(k, 1), [Mp, N16]) in the padded layout.
+
+
+def _nvfp4_casts(spec: DotSpec):
+    """The recipe's NVFP4 casts: round to nearest even, and the cotangent's rounding."""
+    opts = spec.nvfp4
+    rn = MXCast("nvfp4", None, "nearest_even", opts.nvfp4_step)
+    grad = MXCast("nvfp4", None, opts.grad_rounding, opts.nvfp4_step)
+    return rn, grad
+
+
+def _nvfp4_weights(rb, spec: DotSpec):
+    """[G, K, N] float32 patterns: each expert's weight quantized as the recipe reads it
+    (16 x 16 tiles of its [N, K] matrix with ``weight_block_2d``, else 16-blocks along K),
+    under its own tensor scale."""
+    opts = spec.nvfp4
+    if not opts.weight_block_2d:
+        return _expert_values(rb, _nvfp4_casts(spec)[0], 1)
+    _, k, n = rb.shape
+
+    def one(w):  # [K, N] -> the tiles of its [N16, K16] matrix, back to [K, N]
+        wt = jnp.pad(bits_to_f32(w).T, ((0, -n % NVFP4_TILE), (0, -k % NVFP4_TILE)))
+        return f32_bits(quantize_2d(wt, step=opts.nvfp4_step)[:n, :k].T)
+
+    return jax.vmap(one)(rb)
+
+
+def _nvfp4_fwd(lhs, rhs, aux, spec: DotSpec, out_sharding):
+    group_sizes, sr_key = aux
+    m, groups = lhs.shape[0], rhs.shape[0]
+    gid = _group_ids(group_sizes, m)
+    lv = _row_values(input_bits(lhs), _nvfp4_casts(spec)[0], gid, groups)
+    rv = _nvfp4_weights(input_bits(rhs), spec)
+    out = _product(lv, rv, group_sizes, _FORWARD, out_sharding=out_sharding)
+    return bits_to_dtype(f32_bits(out), spec.out_dtype), (lhs, rhs, group_sizes, sr_key)
+
+
+def _nvfp4_bwd(spec: DotSpec, residuals, g):
+    lhs, rhs, group_sizes, sr_key = residuals
+    opts = spec.nvfp4
+    (m, _), (groups, _, n) = lhs.shape, rhs.shape
+    gid = _group_ids(group_sizes, m)
+    lb, rb, gb = input_bits(lhs), input_bits(rhs), input_bits(g)
+    sl, sr = explicit_sharding(lhs), explicit_sharding(rhs)
+    rn, gcast = _nvfp4_casts(spec)
+    override = opts.backward_override
+    if override is not None:  # float32 products of g and the operands as the forward read them
+        if override == "dequantized":
+            lb, rb = _row_values(lb, rn, gid, groups), _nvfp4_weights(rb, spec)
+        grad_l = _product(gb, jnp.swapaxes(rb, 1, 2), group_sizes, _FORWARD, out_sharding=sl)
+        grad_r = _product(lb, gb, group_sizes, _PER_GROUP, out_sharding=sr)
+    else:
+        wd = ww = None
+        n16 = -(-n // NVFP4_TILE) * NVFP4_TILE
+        source, unit_group, padded_sizes = _padded_layout(group_sizes, m, NVFP4_TILE)
+        if opts.grad_rounding == "stochastic":
+            key = sr_key
+            if key is None:
+                h = jnp.sum(gb, dtype=jnp.uint32)  # padding adds zeros
+                key = jax.random.fold_in(jax.random.key(opts.seed), h)
+            wd = random_bits(jax.random.fold_in(key, 0), (m, n16))
+            ww = random_bits(jax.random.fold_in(key, 1), (source.shape[0], n16))
+        # grad_x: each row of g along N (its group's tensor scale) . the expert's weight.
+        gv = _row_values(gb, gcast, gid, groups, wd)
+        rv = jnp.swapaxes(_nvfp4_weights(rb, spec), 1, 2)  # [G, N, K]
+        grad_l = _product(gv, rv, group_sizes, _FORWARD, out_sharding=sl)
+        # grad_w: tokens and cotangent in the per-group padded layout, transformed and
+        # quantized along tokens.
+        xp, gp = bits_to_f32(_gathered(lb, source)), bits_to_f32(_gathered(gb, source))
+        if opts.wgrad_rht:
+            signs = recipe_rht_signs(opts)
+            xp, gp = recipe_rht(xp, opts, signs, 0), recipe_rht(gp, opts, signs, 0)
+        xv = _token_block_values(f32_bits(xp), rn, unit_group, groups, NVFP4_TILE)
+        gv2 = _token_block_values(f32_bits(gp), gcast, unit_group, groups, NVFP4_TILE,
+                                  None if ww is None else ww[:, :n])
+        grad_r = _product(xv, gv2, padded_sizes, _PER_GROUP, out_sharding=sr)
+    return (bits_to_dtype(f32_bits(grad_l), lhs.dtype), bits_to_dtype(f32_bits(grad_r), rhs.dtype),
+            (None, None))
+
+
+register_family("ragged", _ragged_fwd, _ragged_bwd)
 
 __all__ = ["ragged_dot"]

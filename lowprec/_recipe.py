@@ -53,17 +53,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._bits import E8M0_BIAS, bits_to_f32
 from ._delayed import DelayedScaling
 from ._format import ElementFormat, MXFormat, element_format
-from ._dtypes import input_bits
-from ._matmul import dot_general
-from ._nvfp4_train import BACKWARD_OVERRIDES, RHT_DTYPES, TILE, check_layout, nvfp4_dot
-from ._options import BACKWARD_MODES, operand_cast
-from ._ragged import RaggedSpec, ragged_dot_jit
-from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule, rceil_code
+from ._nvfp4_train import TILE, check_layout, nvfp4_dot
+from ._options import (BACKWARD_MODES, BACKWARD_OVERRIDES, RHT_DTYPES, BackwardMode, DotSpec,
+                       NVFP4Training, operand_cast)
+from ._rounding import Rounding
+from ._scheme_nvfp4 import NVFP4Step
+from ._qdot import dot_general_jit
+from ._ragged import ragged_dot_jit
+from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule
 from ._rounding_key import next_key
 from ._sharding import check_contraction, out_sharding_arg
+from .kernels._dispatch import kernels_enabled
 
 FormatLike = Union[None, str, ElementFormat, MXFormat]
 _Format = Union[None, ElementFormat, MXFormat]
@@ -149,6 +151,12 @@ class Recipe:
         to bfloat16, as TE's bfloat16 RHT GEMM); with ``wgrad_rht``.
         ``dataclasses.replace(NVIDIA_NVFP4, **lowprec.TE_NVFP4_OPTIONS)`` sets
         the three as TE does.
+      four_over_six: Four over Six (Cook et al., arXiv 2512.02010) in the NVFP4 training
+        recipe's forward product: every 16-element block of the forward operands (the
+        activations along K, and the weight along K unless ``weight_block_2d`` gives it
+        16 x 16 tiles, which keep their map-to-6 scales) scaled to 4 or to 6, whichever
+        quantizes it with the smaller error, exactly as the ``nvfp4_4over6`` format's own
+        quantizer (:func:`lowprec.quantize_mx`); the backward products are unchanged.
       backward_override: Transformer Engine's ``backward_override``: None (the backward
         products as ``backward`` says), ``"high_precision"`` (both backward products float32
         dots of the unquantized cotangent and operands) or ``"dequantized"`` (of the
@@ -163,7 +171,7 @@ class Recipe:
     Example:
         >>> r = Recipe(forward="mxfp8_e4m3", grad="mxfp8_e5m2", scale_rule="rceil")
         >>> r.backward, r.forward[1].name, r.grad.name
-        ('quantized', 'mxfp8_e4m3', 'mxfp8_e5m2')
+        (<BackwardMode.QUANTIZED: 'quantized'>, 'mxfp8_e4m3', 'mxfp8_e5m2')
         >>> r == Recipe(forward="mxfp8", grad="mxfp8_e5m2", scale_rule="rceil")
         True
     """
@@ -188,6 +196,7 @@ class Recipe:
     rht_signs: Union[None, str, Tuple[int, ...]] = None
     rht_dtype: str = "float32"
     backward_override: Optional[str] = None
+    four_over_six: bool = False
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -204,6 +213,7 @@ class Recipe:
             raise ValueError(
                 f"unknown backward mode {backward!r}; valid modes: {RECIPE_BACKWARD_MODES}"
             )
+        backward = BackwardMode(backward)  # the vocabularies of lowprec._options
         if backward == "ste" and (self.grad is not None or explicit_bwd):
             raise ValueError(
                 "grad and backward_operands describe quantized backward dots; they have no "
@@ -222,6 +232,7 @@ class Recipe:
             raise ValueError(
                 f"unknown recipe rounding {self.rounding!r}; valid: {RECIPE_ROUNDINGS}{hint}"
             )
+        set_("rounding", Rounding(self.rounding))
         if self.scaling not in SCALINGS:
             raise ValueError(f"unknown scaling {self.scaling!r}; valid: {SCALINGS}")
         if self.scaling == "tensor":
@@ -289,8 +300,9 @@ class Recipe:
 
     def _check_te_options(self, set_) -> None:
         """nvfp4_step, rht_signs, rht_dtype and backward_override (Transformer Engine's)."""
-        if self.nvfp4_step not in ("divide", "reciprocal"):
+        if self.nvfp4_step not in tuple(NVFP4Step):
             raise ValueError(f"unknown nvfp4_step {self.nvfp4_step!r}; valid: 'divide', 'reciprocal'")
+        set_("nvfp4_step", NVFP4Step(self.nvfp4_step))
         if self.rht_dtype not in RHT_DTYPES:
             raise ValueError(f"unknown rht_dtype {self.rht_dtype!r}; valid: {RHT_DTYPES}")
         signs = self.rht_signs
@@ -317,13 +329,16 @@ class Recipe:
 
     def _nvfp4_training(self) -> bool:
         return (self.weight_block_2d or self.wgrad_rht or self.grad_rounding != "nearest_even"
-                or self.nvfp4_step != "divide")
+                or self.nvfp4_step != "divide" or self.four_over_six)
 
     def _check_nvfp4_training(self) -> None:
-        if self.grad_rounding not in ("nearest_even", "stochastic"):
+        if self.grad_rounding not in (Rounding.NEAREST_EVEN, Rounding.STOCHASTIC):
             raise ValueError(
                 f"unknown grad_rounding {self.grad_rounding!r}; valid: 'nearest_even', 'stochastic'"
             )
+        object.__setattr__(self, "grad_rounding", Rounding(self.grad_rounding))
+        if not isinstance(self.four_over_six, bool):
+            raise TypeError(f"four_over_six must be a bool, got {self.four_over_six!r}")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
         if not self._nvfp4_training():
@@ -332,8 +347,9 @@ class Recipe:
         if (names != {"nvfp4"} or self.backward != "quantized" or self.scaling != "none"
                 or self.high_precision_wgrad):
             raise ValueError(
-                "weight_block_2d, wgrad_rht, grad_rounding='stochastic' and nvfp4_step="
-                "'reciprocal' are parts of the NVFP4 training recipe: they need forward='nvfp4', "
+                "weight_block_2d, wgrad_rht, grad_rounding='stochastic', nvfp4_step="
+                "'reciprocal' and four_over_six are parts of the NVFP4 training recipe: they need "
+                "forward='nvfp4', "
                 "grad='nvfp4' (backward 'quantized'), scaling='none' and no "
                 "high_precision_wgrad (backward_override='high_precision' instead); got "
                 f"{self.describe()} (start from lowprec.NVIDIA_NVFP4)"
@@ -382,6 +398,8 @@ class Recipe:
             extra.append(f"{self.grad_rounding} grad rounding")
         if self.nvfp4_step != "divide":
             extra.append(f"{self.nvfp4_step} NVFP4 step")
+        if self.four_over_six:
+            extra.append("4over6 forward")
         if self.backward_override is not None:
             extra.append(f"{self.backward_override} backward")
         if self.high_precision:
@@ -436,20 +454,18 @@ class Recipe:
         dn = _normalize(dimension_numbers)
         out_sharding = out_sharding_arg(out_sharding)
         _check_forward_sharding(lhs, rhs, dn, self)
-        if self._nvfp4_training():
+        spec = self.dot_spec(out_dtype)
+        if spec.nvfp4 is not None:
             check_layout(lhs.shape, rhs.shape, dn)
             if self.weight_block_2d:
                 _check_weight_tiles(rhs, dn, self)
             sr_key = None
             if self.grad_rounding == "stochastic" and self.backward_override is None:
                 sr_key = next_key(lhs, rhs, what=f"{self.name or 'recipe'} dot_general")
-            out = nvfp4_dot(lhs, rhs, dn, self, out_dtype, out_sharding, sr_key)
-        elif self.backward_override == "dequantized":  # the quantized forward's own gradient
-            out = _forward_dot(lhs, rhs, dn, self, out_dtype, "ste", out_sharding)
-        elif self._needs_own_vjp():
-            out = _recipe_dot(lhs, rhs, dn, self, out_dtype, out_sharding)
+            out = nvfp4_dot(lhs, rhs, dn, spec, out_sharding, sr_key)
         else:
-            out = _forward_dot(lhs, rhs, dn, self, out_dtype, self.backward, out_sharding)
+            call = spec.check_call(lhs, rhs, dn, out_sharding)
+            out = dot_general_jit(call.lhs, call.rhs, call.dn, call.spec, call.out_sharding)
         if self.backward == "quantized" and self.backward_override is None:
             try:
                 _check_backward_sharding(lhs, rhs, dn, self)
@@ -541,8 +557,12 @@ class Recipe:
         tokens under one scale); :data:`FP8_HYBRID` (``scaling="tensor"``) and NVFP4 formats
         also differ in the forward and input gradient, with one scale per group and per
         expert instead of one per operand (each expert's GEMM is scaled for its own
-        values). :data:`NVIDIA_NVFP4`'s parts (``weight_block_2d``, ``wgrad_rht``,
-        stochastic ``grad_rounding``) are not implemented for ragged dots: refused.
+        values). :data:`NVIDIA_NVFP4` (its 16 x 16 weight tiles, per expert; the Hadamard
+        transform of the weight-gradient operands and their 16-blocks along tokens, in the
+        per-group layout, so a block never mixes two groups; stochastic rounding of the
+        cotangent, its words as ``lowprec/_ragged.py`` states) is each group's
+        :meth:`dot_general` too, but for the random words, which are drawn for the whole
+        cotangent; ``four_over_six`` is refused.
 
         Args:
           lhs: [M, K] float32/bfloat16/float16 tokens, grouped by expert.
@@ -563,45 +583,58 @@ class Recipe:
         """
         del precision
         self._state_needed("a ragged dot")
-        if self._nvfp4_training():
+        if self.four_over_six:
             raise ValueError(
-                "ragged_dot does not implement the NVFP4 training recipe's parts "
-                "(weight_block_2d, wgrad_rht, grad_rounding='stochastic', nvfp4_step="
-                "'reciprocal'); use a recipe without them, e.g. dataclasses.replace(recipe, "
-                "weight_block_2d=False, wgrad_rht=False, grad_rounding='nearest_even', "
-                "rht_signs=None, rht_dtype='float32', nvfp4_step='divide'), or keep the expert "
-                "layers in high precision"
-            )
-        overflow = "saturate" if self.scaling == "tensor" else "ieee"  # as _dot_kwargs
-
-        def cast(fmt, role):
-            return operand_cast(fmt, role, self.scale_rule, self.rounding, overflow)
-
-        # backward_override: both backward products from the forward's quantized values
-        # ("ste"), or float32 products of the unquantized ones.
-        override = self.backward_override
-        backward = self.backward if override is None else "ste"
-        hp = override == "high_precision"
-        spec = RaggedSpec(
-            cast(self.forward[0], "forward[0]"), cast(self.forward[1], "forward[1]"),
-            cast(self.grad, "grad"), cast(self.backward_operands[0], "backward_operands[0]"),
-            cast(self.backward_operands[1], "backward_operands[1]"), backward,
-            self.scaling == "tensor", self.high_precision_wgrad or hp, self.pad,
-            np.dtype(np.float32), hp,
-        )
-        call = spec.check_call(lhs, rhs, group_sizes, group_offset, out_sharding,
+                "ragged_dot does not implement four_over_six (Four over Six in the NVFP4 "
+                "recipe's forward); use dataclasses.replace(recipe, four_over_six=False) for "
+                "the expert layers, or keep them in high precision")
+        spec = self.dot_spec(np.dtype(np.float32))
+        call = spec.check_ragged_call(lhs, rhs, group_sizes, group_offset, out_sharding,
                                f"{self.name or 'recipe'} ragged_dot")
         out_dtype = _out_dtype(call.lhs, call.rhs, preferred_element_type, "recipe ragged_dot")
         spec = dataclasses.replace(spec, out_dtype=out_dtype)
-        return ragged_dot_jit(call.lhs, call.rhs, call.group_sizes, spec, call.out_sharding)
+        sr_key = None
+        if (spec.nvfp4 is not None and self.grad_rounding == "stochastic"
+                and self.backward_override is None):
+            sr_key = next_key(call.lhs, call.rhs, what=f"{self.name or 'recipe'} ragged_dot")
+        return ragged_dot_jit(call.lhs, call.rhs, call.group_sizes, spec, call.out_sharding,
+                              sr_key)
 
-    def _needs_own_vjp(self) -> bool:
-        """Whether lowprec.dot_general's own VJP cannot express the backward pass."""
-        if self.high_precision_wgrad or self.backward_override == "high_precision":
-            return True
-        if self.backward == "ste":
-            return False
-        return self.scaling == "tensor" or self.backward_operands != self.forward
+    def dot_spec(self, out_dtype=np.float32) -> DotSpec:
+        """The options of this recipe's dots (the one options object of lowprec's training
+        dot, :class:`~lowprec._options.DotSpec`), with output dtype ``out_dtype``.
+
+        Example:
+            >>> spec = FP8_HYBRID.dot_spec()
+            >>> spec.lhs.fmt.name, spec.grad.fmt.name, spec.tensor_scaling, spec.lhs.overflow
+            ('e4m3', 'e5m2', True, <Overflow.SATURATE: 'saturate'>)
+        """
+        override = self.backward_override
+        # The scale keeps amax in range; element casts saturate its edge.
+        overflow = "saturate" if self.scaling == "tensor" else "ieee"
+        nvfp4 = None
+        if self._nvfp4_training():
+            nvfp4 = NVFP4Training(
+                self.weight_block_2d, self.wgrad_rht, self.grad_rounding, self.seed,
+                self.nvfp4_step, self.rht_signs, self.rht_dtype, override, self.four_over_six)
+        # backward_override: both backward products from the forward's quantized values
+        # ("ste"), or float32 products of the unquantized ones (except the NVFP4 recipe's,
+        # whose "dequantized" products read its own 16 x 16 weight tiles).
+        backward = self.backward if override is None or nvfp4 is not None else "ste"
+        grad = self.grad if backward == "quantized" else None
+        lfmt, rfmt = self.forward
+        spec = DotSpec.create(lfmt, rfmt, grad, self.scale_rule, self.rounding, overflow,
+                              self.pad, backward, out_dtype, kernels_enabled())
+        extra = {}
+        if backward == "quantized" and self.backward_operands != self.forward:
+            for side, fmt in zip(("lhs", "rhs"), self.backward_operands):
+                extra[f"backward_{side}"] = operand_cast(
+                    fmt, f"backward_operands ({side})", spec.scale_rule, spec.rounding, overflow)
+        hp = override == "high_precision" and nvfp4 is None
+        return dataclasses.replace(
+            spec, tensor_scaling=self.scaling == "tensor",
+            high_precision_wgrad=self.high_precision_wgrad or hp, high_precision_dgrad=hp,
+            nvfp4=nvfp4, delayed=self.delayed, **extra)
 
 
 # -- the dot ------------------------------------------------------------------------------------
@@ -685,128 +718,6 @@ def _fails_bwd(message, _, g):
 
 
 _fails_in_backward.defvjp(_fails_fwd, _fails_bwd)
-
-
-def _pow2(e):
-    """2^e as float32 for int32 e in [-126, 127], built from its bits (exact)."""
-    return lax.bitcast_convert_type(lax.shift_left(e + 127, 23), jnp.float32)
-
-
-def _tensor_exponent(x, fmt: _Format):
-    """Per-tensor scale exponent e (int32 scalar, in [-126, 127]): the MX ``rceil`` rule applied
-    to the whole tensor, so that amax * 2^-e <= max_elem. 0 for unscaled formats."""
-    if not isinstance(fmt, ElementFormat):
-        return jnp.int32(0)
-    amax_bits = jnp.max(lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) & 0x7FFF_FFFF)
-    e = rceil_code(amax_bits, fmt.max_finite_exact) - E8M0_BIAS
-    return jnp.clip(e, -126, 127).astype(jnp.int32)
-
-
-def _scaled(x, e):
-    """x * 2^-e in float32 (exact while the result stays a normal float)."""
-    return x.astype(jnp.float32) * _pow2(-e)
-
-
-def _dot_kwargs(recipe: Recipe, lfmt, rfmt, backward: str, grad):
-    kwargs = dict(
-        lhs_format=lfmt, rhs_format=rfmt, scale_rule=recipe.scale_rule,
-        rounding=recipe.rounding, pad=recipe.pad, backward=backward,
-    )
-    if backward == "quantized":
-        kwargs["grad_format"] = grad
-    if recipe.scaling == "tensor":
-        kwargs["overflow"] = "saturate"  # the scale keeps amax in range; saturate its edge
-    return kwargs
-
-
-def _forward_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, backward: str, out_sharding=None):
-    """The forward dot (differentiable by lowprec.dot_general's own rule ``backward``)."""
-    lfmt, rfmt = recipe.forward
-    grad = recipe.grad if backward == "quantized" else None
-    kwargs = _dot_kwargs(recipe, lfmt, rfmt, backward, grad)
-    kwargs["out_sharding"] = out_sharding
-    if recipe.scaling != "tensor":
-        return dot_general(lhs, rhs, dn, preferred_element_type=out_dtype, **kwargs)
-    el, er = _tensor_exponent(lhs, lfmt), _tensor_exponent(rhs, rfmt)
-    out = dot_general(_scaled(lhs, el), _scaled(rhs, er), dn, preferred_element_type=jnp.float32, **kwargs)
-    return (out * _pow2(el) * _pow2(er)).astype(out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _recipe_dot(lhs, rhs, dn, recipe: Recipe, out_dtype, out_sharding=None):
-    return _forward_dot(lhs, rhs, dn, recipe, out_dtype, "ste", out_sharding)
-
-
-def _recipe_dot_fwd(lhs, rhs, dn, recipe, out_dtype, out_sharding=None):
-    return _recipe_dot(lhs, rhs, dn, recipe, out_dtype, out_sharding), (lhs, rhs)
-
-
-def _recipe_dot_bwd(dn, recipe: Recipe, out_dtype, out_sharding, residuals, g):
-    # The backward dots are the VJP of lowprec.dot_general(backward="quantized") called with
-    # the backward operand formats: its forward output is unused (XLA drops it), its VJP
-    # quantizes g and the operands along the backward reduction axes. With per-tensor scaling,
-    # each of lhs, rhs, g is divided by its own power of two first and the gradients are
-    # multiplied back: grad_lhs = g . rhs^T = 2^(eg + er) (g_s . rhs_s^T), likewise for rhs.
-    lhs, rhs = residuals
-    g = g.astype(jnp.float32)
-    if recipe.backward_override == "high_precision":  # the float layer's own VJP
-        grad_l, grad_r = _float_grads(dn, out_sharding, lhs, rhs, g)
-        return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype)
-    if recipe.backward == "ste":  # here only for high_precision_wgrad
-        _, vjp = jax.vjp(
-            lambda a, b: _forward_dot(a, b, dn, recipe, jnp.float32, "ste", out_sharding), lhs, rhs)
-        grad_l, grad_r = vjp(g)
-    else:
-        grad_l, grad_r = _quantized_backward(dn, recipe, out_sharding, lhs, rhs, g)
-    if recipe.high_precision_wgrad:
-        # The weight gradient as a float32 dot of the unquantized operands (the float
-        # layer's own VJP); XLA drops the quantized grad_rhs computed above.
-        _, grad_r = _float_grads(dn, out_sharding, lhs, rhs, g)
-    return grad_l.astype(lhs.dtype), grad_r.astype(rhs.dtype)
-
-
-def _float_grads(dn, out_sharding, lhs, rhs, g):
-    """Both gradients of the float32 dot (``precision=HIGHEST``) of the unquantized operands
-    (XLA drops the one a caller does not use)."""
-    def fdot(a, b):
-        return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32, out_sharding=out_sharding)
-
-    _, vjp = jax.vjp(fdot, _widen(lhs), _widen(rhs))
-    return vjp(g)
-
-
-def _widen(x):
-    """float32 values of a float array, widened on the bits (no float convert: §8 of
-    docs/design.md)."""
-    return bits_to_f32(input_bits(x))
-
-
-def _quantized_backward(dn, recipe: Recipe, out_sharding, lhs, rhs, g):
-    """Both backward dots of ``backward="quantized"`` (float32 gradients)."""
-    lfmt, rfmt = recipe.backward_operands
-    kwargs = _dot_kwargs(recipe, lfmt, rfmt, "quantized", recipe.grad)
-    el, er, eg = (
-        _tensor_exponent(lhs, lfmt), _tensor_exponent(rhs, rfmt), _tensor_exponent(g, recipe.grad)
-    )
-    if recipe.scaling == "tensor":
-        lhs_s, rhs_s, g_s = _scaled(lhs, el), _scaled(rhs, er), _scaled(g, eg)
-    else:
-        lhs_s, rhs_s, g_s = lhs, rhs, g
-
-    def bdot(a, b):  # its forward output is unused, but must be typable on Explicit axes
-        return dot_general(a, b, dn, preferred_element_type=jnp.float32,
-                           out_sharding=out_sharding, **kwargs)
-
-    _, vjp = jax.vjp(bdot, lhs_s, rhs_s)
-    grad_l, grad_r = vjp(g_s)
-    if recipe.scaling == "tensor":
-        grad_l = grad_l.astype(jnp.float32) * _pow2(er) * _pow2(eg)
-        grad_r = grad_r.astype(jnp.float32) * _pow2(el) * _pow2(eg)
-    return grad_l.astype(jnp.float32), grad_r.astype(jnp.float32)
-
-
-_recipe_dot.defvjp(_recipe_dot_fwd, _recipe_dot_bwd)
 
 
 # -- einsum -------------------------------------------------------------------------------------

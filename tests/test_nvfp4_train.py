@@ -24,6 +24,7 @@ import pytest
 
 import lowprec
 import lowprec_reference as ref
+from lowprec_reference import four_bit as R4
 from lowprec import _nvfp4_train as nt
 
 from helpers.asserts import assert_bits_equal, bit_pattern
@@ -349,9 +350,48 @@ def test_backward_override_of_the_nvfp4_recipe(override):
     _within(gw, xs.T, c)
 
 
+def np_q_4over6(v):
+    """Four over Six values of v [R, C] blocked along C: the independent reference's
+    quantizer (TransformerEngine's nvfp4_4over6 recipe, NumPy float32 steps), float32."""
+    codes, scales, amax = R4.quantize_4over6(np.asarray(v, np.float32))
+    return np.asarray(R4.dequantize_4over6(codes, scales, amax), np.float32)
+
+
+@pytest.mark.parametrize("weight_block_2d", [False, True])
+def test_four_over_six_forward_is_the_formats_quantizer(weight_block_2d):
+    # Recipe(four_over_six=True): the forward product's 16-element blocks (activations along
+    # K; the weight along K unless it has 16 x 16 tiles) chosen 4-or-6 exactly as the
+    # nvfp4_4over6 format's own quantizer, here the NumPy reference's; the 3-D activations
+    # [B, S, D] of a transformer layer.
+    recipe = dataclasses.replace(lowprec.NVIDIA_NVFP4, four_over_six=True,
+                                 weight_block_2d=weight_block_2d)
+    assert "4over6 forward" in recipe.describe()
+    x, w, c = _data(t=16, k=32, n=16, seed=4)
+    x3 = x.reshape(2, 8, 32)
+    dn3 = (((2,), (0,)), ((), ()))
+    y = np.asarray(jax.jit(lambda a, b: recipe.dot_general(a, b, dn3))(x3, w)).reshape(16, 16)
+    # The operand as the recipe builds it equals the reference bit for bit.
+    assert_bits_equal(jax.jit(lambda v: nt.quantize_1d(v, 1, four_over_six=True))(x),
+                      np_q_4over6(x))
+    xq = np_q_4over6(x)
+    wq = np_q2(w.T).T if weight_block_2d else np_q_4over6(w.T).T
+    _within(y, xq, wq)
+    # ... and it is not the map-to-6 forward (some block of these values prefers 4).
+    assert not np.array_equal(xq, np_q1(x, 1))
+    # The backward products are the recipe's own (4/6 is a forward option): with a
+    # "dequantized" backward the input gradient reads the forward's quantized weight.
+    dq = dataclasses.replace(recipe, backward_override="dequantized")
+    gx = jax.jit(jax.grad(lambda a, b: jnp.sum(dq.dot_general(a, b, DN) * c)))(x, w)
+    _within(np.asarray(gx), c, wq.T)
+
+
 def test_recipe_validation():
     with pytest.raises(ValueError, match="parts of the NVFP4 training recipe"):
         lowprec.Recipe(forward="mxfp8", grad="mxfp8", wgrad_rht=True)
+    with pytest.raises(ValueError, match="four_over_six are parts of the NVFP4 training"):
+        lowprec.Recipe(forward="mxfp8", grad="mxfp8", four_over_six=True)
+    with pytest.raises(TypeError, match="four_over_six must be a bool"):
+        dataclasses.replace(lowprec.NVIDIA_NVFP4, four_over_six="yes")
     with pytest.raises(ValueError, match="unknown grad_rounding 'up'"):
         lowprec.Recipe(forward="nvfp4", grad="nvfp4", grad_rounding="up")
     with pytest.raises(ValueError, match="applies to linear layers"):

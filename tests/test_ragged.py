@@ -27,6 +27,9 @@ from jax import lax
 import lowprec
 import lowprec_reference as ref
 from lowprec import FP8_HYBRID, NVIDIA_MXFP8, OCP_MXFP8, Recipe
+from lowprec import _nvfp4_train as nt
+
+from helpers.asserts import assert_bits_equal
 
 SIZES = (21, 0, 37, 9)  # an empty group, none a multiple of 32, 13 rows in no group
 M, K, N = 80, 80, 40  # K and N not multiples of 32: recipes pad them
@@ -276,6 +279,66 @@ def test_each_group_is_the_recipes_dot_general(recipe):
         _assert_same_sums(gr[i], gri, xa.T, ga, b - a)
 
 
+def _padded16(v):
+    """Rows of ``v`` zero-padded to a multiple of 16 (the NVFP4 recipe's token padding)."""
+    v = np.asarray(v, np.float32)
+    return np.pad(v, ((0, -v.shape[0] % 16), (0, 0)))
+
+
+@pytest.mark.slow  # ~10 s of NVFP4 compiles on 2 shared cores; the quick tier has the MX cases
+def test_nvfp4_recipe_each_group_is_the_recipes_dot_general():
+    # NVIDIA_NVFP4.ragged_dot (issue 35 item 7): group g's output and gradients are those of
+    # NVIDIA_NVFP4.dot_general on its tokens and expert alone — 16 x 16 weight tiles per
+    # expert, per-group tensor scales, the Hadamard transform and 16-blocks of the weight
+    # gradient's operands along each group's own tokens — within float32 summation order.
+    # Round-to-nearest cotangents here (stochastic words are drawn for the whole cotangent,
+    # so they differ from a group's own dot; the next test covers them).
+    recipe = dataclasses.replace(lowprec.NVIDIA_NVFP4, grad_rounding="nearest_even")
+    sizes, m, k, n = (13, 0, 20), 40, 32, 24  # 7 rows in no group; N padded to 32
+    x, w, g, gs = _operands(sizes, m, k, n, seed=5)
+    y, vjp = jax.vjp(lambda a, b: recipe.ragged_dot(a, b, gs), x, w)
+    gl, gr = vjp(g)
+    signs = nt.recipe_rht_signs(recipe)
+    for i, (a, b) in enumerate(_groups(sizes, m)):
+        if a == b:
+            assert not np.any(np.asarray(gr[i]))  # no tokens: no weight gradient
+            continue
+        yi, vjp_i = jax.vjp(lambda p, q: recipe.dot_general(p, q, DN), x[a:b], w[i])
+        gli, gri = vjp_i(g[a:b])
+        xa, wi, ga = (np.asarray(v, np.float64) for v in (x[a:b], w[i], g[a:b]))
+        _assert_same_sums(y[a:b], yi, xa, wi, k)
+        _assert_same_sums(gl[a:b], gli, ga, wi.T, n)
+        # The weight gradient multiplies the transformed tokens and cotangent (M x, M g).
+        mx, mg = (np.asarray(nt.rht(jnp.asarray(_padded16(v)), signs), np.float64)
+                  for v in (x[a:b], g[a:b]))
+        _assert_same_sums(gr[i], gri, mx.T, mg, mx.shape[0])
+    rest = slice(sum(sizes), m)
+    assert not np.any(np.asarray(y[rest])) and not np.any(np.asarray(gl[rest]))
+
+
+@pytest.mark.slow  # NVFP4 compiles (seconds)
+def test_nvfp4_recipe_stochastic_rounding_is_keyed():
+    # Stochastic rounding of the cotangent only: the forward is the round-to-nearest
+    # recipe's bit for bit; inside stochastic_rounding_key a key gives the same gradients
+    # every time and another key others.
+    rn = dataclasses.replace(lowprec.NVIDIA_NVFP4, grad_rounding="nearest_even")
+    x, w, g, gs = _operands((13, 0, 20), 40, 32, 24, seed=6)
+
+    def grads(key):
+        with lowprec.stochastic_rounding_key(key):
+            y, vjp = jax.vjp(lambda a, b: lowprec.NVIDIA_NVFP4.ragged_dot(a, b, gs), x, w)
+            return (y, *vjp(g))
+
+    step = jax.jit(grads)
+    y1, gl1, gr1 = step(jax.random.key(1))
+    assert_bits_equal(y1, rn.ragged_dot(x, w, gs))
+    for v, u in zip((gl1, gr1), step(jax.random.key(1))[1:]):
+        assert_bits_equal(v, u)
+    gl2, gr2 = step(jax.random.key(2))[1:]
+    assert not np.array_equal(np.asarray(gl1), np.asarray(gl2))
+    assert not np.array_equal(np.asarray(gr1), np.asarray(gr2))
+
+
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_jit_grad_and_traced_group_sizes_agree_bitwise():
     x, w, g, gs = _operands()
@@ -341,8 +404,8 @@ def test_public_ragged_dot_quantizes_like_dot_general():
      TypeError, "lhs is an MXArray"),
     (lambda x, w, gs: NVIDIA_MXFP8.ragged_dot(x, w, gs, preferred_element_type=jnp.int8),
      TypeError, "output dtype must be float32, bfloat16 or float16, got int8"),
-    (lambda x, w, gs: lowprec.NVIDIA_NVFP4.ragged_dot(x, w, gs), ValueError,
-     "does not implement the NVFP4 training recipe's parts"),
+    (lambda x, w, gs: dataclasses.replace(lowprec.NVIDIA_NVFP4, four_over_six=True).ragged_dot(
+        x, w, gs), ValueError, "ragged_dot does not implement four_over_six"),
     (lambda x, w, gs: dataclasses.replace(NVIDIA_MXFP8, pad=False).ragged_dot(x, w, gs),
      ValueError, "K = 80 is not a multiple of the mxfp8_e4m3 block size 32; pass pad=True"),
     (lambda x, w, gs: lowprec.ragged_dot(x, w, gs, lhs_format="mxfp8"), ValueError,

@@ -10,6 +10,7 @@ along that backward dot's own reduction axis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -455,3 +456,53 @@ def test_ragged_dot_backward_override(override_data):
     for got, want in zip(grads(dataclasses.replace(NVIDIA_MXFP8, backward_override="dequantized")),
                          grads(ste)):
         assert_bits_equal(got, want)
+
+
+def _custom_vjp_calls(jaxpr):
+    """The custom-VJP calls of a jaxpr and its sub-jaxprs (jit, cond, ...), each as the
+    name of its backward rule."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("custom_vjp_call"):
+            found.append(str(eqn.params.get("bwd")))
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            found += _custom_vjp_calls(sub)
+    return found
+
+
+def test_every_training_dot_is_the_one_custom_vjp():
+    # Issue 35 item 10: lowprec.dot_general, lowprec.ragged_dot, every recipe's dot_general
+    # and ragged_dot (FP8_HYBRID's per-tensor scales, high-precision wgrad, backward
+    # overrides, NVIDIA_NVFP4) and delayed scaling trace to exactly one custom VJP, the
+    # training dot of lowprec/_qdot.py (its backward rule _training_bwd); no other rule
+    # (a recipe's backward calling jax.vjp of the public function traced two).
+    x, w = jnp.ones((2, 8, 32)), jnp.ones((32, 16))
+    xr, wr, gs = jnp.ones((8, 32)), jnp.ones((2, 32, 16)), jnp.array([3, 5])
+    dn = (((2,), (0,)), ((), ()))
+    recipes = [OCP_MXFP8, NVIDIA_MXFP8, FP8_HYBRID, lowprec.NVIDIA_NVFP4,
+               dataclasses.replace(FP8_HYBRID, high_precision_wgrad=True),
+               dataclasses.replace(NVIDIA_MXFP8, backward_override="high_precision"),
+               Recipe(forward="mxfp8", grad="mxfp8_e5m2", backward_operands="mxfp4")]
+    calls = [lambda: lowprec.dot_general(x, w, dn, lhs_format="mxfp8", rhs_format="mxfp8"),
+             lambda: lowprec.ragged_dot(xr, wr, gs, lhs_format="mxfp8", rhs_format="e4m3")]
+    calls += [functools.partial(r.dot_general, x, w, dn) for r in recipes]
+    calls += [functools.partial(r.ragged_dot, xr, wr, gs) for r in recipes[:3]]
+    cfg = lowprec.DelayedScaling(amax_history_len=2)
+    calls.append(lambda: lowprec.delayed_dot_general(x, w, cfg.init(), dn, cfg))
+    for call in calls:
+        rules = _custom_vjp_calls(jax.make_jaxpr(call)().jaxpr)
+        assert len(rules) == 1 and "_training_bwd" in rules[0], rules
+
+
+def test_ragged_spec_is_the_dot_spec():
+    # RaggedSpec's fields live in the one options object (its old name is kept as an alias).
+    from lowprec import _options, _ragged
+    assert _ragged.RaggedSpec is _options.DotSpec
+    spec = FP8_HYBRID.dot_spec()
+    assert spec.tensor_scaling and spec.bwd_lhs == spec.lhs and spec.grad.fmt.name == "e5m2"
+    spec = Recipe(forward="mxfp8", grad="mxfp8", backward_operands=("mxfp4", None)).dot_spec()
+    assert spec.bwd_lhs.fmt.name == "mxfp4" and spec.bwd_rhs is None
+    hp = dataclasses.replace(NVIDIA_MXFP8, backward_override="high_precision").dot_spec()
+    assert hp.high_precision_wgrad and hp.high_precision_dgrad and hp.backward == "ste"
+    nv = lowprec.NVIDIA_NVFP4.dot_spec()
+    assert nv.nvfp4.weight_block_2d and nv.nvfp4.grad_rounding == "stochastic"
