@@ -201,22 +201,23 @@ def encode_values(bits, cast: MXCast, axis: int, rng=None):
         codes = jnp.where(jnp.expand_dims(special, inner), 0, codes)
         sb = jnp.expand_dims(scale_codes.astype(jnp.uint8), inner)
         route = (_nvfp4.PER_BLOCK, _nvfp4_blocks(scheme, sb, ts))
-        return scheme.decode_values(decode_bits(fmt.element, codes), sb, ts, route)
+        return scheme.fast_decoder().routed_values(decode_bits(fmt.element, codes), sb, ts, route)
 
     # Stochastic rounding takes the hardware-float branch too (given words, "divide" step):
     # its quotients by _nvfp4.hwfloat_sr_quotients.
     stochastic_hw = (cast.stochastic and cast.nvfp4_step != "reciprocal" and rng is not None
                      and rng[1] is not None and hwfloat_element(fmt.element)
-                     and scheme.has_hwfloat_path)
-    if not (bits.dtype == jnp.uint32 and (hwfloat_serves(cast) or stochastic_hw)):
+                     and scheme.fast_encoder() is not None)
+    if not (bits.dtype == jnp.uint32 and (hwfloat_encoder(cast) is not None or stochastic_hw)):
         return merge_blocks(exact(xb, amax), axis)
+    fast = scheme.fast_encoder()
 
     def on_cpu(xf, amax):
-        scale_codes, hwfloat_exact = scheme.hwfloat_scales(amax, ts_bits, cast)
+        scale_codes, hwfloat_exact = fast.scales(amax, ts_bits, cast)
 
         def hwfloat_branch():
             xb = f32_bits(xf)
-            special, operand = scheme.hwfloat_operands(scale_codes, ts_bits, cast)
+            special, operand = fast.operands(scale_codes, ts_bits, cast)
             if cast.stochastic:
                 q = _nvfp4.hwfloat_sr_quotients(xb, jnp.expand_dims(operand, inner))
                 words = split_blocks(rng[1], axis, fmt.block_size)
@@ -224,8 +225,7 @@ def encode_values(bits, cast: MXCast, axis: int, rng=None):
                                    "saturate", (None, words), assume_finite=True)
                 codes = codes.astype(jnp.uint32)
             else:
-                q = scheme.hwfloat_quotients(magnitudes_f32(xb), jnp.expand_dims(operand, inner),
-                                             xb, cast)
+                q = fast.quotients(magnitudes_f32(xb), jnp.expand_dims(operand, inner), xb, cast)
                 mag = encode_magnitudes(fmt.element, lax.bitcast_convert_type(q, jnp.uint32))
                 codes = signed_codes(fmt.element, mag, xb)
             total = (operand if cast.nvfp4_step != "reciprocal" else _nvfp4.hwfloat_divisors(
@@ -253,5 +253,5 @@ def nvfp4_values(x, words, axis: int, step):
 
 
 def _nvfp4_blocks(scheme, scale_codes, ts):
-    """The scheme's per-block decode values (:meth:`decode_route`'s second item)."""
-    return scheme.decode_route(scale_codes, ts)[1]
+    """The scheme's per-block decode values (its fast decoder's ``route``, second item)."""
+    return scheme.fast_decoder().route(scale_codes, ts)[1]
