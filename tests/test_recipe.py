@@ -14,6 +14,7 @@ import functools
 import math
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -465,7 +466,7 @@ def _custom_vjp_calls(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name.startswith("custom_vjp_call"):
             found.append(str(eqn.params.get("bwd")))
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             found += _custom_vjp_calls(sub)
     return found
 
