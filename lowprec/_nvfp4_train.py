@@ -354,7 +354,16 @@ def nvfp4_dot(lhs, rhs, dn, spec: DotSpec, out_sharding=None, sr_key=None):
     as 2-D, [K, N] or [N, K], its contracting axes flattened into K and its output axes into
     N (a DenseGeneral's [D, heads, head_dim] is [D, heads * head_dim]; its 16 x 16 tiles are
     tiles of that matrix), and lhs's contracting axes into K, in the order given (as the MX
-    dots block a flattened contraction); the result is reshaped back to [..., N..]."""
+    dots block a flattened contraction); the result is reshaped back to [..., N..].
+
+    Called outside any trace (eagerly), the whole dot runs as one compiled program: op by op
+    it compiled ~270 small programs on a first call (the same bits either way)."""
+    if not any(isinstance(v, jax.core.Tracer) for v in (lhs, rhs, sr_key)):
+        return _nvfp4_dot_program(lhs, rhs, dn, spec, out_sharding, sr_key)
+    return _nvfp4_dot(lhs, rhs, dn, spec, out_sharding, sr_key)
+
+
+def _nvfp4_dot(lhs, rhs, dn, spec: DotSpec, out_sharding=None, sr_key=None):
     (lc, rc), _ = dn
     c, nl, nr = len(lc), len(lhs.shape), len(rhs.shape)
     if c == 1 and nr == 2:  # already a 2-D weight: no reshape
@@ -376,6 +385,9 @@ def nvfp4_dot(lhs, rhs, dn, spec: DotSpec, out_sharding=None, sr_key=None):
                         merged_sharding(inner, groups), sr_key)
     y = jnp.reshape(y, (*lhs.shape[:nlead], *free), out_sharding=final)
     return y if constraint is None else lax.with_sharding_constraint(y, constraint)
+
+
+_nvfp4_dot_program = jax.jit(_nvfp4_dot, static_argnums=(2, 3, 4))
 
 
 def nvfp4_train_dot(x, w, dn, spec: DotSpec, out_sharding=None, sr_key=None):
