@@ -89,14 +89,9 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
-    if name in _DEPRECATED:
-        import warnings
+    from ._deprecated import deprecated_attribute
 
-        use, value = _DEPRECATED[name]
-        warnings.warn(f"lowprec.{name} is deprecated; use {use}", DeprecationWarning,
-                      stacklevel=2)
-        return value()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return deprecated_attribute(__name__, _DEPRECATED, name)
 
 
 __all__ = [

@@ -26,6 +26,7 @@ from typing import Union
 
 import lowprec_formats
 
+from .._deprecated import deprecated_attribute
 from .._format import ElementFormat, MXFormat, element_format, mx_format, resolve_format
 from .._scale_rules import ScaleRule
 from .._scale_rules import check_scale_rule as _check_scale_rule
@@ -213,11 +214,4 @@ _DEPRECATED = {
 
 
 def __getattr__(name):
-    if name in _DEPRECATED:
-        import warnings
-
-        use, value = _DEPRECATED[name]
-        warnings.warn(f"{__name__}.{name} is deprecated; use {use}", DeprecationWarning,
-                      stacklevel=2)
-        return value()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return deprecated_attribute(__name__, _DEPRECATED, name)
