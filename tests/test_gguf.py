@@ -575,6 +575,30 @@ def test_mxfp4_to_nvfp4_cast_of_a_safetensors_file(tmp_path, layout):
     assert np.flatnonzero(differ).tolist() in ([], [3 * 4 + 2])  # only the far block may move
 
 
+@pytest.mark.parametrize("layout", ["lowprec", "compressed-tensors"])
+def test_mxfp4_to_nvfp4_cast_refuses_a_nan_block_naming_tensor_and_fix(tmp_path, capsys, layout):
+    """An MXFP4 block whose E8M0 scale is the NaN code (0xFF: a NaN in the quantized input)
+    has no exact NVFP4 counterpart (the cast keeps each code; NVFP4 has no per-block NaN
+    scale that decodes those codes as the E8M0 one does): ``convert --to nvfp4`` refuses
+    the file, naming the tensor, the block count and the fix, and writes nothing. (A GGUF
+    MXFP4 tensor holds no NaN block: ggml's E8M0 has no NaN code.)"""
+    w = np.random.default_rng(14).normal(size=(8, 64)).astype(np.float32)
+    w[1, 40] = np.nan  # row 1's second block of 32: flat block 3
+    with SafetensorsWriter(tmp_path / "m.safetensors", [("mlp.up.weight", "F32", w.shape)]) as f:
+        f.write("mlp.up.weight", w)
+    quantize_checkpoint(tmp_path / "m.safetensors", tmp_path / "q.safetensors", "mxfp4",
+                        layout=layout)
+    for out_layout in ("lowprec", "modelopt"):
+        out = tmp_path / f"nv-{out_layout}.safetensors"
+        assert main(["convert", str(tmp_path / "q.safetensors"), str(out), "--to", "nvfp4",
+                     "--layout", out_layout, "-q"]) == 1, out_layout
+        err = capsys.readouterr().err
+        assert "'mlp.up.weight'" in err and "1 of its 16 MXFP4 blocks" in err, err
+        assert "NaN" in err and "lowprec dequantize" in err and "-f nvfp4" in err, err
+        assert "Traceback" not in err
+        assert not out.exists()
+
+
 def test_outputs_are_never_an_input_or_a_file_of_its_checkpoint(tmp_path, capsys):
     """A shard's checkpoint is its model folder: none of its files is an output, even with
     --force, for the GGUF verbs and the cast as for every other; a GGUF input likewise."""

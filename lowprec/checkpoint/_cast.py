@@ -28,6 +28,24 @@ from ._report import ConversionReport, TensorReport
 from ._safetensors import SafetensorsReader
 
 
+_E8M0_NAN = 0xFF  # the E8M0 scale code of a NaN block
+
+
+def cast_mxfp4(mx, name: str):
+    """:func:`lowprec.mxfp4_to_nvfp4` of the tensor ``name``, refusing (naming it, its NaN
+    blocks and the fix) one that holds a NaN block: the cast keeps each E2M1 code under a new
+    scale, and a block whose E8M0 scale is the NaN code has none that NVFP4 could keep."""
+    nan = int(np.count_nonzero(np.asarray(mx.scales) == _E8M0_NAN))
+    if nan:
+        blocks = int(np.asarray(mx.scales).size)
+        raise CheckpointError(
+            f"{name!r}: {nan} of its {blocks} MXFP4 blocks are NaN (E8M0 scale 0xFF: a NaN in "
+            "the quantized input); the exact cast to NVFP4 keeps each code under a new scale "
+            "and has none for a NaN block. Dequantize the file (lowprec dequantize IN DENSE) "
+            "and quantize that (lowprec quantize DENSE OUT -f nvfp4): NaN blocks stay NaN")
+    return mxfp4_to_nvfp4(mx)
+
+
 def _as_lowprec(src: str, tmp_dir: str) -> str:
     """``src`` if its quantized tensors are in lowprec's or gpt-oss's layout (cast as
     stored), else a file in ``tmp_dir`` with its bits moved to lowprec's (``convert``)."""
@@ -65,7 +83,7 @@ def cast_checkpoint(src, dst, layout: str = "lowprec", *, force: bool = False,
                 mx = load()
                 if mx.axis != len(shape) - 1 or shape[-1] % mx.fmt.block_size:
                     raise CheckpointError(f"{name!r}: cast along the last axis only")
-                nv, casts[name] = mxfp4_to_nvfp4(mx)
+                nv, casts[name] = cast_mxfp4(mx, name)
                 spec = make_spec("nvfp4", shape, meta.get(name, {}).get("dtype", "F32"),
                                  axis=len(shape) - 1)
                 lay = meta.get(name, {}).get("layout", "gpt-oss")  # gpt-oss: no metadata

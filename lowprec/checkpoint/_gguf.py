@@ -805,7 +805,9 @@ def _cast(mx: MXArray, name: str, to: Optional[str], casts: dict) -> MXArray:
     if to == "nvfp4" and mx.fmt.name == "mxfp4":
         if mx.shape[-1] % 64:
             raise CheckpointError(f"{name!r}: ggml NVFP4 needs ne[0] a multiple of 64, got {mx.shape[-1]}")
-        mx, casts[name] = mxfp4_to_nvfp4(mx)
+        from ._cast import cast_mxfp4  # noqa: PLC0415 - _cast imports this module
+
+        mx, casts[name] = cast_mxfp4(mx, name)
     return mx
 
 
