@@ -204,6 +204,26 @@ def test_stats_of_given_values_match_numpy(q_dtype):
     assert want.finite_to_nonfinite > 0 and want.inf_saturated > 0
 
 
+@pytest.mark.parametrize("n", [24, 20], ids=["vector", "scalar tail"])
+def test_relative_error_of_zero_inputs_is_the_largest(n):
+    """The relative error's maximum, |e| / max(|x|, 5e-324), where x = 0 gives the largest
+    ratios (|e| x 2^1074): each pair raises the lane's maximum, and a pair skipped by the
+    pass's shortcut (which must skip only pairs that cannot raise it) would leave it low.
+    Lane 0 (pairs 0, 8, 16) sees x = 0 with errors 2^-149 then 2^-100, then 2^-120: the
+    maxima 2^925, then 2^974 (2^-100 x 2^1074), kept. ``n`` = 20 puts the last pair in the
+    scalar tail, whose lanes restart at 0."""
+    x = np.ones(n, np.float32)
+    q = x.copy()
+    x[[0, 8, 16]] = 0.0
+    q[[0, 8, 16]] = [2.0 ** -149, 2.0 ** -100, 2.0 ** -120]
+    got = ErrorStats()
+    got.add_vector(_ckpt_cpu.stats(x, q))
+    assert got.max_rel == 2.0 ** 974 and got.max_abs == 2.0 ** -100
+    want = ErrorStats()
+    want.update(x, q)
+    assert_stats_equal(got, want)
+
+
 @pytest.mark.parametrize("in_dtype", INPUTS + (np.float64,), ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 1001), (4, 0)])
 def test_amax_matches_numpy(in_dtype, shape, numpy_only):

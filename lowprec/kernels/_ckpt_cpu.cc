@@ -15,8 +15,11 @@
 //   rounded product), and NumPy's `values * scale` for FP8 casts;
 // * statistics as ErrorStats.update: float64 squares and differences of the elements finite
 //   on both sides, the others counted by what happened to them; sums are accumulated in a
-//   fixed order (8 lanes, then the lanes in order), so they can differ from NumPy's pairwise
-//   sums by rounding only (relative 1e-16 per element, far below the report's digits);
+//   fixed order (8 lanes, then the lanes in order), each term by one fused multiply-add
+//   (x^2 of a float32 x is exact in float64, so its sum is the same as with a rounded
+//   product; e^2 is rounded once, with the sum), so they can differ from NumPy's pairwise
+//   sums of rounded squares by rounding only (at most n 2^-52 relative for n terms, far
+//   below the report's digits);
 // * narrowing as ml_dtypes (bfloat16: RNE, NaN to sign | 0x7FC0) and NumPy (float16: RNE,
 //   NaN keeping its top payload bits) do, with finite values that overflow counted.
 //
@@ -45,6 +48,14 @@ enum Stat {
   kCount, kSumX2, kSumE2, kMaxAbs, kMaxRel, kNonfinite, kNanIn, kInfIn, kInfSaturated,
   kFiniteToNonfinite, kNonfiniteChanged, kClipped, kClipTotal, kNumStats
 };
+
+#ifdef LOWPREC_X86_AVX2
+// Whether the CPU has AVX2 and FMA (every AVX2 CPU made so far has both; checked anyway).
+inline bool HasAvx2Fma() {
+  static const bool fma = lowprec_native::HasAvx2() && __builtin_cpu_supports("fma");
+  return fma;
+}
+#endif
 
 // Clears flush-to-zero and denormals-are-zero for its lifetime.
 class ExactFloats {
@@ -185,9 +196,19 @@ __attribute__((target("avx2"))) int64_t DecodeAvx2(const uint8_t* codes, int32_t
   const __m256i low4 = _mm256_set1_epi32(0xF);
   const __m256 lo = _mm256_loadu_ps(elut);
   const __m256 hi = bits == 4 ? _mm256_loadu_ps(elut + 8) : lo;
+  // The current block and its factor, moved on as the groups of 8 cross into the next (a
+  // division per group cost as much as the rest of the loop).
+  int64_t b = factors != nullptr ? i0 / block : 0;
+  int64_t next = (b + 1) * block;
+  __m256 f = _mm256_set1_ps(factors != nullptr ? factors[b] : 1.0f);
   int64_t i = 0;
   for (; i + 8 <= len; i += 8) {
     const int64_t g = i0 + i;
+    if (factors != nullptr && g >= next) {  // block % 8 == 0 here: g is the next block's start
+      ++b;
+      next += block;
+      f = _mm256_set1_ps(factors[b]);
+    }
     __m256i idx;
     if (bits == 8) {
       idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + g)));
@@ -204,7 +225,7 @@ __attribute__((target("avx2"))) int64_t DecodeAvx2(const uint8_t* codes, int32_t
                                             _mm256_permutevar8x32_ps(hi, idx),
                                             _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)))
                          : _mm256_i32gather_ps(elut, idx, 4);
-    if (factors != nullptr) v = _mm256_mul_ps(v, _mm256_set1_ps(factors[g / block]));
+    if (factors != nullptr) v = _mm256_mul_ps(v, f);
     _mm256_storeu_ps(reinterpret_cast<float*>(out + i), v);
   }
   return i;
@@ -349,7 +370,7 @@ struct Acc {  // one piece's statistics while they accumulate
 };
 
 // Elements whose input or decoded value is not finite: counted as ErrorStats.update does;
-// the finite pairs among them join the sums.
+// the finite pairs among them join the sums (each term fused, as in the lanes).
 void ScalarStats(const uint32_t* xb, const uint32_t* qb, int64_t len, Acc& a) {
   for (int64_t i = 0; i < len; ++i) {
     const double xd = FromBits(xb[i]);
@@ -358,8 +379,8 @@ void ScalarStats(const uint32_t* xb, const uint32_t* qb, int64_t len, Acc& a) {
     if (fx && fq) {
       const double e = xd - qd;
       a.v[kCount] += 1;
-      a.v[kSumX2] += xd * xd;
-      a.v[kSumE2] += e * e;
+      a.v[kSumX2] += xd * xd;  // exact product: the same as a fused multiply-add
+      a.v[kSumE2] = std::fma(e, e, a.v[kSumE2]);
       const double ae = std::fabs(e);
       a.v[kMaxAbs] = std::max(a.v[kMaxAbs], ae);
       a.v[kMaxRel] = std::max(a.v[kMaxRel], ae / std::max(std::fabs(xd), 5e-324));
@@ -393,14 +414,15 @@ inline double SkipBound(double m) {
 }
 
 // Lane k's relative error of one pair: |e| / max(|x|, 5e-324) (NumPy's formula), computed
-// only where it may raise the lane's maximum: where |e| > mrc max(|x|, 2^-1022). A skipped
-// pair has |e| <= m |x| (the product rounded up by at most 2^-53 twice, or exact for a
-// power-of-two m), so its ratio rounds to at most m. |e| is 0 or at least 2^-149 (a
-// difference of float32 values), so the floor 2^-1022 (no subnormal product, which CPUs
-// compute slowly) only changes the test for x = 0, where any error is a candidate.
+// only where it may raise the lane's maximum: where |e| > mrc |x|. A skipped pair has
+// |e| <= m |x| (the product rounded up by at most 2^-53 twice, or exact for a power-of-two
+// m), so its ratio rounds to at most m; x = 0 is never skipped for a non-zero error (its
+// ratio, up to 2^1074 |e|, may exceed any earlier one; mrc = inf gives NaN, no candidate,
+// and nothing exceeds inf). The product is never subnormal (slow on CPUs): a non-zero mrc
+// is at least 2^-149 / 2^128 (a float32 error over a float32 input) and |x| >= 2^-149.
 inline void RelError(double ae, double xd, int k, Lanes& l) {
   const double ax = std::fabs(xd);
-  if (ae > l.mrc[k] * std::max(ax, 0x1p-1022)) {
+  if (ae > l.mrc[k] * ax) {
     const double r = ae / std::max(ax, 5e-324);
     if (r > l.mr[k]) {
       l.mr[k] = r;
@@ -414,8 +436,8 @@ void FiniteStatsPortable(const uint32_t* xb, const uint32_t* qb, int64_t len, La
     const int k = static_cast<int>(i & 7);
     const double xd = FromBits(xb[i]);
     const double e = xd - static_cast<double>(FromBits(qb[i]));
-    l.x2[k] += xd * xd;
-    l.e2[k] += e * e;
+    l.x2[k] += xd * xd;  // exact product: the same as a fused multiply-add
+    l.e2[k] = std::fma(e, e, l.e2[k]);
     const double ae = std::fabs(e);
     l.ma[k] = std::max(l.ma[k], ae);
     RelError(ae, xd, k, l);
@@ -423,13 +445,14 @@ void FiniteStatsPortable(const uint32_t* xb, const uint32_t* qb, int64_t len, La
 }
 
 #ifdef LOWPREC_X86_AVX2
-// FiniteStatsPortable on two vectors of 4 doubles per step (lanes 0-3 and 4-7); the
-// relative error's division (the slowest step) only where the skip test fails, rarely once
-// a lane's maximum is reached (usually 1: an element that became 0).
-__attribute__((target("avx2"))) void FiniteStatsAvx2(const uint32_t* xb, const uint32_t* qb,
+// FiniteStatsPortable on two vectors of 4 doubles per step (lanes 0-3 and 4-7), the same
+// results bit for bit; the relative error's division (the slowest step) only where the skip
+// test fails, rarely once a lane's maximum is reached (usually 1: an element that became 0).
+// The loop is bound by the floating-point ports (9 of its operations per 4 pairs use them):
+// a fused multiply-add per square and no floor in the skip test keep that count low.
+__attribute__((target("avx2,fma"))) void FiniteStatsAvx2(const uint32_t* xb, const uint32_t* qb,
                                                      int64_t len, Lanes& l) {
   const __m256d sign = _mm256_set1_pd(-0.0);
-  const __m256d floor = _mm256_set1_pd(0x1p-1022);
   __m256d x2[2], e2[2], ma[2], mrc[2];
   for (int h = 0; h < 2; ++h) {
     x2[h] = _mm256_loadu_pd(l.x2 + 4 * h);
@@ -439,18 +462,16 @@ __attribute__((target("avx2"))) void FiniteStatsAvx2(const uint32_t* xb, const u
   }
   int64_t i = 0;
   for (; i + 8 <= len; i += 8) {
-    const __m256 xf = _mm256_loadu_ps(reinterpret_cast<const float*>(xb + i));
-    const __m256 qf = _mm256_loadu_ps(reinterpret_cast<const float*>(qb + i));
     __m256d may = _mm256_setzero_pd();
-    for (int h = 0; h < 2; ++h) {
-      const __m256d xd = _mm256_cvtps_pd(h ? _mm256_extractf128_ps(xf, 1) : _mm256_castps256_ps128(xf));
-      const __m256d qd = _mm256_cvtps_pd(h ? _mm256_extractf128_ps(qf, 1) : _mm256_castps256_ps128(qf));
+    for (int h = 0; h < 2; ++h) {  // 4 floats loaded and widened in one step each
+      const __m256d xd = _mm256_cvtps_pd(_mm_loadu_ps(reinterpret_cast<const float*>(xb + i + 4 * h)));
+      const __m256d qd = _mm256_cvtps_pd(_mm_loadu_ps(reinterpret_cast<const float*>(qb + i + 4 * h)));
       const __m256d e = _mm256_sub_pd(xd, qd);
-      x2[h] = _mm256_add_pd(x2[h], _mm256_mul_pd(xd, xd));
-      e2[h] = _mm256_add_pd(e2[h], _mm256_mul_pd(e, e));
+      x2[h] = _mm256_fmadd_pd(xd, xd, x2[h]);
+      e2[h] = _mm256_fmadd_pd(e, e, e2[h]);
       const __m256d ae = _mm256_andnot_pd(sign, e);
       ma[h] = _mm256_max_pd(ma[h], ae);
-      const __m256d bound = _mm256_mul_pd(mrc[h], _mm256_max_pd(_mm256_andnot_pd(sign, xd), floor));
+      const __m256d bound = _mm256_mul_pd(mrc[h], _mm256_andnot_pd(sign, xd));
       may = _mm256_or_pd(may, _mm256_cmp_pd(ae, bound, _CMP_GT_OQ));
     }
     if (_mm256_movemask_pd(may)) {  // rare: the 8 pairs one by one, as the portable loop
@@ -480,7 +501,7 @@ bool FiniteStats(const uint32_t* xb, const uint32_t* qb, int64_t len, Lanes& l) 
   std::fill(c.x2, c.x2 + 8, 0.0);
   std::fill(c.e2, c.e2 + 8, 0.0);
 #ifdef LOWPREC_X86_AVX2
-  if (lowprec_native::HasAvx2()) {
+  if (HasAvx2Fma()) {
     FiniteStatsAvx2(xb, qb, len, c);
   } else
 #endif
