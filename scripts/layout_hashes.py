@@ -36,6 +36,10 @@ from lowprec.checkpoint import (
 )
 from lowprec.checkpoint import _gguf as G
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+from helpers.gguf_files import llama_template, write_gguf  # noqa: E402 - the tests' fixtures
+
 
 def _hf_folder(path, rng):
     os.makedirs(path)
@@ -72,53 +76,12 @@ def _f32_file(path, rng):
 
 def _gguf_file(path, rng):
     import gguf
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_string("test.name", "tiny")
     t = {"token_embd.weight": (32, 64), "output.weight": (32, 64), "output_norm.weight": (64,),
          "blk.0.attn_norm.weight": (64,), "blk.0.attn_q.weight": (64, 64),
          "blk.0.attn_k.weight": (32, 64), "blk.0.ffn_down.weight": (64, 128),
          "blk.0.ffn_up.weight": (128, 64)}
-    for n, s in t.items():
-        w.add_tensor(n, rng.normal(size=s).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _template(path, hf):
-    """A GGUF template of ``hf`` as convert_hf_to_gguf.py names it (Q/K rows permuted)."""
-    import gguf
-    gname = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-             "model.norm.weight": "output_norm.weight",
-             "model.layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
-             "model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
-             "model.layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight",
-             "model.layers.0.self_attn.v_proj.weight": "blk.0.attn_v.weight",
-             "model.layers.0.mlp.up_proj.weight": "blk.0.ffn_up.weight",
-             "model.layers.0.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
-             "model.layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight"}
-
-    def rope(n, h):
-        d = n // h
-        return np.array([k * d + j * (d // 2) + i for k in range(h) for i in range(d // 2)
-                         for j in range(2)])
-    perm = {"blk.0.attn_q.weight": rope(64, 4), "blk.0.attn_k.weight": rope(32, 2)}
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    for n, a in hf.items():
-        g = gname[n]
-        a = np.asarray(a, np.float32)
-        w.add_tensor(g, a[perm[g]] if g in perm else a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(path, {n: rng.normal(size=s).astype(np.float32) for n, s in t.items()},
+               keys=[("test.name", "tiny", gguf.GGUFValueType.STRING)])
 
 
 def _hash_tree(root, out):
@@ -148,7 +111,7 @@ def main():
     hf = _hf_folder(f"{out}/in/hf", rng)
     _f32_file(f"{out}/in/m.safetensors", rng)
     _gguf_file(f"{out}/in/m.gguf", rng)
-    _template(f"{out}/in/t.gguf", hf)
+    llama_template(f"{out}/in/t.gguf", hf)
     amax = {m: 1.5 + i / 8 for i, m in enumerate(
         f"model.layers.0.{p}" for p in ("self_attn.q_proj", "self_attn.k_proj",
                                         "self_attn.v_proj", "mlp.up_proj", "mlp.gate_proj",

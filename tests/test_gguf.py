@@ -23,31 +23,22 @@ from lowprec.checkpoint import quantize_checkpoint  # noqa: E402
 from lowprec.checkpoint import _gguf as G  # noqa: E402
 from lowprec.cli import main  # noqa: E402
 from lowprec_reference import mx as ref_mx  # noqa: E402
+from helpers.gguf_files import llama_template, rope_rows, write_gguf  # noqa: E402
 
 T = gguf.GGMLQuantizationType
+
+
+#: The metadata every test GGUF carries beyond the block and head counts.
+_KEYS = (("test.name", "tiny", gguf.GGUFValueType.STRING),
+         ("test.ints", [3, 1, 4], gguf.GGUFValueType.ARRAY),
+         ("test.f", 0.25, gguf.GGUFValueType.FLOAT32))
 
 
 def _write(path, tensors, *, arch="llama", raw=None, extra=None):
     """A GGUF written by gguf's own writer: float32 ``tensors`` {name: array}, ``raw``
     {name: (uint8 bytes [.., nbytes], ggml type)} and metadata ``extra``."""
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_string("test.name", "tiny")
-    w.add_array("test.ints", [3, 1, 4])
-    w.add_float32("test.f", 0.25)
-    for k, v in (extra or {}).items():
-        w.add_key_value(k, v[0], v[1])
-    for n, a in tensors.items():
-        w.add_tensor(n, np.asarray(a, np.float32))
-    for n, (b, t) in (raw or {}).items():
-        w.add_tensor(n, b, raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    keys = _KEYS + tuple((k, v[0], v[1]) for k, v in (extra or {}).items())
+    return write_gguf(path, tensors, arch=arch, keys=keys, raw=raw)
 
 
 def _llama_tensors(rng, layers=1, d=64, f=128, kv=32):
@@ -271,24 +262,7 @@ def _hf_folder(path, rng):
 
 def _template(path, hf):
     """What convert_hf_to_gguf.py writes for ``hf`` (names by its table; Q/K permuted)."""
-    gname = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-             "model.norm.weight": "output_norm.weight",
-             "model.layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
-             "model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
-             "model.layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight",
-             "model.layers.0.mlp.up_proj.weight": "blk.0.ffn_up.weight",
-             "model.layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight"}
-    perm = {"blk.0.attn_q.weight": _rope_rows(64, 4), "blk.0.attn_k.weight": _rope_rows(32, 2)}
-    out = {gname[n]: a[perm[gname[n]]] if gname[n] in perm else a for n, a in hf.items()}
-    return _write(path, out), gname
-
-
-def _rope_rows(n_rows, n_head):
-    """llama.cpp's Q/K row order, stated directly: GGUF row h·d + 2i + j is HF row
-    h·d + j·d/2 + i (d = rows per head, i < d/2, j in {0, 1})."""
-    d = n_rows // n_head
-    return np.array([h * d + j * (d // 2) + i for h in range(n_head) for i in range(d // 2)
-                     for j in range(2)])
+    return llama_template(path, hf, keys=_KEYS)
 
 
 @pytest.mark.parametrize("fmt, layout", [("mxfp4", "compressed-tensors"), ("mxfp4", "lowprec"),
@@ -307,7 +281,7 @@ def test_convert_safetensors_to_gguf_is_lossless(tmp_path, fmt, layout):
     out = G.GGUFFile(tmp_path / "out.gguf")
     t = G.GGUFFile(tmpl)
     assert _fields(out.reader) == _fields(t.reader)
-    perm = {"blk.0.attn_q.weight": _rope_rows(64, 4), "blk.0.attn_k.weight": _rope_rows(32, 2)}
+    perm = {"blk.0.attn_q.weight": rope_rows(64, 4), "blk.0.attn_k.weight": rope_rows(32, 2)}
     replaced = set()
     for n, g in gname.items():
         if out.tensors[g].type in (T.MXFP4, T.NVFP4):
