@@ -337,3 +337,22 @@ def test_fused_quantize_matches_library_and_stats_pass(fmt_name, rule, in_dtype,
             if field != "_buf":
                 assert getattr(got, field) == getattr(want, field), field
         assert want.nonfinite > 0 and want.count > 0 and want.nan_blocks > 0
+
+
+@pytest.mark.parametrize("in_dtype", INPUTS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt_name,rule", [("mxfp4", "floor"), ("mxfp8_e4m3", "floor"),
+                                           ("mxfp6_e2m3", "floor"), ("mxfp4", "rceil")])
+def test_encode_rows_is_the_library_quantizer(fmt_name, rule, in_dtype, monkeypatch):
+    """The engine layouts' MX encoder (``encode_rows``: the MX kernel's loops on the calling
+    thread, no XLA program) gives ``quantize_mx``'s codes and scales on adversarial rows
+    (NaN, inf, subnormal, huge values; three 2048-element chunks and a partial one)."""
+    fmt = lowprec.mx_format(fmt_name)
+    x = adversarial(7, 1024, in_dtype, f"rows {fmt_name} {rule} {in_dtype}")
+    calls = []
+    real = _ckpt_cpu.quantize
+    monkeypatch.setattr(_ckpt_cpu, "quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    elements, scales = _chunk.encode_rows(x, fmt, rule)
+    assert calls == ([1] if _ckpt_cpu.has_avx2() else []), "the expected encoder did not run"
+    mx = lowprec.quantize_mx(jnp.asarray(x.astype(np.float32)), fmt, axis=-1, scale_rule=rule)
+    np.testing.assert_array_equal(elements, np.asarray(mx.elements))
+    np.testing.assert_array_equal(scales, np.asarray(mx.scales))

@@ -307,6 +307,21 @@ def encode_blocks(x: np.ndarray, fmt, scale_rule=None, ts=None) -> tuple:
     return el, np.asarray(sc)[:nb].reshape(*lead, a // block), ts_used
 
 
+def encode_rows(x: np.ndarray, fmt, scale_rule=None) -> tuple:
+    """``(elements, scales)`` of the 2-D ``x`` (float32, bfloat16 or float16) blocked along
+    its last axis, as :func:`encode_blocks` gives them (the same bits): by the MX
+    quantization kernel's loops on this thread (the fused pass without its statistics) where
+    they serve this format and rule, else by :func:`encode_blocks`' program. For writers that
+    compute their statistics elsewhere (the engine layouts)."""
+    if x.ndim == 2 and x.dtype in _NATIVE and native():
+        plan = _fused_plan(fmt, scale_rule)
+        if plan is not None:
+            elements, scales, _ = _ckpt_cpu.quantize(x, plan.attrs, stats=False)
+            return elements, scales
+    elements, scales, _ = encode_blocks(x, fmt, scale_rule)
+    return elements, scales
+
+
 @functools.partial(jax.jit, static_argnums=(1,))
 def _cast_program(y, elem):
     return encode(y, elem, overflow="saturate")

@@ -98,7 +98,7 @@ from ._chunk import (
     count_nonfinite,
     decode_coded,
     element_table,
-    encode_blocks,
+    encode_rows,
     mx_coded,
     narrow,
     native,
@@ -476,8 +476,8 @@ def quantize_arrays(x: np.ndarray, scheme: str, layout, *, dtype: str = "F32",
         # gives −0.0 only for a negative input: a stored −0.0 weight becomes code 0, not 8.
         x32 = np.where(x32 == 0, np.float32(0), x32)
     if w.mx:
-        # quantize_mx along axis 1, block for block (one compiled program per power of two)
-        el, scales, _ = encode_blocks(x32, w.format, scale_rule)
+        # quantize_mx's codes, block for block: the native MX kernel where it serves
+        el, scales = encode_rows(x32, w.format, scale_rule)
         return {w.code_role: el if w.packed else el.view(numpy_dtype("F8_E4M3")),
                 "scales": scales}
     if w.per_channel:
