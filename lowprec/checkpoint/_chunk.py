@@ -399,6 +399,19 @@ def _parts(elements, scales, spec: TensorSpec) -> dict:
     return {spec.code_role: elements, "scales": scales}
 
 
+_NONFINITE = _ckpt_cpu.STATS.index("nonfinite")
+
+
+def _nan_blocks(v: np.ndarray, nan_codes: np.ndarray, scales: np.ndarray) -> int:
+    """The blocks of a piece whose scale code is a NaN code (``nan_codes``: bool per code),
+    given its statistics ``v``: every element of such a block decodes to NaN and is counted
+    non-finite, so a piece with none (nearly all) has no NaN block and its scales are not
+    looked at (a lookup per block cost ~0.5 ms per piece of 2^20 elements)."""
+    if v[_NONFINITE] == 0:
+        return 0
+    return int(np.count_nonzero(nan_codes[scales]))
+
+
 def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
     fmt = spec.format
     if fmt.tensor_scale and scale is None:
@@ -414,7 +427,7 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
             max_finite=float(fmt.element.max_finite), stats=stats is not None)
         if stats is not None:
             stats.add_vector(v)
-            stats.nan_blocks += int(np.count_nonzero(np.isnan(ftable)[scales]))
+            stats.nan_blocks += _nan_blocks(v, np.isnan(ftable), scales)
         return _parts(elements, scales, spec)
     if x.ndim == 2 and x.dtype in _NATIVE and native():
         plan = _fused_plan(fmt, spec.scale_rule)
@@ -426,7 +439,7 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
                 stats=stats is not None)
             if stats is not None:
                 stats.add_vector(v)
-                stats.nan_blocks += int(np.count_nonzero(plan.nan_codes[scales]))
+                stats.nan_blocks += _nan_blocks(v, plan.nan_codes, scales)
             return _parts(elements, scales, spec)
     xin = x if x.dtype in _NATIVE else x.astype(np.float32)
     mx = None
