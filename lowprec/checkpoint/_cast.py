@@ -17,33 +17,15 @@ import time
 
 import numpy as np
 
-from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
 from ._errors import CheckpointError
 from ._engine_convert import convert_checkpoint
 from ._gguf import check_outputs, write_in_layout, write_report
 from ._layout import TensorSpec, make_spec
 from ._layout_codes import checkpoint_mxarrays
+from ._mxfp4_cast import cast_mxfp4
 from ._logical import METADATA_KEY, METADATA_VERSION, METADATA_VERSION_KEY, quantized_specs
 from ._report import ConversionReport, TensorReport
 from ._safetensors import SafetensorsReader
-
-
-_E8M0_NAN = 0xFF  # the E8M0 scale code of a NaN block
-
-
-def cast_mxfp4(mx, name: str):
-    """:func:`lowprec.mxfp4_to_nvfp4` of the tensor ``name``, refusing (naming it, its NaN
-    blocks and the fix) one that holds a NaN block: the cast keeps each E2M1 code under a new
-    scale, and a block whose E8M0 scale is the NaN code has none that NVFP4 could keep."""
-    nan = int(np.count_nonzero(np.asarray(mx.scales) == _E8M0_NAN))
-    if nan:
-        blocks = int(np.asarray(mx.scales).size)
-        raise CheckpointError(
-            f"{name!r}: {nan} of its {blocks} MXFP4 blocks are NaN (E8M0 scale 0xFF: a NaN in "
-            "the quantized input); the exact cast to NVFP4 keeps each code under a new scale "
-            "and has none for a NaN block. Dequantize the file (lowprec dequantize IN DENSE) "
-            "and quantize that (lowprec quantize DENSE OUT -f nvfp4): NaN blocks stay NaN")
-    return mxfp4_to_nvfp4(mx)
 
 
 def _as_lowprec(src: str, tmp_dir: str) -> str:

@@ -56,7 +56,6 @@ import numpy as np
 
 from .._mx import dequantize, quantize_mx
 from .._mxarray import MXArray
-from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
 from .._rounding import ROUNDING_MODES
 from ._atomic import AtomicFile, Inputs, check_output
 from ._chunk import tensor_scale
@@ -65,6 +64,7 @@ from ._errors import CheckpointError
 from ._formats import check_scale_rule
 from ._layout import make_spec
 from ._layout_codes import checkpoint_mxarrays
+from ._mxfp4_cast import cast_mxfp4
 from ._pipeline import progress_bar
 from ._report import ConversionReport, TensorReport
 from ._layouts import get_layout
@@ -805,8 +805,6 @@ def _cast(mx: MXArray, name: str, to: Optional[str], casts: dict) -> MXArray:
     if to == "nvfp4" and mx.fmt.name == "mxfp4":
         if mx.shape[-1] % 64:
             raise CheckpointError(f"{name!r}: ggml NVFP4 needs ne[0] a multiple of 64, got {mx.shape[-1]}")
-        from ._cast import cast_mxfp4  # noqa: PLC0415 - _cast imports this module
-
         mx, casts[name] = cast_mxfp4(mx, name)
     return mx
 
