@@ -133,7 +133,7 @@ class BlockByHand(nn.Module):
 
 def test_linen_attention_products_intercepted_and_opted_out_by_rule():
     x = _x((2, 8, 32))
-    params = Block().init(jax.random.key(0), x)
+    params = jax.jit(Block().init)(jax.random.key(0), x)
     # A rule for the "attention" kind keeps those products in their own precision.
     rules = lowprec.Rules([lowprec.Rule(".*", None, ops=("attention",)), (".*", MX8)])
 
@@ -154,7 +154,7 @@ def test_linen_attention_products_intercepted_and_opted_out_by_rule():
 @pytest.mark.slow  # the gradient path is covered quickly by the attention_fn test above
 def test_linen_block_gradients_under_interception():
     x = _x((2, 8, 32))
-    params = Block().init(jax.random.key(0), x)
+    params = jax.jit(Block().init)(jax.random.key(0), x)
     loss = lambda m: lambda p: m.apply(p, x).sum()  # noqa: E731
     g = jax.jit(jax.grad(loss(lf.quantize_model(Block(), NVIDIA_MXFP8))))(params)
     want = jax.jit(jax.grad(loss(BlockByHand(NVIDIA_MXFP8, NVIDIA_MXFP8))))(params)
