@@ -1,7 +1,10 @@
-"""Deprecated module attributes: one lookup that every module's ``__getattr__`` shares."""
+"""Deprecated module attributes: one lookup that every module's ``__getattr__`` shares, and
+assignment to the ones that were settable knobs."""
 
 from __future__ import annotations
 
+import sys
+import types
 import warnings
 
 
@@ -18,3 +21,26 @@ def deprecated_attribute(module: str, table: dict, name: str):
     # stacklevel 3: past this function and the module's __getattr__, to the caller
     warnings.warn(f"{module}.{name} is deprecated; use {use}", DeprecationWarning, stacklevel=3)
     return value()
+
+
+def settable_deprecated_attributes(module: str, table: dict) -> None:
+    """Makes assignments to ``module``'s deprecated attributes (read through
+    :func:`deprecated_attribute`) still take effect, with a DeprecationWarning at the
+    assigning line.
+
+    ``table`` maps each name to ``(what to use instead, function taking the assigned
+    value)``; other assignments are ordinary ones.
+    """
+    mod = sys.modules[module]
+
+    class _Module(types.ModuleType):
+        def __setattr__(self, name, value):
+            if name not in table:
+                super().__setattr__(name, value)
+                return
+            use, setter = table[name]
+            warnings.warn(f"{module}.{name} is deprecated; use {use}", DeprecationWarning,
+                          stacklevel=2)
+            setter(value)
+
+    mod.__class__ = _Module

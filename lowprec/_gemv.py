@@ -11,7 +11,7 @@ the time is its size, 4.25 bits per element when it stays packed. Two routes com
   into the dot's operand load.
 
 :func:`lowprec.dot_general` (and so :func:`lowprec.matmul`) sends such products to the
-policy's ``gpu_route`` (``kernels._dispatch.current_policy``; the knob is ``GPU_ROUTE``) when it
+policy's ``gpu_route`` (``lowprec.kernels.set_policy(gpu_route=...)``) when it
 runs on a CUDA GPU (``lax.platform_dependent``, decided when XLA lowers the program); ``kernels._dispatch.gemv_weight_side`` says which
 calls qualify (and the kernel policy may turn the Pallas route off). Every other backend,
 and every other shape, takes the generic quantized dot of ``_qdot.py``. All of them
@@ -70,8 +70,8 @@ def mxfp4_matmul(x, w: MXArray, route: str, *, cfg: Optional[KernelConfig] = Non
 
 def decode_time_route(lhs, rhs, lcast, rcast, kernels: bool):
     """For canonical operands (B, M, K) × (B, N, K) of a quantized dot: a function of
-    ``(lhs, rhs)`` computing the (1, M, N) float32 product by ``GPU_ROUTE`` on CUDA, or
-    None when the dispatch (``kernels._dispatch.gemv_weight_side``: the decode-time MXFP4
+    ``(lhs, rhs)`` computing the (1, M, N) float32 product by the policy's ``gpu_route`` on
+    CUDA, or None when the dispatch (``kernels._dispatch.gemv_weight_side``: the decode-time MXFP4
     weight-only case, and the kernel policy ``kernels``) says the call keeps the generic dot.
     """
     side = gemv_weight_side(lhs, rhs, lcast, rcast, kernels)

@@ -16,7 +16,7 @@ from ._format import FormatLike
 from ._mxarray import MXArray
 from ._options import DotSpec
 from ._qdot import dot_general_jit, shape_of
-from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule
+from ._scale_rules import ScaleRule
 from .kernels._dispatch import kernels_enabled
 
 Operand = Union[jax.Array, MXArray]
@@ -29,7 +29,7 @@ def dot_general(
     *,
     lhs_format: FormatLike = None,
     rhs_format: FormatLike = None,
-    scale_rule: Union[str, ScaleRule] = DEFAULT_SCALE_RULE,
+    scale_rule: Union[str, ScaleRule, None] = None,
     rounding: str = "nearest_even",
     overflow: str = "ieee",
     pad: bool = False,
@@ -37,6 +37,7 @@ def dot_general(
     backward: str = "ste",
     grad_format: FormatLike = None,
     out_sharding=None,
+    scale_options=None,
 ) -> jax.Array:
     """Quantized ``lax.dot_general``: exact products of quantized operands, float32 sums.
 
@@ -53,8 +54,9 @@ def dot_general(
         ``jax.nn.scaled_dot_general`` does) or an element format (``"e4m3"``, ``"e5m2"``,
         ``"e2m1"``, ``"bf16"``, ``"fp16"``, ``"tf32"``: each value rounded on its own, with
         no scaling). For an MXArray operand leave it ``None`` (its own format is used).
-      scale_rule: MX scale rule (``"floor"``, ``"ceil"``, ``"even"``, ``"rceil"``) for every
-        MX quantization done here, backward included; ``"rceil"`` matches NVIDIA/JAX.
+      scale_rule: MX scale rule (``"floor"``, ``"ceil"``, ``"even"``, ``"rceil"``; None:
+        ``"floor"``) for every MX quantization done here, backward included; ``"rceil"``
+        matches NVIDIA/JAX. A format whose scales take no rule (NVFP4) ignores it.
       rounding: element rounding for quantizations done here (deterministic modes only;
         for stochastic rounding quantize with :func:`~lowprec.quantize_mx` and a key first).
       overflow: overflow policy of element-format operands (``"ieee"`` or ``"saturate"``;
@@ -75,6 +77,10 @@ def dot_general(
         ``jax.set_mesh``, or a NamedSharding): the output's sharding, given to the inner dot
         (needed on ``Explicit`` mesh axes when both operands shard the contraction). The
         backward dots shard each gradient as its operand, as JAX's own transpose does.
+      scale_options: as for :func:`~lowprec.quantize_mx`, for every MX quantization done
+        here (backward included): the options value of the formats' scale scheme, or a dict
+        of its fields (E8M0: ``scale_rule``; NVFP4: ``nvfp4_step``); a field the scheme of
+        one of those formats does not take is refused, as ``quantize_mx`` refuses it.
 
     Returns:
       The dot product, shaped as :func:`jax.lax.dot_general`'s, in
@@ -97,7 +103,7 @@ def dot_general(
     """
     spec = DotSpec.create(
         lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad, backward,
-        preferred_element_type, kernels_enabled(),
+        preferred_element_type, kernels_enabled(), scale_options=scale_options,
     )
     call = spec.check_call(lhs, rhs, dimension_numbers, out_sharding)
     return dot_general_jit(call.lhs, call.rhs, call.dn, call.spec, call.out_sharding)

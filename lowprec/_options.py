@@ -35,7 +35,7 @@ from ._format import (
 from ._dtypes import check_input_dtype, host_decode
 from ._mxarray import MXArray
 from ._rounding import DocumentedStr, Rounding, check_overflow, check_rounding
-from ._scale_rules import ScaleRule, check_scale_rule
+from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule
 from ._scheme_nvfp4 import NVFP4Step
 from ._sharding import check_block_axis, check_contraction, out_sharding_arg
 
@@ -350,9 +350,10 @@ def _valid_formats() -> str:
 
 
 def operand_cast(fmt: FormatLike, role: str, scale_rule: ScaleRule, rounding: str,
-                 overflow: str) -> OperandCast:
+                 overflow: str, scale_options=None) -> OperandCast:
     """A dot operand's format (name or object) → its MXCast / ElementCast, or None (the
-    operand is used as it is); ``role`` names the argument in messages."""
+    operand is used as it is); ``role`` names the argument in messages; ``scale_options``
+    as :class:`MXCast` takes it (for an MX format)."""
     if fmt is None:
         return None
     if not isinstance(fmt, (str, ElementFormat, MXFormat)):
@@ -362,7 +363,7 @@ def operand_cast(fmt: FormatLike, role: str, scale_rule: ScaleRule, rounding: st
     except ValueError:
         raise ValueError(f"unknown {role} {fmt!r}; {_valid_formats()}") from None
     if isinstance(resolved, MXFormat):
-        return MXCast(resolved, scale_rule, rounding)
+        return MXCast(resolved, scale_rule, rounding, scale_options=scale_options)
     if not resolved.zero:
         raise ValueError(
             f"{role}: {resolved.name} is a scale format, not an operand format; {_valid_formats()}"
@@ -526,10 +527,15 @@ class DotSpec:
     @classmethod
     def create(
         cls, lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad,
-        backward, preferred_element_type, kernels: bool = True,
+        backward, preferred_element_type, kernels: bool = True, *, scale_options=None,
     ) -> "DotSpec":
         """Validates every keyword of :func:`lowprec.dot_general`, once (``kernels``: the
-        kernel policy read by the caller)."""
+        kernel policy read by the caller). ``scale_rule`` None: ``scale_options``' rule
+        where it gives one, else ``"floor"``."""
+        if scale_rule is None:
+            given = (scale_options.get("scale_rule") if isinstance(scale_options, dict)
+                     else getattr(scale_options, "scale_rule", None))
+            scale_rule = DEFAULT_SCALE_RULE if given is None else given
         rule = check_scale_rule(scale_rule)
         overflow = check_overflow(overflow)
         if rounding == "stochastic":
@@ -552,10 +558,15 @@ class DotSpec:
                 f"preferred_element_type must be float32, bfloat16 or float16, got {out_dtype}"
             )
         lhs, rhs, grad = (
-            operand_cast(f, role, rule, rounding, overflow)
+            operand_cast(f, role, rule, rounding, overflow, scale_options)
             for f, role in ((lhs_format, "lhs_format"), (rhs_format, "rhs_format"),
                             (grad_format, "grad_format"))
         )
+        if scale_options is not None and not any(isinstance(c, MXCast) for c in (lhs, rhs, grad)):
+            raise ValueError(
+                f"scale_options={scale_options!r} sets how MX blocks are scaled, but no operand "
+                "is quantized to an MX format here (lhs_format, rhs_format, grad_format); drop "
+                "it, or quantize an operand to an MX format")
         return cls(lhs, rhs, grad, rule, rounding, overflow, bool(pad), backward, out_dtype,
                    bool(kernels))
 

@@ -96,3 +96,49 @@ def test_readme_layout_row_names_every_lowprec_module():
     assert not (missing or stale), (
         f"README.md's `lowprec/` row: name {missing}; remove or fix the names of modules "
         f"that do not exist: {stale}")
+
+
+#: Identifiers with "native" in them that name the C++ kernels (``lowprec/kernels/_cpu_native.py``
+#: and the passes it loads): the one thing the word means (docs/design.md, "**Words.**").
+NATIVE_NAMES = {"_cpu_native", "_native_cpu_can_run", "native", "native_quantize_serves",
+                "native_status"}
+#: Still named for the meaning issue 38 retired (the hardware-float formulation: the tensor
+#: scales where NVFP4's float32 steps are exact), in modules another change owns; to become
+#: HWFLOAT_TS_MIN_BITS / HWFLOAT_TS_MAX_BITS. Remove from here when renamed.
+NOT_YET_RENAMED = {"NATIVE_TS_MIN_BITS", "NATIVE_TS_MAX_BITS"}
+
+
+def _identifiers(tree) -> set[str]:
+    import ast
+
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, ast.Name):
+            names.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            names.add(n.attr)
+        elif isinstance(n, ast.alias):
+            names.update(filter(None, (n.name.rpartition(".")[2], n.asname)))
+        elif isinstance(n, ast.arg):
+            names.add(n.arg)
+    return names
+
+
+def test_native_names_only_the_cpp_kernels():
+    """Every identifier of lowprec's code that says "native" is one of the C++ kernels' names,
+    as docs/design.md says; a new one (say, for XLA's hardware-float path) must be added
+    here, on purpose, or take another word."""
+    import ast
+
+    assert '"Native" names only the C++ kernels' in DESIGN.read_text(encoding="utf-8")
+    found = {}
+    for path in (ROOT / "lowprec").rglob("*.py"):
+        for name in _identifiers(ast.parse(path.read_text(encoding="utf-8"))):
+            if "native" in name.lower():
+                found.setdefault(name, path.relative_to(ROOT).as_posix())
+    unknown = {n: f for n, f in found.items() if n not in NATIVE_NAMES | NOT_YET_RENAMED}
+    assert not unknown, f"'native' means the C++ kernels only; found {unknown}"
+    stale = (NATIVE_NAMES | NOT_YET_RENAMED) - set(found)
+    assert not stale, f"no longer in the code, drop from the lists here: {sorted(stale)}"

@@ -209,7 +209,7 @@ def test_mxfp8_matmul_decodes_in_the_dot_operand_load(operands, tmp_path, fused_
     """dot_general of MXFP8 operands with the fused kernel turned on: the product (no
     branch: the GPU route has no run-time check) is one kernel, the Pallas GEMM that decodes
     codes and scales in its operand load; no decoded operand is written to memory. (The kernel
-    is off by default, kernels/_dispatch.FUSED_MXDOT; this checks it where it is turned on.)"""
+    is off by default, the policy's fused_mxdot; this checks it where it is turned on.)"""
     a = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
     dn = (((1,), (1,)), ((), ()))
     if operands == "pre-quantized":

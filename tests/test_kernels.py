@@ -451,7 +451,8 @@ def test_gpu_dot_general_runs_the_kernel():
     w = make_weight(rng, 256, 2880)
     x = make_tokens(rng, 4, 2880)
     f = jax.jit(lambda a, b: lowprec.dot_general(a, b, DN))
-    assert TRITON_CALL in f.lower(x, w.mx).as_text() or _dispatch.GPU_ROUTE != "pallas"
+    assert (TRITON_CALL in f.lower(x, w.mx).as_text()
+            or lowprec.kernels.current_policy().gpu_route != "pallas")
     assert_within_bound(f(x, w.mx), f64(x), w.values)
 
 
@@ -769,9 +770,9 @@ def test_dot_general_takes_the_fused_mx_kernel_on_cuda_only(cuda_branches, fused
 
 @needs_triton_lowering
 def test_dot_general_leaves_the_fused_mx_kernel_off_by_default(cuda_branches):
-    """FUSED_MXDOT is off (the kernel measured 4x slower than decoding for cuBLAS): the
+    """Policy.fused_mxdot is off (the kernel measured 4x slower than decoding for cuBLAS): the
     program lowered for CUDA holds no fused MX dot, for pre-quantized or float operands."""
-    assert _dispatch.FUSED_MXDOT is False
+    assert lowprec.kernels.current_policy().fused_mxdot is False
     for f, args in _mxdot_calls():
         assert "lowprec_mxdot" not in _lower_for_cuda(f, *args)
 
@@ -923,12 +924,81 @@ def test_quantize_formulations_name_every_candidate_of_a_call(monkeypatch):
     assert _dispatch.quantize_formulations(x, MXCast("mxfp8"), 2) == {F.EXACT, F.HWFLOAT}
 
 
-def test_policy_is_one_frozen_value_reading_the_old_knobs(monkeypatch):
-    p = _dispatch.current_policy()
+def test_policy_is_one_frozen_value_set_and_restored(monkeypatch):
+    """set_policy sets any field (a Policy, the kernel policy, or keywords), returns the
+    settings before, which restore everything; the policy() context manager restores them
+    however its block ends; the kernel policy left unset is the environment's."""
+    from lowprec.kernels import Policy, current_policy, policy, set_policy
+
+    p = current_policy()
     assert (p.gpu_route, p.fused_mxdot) == ("pallas", False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.gpu_route = "xla"
-    monkeypatch.setattr(_dispatch, "GPU_ROUTE", "xla")
-    monkeypatch.setattr(_dispatch, "FUSED_MXDOT", True)
-    monkeypatch.setenv("LOWPREC_KERNELS", "xla")
-    assert _dispatch.current_policy() == _dispatch.Policy("xla", "xla", True)
+    before = set_policy(gpu_route="xla")
+    try:
+        assert current_policy().gpu_route == "xla" and current_policy().kernels == p.kernels
+        set_policy("xla", fused_mxdot=True)
+        assert current_policy() == Policy("xla", "xla", True)
+        set_policy(None)  # the kernel policy back to the environment's; the others kept
+        monkeypatch.setenv("LOWPREC_KERNELS", "xla")
+        assert current_policy() == Policy("xla", "xla", True)
+        monkeypatch.setenv("LOWPREC_KERNELS", "auto")
+        assert current_policy() == Policy("auto", "xla", True)
+        set_policy(Policy(fused_mxdot=True))  # a whole Policy: every field
+        assert current_policy() == Policy("auto", "pallas", True)
+    finally:
+        set_policy(before)
+    assert current_policy() == Policy("auto", "pallas", False)
+    with pytest.raises(RuntimeError, match="inside"):
+        with policy("xla", gpu_route="xla") as inside:
+            assert inside == current_policy() == Policy("xla", "xla", False)
+            raise RuntimeError("inside")
+    assert current_policy() == Policy("auto", "pallas", False)
+
+
+def test_policy_refuses_bad_fields_naming_them():
+    from lowprec.kernels import Policy, current_policy, set_policy
+
+    with pytest.raises(ValueError, match=r"unknown gpu_route 'cuda'; valid routes: 'pallas'"):
+        set_policy(gpu_route="cuda")
+    with pytest.raises(TypeError, match=r"fused_mxdot must be True or False, got 1"):
+        set_policy(fused_mxdot=1)
+    with pytest.raises(ValueError, match=r"unknown kernel policy 'off' \(Policy.kernels\)"):
+        Policy("off")
+    assert current_policy() == Policy("auto", "pallas", False)  # nothing was set
+
+
+@needs_triton_lowering
+def test_policy_fields_are_read_while_tracing(cuda_branches):
+    """gpu_route and fused_mxdot decide the program lowered for CUDA, set by the context
+    manager: the decode-time MXFP4 product leaves its kernel for XLA's route under
+    gpu_route="xla", the MXFP8 dot takes the fused kernel under fused_mxdot=True."""
+    call, args, kernel = _KERNEL_CALLS["mxfp4 decode product"]
+    assert kernel in _lower_for_cuda(call, *args())
+    with lowprec.kernels.policy(gpu_route="xla"):
+        text = _lower_for_cuda(call, *args())
+        assert kernel not in text and TRITON_CALL not in text
+    call, args, kernel = _KERNEL_CALLS["mxdot"]
+    assert kernel not in _lower_for_cuda(call, *args())
+    with lowprec.kernels.policy(fused_mxdot=True):
+        assert kernel in _lower_for_cuda(call, *args())
+    assert kernel not in _lower_for_cuda(call, *args())
+
+
+@pytest.mark.parametrize("name, field, value", [("GPU_ROUTE", "gpu_route", "xla"),
+                                                ("FUSED_MXDOT", "fused_mxdot", True)])
+def test_old_module_knobs_warn_and_still_work(name, field, value):
+    """_dispatch.GPU_ROUTE / FUSED_MXDOT, the knobs before Policy, read and set the policy's
+    field for one release, with a DeprecationWarning naming the new spelling."""
+    default = getattr(_dispatch.current_policy(), field)
+    match = rf"{name} is deprecated; use lowprec.kernels.set_policy\({field}=...\)"
+    with pytest.warns(DeprecationWarning, match=match):
+        assert getattr(_dispatch, name) == default
+    try:
+        with pytest.warns(DeprecationWarning, match=match):
+            setattr(_dispatch, name, value)
+        assert getattr(_dispatch.current_policy(), field) == value
+    finally:
+        _dispatch.set_policy(**{field: default})
+    with pytest.raises(AttributeError, match="no attribute 'NO_SUCH_KNOB'"):
+        _dispatch.NO_SUCH_KNOB  # noqa: B018

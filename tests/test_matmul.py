@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -495,6 +496,86 @@ def test_forward_under_vmap():
     out = jax.vmap(f, in_axes=(0, None))(xs, w)
     for i in range(4):
         assert_within_bound(out[i], qvalues(xs[i], "mxfp4", 1), qvalues(w, "mxfp8", 0))
+
+
+# -- scale options: a scheme's knobs, taken as quantize_mx takes them ----------------------------
+
+_MIDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4, np.float32)  # E2M1 ties
+
+
+def _rceil_values(x):
+    """MXFP8 E4M3 values under scale rule "rceil", by the independent reference."""
+    import lowprec_reference as R
+
+    e, sc = R.quantize_mx(x, "mxfp8", scale_rule="rceil")
+    return R.dequantize_mx(e, sc, "mxfp8")
+
+
+def _nvfp4_reciprocal_values(x):
+    """NVFP4 values with the "reciprocal" element step, restated from torchao 0.17 (its PR
+    #4031) in NumPy float32 (blocks of 16 along the last axis, finite input): per tensor
+    ts = amax / (448 * 6); per block s = E4M3(clip(amax_b / 6 / ts, 2^-6, 448)); each element
+    E2M1(clip(x * float32(float32(1 / ts) / s), -6, 6)), nearest even; value = code * (ts * s).
+    """
+    f32 = np.float32
+    xb = x.reshape(*x.shape[:-1], -1, 16).astype(f32)
+    ts = f32(np.abs(x).max() / f32(448.0 * 6.0))
+    s = np.clip(np.abs(xb).max(-1) / f32(6.0) / ts, f32(2.0**-6), f32(448.0))
+    s = s.astype(ml_dtypes.float8_e4m3fn).astype(f32)
+    codes = np.clip(xb * ((f32(1.0) / ts) / s)[..., None], f32(-6), f32(6))
+    codes = codes.astype(ml_dtypes.float4_e2m1fn).astype(f32)
+    return (codes * (ts * s)[..., None]).reshape(x.shape).astype(np.float64)
+
+
+def _scale_option_cases():
+    rng = np.random.default_rng(38)
+    mx8 = (rng.standard_normal((2, 3, 32)) * np.exp2(rng.integers(-8, 8, (2, 3, 1)))).astype(
+        np.float32)
+    signs = np.where(rng.random((2, 3, 32)) < 0.5, -1, 1).astype(np.float32)
+    ties = (np.broadcast_to(_MIDS, (2, 3, 32)) * signs * np.float32(1.3)).astype(np.float32)
+    return [
+        ("mxfp8", {"scale_rule": "rceil"}, mx8, _rceil_values),
+        ("mxfp8", lowprec.mx_format("mxfp8").scheme.Options(scale_rule="rceil"), mx8,
+         _rceil_values),
+        ("nvfp4", {"nvfp4_step": "reciprocal"}, ties, _nvfp4_reciprocal_values),
+    ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", range(3), ids=["rceil_dict", "rceil_options", "nvfp4_recip"])
+def test_scale_options_reach_the_dot_quantizer(mode, case):
+    """dot_general(..., scale_options=) quantizes its operands as the option says: against a
+    one-hot rhs (every output one exact product, the other terms zero) the product of
+    [batch, seq, d] activations is their quantized values, the reference's (rceil) or
+    torchao 0.17's recipe restated (NVFP4's reciprocal step); the default differs on this
+    input, so the option was applied."""
+    fmt, options, x, want = _scale_option_cases()[case]
+    eye = jnp.eye(32, dtype=jnp.float32)
+    f = functools.partial(dot_general, dimension_numbers=(((2,), (0,)), ((), ())),
+                          lhs_format=fmt, scale_options=options)
+    out = f(x, eye) if mode == "eager" else jax.jit(f)(x, eye)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), want(x))
+    default = dot_general(x, eye, (((2,), (0,)), ((), ())), lhs_format=fmt)
+    assert not np.array_equal(np.asarray(default), np.asarray(out))
+
+
+def test_scale_options_refused_as_quantize_mx_refuses_them():
+    """A knob the operand format's scheme does not take is refused with quantize_mx's own
+    message; so is scale_options on a dot that quantizes no operand to an MX format."""
+    x, w = jnp.ones((2, 64)), jnp.ones((64, 3))
+    for fmt, options in (("mxfp8", {"nvfp4_step": "reciprocal"}),
+                         ("nvfp4", {"scale_rule": "rceil"}), ("mxfp4", {"no_such": 1})):
+        with pytest.raises(ValueError) as quantizer:
+            lowprec.quantize_mx(x, fmt, scale_options=options)
+        with pytest.raises(ValueError) as dot:
+            matmul(x, w, lhs_format=fmt, scale_options=options)
+        assert str(dot.value) == str(quantizer.value) and "drop it" in str(dot.value)
+    with pytest.raises(ValueError) as dot:  # the backward's cotangent format too
+        matmul(x, w, grad_format="mxfp8", backward="quantized",
+               scale_options={"nvfp4_step": "reciprocal"})
+    assert "nvfp4_step applies to NVFP4" in str(dot.value)
+    with pytest.raises(ValueError, match="no operand is quantized to an MX format"):
+        matmul(x, w, lhs_format="e4m3", scale_options={"scale_rule": "rceil"})
 
 
 # -- errors -------------------------------------------------------------------------------------

@@ -44,11 +44,10 @@ def want_unpacked(packed: np.ndarray) -> np.ndarray:
 @pytest.fixture
 def policy():
     """Sets the kernel policy for one test and restores the previous one after it."""
-    previous = lowprec.kernels.get_policy()
-    chosen = lowprec.kernels._dispatch._chosen
-    yield lowprec.kernels.set_policy
-    lowprec.kernels.set_policy(chosen)
-    assert lowprec.kernels.get_policy() == previous
+    previous = lowprec.kernels.current_policy()
+    with lowprec.kernels.policy():
+        yield lowprec.kernels.set_policy
+    assert lowprec.kernels.current_policy() == previous
 
 
 def _compiled_text(f, *args) -> str:

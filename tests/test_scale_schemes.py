@@ -302,9 +302,12 @@ def test_toy_option_runs_through_every_entry_point(headroom, mode):
     a = np.random.default_rng(5).integers(-8, 9, (3, 64)).astype(np.float32)
     w = np.random.default_rng(6).integers(-8, 9, (64, 2)).astype(np.float32)
     pre = lowprec.quantize_mx(jnp.asarray(a), TOY, scale_options=opts)
+    dot_want = _toy_values(a, headroom).reshape(a.shape) @ w.astype(np.float64)
     np.testing.assert_array_equal(
-        np.asarray(lowprec.matmul(pre, jnp.asarray(w)), np.float64),
-        _toy_values(a, headroom).reshape(a.shape) @ w.astype(np.float64))
+        np.asarray(lowprec.matmul(pre, jnp.asarray(w)), np.float64), dot_want)
+    # ... and quantized in the dot, the knob given to dot_general as to quantize_mx.
+    np.testing.assert_array_equal(np.asarray(lowprec.matmul(
+        jnp.asarray(a), jnp.asarray(w), lhs_format=TOY, scale_options=opts), np.float64), dot_want)
 
 
 def test_scale_options_are_checked_where_they_are_given():

@@ -46,7 +46,9 @@ from ._layout import TensorSpec
 from ._safetensors import numpy_dtype
 from ._stats import ErrorStats
 
-_NATIVE = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+# The float dtypes read as they are (by lowprec's functions and the native passes); others
+# go through float32.
+_FLOAT_INPUTS = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
 def finite_amax(x: np.ndarray) -> float:
@@ -418,7 +420,7 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
         raise ValueError(f"{fmt.name}: pass the whole tensor's scale (tensor_scale())")
     ts = np.float32(scale) if fmt.tensor_scale else None
     lo, hi = _ckpt_cpu.NVFP4_TENSOR_SCALES
-    if (x.ndim == 2 and x.dtype in _NATIVE and ts is not None and lo <= ts <= hi and native()
+    if (x.ndim == 2 and x.dtype in _FLOAT_INPUTS and ts is not None and lo <= ts <= hi and native()
             and _is_nvfp4(fmt)):
         # NVFP4 in one native pass too, where its IEEE float32 steps are the exact ones.
         ftable = factor_table(fmt, ts)
@@ -429,7 +431,7 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
             stats.add_vector(v)
             stats.nan_blocks += _nan_blocks(v, np.isnan(ftable), scales)
         return _parts(elements, scales, spec)
-    if x.ndim == 2 and x.dtype in _NATIVE and native():
+    if x.ndim == 2 and x.dtype in _FLOAT_INPUTS and native():
         plan = _fused_plan(fmt, spec.scale_rule)
         if plan is not None:
             # One native pass: the kernel's codes (bf16/f16 widened exactly on the way) and,
@@ -441,7 +443,7 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
                 stats.add_vector(v)
                 stats.nan_blocks += _nan_blocks(v, plan.nan_codes, scales)
             return _parts(elements, scales, spec)
-    xin = x if x.dtype in _NATIVE else x.astype(np.float32)
+    xin = x if x.dtype in _FLOAT_INPUTS else x.astype(np.float32)
     mx = None
     if x.ndim == 2:  # blocks along the last axis: a run of whole blocks
         elements, scales, ts = encode_blocks(xin, fmt, spec.scale_rule, ts)
@@ -452,7 +454,7 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
     ts = None if ts is None else np.float32(ts)
     if stats is not None:
         coded = mx_coded(elements, scales, fmt, ts) if x.ndim == 2 else None
-        if native() and x.dtype in _NATIVE:
+        if native() and x.dtype in _FLOAT_INPUTS:
             factors = factor_table(fmt, ts)[scales]
             clip = dict(clip=1, max_finite=fmt.element.max_finite,
                         view=x.shape if x.ndim == 3 else (*x.shape, 1))
@@ -487,7 +489,7 @@ def _quantize_cast_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
         scale, y = None, x32
     codes = encode_cast(y, elem)
     if stats is not None:
-        if native() and x.dtype in _NATIVE:
+        if native() and x.dtype in _FLOAT_INPUTS:
             if elem.code_bits == 8:
                 decoded = dict(codes=codes, code_bits=8, elut=element_table(elem),
                                factors=None if scale is None else np.float32([scale]),
@@ -596,7 +598,7 @@ def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
             ts = jnp.asarray(np.asarray(parts["scale"], np.float32).reshape(()))
         mx = MXArray(elements=jnp.asarray(elements), scales=jnp.asarray(scales), fmt=fmt,
                      axis=1, shape=piece, scale_rule=spec.scale_rule, tensor_scale=ts)
-        values = dequantize(mx, dtype) if dtype in _NATIVE else np.asarray(dequantize(mx)).astype(dtype)
+        values = dequantize(mx, dtype) if dtype in _FLOAT_INPUTS else np.asarray(dequantize(mx)).astype(dtype)
     except (ValueError, TypeError) as e:  # wrong sizes; MXArray's own validation
         raise CheckpointError(f"cannot decode {spec.format.name} data of shape {list(spec.shape)}: {e}") from None
     return np.asarray(values).reshape(p, a, s)

@@ -26,9 +26,13 @@ its formulation of the 3-byte groups 5-10x slower than a copy).
 ``_dispatch.py`` decides, for each call, whether a kernel serves it, and whether the
 quantized products build their operands for the GPU's FP8/bfloat16 GEMMs on CUDA
 (``lowprec/_gpu_gemm.py``: XLA programs, not kernels, but summed differently from the
-portable products). The policy turns them off: :func:`set_policy` ``("xla")``, or the
-environment variable ``LOWPREC_KERNELS=xla``;
-``"auto"`` (the default) lets them run where they serve. Each public function reads the
+portable products). One frozen value, a :class:`Policy`, says what may run: its
+``kernels`` field turns them all off (``"xla"``; also the environment variable
+``LOWPREC_KERNELS=xla``; ``"auto"``, the default, lets them run where they serve), its
+``gpu_route`` picks the decode-time MXFP4 route on CUDA and its ``fused_mxdot`` turns on the
+fused MX dot kernel (off by default: slower than cuBLAS on an H200). Set it for the process
+with :func:`set_policy`, or for a block with the context manager :func:`policy`;
+:func:`current_policy` says what is in force. Each public function reads the
 policy when it is called (or traced, inside your ``jax.jit``) and hands its jitted core the
 decision as a static argument, so a program traced under one policy is never reused under
 the other; ``set_policy`` also clears JAX's caches when the policy changes, so that your own
@@ -37,13 +41,26 @@ lowprec call.
 
 Example:
     >>> import lowprec.kernels
-    >>> previous = lowprec.kernels.set_policy("xla")   # XLA only, also on a GPU
-    >>> lowprec.kernels.get_policy()
+    >>> with lowprec.kernels.policy("xla"):             # XLA only, also on a GPU
+    ...     lowprec.kernels.get_policy()
     'xla'
-    >>> _ = lowprec.kernels.set_policy(previous)        # back (None: the environment's)
+    >>> previous = lowprec.kernels.set_policy(gpu_route="xla", fused_mxdot=True)
+    >>> lowprec.kernels.current_policy().fused_mxdot
+    True
+    >>> _ = lowprec.kernels.set_policy(previous)        # the settings before, restored
 """
 
-from ._dispatch import ENV_VAR, POLICIES, get_policy, native_status, set_policy
+from ._dispatch import (
+    ENV_VAR,
+    POLICIES,
+    Policy,
+    current_policy,
+    get_policy,
+    native_status,
+    policy,
+    set_policy,
+)
 from ._gemv_pallas import mxfp4_gemv
 
-__all__ = ["ENV_VAR", "POLICIES", "get_policy", "mxfp4_gemv", "native_status", "set_policy"]
+__all__ = ["ENV_VAR", "POLICIES", "Policy", "current_policy", "get_policy", "mxfp4_gemv",
+           "native_status", "policy", "set_policy"]

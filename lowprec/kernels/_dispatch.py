@@ -30,17 +30,19 @@ The native CPU kernels (``_cpu_native``) follow the same policy: :func:`fp6_pack
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import importlib.util
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._deprecated import deprecated_attribute, settable_deprecated_attributes
 from .._format import mx_format
 from .._mx_hwfloat import hwfloat_element
 from .._mxarray import MXArray
@@ -53,23 +55,11 @@ from ._mxdot_pallas import pallas_mxdot_applies
 from ._weight_only_mgpu import MAX_TOKENS as WEIGHT_ONLY_MAX_TOKENS
 from ._weight_only_mgpu import mosaic_gpu_available
 
-#: ``"auto"``: Pallas kernels where they serve a call and the GPU GEMM routes of the
-#: quantized products (CUDA GPUs); ``"xla"``: neither.
+#: ``Policy.kernels``: ``"auto"``, Pallas kernels where they serve a call and the GPU GEMM
+#: routes of the quantized products (CUDA GPUs); ``"xla"``: neither.
 POLICIES: tuple[str, ...] = ("auto", "xla")
-#: The environment variable read when no policy was set in the process.
+#: The environment variable read when no kernel policy was set in the process.
 ENV_VAR = "LOWPREC_KERNELS"
-_chosen: Optional[str] = None  # set_policy's choice; None: the environment's
-
-#: The route dot_general takes on a CUDA GPU for decode-time MXFP4 products ("pallas": the
-#: kernel of _gemv_pallas.py; "xla": _gemv.mxfp4_matmul_xla, no kernel). Measured on an H200
-#: (benchmarks/bench_gpu.py weight_only, 4096² and 16384×8192 at 1 and 16 tokens) the kernel
-#: took 35-155 µs per product and the XLA route 73-462 µs.
-GPU_ROUTE = "pallas"
-#: Whether the bfloat16 branch of a quantized dot of two 8-bit MX operands takes the fused
-#: kernel of _mxdot_pallas.py on a CUDA GPU. Off: measured on an H200 (benchmarks/bench_gpu.py,
-#: pre-quantized MXFP8, n = 4096 and 8192) the kernel ran at 0.15-0.22x a bfloat16 dot, while
-#: decoding to bfloat16 for cuBLAS ran at 0.82-0.95x. Set True to use it (the same bits).
-FUSED_MXDOT = False
 #: Most tokens (product of the activation's free dims) sent to the decode-time route.
 MAX_TOKENS = 16
 
@@ -92,28 +82,6 @@ class Formulation(enum.Enum):
     PALLAS = "pallas"
 
 
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """Everything that decides which kernels and routes run, as one value
-    (:func:`current_policy`): the kernel policy (:func:`set_policy` / ``LOWPREC_KERNELS``),
-    the decode-time MXFP4 route on CUDA (:data:`GPU_ROUTE`) and whether the fused MX dot
-    kernel runs (:data:`FUSED_MXDOT`). The two module globals stay the knobs they were."""
-
-    kernels: str = "auto"
-    gpu_route: str = "pallas"
-    fused_mxdot: bool = False
-
-
-def current_policy() -> Policy:
-    """The :class:`Policy` in force (read while tracing, as the globals were).
-
-    Example:
-        >>> current_policy().gpu_route in ("pallas", "xla")
-        True
-    """
-    return Policy(get_policy(), GPU_ROUTE, FUSED_MXDOT)
-
-
 def _check_policy(policy, where: str) -> str:
     if policy not in POLICIES:
         raise ValueError(f"unknown kernel policy {policy!r} ({where}); valid policies: "
@@ -121,19 +89,83 @@ def _check_policy(policy, where: str) -> str:
     return policy
 
 
-def set_policy(policy: Optional[str]) -> Optional[str]:
-    """Sets whether lowprec's functions may run Pallas kernels and the GPU GEMM routes, for
-    this process.
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Everything that decides which kernels and routes run, as one frozen value: what
+    :func:`current_policy` returns, :func:`set_policy` and :func:`policy` set, and the
+    public functions read while tracing.
+
+    Attributes:
+      kernels: ``"auto"`` (kernels where they serve a call, and the quantized products on the
+        GPU's FP8/bfloat16 GEMMs, on CUDA GPUs) or ``"xla"`` (the portable formulation
+        everywhere: the same bits, or for the products the same exact products summed in
+        float32, at another speed); None: the environment variable ``LOWPREC_KERNELS``'s,
+        else ``"auto"`` (:func:`current_policy` resolves it).
+      gpu_route: the route ``dot_general`` takes on a CUDA GPU for decode-time MXFP4
+        products: ``"pallas"`` (the kernel of ``_gemv_pallas.py``) or ``"xla"``
+        (``_gemv.mxfp4_matmul_xla``, no kernel). Measured on an H200
+        (benchmarks/bench_gpu.py weight_only, 4096² and 16384×8192 at 1 and 16 tokens) the
+        kernel took 35-155 µs per product and the XLA route 73-462 µs.
+      fused_mxdot: whether the bfloat16 branch of a quantized dot of two 8-bit MX operands
+        takes the fused kernel of ``_mxdot_pallas.py`` on a CUDA GPU (the same bits). Off:
+        measured on an H200 (benchmarks/bench_gpu.py, pre-quantized MXFP8, n = 4096 and
+        8192) the kernel ran at 0.15-0.22x a bfloat16 dot, decoding to bfloat16 for cuBLAS
+        at 0.82-0.95x.
+
+    Example:
+        >>> Policy(gpu_route="xla")
+        Policy(kernels=None, gpu_route='xla', fused_mxdot=False)
+    """
+
+    kernels: Optional[str] = None
+    gpu_route: str = "pallas"
+    fused_mxdot: bool = False
+
+    def __post_init__(self):
+        if self.kernels is not None:
+            _check_policy(self.kernels, "Policy.kernels")
+        if self.gpu_route not in ("pallas", "xla"):
+            raise ValueError(f"unknown gpu_route {self.gpu_route!r}; valid routes: 'pallas' "
+                             "(the decode-time MXFP4 kernel), 'xla' (no kernel)")
+        if not isinstance(self.fused_mxdot, bool):
+            raise TypeError(f"fused_mxdot must be True or False, got {self.fused_mxdot!r}")
+
+
+_settings = Policy()  # what set_policy set in this process
+
+
+class _Unchanged:
+    def __repr__(self) -> str:
+        return "<unchanged>"
+
+
+_UNCHANGED = _Unchanged()
+
+
+def current_policy() -> Policy:
+    """The :class:`Policy` in force, its ``kernels`` resolved (read while tracing).
+
+    Example:
+        >>> current_policy().gpu_route in ("pallas", "xla")
+        True
+    """
+    return dataclasses.replace(_settings, kernels=get_policy())
+
+
+def set_policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
+               fused_mxdot: Optional[bool] = None) -> Policy:
+    """Sets which kernels and routes lowprec's functions may run, for this process (for a
+    block of code: :func:`policy`).
 
     Args:
-      policy: ``"auto"`` (kernels where they serve a call, and the quantized products on the
-        GPU's FP8/bfloat16 GEMMs, on CUDA GPUs), ``"xla"`` (the portable formulation
-        everywhere: the same bits, or for the products the same exact products summed in
-        float32, at another speed) or None (back to the environment variable
-        ``LOWPREC_KERNELS``, else ``"auto"``).
+      policy: a :class:`Policy` (every field), a kernel policy (``"auto"`` or ``"xla"``,
+        :attr:`Policy.kernels`), or None (the kernel policy back to the environment
+        variable ``LOWPREC_KERNELS``, else ``"auto"``); left out: the kernel policy as it is.
+      gpu_route: :attr:`Policy.gpu_route` (``"pallas"`` or ``"xla"``); None: as it is.
+      fused_mxdot: :attr:`Policy.fused_mxdot`; None: as it is.
 
     Returns:
-      The policy set before (None if none was), to restore it.
+      The settings before (a :class:`Policy`), to restore them: ``set_policy(previous)``.
 
     When the policy in force changes, JAX's caches are cleared: a function of yours traced
     under ``jax.jit`` before the change would otherwise keep the programs of the old policy
@@ -141,34 +173,83 @@ def set_policy(policy: Optional[str]) -> Optional[str]:
     argument).
 
     Example:
-        >>> previous = set_policy("xla")
-        >>> get_policy(), set_policy(previous)
-        ('xla', 'xla')
+        >>> previous = set_policy("xla", gpu_route="xla")
+        >>> current_policy()
+        Policy(kernels='xla', gpu_route='xla', fused_mxdot=False)
+        >>> _ = set_policy(previous)
     """
-    global _chosen
-    if policy is not None:
-        _check_policy(policy, "set_policy")
-    in_force = get_policy()
-    previous, _chosen = _chosen, policy
-    if get_policy() != in_force:
+    global _settings
+    if isinstance(policy, Policy):
+        settings = policy
+    elif policy is _UNCHANGED:
+        settings = _settings
+    else:
+        if policy is not None:
+            _check_policy(policy, "set_policy")
+        settings = dataclasses.replace(_settings, kernels=policy)
+    fields = {"gpu_route": gpu_route, "fused_mxdot": fused_mxdot}
+    settings = dataclasses.replace(settings, **{k: v for k, v in fields.items() if v is not None})
+    in_force = current_policy()
+    previous, _settings = _settings, settings
+    if current_policy() != in_force:
         jax.clear_caches()
     return previous
 
 
+@contextlib.contextmanager
+def policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
+           fused_mxdot: Optional[bool] = None) -> Iterator[Policy]:
+    """:func:`set_policy` for a ``with`` block: the settings before are restored when it
+    ends, however it ends. Yields the :class:`Policy` in force inside. (The settings are the
+    process's, not a thread's.)
+
+    Example:
+        >>> with policy(gpu_route="xla") as p:
+        ...     p.gpu_route
+        'xla'
+        >>> current_policy().gpu_route
+        'pallas'
+    """
+    previous = set_policy(policy, gpu_route=gpu_route, fused_mxdot=fused_mxdot)
+    try:
+        yield current_policy()
+    finally:
+        set_policy(previous)
+
+
 def get_policy() -> str:
-    """The kernel policy in force: :func:`set_policy`'s, else ``LOWPREC_KERNELS``'s, else
-    ``"auto"``. Read by each public function when it is called.
+    """The kernel policy in force (:attr:`Policy.kernels`): :func:`set_policy`'s, else
+    ``LOWPREC_KERNELS``'s, else ``"auto"``. Read by each public function when it is called.
 
     Example:
         >>> get_policy() in POLICIES
         True
     """
-    if _chosen is not None:
-        return _chosen
+    if _settings.kernels is not None:
+        return _settings.kernels
     env = os.environ.get(ENV_VAR)
     if env is None or env == "":
         return "auto"
     return _check_policy(env, f"environment variable {ENV_VAR}")
+
+
+# The module globals that were the knobs before Policy (one release, with a warning).
+_OLD_KNOBS = {"GPU_ROUTE": "gpu_route", "FUSED_MXDOT": "fused_mxdot"}
+
+
+def _old_knob_use(name: str) -> str:
+    return f"lowprec.kernels.set_policy({_OLD_KNOBS[name]}=...) or lowprec.kernels.policy"
+
+
+def __getattr__(name: str):
+    table = {n: (_old_knob_use(n), lambda f=f: getattr(current_policy(), f))
+             for n, f in _OLD_KNOBS.items()}
+    return deprecated_attribute(__name__, table, name)
+
+
+settable_deprecated_attributes(
+    __name__, {n: (_old_knob_use(n), lambda v, f=f: set_policy(**{f: v}))
+               for n, f in _OLD_KNOBS.items()})
 
 
 def kernels_enabled() -> bool:
@@ -278,7 +359,7 @@ def quantize_kernel(x, cast, axis: int, fake: bool = False) -> bool:
 
 def mxdot_kernel(layout, lop, rop, kernels: bool, out_sharding=None) -> bool:
     """Whether the bfloat16 branch of a quantized dot takes the fused MX kernel on CUDA
-    (static): :data:`FUSED_MXDOT`, the policy (``kernels``), no requested output sharding (the
+    (static): the policy's ``fused_mxdot`` and ``kernels``, no requested output sharding (the
     kernel is a single-device call), two MX operands with 8-bit codes in the (1, M, K) x
     (1, N, K) layout, and JAX able to lower it."""
     if not (current_policy().fused_mxdot and kernels) or out_sharding is not None:
@@ -320,7 +401,7 @@ def _is_activation(op, cast) -> bool:
 def gemv_weight_side(lhs, rhs, lcast, rcast, kernels: bool) -> Optional[str]:
     """For canonical operands (B, M, K) x (B, N, K) of a quantized dot: which of them
     (``"lhs"``/``"rhs"``) is the weight of a decode-time MXFP4 product that
-    :data:`GPU_ROUTE` takes on CUDA, or None (static).
+    the policy's ``gpu_route`` takes on CUDA, or None (static).
 
     The case: no batch (B = 1), one side a packed MXFP4 MXArray (blocked along K, as every
     canonical MXArray is), the other a bfloat16 array used as it is (no format) with at

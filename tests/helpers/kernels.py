@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
+import lowprec.kernels
 from lowprec.kernels import _dispatch
 
 
@@ -38,13 +39,12 @@ def gpu_routes_on_cpu(monkeypatch):
 
 
 @pytest.fixture
-def fused_mxdot(monkeypatch):
-    """Turns on the fused MX dot kernel (off by default: kernels/_dispatch.FUSED_MXDOT), so that
-    a test can check that it is taken and what it computes; caches cleared around."""
-    jax.clear_caches()
-    monkeypatch.setattr(_dispatch, "FUSED_MXDOT", True)
-    yield
-    jax.clear_caches()
+def fused_mxdot():
+    """Turns on the fused MX dot kernel (off by default: ``Policy.fused_mxdot``), so that a
+    test can check that it is taken and what it computes (``lowprec.kernels.policy``, which
+    clears JAX's caches when the policy in force changes)."""
+    with lowprec.kernels.policy(fused_mxdot=True):
+        yield
 
 
 # The GPU that a lowering for "cuda" targets where JAX sees none: JAX >= 0.11 asks Pallas'
