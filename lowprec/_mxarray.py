@@ -14,6 +14,7 @@ import operator
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._blocks import normalize_axis
@@ -117,6 +118,35 @@ class MXArray:
     def padded_length(self) -> int:
         """Length of the block axis after zero padding (a multiple of the block size)."""
         return -(-self.shape[self.axis] // self.fmt.block_size) * self.fmt.block_size
+
+    def transpose(self, axes) -> "MXArray":
+        """The array with its dimensions permuted as ``jnp.transpose(values, axes)`` would
+        permute its values: codes and scales move together and the block axis goes where
+        ``axes`` puts it. No code is re-encoded, so the result holds the same values.
+        Leading batch dimensions (an MXArray built under ``vmap``) stay in front.
+
+        Example:
+            >>> import jax.numpy as jnp, lowprec
+            >>> t = lowprec.quantize_mx(jnp.ones((2, 64)), "mxfp4", axis=1).transpose((1, 0))
+            >>> t.shape, t.axis, t.elements.shape, t.scales.shape
+            ((64, 2), 0, (32, 2), (2, 2))
+        """
+        nd = self.ndim
+        try:
+            axes = tuple(normalize_axis(a, nd, "MXArray.transpose axes") for a in axes)
+        except TypeError:
+            raise TypeError(f"MXArray.transpose: axes must be a sequence of {nd} ints, "
+                            f"got {axes!r}") from None
+        if sorted(axes) != list(range(nd)):
+            raise ValueError(f"MXArray.transpose: axes {axes} are not a permutation of "
+                             f"range({nd}) (one entry per dimension of shape {self.shape})")
+
+        def move(v):
+            lead = v.ndim - nd  # vmap's batch dimensions stay in front
+            return jnp.transpose(v, tuple(range(lead)) + tuple(lead + a for a in axes))
+
+        return MXArray(move(self.elements), move(self.scales), self.fmt, axes.index(self.axis),
+                       tuple(self.shape[a] for a in axes), self.scale_rule, self.tensor_scale)
 
     @property
     def nbytes(self) -> int:

@@ -464,25 +464,13 @@ def _k_last(op, ca: int):
     if ca == 2:
         return op
     if isinstance(op, MXArray):
-        b, k, m = op.shape
-        return MXArray(jnp.swapaxes(op.elements, 1, 2), jnp.swapaxes(op.scales, 1, 2), op.fmt, 2,
-                       (b, m, k), op.scale_rule, op.tensor_scale)
+        return op.transpose((0, 2, 1))
     return jnp.swapaxes(op, 1, 2)
 
 
 def _k_last_view(op, ca: int):
     """:func:`_k_last`'s shapes and types only (for routing decisions): moves no data."""
-    if ca == 2:
-        return op
-
-    def swapped(a):
-        return jax.ShapeDtypeStruct((a.shape[0], a.shape[2], a.shape[1]), a.dtype)
-
-    if isinstance(op, MXArray):
-        b, k, m = op.shape
-        return MXArray(swapped(op.elements), swapped(op.scales), op.fmt, 2, (b, m, k),
-                       op.scale_rule, op.tensor_scale)
-    return swapped(op)
+    return op if ca == 2 else jax.eval_shape(lambda o: _k_last(o, ca), op)
 
 
 def _cotangent(primal, grad):

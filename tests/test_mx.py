@@ -712,3 +712,28 @@ def test_aliases_and_defaults():
     np.testing.assert_array_equal(np.asarray(a.elements), np.asarray(b.elements))
     assert {r.value for r in lowprec.ScaleRule} == set(SCALE_RULES)
     assert set(ROUNDINGS) <= set(lowprec.Rounding)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "mxfp6_e2m3", "nvfp4"])
+@pytest.mark.parametrize("path", ["eager", "jit"])
+def test_transpose_moves_codes_scales_and_block_axis_as_the_values(fmt, path):
+    # A [batch, seq, d] array blocked along d; the transposed MXArray must hold exactly the
+    # transposed values (dequantize commutes with transpose) and be the quantization of the
+    # transposed float array blocked along the axis d moved to (same blocks, same codes).
+    x = jax.random.normal(jax.random.key(3), (2, 3, 64), jnp.float32) * 7
+    mx = lowprec.quantize_mx(x, fmt, axis=2)
+    axes = (2, 0, 1)
+    op = (lambda m: m.transpose(axes)) if path == "eager" else jax.jit(lambda m: m.transpose(axes))
+    t = op(mx)
+    assert (t.shape, t.axis) == ((64, 2, 3), 0)
+    assert_bits_equal(lowprec.dequantize(t), jnp.transpose(lowprec.dequantize(mx), axes))
+    again = lowprec.quantize_mx(jnp.transpose(x, axes), fmt, axis=0)
+    assert_bits_equal(lowprec.dequantize(t), lowprec.dequantize(again))
+
+
+def test_transpose_refuses_what_is_not_a_permutation():
+    mx = lowprec.quantize_mx(jnp.ones((2, 64)), "mxfp4", axis=1)
+    with pytest.raises(ValueError, match=r"not a permutation of range\(2\)"):
+        mx.transpose((1, 1))
+    with pytest.raises(ValueError, match="axes"):
+        mx.transpose((0, 2))
