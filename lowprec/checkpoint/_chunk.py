@@ -315,7 +315,7 @@ def encode_rows(x: np.ndarray, fmt, scale_rule=None) -> tuple:
     quantization kernel's loops on this thread (the fused pass without its statistics) where
     they serve this format and rule, else by :func:`encode_blocks`' program. For writers that
     compute their statistics elsewhere (the engine layouts)."""
-    if x.ndim == 2 and x.dtype in _NATIVE and native():
+    if x.ndim == 2 and x.dtype in _FLOAT_INPUTS and native():
         plan = _fused_plan(fmt, scale_rule)
         if plan is not None:
             elements, scales, _ = _ckpt_cpu.quantize(x, plan.attrs, stats=False)
