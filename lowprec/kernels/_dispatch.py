@@ -47,7 +47,7 @@ from .._mxarray import MXArray
 from .._pack import pack6_xla, unpack6_xla
 from .._scheme_e8m0 import E8M0Scheme
 from .._scheme_nvfp4 import NVFP4Scheme
-from . import _cpu_native, _fp6_cpu
+from . import _cpu_native, _fp6_cpu, _nvfp4_cpu
 from ._mx_quantize_cpu import serves as native_quantize_serves
 from ._mxdot_pallas import pallas_mxdot_applies
 from ._weight_only_mgpu import MAX_TOKENS as WEIGHT_ONLY_MAX_TOKENS
@@ -86,7 +86,7 @@ class Formulation(enum.Enum):
     #: ``fast_encoder()`` / ``fast_decoder()``; ``_mx_hwfloat``; picked per array on CPU by
     #: one ``lax.cond`` beside EXACT).
     HWFLOAT = "hwfloat"
-    #: A C++ kernel registered with XLA's FFI (``_mx_quantize_cpu.cc``; CPU).
+    #: A C++ kernel registered with XLA's FFI (``_mx_quantize_cpu.cc``, ``_nvfp4_cpu.cc``; CPU).
     CPU_KERNEL = "cpu_kernel"
     #: A Pallas kernel (``_quantize_pallas.py``; CUDA).
     PALLAS = "pallas"
@@ -469,12 +469,23 @@ def fp6_unpacker(p, axis: int):
 
 
 def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:
-    """Whether ``quantize_mx`` of the validated input ``x`` takes the native one-pass CPU
+    """Whether ``quantize_mx`` of the validated input ``x`` takes a native one-pass CPU
     kernel where XLA lowers for CPU (static): the policy, the kernels built and checked, an
-    unsharded float32 input on a one-device CPU backend, blocked along its last axis (other
-    dtypes would be widened into a copy first, which XLA's two reads of the narrow input
-    beat), deterministic rounding and a cast the kernel serves (``_mx_quantize_cpu.serves``)."""
-    if x.dtype != jnp.float32 or x.ndim == 0 or x.size == 0 or axis != x.ndim - 1:
+    unsharded input on a one-device CPU backend, and
+
+    * NVFP4 (``_nvfp4_cpu.serves``/``takes``): float32, bfloat16 or float16 input blocked
+      along any axis, round to nearest even or stochastically, either step, the tensor scale
+      computed or a known positive value (one custom call instead of the ~1,000-instruction
+      encode XLA would compile);
+    * the E8M0 formats: float32 input blocked along its last axis (other dtypes would be
+      widened into a copy first, which XLA's two reads of the narrow input beat),
+      deterministic rounding and a cast the kernel serves (``_mx_quantize_cpu.serves``)."""
+    if x.ndim == 0 or x.size == 0:
+        return False
+    if cast.fmt.scheme.tensor_scale:
+        return (_nvfp4_cpu.serves(cast) and _nvfp4_cpu.takes(x, tensor_scale)
+                and _native_cpu_can_run(x))
+    if x.dtype != jnp.float32 or axis != x.ndim - 1:
         return False
     stochastic = rng is not None and any(r is not None for r in rng)  # (key, random words)
     if stochastic or tensor_scale is not None or not native_quantize_serves(cast):
@@ -483,7 +494,7 @@ def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:
 
 
 def native_status() -> str:
-    """Whether lowprec's native CPU kernels (FP6 packing, one-pass MX quantization) are
+    """Whether lowprec's native CPU kernels (FP6 packing, one-pass MX and NVFP4 quantization) are
     built and in use here, and if not, why: a sentence. The policy (:func:`set_policy`)
     decides whether they run.
 

@@ -1,0 +1,190 @@
+// NVFP4 quantization on CPU as an XLA FFI target: float32 input blocked by 16 along the last
+// axis, under a tensor scale given as an operand (one float32 per group of consecutive
+// blocks: one for the whole array, or one per vmapped batch element), E4M3 block scales and
+// packed E2M1 codes, round to nearest even or stochastically with the caller's uint32 words,
+// by either NVFP4 step ("divide", "reciprocal").
+//
+// XLA compiles lowprec's NVFP4 encode (lowprec/_nvfp4.py, _scheme_nvfp4.py) to ~1,000 HLO
+// instructions: integer long divisions and products on the bits, a hardware-float branch
+// beside them, the stochastic rounding's integer compare. This is one custom call. It takes
+// the same IEEE float32 steps (_nvfp4_cpu.h) with the MXCSR's flush-to-zero and
+// denormals-are-zero off, so every quotient, product and divisor rounds as IEEE 754 says,
+// subnormals included: what _nvfp4.py's exact formulation computes on the bits, for every
+// positive finite tensor scale. tests/test_native_nvfp4.py and test_native_fuzz.py compare
+// it with the XLA path bit for bit.
+//
+// Stochastic rounding (lowprec/_rounding.py round_shift): the E2M1 quotient q = |x| / divisor
+// (or |x| x factor) as a float32, its binade t = max(floor(log2 q), 0), quantum 2^(t - 1);
+// with `rem` the bits of q's significand below the quantum and `shift` their count, q rounds
+// away from zero iff the element's word r < rem / 2^shift x 2^32, compared exactly as
+// integers (r < ceil of it); then saturated at 6.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "_cpu_common.h"
+#include "_nvfp4_cpu.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using lowprec_native::Bits;
+using lowprec_native::E2m1Magnitude;
+using lowprec_native::F32;
+using lowprec_native::F32Bits;
+using lowprec_native::kE4m3Nan;
+using lowprec_native::kF32Abs;
+using lowprec_native::kF32Inf;
+
+// The E2M1 magnitude code of a float32 magnitude pattern q (finite or +inf) rounded
+// stochastically with the word r, saturated at 6 (code 7).
+inline uint32_t E2m1Stochastic(uint32_t q, uint32_t r) noexcept {
+  if (q >= kF32Inf) return 7;
+  const int32_t efield = static_cast<int32_t>(q >> 23);
+  const uint64_t sig = efield > 0 ? (q & 0x7F'FFFFu) | 0x80'0000u : q & 0x7F'FFFFu;
+  if (sig == 0) return 0;
+  const int32_t t = std::max(efield - 127, 0);             // E2M1's binade (emin 0)
+  const int32_t lsb = std::max(efield, 1) - 150;           // q = sig x 2^lsb
+  const int32_t shift = (t - 1) - lsb;                     // >= 1: bits below the quantum
+  uint64_t kept = 0, thr = 1;                              // shift >= 64: 0 < rem/2^shift x 2^32 <= 1
+  if (shift < 64) {
+    kept = sig >> shift;
+    const uint64_t rem = sig & ((uint64_t{1} << shift) - 1u);
+    if (shift <= 32) {
+      thr = rem << (32 - shift);
+    } else {
+      const int32_t k = shift - 32;
+      thr = (rem + (uint64_t{1} << k) - 1u) >> k;  // rem < 2^24: no overflow
+    }
+  }
+  const uint64_t code = (static_cast<uint64_t>(t) << 1) + kept + (r < thr ? 1u : 0u);
+  return static_cast<uint32_t>(std::min<uint64_t>(code, 7));
+}
+
+struct Call {
+  const float* x;
+  const float* ts;       // one per group
+  const uint32_t* words;  // stochastic rounding's, one per element; null: nearest even
+  uint8_t* elements;
+  uint8_t* scales;
+  size_t group_blocks;   // blocks per tensor scale
+  bool reciprocal;
+};
+
+// The scale code and operand (divisor or factor) of block blk, or false for a block
+// holding a NaN or an infinity (its codes are written here).
+inline bool BlockScale(const Call& c, size_t blk, float* operand) noexcept {
+  const float* xb = c.x + 16 * blk;
+  uint32_t amax = 0;
+  for (int i = 0; i < 16; ++i) amax = std::max(amax, Bits(xb + i) & kF32Abs);
+  if (amax >= kF32Inf) {
+    c.scales[blk] = static_cast<uint8_t>(kE4m3Nan);
+    std::memset(c.elements + 8 * blk, 0, 8);
+    return false;
+  }
+  const float ts = c.ts[blk / c.group_blocks];
+  const uint32_t code = lowprec_native::Nvfp4ScaleCode(amax, ts);
+  c.scales[blk] = static_cast<uint8_t>(code);
+  *operand = lowprec_native::Nvfp4Operand(code, ts, c.reciprocal ? 1.0f / ts : 0.0f,
+                                          c.reciprocal);
+  return true;
+}
+
+// Element codes of one finite block, one at a time.
+inline void BlockCodes(const Call& c, size_t blk, float operand) noexcept {
+  const float* xb = c.x + 16 * blk;
+  const uint32_t* wb = c.words == nullptr ? nullptr : c.words + 16 * blk;
+  uint8_t codes[16];
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t b = Bits(xb + i);
+    const float mag = F32(b & kF32Abs);
+    const float q = c.reciprocal ? mag * operand : mag / operand;
+    const uint32_t m = wb == nullptr ? E2m1Magnitude(q) : E2m1Stochastic(F32Bits(q), wb[i]);
+    codes[i] = static_cast<uint8_t>(m | ((b >> 31) << 3));
+  }
+  uint8_t* out = c.elements + 8 * blk;
+  for (int j = 0; j < 8; ++j) out[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
+}
+
+void Blocks(const Call& c, size_t first, size_t count) noexcept {
+  lowprec_native::ExactFloats exact;  // on this thread, for this chunk
+  size_t blk = first;
+  const size_t end = first + count;
+#ifdef LOWPREC_X86_AVX2
+  if (c.words == nullptr && lowprec_native::HasAvx2()) {  // two blocks at a time
+    for (; blk + 2 <= end; blk += 2) {
+      float d0 = 0, d1 = 0;
+      const bool f0 = BlockScale(c, blk, &d0), f1 = BlockScale(c, blk + 1, &d1);
+      if (f0 && f1) {
+        if (c.reciprocal) {
+          lowprec_native::Nvfp4PairAvx2<true>(c.x + 16 * blk, d0, d1, c.elements + 8 * blk);
+        } else {
+          lowprec_native::Nvfp4PairAvx2<false>(c.x + 16 * blk, d0, d1, c.elements + 8 * blk);
+        }
+      } else {  // a NaN/inf block's codes are written; the other one's here
+        if (f0) BlockCodes(c, blk, d0);
+        if (f1) BlockCodes(c, blk + 1, d1);
+      }
+    }
+  }
+#endif
+  for (; blk < end; ++blk) {
+    float operand;
+    if (BlockScale(c, blk, &operand)) BlockCodes(c, blk, operand);
+  }
+}
+
+ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> ts,
+                    ffi::Buffer<ffi::U32> words, ffi::ResultBuffer<ffi::U8> elements,
+                    ffi::ResultBuffer<ffi::U8> scales, bool reciprocal, bool stochastic) {
+  const size_t n = x.element_count();
+  const size_t blocks = n / 16;
+  const size_t groups = ts.element_count();
+  if (n % 16 != 0 || scales->element_count() != blocks || elements->element_count() != n / 2) {
+    return ffi::Error::InvalidArgument(
+        "lowprec_nvfp4_quantize: buffer sizes do not match blocks of 16");
+  }
+  if (groups == 0 || blocks % groups != 0) {
+    return ffi::Error::InvalidArgument(
+        "lowprec_nvfp4_quantize: the tensor scales do not split the blocks into equal groups");
+  }
+  if (stochastic && words.element_count() != n) {
+    return ffi::Error::InvalidArgument(
+        "lowprec_nvfp4_quantize: stochastic rounding needs one word per element");
+  }
+  const float* tsv = ts.typed_data();
+  for (size_t g = 0; g < groups; ++g) {
+    const uint32_t b = Bits(tsv + g);
+    if (b == 0 || b >= kF32Inf) {  // negative, zero, NaN or infinite
+      return ffi::Error::InvalidArgument(
+          "lowprec_nvfp4_quantize: a tensor scale is not a positive finite float32");
+    }
+  }
+  if (blocks == 0) return ffi::Error::Success();
+  const Call call{x.typed_data(),       tsv,
+                  stochastic ? words.typed_data() : nullptr,
+                  elements->typed_data(), scales->typed_data(),
+                  blocks / groups,      reciprocal};
+  // Chunks of 2^12 blocks (256 KiB of float32 input); each task holds a copy of `call`.
+  lowprec_native::RunChunked(pool, blocks, size_t{1} << 12,
+                             [call](size_t first, size_t count) noexcept {
+                               Blocks(call, first, count);
+                             });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+LOWPREC_FFI_HANDLER(LowprecNvfp4Quantize, "lowprec_nvfp4_quantize", Quantize,
+                    ffi::Ffi::Bind()
+                        .Ctx<ffi::ThreadPool>()
+                        .Arg<ffi::Buffer<ffi::F32>>()
+                        .Arg<ffi::Buffer<ffi::F32>>()
+                        .Arg<ffi::Buffer<ffi::U32>>()
+                        .Ret<ffi::Buffer<ffi::U8>>()
+                        .Ret<ffi::Buffer<ffi::U8>>()
+                        .Attr<bool>("reciprocal")
+                        .Attr<bool>("stochastic"));
