@@ -45,7 +45,7 @@ def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, forms: frozenset, 
     if Formulation.CPU_KERNEL in forms and cast.fmt.tensor_scale:  # NVFP4 (_dispatch decides)
         xla = functools.partial(on_cpu, functools.partial(
             nvfp4_quantize_cpu, cast=cast, axis=axis, padded=padded, rng=rng,
-            tensor_scale=tensor_scale), xla)
+            tensor_scale=tensor_scale, xla=xla), xla)
     elif Formulation.CPU_KERNEL in forms:  # decided by lowprec.kernels._dispatch
         # On CPU one C++ pass over x (XLA makes two: the block maxima, then the encode
         # reading x again), with the same integer definitions, so the same bits.

@@ -474,17 +474,16 @@ def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:
     unsharded input on a one-device CPU backend, and
 
     * NVFP4 (``_nvfp4_cpu.serves``/``takes``): float32, bfloat16 or float16 input blocked
-      along any axis, round to nearest even or stochastically, either step, the tensor scale
-      computed or a known positive value (one custom call instead of the ~1,000-instruction
-      encode XLA would compile);
+      along any axis, round to nearest even or stochastically, either step (one custom call
+      instead of the ~1,000-instruction encode XLA would compile; a given tensor scale that
+      is not a positive finite float32 takes XLA's formulation by a ``lax.cond``);
     * the E8M0 formats: float32 input blocked along its last axis (other dtypes would be
       widened into a copy first, which XLA's two reads of the narrow input beat),
       deterministic rounding and a cast the kernel serves (``_mx_quantize_cpu.serves``)."""
     if x.ndim == 0 or x.size == 0:
         return False
     if cast.fmt.scheme.tensor_scale:
-        return (_nvfp4_cpu.serves(cast) and _nvfp4_cpu.takes(x, tensor_scale)
-                and _native_cpu_can_run(x))
+        return _nvfp4_cpu.serves(cast) and _nvfp4_cpu.takes(x) and _native_cpu_can_run(x)
     if x.dtype != jnp.float32 or axis != x.ndim - 1:
         return False
     stochastic = rng is not None and any(r is not None for r in rng)  # (key, random words)

@@ -43,19 +43,10 @@ def serves(cast) -> bool:
             and _cpu_native.vector_quantizer())
 
 
-def takes(x, tensor_scale) -> bool:
+def takes(x) -> bool:
     """Whether the kernel takes this input (static): a float32, bfloat16 or float16 array
-    (widened to float32 exactly) with a tensor scale computed from it, or given as a known
-    positive finite value (a traced one could be anything: XLA's path decides what it
-    gives)."""
-    if np.dtype(x.dtype) not in _DTYPES:
-        return False
-    if tensor_scale is None:
-        return True
-    if isinstance(tensor_scale, jax.core.Tracer):
-        return False
-    ts = np.asarray(tensor_scale, np.float32)
-    return ts.shape == () and bool(np.isfinite(ts) and ts > 0)
+    (the narrow ones widened to float32 exactly)."""
+    return np.dtype(x.dtype) in _DTYPES
 
 
 def _words(cast, rng, padded_shape):
@@ -71,10 +62,12 @@ def _words(cast, rng, padded_shape):
     return lax.shift_left(r16, jnp.uint32(WORD_BITS))
 
 
-def quantize_mxarray(x, cast, axis: int, padded: int, rng, tensor_scale) -> MXArray:
+def quantize_mxarray(x, cast, axis: int, padded: int, rng, tensor_scale, xla) -> MXArray:
     """The :class:`MXArray` ``quantize_mx`` gives for NVFP4 of ``x`` (validated; blocks along
-    ``axis``, padded with zeros to ``padded``) by the kernel. CPU only, where
-    :func:`serves` and :func:`takes` say."""
+    ``axis``, padded with zeros to ``padded``) by the kernel. CPU only, where :func:`serves`
+    and :func:`takes` say. A given tensor scale (traced: its value is known only at run
+    time) that is not a positive finite float32 takes ``xla(x)``, XLA's formulation, instead
+    (one ``lax.cond``): what that gives for such a scale is its own definition."""
     shape = tuple(x.shape)
     # Codes are piecewise constant in x: zero derivative, as XLA's integer path gives.
     xf = lax.stop_gradient(x).astype(jnp.float32)  # bfloat16/float16: exact
@@ -84,21 +77,29 @@ def quantize_mxarray(x, cast, axis: int, padded: int, rng, tensor_scale) -> MXAr
         xf = jnp.pad(xf, widths)
     ts_bits = cast.fmt.scheme.tensor_scale_bits(f32_bits(xf), tensor_scale, cast)
     ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
-    words = _words(cast, rng, xf.shape)
-    last = axis == xf.ndim - 1
-    if not last:  # blocks along the last axis; a transpose is cheap next to the encode
-        xf = jnp.moveaxis(xf, axis, -1)
-        words = jnp.moveaxis(words, axis, -1) if cast.stochastic else words
-    n = xf.shape[-1]
-    out = (jax.ShapeDtypeStruct((*xf.shape[:-1], n // 2), jnp.uint8),
-           jax.ShapeDtypeStruct((*xf.shape[:-1], n // 16), jnp.uint8))
-    call = jax.ffi.ffi_call(TARGET, out, vmap_method="broadcast_all")
-    elements, scales = call(xf, ts, words,
-                            reciprocal=cast.scale_options.nvfp4_step == "reciprocal",
-                            stochastic=bool(cast.stochastic))
-    if not last:
-        elements, scales = jnp.moveaxis(elements, -1, axis), jnp.moveaxis(scales, -1, axis)
-    return MXArray(elements, scales, cast.fmt, axis, shape, cast.scale_rule, ts)
+
+    def kernel(xf, ts):
+        words = _words(cast, rng, xf.shape)
+        last = axis == xf.ndim - 1
+        if not last:  # blocks along the last axis; a transpose is cheap next to the encode
+            xf = jnp.moveaxis(xf, axis, -1)
+            words = jnp.moveaxis(words, axis, -1) if cast.stochastic else words
+        n = xf.shape[-1]
+        out = (jax.ShapeDtypeStruct((*xf.shape[:-1], n // 2), jnp.uint8),
+               jax.ShapeDtypeStruct((*xf.shape[:-1], n // 16), jnp.uint8))
+        call = jax.ffi.ffi_call(TARGET, out, vmap_method="broadcast_all")
+        elements, scales = call(xf, ts, words,
+                                reciprocal=cast.scale_options.nvfp4_step == "reciprocal",
+                                stochastic=bool(cast.stochastic))
+        if not last:
+            elements, scales = jnp.moveaxis(elements, -1, axis), jnp.moveaxis(scales, -1, axis)
+        return MXArray(elements, scales, cast.fmt, axis, shape, cast.scale_rule, ts)
+
+    if tensor_scale is None:  # computed: a positive finite float32 by construction
+        return kernel(xf, ts)
+    # Positive finite float32 patterns are (0, 0x7F800000); the clamp made it at least 2^-143.
+    return lax.cond(ts_bits < jnp.uint32(0x7F80_0000), lambda v: kernel(xf, ts),
+                    lambda v: xla(v), x)
 
 
 def _check() -> str:
