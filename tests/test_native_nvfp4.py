@@ -303,3 +303,33 @@ def test_handler_refuses_bad_calls(bad):
                                                 jax.ShapeDtypeStruct((2, 2), jnp.uint8)))
     with pytest.raises(Exception, match="lowprec_nvfp4_quantize"):
         jax.block_until_ready(call(x, ts, words, reciprocal=False, stochastic=bad == "words"))
+
+
+FAKE = 'custom_call_target="lowprec_nvfp4_fake_quantize"'
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_training_fake_quantize_same_bits_as_xla(step):
+    """The NVFP4 recipe's fake quantizations (lowprec/_nvfp4_train.py: Q along either axis,
+    to nearest or with stochastic words, and Q2's 16 x 16 weight tiles) by the kernel's fused
+    call: XLA's values bit for bit, NaN/Inf tiles and blocks, subnormals and ties included."""
+    from lowprec import _nvfp4_train as t
+
+    k = kinds(seed=31 + STEPS.index(step))
+    x = np.concatenate(list(k.values()))  # [80, 64]: whole 16 x 16 tiles
+    x = jnp.asarray(x)
+    words = lowprec.random_bits(jax.random.key(9), x.shape)
+
+    def run(v, w):
+        return (t.quantize_1d(v, 1, step=step), t.quantize_1d(v, 0, w, step=step),
+                t.quantize_1d(v, 1, w, step=step), t.quantize_2d(v, step=step))
+
+    got = {}
+    for policy in ("auto", "xla"):
+        with kernel_policy(policy):
+            compiled = jax.jit(run).lower(x, words).compile()
+            assert compiled.as_text().count(FAKE) == (4 if policy == "auto" else 0)
+            got[policy] = [np.asarray(a).view(np.uint32) for a in compiled(x, words)]
+    for name, a, b in zip(("Q along K", "Q along T, SR", "Q along K, SR", "Q2 tiles"),
+                          got["auto"], got["xla"]):
+        np.testing.assert_array_equal(a, b, err_msg=f"{step}: {name}")

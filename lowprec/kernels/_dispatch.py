@@ -492,6 +492,20 @@ def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:
     return _native_cpu_can_run(x)
 
 
+def cpu_nvfp4_fake_quantize(x, step, stochastic: bool) -> bool:
+    """Whether the NVFP4 training recipe's fake quantization of ``x`` (its
+    ``dequantize(quantize_mx(x, "nvfp4", ...))`` and its 16 x 16 weight tiles, computed
+    from x's own tensor scale) takes the native kernel's fused call where XLA lowers for CPU
+    (static): as :func:`cpu_quantize_kernel` decides for NVFP4 with ``step`` and the
+    rounding."""
+    from .._options import MXCast  # the options module sits above this one
+
+    cast = MXCast(mx_format("nvfp4"), None, "stochastic" if stochastic else "nearest_even",
+                  step)
+    return (x.ndim > 0 and x.size > 0 and x.dtype == jnp.float32 and _nvfp4_cpu.serves(cast)
+            and _native_cpu_can_run(x))
+
+
 def native_status() -> str:
     """Whether lowprec's native CPU kernels (FP6 packing, one-pass MX and NVFP4 quantization) are
     built and in use here, and if not, why: a sentence. The policy (:func:`set_policy`)

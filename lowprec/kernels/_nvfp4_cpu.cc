@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "_cpu_common.h"
 #include "_nvfp4_cpu.h"
@@ -66,35 +67,53 @@ inline uint32_t E2m1Stochastic(uint32_t q, uint32_t r) noexcept {
 
 struct Call {
   const float* x;
-  const float* ts;       // one per group
+  const float* ts;        // one per group
   const uint32_t* words;  // stochastic rounding's, one per element; null: nearest even
-  uint8_t* elements;
+  const uint32_t* amax;   // each block's largest magnitude pattern (inf: a NaN block); null:
+                          // from x
+  uint8_t* elements;      // packed codes and scale codes (quantize), or
   uint8_t* scales;
-  size_t group_blocks;   // blocks per tensor scale
+  float* values;          // the dequantized values (fake quantize)
+  size_t group_blocks;    // blocks per tensor scale
   bool reciprocal;
 };
 
-// The scale code and operand (divisor or factor) of block blk, or false for a block
-// holding a NaN or an infinity (its codes are written here).
-inline bool BlockScale(const Call& c, size_t blk, float* operand) noexcept {
-  const float* xb = c.x + 16 * blk;
+// E2M1's magnitudes by code (0, 0.5, 1, 1.5, 2, 3, 4, 6).
+constexpr float kE2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+constexpr uint32_t kQNaN = 0x7FC0'0000u;  // lowprec's canonical NaN (a NaN block's values)
+
+// The scale code and operand (divisor or factor) of block blk, and its dequantization
+// factor float32(ts x scale); or false for a block holding a NaN or an infinity (its
+// outputs are written here).
+inline bool BlockScale(const Call& c, size_t blk, float* operand, float* total) noexcept {
   uint32_t amax = 0;
-  for (int i = 0; i < 16; ++i) amax = std::max(amax, Bits(xb + i) & kF32Abs);
+  if (c.amax != nullptr) {
+    amax = c.amax[blk];
+  } else {
+    const float* xb = c.x + 16 * blk;
+    for (int i = 0; i < 16; ++i) amax = std::max(amax, Bits(xb + i) & kF32Abs);
+  }
   if (amax >= kF32Inf) {
-    c.scales[blk] = static_cast<uint8_t>(kE4m3Nan);
-    std::memset(c.elements + 8 * blk, 0, 8);
+    if (c.values != nullptr) {
+      const float nan = F32(kQNaN);
+      std::fill(c.values + 16 * blk, c.values + 16 * blk + 16, nan);
+    } else {
+      c.scales[blk] = static_cast<uint8_t>(kE4m3Nan);
+      std::memset(c.elements + 8 * blk, 0, 8);
+    }
     return false;
   }
   const float ts = c.ts[blk / c.group_blocks];
   const uint32_t code = lowprec_native::Nvfp4ScaleCode(amax, ts);
-  c.scales[blk] = static_cast<uint8_t>(code);
-  *operand = lowprec_native::Nvfp4Operand(code, ts, c.reciprocal ? 1.0f / ts : 0.0f,
-                                          c.reciprocal);
+  if (c.scales != nullptr) c.scales[blk] = static_cast<uint8_t>(code);
+  *total = ts * lowprec_native::E4m3Value(code);
+  *operand = c.reciprocal ? (1.0f / ts) / lowprec_native::E4m3Value(code) : *total;
   return true;
 }
 
-// Element codes of one finite block, one at a time.
-inline void BlockCodes(const Call& c, size_t blk, float operand) noexcept {
+// Element codes of one finite block, one at a time, then packed or dequantized
+// (element x total, rounded once; -0 stays -0).
+inline void BlockCodes(const Call& c, size_t blk, float operand, float total) noexcept {
   const float* xb = c.x + 16 * blk;
   const uint32_t* wb = c.words == nullptr ? nullptr : c.words + 16 * blk;
   uint8_t codes[16];
@@ -105,6 +124,14 @@ inline void BlockCodes(const Call& c, size_t blk, float operand) noexcept {
     const uint32_t m = wb == nullptr ? E2m1Magnitude(q) : E2m1Stochastic(F32Bits(q), wb[i]);
     codes[i] = static_cast<uint8_t>(m | ((b >> 31) << 3));
   }
+  if (c.values != nullptr) {
+    float* out = c.values + 16 * blk;
+    for (int i = 0; i < 16; ++i) {
+      const float v = kE2m1[codes[i] & 7u] * total;
+      out[i] = F32(F32Bits(v) | (static_cast<uint32_t>(codes[i] >> 3) << 31));
+    }
+    return;
+  }
   uint8_t* out = c.elements + 8 * blk;
   for (int j = 0; j < 8; ++j) out[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
 }
@@ -114,10 +141,10 @@ void Blocks(const Call& c, size_t first, size_t count) noexcept {
   size_t blk = first;
   const size_t end = first + count;
 #ifdef LOWPREC_X86_AVX2
-  if (c.words == nullptr && lowprec_native::HasAvx2()) {  // two blocks at a time
-    for (; blk + 2 <= end; blk += 2) {
-      float d0 = 0, d1 = 0;
-      const bool f0 = BlockScale(c, blk, &d0), f1 = BlockScale(c, blk + 1, &d1);
+  if (c.words == nullptr && c.values == nullptr && lowprec_native::HasAvx2()) {
+    for (; blk + 2 <= end; blk += 2) {  // two blocks at a time
+      float d0 = 0, d1 = 0, t0 = 0, t1 = 0;
+      const bool f0 = BlockScale(c, blk, &d0, &t0), f1 = BlockScale(c, blk + 1, &d1, &t1);
       if (f0 && f1) {
         if (c.reciprocal) {
           lowprec_native::Nvfp4PairAvx2<true>(c.x + 16 * blk, d0, d1, c.elements + 8 * blk);
@@ -125,54 +152,83 @@ void Blocks(const Call& c, size_t first, size_t count) noexcept {
           lowprec_native::Nvfp4PairAvx2<false>(c.x + 16 * blk, d0, d1, c.elements + 8 * blk);
         }
       } else {  // a NaN/inf block's codes are written; the other one's here
-        if (f0) BlockCodes(c, blk, d0);
-        if (f1) BlockCodes(c, blk + 1, d1);
+        if (f0) BlockCodes(c, blk, d0, t0);
+        if (f1) BlockCodes(c, blk + 1, d1, t1);
       }
     }
   }
 #endif
   for (; blk < end; ++blk) {
-    float operand;
-    if (BlockScale(c, blk, &operand)) BlockCodes(c, blk, operand);
+    float operand, total;
+    if (BlockScale(c, blk, &operand, &total)) BlockCodes(c, blk, operand, total);
   }
+}
+
+// The checks both handlers make: sizes, groups, words, tensor scales. Empty: fine.
+const char* CheckCall(size_t n, size_t groups, const float* tsv, bool stochastic, size_t words,
+                      size_t amax, bool given_amax) noexcept {
+  if (n % 16 != 0) return "the input is not a whole number of blocks of 16";
+  if (groups == 0 || (n / 16) % groups != 0) {
+    return "the tensor scales do not split the blocks into equal groups";
+  }
+  if (stochastic && words != n) return "stochastic rounding needs one word per element";
+  if (given_amax && amax != n / 16) return "the block maxima are not one per block";
+  for (size_t g = 0; g < groups; ++g) {
+    const uint32_t b = Bits(tsv + g);
+    if (b == 0 || b >= kF32Inf) return "a tensor scale is not a positive finite float32";
+  }
+  return "";
+}
+
+void Run(ffi::ThreadPool& pool, const Call& call, size_t blocks) {
+  // Chunks of 2^12 blocks (256 KiB of float32 input); each task holds a copy of `call`.
+  lowprec_native::RunChunked(pool, blocks, size_t{1} << 12,
+                             [call](size_t first, size_t count) noexcept {
+                               Blocks(call, first, count);
+                             });
 }
 
 ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> ts,
                     ffi::Buffer<ffi::U32> words, ffi::ResultBuffer<ffi::U8> elements,
                     ffi::ResultBuffer<ffi::U8> scales, bool reciprocal, bool stochastic) {
   const size_t n = x.element_count();
+  const char* problem = CheckCall(n, ts.element_count(), ts.typed_data(), stochastic,
+                                  words.element_count(), 0, false);
+  if (*problem == 0 && (scales->element_count() != n / 16 || elements->element_count() != n / 2)) {
+    problem = "the outputs do not match the blocks";
+  }
+  if (*problem != 0) {
+    return ffi::Error::InvalidArgument(std::string("lowprec_nvfp4_quantize: ") + problem);
+  }
   const size_t blocks = n / 16;
-  const size_t groups = ts.element_count();
-  if (n % 16 != 0 || scales->element_count() != blocks || elements->element_count() != n / 2) {
-    return ffi::Error::InvalidArgument(
-        "lowprec_nvfp4_quantize: buffer sizes do not match blocks of 16");
+  const Call call{x.typed_data(), ts.typed_data(), stochastic ? words.typed_data() : nullptr,
+                  nullptr, elements->typed_data(), scales->typed_data(), nullptr,
+                  blocks / ts.element_count(), reciprocal};
+  Run(pool, call, blocks);
+  return ffi::Error::Success();
+}
+
+// Fake quantization: dequantize(quantize_mx(x, "nvfp4")) in one call, the values
+// element x float32(ts x scale) as _nvfp4.dequantize_bits rounds them (a NaN block: the
+// canonical quiet NaN). With given_amax, each block's largest magnitude comes from `amax`
+// (the training recipe's 16 x 16 weight tiles: the tile's finite maximum for each of its
+// rows' blocks, or +inf for a tile holding a NaN or an infinity).
+ffi::Error FakeQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> ts,
+                        ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::U32> amax,
+                        ffi::ResultBuffer<ffi::F32> values, bool reciprocal, bool stochastic,
+                        bool given_amax) {
+  const size_t n = x.element_count();
+  const char* problem = CheckCall(n, ts.element_count(), ts.typed_data(), stochastic,
+                                  words.element_count(), amax.element_count(), given_amax);
+  if (*problem == 0 && values->element_count() != n) problem = "the output is not x's size";
+  if (*problem != 0) {
+    return ffi::Error::InvalidArgument(std::string("lowprec_nvfp4_fake_quantize: ") + problem);
   }
-  if (groups == 0 || blocks % groups != 0) {
-    return ffi::Error::InvalidArgument(
-        "lowprec_nvfp4_quantize: the tensor scales do not split the blocks into equal groups");
-  }
-  if (stochastic && words.element_count() != n) {
-    return ffi::Error::InvalidArgument(
-        "lowprec_nvfp4_quantize: stochastic rounding needs one word per element");
-  }
-  const float* tsv = ts.typed_data();
-  for (size_t g = 0; g < groups; ++g) {
-    const uint32_t b = Bits(tsv + g);
-    if (b == 0 || b >= kF32Inf) {  // negative, zero, NaN or infinite
-      return ffi::Error::InvalidArgument(
-          "lowprec_nvfp4_quantize: a tensor scale is not a positive finite float32");
-    }
-  }
-  if (blocks == 0) return ffi::Error::Success();
-  const Call call{x.typed_data(),       tsv,
-                  stochastic ? words.typed_data() : nullptr,
-                  elements->typed_data(), scales->typed_data(),
-                  blocks / groups,      reciprocal};
-  // Chunks of 2^12 blocks (256 KiB of float32 input); each task holds a copy of `call`.
-  lowprec_native::RunChunked(pool, blocks, size_t{1} << 12,
-                             [call](size_t first, size_t count) noexcept {
-                               Blocks(call, first, count);
-                             });
+  const size_t blocks = n / 16;
+  const Call call{x.typed_data(), ts.typed_data(), stochastic ? words.typed_data() : nullptr,
+                  given_amax ? amax.typed_data() : nullptr, nullptr, nullptr,
+                  values->typed_data(), blocks / ts.element_count(), reciprocal};
+  Run(pool, call, blocks);
   return ffi::Error::Success();
 }
 
@@ -188,3 +244,15 @@ LOWPREC_FFI_HANDLER(LowprecNvfp4Quantize, "lowprec_nvfp4_quantize", Quantize,
                         .Ret<ffi::Buffer<ffi::U8>>()
                         .Attr<bool>("reciprocal")
                         .Attr<bool>("stochastic"));
+
+LOWPREC_FFI_HANDLER(LowprecNvfp4FakeQuantize, "lowprec_nvfp4_fake_quantize", FakeQuantize,
+                    ffi::Ffi::Bind()
+                        .Ctx<ffi::ThreadPool>()
+                        .Arg<ffi::Buffer<ffi::F32>>()
+                        .Arg<ffi::Buffer<ffi::F32>>()
+                        .Arg<ffi::Buffer<ffi::U32>>()
+                        .Arg<ffi::Buffer<ffi::U32>>()
+                        .Ret<ffi::Buffer<ffi::F32>>()
+                        .Attr<bool>("reciprocal")
+                        .Attr<bool>("stochastic")
+                        .Attr<bool>("given_amax"));

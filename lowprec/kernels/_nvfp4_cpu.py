@@ -102,6 +102,34 @@ def quantize_mxarray(x, cast, axis: int, padded: int, rng, tensor_scale, xla) ->
                     lambda v: xla(v), x)
 
 
+FAKE_TARGET = "lowprec_nvfp4_fake_quantize"
+
+
+def fake_quantize(x, cast, axis: int, words=None, tile_amax=None):
+    """float32 values of ``dequantize(quantize_mx(x, "nvfp4", ...))`` by the kernel's
+    fake-quantize handler (one call: the NVFP4 training recipe's quantizations, whose XLA
+    decode alone is ~900 HLO instructions): ``x`` float32, ``axis`` a whole number of blocks,
+    the tensor scale computed from x as ``quantize_mx`` computes it, ``words`` the stochastic
+    rounding's (uint16 or uint32, x's shape). ``tile_amax``: instead of each block's own
+    maximum, these (uint32 patterns in the blocks' layout along the last axis; +inf for a
+    block to decode as NaN): the recipe's 16 x 16 weight tiles. CPU only, where
+    :func:`serves` says."""
+    xf = lax.stop_gradient(x).astype(jnp.float32)
+    ts_bits = cast.fmt.scheme.tensor_scale_bits(f32_bits(xf), None, cast)
+    ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
+    w = _words(cast, (None, words), xf.shape)
+    last = axis == xf.ndim - 1
+    if not last:
+        xf = jnp.moveaxis(xf, axis, -1)
+        w = jnp.moveaxis(w, axis, -1) if cast.stochastic else w
+    amax = jnp.zeros((0,), jnp.uint32) if tile_amax is None else tile_amax
+    call = jax.ffi.ffi_call(FAKE_TARGET, jax.ShapeDtypeStruct(xf.shape, jnp.float32),
+                            vmap_method="broadcast_all")
+    values = call(xf, ts, w, amax, reciprocal=cast.scale_options.nvfp4_step == "reciprocal",
+                  stochastic=bool(cast.stochastic), given_amax=tile_amax is not None)
+    return values if last else jnp.moveaxis(values, -1, axis)
+
+
 def _check() -> str:
     """'' if the registered handler quantizes a known NVFP4 block as derived here: 15 ones
     and a -0 under tensor scale 1. The block scale is E4M3 of (1 / 6) / 1 = 1.333... x 2^-3,
@@ -124,7 +152,19 @@ def _check() -> str:
         if np.asarray(el).tolist() != want or np.asarray(sc).tolist() != [0x23]:
             return (f"NVFP4 codes of a known block ({'stochastic' if stochastic else 'nearest'}"
                     ") differ from the derived ones")
+    # Fake quantization of the same block: 6 x 0.171875 = 1.03125 (exact), -0 stays -0.
+    fake = jax.ffi.ffi_call(FAKE_TARGET, jax.ShapeDtypeStruct((16,), jnp.float32))
+    v = jax.jit(lambda v, t, w, a: fake(v, t, w, a, reciprocal=False, stochastic=False,
+                                        given_amax=False))(
+        *(jax.device_put(a, cpu) for a in (x, ts, np.zeros(0, np.uint32),
+                                           np.zeros(0, np.uint32))))
+    want = np.full(16, 1.03125, np.float32)
+    want[-1] = -0.0
+    if np.asarray(v).view(np.uint32).tolist() != want.view(np.uint32).tolist():
+        return "NVFP4 fake-quantized values of a known block differ from the derived ones"
     return ""
 
 
-_cpu_native.register_kernel("NVFP4 quantization", {TARGET: "LowprecNvfp4Quantize"}, _check)
+_cpu_native.register_kernel("NVFP4 quantization", {TARGET: "LowprecNvfp4Quantize",
+                                                    FAKE_TARGET: "LowprecNvfp4FakeQuantize"},
+                            _check)
