@@ -300,9 +300,11 @@ def test_handler_refuses_bad_calls(bad):
         bad, np.ones(3, np.float32) if bad == "groups" else np.float32(1))
     words = np.zeros(5 if bad == "words" else 0, np.uint32)
     call = jax.ffi.ffi_call(_nvfp4_cpu.TARGET, (jax.ShapeDtypeStruct((2, 16), jnp.uint8),
-                                                jax.ShapeDtypeStruct((2, 2), jnp.uint8)))
+                                                jax.ShapeDtypeStruct((2, 2), jnp.uint8),
+                                                jax.ShapeDtypeStruct(np.shape(ts), jnp.float32)))
     with pytest.raises(Exception, match="lowprec_nvfp4_quantize"):
-        jax.block_until_ready(call(x, ts, words, reciprocal=False, stochastic=bad == "words"))
+        jax.block_until_ready(call(x, ts, words, reciprocal=False, stochastic=bad == "words",
+                                   compute_ts=False))
 
 
 FAKE = 'custom_call_target="lowprec_nvfp4_fake_quantize"'

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "_cpu_common.h"
 #include "_nvfp4_cpu.h"
@@ -188,12 +189,40 @@ void Run(ffi::ThreadPool& pool, const Call& call, size_t blocks) {
                              });
 }
 
+// The tensor scale of a group of float32 values as _scheme_nvfp4 computes it: its largest
+// finite magnitude amax, float32(amax / 2688) (1 for amax = 0), raised to 2^-143 (2^-121
+// for the "reciprocal" step). IEEE division with subnormals kept: _nvfp4.f32_div's bits.
+float GroupTensorScale(const float* x, size_t n, bool reciprocal) noexcept {
+  uint32_t amax = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t a = Bits(x + i) & kF32Abs;
+    if (a < kF32Inf) amax = std::max(amax, a);
+  }
+  lowprec_native::ExactFloats exact;
+  uint32_t ts = amax == 0 ? 0x3F80'0000u : F32Bits(F32(amax) / 2688.0f);
+  ts = std::max(ts, reciprocal ? uint32_t{(127 - 121) << 23} : uint32_t{1} << 6);
+  return F32(ts);
+}
+
+// Returns in `used` the tensor scale of each group: `ts`'s, or with compute_ts the one computed
+// here from the group's values (GroupTensorScale; `ts` then only gives the number of groups).
 ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> ts,
                     ffi::Buffer<ffi::U32> words, ffi::ResultBuffer<ffi::U8> elements,
-                    ffi::ResultBuffer<ffi::U8> scales, bool reciprocal, bool stochastic) {
+                    ffi::ResultBuffer<ffi::U8> scales, ffi::ResultBuffer<ffi::F32> used,
+                    bool reciprocal, bool stochastic, bool compute_ts) {
   const size_t n = x.element_count();
-  const char* problem = CheckCall(n, ts.element_count(), ts.typed_data(), stochastic,
-                                  words.element_count(), 0, false);
+  const size_t groups = ts.element_count();
+  if (used->element_count() != groups) {
+    return ffi::Error::InvalidArgument(
+        "lowprec_nvfp4_quantize: the tensor scale output is not one per group");
+  }
+  float* tsv = used->typed_data();
+  for (size_t g = 0; g < groups; ++g) {
+    tsv[g] = compute_ts && n % groups == 0
+                 ? GroupTensorScale(x.typed_data() + g * (n / groups), n / groups, reciprocal)
+                 : ts.typed_data()[g];
+  }
+  const char* problem = CheckCall(n, groups, tsv, stochastic, words.element_count(), 0, false);
   if (*problem == 0 && (scales->element_count() != n / 16 || elements->element_count() != n / 2)) {
     problem = "the outputs do not match the blocks";
   }
@@ -201,34 +230,46 @@ ffi::Error Quantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     return ffi::Error::InvalidArgument(std::string("lowprec_nvfp4_quantize: ") + problem);
   }
   const size_t blocks = n / 16;
-  const Call call{x.typed_data(), ts.typed_data(), stochastic ? words.typed_data() : nullptr,
-                  nullptr, elements->typed_data(), scales->typed_data(), nullptr,
-                  blocks / ts.element_count(), reciprocal};
+  const Call call{x.typed_data(), tsv, stochastic ? words.typed_data() : nullptr, nullptr,
+                  elements->typed_data(), scales->typed_data(), nullptr, blocks / groups,
+                  reciprocal};
   Run(pool, call, blocks);
   return ffi::Error::Success();
 }
 
 // Fake quantization: dequantize(quantize_mx(x, "nvfp4")) in one call, the values
 // element x float32(ts x scale) as _nvfp4.dequantize_bits rounds them (a NaN block: the
-// canonical quiet NaN). With given_amax, each block's largest magnitude comes from `amax`
-// (the training recipe's 16 x 16 weight tiles: the tile's finite maximum for each of its
-// rows' blocks, or +inf for a tile holding a NaN or an infinity).
+// canonical quiet NaN). With compute_ts, each group's tensor scale is computed here from
+// its values (GroupTensorScale; `ts` then only gives the number of groups). With
+// given_amax, each block's largest magnitude comes from `amax` (the training recipe's
+// 16 x 16 weight tiles: the tile's finite maximum for each of its rows' blocks, or +inf for
+// a tile holding a NaN or an infinity).
 ffi::Error FakeQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> ts,
                         ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::U32> amax,
                         ffi::ResultBuffer<ffi::F32> values, bool reciprocal, bool stochastic,
-                        bool given_amax) {
+                        bool given_amax, bool compute_ts) {
   const size_t n = x.element_count();
-  const char* problem = CheckCall(n, ts.element_count(), ts.typed_data(), stochastic,
-                                  words.element_count(), amax.element_count(), given_amax);
+  const size_t groups = ts.element_count();
+  std::vector<float> computed;
+  const float* tsv = ts.typed_data();
+  if (compute_ts && groups > 0 && n % groups == 0) {
+    computed.resize(groups);
+    for (size_t g = 0; g < groups; ++g) {
+      computed[g] = GroupTensorScale(x.typed_data() + g * (n / groups), n / groups, reciprocal);
+    }
+    tsv = computed.data();
+  }
+  const char* problem = CheckCall(n, groups, tsv, stochastic, words.element_count(),
+                                  amax.element_count(), given_amax);
   if (*problem == 0 && values->element_count() != n) problem = "the output is not x's size";
   if (*problem != 0) {
     return ffi::Error::InvalidArgument(std::string("lowprec_nvfp4_fake_quantize: ") + problem);
   }
   const size_t blocks = n / 16;
-  const Call call{x.typed_data(), ts.typed_data(), stochastic ? words.typed_data() : nullptr,
+  const Call call{x.typed_data(), tsv, stochastic ? words.typed_data() : nullptr,
                   given_amax ? amax.typed_data() : nullptr, nullptr, nullptr,
-                  values->typed_data(), blocks / ts.element_count(), reciprocal};
-  Run(pool, call, blocks);
+                  values->typed_data(), blocks / groups, reciprocal};
+  Run(pool, call, blocks);  // returns when every chunk is done: `computed` outlives them
   return ffi::Error::Success();
 }
 
@@ -242,8 +283,10 @@ LOWPREC_FFI_HANDLER(LowprecNvfp4Quantize, "lowprec_nvfp4_quantize", Quantize,
                         .Arg<ffi::Buffer<ffi::U32>>()
                         .Ret<ffi::Buffer<ffi::U8>>()
                         .Ret<ffi::Buffer<ffi::U8>>()
+                        .Ret<ffi::Buffer<ffi::F32>>()
                         .Attr<bool>("reciprocal")
-                        .Attr<bool>("stochastic"));
+                        .Attr<bool>("stochastic")
+                        .Attr<bool>("compute_ts"));
 
 LOWPREC_FFI_HANDLER(LowprecNvfp4FakeQuantize, "lowprec_nvfp4_fake_quantize", FakeQuantize,
                     ffi::Ffi::Bind()
@@ -255,4 +298,5 @@ LOWPREC_FFI_HANDLER(LowprecNvfp4FakeQuantize, "lowprec_nvfp4_fake_quantize", Fak
                         .Ret<ffi::Buffer<ffi::F32>>()
                         .Attr<bool>("reciprocal")
                         .Attr<bool>("stochastic")
-                        .Attr<bool>("given_amax"));
+                        .Attr<bool>("given_amax")
+                        .Attr<bool>("compute_ts"));

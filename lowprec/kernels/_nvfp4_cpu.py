@@ -7,11 +7,12 @@ float32 bits, a hardware-float branch beside them, stochastic rounding's integer
 dominated NVFP4 training on CPU. The kernel is one opaque custom call that takes the same
 IEEE float32 steps with subnormals kept (``_nvfp4_cpu.h``), so the same bits for every
 positive finite tensor scale and every input, NaN and infinity included
-(``tests/test_native_nvfp4.py``). XLA still computes what is cheap to compile and must
-match the XLA path exactly: the tensor scale (the largest finite magnitude, one float32
-division, the clamps of ``_scheme_nvfp4``) and the stochastic-rounding words (the caller's,
-or the key's words of ``_random``). Loading: ``_cpu_native.py``; the check before first use:
-:func:`_check` here.
+(``tests/test_native_nvfp4.py``). The kernel also computes a tensor scale computed from x
+(the largest finite magnitude, one IEEE division, the clamps of ``_scheme_nvfp4``: XLA's
+own reduction wrote |x| out first, a copy of x); XLA computes the stochastic-rounding words
+(the caller's, or the key's words of ``_random``) and clamps a given tensor scale, exactly as
+its own path does. Loading: ``_cpu_native.py``; the check before first use: :func:`_check`
+here.
 """
 
 from __future__ import annotations
@@ -75,8 +76,6 @@ def quantize_mxarray(x, cast, axis: int, padded: int, rng, tensor_scale, xla) ->
         widths = [(0, 0)] * xf.ndim
         widths[axis] = (0, padded - shape[axis])
         xf = jnp.pad(xf, widths)
-    ts_bits = cast.fmt.scheme.tensor_scale_bits(f32_bits(xf), tensor_scale, cast)
-    ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
 
     def kernel(xf, ts):
         words = _words(cast, rng, xf.shape)
@@ -86,17 +85,22 @@ def quantize_mxarray(x, cast, axis: int, padded: int, rng, tensor_scale, xla) ->
             words = jnp.moveaxis(words, axis, -1) if cast.stochastic else words
         n = xf.shape[-1]
         out = (jax.ShapeDtypeStruct((*xf.shape[:-1], n // 2), jnp.uint8),
-               jax.ShapeDtypeStruct((*xf.shape[:-1], n // 16), jnp.uint8))
+               jax.ShapeDtypeStruct((*xf.shape[:-1], n // 16), jnp.uint8),
+               jax.ShapeDtypeStruct((), jnp.float32))
         call = jax.ffi.ffi_call(TARGET, out, vmap_method="broadcast_all")
-        elements, scales = call(xf, ts, words,
-                                reciprocal=cast.scale_options.nvfp4_step == "reciprocal",
-                                stochastic=bool(cast.stochastic))
+        elements, scales, ts = call(
+            xf, jnp.zeros((), jnp.float32) if ts is None else ts, words,
+            reciprocal=cast.scale_options.nvfp4_step == "reciprocal",
+            stochastic=bool(cast.stochastic), compute_ts=ts is None)
         if not last:
             elements, scales = jnp.moveaxis(elements, -1, axis), jnp.moveaxis(scales, -1, axis)
         return MXArray(elements, scales, cast.fmt, axis, shape, cast.scale_rule, ts)
 
-    if tensor_scale is None:  # computed: a positive finite float32 by construction
-        return kernel(xf, ts)
+    if tensor_scale is None:  # computed by the kernel (one read of x; XLA's reduction
+        # materialized |x| first): a positive finite float32 by construction
+        return kernel(xf, None)
+    ts_bits = cast.fmt.scheme.tensor_scale_bits(f32_bits(xf), tensor_scale, cast)
+    ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
     # Positive finite float32 patterns are (0, 0x7F800000); the clamp made it at least 2^-143.
     return lax.cond(ts_bits < jnp.uint32(0x7F80_0000), lambda v: kernel(xf, ts),
                     lambda v: xla(v), x)
@@ -109,14 +113,15 @@ def fake_quantize(x, cast, axis: int, words=None, tile_amax=None):
     """float32 values of ``dequantize(quantize_mx(x, "nvfp4", ...))`` by the kernel's
     fake-quantize handler (one call: the NVFP4 training recipe's quantizations, whose XLA
     decode alone is ~900 HLO instructions): ``x`` float32, ``axis`` a whole number of blocks,
-    the tensor scale computed from x as ``quantize_mx`` computes it, ``words`` the stochastic
+    the tensor scale computed from x by the kernel as ``quantize_mx`` computes it, ``words`` the stochastic
     rounding's (uint16 or uint32, x's shape). ``tile_amax``: instead of each block's own
     maximum, these (uint32 patterns in the blocks' layout along the last axis; +inf for a
     block to decode as NaN): the recipe's 16 x 16 weight tiles. CPU only, where
     :func:`serves` says."""
     xf = lax.stop_gradient(x).astype(jnp.float32)
-    ts_bits = cast.fmt.scheme.tensor_scale_bits(f32_bits(xf), None, cast)
-    ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
+    # The kernel computes the tensor scale (of each vmapped group: this operand's size under
+    # vmap gives their number), as quantize_mx does: one pass, no XLA division to compile.
+    ts = jnp.zeros((), jnp.float32)
     w = _words(cast, (None, words), xf.shape)
     last = axis == xf.ndim - 1
     if not last:
@@ -126,7 +131,8 @@ def fake_quantize(x, cast, axis: int, words=None, tile_amax=None):
     call = jax.ffi.ffi_call(FAKE_TARGET, jax.ShapeDtypeStruct(xf.shape, jnp.float32),
                             vmap_method="broadcast_all")
     values = call(xf, ts, w, amax, reciprocal=cast.scale_options.nvfp4_step == "reciprocal",
-                  stochastic=bool(cast.stochastic), given_amax=tile_amax is not None)
+                  stochastic=bool(cast.stochastic), given_amax=tile_amax is not None,
+                  compute_ts=True)
     return values if last else jnp.moveaxis(values, -1, axis)
 
 
@@ -144,9 +150,10 @@ def _check() -> str:
     for stochastic, code in ((False, 7), (True, 6)):
         words = np.full(16 if stochastic else 0, 0xFFFF_FFFF, np.uint32)
         call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((8,), jnp.uint8),
-                                         jax.ShapeDtypeStruct((1,), jnp.uint8)))
-        el, sc = jax.jit(lambda v, t, w, s=stochastic: call(v, t, w, reciprocal=False,
-                                                             stochastic=s))(
+                                         jax.ShapeDtypeStruct((1,), jnp.uint8),
+                                         jax.ShapeDtypeStruct((), jnp.float32)))
+        el, sc, _ = jax.jit(lambda v, t, w, s=stochastic: call(v, t, w, reciprocal=False,
+                                                                stochastic=s, compute_ts=False))(
             *(jax.device_put(a, cpu) for a in (x, ts, words)))
         want = [code * 0x11] * 7 + [code | 0x80]
         if np.asarray(el).tolist() != want or np.asarray(sc).tolist() != [0x23]:
@@ -155,7 +162,7 @@ def _check() -> str:
     # Fake quantization of the same block: 6 x 0.171875 = 1.03125 (exact), -0 stays -0.
     fake = jax.ffi.ffi_call(FAKE_TARGET, jax.ShapeDtypeStruct((16,), jnp.float32))
     v = jax.jit(lambda v, t, w, a: fake(v, t, w, a, reciprocal=False, stochastic=False,
-                                        given_amax=False))(
+                                        given_amax=False, compute_ts=False))(
         *(jax.device_put(a, cpu) for a in (x, ts, np.zeros(0, np.uint32),
                                            np.zeros(0, np.uint32))))
     want = np.full(16, 1.03125, np.float32)
