@@ -98,7 +98,8 @@ from ._encode import encode_bits
 from ._format import mx_format
 from ._gpu_gemm import apply_tensor_scales, block_values_bf16
 from ._mx import dequantize, quantize_mx
-from ._options import BACKWARD_OVERRIDES, NVFP4_TILE, RHT_DTYPES, DotSpec, MXCast  # noqa: F401 (re-exported)
+from ._options import BACKWARD_OVERRIDES, NVFP4_TILE, RHT_DTYPES, DotSpec  # noqa: F401 (re-exported)
+from ._options import MXCast
 from ._qdot import register_family, training_dot
 from ._random import random_bits
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
@@ -253,6 +254,7 @@ def quantize_2d(w, gemm: bool = False, step=None, native: bool = True):
 
 
 def _cast(step, words):
+    """The NVFP4 cast of :func:`quantize_1d`'s quantization (what the native kernel reads)."""
     return MXCast(mx_format("nvfp4"), None, "nearest_even" if words is None else "stochastic",
                   step)
 
