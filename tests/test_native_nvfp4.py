@@ -94,7 +94,8 @@ def kinds(seed: int, ts: float = 1.0) -> dict[str, np.ndarray]:
     # edge, where the largest block's scale is 448 and its maximum element 6.
     with np.errstate(over="ignore"):  # 2688 x 2^126 is +inf: an infinite block then
         edge = np.float32(2688.0) * np.float32(ts)
-    near = np.array([edge, np.nextafter(edge, np.float32(0)), np.nextafter(edge, np.float32(np.inf))])
+    near = np.array([edge, np.nextafter(edge, np.float32(0)),
+                     np.nextafter(edge, np.float32(np.inf))])
     e = rng.standard_normal(shape) * float(edge) / 8
     e[:, ::16] = near[rng.integers(0, 3, (8, 4))] * signs[:, ::16]
     out["edge_2688"] = e

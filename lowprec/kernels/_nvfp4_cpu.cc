@@ -51,7 +51,8 @@ inline uint32_t E2m1Stochastic(uint32_t q, uint32_t r) noexcept {
   const int32_t t = std::max(efield - 127, 0);             // E2M1's binade (emin 0)
   const int32_t lsb = std::max(efield, 1) - 150;           // q = sig x 2^lsb
   const int32_t shift = (t - 1) - lsb;                     // >= 1: bits below the quantum
-  uint64_t kept = 0, thr = 1;                              // shift >= 64: 0 < rem/2^shift x 2^32 <= 1
+  // shift >= 64: kept 0, and 0 < rem / 2^shift x 2^32 <= 1 rounds up iff r = 0.
+  uint64_t kept = 0, thr = 1;
   if (shift < 64) {
     kept = sig >> shift;
     const uint64_t rem = sig & ((uint64_t{1} << shift) - 1u);

@@ -91,7 +91,8 @@ inline uint32_t Nvfp4Scale(uint32_t amax, float ts, float* divisor) noexcept {
 // or |x| x operand where kMultiply (the "reciprocal" step).
 template <bool kMultiply = false>
 __attribute__((target("avx2"))) inline __m256i E2m1Codes8(__m256i b, __m256 operand) {
-  const __m256 mag = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(kF32Abs))));
+  const __m256 mag =
+      _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(kF32Abs))));
   const __m256 q = kMultiply ? _mm256_mul_ps(mag, operand) : _mm256_div_ps(mag, operand);
   __m256i m = _mm256_setzero_si256();
   // Each true comparison is all ones (-1): subtracting it adds one.

@@ -113,10 +113,10 @@ def fake_quantize(x, cast, axis: int, words=None, tile_amax=None):
     """float32 values of ``dequantize(quantize_mx(x, "nvfp4", ...))`` by the kernel's
     fake-quantize handler (one call: the NVFP4 training recipe's quantizations, whose XLA
     decode alone is ~900 HLO instructions): ``x`` float32, ``axis`` a whole number of blocks,
-    the tensor scale computed from x by the kernel as ``quantize_mx`` computes it, ``words`` the stochastic
-    rounding's (uint16 or uint32, x's shape). ``tile_amax``: instead of each block's own
-    maximum, these (uint32 patterns in the blocks' layout along the last axis; +inf for a
-    block to decode as NaN): the recipe's 16 x 16 weight tiles. CPU only, where
+    the tensor scale computed from x by the kernel as ``quantize_mx`` computes it, ``words``
+    the stochastic rounding's (uint16 or uint32, x's shape). ``tile_amax``: instead of each
+    block's own maximum, these (uint32 patterns in the blocks' layout along the last axis;
+    +inf for a block to decode as NaN): the recipe's 16 x 16 weight tiles. CPU only, where
     :func:`serves` says."""
     xf = lax.stop_gradient(x).astype(jnp.float32)
     # The kernel computes the tensor scale (of each vmapped group: this operand's size under
