@@ -31,6 +31,7 @@ from ._scale_rules import ScaleRule
 from .kernels._dispatch import Formulation, on_cpu, on_cuda, quantize_formulations
 from .kernels._mx_quantize_cpu import attributes as quantize_attributes
 from .kernels._mx_quantize_cpu import quantize_last
+from .kernels._nvfp4_cpu import quantize_mxarray as nvfp4_quantize_cpu
 from .kernels._quantize_pallas import fake_quantize_mx_pallas, quantize_mx_pallas
 
 
@@ -41,7 +42,11 @@ def _quantize_mx_jit(x, cast: MXCast, axis: int, padded: int, forms: frozenset, 
         return quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
                                 tensor_scale)
 
-    if Formulation.CPU_KERNEL in forms:  # decided by lowprec.kernels._dispatch
+    if Formulation.CPU_KERNEL in forms and cast.fmt.tensor_scale:  # NVFP4 (_dispatch decides)
+        xla = functools.partial(on_cpu, functools.partial(
+            nvfp4_quantize_cpu, cast=cast, axis=axis, padded=padded, rng=rng,
+            tensor_scale=tensor_scale, xla=xla), xla)
+    elif Formulation.CPU_KERNEL in forms:  # decided by lowprec.kernels._dispatch
         # On CPU one C++ pass over x (XLA makes two: the block maxima, then the encode
         # reading x again), with the same integer definitions, so the same bits.
         def one_pass_cpu(v):

@@ -99,11 +99,14 @@ from ._format import mx_format
 from ._gpu_gemm import apply_tensor_scales, block_values_bf16
 from ._mx import dequantize, quantize_mx
 from ._options import BACKWARD_OVERRIDES, NVFP4_TILE, RHT_DTYPES, DotSpec  # noqa: F401 (re-exported)
+from ._options import MXCast
 from ._qdot import register_family, training_dot
 from ._random import random_bits
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
                         split_dims, split_out_sharding)
-from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
+from .kernels import _nvfp4_cpu
+from .kernels._dispatch import (cpu_nvfp4_fake_quantize, gpu_gemm_routes, kernels_enabled,
+                                on_cpu, on_cuda)
 
 TILE = NVFP4_TILE  # NVFP4 block length, and the side of weight tiles and of the Hadamard blocks
 
@@ -192,13 +195,18 @@ def rht(v, signs, axis: int = 0):
 
 
 def quantize_1d(v, axis: int, words=None, gemm: bool = False, step=None,
-                four_over_six: bool = False):
+                four_over_six: bool = False, native: bool = True):
     """float32 values of NVFP4 ``v`` blocked along ``axis`` (words: stochastic rounding;
     ``step``: the ``nvfp4_step``); ``gemm``: instead the GPU GEMM's operand, (bfloat16 block
     values, tensor scale). ``four_over_six``: the blocks scaled to 4 or to 6 by the
     ``nvfp4_4over6`` format's own quantizer (round to nearest; its own element step)."""
     if four_over_six:
         return dequantize(quantize_mx(v, "nvfp4_4over6", axis=axis))
+    if native and not gemm and cpu_nvfp4_fake_quantize(v, step, words is not None):  # on CPU
+        return on_cpu(functools.partial(_nvfp4_cpu.fake_quantize, cast=_cast(step, words),
+                                        axis=axis, words=words),
+                      functools.partial(quantize_1d, axis=axis, words=words, step=step,
+                                        native=False), v)
     if words is None:
         mx = quantize_mx(v, "nvfp4", axis=axis, nvfp4_step=step)
     else:
@@ -207,11 +215,14 @@ def quantize_1d(v, axis: int, words=None, gemm: bool = False, step=None,
     return block_values_bf16(mx) if gemm else dequantize(mx)
 
 
-def quantize_2d(w, gemm: bool = False, step=None):
+def quantize_2d(w, gemm: bool = False, step=None, native: bool = True):
     """float32 values of NVFP4 ``w`` [R, C] (multiples of 16) with one scale per 16 x 16
     tile, from the tile's finite amax (a tile holding NaN/inf dequantizes to NaN); ``step``:
     the ``nvfp4_step`` (None: ``"divide"``); ``gemm``: instead the GPU GEMM's operand,
     (bfloat16 values of element x tile scale, tensor scale)."""
+    if native and not gemm and cpu_nvfp4_fake_quantize(w, step, False):  # on CPU
+        return on_cpu(functools.partial(_quantize_2d_cpu, step=step),
+                      functools.partial(quantize_2d, step=step, native=False), w)
     fmt = mx_format("nvfp4")
     r, c = w.shape
     bits = f32_bits(w)  # w: float32
@@ -240,6 +251,25 @@ def quantize_2d(w, gemm: bool = False, step=None):
                                     fmt.scale)
     values = jnp.where(special[..., None], jnp.uint32(0x7FC0_0000), values)
     return bits_to_f32(values.reshape(r, c))
+
+
+def _cast(step, words):
+    """The NVFP4 cast of :func:`quantize_1d`'s quantization (what the native kernel reads)."""
+    return MXCast(mx_format("nvfp4"), None, "nearest_even" if words is None else "stochastic",
+                  step)
+
+
+def _quantize_2d_cpu(w, step):
+    """:func:`quantize_2d`'s values by the native fake-quantize call: each row's block takes
+    its tile's finite maximum (+inf for a tile holding a NaN or an infinity, which the kernel
+    decodes to NaN), computed here as quantize_2d computes it."""
+    r, c = w.shape
+    mag = split_dims(f32_bits(w) & F32_ABS, (r // TILE, TILE, c // TILE, TILE), [[0, 1], [2, 3]])
+    finite = mag < F32_INF
+    tile_amax = jnp.where(jnp.all(finite, axis=(1, 3)),
+                          jnp.max(jnp.where(finite, mag, jnp.uint32(0)), axis=(1, 3)),
+                          jnp.uint32(F32_INF))
+    return _nvfp4_cpu.fake_quantize(w, _cast(step, None), 1, tile_amax=_tile_rows(tile_amax))
 
 
 def _tile_rows(a):

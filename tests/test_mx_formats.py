@@ -590,11 +590,16 @@ def test_programs_lowered_for_cuda_divide_no_floats(name):
     """Where XLA lowers for a CUDA GPU (whose float32 division is not correctly rounded), the
     NVFP4 quantizer and delayed scaling hold no float32 division: their quotients are long
     divisions on the bits (or, inside the NVFP4 quantize kernel, PTX's IEEE div.rn.f32). On
-    CPU the same programs do divide floats (the check can fail)."""
+    CPU XLA's formulation of the same programs does divide floats (the check can fail; with
+    the kernels on, NVFP4 is one native custom call there, hence the policy "xla")."""
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     w = jax.ShapeDtypeStruct((32, 16), jnp.float32)
     fn = _DIVIDING[name]
-    cpu = jax.jit(fn).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+    previous = lowprec.kernels.set_policy("xla")
+    try:
+        cpu = jax.jit(fn).trace(x, w).lower(lowering_platforms=("cpu",)).as_text()
+    finally:
+        lowprec.kernels.set_policy(previous)
     assert _FLOAT_DIVIDE.search(cpu), "the CPU program divides floats (the pattern matches)"
     cuda = lower_for_cuda(fn, x, w)
     assert not _FLOAT_DIVIDE.findall(cuda), _FLOAT_DIVIDE.findall(cuda)[:3]

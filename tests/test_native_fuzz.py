@@ -1,5 +1,6 @@
 """Fuzzing the native CPU kernels against XLA's formulation: random shapes, non-contiguous
-inputs, padding and special values, for every OCP MX format and scale rule.
+inputs, padding and special values, for every OCP MX format and scale rule, and NVFP4 (both
+steps, both roundings, computed and given tensor scales).
 
 Each case is a seeded random *structure* -- a base array of random rank and dims, a chain of
 view operations inside ``jax.jit`` (axis permutations, reversals, strided slices, a
@@ -178,6 +179,41 @@ def test_quantize_mx_fuzz(name, rule):
         for part, a, b in zip(("elements", "scales", "dequantized"), have, want):
             np.testing.assert_array_equal(
                 a, b, err_msg=f"{name} {rule} base {shape} view {ops} filling {i}: {part}")
+
+
+@needs_vector
+@pytest.mark.parametrize("case", range(6))
+@pytest.mark.quick_first(1)
+def test_nvfp4_quantize_fuzz(case):
+    """quantize_mx(..., "nvfp4") of a random view of random fillings, with a random step,
+    rounding (nearest even, or stochastic with the key's words) and tensor scale (computed,
+    or a power of two from 2^-149 to 2^126): the NVFP4 kernel's codes, block scales and
+    tensor scale are the XLA path's."""
+    rng = np.random.default_rng(_seed("nvfp4", case))
+    shape, ops, view = structure(rng)
+    step = ("divide", "reciprocal")[int(rng.integers(0, 2))]
+    stochastic = bool(rng.integers(0, 2))
+    ts = None if rng.random() < 0.5 else float(2.0 ** int(rng.integers(-149, 127)))
+    kw = {"nvfp4_step": step, "tensor_scale": ts, "pad": True}
+    if stochastic:
+        kw.update(rounding="stochastic", key=jax.random.key(case))
+
+    def run(x):
+        m = lowprec.quantize_mx(view(x), "nvfp4", **kw)
+        return m.elements, m.scales, jax.lax.bitcast_convert_type(m.tensor_scale, jnp.uint32)
+
+    fillings = [jnp.asarray(filling(rng, shape)) for _ in range(FILLINGS)]
+    got = {}
+    for policy in ("xla", "auto"):
+        with kernel_policy(policy):
+            compiled = jax.jit(run).lower(fillings[0]).compile()  # once per policy
+            calls = compiled.as_text().count('custom_call_target="lowprec_nvfp4_quantize"')
+            assert calls == (policy == "auto"), f"{policy}: {calls} quantizer calls ({ops})"
+            got[policy] = [[np.asarray(a) for a in compiled(x)] for x in fillings]
+    for i, (want, have) in enumerate(zip(got["xla"], got["auto"])):
+        for part, a, b in zip(("elements", "scales", "tensor scale"), have, want):
+            np.testing.assert_array_equal(
+                a, b, err_msg=f"{kw} base {shape} view {ops} filling {i}: {part}")
 
 
 def _want_packed(codes: np.ndarray) -> np.ndarray:

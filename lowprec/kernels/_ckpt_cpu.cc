@@ -33,6 +33,7 @@
 #include <cstring>
 
 #include "_cpu_common.h"
+#include "_nvfp4_cpu.h"
 
 namespace {
 
@@ -669,67 +670,15 @@ namespace {
 // E4M3 NaN code 0x7F and zero elements. That is _nvfp4.py's exact formulation step by step:
 // its software divisions and product round as IEEE float32 does, which the caller relies on
 // only for ts in [2^-118, 2^116] (where _nvfp4.py shows every product normal).
-constexpr uint32_t kE4m3Eps = 0x3C80'0000u;  // 2^-6, the smallest normal E4M3
-constexpr uint32_t kE4m3Max = 0x43E0'0000u;  // 448 = 1.75 x 2^8
-constexpr uint32_t kE4m3Nan = 0x7Fu;
-
-// E2M1 magnitude code of a float32 magnitude q >= 0 (NaN excluded): RNE onto 0, 0.5, 1, 1.5,
-// 2, 3, 4, 6, saturating; ties go to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
-// 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4).
-inline uint32_t E2m1Magnitude(float q) {
-  return (q > 0.25f) + (q >= 0.75f) + (q > 1.25f) + (q >= 1.75f) + (q > 2.5f) + (q >= 3.5f) +
-         (q > 5.0f);
-}
-
+//
+// The block arithmetic (scale code, divisor, E2M1 codes) is _nvfp4_cpu.h's, shared with the
+// quantize_mx kernel.
+using lowprec_native::E2m1Magnitude;
+using lowprec_native::kE4m3Nan;
+using lowprec_native::Nvfp4Scale;
 #ifdef LOWPREC_X86_AVX2
-// E2m1Magnitude's codes, with x's sign bit as bit 3, of 8 float32 patterns over `divisor`.
-__attribute__((target("avx2"))) inline __m256i E2m1Codes8(__m256i b, __m256 divisor) {
-  const __m256 q = _mm256_div_ps(
-      _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(kAbs)))),
-      divisor);
-  __m256i m = _mm256_setzero_si256();
-  // Each true comparison is all ones (-1): subtracting it adds one.
-  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(0.25f), _CMP_GT_OQ)));
-  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(0.75f), _CMP_GE_OQ)));
-  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(1.25f), _CMP_GT_OQ)));
-  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(1.75f), _CMP_GE_OQ)));
-  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(2.5f), _CMP_GT_OQ)));
-  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(3.5f), _CMP_GE_OQ)));
-  m = _mm256_sub_epi32(m, _mm256_castps_si256(_mm256_cmp_ps(q, _mm256_set1_ps(5.0f), _CMP_GT_OQ)));
-  return _mm256_or_si256(m, _mm256_slli_epi32(_mm256_srli_epi32(b, 31), 3));
-}
-
-// The 32 codes of two consecutive blocks of float32 patterns xb (16 each) over their
-// divisors, packed two per byte (element 2k in the low nibble) into 16 bytes at out: the
-// codes narrowed to bytes in order, then each byte pair merged.
-__attribute__((target("avx2"))) void Nvfp4PairAvx2(const uint32_t* xb, float d0, float d1,
-                                                   uint8_t* out) {
-  __m256i c[4];
-  for (int j = 0; j < 4; ++j) {
-    c[j] = E2m1Codes8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 8 * j)),
-                      _mm256_set1_ps(j < 2 ? d0 : d1));
-  }
-  const __m256i bytes = _mm256_permutevar8x32_epi32(
-      _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  const __m256i pair = _mm256_or_si256(
-      _mm256_and_si256(bytes, _mm256_set1_epi16(0x000F)),
-      _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi16(0x00F0)));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0b1000);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
-}
+using lowprec_native::Nvfp4PairAvx2;
 #endif
-
-// The E4M3 scale code of a block of largest magnitude pattern amax (finite) under ts, and
-// its divisor float32(ts x scale).
-inline uint32_t Nvfp4Scale(uint32_t amax, float ts, float* divisor) {
-  const float quotient = (FromBits(amax) / 6.0f) / ts;
-  const uint32_t qb = std::min(std::max(ToBits(quotient), kE4m3Eps), kE4m3Max);
-  // RNE of the float32 mantissa to E4M3's 3 bits; the carry moves into the exponent.
-  const uint32_t code = ((qb + 0x7'FFFFu + ((qb >> 20) & 1u)) >> 20) - (120u << 3);
-  *divisor = ts * FromBits((code + (120u << 3)) << 20);
-  return code;
-}
 
 void Nvfp4Blocks(const uint32_t* xv, int64_t blocks, float ts, uint8_t* elements,
                  uint8_t* scales) {

@@ -49,7 +49,7 @@ from .._mxarray import MXArray
 from .._pack import pack6_xla, unpack6_xla
 from .._scheme_e8m0 import E8M0Scheme
 from .._scheme_nvfp4 import NVFP4Scheme
-from . import _cpu_native, _fp6_cpu
+from . import _cpu_native, _fp6_cpu, _nvfp4_cpu
 from ._mx_quantize_cpu import serves as native_quantize_serves
 from ._mxdot_pallas import pallas_mxdot_applies
 from ._weight_only_mgpu import MAX_TOKENS as WEIGHT_ONLY_MAX_TOKENS
@@ -76,7 +76,7 @@ class Formulation(enum.Enum):
     #: ``fast_encoder()`` / ``fast_decoder()``; ``_mx_hwfloat``; picked per array on CPU by
     #: one ``lax.cond`` beside EXACT).
     HWFLOAT = "hwfloat"
-    #: A C++ kernel registered with XLA's FFI (``_mx_quantize_cpu.cc``; CPU).
+    #: A C++ kernel registered with XLA's FFI (``_mx_quantize_cpu.cc``, ``_nvfp4_cpu.cc``; CPU).
     CPU_KERNEL = "cpu_kernel"
     #: A Pallas kernel (``_quantize_pallas.py``; CUDA).
     PALLAS = "pallas"
@@ -550,12 +550,22 @@ def fp6_unpacker(p, axis: int):
 
 
 def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:
-    """Whether ``quantize_mx`` of the validated input ``x`` takes the native one-pass CPU
+    """Whether ``quantize_mx`` of the validated input ``x`` takes a native one-pass CPU
     kernel where XLA lowers for CPU (static): the policy, the kernels built and checked, an
-    unsharded float32 input on a one-device CPU backend, blocked along its last axis (other
-    dtypes would be widened into a copy first, which XLA's two reads of the narrow input
-    beat), deterministic rounding and a cast the kernel serves (``_mx_quantize_cpu.serves``)."""
-    if x.dtype != jnp.float32 or x.ndim == 0 or x.size == 0 or axis != x.ndim - 1:
+    unsharded input on a one-device CPU backend, and
+
+    * NVFP4 (``_nvfp4_cpu.serves``/``takes``): float32, bfloat16 or float16 input blocked
+      along any axis, round to nearest even or stochastically, either step (one custom call
+      instead of the ~1,000-instruction encode XLA would compile; a given tensor scale that
+      is not a positive finite float32 takes XLA's formulation by a ``lax.cond``);
+    * the E8M0 formats: float32 input blocked along its last axis (other dtypes would be
+      widened into a copy first, which XLA's two reads of the narrow input beat),
+      deterministic rounding and a cast the kernel serves (``_mx_quantize_cpu.serves``)."""
+    if x.ndim == 0 or x.size == 0:
+        return False
+    if cast.fmt.scheme.tensor_scale:
+        return _nvfp4_cpu.serves(cast) and _nvfp4_cpu.takes(x) and _native_cpu_can_run(x)
+    if x.dtype != jnp.float32 or axis != x.ndim - 1:
         return False
     stochastic = rng is not None and any(r is not None for r in rng)  # (key, random words)
     if stochastic or tensor_scale is not None or not native_quantize_serves(cast):
@@ -563,8 +573,22 @@ def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:
     return _native_cpu_can_run(x)
 
 
+def cpu_nvfp4_fake_quantize(x, step, stochastic: bool) -> bool:
+    """Whether the NVFP4 training recipe's fake quantization of ``x`` (its
+    ``dequantize(quantize_mx(x, "nvfp4", ...))`` and its 16 x 16 weight tiles, computed
+    from x's own tensor scale) takes the native kernel's fused call where XLA lowers for CPU
+    (static): as :func:`cpu_quantize_kernel` decides for NVFP4 with ``step`` and the
+    rounding."""
+    from .._options import MXCast  # the options module sits above this one
+
+    cast = MXCast(mx_format("nvfp4"), None, "stochastic" if stochastic else "nearest_even",
+                  step)
+    return (x.ndim > 0 and x.size > 0 and x.dtype == jnp.float32 and _nvfp4_cpu.serves(cast)
+            and _native_cpu_can_run(x))
+
+
 def native_status() -> str:
-    """Whether lowprec's native CPU kernels (FP6 packing, one-pass MX quantization) are
+    """Whether lowprec's native CPU kernels (FP6 packing, one-pass MX and NVFP4 quantization) are
     built and in use here, and if not, why: a sentence. The policy (:func:`set_policy`)
     decides whether they run.
 
