@@ -194,14 +194,14 @@ def _ptx_binary(instruction: str, a_bits, b_bits):
 def f32_div_hwfloat(a_bits, b_bits):
     """Bits of the IEEE float32 quotient a / b (a finite; b nonzero, not NaN, an infinite b
     giving a signed zero; one shape): XLA's float32 division on CPU, correctly rounded where
-    operands and quotient are normal (it flushes subnormals), with the divisor behind an
-    optimization barrier so that XLA cannot turn a division by a broadcast into a product
-    with its reciprocal; :func:`f32_div` elsewhere (``lax.platform_dependent``). XLA on an
+    operands and quotient are normal (it flushes subnormals), with the divisor made per
+    element (:func:`per_element_divisor`) so that XLA cannot turn a division by a broadcast
+    into a product with its reciprocal; :func:`f32_div` elsewhere (``lax.platform_dependent``). XLA on an
     NVIDIA GPU divides with PTX ``div.full``, which is not correctly rounded
     (docs/design.md §8)."""
 
     def on_cpu(a_bits, b_bits):
-        b = lax.bitcast_convert_type(lax.optimization_barrier(b_bits), jnp.float32)
+        b = per_element_divisor(lax.bitcast_convert_type(b_bits, jnp.float32), a_bits)
         return lax.bitcast_convert_type(lax.bitcast_convert_type(a_bits, jnp.float32) / b,
                                         jnp.uint32)
 
@@ -258,6 +258,20 @@ def reciprocal_factor_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
     return f32_div(inverse, decode_bits(scale_fmt, scale_codes))
 
 
+def per_element_divisor(divisor, dividend_bits):
+    """``divisor`` (float32, broadcastable to ``dividend_bits``) as an array of the dividend's
+    own shape that XLA cannot see as a broadcast: a select on the dividend's bits (all-ones,
+    a NaN pattern that no caller divides by anything it keeps, takes 1).
+
+    XLA:CPU rewrites every division by a broadcast as a product with the broadcast
+    reciprocal, which rounds differently (docs/design.md §8), also when the broadcast is
+    made after an optimization barrier: under ``vmap`` a divisor that does not depend on the
+    mapped axis (a constant, an unbatched tensor scale) is barriered per example and then
+    broadcast along the batch. The select depends on the dividend, so it is batched wherever
+    the dividend is (tests/test_nvfp4_values.py: per-group tensor scales)."""
+    return jnp.where(dividend_bits == jnp.uint32(0xFFFF_FFFF), jnp.float32(1), divisor)
+
+
 def _on_cpu(cpu, default, *args):
     """``cpu(*args)`` where XLA lowers for CPU, ``default(*args)`` elsewhere and in a Pallas
     kernel body (one platform, no ``platform_dependent``)."""
@@ -273,8 +287,9 @@ def div_by_integer(a_bits, d: int):
     on CPU in a few operations:
 
     * where a >= d * 2^-126 the quotient is a float32 normal and so is a: XLA:CPU's float32
-      division is correctly rounded there (the divisor behind an optimization barrier, so that
-      XLA cannot multiply by a rounded reciprocal instead);
+      division is correctly rounded there (the divisor made per element,
+      :func:`per_element_divisor`, so that XLA cannot multiply by a rounded reciprocal
+      instead);
     * below, the quotient is a subnormal (or 2^-126 after rounding): its pattern is
       rint(A / d) for the integer A = a * 2^149 < d * 2^23, with d = o * 2^p (o odd): A is
       sig * 2^s (sig the 24-bit significand, s <= 11 + 12), so n = floor(A / 2^p) and the p
@@ -288,7 +303,7 @@ def div_by_integer(a_bits, d: int):
 
     def cpu(a_bits):
         a = lax.bitcast_convert_type(a_bits, jnp.float32)
-        divisor = lax.optimization_barrier(jnp.full(jnp.shape(a), d, jnp.float32))
+        divisor = per_element_divisor(jnp.float32(d), a_bits)
         normal = lax.bitcast_convert_type(a / divisor, jnp.uint32)
         efield = lax.shift_right_logical(a_bits, jnp.uint32(F32_MANT_BITS))
         sig = jnp.where(efield > 0, (a_bits & F32_MANT) | F32_IMPLICIT, a_bits & F32_MANT)
@@ -361,10 +376,10 @@ def total_scale_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
 #   saturates at 6 as the exact path's does.
 # * 1 / ts lies in [2^-116, 2^118], so (1 / ts) / block_scale in [2^-125, 2^124] is normal,
 #   and a flushed subnormal x had |x| * factor < 2^-2.
-# Divisions by a per-block or scalar value go through a materialized divisor (behind an
-# optimization barrier) or one that depends on the element: XLA:CPU's emitter turns a
-# division by a broadcast into a product with its reciprocal, which rounds differently, and
-# its simplifier turns (a / b) / c into a / (b * c).
+# Divisions by a per-block or scalar value go through a divisor that depends on the element
+# (per_element_divisor; a barrier alone does not survive vmap): XLA:CPU turns a division by
+# a broadcast into a product with its reciprocal, which rounds differently, and its
+# simplifier turns (a / b) / c into a / (b * c).
 NATIVE_TS_MIN_BITS = (127 - 118) << 23  # 2^-118
 NATIVE_TS_MAX_BITS = (127 + 116) << 23  # 2^116
 
@@ -375,10 +390,11 @@ def hwfloat_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat,
     [2^-118, 2^116], see above)."""
     amax = lax.bitcast_convert_type(block_amax_bits, jnp.float32)
     ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
-    q, ts_b = lax.optimization_barrier(
-        (jnp.full(amax.shape, element_max, jnp.float32), jnp.broadcast_to(ts, amax.shape)))
-    # The first quotient is materialized too: XLA rewrites (a / b) / c as a / (b * c).
-    quotient = lax.bitcast_convert_type(lax.optimization_barrier(amax / q) / ts_b, jnp.uint32)
+    first = per_element_divisor(jnp.float32(element_max), block_amax_bits)
+    # The first quotient is materialized: XLA rewrites (a / b) / c as a / (b * c).
+    over_q = lax.optimization_barrier(amax / first)
+    ts_b = per_element_divisor(ts, block_amax_bits)
+    quotient = lax.bitcast_convert_type(over_q / ts_b, jnp.uint32)
     clamped = jnp.clip(quotient, jnp.uint32(_E4M3_EPS_BITS), jnp.uint32(_E4M3_MAX_BITS))
     return encode_bits(scale_fmt, clamped, "nearest_even", "saturate", None)
 
@@ -407,7 +423,7 @@ def hwfloat_quotients(magnitudes, divisors, x_bits):
     reads it twice (the element encoder reads the quotient as bits and as a float), and
     writes all quotients out first, a whole extra pass; with ``abs`` its one reader is cheap.
     """
-    d = jnp.where(x_bits == jnp.uint32(0xFFFF_FFFF), jnp.float32(1), divisors)
+    d = per_element_divisor(divisors, x_bits)
     return jnp.abs(magnitudes / d)
 
 
@@ -428,7 +444,7 @@ def hwfloat_sr_quotients(x_bits, divisors):
     itself is a tie that rounds to the even 0), i.e. iff X / total rounds above 2^-86, or to
     2^-86 without being exactly 2^-86 (same significands, exponents 86 apart).
     """
-    d = jnp.where(x_bits == jnp.uint32(0xFFFF_FFFF), jnp.float32(1), divisors)
+    d = per_element_divisor(divisors, x_bits)
     mag = x_bits & jnp.uint32(F32_ABS)
     q = f32_bits(bits_to_f32(mag) / d)
     efield = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS))

@@ -5,7 +5,9 @@ what the CPU formulations in ``lowprec/_nvfp4.py`` work around. Checked, bit for
 2^31 - 2^23 patterns a (+0 up to the largest finite float32):
 
 1. ``div_by_integer(a, d)`` = float32(a / d) for the NVFP4 constants d = 6, 7 (block maxima
-   over the element's largest value), 2688 and 3136 (tensor scales: 448 * 6, 448 * 7);
+   over the element's largest value), 2688 and 3136 (tensor scales: 448 * 6, 448 * 7), called
+   on the whole array and under ``vmap`` over its elements (a scalar per example, as
+   ragged_dot's per-group tensor scales are: the divisor is not batched there);
 2. ``hwfloat_sr_quotients(a, t)`` for a few block factors t across the hardware-float range
    [2^-124, 2^125]: float32(a / t) wherever that is at least 2^-126, else 2^-100 where it is
    nonzero and 0 where it is zero (the stochastic encode treats every quotient in (0, 2^-33)
@@ -51,6 +53,8 @@ def main(argv=None) -> int:
                    "the patterns around d * 2^-126, where the quotients become subnormal)")
     args = p.parse_args(argv)
     div = {d: jax.jit(lambda a, d=d: _nvfp4.div_by_integer(a, d)) for d in DIVISORS}
+    div_vmap = {d: jax.jit(jax.vmap(lambda a, d=d: _nvfp4.div_by_integer(a, d)))
+                for d in DIVISORS}
     sr = jax.jit(lambda a, t: _nvfp4.hwfloat_sr_quotients(a, t))
     bad = 0
     t0 = time.time()
@@ -61,13 +65,14 @@ def main(argv=None) -> int:
         for d in DIVISORS:
             with np.errstate(all="ignore"):
                 want = (a.view(np.float32) / np.float32(d)).astype(np.float32).view(np.uint32)
-            got = np.asarray(div[d](a))
-            n = int((got != want).sum())
-            if n:
-                j = int(np.flatnonzero(got != want)[0])
-                print(f"div_by_integer(., {d}): {n} differ, e.g. {a[j]:#010x}: "
-                      f"{got[j]:#010x} != {want[j]:#010x}")
-            bad += n
+            for form, f in (("", div[d]), (" under vmap", div_vmap[d])):
+                got = np.asarray(f(a))
+                n = int((got != want).sum())
+                if n:
+                    j = int(np.flatnonzero(got != want)[0])
+                    print(f"div_by_integer(., {d}){form}: {n} differ, e.g. {a[j]:#010x}: "
+                          f"{got[j]:#010x} != {want[j]:#010x}")
+                bad += n
         for t in FACTORS:
             got = np.asarray(sr(a, jnp.full(a.shape, t, jnp.float32)))
             want = _expected_sr(a, t)
