@@ -13,6 +13,10 @@ Usage::
     python benchmarks/bench_train.py --configs fp32 nvfp4 --rounds 5 --json out.json
 
 ``--xla-single-thread`` runs XLA:CPU on one thread (steadier CPU seconds on a loaded machine).
+``--attribute N`` prints, per config, the N lowprec source lines and functions that the most
+optimized-HLO instructions come from (the innermost lowprec frame of each instruction's
+stack-frame metadata; a custom VJP's backward keeps only its outer frames, and constants
+carry the frame of the jit that made them).
 """
 
 from __future__ import annotations
@@ -42,7 +46,64 @@ def _parse(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--xla-single-thread", action="store_true")
     p.add_argument("--json", type=pathlib.Path, default=None, help="write the numbers here")
+    p.add_argument("--attribute", type=int, default=0, metavar="N",
+                   help="print the N source lines and functions with the most HLO instructions")
     return p.parse_args(argv)
+
+
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = ", flags=re.M)
+
+
+def _frames(hlo: str):
+    """The HLO text's stack-frame tables: {frame id: (location id, parent id)} and
+    {location id: (file, function, line)}."""
+    tables = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+    section = None
+    for line in hlo.splitlines():
+        s = line.strip()
+        if s in tables:
+            section = s
+            continue
+        if section is None or not s or s.startswith(("%", "ENTRY")):
+            section = None if s.startswith(("%", "ENTRY")) else section
+            continue
+        key, _, rest = s.partition(" ")
+        if not key.isdigit():
+            continue
+        fields = dict(re.findall(r"(\w+)=(\d+)", rest))
+        tables[section][int(key)] = rest.strip('"') if not fields else fields
+    files, funcs = tables["FileNames"], tables["FunctionNames"]
+    locs = {k: (pathlib.Path(files.get(int(v["file_name_id"]), "?")).name,
+                funcs.get(int(v["function_name_id"]), "?"), int(v["line"]))
+            for k, v in tables["FileLocations"].items()}
+    frames = {k: (int(v["file_location_id"]), int(v["parent_frame_id"]))
+              for k, v in tables["StackFrames"].items()}
+    return frames, locs
+
+
+def attribute(hlo: str, top: int) -> dict:
+    """Optimized-HLO instructions per innermost lowprec source line and function (the
+    ``top`` largest of each): where a program's size comes from."""
+    import collections
+
+    frames, locs = _frames(hlo)
+    lines, functions = collections.Counter(), collections.Counter()
+    for instr in hlo.splitlines():
+        if not _INSTRUCTION.match(instr):
+            continue
+        m = re.search(r"stack_frame_id=(\d+)", instr)
+        frame, site, seen = int(m.group(1)) if m else None, None, set()
+        while frame in frames and frame not in seen and site is None:
+            seen.add(frame)
+            loc, parent = frames[frame]
+            f, fn, ln = locs.get(loc, ("?", "?", 0))
+            if f.startswith("_") and f.endswith(".py"):  # lowprec's private modules
+                site = (f, fn, ln)
+            frame = parent
+        f, fn, ln = site or ("(outside lowprec)", "", 0)
+        lines[f"{f}:{ln} {fn}"] += 1
+        functions[f"{f}:{fn}"] += 1
+    return {"lines": lines.most_common(top), "functions": functions.most_common(top)}
 
 
 def main(argv=None) -> dict:
@@ -85,12 +146,19 @@ def main(argv=None) -> dict:
         compiled = lowered.compile()
         t2 = time.process_time()
         hlo = compiled.as_text()
-        ops = len(re.findall(r"^\s+(?:ROOT )?%?[\w.\-]+ = ", hlo, flags=re.M))
+        ops = len(_INSTRUCTION.findall(hlo))
         jax.block_until_ready(compiled(params, opt_state, 0))  # warm-up, never timed
         steps[name] = compiled
         rows[name] = {"trace_lower_cpu_s": t1 - t0, "compile_cpu_s": t2 - t1, "hlo_ops": ops,
                       "step_cpu_s": []}
         print(f"{name}: compiled in {t2 - t1:.1f} CPU s ({ops} HLO instructions)", flush=True)
+        if args.attribute:
+            where = attribute(hlo, args.attribute)
+            rows[name]["attribution"] = where
+            for kind in ("functions", "lines"):
+                print(f"  HLO instructions by lowprec {kind[:-1]}:")
+                for site, n in where[kind]:
+                    print(f"    {n:7,d}  {site}")
     names = list(steps)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:

@@ -12,14 +12,20 @@ path and the Pallas quantize kernel call it on validated input.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._bits import F32_ABS, bits_to_f32, f32_bits
+from . import _nvfp4
+from ._bits import F32_ABS, F32_QNAN, F32_SIGN, bits_to_f32, f32_bits
 from ._blocks import merge_blocks, split_blocks
+from ._decode import decode_bits, decode_f32
 from ._dtypes import input_bits
 from ._encode_stochastic import encode_any
-from ._mx_hwfloat import encode_magnitudes, magnitudes_f32, signed_codes
+from ._format import mx_format
+from ._mx_hwfloat import encode_magnitudes, hwfloat_element, magnitudes_f32, signed_codes
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along
@@ -155,3 +161,97 @@ def block_exponents(bits, cast: MXCast, axis: int):
     """The shared exponents (int32) of the blocks of float32 patterns ``bits`` along
     ``axis`` (whole blocks), for a scheme whose scales are shared exponents."""
     return cast.fmt.scheme.exponents_of_amax(block_amax(bits, axis, cast.fmt.block_size), cast)
+
+
+def encode_values(bits, cast: MXCast, axis: int, rng=None):
+    """float32 patterns of ``dequantize(quantize_mx(...))`` of float32 patterns ``bits``
+    (``axis`` a multiple of the block size; NVFP4-style schemes: a tensor scale and a
+    hardware-float path), for XLA on CPU: the quantized values without writing, packing,
+    unpacking and re-decoding the codes.
+
+    The same bits as the two calls: the codes are :func:`encode_blocks`' (the same scheme
+    steps, in the same hardware-float or exact branch), and each value is the element's
+    value times the block's float32(tensor_scale × block_scale) as ``dequantize`` computes
+    it. In the hardware-float branch that factor is one float32 product, correctly rounded
+    (a tensor scale in the scheme's exact range gives factors of at least 2^-124 and at most
+    2^125, normal, as are their products with elements of magnitude 1/2 to 6, so XLA's
+    flushing cannot touch them); in the exact branch it is ``_nvfp4.lifted_product``, exact
+    for every factor in a few float operations (route ``PER_BLOCK``: no second branch on
+    the factors, no integer multiply). One branch per call instead of the
+    encode's and the decode's: the training step's programs are ~3,600 HLO instructions
+    smaller per layer (benchmarks/README.md).
+    """
+    fmt = cast.fmt
+    scheme = fmt.scheme
+    inner = axis + 1
+    xb = split_blocks(bits, axis, fmt.block_size)
+    amax = block_amax(bits, axis, fmt.block_size)
+    ts_bits = scheme.tensor_scale_bits(bits, None, cast, amax)
+    ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
+
+    def exact(xb, amax):
+        scale_codes, special, quotient, scale_exp = scheme.encode_blocks(
+            xb, amax, ts_bits, cast, inner)
+        wb = rng
+        if cast.stochastic:
+            key, words = rng
+            wb = (key, None if words is None else split_blocks(words, axis, fmt.block_size))
+        codes = encode_any(fmt.element, quotient, cast.rounding, "saturate", wb,
+                           scale_exp=scale_exp, assume_finite=True)
+        codes = jnp.where(jnp.expand_dims(special, inner), 0, codes)
+        sb = jnp.expand_dims(scale_codes.astype(jnp.uint8), inner)
+        route = (_nvfp4.PER_BLOCK, _nvfp4_blocks(scheme, sb, ts))
+        return scheme.fast_decoder().routed_values(decode_bits(fmt.element, codes), sb, ts, route)
+
+    # Stochastic rounding takes the hardware-float branch too (given words, "divide" step):
+    # its quotients by _nvfp4.hwfloat_sr_quotients.
+    stochastic_hw = (cast.stochastic and cast.nvfp4_step != "reciprocal" and rng is not None
+                     and rng[1] is not None and hwfloat_element(fmt.element)
+                     and scheme.fast_encoder() is not None)
+    if not (bits.dtype == jnp.uint32 and (hwfloat_encoder(cast) is not None or stochastic_hw)):
+        return merge_blocks(exact(xb, amax), axis)
+    fast = scheme.fast_encoder()
+
+    def on_cpu(xf, amax):
+        scale_codes, hwfloat_exact = fast.scales(amax, ts_bits, cast)
+
+        def hwfloat_branch():
+            xb = f32_bits(xf)
+            special, operand = fast.operands(scale_codes, ts_bits, cast)
+            if cast.stochastic:
+                q = _nvfp4.hwfloat_sr_quotients(xb, jnp.expand_dims(operand, inner))
+                words = split_blocks(rng[1], axis, fmt.block_size)
+                codes = encode_any(fmt.element, q | (xb & jnp.uint32(F32_SIGN)), cast.rounding,
+                                   "saturate", (None, words), assume_finite=True)
+                codes = codes.astype(jnp.uint32)
+            else:
+                q = fast.quotients(magnitudes_f32(xb), jnp.expand_dims(operand, inner), xb, cast)
+                mag = encode_magnitudes(fmt.element, lax.bitcast_convert_type(q, jnp.uint32))
+                codes = signed_codes(fmt.element, mag, xb)
+            total = (operand if cast.nvfp4_step != "reciprocal" else _nvfp4.hwfloat_divisors(
+                scale_codes.astype(jnp.uint32), ts_bits, scheme.scale))
+            values = decode_f32(fmt.element, codes) * jnp.expand_dims(total, inner)
+            nan = jnp.expand_dims(special, inner)
+            return jnp.where(nan, jnp.uint32(F32_QNAN), f32_bits(values))
+
+        return lax.cond(hwfloat_exact, hwfloat_branch, lambda: exact(f32_bits(xf), amax))
+
+    return merge_blocks(on_cpu(bits_to_f32(xb), amax), axis)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def nvfp4_values(x, words, axis: int, step):
+    """float32 values of ``dequantize(quantize_mx(x, "nvfp4", axis=axis, nvfp4_step=step,
+    ...))`` for float32 ``x`` whose ``axis`` holds whole blocks, rounded to nearest even, or
+    stochastically with the uint32 ``words`` (``random_bits=``); :func:`encode_values`
+    (XLA on CPU: call it where XLA lowers for CPU only)."""
+    fmt = mx_format("nvfp4")
+    rounding = "nearest_even" if words is None else "stochastic"
+    cast = MXCast(fmt, None, rounding, step)
+    rng = None if words is None else (None, words)
+    return bits_to_f32(encode_values(f32_bits(x), cast, axis, rng))
+
+
+def _nvfp4_blocks(scheme, scale_codes, ts):
+    """The scheme's per-block decode values (its fast decoder's ``route``, second item)."""
+    return scheme.fast_decoder().route(scale_codes, ts)[1]

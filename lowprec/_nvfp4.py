@@ -14,6 +14,10 @@ Every one of those operations is carried out here on float32 *bit patterns* with
 arithmetic (long division for the quotients), so the result is the IEEE one on every backend:
 XLA on CPU would flush subnormal operands and rewrite ``a / broadcast(c)`` as
 ``a * (1 / c)`` under ``jit`` (docs/design.md §8), which changes quotients in the last bit.
+On CPU the quotients take XLA's float32 division wherever it is provably the IEEE one (normal
+operands and quotient, the divisor per element or behind a barrier) and integer steps for the
+rest (:func:`div_by_integer`, :func:`element_quotient_bits`): a few operations instead of the
+long division, which made most of the NVFP4 training step's program (benchmarks/README.md).
 
 NVINT4 (INT4 elements k ∈ [−7, 7], Chen et al. 2025) takes the same steps with its element's
 largest value Q = 7 in place of 6: tensor scale amax / (448 * 7), block scale
@@ -41,7 +45,7 @@ import numpy as np
 from jax import lax
 
 from ._bits import (F32_ABS, F32_IMPLICIT, F32_INF, F32_MANT, F32_MANT_BITS, F32_QNAN, F32_SIGN,
-                    rint_small)
+                    bits_to_f32, f32_bits, rint_small)
 from ._decode import decode_bits
 from ._encode import encode_bits
 from ._format import ElementFormat
@@ -190,14 +194,14 @@ def _ptx_binary(instruction: str, a_bits, b_bits):
 def f32_div_hwfloat(a_bits, b_bits):
     """Bits of the IEEE float32 quotient a / b (a finite; b nonzero, not NaN, an infinite b
     giving a signed zero; one shape): XLA's float32 division on CPU, correctly rounded where
-    operands and quotient are normal (it flushes subnormals), with the divisor behind an
-    optimization barrier so that XLA cannot turn a division by a broadcast into a product
-    with its reciprocal; :func:`f32_div` elsewhere (``lax.platform_dependent``). XLA on an
+    operands and quotient are normal (it flushes subnormals), with the divisor made per
+    element (:func:`per_element_divisor`) so that XLA cannot turn a division by a broadcast
+    into a product with its reciprocal; :func:`f32_div` elsewhere (``lax.platform_dependent``). XLA on an
     NVIDIA GPU divides with PTX ``div.full``, which is not correctly rounded
     (docs/design.md §8)."""
 
     def on_cpu(a_bits, b_bits):
-        b = lax.bitcast_convert_type(lax.optimization_barrier(b_bits), jnp.float32)
+        b = per_element_divisor(lax.bitcast_convert_type(b_bits, jnp.float32), a_bits)
         return lax.bitcast_convert_type(lax.bitcast_convert_type(a_bits, jnp.float32) / b,
                                         jnp.uint32)
 
@@ -254,6 +258,72 @@ def reciprocal_factor_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
     return f32_div(inverse, decode_bits(scale_fmt, scale_codes))
 
 
+def per_element_divisor(divisor, dividend_bits):
+    """``divisor`` (float32, broadcastable to ``dividend_bits``) as an array of the dividend's
+    own shape that XLA cannot see as a broadcast: a select on the dividend's bits (all-ones,
+    a NaN pattern that no caller divides by anything it keeps, takes 1).
+
+    XLA:CPU rewrites every division by a broadcast as a product with the broadcast
+    reciprocal, which rounds differently (docs/design.md §8), also when the broadcast is
+    made after an optimization barrier: under ``vmap`` a divisor that does not depend on the
+    mapped axis (a constant, an unbatched tensor scale) is barriered per example and then
+    broadcast along the batch. The select depends on the dividend, so it is batched wherever
+    the dividend is (tests/test_nvfp4_values.py: per-group tensor scales)."""
+    return jnp.where(dividend_bits == jnp.uint32(0xFFFF_FFFF), jnp.float32(1), divisor)
+
+
+def _on_cpu(cpu, default, *args):
+    """``cpu(*args)`` where XLA lowers for CPU, ``default(*args)`` elsewhere and in a Pallas
+    kernel body (one platform, no ``platform_dependent``)."""
+    if not _platform_branches:
+        return default(*args)
+    return lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
+def div_by_integer(a_bits, d: int):
+    """Bits of the IEEE float32 quotient a / d, rounded to nearest even, for non-negative
+    finite float32 patterns ``a_bits`` and a positive integer constant ``d`` below 2^12 (the
+    NVFP4 divisors 6, 7, 2688, 3136): :func:`f32_div` where XLA does not lower for CPU;
+    on CPU in a few operations:
+
+    * where a >= d * 2^-126 the quotient is a float32 normal and so is a: XLA:CPU's float32
+      division is correctly rounded there (the divisor made per element,
+      :func:`per_element_divisor`, so that XLA cannot multiply by a rounded reciprocal
+      instead);
+    * below, the quotient is a subnormal (or 2^-126 after rounding): its pattern is
+      rint(A / d) for the integer A = a * 2^149 < d * 2^23, with d = o * 2^p (o odd): A is
+      sig * 2^s (sig the 24-bit significand, s <= 11 + 12), so n = floor(A / 2^p) and the p
+      bits dropped are shifts of sig, n < o * 2^23 < 2^32, and n = o q + r (a division by
+      the constant o, which compilers strength-reduce); the fraction of A / d is
+      (r 2^p + dropped) / d, compared with 1/2 on the integers (ties to even).
+    """
+    p = (d & -d).bit_length() - 1
+    odd = d >> p
+    assert 0 < d < (1 << 12), d
+
+    def cpu(a_bits):
+        a = lax.bitcast_convert_type(a_bits, jnp.float32)
+        divisor = per_element_divisor(jnp.float32(d), a_bits)
+        normal = lax.bitcast_convert_type(a / divisor, jnp.uint32)
+        efield = lax.shift_right_logical(a_bits, jnp.uint32(F32_MANT_BITS))
+        sig = jnp.where(efield > 0, (a_bits & F32_MANT) | F32_IMPLICIT, a_bits & F32_MANT)
+        s = jnp.maximum(efield, jnp.uint32(1)) - jnp.uint32(1)  # A = sig * 2^s
+        up_shift = jnp.clip(s.astype(jnp.int32) - p, 0, 31).astype(jnp.uint32)
+        down_shift = jnp.clip(p - s.astype(jnp.int32), 0, 31).astype(jnp.uint32)
+        n = jnp.where(s >= p, lax.shift_left(sig, up_shift), lax.shift_right_logical(
+            sig, down_shift))
+        dropped = jnp.where(s >= p, jnp.uint32(0),
+                            lax.shift_left(sig, jnp.minimum(s, jnp.uint32(31)))
+                            & jnp.uint32((1 << p) - 1))
+        q = n // jnp.uint32(odd)
+        frac2 = 2 * (lax.shift_left(n - q * jnp.uint32(odd), jnp.uint32(p)) + dropped)
+        up = (frac2 > d) | ((frac2 == d) & ((q & 1) == 1))
+        tiny = q + up.astype(jnp.uint32)
+        return jnp.where(a_bits >= jnp.uint32(_f32_const_bits(d * 2.0**-126)), normal, tiny)
+
+    return _on_cpu(cpu, lambda a: f32_div(a, jnp.uint32(_f32_const_bits(float(d)))), a_bits)
+
+
 def finite_amax_bits(bits):
     """Bits of the largest finite magnitude of float32 patterns (0 if there is none)."""
     mag = bits & F32_ABS
@@ -266,7 +336,7 @@ def tensor_scale_bits(amax_bits, element_max: float = _E2M1_MAX):
     all-zero tensor (then raised to 2^-143 by :func:`clamp_tensor_scale_bits`, like a given
     one)."""
     divisor = 448.0 * element_max   # exact in float32 (torchao: F8E4M3_MAX * F4_E2M1_MAX)
-    ts = f32_div(amax_bits, jnp.uint32(_f32_const_bits(divisor)))
+    ts = div_by_integer(amax_bits, int(divisor))
     return jnp.where(amax_bits == 0, jnp.uint32(_F32_ONE), ts)
 
 
@@ -280,8 +350,10 @@ def block_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat,
                       element_max: float = _E2M1_MAX):
     """E4M3 codes (int32) of e4m3(clamp((block_amax / Q) / tensor_scale, 2^-6, 448)), Q the
     element's largest value ``element_max`` (6 for E2M1)."""
-    q = jnp.uint32(_f32_const_bits(element_max))
-    quotient = f32_div(f32_div(block_amax_bits, q), ts_bits)
+    quotient = _on_cpu(
+        lambda a, t: element_quotient_bits(div_by_integer(a, int(element_max)), t),
+        lambda a, t: f32_div(f32_div(a, jnp.uint32(_f32_const_bits(element_max))), t),
+        block_amax_bits, jnp.broadcast_to(ts_bits, jnp.shape(block_amax_bits)))
     # Non-negative float32 bit patterns order like their values: clamp on the bits.
     clamped = jnp.clip(quotient, jnp.uint32(_E4M3_EPS_BITS), jnp.uint32(_E4M3_MAX_BITS))
     return encode_bits(scale_fmt, clamped, "nearest_even", "saturate", None)
@@ -304,10 +376,10 @@ def total_scale_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
 #   saturates at 6 as the exact path's does.
 # * 1 / ts lies in [2^-116, 2^118], so (1 / ts) / block_scale in [2^-125, 2^124] is normal,
 #   and a flushed subnormal x had |x| * factor < 2^-2.
-# Divisions by a per-block or scalar value go through a materialized divisor (behind an
-# optimization barrier) or one that depends on the element: XLA:CPU's emitter turns a
-# division by a broadcast into a product with its reciprocal, which rounds differently, and
-# its simplifier turns (a / b) / c into a / (b * c).
+# Divisions by a per-block or scalar value go through a divisor that depends on the element
+# (per_element_divisor; a barrier alone does not survive vmap): XLA:CPU turns a division by
+# a broadcast into a product with its reciprocal, which rounds differently, and its
+# simplifier turns (a / b) / c into a / (b * c).
 NATIVE_TS_MIN_BITS = (127 - 118) << 23  # 2^-118
 NATIVE_TS_MAX_BITS = (127 + 116) << 23  # 2^116
 
@@ -318,10 +390,11 @@ def hwfloat_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat,
     [2^-118, 2^116], see above)."""
     amax = lax.bitcast_convert_type(block_amax_bits, jnp.float32)
     ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
-    q, ts_b = lax.optimization_barrier(
-        (jnp.full(amax.shape, element_max, jnp.float32), jnp.broadcast_to(ts, amax.shape)))
-    # The first quotient is materialized too: XLA rewrites (a / b) / c as a / (b * c).
-    quotient = lax.bitcast_convert_type(lax.optimization_barrier(amax / q) / ts_b, jnp.uint32)
+    first = per_element_divisor(jnp.float32(element_max), block_amax_bits)
+    # The first quotient is materialized: XLA rewrites (a / b) / c as a / (b * c).
+    over_q = lax.optimization_barrier(amax / first)
+    ts_b = per_element_divisor(ts, block_amax_bits)
+    quotient = lax.bitcast_convert_type(over_q / ts_b, jnp.uint32)
     clamped = jnp.clip(quotient, jnp.uint32(_E4M3_EPS_BITS), jnp.uint32(_E4M3_MAX_BITS))
     return encode_bits(scale_fmt, clamped, "nearest_even", "saturate", None)
 
@@ -350,8 +423,46 @@ def hwfloat_quotients(magnitudes, divisors, x_bits):
     reads it twice (the element encoder reads the quotient as bits and as a float), and
     writes all quotients out first, a whole extra pass; with ``abs`` its one reader is cheap.
     """
-    d = jnp.where(x_bits == jnp.uint32(0xFFFF_FFFF), jnp.float32(1), divisors)
+    d = per_element_divisor(divisors, x_bits)
     return jnp.abs(magnitudes / d)
+
+
+def hwfloat_sr_quotients(x_bits, divisors):
+    """Bits of float32(|x| / total) for stochastic rounding to E2M1 (CPU; a tensor scale in
+    the hardware-float range, so every divisor is a normal float32 in [2^-124, 2^125]),
+    ``divisors`` broadcast per block: exact wherever the quotient is at least 2^-126, and
+    below that a quotient that every rounding mode treats alike (any float32 quotient in
+    (0, 2^-33) rounds up iff its word is 0, a zero one never; the representative is 2^-100).
+
+    XLA:CPU flushes subnormal operands and results, so the one division |x| / total is exact
+    where x is normal and the quotient is at least 2^-126. The other lanes divide
+    X = |x| * 2^64 instead (built on the bits: exponent + 64 for a normal x below 2^64, the
+    integer significand times 2^-85 for a subnormal one; both exact and normal): X / total
+    = q 2^64 rounded to 24 bits, normal for q >= 2^-190. Where that is at least 2^-62, q is
+    at least 2^-126 (rounding is monotone and 2^-62 a float32) and the float32 quotient is
+    its exponent less 64; below, the float32 quotient is nonzero iff q > 2^-150 (2^-150
+    itself is a tie that rounds to the even 0), i.e. iff X / total rounds above 2^-86, or to
+    2^-86 without being exactly 2^-86 (same significands, exponents 86 apart).
+    """
+    d = per_element_divisor(divisors, x_bits)
+    mag = x_bits & jnp.uint32(F32_ABS)
+    q = f32_bits(bits_to_f32(mag) / d)
+    efield = lax.shift_right_logical(mag, jnp.uint32(F32_MANT_BITS))
+    lifted = jnp.where(efield > 0, bits_to_f32(mag + jnp.uint32(64 << F32_MANT_BITS)),
+                       (mag & F32_MANT).astype(jnp.float32) * np.float32(2.0**-85))
+    q64 = f32_bits(lifted / d)
+    db = f32_bits(d)
+    lb = f32_bits(lifted)
+    at_tie = (q64 == jnp.uint32(_f32_const_bits(2.0**-86))) & (
+        (lb & F32_MANT) == (db & F32_MANT)) & (
+        lax.shift_right_logical(lb, jnp.uint32(F32_MANT_BITS)) + jnp.uint32(86)
+        == lax.shift_right_logical(db, jnp.uint32(F32_MANT_BITS)))
+    nonzero = (q64 > jnp.uint32(_f32_const_bits(2.0**-86))) | (
+        (q64 == jnp.uint32(_f32_const_bits(2.0**-86))) & ~at_tie)
+    small = jnp.where(nonzero, jnp.uint32(_f32_const_bits(2.0**-100)), jnp.uint32(0))
+    big = q64 >= jnp.uint32(_f32_const_bits(2.0**-62))
+    fixed = jnp.where(big, q64 - jnp.uint32(64 << F32_MANT_BITS), small)
+    return jnp.where((efield > 0) & (q >= jnp.uint32(F32_IMPLICIT)), q, fixed)
 
 
 # Quotients below 2^-100 (or above 2^126) round like any other of their kind in every mode:

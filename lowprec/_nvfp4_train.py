@@ -98,6 +98,7 @@ from ._encode import encode_bits
 from ._format import mx_format
 from ._gpu_gemm import apply_tensor_scales, block_values_bf16
 from ._mx import dequantize, quantize_mx
+from ._mx_encode import nvfp4_values
 from ._options import BACKWARD_OVERRIDES, NVFP4_TILE, RHT_DTYPES, DotSpec  # noqa: F401 (re-exported)
 from ._options import MXCast
 from ._qdot import register_family, training_dot
@@ -207,12 +208,22 @@ def quantize_1d(v, axis: int, words=None, gemm: bool = False, step=None,
                                         axis=axis, words=words),
                       functools.partial(quantize_1d, axis=axis, words=words, step=step,
                                         native=False), v)
-    if words is None:
-        mx = quantize_mx(v, "nvfp4", axis=axis, nvfp4_step=step)
-    else:
-        mx = quantize_mx(v, "nvfp4", axis=axis, rounding="stochastic", random_bits=words,
-                         nvfp4_step=step)
-    return block_values_bf16(mx) if gemm else dequantize(mx)
+
+    def portable(v, words):
+        if words is None:
+            mx = quantize_mx(v, "nvfp4", axis=axis, nvfp4_step=step)
+        else:
+            mx = quantize_mx(v, "nvfp4", axis=axis, rounding="stochastic", random_bits=words,
+                             nvfp4_step=step)
+        return block_values_bf16(mx) if gemm else dequantize(mx)
+
+    if gemm or v.shape[axis] % TILE:
+        return portable(v, words)
+    # On CPU the values straight from the encoder's branch (_mx_encode.encode_values: the
+    # same bits, one branch instead of the encode's and the decode's, no codes packed and
+    # unpacked).
+    return lax.platform_dependent(
+        v, words, cpu=lambda v, w: nvfp4_values(v, w, axis, step), default=portable)
 
 
 def quantize_2d(w, gemm: bool = False, step=None, native: bool = True):
@@ -247,8 +258,10 @@ def quantize_2d(w, gemm: bool = False, step=None, native: bool = True):
         block = decode_f32(fmt.element, codes) * decode_f32(fmt.scale, codes_s)[..., None]
         block = jnp.where(special[..., None], jnp.float32(jnp.nan), block)
         return block.reshape(r, c).astype(jnp.bfloat16), bits_to_f32(ts)
+    # Each block's product exact by itself (route PER_BLOCK: _nvfp4.lifted_product, a few
+    # float operations), the same bits as dequantize's branch on the factors, without it.
     values = _nvfp4.dequantize_bits(decode_bits(fmt.element, codes), codes_s[..., None], ts,
-                                    fmt.scale)
+                                    fmt.scale, (_nvfp4.PER_BLOCK, None))
     values = jnp.where(special[..., None], jnp.uint32(0x7FC0_0000), values)
     return bits_to_f32(values.reshape(r, c))
 
@@ -381,7 +394,6 @@ def nvfp4_dot(lhs, rhs, dn, spec: DotSpec, out_sharding=None, sr_key=None):
 
 
 def _nvfp4_dot(lhs, rhs, dn, spec: DotSpec, out_sharding=None, sr_key=None):
-    """:func:`nvfp4_dot`'s body (traced)."""
     (lc, rc), _ = dn
     c, nl, nr = len(lc), len(lhs.shape), len(rhs.shape)
     if c == 1 and nr == 2:  # already a 2-D weight: no reshape
