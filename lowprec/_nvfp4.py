@@ -380,8 +380,8 @@ def total_scale_bits(scale_codes, ts_bits, scale_fmt: ElementFormat):
 # (per_element_divisor; a barrier alone does not survive vmap): XLA:CPU turns a division by
 # a broadcast into a product with its reciprocal, which rounds differently, and its
 # simplifier turns (a / b) / c into a / (b * c).
-NATIVE_TS_MIN_BITS = (127 - 118) << 23  # 2^-118
-NATIVE_TS_MAX_BITS = (127 + 116) << 23  # 2^116
+HWFLOAT_TS_MIN_BITS = (127 - 118) << 23  # 2^-118
+HWFLOAT_TS_MAX_BITS = (127 + 116) << 23  # 2^116
 
 
 def hwfloat_scale_codes(block_amax_bits, ts_bits, scale_fmt: ElementFormat,

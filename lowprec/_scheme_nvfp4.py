@@ -262,8 +262,8 @@ class _NVFP4HwFloat(FastEncoder):
         # fusing the per-block scale computation into the element loop (recomputed there for
         # every element, ~5x slower; tests/test_fast_paths.py).
         t = lax.optimization_barrier(ts_bits)
-        exact = ((t >= jnp.uint32(_nvfp4.NATIVE_TS_MIN_BITS))
-                 & (t <= jnp.uint32(_nvfp4.NATIVE_TS_MAX_BITS)))
+        exact = ((t >= jnp.uint32(_nvfp4.HWFLOAT_TS_MIN_BITS))
+                 & (t <= jnp.uint32(_nvfp4.HWFLOAT_TS_MAX_BITS)))
         return codes, exact
 
     def operands(self, scale_codes, ts_bits, cast):

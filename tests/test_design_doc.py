@@ -102,10 +102,6 @@ def test_readme_layout_row_names_every_lowprec_module():
 #: and the passes it loads): the one thing the word means (docs/design.md, "**Words.**").
 NATIVE_NAMES = {"_cpu_native", "_native_cpu_can_run", "native", "native_quantize_serves",
                 "native_status"}
-#: Still named for the meaning issue 38 retired (the hardware-float formulation: the tensor
-#: scales where NVFP4's float32 steps are exact), in modules another change owns; to become
-#: HWFLOAT_TS_MIN_BITS / HWFLOAT_TS_MAX_BITS. Remove from here when renamed.
-NOT_YET_RENAMED = {"NATIVE_TS_MIN_BITS", "NATIVE_TS_MAX_BITS"}
 
 
 def _identifiers(tree) -> set[str]:
@@ -138,7 +134,7 @@ def test_native_names_only_the_cpp_kernels():
         for name in _identifiers(ast.parse(path.read_text(encoding="utf-8"))):
             if "native" in name.lower():
                 found.setdefault(name, path.relative_to(ROOT).as_posix())
-    unknown = {n: f for n, f in found.items() if n not in NATIVE_NAMES | NOT_YET_RENAMED}
+    unknown = {n: f for n, f in found.items() if n not in NATIVE_NAMES}
     assert not unknown, f"'native' means the C++ kernels only; found {unknown}"
-    stale = (NATIVE_NAMES | NOT_YET_RENAMED) - set(found)
+    stale = NATIVE_NAMES - set(found)
     assert not stale, f"no longer in the code, drop from the lists here: {sorted(stale)}"
