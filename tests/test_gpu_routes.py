@@ -291,14 +291,16 @@ def test_nvfp4_training_recipe_route(request):
     portable = jax.jit(products)(x, w, c)
     request.getfixturevalue("gpu_routes_on_cpu")
     gpu = jax.jit(products)(x, w, c)
-    # The operands each product multiplies (their float32 values, as the portable route's).
-    wq = nt.quantize_2d(jnp.asarray(w.T))  # [N, K]
-    xq = nt.quantize_1d(jnp.asarray(x), 1)
-    wd, ww = nt.grad_words(jnp.asarray(c), recipe.seed)
-    gq = nt.quantize_1d(jnp.asarray(c), 1, wd)
-    signs = nt.rht_signs(recipe.seed)
-    xr = nt.quantize_1d(nt.rht(jnp.asarray(x), signs), 0)
-    gr = nt.quantize_1d(nt.rht(jnp.asarray(c), signs), 0, ww)
+    # The operands each product multiplies (their float32 values, as the portable route's),
+    # in one program (op by op they compiled ~380 small ones).
+    @jax.jit
+    def operands(x, w, c):
+        wd, ww = nt.grad_words(c, recipe.seed)
+        signs = nt.rht_signs(recipe.seed)
+        return (nt.quantize_2d(w.T), nt.quantize_1d(x, 1), nt.quantize_1d(c, 1, wd),  # wq [N, K]
+                nt.quantize_1d(nt.rht(x, signs), 0), nt.quantize_1d(nt.rht(c, signs), 0, ww))
+
+    wq, xq, gq, xr, gr = operands(jnp.asarray(x), jnp.asarray(w), jnp.asarray(c))
     sizes = [np.abs(np.asarray(xq, np.float64)) @ np.abs(np.asarray(wq, np.float64)).T,
              np.abs(np.asarray(gq, np.float64)) @ np.abs(np.asarray(wq, np.float64)),
              np.abs(np.asarray(xr, np.float64)).T @ np.abs(np.asarray(gr, np.float64))]
