@@ -336,3 +336,19 @@ def test_training_fake_quantize_same_bits_as_xla(step):
     for name, a, b in zip(("Q along K", "Q along T, SR", "Q along K, SR", "Q2 tiles"),
                           got["auto"], got["xla"]):
         np.testing.assert_array_equal(a, b, err_msg=f"{step}: {name}")
+
+
+@needs_kernel
+def test_inputs_past_the_size_limit_take_xlas_program():
+    # The kernel serves arrays of at most NVFP4_KERNEL_MAX_ELEMENTS (its scalar per-block
+    # loops run slower than XLA's program; below the limit the compile it saves pays):
+    # the limit itself takes the custom call, one more block does not.
+    from lowprec.kernels import _dispatch
+
+    limit = _dispatch.NVFP4_KERNEL_MAX_ELEMENTS
+    for rows, kernel in ((limit // 1024, True), (limit // 1024 + 1, False)):
+        x = jax.ShapeDtypeStruct((rows, 1024), jnp.float32)
+        text = jax.jit(lambda a: lowprec.quantize_mx(a, "nvfp4")).lower(x).as_text()
+        assert (_nvfp4_cpu.TARGET in text) == kernel, (rows, kernel)
+        fake = jax.jit(lambda a: lowprec._nvfp4_train.quantize_1d(a, 1)).lower(x).as_text()
+        assert (_nvfp4_cpu.FAKE_TARGET in fake) == kernel, (rows, kernel)
