@@ -59,6 +59,24 @@ def block_amax(bits, axis: int, block: int):
     return jnp.max(split_blocks(bits, axis, block) & F32_ABS, axis=axis + 1)
 
 
+def _exact_block_codes(xb, amax, ts_bits, cast, axis: int, rng):
+    """Formulation.EXACT of blocks ``xb`` (split along ``axis``) with block maxima ``amax``:
+    ``(element codes, zero in blocks holding a NaN/Inf; scale codes)``, both unsized ints."""
+    fmt = cast.fmt
+    inner = axis + 1  # position within a block
+    scale_codes, special, quotient, scale_exp = fmt.scheme.encode_blocks(
+        xb, amax, ts_bits, cast, inner)
+    wb = rng
+    if cast.stochastic:
+        key, words = rng
+        wb = (key, None if words is None else split_blocks(words, axis, fmt.block_size))
+    codes = encode_any(
+        fmt.element, quotient, cast.rounding, "saturate", wb, scale_exp=scale_exp,
+        assume_finite=True,  # blocks holding a NaN/Inf are zeroed just below
+    )
+    return jnp.where(jnp.expand_dims(special, inner), 0, codes), scale_codes
+
+
 def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pack=None):
     """``(elements, scales, tensor_scale)`` of float32 patterns ``bits`` whose ``axis`` length
     is a multiple of the block size: uint8 element codes (packed along ``axis``), uint8 scale
@@ -77,18 +95,8 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
     ts_bits = scheme.tensor_scale_bits(bits, tensor_scale, cast, amax)
 
     def exact(xb, amax):
-        scale_codes, special, quotient, scale_exp = scheme.encode_blocks(
-            xb, amax, ts_bits, cast, inner)
-        wb = rng
-        if cast.stochastic:
-            key, words = rng
-            wb = (key, None if words is None else split_blocks(words, axis, fmt.block_size))
-        codes = encode_any(
-            fmt.element, quotient, cast.rounding, "saturate", wb, scale_exp=scale_exp,
-            assume_finite=True,  # blocks holding a NaN/Inf are zeroed just below
-        )
-        codes = jnp.where(jnp.expand_dims(special, inner), 0, codes).astype(jnp.uint8)
-        return _pack_codes(codes, fmt, inner, pack), scale_codes.astype(jnp.uint8)
+        codes, scale_codes = _exact_block_codes(xb, amax, ts_bits, cast, axis, rng)
+        return _pack_codes(codes.astype(jnp.uint8), fmt, inner, pack), scale_codes.astype(jnp.uint8)
 
     # Formulation.HWFLOAT beside EXACT where lowprec.kernels says (not inside a Pallas kernel):
     # the scheme's fast encoder
@@ -190,15 +198,7 @@ def encode_values(bits, cast: MXCast, axis: int, rng=None):
     ts = lax.bitcast_convert_type(ts_bits, jnp.float32)
 
     def exact(xb, amax):
-        scale_codes, special, quotient, scale_exp = scheme.encode_blocks(
-            xb, amax, ts_bits, cast, inner)
-        wb = rng
-        if cast.stochastic:
-            key, words = rng
-            wb = (key, None if words is None else split_blocks(words, axis, fmt.block_size))
-        codes = encode_any(fmt.element, quotient, cast.rounding, "saturate", wb,
-                           scale_exp=scale_exp, assume_finite=True)
-        codes = jnp.where(jnp.expand_dims(special, inner), 0, codes)
+        codes, scale_codes = _exact_block_codes(xb, amax, ts_bits, cast, axis, rng)
         sb = jnp.expand_dims(scale_codes.astype(jnp.uint8), inner)
         route = (_nvfp4.PER_BLOCK, _nvfp4_blocks(scheme, sb, ts))
         return scheme.fast_decoder().routed_values(decode_bits(fmt.element, codes), sb, ts, route)
