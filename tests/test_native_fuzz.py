@@ -24,7 +24,6 @@ fillings of up to 3,000 blocks; the FP6 packing cases compile no XLA formulation
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 
 import jax
@@ -44,15 +43,6 @@ needs_vector = pytest.mark.skipif(not _cpu_native.vector_quantizer(),
                                   reason="quantize_mx takes the kernel only on AVX2 CPUs "
                                          f"({_cpu_native.status()})")
 needs_native = pytest.mark.skipif(not _cpu_native.available(), reason=_cpu_native.status())
-
-
-@contextlib.contextmanager
-def kernel_policy(policy: str):
-    previous = lowprec.kernels.set_policy(policy)
-    try:
-        yield
-    finally:
-        lowprec.kernels.set_policy(previous)
 
 
 def _seed(*parts) -> int:
@@ -167,7 +157,7 @@ def test_quantize_mx_fuzz(name, rule):
     fillings = [jnp.asarray(filling(rng, shape)) for _ in range(FILLINGS)]
     got = {}
     for policy in ("xla", "auto"):
-        with kernel_policy(policy):
+        with lowprec.kernels.policy(policy):
             compiled = jax.jit(run).lower(fillings[0]).compile()  # once per policy
             text = compiled.as_text()
             calls = text.count('custom_call_target="lowprec_mx_quantize"')
@@ -205,7 +195,7 @@ def test_nvfp4_quantize_fuzz(case):
     fillings = [jnp.asarray(filling(rng, shape)) for _ in range(FILLINGS)]
     got = {}
     for policy in ("xla", "auto"):
-        with kernel_policy(policy):
+        with lowprec.kernels.policy(policy):
             compiled = jax.jit(run).lower(fillings[0]).compile()  # once per policy
             calls = compiled.as_text().count('custom_call_target="lowprec_nvfp4_quantize"')
             assert calls == (policy == "auto"), f"{policy}: {calls} quantizer calls ({ops})"

@@ -15,7 +15,6 @@ kernel's subnormal handling is what is checked). Words of stochastic rounding in
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -39,15 +38,6 @@ STEPS = ("divide", "reciprocal")
 # of a block's divisor.
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-@contextlib.contextmanager
-def kernel_policy(policy: str):
-    previous = lowprec.kernels.set_policy(policy)
-    try:
-        yield
-    finally:
-        lowprec.kernels.set_policy(previous)
 
 
 def _f32(sign, exp, mant) -> np.ndarray:
@@ -122,7 +112,7 @@ def _compiled(policy: str, shape: tuple, dtype, operands: tuple, **kw):
     named ``operands`` ("tensor_scale", "random_bits") as traced arguments, so that one
     program serves every value of them (XLA's NVFP4 encode takes seconds to compile); and
     whether the program holds the kernel's custom call."""
-    with kernel_policy(policy):
+    with lowprec.kernels.policy(policy):
         def run(v, *args):
             m = lowprec.quantize_mx(v, "nvfp4", **kw, **dict(zip(operands, args)))
             return m.elements, m.scales, m.tensor_scale
@@ -253,7 +243,7 @@ def test_jit_vmap_grad():
 
     got = {}
     for policy in ("auto", "xla"):
-        with kernel_policy(policy):
+        with lowprec.kernels.policy(policy):
             batched = jax.jit(jax.vmap(per_example))
             assert (TARGET in batched.lower(x, words).compile().as_text()) == (policy == "auto")
             got[policy] = [np.asarray(a) for a in batched(x, words)]
@@ -288,7 +278,7 @@ def test_xla_keeps_what_the_kernel_does_not_take():
     assert _lowered_takes_kernel(nvfp4, x)
     assert not _lowered_takes_kernel(lambda v: lowprec.quantize_mx(v, "nvfp4_4over6").elements, x)
     assert not _lowered_takes_kernel(nvfp4, x.astype(jnp.float8_e4m3fn))
-    with kernel_policy("xla"):
+    with lowprec.kernels.policy("xla"):
         assert not _lowered_takes_kernel(nvfp4, x)
 
 
@@ -329,7 +319,7 @@ def test_training_fake_quantize_same_bits_as_xla(step):
 
     got = {}
     for policy in ("auto", "xla"):
-        with kernel_policy(policy):
+        with lowprec.kernels.policy(policy):
             compiled = jax.jit(run).lower(x, words).compile()
             assert compiled.as_text().count(FAKE) == (4 if policy == "auto" else 0)
             got[policy] = [np.asarray(a).view(np.uint32) for a in compiled(x, words)]
