@@ -203,11 +203,6 @@ def quantize_1d(v, axis: int, words=None, gemm: bool = False, step=None,
     ``nvfp4_4over6`` format's own quantizer (round to nearest; its own element step)."""
     if four_over_six:
         return dequantize(quantize_mx(v, "nvfp4_4over6", axis=axis))
-    if native and not gemm and cpu_nvfp4_fake_quantize(v, step, words is not None):  # on CPU
-        return on_cpu(functools.partial(_nvfp4_cpu.fake_quantize, cast=_cast(step, words),
-                                        axis=axis, words=words),
-                      functools.partial(quantize_1d, axis=axis, words=words, step=step,
-                                        native=False), v)
 
     def portable(v, words):
         if words is None:
@@ -216,6 +211,13 @@ def quantize_1d(v, axis: int, words=None, gemm: bool = False, step=None,
             mx = quantize_mx(v, "nvfp4", axis=axis, rounding="stochastic", random_bits=words,
                              nvfp4_step=step)
         return block_values_bf16(mx) if gemm else dequantize(mx)
+
+    if native and not gemm and cpu_nvfp4_fake_quantize(v, step, words is not None):  # on CPU
+        # The kernel on CPU; elsewhere the portable path (what the platform split below
+        # would choose off CPU, without tracing its CPU branch as well).
+        return on_cpu(functools.partial(_nvfp4_cpu.fake_quantize, cast=_cast(step, words),
+                                        axis=axis, words=words),
+                      lambda v: portable(v, words), v)
 
     if gemm or v.shape[axis] % TILE:
         return portable(v, words)
