@@ -140,7 +140,11 @@ def _measure(argv: list) -> tuple:
 
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", *argv])
+    # PYTHONSAFEPATH: `python -m` would put the working directory on sys.path, where CI's
+    # plain `pytest` does not, and a test importing the repository's un-installed folders
+    # (`reference`, `formats`) would pass here and fail in CI.
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *argv], env=env)
     root = psutil.Process(proc.pid)
     peak_total = peak_one = 0
     while proc.poll() is None:

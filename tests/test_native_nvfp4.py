@@ -25,7 +25,7 @@ import pytest
 import lowprec
 import lowprec.kernels
 from lowprec.kernels import _cpu_native, _nvfp4_cpu
-from reference import mx as ref
+from lowprec_reference import mx as ref
 
 needs_kernel = pytest.mark.skipif(not _cpu_native.vector_quantizer(),
                                   reason="quantize_mx takes the NVFP4 kernel only on AVX2 CPUs "
