@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import platform
+import shutil
 import struct
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -179,3 +182,35 @@ def test_exception_in_a_handler_is_an_error():
                        match="lowprec_guard_check: unknown C.. exception"):
         call(2)
     assert call(0).tolist() == [1]
+
+
+def _kernel_sources() -> list:
+    kernels = _cpu_native.LIBRARY.parent
+    return sorted([*kernels.glob("*.cc"), *kernels.glob("*.h")])
+
+
+@built
+def test_library_is_newer_than_its_sources():
+    # setup.py builds the library with optional=True, so a C++ error during
+    # `pip install -e .` leaves the previous library in place and the install still succeeds:
+    # the tests would then check an old kernel against new Python code.
+    built_at = _cpu_native.LIBRARY.stat().st_mtime
+    sources = _kernel_sources()
+    assert sources, "no kernel sources found next to the library"
+    stale = [p.name for p in sources if p.stat().st_mtime > built_at]
+    assert not stale, (
+        f"{_cpu_native.LIBRARY.name} is older than {stale}: rebuild it with "
+        "`pip install --no-deps --no-build-isolation -e .` and read the compiler's errors "
+        "(a failed optional build keeps the old library)")
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() == "x86_64"
+                         and shutil.which(sysconfig.get_config_var("CXX").split()[0] if
+                                          sysconfig.get_config_var("CXX") else "c++")),
+                    reason="needs x86-64 Linux with a C++ compiler")
+def test_library_is_built_where_a_compiler_exists():
+    # Without this, a failed optional build skips every native-kernel test quietly.
+    assert _cpu_native.LIBRARY.is_file(), (
+        f"{_cpu_native.LIBRARY} is missing although a C++ compiler exists: the optional build "
+        f"failed; run `pip install --no-deps --no-build-isolation -e . -v` to see why "
+        f"({_cpu_native.status()})")
