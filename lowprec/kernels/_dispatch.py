@@ -549,31 +549,23 @@ def fp6_unpacker(p, axis: int):
     return lambda b: on_cpu(_fp6_cpu.unpack_last, lambda b: unpack6_xla(b, b.ndim - 1), b)
 
 
-#: Largest input (elements) NVFP4 quantization sends to the native CPU kernel. The kernel
-#: replaces a program XLA spends ~1-2 CPU s compiling by one custom call, but its per-block
-#: steps are still scalar loops: on 2 idle cores it quantized 2^20 float32 values in 2.3 ms
-#: against XLA's compiled 1.2 ms, and 4096^2 in 42-46 ms against 22-24 ms. Up to 2^20 the
-#: compile saved pays for ~1,000 calls; larger arrays take XLA's faster program.
-NVFP4_KERNEL_MAX_ELEMENTS = 1 << 20
-
-
 def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:
     """Whether ``quantize_mx`` of the validated input ``x`` takes a native one-pass CPU
     kernel where XLA lowers for CPU (static): the policy, the kernels built and checked, an
     unsharded input on a one-device CPU backend, and
 
-    * NVFP4 (``_nvfp4_cpu.serves``/``takes``): float32, bfloat16 or float16 input of at most
-      :data:`NVFP4_KERNEL_MAX_ELEMENTS` elements blocked along any axis, round to nearest even or stochastically, either step (one custom call
-      instead of the ~1,000-instruction encode XLA would compile; a given tensor scale that
-      is not a positive finite float32 takes XLA's formulation by a ``lax.cond``);
+    * NVFP4 (``_nvfp4_cpu.serves``/``takes``): float32, bfloat16 or float16 input of any
+      size blocked along any axis, round to nearest even or stochastically, either step (one
+      custom call instead of the ~1,000-instruction encode XLA would compile, and no slower
+      than XLA's compiled program at 2^16 to 4096^2 elements; a given tensor scale that is
+      not a positive finite float32 takes XLA's formulation by a ``lax.cond``);
     * the E8M0 formats: float32 input blocked along its last axis (other dtypes would be
       widened into a copy first, which XLA's two reads of the narrow input beat),
       deterministic rounding and a cast the kernel serves (``_mx_quantize_cpu.serves``)."""
     if x.ndim == 0 or x.size == 0:
         return False
     if cast.fmt.scheme.tensor_scale:
-        return (x.size <= NVFP4_KERNEL_MAX_ELEMENTS and _nvfp4_cpu.serves(cast)
-                and _nvfp4_cpu.takes(x) and _native_cpu_can_run(x))
+        return _nvfp4_cpu.serves(cast) and _nvfp4_cpu.takes(x) and _native_cpu_can_run(x)
     if x.dtype != jnp.float32 or axis != x.ndim - 1:
         return False
     stochastic = rng is not None and any(r is not None for r in rng)  # (key, random words)
@@ -592,7 +584,7 @@ def cpu_nvfp4_fake_quantize(x, step, stochastic: bool) -> bool:
 
     cast = MXCast(mx_format("nvfp4"), None, "stochastic" if stochastic else "nearest_even",
                   step)
-    return (x.ndim > 0 and 0 < x.size <= NVFP4_KERNEL_MAX_ELEMENTS and x.dtype == jnp.float32
+    return (x.ndim > 0 and x.size > 0 and x.dtype == jnp.float32
             and _nvfp4_cpu.serves(cast)
             and _native_cpu_can_run(x))
 
