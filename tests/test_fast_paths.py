@@ -146,7 +146,8 @@ def test_stochastic16_encoders_equal_the_general_encoder(fmt):
     if fmt in _EAGER_ENCODERS:  # each primitive dispatched eagerly is a compile (~30 a format)
         runs["eager"] = lambda: enc(f, jnp.asarray(u), nr)
     for mode, run in runs.items():
-        assert_codes_equal(np.asarray(run()), want, u.view(np.float32), f"{fmt} stochastic16 {mode}")
+        assert_codes_equal(np.asarray(run()), want, u.view(np.float32),
+                           f"{fmt} stochastic16 {mode}")
 
 
 @pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
