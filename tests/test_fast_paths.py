@@ -119,13 +119,20 @@ def _subnormal_range_inputs(fmt: str, n: int = 1 << 14) -> np.ndarray:
     return sign | (field << np.uint32(23)) | mant
 
 
+# The internal encoders are also run eagerly (op by op, not one fused program: what a caller
+# under jax.disable_jit gets) for one format of each encoder family: the 16-bit float
+# rebias (bf16), the 8-bit one (e4m3), E8M0; 16-bit wide (fp16), FP4 (e2m1). Each primitive
+# dispatched eagerly is a compile of its own, ~30 per format for the same operations.
+_EAGER_ENCODERS = ("bf16", "e4m3", "e8m0", "fp16", "e2m1")
+
+
 @pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e8m0"])
 @pytest.mark.parametrize("fmt", ELEMENTS)
 @pytest.mark.quick_first(1)
 def test_stochastic16_encoders_equal_the_general_encoder(fmt):
     """The encoders of 16-bit words (given the complement 0xFFFF − r) against the general
     float64 encoder comparing r · 2^16 with frac · 2^32, on every branch's inputs, the
-    extreme words included; under jit and eagerly."""
+    extreme words included; under jit, and eagerly for one format per encoder family."""
     f = lowprec.element_format(fmt)
     enc = _encode_fast.stochastic16_encoder(f)
     if enc is None:
@@ -135,8 +142,12 @@ def test_stochastic16_encoders_equal_the_general_encoder(fmt):
     r16[:256] = [0, 1, 0x8000, 0xFFFF] * 64
     nr = jnp.asarray(r16 ^ np.uint32(0xFFFF))
     want = _general(fmt, u, "stochastic", r16 << np.uint32(16))
-    for got in (jax.jit(lambda v, w: enc(f, v, w))(jnp.asarray(u), nr), enc(f, jnp.asarray(u), nr)):
-        assert_codes_equal(np.asarray(got), want, u.view(np.float32), f"{fmt} stochastic16")
+    runs = {"jit": lambda: jax.jit(lambda v, w: enc(f, v, w))(jnp.asarray(u), nr)}
+    if fmt in _EAGER_ENCODERS:  # each primitive dispatched eagerly is a compile (~30 a format)
+        runs["eager"] = lambda: enc(f, jnp.asarray(u), nr)
+    for mode, run in runs.items():
+        assert_codes_equal(np.asarray(run()), want, u.view(np.float32),
+                           f"{fmt} stochastic16 {mode}")
 
 
 @pytest.mark.quick_cases(fmt=["bf16", "e4m3", "e2m1"])
@@ -145,9 +156,12 @@ def test_stochastic16_encoders_equal_the_general_encoder(fmt):
 def test_decode_by_subtraction_equals_the_integer_decode(fmt):
     f = lowprec.element_format(fmt)
     codes = jnp.arange(1 << min(f.code_bits, 16), dtype=jnp.uint32)
-    want = np.asarray(_decode.decode_bits(f, codes))
-    for got in (_decode.decode_f32(f, codes), jax.jit(lambda c: _decode.decode_f32(f, c))(codes)):
-        assert_codes_equal(bit_pattern(got), want, None, fmt)
+    want = np.asarray(jax.jit(lambda c: _decode.decode_bits(f, c))(codes))
+    runs = {"jit": lambda: jax.jit(lambda c: _decode.decode_f32(f, c))(codes)}
+    if fmt in _EAGER_ENCODERS:  # op by op for one format per family (see above)
+        runs["eager"] = lambda: _decode.decode_f32(f, codes)
+    for mode, run in runs.items():
+        assert_codes_equal(bit_pattern(run()), want, None, f"{fmt} {mode}")
 
 
 # -- MX: decode by float multiply -------------------------------------------------------------
@@ -343,8 +357,19 @@ def test_lifted_product_equals_the_exact_product():
         np.testing.assert_array_equal(lifted, exact, f"totals from index {start}")
 
 
+# The formats whose scheme chooses per block by its float32 error (Four over Six and its
+# variants, IF4, MixFP4; docs/design.md §3c) compile a pipeline of seconds per layout: their
+# blocks along a leading axis are checked against the reference in the default run by
+# tests/test_four_bit_2026.py (its [batch, d, seq] layout, blocks along axis 1; Four over
+# Six's variants change only the per-block error measure, not the layout), so here they run
+# in the extended sweep only.
+SELECTING_MX = ("nvfp4_4over6", "nvfp4_4over6_mse", "nvfp4_4over6_fp16", "if4", "mixfp4")
+_AXIS_CASES = [pytest.param(f, marks=pytest.mark.extended) if f in SELECTING_MX else f
+               for f in MX]
+
+
 @pytest.mark.quick_cases(fmt=["mxfp4"])
-@pytest.mark.parametrize("fmt", MX)
+@pytest.mark.parametrize("fmt", _AXIS_CASES)
 def test_quantize_along_axis_0_equals_axis_1_of_the_transpose(fmt):
     """Blocks split in place along a leading axis give the codes of the transposed array
     blocked along its last axis, bit for bit (FP4 packed along the block axis in both)."""
@@ -422,57 +447,89 @@ def test_random_bits_are_a_prefix_stable_stream():
 # Every shape for one format of each code width and fast path (the grouping depends on those
 # alone); the other formats take one even and one odd last axis.
 _WORD_SHAPES = [(8,), (3, 4), (5, 3), (2, 2, 6), ()]
-_WORD_CASES = [(f, s) for f in ELEMENTS for s in _WORD_SHAPES
-               if f in ("fp16", "bf16", "tf32", "e4m3", "e5m2", "e2m1", "e8m0") or s in _WORD_SHAPES[1:3]]
+_EVERY_SHAPE = ("fp16", "bf16", "tf32", "e4m3", "e5m2", "e2m1", "e8m0")
 
 
-@pytest.mark.quick_cases(fmt=["e4m3"], shape=[(3, 4), (5, 3)])
-@pytest.mark.parametrize("fmt,shape", _WORD_CASES, ids=str)
-def test_key_equals_its_words_given(fmt, shape):
+@pytest.mark.quick_cases(fmt=["e4m3"])
+@pytest.mark.parametrize("fmt", ELEMENTS)
+def test_key_equals_its_words_given(fmt):
     """The words generated inside the encoder (each element hashing its own index, fast
     encoder or general) are those of random_bits, and rounding with them matches the
-    reference."""
+    reference. Every shape of a format in one jitted program (a program per shape and call
+    cost ~0.6 s a case), and eagerly (the concrete-argument checks) on the first shape of one
+    format per code width and fast path."""
+    shapes = _WORD_SHAPES if fmt in _EVERY_SHAPE else _WORD_SHAPES[1:3]
     rng = np.random.default_rng(4)
-    x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-20, 10, shape)).astype(np.float32)
-    if not lowprec.element_format(fmt).signed:
-        x = np.abs(x)
+    xs = []
+    for shape in shapes:
+        x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-20, 10, shape)).astype(np.float32)
+        xs.append(x if lowprec.element_format(fmt).signed else np.abs(x))
     key = jax.random.key(13)
-    words = lowprec.random_bits(key, shape)
-    by_key = jax.jit(lambda v, k: lowprec.encode(v, fmt, rounding="stochastic", key=k))(x, key)
-    by_words = lowprec.encode(x, fmt, rounding="stochastic", random_bits=words)
-    want = R.encode(fmt, x, "stochastic", random_bits=reference_words(np.asarray(words)))
-    assert_codes_equal(np.asarray(by_key), want, x, f"{fmt} key")
-    assert_codes_equal(np.asarray(by_words), want, x, f"{fmt} words")
-    q = lowprec.quantize(x, fmt, rounding="stochastic", key=key, dtype=jnp.float32)
-    assert np.array_equal(np.asarray(q, np.float64), R.decode(fmt, want), equal_nan=True)
+
+    def calls(x, k):
+        words = lowprec.random_bits(k, x.shape)
+        return (words, lowprec.encode(x, fmt, rounding="stochastic", key=k),
+                lowprec.encode(x, fmt, rounding="stochastic", random_bits=words),
+                lowprec.quantize(x, fmt, rounding="stochastic", key=k, dtype=jnp.float32))
+
+    jitted = jax.jit(lambda xs, k: [calls(x, k) for x in xs])(xs, key)
+    runs = [("jit", shape, x, out) for shape, x, out in zip(shapes, xs, jitted)]
+    if fmt in _EVERY_SHAPE:
+        runs.append(("eager", shapes[0], xs[0], calls(jnp.asarray(xs[0]), key)))
+    for mode, shape, x, (words, by_key, by_words, q) in runs:
+        tag = f"{fmt} {shape} {mode}"
+        replayed = replay_random_bits(key, shape)  # the documented words, by NumPy
+        assert np.array_equal(np.asarray(words), replayed), f"{tag} random_bits"
+        want = R.encode(fmt, x, "stochastic", random_bits=reference_words(replayed))
+        assert_codes_equal(np.asarray(by_key), want, x, f"{tag} key")
+        assert_codes_equal(np.asarray(by_words), want, x, f"{tag} words")
+        assert np.array_equal(np.asarray(q, np.float64), R.decode(fmt, want), equal_nan=True), tag
 
 
 _MX_WORD_LAYOUTS = [((4, 64), 1), ((64, 4), 0), ((64, 3), 0)]
 # Every layout for one format per element code width with E8M0 scales (8, 4 bits) and for
 # NVFP4's two-level scales; the others take the odd-width layout.
+_MX_EVERY_LAYOUT = ("mxfp8_e4m3", "mxfp4", "nvfp4")
 # Formats whose scheme rounds its elements itself to nearest (docs/design.md §3c) take no
 # random words.
-_MX_WORD_CASES = [(f, s, a) for f in MX for s, a in _MX_WORD_LAYOUTS
-                  if (f in ("mxfp8_e4m3", "mxfp4", "nvfp4") or (s, a) == _MX_WORD_LAYOUTS[-1])
-                  and lowprec.mx_format(f).scheme.roundings is None]
+_MX_WORD_FORMATS = [f for f in MX if lowprec.mx_format(f).scheme.roundings is None]
 
 
 @pytest.mark.slow  # test_mx / test_mx_formats check the MX words in the quick tier
-@pytest.mark.parametrize("fmt,shape,axis", _MX_WORD_CASES, ids=str)
-def test_mx_key_equals_its_words_given(fmt, shape, axis):
-    x = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+@pytest.mark.parametrize("fmt", _MX_WORD_FORMATS)
+def test_mx_key_equals_its_words_given(fmt):
+    """quantize_mx with a key rounds with the words of random_bits (given instead, the same
+    codes, equal to the reference's), and fake_quantize_mx with the key gives their values;
+    every layout of a format in one jitted program, and eagerly on the first layout of the
+    formats that take every layout."""
+    layouts = _MX_WORD_LAYOUTS if fmt in _MX_EVERY_LAYOUT else _MX_WORD_LAYOUTS[-1:]
+    xs = [np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+          for shape, _ in layouts]
     key = jax.random.key(21)
-    words = lowprec.random_bits(key, shape)
-    a = lowprec.quantize_mx(x, fmt, axis=axis, rounding="stochastic", key=key)
-    b = jax.jit(lambda v, w: lowprec.quantize_mx(v, fmt, axis=axis, rounding="stochastic",
-                                                 random_bits=w))(x, words)
-    e, s = R.quantize_mx(x, fmt, axis=axis, rounding="stochastic",
-                         random_bits=reference_words(np.asarray(words)))[:2]
-    for mx in (a, b):
-        assert_codes_equal(element_codes(mx), e, x, f"{fmt} elements", axis=axis)
-        assert_codes_equal(np.asarray(mx.scales), s, x, f"{fmt} scales", axis=axis, per_block=True)
-    fq = lowprec.fake_quantize_mx(x, fmt, axis=axis, rounding="stochastic", key=key)
-    assert_same_floats(fq, lowprec.dequantize(a), f"{fmt} fake_quantize_mx")
+
+    def calls(x, k, axis):
+        words = lowprec.random_bits(k, x.shape)
+        a = lowprec.quantize_mx(x, fmt, axis=axis, rounding="stochastic", key=k)
+        b = lowprec.quantize_mx(x, fmt, axis=axis, rounding="stochastic", random_bits=words)
+        fq = lowprec.fake_quantize_mx(x, fmt, axis=axis, rounding="stochastic", key=k)
+        return words, a, b, fq, lowprec.dequantize(a)
+
+    axes = tuple(axis for _, axis in layouts)
+    jitted = jax.jit(lambda xs, k: [calls(x, k, axis) for x, axis in zip(xs, axes)])(xs, key)
+    runs = [("jit", x, axis, out) for x, axis, out in zip(xs, axes, jitted)]
+    if fmt in _MX_EVERY_LAYOUT:
+        runs.append(("eager", xs[0], axes[0], calls(jnp.asarray(xs[0]), key, axes[0])))
+    for mode, x, axis, (words, a, b, fq, deq) in runs:
+        tag = f"{fmt} {x.shape} axis {axis} {mode}"
+        replayed = replay_random_bits(key, x.shape)  # the documented words, by NumPy
+        assert np.array_equal(np.asarray(words), replayed), f"{tag} random_bits"
+        e, s = R.quantize_mx(x, fmt, axis=axis, rounding="stochastic",
+                             random_bits=reference_words(replayed))[:2]
+        for name, mx in (("key", a), ("words", b)):
+            assert_codes_equal(element_codes(mx), e, x, f"{tag} {name} elements", axis=axis)
+            assert_codes_equal(np.asarray(mx.scales), s, x, f"{tag} {name} scales", axis=axis,
+                               per_block=True)
+        assert_same_floats(fq, deq, f"{tag} fake_quantize_mx")
 
 
 # Rounding up with probability ⌈frac·2^16⌉/2^16: checked over all 2^16 words, so the count of

@@ -225,6 +225,14 @@ def _jitted_encode(fmt, rounding, overflow):
 
 
 @functools.lru_cache(maxsize=None)
+def _jitted_encode_modes(fmt, roundings, overflow):
+    # Several deterministic modes of one format in one program: a program each costs more
+    # to compile than the modes' share of one (tests/test_codec_properties.py).
+    return jax.jit(lambda x: [lowprec.encode(x, fmt, rounding=r, overflow=overflow)
+                              for r in roundings])
+
+
+@functools.lru_cache(maxsize=None)
 def _jitted_decode(fmt):
     return jax.jit(lambda codes: lowprec.decode(codes, fmt))
 
@@ -268,6 +276,14 @@ class Codec:
         else:
             out = _jitted_encode(fmt, rounding, overflow)(_pad(x), key)
         return _unpad(out, x)
+
+    def encode_modes(self, fmt, x, roundings, overflow="ieee") -> dict:
+        """{rounding: codes} of deterministic ``roundings``; under ``jit`` one program."""
+        if self.name != "jit":
+            return {r: self.encode(fmt, x, r, overflow) for r in roundings}
+        x = np.asarray(x)
+        out = _jitted_encode_modes(fmt, tuple(roundings), overflow)(_pad(x))
+        return {r: _unpad(codes, x) for r, codes in zip(roundings, out)}
 
     def decode(self, fmt, codes) -> np.ndarray:
         codes = np.asarray(codes)
