@@ -256,6 +256,32 @@ def test_if4_flag_grid_and_twos_complement_codes():
     np.testing.assert_allclose(np.asarray(lowprec.dequantize(mx))[0, :16], x[0, :16], rtol=3e-7)
 
 
+def test_if4_e2m1_ties_go_to_the_even_code():
+    """IF4's FP4 branch rounds E2M1 ties to the even code (the authors' np.round/torch.round
+    ties to even, on 2|q|, |q| or |q|/2). Block 0 holds 2688 alone, so amax = 2688 and encode
+    = 2688 / amax = 1; every other block is 256 * [6, t, 0.5 x 14] with t a tie of E2M1 (or
+    its negation): s = e4m3((1536 / 6) * 1) = 256 (0x78, a power of two) so q = x / 256 is
+    exact and lands on the tie. Each such block picks FP4: its error is t's half step alone,
+    where INT4 (grid k * 6/7) misses fourteen 0.5s by 0.5 - 3/7 each. The expected code of a
+    tie between codes j and j + 1 is the even one, sign bit 8 for negative t (-0.25 gives
+    -0, code 8, as the authors' sign(q) * 0 packs)."""
+    ties = {0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6}  # tie -> even code
+    blocks, expected = [np.array([2688.0] + [0.0] * 15, np.float32)], []
+    for sign in (1, -1):
+        for t, code in ties.items():
+            blocks.append(np.float32(sign * 256) * np.array([6.0, t] + [0.5] * 14, np.float32))
+            expected.append(code | (8 if sign < 0 else 0))
+    x = np.concatenate(blocks)[None]
+    mx = lowprec.quantize_mx(jnp.asarray(x), "if4")  # one program: quantize_mx is jitted
+    scales, codes = np.asarray(mx.scales)[0], element_codes(mx)[0].reshape(-1, 16)
+    assert scales[1:].tolist() == [0x78] * 14, "every tie block should be FP4 with scale 256"
+    got = codes[1:, 1].tolist()
+    assert got == expected, dict(zip([f"{s}{t}" for s in "+-" for t in ties], got))
+    ref_codes, ref_scales, _ = R4.quantize_if4(x)
+    assert codes.reshape(1, -1).tolist() == ref_codes.tolist()
+    assert scales.tolist() == ref_scales[0].tolist()
+
+
 def test_mixfp4_grids_flag_and_ties():
     """MixFP4's INT4 block has its own scale, the maximum mapped to 7: [-7..7] (amax 7,
     gs = 384) -> e4m3(384 * 7 / 7) = 384 (0x7C), flag set, sign-magnitude nibbles (-7 -> 0xF).
