@@ -31,7 +31,8 @@ DN = (((1,), (0,)), ((), ()))
 
 
 def _x(shape=(8, 64), seed=0):
-    return jax.random.normal(jax.random.key(seed), shape)
+    # Drawn by NumPy: jax.random run op by op compiles its programs anew for every shape.
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
 
 
 # -- factories ------------------------------------------------------------------------------------
@@ -41,7 +42,7 @@ def _x(shape=(8, 64), seed=0):
 def test_linen_dense_factory_is_the_recipe_dot():
     layer = nn.Dense(48, dot_general=lf.dot_general(R4))
     x = _x()
-    p = layer.init(jax.random.key(1), x)["params"]
+    p = jax.jit(layer.init)(jax.random.key(1), x)["params"]
     assert_bits_equal(layer.apply({"params": p}, x), R4.dot_general(x, p["kernel"], DN) + p["bias"])
 
 
@@ -49,7 +50,7 @@ def test_linen_dense_factory_is_the_recipe_dot():
 def test_linen_dense_general_several_contracting_axes():
     layer = nn.DenseGeneral(16, axis=(-2, -1), dot_general=lf.dot_general(NVIDIA_MXFP8))
     x = _x((4, 2, 32))
-    p = layer.init(jax.random.key(1), x)["params"]
+    p = jax.jit(layer.init)(jax.random.key(1), x)["params"]
     want = NVIDIA_MXFP8.dot_general(x, p["kernel"], (((1, 2), (0, 1)), ((), ()))) + p["bias"]
     assert_bits_equal(layer.apply({"params": p}, x), want)
     # Flattened contraction (2 x 32): the same as quantizing the reshaped operands.
@@ -59,7 +60,7 @@ def test_linen_dense_general_several_contracting_axes():
 def test_bf16_layers_keep_lax_dtype_semantics():
     layer = nn.Dense(32, dtype=jnp.bfloat16, dot_general=lf.dot_general(NVIDIA_MXFP8))
     x = _x()
-    p = layer.init(jax.random.key(1), x)
+    p = jax.jit(layer.init)(jax.random.key(1), x)
     assert layer.apply(p, x).dtype == jnp.bfloat16  # as with lax.dot_general
 
 
@@ -115,10 +116,11 @@ class ExplicitMLP(nn.Module):
 def test_quantize_model_linen_equals_the_hand_written_model():
     recipe = dataclasses.replace(NVIDIA_MXFP8, high_precision=("head",))
     x = _x()
-    params = MLP().init(jax.random.key(1), x)
+    params = jax.jit(MLP().init)(jax.random.key(1), x)
     float_out = MLP().apply(params, x)
     q = lf.quantize_model(MLP(), recipe)
-    assert jax.tree.structure(q.init(jax.random.key(1), x)) == jax.tree.structure(params)
+    shapes = jax.eval_shape(q.init, jax.random.key(1), x)  # the structure, without compiling
+    assert jax.tree.structure(shapes) == jax.tree.structure(params)
     want = ExplicitMLP(recipe).apply(params, x)
     assert_bits_equal(q.apply(params, x), want)  # eager
     assert not np.array_equal(bit_pattern(float_out), bit_pattern(want))  # it did change
@@ -137,7 +139,7 @@ def test_linen_uncovered_layers_warn_once_unless_excluded():
             return nn.Einsum((64, 8), "bd,df->bf", name="ein")(nn.Dense(64, name="d")(x))
 
     x = _x()
-    params = WithEinsum().init(jax.random.key(0), x)
+    params = jax.jit(WithEinsum().init)(jax.random.key(0), x)
     q = lf.quantize_model(WithEinsum(), Recipe(forward="mxfp8", name="warn_test"))
     with pytest.warns(UserWarning, match=r"Einsum.__call__ at ein has no dot_general hook.*'warn_test'"):
         q.apply(params, x)
@@ -156,7 +158,7 @@ def test_linen_remat_module():
             return nn.remat(nn.Dense)(16, name="d")(x)
 
     x = _x()
-    params = Net().init(jax.random.key(0), x)
+    params = jax.jit(Net().init)(jax.random.key(0), x)
     q = lf.quantize_model(Net(), NVIDIA_MXFP8)
     p = params["params"]["d"]
     g = jax.jit(jax.grad(lambda pp: jnp.sum(q.apply(pp, x) ** 2)))(params)
@@ -254,7 +256,7 @@ class TiedLM(nn.Module):
 @pytest.mark.slow
 def test_linen_embed_attend_runs_in_the_recipe():
     tokens = jnp.arange(16).reshape(2, 8) % 96
-    params = TiedLM().init(jax.random.key(0), tokens)
+    params = jax.jit(TiedLM().init)(jax.random.key(0), tokens)
     table = params["params"]["embed"]["embedding"]
     recipe = Recipe(forward="mxfp8", name="attend_test")
     q = lf.quantize_model(TiedLM(), recipe)
@@ -308,7 +310,7 @@ class RulesMLP(nn.Module):
 def test_rules_first_match_wins_linen_and_nnx():
     rules = lowprec.Rules([("head", None), ("up", R4), ("u.*", NVIDIA_MXFP8), (".*", NVIDIA_MXFP8)])
     x = _x()
-    params = MLP().init(jax.random.key(1), x)
+    params = jax.jit(MLP().init)(jax.random.key(1), x)
     assert_bits_equal(lf.quantize_model(MLP(), rules).apply(params, x), RulesMLP().apply(params, x))
     # A list of pairs is accepted as Rules; no match keeps the layer's own precision.
     q = lf.quantize_model(MLP(), [("gen", NVIDIA_MXFP8)])

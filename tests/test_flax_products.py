@@ -32,7 +32,8 @@ MX4 = Recipe(forward="mxfp4", backward_operands="mxfp8", grad="mxfp8", scale_rul
 
 
 def _x(shape, seed=0):
-    return jax.random.normal(jax.random.key(seed), shape)
+    # Drawn by NumPy: jax.random run op by op compiles its programs anew for every shape.
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
 
 
 def _ref_q(x, fmt, axis, rule="rceil"):
@@ -242,7 +243,7 @@ def test_conv_gradients_are_the_recipe_backward_products():
 def test_conv_layers_linen_and_nnx_and_grouped_refusal():
     x = _x((2, 6, 6, 32))
     layer = nn.Conv(8, (3, 3))
-    params = layer.init(jax.random.key(0), x)
+    params = jax.jit(layer.init)(jax.random.key(0), x)
     by_hand = nn.Conv(8, (3, 3), conv_general_dilated=lf.conv_general_dilated(NVIDIA_MXFP8))
     conv = nnx.Conv(32, 8, (3, 3), rngs=nnx.Rngs(0))
     lf.quantize_model(conv, NVIDIA_MXFP8)
@@ -298,7 +299,7 @@ class Two(nn.Module):
 
 def test_nested_intercepting_the_innermost_rule_decides():
     x = _x((4, 32))
-    params = Two().init(jax.random.key(0), x)
+    params = jax.jit(Two().init)(jax.random.key(0), x)
     only_a = lowprec.Rules([("a", MX4)])
     with lf.intercepting(NVIDIA_MXFP8):
         with lf.intercepting(only_a):
@@ -326,9 +327,10 @@ class Parent(nn.Module):
 
 def test_quantized_linen_is_a_submodule_with_the_float_parameters():
     x = _x((4, 32))
-    float_params = Parent(Two()).init(jax.random.key(0), x)
+    float_params = jax.jit(Parent(Two()).init)(jax.random.key(0), x)
     model = Parent(lf.quantize_model(Two(), MX4))
-    assert jax.tree.structure(model.init(jax.random.key(0), x)) == jax.tree.structure(float_params)
+    assert jax.tree.structure(jax.eval_shape(model.init, jax.random.key(0), x)) == jax.tree.structure(
+        float_params)
     got = model.apply(float_params, x)
     # The child runs in MX4, the parent's head in its own precision.
     want = lf.quantize_model(Parent(Two()), lowprec.Rules([("inner/.*", MX4)])).apply(float_params, x)

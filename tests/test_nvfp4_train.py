@@ -124,11 +124,12 @@ def _within(got, a, b):
 
 
 def _data(t=32, k=32, n=16, seed=0):
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(k1, (t, k)) * jnp.exp2(jax.random.randint(k2, (t, k), -3, 4))
-    w = jax.random.normal(k2, (k, n)) / 4
-    c = jax.random.normal(k3, (t, n))
-    return np.asarray(x), np.asarray(w), np.asarray(c)
+    # NumPy: jax.random run op by op compiles its programs anew for every shape.
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, k)) * np.exp2(rng.integers(-3, 4, (t, k)))
+    w = rng.standard_normal((k, n)) / 4
+    c = rng.standard_normal((t, n))
+    return x.astype(np.float32), w.astype(np.float32), c.astype(np.float32)
 
 
 @pytest.mark.slow  # ~10 s on 2 shared cores (the exact-rational reference)
@@ -212,24 +213,25 @@ def test_dense_general_weights_are_their_2d_matrix(form):
     # flattened alike. So the dot, and both gradients, equal the 2-D recipe's on those
     # reshapes bit for bit (same quantized operands, same tiles, same words, same GEMMs).
     r = lowprec.NVIDIA_NVFP4
-    ks = jax.random.split(jax.random.key(31), 3)
+    rng = np.random.default_rng(31)
+    normal = lambda shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     b, s, d, heads, hd = 2, 16, 32, 2, 16
     if form == "out":  # attention's output projection: [B, S, H, hd] . [H, hd, D]
-        x = jax.random.normal(ks[0], (b, s, heads, hd))
-        w = jax.random.normal(ks[1], (heads, hd, d)) / 4
+        x = normal((b, s, heads, hd))
+        w = normal((heads, hd, d)) / 4
         dn = (((2, 3), (0, 1)), ((), ()))
         x2, w2, dn2 = x.reshape(b, s, heads * hd), w.reshape(heads * hd, d), (((2,), (0,)), ((), ()))
         out_shape = (b, s, d)
     else:  # q/k/v: [B, S, D] . [D, H, hd], or the weight stored [H, hd, D]
-        x = jax.random.normal(ks[0], (b, s, d))
-        w = jax.random.normal(ks[1], (d, heads, hd)) / 4
+        x = normal((b, s, d))
+        w = normal((d, heads, hd)) / 4
         x2, w2, dn2 = x, w.reshape(d, heads * hd), (((2,), (0,)), ((), ()))
         dn = (((2,), (0,)), ((), ()))
         if form == "qkv_nk":
-            w, dn = jnp.transpose(w, (1, 2, 0)), (((2,), (2,)), ((), ()))
+            w, dn = np.transpose(w, (1, 2, 0)), (((2,), (2,)), ((), ()))
             w2, dn2 = w.reshape(heads * hd, d), (((2,), (1,)), ((), ()))
         out_shape = (b, s, heads, hd)
-    c = jax.random.normal(ks[2], out_shape)
+    c = normal(out_shape)
     grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
     _, (gx, gw) = grad(lambda a, v: jnp.sum(r.dot_general(a, v, dn) * c))(x, w)
     _, (gx2, gw2) = grad(lambda a, v: jnp.sum(r.dot_general(a, v, dn2) * c.reshape(

@@ -45,13 +45,14 @@ def _groups(sizes, m=M):
 
 def _operands(sizes=SIZES, m=M, k=K, n=N, seed=0):
     """Tokens, per-expert weights and a cotangent; row and expert magnitudes vary over 2^±6,
-    so that groups and experts get different scales."""
-    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(seed), 5)
-    x = jax.random.normal(k1, (m, k)) * jnp.exp2(jax.random.randint(k2, (m, 1), -6, 6))
-    w = jax.random.normal(k3, (len(sizes), k, n)) * jnp.exp2(
-        jax.random.randint(k4, (len(sizes), 1, 1), -6, 6))
-    g = jax.random.normal(k5, (m, n))
-    return x, w, g, jnp.asarray(sizes, jnp.int32)
+    so that groups and experts get different scales. NumPy arrays (drawn and sliced without
+    compiling: jax.random and slicing run op by op compile a program per shape)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)) * np.exp2(rng.integers(-6, 6, (m, 1)))
+    w = rng.standard_normal((len(sizes), k, n)) * np.exp2(rng.integers(-6, 6, (len(sizes), 1, 1)))
+    g = rng.standard_normal((m, n))
+    return (x.astype(np.float32), w.astype(np.float32), g.astype(np.float32),
+            jnp.asarray(sizes, jnp.int32))
 
 
 def _ref_q(x, fmt, axis, rule="floor"):
@@ -265,24 +266,36 @@ def test_tensor_scaled_backward_is_per_group():
 def test_each_group_is_the_recipes_dot_general(recipe):
     # The contract in one line: group g's output and gradients are those of
     # recipe.dot_general on its tokens and weight alone (within float32 summation order).
+    # One program each; a group's own dot runs on its tokens zero-padded to 64 rows, so that
+    # every group shares one compile (zero tokens change no amax, no row's K-blocks, and no
+    # 32-token block of the weight gradient: the recipe zero-pads the last one itself).
     x, w, g, gs = _operands()
-    y, vjp = jax.vjp(lambda a, b: recipe.ragged_dot(a, b, gs), x, w)
-    gl, gr = vjp(g)
+    ragged = jax.jit(lambda a, b, c: _forward_and_grads(
+        lambda p, q: recipe.ragged_dot(p, q, gs), a, b, c))
+    dense = jax.jit(lambda a, b, c: _forward_and_grads(
+        lambda p, q: recipe.dot_general(p, q, DN), a, b, c))
+    y, gl, gr = ragged(x, w, g)
     for i, (a, b) in enumerate(_groups(SIZES)):
         if a == b:
             continue
-        yi, vjp_i = jax.vjp(lambda p, q: recipe.dot_general(p, q, DN), x[a:b], w[i])
-        gli, gri = vjp_i(g[a:b])
+        yi, gli, gri = (np.asarray(v) for v in dense(
+            _padded_rows(x[a:b], 64), w[i], _padded_rows(g[a:b], 64)))
+        assert not np.any(yi[b - a:]) and not np.any(gli[b - a:])  # the zero tokens' rows
         xa, wi, ga = (np.asarray(v, np.float64) for v in (x[a:b], w[i], g[a:b]))
-        _assert_same_sums(y[a:b], yi, xa, wi, K)
-        _assert_same_sums(gl[a:b], gli, ga, wi.T, N)
+        _assert_same_sums(y[a:b], yi[:b - a], xa, wi, K)
+        _assert_same_sums(gl[a:b], gli[:b - a], ga, wi.T, N)
         _assert_same_sums(gr[i], gri, xa.T, ga, b - a)
 
 
-def _padded16(v):
-    """Rows of ``v`` zero-padded to a multiple of 16 (the NVFP4 recipe's token padding)."""
+def _forward_and_grads(fn, a, b, c):
+    out, vjp = jax.vjp(fn, a, b)
+    return (out, *vjp(c))
+
+
+def _padded_rows(v, rows):
+    """``v`` with zero rows appended up to ``rows``."""
     v = np.asarray(v, np.float32)
-    return np.pad(v, ((0, -v.shape[0] % 16), (0, 0)))
+    return np.pad(v, ((0, rows - v.shape[0]), (0, 0)))
 
 
 @pytest.mark.slow  # ~10 s of NVFP4 compiles on 2 shared cores; the quick tier has the MX cases
@@ -297,7 +310,10 @@ def test_nvfp4_recipe_each_group_is_the_recipes_dot_general():
     sizes, m, k, n = (13, 0, 20), 40, 32, 24  # 7 rows in no group; N padded to 32
     x, w, g, gs = _operands(sizes, m, k, n, seed=5)
 
-    # Jitted: run op by op, each product compiled ~900 small programs (38-55 CPU s).
+    # One program each (op by op, each product compiled ~900 small programs). A group's own
+    # dot runs on its tokens zero-padded to 32 rows, so that every group shares one compile:
+    # zero tokens leave its tensor scales (amaxes), its rows' K-blocks, and its 16-token
+    # blocks (the recipe zero-pads them itself; RHT maps zeros to zeros) as they are.
     @jax.jit
     def ragged(a, b, c):
         out, vjp = jax.vjp(lambda p, q: recipe.ragged_dot(p, q, gs), a, b)
@@ -306,22 +322,23 @@ def test_nvfp4_recipe_each_group_is_the_recipes_dot_general():
     @jax.jit
     def dense(a, b, c):
         out, vjp = jax.vjp(lambda p, q: recipe.dot_general(p, q, DN), a, b)
-        return (out, *vjp(c))
+        # The weight gradient multiplies the transformed tokens and cotangent (M x, M g).
+        signs = nt.recipe_rht_signs(recipe)
+        return (out, *vjp(c), nt.rht(a, signs), nt.rht(c, signs))
 
     y, gl, gr = ragged(x, w, g)
-    signs = nt.recipe_rht_signs(recipe)
     for i, (a, b) in enumerate(_groups(sizes, m)):
         if a == b:
             assert not np.any(np.asarray(gr[i]))  # no tokens: no weight gradient
             continue
-        yi, gli, gri = dense(x[a:b], w[i], g[a:b])
+        yi, gli, gri, mx, mg = (np.asarray(v, np.float64) for v in dense(
+            _padded_rows(x[a:b], 32), w[i], _padded_rows(g[a:b], 32)))
+        assert not np.any(yi[b - a:]) and not np.any(gli[b - a:])  # the zero tokens' rows
         xa, wi, ga = (np.asarray(v, np.float64) for v in (x[a:b], w[i], g[a:b]))
-        _assert_same_sums(y[a:b], yi, xa, wi, k)
-        _assert_same_sums(gl[a:b], gli, ga, wi.T, n)
-        # The weight gradient multiplies the transformed tokens and cotangent (M x, M g).
-        mx, mg = (np.asarray(nt.rht(jnp.asarray(_padded16(v)), signs), np.float64)
-                  for v in (x[a:b], g[a:b]))
-        _assert_same_sums(gr[i], gri, mx.T, mg, mx.shape[0])
+        _assert_same_sums(y[a:b], yi[:b - a], xa, wi, k)
+        _assert_same_sums(gl[a:b], gli[:b - a], ga, wi.T, n)
+        # Summed over the group's tokens padded to whole 16-blocks (the rest are zeros).
+        _assert_same_sums(gr[i], gri, mx.T, mg, -((a - b) // 16) * 16)
     rest = slice(sum(sizes), m)
     assert not np.any(np.asarray(y[rest])) and not np.any(np.asarray(gl[rest]))
 
@@ -357,12 +374,13 @@ def test_jit_grad_and_traced_group_sizes_agree_bitwise():
         return jnp.sum(NVIDIA_MXFP8.ragged_dot(a, b, sizes) * g)
 
     eager = jax.grad(loss, argnums=(0, 1))(x, w, gs)
-    jitted = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, gs)
+    jitted_grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    jitted = jitted_grad(x, w, gs)
     for e, j in zip(eager, jitted):
         np.testing.assert_array_equal(np.asarray(e), np.asarray(j))
-    # Other sizes through the same trace.
+    # Other sizes through the same trace (one compile: the sizes are an argument).
     other = jnp.asarray((0, 40, 0, 40), jnp.int32)
-    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, other)
+    got = jitted_grad(x, w, other)
     want = jax.grad(loss, argnums=(0, 1))(x, w, other)
     for e, j in zip(want, got):
         np.testing.assert_array_equal(np.asarray(e), np.asarray(j))
@@ -446,9 +464,8 @@ def test_backward_needs_whole_blocks_along_n_without_pad():
 _SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, lowprec
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    x = jax.random.normal(jax.random.key(0), (128, 64))
-    w = jax.random.normal(jax.random.key(1), (4, 64, 64))
-    g = jax.random.normal(jax.random.key(2), (128, 64))
+    rng = np.random.default_rng(0)  # NumPy: jax.random would compile per shape
+    x, w, g = (rng.standard_normal(s).astype(np.float32) for s in ((128, 64), (4, 64, 64), (128, 64)))
     gs = jnp.array([20, 0, 70, 30], jnp.int32)
 
     def step(x, w, g, out_sharding=None):

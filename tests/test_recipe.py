@@ -66,11 +66,17 @@ def _assert_close(got, want, a, b, contract_len):
     assert not bad.any(), f"{bad.sum()} entries off; max err {np.max(np.abs(got - want))}"
 
 
+def _normal(seed, shape):
+    """Standard normal float32 values drawn by NumPy: jax.random run op by op compiles its
+    programs anew for every shape (~0.75 CPU s each)."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
 def _operands(t=48, k=64, n=40, seed=0):
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(k1, (t, k)) * jnp.exp2(jax.random.randint(k2, (t, k), -6, 6))
-    w = jax.random.normal(k3, (k, n)) * 0.1
-    return x, w
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, k)) * np.exp2(rng.integers(-6, 6, (t, k)))
+    w = rng.standard_normal((k, n)) * 0.1
+    return x.astype(np.float32), w.astype(np.float32)
 
 
 # -- construction and validation ------------------------------------------------------------------
@@ -226,7 +232,7 @@ def test_quantized_backward_blocks_along_each_reduction(recipe):
     # grad_x [T,K] = Q(g)[T,N] . Q(w)^T: g and w blocked along N (axis 1 of g, 1 of w);
     # grad_w [K,N] = Q(x)^T . Q(g): x and g blocked along T (axis 0 of both).
     x, w = _operands(seed=2)
-    g = jax.random.normal(jax.random.key(9), (x.shape[0], w.shape[1]))
+    g = _normal(9, (x.shape[0], w.shape[1]))
     gx, gw = _grads(recipe, x, w, g)
     bl, br = recipe.backward_operands
     rule = recipe.scale_rule
@@ -239,7 +245,7 @@ def test_quantized_backward_blocks_along_each_reduction(recipe):
 def test_ste_backward_is_the_float_gradient_of_the_quantized_forward():
     r = Recipe(forward="mxfp8_e4m3", scale_rule="rceil")
     x, w = _operands(seed=3)
-    g = jax.random.normal(jax.random.key(4), (x.shape[0], w.shape[1]))
+    g = _normal(4, (x.shape[0], w.shape[1]))
     gx, gw = _grads(r, x, w, g)
     qx, qw = _ref_mx(x, "mxfp8_e4m3", 1, "rceil"), _ref_mx(w, "mxfp8_e4m3", 0, "rceil")
     g64 = np.asarray(g, np.float64)
@@ -250,7 +256,7 @@ def test_ste_backward_is_the_float_gradient_of_the_quantized_forward():
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_tensor_scaled_backward():
     x, w = _operands(seed=5)
-    g = jax.random.normal(jax.random.key(6), (x.shape[0], w.shape[1])) * 1e-7  # tiny grads
+    g = _normal(6, (x.shape[0], w.shape[1])) * np.float32(1e-7)  # tiny grads
     gx, gw = _grads(FP8_HYBRID, x, w, g)
     sx, sw, sg = (_ref_pow2_scale(a, e) for a, e in ((x, "e4m3"), (w, "e4m3"), (g, "e5m2")))
     qx = _ref_elem(np.asarray(x) / sx, "e4m3", "saturate") * sx
@@ -282,7 +288,7 @@ def _loss(recipe):
     # could round differently eagerly and fused under jit, before the gradient is quantized).
     def loss(x, w):
         y = recipe.dot_general(x, w, DN)
-        c = jax.random.normal(jax.random.key(11), y.shape[-2:])
+        c = _normal(11, y.shape[-2:])  # a constant of the trace
         return jnp.sum(y * c)
 
     return loss
@@ -305,7 +311,7 @@ def test_jit_grad_and_checkpoint_agree_bitwise(recipe):
 def test_vmap_is_the_per_example_map(recipe):
     # vmap over a leading axis means "one recipe dot per example": per-tensor scales become
     # per-example scales, MX blocks never mix examples. Loss and gradients, vs one at a time.
-    xs = jnp.stack([_operands(t=32, seed=s)[0] for s in range(2)])
+    xs = np.stack([_operands(t=32, seed=s)[0] for s in range(2)])
     w = _operands()[1]
     one = jax.jit(jax.value_and_grad(_loss(recipe)))
     ls, gs = jax.jit(jax.vmap(jax.value_and_grad(_loss(recipe)), in_axes=(0, None)))(xs, w)
@@ -328,9 +334,9 @@ def test_vmap_is_the_per_example_map(recipe):
 def test_einsum_matches_jnp_einsum(spec, ls, rs):
     # Integer-valued operands: every sum is exact, so any correct plan gives the same bits.
     # (Quantization along the plan's contraction: test_einsum_quantizes_like_dot_general.)
-    k1, k2 = jax.random.split(jax.random.key(0))
-    a = jax.random.randint(k1, ls, -4, 5).astype(jnp.float32)
-    b = jax.random.randint(k2, rs, -4, 5).astype(jnp.float32)
+    rng = np.random.default_rng(0)
+    a = rng.integers(-4, 5, ls).astype(np.float32)
+    b = rng.integers(-4, 5, rs).astype(np.float32)
     want = jnp.einsum(spec, a, b)
     got = Recipe().einsum(spec, a, b)
     assert got.shape == want.shape
@@ -368,9 +374,7 @@ def test_einsum_sums_indices_of_one_operand_only():
 def test_high_precision_wgrad_is_the_float32_weight_gradient():
     # grad_rhs = x^T g from the unquantized operands (a float32 HIGHEST dot: compared with
     # float64 within the accumulation bound); grad_lhs is the recipe's own, bit for bit.
-    k1, k2, k3 = jax.random.split(jax.random.key(21), 3)
-    x, w = jax.random.normal(k1, (64, 96)), jax.random.normal(k2, (96, 32))
-    c = jax.random.normal(k3, (64, 32))
+    x, w, c = _normal(21, (64, 96)), _normal(22, (96, 32)), _normal(23, (64, 32))
     for base in (NVIDIA_MXFP8, Recipe(forward="mxfp4")):  # quantized and STE backward
         hp = dataclasses.replace(base, high_precision_wgrad=True)
         assert "fp32 wgrad" in hp.describe()
@@ -392,10 +396,9 @@ _OVERRIDE_RECIPES = [NVIDIA_MXFP8, FP8_HYBRID, lowprec.NVIDIA_NVFP4]
 
 @pytest.fixture(scope="module")
 def override_data():
-    k1, k2, k3 = jax.random.split(jax.random.key(23), 3)
-    x = jax.random.normal(k1, (2, 16, 64))  # [batch, seq, d] activations
-    w = jax.random.normal(k2, (64, 32)) / 8
-    c = jax.random.normal(k3, (2, 16, 32))
+    x = _normal(23, (2, 16, 64))  # [batch, seq, d] activations
+    w = _normal(24, (64, 32)) / 8
+    c = _normal(25, (2, 16, 32))
     return x, w, c
 
 
@@ -441,7 +444,7 @@ def test_ragged_dot_backward_override(override_data):
     # values ("high_precision"), or the straight-through ragged gradient ("dequantized").
     x, w, c = override_data
     x2, c2 = x.reshape(32, 64), c.reshape(32, 32)
-    ws = jnp.stack([w, -2 * w])
+    ws = np.stack([w, -2 * w])
     sizes = jnp.array([20, 12])
 
     def grads(r):
