@@ -5,6 +5,7 @@ Usage::
     python scripts/run_notebooks.py                 # every notebooks/*.ipynb, in place
     python scripts/run_notebooks.py notebooks/03_mx_block_scaling.ipynb
     python scripts/run_notebooks.py --check         # execute, compare stored numbers, write nothing
+    python scripts/run_notebooks.py --check --size small   # the test suite's run (see below)
 
 Each notebook runs top to bottom in a fresh kernel of *this* interpreter (a kernel spec written
 to a temporary directory, so no ``ipykernel install`` is needed and no other Python is picked
@@ -20,6 +21,15 @@ notebook's outputs with a fresh run's, within :data:`RTOL` or one unit of the la
 (whichever is larger), ignoring cells tagged ``volatile`` (the provenance stamp — commit and
 package versions — and the wall-clock time). The test suite (``tests/test_notebooks.py``)
 imports :func:`execute`, :func:`check_figures` and :func:`stale_numbers` from here.
+
+Problem size. Each notebook reads ``LOWPREC_NOTEBOOK_SIZE`` (:data:`SIZE_ENV`) in its first cell:
+``full`` (the default; the study as stored) or ``small`` (fewer seeds, samples and steps: every cell
+and every asserted finding still runs, in a fraction of the time; a notebook's ``sized(full,
+small)`` calls say which constants shrink). Regenerating stores the full run's outputs and, in
+the notebook's metadata (:data:`SMALL_RUN_KEY`), the numbers a small run prints, so the default
+test run executes the small version and still catches stale numbers (:func:`stale_small_numbers`),
+while the extended sweep (``LOWPREC_FULL_SUITE=1``) and ``--check`` compare the full run with the
+stored outputs.
 """
 
 from __future__ import annotations
@@ -39,13 +49,20 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 KERNEL_NAME = "lowprec-notebooks-python"
 CELL_TIMEOUT_S = 600
 
+# The problem size a notebook runs at (read by each notebook's first cell).
+SIZE_ENV = "LOWPREC_NOTEBOOK_SIZE"
+SIZES = ("full", "small")
+# nb.metadata[SMALL_RUN_KEY]: {"numbers": {cell index: "its number tokens, space-separated"},
+# "figures": count} of a small run, recorded when the stored outputs (a full run) are regenerated.
+SMALL_RUN_KEY = "lowprec_small_run"
+
 # A rendered figure must be a real PNG of a sensible size: not a blank placeholder, not a
 # 300-dpi poster that bloats the repository.
 MIN_SIDE_PX, MAX_SIDE_PX = 150, 1600
 MIN_PNG_BYTES, MAX_PNG_BYTES = 3_000, 400_000
 
 
-def _kernel_manager(tmpdir: pathlib.Path):
+def _kernel_manager(tmpdir: pathlib.Path, size: str = "full"):
     from ipykernel.kernelspec import write_kernel_spec
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import KernelManager
@@ -55,6 +72,7 @@ def _kernel_manager(tmpdir: pathlib.Path):
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
         "PYTHONHASHSEED": "0",
+        SIZE_ENV: size,
     }
     write_kernel_spec(
         tmpdir / KERNEL_NAME,
@@ -64,16 +82,19 @@ def _kernel_manager(tmpdir: pathlib.Path):
     return KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm)
 
 
-def execute(path: pathlib.Path):
-    """Runs the notebook at ``path`` in a fresh kernel; returns (notebook node, seconds)."""
+def execute(path: pathlib.Path, size: str = "full"):
+    """Runs the notebook at ``path`` in a fresh kernel at problem size ``size`` (one of
+    :data:`SIZES`); returns (notebook node, seconds)."""
     import nbclient
     import nbformat
 
+    if size not in SIZES:
+        raise ValueError(f"size {size!r}: expected one of {SIZES}")
     nb = nbformat.read(path, as_version=4)
     with tempfile.TemporaryDirectory() as tmp:
         client = nbclient.NotebookClient(
             nb,
-            km=_kernel_manager(pathlib.Path(tmp)),
+            km=_kernel_manager(pathlib.Path(tmp), size),
             timeout=CELL_TIMEOUT_S,
             allow_errors=False,
             record_timing=False,
@@ -143,8 +164,31 @@ def stale_numbers(stored, fresh, name: str = "notebook", rtol: float = RTOL) -> 
     Cells are matched by index, numbers by position within a cell; a different count of
     numbers in a cell is a difference too (a changed table or message).
     """
+    return _compare(numbers(stored), numbers(fresh), name, rtol)
+
+
+def small_run_record(nb) -> dict:
+    """What :data:`SMALL_RUN_KEY` stores for ``nb``, a notebook run at size ``small``."""
+    return {"numbers": {str(i): " ".join(v) for i, v in numbers(nb).items()},
+            "figures": len(figures(nb))}
+
+
+def stale_small_numbers(stored, fresh_small, name: str = "notebook", rtol: float = RTOL) -> list[str]:
+    """Where a fresh small run ``fresh_small`` disagrees with the small run recorded in
+    ``stored``'s metadata (empty: none); as :func:`stale_numbers`, figures counted too."""
+    record = stored.metadata.get(SMALL_RUN_KEY)
+    if not record:
+        return [f"{name}: no small run recorded (regenerate with scripts/run_notebooks.py)"]
+    problems = _compare({int(i): v.split() for i, v in record["numbers"].items()},
+                        numbers(fresh_small), name, rtol)
+    if record["figures"] != len(figures(fresh_small)):
+        problems.append(f"{name}: the small run draws {len(figures(fresh_small))} figures, "
+                        f"{record['figures']} recorded")
+    return problems
+
+
+def _compare(a: dict, b: dict, name: str, rtol: float) -> list[str]:
     problems = []
-    a, b = numbers(stored), numbers(fresh)
     if sorted(a) != sorted(b):
         return [f"{name}: the code cells differ (stored {sorted(a)}, fresh {sorted(b)})"]
     for i in a:
@@ -249,18 +293,35 @@ def main(argv=None) -> int:
                         help="notebooks to run (default: every notebooks/*.ipynb)")
     parser.add_argument("--check", action="store_true",
                         help="execute, check the figures and the stored numbers, write nothing")
+    parser.add_argument("--size", choices=SIZES, default="full",
+                        help="with --check: the problem size to run and compare (small: against "
+                             "the small run recorded in the notebook's metadata)")
+    parser.add_argument("--record-small", action="store_true",
+                        help="run only the small version and record its numbers, keeping the "
+                             "stored outputs (after changing only a notebook's small sizes)")
     args = parser.parse_args(argv)
+    if args.size != "full" and not args.check:
+        parser.error("--size applies to --check (regenerating runs both sizes)")
     paths = args.notebooks or sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+    import nbformat
+
     total, failed = 0.0, False
     for path in paths:
         print(f"{path.name}: running ...", flush=True)
-        nb, seconds = execute(path)
-        total += seconds
-        problems = check_figures(nb, path.name)
+        stored = nbformat.read(path, as_version=4)
         if args.check:
-            import nbformat
-
-            problems += stale_numbers(nbformat.read(path, as_version=4), nb, path.name)
+            nb, seconds = execute(path, args.size)
+            problems = check_figures(nb, path.name)
+            problems += (stale_numbers(stored, nb, path.name) if args.size == "full"
+                         else stale_small_numbers(stored, nb, path.name))
+        else:
+            # The stored outputs are a full run; the small run's numbers go into its metadata.
+            nb, seconds = (stored, 0.0) if args.record_small else execute(path, "full")
+            small, small_seconds = execute(path, "small")
+            seconds += small_seconds
+            problems = check_figures(nb, path.name) + check_figures(small, path.name + " (small)")
+            nb.metadata[SMALL_RUN_KEY] = small_run_record(small)
+        total += seconds
         for p in problems:
             print("  " + p)
         failed |= bool(problems)

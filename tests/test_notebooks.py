@@ -13,12 +13,20 @@ Two layers:
   ``run_notebooks.RTOL`` (1e-6 relative) or one unit of its last printed digit; only cells
   tagged ``volatile`` (the provenance stamp: commit and package versions; the wall-clock time)
   are exempt. Regenerate the stored outputs with ``python scripts/run_notebooks.py``.
+
+  The default run executes each notebook at its small problem size (``LOWPREC_NOTEBOOK_SIZE=
+  small``: every cell and asserted finding, on fewer seeds and samples) and compares its numbers
+  with the small run recorded in the notebook's metadata when it was regenerated; the extended
+  sweep (``LOWPREC_FULL_SUITE=1``) executes the full study and compares it with the stored
+  outputs, as ``python scripts/run_notebooks.py --check`` does.
 """
 
 import importlib.util
 import pathlib
 
 import pytest
+
+from helpers import tiers
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat is needed to read the notebooks")
 
@@ -67,6 +75,12 @@ def test_committed_notebook_shows_its_outputs(path):
     text = "".join(o.get("text", "") for o in stamp[0].outputs)
     for package in ("lowprec", "jax", "numpy", "ml_dtypes", "pandas", "matplotlib", "python"):
         assert package in text, (path.name, package, text)
+    # the default run's check of a small run has a record to compare with, cell for cell
+    record = nb.metadata.get(runner.SMALL_RUN_KEY)
+    assert record, (f"{path.name} records no small run; regenerate it with: "
+                    "python scripts/run_notebooks.py " + str(path.relative_to(ROOT)))
+    assert sorted(map(int, record["numbers"])) == sorted(runner.numbers(nb)), path.name
+    assert record["figures"] == len(runner.figures(nb)), path.name
 
 
 def test_stale_numbers_catches_changed_outputs():
@@ -94,6 +108,15 @@ def test_stale_numbers_catches_changed_outputs():
     # volatile cells (the provenance stamp, timings) are not compared
     assert runner.stale_numbers(notebook("ran in 3.1 s", tags=["volatile"]),
                                 notebook("ran in 9.9 s", tags=["volatile"])) == []
+    # a small run is compared with the record of one, by the same rule
+    small = notebook("SQNR 11.9 dB, 2^-6")
+    assert runner.stale_small_numbers(stored, small) == [
+        "notebook: no small run recorded (regenerate with scripts/run_notebooks.py)"]
+    stored.metadata[runner.SMALL_RUN_KEY] = runner.small_run_record(small)
+    assert stored.metadata[runner.SMALL_RUN_KEY] == {"numbers": {"0": "11.9 2 -6"}, "figures": 0}
+    assert runner.stale_small_numbers(stored, small) == []
+    assert runner.stale_small_numbers(stored, notebook("SQNR 11.7 dB, 2^-6")) == [
+        "notebook: cell 0, number 0: stored 11.9, fresh run 11.7"]
 
 
 def test_check_figures_catches_missing_and_broken_figures():
@@ -116,17 +139,19 @@ def test_notebook_executes_and_renders_its_figures(path):
     for module in ("nbclient", "ipykernel", "matplotlib", "pandas"):
         pytest.importorskip(module, reason=f"executing the notebooks needs {module}")
     runner = _runner()
-    nb, seconds = runner.execute(path)   # raises with the traceback if a cell (a finding) fails
+    size = "full" if tiers.full_suite() else "small"
+    nb, seconds = runner.execute(path, size)   # raises with the traceback if a cell (a finding) fails
     assert runner.check_figures(nb, path.name) == []
     stored = nbformat.read(path, as_version=4)
     assert len(runner.figures(nb)) == len(runner.figures(stored)), (
         f"{path.name} now draws a different number of figures than the stored copy; "
         "regenerate it with: python scripts/run_notebooks.py"
     )
-    stale = runner.stale_numbers(stored, nb, path.name)
+    stale = (runner.stale_numbers(stored, nb, path.name) if size == "full"
+             else runner.stale_small_numbers(stored, nb, path.name))
     assert not stale, (
-        f"{path.name}'s stored outputs are stale ({len(stale)} numbers differ from a fresh run; "
-        "regenerate with: python scripts/run_notebooks.py " + str(path.relative_to(ROOT)) + "):\n"
-        + "\n".join(stale[:20])
+        f"{path.name}'s stored outputs are stale ({len(stale)} numbers of its {size} run differ "
+        "from a fresh run; regenerate with: python scripts/run_notebooks.py "
+        + str(path.relative_to(ROOT)) + "):\n" + "\n".join(stale[:20])
     )
-    print(f"{path.name}: executed in {seconds:.1f} s")
+    print(f"{path.name}: executed at size {size} in {seconds:.1f} s")

@@ -45,6 +45,9 @@ def test_bits_do_not_depend_on_the_optimization_level():
     here = xla_opt.digest()
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{xla_opt.ENV: "default"})
     env["XLA_FLAGS"] = xla_opt.without_flag(env.get("XLA_FLAGS", ""))
+    # tests/ on the path by name: under PYTHONSAFEPATH (CI's plain pytest, suite_footprint.py)
+    # the working directory is not, and "from helpers import ..." failed there.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-c", "from helpers import xla_opt; print(xla_opt.digest())"],
         capture_output=True, text=True, env=env, cwd=TESTS, timeout=600,
