@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import ml_dtypes
 import numpy as np
@@ -39,6 +39,9 @@ from ._formats import cast_dtype
 from ._layout import TensorSpec
 from ._safetensors import numpy_dtype
 from ._stats import ErrorStats
+
+if TYPE_CHECKING:  # annotations only: the module imports JAX
+    from .._options import MXCast
 
 # Imported on first use: the checkpoint command line's native path needs no JAX.
 jnp = lazy_module("jax.numpy")

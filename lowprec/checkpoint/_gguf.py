@@ -49,7 +49,7 @@ import re
 import struct
 import tempfile
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -69,6 +69,9 @@ from ._layouts import get_layout
 from ._safetensors import SafetensorsWriter
 from ._source import open_source
 from ._stats import ErrorStats
+
+if TYPE_CHECKING:  # annotations only: the module imports JAX
+    from .._mxarray import MXArray
 
 # Imported on first use: the checkpoint command line's native path needs no JAX.
 jnp = lazy_module("jax.numpy")

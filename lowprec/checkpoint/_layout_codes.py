@@ -22,7 +22,7 @@ import dataclasses
 import json
 import math
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from ._safetensors import FLOAT_DTYPES, SafetensorsReader, nbytes_of
 from ._source import open_source
 from ._stats import ErrorStats
 from .._lazy import lazy_module
+
+if TYPE_CHECKING:  # annotations only: the module imports JAX
+    from .._mxarray import MXArray
 
 # Imported on first use: the checkpoint command line's native path needs no JAX.
 jnp = lazy_module("jax.numpy")
