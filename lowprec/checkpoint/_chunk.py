@@ -328,8 +328,15 @@ def mx_coded(elements, scales, fmt, ts=None) -> Optional[CodedPiece]:
     if el.code_bits not in (4, 6, 8):
         return None
     scales = np.asarray(scales).view(np.uint8).reshape(-1)
+    table, factors = element_table(el), factor_table(fmt, ts)[scales]
+    # NaNs made canonical only where one can come out: a NaN code, a NaN block's factor, or
+    # an infinite code in a block of factor 0 (any other product of a code and a factor is
+    # finite or infinite). That pass over every element was ~0.5 of the decode's 1.2 ns per
+    # element (FP4 to bfloat16, AVX2, thread CPU time).
+    canonical = bool(np.isnan(table).any() or np.isnan(factors).any()
+                     or (np.isinf(table).any() and not factors.all()))
     return CodedPiece(np.asarray(elements).view(np.uint8).reshape(-1), el.code_bits,
-                      element_table(el), factor_table(fmt, ts)[scales], fmt.block_size, True)
+                      table, factors, fmt.block_size, canonical)
 
 
 # -- encoding a piece -------------------------------------------------------------------
