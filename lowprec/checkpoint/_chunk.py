@@ -33,6 +33,8 @@ import ml_dtypes
 import numpy as np
 
 from .._lazy import jit_on_first_call, lazy_module
+from .._scheme_e8m0 import E8M0Scheme
+from .._scheme_nvfp4 import NVFP4Scheme, NVFP4Step
 from ..kernels import _ckpt_cpu
 from ._errors import CheckpointError
 from ._formats import cast_dtype
@@ -134,9 +136,6 @@ def _host_element_scales(fmt, ts) -> Optional[np.ndarray]:
     (float32(ts x E4M3 block scale): every such product is a normal float32, so NumPy's IEEE
     product is the scheme's; NaN for a NaN code); None for any other scheme.
     ``tests/test_checkpoint_native.py`` compares them with the library's."""
-    from .._scheme_e8m0 import E8M0Scheme  # noqa: PLC0415 - the schemes load on first use
-    from .._scheme_nvfp4 import NVFP4Scheme  # noqa: PLC0415
-
     if isinstance(fmt.scheme, E8M0Scheme) and not fmt.tensor_scale:
         return np.arange(256, dtype=np.int32) - np.int32(127)
     lo, hi = _ckpt_cpu.NVFP4_TENSOR_SCALES
@@ -454,8 +453,6 @@ class _FusedPlan:
 def _is_nvfp4(fmt) -> bool:
     """Whether ``fmt`` is lowprec's NVFP4 quantized by the "divide" step, which the native
     NVFP4 pass computes: E2M1 elements in blocks of 16 under E4M3 scales and a tensor scale."""
-    from .._scheme_nvfp4 import NVFP4Scheme, NVFP4Step  # noqa: PLC0415
-
     return (isinstance(fmt.scheme, NVFP4Scheme) and fmt.block_size == 16
             and fmt.element.name == "e2m1" and fmt.scheme.scale.name == "e4m3"
             and scale_options(fmt).nvfp4_step == NVFP4Step.DIVIDE)
