@@ -23,8 +23,10 @@ busy (an upper estimate for a shared machine, where the wall time counts other p
 work; the bytes over the CPU seconds alone would be the serial lower one).
 
 Every conversion runs as ``python -m lowprec ...`` in a subprocess; its peak resident set
-size is the child's ``ru_maxrss`` from ``os.wait4`` (the import of JAX and lowprec
-included), and throughput is the tensor's float32 bytes over the wall time of the whole
+size is the command's own ``ru_maxrss`` (the import of lowprec, and of JAX where it is used,
+included), read by a small launcher process between the benchmark and the command (measured
+from the benchmark itself it started at the benchmark's RSS, ~336 MB, at fork), and
+throughput is the tensor's float32 bytes over the wall time of the whole
 command (start-up included). The bound the checkpoint code promises is
 peak RSS <= largest tensor bytes + 300 MB; the ``bound`` column checks it. Two peers
 give scale: the peak RSS of a bare ``import lowprec.cli`` (the floor), and a plain copy
@@ -155,25 +157,43 @@ def make_model(folder: str, total_bytes: int, dtype: str, seed: int,
     return total
 
 
+# A small launcher between this process and the command: Linux starts a child's ru_maxrss at
+# the RSS of the process it forked from (the mm copied by fork counts at exec), so a command
+# started from this process, which holds the generated arrays, reported this process's
+# ~336 MB as its own peak in every row. The launcher (python -S, ~10 MB) forks and execs the
+# command, waits for it and writes the command's own rusage to its stdout.
+_LAUNCHER = """\
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[1], sys.argv[1:])
+_, status, u = os.wait4(pid, 0)
+os.write(1, ("%d %d %r %r" % (os.waitstatus_to_exitcode(status), u.ru_maxrss, u.ru_utime,
+                              u.ru_stime)).encode())
+"""
+
+
 def run(cmd, pythonpath=None, cwd=None) -> dict:
     """Runs ``cmd`` in ``cwd`` (not the repository root, whose ``lowprec/`` would shadow
-    ``pythonpath`` under ``python -m``); returns wall seconds, peak RSS bytes and the load."""
+    ``pythonpath`` under ``python -m``) through :data:`_LAUNCHER`; returns wall seconds,
+    the command's own peak RSS bytes and CPU seconds, and the load."""
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd or tempfile.gettempdir(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode()
-    proc.stderr.close()
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err}")
-    return {"seconds": seconds, "peak_rss": usage.ru_maxrss * 1024, "load": load,
-            "cpu": usage.ru_utime + usage.ru_stime}
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, *cmd], env=env,
+                              cwd=cwd or tempfile.gettempdir(), stdout=subprocess.PIPE,
+                              stderr=err, stdin=subprocess.DEVNULL)
+        seconds = time.perf_counter() - t0
+        err.seek(0)
+        message = err.read().decode(errors="replace")
+    code, maxrss, utime, stime = proc.stdout.split()
+    if proc.returncode or int(code):
+        raise SystemExit(f"{' '.join(cmd)} failed ({code}):\n{message}")
+    return {"seconds": seconds, "peak_rss": int(maxrss) * 1024, "load": load,
+            "cpu": float(utime) + float(stime)}
 
 
 def median(values):

@@ -6,9 +6,13 @@ has one definition. Values are written as bit patterns with their derivation alo
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
+
+from ._lazy import lazy_module
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 # -- binary32 layout: 1 sign bit, 8 exponent bits (bias 127), 23 mantissa bits -------------
 F32_EXP_BITS = 8

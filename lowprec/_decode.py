@@ -7,9 +7,7 @@ only; :func:`decode_f32` gives the same bits in fewer operations for the small f
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ._bits import (
     F32_BIAS,
@@ -30,6 +28,11 @@ from ._bits import (
 )
 from . import _tapered
 from ._format import ElementFormat
+from ._lazy import lazy_module
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 
 def decode_bits(fmt: ElementFormat, codes):

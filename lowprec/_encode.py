@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from typing import Union
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ._bits import F32_BIAS, F32_MANT_BITS, F64_BIAS, F64_MANT_BITS, clz
 from ._encode_fast import encode_e8m0_nearest, encode_rebias, is_e8m0, rebias_encodable
 from . import _tapered
 from ._format import ElementFormat
+from ._lazy import lazy_module
 from ._rounding import Overflow, Rounding, round_shift
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 # (mantissa bits, exponent bias) of the float layouts encoded bit-wise, by the unsigned
 # dtype holding their patterns: binary32 and binary64.

@@ -14,9 +14,7 @@ scripts/exhaustive_f32.py the default mode on every float32 input.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ._bits import (
     E8M0_NAN,
@@ -36,8 +34,13 @@ from ._bits import (
     f32_bits,
     rint_small,
 )
+from ._lazy import lazy_module
 from ._random import WORD_BITS
 from ._format import ElementFormat
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 
 def rebias_encodable(fmt: ElementFormat) -> bool:

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import functools
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ._bits import F32_ABS, F32_BIAS, F32_EMAX, F32_EMIN, F32_MANT_BITS, F32_SIGN_SHIFT, bits_to_f32
 from ._format import ElementFormat
+from ._lazy import lazy_module
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 
 @functools.lru_cache(maxsize=None)  # read per call by the dispatch; the format's properties cost

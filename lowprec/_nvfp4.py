@@ -39,17 +39,20 @@ import contextlib
 
 from fractions import Fraction
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ._bits import (F32_ABS, F32_IMPLICIT, F32_INF, F32_MANT, F32_MANT_BITS, F32_QNAN, F32_SIGN,
                     bits_to_f32, f32_bits, rint_small)
 from ._decode import decode_bits
 from ._encode import encode_bits
 from ._format import ElementFormat
+from ._lazy import lazy_module
 from ._rounding import round_shift
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jax = lazy_module("jax")
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 # 448 * 6: the largest E4M3 value times the largest E2M1 value. 2688 = 21 * 2^7.
 NVFP4_AMAX_DIVISOR = 2688.0

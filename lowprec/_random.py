@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import math
 
-import jax
-import jax.numpy as jnp
-from jax import lax
+from ._lazy import lazy_module
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jax = lazy_module("jax")
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
+
 
 # The generator: word i is the top half of a 32-bit hash of the element index i under the two
 # key words (k0, k1). It is the SplitMix construction (Steele, Lea & Flood, "Fast splittable

@@ -14,10 +14,13 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Union
 
-import jax.numpy as jnp
-from jax import lax
-
 import lowprec_formats as _data
+
+from ._lazy import lazy_module
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 if TYPE_CHECKING:  # type-only: _format imports this module (through _tapered)
     from ._format import ElementFormat

@@ -11,9 +11,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Union
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import lowprec_formats as _data
 
@@ -29,7 +27,12 @@ from ._bits import (
     floor_log2_bits,
 )
 from ._format import MXFormat
+from ._lazy import lazy_module
 from ._rounding import DocumentedStr
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 
 class ScaleRule(DocumentedStr):

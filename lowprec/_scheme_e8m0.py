@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-from jax import lax
 
 from ._bits import (
     BF16_MANT_BITS,
@@ -29,9 +27,14 @@ from ._bits import (
     scale_bits_by_e8m0,
 )
 from ._format import ElementFormat
+from ._lazy import lazy_module
 from ._mx_hwfloat import half_quantum_exponent
 from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule, scale_codes_of_amax
 from ._scheme import FastDecoder, FastEncoder, ScaleScheme, register
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 
 @dataclasses.dataclass(frozen=True)

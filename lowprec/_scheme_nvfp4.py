@@ -16,17 +16,20 @@ import dataclasses
 import math
 from fractions import Fraction
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from . import _nvfp4
 from ._bits import F32_ABS, F32_INF, f32_bits
 from ._decode import decode_bits
 from ._format import ElementFormat
+from ._lazy import lazy_module
 from ._rounding import DocumentedStr
 from ._scheme import FastDecoder, FastEncoder, ScaleScheme, register
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jax = lazy_module("jax")
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 
 class NVFP4Step(DocumentedStr):

@@ -25,12 +25,15 @@ import functools
 from fractions import Fraction
 from typing import Optional
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ._bits import F32_BIAS, F32_MANT_BITS, F32_QNAN, F32_INF, F64_BIAS, F64_MANT_BITS, clz
+from ._lazy import lazy_module
 from ._rounding import Overflow, Rounding, round_shift
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 _FLOAT_LAYOUTS = {
     np.dtype(np.uint32): (F32_MANT_BITS, F32_BIAS),

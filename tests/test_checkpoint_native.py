@@ -356,3 +356,33 @@ def test_encode_rows_is_the_library_quantizer(fmt_name, rule, in_dtype, monkeypa
     mx = lowprec.quantize_mx(jnp.asarray(x.astype(np.float32)), fmt, axis=-1, scale_rule=rule)
     np.testing.assert_array_equal(elements, np.asarray(mx.elements))
     np.testing.assert_array_equal(scales, np.asarray(mx.scales))
+
+
+@pytest.mark.parametrize("with_nan_block", [False, True])
+@pytest.mark.parametrize("fmt_name", MX_FORMATS)
+def test_canonical_nan_pass_skipped_only_where_no_nan_can_come_out(fmt_name, with_nan_block):
+    # mx_coded turns the decode's NaN-canonicalizing pass off where no code x factor can be
+    # NaN; the values are then those of the decode with the pass on, bit for bit (every
+    # element code, scale codes with and without the scale format's NaN).
+    fmt = lowprec.mx_format(fmt_name)
+    rng = np.random.default_rng(zlib.crc32(fmt_name.encode()))
+    n = fmt.block_size * 64
+    bits = fmt.element.code_bits
+    codes = rng.integers(0, 1 << bits, n).astype(np.uint8)
+    codes[: 1 << bits] = np.arange(1 << bits)  # every element code, NaN and inf included
+    packed = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8) if bits == 4 else codes
+    if bits == 6:
+        packed = np.asarray(lowprec.pack_fp6(codes))
+    scale_nan = np.flatnonzero(np.isnan(_chunk.factor_table(fmt, np.float32(1) if
+                                                            fmt.tensor_scale else None)))
+    scales = rng.integers(100, 140, n // fmt.block_size).astype(np.uint8)
+    if with_nan_block:
+        scales[-1] = scale_nan[0]
+    ts = np.float32(0.5) if fmt.tensor_scale else None
+    coded = _chunk.mx_coded(packed, scales, fmt, ts)
+    forced = _chunk.CodedPiece(coded.codes, coded.code_bits, coded.table, coded.factors,
+                               coded.block, True)
+    got = _chunk._decode_unchecked(coded, (n,), np.float32)
+    want = _chunk._decode_unchecked(forced, (n,), np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert coded.canonical_nan == bool(np.isnan(want).any())

@@ -27,28 +27,31 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import jax
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
-from jax import lax
 
-from .._codec import decode, encode
-from .._dtypes import input_bits
-from .._mx import MXArray, dequantize, quantize_mx
-from .._options import MXCast
+from .._lazy import jit_on_first_call, lazy_module
+from .._scheme_e8m0 import E8M0Scheme
 from .._scheme_nvfp4 import NVFP4Scheme, NVFP4Step
-from ..kernels import _ckpt_cpu, _mx_quantize_cpu
+from ..kernels import _ckpt_cpu
 from ._errors import CheckpointError
 from ._formats import cast_dtype
 from ._layout import TensorSpec
 from ._safetensors import numpy_dtype
 from ._stats import ErrorStats
 
+if TYPE_CHECKING:  # annotations only: the module imports JAX
+    from .._options import MXCast
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
+
 # The float dtypes read as they are (by lowprec's functions and the native passes); others
 # go through float32.
-_FLOAT_INPUTS = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+_FLOAT_INPUTS = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
 
 def finite_amax(x: np.ndarray) -> float:
@@ -98,6 +101,11 @@ def tensor_scale(amax, spec: TensorSpec) -> np.float32:
         2.0
     """
     if spec.is_mx:
+        host = _host_tensor_scale(amax, spec)
+        if host is not None:
+            return host
+        from .._options import MXCast  # noqa: PLC0415 - JAX, imported where it is used
+
         amax_bits = jnp.asarray([np.float32(amax).view(np.uint32)], jnp.uint32)
         return np.uint32(_tensor_scale_bits(amax_bits, MXCast(spec.format))).view(np.float32)
     elem = spec.format
@@ -108,7 +116,7 @@ def tensor_scale(amax, spec: TensorSpec) -> np.float32:
     return s if np.isfinite(s) and s > 0 else np.float32(1)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+@jit_on_first_call(static_argnums=(1,))
 def _tensor_scale_bits(amax_bits, cast: MXCast):
     # The scheme computes it from the finite max magnitude of what it is given: here a single
     # value, the whole tensor's amax. One compiled program (op by op, each of its dozens of
@@ -116,10 +124,47 @@ def _tensor_scale_bits(amax_bits, cast: MXCast):
     return cast.fmt.scheme.tensor_scale_bits(amax_bits, None, cast)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@jit_on_first_call(static_argnums=(0,))
 def _element_scales(fmt, tensor_scale):
     """What block scale code c multiplies its elements by, for every c (one program)."""
     return fmt.scheme.element_scale(jnp.arange(256, dtype=jnp.uint8), tensor_scale)
+
+
+def _host_element_scales(fmt, ts) -> Optional[np.ndarray]:
+    """:func:`_element_scales` in NumPy, without JAX, for E8M0-scaled formats (the codes' int32
+    exponents c - 127) and NVFP4 under a tensor scale in ``_ckpt_cpu.NVFP4_TENSOR_SCALES``
+    (float32(ts x E4M3 block scale): every such product is a normal float32, so NumPy's IEEE
+    product is the scheme's; NaN for a NaN code); None for any other scheme.
+    ``tests/test_checkpoint_native.py`` compares them with the library's."""
+    if isinstance(fmt.scheme, E8M0Scheme) and not fmt.tensor_scale:
+        return np.arange(256, dtype=np.int32) - np.int32(127)
+    lo, hi = _ckpt_cpu.NVFP4_TENSOR_SCALES
+    if isinstance(fmt.scheme, NVFP4Scheme) and ts is not None and lo <= ts <= hi:
+        block = _host_values(fmt.scale)
+        if block is None or block.size != 256:
+            return None
+        with np.errstate(invalid="ignore"):
+            factor = np.float32(ts) * block
+        factor[np.isnan(block)] = np.nan  # the library's NaN, whatever the code's sign
+        return factor
+    return None
+
+
+def _host_tensor_scale(amax, spec: TensorSpec) -> Optional[np.float32]:
+    """:func:`tensor_scale` of NVFP4 in NumPy, without JAX: float32(amax / (448 x 6)), the
+    IEEE quotient as the scheme's integer division rounds it, 1 for amax 0, raised to at
+    least 2^-143; None for another format or step. ``tests/test_checkpoint_native.py``
+    compares it with the library's over every binade."""
+    if not _is_nvfp4(spec.format):
+        return None
+    amax = np.float32(amax)
+    if not (np.isfinite(amax) and amax >= 0):
+        return None
+    if amax == 0:
+        return np.float32(1)
+    with np.errstate(under="ignore"):
+        ts = amax / (np.float32(448) * np.float32(spec.format.element.max_finite))
+    return max(ts, np.float32(float.fromhex("0x1p-143")))
 
 
 def check_scales(values, where: str) -> None:
@@ -152,8 +197,24 @@ def _as_piece(x: np.ndarray) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def _scale_values(scale_fmt) -> np.ndarray:
     """The value of each uint8 scale code (float64; decoded once per scale format)."""
+    host = _host_values(scale_fmt)
+    if host is not None:
+        return host.astype(np.float64)
+    from .._codec import decode  # noqa: PLC0415 - JAX, imported where it is used
+
     # The codes as a NumPy array: jnp.arange would compile a program of its own.
     return np.asarray(decode(np.arange(256, dtype=np.uint8), scale_fmt), np.float64)
+
+
+def _host_values(elem) -> Optional[np.ndarray]:
+    """float32 value of every code of ``elem`` by ml_dtypes, without JAX, where ``elem`` is
+    an ml_dtypes float of one byte or less (FP8, FP6, FP4, E8M0), else None. The library's
+    decode gives the same bits, NaNs included (``tests/test_checkpoint_native.py`` compares
+    every code); MX INT8 and the formats ml_dtypes lacks take that decode."""
+    dt = elem.storage_dtype
+    if dt is None or dt.kind != "V" or dt.itemsize != 1:
+        return None
+    return np.arange(1 << elem.code_bits, dtype=np.uint8).view(dt).astype(np.float32)
 
 
 def _scale_nan(scale_fmt) -> np.ndarray:
@@ -193,6 +254,11 @@ def element_table(elem) -> np.ndarray:
     """float32 value of every code of an element format of at most 8 bits (FP4: 16 values,
     FP6: 64, FP8 and INT8: 256), by the library's decode: a decoded element is
     ``table[code]``."""
+    host = _host_values(elem)
+    if host is not None:
+        return host
+    from .._codec import decode  # noqa: PLC0415 - JAX, imported where it is used
+
     codes = np.arange(1 << elem.code_bits, dtype=np.uint8)  # not jnp: no program of its own
     return np.asarray(decode(codes, elem), np.float32)
 
@@ -210,7 +276,9 @@ def factor_table(fmt, ts=None) -> np.ndarray:
 @functools.lru_cache(maxsize=256)
 def _factor_table(fmt, ts_bits) -> np.ndarray:
     ts = None if ts_bits is None else np.uint32(ts_bits).view(np.float32)
-    factor = np.asarray(_element_scales(fmt, ts))
+    factor = _host_element_scales(fmt, ts)
+    if factor is None:
+        factor = np.asarray(_element_scales(fmt, ts))
     with np.errstate(over="ignore"):
         if np.issubdtype(factor.dtype, np.integer):  # shared exponents: exact powers of two
             factor = np.ldexp(np.float64(1), factor)
@@ -259,8 +327,15 @@ def mx_coded(elements, scales, fmt, ts=None) -> Optional[CodedPiece]:
     if el.code_bits not in (4, 6, 8):
         return None
     scales = np.asarray(scales).view(np.uint8).reshape(-1)
+    table, factors = element_table(el), factor_table(fmt, ts)[scales]
+    # NaNs made canonical only where one can come out: a NaN code, a NaN block's factor, or
+    # an infinite code in a block of factor 0 (any other product of a code and a factor is
+    # finite or infinite). That pass over every element was ~0.5 of the decode's 1.2 ns per
+    # element (FP4 to bfloat16, AVX2, thread CPU time).
+    canonical = bool(np.isnan(table).any() or np.isnan(factors).any()
+                     or (np.isinf(table).any() and not factors.all()))
     return CodedPiece(np.asarray(elements).view(np.uint8).reshape(-1), el.code_bits,
-                      element_table(el), factor_table(fmt, ts)[scales], fmt.block_size, True)
+                      table, factors, fmt.block_size, canonical)
 
 
 # -- encoding a piece -------------------------------------------------------------------
@@ -283,8 +358,11 @@ def _padded(x: np.ndarray, rows: int) -> np.ndarray:
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@jit_on_first_call(static_argnums=(1, 2))
 def _blocks_program(x, fmt, scale_rule, ts):
+    from .._dtypes import input_bits  # noqa: PLC0415 - JAX, imported where it is used
+    from .._mx import quantize_mx  # noqa: PLC0415
+
     # Half-precision input widened to float32 patterns here, with integer operations (exact,
     # NaN payloads kept), so the native one-pass quantizer serves it too.
     if x.dtype != jnp.float32:
@@ -324,8 +402,10 @@ def encode_rows(x: np.ndarray, fmt, scale_rule=None) -> tuple:
     return elements, scales
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+@jit_on_first_call(static_argnums=(1,))
 def _cast_program(y, elem):
+    from .._codec import encode  # noqa: PLC0415 - JAX, imported where it is used
+
     return encode(y, elem, overflow="saturate")
 
 
@@ -375,7 +455,17 @@ def _is_nvfp4(fmt) -> bool:
     NVFP4 pass computes: E2M1 elements in blocks of 16 under E4M3 scales and a tensor scale."""
     return (isinstance(fmt.scheme, NVFP4Scheme) and fmt.block_size == 16
             and fmt.element.name == "e2m1" and fmt.scheme.scale.name == "e4m3"
-            and MXCast(fmt).nvfp4_step == NVFP4Step.DIVIDE)
+            and scale_options(fmt).nvfp4_step == NVFP4Step.DIVIDE)
+
+
+def scale_options(fmt, scale_rule=None):
+    """``MXCast(fmt, scale_rule=scale_rule).scale_options`` (the pipeline's casts round to
+    nearest even) without ``lowprec._options``, which imports JAX: the scheme's options, a
+    rule dropped where the scheme takes none. ``tests/test_checkpoint_native.py`` compares
+    the two for every block format and rule."""
+    if scale_rule is not None and not fmt.scheme.takes("scale_rule"):
+        scale_rule = None
+    return fmt.scheme.options(None, fmt.name, scale_rule=scale_rule, nvfp4_step=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -383,15 +473,16 @@ def _fused_plan(fmt, scale_rule) -> Optional[_FusedPlan]:
     """The fused pass's plan where the MX quantization kernel's loops encode this block
     format and rule on this CPU (what ``quantize_mx`` itself runs for float32 blocked along
     the last axis: :func:`lowprec.kernels._mx_quantize_cpu.serves`), else None."""
-    cast = MXCast(fmt, scale_rule=scale_rule)
+    from ..kernels import _mx_quantize_cpu  # noqa: PLC0415 - its kernel's registration
+
+    rule = getattr(scale_options(fmt, scale_rule), "scale_rule", None)
     # serves() without its vector_quantizer() (that loads and checks the XLA handlers,
     # ~0.3 s of compiles, which this pass does not call): the library's own AVX2 test.
-    if not (_mx_quantize_cpu.computes(fmt, cast.rounding) and fmt.block_size == 32
-            and _mx_quantize_cpu.takes_rule(cast.scale_rule) and _ckpt_cpu.has_avx2()):
+    if not (_mx_quantize_cpu.computes(fmt, "nearest_even") and fmt.block_size == 32
+            and _mx_quantize_cpu.takes_rule(rule) and _ckpt_cpu.has_avx2()):
         return None
     ftable = factor_table(fmt)
-    attrs = np.array([int(v) for _, v in _mx_quantize_cpu.attributes(fmt, cast.scale_rule)],
-                     np.int64)
+    attrs = np.array([int(v) for _, v in _mx_quantize_cpu.attributes(fmt, rule)], np.int64)
     return _FusedPlan(attrs, element_table(fmt.element), ftable, np.isnan(ftable),
                       float(fmt.element.max_finite))
 
@@ -443,6 +534,9 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
                 stats.add_vector(v)
                 stats.nan_blocks += _nan_blocks(v, plan.nan_codes, scales)
             return _parts(elements, scales, spec)
+    # Not served by a native pass: the library's quantize_mx (JAX, imported here).
+    from .._mx import MXArray, dequantize, quantize_mx  # noqa: PLC0415
+
     xin = x if x.dtype in _FLOAT_INPUTS else x.astype(np.float32)
     mx = None
     if x.ndim == 2:  # blocks along the last axis: a run of whole blocks
@@ -507,6 +601,8 @@ def _quantize_cast_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
 
 
 def _decode_values(codes: np.ndarray, spec: TensorSpec, scale) -> np.ndarray:
+    from .._codec import decode  # noqa: PLC0415 - JAX, imported where it is used
+
     elem = spec.format
     values = np.asarray(decode(jnp.asarray(codes.view(elem.code_dtype)), elem))
     if spec.fp8_scale == "tensor":
@@ -583,6 +679,8 @@ def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
     if not spec.is_mx:
         values = _decode_values(np.asarray(parts["values"]), spec, parts.get("scale"))
         return values.astype(dtype).reshape(shape)
+    from .._mx import MXArray, dequantize  # noqa: PLC0415 - JAX, imported where it is used
+
     p, a, s = (int(d) for d in shape)
     try:
         fmt = spec.format

@@ -86,12 +86,11 @@ import json
 import math
 from typing import Optional, Sequence
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from .._format import element_format, mx_format
-from .._mx import MXArray, dequantize
+from .._lazy import lazy_module
 from ..kernels import _ckpt_cpu
 from ._chunk import (
     CodedPiece,
@@ -108,6 +107,9 @@ from ._engine_schemes import WEIGHT_SCHEMES, WEIGHTS, engine_scheme
 from ._errors import CheckpointError
 from ._layouts import get_layout, layouts
 from ._safetensors import FLOAT_DTYPES, nbytes_of, numpy_dtype
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
 
 #: Layouts written for inference engines (``--layout``).
 ENGINE_LAYOUTS = ("compressed-tensors", "modelopt")
@@ -331,6 +333,8 @@ def decode_arrays(arrays: dict, spec: EngineSpec) -> np.ndarray:
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             return (e * (s / gs)).reshape(out, k)
     if spec.w.blocks:
+        from .._mx import dequantize  # noqa: PLC0415 - JAX, imported where it is used
+
         return np.asarray(dequantize(_mxarray(arrays, spec)), np.float32)
     e = _e4m3(arrays["values"])
     s = np.asarray(arrays["scale"], np.float32)
@@ -388,7 +392,7 @@ def add_stats(stats, x: np.ndarray, arrays: dict, spec: EngineSpec) -> None:
     """Adds the errors of one block of rows ``x`` stored as ``arrays`` to ``stats`` (an
     :class:`~lowprec.checkpoint._stats.ErrorStats`): from the stored codes by the native
     pass where it serves, else against :func:`decode_arrays`."""
-    if native() and x.dtype in (np.float32, jnp.bfloat16, np.float16):
+    if native() and x.dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
         coded = coded_arrays(arrays, spec)
         if coded is not None:
             stats.add_vector(_ckpt_cpu.stats(x, **coded.args()))
@@ -396,7 +400,9 @@ def add_stats(stats, x: np.ndarray, arrays: dict, spec: EngineSpec) -> None:
     stats.update(x, decode_arrays(arrays, spec))
 
 
-def _mxarray(arrays: dict, spec: EngineSpec) -> MXArray:
+def _mxarray(arrays: dict, spec: EngineSpec):
+    from .._mxarray import MXArray  # noqa: PLC0415 - JAX, imported where it is used
+
     fmt = spec.format
     elements = np.asarray(arrays.get("elements", arrays.get("values"))).view(np.uint8)
     ts = None

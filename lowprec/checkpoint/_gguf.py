@@ -49,13 +49,11 @@ import re
 import struct
 import tempfile
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import jax.numpy as jnp
 import numpy as np
 
-from .._mx import dequantize, quantize_mx
-from .._mxarray import MXArray
+from .._lazy import lazy_module
 from .._rounding import ROUNDING_MODES
 from ._atomic import AtomicFile, Inputs, check_output
 from ._chunk import tensor_scale
@@ -71,6 +69,12 @@ from ._layouts import get_layout
 from ._safetensors import SafetensorsWriter
 from ._source import open_source
 from ._stats import ErrorStats
+
+if TYPE_CHECKING:  # annotations only: the module imports JAX
+    from .._mxarray import MXArray
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
 
 F32, F16, Q8_0, BF16, MXFP4, NVFP4 = 0, 1, 8, 30, 39, 40
 _BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), MXFP4: (32, 17),
@@ -225,6 +229,8 @@ class GGUFFile:
     def mxarray(self, name: str) -> MXArray:
         """An MXFP4 or NVFP4 tensor as a lowprec ``MXArray`` blocked along its last axis:
         the same codes and scales, nibbles moved to lowprec's order."""
+        from .._mxarray import MXArray  # noqa: PLC0415 - JAX, imported where used
+
         t = self.check(name)
         if t.type not in (MXFP4, NVFP4):
             raise CheckpointError(f"{self.path}: tensor {name!r} is {_NAMES[t.type]}, not MXFP4 or NVFP4")
@@ -239,6 +245,8 @@ class GGUFFile:
 
     def values(self, name: str) -> np.ndarray:
         """The tensor's float32 values (NVFP4 times its ``.scale``)."""
+        from .._mx import dequantize  # noqa: PLC0415 - JAX, imported where used
+
         t = self.check(name)
         raw = np.asarray(t.raw)
         if t.type == F32:
@@ -430,6 +438,8 @@ def _quantize_tensor(src: GGUFFile, t: GGUFTensor, fmt: str, scale_rule, roundin
     """``[_Out, ...]`` for one tensor: its blocks (and NVFP4's ``.scale``), encoded piece
     by piece (2^20 elements of whole rows of ne[0]) when written; ``stats`` is filled as
     they are. NVFP4's tensor scale needs the tensor's amax first: one more pass."""
+    from .._mx import dequantize, quantize_mx  # noqa: PLC0415 - JAX, imported where used
+
     gtype = _FORMAT_TYPE[fmt]
     block, size = _BLOCK[gtype]
     n = t.shape[-1]
@@ -760,6 +770,8 @@ def convert_gguf(src, dst, *, template=None, to: Optional[str] = None, layout="l
 def _placed(f: GGUFFile, g: str, name: str, mx: MXArray, heads) -> MXArray:
     """``mx`` as the template's tensor ``g`` holds it: Q/K rows in llama.cpp's RoPE order
     where ``heads`` (this tensor's head count) is given, checked by :func:`_agreeing`."""
+    from .._mxarray import MXArray  # noqa: PLC0415 - JAX, imported where used
+
     cands = [mx]
     if heads is not None:
         codes, scales = _permute_rows(_unpack(np.asarray(mx.elements)), np.asarray(mx.scales),
@@ -780,6 +792,8 @@ def _agreeing(f: GGUFFile, g: str, name: str, cands: list) -> MXArray:
     first one when the template's tensor holds nothing to compare with (quantized, or zero).
     Refuses, naming both tensors, when none agrees: another model, or another row order
     than llama.cpp's converter wrote."""
+    from .._mx import dequantize  # noqa: PLC0415 - JAX, imported where used
+
     t = f.tensors[g]
     if t.type not in (F32, F16, BF16, Q8_0):
         return cands[0]

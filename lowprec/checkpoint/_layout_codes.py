@@ -22,13 +22,10 @@ import dataclasses
 import json
 import math
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import jax.numpy as jnp
 import numpy as np
 
-from .._mx import dequantize, quantize_mx
-from .._mxarray import MXArray
 from ._chunk import count_nonfinite, narrow
 from ._convert import check_selection, compile_pattern, select_tensor
 from ._engine_layouts import EngineSpec, layout_arrays, scheme_bits
@@ -50,6 +47,13 @@ from ._report import TensorReport
 from ._safetensors import FLOAT_DTYPES, SafetensorsReader, nbytes_of
 from ._source import open_source
 from ._stats import ErrorStats
+from .._lazy import lazy_module
+
+if TYPE_CHECKING:  # annotations only: the module imports JAX
+    from .._mxarray import MXArray
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jnp = lazy_module("jax.numpy")
 
 __all__ = ["CodesLayout", "CodesSpec", "checkpoint_mxarrays", "read_mxarray"]
 
@@ -92,6 +96,8 @@ class CodesSpec:
 
     def decode_pieces(self, reader, parts) -> list:
         """One piece, the whole tensor: ``decode(np_dtype, saturate, name)``."""
+        from .._mx import dequantize  # noqa: PLC0415 - JAX, imported where used
+
         def decode(np_dtype, saturate: bool, name: str):
             values = np.asarray(dequantize(self.mxarray(reader, parts), jnp.float32))
             values, n = narrow(values.reshape(-1), np_dtype, name, saturate)
@@ -103,6 +109,8 @@ def read_mxarray(reader, name, spec, parts) -> MXArray:
     """The ``MXArray`` of one recognized block-format tensor of any layout: lowprec's,
     gpt-oss's, a codes layout's, or an engine layout's (its bits moved to lowprec's roles as
     ``lowprec convert`` moves them: refused where that is not exact)."""
+    from .._mxarray import MXArray  # noqa: PLC0415 - JAX, imported where used
+
     if isinstance(spec, CodesSpec):
         return spec.mxarray(reader, parts)
     if isinstance(spec, EngineSpec) and spec.w.blocks:
@@ -257,6 +265,8 @@ def quantize_codes(layout: CodesLayout, src, dst, fmt, *, include=None, exclude=
                    scale_rule=None, axis=None, block_size=None, force=False, progress=None,
                    report=None, follow_symlinks=False, jobs=1, **other):
     """:func:`~lowprec.checkpoint.quantize_checkpoint` into a codes layout."""
+    from .._mx import dequantize, quantize_mx  # noqa: PLC0415 - JAX, imported where used
+
     _refuse(layout, other)
     start = time.perf_counter()
     if fmt is None:

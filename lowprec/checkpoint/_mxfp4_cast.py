@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._mxfp4_nvfp4 import mxfp4_to_nvfp4
 from ._errors import CheckpointError
 
 _E8M0_NAN = 0xFF  # the E8M0 scale code of a NaN block
@@ -16,6 +15,8 @@ def cast_mxfp4(mx, name: str):
     """:func:`lowprec.mxfp4_to_nvfp4` of the tensor ``name``, refusing (naming it, its NaN
     blocks and the fix) one that holds a NaN block: the cast keeps each E2M1 code under a new
     scale, and a block whose E8M0 scale is the NaN code has none that NVFP4 could keep."""
+    from .._mxfp4_nvfp4 import mxfp4_to_nvfp4  # noqa: PLC0415 - JAX, imported where used
+
     nan = int(np.count_nonzero(np.asarray(mx.scales) == _E8M0_NAN))
     if nan:
         blocks = int(np.asarray(mx.scales).size)

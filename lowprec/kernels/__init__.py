@@ -50,17 +50,34 @@ Example:
     >>> _ = lowprec.kernels.set_policy(previous)        # the settings before, restored
 """
 
-from ._dispatch import (
-    ENV_VAR,
-    POLICIES,
-    Policy,
-    current_policy,
-    get_policy,
-    native_status,
-    policy,
-    set_policy,
-)
-from ._gemv_pallas import mxfp4_gemv
+# Imported on first use (PEP 562): the checkpoint command line imports this package for
+# the JAX-free passes of _ckpt_cpu, and _dispatch imports JAX.
+_PUBLIC = {
+    "ENV_VAR": "_dispatch",
+    "POLICIES": "_dispatch",
+    "Policy": "_dispatch",
+    "current_policy": "_dispatch",
+    "get_policy": "_dispatch",
+    "native_status": "_dispatch",
+    "policy": "_dispatch",
+    "set_policy": "_dispatch",
+    "mxfp4_gemv": "_gemv_pallas",
+}
+
+
+def __getattr__(name):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = ["ENV_VAR", "POLICIES", "Policy", "current_policy", "get_policy", "mxfp4_gemv",
            "native_status", "policy", "set_policy"]

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import sys
 from typing import Optional
 
 import ml_dtypes
 import numpy as np
 
 from ._cpu_native import LIBRARY
+
+_ENV_VAR = "LOWPREC_KERNELS"  # lowprec.kernels.ENV_VAR (tests/test_checkpoint_nojax.py checks)
 
 #: The slots of :func:`stats`' result, in order (ErrorStats' fields, then the clipped count).
 STATS = ("count", "sum_x2", "sum_e2", "max_abs", "max_rel", "nonfinite", "nan_in", "inf_in",
@@ -67,9 +71,19 @@ def available() -> bool:
     """Whether the native passes serve the checkpoint pipeline here: the kernel policy
     (:func:`lowprec.kernels.set_policy`: ``"xla"`` turns them off, for the NumPy code), the
     library built, and its check passed (once per process)."""
-    from ._dispatch import kernels_enabled  # noqa: PLC0415 - _dispatch imports this package
+    return _policy_allows() and _library()[0] is not None
 
-    return kernels_enabled() and _library()[0] is not None
+
+def _policy_allows() -> bool:
+    # The policy lives in _dispatch, which imports JAX; where it is not imported yet, no
+    # set_policy ran in this process, so the policy is the environment's. An empty or "auto"
+    # value allows the passes; anything else is left to _dispatch (which refuses a bad one).
+    dispatch = sys.modules.get("lowprec.kernels._dispatch")
+    if dispatch is None and os.environ.get(_ENV_VAR, "") in ("", "auto"):
+        return True
+    from ._dispatch import kernels_enabled  # noqa: PLC0415 - imports JAX
+
+    return kernels_enabled()
 
 
 def has_avx2() -> bool:

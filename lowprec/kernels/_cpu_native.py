@@ -35,8 +35,12 @@ from typing import Callable, Optional
 
 import numpy as np
 
-import jax
-import jaxlib
+from .._lazy import lazy_module
+
+# Imported when the library is first probed: the checkpoint passes (_ckpt_cpu) read only
+# LIBRARY, and the checkpoint command line imports no JAX.
+jax = lazy_module("jax")
+jaxlib = lazy_module("jaxlib")
 
 #: The library setup.py builds (its ``_NATIVE_FILE``), beside this module.
 LIBRARY = Path(__file__).with_name(

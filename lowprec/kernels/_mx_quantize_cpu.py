@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from .._bits import F32_MANT_BITS
 from .._format import MXFormat, mx_format
+from .._lazy import lazy_module
 from .._mx_hwfloat import hwfloat_element
 from .._scale_rules import ScaleRule, even_fraction_bits, rceil_constants
 from . import _cpu_native
+
+# Imported on first use: the checkpoint command line's native path needs no JAX.
+jax = lazy_module("jax")
+jnp = lazy_module("jax.numpy")
+lax = lazy_module("jax.lax")
 
 TARGET = "lowprec_mx_quantize"
 
