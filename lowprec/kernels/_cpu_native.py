@@ -65,12 +65,23 @@ _KERNELS: list = []
 
 
 def register_kernel(serves: str, handlers: dict, check: Callable[[], str]) -> None:
-    """Declares a kernel of the library (at its module's import, before first use): its
-    handlers are registered with XLA and its ``check`` run when the library loads."""
-    if _load.cache_info().currsize:
-        raise RuntimeError(f"kernel {serves!r} declared after the native library was loaded; "
-                           "import its module from lowprec.kernels._dispatch")
-    _KERNELS.append(Kernel(serves, tuple(handlers.items()), check))
+    """Declares a kernel of the library (at its module's import): its handlers are registered
+    with XLA and its ``check`` run when the library loads or, where the library is already
+    loaded (``import lowprec`` is lazy, so a module using one kernel can load it before the
+    others are imported), at once."""
+    kernel = Kernel(serves, tuple(handlers.items()), check)
+    _KERNELS.append(kernel)
+    if _load.cache_info().currsize and _load()[0]:
+        problem = _register(_loaded[-1], (kernel,))
+        if problem:
+            _late_problems.append(f"{serves}: {problem}")
+
+
+#: Problems of kernels declared after the library loaded (each turns every kernel off, as a
+#: failed check at load time does).
+_late_problems: list[str] = []
+
+
 _REBUILD = ("reinstall lowprec in this environment to rebuild them against its jaxlib "
             "(from a checkout: pip install --no-build-isolation -e .)")
 
@@ -78,19 +89,25 @@ _REBUILD = ("reinstall lowprec in this environment to rebuild them against its j
 def available() -> bool:
     """Whether the native kernels are built, registered with XLA and checked (once per
     process, on first use)."""
-    return _load()[0]
+    return _load()[0] and not _late_problems
 
 
 def status() -> str:
     """Why :func:`available` is what it is, in a sentence."""
-    return _load()[1]
+    usable, why, _ = _load()
+    if usable and _late_problems:
+        return f"the native CPU kernels at {LIBRARY} failed their check: {_late_problems[0]}"
+    if usable:  # every kernel declared so far, those declared after the load included
+        serves = " and ".join(k.serves for k in _KERNELS) or "nothing (no kernel declared)"
+        return f"the native CPU kernels serve {serves} {why}"
+    return why
 
 
 def vector_quantizer() -> bool:
     """Whether the MX quantizer's AVX2 loop runs on this CPU (its portable loop is no faster
     than XLA's program, so ``quantize_mx`` takes the kernel only where this holds)."""
     usable, _, avx2 = _load()
-    return usable and avx2
+    return usable and avx2 and not _late_problems
 
 
 def running_ffi_api_version() -> Optional[tuple[int, int]]:
@@ -148,8 +165,9 @@ def _probe(path: Path, running: Optional[tuple[int, int]] = None) -> tuple[bool,
         library = ctypes.CDLL(str(path))
         built, built_jaxlib = built_ffi_api_version(library)
         avx2 = bool(library.lowprec_cpu_has_avx2())
-        handlers = {target: ffi.pycapsule(getattr(library, symbol))
-                    for kernel in _KERNELS for target, symbol in kernel.handlers}
+        for kernel in _KERNELS:  # every declared handler is exported
+            for _, symbol in kernel.handlers:
+                getattr(library, symbol)
     except (OSError, AttributeError, TypeError, ValueError) as error:
         return False, (f"the native CPU kernels at {path} did not load ({error}); "
                        f"{_REBUILD}; XLA's formulations run"), False
@@ -170,27 +188,33 @@ def _probe(path: Path, running: Optional[tuple[int, int]] = None) -> tuple[bool,
     except RuntimeError as error:
         return False, f"the native CPU kernels cannot run: no CPU backend ({error})", False
     _loaded.append(library)  # before XLA holds any of its addresses
-    try:
-        for target, capsule in handlers.items():
-            ffi.register_ffi_target(target, capsule, platform="cpu")
-    except (AttributeError, RuntimeError, TypeError, ValueError) as error:
-        return False, (f"the native CPU kernels at {path} did not register ({error}); "
-                       f"{_REBUILD}; XLA's formulations run"), False
-    problem = _self_check()
+    problem = _register(library, tuple(_KERNELS))
     if problem:
-        return False, f"the native CPU kernels at {path} failed their check: {problem}", False
-    serves = " and ".join(k.serves for k in _KERNELS) or "nothing (no kernel declared)"
-    return True, (f"the native CPU kernels serve {serves} ({path}; "
-                  f"XLA FFI API {built[0]}.{built[1]})"), avx2
+        return False, f"the native CPU kernels at {path} {problem}", False
+    return True, f"({path}; XLA FFI API {built[0]}.{built[1]})", avx2
 
 
-def _self_check() -> str:
-    """'' if every declared kernel passes its own check, else the first problem."""
+def _register(library: ctypes.CDLL, kernels: tuple) -> str:
+    """Registers ``kernels``' handlers of the loaded ``library`` with XLA and runs their
+    checks: '' or what went wrong (a phrase following "the native CPU kernels at PATH")."""
+    try:
+        for kernel in kernels:
+            for target, symbol in kernel.handlers:
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                            platform="cpu")
+    except (AttributeError, RuntimeError, TypeError, ValueError) as error:
+        return f"did not register ({error}); {_REBUILD}; XLA's formulations run"
+    problem = _self_check(kernels)
+    return f"failed their check: {problem}" if problem else ""
+
+
+def _self_check(kernels: tuple) -> str:
+    """'' if each of ``kernels`` passes its own check, else the first problem."""
     try:
         jax.devices("cpu")
     except RuntimeError as error:
         return f"no CPU device ({error})"
-    for kernel in _KERNELS:
+    for kernel in kernels:
         try:
             with jax.ensure_compile_time_eval():
                 problem = kernel.check()
