@@ -142,7 +142,7 @@ inline void BlockCodes(const Call& c, size_t blk, float operand, float total) no
 // The AVX2 loop: eight blocks (128 elements) a step. Their maxima, scale codes and operands
 // are computed as one vector each (the steps of BlockScale, lane by lane: the same IEEE
 // operations in the same order, so the same bits); then each pair of blocks' 32 codes are
-// formed in registers and packed (Nvfp4PairAvx2's narrowing) or dequantized. A step whose
+// formed in registers and packed (PackE2m1x32Avx2) or dequantized. A step whose
 // blocks straddle two tensor scales, or hold a NaN or an infinity, takes the scalar loop.
 
 // The 8 block maxima of the magnitudes m[k] (two vectors per block, already |x|): one
@@ -262,16 +262,8 @@ __attribute__((target("avx2"))) inline bool Blocks8Avx2(const Call& c, size_t bl
         _mm256_storeu_ps(c.values + 16 * blk + 16 * k + 8 * j,
                          _mm256_or_ps(v, _mm256_castsi256_ps(s)));
       }
-    } else {  // narrowed to bytes in order, each byte pair merged (element 2i low)
-      const __m256i bytes = _mm256_permutevar8x32_epi32(
-          _mm256_packus_epi16(_mm256_packus_epi32(cv[0], cv[1]), _mm256_packus_epi32(cv[2], cv[3])),
-          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      const __m256i pair = _mm256_or_si256(
-          _mm256_and_si256(bytes, _mm256_set1_epi16(0x000F)),
-          _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi16(0x00F0)));
-      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0b1000);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(c.elements + 8 * (blk + k)),
-                       _mm256_castsi256_si128(packed));
+    } else {
+      lowprec_native::PackE2m1x32Avx2(cv, c.elements + 8 * (blk + k));
     }
   }
   return true;

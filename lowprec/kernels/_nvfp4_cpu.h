@@ -106,9 +106,22 @@ __attribute__((target("avx2"))) inline __m256i E2m1Codes8(__m256i b, __m256 oper
   return _mm256_or_si256(m, _mm256_slli_epi32(_mm256_srli_epi32(b, 31), 3));
 }
 
+// Four vectors of 8 E2M1 codes (32 elements in order, one code per 32-bit lane) packed two
+// per byte (element 2k in the low nibble) into 16 bytes at out: the codes narrowed to bytes
+// in order, then each byte pair merged.
+__attribute__((target("avx2"))) inline void PackE2m1x32Avx2(const __m256i c[4], uint8_t* out) {
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i pair = _mm256_or_si256(
+      _mm256_and_si256(bytes, _mm256_set1_epi16(0x000F)),
+      _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi16(0x00F0)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
 // The 32 codes of two consecutive blocks of float32 patterns at xb (16 each) over their
-// operands (E2m1Codes8), packed two per byte (element 2k in the low nibble) into 16 bytes at
-// out: the codes narrowed to bytes in order, then each byte pair merged.
+// operands (E2m1Codes8), packed by PackE2m1x32Avx2 into 16 bytes at out.
 template <bool kMultiply = false>
 __attribute__((target("avx2"))) inline void Nvfp4PairAvx2(const void* xb, float d0, float d1,
                                                           uint8_t* out) {
@@ -118,14 +131,7 @@ __attribute__((target("avx2"))) inline void Nvfp4PairAvx2(const void* xb, float 
   for (int j = 0; j < 4; ++j) {
     c[j] = E2m1Codes8<kMultiply>(_mm256_loadu_si256(v + j), _mm256_set1_ps(j < 2 ? d0 : d1));
   }
-  const __m256i bytes = _mm256_permutevar8x32_epi32(
-      _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  const __m256i pair = _mm256_or_si256(
-      _mm256_and_si256(bytes, _mm256_set1_epi16(0x000F)),
-      _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi16(0x00F0)));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pair, pair), 0b1000);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+  PackE2m1x32Avx2(c, out);
 }
 #endif
 
