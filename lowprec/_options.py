@@ -197,10 +197,10 @@ class MXCast(_Randomness):
                  scale_options=None):
         fmt = mx_format(fmt)
         scheme = fmt.scheme
-        if scale_rule is not None and not scheme.takes("scale_rule"):
-            scale_rule = None  # one rule for every operand of a dot (see the docstring)
-        options = scheme.options(scale_options, fmt.name, scale_rule=scale_rule,
-                                 nvfp4_step=nvfp4_step)
+        # A rule given to a scheme that takes none is dropped: one rule for every operand of
+        # a dot (see the docstring).
+        options = scheme.cast_options(scale_options, fmt.name, scale_rule=scale_rule,
+                                      nvfp4_step=nvfp4_step)
         rounding = check_rounding(fmt.element, rounding)
         if scheme.roundings is not None and rounding not in scheme.roundings:
             raise ValueError(

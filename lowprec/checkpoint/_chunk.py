@@ -460,12 +460,10 @@ def _is_nvfp4(fmt) -> bool:
 
 def scale_options(fmt, scale_rule=None):
     """``MXCast(fmt, scale_rule=scale_rule).scale_options`` (the pipeline's casts round to
-    nearest even) without ``lowprec._options``, which imports JAX: the scheme's options, a
-    rule dropped where the scheme takes none. ``tests/test_checkpoint_native.py`` compares
-    the two for every block format and rule."""
-    if scale_rule is not None and not fmt.scheme.takes("scale_rule"):
-        scale_rule = None
-    return fmt.scheme.options(None, fmt.name, scale_rule=scale_rule, nvfp4_step=None)
+    nearest even) without ``lowprec._options``, which imports JAX: both ask the scheme
+    (``cast_options``). ``tests/test_checkpoint_native.py`` compares the two for every
+    block format and rule."""
+    return fmt.scheme.cast_options(None, fmt.name, scale_rule=scale_rule)
 
 
 @functools.lru_cache(maxsize=None)
