@@ -15,6 +15,8 @@ Example:
 
 import lowprec_formats as _formats_data
 
+from ._lazy import resolve_public
+
 # The public names and the module defining each (or the module and the name there), imported
 # on first use by __getattr__ below (PEP 562): `import lowprec` imports no JAX (0.06 CPU s,
 # not 1.3), so the checkpoint command line, whose native path needs none, starts without it.
@@ -108,22 +110,14 @@ _DEPRECATED = {
 }
 
 
+def _public(name):
+    return resolve_public(__name__, _PUBLIC, globals(), name)
+
+
 def _kernels_mxfp4_gemv():
     from .kernels import mxfp4_gemv
 
     return mxfp4_gemv
-
-
-def _public(name):
-    """The public object ``name``, imported from its module and kept as an attribute (so
-    this runs once per name)."""
-    import importlib
-
-    where = _PUBLIC[name]
-    module, attr = (where, name) if isinstance(where, str) else where
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
-    globals()[name] = value
-    return value
 
 
 def __getattr__(name):

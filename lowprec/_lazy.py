@@ -36,6 +36,20 @@ def lazy_module(name: str) -> types.ModuleType:
     return _LazyModule(name)
 
 
+def resolve_public(package: str, public: dict, namespace: dict, name: str):
+    """A package's public object ``name`` (PEP 562 ``__getattr__``), imported from the
+    submodule ``public`` names for it (``"_module"``, or ``("_module", "attribute")`` where
+    the names differ) and kept in the package's ``namespace`` (its ``globals()``), so this runs
+    once per name. Raises AttributeError for a name ``public`` lacks."""
+    if name not in public:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    where = public[name]
+    module, attr = (where, name) if isinstance(where, str) else where
+    value = getattr(importlib.import_module(f"{package}.{module}"), attr)
+    namespace[name] = value
+    return value
+
+
 def jit_on_first_call(**options):
     """``functools.partial(jax.jit, **options)`` as a decorator that imports JAX and builds
     the jitted function at its first call, not at the module's import."""

@@ -50,6 +50,8 @@ Example:
     >>> _ = lowprec.kernels.set_policy(previous)        # the settings before, restored
 """
 
+from .._lazy import resolve_public
+
 # Imported on first use (PEP 562): the checkpoint command line imports this package for
 # the JAX-free passes of _ckpt_cpu, and _dispatch imports JAX.
 _PUBLIC = {
@@ -66,13 +68,7 @@ _PUBLIC = {
 
 
 def __getattr__(name):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
-    globals()[name] = value
-    return value
+    return resolve_public(__name__, _PUBLIC, globals(), name)
 
 
 def __dir__():
