@@ -91,7 +91,9 @@ BLOCK_SIZES: tuple[int, ...] = _formats_data.BLOCK_SIZES
 
 __version__ = "0.1.0"
 
-_OPTIONAL_SUBMODULES = ("flax", "optim")  # need the `training` extra (flax, optax)
+# Subpackages imported at their first read: `lowprec.flax` / `lowprec.optim` need the
+# `training` extra (flax, optax); `lowprec.kernels` imports JAX.
+_SUBMODULES_ON_FIRST_READ = ("flax", "optim", "kernels")
 
 
 # Old second spellings of a vocabulary (and a kernel entry now in lowprec.kernels): what to
@@ -123,8 +125,7 @@ def _kernels_mxfp4_gemv():
 def __getattr__(name):
     if name in _PUBLIC:
         return _public(name)
-    # `lowprec.flax` / `lowprec.optim` import on first use, so `import lowprec` needs neither.
-    if name in _OPTIONAL_SUBMODULES:
+    if name in _SUBMODULES_ON_FIRST_READ:
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

@@ -200,6 +200,15 @@ def test_import_lowprec_imports_no_jax():
     assert r.returncode == 0, r.stderr
 
 
+def test_subpackages_read_after_a_plain_import_lowprec():
+    # Before the lazy init, `import lowprec` imported lowprec.kernels along the way, so
+    # `lowprec.kernels.policy(...)` worked without its own import; it must still.
+    code = ("import lowprec\n"
+            "assert lowprec.kernels.current_policy().kernels in lowprec.kernels.POLICIES\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_every_public_name_is_lazy_or_defined():
     # the lazy table and __all__ name the same objects (plus the constants defined eagerly)
     assert set(lowprec._PUBLIC) | {"BLOCK_SIZES"} == set(lowprec.__all__)
