@@ -1,5 +1,6 @@
-"""The suite compiles at XLA:CPU's optimization level 0 (tests/helpers/xla_opt.py): the bits
-the library's programs produce must be those of XLA's default level, which users run."""
+"""The suite compiles at XLA:CPU's optimization level 0 with its classic emitters
+(tests/helpers/xla_opt.py): the bits the library's programs produce must be those of XLA's
+defaults, which users run."""
 
 from __future__ import annotations
 
@@ -17,31 +18,52 @@ TESTS = pathlib.Path(__file__).parent
 
 def test_the_run_compiles_at_level_0_unless_told_otherwise():
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    xla_opt.apply(env, gpu=False)
+    xla_opt.apply(env, gpu=False, emitters_flag=False)
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 " + xla_opt.FLAG + "=0"
     kept = {"XLA_FLAGS": xla_opt.FLAG + "=2", xla_opt.ENV: "0"}
-    xla_opt.apply(kept, gpu=False)
+    xla_opt.apply(kept, gpu=False, emitters_flag=False)
     assert kept["XLA_FLAGS"] == xla_opt.FLAG + "=2"
     default = {xla_opt.ENV: "default"}
-    xla_opt.apply(default, gpu=False)
+    xla_opt.apply(default, gpu=False, emitters_flag=True)
     assert "XLA_FLAGS" not in default
     # A GPU plugin: the PTX checks need LLVM's optimized code, unless the level is asked for.
     gpu = {}
-    xla_opt.apply(gpu, gpu=True)
+    xla_opt.apply(gpu, gpu=True, emitters_flag=False)
     assert "XLA_FLAGS" not in gpu
     asked = {xla_opt.ENV: "1"}
-    xla_opt.apply(asked, gpu=True)
+    xla_opt.apply(asked, gpu=True, emitters_flag=False)
     assert asked["XLA_FLAGS"] == xla_opt.FLAG + "=1"
     with pytest.raises(ValueError, match="LOWPREC_TEST_XLA_OPT='fast'"):
         xla_opt.apply({xla_opt.ENV: "fast"})
     assert xla_opt.without_flag(env["XLA_FLAGS"]) == "--xla_force_host_platform_device_count=4"
 
 
+def test_the_classic_emitters_where_jaxlib_knows_the_flag():
+    # Where jaxlib knows the flag it is added (also beside a GPU plugin: it only concerns CPU
+    # programs); an XLA flag a jaxlib does not know aborts the process, so then it is not.
+    on = {}
+    xla_opt.apply(on, gpu=False, emitters_flag=True)
+    assert on["XLA_FLAGS"].split() == [xla_opt.FLAG + "=0", xla_opt.EMITTERS + "=false"]
+    gpu = {}
+    xla_opt.apply(gpu, gpu=True, emitters_flag=True)
+    assert gpu["XLA_FLAGS"] == xla_opt.EMITTERS + "=false"
+    unknown = {}
+    xla_opt.apply(unknown, gpu=False, emitters_flag=False)
+    assert xla_opt.EMITTERS not in unknown["XLA_FLAGS"]
+    chosen = {"XLA_FLAGS": xla_opt.EMITTERS + "=true"}
+    xla_opt.apply(chosen, gpu=False, emitters_flag=True)
+    assert chosen["XLA_FLAGS"].split() == [xla_opt.EMITTERS + "=true", xla_opt.FLAG + "=0"]
+    assert xla_opt.without_flag(on["XLA_FLAGS"]) == ""
+    # The lookup itself: a flag every XLA defines is found, a made-up one is not.
+    assert xla_opt.knows_flag(xla_opt.FLAG)
+    assert not xla_opt.knows_flag("--xla_cpu_no_such_flag_lowprec")
+
+
 @pytest.mark.slow
 def test_bits_do_not_depend_on_the_optimization_level():
-    """The same digest of quantizer, dequantizer and matmul outputs compiled at this run's
-    level (0 unless LOWPREC_TEST_XLA_OPT or a GPU plugin says otherwise) and, in a
-    subprocess, at XLA's default level."""
+    """The same digest of quantizer, dequantizer and matmul outputs compiled with this run's
+    flags (level 0 and the classic emitters unless LOWPREC_TEST_XLA_OPT or a GPU plugin says
+    otherwise) and, in a subprocess, with XLA's defaults."""
     here = xla_opt.digest()
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{xla_opt.ENV: "default"})
     env["XLA_FLAGS"] = xla_opt.without_flag(env.get("XLA_FLAGS", ""))

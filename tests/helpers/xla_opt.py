@@ -1,23 +1,32 @@
-"""The suite compiles with XLA:CPU's backend optimization level 0.
+"""The suite compiles with XLA:CPU's backend optimization level 0 and its classic emitters.
 
 Compiling dominates the suite's CPU time (thousands of small programs, each run a few times),
 and most of a CPU compile is LLVM optimizing machine code the test then runs once. At level 0
 a file's CPU seconds fell by 24% (tests/test_mx.py: 56.7 -> 43.0 s, same process count) and a
 notebook's by 10% (03_mx_block_scaling, whose arrays are larger), all passing.
 
-The bits do not depend on it: XLA:CPU emits float operations without fast-math flags, so LLVM
-may not reassociate, contract into FMAs or otherwise change a float result at any level,
+XLA:CPU also has two code generators for fused elementwise work: the MLIR "fusion emitters"
+(its default) and the classic elemental IR emitter (``--xla_cpu_use_fusion_emitters=false``).
+The classic one compiles a small program in about half the CPU time (51 of the library's
+programs, level 0: 10.97 -> 5.43 CPU s of backend compile, same bits), so the suite uses it
+where the running jaxlib knows the flag (:func:`knows_flag`: an XLA flag it does not know
+aborts the process).
+
+The bits do not depend on either: XLA:CPU emits float operations without fast-math flags, so
+LLVM may not reassociate, contract into FMAs or otherwise change a float result at any level,
 and integer code (the encoders' bit manipulation) has one meaning; flushing of subnormals is
 a runtime setting, not a compile one. ``tests/test_xla_opt_level.py`` checks this on the
-library's paths (element and block quantizers, stochastic rounding, the MX matmul): the same bits at the default level in a subprocess as at level 0 here.
+library's paths (element and block quantizers, stochastic rounding, the MX matmul): the same
+bits with XLA's defaults (level and emitters) in a subprocess as with this run's flags here.
 
 The level is an XLA-wide option, so it is left alone where a GPU backend is installed (a
 ``jax_plugins`` CUDA or ROCm plugin: a GPU machine, or CI's compile-only GPU checks, which
-read the optimized PTX's instructions and register spills).
-``LOWPREC_TEST_XLA_OPT=default`` compiles at XLA's default level instead (or ``=N`` at level
-N); an ``--xla_backend_optimization_level`` already in ``XLA_FLAGS`` is kept as it is. Set in
-``os.environ`` before JAX starts its backend, so every worker and subprocess (CLI runs, the
-sharding subprocess, notebook kernels) inherits it.
+read the optimized PTX's instructions and register spills); the emitter flag only concerns
+CPU programs and is set there too.
+``LOWPREC_TEST_XLA_OPT=default`` compiles with XLA's defaults instead (or ``=N`` at level
+N); a ``--xla_backend_optimization_level`` or ``--xla_cpu_use_fusion_emitters`` already in
+``XLA_FLAGS`` is kept as it is. Set in ``os.environ`` before JAX starts its backend, so every
+worker and subprocess (CLI runs, the sharding subprocess, notebook kernels) inherits it.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import os
 
 ENV = "LOWPREC_TEST_XLA_OPT"
 FLAG = "--xla_backend_optimization_level"
+EMITTERS = "--xla_cpu_use_fusion_emitters"
 
 
 def gpu_plugin_installed() -> bool:
@@ -45,27 +55,60 @@ def gpu_plugin_installed() -> bool:
                for m in pkgutil.iter_modules(spec.submodule_search_locations))
 
 
-def apply(environ=os.environ, gpu: bool | None = None) -> None:
+def knows_flag(name: str = EMITTERS) -> bool:
+    """Whether the installed jaxlib's XLA defines the flag ``name`` (its name appears in
+    jaxlib's shared libraries; found without importing jaxlib, in ~0.05 s)."""
+    import importlib.util
+    import mmap
+
+    try:
+        spec = importlib.util.find_spec("jaxlib")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    needle = name.lstrip("-").encode()
+    for folder in spec.submodule_search_locations:
+        for path in sorted(os.listdir(folder)):
+            if not path.endswith(".so"):
+                continue
+            with open(os.path.join(folder, path), "rb") as f:
+                try:
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                        if m.find(needle) >= 0:
+                            return True
+                except ValueError:  # an empty file
+                    continue
+    return False
+
+
+def apply(environ=os.environ, gpu: bool | None = None, emitters_flag: bool | None = None) -> None:
     """Adds ``--xla_backend_optimization_level`` (0 unless ``LOWPREC_TEST_XLA_OPT`` says
     otherwise) to ``XLA_FLAGS``, unless a GPU plugin is installed (``gpu``: whether one is;
-    looked up when None) and the level was not asked for."""
+    looked up when None) and the level was not asked for; and
+    ``--xla_cpu_use_fusion_emitters=false`` where jaxlib knows that flag (``emitters_flag``:
+    whether it does; looked up when None). ``LOWPREC_TEST_XLA_OPT=default`` adds neither."""
     level = environ.get(ENV)
-    flags = environ.get("XLA_FLAGS", "")
-    if level is None:
-        if gpu_plugin_installed() if gpu is None else gpu:
-            return
-        level = "0"
-    if level == "default" or FLAG in flags:
+    if level == "default":
         return
-    if not level.isdigit():
+    if level is not None and not level.isdigit():
         raise ValueError(f"{ENV}={level!r}: give an XLA backend optimization level (0-3) "
                          "or 'default'")
-    environ["XLA_FLAGS"] = f"{flags} {FLAG}={level}".strip()
+    flags = environ.get("XLA_FLAGS", "").split()
+    if not any(f.startswith(FLAG) for f in flags):
+        if level is not None or not (gpu_plugin_installed() if gpu is None else gpu):
+            flags.append(f"{FLAG}={level or 0}")
+    if not any(f.startswith(EMITTERS) for f in flags):
+        if knows_flag() if emitters_flag is None else emitters_flag:
+            flags.append(f"{EMITTERS}=false")
+    if flags:
+        environ["XLA_FLAGS"] = " ".join(flags)
 
 
 def without_flag(flags: str) -> str:
-    """``XLA_FLAGS`` with the optimization level removed (XLA's default level)."""
-    return " ".join(f for f in flags.split() if not f.startswith(FLAG))
+    """``XLA_FLAGS`` with the optimization level and the emitter choice removed (XLA's
+    defaults, which users run)."""
+    return " ".join(f for f in flags.split() if not f.startswith((FLAG, EMITTERS)))
 
 
 def digest() -> str:
