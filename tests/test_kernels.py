@@ -491,7 +491,7 @@ def _quant_input(dtype):
     return jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float16 else 30), dtype)
 
 
-@pytest.mark.quick_cases(fmt=["mxfp4"])
+@pytest.mark.slow  # seconds a format; test_pallas_quantize_keeps_leading_dims_and_nearest_away is quick
 @pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxfp6_e2m3", "mxfp6_e3m2", "mxint8"))
 def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt):
     """Same integer core, other schedule: quantize_mx's codes and scales bit for bit, on a
@@ -593,7 +593,7 @@ NVFP4_CASES = [("divide", 0.0123, np.float32), ("divide", None, jnp.bfloat16),
 
 @pytest.mark.parametrize("step,ts,dtype", NVFP4_CASES,
                          ids=[f"{s}-ts={t}-{np.dtype(d).name}" for s, t, d in NVFP4_CASES])
-@pytest.mark.quick_first(1)
+@pytest.mark.slow  # ~5 s a case; the quick tier traces the kernel (..._lowers_to_triton below)
 def test_pallas_nvfp4_quantize_is_bit_identical_to_quantize_mx(step, ts, dtype):
     """The kernel runs quantize_mx's NVFP4 core (torchao's recipe, each float32 step exact on
     the bits) on its tiles: the same element codes, E4M3 scale codes and tensor scale as
