@@ -698,6 +698,7 @@ def test_pallas_fake_quantize_lowers_to_triton(fmt):
 
 
 @needs_triton_lowering
+@pytest.mark.slow  # ~6 s of lowerings; quick: test_kernel_policy_xla_turns_each_kernel_off's cases
 def test_quantize_and_fake_quantize_take_the_kernels_on_cuda_only(cuda_branches):
     """The public functions choose the one-pass kernels when lowered for CUDA (last axis or
     axis 0 of a 2-D array, deterministic rounding) and XLA's formulation for the CPU."""

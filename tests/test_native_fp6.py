@@ -129,7 +129,7 @@ def _bits(a):
 @pytest.mark.parametrize("name", FP6)
 @pytest.mark.parametrize("scale_rule", ["floor", "rceil"])
 @pytest.mark.parametrize("shape, axis", [((16, 96), -1), ((3, 5, 70), -1), ((64, 8), 0)])
-@pytest.mark.quick_first(2)
+@pytest.mark.quick_first(1)
 def test_mx_calls_give_xla_bits(name, scale_rule, shape, axis, policy):
     """quantize_mx (float32 and bfloat16 input) / dequantize (to float32, bfloat16) of FP6
     formats: the same bits with the kernels (policy "auto") and without them ("xla"), under

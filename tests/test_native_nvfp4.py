@@ -164,7 +164,7 @@ def test_nearest_same_bits_as_xla(step):
 
 
 @pytest.mark.parametrize("step", STEPS)
-@pytest.mark.quick_first(1)
+@pytest.mark.slow  # seconds; the quick test_layouts[3d_axis0] runs the kernel's stochastic rounding
 def test_stochastic_same_bits_as_xla(step):
     """Words from a key, and given: uint16, uint32, all 0 (always away from zero where
     anything is dropped) and all 2^32 - 1 (never)."""
@@ -227,6 +227,7 @@ def test_layouts(case):
         assert_same(x.astype(getattr(jnp, case)))
 
 
+@pytest.mark.slow  # seconds; quick tests run the kernel under jit (test_layouts, test_nearest_...)
 def test_jit_vmap_grad():
     """Under vmap (one tensor scale per batch element: the kernel's grouped scales), jit,
     and grad through dequantize: the same values as XLA's path."""
@@ -305,7 +306,7 @@ FAKE = 'custom_call_target="lowprec_nvfp4_fake_quantize"'
 
 
 @pytest.mark.parametrize("step", STEPS)
-@pytest.mark.quick_first(1)
+@pytest.mark.slow  # ~7 s a case (XLA's four fake quantizations); quick: the fused call lowered below
 def test_training_fake_quantize_same_bits_as_xla(step):
     """The NVFP4 recipe's fake quantizations (lowprec/_nvfp4_train.py: Q along either axis,
     to nearest or with stochastic words, and Q2's 16 x 16 weight tiles) by the kernel's fused
