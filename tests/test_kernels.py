@@ -663,7 +663,7 @@ FAKE_CASES = [(f, r, np.float32) for f in FAKE_FORMATS for r in lowprec.ScaleRul
 ]
 
 
-@pytest.mark.quick_cases(fmt=["mxfp8_e4m3"])
+@pytest.mark.slow  # seconds a format; quick: test_pallas_fake_quantize_lowers_to_triton traces it
 @pytest.mark.parametrize("fmt", FAKE_FORMATS)
 def test_pallas_fake_quantize_is_bit_identical_to_the_xla_path(fmt):
     """One pass, quantize and decode in registers: the values of the XLA formulation
@@ -858,6 +858,7 @@ def test_kernel_policy_xla_turns_each_kernel_off(name, cuda_branches, fused_mxdo
 
 @needs_triton_lowering
 @pytest.mark.parametrize("name", list(_KERNEL_CALLS))
+@pytest.mark.quick_first(1)
 def test_kernels_step_aside_under_an_explicit_mesh(name, cuda_branches, fused_mxdot):
     """Under a mesh with Explicit axes (JAX's default axis type) the programs lowered for CUDA
     hold no Pallas kernel, and lowering succeeds: JAX 0.11's Triton lowering of a kernel's

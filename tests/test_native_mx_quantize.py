@@ -120,7 +120,7 @@ def _programs(xs, name, rules, **kw):
 
 @needs_vector
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.quick_first(2)
+@pytest.mark.quick_first(1)
 def test_same_bits_as_xla(name):
     """Every kind of input under every rule the kernel serves: its codes are XLA's, and
     "auto" takes the kernel for each rule (one program per policy for all the rules, each
