@@ -327,6 +327,7 @@ def test_one_pass_gpu_nvfp4_dequantize_matches_reference(axis):
             assert_same_floats(got, want, f"nvfp4 axis {axis} {np.dtype(dtype).name} ts {ts!r}")
 
 
+@pytest.mark.slow  # 6.7M products; quick: test_one_pass_gpu_nvfp4_dequantize_matches_reference runs it
 def test_lifted_product_equals_the_exact_product():
     """The one-pass decode's block product (_nvfp4.lifted_product) against the general exact
     one (f32_mul_short) on totals of every magnitude and both signs, subnormal ones included,
@@ -785,12 +786,13 @@ def _large_fusions(fn, shape, kinds, *args):
     ("nvfp4", {"axis": 0}), ("mxfp4", {}), ("mxfp8_e4m3", {}), ("mxfp6_e2m3", {"axis": 0}),
 ], ids=["nvfp4", "mxfp4_b16", "nvfp4_reciprocal", "nvfp4_axis0", "mxfp4", "mxfp8_e4m3",
         "mxfp6_axis0"])
-@pytest.mark.quick_first(2)
+@pytest.mark.quick_first(1)
 def test_hwfloat_path_keeps_quotients_in_the_element_loop(fmt, kw):
     assert _large_fusions(lambda x: lowprec.quantize_mx(x, fmt, **kw), (256, 512), {"f32"}) == []
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU hardware-float path")
+@pytest.mark.slow  # two compiled programs read; quick: test_hwfloat_path_keeps_quotients_... reads one
 def test_constant_tensor_scale_compiles_the_same_element_loop():
     """A tensor scale known at compile time (a Python float) must not change the element
     loop: folding the hardware-float path's range check away once let XLA fuse the per-block scale

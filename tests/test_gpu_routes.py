@@ -320,7 +320,7 @@ def test_nvfp4_block_values_are_exact_bfloat16():
     elements = np.tile(packed, (128, 1))
     mx = lowprec.MXArray(jnp.asarray(elements), jnp.asarray(scales[:, None]), fmt, 1, (128, 16),
                          tensor_scale=jnp.float32(1.0))
-    values, ts = block_values_bf16(mx)
+    values, ts = jax.jit(block_values_bf16)(mx)  # one program (op by op it compiled ~40)
     assert values.dtype == jnp.bfloat16 and float(ts) == 1.0
     want = ref.decode("e4m3", scales)[:, None] * ref.decode("e2m1", codes)[None, :]
     got = np.asarray(values.astype(jnp.float32), np.float64)
@@ -345,7 +345,7 @@ def test_e8m0_block_values_are_bfloat16_roundings(fmt):
     s = np.repeat(np.arange(256, dtype=np.uint8)[:, None], e.shape[1] // 32, axis=1)
     packed = ref.pack_codes(e, bits, axis=1) if bits < 8 else e
     mx = lowprec.MXArray(jnp.asarray(packed.astype(np.uint8)), jnp.asarray(s), f, 1, e.shape)
-    values, ts = block_values_bf16(mx)
+    values, ts = jax.jit(block_values_bf16)(mx)  # one program (op by op it compiled ~45)
     assert ts is None
     want = ref.dequantize_mx(e, s, fmt, axis=1)
     # float64 -> float32 is exact (every MX value is a multiple of 2^-149) or overflows (at

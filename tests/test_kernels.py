@@ -479,26 +479,42 @@ def _specials(shape, seed, spread=30):
 
 
 # Every rule from float32; half-precision input (widened by the same integer code) with one.
+# One case per format: its calls (kernel and quantize_mx, every rule and input dtype) are the
+# outputs of one jitted program, each checked on its own (a program per call cost ~2x the CPU).
 QUANT_CASES = [(f, r, np.float32) for f in QUANT_FORMATS + ("mxfp6_e2m3", "mxfp6_e3m2", "mxint8")
                for r in lowprec.ScaleRule] + [
     (f, "rceil", d) for f in QUANT_FORMATS for d in (jnp.bfloat16, np.float16)
 ]
 
 
-@pytest.mark.quick_cases(fmt=["mxfp8_e4m3", "mxfp4"], rule=["rceil"], dtype=[jnp.bfloat16])
-@pytest.mark.parametrize(
-    "fmt,rule,dtype", QUANT_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in QUANT_CASES]
-)
-@pytest.mark.quick_first(1)
-def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt, rule, dtype):
+def _quant_input(dtype):
+    return jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float16 else 30), dtype)
+
+
+@pytest.mark.slow  # seconds a format; test_pallas_quantize_keeps_leading_dims_and_nearest_away is quick
+@pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxfp6_e2m3", "mxfp6_e3m2", "mxint8"))
+def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt):
     """Same integer core, other schedule: quantize_mx's codes and scales bit for bit, on a
-    shape whose rows and columns leave partial tiles."""
-    x = jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float16 else 30), dtype)
-    cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
-    elements, scales = quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
-    want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
-    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
-    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+    shape whose rows and columns leave partial tiles, for every scale rule (and bfloat16 and
+    float16 input under one)."""
+    cases = [(r, d) for f, r, d in QUANT_CASES if f == fmt]
+    xs = {np.dtype(d).name: _quant_input(d) for _, d in cases}
+
+    @jax.jit
+    def run(xs):
+        out = []
+        for rule, dtype in cases:
+            x = xs[np.dtype(dtype).name]
+            cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+            got = quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
+            want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
+            out.append((got, (want.elements, want.scales)))
+        return out
+
+    for (rule, dtype), (got, want) in zip(cases, run(xs)):
+        for part, a, b in zip(("elements", "scales"), got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                          err_msg=f"{fmt} {rule} {np.dtype(dtype).name}: {part}")
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8", "mxfp6_e2m3"))
@@ -577,7 +593,7 @@ NVFP4_CASES = [("divide", 0.0123, np.float32), ("divide", None, jnp.bfloat16),
 
 @pytest.mark.parametrize("step,ts,dtype", NVFP4_CASES,
                          ids=[f"{s}-ts={t}-{np.dtype(d).name}" for s, t, d in NVFP4_CASES])
-@pytest.mark.quick_first(1)
+@pytest.mark.slow  # ~5 s a case; the quick tier traces the kernel (..._lowers_to_triton below)
 def test_pallas_nvfp4_quantize_is_bit_identical_to_quantize_mx(step, ts, dtype):
     """The kernel runs quantize_mx's NVFP4 core (torchao's recipe, each float32 step exact on
     the bits) on its tiles: the same element codes, E4M3 scale codes and tensor scale as
@@ -647,20 +663,30 @@ FAKE_CASES = [(f, r, np.float32) for f in FAKE_FORMATS for r in lowprec.ScaleRul
 ]
 
 
-@pytest.mark.quick_cases(fmt=["mxfp8_e4m3", "mxfp4"], rule=["rceil"], dtype=[jnp.bfloat16])
-@pytest.mark.parametrize(
-    "fmt,rule,dtype", FAKE_CASES, ids=[f"{f}-{r}-{np.dtype(d).name}" for f, r, d in FAKE_CASES]
-)
-@pytest.mark.quick_first(1)
-def test_pallas_fake_quantize_is_bit_identical_to_the_xla_path(fmt, rule, dtype):
+@pytest.mark.slow  # seconds a format; quick: test_pallas_fake_quantize_lowers_to_triton traces it
+@pytest.mark.parametrize("fmt", FAKE_FORMATS)
+def test_pallas_fake_quantize_is_bit_identical_to_the_xla_path(fmt):
     """One pass, quantize and decode in registers: the values of the XLA formulation
-    (dequantize(quantize_mx(x))) bit for bit, specials and partial tiles included."""
-    x = jnp.asarray(_specials((21, 352), 5, spread=8 if dtype == jnp.bfloat16 else 30), dtype)
-    cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
-    got = fake_quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
-    want = lowprec.dequantize(lowprec.quantize_mx(x, fmt, scale_rule=rule), dtype)
-    assert got.dtype == x.dtype
-    assert_same_floats(got, want)
+    (dequantize(quantize_mx(x))) bit for bit, specials and partial tiles included, for every
+    scale rule (and bfloat16 input under one); one program per format (see above)."""
+    cases = [(r, d) for f, r, d in FAKE_CASES if f == fmt]
+    xs = {np.dtype(d).name: jnp.asarray(_specials((21, 352), 5, spread=8 if d == jnp.bfloat16
+                                                  else 30), d) for _, d in cases}
+
+    @jax.jit
+    def run(xs):
+        out = []
+        for rule, dtype in cases:
+            x = xs[np.dtype(dtype).name]
+            cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+            out.append((fake_quantize_mx_pallas(x, cast, block_rows=8, block_cols=128,
+                                                interpret=not ON_GPU),
+                        lowprec.dequantize(lowprec.quantize_mx(x, fmt, scale_rule=rule), dtype)))
+        return out
+
+    for (rule, dtype), (got, want) in zip(cases, run(xs)):
+        assert got.dtype == dtype
+        assert_same_floats(got, want, f"{fmt} {rule} {np.dtype(dtype).name}")
 
 
 @needs_triton_lowering
@@ -672,6 +698,7 @@ def test_pallas_fake_quantize_lowers_to_triton(fmt):
 
 
 @needs_triton_lowering
+@pytest.mark.slow  # ~6 s of lowerings; quick: test_kernel_policy_xla_turns_each_kernel_off's cases
 def test_quantize_and_fake_quantize_take_the_kernels_on_cuda_only(cuda_branches):
     """The public functions choose the one-pass kernels when lowered for CUDA (last axis or
     axis 0 of a 2-D array, deterministic rounding) and XLA's formulation for the CPU."""
@@ -831,6 +858,7 @@ def test_kernel_policy_xla_turns_each_kernel_off(name, cuda_branches, fused_mxdo
 
 @needs_triton_lowering
 @pytest.mark.parametrize("name", list(_KERNEL_CALLS))
+@pytest.mark.quick_first(1)
 def test_kernels_step_aside_under_an_explicit_mesh(name, cuda_branches, fused_mxdot):
     """Under a mesh with Explicit axes (JAX's default axis type) the programs lowered for CUDA
     hold no Pallas kernel, and lowering succeeds: JAX 0.11's Triton lowering of a kernel's

@@ -120,21 +120,24 @@ def test_public_packers_take_the_kernel_under_vmap_and_jit(shape, policy):
 
 
 def _bits(a):
+    """The bit patterns of a float array, as unsigned integers of its width (traceable)."""
     a = jnp.asarray(a)
-    return np.asarray(jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}")))
+    return jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}"))
 
 
 @needs_native
 @pytest.mark.parametrize("name", FP6)
 @pytest.mark.parametrize("scale_rule", ["floor", "rceil"])
 @pytest.mark.parametrize("shape, axis", [((16, 96), -1), ((3, 5, 70), -1), ((64, 8), 0)])
-@pytest.mark.quick_first(4)
+@pytest.mark.quick_first(1)
 def test_mx_calls_give_xla_bits(name, scale_rule, shape, axis, policy):
     """quantize_mx (float32 and bfloat16 input) / dequantize (to float32, bfloat16) of FP6
-    formats: the same bits with the kernels (policy "auto") and without them ("xla"); the
-    kernels are in the compiled program exactly where blocks run along the last axis. Inputs
-    span 2^-140..2^20 with zeros, NaN and infinities, so blocks take the exact paths as well
-    as the fast ones."""
+    formats: the same bits with the kernels (policy "auto") and without them ("xla"), under
+    jit and eagerly; the kernels are in the compiled program exactly where blocks run along
+    the last axis: float32 input takes the one-pass quantizer (packing inside it), bfloat16
+    input XLA's encode and the packing kernel, dequantize the unpacking kernel. Inputs span
+    2^-140..2^20 with zeros, NaN and infinities, so blocks take the exact paths as well as
+    the fast ones. All four calls share one program per policy (its custom calls counted)."""
     rng = np.random.default_rng(11)
     x = (rng.standard_normal(shape) * np.exp2(rng.integers(-140, 20, shape))).astype(np.float32)
     x.ravel()[:: 37] = 0.0
@@ -145,26 +148,31 @@ def test_mx_calls_give_xla_bits(name, scale_rule, shape, axis, policy):
     def quantize(v):
         return lowprec.quantize_mx(v, name, axis=axis, scale_rule=scale_rule, pad=True)
 
+    def calls(v):
+        m, mb = quantize(v), quantize(v.astype(jnp.bfloat16))
+        return (m.elements, m.scales, _bits(lowprec.dequantize(m)),
+                _bits(lowprec.dequantize(m, dtype=jnp.bfloat16)), mb.elements, mb.scales)
+
+    parts = ("f32 elements", "f32 scales", "dequantize f32", "dequantize bf16",
+             "bf16 elements", "bf16 scales", "eager dequantize(quantize)")
     results = {}
     for chosen in ("auto", "xla"):
         policy(chosen)
-        m = jax.jit(quantize)(x)
-        f32 = jax.jit(lambda m: lowprec.dequantize(m))(m)
-        bf16 = jax.jit(lambda m: lowprec.dequantize(m, dtype=jnp.bfloat16))(m)
-        eager = lowprec.dequantize(quantize(x))
-        results[chosen] = [np.asarray(m.elements), np.asarray(m.scales), _bits(f32), _bits(bf16),
-                           _bits(eager)]
+        compiled = jax.jit(calls).lower(x).compile()
+        text = compiled.as_text()
         kernel = chosen == "auto" and axis == -1
-        # float32 input takes the one-pass quantizer (packing inside it); bfloat16 input
-        # XLA's encode and this packing kernel.
-        assert ("lowprec_mx_quantize" in _compiled_text(quantize, x)) == kernel
-        assert ("lowprec_fp6_pack" in _compiled_text(
-            quantize, x.astype(jnp.bfloat16))) == kernel
-        assert ("lowprec_fp6_unpack" in _compiled_text(lambda m: lowprec.dequantize(m), m)) == kernel
-        mb = jax.jit(quantize)(x.astype(jnp.bfloat16))
-        results[chosen] += [np.asarray(mb.elements), np.asarray(mb.scales)]
-    for got, want in zip(results["auto"], results["xla"]):
-        np.testing.assert_array_equal(got, want)
+        counts = {t: text.count(f'custom_call_target="{t}"')
+                  for t in ("lowprec_mx_quantize", "lowprec_fp6_pack", "lowprec_fp6_unpack")}
+        # one quantizer (the float32 call's: bfloat16 input is not its), the packer (the
+        # bfloat16 call's, in each of its branches), the unpacker (the dequantizes')
+        assert (counts["lowprec_mx_quantize"], counts["lowprec_fp6_pack"] > 0,
+                counts["lowprec_fp6_unpack"] > 0) == ((1, True, True) if kernel else (0, False, False)), (
+            chosen, axis, counts)
+        results[chosen] = [np.asarray(a) for a in compiled(x)]
+        results[chosen].append(np.asarray(_bits(lowprec.dequantize(quantize(x)))))  # eagerly
+    for part, got, want in zip(parts, results["auto"], results["xla"]):
+        np.testing.assert_array_equal(got, want, err_msg=f"{name} {scale_rule} {shape} axis "
+                                                         f"{axis}: {part}")
 
 
 def test_missing_library_keeps_xla(monkeypatch, policy):

@@ -93,28 +93,52 @@ def _both(x, name, rule, **kw):
 
 
 def _takes_kernel(x, name, rule=None, **kw) -> bool:
+    """Whether the program of quantize_mx(x, name, ...) calls the kernel (read from the
+    lowered program: the choice is made while tracing, so no compile is needed)."""
     if rule is not None:
         kw["scale_rule"] = rule
-    text = jax.jit(lambda v: lowprec.quantize_mx(v, name, **kw)).lower(x).compile().as_text()
-    return 'custom_call_target="lowprec_mx_quantize"' in text
+    text = jax.jit(lambda v: lowprec.quantize_mx(v, name, **kw)).lower(x).as_text()
+    return "stablehlo.custom_call @lowprec_mx_quantize(" in text
+
+
+def _programs(xs, name, rules, **kw):
+    """quantize_mx(x, name, scale_rule=r, **kw) for each (x, r) of ``xs`` and ``rules`` as the
+    outputs of one program, compiled with the kernel allowed ("auto") and with XLA only
+    ("xla"): per policy, the (elements, scales) of each rule as NumPy, and the count of the
+    kernel's custom calls in the compiled program."""
+    out = {}
+    for policy in ("xla", "auto"):
+        with lowprec.kernels.policy(policy):
+            compiled = jax.jit(lambda vs: [
+                (m.elements, m.scales) for m in
+                (lowprec.quantize_mx(v, name, scale_rule=r, **kw) for v, r in zip(vs, rules))]
+            ).lower(xs).compile()
+            calls = compiled.as_text().count('custom_call_target="lowprec_mx_quantize"')
+            out[policy] = ([tuple(np.asarray(a) for a in pair) for pair in compiled(xs)], calls)
+    return out
 
 
 @needs_vector
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.quick_first(6)
-def test_same_bits_as_xla(name, rule):
-    kinds = inputs(24, 256, seed=FORMATS.index(name) * 4 + RULES.index(rule))
-    x = jnp.asarray(np.concatenate(list(kinds.values())))  # one call per policy
-    got = _both(x, name, rule)
-    for part, a, b in zip(("elements", "scales"), got["auto"], got["xla"]):
-        for i, kind in enumerate(kinds):  # report the kind of input that differs
-            rows = slice(24 * i, 24 * (i + 1))
-            np.testing.assert_array_equal(a[rows], b[rows], err_msg=f"{name} {rule} {kind}: {part}")
-    assert _takes_kernel(x, name, rule)
+@pytest.mark.quick_first(1)
+def test_same_bits_as_xla(name):
+    """Every kind of input under every rule the kernel serves: its codes are XLA's, and
+    "auto" takes the kernel for each rule (one program per policy for all the rules, each
+    rule on inputs of its own)."""
+    kinds = [inputs(24, 256, seed=FORMATS.index(name) * 4 + i) for i in range(len(RULES))]
+    xs = [jnp.asarray(np.concatenate(list(k.values()))) for k in kinds]
+    got = _programs(xs, name, RULES)
+    assert got["auto"][1] == len(RULES) and got["xla"][1] == 0, (got["auto"][1], got["xla"][1])
+    for rule, have, want in zip(RULES, got["auto"][0], got["xla"][0]):
+        for part, a, b in zip(("elements", "scales"), have, want):
+            for i, kind in enumerate(kinds[0]):  # report the kind of input that differs
+                rows = slice(24 * i, 24 * (i + 1))
+                np.testing.assert_array_equal(a[rows], b[rows],
+                                              err_msg=f"{name} {rule} {kind}: {part}")
 
 
 @needs_vector
+@pytest.mark.slow  # left out of the quick tier: test_same_bits_as_xla's quick cases run its code
 @given(data=st.data())
 def test_any_bits_property(data):
     """Random float32 bit patterns, format and rule: the kernel's codes are XLA's."""
@@ -129,6 +153,7 @@ def test_any_bits_property(data):
 
 @needs_vector
 @pytest.mark.parametrize("shape", [(100,), (3, 5, 70), (2, 1, 33)])
+@pytest.mark.quick_first(1)
 def test_padding_and_leading_dims(shape):
     x = jnp.asarray(np.random.default_rng(4).standard_normal(shape).astype(np.float32))
     got = _both(x, "mxfp6_e2m3", "floor", pad=True)
@@ -162,23 +187,22 @@ def test_calls_it_does_not_serve_keep_xla():
 @needs_native
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("block", [16, 64])
-@pytest.mark.quick_first(2)
+@pytest.mark.quick_first(1)
 def test_portable_loop_same_bits_as_xla(name, block):
     """Block sizes other than 32 run the kernel's portable loop (no AVX2); quantize_mx does
-    not send them to the kernel, but the loop must still give XLA's codes."""
+    not send them to the kernel, but the loop must still give XLA's codes, under every rule
+    (the rules' kernel calls in one program, XLA's in another)."""
     fmt = mx_format(name, block)
     x = jnp.asarray(np.concatenate(list(inputs(8, 256, seed=block).values())))
-    for rule in RULES:
-        attrs = _mx_quantize_cpu.attributes(fmt, rule)
-        elements, scales = jax.jit(lambda v: _mx_quantize_cpu.quantize_last(v, attrs))(x)
-        previous = lowprec.kernels.set_policy("xla")
-        try:
-            want = lowprec.quantize_mx(x, fmt, scale_rule=rule)
-        finally:
-            lowprec.kernels.set_policy(previous)
-        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements),
-                                      err_msg=f"{name} b{block} {rule}")
-        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+    calls = [_mx_quantize_cpu.attributes(fmt, rule) for rule in RULES]
+    got = jax.jit(lambda v: [_mx_quantize_cpu.quantize_last(v, attrs) for attrs in calls])(x)
+    with lowprec.kernels.policy("xla"):
+        want = jax.jit(lambda v: [(m.elements, m.scales) for m in
+                                  (lowprec.quantize_mx(v, fmt, scale_rule=r) for r in RULES)])(x)
+    for rule, have, expected in zip(RULES, got, want):
+        for part, a, b in zip(("elements", "scales"), have, expected):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                          err_msg=f"{name} b{block} {rule}: {part}")
 
 
 @needs_native

@@ -164,7 +164,7 @@ def test_nearest_same_bits_as_xla(step):
 
 
 @pytest.mark.parametrize("step", STEPS)
-@pytest.mark.quick_first(1)
+@pytest.mark.slow  # seconds; the quick test_layouts[odd_pad] runs the kernel's stochastic rounding
 def test_stochastic_same_bits_as_xla(step):
     """Words from a key, and given: uint16, uint32, all 0 (always away from zero where
     anything is dropped) and all 2^32 - 1 (never)."""
@@ -204,8 +204,9 @@ def test_reference(rounding):
     assert ts.view(np.uint32) == np.float32(want_ts).view(np.uint32)
 
 
-@pytest.mark.parametrize("case", ("3d_last", "3d_axis0", "3d_axis1_pad", "odd_pad",
+@pytest.mark.parametrize("case", ("odd_pad", "3d_last", "3d_axis0", "3d_axis1_pad",
                                   "noncontiguous", "bfloat16", "float16"))
+@pytest.mark.quick_first(1)
 def test_layouts(case):
     """3-D activations blocked along each axis, padding, views XLA must lay out, and the
     narrow input dtypes (widened exactly): the kernel's bits are XLA's."""
@@ -226,6 +227,7 @@ def test_layouts(case):
         assert_same(x.astype(getattr(jnp, case)))
 
 
+@pytest.mark.slow  # seconds; quick tests run the kernel under jit (test_layouts, test_nearest_...)
 def test_jit_vmap_grad():
     """Under vmap (one tensor scale per batch element: the kernel's grouped scales), jit,
     and grad through dequantize: the same values as XLA's path."""
@@ -261,9 +263,11 @@ def test_traced_tensor_scale():
     """A tensor scale given as a traced value (known only at run time) takes the kernel when
     it is a positive finite float32 and XLA's formulation otherwise, by one lax.cond: the
     same bits as XLA's path either way (0 is raised to 2^-143 first)."""
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32))
+    # [80, 64] and the step written out: the programs of test_nearest_same_bits_as_xla
+    # (cached by _compiled), so this test compiles nothing of its own.
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((80, 64)).astype(np.float32))
     for ts in (0.5, 0.0, 2.0**-149, -1.0, -0.0, np.inf, np.nan):
-        assert_same(x, tensor_scale=np.float32(ts))
+        assert_same(x, tensor_scale=np.float32(ts), nvfp4_step="divide")
 
 
 def _lowered_takes_kernel(f, *args) -> bool:
@@ -302,6 +306,7 @@ FAKE = 'custom_call_target="lowprec_nvfp4_fake_quantize"'
 
 
 @pytest.mark.parametrize("step", STEPS)
+@pytest.mark.slow  # ~7 s a case (XLA's four fake quantizations); quick: the fused call lowered below
 def test_training_fake_quantize_same_bits_as_xla(step):
     """The NVFP4 recipe's fake quantizations (lowprec/_nvfp4_train.py: Q along either axis,
     to nearest or with stochastic words, and Q2's 16 x 16 weight tiles) by the kernel's fused
@@ -330,6 +335,7 @@ def test_training_fake_quantize_same_bits_as_xla(step):
 
 @needs_kernel
 @pytest.mark.parametrize("shape", [(16,), (1025, 1024), (2, 4096, 4096)])
+@pytest.mark.quick_first(1)
 def test_inputs_of_any_size_take_the_kernel(shape):
     # The vectorized kernel is no slower than XLA's compiled program from 2^16 to 4096^2
     # elements (benchmarks/README.md), so no size sends NVFP4 to XLA's program: one block,
