@@ -22,7 +22,10 @@ the command would reach on an idle machine of ``os.cpu_count()`` cores if it kep
 busy (an upper estimate for a shared machine, where the wall time counts other people's
 work; the bytes over the CPU seconds alone would be the serial lower one).
 
-Every conversion runs as ``python -m lowprec ...`` in a subprocess; its peak resident set
+Every conversion runs as ``python -m lowprec ...`` in a subprocess, as an installed lowprec
+runs (its modules' bytecode compiled once, kept under the work folder, whatever
+``PYTHONDONTWRITEBYTECODE`` says), and the ``model-*`` quantize commands write their error
+report (``--report``); its peak resident set
 size is the command's own ``ru_maxrss`` (the import of lowprec, and of JAX where it is used,
 included), read by a small launcher process between the benchmark and the command (measured
 from the benchmark itself it started at the benchmark's RSS, ~336 MB, at fork), and
@@ -39,6 +42,7 @@ Usage::
     python benchmarks/bench_checkpoint.py                      # 1 GiB, mxfp8_e4m3 and mxfp4
     python benchmarks/bench_checkpoint.py --size-mib 64 --formats mxfp4   # a quick look
     python benchmarks/bench_checkpoint.py --json out/bench_checkpoint.json
+    python benchmarks/bench_checkpoint.py --cases model-bf16 --formats nvfp4 mxfp4 --rounds 2
     git archive 766180e lowprec | tar -x -C /tmp/old &&     # against an older version
         python benchmarks/bench_checkpoint.py --baseline /tmp/old --rounds 3
 """
@@ -173,11 +177,21 @@ os.write(1, ("%d %d %r %r" % (os.waitstatus_to_exitcode(status), u.ru_maxrss, u.
 """
 
 
+#: Where the commands keep their compiled bytecode (set by main, under the work folder). An
+#: installed lowprec has its .pyc files; a command that compiled every module it imports
+#: (PYTHONDONTWRITEBYTECODE, as in the development environment) spent ~0.17 of its ~0.40
+#: start-up CPU seconds doing that, which no user pays.
+PYCACHE: str | None = None
+
+
 def run(cmd, pythonpath=None, cwd=None) -> dict:
     """Runs ``cmd`` in ``cwd`` (not the repository root, whose ``lowprec/`` would shadow
     ``pythonpath`` under ``python -m``) through :data:`_LAUNCHER`; returns wall seconds,
     the command's own peak RSS bytes and CPU seconds, and the load."""
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    if PYCACHE is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = PYCACHE
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     load = os.getloadavg()[0]
@@ -208,7 +222,7 @@ def main(argv=None):
     ap.add_argument("--formats", nargs="+", default=["mxfp8_e4m3", "mxfp4"])
     ap.add_argument("--cases", nargs="+", default=["axis-1", "axis0", "1d"],
                     choices=["axis-1", "axis0", "1d", "shards", "model-bf16", "model-f32"])
-    ap.add_argument("--model-mib", type=int, default=4096,
+    ap.add_argument("--model-mib", type=int, default=3090,
                     help="input size of the model-* cases (MiB)")
     ap.add_argument("--shards", type=int, default=16, help="files of the 'shards' case")
     ap.add_argument("--dir", default=None, help="work folder (default: new folder in /tmp)")
@@ -225,6 +239,8 @@ def main(argv=None):
 
     work = args.dir or tempfile.mkdtemp(prefix="lowprec-bench-ckpt-")
     os.makedirs(work, exist_ok=True)
+    global PYCACHE
+    PYCACHE = os.path.join(work, "pycache")
     py = [sys.executable, "-m", "lowprec"]
     n = args.size_mib * 2**20 // 4
     side = int(math.isqrt(n)) // 32 * 32
@@ -245,6 +261,8 @@ def main(argv=None):
                 files[case] = os.path.join(work, case)
                 if not os.path.exists(os.path.join(files[case], "config.json")):
                     make_model(files[case], args.model_mib * 2**20, dt, 3)
+        for pp in {None, args.baseline}:  # compiles each version's bytecode once
+            run([sys.executable, "-c", "import lowprec.cli"], pp)
         floor = run([sys.executable, "-c", "import lowprec.cli"])
         copy_s = {}
         for key, path in files.items():
@@ -285,6 +303,8 @@ def main(argv=None):
                 suffix = "" if case == "shards" or case.startswith("model") else ".safetensors"
                 q = os.path.join(work, f"{case}-{fmt}{suffix}")
                 d = os.path.join(work, f"{case}-{fmt}-back{suffix}")
+                if case.startswith("model"):  # the error report written, as a user asks
+                    extra = [*extra, "--report", os.path.join(work, f"{case}-{fmt}.json")]
                 ops = [("quantize", py + ["quantize", src, q, "-f", fmt, "-q", "--force", *extra]),
                        ("dequantize", py + ["dequantize", q, d, "-q", "--force"])]
                 for op, cmd in ops:
@@ -327,6 +347,8 @@ def main(argv=None):
                           f"{cpu_ratio} | {rss_base} | {r['load']:.2f} |", flush=True)
                 for path in (d, q):
                     shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+                if case.startswith("model"):
+                    os.unlink(os.path.join(work, f"{case}-{fmt}.json"))
     finally:
         if not args.keep and args.dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -51,6 +51,7 @@ def wrap(modname, attr, label):
 wrap("lowprec.checkpoint._safetensors", "SafetensorsReader.read_region", "read (pread)")
 wrap("lowprec.checkpoint._safetensors", "SafetensorsWriter.write_region", "write (pwrite)")
 wrap("lowprec.checkpoint._atomic", "AtomicFile.stage", "fsync")
+wrap("lowprec.checkpoint._atomic", "AtomicFile.start_writeback", "write-behind (sync_file_range)")
 wrap("lowprec.checkpoint._chunk", "encode_blocks", "encode (XLA program + copies)")
 wrap("lowprec.kernels._ckpt_cpu", "quantize", "encode+stats (fused native)")
 wrap("lowprec.kernels._ckpt_cpu", "quantize_nvfp4", "encode+stats (fused native)")

@@ -282,6 +282,41 @@ def test_nvfp4_block_scales_are_checked_in_every_layout(tmp_path, capsys, layout
     assert not out.exists()
 
 
+@pytest.mark.parametrize("chunk", [8, 24, 1 << 22], ids=["8", "24", "whole"])
+def test_nvfp4_block_scale_checks_do_not_depend_on_the_read_chunk(tmp_path, monkeypatch, chunk):
+    """The block scales are checked a chunk at a time, most chunks (all positive, none NaN)
+    by their largest code alone: the first negative block is named by its index in the
+    tensor, and the largest finite factor is found when it lies in a chunk of its own, away
+    from the NaN block and from the negative one."""
+    import lowprec.checkpoint._validate as validate  # noqa: PLC0415
+
+    monkeypatch.setattr(validate, "_SCALE_CHUNK", chunk)
+    x = np.linspace(-2.0, 2.0, 64 * 32, dtype=np.float32).reshape(64, 32)
+    x[5, 3] = np.nan  # block 10 held a NaN: code 0x7F
+    src, q = tmp_path / "in.safetensors", tmp_path / "q.safetensors"
+    save(src, {NAME: x})
+    quantize_checkpoint(src, q, "nvfp4", progress=False)
+    tensors, meta = _stored(q)
+    codes = tensors[NAME + "_scales"].view(np.uint8).reshape(-1).copy()
+    assert codes[10] == 0x7F and load_checkpoint(q)[NAME].shape == (64, 32)
+
+    bad = codes.copy()
+    bad[[37, 90]] = [0xB8, 0xC0]  # -1.0 and -2.0: blocks 37 and 90
+    save(tmp_path / "neg.safetensors", {**tensors, NAME + "_scales": bad.reshape(64, 2)}, meta)
+    with pytest.raises(CheckpointError, match=r"2 of 128 block scale\(s\) negative \(e.g. "
+                                              r"block 37: code 0xB8 = -1.0\)"):
+        load_checkpoint(tmp_path / "neg.safetensors")
+
+    top = codes.copy()
+    top[100] = 0x7E  # 448, the largest E4M3: inf under a tensor scale of 1e36
+    ts = np.full_like(tensors[NAME + "_scale"], 1e36)
+    save(tmp_path / "top.safetensors", {**tensors, NAME + "_scales": top.reshape(64, 2),
+                                        NAME + "_scale": ts}, meta)
+    with pytest.raises(CheckpointError, match=r"block scale 448.0 gives its block the factor "
+                                              r"inf"):
+        load_checkpoint(tmp_path / "top.safetensors")
+
+
 # -- parts that fit no layout ---------------------------------------------------------------
 def _ct_nvfp4(tmp_path, folder: bool):
     """A 128 x 64 weight in compressed-tensors NVFP4 (written by lowprec), as a file or in a

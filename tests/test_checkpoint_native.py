@@ -149,6 +149,43 @@ def test_overflow_on_narrowing_is_reached():
     assert expected_narrowing(values, np.float32, False)[1] == 0
 
 
+_NOT_EXACT = {  # values bfloat16 does not hold as they are
+    "overflow": 3.4e38,  # finite, rounds to inf: refused, or clamped with saturate
+    "nan": np.uint32(0x7FC0_1234).view(np.float32),  # a NaN with payload bits below 16
+    "inf": -np.inf,
+    "rounds": 1 + 2.0 ** -9,  # a tie, rounded to even (1.0)
+    "subnormal": 2.0 ** -140,  # float32 subnormal, under bfloat16's smallest
+}
+
+
+@pytest.mark.parametrize("saturate", [False, True])
+@pytest.mark.parametrize("where", [0, 7, 8, 13, 2040, 2048 + 5, None])
+@pytest.mark.parametrize("special", sorted(_NOT_EXACT))
+def test_bf16_narrowing_after_a_run_of_exact_values(special, where, saturate):
+    """Narrowing to bfloat16 takes the top halves of finite values bfloat16 holds exactly (an
+    MX decode's) until a group of 8 holds another value, then rounds: wherever the first such
+    value falls (the first group, mid-group, past the 2048-value chunk, nowhere) and whatever
+    follows it (exact values, a second special), the result is NumPy's cast (ml_dtypes): the
+    same bits, count and refusal."""
+    rng = np.random.default_rng(7 if where is None else where)
+    values = (rng.standard_normal(4100) * np.exp2(rng.integers(-20, 20, 4100))).astype(
+        np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    if where is not None:
+        values[where] = values[where + 1000] = np.float32(_NOT_EXACT[special])
+    expected = expected_narrowing(values, ml_dtypes.bfloat16, saturate)
+    if isinstance(expected, CheckpointError):
+        with pytest.raises(CheckpointError) as raised:
+            _chunk.narrow(values, ml_dtypes.bfloat16, "t", saturate)
+        assert str(raised.value) == str(expected)
+        return
+    out, n = _chunk.narrow(values, ml_dtypes.bfloat16, "t", saturate)
+    np.testing.assert_array_equal(bits(out), bits(expected[0]))
+    assert n == expected[1]
+    nonfinite, _, _ = _ckpt_cpu.decode(np.empty(values.size, ml_dtypes.bfloat16), values,
+                                       saturate=True)
+    assert nonfinite == _chunk.count_nonfinite(expected[0])
+
+
 @pytest.mark.parametrize("elem_name", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("in_dtype", INPUTS, ids=lambda d: np.dtype(d).name)
 def test_cast_stats_and_decode_match_numpy(elem_name, in_dtype, numpy_only):

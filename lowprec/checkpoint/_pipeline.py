@@ -12,8 +12,9 @@ programs, the native passes and ``pwrite`` all release the GIL, so a piece is re
 another is quantized and a third written, on every core. At most two pieces per worker are
 in flight (memory stays a few pieces, whatever the checkpoint), each is written at its own
 place in the output, and results come back in order, so reports do not depend on the
-number of threads. A finished shard is made durable (fsync) in the background while the
-next one converts.
+number of threads. Each converted tensor's bytes start for the disk at once (write-behind,
+:meth:`~._atomic.AtomicFile.start_writeback`) and a finished shard is made durable (fsync)
+in the background while the next one converts, so the last fsync waits for little.
 """
 
 from __future__ import annotations
@@ -437,6 +438,8 @@ def write_outputs(source, outputs, readers, plans, op, options, start, *, force,
                     if source.is_folder:
                         rep.shard = rel
                     shard_reports.append(rep)
+                    # Write-behind: the tensor's bytes go to disk while the next converts.
+                    staged.append(stager.submit(writers[rel].atomic_file.start_writeback))
                 staged.append(stager.submit(writers[rel].stage))
                 return shard_reports
 

@@ -276,6 +276,11 @@ def _e4m3_block_scales(reader, stored: str, where: str, factor) -> None:
     top, negative, first, seen = -1, 0, None, 0
     for chunk in reader.iter_raw(stored, _SCALE_CHUNK):
         codes = np.frombuffer(chunk, np.uint8)
+        high = int(codes.max()) if codes.size else -1
+        if high < 0x7F:  # all positive and none NaN (nearly always): one pass, no masks
+            top = max(top, high)
+            seen += codes.size
+            continue
         neg = codes >= 0x80
         if neg.any():
             if first is None:

@@ -186,6 +186,31 @@ __attribute__((target("avx2"))) uint32_t FiniteAmaxAvx2(const uint32_t* v, int64
   return top;
 }
 
+// FiniteAmaxAvx2 of bfloat16 patterns p[0..len), read as they are (16 at a time, no
+// widening): the largest finite magnitude pattern, 0 if none. Widening is a shift, which
+// keeps the order and finiteness, so this is FiniteAmax of the widened patterns >> 16.
+__attribute__((target("avx2"))) uint16_t FiniteAmaxBf16Avx2(const uint16_t* p, int64_t len) {
+  const __m256i abs = _mm256_set1_epi16(0x7FFF);
+  const __m256i inf = _mm256_set1_epi16(0x7F80);
+  __m256i m = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const __m256i a = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), abs);
+    m = _mm256_max_epu16(m, _mm256_and_si256(a, _mm256_cmpgt_epi16(inf, a)));  // a < inf
+  }
+  __m128i m8 = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0b01001110));
+  m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0b10110001));
+  m8 = _mm_max_epu16(m8, _mm_shufflelo_epi16(_mm_shufflehi_epi16(m8, 0b10110001), 0b10110001));
+  uint16_t top = static_cast<uint16_t>(_mm_extract_epi16(m8, 0));
+  for (; i < len; ++i) {
+    const uint16_t a = p[i] & 0x7FFFu;
+    top = std::max(top, a < 0x7F80u ? a : uint16_t{0});
+  }
+  return top;
+}
+
 // DecodeChunk's values for 4- or 8-bit codes, 8 at a time, where the factor is constant
 // over each group of 8 (blocks of a multiple of 8, or one factor); returns how many were done.
 __attribute__((target("avx2"))) int64_t DecodeAvx2(const uint8_t* codes, int32_t bits,
@@ -262,8 +287,22 @@ __attribute__((target("avx2"))) int64_t NarrowBf16Avx2(const uint32_t* v, int64_
   const __m256i sign16 = _mm256_set1_epi32(0x8000);
   const __m256i inf16 = _mm256_set1_epi32(0x7F80);
   const __m256i abs16 = _mm256_set1_epi32(0x7FFF);
+  const __m256i low16 = _mm256_set1_epi32(0xFFFF);
   __m256i count = _mm256_setzero_si256();
+  // Finite values that bfloat16 holds exactly (their low 16 bits zero) need no rounding and
+  // cannot overflow: their top halves are the result (an FP4 or FP8 code times a power of
+  // two: the MX decode's values). Taken until a group of 8 is not that (NVFP4's rounded
+  // products), then the rounding loop, so other values pay one test per call.
   int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+    const __m256i odd = _mm256_or_si256(_mm256_and_si256(b, low16),
+                                        _mm256_cmpeq_epi32(_mm256_and_si256(b, e), e));
+    if (!_mm256_testz_si256(odd, odd)) break;
+    const __m256i top = _mm256_srli_epi32(b, 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0b1000);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm256_castsi256_si128(packed));
+  }
   for (; i + 8 <= len; i += 8) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
     const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, abs), e);  // |b| > inf
@@ -491,6 +530,7 @@ __attribute__((target("avx2,fma"))) void FiniteStatsAvx2(const uint32_t* xb, con
   }
   FiniteStatsPortable(xb + i, qb + i, len - i, l);  // the tail, lanes from 0 again
 }
+
 #endif
 
 // A chunk's pairs, all finite or not: its sums and maxima go to `chunk` (sums from 0,
@@ -895,6 +935,13 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_amax(const void* x, int32_t kind, int64_t n,
   uint32_t b[kChunk];
   for (int64_t r = 0; r < rows; ++r) {
     uint32_t m = 0;
+#ifdef LOWPREC_X86_AVX2
+    if (kind == kBF16 && lowprec_native::HasAvx2()) {  // the patterns as stored, unwidened
+      const uint16_t top = FiniteAmaxBf16Avx2(static_cast<const uint16_t*>(x) + r * cols, cols);
+      out[r] = FromBits(static_cast<uint32_t>(top) << 16);
+      continue;
+    }
+#endif
     for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
       const int64_t len = std::min(kChunk, cols - c0);
       const int64_t first = r * cols + c0;
