@@ -36,7 +36,13 @@ def roundtrip(x, fmt: MXFormat, axis: int, scale_rule, rounding: str = "nearest_
     ``x`` is zero-padded to whole blocks (zeros change no block maximum) and the padding is
     dropped again. Works under ``jit`` and ``vmap``.
     """
-    x = as_f32(x)
+    return _roundtrip(as_f32(x), fmt, axis, scale_rule, rounding, key)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _roundtrip(x, fmt: MXFormat, axis: int, scale_rule, rounding: str, key):
+    # One program per format, shape and options: eagerly the scale decode, the dequantize
+    # and the repeat over each block are programs of their own, compiled per call shape.
     mx = quantize_mx(x, fmt, axis=axis, scale_rule=scale_rule, rounding=rounding, pad=True, key=key)
     per_block = mx.fmt.scheme.element_scale(mx.scales, mx.tensor_scale)
     return dequantize(mx), _per_element(per_block, mx.fmt, mx.axis, x.shape[mx.axis])
@@ -62,7 +68,11 @@ def mx_scale_exponents(
     x = as_f32(x)
     if x.ndim == 0:
         raise ValueError("mx_scale_exponents needs at least a 1-D array (blocks run along an axis)")
-    axis = normalize_axis(axis, x.ndim)
+    return _scale_exponents(x, fmt, normalize_axis(axis, x.ndim), scale_rule)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _scale_exponents(x, fmt: MXFormat, axis: int, scale_rule):
     exps = shared_exponents(x, fmt, axis=axis, scale_rule=scale_rule, pad=True)
     return _per_element(exps, fmt, axis, x.shape[axis])
 
