@@ -7,6 +7,7 @@ factor, tensor_scale × block_scale (its block scales are E4M3 values, not power
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -36,16 +37,20 @@ def roundtrip(x, fmt: MXFormat, axis: int, scale_rule, rounding: str = "nearest_
     ``x`` is zero-padded to whole blocks (zeros change no block maximum) and the padding is
     dropped again. Works under ``jit`` and ``vmap``.
     """
-    return _roundtrip(as_f32(x), fmt, axis, scale_rule, rounding, key)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _roundtrip(x, fmt: MXFormat, axis: int, scale_rule, rounding: str, key):
-    # One program per format, shape and options: eagerly the scale decode, the dequantize
-    # and the repeat over each block are programs of their own, compiled per call shape.
+    x = as_f32(x)
     mx = quantize_mx(x, fmt, axis=axis, scale_rule=scale_rule, rounding=rounding, pad=True, key=key)
+    # The rule is static metadata of the MXArray that neither step below reads: dropped, so
+    # that every rule shares their program.
+    return _values_and_scales(dataclasses.replace(mx, scale_rule=None), x.shape[mx.axis])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _values_and_scales(mx, n: int):
+    # quantize_mx above is its own program per format and rule; what follows depends on
+    # neither the rule nor the rounding, so one program per format and shape serves them all
+    # (eagerly, the scale decode, the dequantize and the repeat over each block are several).
     per_block = mx.fmt.scheme.element_scale(mx.scales, mx.tensor_scale)
-    return dequantize(mx), _per_element(per_block, mx.fmt, mx.axis, x.shape[mx.axis])
+    return dequantize(mx), _per_element(per_block, mx.fmt, mx.axis, n)
 
 
 def mx_scale_exponents(
