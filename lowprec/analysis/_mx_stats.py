@@ -7,6 +7,7 @@ factor, tensor_scale × block_scale (its block scales are E4M3 values, not power
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,8 +39,18 @@ def roundtrip(x, fmt: MXFormat, axis: int, scale_rule, rounding: str = "nearest_
     """
     x = as_f32(x)
     mx = quantize_mx(x, fmt, axis=axis, scale_rule=scale_rule, rounding=rounding, pad=True, key=key)
+    # The rule is static metadata of the MXArray that neither step below reads: dropped, so
+    # that every rule shares their program.
+    return _values_and_scales(dataclasses.replace(mx, scale_rule=None), x.shape[mx.axis])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _values_and_scales(mx, n: int):
+    # quantize_mx above is its own program per format and rule; what follows depends on
+    # neither the rule nor the rounding, so one program per format and shape serves them all
+    # (eagerly, the scale decode, the dequantize and the repeat over each block are several).
     per_block = mx.fmt.scheme.element_scale(mx.scales, mx.tensor_scale)
-    return dequantize(mx), _per_element(per_block, mx.fmt, mx.axis, x.shape[mx.axis])
+    return dequantize(mx), _per_element(per_block, mx.fmt, mx.axis, n)
 
 
 def mx_scale_exponents(
@@ -62,7 +73,11 @@ def mx_scale_exponents(
     x = as_f32(x)
     if x.ndim == 0:
         raise ValueError("mx_scale_exponents needs at least a 1-D array (blocks run along an axis)")
-    axis = normalize_axis(axis, x.ndim)
+    return _scale_exponents(x, fmt, normalize_axis(axis, x.ndim), scale_rule)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _scale_exponents(x, fmt: MXFormat, axis: int, scale_rule):
     exps = shared_exponents(x, fmt, axis=axis, scale_rule=scale_rule, pad=True)
     return _per_element(exps, fmt, axis, x.shape[axis])
 

@@ -12,6 +12,9 @@ blocks of any power of two.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,10 +67,27 @@ def random_hadamard(x, block: int = 16, *, seed: int = 0, axis: int = -1,
             f"axis {axis} has length {x.shape[ax]}, not a multiple of the rotation's block "
             f"{block}; pad it or pick another block"
         )
+    if isinstance(seed, (int, np.integer)):
+        signs = _signs(int(seed), block)
+    else:  # an array seed (traced, say): the signs as rht_signs draws them
+        signs = rht_signs(seed, block)
+    return _rotate(x, signs, ax, inverse)
+
+
+# The signs of one (seed, block) as one program (eagerly: the key, the word hash and the
+# sign arithmetic are programs of their own); integer steps and 1 - 2b, so the same values.
+_signs = jax.jit(rht_signs, static_argnums=(0, 1))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _rotate(x, signs, ax: int, inverse: bool):
+    # One program per shape, axis and block: eagerly the butterfly's log2(block) stages
+    # dispatch (and compile) a dozen primitives each. Each step is still one float32
+    # operation per element (XLA reassociates no float arithmetic), so the same bits.
+    block = signs.shape[0]
     v = jnp.moveaxis(x, ax, 0)
     shape = v.shape
     v = v.reshape(shape[0], -1)
-    signs = rht_signs(seed, block)
     if inverse:   # Mᵀ = diag(s) H / √n: H is symmetric
         out = rht(v, jnp.ones((block,), jnp.float32)) * jnp.tile(signs, shape[0] // block)[:, None]
     else:
