@@ -84,12 +84,16 @@ def sharded_results(request, tmp_path_factory):
         return results
 
 
+# The quick share last: the first share test to run pays for the whole batch, and in the
+# default run that should be a slow one (whose cases are most of the batch), so that a profile
+# of the default run (scripts/suite_footprint.py's "quick s") charges the quick tier with no
+# more than its own cases; in the quick tier (-m "not slow") the quick share is the only one.
 @pytest.mark.parametrize("share", [
-    "quick",
     pytest.param("blocks_and_matmuls", marks=pytest.mark.slow),
     pytest.param("recipes", marks=pytest.mark.slow),
     pytest.param("training", marks=pytest.mark.slow),
     pytest.param("transformer", marks=pytest.mark.slow),
+    "quick",
 ])
 def test_sharded_cases_on_four_cpu_devices(share, sharded_results):
     mine = {name: result for name, result in sharded_results["cases"].items()
@@ -123,6 +127,7 @@ def _functions() -> set:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
 
 
+@pytest.mark.slow  # checks the default run's batch: it skips in the quick tier
 def test_the_sample_covers_every_function_recipe_layout_and_flax_api(request):
     if set(_selected_shares(request.session)) != set(sharded.SHARES):
         pytest.skip("covers the whole batch: run with every share selected (the default run)")
