@@ -38,6 +38,13 @@ def np_update(hist, scale, amax, fmax, cfg):
     return hist, np.float32(new)
 
 
+def _normal(seed, *shapes):
+    """float32 standard normals drawn by NumPy (jax.random run op by op compiles its
+    programs anew for every shape)."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
 def _within(got, a, b):
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     bound = 2 * a64.shape[1] * 2.0**-23 * (np.abs(a64) @ np.abs(b64))
@@ -67,10 +74,8 @@ def test_three_steps_match_the_numpy_statement(cfg, route, request):
         return (y,) + jax.grad(loss, argnums=(0, 1, 2))(x, w, st)
 
     for t, mag in enumerate((1.0, 30.0, 0.01)):  # the amax moves: the scale lags one step
-        k1, k2, k3 = jax.random.split(jax.random.key(t), 3)
-        x = np.asarray(jax.random.normal(k1, (16, 32))) * mag
-        w = np.asarray(jax.random.normal(k2, (32, 8)))
-        c = np.asarray(jax.random.normal(k3, (16, 8))) * mag
+        x, w, c = _normal(t, (16, 32), (32, 8), (16, 8))
+        x, c = x * np.float32(mag), c * np.float32(mag)
         y, gx, gw, state = step(x, w, c, state)
         ql, qr = np_cast(x, scale[0], "e4m3"), np_cast(w, scale[1], "e4m3")
         qg = np_cast(c, scale[2], "e5m2")
@@ -115,7 +120,7 @@ def test_linen_layer_trains_with_flax_train_state():
     layer = nn.Dense(8, use_bias=False,
                      dot_general_cls=functools.partial(lowprec.flax.DelayedDotGeneral, config=cfg))
     x0 = jnp.ones((16, 32))
-    variables = layer.init(jax.random.key(0), x0)
+    variables = jax.jit(layer.init)(jax.random.key(0), x0)  # eagerly: ~100 programs
     state = train_state.TrainState.create(apply_fn=layer.apply, params=variables,
                                           tx=optax.sgd(0.01))
     hist, scale = np.zeros((3, 3), np.float32), np.ones(3, np.float32)
@@ -127,9 +132,8 @@ def test_linen_layer_trains_with_flax_train_state():
         return st.apply_gradients(grads=grads), st.apply_fn(st.params, x)
 
     for t, mag in enumerate((1.0, 30.0, 0.01)):
-        k1, k2 = jax.random.split(jax.random.key(t + 1))
-        x = np.asarray(jax.random.normal(k1, (16, 32))) * mag
-        c = np.asarray(jax.random.normal(k2, (16, 8))) * mag
+        x, c = _normal(t + 1, (16, 32), (16, 8))
+        x, c = x * np.float32(mag), c * np.float32(mag)
         w = np.asarray(state.params["params"]["kernel"])
         new, y = step(state, x, c)
         _within(y, np_cast(x, scale[0], "e4m3"), np_cast(w, scale[1], "e4m3"))
@@ -181,9 +185,8 @@ def test_nnx_layer_trains_with_update_delayed_state():
 
     hist, scale = np.zeros((3, 3), np.float32), np.ones(3, np.float32)
     for t, mag in enumerate((1.0, 30.0, 0.01)):
-        k1, k2 = jax.random.split(jax.random.key(t + 1))
-        x = np.asarray(jax.random.normal(k1, (16, 32))) * mag
-        c = np.asarray(jax.random.normal(k2, (16, 8))) * mag
+        x, c = _normal(t + 1, (16, 32), (16, 8))
+        x, c = x * np.float32(mag), c * np.float32(mag)
         w = np.asarray(model.kernel[...])
         y = step(model, opt, x, c)
         _within(y, np_cast(x, scale[0], "e4m3"), np_cast(w, scale[1], "e4m3"))
@@ -220,14 +223,21 @@ def test_delayed_recipe_through_rules_and_quantize_model():
                 nn.relu(nn.Dense(16, use_bias=False, name="up")(x)))
 
     qmodel = lf.quantize_model(MLP(), lowprec.Rules([("head", None), (".*", recipe)]))
-    x = np.asarray(jax.random.normal(jax.random.key(1), (16, 32)), np.float32) * 3
-    variables = qmodel.init(jax.random.key(0), x)
+    # NumPy data, jitted steps: eagerly, init / grad / apply_gradients dispatch op by op
+    # (~290 compiled programs); jitted, 3.
+    x = (np.random.default_rng(1).standard_normal((16, 32)) * 3).astype(np.float32)
+    variables = jax.jit(qmodel.init)(jax.random.key(0), x)
     owg = variables["_overwrite_with_gradient"]
     assert set(owg) == {"up"} and owg["up"]["DelayedDotGeneral_0"]["scale"].shape == (3,)
     state = train_state.TrainState.create(apply_fn=qmodel.apply, params=variables,
                                           tx=optax.sgd(0.01))
-    grads = jax.grad(lambda v: jnp.sum(qmodel.apply(v, x)))(state.params)
-    new = state.apply_gradients(grads=grads)
+
+    @jax.jit
+    def step(state):
+        grads = jax.grad(lambda v: jnp.sum(qmodel.apply(v, x)))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    new = step(state)
     got = new.params["_overwrite_with_gradient"]["up"]["DelayedDotGeneral_0"]
     w = np.asarray(variables["params"]["up"]["kernel"])
     assert_bits_equal(got["scale"][:2], np.float32(448) / np.array(
@@ -245,7 +255,7 @@ def test_delayed_recipe_through_rules_and_quantize_model():
     net = lf.quantize_model(Net(nnx.Rngs(0)), recipe)
     assert isinstance(net.up.dot_general, lf.DelayedDotGeneralNnx)
     assert net.up.dot_general is not net.head.dot_general
-    assert net(x).shape == (16, 8)
+    assert nnx.jit(lambda m, v: m(v))(net, x).shape == (16, 8)
     kept = net.up.dot_general
     assert lf.quantize_model(net, recipe).up.dot_general is kept
     lf.quantize_model(net, None)

@@ -58,6 +58,7 @@ def _qkv(b=2, s=6, h=2, d=32):
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.quick_cases(mode=["jit"])
 def test_attention_products_are_the_reference_quantized_products(mode):
     """Scores q·kᵀ: q and k quantized along the head depth; values p·v: p and v along the
     keys. Batch dims [b, h] as attention has them (4-D operands)."""
@@ -84,6 +85,7 @@ def _attention_by_hand(recipe, q, k, v):
     return recipe.einsum("...hqk,...khd->...qhd", jax.nn.softmax(s), v)
 
 
+@pytest.mark.slow  # seconds; lowprec.flax.attention runs in the quick nnx quantize_model test
 def test_nnx_attention_fn_and_linen_hooks_run_the_recipe_products():
     q, k, v = _qkv()
     ein = lf.einsum(MX4)
@@ -132,6 +134,7 @@ class BlockByHand(nn.Module):
             qk_attn_weights_einsum_cls=ein, attn_weights_value_einsum_cls=ein)(x)
 
 
+@pytest.mark.slow  # seconds; linen interception runs in the quick nesting tests below
 def test_linen_attention_products_intercepted_and_opted_out_by_rule():
     x = _x((2, 8, 32))
     params = jax.jit(Block().init)(jax.random.key(0), x)
@@ -165,7 +168,8 @@ def test_linen_block_gradients_under_interception():
 def test_nnx_attention_quantized_by_quantize_model_and_restored():
     mha = nnx.MultiHeadAttention(2, 32, decode=False, rngs=nnx.Rngs(0))
     x = _x((2, 8, 32))
-    float_out = mha(x)
+    call = lambda m: nnx.jit(lambda m, x: m(x))(m, x)  # noqa: E731 (op by op: ~40 programs)
+    float_out = call(mha)
     lf.quantize_model(mha, NVIDIA_MXFP8)
     assert mha.attention_fn == lf.attention(NVIDIA_MXFP8)
     assert mha.query.dot_general == lf.dot_general(NVIDIA_MXFP8)
@@ -173,10 +177,10 @@ def test_nnx_attention_quantized_by_quantize_model_and_restored():
                                      attention_fn=lf.attention(NVIDIA_MXFP8))
     for name in ("query", "key", "value", "out"):
         getattr(by_hand, name).dot_general = lf.dot_general(NVIDIA_MXFP8)
-    assert_bits_equal(mha(x), by_hand(x))
+    assert_bits_equal(call(mha), call(by_hand))
     lf.quantize_model(mha, None)
     assert mha.attention_fn is nnx.dot_product_attention
-    assert_bits_equal(mha(x), float_out)
+    assert_bits_equal(call(mha), float_out)
 
 
 # -- convolutions -------------------------------------------------------------------------------
@@ -203,6 +207,7 @@ CONV_CASES = [  # (input shape [N, *spatial, C], window, strides, padding)
 
 @pytest.mark.parametrize("shape,window,strides,padding,mode", [
     (*CONV_CASES[0], "eager"), *((*c, "jit") for c in CONV_CASES)])
+@pytest.mark.quick_first(1)
 def test_conv_is_the_reference_quantized_patch_product(shape, window, strides, padding, mode):
     x = _x(shape)
     kernel = _x((*window, shape[-1], 8), 5) * 0.2
@@ -220,6 +225,7 @@ def test_conv_is_the_reference_quantized_patch_product(shape, window, strides, p
     _assert_close(got, qp @ qw, w.shape[0] * 2.0**-23 * (np.abs(qp) @ np.abs(qw)))
 
 
+@pytest.mark.slow  # seconds; the recipe's backward runs in quick tests of test_recipe.py
 def test_conv_gradients_are_the_recipe_backward_products():
     x, kernel = _x((2, 9, 32)), _x((3, 32, 8), 5) * 0.2
     pad, dn = ((1, 1),), ("NHC", "HIO", "NHC")
@@ -240,6 +246,7 @@ def test_conv_gradients_are_the_recipe_backward_products():
     np.testing.assert_allclose(np.asarray(gx), fold[:, 1:10], rtol=2e-7, atol=1e-30)
 
 
+@pytest.mark.slow  # seconds; lowprec.flax's conv product runs in the quick patch test above
 def test_conv_layers_linen_and_nnx_and_grouped_refusal():
     x = _x((2, 6, 6, 32))
     layer = nn.Conv(8, (3, 3))

@@ -58,11 +58,12 @@ def _ref_q(x, fmt, axis, rule):
 
 @pytest.mark.parametrize("name", PLANS)
 @pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.quick_cases(mode=["jit"])
 def test_linen_ptq_layer_is_the_reference_quantized_product(name, mode):
     recipe = PLANS[name]
     layer = nn.Dense(24)
     x = _x((2, 5, 40))  # [batch, seq, d]; 40 is padded to 64 along the contraction
-    params = layer.init(jax.random.key(1), x)
+    params = jax.jit(layer.init)(jax.random.key(1), x)  # op by op: a program per op
     served = lf.ptq(layer, recipe)
     qparams = served.quantize_params(params, x)
     kernel = qparams["params"]["kernel"]
@@ -85,7 +86,7 @@ def test_linen_ptq_layer_is_the_reference_quantized_product(name, mode):
 def test_linen_ptq_model_equals_the_recipe_forward_and_stores_fewer_bytes(name):
     recipe = PLANS[name]
     x = _x()
-    params = MLP().init(jax.random.key(1), x)
+    params = _mlp_params(x)
     served = lf.ptq(MLP(), _rules(recipe))
     qparams = served.quantize_params(params, x)
     kinds = {k: type(v["kernel"]).__name__ for k, v in qparams["params"].items()}
@@ -113,7 +114,7 @@ def test_linen_ptq_model_equals_the_recipe_forward_and_stores_fewer_bytes(name):
 def test_ptq_params_round_trip_through_flax_serialization():
     recipe = PLANS["mxfp8xmxfp4"]
     x = _x()
-    params = MLP().init(jax.random.key(1), x)
+    params = _mlp_params(x)
     served = lf.ptq(MLP(), _rules(recipe))
     qparams = served.quantize_params(params, x)
     data = serialization.to_bytes(qparams)
@@ -121,6 +122,10 @@ def test_ptq_params_round_trip_through_flax_serialization():
     back = serialization.from_bytes(template, data)
     jax.tree.map(assert_bits_equal, back, qparams)
     assert_bits_equal(served.apply(back, x), served.apply(qparams, x))
+
+
+# One jitted init shared by the tests (op by op, init compiles a program per op).
+_mlp_params = jax.jit(lambda x: MLP().init(jax.random.key(1), x))
 
 
 class Net(nnx.Module):
@@ -163,7 +168,7 @@ def test_ptq_refuses_what_one_mxarray_cannot_store(recipe, match):
     with pytest.raises(ValueError, match=match):
         lf.ptq(Net(nnx.Rngs(0)), recipe)
     x = _x()
-    params = MLP().init(jax.random.key(1), x)
+    params = _mlp_params(x)
     with pytest.raises(ValueError, match=match):
         lf.ptq(MLP(), recipe).quantize_params(params, x)
 
@@ -172,7 +177,7 @@ def test_ptq_refuses_a_bare_layer_and_a_mismatched_plan():
     with pytest.raises(ValueError, match=r"itself an nnx.Linear: wrap it in a module"):
         lf.ptq(nnx.Linear(64, 8, rngs=nnx.Rngs(0)), PLANS["mxfp8"])
     x = _x()
-    params = MLP().init(jax.random.key(1), x)
+    params = _mlp_params(x)
     qparams = lf.ptq(MLP(), _rules(PLANS["mxfp8xmxfp4"])).quantize_params(params, x)
     with pytest.raises(ValueError, match=r"kernel at up is stored in mxfp4 but the plan's "
                                          r"recipe has weights in mxfp8_e4m3"):

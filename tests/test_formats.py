@@ -99,7 +99,7 @@ N_RANDOM = 1 << 22
 
 
 @pytest.mark.parametrize("fmt", NEW_ML)
-@pytest.mark.quick_first(3)
+@pytest.mark.quick_first(1)  # every format's encoder runs in the quick codec tests
 def test_default_encode_matches_ml_dtypes_on_2_22_random_patterns(fmt):
     # 2^22 uniformly random float32 bit patterns (NaNs, infinities, subnormals included).
     bits = np.random.default_rng(sum(map(ord, fmt))).integers(0, 1 << 32, N_RANDOM, np.uint64)

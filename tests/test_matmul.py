@@ -265,6 +265,7 @@ def test_bf16_path_decision(fmt, threshold):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.quick_cases(mode=["jit"])
 def test_float32_branch_with_tiny_scales(mode):
     """Scale codes 0 and 1 put values below 2^-126: the float32 dot must be taken (and be right)."""
     from lowprec._qdot import mx_bf16_exact as _mx_bf16_exact
@@ -484,7 +485,9 @@ def test_gradients_under_vmap():
 def test_gradient_dtypes_follow_inputs(dtype):
     x = random_operand(73, (4, 32), 0).astype(dtype)
     w = random_operand(74, (32, 8), 0).astype(dtype)
-    gx, gw = jax.grad(lambda x, w: matmul(x, w, lhs_format="e4m3", rhs_format="e4m3").sum(), (0, 1))(x, w)
+    # Dtypes are decided as the backward is traced (eval_shape: nothing compiled).
+    gx, gw = jax.eval_shape(jax.grad(
+        lambda x, w: matmul(x, w, lhs_format="e4m3", rhs_format="e4m3").sum(), (0, 1)), x, w)
     assert gx.dtype == gw.dtype == dtype
 
 
@@ -543,6 +546,7 @@ def _scale_option_cases():
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", range(3), ids=["rceil_dict", "rceil_options", "nvfp4_recip"])
+@pytest.mark.quick_cases(mode=["jit"])
 def test_scale_options_reach_the_dot_quantizer(mode, case):
     """dot_general(..., scale_options=) quantizes its operands as the option says: against a
     one-hot rhs (every output one exact product, the other terms zero) the product of

@@ -82,6 +82,7 @@ def check_hand(x, fmt, want_codes, want_scale, **kw):
 
 
 @pytest.mark.parametrize("rounding", DIRECTED)
+@pytest.mark.quick_first(2)  # every mode rounds mxfp4's ties in the quick tier (below)
 def test_floor_e4m3_block_max_480_clips_to_448(rounding):
     # floor(log2 480) = 8 (256 <= 480 < 512), shared = 8 - 8 = 0 -> scale code 127.
     # 480 / 2^0 = 480 > 448 = E4M3 max: saturates to 448 = 0.1111.110 = 0x7E in every
@@ -92,6 +93,7 @@ def test_floor_e4m3_block_max_480_clips_to_448(rounding):
 
 
 @pytest.mark.parametrize("k", [-120, -37, -1, 0, 1, 20, 119])
+@pytest.mark.quick_first(2)
 def test_element_max_times_power_of_two_is_kept_exactly(k):
     s = 2.0**k
     x = block([448 * s, s, -3 * s])
@@ -162,6 +164,7 @@ E5M2_TIE_CODES = {
     ],
     ids=["e4m3", "e2m1", "e5m2"],
 )
+@pytest.mark.quick_cases(fmt=["mxfp4"])  # every mode, one format: the others run by default
 def test_ties_and_directed_rounding(fmt, values, table, rounding):
     check_hand(block(values), fmt, table[rounding], 127, rounding=rounding)
 
@@ -671,6 +674,7 @@ def test_legacy_prng_keys_are_accepted_as_typed_ones():
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4", "mxint8", "nvfp4"])
+@pytest.mark.quick_first(2)
 def test_zero_size_arrays_give_empty_results(fmt):
     """An empty array has no blocks: empty codes and scales of the shapes the format's packing
     gives (NumPy's "zero-size array to reduction operation" used to escape instead), an
@@ -716,6 +720,7 @@ def test_aliases_and_defaults():
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "mxfp6_e2m3", "nvfp4"])
 @pytest.mark.parametrize("path", ["eager", "jit"])
+@pytest.mark.quick_cases(fmt=["mxfp4", "nvfp4"], path=["jit"])
 def test_transpose_moves_codes_scales_and_block_axis_as_the_values(fmt, path):
     # A [batch, seq, d] array blocked along d; the transposed MXArray must hold exactly the
     # transposed values (dequantize commutes with transpose) and be the quantization of the

@@ -168,8 +168,9 @@ def test_recipe_matches_the_numpy_statement(recipe_kw, keyed):
         with lowprec.stochastic_rounding_key(k):
             return jax.grad(loss, argnums=(0, 1))(a, b)
 
-    y = np.asarray(jax.jit(lambda a, b: recipe.dot_general(a, b, DN))(x, w))
-    gx, gw = (np.asarray(v) for v in jax.jit(grads)(x, w, key))
+    # One program for the output and both gradients.
+    step = jax.jit(lambda a, b, k: (recipe.dot_general(a, b, DN), *grads(a, b, k)))
+    y, gx, gw = (np.asarray(v) for v in step(x, w, key))
     # The statement.
     xq = np_q1(x, 1)
     wq = np_q2(w.T).T if recipe.weight_block_2d else np_q1(w, 0)
@@ -207,6 +208,7 @@ def test_padding_and_weight_layouts():
 
 
 @pytest.mark.parametrize("form", ["qkv", "qkv_nk", "out"])
+@pytest.mark.quick_first(1)
 def test_dense_general_weights_are_their_2d_matrix(form):
     # The documented layer view: a DenseGeneral weight is the 2-D matrix of its contracting
     # axes (K) by its other axes (N), each flattened in order, and x's contracting axes are
@@ -322,6 +324,7 @@ def te_grads():
     return recipe, (x, w, c), [np.asarray(v).reshape(-1, v.shape[-1]) for v in (y, gx, gw)]
 
 
+@pytest.mark.slow  # NVFP4 compiles (seconds); the recipe's module runs in the quick tests above
 def test_te_options_match_the_numpy_statement(te_grads):
     # nvfp4_step="reciprocal" in every quantization (1-D blocks and 16 x 16 tiles), TE's
     # signs, and the transform in bfloat16: operands and result rounded to nearest even
@@ -360,6 +363,7 @@ def np_q_4over6(v):
 
 
 @pytest.mark.parametrize("weight_block_2d", [False, True])
+@pytest.mark.slow  # ~10 s of NVFP4 compiles each; the recipe's module runs in quick tests
 def test_four_over_six_forward_is_the_formats_quantizer(weight_block_2d):
     # Recipe(four_over_six=True): the forward product's 16-element blocks (activations along
     # K; the weight along K unless it has 16 x 16 tiles) chosen 4-or-6 exactly as the
@@ -369,22 +373,24 @@ def test_four_over_six_forward_is_the_formats_quantizer(weight_block_2d):
                                  weight_block_2d=weight_block_2d)
     assert "4over6 forward" in recipe.describe()
     x, w, c = _data(t=16, k=32, n=16, seed=4)
-    x3 = x.reshape(2, 8, 32)
     dn3 = (((2,), (0,)), ((), ()))
-    y = np.asarray(jax.jit(lambda a, b: recipe.dot_general(a, b, dn3))(x3, w)).reshape(16, 16)
+    # With a "dequantized" backward the input gradient reads the forward's quantized weight.
+    dq = dataclasses.replace(recipe, backward_override="dequantized")
+    run = jax.jit(lambda a, b: (  # one program for the three results
+        recipe.dot_general(a.reshape(2, 8, 32), b, dn3), nt.quantize_1d(a, 1, four_over_six=True),
+        jax.grad(lambda u, v: jnp.sum(dq.dot_general(u, v, DN) * c))(a, b)))
+    y, x_q, gx = (np.asarray(v) for v in run(x, w))
+    y = y.reshape(16, 16)
     # The operand as the recipe builds it equals the reference bit for bit.
-    assert_bits_equal(jax.jit(lambda v: nt.quantize_1d(v, 1, four_over_six=True))(x),
-                      np_q_4over6(x))
+    assert_bits_equal(x_q, np_q_4over6(x))
     xq = np_q_4over6(x)
     wq = np_q2(w.T).T if weight_block_2d else np_q_4over6(w.T).T
     _within(y, xq, wq)
     # ... and it is not the map-to-6 forward (some block of these values prefers 4).
     assert not np.array_equal(xq, np_q1(x, 1))
-    # The backward products are the recipe's own (4/6 is a forward option): with a
-    # "dequantized" backward the input gradient reads the forward's quantized weight.
-    dq = dataclasses.replace(recipe, backward_override="dequantized")
-    gx = jax.jit(jax.grad(lambda a, b: jnp.sum(dq.dot_general(a, b, DN) * c)))(x, w)
-    _within(np.asarray(gx), c, wq.T)
+    # The backward products are the recipe's own (4/6 is a forward option): the
+    # "dequantized" backward's input gradient reads the forward's quantized weight.
+    _within(gx, c, wq.T)
 
 
 def test_recipe_validation():

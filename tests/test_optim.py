@@ -54,9 +54,14 @@ def test_one_step_follows_the_key_contract():
     lr = 1e-3
     opt = low_precision_params(optax.sgd(lr), "bf16", key=key)
     state = opt.init(params)
-    for t in range(2):  # steps 0 and 1
+
+    @jax.jit  # one program (op by op, the update compiles ~30)
+    def step(grads, state, params):
         updates, state = opt.update(grads, state, params)
-        new = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), state
+
+    for t in range(2):  # steps 0 and 1
+        new, state = step(grads, state, params)
         for i, name in enumerate(sorted(params)):  # jax.tree.leaves order of a dict: sorted keys
             p32, g32 = (np.asarray(params[name], np.float32), np.asarray(grads[name], np.float32))
             target = np.float32(p32 - np.float32(lr) * g32)  # the float32 sum, then rounded

@@ -12,6 +12,7 @@ float64 NumPy matmul, which the result must match within float32 accumulation,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 import subprocess
@@ -108,6 +109,21 @@ def _grads(fn, x, w, g):
     return vjp(g)
 
 
+@functools.lru_cache(maxsize=None)
+def _run(recipe, grads=True):
+    """NumPy (output, grad_lhs, grad_rhs) of ``recipe.ragged_dot`` on the default operands,
+    from one jitted program per recipe (output only with ``grads=False``), shared by the
+    forward and backward tests of that recipe: each traced program of the NVFP4 recipe costs
+    seconds, and a result read back before slicing keeps the per-group slices from compiling
+    a program each."""
+    x, w, g, gs = _operands()
+    if not grads:
+        return (np.asarray(jax.jit(lambda a, b: recipe.ragged_dot(a, b, gs))(x, w)),)
+    step = jax.jit(lambda a, b, c: _forward_and_grads(
+        lambda p, q: recipe.ragged_dot(p, q, gs), a, b, c))
+    return tuple(np.asarray(v) for v in step(x, w, g))
+
+
 # -- forward -------------------------------------------------------------------------------------
 
 FORWARD_CASES = [
@@ -124,7 +140,7 @@ FORWARD_CASES = [
 @pytest.mark.quick_first(1)
 def test_forward_is_each_groups_dot_of_reference_quantized_operands(lf, rf, rule):
     x, w, _, gs = _operands()
-    got = Recipe(forward=(lf, rf), scale_rule=rule).ragged_dot(x, w, gs)
+    got = _forward_recipe_output(Recipe(forward=(lf, rf), scale_rule=rule))
     assert got.shape == (M, N) and got.dtype == jnp.float32
     qx = np.zeros((M, K))
     qw = np.stack([_ref_q(w[i], rf, 0, rule) for i in range(len(SIZES))])
@@ -144,6 +160,16 @@ def test_forward_is_each_groups_dot_of_reference_quantized_operands(lf, rf, rule
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _forward_recipe_output(recipe):
+    """The output of ``recipe``'s ragged dot on the default operands; where a backward test's
+    recipe has the same forward (formats and scale rule), that recipe's jitted forward and
+    gradients, computed once for both tests."""
+    for r in QUANTIZED_RECIPES:
+        if (r.forward, r.scale_rule) == (recipe.forward, recipe.scale_rule):
+            return _run(r)[0]
+    return _run(recipe, grads=False)[0]
+
+
 def _is_bf16(v) -> bool:
     """Whether every value of ``v`` is a bfloat16 normal number or zero (ml_dtypes' cast
     there and back returns it; subnormals excluded, as XLA:CPU may flush them)."""
@@ -153,9 +179,10 @@ def _is_bf16(v) -> bool:
     return bool(np.all((back == v) & ((np.abs(v) >= tiny) | (v == 0))))
 
 
+@pytest.mark.slow  # seconds (a backward too); per-tensor scales run in test_recipe's quick tests
 def test_tensor_scaling_is_per_group_and_per_expert():
     x, w, _, gs = _operands()
-    got = FP8_HYBRID.ragged_dot(x, w, gs)
+    got = _run(FP8_HYBRID)[0]  # the forward of the tensor-scaled backward test's program
     for i, (a, b) in enumerate(_groups(SIZES)):
         if a == b:
             continue
@@ -166,7 +193,7 @@ def test_tensor_scaling_is_per_group_and_per_expert():
 def test_group_sizes_past_the_rows_are_clipped_as_in_lax():
     x, w, _, _ = _operands()
     sizes = (30, 0, 70, 5)  # sum 105 > 80: the third group ends at row 80, the last is empty
-    got = NVIDIA_MXFP8.ragged_dot(x, w, jnp.asarray(sizes))
+    got = np.asarray(NVIDIA_MXFP8.ragged_dot(x, w, jnp.asarray(sizes)))
     for i, (a, b) in enumerate(_groups(sizes)):
         if a < b:
             qx, qw = _ref_q(x[a:b], "mxfp8_e4m3", 1, "rceil"), _ref_q(w[i], "mxfp8_e4m3", 0, "rceil")
@@ -176,19 +203,24 @@ def test_group_sizes_past_the_rows_are_clipped_as_in_lax():
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_output_dtype_follows_lax_ragged_dot():
     x, w, _, gs = _operands()
-    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    assert NVIDIA_MXFP8.ragged_dot(xb, wb, gs).dtype == jnp.bfloat16
-    assert lax.ragged_dot(xb, wb, gs).dtype == jnp.bfloat16
-    assert NVIDIA_MXFP8.ragged_dot(xb, w, gs).dtype == jnp.float32
-    y = NVIDIA_MXFP8.ragged_dot(xb, wb, gs, preferred_element_type=jnp.float32)
-    np.testing.assert_array_equal(
-        np.asarray(NVIDIA_MXFP8.ragged_dot(xb, wb, gs)), np.asarray(y.astype(jnp.bfloat16)))
-    gl, gr = _grads(lambda a, b: NVIDIA_MXFP8.ragged_dot(a, b, gs), xb, wb,
-                    jnp.ones((M, N), jnp.bfloat16))
+
+    @jax.jit  # one program for every call below (each alone compiles its own)
+    def run(x, w):
+        xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+        return (NVIDIA_MXFP8.ragged_dot(xb, wb, gs), lax.ragged_dot(xb, wb, gs),
+                NVIDIA_MXFP8.ragged_dot(xb, w, gs),
+                NVIDIA_MXFP8.ragged_dot(xb, wb, gs, preferred_element_type=jnp.float32),
+                _grads(lambda a, b: NVIDIA_MXFP8.ragged_dot(a, b, gs), xb, wb,
+                       jnp.ones((M, N), jnp.bfloat16)),
+                Recipe().ragged_dot(x, w, gs),
+                lax.ragged_dot(x, w, gs, precision=lax.Precision.HIGHEST))
+
+    yb, lax_b, mixed, y, (gl, gr), got, want = run(x, w)
+    assert yb.dtype == lax_b.dtype == jnp.bfloat16
+    assert mixed.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(yb), np.asarray(y.astype(jnp.bfloat16)))
     assert (gl.dtype, gr.dtype) == (jnp.bfloat16, jnp.bfloat16)
     # Operands left as they are (no format): the ragged dot of the values themselves.
-    got = Recipe().ragged_dot(x, w, gs)
-    want = lax.ragged_dot(x, w, gs, precision=lax.Precision.HIGHEST)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -207,7 +239,7 @@ QUANTIZED_RECIPES = [
 @pytest.mark.quick_first(1)
 def test_quantized_backward_blocks_each_group_along_its_own_tokens(recipe):
     x, w, g, gs = _operands()
-    gl, gr = _grads(lambda a, b: recipe.ragged_dot(a, b, gs), x, w, g)
+    _, gl, gr = _run(recipe)
     assert gl.shape == x.shape and gr.shape == w.shape
     bl, br = recipe.backward_operands
     rule = recipe.scale_rule.value
@@ -224,10 +256,10 @@ def test_quantized_backward_blocks_each_group_along_its_own_tokens(recipe):
     assert np.all(np.asarray(gl[sum(SIZES):]) == 0)
 
 
+@pytest.mark.slow  # seconds; the ragged backward runs in the quick quantized case above
 def test_ste_backward_is_the_float_gradient_of_the_quantized_forward():
     x, w, g, gs = _operands()
-    recipe = Recipe(forward="mxfp8", scale_rule="rceil")
-    gl, gr = _grads(lambda a, b: recipe.ragged_dot(a, b, gs), x, w, g)
+    _, gl, gr = _run(Recipe(forward="mxfp8", scale_rule="rceil"))
     g64 = np.asarray(g, np.float64)
     for i, (a, b) in enumerate(_groups(SIZES)):
         qw = _ref_q(w[i], "mxfp8_e4m3", 0, "rceil")  # the forward's: along K
@@ -240,10 +272,8 @@ def test_ste_backward_is_the_float_gradient_of_the_quantized_forward():
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_high_precision_wgrad_is_the_float32_weight_gradient():
     x, w, g, gs = _operands()
-    recipe = dataclasses.replace(NVIDIA_MXFP8, high_precision_wgrad=True)
-    gl, gr = _grads(lambda a, b: recipe.ragged_dot(a, b, gs), x, w, g)
-    gl_q, _ = _grads(lambda a, b: NVIDIA_MXFP8.ragged_dot(a, b, gs), x, w, g)
-    np.testing.assert_array_equal(np.asarray(gl), np.asarray(gl_q))  # grad_lhs unchanged
+    _, gl, gr = _run(dataclasses.replace(NVIDIA_MXFP8, high_precision_wgrad=True))
+    np.testing.assert_array_equal(gl, _run(NVIDIA_MXFP8)[1])  # grad_lhs unchanged
     x64, g64 = np.asarray(x, np.float64), np.asarray(g, np.float64)
     for i, (a, b) in enumerate(_groups(SIZES)):
         _assert_close(gr[i], x64[a:b].T @ g64[a:b], x64[a:b].T, g64[a:b], max(b - a, 1))
@@ -252,7 +282,7 @@ def test_high_precision_wgrad_is_the_float32_weight_gradient():
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_tensor_scaled_backward_is_per_group():
     x, w, g, gs = _operands()
-    gl, gr = _grads(lambda a, b: FP8_HYBRID.ragged_dot(a, b, gs), x, w, g)
+    _, gl, gr = _run(FP8_HYBRID)
     for i, (a, b) in enumerate(_groups(SIZES)):
         if a == b:
             continue
@@ -274,7 +304,7 @@ def test_each_group_is_the_recipes_dot_general(recipe):
         lambda p, q: recipe.ragged_dot(p, q, gs), a, b, c))
     dense = jax.jit(lambda a, b, c: _forward_and_grads(
         lambda p, q: recipe.dot_general(p, q, DN), a, b, c))
-    y, gl, gr = ragged(x, w, g)
+    y, gl, gr = (np.asarray(v) for v in ragged(x, w, g))
     for i, (a, b) in enumerate(_groups(SIZES)):
         if a == b:
             continue
@@ -298,27 +328,36 @@ def _padded_rows(v, rows):
     return np.pad(v, ((0, rows - v.shape[0]), (0, 0)))
 
 
+NVFP4_RN = dataclasses.replace(lowprec.NVIDIA_NVFP4, grad_rounding="nearest_even")
+NVFP4_SHAPES = dict(sizes=(13, 0, 20), m=40, k=32, n=24)  # 7 rows in no group; N padded to 32
+
+
+@pytest.fixture(scope="module")
+def nvfp4_rn():
+    """Operands and NumPy (output, grad_lhs, grad_rhs) of the round-to-nearest NVFP4
+    recipe's ragged dot, one jitted program (op by op, each product compiled ~900 small
+    programs) shared by the two NVFP4 tests below."""
+    x, w, g, gs = _operands(**NVFP4_SHAPES, seed=5)
+    step = jax.jit(lambda a, b, c: _forward_and_grads(
+        lambda p, q: NVFP4_RN.ragged_dot(p, q, gs), a, b, c))
+    return (x, w, g, gs), tuple(np.asarray(v) for v in step(x, w, g))
+
+
 @pytest.mark.slow  # ~10 s of NVFP4 compiles on 2 shared cores; the quick tier has the MX cases
-def test_nvfp4_recipe_each_group_is_the_recipes_dot_general():
+def test_nvfp4_recipe_each_group_is_the_recipes_dot_general(nvfp4_rn):
     # NVIDIA_NVFP4.ragged_dot (issue 35 item 7): group g's output and gradients are those of
     # NVIDIA_NVFP4.dot_general on its tokens and expert alone — 16 x 16 weight tiles per
     # expert, per-group tensor scales, the Hadamard transform and 16-blocks of the weight
     # gradient's operands along each group's own tokens — within float32 summation order.
     # Round-to-nearest cotangents here (stochastic words are drawn for the whole cotangent,
     # so they differ from a group's own dot; the next test covers them).
-    recipe = dataclasses.replace(lowprec.NVIDIA_NVFP4, grad_rounding="nearest_even")
-    sizes, m, k, n = (13, 0, 20), 40, 32, 24  # 7 rows in no group; N padded to 32
-    x, w, g, gs = _operands(sizes, m, k, n, seed=5)
+    recipe = NVFP4_RN
+    sizes, m, k, n = (NVFP4_SHAPES[v] for v in ("sizes", "m", "k", "n"))
+    (x, w, g, gs), (y, gl, gr) = nvfp4_rn
 
-    # One program each (op by op, each product compiled ~900 small programs). A group's own
-    # dot runs on its tokens zero-padded to 32 rows, so that every group shares one compile:
-    # zero tokens leave its tensor scales (amaxes), its rows' K-blocks, and its 16-token
-    # blocks (the recipe zero-pads them itself; RHT maps zeros to zeros) as they are.
-    @jax.jit
-    def ragged(a, b, c):
-        out, vjp = jax.vjp(lambda p, q: recipe.ragged_dot(p, q, gs), a, b)
-        return (out, *vjp(c))
-
+    # A group's own dot runs on its tokens zero-padded to 32 rows, so that every group shares
+    # one compile: zero tokens leave its tensor scales (amaxes), its rows' K-blocks, and its
+    # 16-token blocks (the recipe zero-pads them itself; RHT maps zeros to zeros) as they are.
     @jax.jit
     def dense(a, b, c):
         out, vjp = jax.vjp(lambda p, q: recipe.dot_general(p, q, DN), a, b)
@@ -326,7 +365,6 @@ def test_nvfp4_recipe_each_group_is_the_recipes_dot_general():
         signs = nt.recipe_rht_signs(recipe)
         return (out, *vjp(c), nt.rht(a, signs), nt.rht(c, signs))
 
-    y, gl, gr = ragged(x, w, g)
     for i, (a, b) in enumerate(_groups(sizes, m)):
         if a == b:
             assert not np.any(np.asarray(gr[i]))  # no tokens: no weight gradient
@@ -344,12 +382,11 @@ def test_nvfp4_recipe_each_group_is_the_recipes_dot_general():
 
 
 @pytest.mark.slow  # NVFP4 compiles (seconds)
-def test_nvfp4_recipe_stochastic_rounding_is_keyed():
+def test_nvfp4_recipe_stochastic_rounding_is_keyed(nvfp4_rn):
     # Stochastic rounding of the cotangent only: the forward is the round-to-nearest
     # recipe's bit for bit; inside stochastic_rounding_key a key gives the same gradients
     # every time and another key others.
-    rn = dataclasses.replace(lowprec.NVIDIA_NVFP4, grad_rounding="nearest_even")
-    x, w, g, gs = _operands((13, 0, 20), 40, 32, 24, seed=6)
+    (x, w, g, gs), (y_rn, gl_rn, gr_rn) = nvfp4_rn
 
     def grads(key):
         with lowprec.stochastic_rounding_key(key):
@@ -358,7 +395,8 @@ def test_nvfp4_recipe_stochastic_rounding_is_keyed():
 
     step = jax.jit(grads)
     y1, gl1, gr1 = step(jax.random.key(1))
-    assert_bits_equal(y1, rn.ragged_dot(x, w, gs))
+    assert_bits_equal(y1, y_rn)
+    assert not np.array_equal(np.asarray(gl1), gl_rn)  # the cotangent was rounded otherwise
     for v, u in zip((gl1, gr1), step(jax.random.key(1))[1:]):
         assert_bits_equal(v, u)
     gl2, gr2 = step(jax.random.key(2))[1:]
@@ -395,10 +433,10 @@ def test_jit_grad_and_traced_group_sizes_agree_bitwise():
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_public_ragged_dot_quantizes_like_dot_general():
     x, w, g, gs = _operands(k=96, n=64)
-    y, vjp = jax.vjp(lambda a, b: lowprec.ragged_dot(
-        a, b, gs, lhs_format="mxfp8_e4m3", rhs_format="mxfp4", scale_rule="rceil",
-        backward="quantized", grad_format="mxfp8_e5m2"), x, w)
-    gl, gr = vjp(g)
+    y, gl, gr = (np.asarray(v) for v in jax.jit(lambda a, b, c: _forward_and_grads(
+        lambda p, q: lowprec.ragged_dot(
+            p, q, gs, lhs_format="mxfp8_e4m3", rhs_format="mxfp4", scale_rule="rceil",
+            backward="quantized", grad_format="mxfp8_e5m2"), a, b, c))(x, w, g))
     for i, (a, b) in enumerate(_groups(SIZES)):
         if a == b:
             continue
@@ -454,9 +492,10 @@ def test_backward_needs_whole_blocks_along_n_without_pad():
     x, w, g, gs = _operands(k=64)  # K fits, N = 40 does not
     fn = lambda a, b: lowprec.ragged_dot(a, b, gs, lhs_format="mxfp8", rhs_format="mxfp8",  # noqa: E731
                                          backward="quantized", grad_format="mxfp8")
-    assert fn(x, w).shape == (M, N)  # the forward is fine
+    # Both checked as they are traced (eval_shape: nothing compiled).
+    assert jax.eval_shape(fn, x, w).shape == (M, N)  # the forward is fine
     with pytest.raises(ValueError, match=r"grad_lhs \(reduces over N\), cotangent: N = 40"):
-        _grads(fn, x, w, g)
+        jax.eval_shape(lambda a, b: _grads(fn, a, b, g), x, w)
 
 
 # -- sharding ------------------------------------------------------------------------------------

@@ -199,16 +199,20 @@ def test_tensor_scaling_forward():
 def test_output_dtype_follows_lax_dot_general():
     x, w = _operands()
     r = NVIDIA_MXFP8
-    assert r.dot_general(x, w, DN).dtype == jnp.float32
-    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    assert r.dot_general(xb, wb, DN).dtype == jnp.bfloat16
-    assert r.dot_general(xb, w, DN).dtype == jnp.float32  # promoted, as lax does
-    out = r.dot_general(xb, wb, DN, precision=jax.lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
+
+    @jax.jit  # one program for every call below (each alone compiles its own)
+    def run(x, w):
+        xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+        return (r.dot_general(x, w, DN), r.dot_general(xb, wb, DN), r.dot_general(xb, w, DN),
+                r.dot_general(xb, wb, DN, precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32))
+
+    y, yb, mixed, out = run(x, w)
+    assert y.dtype == jnp.float32 and yb.dtype == jnp.bfloat16
+    assert mixed.dtype == jnp.float32  # promoted, as lax does
     assert out.dtype == jnp.float32
     # bf16 output = the float32 result rounded once.
-    np.testing.assert_array_equal(np.asarray(r.dot_general(xb, wb, DN)),
-                                  np.asarray(out.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(yb), np.asarray(out.astype(jnp.bfloat16)))
     with pytest.raises(TypeError, match="output dtype must be float32, bfloat16 or float16"):
         r.dot_general(x, w, DN, preferred_element_type=jnp.int32)
 
@@ -272,8 +276,10 @@ def test_gradient_dtypes_follow_the_operands():
     x, w = _operands()
     xb = x.astype(jnp.bfloat16)
     for r in (FP8_HYBRID, Recipe(forward="mxfp4", backward_operands="mxfp8")):  # own VJP
-        gx, gw = jax.grad(lambda a, b: r.dot_general(a, b, DN).astype(jnp.float32).sum(),
-                          argnums=(0, 1))(xb, w)
+        # Dtypes are decided as the backward is traced (eval_shape: nothing compiled).
+        gx, gw = jax.eval_shape(jax.grad(
+            lambda a, b: r.dot_general(a, b, DN).astype(jnp.float32).sum(), argnums=(0, 1)),
+            xb, w)
         assert (gx.dtype, gw.dtype) == (jnp.bfloat16, jnp.float32)
 
 
@@ -299,8 +305,9 @@ def _loss(recipe):
 def test_jit_grad_and_checkpoint_agree_bitwise(recipe):
     x, w = _operands(seed=7)
     eager = jax.grad(_loss(recipe), argnums=(0, 1))(x, w)
-    jitted = jax.jit(jax.grad(_loss(recipe), argnums=(0, 1)))(x, w)
-    remat = jax.jit(jax.grad(jax.checkpoint(_loss(recipe)), argnums=(0, 1)))(x, w)
+    jitted, remat = jax.jit(lambda a, b: (  # one program for both
+        jax.grad(_loss(recipe), argnums=(0, 1))(a, b),
+        jax.grad(jax.checkpoint(_loss(recipe)), argnums=(0, 1))(a, b)))(x, w)
     for a, b, c in zip(eager, jitted, remat):
         assert_bits_equal(a, b)
         assert_bits_equal(a, c)
@@ -379,15 +386,14 @@ def test_high_precision_wgrad_is_the_float32_weight_gradient():
         hp = dataclasses.replace(base, high_precision_wgrad=True)
         assert "fp32 wgrad" in hp.describe()
         loss = lambda r: (lambda a, b: jnp.sum(r.dot_general(a, b, DN) * c))
-        gx, gw = jax.jit(jax.grad(loss(hp), argnums=(0, 1)))(x, w)
-        gx0, _ = jax.jit(jax.grad(loss(base), argnums=(0, 1)))(x, w)
+        (gx, gw), (gx0, gwq) = jax.jit(lambda a, b: [  # one program for both recipes
+            jax.grad(loss(r), argnums=(0, 1))(a, b) for r in (hp, base)])(x, w)
         np.testing.assert_array_equal(np.asarray(gx), np.asarray(gx0))
         x64, c64 = np.asarray(x, np.float64), np.asarray(c, np.float64)
         bound = 64 * 2.0**-23 * (np.abs(x64).T @ np.abs(c64))
         assert np.all(np.abs(np.asarray(gw, np.float64) - x64.T @ c64) <= bound)
         # and it differs from the quantized weight gradient (the option did something)
         if base.backward == "quantized":
-            _, gwq = jax.jit(jax.grad(loss(base), argnums=(0, 1)))(x, w)
             assert not np.array_equal(np.asarray(gw), np.asarray(gwq))
 
 
@@ -409,6 +415,7 @@ def _override_grads(recipe, x, w, c):
 
 
 @pytest.mark.parametrize("recipe", _OVERRIDE_RECIPES, ids=lambda r: r.name)
+@pytest.mark.quick_first(1)
 def test_backward_override_high_precision_is_the_float_layers_gradient(recipe, override_data):
     # Transformer Engine's backward_override="high_precision": both backward products from
     # the unquantized cotangent and operands (float32 dots, within the accumulation bound of
@@ -424,6 +431,7 @@ def test_backward_override_high_precision_is_the_float_layers_gradient(recipe, o
 
 
 @pytest.mark.parametrize("recipe", [NVIDIA_MXFP8, FP8_HYBRID], ids=lambda r: r.name)
+@pytest.mark.quick_first(1)
 def test_backward_override_dequantized_is_the_straight_through_gradient(recipe, override_data):
     # "dequantized": the backward products read the operands as the forward quantized them
     # and the cotangent unquantized: the exact gradient of the quantized forward, which is
@@ -439,6 +447,7 @@ def test_backward_override_dequantized_is_the_straight_through_gradient(recipe, 
     assert not np.array_equal(_override_grads(recipe, x, w, c)[1], got[1])
 
 
+@pytest.mark.slow  # seconds; the ragged backward runs in test_ragged.py's quick case
 def test_ragged_dot_backward_override(override_data):
     # Each group's gradients as its own dot's: float32 ragged products of the unquantized
     # values ("high_precision"), or the straight-through ragged gradient ("dequantized").
