@@ -101,6 +101,7 @@ from ._mx import dequantize, quantize_mx
 from ._mx_encode import nvfp4_values
 from ._options import BACKWARD_OVERRIDES, NVFP4_TILE, RHT_DTYPES, DotSpec  # noqa: F401 (re-exported)
 from ._options import MXCast
+from ._platform import platform_dependent
 from ._qdot import register_family, training_dot
 from ._random import random_bits
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
@@ -224,7 +225,7 @@ def quantize_1d(v, axis: int, words=None, gemm: bool = False, step=None,
     # On CPU the values straight from the encoder's branch (_mx_encode.encode_values: the
     # same bits, one branch instead of the encode's and the decode's, no codes packed and
     # unpacked).
-    return lax.platform_dependent(
+    return platform_dependent(
         v, words, cpu=lambda v, w: nvfp4_values(v, w, axis, step), default=portable)
 
 
