@@ -41,15 +41,27 @@ def _plugin_installed() -> bool:
     return False
 
 
+# Set by kernels/_dispatch.py, which sits above this module (no import cycle): whether its
+# policy or JAX here (a GPU, the CUDA plugin) lets a program be lowered beyond CPU.
+_policy_allows_others = None
+
+
+def set_policy_reader(reader) -> None:
+    """Gives :func:`other_platforms_possible` the kernel policy's answer (a function of no
+    arguments, read while tracing: ``Policy.platform_branches == "all"``, or JAX can compile
+    for CUDA); ``kernels/_dispatch.py`` calls it when it loads."""
+    global _policy_allows_others
+    _policy_allows_others = reader
+
+
 def other_platforms_possible() -> bool:
     """Whether a program traced here may be lowered for a platform other than CPU (read while
     tracing): the policy's ``platform_branches`` is ``"all"``, or JAX here can compile for
     CUDA (``kernels._dispatch.cuda_kernels_possible``: a GPU, or the CUDA plugin for
-    compile-only work), or a ROCm or TPU plugin is installed."""
-    from .kernels import _dispatch  # the dispatch module sits above this one
-
-    return (_dispatch.current_policy().platform_branches == "all"
-            or _dispatch.cuda_kernels_possible() or _plugin_installed())
+    compile-only work), or a ROCm or TPU plugin is installed; also before the dispatch
+    module has loaded (every branch, as ``lax.platform_dependent`` traces them)."""
+    reader = _policy_allows_others
+    return reader is None or reader() or _plugin_installed()
 
 
 def _refuse(ctx, *args, **params):

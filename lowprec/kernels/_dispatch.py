@@ -14,7 +14,8 @@ A kernel serves a call when
   the Pallas quantize kernels' are here);
 
 then the call picks the kernel or XLA's formulation where XLA lowers the program
-(:func:`on_cuda`: ``lax.platform_dependent``), so one program runs on every backend. The
+(:func:`on_cuda`: ``lax.platform_dependent``, or where JAX here compiles for CPU alone the
+CPU branch alone, ``_platform.platform_dependent``), so one program runs on every backend. The
 public functions read the policy when they are called and hand the decision (or the policy,
 for the dot's inner choices) to their jitted cores as a static argument.
 
@@ -46,7 +47,7 @@ from .._format import mx_format
 from .._mx_hwfloat import hwfloat_element
 from .._mxarray import MXArray
 from .._pack import pack6_xla, unpack6_xla
-from .._platform import platform_dependent
+from .._platform import platform_dependent, set_policy_reader
 from .._scheme_e8m0 import E8M0Scheme
 from .._scheme_nvfp4 import NVFP4Scheme
 from . import _cpu_native, _fp6_cpu, _nvfp4_cpu
@@ -617,6 +618,10 @@ def native_status() -> str:
         True
     """
     return _cpu_native.status()
+
+
+set_policy_reader(lambda: (current_policy().platform_branches == "all"
+                           or cuda_kernels_possible()))  # a module global: tests patch it
 
 
 def on_cpu(fast, generic, *args):
