@@ -13,6 +13,9 @@ Usage::
     python benchmarks/bench_train.py --configs fp32 nvfp4 --rounds 5 --json out.json
 
 ``--xla-single-thread`` runs XLA:CPU on one thread (steadier CPU seconds on a loaded machine).
+``--platform-branches all`` traces every platform's formulation (``lax.platform_dependent``,
+as before ``lowprec._platform``; what a machine with the CUDA plugin traces): the trace cost
+that tracing the CPU branch alone (the default on a CPU-only install) saves.
 ``--attribute N`` prints, per config, the N lowprec source lines and functions that the most
 optimized-HLO instructions come from (the innermost lowprec frame of each instruction's
 stack-frame metadata; a custom VJP's backward keeps only its outer frames, and constants
@@ -45,6 +48,8 @@ def _parse(argv=None):
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--xla-single-thread", action="store_true")
+    p.add_argument("--platform-branches", choices=("auto", "all"), default="auto",
+                   help="lowprec.kernels.Policy.platform_branches while tracing")
     p.add_argument("--json", type=pathlib.Path, default=None, help="write the numbers here")
     p.add_argument("--attribute", type=int, default=0, metavar="N",
                    help="print the N source lines and functions with the most HLO instructions")
@@ -118,7 +123,10 @@ def main(argv=None) -> dict:
     import optax
 
     import lowprec.flax
+    import lowprec.kernels
     import train_lm
+
+    lowprec.kernels.set_policy(platform_branches=args.platform_branches)
 
     s = dataclasses.replace(train_lm.Settings(), batch=args.batch, seq=args.seq,
                             d_model=args.d_model, layers=args.layers)
@@ -167,7 +175,8 @@ def main(argv=None) -> dict:
             rows[name]["step_cpu_s"].append(time.process_time() - t)
     base = rows.get("fp32")
     print(f"\nmodel: batch {s.batch}, seq {s.seq}, d {s.d_model}, {s.layers} layers; "
-          f"{args.rounds} rounds; XLA single thread: {args.xla_single_thread}")
+          f"{args.rounds} rounds; XLA single thread: {args.xla_single_thread}; "
+          f"platform branches: {args.platform_branches}")
     print("| config | step CPU s (median) | step / fp32 | compile CPU s | compile / fp32 | "
           "trace+lower CPU s | HLO instructions |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -29,6 +29,7 @@ from ._mx_hwfloat import encode_magnitudes, hwfloat_element, magnitudes_f32, sig
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along
+from ._platform import platform_dependent
 from ._scale_rules import block_amax_bits
 from .kernels._dispatch import fp6_packer, hwfloat_encoder
 
@@ -141,8 +142,8 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
             # A GPU would sync with the host to branch: keep the one exact formulation.
             return exact(f32_bits(xf), amax)
 
-        codes, scale_codes = lax.platform_dependent(bits_to_f32(xb), amax, cpu=on_cpu,
-                                                    default=elsewhere)
+        codes, scale_codes = platform_dependent(bits_to_f32(xb), amax, cpu=on_cpu,
+                                                default=elsewhere)
     ts = None if ts_bits is None else lax.bitcast_convert_type(ts_bits, jnp.float32)
     return merge_blocks(codes, axis), scale_codes, ts
 

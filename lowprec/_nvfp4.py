@@ -53,6 +53,7 @@ from ._rounding import round_shift
 jax = lazy_module("jax")
 jnp = lazy_module("jax.numpy")
 lax = lazy_module("jax.lax")
+_platform = lazy_module("lowprec._platform")
 
 # 448 * 6: the largest E4M3 value times the largest E2M1 value. 2688 = 21 * 2^7.
 NVFP4_AMAX_DIVISOR = 2688.0
@@ -212,7 +213,7 @@ def f32_div_hwfloat(a_bits, b_bits):
         return _ptx_binary("div.rn.f32", a_bits, b_bits)
     if not _platform_branches:
         return f32_div(a_bits, b_bits)
-    return lax.platform_dependent(a_bits, b_bits, cpu=on_cpu, default=f32_div)
+    return _platform.platform_dependent(a_bits, b_bits, cpu=on_cpu, default=f32_div)
 
 
 def f32_mul_short(a_bits, b_bits):
@@ -277,10 +278,11 @@ def per_element_divisor(divisor, dividend_bits):
 
 def _on_cpu(cpu, default, *args):
     """``cpu(*args)`` where XLA lowers for CPU, ``default(*args)`` elsewhere and in a Pallas
-    kernel body (one platform, no ``platform_dependent``)."""
+    kernel body (one platform, no ``platform_dependent``); where JAX here compiles for CPU
+    alone, ``cpu(*args)`` alone (``_platform.platform_dependent``)."""
     if not _platform_branches:
         return default(*args)
-    return lax.platform_dependent(*args, cpu=cpu, default=default)
+    return _platform.platform_dependent(*args, cpu=cpu, default=default)
 
 
 def div_by_integer(a_bits, d: int):

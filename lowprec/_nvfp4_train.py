@@ -101,8 +101,9 @@ from ._mx import dequantize, quantize_mx
 from ._mx_encode import nvfp4_values
 from ._options import BACKWARD_OVERRIDES, NVFP4_TILE, RHT_DTYPES, DotSpec  # noqa: F401 (re-exported)
 from ._options import MXCast
+from ._platform import platform_dependent
 from ._qdot import register_family, training_dot
-from ._random import random_bits
+from ._random import check_size, element_index, element_words, random_bits
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
                         split_dims, split_out_sharding)
 from .kernels import _nvfp4_cpu
@@ -224,7 +225,7 @@ def quantize_1d(v, axis: int, words=None, gemm: bool = False, step=None,
     # On CPU the values straight from the encoder's branch (_mx_encode.encode_values: the
     # same bits, one branch instead of the encode's and the decode's, no codes packed and
     # unpacked).
-    return lax.platform_dependent(
+    return platform_dependent(
         v, words, cpu=lambda v, w: nvfp4_values(v, w, axis, step), default=portable)
 
 
@@ -356,9 +357,14 @@ def grad_words(g_padded, seed: int, key=None):
     if key is None:
         h = jnp.sum(f32_bits(g_padded), dtype=jnp.uint32)
         key = jax.random.fold_in(jax.random.key(seed), h)
-    k, shape = key, g_padded.shape
-    return (random_bits(jax.random.fold_in(k, 0), shape),
-            random_bits(jax.random.fold_in(k, 1), shape))
+    index = element_index(check_size(g_padded.shape))
+    # random_bits(fold_in(key, i), shape) for i = 0, 1, with the two fold_ins and the two
+    # keys' words each one threefry call (vmapped over i; threefry is elementwise in its
+    # counters, so the same words): XLA:CPU compiles every threefry call to a loop of ~100
+    # instructions, and these had been 4 of a training step's 5 per layer (~20% of its HLO).
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(2, dtype=jnp.uint32))
+    k = jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32))(keys)  # [i, (k0, k1)]
+    return tuple(element_words((k[i, 0], k[i, 1]), index).astype(jnp.uint16) for i in (0, 1))
 
 
 def check_layout(lhs_shape, rhs_shape, dn) -> None:

@@ -30,6 +30,7 @@ from ._scheme import FastDecoder, FastEncoder, ScaleScheme, register
 jax = lazy_module("jax")
 jnp = lazy_module("jax.numpy")
 lax = lazy_module("jax.lax")
+_platform = lazy_module("lowprec._platform")
 
 
 class NVFP4Step(DocumentedStr):
@@ -96,8 +97,8 @@ def _finite_amax_bits(bits, amax):
         return lax.cond(jnp.any(amax >= F32_INF), whole,
                         lambda xf, a: jnp.max(a, initial=jnp.uint32(0)), xf, amax)
 
-    return lax.platform_dependent(lax.bitcast_convert_type(bits, jnp.float32), amax,
-                                  cpu=on_cpu, default=whole)
+    return _platform.platform_dependent(lax.bitcast_convert_type(bits, jnp.float32), amax,
+                                        cpu=on_cpu, default=whole)
 
 
 def _trailing_zeros(n: int) -> int:

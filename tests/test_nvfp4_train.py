@@ -445,3 +445,26 @@ def test_rounding_key_refuses_what_would_be_wrong():
     with lowprec.stochastic_rounding_key(jax.random.key(0)):
         with pytest.raises(ValueError, match="concrete value.*Pass the key as an argument"):
             jax.jit(dot).lower(x)
+
+
+@pytest.mark.parametrize("key_kind", ["hash", "typed", "raw"])
+def test_grad_words_follow_the_stated_contract(key_kind):
+    """w_d, w_w = random_bits(fold_in(k, 0), shape), random_bits(fold_in(k, 1), shape), with k
+    the given key or fold_in(key(seed), wrapping uint32 sum of the cotangent's bits) (module
+    docstring), whichever way grad_words derives them (it vmaps the two threefry calls)."""
+    g = jnp.asarray(np.random.default_rng(5).standard_normal((48, 32)), jnp.float32)
+    seed = 7
+    if key_kind == "hash":
+        given = None
+        h = jnp.sum(jax.lax.bitcast_convert_type(g, jnp.uint32), dtype=jnp.uint32)
+        k = jax.random.fold_in(jax.random.key(seed), h)
+    else:
+        k = given = (jax.random.key(11) if key_kind == "typed"
+                     else jnp.asarray([3, 0xDEADBEEF], jnp.uint32))
+    want = [lowprec.random_bits(jax.random.fold_in(k, i), g.shape) for i in (0, 1)]
+    for got in (nt.grad_words(g, seed, given), jax.jit(nt.grad_words, static_argnums=1)(
+            g, seed, given)):
+        assert len(got) == 2
+        for a, b in zip(got, want):
+            assert a.dtype == jnp.uint16 and a.shape == g.shape
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

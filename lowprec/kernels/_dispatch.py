@@ -14,7 +14,8 @@ A kernel serves a call when
   the Pallas quantize kernels' are here);
 
 then the call picks the kernel or XLA's formulation where XLA lowers the program
-(:func:`on_cuda`: ``lax.platform_dependent``), so one program runs on every backend. The
+(:func:`on_cuda`: ``lax.platform_dependent``, or where JAX here compiles for CPU alone the
+CPU branch alone, ``_platform.platform_dependent``), so one program runs on every backend. The
 public functions read the policy when they are called and hand the decision (or the policy,
 for the dot's inner choices) to their jitted cores as a static argument.
 
@@ -40,13 +41,13 @@ from typing import Iterator, Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from .._deprecated import deprecated_attribute, settable_deprecated_attributes
 from .._format import mx_format
 from .._mx_hwfloat import hwfloat_element
 from .._mxarray import MXArray
 from .._pack import pack6_xla, unpack6_xla
+from .._platform import platform_dependent, set_policy_reader
 from .._scheme_e8m0 import E8M0Scheme
 from .._scheme_nvfp4 import NVFP4Scheme
 from . import _cpu_native, _fp6_cpu, _nvfp4_cpu
@@ -111,15 +112,24 @@ class Policy:
         measured on an H200 (benchmarks/bench_gpu.py, pre-quantized MXFP8, n = 4096 and
         8192) the kernel ran at 0.15-0.22x a bfloat16 dot, decoding to bfloat16 for cuBLAS
         at 0.82-0.95x.
+      platform_branches: which platforms' formulations a traced program holds where lowprec
+        picks one per platform (``lowprec._platform.platform_dependent``): ``"auto"``, those
+        of the platforms JAX here can compile for (where it compiles for CPU alone, no GPU or
+        TPU plugin installed, the CPU formulation alone, without ``lax.platform_dependent``,
+        whose other branches cost half of an NVFP4 training step's trace; such a program
+        refuses to be lowered for another platform, naming this field); ``"all"``, every
+        platform's (``lax.platform_dependent``): for ``jax.export(..., platforms=...)`` or
+        ``lower(lowering_platforms=...)`` of a program traced on a CPU-only install.
 
     Example:
         >>> Policy(gpu_route="xla")
-        Policy(kernels=None, gpu_route='xla', fused_mxdot=False)
+        Policy(kernels=None, gpu_route='xla', fused_mxdot=False, platform_branches='auto')
     """
 
     kernels: Optional[str] = None
     gpu_route: str = "pallas"
     fused_mxdot: bool = False
+    platform_branches: str = "auto"
 
     def __post_init__(self):
         if self.kernels is not None:
@@ -129,6 +139,10 @@ class Policy:
                              "(the decode-time MXFP4 kernel), 'xla' (no kernel)")
         if not isinstance(self.fused_mxdot, bool):
             raise TypeError(f"fused_mxdot must be True or False, got {self.fused_mxdot!r}")
+        if self.platform_branches not in ("auto", "all"):
+            raise ValueError(f"unknown platform_branches {self.platform_branches!r}; valid: "
+                             "'auto' (the platforms JAX here compiles for), 'all' (every "
+                             "platform's, for programs lowered for other platforms)")
 
 
 _settings = Policy()  # what set_policy set in this process
@@ -153,7 +167,8 @@ def current_policy() -> Policy:
 
 
 def set_policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
-               fused_mxdot: Optional[bool] = None) -> Policy:
+               fused_mxdot: Optional[bool] = None,
+               platform_branches: Optional[str] = None) -> Policy:
     """Sets which kernels and routes lowprec's functions may run, for this process (for a
     block of code: :func:`policy`).
 
@@ -163,6 +178,7 @@ def set_policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
         variable ``LOWPREC_KERNELS``, else ``"auto"``); left out: the kernel policy as it is.
       gpu_route: :attr:`Policy.gpu_route` (``"pallas"`` or ``"xla"``); None: as it is.
       fused_mxdot: :attr:`Policy.fused_mxdot`; None: as it is.
+      platform_branches: :attr:`Policy.platform_branches`; None: as it is.
 
     Returns:
       The settings before (a :class:`Policy`), to restore them: ``set_policy(previous)``.
@@ -175,7 +191,7 @@ def set_policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
     Example:
         >>> previous = set_policy("xla", gpu_route="xla")
         >>> current_policy()
-        Policy(kernels='xla', gpu_route='xla', fused_mxdot=False)
+        Policy(kernels='xla', gpu_route='xla', fused_mxdot=False, platform_branches='auto')
         >>> _ = set_policy(previous)
     """
     global _settings
@@ -187,7 +203,8 @@ def set_policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
         if policy is not None:
             _check_policy(policy, "set_policy")
         settings = dataclasses.replace(_settings, kernels=policy)
-    fields = {"gpu_route": gpu_route, "fused_mxdot": fused_mxdot}
+    fields = {"gpu_route": gpu_route, "fused_mxdot": fused_mxdot,
+              "platform_branches": platform_branches}
     settings = dataclasses.replace(settings, **{k: v for k, v in fields.items() if v is not None})
     in_force = current_policy()
     previous, _settings = _settings, settings
@@ -198,7 +215,8 @@ def set_policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
 
 @contextlib.contextmanager
 def policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
-           fused_mxdot: Optional[bool] = None) -> Iterator[Policy]:
+           fused_mxdot: Optional[bool] = None,
+           platform_branches: Optional[str] = None) -> Iterator[Policy]:
     """:func:`set_policy` for a ``with`` block: the settings before are restored when it
     ends, however it ends. Yields the :class:`Policy` in force inside. (The settings are the
     process's, not a thread's.)
@@ -210,7 +228,8 @@ def policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
         >>> current_policy().gpu_route
         'pallas'
     """
-    previous = set_policy(policy, gpu_route=gpu_route, fused_mxdot=fused_mxdot)
+    previous = set_policy(policy, gpu_route=gpu_route, fused_mxdot=fused_mxdot,
+                          platform_branches=platform_branches)
     try:
         yield current_policy()
     finally:
@@ -601,11 +620,17 @@ def native_status() -> str:
     return _cpu_native.status()
 
 
+set_policy_reader(lambda: (current_policy().platform_branches == "all"
+                           or cuda_kernels_possible()))  # a module global: tests patch it
+
+
 def on_cpu(fast, generic, *args):
-    """``fast(*args)`` where XLA lowers for CPU, ``generic(*args)`` everywhere else."""
-    return lax.platform_dependent(*args, cpu=fast, default=generic)
+    """``fast(*args)`` where XLA lowers for CPU, ``generic(*args)`` everywhere else (where JAX
+    here compiles for CPU alone, ``fast`` alone is traced: ``_platform.platform_dependent``)."""
+    return platform_dependent(*args, cpu=fast, default=generic)
 
 
 def on_cuda(fast, generic, *args):
-    """``fast(*args)`` where XLA lowers for a CUDA GPU, ``generic(*args)`` everywhere else."""
-    return lax.platform_dependent(*args, cuda=fast, default=generic)
+    """``fast(*args)`` where XLA lowers for a CUDA GPU, ``generic(*args)`` everywhere else
+    (where JAX here compiles for CPU alone, ``generic`` alone: ``_platform``)."""
+    return platform_dependent(*args, cuda=fast, default=generic)
