@@ -12,9 +12,6 @@ blocks of any power of two.
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -67,12 +64,6 @@ def random_hadamard(x, block: int = 16, *, seed: int = 0, axis: int = -1,
             f"axis {axis} has length {x.shape[ax]}, not a multiple of the rotation's block "
             f"{block}; pad it or pick another block"
         )
-    return _rotate(x, block, seed, ax, bool(inverse))
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _rotate(x, block: int, seed: int, ax: int, inverse: bool):
-    """The rotation as one program (eagerly, each step of the butterfly was its own compile)."""
     v = jnp.moveaxis(x, ax, 0)
     shape = v.shape
     v = v.reshape(shape[0], -1)
