@@ -38,14 +38,8 @@ def roundtrip(x, fmt: MXFormat, axis: int, scale_rule, rounding: str = "nearest_
     """
     x = as_f32(x)
     mx = quantize_mx(x, fmt, axis=axis, scale_rule=scale_rule, rounding=rounding, pad=True, key=key)
-    return dequantize(mx), _element_scales(mx.scales, mx.tensor_scale, mx.fmt, mx.axis, x.shape[mx.axis])
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _element_scales(scales, tensor_scale, fmt: MXFormat, axis: int, n: int):
-    """The scale each element sees, as one program: decoding NVFP4's E4M3 block scales takes
-    dozens of integer operations, each compiled on its own when run eagerly."""
-    return _per_element(fmt.scheme.element_scale(scales, tensor_scale), fmt, axis, n)
+    per_block = mx.fmt.scheme.element_scale(mx.scales, mx.tensor_scale)
+    return dequantize(mx), _per_element(per_block, mx.fmt, mx.axis, x.shape[mx.axis])
 
 
 def mx_scale_exponents(
