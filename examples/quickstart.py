@@ -34,18 +34,22 @@ def main() -> None:
     print(f"  e4m3 stochastic mean of 100000 copies of 0.1: {float(q.mean()):.6f}")
 
     w = jax.random.normal(jax.random.key(1), (256, 1024), jnp.float32)
-    print("\nMX block quantization of a 256x1024 Gaussian matrix (blocks of 32 along the last axis):")
-    for fmt in lowprec.MX_FORMAT_NAMES:
-        # NVFP4 has its own scale recipe (E4M3 block scales under a tensor scale): no rule.
-        rules = (None,) if lowprec.mx_format(fmt).tensor_scale else tuple(lowprec.ScaleRule)
-        for rule in rules:
-            mx = lowprec.quantize_mx(w, fmt, scale_rule=rule)
-            sqnr = float(lowprec.analysis.sqnr_db(w, lowprec.dequantize(mx)))
-            print(
-                f"  {fmt:11} {rule or fmt:5}: {mx.nbytes:>7} bytes ({mx.fmt.bits_per_element} bits/elem), "
-                f"SQNR {sqnr:5.1f} dB"
-            )
 
+    def report(label, mx):
+        sqnr = float(lowprec.analysis.sqnr_db(w, lowprec.dequantize(mx)))
+        print(f"  {label:17}: {mx.nbytes:>7} bytes ({mx.fmt.bits_per_element} bits/elem), SQNR {sqnr:5.1f} dB")
+
+    print("\nMX block quantization of a 256x1024 Gaussian matrix (blocks along the last axis):")
+    # The OCP MX v1.0 formats (blocks of 32, E8M0 scales) and NVFP4 (blocks of 16, E4M3 scales
+    # under a float32 tensor scale), each with its default scales.
+    for fmt in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8", "nvfp4"):
+        report(fmt, lowprec.quantize_mx(w, fmt))
+    # An OCP MX format takes a scale rule: how the shared exponent follows from the block max.
+    for rule in lowprec.ScaleRule:
+        report(f"mxfp4 {rule.value}", lowprec.quantize_mx(w, "mxfp4", scale_rule=rule))
+    shown = {"mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8", "nvfp4"}
+    more = [f for f in lowprec.MX_FORMAT_NAMES if f not in shown]
+    print(f"  more block formats: {', '.join(more)} (notebooks/08_four_bit_2026.ipynb compares the 4-bit ones)")
 
 if __name__ == "__main__":
     main()

@@ -179,7 +179,7 @@ def delayed_dot_general(lhs, rhs, state: DelayedState, dimension_numbers, cfg: D
         >>> st = cfg.init()
         >>> x, w = jnp.ones((2, 8)), jnp.full((8, 3), 0.5)
         >>> f = lambda a, b, s: delayed_dot_general(a, b, s, (((1,), (0,)), ((), ())), cfg).sum()
-        >>> st = jax.grad(f, argnums=2)(x, w, st)
+        >>> st = jax.jit(jax.grad(f, argnums=2))(x, w, st)
         >>> st.scale.tolist()  # 448 / 1, 448 / 0.5, 57344 / 1 (the cotangent of sum is 1)
         [448.0, 896.0, 57344.0]
     """

@@ -189,7 +189,7 @@ class DelayedDotGeneral(nn.Module):
         >>> cls = functools.partial(lowprec.flax.DelayedDotGeneral,
         ...                         config=lowprec.DelayedScaling(amax_history_len=16))
         >>> layer = nn.Dense(3, dot_general_cls=cls)
-        >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 8)))
+        >>> variables = jax.jit(layer.init)(jax.random.key(0), jnp.ones((2, 8)))
         >>> variables["_overwrite_with_gradient"]["DelayedDotGeneral_0"]["amax_history"].shape
         (3, 16)
     """
@@ -243,7 +243,8 @@ class DelayedDotGeneralNnx(nnx.Module):
         >>> layer = nnx.Linear(8, 3, rngs=nnx.Rngs(0),
         ...                    dot_general=lowprec.flax.DelayedDotGeneralNnx(
         ...                        lowprec.DelayedScaling(amax_history_len=16)))
-        >>> layer(jnp.ones((2, 8))).shape, layer.dot_general.amax_history.shape
+        >>> forward = nnx.jit(lambda layer, x: layer(x))   # the history is updated in place
+        >>> forward(layer, jnp.ones((2, 8))).shape, layer.dot_general.amax_history.shape
         ((2, 3), (3, 16))
     """
 

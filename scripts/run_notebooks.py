@@ -72,6 +72,12 @@ def _kernel_manager(tmpdir: pathlib.Path, size: str = "full"):
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
         "PYTHONHASHSEED": "0",
+        # The notebooks' NumPy products are small ([2048, 32] x [32, 64]): OpenBLAS's worker
+        # threads spin waiting for work and burned most of their CPU time (matmul_rel_error of
+        # analysis.compare: 9-21 ms of CPU per call threaded, 0.6 ms on one thread; notebook
+        # 03's first study 21.9 -> 10.2 CPU s). Same products: the threads split rows and
+        # columns, not the sum.
+        "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1"),
         SIZE_ENV: size,
     }
     write_kernel_spec(

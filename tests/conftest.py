@@ -7,6 +7,14 @@ generators, the {reference, eager, jit} codec harness); test files import what t
 
 from __future__ import annotations
 
+import os
+
+# Before NumPy loads OpenBLAS (nothing imports NumPy before this file): one BLAS thread. The
+# suite's products are small, and OpenBLAS's idle workers spin after each one, burning CPU
+# seconds for nothing (analysis.compare's matmul_rel_error: 9-21 ms of CPU per call on 2
+# threads, 0.6 ms on one). Inherited by every subprocess (CLI runs, notebook kernels).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import pytest
 from hypothesis import HealthCheck, settings
 
