@@ -54,7 +54,16 @@ _TARGET_GPU = ("NVIDIA H100 80GB HBM3", 132)
 
 
 def lower_for_cuda(fn, *args) -> str:
-    """The StableHLO text of ``jax.jit(fn)`` lowered for the "cuda" platform (no GPU needed)."""
+    """The StableHLO text of ``jax.jit(fn)`` lowered for the "cuda" platform (no GPU needed).
+
+    Traced with every platform's branch (``policy(platform_branches="all")``): on an install
+    that can only compile for CPU, lowprec traces the CPU branch alone and refuses to lower
+    such a trace for another platform (lowprec/_platform.py)."""
+    with lowprec.kernels.policy(platform_branches="all"):
+        return _lower_for_cuda(fn, *args)
+
+
+def _lower_for_cuda(fn, *args) -> str:
     traced = jax.jit(fn).trace(*args)
     try:
         return traced.lower(lowering_platforms=("cuda",)).as_text()
