@@ -86,6 +86,9 @@ RUNS = ([(case, "jit") for case in CASES]
                                      "recipe_fake_quantize_1d") for mode in ("eager", "vmap")])
 
 
+# Quick tier: the first three (the NVFP4 kernel, rounding to nearest and stochastic, and
+# XLA:CPU's NVFP4 formulation, jitted); every case runs in the default run.
+@pytest.mark.quick_first(3)
 @pytest.mark.parametrize(("case", "mode"), RUNS)
 def test_cpu_branch_alone_gives_the_bits_of_every_branch(case, mode):
     f = CASES[case]
@@ -97,6 +100,7 @@ def _nvfp4_loss(x, w):
     return jnp.sum(jnp.sin(y))
 
 
+@pytest.mark.quick_cases(mode=["jit"])  # eager: the default run
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_nvfp4_recipe_gradients_the_same_bits(mode):
     """The NVFP4 recipe's forward and both quantized gradients (the kernel's fake quantization,
