@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import pkgutil
 
 import jax
 from jax import lax
@@ -31,14 +32,17 @@ _BRANCHES = ("cpu", "cuda", "rocm", "tpu")
 
 @functools.lru_cache(maxsize=None)
 def _plugin_installed() -> bool:
-    """Whether a non-CUDA accelerator plugin (ROCm, TPU) is importable here."""
-    for name in ("jax_plugins.xla_rocm6", "jax_plugins.xla_rocm7", "libtpu"):
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return True
-        except ImportError:
-            pass
-    return False
+    """Whether an accelerator plugin is importable here: any ``jax_plugins`` module (each is
+    a PJRT plugin for a platform other than CPU: CUDA, ROCm, ...; any version) or libtpu.
+    Found without importing them."""
+    try:
+        plugins = importlib.util.find_spec("jax_plugins")
+        if plugins is not None and any(
+                pkgutil.iter_modules(plugins.submodule_search_locations or [])):
+            return True
+        return importlib.util.find_spec("libtpu") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 # Set by kernels/_dispatch.py, which sits above this module (no import cycle): whether its
@@ -58,7 +62,7 @@ def other_platforms_possible() -> bool:
     """Whether a program traced here may be lowered for a platform other than CPU (read while
     tracing): the policy's ``platform_branches`` is ``"all"``, or JAX here can compile for
     CUDA (``kernels._dispatch.cuda_kernels_possible``: a GPU, or the CUDA plugin for
-    compile-only work), or a ROCm or TPU plugin is installed; also before the dispatch
+    compile-only work), or any accelerator plugin (``jax_plugins``, libtpu) is installed; also before the dispatch
     module has loaded (every branch, as ``lax.platform_dependent`` traces them)."""
     reader = _policy_allows_others
     return reader is None or reader() or _plugin_installed()

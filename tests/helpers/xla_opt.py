@@ -39,36 +39,34 @@ FLAG = "--xla_backend_optimization_level"
 EMITTERS = "--xla_cpu_use_fusion_emitters"
 
 
+def _package_folders(name: str) -> list:
+    """The folders of the installed package ``name`` ([] if none), found without importing
+    it."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    return list(spec.submodule_search_locations or []) if spec is not None else []
+
+
 def gpu_plugin_installed() -> bool:
     """Whether a JAX GPU plugin (``jax_plugins.xla_cuda12``, ``xla_cuda13``, ``xla_rocm*``)
     is installed; found without importing it."""
-    import importlib.util
     import pkgutil
 
-    try:
-        spec = importlib.util.find_spec("jax_plugins")
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
     return any(m.name.startswith(("xla_cuda", "xla_rocm"))
-               for m in pkgutil.iter_modules(spec.submodule_search_locations))
+               for m in pkgutil.iter_modules(_package_folders("jax_plugins")))
 
 
 def knows_flag(name: str = EMITTERS) -> bool:
     """Whether the installed jaxlib's XLA defines the flag ``name`` (its name appears in
     jaxlib's shared libraries; found without importing jaxlib, in ~0.05 s)."""
-    import importlib.util
     import mmap
 
-    try:
-        spec = importlib.util.find_spec("jaxlib")
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
     needle = name.lstrip("-").encode()
-    for folder in spec.submodule_search_locations:
+    for folder in _package_folders("jaxlib"):
         for path in sorted(os.listdir(folder)):
             if not path.endswith(".so"):
                 continue
