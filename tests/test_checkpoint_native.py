@@ -423,3 +423,47 @@ def test_canonical_nan_pass_skipped_only_where_no_nan_can_come_out(fmt_name, wit
     want = _chunk._decode_unchecked(forced, (n,), np.float32)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert coded.canonical_nan == bool(np.isnan(want).any())
+
+
+@pytest.mark.parametrize("in_dtype", INPUTS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
+def test_fused_pass_groups_of_8_blocks(fmt_name, in_dtype):
+    """The fused pass takes blocks 8 at a time (their largest magnitudes found together; for
+    NVFP4 also its encode, and the clipped-block count from those maxima), a group holding a
+    NaN or an infinity by the scalar steps. Gaussian rows (every group on the vector path
+    unless a special is put there) with a special at the first and last block of a group, in
+    a group of its own, and in the blocks after the last whole group of a chunk (rows of
+    2048 + 3 blocks' elements: a partial last chunk), and heavy-tailed blocks (clipped ones):
+    the codes are ``quantize_mx``'s, the statistics the separate statistics pass's, and the
+    clipped-block count NumPy's."""
+    fmt = lowprec.mx_format(fmt_name)
+    block = fmt.block_size
+    rng = np.random.default_rng(zlib.crc32(f"groups {fmt_name} {in_dtype}".encode()))
+    cols = 2048 + 3 * block
+    x = rng.standard_normal((3, cols)) * 0.02
+    x[:, 5 * block::11 * block] *= 40.0  # heavy-tailed blocks: clipped under the floor rule
+    flat = x.reshape(-1)
+    for b, special in [(0, np.nan), (7, np.inf), (8 * 3 + 4, -np.inf), (2048 // block + 1, np.nan),
+                       (cols // block + 16, -np.inf), (2 * cols // block - 1, np.nan)]:
+        flat[b * block + rng.integers(0, block)] = special
+    x = x.astype(np.float32).astype(in_dtype)
+    rule = None if fmt.tensor_scale else "floor"
+    mx = lowprec.quantize_mx(jnp.asarray(x.astype(np.float32)), fmt, axis=-1, scale_rule=rule)
+    ts = None if mx.tensor_scale is None else np.float32(mx.tensor_scale)
+    spec = make_spec(fmt_name, x.shape, {np.float32: "F32", ml_dtypes.bfloat16: "BF16",
+                                         np.float16: "F16"}[in_dtype], scale_rule=rule)
+    got = ErrorStats()
+    parts = _chunk.quantize_chunk(x, spec, ts, got)
+    np.testing.assert_array_equal(parts["elements"], np.asarray(mx.elements))
+    np.testing.assert_array_equal(parts["scales"], np.asarray(mx.scales))
+    coded = _chunk.mx_coded(np.asarray(mx.elements), np.asarray(mx.scales), fmt, ts)
+    want = ErrorStats()
+    want.add_vector(_ckpt_cpu.stats(x, **coded.args(), clip=1,
+                                    max_finite=fmt.element.max_finite, view=(*x.shape, 1)))
+    want.nan_blocks = int(np.count_nonzero(np.isnan(coded.factors)))
+    for field in vars(want):
+        if field != "_buf":
+            assert getattr(got, field) == getattr(want, field), field
+    assert (got.clipped, got.clip_total) == _chunk._mx_clipped(  # NumPy's count
+        x.reshape(3, -1, 1), np.asarray(mx.scales).view(np.uint8), fmt, ts)
+    assert want.clipped > 0 and want.nan_in + want.inf_in == 6 and want.count > 0
