@@ -303,14 +303,33 @@ class CodedPiece:
     factors: Optional[np.ndarray]
     block: int
     canonical_nan: bool
+    #: Instead of ``factors``: each block's scale code (uint8), its factor ``ftable[code]``
+    #: (float32[256]), looked up by the native decode a chunk at a time.
+    scale_codes: Optional[np.ndarray] = None
+    ftable: Optional[np.ndarray] = None
 
     @property
     def size(self) -> int:
         return self.codes.size * 8 // self.code_bits
 
+    def block_factors(self) -> Optional[np.ndarray]:
+        """Each block's factor (``factors``, or looked up from the scale codes)."""
+        if self.scale_codes is None:
+            return self.factors
+        return np.take(self.ftable, self.scale_codes)
+
     def args(self) -> dict:
+        """The arguments of :func:`lowprec.kernels._ckpt_cpu.stats` (and ``decode``)."""
         return dict(codes=self.codes, code_bits=self.code_bits, elut=self.table,
-                    factors=self.factors, block=self.block)
+                    factors=self.block_factors(), block=self.block)
+
+    def decode_args(self) -> dict:
+        """The arguments of :func:`lowprec.kernels._ckpt_cpu.decode`: the scale codes and
+        their table where the piece has them (no per-block factors made here)."""
+        if self.scale_codes is None:
+            return self.args()
+        return dict(codes=self.codes, code_bits=self.code_bits, elut=self.table,
+                    factors=self.ftable, scale_codes=self.scale_codes, block=self.block)
 
 
 def native() -> bool:
@@ -327,16 +346,27 @@ def mx_coded(elements, scales, fmt, ts=None) -> Optional[CodedPiece]:
     if el.code_bits not in (4, 6, 8):
         return None
     scales = np.asarray(scales).view(np.uint8).reshape(-1)
-    # np.take, not fancy indexing: the same values in half the time (~0.1 of 0.2 ms per piece)
-    table, factors = element_table(el), np.take(factor_table(fmt, ts), scales)
+    # The blocks' factors are not made here (a lookup per block was ~0.15 of the ~1 ms a
+    # piece of 2^20 elements took to decode): the native decode looks them up from the scale
+    # codes a chunk at a time, and the other passes by block_factors().
+    table, ftable = element_table(el), factor_table(fmt, ts)
+    nan_codes, zero_codes = _special_scale_codes(ftable)
     # NaNs made canonical only where one can come out: a NaN code, a NaN block's factor, or
     # an infinite code in a block of factor 0 (any other product of a code and a factor is
     # finite or infinite). That pass over every element was ~0.5 of the decode's 1.2 ns per
-    # element (FP4 to bfloat16, AVX2, thread CPU time).
-    canonical = bool(np.isnan(table).any() or np.isnan(factors).any()
-                     or (np.isinf(table).any() and not factors.all()))
+    # element (FP4 to bfloat16, AVX2, thread CPU time). Whether a piece holds one of the few
+    # scale codes of a NaN or zero factor: a comparison per such code.
+    canonical = bool(np.isnan(table).any() or any((scales == c).any() for c in nan_codes)
+                     or (np.isinf(table).any() and any((scales == c).any() for c in zero_codes)))
     return CodedPiece(np.asarray(elements).view(np.uint8).reshape(-1), el.code_bits,
-                      table, factors, fmt.block_size, canonical)
+                      table, None, fmt.block_size, canonical, scales, ftable)
+
+
+def _special_scale_codes(ftable: np.ndarray) -> tuple:
+    """(the scale codes whose factor is NaN, those whose factor is 0), as uint8 arrays."""
+    with np.errstate(invalid="ignore"):
+        return (np.flatnonzero(np.isnan(ftable)).astype(np.uint8),
+                np.flatnonzero(ftable == 0).astype(np.uint8))
 
 
 # -- encoding a piece -------------------------------------------------------------------
@@ -647,7 +677,7 @@ def decode_coded(coded: CodedPiece, shape, dtype, *, saturate: bool = False,
     ``shape`` and NumPy ``dtype`` (float32, bfloat16, float16 or float64) by the native pass,
     narrowed as :func:`narrow` does (refused, or clamped with ``saturate``)."""
     out = np.empty(shape, dtype)
-    nonfinite, over, top = _ckpt_cpu.decode(out, **coded.args(),
+    nonfinite, over, top = _ckpt_cpu.decode(out, **coded.decode_args(),
                                             canonical_nan=coded.canonical_nan,
                                             saturate=saturate)
     if over and not saturate:
@@ -704,7 +734,8 @@ def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
 def _decode_unchecked(coded: CodedPiece, shape, dtype) -> np.ndarray:
     """``coded`` decoded into ``dtype`` as astype would narrow it (overflow to inf)."""
     out = np.empty(shape, dtype)
-    _ckpt_cpu.decode(out, **coded.args(), canonical_nan=coded.canonical_nan, saturate=False)
+    _ckpt_cpu.decode(out, **coded.decode_args(), canonical_nan=coded.canonical_nan,
+                     saturate=False)
     return out
 
 

@@ -977,27 +977,29 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_quantize_nvfp4(const void* x, int32_t kind, 
                        });
 }
 
-// Decodes n values into out (out_kind: 0 float32, 1 bfloat16, 2 float16, 3 float64): from q
-// (float32 values, when not null) or from the packed codes as lowprec_ckpt_stats does, NaN
-// results made lowprec's canonical NaN if canonical_nan. Narrowed as ml_dtypes / NumPy do;
-// a finite value that becomes inf is an overflow: with `saturate` it is written as the
-// dtype's largest finite value of its sign. counts[4] receives (non-finite values written,
-// overflows, the largest |value| that overflowed, 0). Returns 0, or 1 for arguments it does
-// not take (nothing written), or 2 when values overflowed without `saturate` (out is then
-// partly written: the caller refuses the tensor).
-LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes, int32_t code_bits,
-                                           const float* elut, const float* factors,
-                                           int64_t block, int32_t canonical_nan, int64_t n,
-                                           int32_t out_kind, void* out, int32_t saturate,
-                                           double* counts) {
-  if (n < 0 || out == nullptr || counts == nullptr || out_kind < kF32 || out_kind > kF64) return 1;
-  if (q == nullptr && (codes == nullptr || elut == nullptr ||
-                       (code_bits != 4 && code_bits != 6 && code_bits != 8)))
-    return 1;
-  if (factors != nullptr && block <= 0) return 1;
+namespace {
+
+// The body of lowprec_ckpt_decode and lowprec_ckpt_decode_scaled: with `scale_codes`, block
+// b's factor is factors[scale_codes[b]] (factors: a table of 256), looked up a chunk at a
+// time; `nan_possible` (scaled form only) then says per chunk whether the canonical-NaN pass
+// runs (see lowprec_ckpt_decode_scaled).
+int32_t Decode(const float* q, const uint8_t* codes, int32_t code_bits, const float* elut,
+               const float* factors, const uint8_t* scale_codes, int64_t block,
+               int32_t canonical_nan, int64_t n, int32_t out_kind, void* out, int32_t saturate,
+               double* counts) {
   ExactFloats exact;
   double nonfinite = 0, overflow = 0, top = 0;
   uint32_t vb[kChunk];
+  float chunk_factors[kChunk + 2];  // a chunk's blocks' factors (scaled form)
+  // What makes a NaN possible in the scaled form: a NaN element value, or an infinite one
+  // times a zero factor, or a NaN factor (checked per chunk below).
+  bool elut_nan = false, elut_inf = false;
+  if (scale_codes != nullptr && canonical_nan) {
+    for (int32_t c = 0; c < (1 << code_bits); ++c) {
+      elut_nan |= std::isnan(elut[c]);
+      elut_inf |= std::isinf(elut[c]);
+    }
+  }
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
     const int64_t len = std::min(kChunk, n - i0);
     if (q != nullptr) {
@@ -1007,6 +1009,20 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes,
           if ((vb[k] & kAbs) > kExp) vb[k] = kQNaN;
         }
       }
+    } else if (scale_codes != nullptr) {
+      // The chunk's blocks b0 .. b1 - 1, decoded from the byte of its first block's first
+      // element (block x code_bits is a whole number of bytes: checked by the caller).
+      const int64_t b0 = i0 / block, b1 = (i0 + len - 1) / block + 1;
+      bool nan_factor = false, zero_factor = false;
+      for (int64_t b = b0; b < b1; ++b) {
+        const float f = factors[scale_codes[b]];
+        chunk_factors[b - b0] = f;
+        nan_factor |= std::isnan(f);
+        zero_factor |= f == 0.0f;
+      }
+      const bool nan_possible = elut_nan || nan_factor || (elut_inf && zero_factor);
+      DecodeChunk(codes + b0 * block * code_bits / 8, code_bits, elut, chunk_factors, block,
+                  canonical_nan != 0 && nan_possible, i0 - b0 * block, len, vb);
     } else {
       DecodeChunk(codes, code_bits, elut, factors, block, canonical_nan != 0, i0, len, vb);
     }
@@ -1053,6 +1069,51 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes,
   counts[2] = top;
   counts[3] = 0;
   return (overflow > 0 && !saturate) ? 2 : 0;
+}
+
+}  // namespace
+
+// Decodes n values into out (out_kind: 0 float32, 1 bfloat16, 2 float16, 3 float64): from q
+// (float32 values, when not null) or from the packed codes as lowprec_ckpt_stats does, NaN
+// results made lowprec's canonical NaN if canonical_nan. Narrowed as ml_dtypes / NumPy do;
+// a finite value that becomes inf is an overflow: with `saturate` it is written as the
+// dtype's largest finite value of its sign. counts[4] receives (non-finite values written,
+// overflows, the largest |value| that overflowed, 0). Returns 0, or 1 for arguments it does
+// not take (nothing written), or 2 when values overflowed without `saturate` (out is then
+// partly written: the caller refuses the tensor).
+LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes, int32_t code_bits,
+                                           const float* elut, const float* factors,
+                                           int64_t block, int32_t canonical_nan, int64_t n,
+                                           int32_t out_kind, void* out, int32_t saturate,
+                                           double* counts) {
+  if (n < 0 || out == nullptr || counts == nullptr || out_kind < kF32 || out_kind > kF64) return 1;
+  if (q == nullptr && (codes == nullptr || elut == nullptr ||
+                       (code_bits != 4 && code_bits != 6 && code_bits != 8)))
+    return 1;
+  if (factors != nullptr && block <= 0) return 1;
+  return Decode(q, codes, code_bits, elut, factors, nullptr, block, canonical_nan, n, out_kind,
+                out, saturate, counts);
+}
+
+// lowprec_ckpt_decode of packed codes whose block b's factor is ftable[scale_codes[b]]
+// (ftable: float32[256], a value per scale code; scale_codes: n / block of them, n a whole
+// number of blocks, block x code_bits a whole number of bytes): the factors are looked up a
+// chunk at a time here instead of by the caller for the whole piece. With canonical_nan, the
+// canonical-NaN pass runs on the chunks where a NaN can come out (a NaN element value or
+// factor, or an infinite element value and a zero factor), which changes nothing elsewhere.
+LOWPREC_EXPORT int32_t lowprec_ckpt_decode_scaled(const uint8_t* codes, int32_t code_bits,
+                                                  const float* elut, const float* ftable,
+                                                  const uint8_t* scale_codes, int64_t block,
+                                                  int32_t canonical_nan, int64_t n,
+                                                  int32_t out_kind, void* out, int32_t saturate,
+                                                  double* counts) {
+  if (n < 0 || out == nullptr || counts == nullptr || out_kind < kF32 || out_kind > kF64) return 1;
+  if (codes == nullptr || elut == nullptr || ftable == nullptr || scale_codes == nullptr ||
+      (code_bits != 4 && code_bits != 6 && code_bits != 8))
+    return 1;
+  if (block <= 0 || n % block != 0 || (block * code_bits) % 8 != 0) return 1;
+  return Decode(nullptr, codes, code_bits, elut, ftable, scale_codes, block, canonical_nan, n,
+                out_kind, out, saturate, counts);
 }
 
 // The largest finite |x| of each of `rows` equal rows of x (n elements of `kind`: 0
