@@ -349,24 +349,31 @@ def mx_coded(elements, scales, fmt, ts=None) -> Optional[CodedPiece]:
     # The blocks' factors are not made here (a lookup per block was ~0.15 of the ~1 ms a
     # piece of 2^20 elements took to decode): the native decode looks them up from the scale
     # codes a chunk at a time, and the other passes by block_factors().
-    table, ftable = element_table(el), factor_table(fmt, ts)
-    nan_codes, zero_codes = _special_scale_codes(ftable)
+    ts_key = None if ts is None else int(np.float32(ts).view(np.uint32))
+    table, ftable, table_nan, table_inf, nan_codes, zero_codes = _coded_tables(fmt, ts_key)
     # NaNs made canonical only where one can come out: a NaN code, a NaN block's factor, or
     # an infinite code in a block of factor 0 (any other product of a code and a factor is
     # finite or infinite). That pass over every element was ~0.5 of the decode's 1.2 ns per
     # element (FP4 to bfloat16, AVX2, thread CPU time). Whether a piece holds one of the few
     # scale codes of a NaN or zero factor: a comparison per such code.
-    canonical = bool(np.isnan(table).any() or any((scales == c).any() for c in nan_codes)
-                     or (np.isinf(table).any() and any((scales == c).any() for c in zero_codes)))
+    canonical = bool(table_nan or any((scales == c).any() for c in nan_codes)
+                     or (table_inf and any((scales == c).any() for c in zero_codes)))
     return CodedPiece(np.asarray(elements).view(np.uint8).reshape(-1), el.code_bits,
                       table, None, fmt.block_size, canonical, scales, ftable)
 
 
-def _special_scale_codes(ftable: np.ndarray) -> tuple:
-    """(the scale codes whose factor is NaN, those whose factor is 0), as uint8 arrays."""
+@functools.lru_cache(maxsize=256)
+def _coded_tables(fmt, ts_key) -> tuple:
+    """What :func:`mx_coded` needs of a format (and NVFP4 tensor scale, as its float32
+    bits), found once: (element table, factor table, whether an element value is NaN,
+    whether one is infinite, the scale codes of a NaN factor, those of a zero factor)."""
+    table = element_table(fmt.element)
+    ftable = _factor_table(fmt, ts_key)
     with np.errstate(invalid="ignore"):
-        return (np.flatnonzero(np.isnan(ftable)).astype(np.uint8),
-                np.flatnonzero(ftable == 0).astype(np.uint8))
+        nan_codes = np.flatnonzero(np.isnan(ftable)).astype(np.uint8)
+        zero_codes = np.flatnonzero(ftable == 0).astype(np.uint8)
+    return (table, ftable, bool(np.isnan(table).any()), bool(np.isinf(table).any()),
+            nan_codes, zero_codes)
 
 
 # -- encoding a piece -------------------------------------------------------------------
