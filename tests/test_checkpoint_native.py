@@ -15,6 +15,7 @@ and float64. Cost: about a second (a few small compiled programs per format).
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax.numpy as jnp
@@ -369,7 +370,7 @@ def test_fused_quantize_matches_library_and_stats_pass(fmt_name, rule, in_dtype,
         want = ErrorStats()
         want.add_vector(_ckpt_cpu.stats(x, **coded.args(), clip=1,
                                         max_finite=fmt.element.max_finite, view=(*x.shape, 1)))
-        want.nan_blocks = int(np.count_nonzero(np.isnan(coded.factors)))
+        want.nan_blocks = int(np.count_nonzero(np.isnan(coded.block_factors())))
         for field in vars(want):
             if field != "_buf":
                 assert getattr(got, field) == getattr(want, field), field
@@ -417,9 +418,92 @@ def test_canonical_nan_pass_skipped_only_where_no_nan_can_come_out(fmt_name, wit
         scales[-1] = scale_nan[0]
     ts = np.float32(0.5) if fmt.tensor_scale else None
     coded = _chunk.mx_coded(packed, scales, fmt, ts)
-    forced = _chunk.CodedPiece(coded.codes, coded.code_bits, coded.table, coded.factors,
-                               coded.block, True)
+    forced = dataclasses.replace(coded, canonical_nan=True)
     got = _chunk._decode_unchecked(coded, (n,), np.float32)
     want = _chunk._decode_unchecked(forced, (n,), np.float32)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert coded.canonical_nan == bool(np.isnan(want).any())
+
+
+@pytest.mark.parametrize("in_dtype", INPUTS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
+def test_fused_pass_groups_of_8_blocks(fmt_name, in_dtype):
+    """The fused pass takes blocks 8 at a time (their largest magnitudes found together; for
+    NVFP4 also its encode, and the clipped-block count from those maxima), a group holding a
+    NaN or an infinity by the scalar steps. Gaussian rows (every group on the vector path
+    unless a special is put there) with a special at the first and last block of a group, in
+    a group of its own, and in the blocks after the last whole group of a chunk (rows of
+    2048 + 3 blocks' elements: a partial last chunk), and heavy-tailed blocks (clipped ones):
+    the codes are ``quantize_mx``'s, the statistics the separate statistics pass's, and the
+    clipped-block count NumPy's."""
+    fmt = lowprec.mx_format(fmt_name)
+    block = fmt.block_size
+    rng = np.random.default_rng(zlib.crc32(f"groups {fmt_name} {in_dtype}".encode()))
+    cols = 2048 + 3 * block
+    x = rng.standard_normal((3, cols)) * 0.02
+    x[:, 5 * block::11 * block] *= 40.0  # heavy-tailed blocks: clipped under the floor rule
+    flat = x.reshape(-1)
+    for b, special in [(0, np.nan), (7, np.inf), (8 * 3 + 4, -np.inf), (2048 // block + 1, np.nan),
+                       (cols // block + 16, -np.inf), (2 * cols // block - 1, np.nan)]:
+        flat[b * block + rng.integers(0, block)] = special
+    x = x.astype(np.float32).astype(in_dtype)
+    rule = None if fmt.tensor_scale else "floor"
+    mx = lowprec.quantize_mx(jnp.asarray(x.astype(np.float32)), fmt, axis=-1, scale_rule=rule)
+    ts = None if mx.tensor_scale is None else np.float32(mx.tensor_scale)
+    spec = make_spec(fmt_name, x.shape, {np.float32: "F32", ml_dtypes.bfloat16: "BF16",
+                                         np.float16: "F16"}[in_dtype], scale_rule=rule)
+    got = ErrorStats()
+    parts = _chunk.quantize_chunk(x, spec, ts, got)
+    np.testing.assert_array_equal(parts["elements"], np.asarray(mx.elements))
+    np.testing.assert_array_equal(parts["scales"], np.asarray(mx.scales))
+    coded = _chunk.mx_coded(np.asarray(mx.elements), np.asarray(mx.scales), fmt, ts)
+    want = ErrorStats()
+    want.add_vector(_ckpt_cpu.stats(x, **coded.args(), clip=1,
+                                    max_finite=fmt.element.max_finite, view=(*x.shape, 1)))
+    want.nan_blocks = int(np.count_nonzero(np.isnan(coded.block_factors())))
+    for field in vars(want):
+        if field != "_buf":
+            assert getattr(got, field) == getattr(want, field), field
+    assert (got.clipped, got.clip_total) == _chunk._mx_clipped(  # NumPy's count
+        x.reshape(3, -1, 1), np.asarray(mx.scales).view(np.uint8), fmt, ts)
+    assert want.clipped > 0 and want.nan_in + want.inf_in == 6 and want.count > 0
+
+
+@pytest.mark.parametrize("out_dtype", OUTPUTS, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt_name", MX_FORMATS)
+def test_decode_by_scale_codes_is_decode_by_factors(fmt_name, out_dtype):
+    """The decode that looks each block's factor up from its scale code a chunk at a time
+    (``mx_coded``'s, running the canonical-NaN pass only on chunks where a NaN can come out)
+    writes the bits and counts of the decode given every block's factor with the pass on
+    everywhere: every element code; a NaN block's scale code and a zero factor's (NVFP4's
+    E4M3 0) in one chunk only of a piece of 2.5 chunks (2048 elements each); saturated and
+    not."""
+    fmt = lowprec.mx_format(fmt_name)
+    rng = np.random.default_rng(zlib.crc32(f"scaled {fmt_name}".encode()))
+    n = 5 * 1024
+    code_bits = fmt.element.code_bits
+    codes = rng.integers(0, 1 << code_bits, n).astype(np.uint8)
+    codes[: 1 << code_bits] = np.arange(1 << code_bits)  # every element code, in chunk 0
+    packed = codes
+    if code_bits == 4:
+        packed = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+    elif code_bits == 6:
+        packed = np.asarray(lowprec.pack_fp6(codes))
+    ts = np.float32(0.5) if fmt.tensor_scale else None
+    ftable = _chunk.factor_table(fmt, ts)
+    scales = rng.integers(120, 134, n // fmt.block_size).astype(np.uint8)
+    special = np.flatnonzero(np.isnan(ftable) | (ftable == 0))
+    scales[2048 // fmt.block_size + 3] = special[0]  # chunk 1 only
+    scales[-1] = special[-1]  # chunk 2 (partial)
+    coded = _chunk.mx_coded(packed, scales, fmt, ts)
+    assert coded.scale_codes is not None and coded.factors is None
+    by_factors = dataclasses.replace(coded, factors=np.take(ftable, scales), scale_codes=None,
+                                     ftable=None, canonical_nan=True)
+    for saturate in (False, True):
+        got, want = np.zeros(n, out_dtype), np.zeros(n, out_dtype)
+        got_counts = _ckpt_cpu.decode(got, **coded.decode_args(), saturate=saturate,
+                                      canonical_nan=coded.canonical_nan)
+        want_counts = _ckpt_cpu.decode(want, **by_factors.args(), saturate=saturate,
+                                       canonical_nan=True)
+        assert got_counts == want_counts
+        np.testing.assert_array_equal(bits(got), bits(want))

@@ -303,14 +303,33 @@ class CodedPiece:
     factors: Optional[np.ndarray]
     block: int
     canonical_nan: bool
+    #: Instead of ``factors``: each block's scale code (uint8), its factor ``ftable[code]``
+    #: (float32[256]), looked up by the native decode a chunk at a time.
+    scale_codes: Optional[np.ndarray] = None
+    ftable: Optional[np.ndarray] = None
 
     @property
     def size(self) -> int:
         return self.codes.size * 8 // self.code_bits
 
+    def block_factors(self) -> Optional[np.ndarray]:
+        """Each block's factor (``factors``, or looked up from the scale codes)."""
+        if self.scale_codes is None:
+            return self.factors
+        return np.take(self.ftable, self.scale_codes)
+
     def args(self) -> dict:
+        """The arguments of :func:`lowprec.kernels._ckpt_cpu.stats` (and ``decode``)."""
         return dict(codes=self.codes, code_bits=self.code_bits, elut=self.table,
-                    factors=self.factors, block=self.block)
+                    factors=self.block_factors(), block=self.block)
+
+    def decode_args(self) -> dict:
+        """The arguments of :func:`lowprec.kernels._ckpt_cpu.decode`: the scale codes and
+        their table where the piece has them (no per-block factors made here)."""
+        if self.scale_codes is None:
+            return self.args()
+        return dict(codes=self.codes, code_bits=self.code_bits, elut=self.table,
+                    factors=self.ftable, scale_codes=self.scale_codes, block=self.block)
 
 
 def native() -> bool:
@@ -327,16 +346,34 @@ def mx_coded(elements, scales, fmt, ts=None) -> Optional[CodedPiece]:
     if el.code_bits not in (4, 6, 8):
         return None
     scales = np.asarray(scales).view(np.uint8).reshape(-1)
-    # np.take, not fancy indexing: the same values in half the time (~0.1 of 0.2 ms per piece)
-    table, factors = element_table(el), np.take(factor_table(fmt, ts), scales)
+    # The blocks' factors are not made here (a lookup per block was ~0.15 of the ~1 ms a
+    # piece of 2^20 elements took to decode): the native decode looks them up from the scale
+    # codes a chunk at a time, and the other passes by block_factors().
+    ts_key = None if ts is None else int(np.float32(ts).view(np.uint32))
+    table, ftable, table_nan, table_inf, nan_codes, zero_codes = _coded_tables(fmt, ts_key)
     # NaNs made canonical only where one can come out: a NaN code, a NaN block's factor, or
     # an infinite code in a block of factor 0 (any other product of a code and a factor is
     # finite or infinite). That pass over every element was ~0.5 of the decode's 1.2 ns per
-    # element (FP4 to bfloat16, AVX2, thread CPU time).
-    canonical = bool(np.isnan(table).any() or np.isnan(factors).any()
-                     or (np.isinf(table).any() and not factors.all()))
+    # element (FP4 to bfloat16, AVX2, thread CPU time). Whether a piece holds one of the few
+    # scale codes of a NaN or zero factor: a comparison per such code.
+    canonical = bool(table_nan or any((scales == c).any() for c in nan_codes)
+                     or (table_inf and any((scales == c).any() for c in zero_codes)))
     return CodedPiece(np.asarray(elements).view(np.uint8).reshape(-1), el.code_bits,
-                      table, factors, fmt.block_size, canonical)
+                      table, None, fmt.block_size, canonical, scales, ftable)
+
+
+@functools.lru_cache(maxsize=256)
+def _coded_tables(fmt, ts_key) -> tuple:
+    """What :func:`mx_coded` needs of a format (and NVFP4 tensor scale, as its float32
+    bits), found once: (element table, factor table, whether an element value is NaN,
+    whether one is infinite, the scale codes of a NaN factor, those of a zero factor)."""
+    table = element_table(fmt.element)
+    ftable = _factor_table(fmt, ts_key)
+    with np.errstate(invalid="ignore"):
+        nan_codes = np.flatnonzero(np.isnan(ftable)).astype(np.uint8)
+        zero_codes = np.flatnonzero(ftable == 0).astype(np.uint8)
+    return (table, ftable, bool(np.isnan(table).any()), bool(np.isinf(table).any()),
+            nan_codes, zero_codes)
 
 
 # -- encoding a piece -------------------------------------------------------------------
@@ -451,12 +488,20 @@ class _FusedPlan:
     max_finite: float
 
 
+@functools.lru_cache(maxsize=None)  # asked per piece: ~16 us of Python each time
 def _is_nvfp4(fmt) -> bool:
     """Whether ``fmt`` is lowprec's NVFP4 quantized by the "divide" step, which the native
     NVFP4 pass computes: E2M1 elements in blocks of 16 under E4M3 scales and a tensor scale."""
     return (isinstance(fmt.scheme, NVFP4Scheme) and fmt.block_size == 16
             and fmt.element.name == "e2m1" and fmt.scheme.scale.name == "e4m3"
             and scale_options(fmt).nvfp4_step == NVFP4Step.DIVIDE)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_finite(elem) -> float:
+    """``elem.max_finite``, which computes exact fractions on every call (~27 us of Python,
+    asked per piece)."""
+    return float(elem.max_finite)
 
 
 def scale_options(fmt, scale_rule=None):
@@ -516,7 +561,7 @@ def _quantize_mx_piece(x: np.ndarray, spec: TensorSpec, scale, stats) -> dict:
         ftable = factor_table(fmt, ts)
         elements, scales, v = _ckpt_cpu.quantize_nvfp4(
             x, ts, elut=element_table(fmt.element), ftable=ftable,
-            max_finite=float(fmt.element.max_finite), stats=stats is not None)
+            max_finite=_max_finite(fmt.element), stats=stats is not None)
         if stats is not None:
             stats.add_vector(v)
             stats.nan_blocks += _nan_blocks(v, np.isnan(ftable), scales)
@@ -647,7 +692,7 @@ def decode_coded(coded: CodedPiece, shape, dtype, *, saturate: bool = False,
     ``shape`` and NumPy ``dtype`` (float32, bfloat16, float16 or float64) by the native pass,
     narrowed as :func:`narrow` does (refused, or clamped with ``saturate``)."""
     out = np.empty(shape, dtype)
-    nonfinite, over, top = _ckpt_cpu.decode(out, **coded.args(),
+    nonfinite, over, top = _ckpt_cpu.decode(out, **coded.decode_args(),
                                             canonical_nan=coded.canonical_nan,
                                             saturate=saturate)
     if over and not saturate:
@@ -704,7 +749,8 @@ def dequantize_chunk(parts: dict, spec: TensorSpec, shape, dtype) -> np.ndarray:
 def _decode_unchecked(coded: CodedPiece, shape, dtype) -> np.ndarray:
     """``coded`` decoded into ``dtype`` as astype would narrow it (overflow to inf)."""
     out = np.empty(shape, dtype)
-    _ckpt_cpu.decode(out, **coded.args(), canonical_nan=coded.canonical_nan, saturate=False)
+    _ckpt_cpu.decode(out, **coded.decode_args(), canonical_nan=coded.canonical_nan,
+                     saturate=False)
     return out
 
 

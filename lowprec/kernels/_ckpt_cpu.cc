@@ -590,13 +590,83 @@ void ClippedBlocks(const void* x, int32_t kind, const float* factors, int64_t bl
   a.v[kClipTotal] += static_cast<double>(P * per * S);
 }
 
+#ifdef LOWPREC_X86_AVX2
+// The largest magnitude patterns of 8 consecutive blocks of `block` (a multiple of 8) float32
+// patterns from v: lane k is block k's. Each block's columns of 8 are reduced first, then
+// the 8 blocks' lanes together (a transpose of max steps: 14 for 8 blocks instead of 7
+// shuffles and maxima per block, AmaxAvx2's).
+__attribute__((target("avx2"))) inline __m256i BlockAmax8Avx2(const uint32_t* v, int64_t block) {
+  const __m256i abs = _mm256_set1_epi32(static_cast<int>(kAbs));
+  __m256i m[8];
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t* b = v + k * block;
+    __m256i a = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), abs);
+    for (int64_t j = 8; j < block; j += 8) {
+      a = _mm256_max_epu32(a, _mm256_and_si256(
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + j)), abs));
+    }
+    m[k] = a;
+  }
+  // Pairs of blocks interleaved and reduced, then pairs of pairs, then the two halves.
+  __m256i p[4], q[2];
+  for (int k = 0; k < 4; ++k) {
+    p[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(m[2 * k], m[2 * k + 1]),
+                            _mm256_unpackhi_epi32(m[2 * k], m[2 * k + 1]));
+  }  // p[k] lanes: (2k, 2k+1, 2k, 2k+1 | the same in the upper half)
+  for (int k = 0; k < 2; ++k) {
+    q[k] = _mm256_max_epu32(_mm256_unpacklo_epi64(p[2 * k], p[2 * k + 1]),
+                            _mm256_unpackhi_epi64(p[2 * k], p[2 * k + 1]));
+  }  // q[k] lanes: (4k, 4k+1, 4k+2, 4k+3) in each half
+  return _mm256_max_epu32(_mm256_permute2x128_si256(q[0], q[1], 0x20),
+                          _mm256_permute2x128_si256(q[0], q[1], 0x31));
+}
+
+// Clipped blocks among 8 blocks (their largest magnitude patterns `amax`, their factors f):
+// float64(amax) > float64(factor) x max_finite, 4 at a time, as the scalar test computes it
+// (one rounded product; NaN on either side compares false).
+__attribute__((target("avx2"))) inline int Clipped8Avx2(__m256i amax, const float* f,
+                                                        double max_finite) {
+  const __m256d top = _mm256_set1_pd(max_finite);
+  const __m256 a = _mm256_castsi256_ps(amax);
+  const __m256 fs = _mm256_loadu_ps(f);
+  const __m256d lo = _mm256_cmp_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(a)),
+                                   _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(fs)), top),
+                                   _CMP_GT_OQ);
+  const __m256d hi = _mm256_cmp_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)),
+                                   _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(fs, 1)), top),
+                                   _CMP_GT_OQ);
+  return __builtin_popcount(static_cast<unsigned>(_mm256_movemask_pd(lo)) |
+                            (static_cast<unsigned>(_mm256_movemask_pd(hi)) << 4));
+}
+
+// ClippedInChunk for blocks of a multiple of 8 elements, 8 blocks at a time: the count among
+// the first 8 * (len / (8 * block)) blocks; *done receives the elements looked at.
+__attribute__((target("avx2"))) double ClippedBlocks8Avx2(const uint32_t* xv, int64_t len,
+                                                          const float* factors, int64_t block,
+                                                          double max_finite, int64_t* done) {
+  int64_t count = 0;
+  int64_t i = 0;
+  for (int64_t b = 0; i + 8 * block <= len; i += 8 * block, b += 8) {
+    count += Clipped8Avx2(BlockAmax8Avx2(xv + i, block), factors + b, max_finite);
+  }
+  *done = i;
+  return static_cast<double>(count);
+}
+#endif
+
 // Clipped blocks among the `len / block` whole blocks of float32 patterns xv (S = 1): those
 // whose largest |x| exceeds factors[b] x max_finite. A NaN amax (a block holding a NaN) or a
 // NaN factor (the scale's NaN code) compares false: never clipped.
 double ClippedInChunk(const uint32_t* xv, int64_t len, const float* factors, int64_t block,
                       double max_finite) {
   double clipped = 0;
-  for (int64_t b0 = 0; b0 < len; b0 += block) {
+  int64_t first = 0;
+#ifdef LOWPREC_X86_AVX2
+  if (block % 8 == 0 && lowprec_native::HasAvx2()) {
+    clipped = ClippedBlocks8Avx2(xv, len, factors, block, max_finite, &first);
+  }
+#endif
+  for (int64_t b0 = first; b0 < len; b0 += block) {
     uint32_t amax = 0;
 #ifdef LOWPREC_X86_AVX2
     if (block % 8 == 0 && lowprec_native::HasAvx2()) {
@@ -720,45 +790,100 @@ using lowprec_native::Nvfp4Scale;
 using lowprec_native::Nvfp4PairAvx2;
 #endif
 
-void Nvfp4Blocks(const uint32_t* xv, int64_t blocks, float ts, uint8_t* elements,
-                 uint8_t* scales) {
-  int64_t blk = 0;
-#ifdef LOWPREC_X86_AVX2
-  if (lowprec_native::HasAvx2()) {  // two blocks at a time, unless one holds a NaN or inf
-    for (; blk + 2 <= blocks; blk += 2) {
-      const uint32_t* xb = xv + 16 * blk;
-      const uint32_t a0 = AmaxAvx2(xb, 16), a1 = AmaxAvx2(xb + 16, 16);
-      if (a0 >= kExp || a1 >= kExp) break;  // the loop below takes these blocks
-      float d0, d1;
-      scales[blk] = static_cast<uint8_t>(Nvfp4Scale(a0, ts, &d0));
-      scales[blk + 1] = static_cast<uint8_t>(Nvfp4Scale(a1, ts, &d1));
-      Nvfp4PairAvx2(xb, d0, d1, elements + 8 * blk);
-    }
+// One block (the scalar steps): its largest magnitude pattern is returned.
+uint32_t Nvfp4Block(const uint32_t* xb, float ts, uint8_t* out, uint8_t* scale) {
+  uint32_t amax = 0;
+  for (int k = 0; k < 16; ++k) amax = std::max(amax, xb[k] & kAbs);
+  if (amax >= kExp) {
+    *scale = kE4m3Nan;
+    std::memset(out, 0, 8);
+    return amax;
   }
-#endif
-  for (; blk < blocks; ++blk) {
-    const uint32_t* xb = xv + 16 * blk;
-    uint8_t* out = elements + 8 * blk;
-    uint32_t amax = 0;
-    for (int k = 0; k < 16; ++k) amax = std::max(amax, xb[k] & kAbs);
-    if (amax >= kExp) {
-      scales[blk] = kE4m3Nan;
-      std::memset(out, 0, 8);
+  float divisor;
+  *scale = static_cast<uint8_t>(Nvfp4Scale(amax, ts, &divisor));
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t lo = E2m1Magnitude(FromBits(xb[2 * j] & kAbs) / divisor) | ((xb[2 * j] >> 31) << 3);
+    const uint32_t hi =
+        E2m1Magnitude(FromBits(xb[2 * j + 1] & kAbs) / divisor) | ((xb[2 * j + 1] >> 31) << 3);
+    out[j] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+  return amax;
+}
+
+#ifdef LOWPREC_X86_AVX2
+// Nvfp4Blocks 8 blocks at a time (their maxima together, then pairs), for the first
+// 8 * (blocks / 8); returns how many blocks were done.
+__attribute__((target("avx2"))) int64_t Nvfp4Blocks8Avx2(const uint32_t* xv, int64_t blocks,
+                                                         float ts, uint8_t* elements,
+                                                         uint8_t* scales, uint32_t* amax) {
+  int64_t blk = 0;
+  for (; blk + 8 <= blocks; blk += 8) {
+    const __m256i m = BlockAmax8Avx2(xv + 16 * blk, 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(amax + blk), m);
+    // A NaN or an infinity among them (a pattern >= inf's; patterns are < 2^31 here, so the
+    // signed comparison is the unsigned one): these 8 blocks by the scalar steps.
+    const __m256i bad = _mm256_cmpgt_epi32(m, _mm256_set1_epi32(static_cast<int>(kExp - 1)));
+    if (!_mm256_testz_si256(bad, bad)) {
+      for (int64_t k = blk; k < blk + 8; ++k) Nvfp4Block(xv + 16 * k, ts, elements + 8 * k, scales + k);
       continue;
     }
-    float divisor;
-    scales[blk] = static_cast<uint8_t>(Nvfp4Scale(amax, ts, &divisor));
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t lo = E2m1Magnitude(FromBits(xb[2 * j] & kAbs) / divisor) | ((xb[2 * j] >> 31) << 3);
-      const uint32_t hi =
-          E2m1Magnitude(FromBits(xb[2 * j + 1] & kAbs) / divisor) | ((xb[2 * j + 1] >> 31) << 3);
-      out[j] = static_cast<uint8_t>(lo | (hi << 4));
+    for (int64_t k = blk; k < blk + 8; k += 2) {
+      float d0, d1;
+      scales[k] = static_cast<uint8_t>(Nvfp4Scale(amax[k], ts, &d0));
+      scales[k + 1] = static_cast<uint8_t>(Nvfp4Scale(amax[k + 1], ts, &d1));
+      Nvfp4PairAvx2(xv + 16 * k, d0, d1, elements + 8 * k);
     }
+  }
+  return blk;
+}
+#endif
+
+// `blocks` blocks of xv; amax[b] receives block b's largest magnitude pattern (what the
+// statistics' clipped-block count needs: not computed again).
+void Nvfp4Blocks(const uint32_t* xv, int64_t blocks, float ts, uint8_t* elements,
+                 uint8_t* scales, uint32_t* amax) {
+  int64_t blk = 0;
+#ifdef LOWPREC_X86_AVX2
+  if (lowprec_native::HasAvx2()) blk = Nvfp4Blocks8Avx2(xv, blocks, ts, elements, scales, amax);
+#endif
+  for (; blk < blocks; ++blk) {
+    amax[blk] = Nvfp4Block(xv + 16 * blk, ts, elements + 8 * blk, scales + blk);
   }
 }
 
+#ifdef LOWPREC_X86_AVX2
+__attribute__((target("avx2"))) double ClippedFromAmax8Avx2(const uint32_t* amax,
+                                                            const float* factors, int64_t blocks,
+                                                            double max_finite, int64_t* done) {
+  int64_t count = 0, b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    count += Clipped8Avx2(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(amax + b)),
+                          factors + b, max_finite);
+  }
+  *done = b;
+  return static_cast<double>(count);
+}
+#endif
+
+// Clipped blocks among `blocks` blocks of largest magnitude patterns amax (as ClippedInChunk
+// counts them from the elements).
+double ClippedFromAmax(const uint32_t* amax, const float* factors, int64_t blocks,
+                       double max_finite) {
+  double clipped = 0;
+  int64_t b = 0;
+#ifdef LOWPREC_X86_AVX2
+  if (lowprec_native::HasAvx2()) clipped = ClippedFromAmax8Avx2(amax, factors, blocks, max_finite, &b);
+#endif
+  for (; b < blocks; ++b) {
+    clipped += static_cast<double>(FromBits(amax[b])) > static_cast<double>(factors[b]) * max_finite;
+  }
+  return clipped;
+}
+
 // The fused pass of lowprec_ckpt_quantize and lowprec_ckpt_quantize_nvfp4: `encode(xv,
-// blocks, el, sc)` writes a chunk's codes; the statistics follow as described there.
+// blocks, el, sc, amax)` writes a chunk's codes and returns 0 (refused), 1 (done), or 2 (done,
+// and each block's largest magnitude pattern written to amax, which the clipped-block count
+// then takes instead of finding them again); the statistics follow as described there.
 template <typename Encode>
 int32_t QuantizeFused(const void* x, int32_t kind, int64_t n, int64_t code_bits, int64_t block,
                       uint8_t* elements, uint8_t* scales, const float* elut, const float* ftable,
@@ -769,6 +894,7 @@ int32_t QuantizeFused(const void* x, int32_t kind, int64_t n, int64_t code_bits,
   alignas(32) uint32_t xb[kChunk];
   uint32_t qb[kChunk];
   float factors[kChunk];
+  uint32_t amax[kChunk];
   double clipped = 0;
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
     const int64_t len = std::min(kChunk, n - i0);
@@ -780,10 +906,12 @@ int32_t QuantizeFused(const void* x, int32_t kind, int64_t n, int64_t code_bits,
     }
     uint8_t* el = elements + i0 * code_bits / 8;
     uint8_t* sc = scales + i0 / block;
-    if (!encode(xv, len / block, el, sc)) return 1;
+    const int32_t encoded = encode(xv, len / block, el, sc, amax);
+    if (encoded == 0) return 1;
     if (out == nullptr) continue;
     for (int64_t b = 0; b < len / block; ++b) factors[b] = ftable[sc[b]];
-    clipped += ClippedInChunk(xv, len, factors, block, max_finite);
+    clipped += encoded == 2 ? ClippedFromAmax(amax, factors, len / block, max_finite)
+                            : ClippedInChunk(xv, len, factors, block, max_finite);
     DecodeChunk(el, static_cast<int32_t>(code_bits), elut, factors, block, false, 0, len, qb);
     ChunkStats(xv, qb, len, lanes, a);
   }
@@ -819,10 +947,13 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_quantize(const void* x, int32_t kind, int64_
   if (block <= 0 || kChunk % block != 0 || n % block != 0) return 1;
   if (out != nullptr && (elut == nullptr || ftable == nullptr)) return 1;
   return QuantizeFused(x, kind, n, code_bits, block, elements, scales, elut, ftable, max_finite,
-                       out, [attrs](const uint32_t* xv, int64_t blocks, uint8_t* el, uint8_t* sc) {
+                       out, [attrs](const uint32_t* xv, int64_t blocks, uint8_t* el, uint8_t* sc,
+                                    uint32_t*) {
                          return lowprec_native::MxQuantizeBlocks(
-                             reinterpret_cast<const float*>(xv), static_cast<size_t>(blocks),
-                             attrs, el, sc);
+                                    reinterpret_cast<const float*>(xv), static_cast<size_t>(blocks),
+                                    attrs, el, sc)
+                                    ? 1
+                                    : 0;
                        });
 }
 
@@ -839,33 +970,36 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_quantize_nvfp4(const void* x, int32_t kind, 
   if (!(ts >= 0x1p-118f && ts <= 0x1p116f)) return 1;
   if (out != nullptr && (elut == nullptr || ftable == nullptr)) return 1;
   return QuantizeFused(x, kind, n, 4, 16, elements, scales, elut, ftable, max_finite, out,
-                       [ts](const uint32_t* xv, int64_t blocks, uint8_t* el, uint8_t* sc) {
-                         Nvfp4Blocks(xv, blocks, ts, el, sc);
-                         return true;
+                       [ts](const uint32_t* xv, int64_t blocks, uint8_t* el, uint8_t* sc,
+                            uint32_t* amax) {
+                         Nvfp4Blocks(xv, blocks, ts, el, sc, amax);
+                         return 2;
                        });
 }
 
-// Decodes n values into out (out_kind: 0 float32, 1 bfloat16, 2 float16, 3 float64): from q
-// (float32 values, when not null) or from the packed codes as lowprec_ckpt_stats does, NaN
-// results made lowprec's canonical NaN if canonical_nan. Narrowed as ml_dtypes / NumPy do;
-// a finite value that becomes inf is an overflow: with `saturate` it is written as the
-// dtype's largest finite value of its sign. counts[4] receives (non-finite values written,
-// overflows, the largest |value| that overflowed, 0). Returns 0, or 1 for arguments it does
-// not take (nothing written), or 2 when values overflowed without `saturate` (out is then
-// partly written: the caller refuses the tensor).
-LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes, int32_t code_bits,
-                                           const float* elut, const float* factors,
-                                           int64_t block, int32_t canonical_nan, int64_t n,
-                                           int32_t out_kind, void* out, int32_t saturate,
-                                           double* counts) {
-  if (n < 0 || out == nullptr || counts == nullptr || out_kind < kF32 || out_kind > kF64) return 1;
-  if (q == nullptr && (codes == nullptr || elut == nullptr ||
-                       (code_bits != 4 && code_bits != 6 && code_bits != 8)))
-    return 1;
-  if (factors != nullptr && block <= 0) return 1;
+namespace {
+
+// The body of lowprec_ckpt_decode and lowprec_ckpt_decode_scaled: with `scale_codes`, block
+// b's factor is factors[scale_codes[b]] (factors: a table of 256), looked up a chunk at a
+// time; `nan_possible` (scaled form only) then says per chunk whether the canonical-NaN pass
+// runs (see lowprec_ckpt_decode_scaled).
+int32_t Decode(const float* q, const uint8_t* codes, int32_t code_bits, const float* elut,
+               const float* factors, const uint8_t* scale_codes, int64_t block,
+               int32_t canonical_nan, int64_t n, int32_t out_kind, void* out, int32_t saturate,
+               double* counts) {
   ExactFloats exact;
   double nonfinite = 0, overflow = 0, top = 0;
   uint32_t vb[kChunk];
+  float chunk_factors[kChunk + 2];  // a chunk's blocks' factors (scaled form)
+  // What makes a NaN possible in the scaled form: a NaN element value, or an infinite one
+  // times a zero factor, or a NaN factor (checked per chunk below).
+  bool elut_nan = false, elut_inf = false;
+  if (scale_codes != nullptr && canonical_nan) {
+    for (int32_t c = 0; c < (1 << code_bits); ++c) {
+      elut_nan |= std::isnan(elut[c]);
+      elut_inf |= std::isinf(elut[c]);
+    }
+  }
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
     const int64_t len = std::min(kChunk, n - i0);
     if (q != nullptr) {
@@ -875,6 +1009,20 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes,
           if ((vb[k] & kAbs) > kExp) vb[k] = kQNaN;
         }
       }
+    } else if (scale_codes != nullptr) {
+      // The chunk's blocks b0 .. b1 - 1, decoded from the byte of its first block's first
+      // element (block x code_bits is a whole number of bytes: checked by the caller).
+      const int64_t b0 = i0 / block, b1 = (i0 + len - 1) / block + 1;
+      bool nan_factor = false, zero_factor = false;
+      for (int64_t b = b0; b < b1; ++b) {
+        const float f = factors[scale_codes[b]];
+        chunk_factors[b - b0] = f;
+        nan_factor |= std::isnan(f);
+        zero_factor |= f == 0.0f;
+      }
+      const bool nan_possible = elut_nan || nan_factor || (elut_inf && zero_factor);
+      DecodeChunk(codes + b0 * block * code_bits / 8, code_bits, elut, chunk_factors, block,
+                  canonical_nan != 0 && nan_possible, i0 - b0 * block, len, vb);
     } else {
       DecodeChunk(codes, code_bits, elut, factors, block, canonical_nan != 0, i0, len, vb);
     }
@@ -921,6 +1069,51 @@ LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes,
   counts[2] = top;
   counts[3] = 0;
   return (overflow > 0 && !saturate) ? 2 : 0;
+}
+
+}  // namespace
+
+// Decodes n values into out (out_kind: 0 float32, 1 bfloat16, 2 float16, 3 float64): from q
+// (float32 values, when not null) or from the packed codes as lowprec_ckpt_stats does, NaN
+// results made lowprec's canonical NaN if canonical_nan. Narrowed as ml_dtypes / NumPy do;
+// a finite value that becomes inf is an overflow: with `saturate` it is written as the
+// dtype's largest finite value of its sign. counts[4] receives (non-finite values written,
+// overflows, the largest |value| that overflowed, 0). Returns 0, or 1 for arguments it does
+// not take (nothing written), or 2 when values overflowed without `saturate` (out is then
+// partly written: the caller refuses the tensor).
+LOWPREC_EXPORT int32_t lowprec_ckpt_decode(const float* q, const uint8_t* codes, int32_t code_bits,
+                                           const float* elut, const float* factors,
+                                           int64_t block, int32_t canonical_nan, int64_t n,
+                                           int32_t out_kind, void* out, int32_t saturate,
+                                           double* counts) {
+  if (n < 0 || out == nullptr || counts == nullptr || out_kind < kF32 || out_kind > kF64) return 1;
+  if (q == nullptr && (codes == nullptr || elut == nullptr ||
+                       (code_bits != 4 && code_bits != 6 && code_bits != 8)))
+    return 1;
+  if (factors != nullptr && block <= 0) return 1;
+  return Decode(q, codes, code_bits, elut, factors, nullptr, block, canonical_nan, n, out_kind,
+                out, saturate, counts);
+}
+
+// lowprec_ckpt_decode of packed codes whose block b's factor is ftable[scale_codes[b]]
+// (ftable: float32[256], a value per scale code; scale_codes: n / block of them, n a whole
+// number of blocks, block x code_bits a whole number of bytes): the factors are looked up a
+// chunk at a time here instead of by the caller for the whole piece. With canonical_nan, the
+// canonical-NaN pass runs on the chunks where a NaN can come out (a NaN element value or
+// factor, or an infinite element value and a zero factor), which changes nothing elsewhere.
+LOWPREC_EXPORT int32_t lowprec_ckpt_decode_scaled(const uint8_t* codes, int32_t code_bits,
+                                                  const float* elut, const float* ftable,
+                                                  const uint8_t* scale_codes, int64_t block,
+                                                  int32_t canonical_nan, int64_t n,
+                                                  int32_t out_kind, void* out, int32_t saturate,
+                                                  double* counts) {
+  if (n < 0 || out == nullptr || counts == nullptr || out_kind < kF32 || out_kind > kF64) return 1;
+  if (codes == nullptr || elut == nullptr || ftable == nullptr || scale_codes == nullptr ||
+      (code_bits != 4 && code_bits != 6 && code_bits != 8))
+    return 1;
+  if (block <= 0 || n % block != 0 || (block * code_bits) % 8 != 0) return 1;
+  return Decode(nullptr, codes, code_bits, elut, ftable, scale_codes, block, canonical_nan, n,
+                out_kind, out, saturate, counts);
 }
 
 // The largest finite |x| of each of `rows` equal rows of x (n elements of `kind`: 0

@@ -40,6 +40,7 @@ _SIGNATURES = {
     "lowprec_ckpt_stats": [_P, _I32, _I64, _P, _I32, _P, _I32, _P, _P, _I64, _I32, _F64, _F32,
                            _I64, _I64, _I64, _P],
     "lowprec_ckpt_decode": [_P, _P, _I32, _P, _P, _I64, _I32, _I64, _I32, _P, _I32, _P],
+    "lowprec_ckpt_decode_scaled": [_P, _I32, _P, _P, _P, _I64, _I32, _I64, _I32, _P, _I32, _P],
     "lowprec_ckpt_amax": [_P, _I32, _I64, _I64, _P],
     "lowprec_ckpt_quantize": [_P, _I32, _I64, _P, _P, _P, _P, _P, _F64, _P],
     "lowprec_ckpt_quantize_nvfp4": [_P, _I32, _I64, _F32, _P, _P, _P, _P, _F64, _P],
@@ -214,17 +215,35 @@ def quantize_nvfp4(x: np.ndarray, ts, *, elut=None, ftable=None, max_finite: flo
 
 def decode(out: np.ndarray, q: Optional[np.ndarray] = None, *, codes=None, code_bits: int = 8,
            elut=None, factors=None, block: int = 0, canonical_nan: bool = False,
-           saturate: bool = False, lib=None) -> tuple[int, int, float]:
+           saturate: bool = False, scale_codes=None, lib=None) -> tuple[int, int, float]:
     """Writes decoded values into ``out`` (float32, bfloat16, float16 or float64; C order):
     ``q`` (float32) narrowed, or the packed ``codes`` decoded as :func:`stats` does (NaN made
     lowprec's canonical NaN if ``canonical_nan``). Returns (non-finite values written, finite
     values that overflowed ``out``'s dtype, the largest overflowing magnitude); overflowed
     values are clamped to the largest finite value only with ``saturate`` (else ``out`` is
-    partly written and the caller refuses the tensor)."""
+    partly written and the caller refuses the tensor). With ``scale_codes`` (uint8, one per
+    block), ``factors`` is a table of 256 (float32, a factor per scale code): block b's
+    factor is ``factors[scale_codes[b]]``, looked up by the pass (``out`` a whole number of
+    blocks, ``block`` x ``code_bits`` a whole number of bytes)."""
     lib = lib or _library()[0]
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
     n = out.size
+    if scale_codes is not None:
+        scale_codes = np.ascontiguousarray(scale_codes).view(np.uint8).reshape(-1)
+        codes, code_bits, elut, factors, block = _codes_args(codes, code_bits, elut, factors,
+                                                             block)
+        if (codes is None or factors is None or factors.size != 256 or block <= 0
+                or scale_codes.size * block != n or codes.size * 8 != n * code_bits):
+            raise ValueError("decoding by scale codes needs codes, a table of 256 factors and "
+                             "a scale code per block of the output")
+        counts = np.zeros(4, np.float64)
+        status = lib.lowprec_ckpt_decode_scaled(
+            _ptr(codes), code_bits, _ptr(elut), _ptr(factors), _ptr(scale_codes), block,
+            int(canonical_nan), n, _kind(out, "out"), _ptr(out), int(saturate), _ptr(counts))
+        if status == 1:
+            raise ValueError("lowprec_ckpt_decode_scaled refused its arguments")
+        return int(counts[0]), int(counts[1]), float(counts[2])
     if q is not None:
         q = np.ascontiguousarray(q, np.float32)
         if q.size != n:
@@ -268,6 +287,14 @@ def _self_check(lib) -> str:
         got = stats(x, q, lib=lib)
         counts = decode(out, codes=np.array([0x21, 0xF7], np.uint8), code_bits=4, elut=e2m1,
                         factors=np.array([4], np.float32), block=4, lib=lib)
+        # The same codes in two blocks of 2, by scale codes 129 and 127 of a table holding
+        # 4 and 1 there (as E8M0's 2^(c - 127)): 2, 4, 6, -6 (0x4000, 0x4080, 0x40C0, 0xC0C0).
+        scaled = np.zeros(4, ml_dtypes.bfloat16)
+        ftable = np.zeros(256, np.float32)
+        ftable[127], ftable[129] = 1, 4
+        counts_scaled = decode(scaled, codes=np.array([0x21, 0xF7], np.uint8), code_bits=4,
+                               elut=e2m1, factors=ftable, block=2,
+                               scale_codes=np.array([129, 127], np.uint8), lib=lib)
         top = amax(np.array([[-3, np.inf], [np.nan, 0.25]], ml_dtypes.bfloat16), rows=2, lib=lib)
         fused = _check_quantize(lib)
     except (ValueError, TypeError, ctypes.ArgumentError) as error:
@@ -276,6 +303,8 @@ def _self_check(lib) -> str:
         return f"statistics {got.tolist()} differ from the derived {want}"
     if out.view(np.uint16).tolist() != [0x4000, 0x4080, 0x41C0, 0xC1C0] or counts != (0, 0, 0.0):
         return "decoded FP4 values differ from the derived ones"
+    if scaled.view(np.uint16).tolist() != [0x4000, 0x4080, 0x40C0, 0xC0C0] or counts_scaled != (0, 0, 0.0):
+        return "FP4 values decoded by scale codes differ from the derived ones"
     if top.tolist() != [3.0, 0.25]:
         return "largest finite magnitudes differ from the derived ones"
     return fused
