@@ -306,6 +306,47 @@ def test_mixfp4_grids_flag_and_ties():
     assert element_codes(mx)[0, :16].tolist() == [7, 6, 5, 4, 3, 2, 1, 0, 1, 5, 7, 6, 5, 4, 3, 2]
 
 
+def _division_operands():
+    """float32 patterns covering every exponent field (subnormals, normals, inf/NaN) with
+    edge significands (0, 1, all ones) and random ones, both signs: 2 x 256 x 32."""
+    rng = np.random.default_rng(37)
+    mant = np.concatenate([[0, 1, 0x7F_FFFF, 0x40_0000],
+                           rng.integers(0, 1 << 23, 28)]).astype(np.uint32)
+    exp = np.arange(256, dtype=np.uint32) << 23
+    mags = (exp[:, None] | mant[None, :]).ravel()
+    return np.concatenate([mags, mags | np.uint32(1 << 31)])
+
+
+@functools.lru_cache(maxsize=None)
+def _divide_by_integers():
+    """One program: (f32_div_by_integer, the long division f32_div) by each divisor."""
+    from lowprec import _grid_select as G
+
+    return jax.jit(lambda a: [(G.f32_div_by_integer(a, d), G.f32_div(a, G.const_bits(float(d))))
+                              for d in DIVISORS])
+
+
+DIVISORS = (6, 7, 1536, 2688)  # Four over Six's and IF4's and MixFP4's integer divisors
+
+
+def test_division_by_an_integer_is_the_ieee_quotient():
+    """The selecting formats divide by 6, 7, 6 * 256 and 6 * 448 with the cheap
+    division by an integer constant (on CPU a float division where it is exact, integer
+    steps for subnormal quotients): NumPy's float32 division (IEEE, nearest even, subnormals
+    kept) and the long division give the same bits, signs, infinities and NaNs included."""
+    a = _division_operands()
+    for d, (fast, long_division) in zip(DIVISORS, _divide_by_integers()(jnp.asarray(a))):
+        with np.errstate(all="ignore"):
+            want = (a.view(np.float32) / np.float32(d)).view(np.uint32)
+        fast, long_division = np.asarray(fast), np.asarray(long_division)
+        for got, what in ((fast, "f32_div_by_integer"), (long_division, "f32_div")):
+            nan = np.isnan(want.view(np.float32))
+            assert np.isnan(got.view(np.float32))[nan].all(), f"{what} / {d}: NaN lost"
+            bad = (got != want) & ~nan
+            assert not bad.any(), (f"{what} / {d}: {np.count_nonzero(bad)} differ, e.g. "
+                                   f"{a[bad][:3]} -> {got[bad][:3]} want {want[bad][:3]}")
+
+
 # ============================================================================================
 # API behaviour.
 
