@@ -10,6 +10,8 @@ subnormals and rewrites divisions, docs/design.md §8):
 
 * :func:`f32_add`, :func:`f32_sub`, :func:`f32_mul`, :func:`f32_div`: the IEEE operations
   (nearest even, subnormals, overflow to inf, inf and NaN operands);
+  :func:`f32_div_by_integer` the quotient by a small integer constant (the recipes' 6, 7,
+  6 · 256 and 6 · 448), a few operations on CPU instead of the long division;
 * :func:`e2m1_nearest`, :func:`int_nearest`: the FP4 and INT4 grid points nearest a float32
   (ties to even, or toward zero where an author's code takes the first of two equal
   distances);
@@ -141,6 +143,31 @@ def f32_div(a, b):
     return jnp.where(nan, jnp.uint32(F32_QNAN), out)
 
 
+def f32_div_by_integer(a, d: int):
+    """IEEE float32 a / d (nearest even) from the bits, for any a and a positive integer
+    constant ``d`` below 2^12 (6, 7, 1536, 2688): :func:`f32_div`'s result, by
+    :func:`lowprec._nvfp4.div_by_integer` on the magnitude (a few operations on CPU, where
+    the long division was most of these formats' compile time; the long division elsewhere).
+    A quotient by a positive divisor has the numerator's sign, and nearest-even rounding is
+    symmetric, so the magnitude's quotient carries the sign; ±inf stays ±inf, NaN gives the
+    quiet NaN, ±0 gives ±0."""
+    a = jnp.asarray(a, jnp.uint32)
+    mag = a & jnp.uint32(F32_ABS)
+    q = _nvfp4.div_by_integer(jnp.where(mag >= F32_INF, jnp.uint32(0), mag), d)
+    out = jnp.where(_is_inf(a), a, q | (a & jnp.uint32(F32_SIGN)))
+    return jnp.where(_is_nan(a), jnp.uint32(F32_QNAN), out)
+
+
+def host_div_bits(a: float, b: float) -> int:
+    """The float32 pattern of the IEEE float32 quotient of two float32 constants, computed
+    once on the host (NumPy's float32 division is IEEE's, nearest even) instead of in
+    every program: both and the quotient normal (checked, as no flushing can then apply)."""
+    q = np.float32(a) / np.float32(b)
+    assert np.float32(a) == a and np.float32(b) == b, (a, b)
+    assert np.isfinite(q) and abs(q) >= np.finfo(np.float32).tiny, (a, b)
+    return int(q.view(np.uint32))
+
+
 def f32_mul_finite(a, b):
     """IEEE float32 a · b of finite operands (overflow gives ±inf): the exact product and one
     rounding, without :func:`f32_mul`'s handling of inf and NaN operands (a smaller program)."""
@@ -157,13 +184,6 @@ def f32_mul_positive(a, b):
     """IEEE float32 a · b for a finite or ±inf and b positive finite (an inf stays inf)."""
     a = jnp.asarray(a, jnp.uint32)
     return jnp.where(_is_inf(a), a, _nvfp4.f32_mul(a & ~_inf_or_nan_mask(a), b))
-
-
-def f32_div_positive(a, b):
-    """IEEE float32 a / b for a finite or ±inf and b positive finite (an inf stays inf)."""
-    a = jnp.asarray(a, jnp.uint32)
-    b = jnp.broadcast_to(jnp.asarray(b, jnp.uint32), a.shape)
-    return jnp.where(_is_inf(a), a, _nvfp4.f32_div(a & ~_inf_or_nan_mask(a), b))
 
 
 def f32_min_positive(a, b):

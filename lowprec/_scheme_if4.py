@@ -41,7 +41,7 @@ from ._grid_select import (
     e4m3_codes,
     e4m3_values,
     f32_div,
-    f32_div_positive,
+    f32_div_by_integer,
     f32_min_positive,
     f32_mul,
     f32_mul_finite,
@@ -55,8 +55,8 @@ from ._scheme import register
 
 ERRORS = ("mse", "mae")
 _ONE = const_bits(1.0)
-_SIX = const_bits(6.0)
 _AMAX_DIVISOR = const_bits(2688.0)  # 6 * 448: E2M1's and E4M3's largest values
+_AMAX_DIVISOR_INT = 2688  # the same, as the integer divisor of f32_div_by_integer
 # float32(7/6) and float32(6/7): the authors write 1.16666666 and 0.8571428571, which round
 # to these same float32 values (0x3F955555 and 0x3F5B6DB7).
 _SEVEN_SIXTHS = int(np.float32(7 / 6).view(np.uint32))
@@ -98,7 +98,7 @@ class IF4Scheme(GridSelectScheme):
         # The authors' 2688 / amax overflows for amax below ~7.9e-36 (their scales are then
         # NaN); lowprec bounds it by FLT_MAX, as TransformerEngine's NVFP4 recipes do.
         encode = f32_min_positive(f32_div(_AMAX_DIVISOR, ts_bits), F32_MAX)
-        codes = e4m3_codes(f32_mul(f32_div(amax, _SIX), encode), self.scale)
+        codes = e4m3_codes(f32_mul(f32_div_by_integer(amax, 6), encode), self.scale)
         codes = jnp.where(ts_bits == 0, 0, codes)  # the authors' zero scales for amax = 0
         s = jnp.expand_dims(e4m3_values(codes, self.scale), inner)
         factor = f32_div(_ONE, f32_mul_finite(f32_div(_ONE, encode), s))
@@ -111,8 +111,8 @@ class IF4Scheme(GridSelectScheme):
         # float32(6/7) for INT4.
         v = jnp.stack([fp, int_bits(k)])
         c = jnp.asarray([_ONE, _SIX_SEVENTHS], jnp.uint32).reshape((2,) + (1,) * xb.ndim)
-        approx = f32_div_positive(
-            f32_mul_positive(f32_mul_finite(f32_mul_short(s, v), ts_bits), c), _AMAX_DIVISOR)
+        approx = f32_div_by_integer(
+            f32_mul_positive(f32_mul_finite(f32_mul_short(s, v), ts_bits), c), _AMAX_DIVISOR_INT)
         e_fp, e_int = block_error(approx, jnp.broadcast_to(xb, approx.shape), inner + 1,
                                   self.error)
         pick_int = e_int < e_fp
@@ -133,7 +133,7 @@ class IF4Scheme(GridSelectScheme):
         s = e4m3_values(scale_codes & 0x7F, self.scale)
         codes = e2m1_codes_of(value_bits)
         k = jnp.where(codes >= 8, codes - 16, codes)
-        fp = f32_div(f32_mul(f32_mul(value_bits, s), ts), _AMAX_DIVISOR)
-        integer = f32_div(f32_mul(f32_mul(f32_mul(int_bits(k), s), ts), _SIX_SEVENTHS),
-                          _AMAX_DIVISOR)
+        fp = f32_div_by_integer(f32_mul(f32_mul(value_bits, s), ts), _AMAX_DIVISOR_INT)
+        integer = f32_div_by_integer(
+            f32_mul(f32_mul(f32_mul(int_bits(k), s), ts), _SIX_SEVENTHS), _AMAX_DIVISOR_INT)
         return jnp.where((scale_codes & E4M3_SIGN) != 0, integer, fp)

@@ -39,6 +39,7 @@ from ._grid_select import (
     e4m3_codes,
     e4m3_values,
     f32_div,
+    f32_div_by_integer,
     f32_mul,
     f32_mul_short,
     int_bits,
@@ -48,8 +49,6 @@ from ._grid_select import (
 from ._scheme import register
 
 _ONE = const_bits(1.0)
-_SIX = const_bits(6.0)
-_SEVEN = const_bits(7.0)
 _GLOBAL_NUMERATOR = const_bits(2688.0)  # 448 * 6, compressed-tensors' generate_gparam
 _TINY = 0x0080_0000  # 2^-126, torch.finfo(float32).tiny
 _INT4_MAX = 7
@@ -81,8 +80,8 @@ class MixFP4Scheme(GridSelectScheme):
 
     def choose(self, xb, amax, ts_bits, inner: int):
         scaled_amax = f32_mul(ts_bits, amax)
-        c_fp = e4m3_codes(f32_div(scaled_amax, _SIX), self.scale)
-        c_int = e4m3_codes(f32_div(scaled_amax, _SEVEN), self.scale)
+        c_fp = e4m3_codes(f32_div_by_integer(scaled_amax, 6), self.scale)
+        c_int = e4m3_codes(f32_div_by_integer(scaled_amax, 7), self.scale)
 
         def effective(codes, clamp):
             eff = f32_div(e4m3_values(codes, self.scale), ts_bits)

@@ -37,8 +37,9 @@ from ._grid_select import (
     e4m3_codes,
     e4m3_values,
     f32_div,
+    f32_div_by_integer,
     f32_min_positive,
-    f32_div_positive,
+    host_div_bits,
     f32_mul,
     f32_mul_finite,
     f32_mul_short,
@@ -51,7 +52,6 @@ ERRORS = ("mae", "mse")
 ERROR_DOMAINS = ("input", "fp16")
 E4M3_BOUNDS = (256, 448)
 _ONE = const_bits(1.0)
-_SIX = const_bits(6.0)
 _THREE_HALVES = const_bits(1.5)
 
 
@@ -107,7 +107,7 @@ class FourOverSixScheme(GridSelectScheme):
         # TE replaces a zero global scale (an infinite amax) by 1; lowprec's amax is finite.
         encode = jnp.where(encode == 0, jnp.uint32(_ONE), encode)
         decode = f32_div(_ONE, encode)
-        base = f32_mul(f32_div(amax, _SIX), encode)
+        base = f32_mul(f32_div_by_integer(amax, 6), encode)
         # Both candidates at once, stacked on a new leading axis (map to 6, map to 4): one
         # copy of the element pipeline in the program, half the compile time of two.
         codes = e4m3_codes(jnp.stack([base, f32_mul(base, _THREE_HALVES)]), self.scale)
@@ -119,8 +119,8 @@ class FourOverSixScheme(GridSelectScheme):
         if self.error_domain == "fp16":
             approx, target = f32_mul_short(s, values), f32_mul_finite(xb, encode)
         else:
-            approx = f32_div_positive(f32_mul_finite(f32_mul_short(s, values), ts_bits),
-                                      self._denominator)
+            approx = f32_div_by_integer(f32_mul_finite(f32_mul_short(s, values), ts_bits),
+                                        6 * self.e4m3_max)
             target = xb
         e6, e4 = block_error(approx, jnp.broadcast_to(target, approx.shape), inner + 1,
                              self.error)
@@ -129,7 +129,7 @@ class FourOverSixScheme(GridSelectScheme):
                 jnp.where(jnp.expand_dims(pick4, inner), values[1], values[0]))
 
     def block_factors(self, scale_codes, tensor_scale):
-        inverse = f32_div(_ONE, self._denominator)  # float32(1 / (6 E)), TE's factor_inv
+        inverse = host_div_bits(1.0, 6.0 * self.e4m3_max)  # float32(1 / (6 E)), TE's factor_inv
         ts = f32_bits(tensor_scale)
         return f32_mul(f32_mul(e4m3_values(scale_codes, self.scale), ts), inverse)
 

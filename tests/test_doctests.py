@@ -33,6 +33,11 @@ SLOW_EXAMPLES = (
     "lowprec.analysis._mx_stats", "lowprec.checkpoint", "lowprec.checkpoint._convert",
     "lowprec.analysis._plots", "lowprec.checkpoint._chunk", "lowprec._bits",
     "lowprec._rounding_key",
+    # 1-2 s each: the exact float32 pipelines of IF4 and MixFP4, MXFP4 -> NVFP4, PTQ, the
+    # Pallas GEMV and the recipe's convolution (quick tests run those modules: test_four_bit_2026,
+    # test_gguf, test_flax_ptq, test_kernels, test_flax)
+    "lowprec._scheme_if4", "lowprec._scheme_mixfp4", "lowprec._mxfp4_nvfp4",
+    "lowprec._flax_ptq", "lowprec.kernels._gemv_pallas", "lowprec._recipe_conv",
 )
 
 

@@ -86,19 +86,23 @@ LAYOUT_CASES = [(f, *ROWS) for f in SELECTING] + [
 
 
 def modes_for(fmt, shape):
-    """Both modes where a scheme's own code runs ([4, 64] of the three schemes); one where
-    the case adds no code of its own to a mode: the error variants of Four over Six
-    (error="mse", error_domain="fp16") are options of the one scheme, traced the same way,
-    whose jit mode its [4, 64] case runs; the 3-D layout moves its block axis in
-    quantize_mx's shared code, eager and jit alike, so it runs the jit program (quantize and
-    dequantize in one compile) only. Every pipeline compile saved is ~3 s."""
-    if shape != ROWS[0]:
-        return ("jit",)
-    return ("eager",) if fmt in ("nvfp4_4over6_mse", "nvfp4_4over6_fp16") else MODES
+    """The modes a case runs: eager at [4, 64], jit in the 3-D layout, so that each scheme
+    runs in both modes (and its block code at a last and a middle block axis) with one
+    compile per mode: the eager programs (quantize_mx and dequantize, each jitted inside
+    lowprec) are those of every other [4, 64] test in this file, and the jit program
+    quantizes and dequantizes at once. The error variants of Four over Six
+    (error="mse", error_domain="fp16") are options of the one scheme, traced the same way:
+    eager at [4, 64]. Every pipeline compile saved is ~1.5 s."""
+    del fmt  # every format alike
+    return ("jit",) if shape != ROWS[0] else ("eager",)
 
 
 # Quick tier: one selecting format here; if4 and mixfp4 run in the quick tier in their own
 # tie tests (test_if4_e2m1_ties_go_to_the_even_code, test_mixfp4_grids_flag_and_ties).
+# MODES: every case runs one of them (modes_for), and the two layouts each take one.
+assert set(MODES) == {"eager", "jit"}
+
+
 @pytest.mark.quick_cases(shape=[(4, 64)], fmt=["nvfp4_4over6"])
 @pytest.mark.parametrize("fmt, shape, axis", LAYOUT_CASES, ids=str)
 @settings(max_examples=6, deadline=None)
@@ -108,18 +112,14 @@ def test_selecting_formats_match_reference(fmt, shape, axis, data):
     want_codes, want_scales, want_ts = reference(fmt, as_rows(x, axis))
     values = reference_values(fmt, want_codes, want_scales, want_ts)
     for mode in modes_for(fmt, shape):
-        # The values once per case: eagerly at [4, 64] (the jit program is quantize alone),
-        # in the jit program of the 3-D layout, which runs no eager mode.
-        check_values = mode == "eager" or shape != ROWS[0]
-        mx, deq = quantize(mode, x, fmt, axis, values=check_values)
+        mx, deq = quantize(mode, x, fmt, axis)
         tag = f"{fmt} {shape} axis {axis} {mode}"
         assert mx.fmt == lowprec.mx_format(fmt) and mx.shape == x.shape
         np.testing.assert_array_equal(as_rows(mx.scales, axis), want_scales, tag + " scales")
         np.testing.assert_array_equal(as_rows(element_codes(mx), axis), want_codes,
                                       tag + " codes")
         assert np.float32(mx.tensor_scale) == want_ts, tag
-        if check_values:
-            assert_bits(as_rows(deq, axis), values, tag + " dequantize")
+        assert_bits(as_rows(deq, axis), values, tag + " dequantize")
 
 
 @pytest.mark.quick_cases(fmt=["nvfp4_4over6", "if4", "mixfp4"])
@@ -273,15 +273,18 @@ def test_if4_e2m1_ties_go_to_the_even_code():
         for t, code in ties.items():
             blocks.append(np.float32(sign * 256) * np.array([6.0, t] + [0.5] * 14, np.float32))
             expected.append(code | (8 if sign < 0 else 0))
-    x = np.concatenate(blocks)[None]
-    mx = lowprec.quantize_mx(jnp.asarray(x), "if4")  # one program: quantize_mx is jitted
-    scales, codes = np.asarray(mx.scales)[0], element_codes(mx)[0].reshape(-1, 16)
-    assert scales[1:].tolist() == [0x78] * 14, "every tie block should be FP4 with scale 256"
-    got = codes[1:, 1].tolist()
+    # A zero block last makes 16 blocks: the [4, 64] of this file's other if4 tests (their
+    # program: quantize_mx is jitted inside lowprec), blocks in row-major order.
+    x = np.concatenate(blocks + [np.zeros(16, np.float32)]).reshape(4, 64)
+    mx = lowprec.quantize_mx(jnp.asarray(x), "if4")
+    scales, codes = np.asarray(mx.scales).ravel(), element_codes(mx).reshape(-1, 16)
+    assert scales[1:15].tolist() == [0x78] * 14, "every tie block should be FP4 with scale 256"
+    assert scales[15] == 0 and not codes[15].any(), "the zero block: scale 0, codes 0"
+    got = codes[1:15, 1].tolist()
     assert got == expected, dict(zip([f"{s}{t}" for s in "+-" for t in ties], got))
     ref_codes, ref_scales, _ = R4.quantize_if4(x)
-    assert codes.reshape(1, -1).tolist() == ref_codes.tolist()
-    assert scales.tolist() == ref_scales[0].tolist()
+    assert element_codes(mx).tolist() == ref_codes.tolist()
+    assert np.asarray(mx.scales).tolist() == ref_scales.tolist()
 
 
 def test_mixfp4_grids_flag_and_ties():
@@ -304,6 +307,47 @@ def test_mixfp4_grids_flag_and_ties():
     mx = lowprec.quantize_mx(jnp.asarray(y), "mixfp4", tensor_scale=1.0)
     assert int(mx.scales[0, 0]) == 0x38
     assert element_codes(mx)[0, :16].tolist() == [7, 6, 5, 4, 3, 2, 1, 0, 1, 5, 7, 6, 5, 4, 3, 2]
+
+
+def _division_operands():
+    """float32 patterns covering every exponent field (subnormals, normals, inf/NaN) with
+    edge significands (0, 1, all ones) and random ones, both signs: 2 x 256 x 32."""
+    rng = np.random.default_rng(37)
+    mant = np.concatenate([[0, 1, 0x7F_FFFF, 0x40_0000],
+                           rng.integers(0, 1 << 23, 28)]).astype(np.uint32)
+    exp = np.arange(256, dtype=np.uint32) << 23
+    mags = (exp[:, None] | mant[None, :]).ravel()
+    return np.concatenate([mags, mags | np.uint32(1 << 31)])
+
+
+@functools.lru_cache(maxsize=None)
+def _divide_by_integers():
+    """One program: (f32_div_by_integer, the long division f32_div) by each divisor."""
+    from lowprec import _grid_select as G
+
+    return jax.jit(lambda a: [(G.f32_div_by_integer(a, d), G.f32_div(a, G.const_bits(float(d))))
+                              for d in DIVISORS])
+
+
+DIVISORS = (6, 7, 1536, 2688)  # Four over Six's and IF4's and MixFP4's integer divisors
+
+
+def test_division_by_an_integer_is_the_ieee_quotient():
+    """The selecting formats divide by 6, 7, 6 * 256 and 6 * 448 with the cheap
+    division by an integer constant (on CPU a float division where it is exact, integer
+    steps for subnormal quotients): NumPy's float32 division (IEEE, nearest even, subnormals
+    kept) and the long division give the same bits, signs, infinities and NaNs included."""
+    a = _division_operands()
+    for d, (fast, long_division) in zip(DIVISORS, _divide_by_integers()(jnp.asarray(a))):
+        with np.errstate(all="ignore"):
+            want = (a.view(np.float32) / np.float32(d)).view(np.uint32)
+        fast, long_division = np.asarray(fast), np.asarray(long_division)
+        for got, what in ((fast, "f32_div_by_integer"), (long_division, "f32_div")):
+            nan = np.isnan(want.view(np.float32))
+            assert np.isnan(got.view(np.float32))[nan].all(), f"{what} / {d}: NaN lost"
+            bad = (got != want) & ~nan
+            assert not bad.any(), (f"{what} / {d}: {np.count_nonzero(bad)} differ, e.g. "
+                                   f"{a[bad][:3]} -> {got[bad][:3]} want {want[bad][:3]}")
 
 
 # ============================================================================================
@@ -329,18 +373,20 @@ def test_selecting_formats_refuse_other_roundings_and_bad_tensor_scales(fmt):
 @pytest.mark.slow  # ~3 compiles of the exact pipeline; the block functions of every scheme
 # are in the quick tier (test_scale_schemes), the matmul's float32 path too (test_matmul)
 def test_selecting_format_fake_quantize_and_matmul():
-    """fake_quantize_mx = dequantize(quantize_mx) with a straight-through gradient; a dot
-    with an operand quantized to the format equals the float64 dot of its values within the
-    float32 accumulation bound (docs/design.md §5). IF4: the decode with the most steps."""
+    """fake_quantize_mx gives the format's values (the reference's dequantized values, which
+    dequantize(quantize_mx) gives in test_selecting_formats_match_reference) with a
+    straight-through gradient; a dot with an operand quantized to the format equals the
+    float64 dot of its values within the float32 accumulation bound (docs/design.md §5).
+    IF4: the decode with the most steps."""
     fmt = "if4"
     rng = np.random.default_rng(5)
     a = rng.standard_normal((3, 4, 64)).astype(np.float32)  # [batch, seq, d]
     w = rng.standard_normal((64, 8)).astype(np.float32)
-    deq = np.asarray(lowprec.dequantize(lowprec.quantize_mx(jnp.asarray(a), fmt)))
+    deq = reference_values(fmt, *reference(fmt, as_rows(a, -1))).reshape(a.shape)
     # The values and the gradient of the sum (cotangent ones) from one vjp: its forward is
     # fake_quantize_mx's own program (jax.grad compiled a second one, ~6 s).
     fq, vjp = jax.vjp(lambda v: lowprec.fake_quantize_mx(v, fmt), jnp.asarray(a))
-    np.testing.assert_array_equal(np.asarray(fq), deq)
+    assert_bits(fq, deq, "fake_quantize_mx")
     (g,) = vjp(jnp.ones_like(fq))
     np.testing.assert_array_equal(np.asarray(g), np.ones_like(a))
     got = np.asarray(lowprec.matmul(jnp.asarray(a), jnp.asarray(w), lhs_format=fmt), np.float64)
@@ -476,6 +522,9 @@ def test_mxfp4_at_block_16_is_blackwells_scale_vec_4x():
     np.testing.assert_array_equal(element_codes(mx), codes)
 
 
+@pytest.mark.slow  # ~7 CPU s of tracing every platform's branch; the quick tier runs these
+# formats' CPU programs (above) and lowers NVFP4, whose division steps they share, for CUDA
+# (test_gpu_compile.py)
 def test_2026_formats_lower_for_cuda():
     """Every new path lowers for an NVIDIA GPU (no GPU needed: docs/design.md §8, §15): the
     exact float32 pipelines are integer arithmetic, and none reaches a CPU-only kernel."""

@@ -585,6 +585,10 @@ _DIVIDING = {
 }
 
 
+# Quick tier: the NVFP4 quantizer's default step and delayed scaling (~1.4 CPU s each: a
+# CPU lowering and a CUDA lowering of every platform's branch); the other steps share their
+# division code and run in the default run.
+@pytest.mark.quick_cases(name=["nvfp4 divide", "delayed scaling step"])
 @pytest.mark.parametrize("name", list(_DIVIDING))
 def test_programs_lowered_for_cuda_divide_no_floats(name):
     """Where XLA lowers for a CUDA GPU (whose float32 division is not correctly rounded), the
