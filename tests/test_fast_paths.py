@@ -14,6 +14,7 @@ operand layouts. The words' statistics are tested in test_random_words.py.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -671,14 +672,20 @@ def test_contracting_leading_axes_forward_and_gradients(backward):
 
 def _hwfloat_decision(x, fmt, rule=None, tensor_scale=None):
     """Whether the hardware-float path serves quantize_mx(x, fmt) along the last axis."""
+    bits = jnp.asarray(np.asarray(x, np.float32).view(np.uint32))
+    return bool(_hwfloat_decision_of_bits(bits, tensor_scale, fmt=fmt, rule=rule))
+
+
+# Jitted: op by op, the decision dispatched ~60 primitives, each a compile of its own.
+@functools.partial(jax.jit, static_argnames=("fmt", "rule"))
+def _hwfloat_decision_of_bits(bits, tensor_scale, *, fmt, rule):
     from lowprec._mx_encode import block_amax
     from lowprec._options import MXCast
 
     cast = MXCast(fmt, scale_rule=rule)
-    bits = jnp.asarray(np.asarray(x, np.float32).view(np.uint32))
     amax = block_amax(bits, 1, cast.fmt.block_size)
     ts = cast.fmt.scheme.tensor_scale_bits(bits, tensor_scale, cast, amax)
-    return bool(cast.fmt.scheme.fast_encoder().scales(amax, ts, cast)[1])
+    return cast.fmt.scheme.fast_encoder().scales(amax, ts, cast)[1]
 
 
 def _blocks_with_subnormals(top_exponent: int, n_blocks: int = 4, block: int = 32):
