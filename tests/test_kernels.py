@@ -524,7 +524,7 @@ def _quant_input(dtype):
 def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt):
     """Same integer core, other schedule: quantize_mx's codes and scales bit for bit, on a
     shape whose rows and columns leave partial tiles, for every scale rule (and bfloat16 and
-    float16 input under one)."""
+    float16 input under one; the default run's subset: _default_run_cases)."""
     cases = [(r, d) for f, r, d in _default_run_cases(QUANT_CASES, QUANT_FORMATS + (
         "mxfp6_e2m3", "mxfp6_e3m2", "mxint8")) if f == fmt]
     xs = {np.dtype(d).name: _quant_input(d) for _, d in cases}
@@ -704,7 +704,8 @@ FAKE_CASES = [(f, r, np.float32) for f in FAKE_FORMATS for r in lowprec.ScaleRul
 def test_pallas_fake_quantize_is_bit_identical_to_the_xla_path(fmt):
     """One pass, quantize and decode in registers: the values of the XLA formulation
     (dequantize(quantize_mx(x))) bit for bit, specials and partial tiles included, for every
-    scale rule (and bfloat16 input under one); one program per format (see above)."""
+    scale rule (and bfloat16 input under one; the default run's subset: _default_run_cases);
+    one program per format (see above)."""
     cases = [(r, d) for f, r, d in _default_run_cases(FAKE_CASES, FAKE_FORMATS) if f == fmt]
     xs = {np.dtype(d).name: jnp.asarray(_specials((21, 352), 5, spread=8 if d == jnp.bfloat16
                                                   else 30), d) for _, d in cases}
