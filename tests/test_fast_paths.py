@@ -14,6 +14,7 @@ operand layouts. The words' statistics are tested in test_random_words.py.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -33,7 +34,7 @@ from helpers.asserts import assert_codes_equal, assert_same_floats, bit_pattern
 from helpers.codecs import reference_words, replay_random_bits
 from helpers.inputs import adversarial
 from helpers.mx import element_codes, f64_to_f32_exact
-from helpers.tiers import QUICK_ELEMENTS, QUICK_MX
+from helpers.tiers import QUICK_ELEMENTS, QUICK_MX, full_suite
 from lowprec import _decode, _dtypes, _encode, _encode_fast, _mx_decode, _random
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
@@ -327,17 +328,26 @@ def test_one_pass_gpu_nvfp4_dequantize_matches_reference(axis):
             assert_same_floats(got, want, f"nvfp4 axis {axis} {np.dtype(dtype).name} ts {ts!r}")
 
 
-@pytest.mark.slow  # 6.7M products; quick: test_one_pass_gpu_nvfp4_dequantize_matches_reference runs it
+@pytest.mark.slow  # 2.7M products; quick: test_one_pass_gpu_nvfp4_dequantize_matches_reference runs it
 def test_lifted_product_equals_the_exact_product():
     """The one-pass decode's block product (_nvfp4.lifted_product) against the general exact
     one (f32_mul_short) on totals of every magnitude and both signs, subnormal ones included,
-    every third pattern across 2^-126..2^-124 (where the lift starts), times every E2M1 value."""
+    across 2^-126..2^-124 (where the lift starts: 2^-125) every pattern within 4096 of each
+    binade edge (the edges themselves included) and every 183rd between them (odd: both
+    parities, so rint's ties), times every E2M1 value. The extended sweep takes every third
+    pattern of the range instead (6.7M products, ~9 s of CPU)."""
     from lowprec import _nvfp4
 
     f = lowprec.mx_format("nvfp4")
     rng = np.random.default_rng(5)
+    lo, hi = (1 << 23) - 4096, (3 << 23) + 4096  # 2^-126 .. 2^-124, widened by 4096 patterns
+    if full_suite():
+        lifted = np.arange(lo, hi, 3)
+    else:
+        lifted = np.concatenate([np.arange(lo, hi, 183)] + [
+            np.arange(edge - 4096, edge + 4096) for edge in (1 << 23, 2 << 23, 3 << 23)])
     totals = np.concatenate([np.arange(0, 1 << 16, 7),  # subnormal totals
-                             np.arange((1 << 23) - 4096, (3 << 23) + 4096, 3),  # 2^-126..2^-124
+                             lifted,
                              rng.integers(0, 0x7F80_0000, 1 << 14)]).astype(np.uint32)
     totals = np.concatenate([totals, totals[::5] | np.uint32(0x8000_0000)])  # negative scales
     values = _decode.decode_bits(f.element, jnp.arange(16, dtype=jnp.uint32))
@@ -662,14 +672,20 @@ def test_contracting_leading_axes_forward_and_gradients(backward):
 
 def _hwfloat_decision(x, fmt, rule=None, tensor_scale=None):
     """Whether the hardware-float path serves quantize_mx(x, fmt) along the last axis."""
+    bits = jnp.asarray(np.asarray(x, np.float32).view(np.uint32))
+    return bool(_hwfloat_decision_of_bits(bits, tensor_scale, fmt=fmt, rule=rule))
+
+
+# Jitted: op by op, the decision dispatched ~60 primitives, each a compile of its own.
+@functools.partial(jax.jit, static_argnames=("fmt", "rule"))
+def _hwfloat_decision_of_bits(bits, tensor_scale, *, fmt, rule):
     from lowprec._mx_encode import block_amax
     from lowprec._options import MXCast
 
     cast = MXCast(fmt, scale_rule=rule)
-    bits = jnp.asarray(np.asarray(x, np.float32).view(np.uint32))
     amax = block_amax(bits, 1, cast.fmt.block_size)
     ts = cast.fmt.scheme.tensor_scale_bits(bits, tensor_scale, cast, amax)
-    return bool(cast.fmt.scheme.fast_encoder().scales(amax, ts, cast)[1])
+    return cast.fmt.scheme.fast_encoder().scales(amax, ts, cast)[1]
 
 
 def _blocks_with_subnormals(top_exponent: int, n_blocks: int = 4, block: int = 32):

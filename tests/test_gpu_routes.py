@@ -237,6 +237,7 @@ def test_mx_route_is_branch_free_and_exact(lf, rf, mode, gpu_routes_on_cpu):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.quick_first(1)
 def test_mx_ragged_route_is_branch_free_and_exact(mode, gpu_routes_on_cpu):
     """NVIDIA_MXFP8's ragged dot (per-group blocks): one bfloat16 ragged product, no
     conditional, each group's rows the exact product of the reference's MXFP8 values of its

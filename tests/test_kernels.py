@@ -30,6 +30,7 @@ from lowprec import _gemv
 from lowprec.kernels import _dispatch
 from lowprec.kernels._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
 
+from helpers import tiers
 from helpers.asserts import assert_same_floats
 
 pytest.importorskip("jax.experimental.pallas")
@@ -230,6 +231,7 @@ MODEL_SHAPES = [(m, n, k) for m in (1, 4, 16) for n, k in ((2880, 2880), (4096, 
 
 @needs_triton_lowering
 @pytest.mark.parametrize("m,n,k", MODEL_SHAPES + [(3, 33, 100), (20, 17, 160)])
+@pytest.mark.quick_cases(m=[1, 3], n=[2880, 33])  # a model shape and a ragged one
 def test_kernel_lowers_to_triton_for_every_shape(m, n, k, monkeypatch):
     """The Pallas → Triton lowering accepts the kernel (power-of-two tiles over any K;
     K = 2880 is 90 blocks) and the Triton module verifies. A block shape that is not a power
@@ -370,6 +372,7 @@ def test_unknown_route():
 
 
 @pytest.mark.parametrize("x_shape", [(96,), (3, 96), (2, 2, 96)])
+@pytest.mark.quick_cases(x_shape=[(2, 2, 96)])
 def test_mxfp4_gemv_shapes(x_shape):
     rng = np.random.default_rng(len(x_shape))
     w = make_weight(rng, 20, 96)
@@ -487,6 +490,31 @@ QUANT_CASES = [(f, r, np.float32) for f in QUANT_FORMATS + ("mxfp6_e2m3", "mxfp6
 ]
 
 
+def _default_run_cases(cases, formats):
+    """The (format, rule, dtype) cases the default run interprets (each interpreted kernel
+    costs ~0.3 s of CPU to compile): of every format, FLOOR and one other rule from
+    float32, the other rules taking turns over the formats so that every rule runs through
+    the kernel, and each half-precision dtype with two formats (the widening is before any
+    format's code). The rules themselves are checked for every format against the
+    reference in tests/test_mx.py; here the kernel's schedule (tiles, partial tiles, loads)
+    is what is compared. The extended sweep (LOWPREC_FULL_SUITE=1) runs every case."""
+    if tiers.full_suite():
+        return cases
+    others = list(lowprec.ScaleRule)[1:]  # after FLOOR
+    halves: dict = {}  # dtype name -> the formats it runs with
+    kept = []
+    for f, r, d in cases:
+        if d is np.float32:
+            keep = r in (lowprec.ScaleRule.FLOOR, others[formats.index(f) % len(others)])
+        else:
+            with_dtype = halves.setdefault(np.dtype(d).name, [])
+            keep = len(with_dtype) < 2
+            with_dtype.append(f)
+        if keep:
+            kept.append((f, r, d))
+    return kept
+
+
 def _quant_input(dtype):
     return jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float16 else 30), dtype)
 
@@ -496,8 +524,9 @@ def _quant_input(dtype):
 def test_pallas_quantize_is_bit_identical_to_quantize_mx(fmt):
     """Same integer core, other schedule: quantize_mx's codes and scales bit for bit, on a
     shape whose rows and columns leave partial tiles, for every scale rule (and bfloat16 and
-    float16 input under one)."""
-    cases = [(r, d) for f, r, d in QUANT_CASES if f == fmt]
+    float16 input under one; the default run's subset: _default_run_cases)."""
+    cases = [(r, d) for f, r, d in _default_run_cases(QUANT_CASES, QUANT_FORMATS + (
+        "mxfp6_e2m3", "mxfp6_e3m2", "mxint8")) if f == fmt]
     xs = {np.dtype(d).name: _quant_input(d) for _, d in cases}
 
     @jax.jit
@@ -539,16 +568,25 @@ def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_pallas_kernels_along_axis_0_like_quantize_mx(fmt, rows):
     """Blocks along axis 0 of a 2-D array (a [K, N] weight): tiles transposed in registers,
-    quantize_mx(..., axis=0)'s codes (zero-padded: 100 rows) and fake_quantize_mx's values."""
+    quantize_mx(..., axis=0)'s codes (zero-padded: 100 rows) and fake_quantize_mx's values,
+    under FLOOR and RCEIL (in the default run one of them a format, in turns: each
+    interpreted kernel costs ~0.5 s of CPU; the extended sweep runs both)."""
     x = jnp.asarray(_specials((rows, 128), 7))
-    for rule in ("floor", "rceil"):
+    rules = ("floor", "rceil")
+    if not tiers.full_suite():
+        rules = rules[(QUANT_FORMATS + ("mxint8",)).index(fmt) % 2:][:1]
+    for rule in rules:
         cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
         elements, scales = quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU)
         want = lowprec.quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True)
-        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
-        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
+        tag = f"{fmt} {rows} rows {rule}"
+        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements),
+                                      err_msg=f"{tag}: elements")
+        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales),
+                                      err_msg=f"{tag}: scales")
         fake = fake_quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU)
-        assert_same_floats(fake, lowprec.fake_quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True))
+        assert_same_floats(fake, lowprec.fake_quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True),
+                           f"{tag}: fake_quantize_mx")
 
 
 def test_pallas_quantize_keeps_leading_dims_and_nearest_away():
@@ -564,6 +602,7 @@ def test_pallas_quantize_keeps_leading_dims_and_nearest_away():
 @needs_triton_lowering
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.quick_first(2)
 def test_pallas_quantize_lowers_to_triton(fmt, dtype):
     cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")
     spec = jax.ShapeDtypeStruct((16384, 16384), dtype)
@@ -586,51 +625,48 @@ def test_gpu_compiled_quantize_kernel_is_bit_identical(fmt):
 # -- NVFP4 quantize: one pass given the tensor scale, two computing it --------------------------------
 
 # Both element steps, a given and a computed tensor scale, float32 and bfloat16 input (each
-# case compiles the whole NVFP4 core for the interpreter: ~5 s of CPU).
-NVFP4_CASES = [("divide", 0.0123, np.float32), ("divide", None, jnp.bfloat16),
-               ("reciprocal", None, np.float32), ("reciprocal", 0.0123, jnp.bfloat16)]
+# case compiles the whole NVFP4 core for the interpreter: ~3-5 s of CPU). The padded case
+# also takes a last axis that is not a multiple of 16, leading dims, and the largest
+# magnitude reduced over several programs (one case, not a test of its own: a compile less).
+NVFP4_CASES = [("divide", 0.0123, np.float32, False), ("divide", None, jnp.bfloat16, True),
+               ("reciprocal", None, np.float32, False), ("reciprocal", 0.0123, jnp.bfloat16, False)]
 
 
-@pytest.mark.parametrize("step,ts,dtype", NVFP4_CASES,
-                         ids=[f"{s}-ts={t}-{np.dtype(d).name}" for s, t, d in NVFP4_CASES])
+@pytest.mark.parametrize("step,ts,dtype,padded", NVFP4_CASES,
+                         ids=[f"{s}-ts={t}-{np.dtype(d).name}" + ("-padded" if p else "")
+                              for s, t, d, p in NVFP4_CASES])
 @pytest.mark.slow  # ~5 s a case; the quick tier traces the kernel (..._lowers_to_triton below)
-def test_pallas_nvfp4_quantize_is_bit_identical_to_quantize_mx(step, ts, dtype):
+def test_pallas_nvfp4_quantize_is_bit_identical_to_quantize_mx(step, ts, dtype, padded,
+                                                                monkeypatch):
     """The kernel runs quantize_mx's NVFP4 core (torchao's recipe, each float32 step exact on
     the bits) on its tiles: the same element codes, E4M3 scale codes and tensor scale as
     XLA's formulation, for a given scale and for the computed float32(amax / 2688) (NaN,
-    inf, zero blocks and subnormals in x)."""
-    x = jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float32 else 4), dtype)
+    inf, zero blocks and subnormals in x). The padded case: a last axis that is not a
+    multiple of 16 (zero-padded in the load), leading dims, and the largest magnitude
+    reduced over several programs that each loop over row tiles (the last one partly past
+    x's end)."""
+    if padded:
+        from lowprec.kernels import _quantize_pallas
+
+        monkeypatch.setattr(_quantize_pallas, "_AMAX_PROGRAMS", 3)
+        x = jnp.asarray(_specials((60, 352), 5, spread=6)[:, :330].reshape(3, 20, 330))
+        x = x.at[2, 19, 7].set(1000.0).astype(dtype)  # the largest magnitude, in the last row tile
+    else:
+        x = jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float32 else 4), dtype)
     cast = MXCast(lowprec.mx_format("nvfp4"), None, "nearest_even", step)
     elements, scales, t = quantize_mx_pallas(x, cast, ts, block_cols=128, interpret=not ON_GPU)
-    want = lowprec.quantize_mx(x, "nvfp4", tensor_scale=ts, nvfp4_step=step)
+    want = lowprec.quantize_mx(x, "nvfp4", tensor_scale=ts, nvfp4_step=step, pad=padded)
     np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
     assert_same_floats(t, want.tensor_scale)
-
-
-@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in the quick tests above)
-def test_pallas_nvfp4_quantize_pads_keeps_leading_dims_and_reduces_in_several_programs(
-        monkeypatch):
-    """A last axis that is not a multiple of 16 (zero-padded in the load), leading dims, and
-    the largest magnitude reduced over several programs that each loop over row tiles (the
-    last one partly past x's end)."""
-    from lowprec.kernels import _quantize_pallas
-
-    monkeypatch.setattr(_quantize_pallas, "_AMAX_PROGRAMS", 3)
-    x = jnp.asarray(_specials((60, 352), 5, spread=6)[:, :330].reshape(3, 20, 330))
-    x = x.at[2, 19, 7].set(1000.0)  # the largest magnitude, in the last row tile
-    cast = MXCast(lowprec.mx_format("nvfp4"), None, "nearest_even", "divide")
-    elements, scales, t = quantize_mx_pallas(x, cast, interpret=not ON_GPU)
-    want = lowprec.quantize_mx(x, "nvfp4", pad=True)
-    assert elements.shape == (3, 20, 168) and scales.shape == (3, 20, 21)
-    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
-    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
-    assert_same_floats(t, want.tensor_scale)
-    assert float(t) == float(np.float32(1000.0) / np.float32(2688))
+    if padded:
+        assert elements.shape == (3, 20, 168) and scales.shape == (3, 20, 21)
+        assert float(t) == float(np.float32(1000.0) / np.float32(2688))
 
 
 @needs_triton_lowering
 @pytest.mark.parametrize("step", ["divide", "reciprocal"])
+@pytest.mark.quick_first(1)
 def test_pallas_nvfp4_quantize_lowers_to_triton(step):
     cast = MXCast(lowprec.mx_format("nvfp4"), None, "nearest_even", step)
     spec = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
@@ -668,8 +704,9 @@ FAKE_CASES = [(f, r, np.float32) for f in FAKE_FORMATS for r in lowprec.ScaleRul
 def test_pallas_fake_quantize_is_bit_identical_to_the_xla_path(fmt):
     """One pass, quantize and decode in registers: the values of the XLA formulation
     (dequantize(quantize_mx(x))) bit for bit, specials and partial tiles included, for every
-    scale rule (and bfloat16 input under one); one program per format (see above)."""
-    cases = [(r, d) for f, r, d in FAKE_CASES if f == fmt]
+    scale rule (and bfloat16 input under one; the default run's subset: _default_run_cases);
+    one program per format (see above)."""
+    cases = [(r, d) for f, r, d in _default_run_cases(FAKE_CASES, FAKE_FORMATS) if f == fmt]
     xs = {np.dtype(d).name: jnp.asarray(_specials((21, 352), 5, spread=8 if d == jnp.bfloat16
                                                   else 30), d) for _, d in cases}
 
@@ -691,6 +728,7 @@ def test_pallas_fake_quantize_is_bit_identical_to_the_xla_path(fmt):
 
 @needs_triton_lowering
 @pytest.mark.parametrize("fmt", FAKE_FORMATS)
+@pytest.mark.quick_first(2)
 def test_pallas_fake_quantize_lowers_to_triton(fmt):
     cast = MXCast(lowprec.mx_format(fmt), "rceil", "nearest_even")
     spec = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)

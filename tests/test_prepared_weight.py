@@ -317,6 +317,7 @@ def test_kernel_order_sums_are_within_the_bound(fmt, m):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("lead", [(), (2, 4)], ids=["vector", "batch-seq"])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.quick_cases(lead=[(2, 4)])  # the [batch, seq, d] cases run the vector's code too
 def test_weight_only_matmul_is_within_the_bound(fmt, lead, mode):
     n, k = 200, 96
     rng = np.random.default_rng(len(lead))
@@ -403,6 +404,7 @@ def test_the_decode_program_reads_every_bit_once_and_has_nine_instructions():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.quick_first(1)  # ~2 s a format of CUDA lowerings; NVFP4's in the default run
 def test_on_cuda_the_product_is_the_mosaic_gpu_kernel(fmt, cuda_branches):
     """Lowered for "cuda" (no GPU needed), up to 16 tokens take the kernel — its custom call
     holds the decode PTX — and more take the generic dot; the policy "xla" turns it off."""
