@@ -68,15 +68,21 @@ def test_bf16_layers_keep_lax_dtype_semantics():
 def test_nnx_linear_and_einsum_factories():
     rngs = nnx.Rngs(0)
     lin = nnx.Linear(64, 32, dot_general=lf.dot_general(R4), rngs=rngs)
-    x = _x()
-    assert_bits_equal(lin(x), R4.dot_general(x, lin.kernel[...], DN) + lin.bias[...])
     ein = nnx.Einsum("btd,dnh->btnh", (64, 4, 8), (4, 8), einsum_op=lf.einsum(R4), rngs=rngs)
-    x3 = _x((2, 5, 64))
-    assert_bits_equal(ein(x3), R4.einsum("btd,dnh->btnh", x3, ein.kernel[...]) + ein.bias[...])
     # nnx passes preferred_element_type (and out_sharding) through: honoured.
     lin16 = nnx.Linear(64, 32, dot_general=lf.dot_general(R4), use_bias=False,
                        preferred_element_type=jnp.bfloat16, rngs=rngs)
-    assert lin16(x).dtype == jnp.bfloat16
+    x, x3 = _x(), _x((2, 5, 64))
+
+    @nnx.jit  # one program (op by op: ~20)
+    def run(lin, ein, lin16, x, x3):
+        return (lin(x), R4.dot_general(x, lin.kernel[...], DN) + lin.bias[...], ein(x3),
+                R4.einsum("btd,dnh->btnh", x3, ein.kernel[...]) + ein.bias[...], lin16(x))
+
+    got, want, got_ein, want_ein, y16 = run(lin, ein, lin16, x, x3)
+    assert_bits_equal(got, want)
+    assert_bits_equal(got_ein, want_ein)
+    assert y16.dtype == jnp.bfloat16
 
 
 def test_factories_reject_non_recipes():
@@ -127,8 +133,9 @@ def test_quantize_model_linen_equals_the_hand_written_model():
     # Interception is scoped to the wrapper's calls: the model itself stays float.
     assert_bits_equal(MLP().apply(params, x), float_out)
     # Under jit and grad (traced inside the wrapper's interception).
-    g = jax.jit(jax.value_and_grad(lambda p: jnp.sum(q.apply(p, x) ** 2)))(params)
-    gw = jax.jit(jax.value_and_grad(lambda p: jnp.sum(ExplicitMLP(recipe).apply(p, x) ** 2)))(params)
+    g, gw = jax.jit(lambda p: (  # one program for both (each alone compiles ~1 s)
+        jax.value_and_grad(lambda p: jnp.sum(q.apply(p, x) ** 2))(p),
+        jax.value_and_grad(lambda p: jnp.sum(ExplicitMLP(recipe).apply(p, x) ** 2))(p)))(params)
     jax.tree.map(assert_bits_equal, g, gw)
 
 
@@ -260,13 +267,19 @@ def test_linen_embed_attend_runs_in_the_recipe():
     table = params["params"]["embed"]["embedding"]
     recipe = Recipe(forward="mxfp8", name="attend_test")
     q = lf.quantize_model(TiedLM(), recipe)
-    with warnings.catch_warnings():
+
+    @jax.jit  # one program (op by op: ~15)
+    def run(params, tokens):
+        # Expected: the recipe's dot of the (quantized model's) hidden states and the table.
+        hidden = q.apply(params, tokens, method="hidden")
+        return q.apply(params, tokens), recipe.dot_general(hidden, table, (((2,), (1,)), ((), ())))
+
+    with warnings.catch_warnings():  # (layers warn as they are traced)
         warnings.simplefilter("error")  # attention's products run in the recipe too: no warning
-        got = q.apply(params, tokens)
-    # Expected: the recipe's dot of the (quantized model's) hidden states and the table.
-    hidden = q.apply(params, tokens, method="hidden")
-    assert_bits_equal(got, recipe.dot_general(hidden, table, (((2,), (1,)), ((), ()))))
-    # Excluded by path: attend stays Flax's jnp.dot, and nothing warns.
+        got, want = run(params, tokens)
+    assert_bits_equal(got, want)
+    # Excluded by path: attend stays Flax's jnp.dot, and nothing warns. (Eager: float dots
+    # in one program and another may sum in other orders.)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hp = lf.quantize_model(TiedLM(), Recipe(forward="mxfp8", high_precision=("embed", "attn*")))
