@@ -219,11 +219,9 @@ def test_conv_is_the_reference_quantized_patch_product(shape, window, strides, p
     got = (jax.jit(conv) if mode == "jit" else conv)(x, kernel)
     patches = _patches(x, window, strides, padding)
     w = np.asarray(kernel).reshape(-1, 8)
-    # Bit for bit the recipe's dot on the NumPy patches (jitted: one program, not ~15 op by
-    # op; the recipe's eager and jitted dots agree bit for bit, tests/test_recipe.py) ...
-    dn2 = (((patches.ndim - 1,), (0,)), ((), ()))
-    assert_bits_equal(got, jax.jit(MX8.dot_general, static_argnums=2)(
-        jnp.asarray(patches), jnp.asarray(w), dn2))
+    # Bit for bit the recipe's dot on the NumPy patches ...
+    assert_bits_equal(got, MX8.dot_general(jnp.asarray(patches), jnp.asarray(w),
+                                           (((patches.ndim - 1,), (0,)), ((), ()))))
     # ... which is the product of the reference-quantized patches and kernel.
     qp, qw = _ref_q(patches, "mxfp8_e4m3", patches.ndim - 1), _ref_q(w, "mxfp8_e4m3", 0)
     _assert_close(got, qp @ qw, w.shape[0] * 2.0**-23 * (np.abs(qp) @ np.abs(qw)))
