@@ -268,19 +268,13 @@ def test_linen_embed_attend_runs_in_the_recipe():
     table = params["params"]["embed"]["embedding"]
     recipe = Recipe(forward="mxfp8", name="attend_test")
     q = lf.quantize_model(TiedLM(), recipe)
-
-    @jax.jit  # one program (op by op: ~15)
-    def run(params, tokens):
-        # Expected: the recipe's dot of the (quantized model's) hidden states and the table.
-        hidden = q.apply(params, tokens, method="hidden")
-        return q.apply(params, tokens), recipe.dot_general(hidden, table, (((2,), (1,)), ((), ())))
-
-    with warnings.catch_warnings():  # (layers warn as they are traced)
+    with warnings.catch_warnings():
         warnings.simplefilter("error")  # attention's products run in the recipe too: no warning
-        got, want = run(params, tokens)
-    assert_bits_equal(got, want)
-    # Excluded by path: attend stays Flax's jnp.dot, and nothing warns. (Eager: float dots
-    # in one program and another may sum in other orders.)
+        got = q.apply(params, tokens)
+    # Expected: the recipe's dot of the (quantized model's) hidden states and the table.
+    hidden = q.apply(params, tokens, method="hidden")
+    assert_bits_equal(got, recipe.dot_general(hidden, table, (((2,), (1,)), ((), ()))))
+    # Excluded by path: attend stays Flax's jnp.dot, and nothing warns.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hp = lf.quantize_model(TiedLM(), Recipe(forward="mxfp8", high_precision=("embed", "attn*")))
