@@ -68,15 +68,21 @@ def test_bf16_layers_keep_lax_dtype_semantics():
 def test_nnx_linear_and_einsum_factories():
     rngs = nnx.Rngs(0)
     lin = nnx.Linear(64, 32, dot_general=lf.dot_general(R4), rngs=rngs)
-    x = _x()
-    assert_bits_equal(lin(x), R4.dot_general(x, lin.kernel[...], DN) + lin.bias[...])
     ein = nnx.Einsum("btd,dnh->btnh", (64, 4, 8), (4, 8), einsum_op=lf.einsum(R4), rngs=rngs)
-    x3 = _x((2, 5, 64))
-    assert_bits_equal(ein(x3), R4.einsum("btd,dnh->btnh", x3, ein.kernel[...]) + ein.bias[...])
     # nnx passes preferred_element_type (and out_sharding) through: honoured.
     lin16 = nnx.Linear(64, 32, dot_general=lf.dot_general(R4), use_bias=False,
                        preferred_element_type=jnp.bfloat16, rngs=rngs)
-    assert lin16(x).dtype == jnp.bfloat16
+    x, x3 = _x(), _x((2, 5, 64))
+
+    @nnx.jit  # one program (op by op: ~20)
+    def run(lin, ein, lin16, x, x3):
+        return (lin(x), R4.dot_general(x, lin.kernel[...], DN) + lin.bias[...], ein(x3),
+                R4.einsum("btd,dnh->btnh", x3, ein.kernel[...]) + ein.bias[...], lin16(x))
+
+    got, want, got_ein, want_ein, y16 = run(lin, ein, lin16, x, x3)
+    assert_bits_equal(got, want)
+    assert_bits_equal(got_ein, want_ein)
+    assert y16.dtype == jnp.bfloat16
 
 
 def test_factories_reject_non_recipes():
@@ -127,8 +133,9 @@ def test_quantize_model_linen_equals_the_hand_written_model():
     # Interception is scoped to the wrapper's calls: the model itself stays float.
     assert_bits_equal(MLP().apply(params, x), float_out)
     # Under jit and grad (traced inside the wrapper's interception).
-    g = jax.jit(jax.value_and_grad(lambda p: jnp.sum(q.apply(p, x) ** 2)))(params)
-    gw = jax.jit(jax.value_and_grad(lambda p: jnp.sum(ExplicitMLP(recipe).apply(p, x) ** 2)))(params)
+    g, gw = jax.jit(lambda p: (  # one program for both (each alone compiles ~1 s)
+        jax.value_and_grad(lambda p: jnp.sum(q.apply(p, x) ** 2))(p),
+        jax.value_and_grad(lambda p: jnp.sum(ExplicitMLP(recipe).apply(p, x) ** 2))(p)))(params)
     jax.tree.map(assert_bits_equal, g, gw)
 
 
@@ -161,9 +168,10 @@ def test_linen_remat_module():
     params = jax.jit(Net().init)(jax.random.key(0), x)
     q = lf.quantize_model(Net(), NVIDIA_MXFP8)
     p = params["params"]["d"]
-    g = jax.jit(jax.grad(lambda pp: jnp.sum(q.apply(pp, x) ** 2)))(params)
-    want = jax.jit(jax.grad(
-        lambda k: jnp.sum((NVIDIA_MXFP8.dot_general(x, k, DN) + p["bias"]) ** 2)))(p["kernel"])
+    g, want = jax.jit(lambda pp, k: (  # one program for both (each alone compiles ~1 s)
+        jax.grad(lambda pp: jnp.sum(q.apply(pp, x) ** 2))(pp),
+        jax.grad(lambda k: jnp.sum((NVIDIA_MXFP8.dot_general(x, k, DN) + p["bias"]) ** 2))(k)))(
+            params, p["kernel"])
     assert_bits_equal(g["params"]["d"]["kernel"], want)
 
 
@@ -230,8 +238,8 @@ def test_nnx_grad_and_remat():
     def loss(m, v):
         return jnp.sum(m(v) ** 2)
 
-    g1 = nnx.jit(nnx.grad(loss))(net, x)
-    g2 = nnx.jit(nnx.grad(nnx.remat(loss)))(net, x)
+    # One program for both gradients (each alone compiles ~2 s).
+    g1, g2 = nnx.jit(lambda m, v: (nnx.grad(loss)(m, v), nnx.grad(nnx.remat(loss))(m, v)))(net, x)
     jax.tree.map(assert_bits_equal, nnx.state(g1), nnx.state(g2))
 
 

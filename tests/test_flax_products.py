@@ -99,17 +99,17 @@ def test_nnx_attention_fn_and_linen_hooks_run_the_recipe_products():
                 # causal: the same products under the causal mask
                 lf.attention(MX4)(q, k, v, is_causal=True, deterministic=True),
                 nn.dot_product_attention(q, k, v, mask=causal, qk_attn_weights_einsum=ein,
-                                         attn_weights_value_einsum=ein))
+                                         attn_weights_value_einsum=ein),
+                # in the same program (one compile): the gradients through both products
+                (jax.grad(lambda *a: lf.attention(MX4)(*a, deterministic=True).sum(),
+                          (0, 1, 2))(q, k, v),
+                 jax.grad(lambda *a: _attention_by_hand(MX4, *a).sum(), (0, 1, 2))(q, k, v)))
 
-    got, want, hooks, got_causal, want_causal = run(q, k, v)
+    got, want, hooks, got_causal, want_causal, (g, gh) = run(q, k, v)
     assert_bits_equal(got, want)
     assert_bits_equal(hooks, want)
     assert_bits_equal(got_causal, want_causal)
     # Gradients flow through both products (the recipe's quantized backward).
-    grads = jax.jit(lambda q, k, v: (
-        jax.grad(lambda *a: lf.attention(MX4)(*a, deterministic=True).sum(), (0, 1, 2))(q, k, v),
-        jax.grad(lambda *a: _attention_by_hand(MX4, *a).sum(), (0, 1, 2))(q, k, v)))
-    g, gh = grads(q, k, v)
     jax.tree.map(assert_bits_equal, g, gh)
 
 
@@ -135,40 +135,42 @@ class BlockByHand(nn.Module):
 
 
 @pytest.mark.slow  # seconds; linen interception runs in the quick nesting tests below
-def test_linen_attention_products_intercepted_and_opted_out_by_rule():
+def test_linen_block_intercepted_forward_and_gradients_and_opted_out_by_rule():
+    """A linen attention block under quantize_model: its output and parameter gradients are
+    those of the block given the recipe's products by hand (projections and both attention
+    products); a rule for the "attention" kind keeps those products in their own precision.
+    One program for the four models (each alone compiles seconds)."""
     x = _x((2, 8, 32))
     params = jax.jit(Block().init)(jax.random.key(0), x)
-    # A rule for the "attention" kind keeps those products in their own precision.
-    rules = lowprec.Rules([lowprec.Rule(".*", None, ops=("attention",)), (".*", MX8)])
+    rules = lowprec.Rules([lowprec.Rule(".*", None, ops=("attention",)), (".*", NVIDIA_MXFP8)])
+
+    def output_and_grads(model, p):
+        y, pull = jax.vjp(lambda q: model.apply(q, x), p)
+        return y, pull(jnp.ones_like(y))[0]  # the gradients of sum(y)
 
     @jax.jit
-    def run(params, x):
-        return (lf.quantize_model(Block(), MX8).apply(params, x),
-                BlockByHand(MX8, MX8).apply(params, x),
+    def run(params):
+        return (output_and_grads(lf.quantize_model(Block(), NVIDIA_MXFP8), params),
+                output_and_grads(BlockByHand(NVIDIA_MXFP8, NVIDIA_MXFP8), params),
                 lf.quantize_model(Block(), rules).apply(params, x),
-                BlockByHand(MX8, None).apply(params, x))
+                BlockByHand(NVIDIA_MXFP8, None).apply(params, x))
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got, want, got_rules, want_rules = run(params, x)
+        (got, g), (want, g_want), got_rules, want_rules = run(params)
     assert_bits_equal(got, want)
+    jax.tree.map(assert_bits_equal, g, g_want)
     assert_bits_equal(got_rules, want_rules)
-
-
-@pytest.mark.slow  # the gradient path is covered quickly by the attention_fn test above
-def test_linen_block_gradients_under_interception():
-    x = _x((2, 8, 32))
-    params = jax.jit(Block().init)(jax.random.key(0), x)
-    loss = lambda m: lambda p: m.apply(p, x).sum()  # noqa: E731
-    g = jax.jit(jax.grad(loss(lf.quantize_model(Block(), NVIDIA_MXFP8))))(params)
-    want = jax.jit(jax.grad(loss(BlockByHand(NVIDIA_MXFP8, NVIDIA_MXFP8))))(params)
-    jax.tree.map(assert_bits_equal, g, want)
+    assert not np.array_equal(np.asarray(got), np.asarray(got_rules))  # the rule did opt out
 
 
 def test_nnx_attention_quantized_by_quantize_model_and_restored():
     mha = nnx.MultiHeadAttention(2, 32, decode=False, rngs=nnx.Rngs(0))
     x = _x((2, 8, 32))
-    call = lambda m: nnx.jit(lambda m, x: m(x))(m, x)  # noqa: E731 (op by op: ~40 programs)
+    # One jitted function for every call (op by op: ~40 programs); a module whose graph
+    # (its static fields: the products it runs) is new traces and compiles anew.
+    jitted = nnx.jit(lambda m, x: m(x))
+    call = lambda m: jitted(m, x)  # noqa: E731
     float_out = call(mha)
     lf.quantize_model(mha, NVIDIA_MXFP8)
     assert mha.attention_fn == lf.attention(NVIDIA_MXFP8)

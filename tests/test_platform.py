@@ -83,7 +83,8 @@ def _run(f, mode, branches):
 # vmap_method) on the cases that hold each kind of split (kept few: the suite's budget).
 RUNS = ([(case, "jit") for case in CASES]
         + [(case, mode) for case in ("nvfp4_kernel_sr", "nvfp4_xla", "mxfp6_packed",
-                                     "recipe_fake_quantize_1d") for mode in ("eager", "vmap")])
+                                     "recipe_fake_quantize_1d") for mode in ("eager", "vmap")]
+        + [("recipe_fake_quantize_2d", "eager")])
 
 
 # Quick tier: the first three (the NVFP4 kernel, rounding to nearest and stochastic, and
@@ -100,8 +101,12 @@ def _nvfp4_loss(x, w):
     return jnp.sum(jnp.sin(y))
 
 
-@pytest.mark.quick_cases(mode=["jit"])  # eager: the default run
-@pytest.mark.parametrize("mode", ["eager", "jit"])
+# Eager: the extended sweep only (~350 programs op by op, 11 CPU s); the default run has the
+# eager calls of each of its platform splits (recipe_fake_quantize_1d and _2d above) and
+# the jitted gradients. Left out of the quick tier (4 CPU s): the quick tier runs the
+# recipe's gradients in tests/test_nvfp4_train.py and its platform splits above.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.extended), "jit"])
 def test_nvfp4_recipe_gradients_the_same_bits(mode):
     """The NVFP4 recipe's forward and both quantized gradients (the kernel's fake quantization,
     stochastic rounding, the Hadamard transform) of [batch, seq, d] activations."""
