@@ -30,7 +30,7 @@ import lowprec
 import lowprec_formats
 from helpers.asserts import assert_bits_equal, assert_codes_equal, assert_same_values, bit_pattern
 from helpers.codecs import REFERENCE as reference, reference_words, replay_random_bits, sweep
-from helpers.inputs import BUCKET, adversarial
+from helpers.inputs import adversarial
 from helpers.oracles import ml_dtypes_codes, ml_dtypes_values, ref_values
 from helpers.tiers import QUICK_ELEMENTS
 
@@ -229,12 +229,6 @@ def _random_float32(seed: int, n: int = N_RANDOM) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32)
 
 
-def _encode_by_buckets(codec, fmt, x):
-    # 2^21 inputs in BUCKET-element slices: the program (format, mode, BUCKET shape) that
-    # the adversarial sweeps compile serves them too, instead of one compiled per test for
-    # a 2^21-element shape. Elementwise, so the codes are those of one call.
-    return np.concatenate([codec.encode(fmt, part) for part in x.reshape(-1, BUCKET)])
-
 
 def _assert_codes_match_nan_aware(fmt, got, want_codes, want_values, x):
     # NaN payloads aside (docs/design.md §2): where the expected value is NaN, lowprec's must be NaN;
@@ -254,7 +248,7 @@ def test_default_encode_matches_ml_dtypes_on_random_bit_patterns(
     # and subnormals about 1/256 of them each), with random low bits.
     x = _random_float32(seed=sum(map(ord, fmt)))
     want = ml_dtypes_codes(fmt, x)
-    got = _encode_by_buckets(codec, fmt, x)
+    got = codec.encode(fmt, x)
     assert got.dtype == SPEC_CODE_DTYPE[fmt]
     _assert_codes_match_nan_aware(fmt, got, want, ml_dtypes_values(fmt, want), x)
 
@@ -296,7 +290,7 @@ def test_tf32_default_equals_reduce_precision_on_random_bit_patterns(codec):
     # docs/design.md §2: TF32 nearest_even = lax.reduce_precision(x, 8, 10); TF32 code = top 19 bits.
     x = _random_float32(seed=19)
     want, rp = _tf32_by_reduce_precision(x)
-    _assert_codes_match_nan_aware("tf32", _encode_by_buckets(codec, "tf32", x), want, rp, x)
+    _assert_codes_match_nan_aware("tf32", codec.encode("tf32", x), want, rp, x)
 
 
 @element_cases(impls="all")
