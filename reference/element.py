@@ -226,6 +226,13 @@ def _tapered_grid(name: str) -> Tuple[Tuple[Fraction, int], ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def _tapered_codes(name: str) -> dict:
+    """{value: magnitude code} of ``_tapered_grid`` (built once: the encoder looks up every
+    rounded magnitude)."""
+    return dict(_tapered_grid(name))
+
+
+@functools.lru_cache(maxsize=None)
 def _tapered_raw_values(name: str) -> Tuple[Fraction, ...]:
     """Every nonzero value the layout spells, the infinity code's included, sorted."""
     f = _fmt(name)
@@ -470,14 +477,21 @@ def _quantum_exponent(f: _Format, a: Fraction) -> int:
         # infinity code's 1.5 x 2^15 included: the top binade's spacing continues past the
         # largest finite value, IEEE 754 §7.4); below the smallest value 2^lo the grid is
         # {0, 2^lo}.
-        raw = _tapered_raw_values(f.name)
-        lo, top = _floor_log2(raw[0]), _floor_log2(raw[-1])
-        e = min(max(e, lo), top)
-        nxt = next((v for v in raw if v > _pow2(e)), _pow2(e + 1))
-        return _floor_log2(min(nxt, _pow2(e + 1)) - _pow2(e))
+        return _tapered_quantum_exponent(f.name, e)
     if e >= f.emin:
         return e - f.mantissa_bits
     return f.emin - f.mantissa_bits if f.subnormals else f.emin
+
+
+@functools.lru_cache(maxsize=None)
+def _tapered_quantum_exponent(name: str, e: int) -> int:
+    """log2 of a tapered format's grid spacing in binade [2^e, 2^(e+1)) (cached per binade:
+    a scan of the layout's values, which every encoded element would repeat)."""
+    raw = _tapered_raw_values(name)
+    lo, top = _floor_log2(raw[0]), _floor_log2(raw[-1])
+    e = min(max(e, lo), top)
+    nxt = next((v for v in raw if v > _pow2(e)), _pow2(e + 1))
+    return _floor_log2(min(nxt, _pow2(e + 1)) - _pow2(e))
 
 
 def _round_magnitude(f: _Format, a: Fraction, direction: str, r: Optional[int]) -> Fraction:
@@ -519,7 +533,7 @@ def _round_magnitude(f: _Format, a: Fraction, direction: str, r: Optional[int]) 
 def _magnitude_code(f: _Format, v: Fraction) -> int:
     """Magnitude code of a grid value 0 < v ≤ max finite (inverse of _magnitude_of_fields)."""
     if f.tapered is not None:
-        return dict(_tapered_grid(f.name))[v]
+        return _tapered_codes(f.name)[v]
     e = _floor_log2(v)
     if e < f.emin:  # subnormal: 0.m × 2^emin
         code = v / _pow2(f.emin - f.mantissa_bits)

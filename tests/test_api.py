@@ -398,6 +398,8 @@ def test_half_precision_paths_hold_no_float_convert(dtype, name):
     assert not converts, "\n".join(converts)
 
 
+# Quick tier: one entry point per Pallas kernel (dot_general and matmul lower to the same one).
+@pytest.mark.quick_cases(name=["dot_general-mxfp4-weight", "mxfp4_gemv"])
 @pytest.mark.parametrize("name", ["dot_general-mxfp4-weight", "matmul-mxfp4-weight", "mxfp4_gemv"])
 def test_half_precision_paths_lowered_for_cuda_hold_no_float_convert(name, cuda_branches):
     """The same for the program XLA gets on a CUDA GPU, where the decode-time MXFP4 product

@@ -32,6 +32,7 @@ from helpers.asserts import assert_bits_equal, assert_codes_equal, assert_same_v
 from helpers.codecs import REFERENCE as reference, reference_words, replay_random_bits, sweep
 from helpers.inputs import adversarial
 from helpers.oracles import ml_dtypes_codes, ml_dtypes_values, ref_values
+from helpers.tiers import QUICK_ELEMENTS
 
 element_cases = pytest.mark.element_cases
 
@@ -165,6 +166,8 @@ def test_decode_tf32_is_the_top_19_bits_of_a_float32(codec):
     assert_same_values(codec.decode("tf32", codes), want, codes, "tf32 decode")
 
 
+# Quick tier: the formats of QUICK_ELEMENTS (the conversion after decode is format-blind).
+@pytest.mark.quick_cases(fmt=QUICK_ELEMENTS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32],
                          ids=["bf16", "f16", "f32"])
 @element_cases(formats="with_ml_dtypes")
@@ -226,10 +229,15 @@ def _random_float32(seed: int, n: int = N_RANDOM) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32)
 
 
+
 def _assert_codes_match_nan_aware(fmt, got, want_codes, want_values, x):
     # NaN payloads aside (docs/design.md §2): where the expected value is NaN, lowprec's must be NaN;
-    # everywhere else the codes are equal.
-    got_nan = np.isnan(np.asarray(lowprec.decode(got, fmt)))
+    # everywhere else the codes are equal. Which codes are NaN, the oracle says (ml_dtypes;
+    # TF32: the float32 of the code's bits shifted up 13), not lowprec's decode.
+    if fmt == "tf32":
+        got_nan = np.isnan((np.asarray(got).astype(np.uint32) << 13).view(np.float32))
+    else:
+        got_nan = np.isnan(ml_dtypes_values(fmt, got))
     assert_codes_equal(got, want_codes, x, fmt, nan=(got_nan, np.isnan(want_values)))
 
 
@@ -253,6 +261,9 @@ def test_default_encode_matches_ml_dtypes_on_adversarial_inputs(fmt, codec):
     _assert_codes_match_nan_aware(fmt, got, want, ml_dtypes_values(fmt, want), x)
 
 
+# Quick tier: the formats of QUICK_ELEMENTS (the exact widening before rounding is
+# format-blind; every format's rounding runs quick in the float32 sweeps).
+@pytest.mark.quick_cases(fmt=QUICK_ELEMENTS)
 @pytest.mark.parametrize("in_dtype", [np.float16, ml_dtypes.bfloat16], ids=["f16", "bf16"])
 @element_cases(formats="with_ml_dtypes", impls="lowprec")
 def test_default_encode_of_every_half_precision_value_matches_ml_dtypes(
@@ -588,20 +599,31 @@ HAND_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "fmt,rounding,overflow,x,code,why",
-    HAND_CASES,
-    ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]!r}" for c in HAND_CASES],
-)
-@element_cases(impls="all")
-def test_hand_derived_codes(fmt, rounding, overflow, x, code, why, codec):
-    x32 = np.array([x], np.float32)  # e.g. 0.1, 5.9 round to float32; derivations allow for it
+def _hand_input(x: float) -> np.float32:
     if math.isnan(x):  # np.float32(-nan) keeps the sign bit; make sure
-        x32 = np.array([0x7FC00000 | (0x80000000 if math.copysign(1, x) < 0 else 0)],
-                       np.uint32).view(np.float32)
-    got = codec.encode(fmt, x32, rounding, overflow)
-    assert int(got[0]) == code, f"{fmt} {rounding} {overflow} x={x!r}: got {int(got[0]):#x}, " \
-                                f"want {code:#x} ({why})"
+        bits = 0x7FC00000 | (0x80000000 if math.copysign(1, x) < 0 else 0)
+        return np.array([bits], np.uint32).view(np.float32)[0]
+    return np.float32(x)  # e.g. 0.1, 5.9 round to float32; derivations allow for it
+
+
+@element_cases(impls="all")
+def test_hand_derived_codes(codec):
+    # One encode per (format, rounding, overflow) of the table, its cases as one array (the
+    # padded program the sweeps compile); each case is checked and named on failure.
+    groups: dict = {}
+    for case in HAND_CASES:
+        groups.setdefault(case[:3], []).append(case)
+    wrong = []
+    for (fmt, rounding, overflow), cases in groups.items():
+        x32 = np.array([_hand_input(c[3]) for c in cases], np.float32)
+        got = codec.encode(fmt, x32, rounding, overflow)
+        assert got.shape == x32.shape
+        for (_, _, _, x, code, why), g in zip(cases, got.tolist()):
+            if g != code:
+                wrong.append(f"{fmt} {rounding} {overflow} x={x!r}: got {g:#x}, want {code:#x} "
+                             f"({why})")
+    assert not wrong, f"{codec}: {len(wrong)} of {len(HAND_CASES)} hand-derived codes differ:\n" \
+                      + "\n".join(wrong)
 
 
 # ============================================================================================
@@ -765,6 +787,9 @@ def test_stochastic_is_a_function_of_the_key():
 # Shapes, input dtypes, float64, jit, vmap.
 
 
+# Quick tier: the formats of QUICK_ELEMENTS (each format's code dtype is also checked, quick,
+# by test_every_mode_matches_reference_on_adversarial_inputs).
+@pytest.mark.quick_cases(fmt=QUICK_ELEMENTS)
 @pytest.mark.parametrize("shape", [(), (3, 5)], ids=str)
 @element_cases(impls="lowprec")
 def test_codes_keep_shape_and_have_the_documented_dtype(fmt, shape, codec
@@ -837,6 +862,7 @@ def test_float64_tiny_and_huge(codec):
     assert ne.tolist() == [0x0000, 0x8000, 0x7C00, 0xFC00, 0x0000]
 
 
+@pytest.mark.quick_cases(fmt=["e2m1"])
 @element_cases(formats=["fp16", "e2m1", "e8m0"])
 def test_vmap_over_a_batch(fmt):
     import lowprec_reference
@@ -874,6 +900,7 @@ def test_quantize_default_mode_is_decode_of_encode(fmt, codec
     assert_same_values(codec.quantize(fmt, x), want, x, f"{fmt} quantize")
 
 
+@pytest.mark.quick_cases(fmt=["e4m3", "e2m1"])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 @element_cases(formats=["bf16", "e4m3", "e2m1", "e8m0"])
 def test_quantize_gradient_is_straight_through(fmt, mode):

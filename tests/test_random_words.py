@@ -71,6 +71,7 @@ def _serial_failures(w: np.ndarray, lags=(1, 2, 4, 32, 4096)) -> dict:
     return {k: round(v, 1) for k, v in stats.items() if abs(v) > Z_BOUND}
 
 
+@pytest.mark.quick_cases(seed=[0])  # the second key in the default run
 @pytest.mark.parametrize("seed", [0, 1])
 def test_words_are_uniform_and_serially_independent(seed):
     assert _serial_failures(_words(jax.random.key(seed))) == {}
@@ -124,6 +125,7 @@ UNBIASED_CASES = [
 
 
 @pytest.mark.parametrize("fmt,x,frac", UNBIASED_CASES, ids=[c[0] for c in UNBIASED_CASES])
+@pytest.mark.quick_first(2)  # e4m3 normal and near-1 fractions; the rest in the default run
 def test_stochastic_rounding_is_unbiased(fmt, x, frac):
     f = lowprec.element_format(fmt)
     xf = np.float32(x)

@@ -22,8 +22,14 @@ import lowprec_reference.element
 import lowprec_reference.mx
 from helpers.asserts import assert_bits_equal, assert_codes_equal, bit_pattern
 from helpers.oracles import ml_dtype, ml_dtypes_codes
+from helpers.tiers import QUICK_ELEMENTS, QUICK_MX
 
 WITH_ML = lowprec_formats.COLLECTIONS["with_ml_dtypes"]
+# The quick tier's formats (pytest -m "not slow"): one per code path of the reference's
+# encoder and decoder (the default run checks every format). The exhaustive decode leaves
+# out the 2^16-code formats, whose decoding test_codec.py runs quick against this reference.
+QUICK_WITH_ML = tuple(f for f in QUICK_ELEMENTS if f in WITH_ML)
+QUICK_DECODE = tuple(f for f in QUICK_WITH_ML if f not in ("fp16", "bf16"))
 ALL = lowprec_formats.COLLECTIONS["all_elements"]
 F32 = np.float32
 
@@ -124,6 +130,7 @@ def test_nan_codes_from_data_are_nan():
             assert math.isnan(ref.value_of_code(name, int(code, 16)))
 
 
+@pytest.mark.quick_cases(fmt=QUICK_DECODE)
 @pytest.mark.parametrize("fmt", WITH_ML)
 def test_decode_all_codes_matches_ml_dtypes(fmt):
     codes = ref.all_codes(fmt)
@@ -162,6 +169,7 @@ def test_negative_zero():
 # Default encode against ml_dtypes.
 
 
+@pytest.mark.quick_cases(fmt=QUICK_WITH_ML)
 @pytest.mark.parametrize("fmt", WITH_ML)
 def test_encode_default_matches_ml_dtypes_adversarial(fmt):
     rng = np.random.default_rng(1)
@@ -171,6 +179,7 @@ def test_encode_default_matches_ml_dtypes_adversarial(fmt):
     assert_same_codes(fmt, got, ml_dtypes_codes(fmt, x), x)
 
 
+@pytest.mark.quick_cases(fmt=QUICK_WITH_ML)
 @pytest.mark.parametrize("fmt", WITH_ML)
 def test_encode_default_matches_ml_dtypes_random(fmt):
     rng = np.random.default_rng(2)
@@ -420,6 +429,7 @@ def test_mx_tiny_inputs_clamp_the_scale():
     assert (ref.dequantize_mx(e, s, "mxfp8") == 2.0**-130).all()
 
 
+@pytest.mark.quick_cases(fmt=QUICK_MX)
 @pytest.mark.parametrize("fmt", lowprec_formats.COLLECTIONS["e8m0_scaled_mx"])
 def test_mx_element_max_times_power_of_two_is_exact(fmt):
     elem = ref.mx_element_format(fmt)
@@ -517,6 +527,7 @@ def test_mx_rceil_matches_jax_quantize_mxfp8():
         assert_bits_equal(e, xq, f"{fmt} elements")
 
 
+@pytest.mark.quick_cases(fmt=QUICK_MX)
 @pytest.mark.parametrize("fmt", lowprec_formats.COLLECTIONS["e8m0_scaled_mx"])
 @pytest.mark.parametrize("rule", lowprec_formats.SCALE_RULES)
 def test_mx_elements_are_saturating_element_encode(fmt, rule):

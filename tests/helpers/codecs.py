@@ -132,21 +132,40 @@ def parametrize_element_cases(metafunc) -> None:
 def in_quick_tier(case: dict, overflows: tuple, impls) -> bool:
     """Whether an ``element_cases`` case runs in the quick tier (``pytest -m "not slow"``).
 
-    The quick tier keeps every format and every (format, rounding) pair of a test, but not
-    their product with the overflow policies and implementations: those rotate with
-    k = (index of the format in ``FORMATS``) + (index of the rounding mode), so that over a
-    format's rounding modes it meets every policy and every implementation. A test that
-    parametrizes its formats and modes itself keeps every case (nothing to rotate with).
+    The quick tier keeps every format and every rounding mode of a test, but not all their
+    pairs, nor their product with the overflow policies and implementations. With
+    k = (index of the format in ``FORMATS``) + (index of the rounding mode), it keeps the
+    (format, rounding) pairs with k divisible by 3 (2 or 3 modes of each format, each mode
+    with 6 of the 18 formats) and E8M0's floor and ceil; the policy and the implementation
+    rotate with m = k // 3, so that every policy and every implementation meet the formats
+    and modes. Every pair runs in the default run (``pytest``: its covering subset keeps
+    each pair of values of any two parameters). The rule is the same in every test, so the
+    quick tier's tests of one (format, rounding, overflow, implementation) share its
+    compiled program (the sweeps of :func:`sweep`). A test that parametrizes its formats
+    and modes itself keeps every case (nothing to rotate with).
     ``impls=None``: the implementation is already one per case (``impls="alternate"``).
     """
     if "fmt" not in case and "rounding" not in case:
         return True
     k = FORMATS.index(case["fmt"]) if "fmt" in case else 0
+    m = k
     if "rounding" in case:
         k += (ROUNDING_MODES + E8M0_ONLY_MODES).index(case["rounding"])
-    if "overflow" in case and case["overflow"] != overflows[k % len(overflows)]:
+        m = k
+        if "fmt" in case:
+            if case["rounding"] not in E8M0_ONLY_MODES and k % 3:
+                return False
+            m = k // 3
+    if "overflow" in case and case["overflow"] != overflows[m % len(overflows)]:
         return False
-    return impls is None or "codec" not in case or case["codec"].name == impls[k % len(impls)]
+    if impls is None or "codec" not in case:
+        return True
+    if len(impls) == 3 and impls[0] == "reference":
+        # The reference every third m; otherwise the implementation a test on (eager, jit)
+        # picks for the same m, so that tests on both sets share compiled programs.
+        pick = "reference" if m % 3 == 0 else impls[1 + m % 2]
+        return case["codec"].name == pick
+    return case["codec"].name == impls[m % len(impls)]
 
 
 def _parametrize(metafunc, argnames, cases, ids, overflows, impls) -> None:
