@@ -173,45 +173,57 @@ def cross_entropy(logits, targets):
 # -- training ---------------------------------------------------------------------------------
 
 
-def train(recipe: Optional[lowprec.Recipe], s: Settings, data, vocab_size: int, progress=None):
-    """Trains one configuration; returns (per-step train losses, held-out loss, seconds,
-    {step: held-out loss} every ``s.eval_every`` steps and at the end)."""
-    train_data, val_data = data
+@functools.lru_cache(maxsize=None)
+def _programs(recipe: Optional[lowprec.Recipe], s: Settings, vocab_size: int):
+    """The float model, the optimizer and the jitted training step and held-out loss of one
+    configuration: built once and shared by its seeds (``s`` has seed 0). The keys and the
+    text are arguments, not constants baked into the programs, so a second seed compiles
+    nothing and the compiler is not handed the 400k-character text as a literal. (The init
+    stays eager: under jit, XLA fuses the normal initializers' scaling into other bits.)"""
     model = CharLM(vocab_size, s.seq, s.d_model, s.heads, s.layers)
     runner = model if recipe is None else lowprec.flax.quantize_model(model, recipe)
-    init_key, data_key = jax.random.split(jax.random.key(s.seed))
-    params = model.init(init_key, jnp.zeros((1, s.seq), jnp.int32))  # same init for all
     schedule = optax.warmup_cosine_decay_schedule(0.0, s.lr, max(s.steps // 20, 1), s.steps, s.lr / 10)
     opt = optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=0.01)
-    opt_state = opt.init(params)
 
     def loss_fn(p, x, y):
         return cross_entropy(runner.apply(p, x), y)
 
     @jax.jit
-    def step(p, o, i):
-        x, y = batch_at(train_data, jax.random.fold_in(data_key, i), s.batch, s.seq)
+    def step(p, o, i, data, data_key):
+        x, y = batch_at(data, jax.random.fold_in(data_key, i), s.batch, s.seq)
         loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
         updates, o = opt.update(grads, o, p)
         return optax.apply_updates(p, updates), o, loss
 
     @jax.jit
-    def eval_loss(p):
+    def eval_loss(p, data):
         def one(i):
-            x, y = batch_at(val_data, jax.random.fold_in(jax.random.key(1234), i), s.batch, s.seq)
+            x, y = batch_at(data, jax.random.fold_in(jax.random.key(1234), i), s.batch, s.seq)
             return loss_fn(p, x, y)
 
         return jnp.mean(jax.lax.map(one, jnp.arange(s.eval_batches)))
 
+    return model, opt, step, eval_loss
+
+
+def train(recipe: Optional[lowprec.Recipe], s: Settings, data, vocab_size: int, progress=None):
+    """Trains one configuration; returns (per-step train losses, held-out loss, seconds,
+    {step: held-out loss} every ``s.eval_every`` steps and at the end)."""
+    train_data, val_data = (jnp.asarray(d) for d in data)
+    model, opt, step, eval_loss = _programs(recipe, dataclasses.replace(s, seed=0), vocab_size)
+    init_key, data_key = jax.random.split(jax.random.key(s.seed))
+    params = model.init(init_key, jnp.zeros((1, s.seq), jnp.int32))  # same init for all
+    opt_state = opt.init(params)
+
     t0 = time.perf_counter()
     losses, curve = [], {}
     for i in range(s.steps):
-        params, opt_state, loss = step(params, opt_state, i)
+        params, opt_state, loss = step(params, opt_state, i, train_data, data_key)
         losses.append(loss)
         if progress and (i + 1) % max(s.steps // 10, 1) == 0:
             progress(i + 1, float(loss))
         if (i + 1) % max(s.eval_every, 1) == 0 or i + 1 == s.steps:
-            curve[i + 1] = eval_loss(params)
+            curve[i + 1] = eval_loss(params, val_data)
     losses = np.asarray(jax.device_get(losses), np.float64)
     curve = {k: float(v) for k, v in curve.items()}
     return losses, curve[s.steps], time.perf_counter() - t0, curve

@@ -73,12 +73,28 @@ def _one_device(what, recipe, run):
     return _ONE_DEVICE[key]
 
 
-def _data(shape, seed=0):
+# Test data comes from NumPy: an eager jax.random call (or .at[].set) is a program of its own
+# to compile for the 4-device backend, one per new shape (up to ~20 of a case's compiles).
+def _normal(seed, *shapes):
+    """Standard normal float32 NumPy arrays of ``shapes`` (one generator per seed)."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+
+
+def _ints(seed, shape, low, high):
+    """Integers in [low, high) as a float32 NumPy array: products with exact sums in any
+    order."""
+    return np.random.default_rng(seed).integers(low, high, shape).astype(np.float32)
+
+
+def _data(shape, seed=0, nan_block=True):
     # Wide dynamic range (so blocks get different scales), plus a zero block and a NaN block.
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(k1, shape) * jnp.exp2(jax.random.randint(k2, shape, -20, 20))
-    x = x.at[0, :32].set(0.0)
-    return x.at[1, 32:64].set(jnp.nan)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    x *= np.exp2(rng.integers(-20, 20, shape)).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, 32:64] = np.nan if nan_block else 1.0
+    return jnp.asarray(x)
 
 
 @pytest.mark.parametrize("kind,mode", [("explicit", "eager"), ("explicit", "jit"), ("auto", "jit")])
@@ -120,8 +136,7 @@ DN = (((1,), (0,)), ((), ()))
     (P(None, None), P(None, "x")),  # tensor parallel: output features split
 ])
 def test_matmul_bits_same_sharded_free_axes(kind, mode, lspec, rspec):
-    k1, k2 = jax.random.split(jax.random.key(5))
-    x, w = jax.random.normal(k1, (64, 128)), jax.random.normal(k2, (128, 96))
+    x, w = _normal(5, (64, 128), (128, 96))
     want = lowprec.dot_general(x, w, DN, **MATMUL)
     mesh = _mesh(kind)
     xs, ws = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in ((x, lspec), (w, rspec)))
@@ -137,13 +152,11 @@ def test_matmul_contraction_sharded(kind):
     # blocks and the partial sums are added across devices, so only the float32 summation
     # order can differ. (1) Integer-valued operands have exact sums in any order: bits equal.
     # (2) Random operands: within the accumulation bound K * 2^-23 * sum|a_i b_i|.
-    k1, k2 = jax.random.split(jax.random.key(6))
     mesh = _mesh(kind)
     # One program per device count, for both operand pairs (same shapes): jitted, not eager.
     f = jax.jit(lambda a, b: lowprec.dot_general(a, b, DN, **MATMUL))
-    ints = (jax.random.randint(k1, (16, 128), -8, 8).astype(jnp.float32),
-            jax.random.randint(k2, (128, 32), -3, 4).astype(jnp.float32))
-    rand = jax.random.normal(k1, (16, 128)), jax.random.normal(k2, (128, 32))
+    ints = _ints(61, (16, 128), -8, 8), _ints(62, (128, 32), -3, 4)
+    rand = _normal(6, (16, 128), (128, 32))
     for exact, (x, w) in ((True, ints), (False, rand)):
         want = f(x, w)
         xs = jax.device_put(x, NamedSharding(mesh, P(None, "x")))
@@ -165,9 +178,8 @@ def test_matmul_contraction_sharded(kind):
 def test_matmul_contraction_sharded_explicit_needs_and_honours_out_sharding():
     # Explicit axes, K split on both operands: as for lax.dot_general, the output sharding must
     # be named; it is given to the inner dot, whose partial sums are reduced into it.
-    k1, k2 = jax.random.split(jax.random.key(6))
-    x = jax.random.randint(k1, (16, 128), -8, 8).astype(jnp.float32)  # exact sums in any order
-    w = jax.random.randint(k2, (128, 32), -3, 4).astype(jnp.float32)
+    x = _ints(61, (16, 128), -8, 8)  # exact sums in any order
+    w = _ints(62, (128, 32), -3, 4)
     want = lowprec.dot_general(x, w, DN, **MATMUL)
     mesh = _mesh("explicit")
     with jax.set_mesh(mesh):
@@ -176,11 +188,13 @@ def test_matmul_contraction_sharded_explicit_needs_and_honours_out_sharding():
             jax.jit(lambda a, b: jax.lax.dot_general(a, b, DN))(xs, ws)  # plain JAX alike
         with pytest.raises(Exception, match="out_sharding"):
             jax.jit(lambda a, b: lowprec.dot_general(a, b, DN, **MATMUL))(xs, ws)
-        for spec in (P(None, None), P("x", None), P(None, "x")):
-            got = jax.jit(lambda a, b: lowprec.dot_general(a, b, DN, out_sharding=spec, **MATMUL))(
-                xs, ws)
-            assert _spec_of(got) == tuple(spec)
-            assert_bits_equal(got, want)
+        specs = (P(None, None), P("x", None), P(None, "x"))
+        # The three output layouts in one program (which quantizes the operands once).
+        outs = jax.jit(lambda a, b: [lowprec.dot_general(a, b, DN, out_sharding=spec, **MATMUL)
+                                     for spec in specs])(xs, ws)
+        for spec, got in zip(specs, outs):
+            assert _spec_of(got) == tuple(spec), (spec, got.sharding)
+            assert_bits_equal(got, want, f"out_sharding={spec}")
 
 
 def _spec_of(a):
@@ -259,7 +273,7 @@ def test_flax_recipe_data_parallel(kind):
     import lowprec.flax
 
     model = flax_nn.Dense(64, dot_general=lowprec.flax.dot_general(lowprec.NVIDIA_MXFP8))
-    x = jax.random.normal(jax.random.key(0), (128, 128))
+    x, = _normal(0, (128, 128))
     # The float layer's parameters are the quantized one's: a float forward to compile.
     params = jax.jit(flax_nn.Dense(64).init)(jax.random.key(1), x)
 
@@ -289,7 +303,7 @@ def test_flax_recipe_too_few_tokens_per_device_is_a_clear_error():
     import lowprec.flax
 
     model = flax_nn.Dense(64, dot_general=lowprec.flax.dot_general(lowprec.NVIDIA_MXFP8))
-    x = jax.random.normal(jax.random.key(0), (32, 128))
+    x, = _normal(0, (32, 128))
     # The float layer's parameters are the quantized one's: a float forward to compile.
     params = jax.jit(flax_nn.Dense(64).init)(jax.random.key(1), x)
     mesh = _mesh("explicit")
@@ -306,8 +320,7 @@ def test_recipe_dot_general_out_sharding():
     # 16 tokens per device: fine for this forward-only call; only a gradient would need the
     # token axis in whole blocks (test_flax_recipe_too_few_tokens_per_device_...).
     mesh = _mesh("explicit")
-    x, w = _data((64, 128), 2), jax.random.normal(jax.random.key(8), (128, 32))
-    x = jnp.nan_to_num(x)
+    x, (w,) = _data((64, 128), 2, nan_block=False), _normal(8, (128, 32))
     want = lowprec.NVIDIA_MXFP8.dot_general(x, w, DN)
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, P("x", None))
@@ -389,11 +402,8 @@ def _mlp_loss(recipe, layout, gather=False, sharded=True):
 ])
 def test_training_matches_one_device(kind, layout, recipe):
     recipe = _recipe(recipe)
-    ks = jax.random.split(jax.random.key(11), 4)
-    x = jax.random.normal(ks[0], (BATCH, SEQ, D))
-    w1 = jax.random.normal(ks[1], (D, H)) / 8
-    w2 = jax.random.normal(ks[2], (H, D)) / 8
-    c = jax.random.normal(ks[3], (BATCH, SEQ, D))
+    x, w1, w2, c = _normal(11, (BATCH, SEQ, D), (D, H), (H, D), (BATCH, SEQ, D))
+    w1, w2 = w1 / 8, w2 / 8
     shape, names, xs_, w1s, w2s, _, _ = LAYOUTS[layout]
     fsdp = layout == "fsdp"
     key = jax.random.key(3)
@@ -434,9 +444,7 @@ def test_nnx_recipe_tensor_parallel_with_out_sharding(kind):
     import lowprec.flax
 
     mesh = _mesh(kind)
-    k1, k2 = jax.random.split(jax.random.key(12))
-    x = jax.random.normal(k1, (64, 128))
-    c = jax.random.normal(k2, (64, 32))
+    x, c = _normal(12, (64, 128), (64, 32))
 
     def build():
         lin = nnx.Linear(128, 32, use_bias=False, rngs=nnx.Rngs(0))
@@ -459,9 +467,8 @@ def test_nnx_recipe_tensor_parallel_with_out_sharding(kind):
 def test_recipe_einsum_out_sharding_in_output_order():
     # The einsum's out_sharding names its own output order ("nt"); the inner dot gets it in
     # dot_general's order ("tn"). K split on both operands: it must be given.
-    k1, k2 = jax.random.split(jax.random.key(13))
-    x = jax.random.randint(k1, (16, 128), -8, 8).astype(jnp.float32)  # exact sums in any order
-    w = jax.random.randint(k2, (128, 32), -3, 4).astype(jnp.float32)
+    x = _ints(131, (16, 128), -8, 8)  # exact sums in any order
+    w = _ints(132, (128, 32), -3, 4)
     want = lowprec.NVIDIA_MXFP8.dot_general(x, w, DN).T
     mesh = _mesh("explicit")
     with jax.set_mesh(mesh):
@@ -497,9 +504,8 @@ FORWARD_3D = {  # (x spec, w spec, the weight as [D, N] or [D, heads, head_dim])
 ])
 def test_recipe_forward_3d_activations_same_bits(recipe, layouts):
     r = _recipe(recipe)
-    k1, k2 = jax.random.split(jax.random.key(15))
-    x = jax.random.normal(k1, (8, 16, 128))
-    w = jax.random.normal(k2, (128, 4, 32)) / 8
+    x, w = _normal(15, (8, 16, 128), (128, 4, 32))
+    w = w / 8
     mesh = _mesh("explicit", (2, 2), ("d", "m"))
     dn = (((2,), (0,)), ((), ()))
     dot = jax.jit(lambda a, b: r.dot_general(a, b, dn))
@@ -541,7 +547,7 @@ def test_stochastic_rounding_compiles_sharded(kind):
     """Stochastic rounding under jit on a sharded array (the words are computed from each
     element's global index inside the encode): the same bits as on one device, because the
     words depend only on the key and the element index."""
-    x = _data((128, 64)).at[1, 32:64].set(1.0)
+    x = _data((128, 64), nan_block=False)
     k = jax.random.key(3)
     enc = lambda v: lowprec.quantize(v, "e4m3", rounding="stochastic", key=k)
     mx = lambda v: lowprec.quantize_mx(v, "mxfp4", rounding="stochastic", key=k)
@@ -610,11 +616,8 @@ def _delayed_loss(layout, sharded=True):
 def test_delayed_training_matches_one_device(kind, layout, route, request):
     if route == "gpu":
         request.getfixturevalue("gpu_routes_on_cpu")
-    ks = jax.random.split(jax.random.key(13), 4)
-    x = jax.random.normal(ks[0], (BATCH, SEQ, D))
-    w1 = jax.random.normal(ks[1], (D, H)) / 8
-    w2 = jax.random.normal(ks[2], (H, D)) / 8
-    c = jax.random.normal(ks[3], (BATCH, SEQ, D))
+    x, w1, w2, c = _normal(13, (BATCH, SEQ, D), (D, H), (H, D), (BATCH, SEQ, D))
+    w1, w2 = w1 / 8, w2 / 8
     loss, cfg = _delayed_loss(layout, sharded=False)
     # Second step's state: scales from a first step's amaxes (not the initial 1.0).
     states = (cfg.init(), cfg.init())
