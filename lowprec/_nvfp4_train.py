@@ -166,9 +166,9 @@ def rht(v, signs, axis: int = 0):
     backend and along either axis (the NumPy statement in tests/test_nvfp4_train.py does
     them). The butterfly pairs elements by reshaping the axis of n within each block, never
     the axis of blocks, so a sharded block axis (whole blocks per device) is not reshaped
-    across shards (on Explicit axes each view is given the block axes' layout). Along axis 1
-    (blocks contiguous in memory) XLA:CPU runs the transform and a stochastic quantization
-    after it ~7x faster than along axis 0 (benchmarks/README.md, bench_train.py)."""
+    across shards (on Explicit axes each view is given the block axes' layout). The weight
+    gradient takes it transposed (:func:`_tokens_last`): on CPU from the native kernel
+    (``kernels/_rht_cpu``, the same bits in one pass), elsewhere as ``rht(v, signs, 0).T``."""
     n = signs.shape[0]
     if n < 2 or n & (n - 1):
         raise ValueError(f"a Hadamard block is a power of two of at least 2, got {n}")
@@ -558,12 +558,13 @@ def _quantized_grads(recipe, x2, g2, wt, sx2, sw, sr_key):
 def _tokens_last(v, recipe):
     """(M v).T, [C16, T16], for padded v [T16, C16] (v.T without ``wgrad_rht``): on CPU the
     native kernel's one pass (``_rht_cpu``: the transform and the transpose, the same bits),
-    elsewhere v transposed, then transformed along the last axis."""
+    elsewhere v transformed along axis 0, then transposed (XLA:CPU runs the butterfly along
+    axis 0 ~2-4x faster than along the last axis after a transpose)."""
     if not recipe.wgrad_rht:
         return v.T
     signs = recipe_rht_signs(recipe)
     bf16 = recipe.rht_dtype == "bfloat16"
-    generic = lambda v: recipe_rht(v.T, recipe, signs, 1)
+    generic = lambda v: recipe_rht(v, recipe, signs, 0).T
     if not (_rht_cpu.serves(v, signs) and cpu_nvfp4_fake_quantize(v, None, False)):
         return generic(v)
 
