@@ -81,7 +81,7 @@ if _include is not None and os.name == "posix":
         _NATIVE,
         sources=["lowprec/kernels/_cpu_lib.cc", "lowprec/kernels/_fp6_cpu.cc",
                  "lowprec/kernels/_mx_quantize_cpu.cc", "lowprec/kernels/_ckpt_cpu.cc",
-                 "lowprec/kernels/_nvfp4_cpu.cc"],
+                 "lowprec/kernels/_nvfp4_cpu.cc", "lowprec/kernels/_rht_cpu.cc"],
         depends=["lowprec/kernels/_cpu_common.h", "lowprec/kernels/_nvfp4_cpu.h"],
         include_dirs=[_include],
         define_macros=[("LOWPREC_JAXLIB_VERSION", f'"{_jaxlib_version}"')],

@@ -106,7 +106,7 @@ from ._qdot import register_family, training_dot
 from ._random import check_size, element_index, element_words, random_bits
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
                         split_dims, split_out_sharding)
-from .kernels import _nvfp4_cpu
+from .kernels import _nvfp4_cpu, _rht_cpu
 from .kernels._dispatch import (cpu_nvfp4_fake_quantize, gpu_gemm_routes, kernels_enabled,
                                 on_cpu, on_cuda)
 
@@ -166,9 +166,9 @@ def rht(v, signs, axis: int = 0):
     backend and along either axis (the NumPy statement in tests/test_nvfp4_train.py does
     them). The butterfly pairs elements by reshaping the axis of n within each block, never
     the axis of blocks, so a sharded block axis (whole blocks per device) is not reshaped
-    across shards (on Explicit axes each view is given the block axes' layout). Along axis 1
-    (blocks contiguous in memory) XLA:CPU runs the transform and a stochastic quantization
-    after it ~7x faster than along axis 0 (benchmarks/README.md, bench_train.py)."""
+    across shards (on Explicit axes each view is given the block axes' layout). The weight
+    gradient takes it transposed (:func:`_tokens_last`): on CPU from the native kernel
+    (``kernels/_rht_cpu``, the same bits in one pass), elsewhere as ``rht(v, signs, 0).T``."""
     n = signs.shape[0]
     if n < 2 or n & (n - 1):
         raise ValueError(f"a Hadamard block is a power of two of at least 2, got {n}")
@@ -350,21 +350,27 @@ def _routed(compute, *args):
     return on_cuda(functools.partial(compute, True), portable, *args)
 
 
-def grad_words(g_padded, seed: int, key=None):
+def grad_words(g_padded, seed: int, key=None, transposed: bool = False):
     """The random words (w_d, w_w) of a padded cotangent (module docstring): from ``key``
     (the dot's key from :func:`lowprec.stochastic_rounding_key`), else from the seed and a
-    hash of the cotangent's bits."""
+    hash of the cotangent's bits. ``transposed``: w_w laid out as the transposed cotangent,
+    [N, T] (``w_w.T``, each element's word drawn from its [T, N] index: no transpose)."""
     if key is None:
         h = jnp.sum(f32_bits(g_padded), dtype=jnp.uint32)
         key = jax.random.fold_in(jax.random.key(seed), h)
     index = element_index(check_size(g_padded.shape))
+    if transposed:  # index[n, t] = t * N + n
+        t, n = g_padded.shape
+        index_t = (lax.broadcasted_iota(jnp.uint32, (n, t), 1) * jnp.uint32(n)
+                   + lax.broadcasted_iota(jnp.uint32, (n, t), 0))
     # random_bits(fold_in(key, i), shape) for i = 0, 1, with the two fold_ins and the two
     # keys' words each one threefry call (vmapped over i; threefry is elementwise in its
     # counters, so the same words): XLA:CPU compiles every threefry call to a loop of ~100
     # instructions, and these had been 4 of a training step's 5 per layer (~20% of its HLO).
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(2, dtype=jnp.uint32))
     k = jax.vmap(lambda kk: jax.random.bits(kk, (2,), jnp.uint32))(keys)  # [i, (k0, k1)]
-    return tuple(element_words((k[i, 0], k[i, 1]), index).astype(jnp.uint16) for i in (0, 1))
+    return tuple(element_words((k[i, 0], k[i, 1]), index_t if transposed and i else index)
+                 .astype(jnp.uint16) for i in (0, 1))
 
 
 def check_layout(lhs_shape, rhs_shape, dn) -> None:
@@ -527,7 +533,7 @@ def _quantized_grads(recipe, x2, g2, wt, sx2, sw, sr_key):
     and the weight wt [N16, K16]: grad_x [T16, K16] and grad_w [K16, N16] (laid out by sx2,
     sw; ``sr_key``: the stochastic rounding's key, or None)."""
     stochastic = recipe.grad_rounding == "stochastic"
-    wd, ww = grad_words(g2, recipe.seed, sr_key) if stochastic else (None, None)
+    wd, ww = grad_words(g2, recipe.seed, sr_key, transposed=True) if stochastic else (None, None)
     step = recipe.nvfp4_step
 
     # grad_x = Q(g along N) · Q2(w): [T, N] x [N, K].
@@ -536,19 +542,37 @@ def _quantized_grads(recipe, x2, g2, wt, sx2, sw, sr_key):
                      (((1,), (0,)), ((), ())), sx2)
 
     gx = _routed(grad_x, g2, wt, wd)
-    # grad_w = Q(M x along T)ᵀ · Q(M g along T): [K, N]. The cotangent is transposed to
-    # [N16, T16] (its words with it: each element keeps its word), so that its transform and
-    # stochastic rounding run along the last axis: the same values, ~7x less CPU time.
-    g2t, wwt = g2.T, (None if ww is None else ww.T)
-    if recipe.wgrad_rht:
-        signs = recipe_rht_signs(recipe)
-        x2, g2t = recipe_rht(x2, recipe, signs, 0), recipe_rht(g2t, recipe, signs, 1)
+    # grad_w = Q(M x along T)ᵀ · Q(M g along T): [K, N]. Both operands are transposed to
+    # [C16, T16] (the cotangent's words drawn in that layout: each element keeps its word),
+    # so that their transform and quantization run along the last axis (a stochastic
+    # quantization along axis 0 took ~7x the CPU time), and the dot contracts the last axes.
+    x2t, g2t = _tokens_last(x2, recipe), _tokens_last(g2, recipe)
 
-    def grad_w(gemm, x2, g2t, wwt):
-        return _gemm(gemm, quantize_1d(x2, 0, gemm=gemm, step=step),
-                     quantize_1d(g2t, 1, wwt, gemm, step), (((0,), (1,)), ((), ())), sw)
+    def grad_w(gemm, x2t, g2t, wwt):
+        return _gemm(gemm, quantize_1d(x2t, 1, gemm=gemm, step=step),
+                     quantize_1d(g2t, 1, wwt, gemm, step), (((1,), (1,)), ((), ())), sw)
 
-    return gx, _routed(grad_w, x2, g2t, wwt)
+    return gx, _routed(grad_w, x2t, g2t, ww)
+
+
+def _tokens_last(v, recipe):
+    """(M v).T, [C16, T16], for padded v [T16, C16] (v.T without ``wgrad_rht``): on CPU the
+    native kernel's one pass (``_rht_cpu``: the transform and the transpose, the same bits),
+    elsewhere v transformed along axis 0, then transposed (XLA:CPU runs the butterfly along
+    axis 0 ~2-4x faster than along the last axis after a transpose)."""
+    if not recipe.wgrad_rht:
+        return v.T
+    signs = recipe_rht_signs(recipe)
+    bf16 = recipe.rht_dtype == "bfloat16"
+    generic = lambda v: recipe_rht(v, recipe, signs, 0).T
+    if not (_rht_cpu.serves(v, signs) and cpu_nvfp4_fake_quantize(v, None, False)):
+        return generic(v)
+
+    def native(v):  # rounding to bfloat16 is elementwise: it commutes with the transpose
+        out = _rht_cpu.rht_transposed(_round_bf16(v) if bf16 else v, signs)
+        return _round_bf16(out) if bf16 else out
+
+    return on_cpu(native, generic, v)
 
 
 register_family("nvfp4", _fwd, _bwd)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import lowprec
+import lowprec.kernels
 import lowprec_reference as ref
 from lowprec_reference import four_bit as R4
 from lowprec import _nvfp4_train as nt
@@ -468,3 +469,89 @@ def test_grad_words_follow_the_stated_contract(key_kind):
         for a, b in zip(got, want):
             assert a.dtype == jnp.uint16 and a.shape == g.shape
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # transposed=True (the weight gradient's [N, T] layout): w_w.T, w_d unchanged.
+    wd, wwt = jax.jit(nt.grad_words, static_argnums=(1, 3))(g, seed, given, True)
+    np.testing.assert_array_equal(np.asarray(wd), np.asarray(want[0]))
+    assert wwt.shape == g.shape[::-1]
+    np.testing.assert_array_equal(np.asarray(wwt), np.asarray(want[1]).T)
+
+
+def _flush(a):
+    """XLA:CPU's float mode on float32 values: subnormals read and written as zero of their
+    sign (flush-to-zero and denormals-are-zero)."""
+    a = np.asarray(a, np.float32)
+    return np.where(np.abs(a) < np.float32(2.0**-126), np.copysign(np.float32(0), a), a)
+
+
+def np_rht_flushed(v, signs):
+    """np_rht's steps with every operand and result flushed as XLA:CPU flushes them."""
+    v = _flush(v)
+    t, c = v.shape
+    b = _flush(v.reshape(t // 16, 16, c) * signs[None, :, None])
+    h = 1
+    with np.errstate(invalid="ignore", over="ignore"):
+        while h < 16:
+            b = b.reshape(t // 16, 16 // (2 * h), 2, h, c)
+            lo, hi = b[:, :, 0], b[:, :, 1]
+            b = _flush(np.stack([lo + hi, lo - hi], axis=2))
+            h *= 2
+    return _flush(b.reshape(t, c) * np.float32(0.25))
+
+
+def _rht_inputs(t, c, seed=0):
+    """float32 [t, c] over many binades with ±0, subnormals, ±inf, NaN, pairs that cancel
+    (a - a: the sign of the zero) and sums that overflow."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((t, c)) * np.exp2(rng.integers(-30, 30, (t, c)))).astype(np.float32)
+    x[0, :8] = [0.0, -0.0, 1e-40, -3e-39, np.inf, -np.inf, np.nan, 3e38]
+    x[1, :8] = [-0.0, -0.0, 1e-40, 1.5e-38, 5.0, np.inf, 1.0, 3e38]
+    x[16:32, 1] = 2.5  # one block of equal values: 15 rows cancel
+    x[16:32, 2] = -1.25e-38  # normal inputs, subnormal transforms (flushed)
+    return x
+
+
+@pytest.mark.parametrize("cols", [13, 40])  # the kernel's scalar loop alone; vector + scalar
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_rht_kernel_transposed_bit_exact(cols, mode):
+    """The native Hadamard kernel (rht along tokens, written transposed) against the NumPy
+    statement with XLA:CPU's flushing, and against XLA's own formulation (kernels off), bit
+    for bit (NaN as NaN: the quantizer makes a block holding one all NaN)."""
+    from lowprec.kernels import _rht_cpu
+
+    x = _rht_inputs(48, cols)
+    signs = np.asarray(nt.rht_signs(5))
+    if not _rht_cpu.serves(jnp.asarray(x), jnp.asarray(signs)):
+        pytest.skip("the native kernels are not built or this CPU lacks AVX2")
+    recipe = lowprec.NVIDIA_NVFP4
+    f = functools.partial(nt._tokens_last, recipe=dataclasses.replace(recipe, rht_signs=tuple(
+        int(s) for s in signs)))
+    f = f if mode == "eager" else jax.jit(f)
+    got = np.asarray(f(jnp.asarray(x)))
+    hlo = jax.jit(f).lower(jnp.asarray(x)).as_text()
+    assert "lowprec_rht_transposed" in hlo
+    with lowprec.kernels.policy("xla"):
+        xla = np.asarray(jax.jit(lambda v: nt.rht(v, jnp.asarray(signs), 0).T)(jnp.asarray(x)))
+    want = np_rht_flushed(x, signs).T
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan) and np.array_equal(np.isnan(xla), nan)
+    assert_bits_equal(np.where(nan, 0, got), np.where(nan, 0, want))
+    assert_bits_equal(np.where(nan, 0, xla), np.where(nan, 0, want))
+    assert np.any(want == 0) and np.any(np.signbit(want) & (want == 0))  # both zeros met
+    with np.errstate(invalid="ignore", over="ignore"):  # the data meets the flushing
+        unflushed = np_rht(x, signs).T
+    assert np.any((unflushed != 0) & (want == 0))
+
+
+@pytest.mark.parametrize("rht_dtype", ["float32", "bfloat16"])
+def test_wgrad_operands_the_same_with_kernels_off(rht_dtype):
+    """The weight gradient's transposed, transformed operands (_tokens_last): the native
+    kernel's and XLA's formulation (kernels off) give the same bits, float32 and bfloat16
+    transforms (TE's signs)."""
+    recipe = dataclasses.replace(lowprec.NVIDIA_NVFP4, rht_dtype=rht_dtype,
+                                 rht_signs="transformer_engine")
+    x = jnp.asarray(np.nan_to_num(_rht_inputs(64, 24, seed=2), nan=1.0))
+    f = jax.jit(functools.partial(nt._tokens_last, recipe=recipe))
+    native = np.asarray(f(x))
+    with lowprec.kernels.policy("xla"):
+        xla = np.asarray(jax.jit(functools.partial(nt._tokens_last, recipe=recipe))(x))
+    assert_bits_equal(native, xla)
