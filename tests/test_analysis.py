@@ -131,6 +131,22 @@ def test_ulp_other_formats_by_hand():
     assert analysis.ulp(jnp.array([1.0, 3.0, 2.0**-127]), "e8m0").tolist() == [1.0, 2.0, 2.0**-127]
 
 
+def test_quantization_error_bound_keeps_a_subnormal_spacing():
+    # bf16's spacing below 2^-126 is 2^-133 (7 fraction bits below the smallest normal
+    # exponent), itself a float32 subnormal: half of it, 2^-134, bounds round to nearest and
+    # the whole spacing the directed modes. Read in NumPy, which does not flush subnormals.
+    x = jnp.array([0.0, 2.0**-133 / 3, -(2.0**-130), 2.0**-127])
+    near = np.asarray(analysis.quantization_error_bound(x, "bf16"))
+    assert near.tolist() == [2.0**-134] * 4, near.tolist()
+    up = np.asarray(analysis.quantization_error_bound(x, "bf16", rounding="up"))
+    assert up.tolist() == [2.0**-133] * 4, up.tolist()
+    # NaN in, NaN out; beyond bf16's max_finite (2 - 2^-7) 2^127 the clipping term, for
+    # float32's largest (2 - 2^-23) 2^127: 2^120 - 2^104, over the half spacing 2^119.
+    big = float(np.finfo(np.float32).max)
+    edge = np.asarray(analysis.quantization_error_bound(jnp.array([np.nan, big]), "bf16"))
+    assert np.isnan(edge[0]) and edge[1] == 2.0**120 - 2.0**104, edge.tolist()
+
+
 def test_ulp_with_scale_exponent():
     # Grid of e4m3 scaled by 2^-8: 2^-20 / 2^-8 = 2^-12 is below e4m3's normal range, so the
     # spacing is the subnormal one, 2^-9, times 2^-8.

@@ -27,7 +27,11 @@ def _bound_jit(x, fmt, rounding, scale):
         step = scaled_ulp(fmt, x, scale) * (0.5 if half else 1.0)
     else:  # built from bits: exact also where the spacing is a float32 subnormal
         step = pow2(ulp_exponent(fmt, x, scale) - (1 if half else 0))
-    bound = jnp.maximum(step, jnp.abs(x) - grid_max(fmt, scale))
+    clip = jnp.abs(x) - grid_max(fmt, scale)
+    # A select, not jnp.maximum: XLA:CPU's arithmetic reads a float32 subnormal as zero, so
+    # maximum(step, clip) would turn a subnormal step (bf16's 2^-134 near zero) into 0; the
+    # select passes step's bits through. A NaN clip (x NaN) stays NaN, as maximum's would.
+    bound = jnp.where((clip > step) | jnp.isnan(clip), clip, step)
     if is_factor(scale):
         bound = bound + jnp.float32(_FACTOR_SLACK) * jnp.abs(x)
     return bound
