@@ -366,14 +366,7 @@ def test_fused_quantize_matches_library_and_stats_pass(fmt_name, rule, in_dtype,
         np.testing.assert_array_equal(parts["elements"], elements)
         np.testing.assert_array_equal(parts["scales"], scales)
 
-        coded = _chunk.mx_coded(elements, scales, fmt, ts)
-        want = ErrorStats()
-        want.add_vector(_ckpt_cpu.stats(x, **coded.args(), clip=1,
-                                        max_finite=fmt.element.max_finite, view=(*x.shape, 1)))
-        want.nan_blocks = int(np.count_nonzero(np.isnan(coded.block_factors())))
-        for field in vars(want):
-            if field != "_buf":
-                assert getattr(got, field) == getattr(want, field), field
+        want = _separate_pass_stats(x, elements, scales, fmt, ts, got)
         assert want.nonfinite > 0 and want.count > 0 and want.nan_blocks > 0
 
 
@@ -425,6 +418,20 @@ def test_canonical_nan_pass_skipped_only_where_no_nan_can_come_out(fmt_name, wit
     assert coded.canonical_nan == bool(np.isnan(want).any())
 
 
+def _separate_pass_stats(x, elements, scales, fmt, ts, got):
+    """The statistics of the separate statistics pass over (elements, scales) of x: every
+    field of ``got`` (the fused pass's) must equal it; returned for further checks."""
+    coded = _chunk.mx_coded(elements, scales, fmt, ts)
+    want = ErrorStats()
+    want.add_vector(_ckpt_cpu.stats(x, **coded.args(), clip=1,
+                                    max_finite=fmt.element.max_finite, view=(*x.shape, 1)))
+    want.nan_blocks = int(np.count_nonzero(np.isnan(coded.block_factors())))
+    for field in vars(want):
+        if field != "_buf":
+            assert getattr(got, field) == getattr(want, field), field
+    return want
+
+
 @pytest.mark.parametrize("in_dtype", INPUTS, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("fmt_name", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
 def test_fused_pass_groups_of_8_blocks(fmt_name, in_dtype):
@@ -456,14 +463,7 @@ def test_fused_pass_groups_of_8_blocks(fmt_name, in_dtype):
     parts = _chunk.quantize_chunk(x, spec, ts, got)
     np.testing.assert_array_equal(parts["elements"], np.asarray(mx.elements))
     np.testing.assert_array_equal(parts["scales"], np.asarray(mx.scales))
-    coded = _chunk.mx_coded(np.asarray(mx.elements), np.asarray(mx.scales), fmt, ts)
-    want = ErrorStats()
-    want.add_vector(_ckpt_cpu.stats(x, **coded.args(), clip=1,
-                                    max_finite=fmt.element.max_finite, view=(*x.shape, 1)))
-    want.nan_blocks = int(np.count_nonzero(np.isnan(coded.block_factors())))
-    for field in vars(want):
-        if field != "_buf":
-            assert getattr(got, field) == getattr(want, field), field
+    want = _separate_pass_stats(x, np.asarray(mx.elements), np.asarray(mx.scales), fmt, ts, got)
     assert (got.clipped, got.clip_total) == _chunk._mx_clipped(  # NumPy's count
         x.reshape(3, -1, 1), np.asarray(mx.scales).view(np.uint8), fmt, ts)
     assert want.clipped > 0 and want.nan_in + want.inf_in == 6 and want.count > 0
