@@ -309,6 +309,36 @@ def test_write_behind_hands_each_tensor_to_the_disk_before_its_shard_is_staged(
     assert (tmp_path / "x.bin").read_bytes() == b"abc" and not (tmp_path / "y.bin").exists()
 
 
+def test_write_behind_drops_each_finished_tensor_from_the_page_cache(
+        tmp_path, model, monkeypatch, temp_mode):
+    """Once a tensor is on the disk its output pages leave the page cache (later tensors
+    reuse them): each ``start_writeback`` releases, one call late, exactly the prefix of the
+    file that was final at the call before (the header and the tensors converted by then,
+    read here from the output's own header), never a byte of a tensor still being written;
+    the output is byte for byte a run's without it."""
+    released = []
+    real_release = atomic._release_range
+
+    def release(fd, start, end):
+        released.append((start, end))
+        real_release(fd, start, end)
+
+    monkeypatch.setattr(atomic, "_release_range", release)
+    rep = quantize_checkpoint(model, tmp_path / "q.safetensors", "mxfp4")
+    with open(tmp_path / "q.safetensors", "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    end = {k: 8 + n + v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"}
+    # the file's final prefix after each tensor: the end of its last stored part
+    finals = [max(end[s] for s in (t.stored_as or (t.name,))) for t in rep.tensors]
+    assert len(finals) == 3 and finals == sorted(finals) and finals[-1] == max(end.values())
+    lagged = [0, 0, *finals[:-1]]
+    assert released == [(lagged[k], lagged[k + 1]) for k in range(len(finals))]
+    monkeypatch.setattr(atomic, "_release_range", lambda fd, start, end: None)
+    quantize_checkpoint(model, tmp_path / "plain.safetensors", "mxfp4")
+    assert digest(tmp_path / "q.safetensors") == digest(tmp_path / "plain.safetensors")
+
+
 def test_not_enough_disk_space_is_refused_up_front(tmp_path, model, monkeypatch, no_work):
     import shutil
 

@@ -267,13 +267,28 @@ def _sync_file_range_fn():
     return fn
 
 
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages
+# <linux/fs.h>: wait for the range's pages already under writeback; start writeback of its
+# dirty pages; wait for that writeback.
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 
 
 def _sync_file_range(fd: int) -> None:
     fn = _sync_file_range_fn()
     if fn is not None:  # offset 0, nbytes 0: the whole file; its result is only a hint
         fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+def _release_range(fd: int, start: int, end: int) -> None:
+    """Waits until bytes [start, end) of ``fd`` are written to the disk, then drops their
+    (now clean) pages from the page cache. Both are hints: an I/O error is still reported by
+    the fsync, and a page written again meanwhile (dirty) is kept."""
+    fn = _sync_file_range_fn()
+    if fn is None or end <= start or not hasattr(os, "posix_fadvise"):
+        return
+    fn(fd, start, end - start, _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE
+       | _SYNC_FILE_RANGE_WAIT_AFTER)
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
 
 def _fsync_dir(directory: str) -> None:
@@ -383,6 +398,7 @@ class AtomicFile(Transaction):
         self._named = False  # whether self._temp exists (is ours)
         self._fd: Optional[int] = None
         self._pos = 0
+        self._final = self._released = 0  # see start_writeback
         self.state = "open"
         if tmpfile_works(self._dir):
             self._fd = os.open(self._dir, os.O_TMPFILE | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -422,16 +438,28 @@ class AtomicFile(Transaction):
         self._pos += n
         return n
 
-    def start_writeback(self) -> None:
+    def start_writeback(self, done: Optional[int] = None) -> None:
         """Starts writing the data so far to disk without waiting for it (Linux
         ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; nothing elsewhere), so that the fsync of
         :meth:`stage` finds little left: a conversion calls it as it goes, on the thread that
         stages, and its last fsync no longer waits for a whole shard to reach the disk (0.48 s
         of wall time for a 0.81 GB output). A hint only: an I/O error is still reported by
-        that fsync, which alone says the data is durable."""
+        that fsync, which alone says the data is durable.
+
+        ``done``: the file's first ``done`` bytes are final (written, never written again).
+        Then the bytes the previous call called final are waited for and dropped from the
+        page cache (one call's lag: the disk has had that long), so the output's page cache
+        stays a few tensors however large the file: its pages are reused instead of new ones
+        taken from free memory, which cost ~3 ns per byte written on this project's
+        virtual machines (a page the host has reclaimed faults on first touch) against
+        ~0.2-0.7 reused, and a large output no longer pushes the input out of the cache."""
         if self._fd is None or self.state != "open":
             return
         _sync_file_range(self._fd)
+        if done is not None:
+            _release_range(self._fd, self._released, self._final)
+            self._released = max(self._released, self._final)
+            self._final = max(self._final, int(done))
 
     def stage(self) -> None:
         """Makes the data durable under the temp name (closes the file)."""

@@ -14,7 +14,9 @@ in flight (memory stays a few pieces, whatever the checkpoint), each is written 
 place in the output, and results come back in order, so reports do not depend on the
 number of threads. Each converted tensor's bytes start for the disk at once (write-behind,
 :meth:`~._atomic.AtomicFile.start_writeback`) and a finished shard is made durable (fsync)
-in the background while the next one converts, so the last fsync waits for little.
+in the background while the next one converts, so the last fsync waits for little; once
+on the disk, a tensor's output pages leave the page cache, so that later tensors reuse them
+(an output's page cache stays a few tensors, and fresh pages are what writing cost most).
 """
 
 from __future__ import annotations
@@ -438,8 +440,10 @@ def write_outputs(source, outputs, readers, plans, op, options, start, *, force,
                     if source.is_folder:
                         rep.shard = rel
                     shard_reports.append(rep)
-                    # Write-behind: the tensor's bytes go to disk while the next converts.
-                    staged.append(stager.submit(writers[rel].atomic_file.start_writeback))
+                    # Write-behind: the tensor's bytes go to disk while the next converts,
+                    # and those of the tensor before leave the page cache.
+                    staged.append(stager.submit(writers[rel].atomic_file.start_writeback,
+                                                writers[rel].written_prefix()))
                 staged.append(stager.submit(writers[rel].stage))
                 return shard_reports
 

@@ -457,6 +457,7 @@ class SafetensorsWriter(Transaction):
         self._file = AtomicFile(self.path, force=force, inputs=inputs)
         self._file.pwrite(struct.pack("<Q", len(text)) + text, 0)
         self._cursor = dict.fromkeys(self._order, 0)
+        self._prefix, self._next = data_start, 0  # see written_prefix
         # Pieces of a tensor are written by worker threads at their own offsets; the byte
         # counts behind the completeness check are updated under this lock.
         self._lock = threading.Lock()
@@ -522,6 +523,18 @@ class SafetensorsWriter(Transaction):
             pos += n
         if pos != len(buf):
             raise CheckpointError(f"tensor {name!r}: region {rect} holds {pos} bytes, got {len(buf)}")
+
+    def written_prefix(self) -> int:
+        """How many bytes at the start of the file are written: the header and the tensors,
+        in file order, up to the first one not yet complete."""
+        with self._lock:
+            while self._next < len(self._order):
+                name = self._order[self._next]
+                if self._filled[name] != self._sizes[name]:
+                    break
+                self._prefix = self._begin[name] + self._sizes[name]
+                self._next += 1
+            return self._prefix
 
     def _check_complete(self):
         for name in self._order:
