@@ -1393,12 +1393,15 @@ def test_random_hadamard_is_the_recipes_rotation_and_orthogonal():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 64, 3)).astype(np.float32)
     x[0, 5, 1] = 40.0
+    # The recipe's signs under jit (integer steps: the same values; eagerly, its key, hash and
+    # sign arithmetic are a dozen programs of their own)
+    recipe_signs = jax.jit(_nvfp4_train.rht_signs, static_argnums=(0, 1))
     for block in (2, 32):   # (16: below, bit for bit against the recipe's own rotation)
         # M = H diag(s) / sqrt(n) per block of n along the axis, H by Sylvester's recursion
         h = np.ones((1, 1))
         while h.shape[0] < block:
             h = np.block([[h, h], [h, -h]])
-        s = np.asarray(_nvfp4_train.rht_signs(7, block), np.float64)
+        s = np.asarray(recipe_signs(7, block), np.float64)
         m = h * s[None, :] / np.sqrt(block)
         want = np.einsum("ij,bkjc->bkic", m, x.astype(np.float64).reshape(2, 64 // block, block, 3))
         got = np.asarray(analysis.random_hadamard(x, block, seed=7, axis=1))
