@@ -499,6 +499,17 @@ def hwfloat_encoder(cast):
     return cast.fmt.scheme.fast_encoder()
 
 
+def hwfloat_values_encoder(cast, words: bool):
+    """The scheme's :class:`~lowprec._scheme.FastEncoder` where the fused fake quantization
+    of ``cast`` (``_mx_encode.encode_values``, NVFP4-style schemes on CPU) may take the
+    hardware-float formulation (static), else None: as :func:`hwfloat_encoder`, and also for
+    stochastic rounding by given random words (``words``) with the divide step (its quotients
+    by ``_nvfp4.hwfloat_sr_quotients``)."""
+    if not (cast.stochastic and words and cast.nvfp4_step != "reciprocal"):
+        return hwfloat_encoder(cast)
+    return cast.fmt.scheme.fast_encoder() if hwfloat_element(cast.fmt.element) else None
+
+
 def one_multiply_decoder(fmt):
     """The scheme's :class:`~lowprec._scheme.FastDecoder` where the block decode of ``fmt``
     may take the one-multiply formulation (HWFLOAT: element value times a float32 factor per
