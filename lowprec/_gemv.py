@@ -12,8 +12,9 @@ the time is its size, 4.25 bits per element when it stays packed. Two routes com
 
 :func:`lowprec.dot_general` (and so :func:`lowprec.matmul`) sends such products to the
 policy's ``gpu_route`` (``lowprec.kernels.set_policy(gpu_route=...)``) when it
-runs on a CUDA GPU (``lax.platform_dependent``, decided when XLA lowers the program); ``kernels._dispatch.gemv_weight_side`` says which
-calls qualify (and the kernel policy may turn the Pallas route off). Every other backend,
+runs on a CUDA GPU (``lax.platform_dependent``, decided when XLA lowers the program);
+``kernels._dispatch.gemv_route`` says which calls qualify and by which route (the kernel
+policy may turn the Pallas route off). Every other backend,
 and every other shape, takes the generic quantized dot of ``_qdot.py``. All of them
 compute exact products with float32 sums, so they agree to within K·2^-23·Σ|w_i x_i|
 (docs/design.md §5).
@@ -32,7 +33,7 @@ from ._bits import bits_to_bf16_truncating
 from ._format import mx_format
 from ._mx_decode import mx_value_bits
 from ._mxarray import MXArray
-from .kernels._dispatch import current_policy, gemv_weight_side
+from .kernels._dispatch import gemv_route
 from .kernels._gemv_pallas import KernelConfig, default_config, mxfp4_matmul_pallas
 
 ROUTES = ("pallas", "xla")
@@ -70,21 +71,22 @@ def mxfp4_matmul(x, w: MXArray, route: str, *, cfg: Optional[KernelConfig] = Non
 
 def decode_time_route(lhs, rhs, lcast, rcast, kernels: bool):
     """For canonical operands (B, M, K) × (B, N, K) of a quantized dot: a function of
-    ``(lhs, rhs)`` computing the (1, M, N) float32 product by the policy's ``gpu_route`` on
-    CUDA, or None when the dispatch (``kernels._dispatch.gemv_weight_side``: the decode-time MXFP4
-    weight-only case, and the kernel policy ``kernels``) says the call keeps the generic dot.
+    ``(lhs, rhs)`` computing the (1, M, N) float32 product by the route the dispatch gives
+    on CUDA (``kernels._dispatch.gemv_route``: the decode-time MXFP4 weight-only case, the
+    policy's ``gpu_route`` and kernel policy ``kernels``), or None (the generic dot).
     """
-    side = gemv_weight_side(lhs, rhs, lcast, rcast, kernels)
-    route = current_policy().gpu_route
+    chosen = gemv_route(lhs, rhs, lcast, rcast, kernels)
+    if chosen is None:
+        return None
+    side, route = chosen
     if side == "rhs":
         def fast(a, w):
             return mxfp4_matmul(a[0], _as_2d(w), route)[None]
         return fast
-    if side == "lhs":
-        def fast_t(w, a):
-            return mxfp4_matmul(a[0], _as_2d(w), route).T[None]
-        return fast_t
-    return None
+
+    def fast_t(w, a):
+        return mxfp4_matmul(a[0], _as_2d(w), route).T[None]
+    return fast_t
 
 
 def _as_2d(w: MXArray) -> MXArray:

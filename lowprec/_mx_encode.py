@@ -25,13 +25,13 @@ from ._decode import decode_bits, decode_f32
 from ._dtypes import input_bits
 from ._encode_stochastic import encode_any
 from ._format import mx_format
-from ._mx_hwfloat import encode_magnitudes, hwfloat_element, magnitudes_f32, signed_codes
+from ._mx_hwfloat import encode_magnitudes, magnitudes_f32, signed_codes
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along
 from ._platform import platform_dependent
 from ._scale_rules import block_amax_bits
-from .kernels._dispatch import fp6_packer, hwfloat_encoder
+from .kernels._dispatch import fp6_packer, hwfloat_encoder, hwfloat_values_encoder
 
 
 def padded_bits(x, axis: int, padded: int):
@@ -204,14 +204,12 @@ def encode_values(bits, cast: MXCast, axis: int, rng=None):
         route = (_nvfp4.PER_BLOCK, _nvfp4_blocks(scheme, sb, ts))
         return scheme.fast_decoder().routed_values(decode_bits(fmt.element, codes), sb, ts, route)
 
-    # Stochastic rounding takes the hardware-float branch too (given words, "divide" step):
-    # its quotients by _nvfp4.hwfloat_sr_quotients.
-    stochastic_hw = (cast.stochastic and cast.nvfp4_step != "reciprocal" and rng is not None
-                     and rng[1] is not None and hwfloat_element(fmt.element)
-                     and scheme.fast_encoder() is not None)
-    if not (bits.dtype == jnp.uint32 and (hwfloat_encoder(cast) is not None or stochastic_hw)):
+    # Formulation.HWFLOAT beside EXACT where lowprec.kernels says (stochastic rounding too,
+    # given its words and the "divide" step)
+    words = rng is not None and rng[1] is not None
+    fast = hwfloat_values_encoder(cast, words) if bits.dtype == jnp.uint32 else None
+    if fast is None:
         return merge_blocks(exact(xb, amax), axis)
-    fast = scheme.fast_encoder()
 
     def on_cpu(xf, amax):
         scale_codes, hwfloat_exact = fast.scales(amax, ts_bits, cast)

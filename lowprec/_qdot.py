@@ -234,7 +234,7 @@ def _dot_bf16(layout, lop, rop, factors=(None, None), out_sharding=None, kernels
 
     # On CUDA the codes are decoded in the GEMM's operand load (kernels/_mxdot_pallas.py): XLA
     # writes each decoded bfloat16 operand to memory and reads it back. (Only with
-    # _dispatch.FUSED_MXDOT on: on an H200 the kernel was still slower than XLA's route.)
+    # the policy's fused_mxdot on: on an H200 the kernel was still slower than XLA's route.)
     return on_cuda(fused, xla, lop, rop)
 
 
@@ -311,7 +311,7 @@ def _gpu_route(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tuple, 
         rop, _ = _quantize_operand(b, rcast, ra)
         if mxdot_kernel(layout, lop, rop, kernels, out_sharding):
             # The Pallas GEMM decoding in its operand load (kernels/_mxdot_pallas.py; off by
-            # default, _dispatch.FUSED_MXDOT: measured slower than this route's cuBLAS GEMM).
+            # default, Policy.fused_mxdot: measured slower than this route's cuBLAS GEMM).
             return mxdot_pallas(lop.elements[0], lop.scales[0], rop.elements[0],
                                 rop.scales[0], fa=lop.fmt, fb=rop.fmt)[None]
         av, af = operand(lop)

@@ -74,7 +74,7 @@ from ._nvfp4_train import quantize_2d, recipe_rht, recipe_rht_signs
 from ._options import NVFP4_TILE, DotSpec, ElementCast, MXCast, OperandCast
 from ._random import random_bits
 from ._qdot import register_family, training_dot
-from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, rceil_code
+from ._scale_rules import ScaleRule, rceil_code
 from ._sharding import explicit_sharding, replicated
 from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
 
@@ -106,7 +106,7 @@ def ragged_dot(
     *,
     lhs_format: FormatLike = None,
     rhs_format: FormatLike = None,
-    scale_rule: Union[str, ScaleRule] = DEFAULT_SCALE_RULE,
+    scale_rule: Union[str, ScaleRule, None] = None,
     rounding: str = "nearest_even",
     overflow: str = "ieee",
     pad: bool = False,
@@ -115,6 +115,7 @@ def ragged_dot(
     grad_format: FormatLike = None,
     group_offset=None,
     out_sharding=None,
+    scale_options=None,
 ) -> jax.Array:
     """Quantized ``lax.ragged_dot`` (a mixture-of-experts layer's grouped matmul).
 
@@ -128,7 +129,7 @@ def ragged_dot(
       rhs: [G, K, N] float32/bfloat16/float16 weights, one per group.
       group_sizes: [G] integers, the number of consecutive rows of each group.
       lhs_format, rhs_format, scale_rule, rounding, overflow, pad, preferred_element_type,
-        grad_format: as for :func:`dot_general`.
+        grad_format, scale_options: as for :func:`dot_general`.
       backward: ``"ste"`` (default: the exact float32 gradient of the ragged dot of the
         quantized values) or ``"quantized"``: grad_lhs = Q(g along N) · Q(rhs along N)ᵀ per
         group; grad_rhs[g] = Q(lhs_g along tokens)ᵀ · Q(g_g along tokens) with blocks formed
@@ -156,7 +157,7 @@ def ragged_dot(
     """
     spec = DotSpec.create(
         lhs_format, rhs_format, grad_format, scale_rule, rounding, overflow, pad, backward,
-        preferred_element_type,
+        preferred_element_type, scale_options=scale_options,
     )
     call = spec.check_ragged_call(lhs, rhs, group_sizes, group_offset, out_sharding)
     return ragged_dot_jit(call.lhs, call.rhs, call.group_sizes, spec, call.out_sharding)

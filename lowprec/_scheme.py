@@ -179,14 +179,13 @@ class ScaleScheme(abc.ABC):
             return dataclasses.replace(given, **fields) if fields else given
         return cls(**fields)
 
-    def cast_options(self, given=None, fmt_name: str = "", *, scale_rule=None,
-                     nvfp4_step=None):
+    def cast_options(self, given=None, fmt_name: str = "", **keywords):
         """The options of one cast (``MXCast``'s, and the checkpoint pipeline's without
-        JAX): :meth:`options` with the public keywords, where a ``scale_rule`` is dropped
-        if the scheme takes none (one rule is given for every operand of a dot)."""
-        if scale_rule is not None and not self.takes("scale_rule"):
-            scale_rule = None
-        return self.options(given, fmt_name, scale_rule=scale_rule, nvfp4_step=nvfp4_step)
+        JAX): :meth:`options` with the call's public keywords, where a ``scale_rule`` is
+        dropped if the scheme takes none (one rule is given for every operand of a dot)."""
+        if not self.takes("scale_rule"):
+            keywords.pop("scale_rule", None)
+        return self.options(given, fmt_name, **keywords)
 
     @classmethod
     def option_names(cls) -> tuple:

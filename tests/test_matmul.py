@@ -570,6 +570,25 @@ def test_scale_options_reach_the_dot_quantizer(mode, case):
     assert not np.array_equal(np.asarray(default), np.asarray(out))
 
 
+@pytest.mark.parametrize("case", range(2), ids=["rceil_dict", "rceil_options"])
+def test_ragged_dot_takes_scale_options(case):
+    """ragged_dot(..., scale_options=) quantizes its groups as the option says (as
+    dot_general does, above): one-hot experts make each output row the row's quantized
+    values, the reference's rceil ones; the default (floor) differs on this input. A knob
+    the format does not take is refused with quantize_mx's message."""
+    fmt, options, x, want = _scale_option_cases()[case]
+    x2 = x.reshape(6, 32)
+    experts = jnp.stack([jnp.eye(32, dtype=jnp.float32)] * 2)
+    groups = jnp.array([4, 2], jnp.int32)
+    out = lowprec.ragged_dot(x2, experts, groups, lhs_format=fmt, scale_options=options)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), want(x).reshape(6, 32))
+    default = lowprec.ragged_dot(x2, experts, groups, lhs_format=fmt)
+    assert not np.array_equal(np.asarray(default), np.asarray(out))
+    with pytest.raises(ValueError, match="nvfp4_step applies to NVFP4"):
+        lowprec.ragged_dot(x2, experts, groups, lhs_format=fmt,
+                           scale_options={"nvfp4_step": "reciprocal"})
+
+
 def test_scale_options_refused_as_quantize_mx_refuses_them():
     """A knob the operand format's scheme does not take is refused with quantize_mx's own
     message; so is scale_options on a dot that quantizes no operand to an MX format."""

@@ -417,22 +417,24 @@ def _is_activation(op, cast) -> bool:
     )
 
 
-def gemv_weight_side(lhs, rhs, lcast, rcast, kernels: bool) -> Optional[str]:
-    """For canonical operands (B, M, K) x (B, N, K) of a quantized dot: which of them
-    (``"lhs"``/``"rhs"``) is the weight of a decode-time MXFP4 product that
-    the policy's ``gpu_route`` takes on CUDA, or None (static).
+def gemv_route(lhs, rhs, lcast, rcast, kernels: bool) -> Optional[tuple[str, str]]:
+    """For canonical operands (B, M, K) x (B, N, K) of a quantized dot: ``(side, route)``
+    where the call is a decode-time MXFP4 product that takes a GPU route on CUDA, else None
+    (static). ``side`` (``"lhs"``/``"rhs"``) is the weight; ``route`` the policy's
+    ``gpu_route`` (``"pallas"``: the kernel of ``_gemv_pallas.py``; ``"xla"``: no kernel).
 
     The case: no batch (B = 1), one side a packed MXFP4 MXArray (blocked along K, as every
     canonical MXArray is), the other a bfloat16 array used as it is (no format) with at
     most :data:`MAX_TOKENS` rows; for the ``"pallas"`` route also the policy (``kernels``)
     and JAX able to lower it.
     """
-    if current_policy().gpu_route == "pallas" and not (kernels and _kernels_can_run()):
+    route = current_policy().gpu_route
+    if route == "pallas" and not (kernels and _kernels_can_run()):
         return None
     if _is_activation(lhs, lcast) and _is_weight(rhs):
-        return "rhs"
+        return "rhs", route
     if _is_weight(lhs) and _is_activation(rhs, rcast):
-        return "lhs"
+        return "lhs", route
     return None
 
 
@@ -495,6 +497,17 @@ def hwfloat_encoder(cast):
     if cast.rounding != "nearest_even" or not hwfloat_element(cast.fmt.element):
         return None
     return cast.fmt.scheme.fast_encoder()
+
+
+def hwfloat_values_encoder(cast, words: bool):
+    """The scheme's :class:`~lowprec._scheme.FastEncoder` where the fused fake quantization
+    of ``cast`` (``_mx_encode.encode_values``, NVFP4-style schemes on CPU) may take the
+    hardware-float formulation (static), else None: as :func:`hwfloat_encoder`, and also for
+    stochastic rounding by given random words (``words``) with the divide step (its quotients
+    by ``_nvfp4.hwfloat_sr_quotients``)."""
+    if not (cast.stochastic and words and cast.nvfp4_step != "reciprocal"):
+        return hwfloat_encoder(cast)
+    return cast.fmt.scheme.fast_encoder() if hwfloat_element(cast.fmt.element) else None
 
 
 def one_multiply_decoder(fmt):
