@@ -321,12 +321,15 @@ def test_nested_intercepting_the_innermost_rule_decides():
     only_a = lowprec.Rules([("a", MX4)])
     # a: the inner rule; b: no inner rule, so the outer recipe.
     assert_same_program(nested(NVIDIA_MXFP8, only_a),
-                        modelled(lowprec.Rules([("a", MX4), ("b", NVIDIA_MXFP8)])), params, x)
+                        modelled(lowprec.Rules([("a", MX4), ("b", NVIDIA_MXFP8)])), params, x,
+                        what="inner rule for a, outer recipe for b")
     # The inner recipe decides every layer.
-    assert_same_program(nested(only_a, NVIDIA_MXFP8), modelled(NVIDIA_MXFP8), params, x)
+    assert_same_program(nested(only_a, NVIDIA_MXFP8), modelled(NVIDIA_MXFP8), params, x,
+                        what="inner recipe")
     # An inner None rule keeps a layer in its own precision against the outer recipe.
     assert_same_program(nested(NVIDIA_MXFP8, [("a", None)]),
-                        modelled(lowprec.Rules([("b", NVIDIA_MXFP8)])), params, x)
+                        modelled(lowprec.Rules([("b", NVIDIA_MXFP8)])), params, x,
+                        what="inner None rule")
 
 
 class Parent(nn.Module):
