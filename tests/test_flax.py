@@ -25,6 +25,7 @@ import lowprec.flax as lf  # noqa: E402
 from lowprec import NVIDIA_MXFP8, Recipe  # noqa: E402
 
 from helpers.asserts import assert_bits_equal, bit_pattern  # noqa: E402
+from helpers.programs import assert_same_program  # noqa: E402
 
 R4 = Recipe(forward="mxfp4", backward_operands="mxfp8", grad="mxfp8", scale_rule="rceil")
 DN = (((1,), (0,)), ((), ()))
@@ -132,11 +133,11 @@ def test_quantize_model_linen_equals_the_hand_written_model():
     assert not np.array_equal(bit_pattern(float_out), bit_pattern(want))  # it did change
     # Interception is scoped to the wrapper's calls: the model itself stays float.
     assert_bits_equal(MLP().apply(params, x), float_out)
-    # Under jit and grad (traced inside the wrapper's interception).
-    g, gw = jax.jit(lambda p: (  # one program for both (each alone compiles ~1 s)
-        jax.value_and_grad(lambda p: jnp.sum(q.apply(p, x) ** 2))(p),
-        jax.value_and_grad(lambda p: jnp.sum(ExplicitMLP(recipe).apply(p, x) ** 2))(p)))(params)
-    jax.tree.map(assert_bits_equal, g, gw)
+    # Under jit and grad (traced inside the wrapper's interception): the same program as the
+    # hand-written model's, so the same loss and gradients (compiled, ~1 s each; traced, less).
+    assert_same_program(jax.value_and_grad(lambda p, x: jnp.sum(q.apply(p, x) ** 2)),
+                        jax.value_and_grad(lambda p, x: jnp.sum(ExplicitMLP(recipe).apply(p, x) ** 2)),
+                        params, x)
 
 
 def test_linen_uncovered_layers_warn_once_unless_excluded():
@@ -224,16 +225,9 @@ def test_quantize_model_nnx_in_place_and_restore():
 @pytest.mark.slow
 def test_nnx_grad_and_remat():
     # (vmap and jax.checkpoint of recipe dots: tests/test_recipe.py.)
-    class Two(nnx.Module):
-        def __init__(self, rngs):
-            self.a = nnx.Linear(64, 32, rngs=rngs)
-            self.b = nnx.Linear(32, 8, rngs=rngs)
-
-        def __call__(self, x):
-            return self.b(jax.nn.relu(self.a(x)))
-
+    # One layer: remat re-runs its forward in the backward pass, still in the recipe.
     x = _x()
-    net = lf.quantize_model(Two(nnx.Rngs(0)), NVIDIA_MXFP8)
+    net = lf.quantize_model(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), NVIDIA_MXFP8)
 
     def loss(m, v):
         return jnp.sum(m(v) ** 2)
@@ -263,23 +257,26 @@ class TiedLM(nn.Module):
 
 @pytest.mark.slow
 def test_linen_embed_attend_runs_in_the_recipe():
+    """Compared as traced programs (op by op, ~30 programs compile)."""
     tokens = jnp.arange(16).reshape(2, 8) % 96
-    params = jax.jit(TiedLM().init)(jax.random.key(0), tokens)
-    table = params["params"]["embed"]["embedding"]
+    params = jax.eval_shape(TiedLM().init, jax.random.key(0), tokens)
     recipe = Recipe(forward="mxfp8", name="attend_test")
     q = lf.quantize_model(TiedLM(), recipe)
+
+    def by_hand(p, t):
+        # The recipe's dot of the (quantized model's) hidden states and the table.
+        table = p["params"]["embed"]["embedding"]
+        return recipe.dot_general(q.apply(p, t, method="hidden"), table, (((2,), (1,)), ((), ())))
+
+    def float_attend(p, t):  # Flax's own attend: jnp.dot with the table
+        return jnp.dot(TiedLM().apply(p, t, method="hidden"), p["params"]["embed"]["embedding"].T)
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # attention's products run in the recipe too: no warning
-        got = q.apply(params, tokens)
-    # Expected: the recipe's dot of the (quantized model's) hidden states and the table.
-    hidden = q.apply(params, tokens, method="hidden")
-    assert_bits_equal(got, recipe.dot_general(hidden, table, (((2,), (1,)), ((), ()))))
-    # Excluded by path: attend stays Flax's jnp.dot, and nothing warns.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        assert_same_program(q.apply, by_hand, params, tokens, what="attend in the recipe")
+        # Excluded by path: attend stays Flax's jnp.dot, and nothing warns.
         hp = lf.quantize_model(TiedLM(), Recipe(forward="mxfp8", high_precision=("embed", "attn*")))
-        float_hidden = TiedLM().apply(params, tokens, method="hidden")
-        assert_bits_equal(hp.apply(params, tokens), jnp.dot(float_hidden, table.T))
+        assert_same_program(hp.apply, float_attend, params, tokens, what="excluded")
 
 
 def test_nnx_uncovered_layers_warn_in_quantize_model():

@@ -26,6 +26,7 @@ import lowprec_reference as ref  # noqa: E402
 from lowprec import NVIDIA_MXFP8, Recipe  # noqa: E402
 
 from helpers.asserts import assert_bits_equal  # noqa: E402
+from helpers.programs import assert_same_program, traced  # noqa: E402
 
 MX8 = Recipe(forward="mxfp8", scale_rule="rceil", name="mx8_ste")  # STE: forward statement
 MX4 = Recipe(forward="mxfp4", backward_operands="mxfp8", grad="mxfp8", scale_rule="rceil")
@@ -87,30 +88,28 @@ def _attention_by_hand(recipe, q, k, v):
 
 @pytest.mark.slow  # seconds; lowprec.flax.attention runs in the quick nnx quantize_model test
 def test_nnx_attention_fn_and_linen_hooks_run_the_recipe_products():
+    """lowprec.flax.attention and Flax's attention given the recipe's einsums as hooks are the
+    attention written with the recipe's products by hand, forward and gradients: compared as
+    traced programs (one program is the same bits for every input; compiling the gradients
+    takes seconds). The causal mask, numerically (one compiled forward)."""
     q, k, v = _qkv()
     ein = lf.einsum(MX4)
-    causal = jnp.tril(jnp.ones((6, 6), bool))
-
-    @jax.jit
-    def run(q, k, v):
-        return (lf.attention(MX4)(q, k, v, deterministic=True), _attention_by_hand(MX4, q, k, v),
-                nn.dot_product_attention(q, k, v, qk_attn_weights_einsum=ein,
-                                         attn_weights_value_einsum=ein),
-                # causal: the same products under the causal mask
-                lf.attention(MX4)(q, k, v, is_causal=True, deterministic=True),
-                nn.dot_product_attention(q, k, v, mask=causal, qk_attn_weights_einsum=ein,
-                                         attn_weights_value_einsum=ein),
-                # in the same program (one compile): the gradients through both products
-                (jax.grad(lambda *a: lf.attention(MX4)(*a, deterministic=True).sum(),
-                          (0, 1, 2))(q, k, v),
-                 jax.grad(lambda *a: _attention_by_hand(MX4, *a).sum(), (0, 1, 2))(q, k, v)))
-
-    got, want, hooks, got_causal, want_causal, (g, gh) = run(q, k, v)
-    assert_bits_equal(got, want)
-    assert_bits_equal(hooks, want)
-    assert_bits_equal(got_causal, want_causal)
+    assert_same_program(lambda *a: lf.attention(MX4)(*a, deterministic=True),
+                        lambda *a: _attention_by_hand(MX4, *a), q, k, v, what="attention_fn")
+    assert_same_program(
+        lambda *a: nn.dot_product_attention(*a, qk_attn_weights_einsum=ein,
+                                            attn_weights_value_einsum=ein),
+        lambda *a: _attention_by_hand(MX4, *a), q, k, v, what="linen hooks")
     # Gradients flow through both products (the recipe's quantized backward).
-    jax.tree.map(assert_bits_equal, g, gh)
+    assert_same_program(jax.grad(lambda *a: lf.attention(MX4)(*a, deterministic=True).sum(), (0, 1, 2)),
+                        jax.grad(lambda *a: _attention_by_hand(MX4, *a).sum(), (0, 1, 2)),
+                        q, k, v, what="gradients")
+    causal = jnp.tril(jnp.ones((6, 6), bool))
+    got, want = jax.jit(lambda q, k, v: (
+        lf.attention(MX4)(q, k, v, is_causal=True, deterministic=True),
+        nn.dot_product_attention(q, k, v, mask=causal, qk_attn_weights_einsum=ein,
+                                 attn_weights_value_einsum=ein)))(q, k, v)
+    assert_bits_equal(got, want)
 
 
 class Block(nn.Module):
@@ -139,29 +138,28 @@ def test_linen_block_intercepted_forward_and_gradients_and_opted_out_by_rule():
     """A linen attention block under quantize_model: its output and parameter gradients are
     those of the block given the recipe's products by hand (projections and both attention
     products); a rule for the "attention" kind keeps those products in their own precision.
-    One program for the four models (each alone compiles seconds)."""
+    Compared as traced programs: the same program is the same output and gradients for every
+    input and parameters (the four models compiled take ~15 CPU s; traced, ~3)."""
     x = _x((2, 8, 32))
-    params = jax.jit(Block().init)(jax.random.key(0), x)
+    params = jax.eval_shape(Block().init, jax.random.key(0), x)  # traced on shapes alone
     rules = lowprec.Rules([lowprec.Rule(".*", None, ops=("attention",)), (".*", NVIDIA_MXFP8)])
 
-    def output_and_grads(model, p):
-        y, pull = jax.vjp(lambda q: model.apply(q, x), p)
-        return y, pull(jnp.ones_like(y))[0]  # the gradients of sum(y)
-
-    @jax.jit
-    def run(params):
-        return (output_and_grads(lf.quantize_model(Block(), NVIDIA_MXFP8), params),
-                output_and_grads(BlockByHand(NVIDIA_MXFP8, NVIDIA_MXFP8), params),
-                lf.quantize_model(Block(), rules).apply(params, x),
-                BlockByHand(NVIDIA_MXFP8, None).apply(params, x))
+    def output_and_grads(model):
+        def run(p, x):
+            y, pull = jax.vjp(lambda q: model.apply(q, x), p)
+            return y, pull(jnp.ones_like(y))[0]  # the gradients of sum(y)
+        return run
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        (got, g), (want, g_want), got_rules, want_rules = run(params)
-    assert_bits_equal(got, want)
-    jax.tree.map(assert_bits_equal, g, g_want)
-    assert_bits_equal(got_rules, want_rules)
-    assert not np.array_equal(np.asarray(got), np.asarray(got_rules))  # the rule did opt out
+        assert_same_program(output_and_grads(lf.quantize_model(Block(), NVIDIA_MXFP8)),
+                            output_and_grads(BlockByHand(NVIDIA_MXFP8, NVIDIA_MXFP8)),
+                            params, x, what="quantize_model")
+        opted_out = assert_same_program(lf.quantize_model(Block(), rules).apply,
+                                        BlockByHand(NVIDIA_MXFP8, None).apply, params, x,
+                                        what="rules")
+    # The rule did opt out: not the program with quantized attention products.
+    assert opted_out != str(traced(BlockByHand(NVIDIA_MXFP8, NVIDIA_MXFP8).apply, params, x))
 
 
 def test_nnx_attention_quantized_by_quantize_model_and_restored():
@@ -307,23 +305,31 @@ class Two(nn.Module):
 
 
 def test_nested_intercepting_the_innermost_rule_decides():
+    """Compared as traced programs (the contexts are active while tracing, as under jit)."""
     x = _x((4, 32))
-    params = jax.jit(Two().init)(jax.random.key(0), x)
+    params = jax.eval_shape(Two().init, jax.random.key(0), x)
+
+    def nested(*recipes):
+        def run(p, x):
+            with lf.intercepting(recipes[0]), lf.intercepting(recipes[1]):
+                return Two().apply(p, x)
+        return run
+
+    def modelled(rules):
+        return lf.quantize_model(Two(), rules).apply
+
     only_a = lowprec.Rules([("a", MX4)])
-    with lf.intercepting(NVIDIA_MXFP8):
-        with lf.intercepting(only_a):
-            got = jax.jit(Two().apply)(params, x)
     # a: the inner rule; b: no inner rule, so the outer recipe.
-    want = lf.quantize_model(Two(), lowprec.Rules([("a", MX4), ("b", NVIDIA_MXFP8)])).apply(params, x)
-    assert_bits_equal(got, want)
-    with lf.intercepting(only_a):
-        with lf.intercepting(NVIDIA_MXFP8):  # the inner recipe decides every layer
-            assert_bits_equal(Two().apply(params, x),
-                              lf.quantize_model(Two(), NVIDIA_MXFP8).apply(params, x))
+    assert_same_program(nested(NVIDIA_MXFP8, only_a),
+                        modelled(lowprec.Rules([("a", MX4), ("b", NVIDIA_MXFP8)])), params, x,
+                        what="inner rule for a, outer recipe for b")
+    # The inner recipe decides every layer.
+    assert_same_program(nested(only_a, NVIDIA_MXFP8), modelled(NVIDIA_MXFP8), params, x,
+                        what="inner recipe")
     # An inner None rule keeps a layer in its own precision against the outer recipe.
-    with lf.intercepting(NVIDIA_MXFP8), lf.intercepting([("a", None)]):
-        got = Two().apply(params, x)
-    assert_bits_equal(got, lf.quantize_model(Two(), lowprec.Rules([("b", NVIDIA_MXFP8)])).apply(params, x))
+    assert_same_program(nested(NVIDIA_MXFP8, [("a", None)]),
+                        modelled(lowprec.Rules([("b", NVIDIA_MXFP8)])), params, x,
+                        what="inner None rule")
 
 
 class Parent(nn.Module):
