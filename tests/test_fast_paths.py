@@ -59,20 +59,31 @@ def _inputs(fmt: str) -> np.ndarray:
 def _general(fmt, u32: np.ndarray, rounding: str, words=None) -> np.ndarray:
     """The general encoder on the same values as float64 bit patterns (no fast path takes
     float64 input; every float32 is a float64, rounded once from its exact value)."""
+    return _general_modes(fmt, u32, (rounding,), words)[0]
+
+
+def _general_modes(fmt, u32: np.ndarray, roundings, words=None) -> list:
+    """:func:`_general` for each of ``roundings``, widened and encoded in one program (a
+    program per mode, and the widening op by op, were ~7 compiles a format)."""
     f = lowprec.element_format(fmt)
+
+    def run(u, w):
+        u64 = lax.bitcast_convert_type(_dtypes.f32_bits_to_f64(u), jnp.uint64)
+        return [_encode.encode_bits(f, u64, r, "ieee", w if r == "stochastic" else None)
+                for r in roundings]
+
     with jax.enable_x64(True):
-        u = _dtypes.f32_bits_to_f64(jnp.asarray(u32))
-        u64 = lax.bitcast_convert_type(u, jnp.uint64)
         w = None if words is None else jnp.asarray(words)
-        return np.asarray(jax.jit(lambda v, r: _encode.encode_bits(f, v, rounding, "ieee", r))(u64, w))
+        return [np.asarray(a) for a in jax.jit(run)(jnp.asarray(u32), w)]
 
 
-def _fast(fmt, u32: np.ndarray, rounding: str, words=None) -> np.ndarray:
+def _fast(fmt, u32: np.ndarray, roundings, words=None) -> list:
+    """The float32 encoders (their fast paths) for each of ``roundings``, in one program."""
     f = lowprec.element_format(fmt)
     w = None if words is None else jnp.asarray(words)
-    return np.asarray(
-        jax.jit(lambda v, r: _encode.encode_bits(f, v, rounding, "ieee", r))(jnp.asarray(u32), w)
-    )
+    run = jax.jit(lambda v, r: [_encode.encode_bits(f, v, m, "ieee", r if m == "stochastic" else None)
+                                for m in roundings])
+    return [np.asarray(a) for a in run(jnp.asarray(u32), w)]
 
 
 def _fast_modes(fmt: str):
@@ -103,10 +114,9 @@ def test_fast_encode_equals_the_general_encoder(fmt):
     u = _inputs(fmt)
     words = np.random.default_rng(7).integers(0, 2**32, u.size, dtype=np.uint64).astype(np.uint32)
     words[:64] = [0, 1, 2**31, 2**32 - 1] * 16  # the extreme words
-    for rounding in modes:
-        w = words if rounding == "stochastic" else None
-        assert_codes_equal(_fast(fmt, u, rounding, w), _general(fmt, u, rounding, w),
-                           u.view(np.float32), f"{fmt} {rounding}")
+    w = words if "stochastic" in modes else None
+    for rounding, got, want in zip(modes, _fast(fmt, u, modes, w), _general_modes(fmt, u, modes, w)):
+        assert_codes_equal(got, want, u.view(np.float32), f"{fmt} {rounding}")
 
 
 def _subnormal_range_inputs(fmt: str, n: int = 1 << 14) -> np.ndarray:
@@ -157,8 +167,10 @@ def test_stochastic16_encoders_equal_the_general_encoder(fmt):
 def test_decode_by_subtraction_equals_the_integer_decode(fmt):
     f = lowprec.element_format(fmt)
     codes = jnp.arange(1 << min(f.code_bits, 16), dtype=jnp.uint32)
-    want = np.asarray(jax.jit(lambda c: _decode.decode_bits(f, c))(codes))
-    runs = {"jit": lambda: jax.jit(lambda c: _decode.decode_f32(f, c))(codes)}
+    # The integer decode and the jitted subtraction in one program (one compile, not two).
+    want, jitted = jax.jit(lambda c: (_decode.decode_bits(f, c), _decode.decode_f32(f, c)))(codes)
+    want = np.asarray(want)
+    runs = {"jit": lambda: jitted}
     if fmt in _EAGER_ENCODERS:  # op by op for one format per family (see above)
         runs["eager"] = lambda: _decode.decode_f32(f, codes)
     for mode, run in runs.items():
@@ -192,9 +204,10 @@ def test_fast_mx_decode_equals_the_bit_built_decode(fmt):
     for axis, el, s in ((1, packed, sc), (0, packed.T, sc.T)):
         n = codes.shape[1]
         args = (jnp.asarray(el), jnp.asarray(s), f, axis, n)
-        want = np.asarray(jax.jit(lambda e, t: _mx_decode.mx_value_bits(e, t, f, axis, n))(el, s))
-        got = np.asarray(jax.jit(lambda e, t: _mx_decode.mx_value_bits_fast(e, t, f, axis, n))(el, s))
-        assert_codes_equal(got, want, None, f"{fmt} axis {axis}")
+        # Both decodes in one program (one compile per layout, not two).
+        want, got = jax.jit(lambda e, t: (_mx_decode.mx_value_bits(e, t, f, axis, n),
+                                          _mx_decode.mx_value_bits_fast(e, t, f, axis, n)))(el, s)
+        assert_codes_equal(np.asarray(got), np.asarray(want), None, f"{fmt} axis {axis}")
 
 
 @pytest.mark.parametrize("fmt", MX)
