@@ -92,11 +92,13 @@ def make_tokens(rng, m, k, integers=False):
         x = rng.integers(-8, 9, size=(m, k)).astype(np.float32)
     else:
         x = rng.standard_normal((m, k)).astype(np.float32)
-    return jnp.asarray(x, jnp.bfloat16)
+    return jnp.asarray(x.astype(ml_dtypes.bfloat16))  # rounded by ml_dtypes: nothing compiled
 
 
 def f64(x) -> np.ndarray:
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    """float64 values of a float32 / bfloat16 array, converted by NumPy (exact; an eager
+    jnp conversion would compile a program per shape)."""
+    return np.asarray(x).astype(np.float64)
 
 
 def assert_within_bound(y, x64, w64, underflow=False):
@@ -118,10 +120,14 @@ def assert_within_bound(y, x64, w64, underflow=False):
         assert np.all(err <= bound[finite]), f"max excess {np.max(err - bound[finite])}"
 
 
+# Jitted: run eagerly, the reshape, kernel and split sum would each compile a program.
+_pallas_jit = jax.jit(mxfp4_matmul_pallas, static_argnames=("k", "cfg", "interpret"))
+
+
 def pallas(x, w: Weight, cfg=None, interpret=not ON_GPU):
     m, k = x.shape
     cfg = cfg or default_config(m, w.mx.shape[0], k)
-    return mxfp4_matmul_pallas(x, w.mx.elements, w.mx.scales, k=k, cfg=cfg, interpret=interpret)
+    return _pallas_jit(x, w.mx.elements, w.mx.scales, k=k, cfg=cfg, interpret=interpret)
 
 
 # -- the kernel (interpreted on CPU) -------------------------------------------------------------
@@ -268,8 +274,11 @@ def _as_k_by_n(w):
 
 
 def _decode_case(m=4, n=64, k=2880, dtype=jnp.bfloat16, fmt="mxfp4"):
+    """Shapes only (what a lowering needs): the weight's MXArray of abstract leaves from
+    eval_shape, nothing compiled (the fixture clearing JAX's caches recompiled it per test)."""
     x = jax.ShapeDtypeStruct((m, k), dtype)
-    w = lowprec.quantize_mx(jnp.zeros((n, k)), fmt, axis=1)
+    w = jax.eval_shape(lambda v: lowprec.quantize_mx(v, fmt, axis=1),
+                       jax.ShapeDtypeStruct((n, k), jnp.float32))
     return x, w
 
 
@@ -318,14 +327,18 @@ def test_dispatch_on_cpu_is_the_generic_path_itself():
     rng = np.random.default_rng(11)
     w = make_weight(rng, 40, 2880)
     x = make_tokens(rng, 4, 2880)
-    y = lowprec.dot_general(x, w.mx, DN)
-    assert_within_bound(y, f64(x), w.values)
     from lowprec import _options, _qdot
 
     spec = _options.DotSpec.create(None, None, None, "floor", "nearest_even", "ieee", False, "ste", jnp.float32)
     spec = spec.with_mx_operand("rhs", w.mx.fmt)
-    w3 = lowprec.MXArray(w.mx.elements[None], w.mx.scales[None], w.mx.fmt, 2, (1, 40, 2880))
-    generic = _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs)[0]
+
+    @jax.jit  # both calls in one program (run eagerly, each op compiled its own: 32 programs)
+    def both(x, w):
+        w3 = lowprec.MXArray(w.elements[None], w.scales[None], w.fmt, 2, (1, 40, 2880))
+        return lowprec.dot_general(x, w, DN), _qdot._qdot_canonical(x[None], w3, spec.lhs, spec.rhs)[0]
+
+    y, generic = both(x, w.mx)
+    assert_within_bound(y, f64(x), w.values)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(generic))
 
 
@@ -357,7 +370,8 @@ def test_xla_route_exact_sums_bit_identical():
     rng = np.random.default_rng(5)
     w = make_weight(rng, 30, 2880, scale_lo=125, scale_hi=129)
     x = make_tokens(rng, 16, 2880, integers=True)
-    got = np.asarray(_gemv.mxfp4_matmul(x, w.mx, "xla"), np.float64)
+    # Jitted (op by op the route compiled ~45 programs).
+    got = np.asarray(jax.jit(_gemv.mxfp4_matmul, static_argnums=2)(x, w.mx, "xla"), np.float64)
     np.testing.assert_array_equal(got, f64(x) @ w.values.T)
 
 
@@ -554,13 +568,20 @@ def test_pallas_kernels_zero_pad_like_quantize_mx(fmt, cols):
     giving quantize_mx(..., pad=True)'s codes and fake_quantize_mx(..., pad=True)'s values."""
     x = jnp.asarray(_specials((21, 352), 6)[:, :cols])
     cast = MXCast(lowprec.mx_format(fmt), "floor", "nearest_even")
-    elements, scales = quantize_mx_pallas(x, cast, block_rows=8, block_cols=128,
-                                          interpret=not ON_GPU)
-    want = lowprec.quantize_mx(x, fmt, scale_rule="floor", pad=True)
-    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
-    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
-    fake = fake_quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU)
-    assert_same_floats(fake, lowprec.fake_quantize_mx(x, fmt, scale_rule="floor", pad=True))
+
+    @jax.jit  # kernels and references in one program (a program each cost ~1.5x the CPU)
+    def run(x):
+        want = lowprec.quantize_mx(x, fmt, scale_rule="floor", pad=True)
+        return (quantize_mx_pallas(x, cast, block_rows=8, block_cols=128, interpret=not ON_GPU),
+                (want.elements, want.scales),
+                fake_quantize_mx_pallas(x, cast, block_rows=8, block_cols=128,
+                                        interpret=not ON_GPU),
+                lowprec.fake_quantize_mx(x, fmt, scale_rule="floor", pad=True))
+
+    (elements, scales), (want_elements, want_scales), fake, want_fake = run(x)
+    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want_elements))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+    assert_same_floats(fake, want_fake)
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS + ("mxint8",))
@@ -575,18 +596,27 @@ def test_pallas_kernels_along_axis_0_like_quantize_mx(fmt, rows):
     rules = ("floor", "rceil")
     if not tiers.full_suite():
         rules = rules[(QUANT_FORMATS + ("mxint8",)).index(fmt) % 2:][:1]
-    for rule in rules:
-        cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
-        elements, scales = quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU)
-        want = lowprec.quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True)
+
+    @jax.jit  # every rule's kernels and references in one program
+    def run(x):
+        out = []
+        for rule in rules:
+            cast = MXCast(lowprec.mx_format(fmt), rule, "nearest_even")
+            want = lowprec.quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True)
+            out.append((quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU),
+                        (want.elements, want.scales),
+                        fake_quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU),
+                        lowprec.fake_quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True)))
+        return out
+
+    for rule, ((elements, scales), (want_elements, want_scales), fake, want_fake) in zip(
+            rules, run(x)):
         tag = f"{fmt} {rows} rows {rule}"
-        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements),
+        np.testing.assert_array_equal(np.asarray(elements), np.asarray(want_elements),
                                       err_msg=f"{tag}: elements")
-        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales),
+        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales),
                                       err_msg=f"{tag}: scales")
-        fake = fake_quantize_mx_pallas(x, cast, axis=0, interpret=not ON_GPU)
-        assert_same_floats(fake, lowprec.fake_quantize_mx(x, fmt, axis=0, scale_rule=rule, pad=True),
-                           f"{tag}: fake_quantize_mx")
+        assert_same_floats(fake, want_fake, f"{tag}: fake_quantize_mx")
 
 
 def test_pallas_quantize_keeps_leading_dims_and_nearest_away():
