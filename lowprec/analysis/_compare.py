@@ -714,7 +714,7 @@ def compare(
         >>> bool((df["sqnr_db_lo"] < df["sqnr_db"]).all())
         True
         >>> sweep = compare("gaussian", ["mxint8", "nvfp4"], scale_rules="rceil",
-        ...                 block_sizes=[16, 64], seeds=2, shape=(4, 256))
+        ...                 block_sizes=[16, 64], seeds=2, shape=(8, 256))
         >>> sweep["format"].tolist(), sweep["block_size"].tolist()
         (['mxint8_b16', 'mxint8_b64', 'nvfp4', 'nvfp4_b64'], [16, 64, 16, 64])
         >>> big = compare(np.array([1.0, 500.0, 2.0, 3.0], np.float32), "e4m3")
@@ -803,7 +803,7 @@ def summarize(per_seed_frame, *, level: float = 0.95):
 
     Example:
         >>> runs = compare("laplace", "mxfp8_e4m3", scale_rules="rceil", seeds=4,
-        ...                shape=(4, 128), per_seed=True)
+        ...                shape=(8, 256), per_seed=True)
         >>> len(runs), len(summarize(runs))
         (4, 1)
         >>> sorted(summarize(runs).attrs["phase"].items()), summarize(runs).attrs["seeds"]
@@ -883,7 +883,7 @@ def paired_delta(
 
     Example:
         >>> runs = compare("gaussian", "mxfp8_e4m3", scale_rules=["floor", "rceil"],
-        ...                seeds=5, shape=(16, 256), per_seed=True)
+        ...                seeds=5, shape=(8, 256), per_seed=True)
         >>> d = paired_delta(runs, metric="sqnr_db", within="scale_rule", baseline="rceil")
         >>> d["scale_rule"].tolist(), bool(d["delta_hi"].iloc[0] < 0)   # floor loses to rceil
         (['floor'], True)
@@ -1013,7 +1013,7 @@ def long_format(frame):
 
     Example:
         >>> df = compare("gaussian", ["e4m3", "mxfp4"], scale_rules="rceil", seeds=2,
-        ...              shape=(4, 128))
+        ...              shape=(8, 256))
         >>> tidy = long_format(df)
         >>> list(tidy.columns)
         ['input', 'format', 'scale_rule', 'block_size', 'bits_per_element', 'n_seeds', 'metric', 'value', 'lo', 'hi']
