@@ -6,7 +6,9 @@ quantized files byte by byte. Whatever the file, every entry point (``lowprec in
 ``dequantize``, ``quantize`` and :func:`load_checkpoint`) either succeeds or raises
 :class:`CheckpointError` (exit status 1, one line on stderr, no traceback), and the input
 file is never modified. ``FUZZ_EXAMPLES=3000 pytest tests/test_checkpoint_fuzz.py
---hypothesis-profile=explore`` searches longer (about 2 minutes on 2 cores).
+--hypothesis-profile=explore`` searches longer (about 2 minutes on 2 cores). The quick tier
+(``-m "not slow"``) runs a quarter of the default run's examples, as it runs a sample of
+other sweeps.
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ from lowprec.cli import main
 FUZZ = settings(deadline=None, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
+
+
+def _examples(config, default: int) -> int:
+    """``FUZZ_EXAMPLES``, else ``default``, a quarter of it in the quick tier."""
+    if "FUZZ_EXAMPLES" in os.environ:
+        return int(os.environ["FUZZ_EXAMPLES"])
+    quick = "not slow" in (config.getoption("markexpr", "") or "")
+    return max(1, default // 4) if quick else default
+
 
 NAMES = st.sampled_from(["w", "w_elements", "w_scales", "w_blocks", "w_scale", "v", "x.weight",
                          "x.weight_elements", "__metadata__", "", "é"])
@@ -216,16 +227,22 @@ def check_clean(content: bytes, capsys) -> None:
         assert not leftovers  # no temp files
 
 
-@FUZZ
-@given(malformed_files())
-def test_malformed_files_give_clean_errors(capsys, content):
-    check_clean(content, capsys)
+def test_malformed_files_give_clean_errors(request, capsys):
+    @settings(FUZZ, max_examples=_examples(request.config, 150))
+    @given(malformed_files())
+    def fuzz(content):
+        check_clean(content, capsys)
+
+    fuzz()
 
 
-@settings(FUZZ, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 100)))
-@given(mutated_files())
-def test_mutated_quantized_files_give_clean_errors(capsys, content):
-    check_clean(content, capsys)
+def test_mutated_quantized_files_give_clean_errors(request, capsys):
+    @settings(FUZZ, max_examples=_examples(request.config, 100))
+    @given(mutated_files())
+    def fuzz(content):
+        check_clean(content, capsys)
+
+    fuzz()
 
 
 def test_the_generators_reach_the_decoders(capsys):

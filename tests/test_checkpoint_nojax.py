@@ -115,18 +115,25 @@ def test_scale_options_are_mxcast_ones(fmt_name, rule):
 
 
 # -- the command line, in a subprocess ----------------------------------------------------
-_RUN = ("import sys\n"
+# One Python start-up per test (each costs ~1 CPU s): the commands run one after the other in
+# the same process, and the JAX modules listed are those imported by all of them (modules are
+# only ever added, so an empty list means no command imported JAX).
+_RUN = ("import json, sys\n"
         "from lowprec.cli import main\n"
-        "rc = main(sys.argv[1:])\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))\n"
-        "sys.exit(rc)\n")
+        "for cmd in json.loads(sys.argv[1]):\n"
+        "    rc = main(cmd)\n"
+        "    if rc:\n"
+        "        sys.exit(f'{cmd[0]}: exit status {rc}')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))\n")
 
 
-def _lowprec(*args, policy=None):
+def _lowprec(*commands, policy=None):
+    """The JAX modules imported by running ``commands`` (argument lists) in one process."""
     env = {k: v for k, v in os.environ.items() if k != "LOWPREC_KERNELS"}
     if policy is not None:
         env["LOWPREC_KERNELS"] = policy
-    r = subprocess.run([sys.executable, "-c", _RUN, *map(str, args)], capture_output=True,
+    arg = json.dumps([[str(a) for a in cmd] for cmd in commands])
+    r = subprocess.run([sys.executable, "-c", _RUN, arg], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1].replace("'", '"'))
@@ -154,9 +161,8 @@ def model(tmp_path_factory):
                                  pytest.param("mxfp8_e4m3", marks=pytest.mark.slow)])
 def test_the_native_commands_import_no_jax(model, fmt, tmp_path):
     q, d = tmp_path / "q.safetensors", tmp_path / "d.safetensors"
-    assert _lowprec("quantize", model, q, "-f", fmt, "-q", "--report", tmp_path / "r.json") == []
-    assert _lowprec("dequantize", q, d, "-q") == []
-    assert _lowprec("inspect", q) == []
+    assert _lowprec(["quantize", model, q, "-f", fmt, "-q", "--report", tmp_path / "r.json"],
+                    ["dequantize", q, d, "-q"], ["inspect", q]) == []
     # The same files as the library's JAX programs write (the native passes off)
     with lowprec.kernels.policy("xla"):
         quantize_checkpoint(model, tmp_path / "q-xla.safetensors", fmt, progress=False,
@@ -180,31 +186,26 @@ def test_the_environment_policy_is_read_without_jax(model, tmp_path):
     # turns them off there too, and the command then runs the library's programs.
     assert _ckpt_cpu._ENV_VAR == lowprec.kernels.ENV_VAR
     q = tmp_path / "q.safetensors"
-    assert "jax" in _lowprec("quantize", model, q, "-f", "mxfp4", "-q", policy="xla")
+    assert "jax" in _lowprec(["quantize", model, q, "-f", "mxfp4", "-q"], policy="xla")
 
 
 @pytest.mark.skipif(not _ckpt_cpu.available(), reason=_ckpt_cpu.status())
 def test_convert_imports_no_jax(model, tmp_path):
     q, ct = tmp_path / "q.safetensors", tmp_path / "ct.safetensors"
-    _lowprec("quantize", model, q, "-f", "mxfp4", "-q")
-    assert _lowprec("convert", q, ct, "--layout", "compressed-tensors", "-q") == []
-    assert _lowprec("inspect", ct) == []
+    quantize_checkpoint(model, q, "mxfp4", progress=False)  # the input; its imports are not checked
+    assert _lowprec(["convert", q, ct, "--layout", "compressed-tensors", "-q"], ["inspect", ct]) == []
 
 
 def test_import_lowprec_imports_no_jax():
+    # One process (a start-up each costs ~1 CPU s): the plain import pulls in no JAX, and a
+    # public name's first use does. Then, as before the lazy init (when `import lowprec`
+    # imported lowprec.kernels along the way), `lowprec.kernels` works without its own import.
     code = ("import sys, lowprec\n"
             "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')]\n"
             "assert set(lowprec.__all__) <= set(dir(lowprec))\n"
             "lowprec.quantize\n"
-            "assert 'jax' in sys.modules\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-
-
-def test_subpackages_read_after_a_plain_import_lowprec():
-    # Before the lazy init, `import lowprec` imported lowprec.kernels along the way, so
-    # `lowprec.kernels.policy(...)` worked without its own import; it must still.
-    code = ("import lowprec\n"
+            "assert 'jax' in sys.modules\n"
+            "assert 'lowprec.kernels' not in sys.modules  # not imported by the lines above\n"
             "assert lowprec.kernels.current_policy().kernels in lowprec.kernels.POLICIES\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
