@@ -670,7 +670,8 @@ def test_delayed_training_matches_one_device(kind, layout, route, request):
 # whole blocks along the output projection's contraction) and the MLP's hidden features.
 #
 # Expected: the same training on one device, three Adam steps (lr 1e-3) from the same
-# parameters on the same batch. What may differ, and the tolerance for each:
+# parameters on the same batch (for both Flax APIs the linen block's, which computes the
+# nnx block's bits: _block_one_device). What may differ, and the tolerance for each:
 # * float32 summation order: of sums that cross devices (weight gradients, the loss), and of
 #   the unquantized float work (softmax, LayerNorm), which XLA compiles
 #   differently for another per-device shape (plain float32 Flax gives other bits here).
@@ -768,7 +769,8 @@ def _adam_run(loss, params, x, t, keyed):
     Returns (losses, params, the starting params)."""
     optax = pytest.importorskip("optax")
     opt = optax.adam(LR)
-    state, start = opt.init(params), params
+    # One program, not an eager one per parameter shape and layout (~25 compiles a block).
+    state, start = jax.jit(opt.init)(params), params
 
     @jax.jit
     def step(params, state, x, t, key):
@@ -818,31 +820,45 @@ def _put_params(params, mesh, layout):
         params)
 
 
-def _linen_case(kind, layout, recipe):
+def _block_start():
+    """The batch and the float linen block's parameters, where every block case starts
+    (QuantizedLinen's parameters are the model's own: a float forward to trace and compile
+    instead of a quantized one)."""
+    x, t = _batch()
+    return x, t, jax.jit(_linen_block().init)(jax.random.key(0), x)
+
+
+def _linen_loss(recipe, gather=False):
     import lowprec.flax
 
     model = lowprec.flax.quantize_model(_linen_block(), recipe)
-    x, t = _batch()
-    # The float block's init: the same parameters (QuantizedLinen's are the model's own), a
-    # float forward to trace and compile instead of a quantized one.
-    params = jax.jit(_linen_block().init)(jax.random.key(0), x)
-    keyed = _keyed(recipe)
 
-    def loss_with(gather):
-        def loss(p, x, t):
-            if gather:  # FSDP on Explicit axes: weights gathered where used (JAX's reshard)
-                p = jax.tree.map(lambda v: jax.sharding.reshard(v, P()), p)
-            return jnp.mean((model.apply(p, x) - t) ** 2)
+    def loss(p, x, t):
+        if gather:  # FSDP on Explicit axes: weights gathered where used (JAX's reshard)
+            p = jax.tree.map(lambda v: jax.sharding.reshard(v, P()), p)
+        return jnp.mean((model.apply(p, x) - t) ** 2)
 
-        return loss
+    return loss
 
-    want = _one_device("linen", recipe, lambda: _adam_run(loss_with(False), params, x, t, keyed))
+
+def _block_one_device(recipe, x, t, params):
+    """The expected run of both Flax APIs' blocks: the linen block's, on one device. Given
+    the same parameters the nnx block computes the same bits (seen with NVIDIA_MXFP8 on one
+    device: every parameter after three steps equal to the bit), so one compile of the
+    one-device program serves the linen and the nnx cases of a recipe."""
+    return _one_device("block", recipe,
+                       lambda: _adam_run(_linen_loss(recipe), params, x, t, _keyed(recipe)))
+
+
+def _linen_case(kind, layout, recipe):
+    x, t, params = _block_start()
+    want = _block_one_device(recipe, x, t, params)
     shape, names, xspec = MESHES[layout]
     mesh = _mesh(kind, shape, names)
     with jax.set_mesh(mesh):
         put = lambda v: jax.device_put(v, NamedSharding(mesh, xspec))
-        got = _adam_run(loss_with(layout == "fsdp" and kind == "explicit"),
-                        _put_params(params, mesh, layout), put(x), put(t), keyed)
+        got = _adam_run(_linen_loss(recipe, layout == "fsdp" and kind == "explicit"),
+                        _put_params(params, mesh, layout), put(x), put(t), _keyed(recipe))
     _assert_tracks(got, want, drift=True)
 
 
@@ -850,27 +866,30 @@ def _nnx_case(kind, layout, recipe):
     nnx = pytest.importorskip("flax.nnx")
     import lowprec.flax
 
-    x, t = _batch()
+    x, t, params = _block_start()
+    want = _block_one_device(recipe, x, t, params)
     shape, names, xspec = MESHES[layout]
-    keyed = _keyed(recipe)
-
-    def run(out_sharding=None, mesh=None):
-        model = lowprec.flax.quantize_model(_nnx_block(out_sharding), recipe)
-        graph, params = nnx.split(model)
-
-        def loss(p, x, t):
-            return jnp.mean((nnx.merge(graph, p)(x) - t) ** 2)
-
-        if mesh is None:
-            return _adam_run(loss, params, x, t, keyed)
-        put = lambda v: jax.device_put(v, NamedSharding(mesh, xspec))
-        return _adam_run(loss, _put_params(params, mesh, layout), put(x), put(t), keyed)
-
-    want = _one_device("nnx", recipe, run)
-    mesh = _mesh(kind, shape, names)
     row_parallel = layout in ("tensor", "data_tensor") and kind == "explicit"
+    model = lowprec.flax.quantize_model(_nnx_block(xspec if row_parallel else None), recipe)
+    graph, state = nnx.split(model)
+    # The linen block's parameters under the nnx block's names (same shapes and meanings).
+    linen = params["params"]
+    nnx.replace_by_pure_dict(state, {"ln1": linen["LayerNorm_0"], "ln2": linen["LayerNorm_1"],
+                                **{k: linen[k] for k in ("attn", "up", "down")}})
+
+    def loss(p, x, t):
+        return jnp.mean((nnx.merge(graph, p)(x) - t) ** 2)
+
+    mesh = _mesh(kind, shape, names)
     with jax.set_mesh(mesh):
-        got = run(xspec if row_parallel else None, mesh)
+        put = lambda v: jax.device_put(v, NamedSharding(mesh, xspec))
+        got = _adam_run(loss, _put_params(state, mesh, layout), put(x), put(t), _keyed(recipe))
+    # In the linen block's structure, as the expected run's parameters.
+    got_l, got_p, start = got
+    as_linen = lambda s: {"params": {  # noqa: E731
+        "LayerNorm_0": s["ln1"], "LayerNorm_1": s["ln2"],
+        **{k: s[k] for k in ("attn", "up", "down")}}}
+    got = got_l, as_linen(nnx.to_pure_dict(got_p)), as_linen(nnx.to_pure_dict(start))
     _assert_tracks(got, want, drift=True)
 
 
@@ -897,8 +916,9 @@ def _nnx_case(kind, layout, recipe):
     # differing with the device count; in linen form, 67% of the parameters beyond TOL and
     # the losses 7e-3 apart after three steps; keyed, the linen form had 0 beyond TOL and
     # its losses 7e-7 apart).
-    # (The default run keeps the first two, 35 s of CPU each, one per Flax API; the NVFP4
-    # cases cost 80 s, and NVFP4 training runs sharded in the MLP case above.)
+    # (The default run keeps the first two, one per Flax API, which share their one-device
+    # run (_block_one_device): three block compiles, ~100 s of CPU; the NVFP4 cases cost
+    # 80 s, and NVFP4 training runs sharded in the MLP case above.)
     extended("nnx", "explicit", "tensor", "nvfp4_out"),
     extended("nnx", "explicit", "data", "nvfp4_out"),
 ])
