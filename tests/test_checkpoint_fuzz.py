@@ -227,22 +227,22 @@ def check_clean(content: bytes, capsys) -> None:
         assert not leftovers  # no temp files
 
 
-def test_malformed_files_give_clean_errors(request, capsys):
-    @settings(FUZZ, max_examples=_examples(request.config, 150))
-    @given(malformed_files())
+def _fuzz_cli(request, capsys, files, default_examples: int) -> None:
+    """Runs check_clean on ``files``' examples (a quarter of them in the quick tier)."""
+    @settings(FUZZ, max_examples=_examples(request.config, default_examples))
+    @given(files)
     def fuzz(content):
         check_clean(content, capsys)
 
     fuzz()
+
+
+def test_malformed_files_give_clean_errors(request, capsys):
+    _fuzz_cli(request, capsys, malformed_files(), 150)
 
 
 def test_mutated_quantized_files_give_clean_errors(request, capsys):
-    @settings(FUZZ, max_examples=_examples(request.config, 100))
-    @given(mutated_files())
-    def fuzz(content):
-        check_clean(content, capsys)
-
-    fuzz()
+    _fuzz_cli(request, capsys, mutated_files(), 100)
 
 
 def test_the_generators_reach_the_decoders(capsys):
