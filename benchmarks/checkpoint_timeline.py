@@ -37,6 +37,13 @@ LIFE = {}  # thread name -> (start wall, cpu, runq)
 lock = threading.Lock()
 local = threading.local()
 inflight = [0]  # pieces submitted and not yet consumed (main thread's view)
+running = [0]  # pieces a worker is running now (on a core or not)
+samples = []  # running[0] every ms (the watcher's)
+starved = {}  # worker -> when it finished a piece and found none queued
+# such waits that ended with another piece: count, wall ns; [True]: those that began while
+# the main thread drained a run's last pieces (a barrier), [False]: the others
+gaps = {True: [0, 0], False: [0, 0]}
+barrier = [False]
 serial = [0]  # main-thread CPU ns with no piece in flight
 
 
@@ -113,18 +120,41 @@ def main():
     # The runner: a worker's task, and the main thread's waits for results.
     run0 = pl.PieceRunner.run
 
-    def run(self, fn, items, consume):
-        task = span("task (other)")(fn)
+    def run(self, fn, items, consume, **kw):  # kw: drain= (streaming across tensors)
+        inner = span("task (other)")(fn)
+
+        queue = self._pool._work_queue if self._pool is not None else None
+
+        def task(item):
+            now = time.perf_counter_ns()
+            with lock:
+                running[0] += 1
+                since = starved.pop(threading.current_thread().name, None)
+                if since is not None:  # this worker had found no work queued
+                    g = gaps[since[1]]
+                    g[0] += 1
+                    g[1] += now - since[0]
+            try:
+                return inner(item)
+            finally:
+                with lock:
+                    running[0] -= 1
+                    if queue is not None and queue.qsize() == 0:
+                        starved[threading.current_thread().name] = (time.perf_counter_ns(),
+                                                                    barrier[0])
 
         def consume2(item, result):
             inflight[0] -= 1
             return consume(item, result)
 
         def counted(items):
+            barrier[0] = False
             for item in items:
                 inflight[0] += 1
                 yield item
-        return run0(self, task, counted(items), consume2)
+            # Every item submitted: a draining run now waits for its last pieces.
+            barrier[0] = kw.get("drain", True)
+        return run0(self, task, counted(items), consume2, **kw)
     pl.PieceRunner.run = run
     import concurrent.futures._base as fb
     result0 = fb.Future.result
@@ -158,6 +188,7 @@ def main():
             if last is not None and inflight[0] == 0:
                 serial[0] += c - last
             last = c
+            samples.append(running[0])
     watcher = threading.Thread(target=watch, daemon=True, name="watcher")
 
     w0, (c0, r0) = time.perf_counter_ns(), sched()
@@ -196,6 +227,22 @@ def main():
         print(f"| {th} | **life** | **{life_c / 1e9:.3f}** | {life_r / 1e9:.3f} | "
               f"**{(life_w - life_c - life_r) / 1e9:.3f}** |")
     print(f"main thread CPU with no piece in flight (serial): {serial[0] / 1e9:.3f} s")
+    # Occupancy: from the first piece to the last, how often fewer pieces ran than there are
+    # workers (a tensor's tail, a barrier, the main thread late to refill): a core left
+    # without work on an idle machine. Under load a running piece may wait for a core; the
+    # structure (barriers) shows all the same.
+    print("a worker found no piece queued and waited for the next (a core without work on an "
+          f"idle machine): at a barrier (a run draining its last pieces) {gaps[True][0]} times, "
+          f"{gaps[True][1] / 1e9:.3f} s of wall; elsewhere (the main thread late to refill) "
+          f"{gaps[False][0]} times, {gaps[False][1] / 1e9:.3f} s")
+    busy = [i for i, n in enumerate(samples) if n]
+    if busy:
+        span_ = samples[busy[0]:busy[-1] + 1]
+        workers = pl.default_workers()
+        hist = collections.Counter(min(n, workers) for n in span_)
+        print(f"pieces running, share of {len(span_)} ms samples from the first piece to the "
+              f"last: " + ", ".join(f"{k}: {hist[k] / len(span_):.1%}" for k in range(workers + 1))
+              + f"; mean {sum(span_) / len(span_):.2f} of {workers}")
 
 
 if __name__ == "__main__":

@@ -534,6 +534,75 @@ def test_failure_midway_leaves_no_output(tmp_path, model, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
 
 
+def test_piece_runner_leaves_a_tensors_last_pieces_in_flight():
+    """``run(..., drain=False)`` returns with its pieces still running (the next tensor's
+    pieces keep the workers busy meanwhile); what is consumed later still comes in the
+    items' order, with the calls queued by ``after`` between them; a failure among pieces
+    left in flight surfaces at the next call and nothing runs after it."""
+    import threading
+
+    from lowprec.checkpoint._pipeline import PieceRunner
+
+    release, got = threading.Event(), []
+
+    def slow(i):
+        assert release.wait(10)
+        return i
+
+    with PieceRunner(2) as runner:
+        runner.run(slow, [0, 1], lambda i, r: got.append(r), drain=False)
+        assert got == []  # returned before either piece finished
+        runner.after(lambda: got.append("first done"))
+        release.set()
+        runner.run(lambda i: -i, [2, 3, 4], lambda i, r: got.append(r))
+        assert got == [0, 1, "first done", -2, -3, -4]
+
+        def fail(i):
+            raise RuntimeError(f"piece {i}")
+
+        runner.run(fail, [5], lambda i, r: got.append(r), drain=False)
+        runner.after(lambda: got.append("never"))
+        with pytest.raises(RuntimeError, match="piece 5"):
+            runner.run(lambda i: i, [6], lambda i, r: got.append(r))
+        runner.drain()
+    assert got[6:] == []
+
+
+def test_an_earlier_tensors_failure_is_the_error_raised(tmp_path, model, monkeypatch):
+    """With a tensor's last pieces still in flight when the next tensor starts, an error of
+    those pieces is still the one raised, not one the next tensor's planning raises
+    meanwhile (as converting one tensor after the other would), and no output is left."""
+    import time
+
+    import lowprec.checkpoint._pipeline as pipeline_mod
+
+    path, _ = model
+    monkeypatch.setattr(pipeline_mod, "WORKERS", 2)
+    real_chunk, real_pieces = convert_mod.quantize_chunk, convert_mod.pieces
+    tensors = []
+
+    def slow_fail(*args, **kwargs):
+        time.sleep(0.2)  # the main thread is on to the next tensor by then
+        raise RuntimeError("a piece of the first tensor failed")
+
+    def pieces(*args, **kwargs):
+        tensors.append(1)
+        if len(tensors) == 2:
+            raise CheckpointError("the second tensor's planning failed")
+        return real_pieces(*args, **kwargs)
+
+    monkeypatch.setattr(convert_mod, "quantize_chunk", slow_fail)
+    monkeypatch.setattr(convert_mod, "pieces", pieces)
+    with pytest.raises(RuntimeError, match="first tensor failed"):
+        quantize_checkpoint(path, tmp_path / "q.safetensors", "mxfp4")
+    assert len(tensors) == 2  # the second tensor had started
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+    monkeypatch.setattr(convert_mod, "quantize_chunk", real_chunk)
+    tensors.clear()
+    with pytest.raises(CheckpointError, match="second tensor's planning"):
+        quantize_checkpoint(path, tmp_path / "q.safetensors", "mxfp4")
+
+
 def test_streaming_peak_memory_does_not_grow_with_checkpoint(tmp_path, monkeypatch):
     """Peak (NumPy) memory stays near one piece, not the checkpoint: 2 vs 12 tensors."""
     import gc

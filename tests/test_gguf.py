@@ -131,6 +131,35 @@ def test_nvfp4_output_is_gguf_nvfp4_with_its_scale_tensor(tmp_path):
                                   np.asarray(lowprec.dequantize(unit)) + 0.0)
 
 
+def test_gguf_output_leaves_the_page_cache_tensor_by_tensor(tmp_path, monkeypatch):
+    """As a safetensors output does, a GGUF output's bytes are released one tensor late:
+    each release is exactly the prefix of the file that was final at the tensor before
+    (the aligned header, then each tensor with its padding, ends read by gguf's own
+    reader), never a byte past it; the output is byte for byte a run's without it."""
+    from lowprec.checkpoint import _atomic
+
+    released = []
+    real = _atomic._release_range
+
+    def release(fd, start, end):
+        released.append((start, end))
+        real(fd, start, end)
+
+    rng = np.random.default_rng(6)
+    src = _write(tmp_path / "m.gguf", _llama_tensors(rng))
+    monkeypatch.setattr(_atomic, "_release_range", release)
+    G.quantize_gguf(src, tmp_path / "q.gguf", "mxfp4")
+    r = gguf.GGUFReader(str(tmp_path / "q.gguf"))
+    align = int(r.alignment)
+    finals = [-(-(int(t.data_offset) + int(t.n_bytes)) // align) * align for t in r.tensors]
+    assert finals == sorted(finals) and finals[-1] == (tmp_path / "q.gguf").stat().st_size
+    lagged = [0, 0, *finals[:-1]]
+    assert released == [(lagged[k], lagged[k + 1]) for k in range(len(finals))]
+    monkeypatch.setattr(_atomic, "_release_range", lambda fd, start, end: None)
+    G.quantize_gguf(src, tmp_path / "plain.gguf", "mxfp4")
+    assert (tmp_path / "q.gguf").read_bytes() == (tmp_path / "plain.gguf").read_bytes()
+
+
 # -- reading: every type against gguf's decoder; what a reader refuses ---------------------
 
 

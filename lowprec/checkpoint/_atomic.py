@@ -438,6 +438,10 @@ class AtomicFile(Transaction):
         self._pos += n
         return n
 
+    def tell(self) -> int:
+        """Where the next :meth:`write` appends: the bytes it has written so far."""
+        return self._pos
+
     def start_writeback(self, done: Optional[int] = None) -> None:
         """Starts writing the data so far to disk without waiting for it (Linux
         ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; nothing elsewhere), so that the fsync of

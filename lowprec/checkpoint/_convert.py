@@ -319,11 +319,13 @@ def check_selection(source: Source, plans: dict, include, axis, fmt) -> None:
     )
 
 
-def _quantize_one(reader, writer, info, spec: TensorSpec, reason, bar, runner) -> TensorReport:
+def _quantize_one(reader, writer, info, spec: TensorSpec, reason, bar, runner):
     """Quantizes one tensor piece by piece on the runner's workers: read a region, encode
     it, write each part's region of the output (a per-tensor scale, FP8 or NVFP4, needs a
     first pass for the amax: the whole tensor's, so that every piece is encoded as the whole
-    tensor is). Each piece's statistics are merged in the tensor's order."""
+    tensor is). Each piece's statistics are merged in the tensor's order. Returns what makes
+    the tensor's report once its last pieces, left in flight so that the next tensor's
+    pieces (or amax pass) keep the workers busy meanwhile, are consumed."""
     view = spec.piece_view
     regions = list(pieces(view, spec.align, CHUNK_ELEMENTS))
     parts = spec.parts(info.name)
@@ -353,11 +355,11 @@ def _quantize_one(reader, writer, info, spec: TensorSpec, reason, bar, runner) -
         p0, p1, a0, a1, s0, s1 = rect
         bar.update((p1 - p0) * (a1 - a0) * (s1 - s0) * itemsize)
 
-    runner.run(piece, regions, done)
+    runner.run(piece, regions, done, drain=False)
     for role, stored, _, _ in parts:
         if role == "scale":
             writer.write(stored, np.asarray(scale, np.float32))
-    return TensorReport(
+    return lambda: TensorReport(
         info.name, info.shape, info.dtype, spec.format.name, info.nbytes, spec.nbytes(),
         reason=reason, scale_rule=spec.scale_rule, sqnr_db=stats.sqnr_db,
         max_abs_err=stats.max_abs, max_rel_err=stats.max_rel,
@@ -489,7 +491,7 @@ def dequantize_checkpoint(
                 "metadata, no gpt-oss *_blocks/*_scales pairs, no compressed-tensors or ModelOpt "
                 "weights); nothing to decode"
             )
-        def convert(reader, writer, item, bar, runner) -> TensorReport:
+        def convert(reader, writer, item, bar, runner):
             name, spec, parts, st, why = item
             bar.set_postfix_str(name[-40:], refresh=False)
             if spec is None:
@@ -504,18 +506,28 @@ def dequantize_checkpoint(
                 writer.write_region(name, spec.piece_view, rect, values)
                 return n, bad
 
+            tasks = _decode_pieces(reader, spec, parts)
+            final = tasks[-1] if tasks else None
+
             def done(task, result):
                 counts[0] += result[0]
                 counts[1] += result[1]
+                if task is final:
+                    bar.update(before)
 
-            runner.run(piece, _decode_pieces(reader, spec, parts), done)
-            saturated, nonfinite = counts
-            bar.update(before)
-            return TensorReport(
-                name, spec.shape, st, spec.format.name, before, nbytes_of(st, spec.shape),
-                reason=f"decoded from {', '.join(p[1] for p in parts)}",
-                scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts),
-                nonfinite=nonfinite, decoded_nonfinite=nonfinite, saturated=saturated)
+            if final is None:
+                bar.update(before)
+            # The last pieces stay in flight while the next tensor starts (see _quantize_one).
+            runner.run(piece, tasks, done, drain=False)
+
+            def report():
+                saturated, nonfinite = counts
+                return TensorReport(
+                    name, spec.shape, st, spec.format.name, before, nbytes_of(st, spec.shape),
+                    reason=f"decoded from {', '.join(p[1] for p in parts)}",
+                    scale_rule=spec.scale_rule, stored_as=tuple(p[1] for p in parts),
+                    nonfinite=nonfinite, decoded_nonfinite=nonfinite, saturated=saturated)
+            return report
 
         modules = [n[: -len(".weight")] if n.endswith(".weight") else n for n in decoded]
         texts = plain_config_texts(source, outputs, config, sorted(undecodable), modules)

@@ -49,6 +49,7 @@ import re
 import struct
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -358,7 +359,11 @@ class _Out:
 def write_gguf(dst, fields: dict, tensors: list, *, alignment: int = 32, force=False,
                inputs: Optional[Inputs] = None, progress=None) -> None:
     """Writes a GGUF v3 file atomically: the raw key/value pairs ``fields`` (name → bytes,
-    as :class:`GGUFFile` holds them), then the ``_Out`` tensors, each aligned."""
+    as :class:`GGUFFile` holds them), then the ``_Out`` tensors, each aligned. As the
+    safetensors outputs do (:func:`~._pipeline.write_outputs`), each tensor's bytes are
+    handed to the disk once written, and those final one tensor earlier leave the page cache
+    (:meth:`~._atomic.AtomicFile.start_writeback`, on a background thread): later tensors
+    reuse their pages, and the final fsync waits for little."""
     head = [_MAGIC, struct.pack("<IQQ", 3, len(tensors), len(fields))]
     head += list(fields.values())
     offset = 0
@@ -369,8 +374,12 @@ def write_gguf(dst, fields: dict, tensors: list, *, alignment: int = 32, force=F
         offset = _pad(offset + t.nbytes, alignment)
     header = b"".join(head)
     bar = progress_bar(sum(t.nbytes for t in tensors), "gguf", progress)
+    handed = []
     try:
-        with AtomicFile(dst, force=force, inputs=inputs) as f:
+        # The writeback thread ends (its calls waited for) before the file is staged or
+        # aborted: an aborted file's descriptor must not be used again.
+        with AtomicFile(dst, force=force, inputs=inputs) as f, \
+                ThreadPoolExecutor(1, thread_name_prefix="lowprec-fsync") as stager:
             f.write(header + b"\0" * (_pad(len(header), alignment) - len(header)))
             for t in tensors:
                 data = np.ascontiguousarray(t.data())
@@ -378,7 +387,12 @@ def write_gguf(dst, fields: dict, tensors: list, *, alignment: int = 32, force=F
                     raise AssertionError(f"{t.name}: {data.nbytes} bytes, planned {t.nbytes}")
                 f.write(data.reshape(-1).view(np.uint8))
                 f.write(b"\0" * (_pad(t.nbytes, alignment) - t.nbytes))
+                del data
                 bar.update(t.nbytes)
+                # Appended in order: every byte written so far is final.
+                handed.append(stager.submit(f.start_writeback, f.tell()))
+            for future in handed:
+                future.result()
     finally:
         bar.close()
 

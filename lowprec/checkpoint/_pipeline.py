@@ -5,7 +5,8 @@ writer per shard and publishes every output together (see :mod:`lowprec.checkpoi
 
 A driver plans each shard as ``(plan, entries)`` — its own items, and the ``(stored name,
 dtype, shape)`` of everything the output shard holds — then hands :func:`write_outputs` a
-``convert(reader, writer, item, bar, runner) -> TensorReport`` for its items.
+``convert(reader, writer, item, bar, runner) -> TensorReport`` for its items (or a callable
+making it, once the pieces it left in flight, ``runner.run(..., drain=False)``, are done).
 
 Pieces run on worker threads (:class:`PieceRunner`): reading with ``pread``, the compiled
 programs, the native passes and ``pwrite`` all release the GIL, so a piece is read while
@@ -23,10 +24,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import os
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Optional
@@ -64,43 +67,97 @@ class PieceRunner:
     """Runs the pieces of a conversion on worker threads (see the module docstring).
 
     :meth:`run` calls ``fn(item)`` for each item on the workers, at most two per worker at
-    once, and ``consume(item, result)`` in this thread in the items' order. An exception in
-    either (or a signal's, raised here: the command line's SIGTERM) cancels the pieces not
-    started and waits for those running before it propagates: no worker touches an output
-    after its file is aborted.
+    once, and ``consume(item, result)`` in this thread in the items' order. With
+    ``drain=False`` it returns once every item is submitted, leaving the last few in flight:
+    the next :meth:`run` from this thread (the next tensor's pieces, its amax pass) keeps
+    the workers busy while they finish and consumes them first, in order, so a tensor's
+    tail no longer leaves a core idle. :meth:`after` queues a call for when every piece
+    submitted so far is consumed (a tensor's report, its write-behind); :meth:`drain`
+    consumes everything. Each thread that calls it (one per shard converted at once) has
+    its own queue. An exception in ``fn``, ``consume`` or a queued call (or a signal's,
+    raised here: the command line's SIGTERM) cancels the pieces not started and waits for
+    those running before it propagates, as :meth:`cancel` does for an exception raised
+    between two calls: no worker touches an output after its file is aborted.
 
     Example:
         >>> got = []
         >>> with PieceRunner(2) as runner:
-        ...     runner.run(lambda i: i * i, range(5), lambda i, r: got.append(r))
+        ...     runner.run(lambda i: i * i, range(5), lambda i, r: got.append(r), drain=False)
+        ...     runner.after(lambda: got.append("squares done"))
+        ...     runner.run(lambda i: -i, range(2), lambda i, r: got.append(r))
         >>> got
-        [0, 1, 4, 9, 16]
+        [0, 1, 4, 9, 16, 'squares done', 0, -1]
     """
 
     def __init__(self, workers: int):
         self.workers = max(1, int(workers))
         self._pool = (ThreadPoolExecutor(self.workers, thread_name_prefix="lowprec-piece")
                       if self.workers > 1 else None)
+        self._local = threading.local()
 
-    def run(self, fn: Callable, items: Iterable, consume: Callable) -> None:
+    def _queue(self) -> collections.deque:
+        """This thread's ``(item, future, consume)`` in submission order (future None: a
+        call queued by :meth:`after`); ``self._local.inflight`` counts the pieces."""
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = collections.deque()
+            self._local.inflight = 0
+        return pending
+
+    def _consume_next(self, pending: collections.deque) -> None:
+        """Consumes the oldest piece, and the calls queued before it."""
+        while pending:
+            item, future, then = pending.popleft()
+            if future is None:
+                then()
+                continue
+            self._local.inflight -= 1
+            then(item, future.result())
+            return
+
+    def run(self, fn: Callable, items: Iterable, consume: Callable, *, drain: bool = True) -> None:
         if self._pool is None:
             for item in items:
                 consume(item, fn(item))
             return
-        pending: collections.deque = collections.deque()
+        pending = self._queue()
         try:
             for item in items:
-                pending.append((item, self._pool.submit(fn, item)))
-                if len(pending) >= 2 * self.workers:
-                    done, future = pending.popleft()
-                    consume(done, future.result())
-            while pending:
-                done, future = pending.popleft()
-                consume(done, future.result())
-        finally:
-            for _, future in pending:
-                future.cancel()
-            wait([future for _, future in pending])
+                pending.append((item, self._pool.submit(fn, item), consume))
+                self._local.inflight += 1
+                if self._local.inflight >= 2 * self.workers:
+                    self._consume_next(pending)
+            if drain:
+                while pending:
+                    self._consume_next(pending)
+        except BaseException:
+            self.cancel()
+            raise
+
+    def after(self, call: Callable) -> None:
+        """Calls ``call()`` in this thread once every piece submitted so far is consumed
+        (now, if none is in flight)."""
+        pending = self._queue()
+        if pending:
+            pending.append((None, None, call))
+        else:
+            call()
+
+    def drain(self) -> None:
+        """Consumes, in order, every piece this thread has in flight (and runs the calls
+        queued between them)."""
+        self.run(None, (), None)
+
+    def cancel(self) -> None:
+        """Cancels this thread's pieces not started and waits for those running (their
+        results and the queued calls are dropped)."""
+        pending = self._queue()
+        futures = [future for _, future, _ in pending if future is not None]
+        pending.clear()
+        self._local.inflight = 0
+        for future in futures:
+            future.cancel()
+        wait(futures)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -371,13 +428,28 @@ def plan_shards(readers: dict, plan_file, fix: str = "--exclude one of them") ->
     refused (:func:`check_collisions`, ``fix`` saying how)."""
     plans = {}
     for rel, reader in readers.items():
-        plan, entries = [], []
+        plan, entries = [], _Entries()
         for item, stored in plan_file(reader):
             plan.append(item)
             entries += stored
+            entries.ends.append(len(entries))
         check_collisions(entries, reader.path, fix)
         plans[rel] = (plan, entries)
     return plans
+
+
+class _Entries(list):
+    """A shard's ``(stored name, dtype, shape)`` entries, in file order, and where each
+    planned item's end: item k stores ``entries[ends[k - 1]:ends[k]]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends: list = []
+
+    def last_name(self, k: int) -> Optional[str]:
+        """The last entry stored by items 0..k (None: none stores any)."""
+        n = self.ends[k]
+        return self[n - 1][0] if n else None
 
 
 
@@ -435,16 +507,43 @@ def write_outputs(source, outputs, readers, plans, op, options, start, *, force,
 
             def shard(rel):
                 shard_reports = []
-                for item in plans[rel][0]:
-                    rep = convert(readers[rel], writers[rel], item, bar, runner)
+                plan, entries = plans[rel]
+                writer = writers[rel]
+
+                def finished(k, rep):
+                    # Once the tensor's last piece is consumed: its report, and the
+                    # write-behind (its bytes go to disk while the next converts, and those
+                    # final one call earlier leave the page cache). The prefix stops at its
+                    # end: a later tensor already complete (a kept one, copied meanwhile)
+                    # waits for its own call, so the calls are those of converting one tensor
+                    # after the other.
+                    rep = rep() if callable(rep) else rep
                     if source.is_folder:
                         rep.shard = rel
                     shard_reports.append(rep)
-                    # Write-behind: the tensor's bytes go to disk while the next converts,
-                    # and those of the tensor before leave the page cache.
-                    staged.append(stager.submit(writers[rel].atomic_file.start_writeback,
-                                                writers[rel].written_prefix()))
-                staged.append(stager.submit(writers[rel].stage))
+                    through = entries.last_name(k) if isinstance(entries, _Entries) else None
+                    staged.append(stager.submit(writer.atomic_file.start_writeback,
+                                                writer.written_prefix(through)))
+
+                try:
+                    for k, item in enumerate(plan):
+                        # A report, or (pieces left in flight) what makes it once consumed.
+                        rep = convert(readers[rel], writer, item, bar, runner)
+                        runner.after(functools.partial(finished, k, rep))
+                    runner.drain()
+                except Exception:
+                    # The earlier tensors' pieces still in flight (a few) are finished first:
+                    # their error, if one fails, is the one converting the tensors one after
+                    # the other would raise.
+                    try:
+                        runner.drain()
+                    except Exception as earlier:
+                        raise earlier from None
+                    raise
+                except BaseException:  # a signal: stop at once
+                    runner.cancel()
+                    raise
+                staged.append(stager.submit(writer.stage))
                 return shard_reports
 
             if outputs.jobs > 1 and len(readers) > 1:

@@ -524,9 +524,10 @@ class SafetensorsWriter(Transaction):
         if pos != len(buf):
             raise CheckpointError(f"tensor {name!r}: region {rect} holds {pos} bytes, got {len(buf)}")
 
-    def written_prefix(self) -> int:
+    def written_prefix(self, through: Optional[str] = None) -> int:
         """How many bytes at the start of the file are written: the header and the tensors,
-        in file order, up to the first one not yet complete."""
+        in file order, up to the first one not yet complete (or, given ``through``, not
+        beyond the end of that tensor)."""
         with self._lock:
             while self._next < len(self._order):
                 name = self._order[self._next]
@@ -534,7 +535,9 @@ class SafetensorsWriter(Transaction):
                     break
                 self._prefix = self._begin[name] + self._sizes[name]
                 self._next += 1
-            return self._prefix
+            if through is None:
+                return self._prefix
+            return min(self._prefix, self._begin[through] + self._sizes[through])
 
     def _check_complete(self):
         for name in self._order:
