@@ -14,6 +14,8 @@ chooses the layout after tracing).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -446,17 +448,15 @@ def test_nnx_recipe_tensor_parallel_with_out_sharding(kind):
     mesh = _mesh(kind)
     x, c = _normal(12, (64, 128), (64, 32))
 
-    def build():
-        lin = nnx.Linear(128, 32, use_bias=False, rngs=nnx.Rngs(0))
-        return lowprec.flax.quantize_model(lin, lowprec.NVIDIA_MXFP8)
-
     def loss(m, v, out=None):
         return jnp.sum(m(v, out_sharding=out) * c)
 
-    model = build()
+    # One model (its eager init compiled once, not again under the mesh): the gradient does
+    # not change it, and the sharded run only relays its kernel out.
+    lin = nnx.Linear(128, 32, use_bias=False, rngs=nnx.Rngs(0))
+    model = lowprec.flax.quantize_model(lin, lowprec.NVIDIA_MXFP8)
     want = nnx.jit(nnx.grad(loss))(model, x).kernel[...]  # one program, not one per op
     with jax.set_mesh(mesh):
-        model = build()
         model.kernel = nnx.Param(jax.device_put(model.kernel[...], P("x", None)))
         xs = jax.device_put(x, P(None, "x"))
         got = nnx.jit(nnx.grad(lambda m, v: loss(m, v, P(None, None))))(model, xs).kernel[...]
@@ -820,10 +820,12 @@ def _put_params(params, mesh, layout):
         params)
 
 
+@functools.cache
 def _block_start():
     """The batch and the float linen block's parameters, where every block case starts
     (QuantizedLinen's parameters are the model's own: a float forward to trace and compile
-    instead of a quantized one)."""
+    instead of a quantized one). Computed once: a new ``jax.jit`` of a new bound ``init``
+    traces and compiles again."""
     x, t = _batch()
     return x, t, jax.jit(_linen_block().init)(jax.random.key(0), x)
 
@@ -870,7 +872,10 @@ def _nnx_case(kind, layout, recipe):
     want = _block_one_device(recipe, x, t, params)
     shape, names, xspec = MESHES[layout]
     row_parallel = layout in ("tensor", "data_tensor") and kind == "explicit"
-    model = lowprec.flax.quantize_model(_nnx_block(xspec if row_parallel else None), recipe)
+    # Built abstractly (eval_shape): its own initial values, replaced below, would cost an
+    # eager program per initializer (16 compiles).
+    model = nnx.eval_shape(lambda: lowprec.flax.quantize_model(
+        _nnx_block(xspec if row_parallel else None), recipe))
     graph, state = nnx.split(model)
     # The linen block's parameters under the nnx block's names (same shapes and meanings).
     linen = params["params"]
@@ -941,11 +946,9 @@ def test_transformer_block_training_matches_one_device(flavour, kind, layout, re
 ])
 def test_ragged_training_expert_parallel_matches_one_device(kind, recipe):
     r = lowprec.RECIPES[recipe]
-    ks = jax.random.split(jax.random.key(17), 3)
-    x = jax.random.normal(ks[0], (128, 64))
-    w = jax.random.normal(ks[1], (4, 64, 64)) / 8
-    t = jax.random.normal(ks[2], (128, 64))
-    sizes = jnp.array([40, 0, 56, 32], jnp.int32)
+    x, w, t = _normal(17, (128, 64), (4, 64, 64), (128, 64))
+    w = w / 8
+    sizes = np.array([40, 0, 56, 32], np.int32)
     explicit = kind == "explicit"
 
     def loss_with(out_sharding):
