@@ -129,15 +129,21 @@ def parametrize_element_cases(metafunc) -> None:
     _parametrize(metafunc, argnames, cases, ids, overflows, impls)
 
 
+#: The quick tier keeps the (format, rounding) pairs whose index sum is a multiple of this
+#: (:func:`in_quick_tier`); at most ``len(ROUNDING_MODES)`` so that every format keeps a mode.
+QUICK_PAIR_STRIDE = 6
+
+
 def in_quick_tier(case: dict, overflows: tuple, impls) -> bool:
     """Whether an ``element_cases`` case runs in the quick tier (``pytest -m "not slow"``).
 
     The quick tier keeps every format and every rounding mode of a test, but not all their
     pairs, nor their product with the overflow policies and implementations. With
     k = (index of the format in ``FORMATS``) + (index of the rounding mode), it keeps the
-    (format, rounding) pairs with k divisible by 3 (2 or 3 modes of each format, each mode
-    with 6 of the 18 formats) and E8M0's floor and ceil; the policy and the implementation
-    rotate with m = k // 3, so that every policy and every implementation meet the formats
+    (format, rounding) pairs with k divisible by ``QUICK_PAIR_STRIDE`` = 6 (1 or 2 of the 7
+    modes of each format, each mode with 3 of the 18 formats: a stride up to the number of
+    modes keeps every format) and E8M0's floor and ceil; the policy and the implementation
+    rotate with m = k // 6, so that every policy and every implementation meet the formats
     and modes. Every pair runs in the default run (``pytest``: its covering subset keeps
     each pair of values of any two parameters). The rule is the same in every test, so the
     quick tier's tests of one (format, rounding, overflow, implementation) share its
@@ -153,9 +159,9 @@ def in_quick_tier(case: dict, overflows: tuple, impls) -> bool:
         k += (ROUNDING_MODES + E8M0_ONLY_MODES).index(case["rounding"])
         m = k
         if "fmt" in case:
-            if case["rounding"] not in E8M0_ONLY_MODES and k % 3:
+            if case["rounding"] not in E8M0_ONLY_MODES and k % QUICK_PAIR_STRIDE:
                 return False
-            m = k // 3
+            m = k // QUICK_PAIR_STRIDE
     if "overflow" in case and case["overflow"] != overflows[m % len(overflows)]:
         return False
     if impls is None or "codec" not in case:
