@@ -136,7 +136,8 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
                 special, operand = fast.operands(scale_codes, ts_bits, cast)
                 return hwfloat_path(f32_bits(xf), operand, special), scale_codes
 
-            return lax.cond(hwfloat_exact, hwfloat_branch, lambda: exact(f32_bits(xf), amax))
+            return lax.cond(_all(hwfloat_exact), hwfloat_branch,
+                            lambda: exact(f32_bits(xf), amax))
 
         def elsewhere(xf, amax):
             # A GPU would sync with the host to branch: keep the one exact formulation.
@@ -146,6 +147,12 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
                                                 default=elsewhere)
     ts = None if ts_bits is None else lax.bitcast_convert_type(ts_bits, jnp.float32)
     return merge_blocks(codes, axis), scale_codes, ts
+
+
+def _all(flags):
+    """One branch for the whole array: a fast encoder's check is per tensor scale, which a
+    caller may give per leading index (the ragged dot's groups)."""
+    return flags if flags.ndim == 0 else jnp.all(flags)
 
 
 def _pack_codes(codes, fmt, inner: int, pack):
@@ -233,7 +240,7 @@ def encode_values(bits, cast: MXCast, axis: int, rng=None):
             nan = jnp.expand_dims(special, inner)
             return jnp.where(nan, jnp.uint32(F32_QNAN), f32_bits(values))
 
-        return lax.cond(hwfloat_exact, hwfloat_branch, lambda: exact(f32_bits(xf), amax))
+        return lax.cond(_all(hwfloat_exact), hwfloat_branch, lambda: exact(f32_bits(xf), amax))
 
     return merge_blocks(on_cpu(bits_to_f32(xb), amax), axis)
 
