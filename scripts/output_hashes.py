@@ -206,6 +206,30 @@ def recipe_cases(xs) -> None:
             _emit(f"recipe/{name}/{dt}", run)
 
 
+def ragged_cases(xs) -> None:
+    """The ragged dot's forward and both gradients (jitted), per-group tensor scales included:
+    ``lowprec.ragged_dot`` of block formats and the quantized recipes' ``ragged_dot``."""
+    for dt, x in xs.items():
+        lhs = jnp.nan_to_num(x, posinf=1.0, neginf=-1.0).astype(jnp.float32)
+        rhs = jnp.nan_to_num(x.reshape(64, 128)[:48], posinf=1.0, neginf=-1.0)
+        rhs = jnp.stack([rhs[:32].T, rhs[16:48].T, -rhs[:32].T]).astype(jnp.float32)
+        groups = jnp.array([20, 0, 37], jnp.int32)  # 7 rows in no group
+        fns = {f"{lf}x{rf}": lambda p, q, lf=lf, rf=rf: lowprec.ragged_dot(
+            p, q, groups, lhs_format=lf, rhs_format=rf)
+            for lf, rf in (("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp4"))}
+        fns["recipe_nvfp4"] = lambda p, q: lowprec.Recipe(
+            forward="nvfp4", grad="nvfp4").ragged_dot(p, q, groups)
+        for name in ("nvidia_nvfp4", "nvidia_mxfp8"):
+            if name in lowprec.RECIPES:
+                fns[f"recipe/{name}"] = lambda p, q, r=lowprec.RECIPES[name]: r.ragged_dot(
+                    p, q, groups)
+        for case, f in fns.items():
+            def run(f=f):
+                out, vjp = jax.vjp(jax.jit(f), lhs, rhs)
+                return (out,) + vjp(jnp.cos(out))
+            _emit(f"ragged_grad/{case}/{dt}", run)
+
+
 def pack_cases() -> None:
     fp4 = jnp.asarray(np.arange(64, dtype=np.uint8).reshape(4, 16) % 16)
     fp6 = jnp.asarray(np.arange(256, dtype=np.uint8).reshape(4, 64) % 64)
@@ -225,6 +249,8 @@ def main() -> None:
     print(f"# LOWPREC_KERNELS={os.environ.get('LOWPREC_KERNELS', '')}", flush=True)
     x = _inputs()
     xs = {"f32": jnp.asarray(x), "bf16": jnp.asarray(x).astype(jnp.bfloat16)}
+    # Sections named on the command line (pack element block dot recipe ragged), else the
+    # first five.
     parts = sys.argv[1:] or ["pack", "element", "block", "dot", "recipe"]
     if "pack" in parts:
         pack_cases()
@@ -236,6 +262,8 @@ def main() -> None:
         dot_cases(xs)
     if "recipe" in parts:
         recipe_cases(xs)
+    if "ragged" in parts:  # not in the default run: an addition (compare trees with it named)
+        ragged_cases(xs)
 
 
 if __name__ == "__main__":
