@@ -23,7 +23,8 @@ folder on ``PYTHONPATH`` under those package names) can be told apart. Options a
 the run being compared against (``scale_options=``) are left out: only what both trees take.
 
 Not a test: the suite checks properties against peers and the reference; this checks a
-refactor moved no bit.
+refactor moved no bit. ``--match WORD`` (repeatable) keeps only the cases whose name holds
+WORD (``output_hashes.py dot recipe ragged --match nvfp4``: a change's own cases).
 """
 
 from __future__ import annotations
@@ -58,7 +59,14 @@ def _digest(*arrays) -> str:
     return h.hexdigest()
 
 
+#: ``--match WORD`` (repeatable): only the cases whose name holds one of these words (the
+#: sections are slow on a shared machine; a change's own cases are what it must compare).
+_MATCH: list = []
+
+
 def _emit(case: str, fn) -> None:
+    if _MATCH and not any(m in case for m in _MATCH):
+        return
     try:
         out = fn()
     except Exception as e:  # noqa: BLE001 - a refusal is an output too
@@ -250,8 +258,13 @@ def main() -> None:
     x = _inputs()
     xs = {"f32": jnp.asarray(x), "bf16": jnp.asarray(x).astype(jnp.bfloat16)}
     # Sections named on the command line (pack element block dot recipe ragged), else the
-    # first five.
-    parts = sys.argv[1:] or ["pack", "element", "block", "dot", "recipe"]
+    # first five; --match WORD keeps the cases whose name holds WORD.
+    args = sys.argv[1:]
+    while "--match" in args:
+        i = args.index("--match")
+        _MATCH.append(args[i + 1])
+        del args[i:i + 2]
+    parts = args or ["pack", "element", "block", "dot", "recipe"]
     if "pack" in parts:
         pack_cases()
     if "element" in parts:
