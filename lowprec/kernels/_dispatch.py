@@ -646,13 +646,22 @@ set_policy_reader(lambda: (current_policy().platform_branches == "all"
                            or cuda_kernels_possible()))  # a module global: tests patch it
 
 
+def by_platform(*args, default, cpu=None, cuda=None):
+    """The formulation of the platform XLA lowers for: ``cpu(*args)`` on CPU, ``cuda(*args)``
+    on a CUDA GPU (each where given), ``default(*args)`` elsewhere. Every per-platform choice
+    of a formulation above this module is made here (:func:`on_cpu`, :func:`on_cuda`); only
+    the platforms JAX here can compile for are traced (``_platform.platform_dependent``)."""
+    branches = {name: fn for name, fn in (("cpu", cpu), ("cuda", cuda)) if fn is not None}
+    return platform_dependent(*args, default=default, **branches)
+
+
 def on_cpu(fast, generic, *args):
     """``fast(*args)`` where XLA lowers for CPU, ``generic(*args)`` everywhere else (where JAX
-    here compiles for CPU alone, ``fast`` alone is traced: ``_platform.platform_dependent``)."""
-    return platform_dependent(*args, cpu=fast, default=generic)
+    here compiles for CPU alone, ``fast`` alone is traced: :func:`by_platform`)."""
+    return by_platform(*args, cpu=fast, default=generic)
 
 
 def on_cuda(fast, generic, *args):
     """``fast(*args)`` where XLA lowers for a CUDA GPU, ``generic(*args)`` everywhere else
-    (where JAX here compiles for CPU alone, ``generic`` alone: ``_platform``)."""
-    return platform_dependent(*args, cuda=fast, default=generic)
+    (where JAX here compiles for CPU alone, ``generic`` alone: :func:`by_platform`)."""
+    return by_platform(*args, cuda=fast, default=generic)
