@@ -76,7 +76,9 @@ from ._random import random_bits
 from ._qdot import register_family, training_dot
 from ._scale_rules import ScaleRule, rceil_code
 from ._sharding import explicit_sharding, replicated
-from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
+from .kernels import _nvfp4_cpu
+from .kernels._dispatch import (cpu_nvfp4_fused_values, gpu_gemm_routes, kernels_enabled, on_cpu,
+                                on_cuda)
 
 # lhs [M, K] x rhs [G, K, N] -> [M, N], rows of lhs ragged (lax.ragged_dot's layout).
 _FORWARD = lax.RaggedDotDimensionNumbers(
@@ -203,10 +205,28 @@ def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None, words=None):
         widths[axis] = (0, padded - n)
         bits = jnp.pad(bits, widths)  # +0.0
     rng = None if words is None else (None, words)
-    elements, scales, ts = encode_blocks(bits, cast, axis, rng, tensor_scale)
-    if ts is not None and ts.ndim:  # the decoder's layout: blocks split at axis + 1
-        ts = jnp.expand_dims(ts, axis + 1)
-    return mx_value_bits(elements, scales, cast.fmt, axis, n, ts)
+
+    def xla(bits):
+        elements, scales, ts = encode_blocks(bits, cast, axis, rng, tensor_scale)
+        if ts is not None and ts.ndim:  # the decoder's layout: blocks split at axis + 1
+            ts = jnp.expand_dims(ts, axis + 1)
+        return mx_value_bits(elements, scales, cast.fmt, axis, n, ts)
+
+    xf = bits_to_f32(bits)
+    if (words is not None or tensor_scale is None or jnp.ndim(tensor_scale) == 0
+            or not cpu_nvfp4_fused_values(xf, cast)):
+        return xla(bits)
+
+    def kernel(bits):
+        # Per-group tensor scales, one per index of axis 0, clamped as encode_blocks clamps
+        # a given one; the kernel's fused quantize-and-decode (one custom call for XLA's
+        # encoder and decoder): the same bits.
+        ts_bits = cast.fmt.scheme.clamp_tensor_scale_bits(f32_bits(tensor_scale), cast)
+        ts = lax.bitcast_convert_type(ts_bits, jnp.float32).reshape(bits.shape[:1])
+        values = _nvfp4_cpu.fake_quantize(bits_to_f32(bits), cast, axis, tensor_scale=ts)
+        return lax.slice_in_dim(f32_bits(values), 0, n, axis=axis)
+
+    return on_cpu(kernel, xla, bits)
 
 
 def _tensor_scales(amax, cast: MXCast):
