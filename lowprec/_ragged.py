@@ -213,17 +213,17 @@ def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None, words=None):
         return mx_value_bits(elements, scales, cast.fmt, axis, n, ts)
 
     xf = bits_to_f32(bits)
-    if (words is not None or tensor_scale is None or jnp.ndim(tensor_scale) == 0
-            or not cpu_nvfp4_fused_values(xf, cast)):
+    if (tensor_scale is None or jnp.ndim(tensor_scale) == 0
+            or not cpu_nvfp4_fused_values(xf, cast, words is not None)):
         return xla(bits)
 
     def kernel(bits):
         # Per-group tensor scales, one per index of axis 0, clamped as encode_blocks clamps
         # a given one; the kernel's fused quantize-and-decode (one custom call for XLA's
-        # encoder and decoder): the same bits.
+        # encoder and decoder; stochastic rounding with the same words): the same bits.
         ts_bits = cast.fmt.scheme.clamp_tensor_scale_bits(f32_bits(tensor_scale), cast)
         ts = lax.bitcast_convert_type(ts_bits, jnp.float32).reshape(bits.shape[:1])
-        values = _nvfp4_cpu.fake_quantize(bits_to_f32(bits), cast, axis, tensor_scale=ts)
+        values = _nvfp4_cpu.fake_quantize(bits_to_f32(bits), cast, axis, words, tensor_scale=ts)
         return lax.slice_in_dim(f32_bits(values), 0, n, axis=axis)
 
     return on_cpu(kernel, xla, bits)

@@ -621,13 +621,14 @@ def cpu_nvfp4_fake_quantize(x, step, stochastic: bool) -> bool:
             and _native_cpu_can_run(x))
 
 
-def cpu_nvfp4_fused_values(x, cast) -> bool:
+def cpu_nvfp4_fused_values(x, cast, words: bool = False) -> bool:
     """Whether the float32 values of ``cast``'s quantization of ``x`` (its
-    ``dequantize(quantize_mx(x, ...))``, the tensor scale computed from x; a quantized dot's
-    operand) take the native kernel's fused call where XLA lowers for CPU (static): lowprec's
-    NVFP4 rounded to nearest even, as :func:`cpu_nvfp4_fake_quantize` decides."""
-    return (cast.fmt == mx_format("nvfp4") and cast.rounding == "nearest_even"
-            and cpu_nvfp4_fake_quantize(x, cast.scale_options.nvfp4_step, False))
+    ``dequantize(quantize_mx(x, ...))``; a quantized dot's operand) take the native kernel's
+    fused call where XLA lowers for CPU (static): lowprec's NVFP4 rounded to nearest even, or
+    stochastically with given ``words``, as :func:`cpu_nvfp4_fake_quantize` decides."""
+    rounding = "stochastic" if words else "nearest_even"
+    return (cast.fmt == mx_format("nvfp4") and cast.rounding == rounding
+            and cpu_nvfp4_fake_quantize(x, cast.scale_options.nvfp4_step, words))
 
 
 def native_status() -> str:
