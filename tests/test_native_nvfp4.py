@@ -333,6 +333,60 @@ def test_training_fake_quantize_same_bits_as_xla(step):
         np.testing.assert_array_equal(a, b, err_msg=f"{step}: {name}")
 
 
+@pytest.mark.slow  # ~6 s (XLA's ragged program); quick: the dense dot's fused call below
+def test_ragged_dot_per_group_tensor_scales_same_bits_as_xla():
+    """NVIDIA_NVFP4's ragged dot (lowprec/_ragged.py: tokens under their group's tensor
+    scale, rows and token blocks, the cotangent's stochastic words, experts under their own)
+    by the kernel's fused call with one given tensor scale per group: XLA's forward and
+    gradients bit for bit, NaN/Inf blocks, subnormals, ties and huge values included."""
+    k = kinds(seed=41)
+    x = jnp.asarray(np.concatenate([k["normal"], k["ties"], k["subnormal"], k["spread"],
+                                    k["normal"] * 1e30]))  # [40, 64]
+    x = x.at[3, 7].set(jnp.nan).at[12, 0].set(jnp.inf)
+    w = jnp.asarray(np.stack([kinds(seed=42)[n][:, :48].repeat(8, 0)
+                              for n in ("normal", "ties", "spread")]))  # [3, 64, 48]
+    g = jnp.asarray(np.random.default_rng(43).standard_normal((40, 48)), jnp.float32)
+    sizes = jnp.asarray([13, 0, 20], jnp.int32)  # 7 rows in no group
+
+    def run(a, b, c, key):
+        with lowprec.stochastic_rounding_key(key):
+            y, vjp = jax.vjp(lambda p, q: lowprec.NVIDIA_NVFP4.ragged_dot(p, q, sizes), a, b)
+            return (y, *vjp(c))
+
+    got = {}
+    for policy in ("auto", "xla"):
+        with lowprec.kernels.policy(policy):
+            compiled = jax.jit(run).lower(x, w, g, jax.random.key(3)).compile()
+            assert (FAKE in compiled.as_text()) == (policy == "auto")
+            got[policy] = [np.asarray(a).view(np.uint32)
+                           for a in compiled(x, w, g, jax.random.key(3))]
+    for name, a, b in zip(("output", "grad_x", "grad_w"), got["auto"], got["xla"]):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_dense_dot_nvfp4_operands_take_the_fused_call(step):
+    """lowprec.dot_general of NVFP4 operands (round to nearest): on CPU each operand's
+    values come from the kernel's fused call (lowprec/_qdot.py), XLA's bit for bit."""
+    k = kinds(seed=51 + STEPS.index(step))
+    x = jnp.asarray(np.concatenate([k["normal"], k["ties"], k["subnormal"], k["spread"]]))
+    x = x.at[5, 9].set(jnp.nan)
+    w = jnp.asarray(kinds(seed=52)["normal"].T.repeat(2, 1))  # [64, 16]
+    dims = (((1,), (0,)), ((), ()))
+
+    def run(a, b):
+        return lowprec.dot_general(a, b, dims, lhs_format="nvfp4", rhs_format="nvfp4",
+                                   scale_options={"nvfp4_step": step})
+
+    got = {}
+    for policy in ("auto", "xla"):
+        with lowprec.kernels.policy(policy):
+            compiled = jax.jit(run).lower(x, w).compile()
+            assert compiled.as_text().count(FAKE) == (2 if policy == "auto" else 0)
+            got[policy] = np.asarray(compiled(x, w)).view(np.uint32)
+    np.testing.assert_array_equal(got["auto"], got["xla"], err_msg=step)
+
+
 @needs_kernel
 @pytest.mark.parametrize("shape", [(16,), (1025, 1024), (2, 4096, 4096)])
 @pytest.mark.quick_first(1)
