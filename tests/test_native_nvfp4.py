@@ -333,38 +333,45 @@ def test_training_fake_quantize_same_bits_as_xla(step):
         np.testing.assert_array_equal(a, b, err_msg=f"{step}: {name}")
 
 
-@pytest.mark.slow  # ~6 s (XLA's ragged program); quick: the dense dot's fused call below
-def test_ragged_dot_per_group_tensor_scales_same_bits_as_xla():
-    """NVIDIA_NVFP4's ragged dot (lowprec/_ragged.py: tokens under their group's tensor
-    scale, rows and token blocks, the cotangent's stochastic words, experts under their own)
-    by the kernel's fused call with one given tensor scale per group: XLA's forward and
-    gradients bit for bit, NaN/Inf blocks, subnormals, ties and huge values included."""
-    k = kinds(seed=41)
-    x = jnp.asarray(np.concatenate([k["normal"], k["ties"], k["subnormal"], k["spread"],
-                                    k["normal"] * 1e30]))  # [40, 64]
-    x = x.at[3, 7].set(jnp.nan).at[12, 0].set(jnp.inf)
-    w = jnp.asarray(np.stack([kinds(seed=42)[n][:, :48].repeat(8, 0)
-                              for n in ("normal", "ties", "spread")]))  # [3, 64, 48]
-    g = jnp.asarray(np.random.default_rng(43).standard_normal((40, 48)), jnp.float32)
-    sizes = jnp.asarray([13, 0, 20], jnp.int32)  # 7 rows in no group
+@pytest.mark.slow  # ~5 s (XLA's stochastic encode); quick: the dense dot's fused call below
+def test_ragged_per_group_tensor_scales_same_bits_as_xla():
+    """The ragged dot's NVFP4 operands (lowprec/_ragged.py: token rows under their group's
+    tensor scale, to nearest and with stochastic words; 16-token blocks of the per-group
+    padded layout; experts under their own) by the kernel's fused call with one given tensor
+    scale per group: XLA's values bit for bit, NaN/Inf blocks, subnormals, ties and huge
+    rows included. (Both steps: test_dense_dot_nvfp4_operands_take_the_fused_call.)"""
+    from lowprec import _ragged
+    from lowprec._options import MXCast
 
-    def run(a, b, c, key):
-        with lowprec.stochastic_rounding_key(key):
-            y, vjp = jax.vjp(lambda p, q: lowprec.NVIDIA_NVFP4.ragged_dot(p, q, sizes), a, b)
-            return (y, *vjp(c))
+    step = "reciprocal"
+    k = kinds(seed=41)
+    x = np.concatenate([k[n] for n in ("normal", "ties", "subnormal", "spread", "any_bits")]
+                       + [k["normal"] * 1e30])  # [48, 64]
+    bits = jnp.asarray(x).view(jnp.uint32)
+    words = lowprec.random_bits(jax.random.key(9), x.shape)
+    gid = jnp.asarray([0] * 13 + [2] * 28 + [3] * 7)  # groups 0..2 (1 empty), 3: no group
+    unit_group = jnp.asarray([0, 2, 3])  # 16-token blocks of the padded layout
+    rn, sr = (MXCast(lowprec.mx_format("nvfp4"), None, r, step)
+              for r in ("nearest_even", "stochastic"))
+
+    def run(b, w):
+        return (_ragged._row_values(b, sr, gid, 3, w),
+                _ragged._token_block_values(b, sr, unit_group, 3, 16, w),
+                _ragged._expert_values(b.reshape(3, 16, 64), rn, 1))
 
     got = {}
     for policy in ("auto", "xla"):
         with lowprec.kernels.policy(policy):
-            compiled = jax.jit(run).lower(x, w, g, jax.random.key(3)).compile()
-            assert (FAKE in compiled.as_text()) == (policy == "auto")
-            got[policy] = [np.asarray(a).view(np.uint32)
-                           for a in compiled(x, w, g, jax.random.key(3))]
-    for name, a, b in zip(("output", "grad_x", "grad_w"), got["auto"], got["xla"]):
-        np.testing.assert_array_equal(a, b, err_msg=name)
+            compiled = jax.jit(run).lower(bits, words).compile()
+            assert compiled.as_text().count(FAKE) == (3 if policy == "auto" else 0)
+            got[policy] = [np.asarray(a) for a in compiled(bits, words)]
+    for name, a, b in zip(("rows, SR", "token blocks, SR", "experts"),
+                          got["auto"], got["xla"]):
+        np.testing.assert_array_equal(a, b, err_msg=f"{step}: {name}")
 
 
 @pytest.mark.parametrize("step", STEPS)
+@pytest.mark.quick_first(1)
 def test_dense_dot_nvfp4_operands_take_the_fused_call(step):
     """lowprec.dot_general of NVFP4 operands (round to nearest): on CPU each operand's
     values come from the kernel's fused call (lowprec/_qdot.py), XLA's bit for bit."""
