@@ -218,9 +218,13 @@ def ragged_cases(xs) -> None:
     """The ragged dot's forward and both gradients (jitted), per-group tensor scales included:
     ``lowprec.ragged_dot`` of block formats and the quantized recipes' ``ragged_dot``."""
     for dt, x in xs.items():
-        lhs = jnp.nan_to_num(x, posinf=1.0, neginf=-1.0).astype(jnp.float32)
-        rhs = jnp.nan_to_num(x.reshape(64, 128)[:48], posinf=1.0, neginf=-1.0)
-        rhs = jnp.stack([rhs[:32].T, rhs[16:48].T, -rhs[:32].T]).astype(jnp.float32)
+        # Magnitudes up to 2^16 (the values past every format's range clipped), so that sums
+        # and gradients stay finite: an all-NaN result would hash the same for any recipe.
+        v = jnp.clip(jnp.nan_to_num(x, posinf=1.0, neginf=-1.0).astype(jnp.float32),
+                     -65536.0, 65536.0)
+        lhs = v
+        rhs = v.reshape(64, 128)[:48]
+        rhs = jnp.stack([rhs[:32].T, rhs[16:48].T, -rhs[:32].T])
         groups = jnp.array([20, 0, 37], jnp.int32)  # 7 rows in no group
         fns = {f"{lf}x{rf}": lambda p, q, lf=lf, rf=rf: lowprec.ragged_dot(
             p, q, groups, lhs_format=lf, rhs_format=rf)
@@ -232,9 +236,13 @@ def ragged_cases(xs) -> None:
                 fns[f"recipe/{name}"] = lambda p, q, r=lowprec.RECIPES[name]: r.ragged_dot(
                     p, q, groups)
         for case, f in fns.items():
-            def run(f=f):
+            def run(f=f, case=case, dt=dt):
                 out, vjp = jax.vjp(jax.jit(f), lhs, rhs)
-                return (out,) + vjp(jnp.cos(out))
+                res = (out,) + vjp(jnp.cos(out))
+                # How much of each result is finite (an all-NaN one hashes alike for any recipe).
+                print("# finite " + ", ".join(f"{float(jnp.mean(jnp.isfinite(a))):.2f}"
+                                              for a in res), flush=True)
+                return res
             _emit(f"ragged_grad/{case}/{dt}", run)
 
 
