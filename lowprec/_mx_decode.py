@@ -25,8 +25,8 @@ from ._dtypes import bits_to_dtype
 from ._format import MXFormat
 from ._nvfp4 import PER_BLOCK
 from ._pack import unpack_along
-from ._platform import platform_dependent
-from .kernels._dispatch import fp6_kernel, fp6_unpacker, one_multiply_decoder, routed_decoder
+from .kernels._dispatch import (by_platform, fp6_kernel, fp6_unpacker, on_cpu, on_cuda,
+                                one_multiply_decoder, routed_decoder)
 
 
 def element_codes(elements, fmt: MXFormat, axis: int):
@@ -130,7 +130,7 @@ def mx_value_bits_fast(elements, scales, fmt: MXFormat, axis: int, n: int, canon
     if fp6_kernel(elements, axis):
         # On CPU the C++ FP6 kernel unpacks the codes one per byte (at copy speed), which are
         # then decoded in a loop as wide as 8-bit codes' (3.1-3.7x faster at 4096 x 4096).
-        return platform_dependent(elements, factor, cpu=ungrouped, default=grouped)
+        return on_cpu(ungrouped, grouped, elements, factor)
     return grouped(elements, factor)
 
 
@@ -306,8 +306,8 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_
         def blockwise_scaled(e, s):
             return mx_values_blockwise(e, s, fmt, axis, n, dtype, tensor_scale)
 
-        return platform_dependent(elements, scales, cpu=routed, cuda=blockwise_scaled,
-                                  default=lambda e, s: exact(e, s, None))
+        return by_platform(elements, scales, cpu=routed, cuda=blockwise_scaled,
+                           default=lambda e, s: exact(e, s, None))
 
     def fast(e, s, f):
         return bits_to_dtype(mx_value_bits_fast(e, s, fmt, axis, n, factor=f), dtype)
@@ -326,4 +326,4 @@ def mx_values(elements, scales, fmt: MXFormat, axis: int, n: int, dtype, tensor_
     def blockwise(e, s):
         return mx_values_blockwise(e, s, fmt, axis, n, dtype)
 
-    return platform_dependent(elements, scales, cuda=blockwise, default=whole_array_choice)
+    return on_cuda(blockwise, whole_array_choice, elements, scales)

@@ -29,9 +29,8 @@ from ._mx_hwfloat import encode_magnitudes, magnitudes_f32, signed_codes
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._pack import pack_along
-from ._platform import platform_dependent
 from ._scale_rules import block_amax_bits
-from .kernels._dispatch import fp6_packer, hwfloat_encoder, hwfloat_values_encoder
+from .kernels._dispatch import fp6_packer, hwfloat_encoder, hwfloat_values_encoder, on_cpu
 
 
 def padded_bits(x, axis: int, padded: int):
@@ -122,7 +121,7 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
             codes = hwfloat_codes(xb, operand, special, inner).astype(jnp.uint8)
             return _pack_codes(codes, fmt, inner, None)
 
-        def on_cpu(xf, amax):
+        def cpu_branch(xf, amax):
             # The scheme's block values by hardware float arithmetic too, computed on CPU only (so
             # with CPU's float semantics); XLA runs the taken branch only, and both give the
             # same codes (the fast encoder's scales say when). Only x, the block maxima
@@ -136,16 +135,22 @@ def encode_blocks(bits, cast: MXCast, axis: int, rng=None, tensor_scale=None, pa
                 special, operand = fast.operands(scale_codes, ts_bits, cast)
                 return hwfloat_path(f32_bits(xf), operand, special), scale_codes
 
-            return lax.cond(hwfloat_exact, hwfloat_branch, lambda: exact(f32_bits(xf), amax))
+            return lax.cond(_all(hwfloat_exact), hwfloat_branch,
+                            lambda: exact(f32_bits(xf), amax))
 
         def elsewhere(xf, amax):
             # A GPU would sync with the host to branch: keep the one exact formulation.
             return exact(f32_bits(xf), amax)
 
-        codes, scale_codes = platform_dependent(bits_to_f32(xb), amax, cpu=on_cpu,
-                                                default=elsewhere)
+        codes, scale_codes = on_cpu(cpu_branch, elsewhere, bits_to_f32(xb), amax)
     ts = None if ts_bits is None else lax.bitcast_convert_type(ts_bits, jnp.float32)
     return merge_blocks(codes, axis), scale_codes, ts
+
+
+def _all(flags):
+    """One branch for the whole array: a fast encoder's check is per tensor scale, which a
+    caller may give per leading index (the ragged dot's groups)."""
+    return flags if flags.ndim == 0 else jnp.all(flags)
 
 
 def _pack_codes(codes, fmt, inner: int, pack):
@@ -211,7 +216,7 @@ def encode_values(bits, cast: MXCast, axis: int, rng=None):
     if fast is None:
         return merge_blocks(exact(xb, amax), axis)
 
-    def on_cpu(xf, amax):
+    def cpu_formulations(xf, amax):  # CPU only: the callers of nvfp4_values choose it
         scale_codes, hwfloat_exact = fast.scales(amax, ts_bits, cast)
 
         def hwfloat_branch():
@@ -233,9 +238,9 @@ def encode_values(bits, cast: MXCast, axis: int, rng=None):
             nan = jnp.expand_dims(special, inner)
             return jnp.where(nan, jnp.uint32(F32_QNAN), f32_bits(values))
 
-        return lax.cond(hwfloat_exact, hwfloat_branch, lambda: exact(f32_bits(xf), amax))
+        return lax.cond(_all(hwfloat_exact), hwfloat_branch, lambda: exact(f32_bits(xf), amax))
 
-    return merge_blocks(on_cpu(bits_to_f32(xb), amax), axis)
+    return merge_blocks(cpu_formulations(bits_to_f32(xb), amax), axis)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))

@@ -101,7 +101,6 @@ from ._mx import dequantize, quantize_mx
 from ._mx_encode import nvfp4_values
 from ._options import BACKWARD_OVERRIDES, NVFP4_TILE, RHT_DTYPES, DotSpec  # noqa: F401 (re-exported)
 from ._options import MXCast
-from ._platform import platform_dependent
 from ._qdot import register_family, training_dot
 from ._random import check_size, element_index, element_words, random_bits
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
@@ -225,8 +224,7 @@ def quantize_1d(v, axis: int, words=None, gemm: bool = False, step=None,
     # On CPU the values straight from the encoder's branch (_mx_encode.encode_values: the
     # same bits, one branch instead of the encode's and the decode's, no codes packed and
     # unpacked).
-    return platform_dependent(
-        v, words, cpu=lambda v, w: nvfp4_values(v, w, axis, step), default=portable)
+    return on_cpu(lambda v, w: nvfp4_values(v, w, axis, step), portable, v, words)
 
 
 def quantize_2d(w, gemm: bool = False, step=None, native: bool = True):

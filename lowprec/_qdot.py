@@ -64,7 +64,9 @@ from ._options import DotSpec, ElementCast, MXCast, OperandCast
 from ._scale_rules import rceil_code
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
                         split_out_sharding, without_leading)
-from .kernels._dispatch import gpu_gemm_routes, mxdot_kernel, on_cuda
+from .kernels import _nvfp4_cpu
+from .kernels._dispatch import (cpu_nvfp4_fused_values, gpu_gemm_routes, mxdot_kernel, on_cpu,
+                                on_cuda)
 from .kernels._mxdot_pallas import mxdot_pallas
 
 # -- dimension numbers and canonical (B, M, K) layout ------------------------------------------
@@ -178,6 +180,30 @@ def _quantize_operand(x, cast: OperandCast, ca: int):
     codes = encode_bits(cast.fmt, input_bits(x), cast.rounding, cast.overflow, None)
     bits = decode_bits(cast.fmt, codes)
     return bits, "bf16" if exactly_representable(cast.fmt, jnp.bfloat16) else "f32"
+
+
+def _portable_operand(x, cast: OperandCast, ca: int):
+    """:func:`_quantize_operand` for the portable dot. An NVFP4 operand (kind ``"f32"``:
+    its values only feed a float32 dot) is, where ``kernels/_dispatch`` says, the float32
+    bits of its values from the native kernel's fused quantize-and-decode on CPU (one custom
+    call in place of XLA's encoder and decoder, each a ``lax.cond`` of two formulations:
+    ~1,700 HLO instructions per operand), the same bits as the codes decoded."""
+    if (isinstance(x, MXArray) or not isinstance(cast, MXCast) or _bf16_capable(cast.fmt)
+            or not cpu_nvfp4_fused_values(x, cast)):
+        return _quantize_operand(x, cast, ca)
+
+    def kernel(v):
+        n = v.shape[ca]
+        padded = -(-n // cast.fmt.block_size) * cast.fmt.block_size
+        widths = [(0, 0)] * v.ndim
+        widths[ca] = (0, padded - n)  # +0.0: no block maximum or tensor scale changes
+        values = _nvfp4_cpu.fake_quantize(jnp.pad(v, widths), cast, ca)
+        return f32_bits(lax.slice_in_dim(values, 0, n, axis=ca))
+
+    def xla(v):
+        return _operand_bits(_quantize_operand(v, cast, ca)[0])
+
+    return on_cpu(kernel, xla, x), "f32"
 
 
 def _operand_bits(op):
@@ -327,8 +353,8 @@ def _qdot_portable(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tup
     products of decoded values, bfloat16 when it holds them (a run-time check for block
     formats), float32 otherwise, summed in float32."""
     la, ra = layout
-    lop, lkind = _quantize_operand(lhs, lcast, la)
-    rop, rkind = _quantize_operand(rhs, rcast, ra)
+    lop, lkind = _portable_operand(lhs, lcast, la)
+    rop, rkind = _portable_operand(rhs, rcast, ra)
     if "f32" in (lkind, rkind):
         return _dot_f32(layout, lop, rop, out_sharding=out_sharding)
     if lkind == rkind == "bf16":

@@ -68,7 +68,7 @@ from ._dtypes import bits_to_dtype, exactly_representable, input_bits
 from ._encode import encode_bits
 from ._format import FormatLike
 from ._mx_decode import fast_decode_applies, mx_value_bits
-from ._mx_encode import quantize_mxarray
+from ._mx_encode import encode_blocks
 from ._mxarray import MXArray
 from ._nvfp4_train import quantize_2d, recipe_rht, recipe_rht_signs
 from ._options import NVFP4_TILE, DotSpec, ElementCast, MXCast, OperandCast
@@ -76,7 +76,9 @@ from ._random import random_bits
 from ._qdot import register_family, training_dot
 from ._scale_rules import ScaleRule, rceil_code
 from ._sharding import explicit_sharding, replicated
-from .kernels._dispatch import gpu_gemm_routes, kernels_enabled, on_cuda
+from .kernels import _nvfp4_cpu
+from .kernels._dispatch import (cpu_nvfp4_fused_values, gpu_gemm_routes, kernels_enabled, on_cpu,
+                                on_cuda)
 
 # lhs [M, K] x rhs [G, K, N] -> [M, N], rows of lhs ragged (lax.ragged_dot's layout).
 _FORWARD = lax.RaggedDotDimensionNumbers(
@@ -185,9 +187,17 @@ def _elementwise(bits, cast: OperandCast):
 
 def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None, words=None):
     """float32 patterns of ``bits`` block-quantized along ``axis`` (zero-padded to whole
-    blocks, padding dropped); ``tensor_scale``: a float32 scalar for schemes with one (None:
-    computed from ``bits``); ``words``: stochastic rounding's words (the padded shape)."""
-    n, shape = bits.shape[axis], tuple(bits.shape)
+    blocks, padding dropped); ``tensor_scale``: float32 for schemes with one, a scalar or one
+    per leading index broadcast against the block maxima (e.g. [M, 1] for rows [M, C] along
+    axis 1: each row under its own; None: computed from ``bits``); ``words``: stochastic
+    rounding's words (the padded shape).
+
+    Per-row tensor scales are broadcast rather than ``vmap``-ped: under ``vmap`` each
+    ``lax.cond`` of the encoder and decoder (hardware-float or exact, one-multiply or exact
+    product) became a select that traces and runs both formulations; here one branch is
+    taken for the whole operand, the same bits (each formulation gives the exact values
+    wherever its branch is taken)."""
+    n = bits.shape[axis]
     block = cast.fmt.block_size
     padded = -(-n // block) * block
     if padded != n:
@@ -195,21 +205,53 @@ def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None, words=None):
         widths[axis] = (0, padded - n)
         bits = jnp.pad(bits, widths)  # +0.0
     rng = None if words is None else (None, words)
-    mx = quantize_mxarray(bits, cast, axis, shape, rng, tensor_scale)
-    return mx_value_bits(mx.elements, mx.scales, cast.fmt, axis, n, mx.tensor_scale)
+
+    def xla(bits):
+        elements, scales, ts = encode_blocks(bits, cast, axis, rng, tensor_scale)
+        if ts is not None and ts.ndim:  # the decoder's layout: blocks split at axis + 1
+            ts = jnp.expand_dims(ts, axis + 1)
+        return mx_value_bits(elements, scales, cast.fmt, axis, n, ts)
+
+    xf = bits_to_f32(bits)
+    if (tensor_scale is None or jnp.ndim(tensor_scale) == 0
+            or not cpu_nvfp4_fused_values(xf, cast, words is not None)):
+        return xla(bits)
+
+    def kernel(bits):
+        # Per-group tensor scales, one per index of axis 0, clamped as encode_blocks clamps
+        # a given one; the kernel's fused quantize-and-decode (one custom call for XLA's
+        # encoder and decoder; stochastic rounding with the same words): the same bits.
+        ts_bits = cast.fmt.scheme.clamp_tensor_scale_bits(f32_bits(tensor_scale), cast)
+        ts = lax.bitcast_convert_type(ts_bits, jnp.float32).reshape(bits.shape[:1])
+        values = _nvfp4_cpu.fake_quantize(bits_to_f32(bits), cast, axis, words, tensor_scale=ts)
+        return lax.slice_in_dim(f32_bits(values), 0, n, axis=axis)
+
+    return on_cpu(kernel, xla, bits)
+
+
+def _tensor_scales(amax, cast: MXCast):
+    """float32 tensor scale of each tensor whose largest finite magnitude is ``amax`` (uint32
+    bits, any shape), by the format's own rule: the scale its encoder computes for it."""
+
+    def scale_of(a):
+        return cast.fmt.scheme.tensor_scale_bits(a[None], None, cast)
+
+    return lax.bitcast_convert_type(jax.vmap(scale_of)(amax.reshape(-1)),
+                                    jnp.float32).reshape(amax.shape)
+
+
+def _finite_magnitudes(bits):
+    """Magnitude bits of float32 patterns, 0 where NaN or infinite."""
+    mag = bits & F32_ABS
+    return jnp.where(mag < F32_INF, mag, jnp.uint32(0))
 
 
 def _group_tensor_scales(bits, rows_group, num: int, cast: MXCast):
     """float32 tensor scale of each of ``num`` row groups of ``bits`` [R, C], from the
     group's largest finite magnitude by the format's own rule."""
-    mag = bits & F32_ABS
-    row_amax = jnp.max(jnp.where(mag < F32_INF, mag, jnp.uint32(0)), axis=1, initial=jnp.uint32(0))
+    row_amax = jnp.max(_finite_magnitudes(bits), axis=1, initial=jnp.uint32(0))
     amax = jax.ops.segment_max(row_amax, rows_group, num_segments=num)  # empty groups: 0
-
-    def scale_of(a):  # the scheme's tensor scale of a tensor whose amax is a
-        return cast.fmt.scheme.tensor_scale_bits(a[None], None, cast)
-
-    return lax.bitcast_convert_type(jax.vmap(scale_of)(amax), jnp.float32)
+    return _tensor_scales(amax, cast)
 
 
 def _row_values(bits, cast: OperandCast, gid, groups: int, words=None):
@@ -220,9 +262,7 @@ def _row_values(bits, cast: OperandCast, gid, groups: int, words=None):
     if not cast.fmt.scheme.tensor_scale:
         return _mx_bits(bits, cast, 1)
     ts = _group_tensor_scales(bits, gid, groups + 1, cast)[gid]
-    if words is not None:
-        return jax.vmap(lambda row, t, wd: _mx_bits(row, cast, 0, t, wd))(bits, ts, words)
-    return jax.vmap(lambda row, t: _mx_bits(row, cast, 0, t))(bits, ts)
+    return _mx_bits(bits, cast, 1, ts[:, None], words)
 
 
 def _expert_values(bits, cast: OperandCast, axis: int):
@@ -231,7 +271,10 @@ def _expert_values(bits, cast: OperandCast, axis: int):
         return _elementwise(bits, cast)
     if not cast.fmt.scheme.tensor_scale:
         return _mx_bits(bits, cast, axis)
-    return jax.vmap(lambda w: _mx_bits(w, cast, axis - 1))(bits)
+    amax = jnp.max(_finite_magnitudes(bits), axis=tuple(range(1, bits.ndim)),
+                   initial=jnp.uint32(0))
+    ts = _tensor_scales(amax, cast)
+    return _mx_bits(bits, cast, axis, ts.reshape((-1,) + (1,) * (bits.ndim - 1)))
 
 
 def _token_block_values(bits, cast: OperandCast, unit_group, groups: int, unit: int,
@@ -249,11 +292,8 @@ def _token_block_values(bits, cast: OperandCast, unit_group, groups: int, unit: 
     rows_group = jnp.repeat(unit_group, unit)
     ts = _group_tensor_scales(bits, rows_group, groups + 1, cast)[unit_group]
     if words is not None:
-        values = jax.vmap(lambda u, t, wd: _mx_bits(u, cast, 0, t, wd))(
-            units, ts, words.reshape(mp // unit, unit, c))
-    else:
-        values = jax.vmap(lambda u, t: _mx_bits(u, cast, 0, t))(units, ts)
-    return values.reshape(mp, c)
+        words = words.reshape(mp // unit, unit, c)
+    return _mx_bits(units, cast, 1, ts[:, None, None], words).reshape(mp, c)
 
 
 # -- per-group power-of-two scales (scaling="tensor") --------------------------------------------

@@ -23,7 +23,8 @@ folder on ``PYTHONPATH`` under those package names) can be told apart. Options a
 the run being compared against (``scale_options=``) are left out: only what both trees take.
 
 Not a test: the suite checks properties against peers and the reference; this checks a
-refactor moved no bit.
+refactor moved no bit. ``--match WORD`` (repeatable) keeps only the cases whose name holds
+WORD (``output_hashes.py dot recipe ragged --match nvfp4``: a change's own cases).
 """
 
 from __future__ import annotations
@@ -58,7 +59,14 @@ def _digest(*arrays) -> str:
     return h.hexdigest()
 
 
+#: ``--match WORD`` (repeatable): only the cases whose name holds one of these words (the
+#: sections are slow on a shared machine; a change's own cases are what it must compare).
+_MATCH: list = []
+
+
 def _emit(case: str, fn) -> None:
+    if _MATCH and not any(m in case for m in _MATCH):
+        return
     try:
         out = fn()
     except Exception as e:  # noqa: BLE001 - a refusal is an output too
@@ -206,6 +214,38 @@ def recipe_cases(xs) -> None:
             _emit(f"recipe/{name}/{dt}", run)
 
 
+def ragged_cases(xs) -> None:
+    """The ragged dot's forward and both gradients (jitted), per-group tensor scales included:
+    ``lowprec.ragged_dot`` of block formats and the quantized recipes' ``ragged_dot``."""
+    for dt, x in xs.items():
+        # Magnitudes up to 2^16 (the values past every format's range clipped), so that sums
+        # and gradients stay finite: an all-NaN result would hash the same for any recipe.
+        v = jnp.clip(jnp.nan_to_num(x, posinf=1.0, neginf=-1.0).astype(jnp.float32),
+                     -65536.0, 65536.0)
+        lhs = v
+        rhs = v.reshape(64, 128)[:48]
+        rhs = jnp.stack([rhs[:32].T, rhs[16:48].T, -rhs[:32].T])
+        groups = jnp.array([20, 0, 37], jnp.int32)  # 7 rows in no group
+        fns = {f"{lf}x{rf}": lambda p, q, lf=lf, rf=rf: lowprec.ragged_dot(
+            p, q, groups, lhs_format=lf, rhs_format=rf)
+            for lf, rf in (("nvfp4", "nvfp4"), ("mxfp8_e4m3", "mxfp4"))}
+        fns["recipe_nvfp4"] = lambda p, q: lowprec.Recipe(
+            forward="nvfp4", grad="nvfp4").ragged_dot(p, q, groups)
+        for name in ("nvidia_nvfp4", "nvidia_mxfp8"):
+            if name in lowprec.RECIPES:
+                fns[f"recipe/{name}"] = lambda p, q, r=lowprec.RECIPES[name]: r.ragged_dot(
+                    p, q, groups)
+        for case, f in fns.items():
+            def run(f=f, case=case, dt=dt):
+                out, vjp = jax.vjp(jax.jit(f), lhs, rhs)
+                res = (out,) + vjp(jnp.cos(out))
+                # How much of each result is finite (an all-NaN one hashes alike for any recipe).
+                print("# finite " + ", ".join(f"{float(jnp.mean(jnp.isfinite(a))):.2f}"
+                                              for a in res), flush=True)
+                return res
+            _emit(f"ragged_grad/{case}/{dt}", run)
+
+
 def pack_cases() -> None:
     fp4 = jnp.asarray(np.arange(64, dtype=np.uint8).reshape(4, 16) % 16)
     fp6 = jnp.asarray(np.arange(256, dtype=np.uint8).reshape(4, 64) % 64)
@@ -225,7 +265,14 @@ def main() -> None:
     print(f"# LOWPREC_KERNELS={os.environ.get('LOWPREC_KERNELS', '')}", flush=True)
     x = _inputs()
     xs = {"f32": jnp.asarray(x), "bf16": jnp.asarray(x).astype(jnp.bfloat16)}
-    parts = sys.argv[1:] or ["pack", "element", "block", "dot", "recipe"]
+    # Sections named on the command line (pack element block dot recipe ragged), else the
+    # first five; --match WORD keeps the cases whose name holds WORD.
+    args = sys.argv[1:]
+    while "--match" in args:
+        i = args.index("--match")
+        _MATCH.append(args[i + 1])
+        del args[i:i + 2]
+    parts = args or ["pack", "element", "block", "dot", "recipe"]
     if "pack" in parts:
         pack_cases()
     if "element" in parts:
@@ -236,6 +283,8 @@ def main() -> None:
         dot_cases(xs)
     if "recipe" in parts:
         recipe_cases(xs)
+    if "ragged" in parts:  # not in the default run: an addition (compare trees with it named)
+        ragged_cases(xs)
 
 
 if __name__ == "__main__":

@@ -333,6 +333,67 @@ def test_training_fake_quantize_same_bits_as_xla(step):
         np.testing.assert_array_equal(a, b, err_msg=f"{step}: {name}")
 
 
+@pytest.mark.slow  # ~5 s (XLA's stochastic encode); quick: the dense dot's fused call below
+def test_ragged_per_group_tensor_scales_same_bits_as_xla():
+    """The ragged dot's NVFP4 operands (lowprec/_ragged.py: token rows under their group's
+    tensor scale, to nearest and with stochastic words; 16-token blocks of the per-group
+    padded layout; experts under their own) by the kernel's fused call with one given tensor
+    scale per group: XLA's values bit for bit, NaN/Inf blocks, subnormals, ties and huge
+    rows included. (Both steps: test_dense_dot_nvfp4_operands_take_the_fused_call.)"""
+    from lowprec import _ragged
+    from lowprec._options import MXCast
+
+    step = "reciprocal"
+    k = kinds(seed=41)
+    x = np.concatenate([k[n] for n in ("normal", "ties", "subnormal", "spread", "any_bits")]
+                       + [k["normal"] * 1e30])  # [48, 64]
+    bits = jnp.asarray(x).view(jnp.uint32)
+    words = lowprec.random_bits(jax.random.key(9), x.shape)
+    gid = jnp.asarray([0] * 13 + [2] * 28 + [3] * 7)  # groups 0..2 (1 empty), 3: no group
+    unit_group = jnp.asarray([0, 2, 3])  # 16-token blocks of the padded layout
+    rn, sr = (MXCast(lowprec.mx_format("nvfp4"), None, r, step)
+              for r in ("nearest_even", "stochastic"))
+
+    def run(b, w):
+        return (_ragged._row_values(b, sr, gid, 3, w),
+                _ragged._token_block_values(b, sr, unit_group, 3, 16, w),
+                _ragged._expert_values(b.reshape(3, 16, 64), rn, 1))
+
+    got = {}
+    for policy in ("auto", "xla"):
+        with lowprec.kernels.policy(policy):
+            compiled = jax.jit(run).lower(bits, words).compile()
+            assert compiled.as_text().count(FAKE) == (3 if policy == "auto" else 0)
+            got[policy] = [np.asarray(a) for a in compiled(bits, words)]
+    for name, a, b in zip(("rows, SR", "token blocks, SR", "experts"),
+                          got["auto"], got["xla"]):
+        np.testing.assert_array_equal(a, b, err_msg=f"{step}: {name}")
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.quick_first(1)
+def test_dense_dot_nvfp4_operands_take_the_fused_call(step):
+    """lowprec.dot_general of NVFP4 operands (round to nearest): on CPU each operand's
+    values come from the kernel's fused call (lowprec/_qdot.py), XLA's bit for bit."""
+    k = kinds(seed=51 + STEPS.index(step))
+    x = jnp.asarray(np.concatenate([k["normal"], k["ties"], k["subnormal"], k["spread"]]))
+    x = x.at[5, 9].set(jnp.nan)
+    w = jnp.asarray(kinds(seed=52)["normal"].T.repeat(2, 1))  # [64, 16]
+    dims = (((1,), (0,)), ((), ()))
+
+    def run(a, b):
+        return lowprec.dot_general(a, b, dims, lhs_format="nvfp4", rhs_format="nvfp4",
+                                   scale_options={"nvfp4_step": step})
+
+    got = {}
+    for policy in ("auto", "xla"):
+        with lowprec.kernels.policy(policy):
+            compiled = jax.jit(run).lower(x, w).compile()
+            assert compiled.as_text().count(FAKE) == (2 if policy == "auto" else 0)
+            got[policy] = np.asarray(compiled(x, w)).view(np.uint32)
+    np.testing.assert_array_equal(got["auto"], got["xla"], err_msg=step)
+
+
 @needs_kernel
 @pytest.mark.parametrize("shape", [(16,), (1025, 1024), (2, 4096, 4096)])
 @pytest.mark.quick_first(1)

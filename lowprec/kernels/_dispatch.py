@@ -621,6 +621,16 @@ def cpu_nvfp4_fake_quantize(x, step, stochastic: bool) -> bool:
             and _native_cpu_can_run(x))
 
 
+def cpu_nvfp4_fused_values(x, cast, words: bool = False) -> bool:
+    """Whether the float32 values of ``cast``'s quantization of ``x`` (its
+    ``dequantize(quantize_mx(x, ...))``; a quantized dot's operand) take the native kernel's
+    fused call where XLA lowers for CPU (static): lowprec's NVFP4 rounded to nearest even, or
+    stochastically with given ``words``, as :func:`cpu_nvfp4_fake_quantize` decides."""
+    rounding = "stochastic" if words else "nearest_even"
+    return (cast.fmt == mx_format("nvfp4") and cast.rounding == rounding
+            and cpu_nvfp4_fake_quantize(x, cast.scale_options.nvfp4_step, words))
+
+
 def native_status() -> str:
     """Whether lowprec's native CPU kernels (FP6 packing, one-pass MX and NVFP4 quantization) are
     built and in use here, and if not, why: a sentence. The policy (:func:`set_policy`)
@@ -637,13 +647,22 @@ set_policy_reader(lambda: (current_policy().platform_branches == "all"
                            or cuda_kernels_possible()))  # a module global: tests patch it
 
 
+def by_platform(*args, default, cpu=None, cuda=None):
+    """The formulation of the platform XLA lowers for: ``cpu(*args)`` on CPU, ``cuda(*args)``
+    on a CUDA GPU (each where given), ``default(*args)`` elsewhere. Every per-platform choice
+    of a formulation above this module is made here (:func:`on_cpu`, :func:`on_cuda`); only
+    the platforms JAX here can compile for are traced (``_platform.platform_dependent``)."""
+    branches = {name: fn for name, fn in (("cpu", cpu), ("cuda", cuda)) if fn is not None}
+    return platform_dependent(*args, default=default, **branches)
+
+
 def on_cpu(fast, generic, *args):
     """``fast(*args)`` where XLA lowers for CPU, ``generic(*args)`` everywhere else (where JAX
-    here compiles for CPU alone, ``fast`` alone is traced: ``_platform.platform_dependent``)."""
-    return platform_dependent(*args, cpu=fast, default=generic)
+    here compiles for CPU alone, ``fast`` alone is traced: :func:`by_platform`)."""
+    return by_platform(*args, cpu=fast, default=generic)
 
 
 def on_cuda(fast, generic, *args):
     """``fast(*args)`` where XLA lowers for a CUDA GPU, ``generic(*args)`` everywhere else
-    (where JAX here compiles for CPU alone, ``generic`` alone: ``_platform``)."""
-    return platform_dependent(*args, cuda=fast, default=generic)
+    (where JAX here compiles for CPU alone, ``generic`` alone: :func:`by_platform`)."""
+    return by_platform(*args, cuda=fast, default=generic)

@@ -109,7 +109,7 @@ def quantize_mxarray(x, cast, axis: int, padded: int, rng, tensor_scale, xla) ->
 FAKE_TARGET = "lowprec_nvfp4_fake_quantize"
 
 
-def fake_quantize(x, cast, axis: int, words=None, tile_amax=None):
+def fake_quantize(x, cast, axis: int, words=None, tile_amax=None, tensor_scale=None):
     """float32 values of ``dequantize(quantize_mx(x, "nvfp4", ...))`` by the kernel's
     fake-quantize handler (one call: the NVFP4 training recipe's quantizations, whose XLA
     decode alone is ~900 HLO instructions): ``x`` float32, ``axis`` a whole number of blocks,
@@ -117,11 +117,15 @@ def fake_quantize(x, cast, axis: int, words=None, tile_amax=None):
     the stochastic rounding's (uint16 or uint32, x's shape). ``tile_amax``: instead of each
     block's own maximum, these (uint32 patterns in the blocks' layout along the last axis;
     +inf for a block to decode as NaN): the recipe's 16 x 16 weight tiles. CPU only, where
-    :func:`serves` says."""
+    :func:`serves` says. ``tensor_scale``: instead, one float32 tensor scale per index of
+    x's first axis (``axis`` > 0; positive and finite, clamped as the XLA path clamps a given
+    one: the ragged dot's per-group scales)."""
     xf = lax.stop_gradient(x).astype(jnp.float32)
     # The kernel computes the tensor scale (of each vmapped group: this operand's size under
     # vmap gives their number), as quantize_mx does: one pass, no XLA division to compile.
-    ts = jnp.zeros((), jnp.float32)
+    ts = jnp.zeros((), jnp.float32) if tensor_scale is None else tensor_scale
+    if tensor_scale is not None:  # groups of blocks: contiguous once axis is moved last
+        assert axis > 0 and tensor_scale.shape == xf.shape[:1], (tensor_scale.shape, xf.shape)
     w = _words(cast, (None, words), xf.shape)
     last = axis == xf.ndim - 1
     if not last:
@@ -132,7 +136,7 @@ def fake_quantize(x, cast, axis: int, words=None, tile_amax=None):
                             vmap_method="broadcast_all")
     values = call(xf, ts, w, amax, reciprocal=cast.scale_options.nvfp4_step == "reciprocal",
                   stochastic=bool(cast.stochastic), given_amax=tile_amax is not None,
-                  compute_ts=True)
+                  compute_ts=tensor_scale is None)
     return values if last else jnp.moveaxis(values, -1, axis)
 
 
