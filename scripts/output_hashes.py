@@ -227,10 +227,13 @@ def _plus(x, fmt):
     return tuple(jax.tree_util.tree_leaves(a)) + (lowprec.dequantize_mx_plus(a),)
 
 
+_PAIRS = [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("mxfp8_e4m3", "mxfp8_e4m3"),
+          ("mxfp8_e5m2", "mxfp4"), ("mxfp4", "mxfp4"), ("mxfp6_e2m3", "mxfp6_e3m2"),
+          ("nvfp4", "nvfp4"), ("mxint8", "mxint8"), (None, "mxfp4"), ("if4", "mixfp4")]
+
+
 def dot_cases(xs) -> None:
-    pairs = [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("mxfp8_e4m3", "mxfp8_e4m3"),
-             ("mxfp8_e5m2", "mxfp4"), ("mxfp4", "mxfp4"), ("mxfp6_e2m3", "mxfp6_e3m2"),
-             ("nvfp4", "nvfp4"), ("mxint8", "mxint8"), (None, "mxfp4"), ("if4", "mixfp4")]
+    pairs = _PAIRS
     dims = (((1,), (1,)), ((), ()))
     for dt, x in xs.items():
         a = jnp.nan_to_num(x[:16], posinf=3.0, neginf=-3.0)
@@ -255,7 +258,12 @@ def dot_cases(xs) -> None:
                 lambda p, q: lowprec.dot_general(p, q, dims, lhs_format=lf,
                                                  rhs_format=rf))(a, b)
             _group(cases, a, b)
-        # ragged: 3 groups over 64 rows of lhs [64, 128] by rhs [3, 128, 32]
+
+
+def ragged_cases(xs) -> None:
+    """``ragged_dot`` of the first 8 operand pairs of the dots: 3 groups (one empty) over the
+    64 rows of lhs [64, 128] by rhs [3, 128, 32]."""
+    for dt, x in xs.items():
         lhs = jnp.nan_to_num(x, posinf=1.0, neginf=-1.0)
         rhs = jnp.nan_to_num(x.reshape(64, 128)[:48], posinf=1.0, neginf=-1.0)
         rhs = jnp.stack([rhs[:32].T, rhs[16:48].T, -rhs[:32].T])
@@ -263,7 +271,7 @@ def dot_cases(xs) -> None:
         _group({f"ragged_dot/{lf}x{rf}/{dt}": (
             lambda p, q, g, lf=lf, rf=rf: lowprec.ragged_dot(p, q, g, lhs_format=lf,
                                                              rhs_format=rf))
-                for lf, rf in pairs[:8]}, lhs, rhs, groups)
+                for lf, rf in _PAIRS[:8]}, lhs, rhs, groups)
 
 
 def recipe_cases(xs) -> None:
@@ -295,7 +303,7 @@ def pack_cases() -> None:
 
 
 SECTIONS = {"pack": lambda xs: pack_cases(), "element": element_cases, "block": block_cases,
-            "dot": dot_cases, "recipe": recipe_cases}
+            "dot": dot_cases, "ragged": ragged_cases, "recipe": recipe_cases}
 
 
 def main() -> None:
