@@ -67,10 +67,11 @@ CONFIGS = {
     "fp32": None,
     "bf16": lowprec.Recipe(forward="bf16", grad="bf16", name="bf16"),
     "mxfp8_rceil": dataclasses.replace(lowprec.NVIDIA_MXFP8, name="mxfp8_rceil"),
-    "mxfp8_floor": dataclasses.replace(lowprec.NVIDIA_MXFP8, scale_rule="floor", name="mxfp8_floor"),
+    "mxfp8_floor": dataclasses.replace(lowprec.NVIDIA_MXFP8, scale_options={"scale_rule": "floor"},
+                                       name="mxfp8_floor"),
     "mxfp4_fwd": lowprec.Recipe(
         forward="mxfp4", backward_operands="mxfp8_e4m3", grad="mxfp8_e4m3",
-        scale_rule="rceil", name="mxfp4_fwd",
+        scale_options={"scale_rule": "rceil"}, name="mxfp4_fwd",
     ),
     # Not in the default set; pass --configs to add them.
     "ocp_mxfp8": lowprec.OCP_MXFP8,
@@ -79,7 +80,8 @@ CONFIGS = {
     # paper keeps its last layers in BF16.
     "nvfp4": dataclasses.replace(lowprec.NVIDIA_NVFP4, high_precision=("lm_head",), name="nvfp4"),
     # MXFP4 everywhere: forward operands, backward operands and gradients (rceil scales).
-    "mxfp4": lowprec.Recipe(forward="mxfp4", grad="mxfp4", scale_rule="rceil", name="mxfp4"),
+    "mxfp4": lowprec.Recipe(forward="mxfp4", grad="mxfp4", scale_options={"scale_rule": "rceil"},
+                            name="mxfp4"),
 }
 DEFAULT_CONFIGS = ("fp32", "bf16", "mxfp8_rceil", "mxfp8_floor", "mxfp4_fwd")
 

@@ -18,9 +18,16 @@ def deprecated_attribute(module: str, table: dict, name: str):
     if name not in table:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     use, value = table[name]
-    # stacklevel 3: past this function and the module's __getattr__, to the caller
-    warnings.warn(f"{module}.{name} is deprecated; use {use}", DeprecationWarning, stacklevel=3)
+    # stacklevel 4: past these two functions and the module's __getattr__, to the caller
+    warn_deprecated(f"{module}.{name}", use, stacklevel=4)
     return value()
+
+
+def warn_deprecated(old: str, use: str, stacklevel: int = 3) -> None:
+    """The DeprecationWarning of a former spelling ``old`` (an attribute or a keyword),
+    naming its replacement ``use``; ``stacklevel`` counts from this function (3: the caller
+    of the function that calls it)."""
+    warnings.warn(f"{old} is deprecated; use {use}", DeprecationWarning, stacklevel=stacklevel)
 
 
 def settable_deprecated_attributes(module: str, table: dict) -> None:
@@ -39,8 +46,7 @@ def settable_deprecated_attributes(module: str, table: dict) -> None:
                 super().__setattr__(name, value)
                 return
             use, setter = table[name]
-            warnings.warn(f"{module}.{name} is deprecated; use {use}", DeprecationWarning,
-                          stacklevel=2)
+            warn_deprecated(f"{module}.{name}", use)
             setter(value)
 
     mod.__class__ = _Module

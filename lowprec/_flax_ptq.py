@@ -70,7 +70,8 @@ def _quantize_kernel(kernel, n_in: int, recipe: Recipe) -> MXArray:
     """The kernel [in..., out...] flattened to [in, out], blocked along in."""
     k = jnp.asarray(kernel)
     flat = k.reshape(math.prod(k.shape[:n_in]), math.prod(k.shape[n_in:]))
-    return quantize_mx(flat, recipe.forward[1], axis=0, scale_rule=recipe.scale_rule,
+    fmt = recipe.forward[1]
+    return quantize_mx(flat, fmt, axis=0, scale_options=recipe.options_of(fmt),
                        rounding=recipe.rounding, pad=recipe.pad)
 
 
@@ -78,8 +79,10 @@ def _serve(x, w: MXArray, bias, n_in: int, out_shape: tuple, recipe: Recipe, dty
     """``x [..., in...] · w`` (+ bias), the last ``n_in`` axes of x contracted."""
     lead = x.shape[: x.ndim - n_in]
     x2 = x.reshape(*lead, w.shape[0])
-    y = _lp_dot_general(x2, w, (((x2.ndim - 1,), (0,)), ((), ())), lhs_format=recipe.forward[0],
-                        scale_rule=recipe.scale_rule, rounding=recipe.rounding, pad=recipe.pad,
+    fmt = recipe.forward[0]
+    opts = recipe.options_of(fmt) if isinstance(fmt, MXFormat) else None
+    y = _lp_dot_general(x2, w, (((x2.ndim - 1,), (0,)), ((), ())), lhs_format=fmt,
+                        scale_options=opts, rounding=recipe.rounding, pad=recipe.pad,
                         preferred_element_type=dtype)
     y = y.reshape(*lead, *out_shape)
     if bias is not None:

@@ -19,8 +19,8 @@ fields switch on (:data:`~lowprec.NVIDIA_NVFP4` has all three):
   backward GEMMs), activations and weights to nearest even.
 
 Transformer Engine's own choices, as recipe fields (:data:`TE_NVFP4_OPTIONS` names the set
-that reproduces its quantized operands): ``nvfp4_step="reciprocal"`` (every quantization,
-the 16 x 16 tiles included, multiplies by float32(float32(1 / ts) / s) instead of dividing
+that reproduces its quantized operands): ``nvfp4_step="reciprocal"`` in ``scale_options``
+(every quantization, the 16 x 16 tiles included, multiplies by float32(float32(1 / ts) / s) instead of dividing
 by float32(ts · s), as TE's and torchao >= 0.17's kernels do; the default ``"divide"``
 differs from TE in about 1 code in 10^6), ``rht_signs="transformer_engine"`` (TE's fixed
 sign vector, :data:`TE_RHT_SIGN_MASK`, instead of one drawn from ``seed``),
@@ -103,6 +103,7 @@ from ._options import BACKWARD_OVERRIDES, NVFP4_TILE, RHT_DTYPES, DotSpec  # noq
 from ._options import MXCast
 from ._qdot import register_family, training_dot
 from ._random import check_size, element_index, element_words, random_bits
+from ._scheme_nvfp4 import NVFP4Options, NVFP4Step
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
                         split_dims, split_out_sharding)
 from .kernels import _nvfp4_cpu, _rht_cpu
@@ -116,9 +117,11 @@ TILE = NVFP4_TILE  # NVFP4 block length, and the side of weight tiles and of the
 #: is (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1): -1 at 3, 5-10, 12, 14, 15.
 TE_RHT_SIGN_MASK = 0b1101_0111_1110_1000
 #: The Recipe fields that make :data:`~lowprec.NVIDIA_NVFP4` quantize as Transformer Engine's
-#: ``NVFP4BlockScaling`` does: ``dataclasses.replace(lowprec.NVIDIA_NVFP4, **TE_NVFP4_OPTIONS)``.
+#: ``NVFP4BlockScaling`` does: ``dataclasses.replace(lowprec.NVIDIA_NVFP4, **TE_NVFP4_OPTIONS)``
+#: (NVFP4's options ``nvfp4_step="reciprocal"``, TE's RHT signs and bfloat16 RHT).
 TE_NVFP4_OPTIONS = types.MappingProxyType(
-    {"nvfp4_step": "reciprocal", "rht_signs": "transformer_engine", "rht_dtype": "bfloat16"})
+    {"scale_options": NVFP4Options(NVFP4Step.RECIPROCAL), "rht_signs": "transformer_engine",
+     "rht_dtype": "bfloat16"})
 
 
 def rht_signs(seed: int, n: int = TILE) -> jax.Array:

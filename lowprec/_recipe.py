@@ -11,7 +11,8 @@ For ``y = dot(lhs, rhs)`` (activations x weights in a linear layer) a recipe fix
   ``"quantized"``: both backward dots quantized, the cotangent in ``grad`` and the operands
   re-quantized in ``backward_operands`` (default: their forward formats), every operand
   blocked along the reduction axis of its own backward dot (see :func:`lowprec.dot_general`),
-* the MX scale rule and element rounding of every quantization,
+* the scale schemes' options of every block quantization (``scale_options``: E8M0's scale
+  rule, NVFP4's element step) and the element rounding of every quantization,
 * ``scaling``: MX formats carry their own block scales; element formats (``e4m3``, ...)
   are either rounded as they are (``"none"``) or scaled per tensor by a power of two
   (``"tensor"``: FP8 "current scaling"; the scale is the smallest power of two with
@@ -46,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import sys
 from typing import Optional, Tuple, Union
 
 import jax
@@ -54,15 +56,17 @@ import numpy as np
 from jax import lax
 
 from ._delayed import DelayedScaling
+from ._deprecated import warn_deprecated
 from ._format import ElementFormat, MXFormat, element_format
 from ._nvfp4_train import TILE, check_layout, nvfp4_dot
 from ._options import (BACKWARD_MODES, BACKWARD_OVERRIDES, RHT_DTYPES, BackwardMode, DotSpec,
                        NVFP4Training, operand_cast)
 from ._rounding import Rounding
-from ._scheme_nvfp4 import NVFP4Step
+from ._scheme_e8m0 import E8M0Options
+from ._scheme_nvfp4 import NVFP4Options, NVFP4Step
 from ._qdot import dot_general_jit
 from ._ragged import ragged_dot_jit
-from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule, check_scale_rule
+from ._scale_rules import DEFAULT_SCALE_RULE, ScaleRule
 from ._rounding_key import next_key
 from ._sharding import check_contraction, out_sharding_arg
 from .kernels._dispatch import kernels_enabled
@@ -117,8 +121,16 @@ class Recipe:
         ``backward_operands`` is given, else ``"ste"``.
       backward_operands: formats the operands are re-quantized to in the backward dots (one
         format or a pair); default: the forward formats.
-      scale_rule: MX scale rule of every block quantization (``"floor"``, ``"ceil"``,
-        ``"even"``, ``"rceil"``).
+      scale_options: the scale schemes' options of every block quantization (as
+        ``scale_options=`` of :func:`lowprec.dot_general`): a dict of option fields (E8M0's
+        ``scale_rule``: ``"floor"``, ``"ceil"``, ``"even"``, ``"rceil"``; NVFP4's
+        ``nvfp4_step``), each set on the options of the recipe's MX formats whose scheme
+        takes it (a field none takes is refused), or a scheme's options value
+        (``fmt.scheme.Options(...)``), or a tuple of them. Stored as a tuple of the values
+        that differ from their scheme's defaults, one per scheme, so that equal recipes
+        compare equal; a scheme with no value there casts with its defaults.
+        ``scale_rule=`` and ``nvfp4_step=`` (and the attributes of those names) are its
+        former spellings: they still work, with a DeprecationWarning.
       rounding: element rounding of every quantization (deterministic modes only).
       scaling: ``"none"``, ``"tensor"`` (per-tensor power-of-two scaling of element-format
         operands; not allowed with MX formats, which carry block scales) or ``"delayed"``
@@ -141,10 +153,9 @@ class Recipe:
         operands along tokens; ``grad_rounding="stochastic"`` rounds cotangents to E2M1
         stochastically (random words from ``seed`` and the cotangent's bits). They need every
         format NVFP4 and apply to linear layers (lhs [..., K] x a 2-D weight).
-      nvfp4_step: ``"divide"`` or ``"reciprocal"``: how every NVFP4 quantization of the NVFP4
-        training recipe divides elements by their scales (see :func:`lowprec.quantize_mx`);
-        ``"reciprocal"`` is Transformer Engine's (and makes the recipe an NVFP4 training
-        recipe, as the parts above do).
+        NVFP4's ``nvfp4_step="reciprocal"`` in ``scale_options`` (how every NVFP4
+        quantization divides elements by their scales, see :func:`lowprec.quantize_mx`) is
+        Transformer Engine's, and makes the recipe an NVFP4 training recipe as these parts do.
       rht_signs: the signs of ``wgrad_rht``'s transform: None (drawn from ``seed``),
         ``"transformer_engine"`` (TE's fixed vector) or 16 ints ±1.
       rht_dtype: ``"float32"`` or ``"bfloat16"`` (the transform's operands and result rounded
@@ -169,10 +180,13 @@ class Recipe:
       name: a label for tables and plots.
 
     Example:
-        >>> r = Recipe(forward="mxfp8_e4m3", grad="mxfp8_e5m2", scale_rule="rceil")
+        >>> r = Recipe(forward="mxfp8_e4m3", grad="mxfp8_e5m2", scale_options={"scale_rule": "rceil"})
         >>> r.backward, r.forward[1].name, r.grad.name
         (<BackwardMode.QUANTIZED: 'quantized'>, 'mxfp8_e4m3', 'mxfp8_e5m2')
-        >>> r == Recipe(forward="mxfp8", grad="mxfp8_e5m2", scale_rule="rceil")
+        >>> r.scale_options
+        (E8M0Options(scale_rule=<ScaleRule.RCEIL: 'rceil'>),)
+        >>> r == Recipe(forward="mxfp8", grad="mxfp8_e5m2",
+        ...             scale_options=r.forward[0].scheme.Options("rceil"))
         True
     """
 
@@ -180,7 +194,7 @@ class Recipe:
     grad: FormatLike = None
     backward: Optional[str] = None
     backward_operands: Union[str, FormatLike, Tuple[FormatLike, FormatLike]] = "forward"
-    scale_rule: Union[str, ScaleRule] = DEFAULT_SCALE_RULE
+    scale_options: Union[None, dict, object, Tuple[object, ...]] = None
     rounding: str = "nearest_even"
     scaling: str = "none"
     high_precision: Tuple[str, ...] = ()
@@ -192,7 +206,6 @@ class Recipe:
     grad_rounding: str = "nearest_even"
     seed: int = 0
     delayed: Optional[DelayedScaling] = None
-    nvfp4_step: str = "divide"
     rht_signs: Union[None, str, Tuple[int, ...]] = None
     rht_dtype: str = "float32"
     backward_override: Optional[str] = None
@@ -222,7 +235,7 @@ class Recipe:
         set_("backward", backward)
         bwd = _pair(self.backward_operands, "backward_operands") if explicit_bwd else forward
         set_("backward_operands", bwd)
-        set_("scale_rule", check_scale_rule(self.scale_rule))
+        set_("scale_options", _scale_options(self.scale_options, (*forward, *bwd, self.grad)))
         if self.rounding not in RECIPE_ROUNDINGS:
             hint = (
                 " (stochastic rounding needs a key per call, which a layer's dot_general does "
@@ -258,6 +271,45 @@ class Recipe:
         self._check_delayed(set_)
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a string, got {self.name!r}")
+
+    # -- scale options -----------------------------------------------------------------------
+
+    def options_of(self, fmt: MXFormat):
+        """The options of ``fmt``'s scale scheme in this recipe (its value in
+        ``scale_options``, else the scheme's defaults).
+
+        Example:
+            >>> NVIDIA_MXFP8.options_of(NVIDIA_MXFP8.forward[0])
+            E8M0Options(scale_rule=<ScaleRule.RCEIL: 'rceil'>)
+        """
+        cls = fmt.scheme.Options
+        given = [o for o in self.scale_options if type(o) is cls]
+        return given[0] if given else fmt.scheme.options()
+
+    def _cast(self, fmt: _Format, overflow="ieee", role: str = "format"):
+        """The cast of an operand in ``fmt`` (an MX format with :meth:`options_of`, an element
+        format with ``overflow``; None: no cast) at this recipe's rounding."""
+        opts = self.options_of(fmt) if isinstance(fmt, MXFormat) else None
+        return operand_cast(fmt, role, None, self.rounding, overflow, opts)
+
+    def _option(self, name: str, default):
+        """The field ``name`` of the recipe's options (of the scheme that has it), else
+        ``default``."""
+        return next((getattr(o, name) for o in self.scale_options if hasattr(o, name)), default)
+
+    @property
+    def scale_rule(self) -> ScaleRule:
+        """Deprecated: the E8M0 scale rule in ``scale_options`` (default ``"floor"``)."""
+        warn_deprecated("Recipe.scale_rule", "Recipe.scale_options (recipe.options_of(fmt)"
+                        ".scale_rule)", stacklevel=3)
+        return self._option("scale_rule", DEFAULT_SCALE_RULE)
+
+    @property
+    def nvfp4_step(self) -> NVFP4Step:
+        """Deprecated: the NVFP4 step in ``scale_options`` (default ``"divide"``)."""
+        warn_deprecated("Recipe.nvfp4_step", "Recipe.scale_options (recipe.options_of(fmt)"
+                        ".nvfp4_step)", stacklevel=3)
+        return self._option("nvfp4_step", NVFP4Step.DIVIDE)
 
     def _check_delayed(self, set_) -> None:
         """``scaling="delayed"``: an FP8 layer as Transformer Engine's DelayedScaling runs it;
@@ -299,10 +351,7 @@ class Recipe:
                 "layer), or call lowprec.delayed_dot_general with a DelayedState")
 
     def _check_te_options(self, set_) -> None:
-        """nvfp4_step, rht_signs, rht_dtype and backward_override (Transformer Engine's)."""
-        if self.nvfp4_step not in tuple(NVFP4Step):
-            raise ValueError(f"unknown nvfp4_step {self.nvfp4_step!r}; valid: 'divide', 'reciprocal'")
-        set_("nvfp4_step", NVFP4Step(self.nvfp4_step))
+        """rht_signs, rht_dtype and backward_override (Transformer Engine's)."""
         if self.rht_dtype not in RHT_DTYPES:
             raise ValueError(f"unknown rht_dtype {self.rht_dtype!r}; valid: {RHT_DTYPES}")
         signs = self.rht_signs
@@ -329,7 +378,8 @@ class Recipe:
 
     def _nvfp4_training(self) -> bool:
         return (self.weight_block_2d or self.wgrad_rht or self.grad_rounding != "nearest_even"
-                or self.nvfp4_step != "divide" or self.four_over_six)
+                or self._option("nvfp4_step", NVFP4Step.DIVIDE) != "divide"
+                or self.four_over_six)
 
     def _check_nvfp4_training(self) -> None:
         if self.grad_rounding not in (Rounding.NEAREST_EVEN, Rounding.STOCHASTIC):
@@ -347,8 +397,8 @@ class Recipe:
         if (names != {"nvfp4"} or self.backward != "quantized" or self.scaling != "none"
                 or self.high_precision_wgrad):
             raise ValueError(
-                "weight_block_2d, wgrad_rht, grad_rounding='stochastic', nvfp4_step="
-                "'reciprocal' and four_over_six are parts of the NVFP4 training recipe: they need "
+                "weight_block_2d, wgrad_rht, grad_rounding='stochastic', scale_options "
+                "nvfp4_step='reciprocal' and four_over_six are parts of the NVFP4 training recipe: they need "
                 "forward='nvfp4', "
                 "grad='nvfp4' (backward 'quantized'), scaling='none' and no "
                 "high_precision_wgrad (backward_override='high_precision' instead); got "
@@ -376,7 +426,8 @@ class Recipe:
             bwd = f"bwd {_name(l)} x {_name(r)}, grad {_name(self.grad)}"
         used = (*self.forward, *self.backward_operands, self.grad)
         scaled = [f for f in used if isinstance(f, MXFormat) and f.scheme.takes_scale_rule]
-        extra = [self.scale_rule.value] if scaled else []  # NVFP4 has its own scale recipe
+        # NVFP4 has its own scale recipe
+        extra = [self._option("scale_rule", DEFAULT_SCALE_RULE).value] if scaled else []
         if self.scaling == "delayed" and self.delayed is not None:
             d = self.delayed
             extra.append(f"delayed scaling (history {d.amax_history_len}, "
@@ -396,8 +447,9 @@ class Recipe:
             extra.append(f"{self.rht_dtype} RHT")
         if self.grad_rounding != "nearest_even":
             extra.append(f"{self.grad_rounding} grad rounding")
-        if self.nvfp4_step != "divide":
-            extra.append(f"{self.nvfp4_step} NVFP4 step")
+        step = self._option("nvfp4_step", NVFP4Step.DIVIDE)
+        if step != "divide":
+            extra.append(f"{step} NVFP4 step")
         if self.four_over_six:
             extra.append("4over6 forward")
         if self.backward_override is not None:
@@ -616,25 +668,95 @@ class Recipe:
         if self._nvfp4_training():
             nvfp4 = NVFP4Training(
                 self.weight_block_2d, self.wgrad_rht, self.grad_rounding, self.seed,
-                self.nvfp4_step, self.rht_signs, self.rht_dtype, override, self.four_over_six)
+                self._option("nvfp4_step", NVFP4Step.DIVIDE), self.rht_signs, self.rht_dtype,
+                override, self.four_over_six)
         # backward_override: both backward products from the forward's quantized values
         # ("ste"), or float32 products of the unquantized ones (except the NVFP4 recipe's,
         # whose "dequantized" products read its own 16 x 16 weight tiles).
         backward = self.backward if override is None or nvfp4 is not None else "ste"
         grad = self.grad if backward == "quantized" else None
         lfmt, rfmt = self.forward
-        spec = DotSpec.create(lfmt, rfmt, grad, self.scale_rule, self.rounding, overflow,
-                              self.pad, backward, out_dtype, kernels_enabled())
-        extra = {}
+        spec = DotSpec.create(lfmt, rfmt, grad, self._option("scale_rule", DEFAULT_SCALE_RULE),
+                              self.rounding, overflow, self.pad, backward, out_dtype,
+                              kernels_enabled())
+        # Every cast with the recipe's options of its own scheme (create gives the rule only).
+        extra = {side: self._cast(fmt, overflow, f"{side}_format")
+                 for side, fmt in (("lhs", lfmt), ("rhs", rfmt), ("grad", grad))}
         if backward == "quantized" and self.backward_operands != self.forward:
             for side, fmt in zip(("lhs", "rhs"), self.backward_operands):
-                extra[f"backward_{side}"] = operand_cast(
-                    fmt, f"backward_operands ({side})", spec.scale_rule, spec.rounding, overflow)
+                extra[f"backward_{side}"] = self._cast(fmt, overflow, f"backward_operands ({side})")
         hp = override == "high_precision" and nvfp4 is None
         return dataclasses.replace(
             spec, tensor_scaling=self.scaling == "tensor",
             high_precision_wgrad=self.high_precision_wgrad or hp, high_precision_dgrad=hp,
             nvfp4=nvfp4, delayed=self.delayed, **extra)
+
+
+# -- scale options ------------------------------------------------------------------------------
+
+
+def _scale_options(given, formats) -> tuple:
+    """``scale_options=`` as a recipe stores it: the options values that differ from their
+    scheme's defaults, one per scheme, ordered by class name. ``given``: None, an options
+    value, a dict of fields (each set on the options of the recipe's MX ``formats`` whose
+    scheme takes it) or a tuple/list of those (later ones override earlier ones)."""
+    items = given if isinstance(given, (tuple, list)) else (() if given is None else (given,))
+    schemes = {f.scheme.Options: f.scheme for f in formats if isinstance(f, MXFormat)}
+    values = {}
+    for item in items:
+        if isinstance(item, dict):
+            taken = set()
+            for cls, scheme in schemes.items():
+                fields = {k: v for k, v in item.items() if scheme.takes(k)}
+                if fields:
+                    values[cls] = scheme.options(values.get(cls), scheme.name, **fields)
+                    taken.update(fields)
+            if set(item) - taken:
+                names = ", ".join(sorted(f"{s.name} ({', '.join(s.option_names()) or 'none'})"
+                                         for s in schemes.values())) or "none"
+                raise ValueError(
+                    f"scale_options fields {sorted(set(item) - taken)} are options of no scale "
+                    f"scheme of this recipe's MX formats (schemes and their options: {names}); "
+                    "drop them")
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            values[type(item)] = item
+        else:
+            raise TypeError(
+                "scale_options takes a dict of option fields (e.g. {'scale_rule': 'rceil'}), "
+                f"a scale scheme's options value (fmt.scheme.Options(...)) or a tuple of them, "
+                f"got {item!r}")
+    return tuple(sorted((v for cls, v in values.items() if v != cls()),
+                        key=lambda v: type(v).__name__))
+
+
+def _old_keywords(init):
+    """``Recipe.__init__`` also taking the former spellings ``scale_rule=`` and
+    ``nvfp4_step=`` (with a DeprecationWarning), as the options they set in
+    ``scale_options`` (``dataclasses.replace(recipe, scale_rule=...)`` included)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, scale_rule=None, nvfp4_step=None, **kwargs):
+        old = {}
+        if scale_rule is not None:
+            old["scale_rule"] = E8M0Options(scale_rule)
+        if nvfp4_step is not None:
+            old["nvfp4_step"] = NVFP4Options(nvfp4_step)
+        if old:
+            given = kwargs.get("scale_options")
+            given = list(given) if isinstance(given, (tuple, list)) else (
+                [] if given is None else [given])
+            kwargs["scale_options"] = (*given, *old.values())
+            # dataclasses.replace(recipe, scale_rule=...): point at replace's caller
+            replaced = sys._getframe(1).f_code is dataclasses.replace.__code__
+            warn_deprecated(f"Recipe({'=, '.join(old)}=)",
+                            "Recipe(scale_options={" + ", ".join(f"'{k}': ..." for k in old)
+                            + "})", stacklevel=4 if replaced else 3)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+Recipe.__init__ = _old_keywords(Recipe.__init__)
 
 
 # -- the dot ------------------------------------------------------------------------------------
@@ -811,11 +933,13 @@ def _einsum_plan(subscripts: str, lhs_shape: tuple, rhs_shape: tuple) -> _Einsum
 
 #: OCP MX v1.0: ``floor`` scales, MXFP8 E4M3 operands, MXFP8 E5M2 gradients.
 OCP_MXFP8 = Recipe(
-    forward="mxfp8_e4m3", grad="mxfp8_e5m2", scale_rule="floor", name="ocp_mxfp8"
+    forward="mxfp8_e4m3", grad="mxfp8_e5m2", scale_options={"scale_rule": "floor"},
+    name="ocp_mxfp8"
 )
 #: NVIDIA MXFP8 (Mishra et al. 2025, Transformer Engine): ``rceil`` scales, E4M3 everywhere.
 NVIDIA_MXFP8 = Recipe(
-    forward="mxfp8_e4m3", grad="mxfp8_e4m3", scale_rule="rceil", name="nvidia_mxfp8"
+    forward="mxfp8_e4m3", grad="mxfp8_e4m3", scale_options={"scale_rule": "rceil"},
+    name="nvidia_mxfp8"
 )
 #: FP8 E4M3 forward / E5M2 backward with power-of-two per-tensor current scaling.
 FP8_HYBRID = Recipe(forward="e4m3", grad="e5m2", scaling="tensor", name="fp8_hybrid")

@@ -357,7 +357,8 @@ LAYOUTS = {
 
 # Straight-through MXFP8: the float gradient of the quantized forward (lowprec.dot_general's
 # "ste" backward).
-STE_MXFP8 = lowprec.Recipe(forward="mxfp8_e4m3", scale_rule="rceil", name="ste_mxfp8")
+STE_MXFP8 = lowprec.Recipe(forward="mxfp8_e4m3", scale_options={"scale_rule": "rceil"},
+                           name="ste_mxfp8")
 
 
 def _recipe(name):

@@ -27,7 +27,8 @@ from lowprec import NVIDIA_MXFP8, Recipe  # noqa: E402
 from helpers.asserts import assert_bits_equal, bit_pattern  # noqa: E402
 from helpers.programs import assert_same_program  # noqa: E402
 
-R4 = Recipe(forward="mxfp4", backward_operands="mxfp8", grad="mxfp8", scale_rule="rceil")
+R4 = Recipe(forward="mxfp4", backward_operands="mxfp8", grad="mxfp8",
+            scale_options={"scale_rule": "rceil"})
 DN = (((1,), (0,)), ((), ()))
 
 

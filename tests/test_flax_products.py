@@ -28,8 +28,10 @@ from lowprec import NVIDIA_MXFP8, Recipe  # noqa: E402
 from helpers.asserts import assert_bits_equal  # noqa: E402
 from helpers.programs import assert_same_program, traced  # noqa: E402
 
-MX8 = Recipe(forward="mxfp8", scale_rule="rceil", name="mx8_ste")  # STE: forward statement
-MX4 = Recipe(forward="mxfp4", backward_operands="mxfp8", grad="mxfp8", scale_rule="rceil")
+# STE: forward statement
+MX8 = Recipe(forward="mxfp8", scale_options={"scale_rule": "rceil"}, name="mx8_ste")
+MX4 = Recipe(forward="mxfp4", backward_operands="mxfp8", grad="mxfp8",
+             scale_options={"scale_rule": "rceil"})
 
 
 def _x(shape, seed=0):

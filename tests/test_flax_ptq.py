@@ -25,8 +25,8 @@ from lowprec import Recipe  # noqa: E402
 from helpers.asserts import assert_bits_equal  # noqa: E402
 
 PLANS = {
-    "mxfp8": Recipe(forward="mxfp8", scale_rule="rceil"),
-    "mxfp8xmxfp4": Recipe(forward=("mxfp8", "mxfp4"), scale_rule="floor"),
+    "mxfp8": Recipe(forward="mxfp8", scale_options={"scale_rule": "rceil"}),
+    "mxfp8xmxfp4": Recipe(forward=("mxfp8", "mxfp4"), scale_options={"scale_rule": "floor"}),
 }
 REF_NAMES = {"mxfp8": ("mxfp8_e4m3", "mxfp8_e4m3"), "mxfp8xmxfp4": ("mxfp8_e4m3", "mxfp4")}
 
@@ -72,7 +72,7 @@ def test_linen_ptq_layer_is_the_reference_quantized_product(name, mode):
     apply = jax.jit(served.apply) if mode == "jit" else served.apply
     got = np.asarray(apply(qparams, x), np.float64)
     lname, rname = REF_NAMES[name]
-    rule = recipe.scale_rule.value
+    rule = recipe.options_of(lowprec.mx_format("mxfp8")).scale_rule.value
     qx = _ref_q(x, lname, 2, rule)
     qw = _ref_q(params["params"]["kernel"], rname, 0, rule)
     want = qx @ qw + np.asarray(params["params"]["bias"], np.float64)

@@ -131,8 +131,8 @@ FORWARD_CASES = [
     ("mxfp8_e4m3", "mxfp8_e4m3", "floor"),
     ("mxfp4", "mxfp6_e2m3", "even"),
     ("mxfp8_e5m2", None, "ceil"),
-    ("e4m3", "e4m3", "floor"),  # element formats, no scaling
-    ("nvfp4", "nvfp4", "floor"),  # a tensor scale per group of tokens and per expert
+    ("e4m3", "e4m3", None),  # element formats, no scaling
+    ("nvfp4", "nvfp4", None),  # a tensor scale per group of tokens and per expert
 ]
 
 
@@ -140,7 +140,8 @@ FORWARD_CASES = [
 @pytest.mark.quick_first(1)
 def test_forward_is_each_groups_dot_of_reference_quantized_operands(lf, rf, rule):
     x, w, _, gs = _operands()
-    got = _forward_recipe_output(Recipe(forward=(lf, rf), scale_rule=rule))
+    opts = None if rule is None else {"scale_rule": rule}  # E8M0 scales only
+    got = _forward_recipe_output(Recipe(forward=(lf, rf), scale_options=opts))
     assert got.shape == (M, N) and got.dtype == jnp.float32
     qx = np.zeros((M, K))
     qw = np.stack([_ref_q(w[i], rf, 0, rule) for i in range(len(SIZES))])
@@ -165,7 +166,7 @@ def _forward_recipe_output(recipe):
     recipe has the same forward (formats and scale rule), that recipe's jitted forward and
     gradients, computed once for both tests."""
     for r in QUANTIZED_RECIPES:
-        if (r.forward, r.scale_rule) == (recipe.forward, recipe.scale_rule):
+        if (r.forward, r.scale_options) == (recipe.forward, recipe.scale_options):
             return _run(r)[0]
     return _run(recipe, grads=False)[0]
 
@@ -229,8 +230,10 @@ def test_output_dtype_follows_lax_ragged_dot():
 QUANTIZED_RECIPES = [
     NVIDIA_MXFP8,  # rceil, E4M3 everywhere
     OCP_MXFP8,  # floor, E5M2 gradients
-    Recipe(forward="mxfp4", grad="mxfp8_e4m3", backward_operands="mxfp8", scale_rule="rceil"),
-    Recipe(forward="mxfp8", grad=lowprec.mx_format("mxfp4", block_size=16), scale_rule="even"),
+    Recipe(forward="mxfp4", grad="mxfp8_e4m3", backward_operands="mxfp8",
+           scale_options={"scale_rule": "rceil"}),
+    Recipe(forward="mxfp8", grad=lowprec.mx_format("mxfp4", block_size=16),
+           scale_options={"scale_rule": "even"}),
     Recipe(forward="nvfp4", grad="nvfp4"),  # 16-element blocks, tensor scales per group
 ]
 
@@ -242,7 +245,7 @@ def test_quantized_backward_blocks_each_group_along_its_own_tokens(recipe):
     _, gl, gr = _run(recipe)
     assert gl.shape == x.shape and gr.shape == w.shape
     bl, br = recipe.backward_operands
-    rule = recipe.scale_rule.value
+    rule = recipe.options_of(lowprec.mx_format("mxfp8")).scale_rule.value
     for i, (a, b) in enumerate(_groups(SIZES)):
         if a == b:  # an expert without tokens gets no gradient
             assert np.all(np.asarray(gr[i]) == 0)
@@ -259,7 +262,7 @@ def test_quantized_backward_blocks_each_group_along_its_own_tokens(recipe):
 @pytest.mark.slow  # seconds; the ragged backward runs in the quick quantized case above
 def test_ste_backward_is_the_float_gradient_of_the_quantized_forward():
     x, w, g, gs = _operands()
-    _, gl, gr = _run(Recipe(forward="mxfp8", scale_rule="rceil"))
+    _, gl, gr = _run(Recipe(forward="mxfp8", scale_options={"scale_rule": "rceil"}))
     g64 = np.asarray(g, np.float64)
     for i, (a, b) in enumerate(_groups(SIZES)):
         qw = _ref_q(w[i], "mxfp8_e4m3", 0, "rceil")  # the forward's: along K

@@ -50,6 +50,11 @@ def _ref_q(x, fmt, axis, rule):
     return _ref_elem(x, fmt.name)
 
 
+def _rule(recipe):
+    """The recipe's E8M0 scale rule (of its scale_options)."""
+    return recipe.options_of(lowprec.mx_format("mxfp8")).scale_rule
+
+
 def _ref_pow2_scale(x, elem_name):
     """Per-tensor power of two for scaling='tensor', derived independently: the E8M0 code of
     float32(amax / max_elem) rounded up to a power of two (reference MX 'rceil' rule)."""
@@ -83,9 +88,9 @@ def _operands(t=48, k=64, n=40, seed=0):
 
 
 def test_formats_are_normalized_and_recipes_hashable():
-    a = Recipe(forward="mxfp8", grad="mxfp8_e5m2", scale_rule="rceil")
+    a = Recipe(forward="mxfp8", grad="mxfp8_e5m2", scale_options={"scale_rule": "rceil"})
     b = Recipe(forward=("mxfp8_e4m3", lowprec.mx_format("mxfp8_e4m3")), grad="MXFP8_E5M2",
-               scale_rule="rceil")
+               scale_options={"scale_rule": "rceil"})
     assert a == b and hash(a) == hash(b)
     assert a.forward == (lowprec.mx_format("mxfp8_e4m3"),) * 2
     assert a.backward_operands == a.forward and a.backward == "quantized"
@@ -108,13 +113,18 @@ def test_formats_are_normalized_and_recipes_hashable():
     (dict(forward="mxfp8", rounding="stochastic"), "needs a key per call.*lowprec.optim"),
     (dict(forward="mxfp8", scaling="tensor"), r"MX formats \['mxfp8_e4m3'\] carry their own"),
     (dict(forward="e4m3", scaling="block"), "unknown scaling 'block'"),
-    (dict(forward="mxfp8", scale_rule="round"), "unknown scale_rule 'round'"),
+    (dict(forward="mxfp8", scale_options={"scale_rule": "round"}), "unknown scale_rule 'round'"),
+    (dict(forward="mxfp8", scale_options={"nvfp4_step": "reciprocal"}),
+     r"fields \['nvfp4_step'\] are options of no scale scheme of this recipe's MX formats "
+     r"\(schemes and their options: e8m0 \(scale_rule\)\)"),
+    (dict(forward="e4m3", scale_options={"scale_rule": "rceil"}), "options: none"),
     (dict(forward="mxfp8", backward_override="fp32"), "unknown backward_override 'fp32'"),
     (dict(forward="mxfp8", backward_override="dequantized", high_precision_wgrad=True),
      "use one"),
     (dict(forward="e4m3", grad="e5m2", scaling="delayed", backward_override="dequantized"),
      "delayed scaling takes no backward_override"),
-    (dict(forward="mxfp8", nvfp4_step="reciprocal"), "parts of the NVFP4 training recipe"),
+    (dict(forward="mxfp8", scale_options=lowprec.mx_format("nvfp4").scheme.Options("reciprocal")),
+     "parts of the NVFP4 training recipe"),
     (dict(forward="nvfp4", grad="nvfp4", rht_signs="transformer_engine"), "set wgrad_rht=True"),
     (dict(forward="nvfp4", grad="nvfp4", wgrad_rht=True, rht_signs=(1, -1)), "16 ints"),
     (dict(forward="nvfp4", grad="nvfp4", wgrad_rht=True, rht_dtype="fp16"), "unknown rht_dtype"),
@@ -137,16 +147,88 @@ def test_high_precision_patterns():
         Recipe(forward="mxfp8", high_precision=(3,))
 
 
+def test_scale_options_take_one_spelling_and_store_one_value():
+    e8m0 = lowprec.mx_format("mxfp8").scheme.Options
+    rceil = Recipe(forward="mxfp8", scale_options={"scale_rule": "rceil"})
+    assert rceil.scale_options == (e8m0("rceil"),)
+    assert rceil == Recipe(forward="mxfp8", scale_options=e8m0("rceil"))
+    assert rceil == Recipe(forward="mxfp8", scale_options=[{"scale_rule": "floor"}, e8m0("rceil")])
+    # Defaults are not stored: a recipe that sets none equals one that spells them out.
+    assert Recipe(forward="mxfp8", scale_options={"scale_rule": "floor"}).scale_options == ()
+    assert Recipe(forward="mxfp8", scale_options={"scale_rule": "floor"}) == Recipe(forward="mxfp8")
+    # Each field goes to the schemes that take it; a format of another scheme keeps its own.
+    mixed = Recipe(forward=("mxfp8", "nvfp4"), scale_options={"scale_rule": "rceil"})
+    assert mixed.options_of(mixed.forward[0]) == e8m0("rceil")
+    assert mixed.options_of(mixed.forward[1]) == mixed.forward[1].scheme.Options()
+    with pytest.raises(TypeError, match="scale_options takes a dict of option fields"):
+        Recipe(forward="mxfp8", scale_options="rceil")
+
+
+RULE_RECIPES = [
+    Recipe(forward="mxfp8", grad="mxfp8_e5m2", backward_operands=("mxfp4", "mxfp8"),
+           scale_options={"scale_rule": "rceil"}),
+    Recipe(forward=("mxfp8", "nvfp4"), grad="mxfp8", scale_options={"scale_rule": "even"}),
+    dataclasses.replace(lowprec.NVIDIA_NVFP4, **lowprec.TE_NVFP4_OPTIONS),
+]
+
+
+@pytest.mark.parametrize("recipe", RULE_RECIPES, ids=lambda r: r.describe())
+def test_scale_options_reach_every_quantization_of_the_recipe(recipe):
+    """Every MX cast of the recipe's dots (forward, cotangent, backward operands) carries the
+    recipe's options of its scheme, as do the NVFP4 training recipe's own quantizations;
+    what each cast computes is checked against the reference by the dot tests."""
+    spec = recipe.dot_spec()
+    casts = {"lhs": spec.lhs, "rhs": spec.rhs, "grad": spec.grad, "bwd_lhs": spec.bwd_lhs,
+             "bwd_rhs": spec.bwd_rhs}
+    mx = {k: c for k, c in casts.items() if isinstance(getattr(c, "fmt", None), lowprec.MXFormat)}
+    assert len(mx) == 5, casts
+    for role, cast in mx.items():
+        assert cast.scale_options == recipe.options_of(cast.fmt), role
+    if spec.nvfp4 is not None:
+        assert spec.nvfp4.nvfp4_step == recipe.options_of(recipe.forward[0]).nvfp4_step
+        assert spec.nvfp4.nvfp4_step == "reciprocal"
+
+
+@pytest.mark.parametrize("old, new", [
+    (dict(scale_rule="rceil"), dict(scale_options={"scale_rule": "rceil"})),
+    (dict(scale_rule="floor"), dict(scale_options={"scale_rule": "floor"})),
+    (dict(nvfp4_step="reciprocal"), dict(scale_options={"nvfp4_step": "reciprocal"})),
+], ids=lambda d: str(d))
+def test_old_scale_keywords_warn_and_give_the_same_recipe_and_bits(old, new):
+    base = NVIDIA_MXFP8 if "scale_rule" in old else lowprec.NVIDIA_NVFP4
+    (name, value), = old.items()
+    with pytest.warns(DeprecationWarning, match=rf"Recipe\({name}=\) is deprecated; use "
+                                                rf"Recipe\(scale_options={{'{name}': ...}}\)"):
+        built = Recipe(forward=base.forward, grad=base.grad, weight_block_2d=base.weight_block_2d,
+                       **old)
+    with pytest.warns(DeprecationWarning, match=rf"Recipe\({name}=\) is deprecated") as rec:
+        replaced = dataclasses.replace(base, **old)
+    assert rec[0].filename == __file__  # the warning points at the caller of replace
+    assert built == Recipe(forward=base.forward, grad=base.grad,
+                           weight_block_2d=base.weight_block_2d, **new)
+    assert replaced == dataclasses.replace(base, **new)
+    with pytest.warns(DeprecationWarning, match=rf"Recipe.{name} is deprecated; use "
+                                                r"Recipe.scale_options"):
+        assert getattr(replaced, name) == value
+    # The same bits: the dot and both gradients of the old and the new spelling.
+    x, w = _operands(seed=5)
+    g = _normal(6, (x.shape[0], w.shape[1]))
+    want = dataclasses.replace(base, **new)
+    for a, b in zip((replaced.dot_general(x, w, DN), *_grads(replaced, x, w, g)),
+                    (want.dot_general(x, w, DN), *_grads(want, x, w, g))):
+        assert_bits_equal(a, b)
+
+
 def test_ready_made_recipes_are_the_published_ones():
     e4m3, e5m2 = lowprec.mx_format("mxfp8_e4m3"), lowprec.mx_format("mxfp8_e5m2")
     # NVIDIA (Mishra et al. 2025 / Transformer Engine MXFP8BlockScaling): E4M3 for every
     # tensor, gradients included; scales rounded up (rceil).
     assert NVIDIA_MXFP8.forward == (e4m3, e4m3) and NVIDIA_MXFP8.grad == e4m3
     assert NVIDIA_MXFP8.backward_operands == (e4m3, e4m3)
-    assert (NVIDIA_MXFP8.scale_rule, NVIDIA_MXFP8.backward) == ("rceil", "quantized")
+    assert (_rule(NVIDIA_MXFP8), NVIDIA_MXFP8.backward) == ("rceil", "quantized")
     # OCP MX v1.0 scale rule (floor), E4M3 data, E5M2 gradients.
     assert OCP_MXFP8.forward == (e4m3, e4m3) and OCP_MXFP8.grad == e5m2
-    assert OCP_MXFP8.scale_rule == "floor"
+    assert _rule(OCP_MXFP8) == "floor"
     # FP8 hybrid (Micikevicius et al. 2022): E4M3 forward, E5M2 gradients, per-tensor scales.
     assert FP8_HYBRID.forward == (lowprec.element_format("e4m3"),) * 2
     assert FP8_HYBRID.grad == lowprec.element_format("e5m2") and FP8_HYBRID.scaling == "tensor"
@@ -168,7 +250,7 @@ def test_ready_made_recipes_are_the_published_ones():
 
 @pytest.mark.parametrize("recipe", [
     NVIDIA_MXFP8, OCP_MXFP8,
-    Recipe(forward=("mxfp8_e4m3", "mxfp4"), scale_rule="even"),
+    Recipe(forward=("mxfp8_e4m3", "mxfp4"), scale_options={"scale_rule": "even"}),
     Recipe(forward="e4m3"),  # no scaling: each value rounded on its own
     Recipe(forward="bf16"),
 ], ids=lambda r: r.describe())
@@ -177,8 +259,8 @@ def test_forward_is_the_dot_of_reference_quantized_operands(recipe):
     # Eager here; jit == eager bit for bit is checked below for every kind of recipe dot.
     x, w = _operands()
     got = recipe.dot_general(x, w, DN)
-    qx = _ref_q(x, recipe.forward[0], 1, recipe.scale_rule)
-    qw = _ref_q(w, recipe.forward[1], 0, recipe.scale_rule)
+    qx = _ref_q(x, recipe.forward[0], 1, _rule(recipe))
+    qw = _ref_q(w, recipe.forward[1], 0, _rule(recipe))
     _assert_close(got, qx @ qw, qx, qw, x.shape[1])
 
 
@@ -228,7 +310,7 @@ def _grads(recipe, x, w, g):
 @pytest.mark.parametrize("recipe", [
     OCP_MXFP8,  # lowprec.dot_general's own quantized VJP
     Recipe(forward="mxfp4", backward_operands="mxfp8_e4m3", grad="mxfp8_e4m3",
-           scale_rule="rceil"),  # the recipe's own VJP: backward formats differ
+           scale_options={"scale_rule": "rceil"}),  # the recipe's own VJP: other bwd formats
     Recipe(forward="mxfp4", backward_operands=(None, "mxfp8_e5m2"), grad=None),
 ], ids=lambda r: r.describe())
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
@@ -239,7 +321,7 @@ def test_quantized_backward_blocks_along_each_reduction(recipe):
     g = _normal(9, (x.shape[0], w.shape[1]))
     gx, gw = _grads(recipe, x, w, g)
     bl, br = recipe.backward_operands
-    rule = recipe.scale_rule
+    rule = _rule(recipe)
     qg_n, qw_n = _ref_q(g, recipe.grad, 1, rule), _ref_q(w, br, 1, rule)
     qx_t, qg_t = _ref_q(x, bl, 0, rule), _ref_q(g, recipe.grad, 0, rule)
     _assert_close(gx, qg_n @ qw_n.T, qg_n, qw_n.T, w.shape[1])
@@ -247,7 +329,7 @@ def test_quantized_backward_blocks_along_each_reduction(recipe):
 
 
 def test_ste_backward_is_the_float_gradient_of_the_quantized_forward():
-    r = Recipe(forward="mxfp8_e4m3", scale_rule="rceil")
+    r = Recipe(forward="mxfp8_e4m3", scale_options={"scale_rule": "rceil"})
     x, w = _operands(seed=3)
     g = _normal(4, (x.shape[0], w.shape[1]))
     gx, gw = _grads(r, x, w, g)
@@ -465,7 +547,7 @@ def test_ragged_dot_backward_override(override_data):
     for g, rows in enumerate((slice(0, 20), slice(20, 32))):
         _assert_close(gx[rows], c64[rows] @ w64[g].T, c64[rows], w64[g].T, 32)
         _assert_close(gw[g], x64[rows].T @ c64[rows], x64[rows].T, c64[rows], 32)
-    ste = Recipe(forward="mxfp8_e4m3", scale_rule="rceil")
+    ste = Recipe(forward="mxfp8_e4m3", scale_options={"scale_rule": "rceil"})
     for got, want in zip(grads(dataclasses.replace(NVIDIA_MXFP8, backward_override="dequantized")),
                          grads(ste)):
         assert_bits_equal(got, want)
