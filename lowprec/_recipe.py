@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import sys
+import inspect
 from typing import Optional, Tuple, Union
 
 import jax
@@ -747,7 +747,8 @@ def _old_keywords(init):
                 [] if given is None else [given])
             kwargs["scale_options"] = (*given, *old.values())
             # dataclasses.replace(recipe, scale_rule=...): point at replace's caller
-            replaced = sys._getframe(1).f_code is dataclasses.replace.__code__
+            caller = inspect.currentframe().f_back
+            replaced = caller is not None and caller.f_code is dataclasses.replace.__code__
             warn_deprecated(f"Recipe({'=, '.join(old)}=)",
                             "Recipe(scale_options={" + ", ".join(f"'{k}': ..." for k in old)
                             + "})", stacklevel=4 if replaced else 3)
