@@ -86,3 +86,18 @@ def test_the_extended_sweep_is_opted_into_by_environment(monkeypatch):
         assert tiers.full_suite() is full
     monkeypatch.delenv(tiers.FULL_SUITE_ENV)
     assert tiers.full_suite() is False
+
+
+def test_the_element_codecs_quick_rule_keeps_every_format_mode_policy_and_implementation():
+    """helpers.codecs.in_quick_tier thins the (format, rounding, overflow, implementation)
+    product but, as its docstring says, every value of each still runs in the quick tier."""
+    from helpers import codecs
+
+    formats, modes = codecs.FORMATS, codecs.ROUNDING_MODES
+    overflows, impls = codecs.OVERFLOW_POLICIES, codecs.IMPLS
+    kept = [(f, r, o, i) for f in formats for r in modes for o in overflows for i in impls
+            if codecs.in_quick_tier({"fmt": f, "rounding": r, "overflow": o,
+                                     "codec": types.SimpleNamespace(name=i)}, overflows, impls)]
+    for k, values in enumerate((formats, modes, overflows, impls)):
+        assert {c[k] for c in kept} == set(values), values
+    assert len(kept) < len(formats) * len(modes) // 3  # and it does thin the product
