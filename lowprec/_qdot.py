@@ -58,7 +58,7 @@ from ._gemv import decode_time_route
 from ._gpu_gemm import (FP8_DTYPES, apply_tensor_scales, block_bf16_exact, block_values_bf16,
                         fp8_pair, fp8_values)
 from ._mx_decode import fast_decode_applies, fast_decode_exact, mx_value_bits, mx_value_bits_fast
-from ._mx_encode import padded_bits, quantize_mxarray
+from ._mx_encode import padded_bits, quantize_mxarray, zero_padded
 from ._mxarray import MXArray
 from ._options import DotSpec, ElementCast, MXCast, OperandCast
 from ._scale_rules import rceil_code
@@ -195,9 +195,8 @@ def _portable_operand(x, cast: OperandCast, ca: int):
     def kernel(v):
         n = v.shape[ca]
         padded = -(-n // cast.fmt.block_size) * cast.fmt.block_size
-        widths = [(0, 0)] * v.ndim
-        widths[ca] = (0, padded - n)  # +0.0: no block maximum or tensor scale changes
-        values = _nvfp4_cpu.fake_quantize(jnp.pad(v, widths), cast, ca)
+        # +0.0 padding: no block maximum or tensor scale changes
+        values = _nvfp4_cpu.fake_quantize(zero_padded(v, ca, padded), cast, ca)
         return f32_bits(lax.slice_in_dim(values, 0, n, axis=ca))
 
     def xla(v):

@@ -68,7 +68,7 @@ from ._dtypes import bits_to_dtype, exactly_representable, input_bits
 from ._encode import encode_bits
 from ._format import FormatLike
 from ._mx_decode import fast_decode_applies, mx_value_bits
-from ._mx_encode import encode_blocks
+from ._mx_encode import encode_blocks, zero_padded
 from ._mxarray import MXArray
 from ._nvfp4_train import quantize_2d, recipe_rht, recipe_rht_signs
 from ._options import NVFP4_TILE, DotSpec, ElementCast, MXCast, OperandCast
@@ -199,11 +199,7 @@ def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None, words=None):
     wherever its branch is taken)."""
     n = bits.shape[axis]
     block = cast.fmt.block_size
-    padded = -(-n // block) * block
-    if padded != n:
-        widths = [(0, 0)] * bits.ndim
-        widths[axis] = (0, padded - n)
-        bits = jnp.pad(bits, widths)  # +0.0
+    bits = zero_padded(bits, axis, -(-n // block) * block)  # +0.0
     rng = None if words is None else (None, words)
 
     def xla(bits):
