@@ -298,18 +298,28 @@ class Recipe:
         return next((getattr(o, name) for o in self.scale_options if hasattr(o, name)), default)
 
     @property
+    def _scale_rule(self) -> ScaleRule:
+        """E8M0's scale rule in ``scale_options`` (default ``"floor"``)."""
+        return self._option("scale_rule", DEFAULT_SCALE_RULE)
+
+    @property
+    def _nvfp4_step(self) -> NVFP4Step:
+        """NVFP4's step in ``scale_options`` (default ``"divide"``)."""
+        return self._option("nvfp4_step", NVFP4Step.DIVIDE)
+
+    @property
     def scale_rule(self) -> ScaleRule:
         """Deprecated: the E8M0 scale rule in ``scale_options`` (default ``"floor"``)."""
         warn_deprecated("Recipe.scale_rule", "Recipe.scale_options (recipe.options_of(fmt)"
                         ".scale_rule)", stacklevel=3)
-        return self._option("scale_rule", DEFAULT_SCALE_RULE)
+        return self._scale_rule
 
     @property
     def nvfp4_step(self) -> NVFP4Step:
         """Deprecated: the NVFP4 step in ``scale_options`` (default ``"divide"``)."""
         warn_deprecated("Recipe.nvfp4_step", "Recipe.scale_options (recipe.options_of(fmt)"
                         ".nvfp4_step)", stacklevel=3)
-        return self._option("nvfp4_step", NVFP4Step.DIVIDE)
+        return self._nvfp4_step
 
     def _check_delayed(self, set_) -> None:
         """``scaling="delayed"``: an FP8 layer as Transformer Engine's DelayedScaling runs it;
@@ -378,7 +388,7 @@ class Recipe:
 
     def _nvfp4_training(self) -> bool:
         return (self.weight_block_2d or self.wgrad_rht or self.grad_rounding != "nearest_even"
-                or self._option("nvfp4_step", NVFP4Step.DIVIDE) != "divide"
+                or self._nvfp4_step != "divide"
                 or self.four_over_six)
 
     def _check_nvfp4_training(self) -> None:
@@ -427,7 +437,7 @@ class Recipe:
         used = (*self.forward, *self.backward_operands, self.grad)
         scaled = [f for f in used if isinstance(f, MXFormat) and f.scheme.takes_scale_rule]
         # NVFP4 has its own scale recipe
-        extra = [self._option("scale_rule", DEFAULT_SCALE_RULE).value] if scaled else []
+        extra = [self._scale_rule.value] if scaled else []
         if self.scaling == "delayed" and self.delayed is not None:
             d = self.delayed
             extra.append(f"delayed scaling (history {d.amax_history_len}, "
@@ -447,7 +457,7 @@ class Recipe:
             extra.append(f"{self.rht_dtype} RHT")
         if self.grad_rounding != "nearest_even":
             extra.append(f"{self.grad_rounding} grad rounding")
-        step = self._option("nvfp4_step", NVFP4Step.DIVIDE)
+        step = self._nvfp4_step
         if step != "divide":
             extra.append(f"{step} NVFP4 step")
         if self.four_over_six:
@@ -668,17 +678,15 @@ class Recipe:
         if self._nvfp4_training():
             nvfp4 = NVFP4Training(
                 self.weight_block_2d, self.wgrad_rht, self.grad_rounding, self.seed,
-                self._option("nvfp4_step", NVFP4Step.DIVIDE), self.rht_signs, self.rht_dtype,
-                override, self.four_over_six)
+                self._nvfp4_step, self.rht_signs, self.rht_dtype, override, self.four_over_six)
         # backward_override: both backward products from the forward's quantized values
         # ("ste"), or float32 products of the unquantized ones (except the NVFP4 recipe's,
         # whose "dequantized" products read its own 16 x 16 weight tiles).
         backward = self.backward if override is None or nvfp4 is not None else "ste"
         grad = self.grad if backward == "quantized" else None
         lfmt, rfmt = self.forward
-        spec = DotSpec.create(lfmt, rfmt, grad, self._option("scale_rule", DEFAULT_SCALE_RULE),
-                              self.rounding, overflow, self.pad, backward, out_dtype,
-                              kernels_enabled())
+        spec = DotSpec.create(lfmt, rfmt, grad, self._scale_rule, self.rounding, overflow,
+                              self.pad, backward, out_dtype, kernels_enabled())
         # Every cast with the recipe's options of its own scheme (create gives the rule only).
         extra = {side: self._cast(fmt, overflow, f"{side}_format")
                  for side, fmt in (("lhs", lfmt), ("rhs", rfmt), ("grad", grad))}
