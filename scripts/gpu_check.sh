@@ -17,13 +17,19 @@
 # ALLOW_CPU=1 (run without a GPU: a smoke test of this script); TUNE=1 (also sweep the MXFP4
 # kernel's tiles at one token, $OUT/tune.txt: at most 4 minutes more); TUNE_PREPARED=1 (sweep
 # the prepared-weight kernel's launch parameters, $OUT/tune_prepared.txt: at most 4 minutes
-# more). Exits non-zero if the tests fail or time out (after the benchmark).
+# more); SECTIONS="train_step nvfp4" (the benchmark sections to run, in that order; default
+# all seven); TESTS=0, GEMMS=0, FUSION=0 (skip that stage: a lease split into two calls runs
+# the tests and the first sections in one, the rest in the other). Exits non-zero if the
+# tests fail or time out (after the benchmark).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 FULL="${FULL:-0}"
+# Read before the names are reused below.
+RUN_TESTS="${TESTS:-1}" RUN_GEMMS="${GEMMS:-1}" RUN_FUSION="${FUSION:-1}"
+SECTIONS="${SECTIONS:-train_step quantize dequantize nvfp4 mxfp8 weight_only encode}"
 START=$SECONDS
 # Tests and benchmarks share the device: allocate on demand instead of grabbing 75 % up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -57,10 +63,10 @@ fi
 XDIST=()
 if "$PY" -c 'import xdist' 2>/dev/null; then XDIST=(-n 8); fi
 if [[ "$FULL" == "1" ]]; then
-  TESTS=(tests)
+  TEST_FILES=(tests)
   MARK=()
 else
-  TESTS=(tests/test_codec.py tests/test_codec_properties.py tests/test_mx.py
+  TEST_FILES=(tests/test_codec.py tests/test_codec_properties.py tests/test_mx.py
          tests/test_mx_properties.py tests/test_mx_formats.py tests/test_pack.py
          tests/test_scale_schemes.py tests/test_ragged.py tests/test_random_words.py
          tests/test_fast_paths.py tests/test_delayed.py tests/test_nvfp4_train.py
@@ -68,9 +74,12 @@ else
          tests/test_prepared_weight.py tests/test_gpu_routes.py)
   MARK=(-m "gpu or not slow")
 fi
-stage 200 tests "$PY" -m pytest -ra -p no:cacheprovider --durations=10 "${XDIST[@]}" \
-  "${MARK[@]}" "${TESTS[@]}" 2>&1 | tee "$OUT/pytest.log"
-tests_rc=${PIPESTATUS[0]}
+tests_rc=0
+if [[ "$RUN_TESTS" != "0" ]]; then
+  stage 200 tests "$PY" -m pytest -ra -p no:cacheprovider --durations=10 "${XDIST[@]}" \
+    "${MARK[@]}" "${TEST_FILES[@]}" 2>&1 | tee "$OUT/pytest.log"
+  tests_rc=${PIPESTATUS[0]}
+fi
 
 BENCH=(--reps 3 --matmul-sizes 4096 8192)
 # Each weight-only route is timed as the difference of two programs of R/4 and R products,
@@ -79,11 +88,13 @@ WEIGHTS=(--weight-shapes 4096x4096 16384x8192 --tokens 1 16 --inner 8)
 [[ "$FULL" == "1" ]] && BENCH=() && WEIGHTS=()
 first=1
 # weight_only also times the prepared-weight kernel (MXFP4 and NVFP4) against bfloat16.
-for spec in "train_step 120" "quantize 70" "dequantize 45" "nvfp4 40" "mxfp8 70" "weight_only 140" \
-            "encode 35"; do
-  set -- $spec
+declare -A LIMIT=([train_step]=120 [quantize]=70 [dequantize]=45 [nvfp4]=40 [mxfp8]=70
+                  [weight_only]=140 [encode]=35)
+for section in $SECTIONS; do
+  [[ -n "${LIMIT[$section]:-}" ]] || { echo "gpu_check.sh: no section $section" >&2; exit 2; }
+  set -- "$section" "${LIMIT[$section]}"
   extra=()
-  [[ $first == 1 ]] && extra=(--pytest-log "$OUT/pytest.log")
+  [[ $first == 1 && -f "$OUT/pytest.log" ]] && extra=(--pytest-log "$OUT/pytest.log")
   [[ $1 == weight_only ]] && extra=("${WEIGHTS[@]}")
   first=0
   stage "$2" "bench $1" "$PY" benchmarks/bench_gpu.py --only "$1" "${BENCH[@]}" "${extra[@]}" \
@@ -99,12 +110,12 @@ if [[ "${TUNE_PREPARED:-0}" == "1" ]]; then  # the prepared-weight kernel's laun
 fi
 
 # Which GEMM every product gets on this device's compiler (the GEMM view, Triton GEMM off).
-stage 60 "GEMM view" "$PY" benchmarks/gpu_hlo_report.py --gemms only --json "$OUT/gemms.json" \
+[[ "$RUN_GEMMS" != "0" ]] && stage 60 "GEMM view" "$PY" benchmarks/gpu_hlo_report.py --gemms only --json "$OUT/gemms.json" \
   2>&1 | tee "$OUT/gemms.txt"
 
 left=$((560 - (SECONDS - START)))
 [[ "$FULL" == "1" ]] && left=0
-if [[ "$FULL" == "1" || $left -gt 30 ]]; then
+if [[ "$RUN_FUSION" != "0" ]] && [[ "$FULL" == "1" || $left -gt 30 ]]; then
   stage "$left" "fusion report" "$PY" benchmarks/gpu_hlo_report.py --gemms none --dump "$OUT/hlo" 2>&1 \
     | tee "$OUT/hlo_report.txt"
   tar -czf "$OUT/hlo.tar.gz" -C "$OUT" hlo 2>/dev/null && rm -rf "$OUT/hlo"
