@@ -9,8 +9,9 @@ XLA:CPU also has two code generators for fused elementwise work: the MLIR "fusio
 (its default) and the classic elemental IR emitter (``--xla_cpu_use_fusion_emitters=false``).
 The classic one compiles a small program in about half the CPU time (51 of the library's
 programs, level 0: 10.97 -> 5.43 CPU s of backend compile, same bits), so the suite uses it
-where the running jaxlib knows the flag (:func:`knows_flag`: an XLA flag it does not know
-aborts the process).
+where the running jaxlib accepts the flag (:func:`knows_flag`: an XLA flag it does not know
+aborts the process, so a name found in jaxlib's libraries is confirmed by starting JAX with it
+in a subprocess, once per run).
 
 The bits do not depend on either: XLA:CPU emits float operations without fast-math flags, so
 LLVM may not reassociate, contract into FMAs or otherwise change a float result at any level,
@@ -19,10 +20,11 @@ a runtime setting, not a compile one. ``tests/test_xla_opt_level.py`` checks thi
 library's paths (element and block quantizers, stochastic rounding, the MX matmul): the same
 bits with XLA's defaults (level and emitters) in a subprocess as with this run's flags here.
 
-The level is an XLA-wide option, so it is left alone where a GPU backend is installed (a
-``jax_plugins`` CUDA or ROCm plugin: a GPU machine, or CI's compile-only GPU checks, which
-read the optimized PTX's instructions and register spills); the emitter flag only concerns
-CPU programs and is set there too.
+Neither flag is set where a GPU backend is installed (a ``jax_plugins`` CUDA or ROCm plugin: a
+GPU machine, or CI's compile-only GPU checks, which read the optimized PTX's instructions and
+register spills): the level is an XLA-wide option, and the plugin parses ``XLA_FLAGS`` with
+its own copy of XLA. On an H200 with jax 0.11.2 every pytest worker died at start ("node down:
+Not properly terminated") with the emitter flag set beside the CUDA 13 plugin.
 ``LOWPREC_TEST_XLA_OPT=default`` compiles with XLA's defaults instead (or ``=N`` at level
 N); a ``--xla_backend_optimization_level`` or ``--xla_cpu_use_fusion_emitters`` already in
 ``XLA_FLAGS`` is kept as it is. Set in ``os.environ`` before JAX starts its backend, so every
@@ -37,6 +39,9 @@ import os
 ENV = "LOWPREC_TEST_XLA_OPT"
 FLAG = "--xla_backend_optimization_level"
 EMITTERS = "--xla_cpu_use_fusion_emitters"
+# "1" or "0": whether this run's jaxlib accepts EMITTERS, set by the first apply() so that
+# workers and subprocesses, which inherit it, do not probe again.
+EMITTERS_KNOWN = "LOWPREC_TEST_XLA_EMITTERS"
 
 
 def _package_folders(name: str) -> list:
@@ -61,8 +66,27 @@ def gpu_plugin_installed() -> bool:
 
 
 def knows_flag(name: str = EMITTERS) -> bool:
-    """Whether the installed jaxlib's XLA defines the flag ``name`` (its name appears in
-    jaxlib's shared libraries; found without importing jaxlib, in ~0.05 s)."""
+    """Whether the installed jaxlib's XLA accepts the boolean flag ``name``: its name appears
+    in jaxlib's shared libraries (found without importing jaxlib, in ~0.05 s) and JAX starts
+    with ``name=false`` in ``XLA_FLAGS`` (:func:`accepts`, ~1 s). A name alone is not proof:
+    a flag XLA retired can live on as a string (a proto field, a message)."""
+    return _in_libraries(name) and accepts(f"{name}=false")
+
+
+def accepts(flags: str) -> bool:
+    """Whether a Python with ``XLA_FLAGS=flags`` starts JAX's CPU backend (XLA aborts the
+    process on a flag it does not know, which no ``try`` in this one could catch)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    return probe.returncode == 0
+
+
+def _in_libraries(name: str) -> bool:
+    """Whether ``name`` (without its dashes) appears in one of jaxlib's shared libraries."""
     import mmap
 
     needle = name.lstrip("-").encode()
@@ -83,9 +107,10 @@ def knows_flag(name: str = EMITTERS) -> bool:
 def apply(environ=os.environ, gpu: bool | None = None, emitters_flag: bool | None = None) -> None:
     """Adds ``--xla_backend_optimization_level`` (0 unless ``LOWPREC_TEST_XLA_OPT`` says
     otherwise) to ``XLA_FLAGS``, unless a GPU plugin is installed (``gpu``: whether one is;
-    looked up when None) and the level was not asked for; and
-    ``--xla_cpu_use_fusion_emitters=false`` where jaxlib knows that flag (``emitters_flag``:
-    whether it does; looked up when None). ``LOWPREC_TEST_XLA_OPT=default`` adds neither."""
+    looked up when None) and the level was not asked for; and, with no GPU plugin,
+    ``--xla_cpu_use_fusion_emitters=false`` where jaxlib accepts that flag (``emitters_flag``:
+    whether it does; probed once per run when None). ``LOWPREC_TEST_XLA_OPT=default`` adds
+    neither."""
     level = environ.get(ENV)
     if level == "default":
         return
@@ -93,11 +118,16 @@ def apply(environ=os.environ, gpu: bool | None = None, emitters_flag: bool | Non
         raise ValueError(f"{ENV}={level!r}: give an XLA backend optimization level (0-3) "
                          "or 'default'")
     flags = environ.get("XLA_FLAGS", "").split()
+    on_gpu = gpu_plugin_installed() if gpu is None else gpu
     if not any(f.startswith(FLAG) for f in flags):
-        if level is not None or not (gpu_plugin_installed() if gpu is None else gpu):
+        if level is not None or not on_gpu:
             flags.append(f"{FLAG}={level or 0}")
-    if not any(f.startswith(EMITTERS) for f in flags):
-        if knows_flag() if emitters_flag is None else emitters_flag:
+    if not on_gpu and not any(f.startswith(EMITTERS) for f in flags):
+        if emitters_flag is None:
+            if environ.get(EMITTERS_KNOWN) not in ("0", "1"):
+                environ[EMITTERS_KNOWN] = "1" if knows_flag() else "0"
+            emitters_flag = environ[EMITTERS_KNOWN] == "1"
+        if emitters_flag:
             flags.append(f"{EMITTERS}=false")
     if flags:
         environ["XLA_FLAGS"] = " ".join(flags)
