@@ -183,10 +183,10 @@ def set_policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
     Returns:
       The settings before (a :class:`Policy`), to restore them: ``set_policy(previous)``.
 
-    When the policy in force changes, JAX's caches are cleared: a function of yours traced
-    under ``jax.jit`` before the change would otherwise keep the programs of the old policy
-    (the policy is read while tracing; lowprec's own jitted cores also take it as a static
-    argument).
+    The policy in force is part of ``jax.jit``'s cache key: a function of yours traced under
+    one policy is traced again under another (the policy is read while tracing; lowprec's
+    own jitted cores also take it as a static argument), and its programs of an earlier
+    policy are found again when that policy is back.
 
     Example:
         >>> previous = set_policy("xla", gpu_route="xla")
@@ -209,7 +209,10 @@ def set_policy(policy=_UNCHANGED, /, *, gpu_route: Optional[str] = None,
     in_force = current_policy()
     previous, _settings = _settings, settings
     if current_policy() != in_force:
-        jax.clear_caches()
+        if _POLICY_KEY is None:
+            jax.clear_caches()
+        else:
+            _POLICY_KEY.set_global(current_policy())
     return previous
 
 
@@ -250,6 +253,15 @@ def get_policy() -> str:
     if env is None or env == "":
         return "auto"
     return _check_policy(env, f"environment variable {ENV_VAR}")
+
+
+# The policy in force is part of every jit cache key (a JAX user context, which JAX's tracing,
+# lowering and compilation caches all include): a program traced under one policy is never
+# reused under another, and going back to a policy finds its programs again, where emptying
+# JAX's caches on every change made each one recompile everything. JAX without user
+# contexts (before 0.6) still has its caches emptied.
+_POLICY_KEY = (jax.make_user_context(current_policy())
+               if hasattr(jax, "make_user_context") else None)
 
 
 # The module globals that were the knobs before Policy (one release, with a warning).
