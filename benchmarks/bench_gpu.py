@@ -722,7 +722,12 @@ def bench_train_step(d: int, tokens: int, roof: Roofline, reps: int) -> tuple:
     for name in TRAIN_RECIPES:
         step, args = train_step(name), train_inputs(d, tokens, name)
         cases[name] = functools.partial(step, *args)
-        outs[name] = step(*args)
+        start = time.perf_counter()
+        outs[name] = jax.block_until_ready(step(*args))
+        # Compiling (autotuning every GEMM on a GPU) dominates: a run cut at its time limit
+        # still says how far it got (an H200 lease's 120 s did not see the five compiled).
+        print(f"[train_step: {name} compiled and ran once in {time.perf_counter() - start:.1f} s]",
+              file=sys.stderr, flush=True)
     t = time_interleaved(cases, reps=reps)
     flops = 3 * 2.0 * tokens * d * (3 * d + d + 4 * d + 4 * d) + 3 * 2 * 2.0 * tokens**2 * d
     base_loss, base_g = outs["bf16"][0], outs["bf16"][1]
