@@ -1009,3 +1009,53 @@ def test_nvfp4_ragged_dot_expert_parallel_matches_one_device():
                           (want[0][1], *want[1])):
         off = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) > TOL
         assert off.mean() <= FLIPS, (name, int(off.sum()), off.size)
+
+
+# -- the MXFP8 ragged dot under every layout of its operands ------------------------------------
+#
+# (Moved here from tests/test_ragged.py, which ran it in a subprocess of its own: one JAX
+# start-up less.) NVIDIA_MXFP8's ragged dot and both gradients with the tokens split, the
+# output features N split and the experts split (Auto axes), and expert parallel on Explicit
+# axes (out_sharding as lax.ragged_dot needs it), against one device: the same exact products
+# summed in another order, so each sum is within L 2^-23 of sum|Q(a) Q(b)| <= 4 sum|a b|
+# (round to nearest at most doubles a magnitude).
+
+
+def test_mxfp8_ragged_dot_layouts_within_the_summation_bound():
+    x, w, g = _normal(0, (128, 64), (4, 64, 64), (128, 64))
+    gs = jnp.array([20, 0, 70, 30], jnp.int32)
+
+    def step(x, w, g, out_sharding=None):
+        y, vjp = jax.vjp(lambda a, b: lowprec.NVIDIA_MXFP8.ragged_dot(
+            a, b, gs, out_sharding=out_sharding), x, w)
+        return (y,) + vjp(g)
+
+    ax, aw, ag = (np.abs(np.asarray(v, np.float64)) for v in (x, w, g))
+    bounds = (8 * 64 * 2.0**-23 * np.einsum("mk,gkn->gmn", ax, aw).max(0),
+              8 * 64 * 2.0**-23 * np.einsum("mn,gkn->gmk", ag, aw).max(0),
+              8 * 128 * 2.0**-23 * (ax.T @ ag)[None])
+
+    def check(got, want, what):
+        for part, a, b, bound in zip(("output", "grad_lhs", "grad_rhs"), got, want, bounds):
+            err = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+            assert np.all(err <= bound), (what, part, float(err.max()))
+
+    one = jax.jit(step)
+    want = one(x, w, g)
+    auto = _mesh("auto")
+    put = lambda a, s: jax.device_put(a, NamedSharding(auto, s))  # noqa: E731
+    layouts = (("tokens", P("x", None), P()), ("N", P(), P(None, None, "x")),
+               ("experts", P(), P("x")))
+    # The three layouts as three calls in one program (one partitioning and compile, not
+    # three; the step traced once), each call's operands placed as that layout shards them.
+    args = [put(v, s) for _, xs, ws in layouts for v, s in ((x, xs), (w, ws), (g, xs))]
+    outs = jax.jit(lambda *a: [one(*a[i:i + 3]) for i in range(0, len(a), 3)])(*args)
+    for (name, xs, ws), got, arg in zip(layouts, outs, args[::3]):
+        assert arg.sharding.spec == xs, (name, arg.sharding.spec)
+        check(got, want, "auto " + name)
+    explicit = _mesh("explicit")
+    with jax.set_mesh(explicit):  # expert parallel: out_sharding as lax.ragged_dot needs it
+        got = jax.jit(step, static_argnums=3)(
+            jax.device_put(x, P()), jax.device_put(w, P("x")), jax.device_put(g, P()), P())
+        assert got[2].sharding.spec == P("x", None, None), got[2].sharding.spec
+    check(got, want, "explicit experts")
