@@ -41,8 +41,9 @@ def extended(*values):
     """A case that only the extended sweep (LOWPREC_FULL_SUITE=1) runs (tests/helpers/tiers.py).
 
     The default run keeps a sample of the costly training cases: every test function, recipe,
-    kind of mesh axes, layout (data, tensor, data x tensor, FSDP, expert) and both Flax APIs'
-    transformer blocks (tests/test_sharding.py checks this of each run); a case marked here
+    kind of mesh axes, layout (data, tensor, data x tensor, FSDP, expert) and the linen
+    transformer block on Explicit axes (tests/test_sharding.py checks this of each run; the
+    nnx block: the extended sweep); a case marked here
     repeats one of those in another combination (the NVFP4 compiles cost 20-50 s of CPU each).
     """
     return pytest.param(*values, marks=pytest.mark.extended)
@@ -760,8 +761,7 @@ def _nnx_block(out_sharding=None):
 
 
 def _batch():
-    k1, k2 = jax.random.split(jax.random.key(21))
-    return jax.random.normal(k1, (B_, S_, D_)), jax.random.normal(k2, (B_, S_, D_))
+    return _normal(21, (B_, S_, D_), (B_, S_, D_))
 
 
 def _adam_run(loss, params, x, t, keyed):
@@ -806,6 +806,12 @@ def _assert_tracks(got, want, drift=False):
 
 
 NVFP4_OUT = lowprec.Rules([("attn/out", lowprec.NVIDIA_NVFP4), (".*", lowprec.NVIDIA_MXFP8)])
+# The attention in the recipe (its four projections on [B, S, D] activations, the score and
+# value products), the MLP in float32: the default run's block. Its quantized products are
+# the MLP cases' above (Dense layers on the same activations, in and out of the recipe's
+# dots); leaving them out makes the block's two programs ~1/3 cheaper to compile.
+MXFP8_ATTN = lowprec.Rules([("attn(/.*)?", lowprec.NVIDIA_MXFP8)], name="mxfp8_attn")
+PLANS = {"nvfp4_out": NVFP4_OUT, "mxfp8_attn": MXFP8_ATTN}
 
 
 def _keyed(plan):
@@ -906,10 +912,17 @@ def _nnx_case(kind, layout, recipe):
     # Data parallel on Explicit axes, the layout whose forward dot of [B@d, S, D]
     # activations once failed for every MX/FP8 recipe (issue 35 item 1). (The other recipes
     # on 3-D activations: the MLP cases above, and the forward bits.)
-    ("linen", "explicit", "data", "nvidia_mxfp8"),
+    # (The default run: the attention in the recipe, the MLP in float32 (MXFP8_ATTN); the
+    # extended sweep: the whole block.)
+    ("linen", "explicit", "data", "mxfp8_attn"), extended("linen", "explicit", "data", "nvidia_mxfp8"),
     # Data x tensor parallel on a 2 x 2 mesh: nnx passes out_sharding, which the row-parallel
-    # layers need on Explicit axes (linen's layers do not pass it).
-    ("nnx", "explicit", "data_tensor", "nvidia_mxfp8"),
+    # layers need on Explicit axes (linen's layers do not pass it). (The extended sweep: the
+    # same recipe on the same kind of axes as the case above, ~27 s of CPU for its one
+    # compile; the default run has nnx's out_sharding on a row-parallel layer in
+    # test_nnx_recipe_tensor_parallel_with_out_sharding, data x tensor parallel on Explicit
+    # axes in the delayed-scaling MLP, and nnx attention's recipe products in
+    # tests/test_flax_products.py.)
+    extended("nnx", "explicit", "data_tensor", "nvidia_mxfp8"),
     # FSDP on Auto axes (GSPMD gathers the weights).
     extended("linen", "auto", "fsdp", "nvidia_mxfp8"),
     # NVFP4 (its words keyed per step: stochastic_rounding_key) for the attention's output
@@ -922,14 +935,14 @@ def _nnx_case(kind, layout, recipe):
     # differing with the device count; in linen form, 67% of the parameters beyond TOL and
     # the losses 7e-3 apart after three steps; keyed, the linen form had 0 beyond TOL and
     # its losses 7e-7 apart).
-    # (The default run keeps the first two, one per Flax API, which share their one-device
-    # run (_block_one_device): three block compiles, ~100 s of CPU; the NVFP4 cases cost
-    # 80 s, and NVFP4 training runs sharded in the MLP case above.)
+    # (The default run keeps the first: two block compiles, the one-device run and the
+    # sharded one, ~40 s of CPU; the NVFP4 cases cost 80 s, and NVFP4 training runs sharded
+    # in the MLP case above.)
     extended("nnx", "explicit", "tensor", "nvfp4_out"),
     extended("nnx", "explicit", "data", "nvfp4_out"),
 ])
 def test_transformer_block_training_matches_one_device(flavour, kind, layout, recipe):
-    plan = NVFP4_OUT if recipe == "nvfp4_out" else _recipe(recipe)
+    plan = PLANS[recipe] if recipe in PLANS else _recipe(recipe)
     (_linen_case if flavour == "linen" else _nnx_case)(kind, layout, plan)
 
 
@@ -978,10 +991,8 @@ def test_nvfp4_ragged_dot_expert_parallel_matches_one_device():
     here up to 1.4e-6 apart in the output, 6e-9 in the gradients, none beyond TOL). One
     value_and_grad, not Adam steps: its compiles cost ~20 s of CPU per mesh."""
     r = lowprec.NVIDIA_NVFP4
-    ks = jax.random.split(jax.random.key(23), 3)
-    x = jax.random.normal(ks[0], (96, 64))
-    w = jax.random.normal(ks[1], (4, 64, 48)) / 8
-    t = jax.random.normal(ks[2], (96, 48))
+    x, w, t = _normal(23, (96, 64), (4, 64, 48), (96, 48))
+    w = w / 8
     sizes = jnp.array([40, 0, 37, 19], jnp.int32)  # an empty expert, none a multiple of 16
 
     def run(w, x, t, out_sharding=None):
@@ -1009,3 +1020,53 @@ def test_nvfp4_ragged_dot_expert_parallel_matches_one_device():
                           (want[0][1], *want[1])):
         off = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) > TOL
         assert off.mean() <= FLIPS, (name, int(off.sum()), off.size)
+
+
+# -- the MXFP8 ragged dot under every layout of its operands ------------------------------------
+#
+# (Moved here from tests/test_ragged.py, which ran it in a subprocess of its own: one JAX
+# start-up less.) NVIDIA_MXFP8's ragged dot and both gradients with the tokens split, the
+# output features N split and the experts split (Auto axes), and expert parallel on Explicit
+# axes (out_sharding as lax.ragged_dot needs it), against one device: the same exact products
+# summed in another order, so each sum is within L 2^-23 of sum|Q(a) Q(b)| <= 4 sum|a b|
+# (round to nearest at most doubles a magnitude).
+
+
+def test_mxfp8_ragged_dot_layouts_within_the_summation_bound():
+    x, w, g = _normal(0, (128, 64), (4, 64, 64), (128, 64))
+    gs = jnp.array([20, 0, 70, 30], jnp.int32)
+
+    def step(x, w, g, out_sharding=None):
+        y, vjp = jax.vjp(lambda a, b: lowprec.NVIDIA_MXFP8.ragged_dot(
+            a, b, gs, out_sharding=out_sharding), x, w)
+        return (y,) + vjp(g)
+
+    ax, aw, ag = (np.abs(np.asarray(v, np.float64)) for v in (x, w, g))
+    bounds = (8 * 64 * 2.0**-23 * np.einsum("mk,gkn->gmn", ax, aw).max(0),
+              8 * 64 * 2.0**-23 * np.einsum("mn,gkn->gmk", ag, aw).max(0),
+              8 * 128 * 2.0**-23 * (ax.T @ ag)[None])
+
+    def check(got, want, what):
+        for part, a, b, bound in zip(("output", "grad_lhs", "grad_rhs"), got, want, bounds):
+            err = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+            assert np.all(err <= bound), (what, part, float(err.max()))
+
+    one = jax.jit(step)
+    want = one(x, w, g)
+    auto = _mesh("auto")
+    put = lambda a, s: jax.device_put(a, NamedSharding(auto, s))  # noqa: E731
+    layouts = (("tokens", P("x", None), P()), ("N", P(), P(None, None, "x")),
+               ("experts", P(), P("x")))
+    # The three layouts as three calls in one program (one partitioning and compile, not
+    # three; the step traced once), each call's operands placed as that layout shards them.
+    args = [put(v, s) for _, xs, ws in layouts for v, s in ((x, xs), (w, ws), (g, xs))]
+    outs = jax.jit(lambda *a: [one(*a[i:i + 3]) for i in range(0, len(a), 3)])(*args)
+    for (name, xs, ws), got, arg in zip(layouts, outs, args[::3]):
+        assert arg.sharding.spec == xs, (name, arg.sharding.spec)
+        check(got, want, "auto " + name)
+    explicit = _mesh("explicit")
+    with jax.set_mesh(explicit):  # expert parallel: out_sharding as lax.ragged_dot needs it
+        got = jax.jit(step, static_argnums=3)(
+            jax.device_put(x, P()), jax.device_put(w, P("x")), jax.device_put(g, P()), P())
+        assert got[2].sharding.spec == P("x", None, None), got[2].sharding.spec
+    check(got, want, "explicit experts")

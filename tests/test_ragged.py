@@ -13,11 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import pathlib
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -501,62 +496,8 @@ def test_backward_needs_whole_blocks_along_n_without_pad():
 
 
 # -- sharding ------------------------------------------------------------------------------------
-
-_SHARDED = textwrap.dedent("""
-    import jax, jax.numpy as jnp, numpy as np, lowprec
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    rng = np.random.default_rng(0)  # NumPy: jax.random would compile per shape
-    x, w, g = (rng.standard_normal(s).astype(np.float32) for s in ((128, 64), (4, 64, 64), (128, 64)))
-    gs = jnp.array([20, 0, 70, 30], jnp.int32)
-
-    def step(x, w, g, out_sharding=None):
-        y, vjp = jax.vjp(lambda a, b: lowprec.NVIDIA_MXFP8.ragged_dot(
-            a, b, gs, out_sharding=out_sharding), x, w)
-        return (y,) + vjp(g)
-
-    # The same exact products summed in another order: each sum is within L 2^-23 of
-    # sum|Q(a) Q(b)| <= 4 sum|a b| (round to nearest at most doubles a magnitude).
-    ax, aw, ag = (np.abs(np.asarray(v, np.float64)) for v in (x, w, g))
-    bounds = (8 * 64 * 2.0**-23 * np.einsum("mk,gkn->gmn", ax, aw).max(0),
-              8 * 64 * 2.0**-23 * np.einsum("mn,gkn->gmk", ag, aw).max(0),
-              8 * 128 * 2.0**-23 * (ax.T @ ag)[None])
-
-    def check(got, want, what):
-        for a, b, bound in zip(got, want, bounds):
-            err = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-            assert np.all(err <= bound), (what, float(err.max()))
-        print(what, "ok")
-
-    one = jax.jit(step)
-    want = one(x, w, g)
-    auto = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,))
-    put = lambda a, s: jax.device_put(a, NamedSharding(auto, s))
-    layouts = (("tokens", P("x", None), P()), ("N", P(), P(None, None, "x")),
-               ("experts", P(), P("x")))
-    # The three layouts as three calls in one program (one partitioning and compile, not
-    # three: ~2 CPU s less; the step traced once), each call's operands placed as that
-    # layout shards them.
-    args = [put(v, s) for _, xs, ws in layouts for v, s in ((x, xs), (w, ws), (g, xs))]
-    outs = jax.jit(lambda *a: [one(*a[i:i + 3]) for i in range(0, len(a), 3)])(*args)
-    for (name, xs, ws), got, arg in zip(layouts, outs, args[::3]):
-        assert arg.sharding.spec == xs, (name, arg.sharding.spec)
-        check(got, want, "auto " + name)
-    explicit = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
-    with jax.set_mesh(explicit):  # expert parallel: out_sharding as lax.ragged_dot needs it
-        got = jax.jit(step, static_argnums=3)(
-            jax.device_put(x, P()), jax.device_put(w, P("x")), jax.device_put(g, P()), P())
-        assert got[2].sharding.spec == P("x", None, None), got[2].sharding.spec
-    check(got, want, "explicit experts")
-""")
-
-
-@pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
-def test_sharded_ragged_dot_matches_one_device():
-    flags = os.environ.get("XLA_FLAGS", "")  # the suite's compile flags (helpers/xla_opt.py)
-    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4".strip(),
-               JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True,
-                         env=env, cwd=pathlib.Path(__file__).parent, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.split() == ["auto", "tokens", "ok", "auto", "N", "ok", "auto", "experts",
-                                  "ok", "explicit", "experts", "ok"]
+#
+# The sharded ragged dot (tokens, output features and experts split; expert parallel on
+# Explicit axes) runs with the other sharding checks on 4 CPU devices, in the one subprocess
+# of tests/test_sharding.py: tests/sharded_cases.py,
+# test_mxfp8_ragged_dot_layouts_within_the_summation_bound.

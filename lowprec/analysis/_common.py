@@ -14,6 +14,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._bits import F32_ABS, f32_bits, floor_log2_bits
 from .._format import is_format_like
@@ -26,7 +27,9 @@ def floor_log2(x):
 
 def as_f32(x, what: str = "x"):
     """``x`` as float32, refusing integer and boolean arrays (float64 is rounded first)."""
-    x = jnp.asarray(x)
+    # A NumPy array is put on the device as it is (the same dtype canonicalization):
+    # jnp.asarray compiles a program of its own (JAX's "stage") for every new shape.
+    x = jax.device_put(x) if isinstance(x, np.ndarray) else jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
             f"{what} must be a floating-point array, got dtype {x.dtype}; convert it with "

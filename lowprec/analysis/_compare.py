@@ -456,7 +456,7 @@ def _matmul_operand(fmt, scale_rule, shape: tuple, axis: int, rounding: str, ove
     one tensor scale sees the rows beyond the first 64. Cached per configuration and shape."""
     w = _gaussian_operand(shape, axis)
     key = jax.random.key(_MATMUL_SEED) if rounding == "stochastic" else None
-    qw, _, _ = _quantized(jnp.asarray(w), fmt, scale_rule, axis, rounding, overflow, key)
+    qw, _, _ = _quantized(jax.device_put(w), fmt, scale_rule, axis, rounding, overflow, key)
     w, qw = _rows(w, axis)[:_MATMUL_N].T, _rows(qw, axis)[:_MATMUL_N].T
     return qw, qw - w          # the difference is exact in float32 (a rounding to a coarser grid)
 
@@ -598,7 +598,7 @@ def _check_data(data, label: str, configs, axis, pad: bool) -> int:
             f"input {label!r} is empty (shape {tuple(data.shape)}); compare needs at least one "
             "element (an empty input has no SQNR)"
         )
-    if not bool(jnp.any(jnp.isfinite(data))):
+    if not np.isfinite(np.asarray(data)).any():   # on the host: no program per shape
         raise ValueError(
             f"input {label!r} has no finite element (all NaN/inf); there is nothing to score — "
             "compare measures errors over the finite elements"
@@ -613,7 +613,7 @@ def _scaled(data, p: float):
     """data × 2^p, in float64 and rounded once to float32 (unchanged for p = 0)."""
     if not p:
         return data
-    return jnp.asarray((np.asarray(data, np.float64) * 2.0**p).astype(np.float32))
+    return jax.device_put((np.asarray(data, np.float64) * 2.0**p).astype(np.float32))
 
 
 def compare(
