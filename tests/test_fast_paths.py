@@ -210,6 +210,10 @@ def test_fast_mx_decode_equals_the_bit_built_decode(fmt):
         assert_codes_equal(np.asarray(got), np.asarray(want), None, f"{fmt} axis {axis}")
 
 
+# The predicate jitted: called eagerly, each of its ~5 primitives is a compile of its own.
+_fast_decode_exact = jax.jit(_mx_decode.fast_decode_exact, static_argnums=(2, 3))
+
+
 @pytest.mark.parametrize("fmt", MX)
 @pytest.mark.quick_first(2)
 def test_fast_decode_predicate(fmt):
@@ -221,7 +225,7 @@ def test_fast_decode_predicate(fmt):
     def ok(codes, scales):  # one element code per block, repeated over the block
         el = np.repeat(np.asarray(codes, np.uint8), f.block_size)
         el = R.pack_codes(el, f.element.code_bits)[None]
-        return bool(_mx_decode.fast_decode_exact(jnp.asarray(el), jnp.asarray([scales], jnp.uint8), f, 1))
+        return bool(_fast_decode_exact(jnp.asarray(el), jnp.asarray([scales], jnp.uint8), f, 1))
 
     assert ok([1, 1], [t, 255])  # large scales, and the NaN code
     assert ok([1, 0], [t, 0])  # an all-zero block may carry any scale (0 = 2^-127 here)
@@ -252,7 +256,7 @@ def test_dequantize_with_small_scales_and_zero_blocks_matches_reference(fmt, axi
         want = f64_to_f32_exact(R.dequantize_mx(c if axis == 1 else c.T, sc, fmt, axis=axis))
         for got in (lowprec.dequantize(mx), jax.jit(lowprec.dequantize)(mx)):
             assert_same_floats(got, want, f"{fmt} axis {axis} zero_small={zero_small}")
-        assert bool(_mx_decode.fast_decode_exact(mx.elements, mx.scales, f, axis)) == zero_small or not _mx_decode.fast_decode_applies(f)
+        assert bool(_fast_decode_exact(mx.elements, mx.scales, f, axis)) == zero_small or not _mx_decode.fast_decode_applies(f)
 
 
 @pytest.mark.quick_cases(fmt=QUICK_MX, axis=[1])
