@@ -597,22 +597,24 @@ def test_sixteen_bit_words_round_up_with_probability_ceil_frac(fmt, x, exact):
 
 
 def test_random_bits_argument_errors():
+    # Words of the right dtype and shapes, as NumPy: their values do not matter here, and
+    # lowprec.random_bits called eagerly compiles each of its primitives per shape.
     x = jnp.ones((4,))
     key = jax.random.key(0)
-    w = lowprec.random_bits(key, (4,))
+    w = np.arange(4, dtype=np.uint16)
     with pytest.raises(ValueError, match="not both"):
         lowprec.encode(x, "e4m3", rounding="stochastic", key=key, random_bits=w)
     with pytest.raises(ValueError, match="random_bits is only used by rounding='stochastic'"):
         lowprec.encode(x, "e4m3", random_bits=w)
     with pytest.raises(TypeError, match="uint16 or uint32"):
-        lowprec.encode(x, "e4m3", rounding="stochastic", random_bits=w.astype(jnp.int32))
+        lowprec.encode(x, "e4m3", rounding="stochastic", random_bits=w.astype(np.int32))
     with pytest.raises(ValueError, match=r"shape \(3,\)"):
         lowprec.quantize(x, "e4m3", rounding="stochastic", random_bits=w[:3])
     with pytest.raises(ValueError, match="padded shape"):
         lowprec.quantize_mx(jnp.ones(40), "mxfp8", pad=True, rounding="stochastic",
-                            random_bits=lowprec.random_bits(key, (40,)))
+                            random_bits=np.arange(40, dtype=np.uint16))
     lowprec.quantize_mx(jnp.ones(40), "mxfp8", pad=True, rounding="stochastic",
-                        random_bits=lowprec.random_bits(key, (64,)))
+                        random_bits=np.arange(64, dtype=np.uint16))
 
 
 # -- matmul operand layouts ------------------------------------------------------------------
