@@ -24,6 +24,7 @@ import pytest
 
 import lowprec
 import lowprec.kernels
+from lowprec import _nvfp4_train
 from lowprec.kernels import _cpu_native, _nvfp4_cpu
 from lowprec_reference import mx as ref
 
@@ -325,7 +326,7 @@ def test_training_fake_quantize_same_bits_as_xla(step):
     """The NVFP4 recipe's fake quantizations (lowprec/_nvfp4_train.py: Q along either axis,
     to nearest or with stochastic words, and Q2's 16 x 16 weight tiles) by the kernel's fused
     call: XLA's values bit for bit, NaN/Inf tiles and blocks, subnormals and ties included."""
-    from lowprec import _nvfp4_train as t
+    t = _nvfp4_train
 
     k = kinds(seed=31 + STEPS.index(step))
     x = np.concatenate(list(k.values()))  # [80, 64]: whole 16 x 16 tiles
@@ -418,5 +419,5 @@ def test_inputs_of_any_size_take_the_kernel(shape):
     x = jax.ShapeDtypeStruct(shape, jnp.float32)
     text = jax.jit(lambda a: lowprec.quantize_mx(a, "nvfp4")).lower(x).as_text()
     assert _nvfp4_cpu.TARGET in text, shape
-    fake = jax.jit(lambda a: lowprec._nvfp4_train.quantize_1d(a, a.ndim - 1)).lower(x).as_text()
+    fake = jax.jit(lambda a: _nvfp4_train.quantize_1d(a, a.ndim - 1)).lower(x).as_text()
     assert _nvfp4_cpu.FAKE_TARGET in fake, shape
