@@ -154,8 +154,8 @@ def assert_same(x, names=None, **kw):
 def _words(seed: int, shape: tuple, kind: str = "lowprec") -> np.ndarray:
     """``lowprec.random_bits(key, shape)`` ("lowprec") or ``jax.random.bits(key, shape,
     uint32)`` ("jax") of ``jax.random.key(seed)``, as NumPy, computed in one jitted program
-    once per process: called eagerly, each of their ~15 primitives is a compile, and every
-    policy switch of these tests empties JAX's caches (lowprec.kernels.set_policy)."""
+    once per process: called eagerly, each of their ~15 primitives is a compile (again after
+    anything empties JAX's caches)."""
     def run():
         key = jax.random.key(seed)
         if kind == "lowprec":
