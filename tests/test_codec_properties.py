@@ -13,6 +13,8 @@ Settings come from the "ci" profile in conftest.py (derandomized, no database, n
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -23,7 +25,7 @@ from hypothesis import strategies as st
 import lowprec_formats
 from helpers.asserts import assert_codes_equal, assert_same_values
 from helpers.codecs import REFERENCE as reference
-from helpers.inputs import float_arrays
+from helpers.inputs import float_arrays as _float_arrays
 from helpers.tiers import QUICK_ELEMENTS
 
 element_cases = pytest.mark.element_cases
@@ -34,6 +36,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 FEW = max(1, settings.default.max_examples // 2)
 
 seeds = st.integers(0, 2**32 - 1)
+
+# One strategy object per (format, dtype, salt), drawn by every example of a case: building
+# one (an ``st.composite`` that reads its function's source) for each draw was ~1 ms, and a
+# fresh object recomputes Hypothesis' per-strategy properties; the same object draws the
+# same values.
+float_arrays = functools.lru_cache(maxsize=None)(_float_arrays)
 
 
 def _key(rounding, seed):

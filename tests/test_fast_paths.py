@@ -210,6 +210,10 @@ def test_fast_mx_decode_equals_the_bit_built_decode(fmt):
         assert_codes_equal(np.asarray(got), np.asarray(want), None, f"{fmt} axis {axis}")
 
 
+# The predicate jitted: called eagerly, each of its ~5 primitives is a compile of its own.
+_fast_decode_exact = jax.jit(_mx_decode.fast_decode_exact, static_argnums=(2, 3))
+
+
 @pytest.mark.parametrize("fmt", MX)
 @pytest.mark.quick_first(2)
 def test_fast_decode_predicate(fmt):
@@ -221,7 +225,7 @@ def test_fast_decode_predicate(fmt):
     def ok(codes, scales):  # one element code per block, repeated over the block
         el = np.repeat(np.asarray(codes, np.uint8), f.block_size)
         el = R.pack_codes(el, f.element.code_bits)[None]
-        return bool(_mx_decode.fast_decode_exact(jnp.asarray(el), jnp.asarray([scales], jnp.uint8), f, 1))
+        return bool(_fast_decode_exact(jnp.asarray(el), jnp.asarray([scales], jnp.uint8), f, 1))
 
     assert ok([1, 1], [t, 255])  # large scales, and the NaN code
     assert ok([1, 0], [t, 0])  # an all-zero block may carry any scale (0 = 2^-127 here)
@@ -252,7 +256,7 @@ def test_dequantize_with_small_scales_and_zero_blocks_matches_reference(fmt, axi
         want = f64_to_f32_exact(R.dequantize_mx(c if axis == 1 else c.T, sc, fmt, axis=axis))
         for got in (lowprec.dequantize(mx), jax.jit(lowprec.dequantize)(mx)):
             assert_same_floats(got, want, f"{fmt} axis {axis} zero_small={zero_small}")
-        assert bool(_mx_decode.fast_decode_exact(mx.elements, mx.scales, f, axis)) == zero_small or not _mx_decode.fast_decode_applies(f)
+        assert bool(_fast_decode_exact(mx.elements, mx.scales, f, axis)) == zero_small or not _mx_decode.fast_decode_applies(f)
 
 
 @pytest.mark.quick_cases(fmt=QUICK_MX, axis=[1])
@@ -279,9 +283,11 @@ def test_one_pass_gpu_dequantize_matches_reference(fmt, axis):
     packed = R.pack_codes(codes, f.element.code_bits, axis=1)
     el, s = (packed, sc) if axis == 1 else (packed.T, sc.T)
     want = want if axis == 1 else want.T
-    for dtype in (jnp.float32, jnp.bfloat16):
-        got = jax.jit(lambda e, t, d=dtype: _mx_decode.mx_values_blockwise(
-            e, t, f, axis, per_row, d))(jnp.asarray(el), jnp.asarray(s))
+    dtypes = (jnp.float32, jnp.bfloat16)
+    # Both result dtypes in one program (a program each: one compile more per case).
+    gots = jax.jit(lambda e, t: [_mx_decode.mx_values_blockwise(e, t, f, axis, per_row, d)
+                                 for d in dtypes])(jnp.asarray(el), jnp.asarray(s))
+    for dtype, got in zip(dtypes, gots):
         expect = want if dtype == jnp.float32 else want.astype(ml_dtypes.bfloat16)
         assert_same_floats(np.asarray(got).astype(np.float32), np.asarray(expect).astype(np.float32),
                            f"{fmt} axis {axis} {np.dtype(dtype).name}")
@@ -591,22 +597,24 @@ def test_sixteen_bit_words_round_up_with_probability_ceil_frac(fmt, x, exact):
 
 
 def test_random_bits_argument_errors():
+    # Words of the right dtype and shapes, as NumPy: their values do not matter here, and
+    # lowprec.random_bits called eagerly compiles each of its primitives per shape.
     x = jnp.ones((4,))
     key = jax.random.key(0)
-    w = lowprec.random_bits(key, (4,))
+    w = np.arange(4, dtype=np.uint16)
     with pytest.raises(ValueError, match="not both"):
         lowprec.encode(x, "e4m3", rounding="stochastic", key=key, random_bits=w)
     with pytest.raises(ValueError, match="random_bits is only used by rounding='stochastic'"):
         lowprec.encode(x, "e4m3", random_bits=w)
     with pytest.raises(TypeError, match="uint16 or uint32"):
-        lowprec.encode(x, "e4m3", rounding="stochastic", random_bits=w.astype(jnp.int32))
+        lowprec.encode(x, "e4m3", rounding="stochastic", random_bits=w.astype(np.int32))
     with pytest.raises(ValueError, match=r"shape \(3,\)"):
         lowprec.quantize(x, "e4m3", rounding="stochastic", random_bits=w[:3])
     with pytest.raises(ValueError, match="padded shape"):
         lowprec.quantize_mx(jnp.ones(40), "mxfp8", pad=True, rounding="stochastic",
-                            random_bits=lowprec.random_bits(key, (40,)))
+                            random_bits=np.arange(40, dtype=np.uint16))
     lowprec.quantize_mx(jnp.ones(40), "mxfp8", pad=True, rounding="stochastic",
-                        random_bits=lowprec.random_bits(key, (64,)))
+                        random_bits=np.arange(64, dtype=np.uint16))
 
 
 # -- matmul operand layouts ------------------------------------------------------------------

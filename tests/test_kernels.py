@@ -684,11 +684,17 @@ def test_pallas_nvfp4_quantize_is_bit_identical_to_quantize_mx(step, ts, dtype, 
     else:
         x = jnp.asarray(_specials((21, 352), 1, spread=8 if dtype == np.float32 else 4), dtype)
     cast = MXCast(lowprec.mx_format("nvfp4"), None, "nearest_even", step)
-    elements, scales, t = quantize_mx_pallas(x, cast, ts, block_cols=128, interpret=not ON_GPU)
-    want = lowprec.quantize_mx(x, "nvfp4", tensor_scale=ts, nvfp4_step=step, pad=padded)
-    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want.elements))
-    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want.scales))
-    assert_same_floats(t, want.tensor_scale)
+
+    @jax.jit  # kernel and quantize_mx in one program (called one by one: 13.0 CPU s for the 4 cases, 10.0 so)
+    def run(x):
+        want = lowprec.quantize_mx(x, "nvfp4", tensor_scale=ts, nvfp4_step=step, pad=padded)
+        return (quantize_mx_pallas(x, cast, ts, block_cols=128, interpret=not ON_GPU),
+                (want.elements, want.scales, want.tensor_scale))
+
+    (elements, scales, t), (want_elements, want_scales, want_t) = run(x)
+    np.testing.assert_array_equal(np.asarray(elements), np.asarray(want_elements))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+    assert_same_floats(t, want_t)
     if padded:
         assert elements.shape == (3, 20, 168) and scales.shape == (3, 20, 21)
         assert float(t) == float(np.float32(1000.0) / np.float32(2688))

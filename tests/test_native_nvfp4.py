@@ -24,6 +24,7 @@ import pytest
 
 import lowprec
 import lowprec.kernels
+from lowprec import _nvfp4_train
 from lowprec.kernels import _cpu_native, _nvfp4_cpu
 from lowprec_reference import mx as ref
 
@@ -149,6 +150,21 @@ def assert_same(x, names=None, **kw):
     return auto
 
 
+@functools.lru_cache(maxsize=None)
+def _words(seed: int, shape: tuple, kind: str = "lowprec") -> np.ndarray:
+    """``lowprec.random_bits(key, shape)`` ("lowprec") or ``jax.random.bits(key, shape,
+    uint32)`` ("jax") of ``jax.random.key(seed)``, as NumPy, computed in one jitted program
+    once per process: called eagerly, each of their ~15 primitives is a compile (again after
+    anything empties JAX's caches)."""
+    def run():
+        key = jax.random.key(seed)
+        if kind == "lowprec":
+            return lowprec.random_bits(key, shape)
+        return jax.random.bits(key, shape, jnp.uint32)
+
+    return np.asarray(jax.jit(run)())
+
+
 TENSOR_SCALES = (None, 1.0, 2.0**-10, 2.0**-149, 2.0**-125, 2.0**-119, 2.0**117, 2.0**126)
 
 
@@ -172,18 +188,17 @@ def test_stochastic_same_bits_as_xla(step):
     x = jnp.asarray(np.concatenate(list(k.values())))
     key = jax.random.key(3)
     assert_same(x, list(k), nvfp4_step=step, rounding="stochastic", key=key)
-    for w in (lowprec.random_bits(key, x.shape).astype(jnp.uint32) << 16,
-              jax.random.bits(key, x.shape, jnp.uint32), jnp.zeros(x.shape, jnp.uint32),
-              jnp.full(x.shape, 2**32 - 1, jnp.uint32)):
+    for w in (_words(3, x.shape).astype(np.uint32) << 16, _words(3, x.shape, "jax"),
+              np.zeros(x.shape, np.uint32), np.full(x.shape, 2**32 - 1, np.uint32)):
         assert_same(x, list(k), nvfp4_step=step, rounding="stochastic", random_bits=w)
     if step == "reciprocal":
         return
     # uint16 words as given (compared with frac x 2^16): the words above shifted
-    w16 = lowprec.random_bits(jax.random.key(4), x.shape)
+    w16 = _words(4, x.shape)
     auto = jax.jit(lambda v, w: lowprec.quantize_mx(v, "nvfp4", rounding="stochastic",
                                                     random_bits=w, nvfp4_step=step).elements)
     want = quantize(x, "auto", nvfp4_step=step, rounding="stochastic",
-                    random_bits=w16.astype(jnp.uint32) << 16)[0]
+                    random_bits=w16.astype(np.uint32) << 16)[0]
     np.testing.assert_array_equal(np.asarray(auto(x, w16)), want)
 
 
@@ -195,7 +210,7 @@ def test_reference(rounding):
     x = np.concatenate([k[n] for n in ("normal", "ties", "scale_edges", "subnormal", "special")])
     kw = {}
     if rounding == "stochastic":
-        kw["random_bits"] = np.asarray(jax.random.bits(jax.random.key(5), x.shape, jnp.uint32))
+        kw["random_bits"] = _words(5, x.shape, "jax")
     el, sc, ts, took = quantize(jnp.asarray(x), "auto", rounding=rounding, **kw)
     assert took
     want_el, want_sc, want_ts = ref.quantize_nvfp4(x, rounding=rounding, **kw)
@@ -234,7 +249,7 @@ def test_jit_vmap_grad():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 4, 32)).astype(np.float32)
                     * np.array([1e-3, 1.0, 1e3], np.float32)[:, None, None])
-    words = jax.random.bits(jax.random.key(2), x.shape, jnp.uint32)
+    words = _words(2, x.shape, "jax")
 
     def per_example(v, w):
         m = lowprec.quantize_mx(v, "nvfp4", rounding="stochastic", random_bits=w)
@@ -311,12 +326,12 @@ def test_training_fake_quantize_same_bits_as_xla(step):
     """The NVFP4 recipe's fake quantizations (lowprec/_nvfp4_train.py: Q along either axis,
     to nearest or with stochastic words, and Q2's 16 x 16 weight tiles) by the kernel's fused
     call: XLA's values bit for bit, NaN/Inf tiles and blocks, subnormals and ties included."""
-    from lowprec import _nvfp4_train as t
+    t = _nvfp4_train
 
     k = kinds(seed=31 + STEPS.index(step))
     x = np.concatenate(list(k.values()))  # [80, 64]: whole 16 x 16 tiles
     x = jnp.asarray(x)
-    words = lowprec.random_bits(jax.random.key(9), x.shape)
+    words = _words(9, x.shape)
 
     def run(v, w):
         return (t.quantize_1d(v, 1, step=step), t.quantize_1d(v, 0, w, step=step),
@@ -348,7 +363,7 @@ def test_ragged_per_group_tensor_scales_same_bits_as_xla():
     x = np.concatenate([k[n] for n in ("normal", "ties", "subnormal", "spread", "any_bits")]
                        + [k["normal"] * 1e30])  # [48, 64]
     bits = jnp.asarray(x).view(jnp.uint32)
-    words = lowprec.random_bits(jax.random.key(9), x.shape)
+    words = _words(9, x.shape)
     gid = jnp.asarray([0] * 13 + [2] * 28 + [3] * 7)  # groups 0..2 (1 empty), 3: no group
     unit_group = jnp.asarray([0, 2, 3])  # 16-token blocks of the padded layout
     rn, sr = (MXCast(lowprec.mx_format("nvfp4"), None, r, step)
@@ -404,5 +419,5 @@ def test_inputs_of_any_size_take_the_kernel(shape):
     x = jax.ShapeDtypeStruct(shape, jnp.float32)
     text = jax.jit(lambda a: lowprec.quantize_mx(a, "nvfp4")).lower(x).as_text()
     assert _nvfp4_cpu.TARGET in text, shape
-    fake = jax.jit(lambda a: lowprec._nvfp4_train.quantize_1d(a, a.ndim - 1)).lower(x).as_text()
+    fake = jax.jit(lambda a: _nvfp4_train.quantize_1d(a, a.ndim - 1)).lower(x).as_text()
     assert _nvfp4_cpu.FAKE_TARGET in fake, shape
