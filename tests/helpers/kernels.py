@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import pytest
 
@@ -9,15 +11,34 @@ import lowprec.kernels
 from lowprec.kernels import _dispatch
 
 
+# Programs traced while a fixture below has patched lowprec are kept apart by a JAX user
+# context (part of every jit cache key, as lowprec's kernel policy is) instead of emptying
+# JAX's caches around each such test, which made every later test of the worker compile its
+# programs again. JAX without user contexts: the caches are emptied around, as before.
+_PATCHED = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
+
+
+@contextlib.contextmanager
+def _traced_apart(name: str):
+    if _PATCHED is None:
+        jax.clear_caches()
+        try:
+            yield
+        finally:
+            jax.clear_caches()
+        return
+    with _PATCHED((_PATCHED.value, name)):  # nested fixtures: both names in the key
+        yield
+
+
 @pytest.fixture
 def cuda_branches(monkeypatch):
     """Makes lowprec trace its CUDA-only Pallas branches even where JAX cannot compile for
-    CUDA (no plugin: CI), so that lowering for "cuda" shows them; caches cleared around.
-    (Import it into a test module to use it there.)"""
-    jax.clear_caches()
+    CUDA (no plugin: CI), so that lowering for "cuda" shows them; what it traces is cached
+    apart. (Import it into a test module to use it there.)"""
     monkeypatch.setattr(_dispatch, "cuda_kernels_possible", lambda: True)
-    yield
-    jax.clear_caches()
+    with _traced_apart("cuda_branches"):
+        yield
 
 
 @pytest.fixture
@@ -26,16 +47,15 @@ def gpu_routes_on_cpu(monkeypatch):
     float8 for the FP8 GEMM, block values as bfloat16, tensor scales on the output) on this
     backend: the GPU GEMM routes are enabled as where JAX can compile for CUDA, and the
     products' ``on_cuda`` choices take their CUDA branch everywhere, so that XLA:CPU computes
-    the GPU program's math (conversions exact, float32 sums); caches cleared around.
+    the GPU program's math (conversions exact, float32 sums); what it traces is cached apart.
     (Import it into a test module to use it there.)"""
     from lowprec import _delayed, _nvfp4_train, _qdot, _ragged
 
-    jax.clear_caches()
     monkeypatch.setattr(_dispatch, "cuda_kernels_possible", lambda: True)
     for module in (_qdot, _delayed, _nvfp4_train, _ragged):
         monkeypatch.setattr(module, "on_cuda", lambda gpu, portable, *args: gpu(*args))
-    yield
-    jax.clear_caches()
+    with _traced_apart("gpu_routes_on_cpu"):
+        yield
 
 
 @pytest.fixture
