@@ -78,6 +78,9 @@ class MixFP4Scheme(GridSelectScheme):
         gs = f32_div(_GLOBAL_NUMERATOR, jnp.maximum(amax_bits, jnp.uint32(_TINY)))
         return jnp.where(gs >= F32_INF, jnp.uint32(_ONE), gs)  # nan_to_num(..., 1.0)
 
+    def kernel_attrs(self) -> dict:
+        return dict(mse=True)
+
     def choose(self, xb, amax, ts_bits, inner: int):
         scaled_amax = f32_mul(ts_bits, amax)
         c_fp = e4m3_codes(f32_div_by_integer(scaled_amax, 6), self.scale)
