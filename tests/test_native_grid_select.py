@@ -27,6 +27,8 @@ import lowprec
 import lowprec.kernels
 from lowprec.kernels import _cpu_native, _grid_select_cpu
 
+from helpers.inputs import bit_kinds
+
 pytestmark = pytest.mark.skipif(not _cpu_native.vector_quantizer(),
                                 reason="the block choice takes the kernel only on AVX2 CPUs "
                                        f"({_cpu_native.status()})")
@@ -49,12 +51,6 @@ VARIANTS = {"nvfp4_4over6": ({"error": "mse"}, {"error_domain": "fp16"}, {"e4m3_
 CASES = [(n, {}) for n in FORMATS] + [(n, o) for n, opts in VARIANTS.items() for o in opts]
 
 
-def _f32(sign, exp, mant) -> np.ndarray:
-    bits = (np.asarray(sign, np.uint32) << 31) | (np.asarray(exp, np.uint32) << 23) | np.asarray(
-        mant, np.uint32)
-    return bits.astype(np.uint32).view(np.float32)
-
-
 def kinds(seed: int) -> dict[str, np.ndarray]:
     """float32 arrays [4, 64] (4 blocks of 16 per row), by kind."""
     rng = np.random.default_rng(seed)
@@ -74,13 +70,7 @@ def kinds(seed: int) -> dict[str, np.ndarray]:
     at = rng.choice(flat.size, 12, replace=False)
     flat[at[:3]], flat[at[3:6]], flat[at[6:9]], flat[at[9:]] = np.nan, -np.inf, np.inf, -0.0
     out = {
-        "normal": rng.standard_normal(shape),
-        "any_bits": rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32)
-        .view(np.float32),
-        "spread": _f32(sign, np.clip(rng.integers(1, 255, (4, 4, 1))
-                                     - rng.integers(0, 41, (4, 4, 16)), 0, 254).reshape(shape),
-                       mant),
-        "subnormal": _f32(sign, rng.integers(0, 2, shape), mant),
+        **bit_kinds(rng, sign, mant, shape),
         "ties": ties,
         "one_ulp": near,
         "zeros": np.where(sign == 1, -0.0, 0.0),
