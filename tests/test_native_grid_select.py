@@ -161,3 +161,23 @@ def test_batched_tensor_scalars_and_middle_axis():
     last = lowprec.quantize_mx(jnp.asarray(x), fmt, axis=-1)
     np.testing.assert_array_equal(np.swapaxes(np.asarray(mid.scales), 1, 2),
                                   np.asarray(last.scales))
+
+
+def test_mixfp4_tensor_scalar_is_the_ieee_quotient():
+    """MixFP4's global scale 2688 / max(amax, 2^-126) (1 where that overflows), which XLA:CPU
+    divides in hardware float32, is NumPy's IEEE quotient at the edges: amax subnormal, at
+    and just above 2^-126 (quotients past FLT_MAX), where the quotient crosses FLT_MAX, at
+    FLT_MAX (the smallest quotient) and over random patterns."""
+    rng = np.random.default_rng(5)
+    f32 = np.float32
+    edges = [0.0, 2.0**-149, 2.0**-127, 2.0**-126, float(np.nextafter(f32(2.0**-126), f32(1))),
+             float(f32(2688) / np.finfo(np.float32).max), 1e-35, 1.0, 3.0,
+             float(np.finfo(np.float32).max)]
+    amax = np.concatenate([np.float32(edges),
+                           rng.integers(0, 0x7F80_0000, 64, dtype=np.uint32).view(np.float32)])
+    run = jax.jit(jax.vmap(lambda a: lowprec.quantize_mx(jnp.full((16,), a), "mixfp4").tensor_scale))
+    got = np.asarray(run(jnp.asarray(amax))).view(np.uint32)
+    with np.errstate(over="ignore"):
+        want = f32(2688) / np.maximum(amax, f32(2.0**-126))
+    want = np.where(np.isinf(want), f32(1), want).astype(np.float32).view(np.uint32)
+    np.testing.assert_array_equal(got, want, err_msg=str(amax))
