@@ -194,17 +194,23 @@ def test_nvfp4_quantize_fuzz(case):
         return m.elements, m.scales, jax.lax.bitcast_convert_type(m.tensor_scale, jnp.uint32)
 
     fillings = [jnp.asarray(filling(rng, shape)) for _ in range(FILLINGS)]
+    assert_kernel_is_xla(run, fillings, "lowprec_nvfp4_quantize",
+                         ("elements", "scales", "tensor scale"), f"{kw} base {shape} view {ops}")
+
+
+def assert_kernel_is_xla(run, fillings, target: str, parts: tuple, what: str):
+    """``run`` compiled once per policy ("xla": no call of the kernel ``target``; "auto":
+    one) gives the same arrays on every filling."""
     got = {}
     for policy in ("xla", "auto"):
         with lowprec.kernels.policy(policy):
             compiled = jax.jit(run).lower(fillings[0]).compile()  # once per policy
-            calls = compiled.as_text().count('custom_call_target="lowprec_nvfp4_quantize"')
-            assert calls == (policy == "auto"), f"{policy}: {calls} quantizer calls ({ops})"
+            calls = compiled.as_text().count(f'custom_call_target="{target}"')
+            assert calls == (policy == "auto"), f"{policy}: {calls} calls of {target} ({what})"
             got[policy] = [[np.asarray(a) for a in compiled(x)] for x in fillings]
     for i, (want, have) in enumerate(zip(got["xla"], got["auto"])):
-        for part, a, b in zip(("elements", "scales", "tensor scale"), have, want):
-            np.testing.assert_array_equal(
-                a, b, err_msg=f"{kw} base {shape} view {ops} filling {i}: {part}")
+        for part, a, b in zip(parts, have, want):
+            np.testing.assert_array_equal(a, b, err_msg=f"{what} filling {i}: {part}")
 
 
 @needs_vector
@@ -226,17 +232,8 @@ def test_grid_select_fuzz(name):
         return m.elements, m.scales
 
     fillings = [jnp.asarray(filling(rng, shape)) for _ in range(FILLINGS)]
-    got = {}
-    for policy in ("xla", "auto"):
-        with lowprec.kernels.policy(policy):
-            compiled = jax.jit(run).lower(fillings[0]).compile()  # once per policy
-            calls = compiled.as_text().count('custom_call_target="lowprec_grid_select"')
-            assert calls == (policy == "auto"), f"{policy}: {calls} block-choice calls ({ops})"
-            got[policy] = [[np.asarray(a) for a in compiled(x)] for x in fillings]
-    for i, (want, have) in enumerate(zip(got["xla"], got["auto"])):
-        for part, a, b in zip(("elements", "scales"), have, want):
-            np.testing.assert_array_equal(
-                a, b, err_msg=f"{name} {kw} base {shape} view {ops} filling {i}: {part}")
+    assert_kernel_is_xla(run, fillings, "lowprec_grid_select", ("elements", "scales"),
+                         f"{name} {kw} base {shape} view {ops}")
 
 
 def _want_packed(codes: np.ndarray) -> np.ndarray:
