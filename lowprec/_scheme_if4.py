@@ -94,6 +94,9 @@ class IF4Scheme(GridSelectScheme):
     def tensor_scale_of(self, amax_bits):
         return amax_bits
 
+    def kernel_attrs(self) -> dict:
+        return dict(mse=self.error == "mse")
+
     def choose(self, xb, amax, ts_bits, inner: int):
         # The authors' 2688 / amax overflows for amax below ~7.9e-36 (their scales are then
         # NaN); lowprec bounds it by FLT_MAX, as TransformerEngine's NVFP4 recipes do.

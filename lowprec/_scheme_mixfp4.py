@@ -27,6 +27,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from . import _nvfp4
 from ._bits import F32_INF, F32_SIGN, f32_bits
 from ._grid_select import (
     E4M3_SIGN,
@@ -75,8 +76,14 @@ class MixFP4Scheme(GridSelectScheme):
         return "MixFP4Scheme()"
 
     def tensor_scale_of(self, amax_bits):
-        gs = f32_div(_GLOBAL_NUMERATOR, jnp.maximum(amax_bits, jnp.uint32(_TINY)))
+        # 2688 / max(amax, 2^-126): normal operands, and a quotient of at least 2688 / FLT_MAX
+        # (normal) or past FLT_MAX (inf), so XLA:CPU's own division is IEEE's here.
+        divisor = jnp.maximum(amax_bits, jnp.uint32(_TINY))
+        gs = _nvfp4.f32_div_hwfloat(jnp.full_like(divisor, _GLOBAL_NUMERATOR), divisor)
         return jnp.where(gs >= F32_INF, jnp.uint32(_ONE), gs)  # nan_to_num(..., 1.0)
+
+    def kernel_attrs(self) -> dict:
+        return dict(mse=True)
 
     def choose(self, xb, amax, ts_bits, inner: int):
         scaled_amax = f32_mul(ts_bits, amax)

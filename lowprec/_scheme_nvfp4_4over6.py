@@ -102,6 +102,10 @@ class FourOverSixScheme(GridSelectScheme):
     def tensor_scale_of(self, amax_bits):
         return amax_bits
 
+    def kernel_attrs(self) -> dict:
+        return dict(mse=self.error == "mse", fp16=self.error_domain == "fp16",
+                    e4m3_max=self.e4m3_max)
+
     def choose(self, xb, amax, ts_bits, inner: int):
         encode = f32_min_positive(f32_div(self._denominator, ts_bits), F32_MAX)
         # TE replaces a zero global scale (an infinite amax) by 1; lowprec's amax is finite.

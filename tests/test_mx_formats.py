@@ -560,6 +560,11 @@ def test_exact_product_is_ieee_float32_multiplication():
     a = np.concatenate([a, near, near])
     b = np.concatenate([b, rng.integers(0x0080_0000, 0x1000_0000, n).astype(np.uint32),
                         rng.integers(0x6F00_0000, 0x7F00_0000, n).astype(np.uint32)])
+    # Overflowing products whose 24-bit significand rounds up to 2^24 (1.75 x 1.1428... =
+    # 1.99999... x 2): past 2^128 the carry must still give ±inf (it once wrapped to -0).
+    carry_a = np.uint32([0x55DF_FFFF, 0xD5DF_FFFF, 0x7F5F_FFFF, 0x65DF_FFFF])
+    carry_b = np.uint32([0x7B12_4925, 0x7B12_4925, 0x7F12_4925, 0x6B12_4925])
+    a, b = np.concatenate([a, carry_a]), np.concatenate([b, carry_b])
     with np.errstate(all="ignore"):
         want = (a.view(np.float32) * b.view(np.float32)).view(np.uint32)
     got = np.asarray(jax.jit(f32_mul)(jnp.asarray(a), jnp.asarray(b)))

@@ -1,6 +1,7 @@
 """Fuzzing the native CPU kernels against XLA's formulation: random shapes, non-contiguous
-inputs, padding and special values, for every OCP MX format and scale rule, and NVFP4 (both
-steps, both roundings, computed and given tensor scales).
+inputs, padding and special values, for every OCP MX format and scale rule, NVFP4 (both
+steps, both roundings, computed and given tensor scales) and the selecting formats' block
+choice (Four over Six, IF4, MixFP4).
 
 Each case is a seeded random *structure* -- a base array of random rank and dims, a chain of
 view operations inside ``jax.jit`` (axis permutations, reversals, strided slices, a
@@ -193,17 +194,46 @@ def test_nvfp4_quantize_fuzz(case):
         return m.elements, m.scales, jax.lax.bitcast_convert_type(m.tensor_scale, jnp.uint32)
 
     fillings = [jnp.asarray(filling(rng, shape)) for _ in range(FILLINGS)]
+    assert_kernel_is_xla(run, fillings, "lowprec_nvfp4_quantize",
+                         ("elements", "scales", "tensor scale"), f"{kw} base {shape} view {ops}")
+
+
+def assert_kernel_is_xla(run, fillings, target: str, parts: tuple, what: str):
+    """``run`` compiled once per policy ("xla": no call of the kernel ``target``; "auto":
+    one) gives the same arrays on every filling."""
     got = {}
     for policy in ("xla", "auto"):
         with lowprec.kernels.policy(policy):
             compiled = jax.jit(run).lower(fillings[0]).compile()  # once per policy
-            calls = compiled.as_text().count('custom_call_target="lowprec_nvfp4_quantize"')
-            assert calls == (policy == "auto"), f"{policy}: {calls} quantizer calls ({ops})"
+            calls = compiled.as_text().count(f'custom_call_target="{target}"')
+            assert calls == (policy == "auto"), f"{policy}: {calls} calls of {target} ({what})"
             got[policy] = [[np.asarray(a) for a in compiled(x)] for x in fillings]
     for i, (want, have) in enumerate(zip(got["xla"], got["auto"])):
-        for part, a, b in zip(("elements", "scales", "tensor scale"), have, want):
-            np.testing.assert_array_equal(
-                a, b, err_msg=f"{kw} base {shape} view {ops} filling {i}: {part}")
+        for part, a, b in zip(parts, have, want):
+            np.testing.assert_array_equal(a, b, err_msg=f"{what} filling {i}: {part}")
+
+
+@needs_vector
+@pytest.mark.parametrize("name", ("nvfp4_4over6", "if4", "mixfp4"))
+@pytest.mark.quick_first(1)
+def test_grid_select_fuzz(name):
+    """quantize_mx of the selecting formats (Four over Six, IF4, MixFP4) of a random view of
+    random fillings, with the tensor scalar computed or given (a random float32 pattern,
+    finite and non-negative): the block-choice kernel's codes and scales are the XLA path's
+    (its integer emulation of the authors' float32 steps)."""
+    rng = np.random.default_rng(_seed("grid_select", name))
+    shape, ops, view = structure(rng)
+    ts = None if rng.random() < 0.5 else float(
+        np.uint32(rng.integers(0, 0x7F80_0000)).view(np.float32))
+    kw = {"tensor_scale": ts, "pad": True}
+
+    def run(x):
+        m = lowprec.quantize_mx(view(x), name, **kw)
+        return m.elements, m.scales
+
+    fillings = [jnp.asarray(filling(rng, shape)) for _ in range(FILLINGS)]
+    assert_kernel_is_xla(run, fillings, "lowprec_grid_select", ("elements", "scales"),
+                         f"{name} {kw} base {shape} view {ops}")
 
 
 def _want_packed(codes: np.ndarray) -> np.ndarray:

@@ -28,6 +28,8 @@ from lowprec import _nvfp4_train
 from lowprec.kernels import _cpu_native, _nvfp4_cpu
 from lowprec_reference import mx as ref
 
+from helpers.inputs import bit_kinds, float32_from_fields
+
 needs_kernel = pytest.mark.skipif(not _cpu_native.vector_quantizer(),
                                   reason="quantize_mx takes the NVFP4 kernel only on AVX2 CPUs "
                                          f"({_cpu_native.status()})")
@@ -41,12 +43,6 @@ TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def _f32(sign, exp, mant) -> np.ndarray:
-    bits = (np.asarray(sign, np.uint32) << 31) | (np.asarray(exp, np.uint32) << 23) | np.asarray(
-        mant, np.uint32)
-    return bits.astype(np.uint32).view(np.float32)
-
-
 def kinds(seed: int, ts: float = 1.0) -> dict[str, np.ndarray]:
     """float32 arrays [8, 64] (4 blocks per row), by kind; ``ts``: the tensor scale the
     ``ties`` and ``scale_edges`` rows are built for (a power of two keeps them exact)."""
@@ -55,16 +51,8 @@ def kinds(seed: int, ts: float = 1.0) -> dict[str, np.ndarray]:
     sign = rng.integers(0, 2, shape)
     mant = rng.integers(0, 2**23, shape)
     signs = np.where(sign == 1, -1.0, 1.0)
-    out = {
-        "normal": rng.standard_normal(shape),
-        "any_bits": rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32)
-        .view(np.float32),
-        "spread": _f32(sign, np.clip(rng.integers(1, 255, (8, 4, 1))
-                                     - rng.integers(0, 41, (8, 4, 16)), 0, 254).reshape(shape),
-                       mant),
-        "subnormal": _f32(sign, rng.integers(0, 2, shape), mant),
-        "huge": _f32(sign, rng.integers(245, 255, shape), mant),
-    }
+    out = bit_kinds(rng, sign, mant, shape)
+    out["huge"] = float32_from_fields(sign, rng.integers(245, 255, shape), mant)
     # Every tie and grid point of E2M1 times an E4M3 block scale s, in blocks whose maximum
     # is 6 s (so the block's scale is s exactly under tensor scale ts): each quotient is the
     # tie itself, for both steps (1 / ts and 1 / s are powers of two for these s, ts).

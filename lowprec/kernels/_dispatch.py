@@ -50,7 +50,7 @@ from .._pack import pack6_xla, unpack6_xla
 from .._platform import platform_dependent, set_policy_reader
 from .._scheme_e8m0 import E8M0Scheme
 from .._scheme_nvfp4 import NVFP4Scheme
-from . import _cpu_native, _fp6_cpu, _nvfp4_cpu
+from . import _cpu_native, _fp6_cpu, _grid_select_cpu, _nvfp4_cpu
 from ._mx_quantize_cpu import serves as native_quantize_serves
 from ._mxdot_pallas import pallas_mxdot_applies
 from ._weight_only_mgpu import MAX_TOKENS as WEIGHT_ONLY_MAX_TOKENS
@@ -616,6 +616,14 @@ def cpu_quantize_kernel(x, cast, axis: int, rng, tensor_scale) -> bool:
     if stochastic or tensor_scale is not None or not native_quantize_serves(cast):
         return False
     return _native_cpu_can_run(x)
+
+
+def cpu_grid_select_kernel(x) -> bool:
+    """Whether the selecting formats' block choice (``_grid_select.GridSelectScheme``) of
+    blocks ``x`` takes the native CPU kernel where XLA lowers for CPU (static): the policy,
+    the kernels built and checked, an unsharded input on a one-device CPU backend, and an
+    x86 CPU with AVX2 (the kernel keeps subnormals through the MXCSR, an x86 register)."""
+    return _native_cpu_can_run(x) and _cpu_native.vector_quantizer()
 
 
 def cpu_nvfp4_fake_quantize(x, step, stochastic: bool) -> bool:

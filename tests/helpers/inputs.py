@@ -43,6 +43,29 @@ F32_SPECIALS = _f32(
 )
 
 
+def float32_from_fields(sign, exp, mant) -> np.ndarray:
+    """float32 values of sign bits, exponent fields and mantissa fields (arrays)."""
+    bits = (np.asarray(sign, np.uint32) << 31) | (np.asarray(exp, np.uint32) << 23) | np.asarray(
+        mant, np.uint32)
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def bit_kinds(rng, sign, mant, shape) -> dict:
+    """float32 arrays of ``shape`` (rows of blocks of 16) by kind, drawn from ``rng`` in this
+    order: ``normal`` (standard normal), ``any_bits`` (every pattern, NaN and inf included),
+    ``spread`` (each block's exponents up to 40 binades below a random top: subnormal
+    scales, blocks rounding to zero), ``subnormal`` (exponent field 0 or 1); ``sign`` and
+    ``mant`` give the fields of the last two."""
+    blocks = (shape[0], shape[1] // 16)
+    out = {"normal": rng.standard_normal(shape),
+           "any_bits": rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32)
+           .view(np.float32)}
+    exps = rng.integers(1, 255, (*blocks, 1)) - rng.integers(0, 41, (*blocks, 16))
+    out["spread"] = float32_from_fields(sign, np.clip(exps, 0, 254).reshape(shape), mant)
+    out["subnormal"] = float32_from_fields(sign, rng.integers(0, 2, shape), mant)
+    return out
+
+
 def _grid_codes(fmt: str) -> np.ndarray:
     """Positive finite codes used to build the adversarial set (all of them for <= 8 bits)."""
     f = lowprec.element_format(fmt)
