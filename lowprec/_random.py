@@ -7,6 +7,7 @@ caller-supplied words through :func:`as_word32`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from ._lazy import lazy_module
@@ -122,8 +123,18 @@ def random_bits(key, shape) -> jax.Array:
         >>> w.shape, w.dtype.name
         ((2, 3), 'uint16')
     """
-    shape = check_size(shape)
-    return element_words(key_words(key), element_index(shape)).astype(jnp.uint16)
+    return _random_bits_program()(key, check_size(shape))
+
+
+@functools.cache
+def _random_bits_program():
+    """random_bits as one jitted program per shape and key type: called eagerly, its ~15
+    operations were each a program of its own, compiled for every new shape."""
+
+    def words(key, shape):
+        return element_words(key_words(key), element_index(shape)).astype(jnp.uint16)
+
+    return jax.jit(words, static_argnums=1)
 
 
 def as_word32(words):
