@@ -215,7 +215,7 @@ def assert_kernel_is_xla(run, fillings, target: str, parts: tuple, what: str):
 
 @needs_vector
 @pytest.mark.parametrize("name", ("nvfp4_4over6", "if4", "mixfp4"))
-@pytest.mark.quick_first(1)
+@pytest.mark.slow  # the quick tier checks the kernel against XLA in test_native_grid_select
 def test_grid_select_fuzz(name):
     """quantize_mx of the selecting formats (Four over Six, IF4, MixFP4) of a random view of
     random fillings, with the tensor scalar computed or given (a random float32 pattern,

@@ -55,17 +55,21 @@ def test_the_classic_emitters_where_jaxlib_knows_the_flag():
     xla_opt.apply(chosen, gpu=False, emitters_flag=True)
     assert chosen["XLA_FLAGS"].split() == [xla_opt.EMITTERS + "=true", xla_opt.FLAG + "=0"]
     assert xla_opt.without_flag(on["XLA_FLAGS"]) == ""
-    # The lookup itself: a flag every XLA defines is found, a made-up one is not.
+    # Probed once per run: the answer travels to workers and subprocesses in the environment.
+    told = {xla_opt.EMITTERS_KNOWN: "0"}
+    xla_opt.apply(told, gpu=False)
+    assert xla_opt.EMITTERS not in told["XLA_FLAGS"]
+
+
+@pytest.mark.slow  # three Python processes that start JAX
+def test_the_flag_lookup_starts_jax_with_the_flag():
+    # A flag every XLA defines is found, a made-up one is not.
     assert xla_opt.knows_flag("--xla_cpu_enable_fast_math")
     assert not xla_opt.knows_flag("--xla_cpu_no_such_flag_lowprec")
     # The probe behind it starts JAX with the flags: a flag XLA does not know aborts that
     # process, which is the failure the probe exists to see.
     assert xla_opt.accepts(xla_opt.FLAG + "=0")
     assert not xla_opt.accepts("--xla_cpu_no_such_flag_lowprec=false")
-    # Probed once per run: the answer travels to workers and subprocesses in the environment.
-    told = {xla_opt.EMITTERS_KNOWN: "0"}
-    xla_opt.apply(told, gpu=False)
-    assert xla_opt.EMITTERS not in told["XLA_FLAGS"]
 
 
 @pytest.mark.slow
