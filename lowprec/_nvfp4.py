@@ -118,7 +118,8 @@ def round_to_f32(sig, exp, sign, sticky):
     # the shift cannot wrap the int32); at the clip a significand rounded up to 2^24 makes
     # (254 << 23) + 2^24 = 2^31, which wraps to the int32's minimum: also an overflow.
     code = lax.shift_left(jnp.minimum(binade, 128) + 126, jnp.int32(23)) + mag_q
-    code = jnp.where((code >= F32_INF) | (code < 0), F32_INF, code)
+    # (One unsigned compare covers both: a wrapped code reads as 2^31 or more.)
+    code = jnp.where(code.astype(jnp.uint32) >= F32_INF, F32_INF, code)
     # Below 2^-150 (half the smallest subnormal) the value rounds to zero; the shift above
     # would pass the word's width there.
     code = jnp.where((sig == 0) | (top < -150), 0, code).astype(jnp.uint32)
