@@ -235,9 +235,9 @@ def _fwd(lhs, rhs, state, spec: DotSpec, layout: tuple):
     def portable(cl, cr, sl, sr):
         return _f32dot(_values(cl, sl, f), _values(cr, sr, f), dn, out_sharding)
 
-    def gpu(cl, cr, sl, sr):  # the scales' exact reciprocals, folded into the FP8 GEMM
-        return fp8_dot_general(fp8_values(cl, f, _reciprocal(sl)),
-                               fp8_values(cr, f, _reciprocal(sr)), dn, out_sharding)
+    def gpu(cl, cr, sl, sr):  # the scales' reciprocals on the output: cuBLASLt's epilogue
+        out = fp8_dot_general(fp8_values(cl, f), fp8_values(cr, f), dn, out_sharding)
+        return out * _reciprocal(sl) * _reciprocal(sr)
 
     out = _routed(cfg, gpu, portable, cl, cr, state.scale[0], state.scale[1])
     # Residuals: the codes (a byte per element), the amaxes, the state, and the operands'
@@ -258,10 +258,12 @@ def _bwd(spec: DotSpec, layout: tuple, res, g):
                                 lambda a, b: _f32dot(a, b, dn, out_sharding), cl, cr, cg,
                                 scales, ff, fb)
 
-    def gpu(cl, cr, cg, scales):
-        return _transposed_with(lambda c, f, s: fp8_values(c, f, _reciprocal(s)),
-                                lambda a, b: fp8_dot_general(a, b, dn, out_sharding), cl, cr,
-                                cg, scales, ff, fb)
+    def gpu(cl, cr, cg, scales):  # as the forward product: the scales on each output
+        gl, gr = _transposed_with(lambda c, f, s: fp8_values(c, f),
+                                  lambda a, b: fp8_dot_general(a, b, dn, out_sharding), cl, cr,
+                                  cg, scales, ff, fb)
+        rl, rr, rg = (_reciprocal(s) for s in scales)
+        return gl * rg * rr, gr * rl * rg
 
     gl, gr = _routed(cfg, gpu, portable, cl, cr, cg, tuple(state.scale))
     rows, scales = [], []

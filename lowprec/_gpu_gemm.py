@@ -49,14 +49,18 @@ def fp8_pair(lhs: ElementFormat, rhs: ElementFormat) -> bool:
     return all(n in FP8_DTYPES for n in names) and "e4m3" in names
 
 
-def fp8_values(codes, fmt: ElementFormat, factor=None):
+def fp8_values(codes, fmt: ElementFormat):
     """float32 operand of an FP8 GEMM: ``codes`` (integer codes of ``fmt`` from lowprec's
-    encoder) read as ``fmt``'s float8 type, converted, times the scalar ``factor`` if given.
-    The pattern XLA's GEMM rewriter folds into cuBLASLt's FP8 GEMM (convert, then a
-    multiply by a broadcast scalar); run anywhere else it is the exact value times factor."""
+    encoder) read as ``fmt``'s float8 type and converted, the pattern XLA folds into
+    cuBLASLt's FP8 GEMM; run anywhere else it is the exact value.
+
+    Per-tensor scales go on the product's output (``dot(a, b) * sa * sb``, cuBLASLt's
+    epilogue), never on an operand: XLA's Triton GEMM fusion takes the dot before the
+    GEMM rewriter sees a scaled operand, so ``convert(a) * sa`` was written out as float32
+    and the product ran a float32 GEMM (an H200: 52 ms for a training step whose FP8 GEMMs
+    take 6 ms)."""
     values = lax.bitcast_convert_type(codes.astype(jnp.uint8), FP8_DTYPES[fmt.name])
-    values = values.astype(jnp.float32)
-    return values if factor is None else values * factor
+    return values.astype(jnp.float32)
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, out_sharding=None):

@@ -397,6 +397,27 @@ def test_low_precision_products_take_low_precision_gemms(name, products):
         assert all(g["operands"] == ("bf16", "bf16") for g in gemms), labels
 
 
+_GEMM_FUSION = re.compile(r"^%(gemm_fusion\S*) \((.*?)\) -> ", re.M)
+
+
+@pytest.mark.quick_cases(name=["delayed_dot_general fwd + bwd"])
+@pytest.mark.parametrize("name", FP8_PRODUCTS)
+def test_fp8_products_keep_float8_operands_in_the_triton_gemm_fusions(name, products):
+    """The default compile (XLA's Triton GEMM on, as on a device, where the autotuner then
+    weighs each fusion against cuBLAS): every GEMM fusion takes its two operands as float8.
+    Scales folded into an operand (``convert(a) * sa``) stay outside the fusion, so XLA
+    wrote the operand out as float32 and, on an H200, autotuned it to a float32 GEMM: the
+    delayed-scaling training step ran 52 ms against bfloat16's 5.9 (2026-11-28). The GEMM
+    view compiles with Triton off and showed cuBLASLt's FP8 GEMM all the same."""
+    fn, *specs = products[name]
+    hlo = report.compile_hlo(fn, specs, "h100")
+    fusions = [(n, params) for n, params in _GEMM_FUSION.findall(hlo)]
+    assert len(fusions) == (3 if "bwd" in name or "backward" in name else 1), fusions
+    for fusion, params in fusions:
+        operand_types = re.findall(r": (\w+)\[[\d,]+\]", params)  # arrays, not scalars
+        assert sum(t.startswith("f8e") for t in operand_types) == 2, (fusion, params)
+
+
 def test_peers_take_the_fp8_gemm_too(products):
     """The comparison the GEMM view rests on: XLA's own float8 dot and Flax's
     Fp8DotGeneralOp form cuBLASLt's FP8 GEMM in this compile (the target names its CUDA

@@ -520,8 +520,12 @@ def test_rht_kernel_transposed_bit_exact(cols, mode):
 
     x = _rht_inputs(48, cols)
     signs = np.asarray(nt.rht_signs(5))
-    if not _rht_cpu.serves(jnp.asarray(x), jnp.asarray(signs)):
-        pytest.skip("the native kernels are not built or this CPU lacks AVX2")
+    # The kernel serves these inputs, and XLA lowers for CPU (on a GPU machine it lowers for
+    # CUDA, which takes XLA's formulation: the kernel is a CPU custom call).
+    if not (_rht_cpu.serves(jnp.asarray(x), jnp.asarray(signs))
+            and jax.default_backend() == "cpu"):
+        pytest.skip("no native CPU kernel here (not built, no AVX2, or the default device "
+                    "is not a CPU)")
     recipe = lowprec.NVIDIA_NVFP4
     f = functools.partial(nt._tokens_last, recipe=dataclasses.replace(recipe, rht_signs=tuple(
         int(s) for s in signs)))

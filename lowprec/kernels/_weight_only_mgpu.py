@@ -350,17 +350,23 @@ def weight_only_mgpu(x, w: prep.PreparedWeight, cfg: WeightOnlyConfig):
     m, k = x.shape
     n = w.shape[0]
     tile_rows, tile_cols = w.words.shape[:2]
-    if k % 8:  # TMA needs 16-byte rows; the padded columns meet zero codes
-        x = jnp.pad(x, ((0, 0), (0, 8 - k % 8)))
+    # x's tiled TMA copies take each dimension whole tiles of (8, 64) or below one tile
+    # (Mosaic GPU refuses K = 96 at 8 tokens, seen on an H200): zero columns meet the
+    # weight's padded zero codes, and zero token rows are cut from the result.
+    m_pad = m if m <= 8 else -(-m // 8) * 8
+    k_pad = k if k <= 64 else -(-k // 64) * 64
+    k_pad = -(-k_pad // 8) * 8  # TMA needs 16-byte rows
+    if (m_pad, k_pad) != (m, k):
+        x = jnp.pad(x, ((0, m_pad - m), (0, k_pad - k)))
     g = cfg.groups
     words = w.words.reshape(tile_rows // g, g, tile_cols, prep.THREADS, prep.WORDS_PER_THREAD)
     per_quad = prep.SCALE_BYTES_PER_QUAD[w.fmt.name] // 4
     scales = lax.bitcast_convert_type(
         w.scales.reshape(tile_rows // g, g, tile_cols, prep.THREADS // 4 * per_quad, 4),
         jnp.uint32)
-    call = _kernel_call(m, k, tile_rows, tile_cols, w.fmt.name, w.one_multiply, cfg)
+    call = _kernel_call(m_pad, k_pad, tile_rows, tile_cols, w.fmt.name, w.one_multiply, cfg)
     partial = call(x, words, scales)  # [splits, tokens, rows]
-    y = jnp.sum(partial, axis=0)[:, :n]
+    y = jnp.sum(partial, axis=0)[:m, :n]
     if w.tensor_scale is not None:
         shift = NV_ONE_MUL_SHIFT if w.one_multiply else 0
         y = y * (w.tensor_scale * jnp.float32(2.0**shift))
