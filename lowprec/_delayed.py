@@ -126,7 +126,7 @@ def _divide(a, b):
 
 
 def _reciprocal(scale):
-    """1 / scale, rounded once (IEEE) on every backend: the factor folded into the FP8 GEMM."""
+    """1 / scale, rounded once (IEEE) on every backend: the FP8 GEMM's output factor."""
     return _divide(jnp.float32(1.0), scale)
 
 

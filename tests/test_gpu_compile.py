@@ -400,22 +400,27 @@ def test_low_precision_products_take_low_precision_gemms(name, products):
 _GEMM_FUSION = re.compile(r"^%(gemm_fusion\S*) \((.*?)\) -> ", re.M)
 
 
-@pytest.mark.quick_cases(name=["delayed_dot_general fwd + bwd"])
-@pytest.mark.parametrize("name", FP8_PRODUCTS)
-def test_fp8_products_keep_float8_operands_in_the_triton_gemm_fusions(name, products):
+@pytest.mark.quick_cases(name=["delayed_dot_general fwd + bwd", "nvidia_mxfp8 fwd + bwd"])
+@pytest.mark.parametrize("name", FP8_PRODUCTS + BLOCK_PRODUCTS)
+def test_products_keep_low_precision_operands_in_the_triton_gemm_fusions(name, products):
     """The default compile (XLA's Triton GEMM on, as on a device, where the autotuner then
-    weighs each fusion against cuBLAS): every GEMM fusion takes its two operands as float8.
-    Scales folded into an operand (``convert(a) * sa``) stay outside the fusion, so XLA
-    wrote the operand out as float32 and, on an H200, autotuned it to a float32 GEMM: the
-    delayed-scaling training step ran 52 ms against bfloat16's 5.9 (2026-11-28). The GEMM
-    view compiles with Triton off and showed cuBLASLt's FP8 GEMM all the same."""
+    weighs each fusion against cuBLAS): every GEMM fusion takes its two operands as float8
+    (FP8 products) or bfloat16 (block products), never float32. Scales folded into an FP8
+    operand (``convert(a) * sa``) stayed outside the fusion, so XLA wrote the operand out as
+    float32 and, on an H200, autotuned it to a float32 GEMM: the delayed-scaling training
+    step ran 52 ms against bfloat16's 5.9 (2026-11-28). The GEMM view compiles with Triton
+    off and showed cuBLASLt's FP8 GEMM all the same."""
     fn, *specs = products[name]
     hlo = report.compile_hlo(fn, specs, "h100")
     fusions = [(n, params) for n, params in _GEMM_FUSION.findall(hlo)]
-    assert len(fusions) == (3 if "bwd" in name or "backward" in name else 1), fusions
+    three = "bwd" in name or "backward" in name
+    assert len(fusions) == (3 if three else 1), fusions  # a ragged dot: one in its loop
     for fusion, params in fusions:
         operand_types = re.findall(r": (\w+)\[[\d,]+\]", params)  # arrays, not scalars
-        assert sum(t.startswith("f8e") for t in operand_types) == 2, (fusion, params)
+        if name in FP8_PRODUCTS:
+            assert sum(t.startswith("f8e") for t in operand_types) == 2, (fusion, params)
+        else:
+            assert operand_types[:2] == ["bf16", "bf16"], (fusion, params)
 
 
 def test_peers_take_the_fp8_gemm_too(products):
