@@ -475,7 +475,7 @@ def _dense_forward(lhs, rhs, aux, spec: DotSpec, layout: tuple):
         # Each operand divided by its power of two, the product multiplied back (exact).
         el, er = _tensor_exponent(lhs, spec.lhs), _tensor_exponent(rhs, spec.rhs)
         out = _dense_product(_scaled(lhs, el), _scaled(rhs, er), spec, lay, out_sharding)
-        out = (out * _pow2(el) * _pow2(er)).astype(spec.out_dtype)
+        out = _times_pow2s(out, _pow2(el), _pow2(er)).astype(spec.out_dtype)
     else:
         out = bits_to_dtype(f32_bits(_dense_product(lhs, rhs, spec, lay, out_sharding)),
                             spec.out_dtype)
@@ -595,9 +595,21 @@ def _scaled_quantized_grads(spec: DotSpec, layout: tuple, lhs, rhs, g):
                                 out_dtype=np.dtype(np.float32))
     grad_l, grad_r = _rule_grads(inner, layout, lhs, rhs, g)
     if spec.tensor_scaling:
-        grad_l = grad_l.astype(jnp.float32) * _pow2(er) * _pow2(eg)
-        grad_r = grad_r.astype(jnp.float32) * _pow2(el) * _pow2(eg)
+        grad_l = _times_pow2s(grad_l, _pow2(er), _pow2(eg))
+        grad_r = _times_pow2s(grad_r, _pow2(el), _pow2(eg))
     return grad_l.astype(jnp.float32), grad_r.astype(jnp.float32)
+
+
+def _times_pow2s(v, a, b):
+    """float32 ``v`` times the powers of two ``a`` and ``b``: one after the other (exact
+    while each product stays a normal float), or where XLA lowers for CUDA times their
+    product, one scalar, which XLA folds into the FP8 GEMM that made ``v`` (cuBLASLt
+    computes D = (scale_a · scale_b) · Σ a b itself). Of two multiplies XLA folded one and
+    left the other as a pass over the float32 result: in the backward of a d = 4096
+    transformer block, 1.6 of its 8.6 GB of non-GEMM traffic (compile for an H100). The two
+    differ only where a · b leaves float32's normal range."""
+    v = v.astype(jnp.float32)
+    return on_cuda(lambda v, a, b: v * (a * b), lambda v, a, b: v * a * b, v, a, b)
 
 
 def _own_rule(spec: DotSpec) -> bool:
