@@ -237,7 +237,9 @@ def _fwd(lhs, rhs, state, spec: DotSpec, layout: tuple):
 
     def gpu(cl, cr, sl, sr):  # the scales' reciprocals on the output: cuBLASLt's epilogue
         out = fp8_dot_general(fp8_values(cl, f), fp8_values(cr, f), dn, out_sharding)
-        return out * _reciprocal(sl) * _reciprocal(sr)
+        # One factor, as cuBLASLt forms scale_a · scale_b: XLA folds it whole (of two
+        # multiplies it may fold one and leave a pass over the output).
+        return out * (_reciprocal(sl) * _reciprocal(sr))
 
     out = _routed(cfg, gpu, portable, cl, cr, state.scale[0], state.scale[1])
     # Residuals: the codes (a byte per element), the amaxes, the state, and the operands'
@@ -263,7 +265,7 @@ def _bwd(spec: DotSpec, layout: tuple, res, g):
                                   lambda a, b: fp8_dot_general(a, b, dn, out_sharding), cl, cr,
                                   cg, scales, ff, fb)
         rl, rr, rg = (_reciprocal(s) for s in scales)
-        return gl * rg * rr, gr * rl * rg
+        return gl * (rg * rr), gr * (rl * rg)
 
     gl, gr = _routed(cfg, gpu, portable, cl, cr, cg, tuple(state.scale))
     rows, scales = [], []

@@ -436,10 +436,10 @@ def _scaling_passes(hlo: str) -> list:
     return passes
 
 
-@pytest.mark.parametrize("name", ["fp8_hybrid fwd + bwd",
-                                  "flax linen Dense, quantize_model FP8_HYBRID, fwd + bwd"])
+@pytest.mark.quick_cases(name=["fp8_hybrid fwd + bwd"])
+@pytest.mark.parametrize("name", [n for n in FP8_PRODUCTS if "bwd" in n or "backward" in n])
 def test_fp8_scales_fold_into_the_gemms(name, products):
-    """FP8_HYBRID's per-tensor scales (powers of two) all reach cuBLASLt's FP8 GEMMs: no
+    """The FP8 products' per-tensor scales all reach cuBLASLt's FP8 GEMMs: no
     pass over a product's output is left that only multiplies it by a scalar. The forward
     output and each float32 gradient were multiplied by two powers of two in turn; XLA
     folded one into the GEMM and left the other as a pass (three here; in a d = 4096
