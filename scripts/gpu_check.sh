@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check from a machine with a GPU. Each stage has its own time limit, so a slow stage
 # costs its own figures, never the later ones; at most about 16 minutes in all, so on a lease of
-# 10-minute calls split it in two (2026-11-28, H200, jax 0.11.2: install 33 s; the five
-# training steps took over 120 s to compile and the GEMM view over 60 s, so both now have more):
+# 10-minute calls split it in two (2026-11-28, H200, jax 0.11.2, fourth session: install ~30 s,
+# tests 94 s, the five training steps 105 s compiling in parallel threads, the GEMM view
+# ~130 s; the first call below took 255 s):
 #   SECTIONS="train_step weight_only" FUSION=0 scripts/gpu_check.sh OUT1        (~9 min)
 #   TESTS=0 GEMMS=0 SECTIONS="quantize dequantize nvfp4 mxfp8 encode" scripts/gpu_check.sh OUT2
 #   1. the GPU-relevant tests on the GPU ($OUT/pytest.log): the gpu-marked tests and the quick
