@@ -58,7 +58,8 @@ Sections and peers (all measured in this process, interleaved rounds, medians; s
   one (the CUDA plugin, ``JAX_PLATFORMS=cpu``) and predicts the step time from the compile:
   every GEMM's kind and FLOPs (Triton GEMM off, as ``gpu_hlo_report.py``'s GEMM view) at a
   stated fraction of the datasheet peak of its kind, plus the other kernels' bytes at the
-  copy bandwidth.
+  copy bandwidth. ``--profile RECIPE...`` also lists those recipes' GPU kernels per step
+  (``jax.profiler``: time and launches per kernel name, to stderr).
 
 Flags mark the rows that miss their targets: quantize ≥ 2.0 TB/s (mxfp8) / 1.8 (mxfp4); dequantize ≥
 2.0 TB/s and ≥ 0.95x JAX; weight-only ≥ 3x bf16 (prepared: 3x at one token, 2.5x at 16);
@@ -715,10 +716,47 @@ def train_inputs(d: int, tokens: int, name: str, key=None):
     return block_params(kp, d), states, x, c
 
 
-def bench_train_step(d: int, tokens: int, roof: Roofline, reps: int) -> tuple:
+def kernel_profile(fn, steps: int = 3, top: int = 20) -> str:
+    """The GPU kernels of ``steps`` calls of ``fn`` (``jax.profiler``): per kernel name, its
+    time per call and launches per call, the largest ``top`` first, and the total. The view
+    that showed FP8 delayed scaling's step running float32 GEMMs (fourth H200 session)."""
+    import collections
+    import glob
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as where:
+        jax.profiler.start_trace(where)
+        for _ in range(steps):
+            jax.block_until_ready(fn())
+        jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(where, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return "  (no profile written)"
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    total, calls = collections.Counter(), collections.Counter()
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if "stream" not in line.name.lower():  # kernels are on the stream lines
+                continue
+            for ev in line.events:
+                total[ev.name] += ev.duration_ns
+                calls[ev.name] += 1
+    if not total:
+        return "  (no GPU kernels in the profile)"
+    out = [f"  {sum(total.values()) / steps / 1e6:.2f} ms of kernels per call, {len(total)} names"]
+    for name, ns in total.most_common(top):
+        out.append(f"  {ns / steps / 1e6:8.3f} ms  x{calls[name] // steps:<3} {name[:140]}")
+    return "\n".join(out)
+
+
+def bench_train_step(d: int, tokens: int, roof: Roofline, reps: int,
+                     profile: tuple = ()) -> tuple:
     """Each recipe's step time against the bf16 step (interleaved rounds), and the agreement
     of every recipe's loss and gradients with the bf16 step's (a smoke test of the wiring:
-    relative differences, which low precision makes nonzero)."""
+    relative differences, which low precision makes nonzero). ``profile``: recipes whose
+    kernels are also listed (:func:`kernel_profile`, printed to stderr)."""
     cases, outs = {}, {}
     inputs = {name: train_inputs(d, tokens, name) for name in TRAIN_RECIPES}
     start = time.perf_counter()
@@ -739,6 +777,9 @@ def bench_train_step(d: int, tokens: int, roof: Roofline, reps: int) -> tuple:
         cases[name] = functools.partial(compiled[name], *inputs[name])
         outs[name] = jax.block_until_ready(cases[name]())
     t = time_interleaved(cases, reps=reps)
+    for name in profile:
+        print(f"[train_step: {name}'s kernels]\n{kernel_profile(cases[name])}", file=sys.stderr,
+              flush=True)
     flops = 3 * 2.0 * tokens * d * (3 * d + d + 4 * d + 4 * d) + 3 * 2 * 2.0 * tokens**2 * d
     base_loss, base_g = outs["bf16"][0], outs["bf16"][1]
     rows, records = [], {}
@@ -849,6 +890,9 @@ def main(argv=None) -> int:
                    help="token counts of the weight_only section (default 1 4 16)")
     p.add_argument("--train-d", type=int, metavar="D",
                    help="the train_step section's model width (default 4096; quick 256)")
+    p.add_argument("--profile", nargs="+", default=(), choices=list(TRAIN_RECIPES),
+                   metavar="RECIPE", help="also list the GPU kernels of these recipes' training "
+                   "steps (jax.profiler; to stderr)")
     p.add_argument("--train-tokens", type=int, metavar="T",
                    help="the train_step section's tokens (default 2048; quick 128)")
     p.add_argument("--predict", choices=("h100", "h200", "b200"), metavar="TARGET",
@@ -911,7 +955,8 @@ def main(argv=None) -> int:
         elif section == "encode":
             rows += bench_encode(enc, roof, reps)
         elif section == "train_step":
-            new, records["train_step"] = bench_train_step(train_d, train_tokens, roof, reps)
+            new, records["train_step"] = bench_train_step(train_d, train_tokens, roof, reps,
+                                                          tuple(args.profile))
             rows += new
         print(f"[{section} done, {time.time() - started:.0f} s]", file=sys.stderr, flush=True)
     headers = ["what", "lowprec", "peers (same run)", "ratio", "% roof", "flag"]

@@ -102,6 +102,9 @@ for section in $SECTIONS; do
   extra=()
   [[ $first == 1 && -f "$OUT/pytest.log" ]] && extra=(--pytest-log "$OUT/pytest.log")
   [[ $1 == weight_only ]] && extra=("${WEIGHTS[@]}")
+  # Each low-precision step's kernels too (a few steps under jax.profiler): the listing that
+  # showed delayed scaling's float32 GEMMs.
+  [[ $1 == train_step ]] && extra+=(--profile fp8_delayed fp8_current mxfp8 nvfp4)
   first=0
   stage "$2" "bench $1" "$PY" benchmarks/bench_gpu.py --only "$1" "${BENCH[@]}" "${extra[@]}" \
     --json "$OUT/bench_$1.json" 2>&1 | tee "$OUT/bench_$1.txt"
