@@ -327,6 +327,25 @@ def test_weight_only_matmul_streams_the_prepared_weight_once(fmt, m):
     s = report.summarize(hlo)
     assert s["kernels"] <= 2, s["kinds"]
     assert s["traffic_over_ideal"] <= (1.1 if m == 1 else 1.5), (s["traffic_over_ideal"], s["kinds"])
+@pytest.mark.quick_cases(mk=[(8, 96)])
+@pytest.mark.parametrize("mk", [(8, 96), (12, 96), (16, 200), (3, 40), (1, 96)],
+                         ids=lambda v: f"m{v[0]}-k{v[1]}")
+def test_weight_only_kernel_lowers_for_any_tokens_and_k(mk):
+    """The prepared-weight kernel lowers for token counts and K that are not whole TMA tiles
+    of x ((8, 64): a dimension is whole tiles or below one). Before x was padded, K = 96 at
+    8 tokens ([2, 4, 96] activations) failed to lower on an H200 ("dimension 1 must have size
+    smaller or a multiple of its tiling 64, but got 96"); the lowering runs here too."""
+    from lowprec.kernels import _weight_only_mgpu
+
+    if not _weight_only_mgpu.mosaic_gpu_available():
+        pytest.skip("this JAX has no Pallas Mosaic GPU backend")
+    m, k = mk
+    pw = decode_ptx._spec("mxfp4", (200, k), True)
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    hlo = _compile(lambda a, w: lowprec.weight_only_matmul(a, w), x, pw)
+    assert "mosaic_gpu_v2" in hlo
+
+
 # -- the GEMM view ---------------------------------------------------------------------------------
 
 PRODUCT_N = 512
