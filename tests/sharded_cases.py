@@ -806,11 +806,13 @@ def _assert_tracks(got, want, drift=False):
 
 
 NVFP4_OUT = lowprec.Rules([("attn/out", lowprec.NVIDIA_NVFP4), (".*", lowprec.NVIDIA_MXFP8)])
-# The attention in the recipe (its four projections on [B, S, D] activations, the score and
-# value products), the MLP in float32: the default run's block. Its quantized products are
-# the MLP cases' above (Dense layers on the same activations, in and out of the recipe's
-# dots); leaving them out makes the block's two programs ~1/3 cheaper to compile.
-MXFP8_ATTN = lowprec.Rules([("attn(/.*)?", lowprec.NVIDIA_MXFP8)], name="mxfp8_attn")
+# The default run's block: the attention's score and value products (batch dims [B@d, H] of
+# Recipe.einsum) and its output projection (a DenseGeneral weight [heads, head_dim, D]
+# contracted over two axes) in the recipe; the query/key/value projections and the MLP in
+# float32. The products left out are the MLP cases' above (Dense layers on the same
+# activations, in and out of the recipe's dots) and the forward cases' DenseGeneral with its
+# heads split; each quantized product is ~1/8 of the block's two programs to compile.
+MXFP8_ATTN = lowprec.Rules([("attn(/out)?", lowprec.NVIDIA_MXFP8)], name="mxfp8_attn")
 PLANS = {"nvfp4_out": NVFP4_OUT, "mxfp8_attn": MXFP8_ATTN}
 
 
