@@ -338,7 +338,11 @@ def test_recipe_dot_general_out_sharding():
 # A two-layer MLP y = relu(x w1) w2 on activations x [batch, seq, d] (the transformer
 # layout), with the loss sum(y * c) for a fixed c, so the cotangent of y is c itself: the
 # quantized gradients do not depend on how y's sums were ordered, and every layout must give
-# the one-device gradients up to float32 summation order.
+# the one-device gradients up to float32 summation order. On the layouts whose two layers
+# are laid out alike (ONE_LAYER: the same specs for w1 and w2, no out_sharding), one layer
+# y = x w1 with the gradient of x too runs the same three products (forward, grad_lhs: the
+# second layer's input gradient, grad_rhs) on the same partitioning, in a program half the
+# size.
 
 BATCH, SEQ, D, H = 8, 16, 128, 128  # 32 tokens per device on 4 devices: whole 32-token blocks
 DN3 = (((2,), (0,)), ((), ()))
@@ -366,8 +370,20 @@ def _recipe(name):
     return STE_MXFP8 if name == "ste_mxfp8" else lowprec.RECIPES[name]
 
 
+ONE_LAYER = ("data", "fsdp")
+
+
 def _mlp_loss(recipe, layout, gather=False, sharded=True):
     *_, hs, ys = LAYOUTS[layout] if sharded else (None, None)
+    if layout in ONE_LAYER:
+        def one_layer(params, x, c):
+            w1, = params
+            if gather:
+                w1 = jax.sharding.reshard(w1, P())
+            y = recipe.dot_general(x, w1, DN3, out_sharding=hs)
+            return jnp.sum(y * c), y
+
+        return one_layer
 
     def loss(params, x, c):
         w1, w2 = params
@@ -411,9 +427,13 @@ def test_training_matches_one_device(kind, layout, recipe):
     shape, names, xs_, w1s, w2s, _, _ = LAYOUTS[layout]
     fsdp = layout == "fsdp"
     key = jax.random.key(3)
+    one_layer = layout in ONE_LAYER
+    params = (w1,) if one_layer else (w1, w2)
+    # The gradients as a list: one layer's of x too (grad_lhs of its dot).
+    flat = lambda g: [*g[0], g[1]] if one_layer else list(g)  # noqa: E731
 
     def grad_of(loss):
-        grad = jax.value_and_grad(loss, has_aux=True)
+        grad = jax.value_and_grad(loss, argnums=(0, 1) if one_layer else 0, has_aux=True)
         if not recipe._nvfp4_training():
             return lambda p, x, c, k: grad(p, x, c)
 
@@ -423,20 +443,21 @@ def test_training_matches_one_device(kind, layout, recipe):
 
         return keyed
 
-    (want_l, want_y), want_g = _one_device("mlp", recipe, lambda: jax.jit(
-        grad_of(_mlp_loss(recipe, layout, sharded=False)))((w1, w2), x, c, key))
+    (want_l, want_y), want_g = _one_device(f"mlp{len(params)}", recipe, lambda: jax.jit(
+        grad_of(_mlp_loss(recipe, layout, sharded=False)))(params, x, c, key))
     mesh = _mesh(kind, shape, names)
     with jax.set_mesh(mesh):
         put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
-        args = ((put(w1, w1s), put(w2, w2s)), put(x, xs_), put(c, P(*xs_[:1], None)))
+        args = (tuple(put(w, s) for w, s in zip(params, (w1s, w2s))), put(x, xs_),
+                put(c, P(*xs_[:1], None)))
         f = grad_of(_mlp_loss(recipe, layout, fsdp and kind == "explicit"))
         (got_l, got_y), got_g = jax.jit(f)(*args, key)
-    # Explicit axes: gradients come back in the parameters' own layouts (as plain JAX's).
-    for g, p in zip(got_g, args[0]):
+    # Explicit axes: gradients come back in their inputs' own layouts (as plain JAX's).
+    for g, p in zip(flat(got_g), [*args[0], args[1]]):  # (two layers: zip stops at w2)
         assert kind == "auto" or _spec_of(g) == _spec_of(p), (g.sharding, p.sharding)
     np.testing.assert_allclose(np.asarray(got_y), np.asarray(want_y), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(got_l), float(want_l), rtol=1e-5)
-    for a, b in zip(got_g, want_g):
+    for a, b in zip(flat(got_g), flat(want_g)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
 
 
@@ -500,7 +521,9 @@ FORWARD_3D = {  # (x spec, w spec, the weight as [D, N] or [D, heads, head_dim])
     # these is one more compile, 2-5 s of CPU.)
     ("nvidia_mxfp8", ("sequence", "column", "heads")), extended("nvidia_mxfp8", ("batch",)),
     ("fp8_hybrid", ("batch", "sequence")),
-    ("ste_mxfp8", ("batch", "sequence")),
+    # (STE_MXFP8's forward is NVIDIA_MXFP8's: the same jaxpr and HLO, the recipes differing
+    # in their backward only.)
+    extended("ste_mxfp8", ("batch", "sequence")),
     # Its own dot: 16 x 16 tiles of [D, heads x head_dim].
     ("nvidia_nvfp4", ("heads",)), extended("nvidia_nvfp4", ("batch",)),
 ])
@@ -522,7 +545,7 @@ def test_recipe_forward_3d_activations_same_bits(recipe, layouts):
             got = dot(xs, ws)
             lax_spec = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dn), xs, ws).sharding.spec
         assert got.sharding.spec == lax_spec, (name, got.sharding.spec, lax_spec)
-        assert_bits_equal(got, want[wshape])
+        assert_bits_equal(got, want[wshape], f"{recipe}, {name} layout")
 
 
 def test_sharded_inputs_keep_the_partitionable_formulation():
@@ -806,11 +829,13 @@ def _assert_tracks(got, want, drift=False):
 
 
 NVFP4_OUT = lowprec.Rules([("attn/out", lowprec.NVIDIA_NVFP4), (".*", lowprec.NVIDIA_MXFP8)])
-# The attention in the recipe (its four projections on [B, S, D] activations, the score and
-# value products), the MLP in float32: the default run's block. Its quantized products are
-# the MLP cases' above (Dense layers on the same activations, in and out of the recipe's
-# dots); leaving them out makes the block's two programs ~1/3 cheaper to compile.
-MXFP8_ATTN = lowprec.Rules([("attn(/.*)?", lowprec.NVIDIA_MXFP8)], name="mxfp8_attn")
+# The default run's block: the attention's score and value products (batch dims [B@d, H] of
+# Recipe.einsum) and its output projection (a DenseGeneral weight [heads, head_dim, D]
+# contracted over two axes) in the recipe; the query/key/value projections and the MLP in
+# float32. The products left out are the MLP cases' above (Dense layers on the same
+# activations, in and out of the recipe's dots) and the forward cases' DenseGeneral with its
+# heads split; each quantized product is ~1/8 of the block's two programs to compile.
+MXFP8_ATTN = lowprec.Rules([("attn(/out)?", lowprec.NVIDIA_MXFP8)], name="mxfp8_attn")
 PLANS = {"nvfp4_out": NVFP4_OUT, "mxfp8_attn": MXFP8_ATTN}
 
 
