@@ -3,7 +3,8 @@
 Blocks run in order, in one test and one fresh temporary directory (so a later block may use the files an
 earlier one made): ``python`` blocks are executed in a fresh namespace each, ``bash`` blocks
 with ``bash -euo pipefail`` and the ``lowprec`` command of this interpreter's environment on
-PATH. A block that cannot run here says so in an HTML comment on the line before it,
+PATH (``lowprec.cli.main`` of this environment, run by a fork server that imported it once:
+tests/helpers/cli_server.py). A block that cannot run here says so in an HTML comment on the line before it,
 ``<!-- readme-test: skip: <why> -->``; only the set-up block does (it creates a virtual
 environment and installs packages), and its shape is checked instead.
 """
