@@ -20,7 +20,8 @@ Stored numbers must stay true: :func:`stale_numbers` compares every number print
 notebook's outputs with a fresh run's, within :data:`RTOL` or one unit of the last printed digit
 (whichever is larger), ignoring cells tagged ``volatile`` (the provenance stamp — commit and
 package versions — and the wall-clock time). The test suite (``tests/test_notebooks.py``)
-imports :func:`execute`, :func:`check_figures` and :func:`stale_numbers` from here.
+imports :func:`execute`, :func:`check_figures` and :func:`stale_numbers` from here; its default
+run executes the notebooks in one :class:`SharedKernel` per worker instead of a fresh kernel each.
 
 Problem size. Each notebook reads ``LOWPREC_NOTEBOOK_SIZE`` (:data:`SIZE_ENV`) in its first cell:
 ``full`` (the default; the study as stored) or ``small`` (fewer seeds, samples and steps: every cell
