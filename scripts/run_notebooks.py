@@ -20,7 +20,8 @@ Stored numbers must stay true: :func:`stale_numbers` compares every number print
 notebook's outputs with a fresh run's, within :data:`RTOL` or one unit of the last printed digit
 (whichever is larger), ignoring cells tagged ``volatile`` (the provenance stamp — commit and
 package versions — and the wall-clock time). The test suite (``tests/test_notebooks.py``)
-imports :func:`execute`, :func:`check_figures` and :func:`stale_numbers` from here.
+imports :func:`execute`, :func:`check_figures` and :func:`stale_numbers` from here; its default
+run executes the notebooks in one :class:`SharedKernel` per worker instead of a fresh kernel each.
 
 Problem size. Each notebook reads ``LOWPREC_NOTEBOOK_SIZE`` (:data:`SIZE_ENV`) in its first cell:
 ``full`` (the default; the study as stored) or ``small`` (fewer seeds, samples and steps: every cell
@@ -88,19 +89,24 @@ def _kernel_manager(tmpdir: pathlib.Path, size: str = "full"):
     return KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=ksm)
 
 
-def execute(path: pathlib.Path, size: str = "full"):
+def execute(path: pathlib.Path, size: str = "full", kernel: "SharedKernel | None" = None):
     """Runs the notebook at ``path`` in a fresh kernel at problem size ``size`` (one of
-    :data:`SIZES`); returns (notebook node, seconds)."""
+    :data:`SIZES`), or in ``kernel`` (a running :class:`SharedKernel` of that size, its
+    namespace cleared first); returns (notebook node, seconds)."""
     import nbclient
     import nbformat
 
     if size not in SIZES:
         raise ValueError(f"size {size!r}: expected one of {SIZES}")
+    if kernel is not None and kernel.size != size:
+        raise ValueError(f"size {size!r}: the shared kernel runs size {kernel.size!r}")
     nb = nbformat.read(path, as_version=4)
     with tempfile.TemporaryDirectory() as tmp:
+        if kernel is not None:
+            kernel.reset()
         client = nbclient.NotebookClient(
             nb,
-            km=_kernel_manager(pathlib.Path(tmp), size),
+            km=_kernel_manager(pathlib.Path(tmp), size) if kernel is None else kernel.km,
             timeout=CELL_TIMEOUT_S,
             allow_errors=False,
             record_timing=False,
@@ -110,15 +116,69 @@ def execute(path: pathlib.Path, size: str = "full"):
         try:
             client.execute()  # raises CellExecutionError (with the traceback) on a failing cell
         finally:
+            if kernel is not None:
+                if client.kc is not None:
+                    client.kc.stop_channels()
             # nbclient shuts down only a kernel manager it made itself: given ours, it leaves
             # the kernel running (each holding 0.3-1 GiB until this process exits).
-            if client.km.has_kernel:
+            elif client.km.has_kernel:
                 client.km.shutdown_kernel(now=True)
         elapsed = time.perf_counter() - start
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
     nb.metadata.pop("widgets", None)
     return nb, elapsed
+
+
+class SharedKernel:
+    """One kernel that runs several notebooks in turn (the test suite's default run).
+
+    Before each notebook its namespace is cleared (``%reset -f``: every name an earlier
+    notebook defined is gone, so a notebook that uses a name it does not define still fails).
+    Modules stay imported and JAX keeps its compiled programs: a notebook after the first
+    skips the kernel's start and its imports (~2 CPU s) and the compiles of programs an
+    earlier one built. Not isolated: process state outside the namespace (JAX's caches,
+    matplotlib's rcParams — which every notebook's first cell sets —, a module's own state).
+    A leak that changed a result would show as a stale number: the test compares every
+    number with the run recorded from fresh kernels. Regenerating and ``--check`` (and the
+    extended sweep) run each notebook in a fresh kernel.
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    RESET = "%reset -f"
+
+    def __init__(self, size: str, cwd: pathlib.Path = NOTEBOOK_DIR):
+        if size not in SIZES:
+            raise ValueError(f"size {size!r}: expected one of {SIZES}")
+        self.size = size
+        self._tmp = tempfile.TemporaryDirectory()
+        self.km = _kernel_manager(pathlib.Path(self._tmp.name), size)
+        self.km.start_kernel(cwd=str(cwd))
+
+    def reset(self) -> None:
+        """Clears the kernel's namespace (raises if the kernel died)."""
+        import nbclient
+        import nbformat
+
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(self.RESET)])
+        client = nbclient.NotebookClient(nb, km=self.km, timeout=CELL_TIMEOUT_S, allow_errors=False)
+        try:
+            client.execute()
+        finally:
+            if client.kc is not None:
+                client.kc.stop_channels()
+
+    def close(self) -> None:
+        if self.km.has_kernel:
+            self.km.shutdown_kernel(now=True)
+        self._tmp.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 # A printed number matches a fresh run's if it differs by at most RTOL relative, or by one unit

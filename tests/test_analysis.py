@@ -662,12 +662,12 @@ def test_compare_counts_e4m3_overflow_and_mx_nan_blocks():
 
 @pytest.mark.slow
 def test_compare_over_seeds_gives_means_and_t_intervals():
-    kw = dict(scale_rules=["floor", "rceil"], seeds=[3, 4, 5, 6], shape=(16, 256))
+    kw = dict(scale_rules=["floor", "rceil"], seeds=[3, 4, 5, 6], shape=(8, 256))
     runs = analysis.compare("laplace", ["e5m2", "mxfp8_e4m3"], per_seed=True, phase="dither", **kw)
     assert len(runs) == 12 and sorted(set(runs["seed"])) == [3, 4, 5, 6]
     # each per-seed row is the array comparison of that seed's sample, drawn at the seed's
     # dithered scale 2^phase
-    one = analysis.compare(analysis.sample("laplace", (16, 256), seed=5, phase="dither"), "e5m2")
+    one = analysis.compare(analysis.sample("laplace", (8, 256), seed=5, phase="dither"), "e5m2")
     row5 = runs[(runs["seed"] == 5) & (runs["format"] == "e5m2")]
     assert row5["sqnr_db"].item() == one["sqnr_db"].item()
     assert row5["phase"].item() == analysis.phase_of("dither", 5)
@@ -704,13 +704,13 @@ def test_paired_delta_by_hand():
     assert (row["delta"], row["delta_lo"], row["delta_hi"]) == pytest.approx((m, lo, hi))
     assert row["delta_hi"] < 0                            # floor clips: worse than rceil
     by_format = analysis.paired_delta(
-        analysis.compare("gaussian", ["e4m3", "e5m2"], seeds=3, shape=(4, 256), per_seed=True),
+        analysis.compare("gaussian", ["e4m3", "e5m2"], seeds=3, shape=(8, 256), per_seed=True),
         within="format", baseline="e4m3")
     assert by_format["format"].tolist() == ["e5m2"] and 5 < -by_format["delta"].item() < 7
     # pairing across block sizes: the baseline is a size (nullable Int64, not a string)
     by_size = analysis.paired_delta(
         analysis.compare("gaussian", "mxfp4", scale_rules="rceil", block_sizes=[16, 32], seeds=3,
-                         shape=(4, 256), per_seed=True),
+                         shape=(8, 256), per_seed=True),
         within="block_size", baseline=32)
     assert by_size["block_size"].tolist() == [16] and by_size["baseline"].tolist() == [32]
     assert str(by_size["baseline"].dtype) == "Int64"
@@ -868,7 +868,7 @@ def test_error_vs_magnitude_and_delta_bars():
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    x = np.asarray(analysis.sample("student-t(3)", (16, 256)))
+    x = np.asarray(analysis.sample("student-t(3)", (8, 256)))
     x[0, :3] = [0.0, 1000.0, np.nan]
     q4 = np.asarray(lowprec.fake_quantize_mx(jnp.asarray(np.nan_to_num(x)), "mxfp4"))
     q8 = np.asarray(lowprec.quantize(jnp.asarray(x), "e4m3"))
@@ -1168,15 +1168,15 @@ def test_scale_phase_is_a_period_of_one_octave_for_mx():
 
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_dithered_phase_by_default_for_distributions_only():
-    runs = analysis.compare({"g": "gaussian", "f": lambda s: analysis.sample("gaussian", (2, 64), seed=s)},
-                            "mxfp4", scale_rules="rceil", seeds=6, shape=(2, 64), per_seed=True)
+    runs = analysis.compare({"g": "gaussian", "f": lambda s: analysis.sample("gaussian", (8, 256), seed=s)},
+                            "mxfp4", scale_rules="rceil", seeds=6, shape=(8, 256), per_seed=True)
     g, f = runs[runs["input"] == "g"], runs[runs["input"] == "f"]
     ph = g["phase"].to_numpy()
     # a distribution's 6 seeds get one phase in each sixth of the octave (stratified)
     assert ((0 <= ph) & (ph < 1)).all() and (np.floor(ph * 6) == np.arange(6)).all()
     assert ph.tolist() == analysis.stratified_phases(range(6)).tolist()
     assert (f["phase"] == 0).all()                     # a function keeps its own scale
-    dith = analysis.compare("gaussian", "mxfp4", scale_rules="rceil", seeds=6, shape=(2, 64),
+    dith = analysis.compare("gaussian", "mxfp4", scale_rules="rceil", seeds=6, shape=(8, 256),
                             per_seed=True, phase="dither")
     assert dith["phase"].tolist() == [analysis.phase_of("dither", s) for s in range(6)]
     assert "stratum" not in dith
@@ -1214,7 +1214,7 @@ def test_phase_sweep_equals_compare_at_each_phase():
 
 @pytest.mark.slow  # left out of the quick tier (seconds; its paths run in other quick tests)
 def test_long_format_holds_every_number_once():
-    df = analysis.compare("laplace", ["e4m3", "mxfp4"], scale_rules="rceil", seeds=2, shape=(4, 64))
+    df = analysis.compare("laplace", ["e4m3", "mxfp4"], scale_rules="rceil", seeds=2, shape=(8, 256))
     tidy = analysis.long_format(df)
     assert len(tidy) == len(df) * len(analysis._compare.METRICS)
     for _, r in tidy.sample(20, random_state=0).iterrows():
@@ -1223,7 +1223,7 @@ def test_long_format_holds_every_number_once():
         assert r["lo"] == src[r["metric"] + "_lo"] or np.isnan(r["lo"])
     assert str(tidy["metric"].dtype) == "string" and not [c for c in tidy if tidy[c].dtype == object]
     # per-seed frames keep seed and phase; a paired_delta frame becomes metric "delta"
-    runs = analysis.compare("laplace", "mxfp4", scale_rules=["floor", "rceil"], seeds=2, shape=(4, 64),
+    runs = analysis.compare("laplace", "mxfp4", scale_rules=["floor", "rceil"], seeds=2, shape=(8, 256),
                             per_seed=True)
     assert {"seed", "phase"} <= set(analysis.long_format(runs).columns)
     d = analysis.long_format(analysis.paired_delta(runs))

@@ -5,9 +5,12 @@ Two layers:
 * The committed notebooks (fast): every code cell ran, in order, without error; every cell that
   draws shows a real PNG of sane size (so a reader browsing the repository sees the figures);
   each notebook states its findings.
-* Fresh execution (slow): each notebook runs top to bottom in a new kernel of this interpreter
+* Fresh execution (slow): each notebook runs top to bottom in a kernel of this interpreter
   (``scripts/run_notebooks.py``'s executor: a temporary kernel spec, ``JAX_PLATFORMS=cpu``,
-  matplotlib's inline backend) and must render the same figures. Each notebook asserts its
+  matplotlib's inline backend) and must render the same figures. In the default run the
+  notebooks one worker executes share a kernel, its namespace cleared before each
+  (``run_notebooks.SharedKernel``: one kernel start and the programs the notebooks share
+  compiled once); the extended sweep starts a fresh kernel for each, as regenerating does. Each notebook asserts its
   findings in code cells, so a finding that stops holding fails here. The same run checks that
   the stored outputs are not stale: every number they print must equal the fresh run's within
   ``run_notebooks.RTOL`` (1e-6 relative) or one unit of its last printed digit; only cells
@@ -133,14 +136,26 @@ def test_check_figures_catches_missing_and_broken_figures():
     assert runner.png_size(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x02\x00\x00\x00\x01\x00") == (512, 256)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes_and_renders_its_figures(path):
+@pytest.fixture(scope="module")
+def shared_kernel():
+    """The default run's kernel, shared by the notebooks this worker executes (None in the
+    extended sweep: a fresh kernel each, as regenerating uses)."""
     for module in ("nbclient", "ipykernel", "matplotlib", "pandas"):
         pytest.importorskip(module, reason=f"executing the notebooks needs {module}")
+    if tiers.full_suite():
+        yield None
+        return
+    with _runner().SharedKernel("small", NOTEBOOK_DIR) as kernel:
+        yield kernel
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_executes_and_renders_its_figures(path, shared_kernel):
     runner = _runner()
     size = "full" if tiers.full_suite() else "small"
-    nb, seconds = runner.execute(path, size)   # raises with the traceback if a cell (a finding) fails
+    # raises with the traceback if a cell (a finding) fails
+    nb, seconds = runner.execute(path, size, kernel=shared_kernel)
     assert runner.check_figures(nb, path.name) == []
     stored = nbformat.read(path, as_version=4)
     assert len(runner.figures(nb)) == len(runner.figures(stored)), (
@@ -155,3 +170,20 @@ def test_notebook_executes_and_renders_its_figures(path):
         + str(path.relative_to(ROOT)) + "):\n" + "\n".join(stale[:20])
     )
     print(f"{path.name}: executed at size {size} in {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_shared_kernel_forgets_the_previous_notebook(shared_kernel, tmp_path):
+    # The default run's shared kernel must not let a notebook lean on a name an earlier one
+    # defined: what a fresh kernel would reject, it rejects.
+    if shared_kernel is None:
+        pytest.skip("the extended sweep runs each notebook in a fresh kernel")
+    import nbclient
+
+    runner = _runner()
+    first, second = tmp_path / "first.ipynb", tmp_path / "second.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("leftover = 1")]), first)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(leftover)")]), second)
+    runner.execute(first, "small", kernel=shared_kernel)
+    with pytest.raises(nbclient.exceptions.CellExecutionError, match="NameError"):
+        runner.execute(second, "small", kernel=shared_kernel)

@@ -80,7 +80,9 @@ def test_unknown_config_is_a_clear_error(train_lm):
 def test_every_seed_is_written_as_it_finishes(train_lm, tmp_path, capsys, monkeypatch):
     # Two seeds of a tiny fp32 run: after each seed, its numbers are printed and the
     # outputs on disk hold every seed finished so far (a long run loses no finished seed).
-    settings = train_lm.Settings(steps=4, batch=4, seq=16, d_model=32, heads=2, layers=1,
+    # The model's dimensions are the test above's, so the eager initialization's programs
+    # (one per parameter shape) are compiled once for both.
+    settings = train_lm.Settings(steps=4, batch=4, seq=32, d_model=64, heads=2, layers=1,
                                  eval_batches=1, window=2, eval_every=4, seeds=2)
     on_disk = []
     write = train_lm.write_outputs
