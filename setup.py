@@ -80,7 +80,8 @@ if _include is not None and os.name == "posix":
     _ext.append(Extension(
         _NATIVE,
         sources=["lowprec/kernels/_cpu_lib.cc", "lowprec/kernels/_fp6_cpu.cc",
-                 "lowprec/kernels/_mx_quantize_cpu.cc", "lowprec/kernels/_ckpt_cpu.cc",
+                 "lowprec/kernels/_mx_quantize_cpu.cc", "lowprec/kernels/_mx_fake_cpu.cc",
+                 "lowprec/kernels/_ckpt_cpu.cc",
                  "lowprec/kernels/_nvfp4_cpu.cc", "lowprec/kernels/_rht_cpu.cc",
                  "lowprec/kernels/_grid_select_cpu.cc"],
         depends=["lowprec/kernels/_cpu_common.h", "lowprec/kernels/_nvfp4_cpu.h"],

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._bits import f32_bits
 from ._dtypes import bits_to_dtype, check_float_dtype
 from ._format import MXFormatLike, array_then_format, mx_format
 from ._mx_decode import mx_value_bits, mx_values
@@ -28,7 +29,8 @@ from ._mx_encode import block_exponents, padded_bits, quantize_mxarray, zero_pad
 from ._mxarray import MXArray
 from ._options import MXCast
 from ._scale_rules import ScaleRule
-from .kernels._dispatch import Formulation, on_cpu, on_cuda, quantize_formulations
+from .kernels._dispatch import Formulation, by_platform, on_cpu, on_cuda, quantize_formulations
+from .kernels._mx_fake_cpu import fake_quantize as mx_fake_quantize_cpu
 from .kernels._mx_quantize_cpu import attributes as quantize_attributes
 from .kernels._mx_quantize_cpu import quantize_last
 from .kernels._nvfp4_cpu import quantize_mxarray as nvfp4_quantize_cpu
@@ -265,8 +267,8 @@ def dequantize(mx: MXArray, dtype=jnp.float32) -> jax.Array:
 # -- fake quantization --------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
-def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, kernel: bool, rng,
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, kernel: bool, native: bool, rng,
                       tensor_scale):
     def xla(v):
         mx = quantize_mxarray(padded_bits(v, axis, padded), cast, axis, tuple(v.shape), rng,
@@ -275,21 +277,31 @@ def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, kernel: bool, rng
                              mx.tensor_scale)
         return bits_to_dtype(bits, v.dtype)
 
-    if not kernel:  # decided by lowprec.kernels (_dispatch.quantize_kernel)
+    def fused(v):
+        # On CPU one custom call quantizes and decodes (kernels/_mx_fake_cpu.py), in place of
+        # XLA's encoder and exact decoder; +0.0 padding changes no block's maximum.
+        values, _ = mx_fake_quantize_cpu(zero_padded(v, axis, padded), cast, axis)
+        values = lax.slice_in_dim(values, 0, v.shape[axis], axis=axis)
+        return bits_to_dtype(f32_bits(values), v.dtype)
+
+    # kernel: Pallas on CUDA, native: C++ on CPU (_dispatch.quantize_formulations decides)
+    if not (kernel or native):
         return xla(x)
     # On CUDA one Pallas pass quantizes and decodes in registers (XLA: a block-max pass,
     # then the encode and decode reading x again, 1.6-1.9x the ideal bytes on an H100).
-    return on_cuda(lambda v: fake_quantize_mx_pallas(v, cast, axis=axis), xla, x)
+    return by_platform(x, default=xla, cpu=fused if native else None,
+                       cuda=(lambda v: fake_quantize_mx_pallas(v, cast, axis=axis)) if kernel
+                       else None)
 
 
 @_fake_quantize_mx.defjvp
-def _fake_quantize_mx_jvp(cast, axis, padded, kernel, primals, tangents):
+def _fake_quantize_mx_jvp(cast, axis, padded, kernel, native, primals, tangents):
     x, rng, tensor_scale = primals
-    out = _fake_quantize_mx(x, cast, axis, padded, kernel, rng, tensor_scale)
+    out = _fake_quantize_mx(x, cast, axis, padded, kernel, native, rng, tensor_scale)
     return out, tangents[0]  # straight-through
 
 
-_fake_quantize_mx_jit = jax.jit(_fake_quantize_mx, static_argnums=(1, 2, 3, 4))
+_fake_quantize_mx_jit = jax.jit(_fake_quantize_mx, static_argnums=(1, 2, 3, 4, 5))
 
 
 def fake_quantize_mx(
@@ -328,5 +340,7 @@ def fake_quantize_mx(
     if call.x.size == 0:  # no blocks: the (empty) values themselves
         return call.x
     ts = None if call.tensor_scale is None else lax.stop_gradient(call.tensor_scale)
-    kernel = Formulation.PALLAS in quantize_formulations(call.x, cast, call.axis, fake=True)
-    return _fake_quantize_mx_jit(call.x, cast, call.axis, call.padded, kernel, call.rng, ts)
+    forms = quantize_formulations(call.x, cast, call.axis, call.rng, ts, fake=True)
+    return _fake_quantize_mx_jit(call.x, cast, call.axis, call.padded,
+                                 Formulation.PALLAS in forms, Formulation.CPU_KERNEL in forms,
+                                 call.rng, ts)

@@ -65,8 +65,9 @@ from ._scale_rules import rceil_code
 from ._sharding import (dot_out_sharding, explicit_sharding, merge_dims, merged_sharding,
                         split_out_sharding, without_leading)
 from .kernels import _nvfp4_cpu
-from .kernels._dispatch import (cpu_nvfp4_fused_values, gpu_gemm_routes, mxdot_kernel, on_cpu,
-                                on_cuda)
+from .kernels._dispatch import (cpu_mx_fused_values, cpu_nvfp4_fused_values, gpu_gemm_routes,
+                                mxdot_kernel, on_cpu, on_cuda)
+from .kernels._mx_fake_cpu import fake_quantize as mx_fake_quantize_cpu
 from .kernels._mxdot_pallas import mxdot_pallas
 
 # -- dimension numbers and canonical (B, M, K) layout ------------------------------------------
@@ -350,18 +351,53 @@ def _qdot_portable(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tup
                    out_sharding, kernels: bool):
     """The portable quantized dot (every backend; CUDA where no GPU route applies): exact
     products of decoded values, bfloat16 when it holds them (a run-time check for block
-    formats), float32 otherwise, summed in float32."""
+    formats), float32 otherwise, summed in float32. Where XLA lowers for CPU, E8M0 MX
+    operands the native fused kernel serves (``kernels/_dispatch.cpu_mx_fused_values``)
+    come from it: their values and, for the run-time check, per-block flags of the same
+    condition (:func:`_fused_operand`); the same products and sums, so the same bits."""
+    dot = functools.partial(_portable_dot, lcast=lcast, rcast=rcast, layout=layout,
+                            out_sharding=out_sharding, kernels=kernels)
+    fused = tuple(not isinstance(x, MXArray) and isinstance(c, MXCast)
+                  and cpu_mx_fused_values(x, c) for x, c in ((lhs, lcast), (rhs, rcast)))
+    if not any(fused):
+        return dot(lhs, rhs)
+    return on_cpu(functools.partial(dot, fused=fused), dot, lhs, rhs)
+
+
+def _fused_operand(x, cast: MXCast, ca: int):
+    """``(bits, kind, exact)`` of an E8M0 MX operand by the native fused kernel (CPU only):
+    the float32 bits of its values (padding dropped), its kind as :func:`_quantize_operand`
+    gives it, and (kind ``"dynamic"``) the scalar :func:`mx_bf16_exact` gives for its codes:
+    every block's one-multiply decode exact."""
+    n = x.shape[ca]
+    padded = -(-n // cast.fmt.block_size) * cast.fmt.block_size
+    # +0.0 padding: no block maximum changes
+    values, fast = mx_fake_quantize_cpu(zero_padded(x, ca, padded), cast, ca)
+    bits = f32_bits(lax.slice_in_dim(values, 0, n, axis=ca))
+    if not _bf16_capable(cast.fmt):
+        return bits, "f32", None
+    return bits, "dynamic", jnp.all(fast != 0)
+
+
+def _portable_dot(lhs, rhs, lcast: OperandCast, rcast: OperandCast, layout: tuple,
+                  out_sharding, kernels: bool, fused: tuple = (False, False)):
     la, ra = layout
-    lop, lkind = _portable_operand(lhs, lcast, la)
-    rop, rkind = _portable_operand(rhs, rcast, ra)
+    ops = []
+    for x, c, a, f in ((lhs, lcast, la, fused[0]), (rhs, rcast, ra, fused[1])):
+        if f:
+            ops.append(_fused_operand(x, c, a))
+        else:
+            op, kind = _portable_operand(x, c, a)
+            ops.append((op, kind, None))
+    (lop, lkind, _), (rop, rkind, _) = ops
     if "f32" in (lkind, rkind):
         return _dot_f32(layout, lop, rop, out_sharding=out_sharding)
     if lkind == rkind == "bf16":
         return _dot_bf16(layout, lop, rop, out_sharding=out_sharding, kernels=kernels)
     ok = jnp.bool_(True)
-    for op, kind in ((lop, lkind), (rop, rkind)):
+    for op, kind, exact in ops:
         if kind == "dynamic":
-            ok = ok & mx_bf16_exact(op)
+            ok = ok & (mx_bf16_exact(op) if exact is None else exact)
     # Both branches take the codes, so each decodes inside its own fusion.
     factors = (_factor(lop), _factor(rop))
     return lax.cond(

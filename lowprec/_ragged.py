@@ -77,8 +77,9 @@ from ._qdot import register_family, training_dot
 from ._scale_rules import ScaleRule, rceil_code
 from ._sharding import explicit_sharding, replicated
 from .kernels import _nvfp4_cpu
-from .kernels._dispatch import (cpu_nvfp4_fused_values, gpu_gemm_routes, kernels_enabled, on_cpu,
-                                on_cuda)
+from .kernels._dispatch import (cpu_mx_fused_values, cpu_nvfp4_fused_values, gpu_gemm_routes,
+                                kernels_enabled, on_cpu, on_cuda)
+from .kernels._mx_fake_cpu import fake_quantize as mx_fake_quantize_cpu
 
 # lhs [M, K] x rhs [G, K, N] -> [M, N], rows of lhs ragged (lax.ragged_dot's layout).
 _FORWARD = lax.RaggedDotDimensionNumbers(
@@ -209,6 +210,13 @@ def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None, words=None):
         return mx_value_bits(elements, scales, cast.fmt, axis, n, ts)
 
     xf = bits_to_f32(bits)
+    if (not cast.fmt.scheme.tensor_scale and words is None
+            and cpu_mx_fused_values(xf, cast)):
+        def fused(bits):  # E8M0 MX: one custom call for the encoder and exact decoder
+            values, _ = mx_fake_quantize_cpu(bits_to_f32(bits), cast, axis)
+            return lax.slice_in_dim(f32_bits(values), 0, n, axis=axis)
+
+        return on_cpu(fused, xla, bits)
     if (tensor_scale is None or jnp.ndim(tensor_scale) == 0
             or not cpu_nvfp4_fused_values(xf, cast, words is not None)):
         return xla(bits)

@@ -1008,8 +1008,9 @@ def test_kernels_serve_only_the_scale_scheme_they_were_built_for(cuda_branches):
 def test_quantize_formulations_name_every_candidate_of_a_call(monkeypatch):
     """The dispatch returns what a quantize_mx call may take: EXACT always; HWFLOAT only for
     nearest-even rounding of a scheme with that path (the scheme's proof is for round to
-    nearest even, docs/design.md §12); the kernels where their predicates say; the C++
-    kernel never for fake quantization; neither kernel under LOWPREC_KERNELS=xla."""
+    nearest even, docs/design.md §12); the kernels where their predicates say (for fake
+    quantization the fused C++ kernel's, E8M0 formats only); neither kernel under
+    LOWPREC_KERNELS=xla."""
     F = _dispatch.Formulation
     x = jnp.zeros((4, 8, 64), jnp.float32)  # [batch, seq, d], blocked along d
     for fmt in ("mxfp8", "mxfp6_e2m3", "mxfp4", "nvfp4"):
@@ -1018,7 +1019,9 @@ def test_quantize_formulations_name_every_candidate_of_a_call(monkeypatch):
         assert {F.EXACT, F.HWFLOAT} <= forms, fmt
         assert (F.CPU_KERNEL in forms) == _dispatch.cpu_quantize_kernel(x, cast, 2, None, None)
         assert (F.PALLAS in forms) == _dispatch.quantize_kernel(x, cast, 2)
-        assert F.CPU_KERNEL not in _dispatch.quantize_formulations(x, cast, 2, fake=True)
+        fake = _dispatch.quantize_formulations(x, cast, 2, fake=True)
+        assert (F.CPU_KERNEL in fake) == _dispatch.cpu_mx_fused_values(x, cast), fmt
+        assert not (fmt == "nvfp4" and F.CPU_KERNEL in fake)  # its fused call: the recipe's
         up = _dispatch.quantize_formulations(x, MXCast(fmt, rounding="up"), 2)
         assert F.HWFLOAT not in up and F.CPU_KERNEL not in up
     assert F.HWFLOAT not in _dispatch.quantize_formulations(x, MXCast("mixfp4"), 2)

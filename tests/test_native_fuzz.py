@@ -1,5 +1,6 @@
 """Fuzzing the native CPU kernels against XLA's formulation: random shapes, non-contiguous
-inputs, padding and special values, for every OCP MX format and scale rule, NVFP4 (both
+inputs, padding and special values, for every OCP MX format and scale rule (quantize_mx and
+the fused fake quantization), NVFP4 (both
 steps, both roundings, computed and given tensor scales) and the selecting formats' block
 choice (Four over Six, IF4, MixFP4).
 
@@ -196,6 +197,32 @@ def test_nvfp4_quantize_fuzz(case):
     fillings = [jnp.asarray(filling(rng, shape)) for _ in range(FILLINGS)]
     assert_kernel_is_xla(run, fillings, "lowprec_nvfp4_quantize",
                          ("elements", "scales", "tensor scale"), f"{kw} base {shape} view {ops}")
+
+
+@needs_vector
+@pytest.mark.parametrize("case", range(6))
+@pytest.mark.quick_first(1)
+def test_mx_fake_quantize_fuzz(case):
+    """fake_quantize_mx of a random view of random fillings, with a random OCP MX format,
+    scale rule, block axis and input dtype (float32, or bfloat16 rounded from the filling):
+    the fused kernel's values are the XLA path's (its encoder and exact decoder)."""
+    rng = np.random.default_rng(_seed("mx_fake", case))
+    shape, ops, view = structure(rng)
+    name = FORMATS[int(rng.integers(0, len(FORMATS)))]
+    rule = RULES[int(rng.integers(0, len(RULES)))]
+    narrow = rng.random() < 0.3
+    last_axis = rng.random() < 0.7
+
+    def run(x):
+        v = view(x.astype(jnp.bfloat16) if narrow else x)
+        axis = -1 if last_axis else 0
+        out = lowprec.fake_quantize_mx(v, name, scale_rule=rule, axis=axis, pad=True)
+        return (jax.lax.bitcast_convert_type(out.astype(jnp.float32), jnp.uint32),)
+
+    fillings = [jnp.asarray(filling(rng, shape)) for _ in range(FILLINGS)]
+    assert_kernel_is_xla(run, fillings, "lowprec_mx_fake_quantize", ("values",),
+                         f"{name} {rule} narrow {narrow} last {last_axis} base {shape} "
+                         f"view {ops}")
 
 
 def assert_kernel_is_xla(run, fillings, target: str, parts: tuple, what: str):

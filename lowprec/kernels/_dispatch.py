@@ -50,7 +50,7 @@ from .._pack import pack6_xla, unpack6_xla
 from .._platform import platform_dependent, set_policy_reader
 from .._scheme_e8m0 import E8M0Scheme
 from .._scheme_nvfp4 import NVFP4Scheme
-from . import _cpu_native, _fp6_cpu, _grid_select_cpu, _nvfp4_cpu
+from . import _cpu_native, _fp6_cpu, _grid_select_cpu, _mx_fake_cpu, _nvfp4_cpu
 from ._mx_quantize_cpu import serves as native_quantize_serves
 from ._mxdot_pallas import pallas_mxdot_applies
 from ._weight_only_mgpu import MAX_TOKENS as WEIGHT_ONLY_MAX_TOKENS
@@ -560,13 +560,16 @@ def quantize_formulations(x, cast, axis: int, rng=None, tensor_scale=None,
     """The :class:`Formulation` s a ``quantize_mx`` (``fake``: ``fake_quantize_mx``) call of
     the validated input ``x`` may take (static): EXACT always, HWFLOAT where
     :func:`hwfloat_encoder` gives one, PALLAS where :func:`quantize_kernel`, CPU_KERNEL where
-    :func:`cpu_quantize_kernel` (quantize only)."""
+    :func:`cpu_quantize_kernel` (quantize), or :func:`cpu_mx_fused_values` (fake)."""
     forms = {Formulation.EXACT}
     if hwfloat_encoder(cast) is not None:
         forms.add(Formulation.HWFLOAT)
     if quantize_kernel(x, cast, axis, fake=fake):
         forms.add(Formulation.PALLAS)
     if not fake and cpu_quantize_kernel(x, cast, axis, rng, tensor_scale):
+        forms.add(Formulation.CPU_KERNEL)
+    stochastic = rng is not None and any(r is not None for r in rng)  # (key, random words)
+    if fake and tensor_scale is None and cpu_mx_fused_values(x, cast, stochastic):
         forms.add(Formulation.CPU_KERNEL)
     return frozenset(forms)
 
@@ -649,6 +652,22 @@ def cpu_nvfp4_fused_values(x, cast, words: bool = False) -> bool:
     rounding = "stochastic" if words else "nearest_even"
     return (cast.fmt == mx_format("nvfp4") and cast.rounding == rounding
             and cpu_nvfp4_fake_quantize(x, cast.scale_options.nvfp4_step, words))
+
+
+def cpu_mx_fused_values(x, cast, stochastic: bool = False) -> bool:
+    """Whether the float32 values of an E8M0 MX ``cast``'s quantization of ``x`` (its
+    ``dequantize(quantize_mx(x, ...))``: ``fake_quantize_mx``, a quantized dot's operand)
+    take the native fused kernel (``_mx_fake_cpu.py``) where XLA lowers for CPU (static):
+    deterministic rounding (``stochastic``: the call draws or takes random bits), a cast
+    the one-pass quantizer serves (E8M0 blocks of 32, round to nearest even, an AVX2 CPU),
+    a float32, bfloat16 or float16 input (widened exactly), the policy, the kernels built
+    and checked, and an unsharded input on a one-device CPU backend. One custom call in
+    place of XLA's encoder and exact decoder (474 StableHLO lines for MXFP8)."""
+    from .._options import MXCast  # the options module sits above this one
+
+    return (isinstance(cast, MXCast) and not stochastic and not cast.fmt.scheme.tensor_scale
+            and x.ndim > 0 and x.size > 0 and _nvfp4_cpu.takes(x)
+            and _mx_fake_cpu.serves(cast) and _native_cpu_can_run(x))
 
 
 def native_status() -> str:
