@@ -61,7 +61,13 @@ def fake_quantize(x, cast, axis: int):
     """``fake_quantize_last`` of ``x`` (float32, bfloat16 or float16: widened exactly)
     blocked along ``axis`` (a whole number of blocks), moved last and back: the values in
     x's layout, the flags in the blocks' layout along the last axis."""
-    xf = lax.stop_gradient(x).astype(jnp.float32)
+    from .._bits import bits_to_f32
+    from .._dtypes import input_bits
+
+    # Widened with integer operations, never a float convert (docs/design.md §8: no compiled
+    # lowprec program converts half-precision floats).
+    xf = lax.stop_gradient(x)
+    xf = xf if xf.dtype == jnp.float32 else bits_to_f32(input_bits(xf))
     last = axis == xf.ndim - 1
     if not last:
         xf = jnp.moveaxis(xf, axis, -1)
