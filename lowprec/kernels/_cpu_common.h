@@ -16,6 +16,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
@@ -161,6 +162,26 @@ inline XLA_FFI_Error* Guarded(XLA_FFI_Handler* handler, XLA_FFI_CallFrame* frame
 // written) for attributes those loops do not take.
 bool MxQuantizeBlocks(const float* x, size_t blocks, const int64_t* attrs, uint8_t* elements,
                       uint8_t* scales) noexcept;
+
+// Binds those 13 attributes, in that order, after what `b` binds already (the handlers of
+// lowprec_mx_quantize and lowprec_mx_fake_quantize take them as their next parameters).
+template <typename Binding>
+auto BindMxFormat(Binding&& b) {
+  return std::forward<Binding>(b)
+      .template Attr<int64_t>("mantissa_bits")
+      .template Attr<int64_t>("emin")
+      .template Attr<int64_t>("emax_elem")
+      .template Attr<int64_t>("max_code")
+      .template Attr<int64_t>("code_bits")
+      .template Attr<bool>("twos_complement")
+      .template Attr<int64_t>("rule")
+      .template Attr<int64_t>("block")
+      .template Attr<int64_t>("even_drop")
+      .template Attr<int64_t>("rceil_k")
+      .template Attr<int64_t>("rceil_mant")
+      .template Attr<int64_t>("rceil_small")
+      .template Attr<int64_t>("rceil_thr");
+}
 
 }  // namespace lowprec_native
 

@@ -24,12 +24,6 @@
 
 namespace ffi = xla::ffi;
 
-namespace lowprec_native {
-// _mx_quantize_cpu.cc: blocks [0, blocks) of x quantized on the calling thread.
-bool MxQuantizeBlocks(const float* x, size_t blocks, const int64_t* attrs, uint8_t* elements,
-                      uint8_t* scales) noexcept;
-}  // namespace lowprec_native
-
 namespace {
 
 constexpr int kAttrs = 13;        // _mx_quantize_cpu.attributes, in its order
@@ -178,22 +172,9 @@ ffi::Error FakeQuantize(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }  // namespace
 
 LOWPREC_FFI_HANDLER(LowprecMxFakeQuantize, "lowprec_mx_fake_quantize", FakeQuantize,
-                    ffi::Ffi::Bind()
-                        .Ctx<ffi::ThreadPool>()
-                        .Arg<ffi::Buffer<ffi::F32>>()
-                        .Ret<ffi::Buffer<ffi::F32>>()
-                        .Ret<ffi::Buffer<ffi::U8>>()
-                        .Attr<int64_t>("mantissa_bits")
-                        .Attr<int64_t>("emin")
-                        .Attr<int64_t>("emax_elem")
-                        .Attr<int64_t>("max_code")
-                        .Attr<int64_t>("code_bits")
-                        .Attr<bool>("twos_complement")
-                        .Attr<int64_t>("rule")
-                        .Attr<int64_t>("block")
-                        .Attr<int64_t>("even_drop")
-                        .Attr<int64_t>("rceil_k")
-                        .Attr<int64_t>("rceil_mant")
-                        .Attr<int64_t>("rceil_small")
-                        .Attr<int64_t>("rceil_thr")
+                    lowprec_native::BindMxFormat(ffi::Ffi::Bind()
+                                                     .Ctx<ffi::ThreadPool>()
+                                                     .Arg<ffi::Buffer<ffi::F32>>()
+                                                     .Ret<ffi::Buffer<ffi::F32>>()
+                                                     .Ret<ffi::Buffer<ffi::U8>>())
                         .Attr<int64_t>("fast_min"));

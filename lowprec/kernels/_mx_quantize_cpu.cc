@@ -468,21 +468,8 @@ bool MxQuantizeBlocks(const float* x, size_t blocks, const int64_t* attrs, uint8
 }  // namespace lowprec_native
 
 LOWPREC_FFI_HANDLER(LowprecMxQuantize, "lowprec_mx_quantize", Quantize,
-                    ffi::Ffi::Bind()
-                        .Ctx<ffi::ThreadPool>()
-                        .Arg<ffi::Buffer<ffi::F32>>()
-                        .Ret<ffi::Buffer<ffi::U8>>()
-                        .Ret<ffi::Buffer<ffi::U8>>()
-                        .Attr<int64_t>("mantissa_bits")
-                        .Attr<int64_t>("emin")
-                        .Attr<int64_t>("emax_elem")
-                        .Attr<int64_t>("max_code")
-                        .Attr<int64_t>("code_bits")
-                        .Attr<bool>("twos_complement")
-                        .Attr<int64_t>("rule")
-                        .Attr<int64_t>("block")
-                        .Attr<int64_t>("even_drop")
-                        .Attr<int64_t>("rceil_k")
-                        .Attr<int64_t>("rceil_mant")
-                        .Attr<int64_t>("rceil_small")
-                        .Attr<int64_t>("rceil_thr"));
+                    lowprec_native::BindMxFormat(ffi::Ffi::Bind()
+                                                     .Ctx<ffi::ThreadPool>()
+                                                     .Arg<ffi::Buffer<ffi::F32>>()
+                                                     .Ret<ffi::Buffer<ffi::U8>>()
+                                                     .Ret<ffi::Buffer<ffi::U8>>()));
