@@ -279,9 +279,8 @@ def _fake_quantize_mx(x, cast: MXCast, axis: int, padded: int, kernel: bool, nat
 
     def fused(v):
         # On CPU one custom call quantizes and decodes (kernels/_mx_fake_cpu.py), in place of
-        # XLA's encoder and exact decoder; +0.0 padding changes no block's maximum.
-        values, _ = mx_fake_quantize_cpu(zero_padded(v, axis, padded), cast, axis)
-        values = lax.slice_in_dim(values, 0, v.shape[axis], axis=axis)
+        # XLA's encoder and exact decoder.
+        values, _ = mx_fake_quantize_cpu(v, cast, axis)
         return bits_to_dtype(f32_bits(values), v.dtype)
 
     # kernel: Pallas on CUDA, native: C++ on CPU (_dispatch.quantize_formulations decides)

@@ -369,11 +369,8 @@ def _fused_operand(x, cast: MXCast, ca: int):
     the float32 bits of its values (padding dropped), its kind as :func:`_quantize_operand`
     gives it, and (kind ``"dynamic"``) the scalar :func:`mx_bf16_exact` gives for its codes:
     every block's one-multiply decode exact."""
-    n = x.shape[ca]
-    padded = -(-n // cast.fmt.block_size) * cast.fmt.block_size
-    # +0.0 padding: no block maximum changes
-    values, fast = mx_fake_quantize_cpu(zero_padded(x, ca, padded), cast, ca)
-    bits = f32_bits(lax.slice_in_dim(values, 0, n, axis=ca))
+    values, fast = mx_fake_quantize_cpu(x, cast, ca)
+    bits = f32_bits(values)
     if not _bf16_capable(cast.fmt):
         return bits, "f32", None
     return bits, "dynamic", jnp.all(fast != 0)

@@ -213,7 +213,7 @@ def _mx_bits(bits, cast: MXCast, axis: int, tensor_scale=None, words=None):
     if (not cast.fmt.scheme.tensor_scale and words is None
             and cpu_mx_fused_values(xf, cast)):
         def fused(bits):  # E8M0 MX: one custom call for the encoder and exact decoder
-            values, _ = mx_fake_quantize_cpu(bits_to_f32(bits), cast, axis)
+            values, _ = mx_fake_quantize_cpu(bits_to_f32(bits), cast, axis)  # whole blocks
             return lax.slice_in_dim(f32_bits(values), 0, n, axis=axis)
 
         return on_cpu(fused, xla, bits)

@@ -59,8 +59,9 @@ def fake_quantize_last(x, cast):
 
 def fake_quantize(x, cast, axis: int):
     """``fake_quantize_last`` of ``x`` (float32, bfloat16 or float16: widened exactly)
-    blocked along ``axis`` (a whole number of blocks), moved last and back: the values in
-    x's layout, the flags in the blocks' layout along the last axis."""
+    blocked along ``axis``, moved last and back: the values in x's layout and shape, the
+    flags in the blocks' layout along the last axis. A partial last block is zero-padded
+    (+0.0 changes no block's maximum) and the padding cut from the values."""
     from .._bits import bits_to_f32
     from .._dtypes import input_bits
 
@@ -68,11 +69,17 @@ def fake_quantize(x, cast, axis: int):
     # lowprec program converts half-precision floats).
     xf = lax.stop_gradient(x)
     xf = xf if xf.dtype == jnp.float32 else bits_to_f32(input_bits(xf))
+    n, block = xf.shape[axis], cast.fmt.block_size
+    if n % block:
+        widths = [(0, 0)] * xf.ndim
+        widths[axis] = (0, -n % block)
+        xf = jnp.pad(xf, widths)
     last = axis == xf.ndim - 1
     if not last:
         xf = jnp.moveaxis(xf, axis, -1)
     values, ok = fake_quantize_last(xf, cast)
-    return (values, ok) if last else (jnp.moveaxis(values, -1, axis), ok)
+    values = values if last else jnp.moveaxis(values, -1, axis)
+    return lax.slice_in_dim(values, 0, n, axis=axis), ok
 
 
 def _check() -> str:
